@@ -1,0 +1,259 @@
+//! # agent-sandbox
+//!
+//! Run code written by AI agents in a sandbox of the right isolation tier, with one API
+//! whatever the tier:
+//!
+//! | tier | engine | for |
+//! |---|---|---|
+//! | `wasm` | wasmtime (CPython in WebAssembly) and QuickJS | JS snippets, Python data work |
+//! | `container` | our namespaces/cgroups/seccomp/Landlock | trusted agents needing real tools |
+//! | `gvisor` | gVisor `runsc` | untrusted, syscall-light code |
+//! | `microvm` | our KVM monitor on rust-vmm | multi-tenant, own kernel |
+//!
+//! [`Runtime`] holds the backends built into this binary (one cargo feature per tier), probes
+//! the host, answers the [`Selector`]'s four questions and creates sandboxes.
+//!
+//! ```no_run
+//! use agent_sandbox::{ExecRequest, Language, Question, Runtime, SandboxSpec, TierChoice};
+//!
+//! # async fn demo() -> agent_sandbox::Result<()> {
+//! let rt = Runtime::new();
+//! let spec = SandboxSpec::builder(Language::Python).memory_mib(256).build()?;
+//! let sandbox = rt.create(&spec, TierChoice::Auto(Question::new(Language::Python))).await?;
+//! let out = sandbox.exec(ExecRequest::code("print(2 + 2)")).await?;
+//! assert_eq!(out.stdout_str(), "4\n");
+//! sandbox.destroy().await?;
+//! # Ok(()) }
+//! ```
+
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use sandbox_core::*;
+
+/// How long one backend's probe may take before it is reported as hanging.
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Which tier to create a sandbox on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TierChoice {
+    /// Let the [`Selector`] pick from the answers to its questions and the host probe.
+    Auto(Question),
+    /// Exactly this tier (an error if it is unavailable; no fallback).
+    Tier(Tier),
+}
+
+/// Whether each product tier's backend is compiled into this binary.
+pub fn built_in(tier: Tier) -> bool {
+    match tier {
+        Tier::Wasm | Tier::Container | Tier::Gvisor | Tier::Microvm | Tier::Unisolated => false,
+    }
+}
+
+fn not_built(tier: Tier) -> TierStatus {
+    TierStatus::unavailable(
+        tier,
+        format!("the {tier} backend is not built into this binary (not implemented yet in this version)"),
+        format!("use a build of agent-sandbox that includes the `{tier}` feature"),
+    )
+}
+
+/// The entry point: registered backends, the secret source, probing, selection, creation.
+#[derive(Clone)]
+pub struct Runtime {
+    backends: Vec<DynBackend>,
+    secrets: Arc<dyn SecretSource>,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime")
+            .field(
+                "tiers",
+                &self.backends.iter().map(|b| b.tier()).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+impl Default for Runtime {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Builder for [`Runtime`].
+pub struct RuntimeBuilder {
+    backends: Vec<DynBackend>,
+    secrets: Arc<dyn SecretSource>,
+}
+
+impl RuntimeBuilder {
+    /// Registers a backend (replacing one of the same tier).
+    pub fn backend(mut self, backend: DynBackend) -> Self {
+        self.backends.retain(|b| b.tier() != backend.tier());
+        self.backends.push(backend);
+        self
+    }
+
+    /// Where secrets named by specs are resolved (default: none; every secret fails).
+    pub fn secret_source(mut self, source: Arc<dyn SecretSource>) -> Self {
+        self.secrets = source;
+        self
+    }
+
+    /// Builds the runtime.
+    pub fn build(self) -> Runtime {
+        Runtime {
+            backends: self.backends,
+            secrets: self.secrets,
+        }
+    }
+}
+
+impl Runtime {
+    /// A runtime with every backend built into this binary, default settings, and no secrets.
+    pub fn new() -> Self {
+        Self::builder_with_defaults().build()
+    }
+
+    /// A builder with no backends registered.
+    pub fn builder() -> RuntimeBuilder {
+        RuntimeBuilder {
+            backends: Vec::new(),
+            secrets: Arc::new(MapSecretSource::new()),
+        }
+    }
+
+    /// A builder with every built-in backend registered.
+    pub fn builder_with_defaults() -> RuntimeBuilder {
+        #[allow(unused_mut)]
+        let mut b = Self::builder();
+        b
+    }
+
+    /// The registered backend for `tier`.
+    pub fn backend(&self, tier: Tier) -> Option<&DynBackend> {
+        self.backends.iter().find(|b| b.tier() == tier)
+    }
+
+    /// Probes every product tier (and any extra registered backend), concurrently and bounded.
+    pub async fn probe(&self) -> Vec<TierStatus> {
+        let mut tiers: Vec<Tier> = Tier::PRODUCT.to_vec();
+        for b in &self.backends {
+            if !tiers.contains(&b.tier()) {
+                tiers.push(b.tier());
+            }
+        }
+        let futs = tiers.into_iter().map(|t| async move {
+            match self.backend(t) {
+                None => not_built(t),
+                Some(b) => match tokio::time::timeout(PROBE_TIMEOUT, b.probe()).await {
+                    Ok(s) => s,
+                    Err(_) => TierStatus::unavailable(
+                        t,
+                        format!("probe did not finish within {}s", PROBE_TIMEOUT.as_secs()),
+                        "check the engine by hand; see `agent-sandbox probe` docs",
+                    ),
+                },
+            }
+        });
+        futures::future::join_all(futs).await
+    }
+
+    /// Ranks tiers for `q` and picks the first one this host can run.
+    pub async fn select(&self, q: &Question) -> Selection {
+        let statuses = self.probe().await;
+        Selector.select(q, &statuses)
+    }
+
+    /// Creates a sandbox on the chosen tier. Secrets named by the spec are resolved now.
+    pub async fn create(&self, spec: &SandboxSpec, choice: TierChoice) -> Result<Box<dyn Sandbox>> {
+        spec.validate()?;
+        let backend = self.resolve(spec, choice).await?;
+        let caps = backend.capabilities();
+        if !caps.supports_language(spec.language) {
+            return Err(Error::unsupported(
+                backend.tier(),
+                format!("the {} language", spec.language),
+            ));
+        }
+        if !caps.supports_network(&spec.network) {
+            return Err(Error::unsupported(
+                backend.tier(),
+                "this network policy (network egress enforcement for this tier is not available yet)",
+            ));
+        }
+        let secrets = ResolvedSecrets::resolve(&spec.secrets, self.secrets.as_ref())?;
+        backend.create(spec, secrets).await
+    }
+
+    /// Restores a snapshot on the tier that wrote it.
+    pub async fn restore(
+        &self,
+        store: &dyn SnapshotStore,
+        id: &SnapshotId,
+    ) -> Result<Box<dyn Sandbox>> {
+        let m = store.manifest(id).await?;
+        let backend = self.backend(m.tier).ok_or_else(|| Error::Unavailable {
+            tier: m.tier,
+            reason: "the snapshot's tier is not built into this binary".into(),
+            fix: format!("use a build with the `{}` feature", m.tier),
+        })?;
+        let secrets = ResolvedSecrets::resolve(&m.spec.secrets, self.secrets.as_ref())?;
+        backend.restore(store, id, secrets).await
+    }
+
+    async fn resolve(&self, spec: &SandboxSpec, choice: TierChoice) -> Result<&DynBackend> {
+        let tier = match choice {
+            TierChoice::Tier(t) => t,
+            TierChoice::Auto(mut q) => {
+                q.language = spec.language;
+                self.select(&q).await.require()?
+            }
+        };
+        let backend = self.backend(tier).ok_or_else(|| {
+            let s = not_built(tier);
+            Error::Unavailable {
+                tier,
+                reason: s.reason,
+                fix: s.fix.unwrap_or_default(),
+            }
+        })?;
+        if let TierChoice::Tier(_) = choice {
+            let s = backend.probe().await;
+            if !s.available {
+                return Err(Error::Unavailable {
+                    tier,
+                    reason: s.reason,
+                    fix: s.fix.unwrap_or_else(|| "see `agent-sandbox probe`".into()),
+                });
+            }
+        }
+        Ok(backend)
+    }
+
+    /// Creates a sandbox, runs one command, destroys the sandbox. The returned timeline holds
+    /// the create phases followed by the command as [`Phase::FirstCommand`].
+    pub async fn run_once(
+        &self,
+        spec: &SandboxSpec,
+        choice: TierChoice,
+        req: ExecRequest,
+    ) -> Result<(Tier, ExecResult)> {
+        let sandbox = self.create(spec, choice).await?;
+        let tier = sandbox.tier();
+        let result = sandbox.exec(req).await;
+        let created = sandbox.timeline().clone();
+        let destroyed = sandbox.destroy().await;
+        let mut result = result?;
+        destroyed?;
+        let mut timeline = created;
+        timeline.phases.push(PhaseTiming {
+            phase: Phase::FirstCommand,
+            micros: u64::try_from(result.timeline.total().as_micros()).unwrap_or(u64::MAX),
+        });
+        result.timeline = timeline;
+        Ok((tier, result))
+    }
+}

@@ -1,0 +1,419 @@
+//! The `agent-sandbox` command line: `probe`, `select`, `run`.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use agent_sandbox::{
+    Cidr, DenyRule, Error, ExecRequest, HostRule, IoProfile, KernelNeed, Language, Mount,
+    NetworkPolicy, Question, Runtime, SandboxSpec, Tier, TierChoice, TierStatus, Trust, Workspace,
+};
+use clap::{Parser, Subcommand, ValueEnum};
+use serde_json::json;
+
+/// Exit status when the sandbox itself failed (as `docker run` and `env` do).
+const EXIT_SANDBOX_FAILED: u8 = 125;
+/// Exit status for bad arguments (as clap uses).
+const EXIT_USAGE: u8 = 2;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "agent-sandbox",
+    version,
+    about = "Run AI-agent code in the right sandbox tier"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+// Parsed once per process; the size difference between variants does not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Report every tier: available or not, why, and how to fix it.
+    Probe {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Rank the tiers for a workload and pick the first this host can run.
+    Select {
+        #[command(flatten)]
+        q: QuestionArgs,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run one command (or code string) in a fresh sandbox, then destroy it.
+    Run(RunArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct QuestionArgs {
+    /// Language: python, javascript, wasm, shell, node, c.
+    #[arg(long = "lang", value_parser = parse_lang)]
+    lang: Option<Language>,
+    /// Who wrote the code.
+    #[arg(long, value_enum, default_value_t = TrustArg::Untrusted)]
+    trust: TrustArg,
+    /// What the code mostly does.
+    #[arg(long, value_enum, default_value_t = IoArg::Compute)]
+    io: IoArg,
+    /// Whether it needs its own kernel.
+    #[arg(long, value_enum, default_value_t = KernelArg::None)]
+    kernel: KernelArg,
+    /// Allow untrusted code to fall back to the container tier (shared kernel).
+    #[arg(long)]
+    allow_weaker_isolation: bool,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum TrustArg {
+    Trusted,
+    Untrusted,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum IoArg {
+    Compute,
+    SyscallHeavy,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum KernelArg {
+    None,
+    Custom,
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum TierArg {
+    Auto,
+    Wasm,
+    Container,
+    Gvisor,
+    Microvm,
+}
+
+#[derive(clap::Args, Debug)]
+struct RunArgs {
+    /// The tier, or `auto` to let the selector choose.
+    #[arg(long, value_enum, default_value_t = TierArg::Auto)]
+    tier: TierArg,
+    #[command(flatten)]
+    q: QuestionArgs,
+    /// Allow connections to this host (exact or `*.suffix`, optional `:PORT`). Repeatable.
+    #[arg(long = "allow-host", value_name = "H[:PORT]", value_parser = parse_host_rule)]
+    allow_host: Vec<HostRule>,
+    /// Allow connections to this address range (loopback/private ranges need this). Repeatable.
+    #[arg(long = "allow-cidr", value_name = "CIDR", value_parser = parse_cidr)]
+    allow_cidr: Vec<Cidr>,
+    /// Allow the public internet (link-local/metadata and private ranges stay refused).
+    #[arg(long, conflicts_with_all = ["allow_host", "allow_cidr"])]
+    allow_internet: bool,
+    /// Set an environment variable inside. Repeatable. Nothing of the host's passes otherwise.
+    #[arg(long = "env", value_name = "K=V", value_parser = parse_env)]
+    env: Vec<(String, String)>,
+    /// Mount a host path inside, read-only unless `:rw`. Repeatable.
+    #[arg(long = "mount", value_name = "SRC:DST[:rw]", value_parser = parse_mount)]
+    mount: Vec<Mount>,
+    /// Use this host directory as /workspace (read-write).
+    #[arg(long, value_name = "DIR")]
+    workspace: Option<PathBuf>,
+    /// Wall-time limit for the command, seconds.
+    #[arg(long, value_name = "SECS", value_parser = parse_secs)]
+    timeout: Option<Duration>,
+    /// Memory limit, MiB.
+    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(4..))]
+    memory: Option<u64>,
+    /// Print one JSON object instead of the raw output.
+    #[arg(long)]
+    json: bool,
+    /// Code to run, in the language given by --lang (default python).
+    #[arg(short = 'c', value_name = "CODE", conflicts_with = "argv")]
+    code: Option<String>,
+    /// The command and its arguments (after `--`).
+    #[arg(last = true, value_name = "CMD")]
+    argv: Vec<String>,
+}
+
+fn parse_lang(s: &str) -> Result<Language, String> {
+    s.parse().map_err(|e: Error| e.to_string())
+}
+
+fn parse_host_rule(s: &str) -> Result<HostRule, String> {
+    s.parse().map_err(|e: Error| e.to_string())
+}
+
+fn parse_cidr(s: &str) -> Result<Cidr, String> {
+    s.parse().map_err(|e: Error| e.to_string())
+}
+
+fn parse_env(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => Err(format!("`{s}`: expected KEY=VALUE")),
+    }
+}
+
+fn parse_mount(s: &str) -> Result<Mount, String> {
+    let parts: Vec<&str> = s.split(':').collect();
+    let (src, dst, rw) = match parts.as_slice() {
+        [src, dst] => (*src, *dst, false),
+        [src, dst, "rw"] => (*src, *dst, true),
+        [src, dst, "ro"] => (*src, *dst, false),
+        _ => return Err(format!("`{s}`: expected SRC:DST or SRC:DST:rw")),
+    };
+    if src.is_empty() || !dst.starts_with('/') {
+        return Err(format!(
+            "`{s}`: SRC must be a host path and DST an absolute path"
+        ));
+    }
+    Ok(Mount {
+        source: PathBuf::from(src),
+        target: dst.to_string(),
+        read_only: !rw,
+    })
+}
+
+fn parse_secs(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s.parse().map_err(|_| format!("`{s}`: expected seconds"))?;
+    if !(secs > 0.0 && secs <= 86_400.0) {
+        return Err(format!(
+            "`{s}`: expected a number of seconds between 0 and 86400"
+        ));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+impl QuestionArgs {
+    fn question(&self, default_lang: Language) -> Question {
+        Question {
+            language: self.lang.unwrap_or(default_lang),
+            trust: match self.trust {
+                TrustArg::Trusted => Trust::Trusted,
+                TrustArg::Untrusted => Trust::Untrusted,
+            },
+            io: match self.io {
+                IoArg::Compute => IoProfile::Compute,
+                IoArg::SyscallHeavy => IoProfile::SyscallHeavy,
+            },
+            kernel: match self.kernel {
+                KernelArg::None => KernelNeed::None,
+                KernelArg::Custom => KernelNeed::Custom,
+            },
+            allow_weaker_isolation: self.allow_weaker_isolation,
+        }
+    }
+}
+
+fn status_json(s: &TierStatus) -> serde_json::Value {
+    json!({
+        "tier": s.tier,
+        "available": s.available,
+        "reason": s.reason,
+        "fix": s.fix,
+        "details": s.details,
+    })
+}
+
+fn print_json(v: &serde_json::Value) {
+    let mut out = std::io::stdout().lock();
+    let _ = serde_json::to_writer_pretty(&mut out, v);
+    let _ = writeln!(out);
+}
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_env("AGENT_SANDBOX_LOG"))
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("agent-sandbox: cannot start the async runtime: {e}");
+            return ExitCode::from(EXIT_SANDBOX_FAILED);
+        }
+    };
+    rt.block_on(async_main(cli))
+}
+
+async fn async_main(cli: Cli) -> ExitCode {
+    let runtime = Runtime::new();
+    match cli.command {
+        Cmd::Probe { json } => {
+            let statuses = runtime.probe().await;
+            if json {
+                print_json(
+                    &json!({ "tiers": statuses.iter().map(status_json).collect::<Vec<_>>() }),
+                );
+            } else {
+                for s in &statuses {
+                    let mark = if s.available {
+                        "available  "
+                    } else {
+                        "unavailable"
+                    };
+                    println!("{:<10} {mark}  {}", s.tier.name(), s.reason);
+                    if let Some(fix) = &s.fix {
+                        println!("{:<10} {:<11}  fix: {fix}", "", "");
+                    }
+                    for (k, v) in &s.details {
+                        println!("{:<10} {:<11}  {k}: {v}", "", "");
+                    }
+                }
+            }
+            ExitCode::SUCCESS
+        }
+        Cmd::Select { q, json } => {
+            let Some(lang) = q.lang else {
+                eprintln!(
+                    "agent-sandbox: select needs --lang (python, javascript, wasm, shell, node, c)"
+                );
+                return ExitCode::from(EXIT_USAGE);
+            };
+            let sel = runtime.select(&q.question(lang)).await;
+            if json {
+                let reasons: BTreeMap<&str, &str> = sel
+                    .ranking
+                    .iter()
+                    .map(|r| (r.tier.name(), r.reason.as_str()))
+                    .collect();
+                print_json(&json!({
+                    "ranking": sel.ranking.iter().map(|r| r.tier.name()).collect::<Vec<_>>(),
+                    "chosen": sel.chosen.map(|t| t.name()),
+                    "reasons": reasons,
+                    "statuses": sel.statuses.iter().map(status_json).collect::<Vec<_>>(),
+                }));
+            } else {
+                for (i, (r, s)) in sel.ranking.iter().zip(&sel.statuses).enumerate() {
+                    let avail = if s.available {
+                        "available"
+                    } else {
+                        "unavailable"
+                    };
+                    println!(
+                        "{}. {:<10} {}  [{avail}: {}]",
+                        i + 1,
+                        r.tier.name(),
+                        r.reason,
+                        s.reason
+                    );
+                }
+                match sel.chosen {
+                    Some(t) => println!("chosen: {t}"),
+                    None => println!("chosen: none (no acceptable tier is available on this host)"),
+                }
+            }
+            ExitCode::SUCCESS
+        }
+        Cmd::Run(args) => run(&runtime, args).await,
+    }
+}
+
+async fn run(runtime: &Runtime, args: RunArgs) -> ExitCode {
+    let (req, default_lang) = match (&args.code, args.argv.is_empty()) {
+        (Some(code), _) => (ExecRequest::code(code.clone()), Language::Python),
+        (None, false) => (ExecRequest::argv(args.argv.clone()), Language::Shell),
+        (None, true) => {
+            eprintln!("agent-sandbox: nothing to run: give -c CODE or -- CMD ARGS...");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let question = args.q.question(default_lang);
+    let mut spec = SandboxSpec::new(question.language);
+    spec.env = args.env.iter().cloned().collect();
+    spec.mounts = args.mount.clone();
+    if let Some(dir) = &args.workspace {
+        spec.workspace = Workspace::HostDir {
+            path: dir.clone(),
+            read_only: false,
+        };
+    }
+    if let Some(t) = args.timeout {
+        spec.limits.wall_time_ms = u64::try_from(t.as_millis()).unwrap_or(u64::MAX).max(1);
+        spec.limits.lifetime_ms = spec.limits.lifetime_ms.max(spec.limits.wall_time_ms);
+    }
+    if let Some(m) = args.memory {
+        spec.limits.memory_bytes = m << 20;
+    }
+    spec.network = if args.allow_internet {
+        NetworkPolicy::AllowInternet {
+            deny: Vec::<DenyRule>::new(),
+            private: Vec::new(),
+        }
+    } else if !args.allow_host.is_empty() || !args.allow_cidr.is_empty() {
+        NetworkPolicy::Allow {
+            hosts: args.allow_host.clone(),
+            cidrs: args.allow_cidr.clone(),
+            ports: vec![],
+        }
+    } else {
+        NetworkPolicy::DenyAll
+    };
+    if let Err(e) = spec.validate() {
+        eprintln!("agent-sandbox: {e}");
+        return ExitCode::from(EXIT_USAGE);
+    }
+    let choice = match args.tier {
+        TierArg::Auto => TierChoice::Auto(question),
+        TierArg::Wasm => TierChoice::Tier(Tier::Wasm),
+        TierArg::Container => TierChoice::Tier(Tier::Container),
+        TierArg::Gvisor => TierChoice::Tier(Tier::Gvisor),
+        TierArg::Microvm => TierChoice::Tier(Tier::Microvm),
+    };
+    match runtime.run_once(&spec, choice, req).await {
+        Ok((tier, r)) => {
+            if args.json {
+                print_json(&json!({
+                    "tier": tier,
+                    "exit_code": r.exit_code,
+                    "stdout": r.stdout_str(),
+                    "stderr": r.stderr_str(),
+                    "limit": r.limit,
+                    "truncated": r.truncated,
+                    "value": r.value,
+                    "timeline": r.timeline,
+                }));
+            } else {
+                let _ = std::io::stdout().write_all(&r.stdout);
+                let _ = std::io::stderr().write_all(&r.stderr);
+                if let Some(l) = r.limit {
+                    eprintln!(
+                        "agent-sandbox: stopped by the {} limit",
+                        serde_json::to_value(l)
+                            .unwrap_or_default()
+                            .as_str()
+                            .unwrap_or("?")
+                    );
+                }
+                if r.truncated {
+                    eprintln!(
+                        "agent-sandbox: output truncated at {} bytes per stream",
+                        spec.limits.output_bytes
+                    );
+                }
+            }
+            let code = r.exit_code.unwrap_or(if r.limit.is_some() {
+                137
+            } else {
+                i32::from(EXIT_SANDBOX_FAILED)
+            });
+            ExitCode::from(u8::try_from(code.clamp(0, 255)).unwrap_or(EXIT_SANDBOX_FAILED))
+        }
+        Err(e) => {
+            let code = match e {
+                Error::InvalidSpec { .. } => EXIT_USAGE,
+                _ => EXIT_SANDBOX_FAILED,
+            };
+            eprintln!("agent-sandbox: {e}");
+            ExitCode::from(code)
+        }
+    }
+}

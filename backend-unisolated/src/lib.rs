@@ -1,0 +1,532 @@
+//! # backend-unisolated — NO ISOLATION, for tests only
+//!
+//! Runs commands as plain host processes in a private temporary directory. It exists so the
+//! shared machinery (warm pools, snapshot stores, the facade, the CLI's plumbing) can be tested
+//! against a real backend on any Linux machine. It enforces **only** the per-exec wall time, the
+//! output caps, the clean environment (nothing of the host's passes unless named), the
+//! workspace path rules of the file API, and deny-all networking (each command starts in a new,
+//! empty network namespace; as non-root, inside a new user namespace too). It does **not**
+//! enforce memory, pids or disk limits, and the code can read any host file the user can. The [`Selector`](sandbox_core::Selector) never
+//! ranks it, so `auto` never picks it; callers must register it by hand.
+
+use std::collections::BTreeMap;
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use sandbox_core::{
+    fsnap, Backend, Capabilities, Command, DirEntry, EntryKind, Error, ExecEvent, ExecRequest,
+    ExecResult, ExecStream, IsolationBoundary, Language, LimitKind, OutputBuffer, Phase, Redactor,
+    ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotDraft, SnapshotId, SnapshotKind,
+    SnapshotStore, Tier, TierStatus, Timeline, TimelineRecorder, WorkspacePath,
+};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::sync::mpsc;
+
+const ENGINE: &str = "unisolated 1";
+const TIER: Tier = Tier::Unisolated;
+
+/// The test-only, no-isolation backend. See the crate docs before using it.
+#[derive(Debug, Clone, Default)]
+pub struct UnisolatedBackend {
+    _private: (),
+}
+
+impl UnisolatedBackend {
+    /// A backend that runs host processes **without isolation**.
+    pub fn new_without_isolation() -> Self {
+        UnisolatedBackend { _private: () }
+    }
+}
+
+#[async_trait]
+impl Backend for UnisolatedBackend {
+    fn tier(&self) -> Tier {
+        TIER
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            tier: TIER,
+            languages: vec![
+                Language::Python,
+                Language::Shell,
+                Language::Node,
+                Language::Javascript,
+            ],
+            argv: true,
+            boundary: IsolationBoundary::None,
+            snapshots: vec![SnapshotKind::Filesystem],
+            network: vec![sandbox_core::NetworkMode::DenyAll],
+            pause_resume: false,
+            streaming: true,
+            persistent_state: true,
+        }
+    }
+
+    async fn probe(&self) -> TierStatus {
+        TierStatus::available(TIER, "host processes with NO isolation (test-only backend)")
+    }
+
+    async fn create(
+        &self,
+        spec: &SandboxSpec,
+        secrets: ResolvedSecrets,
+    ) -> Result<Box<dyn Sandbox>> {
+        Ok(Box::new(UnisolatedSandbox::create(spec, secrets)?))
+    }
+
+    async fn restore(
+        &self,
+        store: &dyn SnapshotStore,
+        id: &SnapshotId,
+        secrets: ResolvedSecrets,
+    ) -> Result<Box<dyn Sandbox>> {
+        let m = store.manifest_for(id, TIER).await?;
+        if m.engine != ENGINE {
+            return Err(sandbox_core::SnapshotError::Incompatible {
+                id: id.clone(),
+                reason: format!("written by `{}`, this is `{ENGINE}`", m.engine),
+            }
+            .into());
+        }
+        let tar = store.artifact(id, "workspace.tar").await?;
+        let sb = UnisolatedSandbox::create(&m.spec, secrets)?;
+        fsnap::unpack_into(&tar, sb.dir.path())?;
+        Ok(Box::new(sb))
+    }
+}
+
+/// A sandbox of [`UnisolatedBackend`]: a temporary directory and the processes run in it.
+pub struct UnisolatedSandbox {
+    shared: Arc<Shared>,
+    // Owns the directory: dropping the sandbox removes it.
+    dir: tempfile::TempDir,
+    timeline: Timeline,
+}
+
+/// What an exec needs, shared with streaming tasks that outlive the borrow.
+struct Shared {
+    id: String,
+    spec: SandboxSpec,
+    root: PathBuf,
+    env: BTreeMap<String, String>,
+    redactor: Redactor,
+    born: Instant,
+    gone: AtomicBool,
+    running: Mutex<HashSet<i32>>,
+}
+
+impl std::fmt::Debug for UnisolatedSandbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnisolatedSandbox")
+            .field("id", &self.shared.id)
+            .finish()
+    }
+}
+
+impl UnisolatedSandbox {
+    fn create(spec: &SandboxSpec, secrets: ResolvedSecrets) -> Result<Self> {
+        spec.validate()?;
+        let mut t = TimelineRecorder::start();
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        t.mark(Phase::Allocation);
+        let dir = tempfile::Builder::new()
+            .prefix("agent-sandbox-unisolated-")
+            .tempdir()
+            .map_err(|e| Error::io("create workspace directory", e))?;
+        t.mark(Phase::Filesystem);
+        let mut env = spec.base_env();
+        for (k, v) in secrets.env() {
+            env.insert(k.to_string(), v.to_string());
+        }
+        env.entry("PATH".into())
+            .or_insert_with(|| "/usr/local/bin:/usr/bin:/bin".into());
+        env.insert("HOME".into(), dir.path().display().to_string());
+        env.entry("LANG".into()).or_insert_with(|| "C.UTF-8".into());
+        t.mark(Phase::Runtime);
+        let shared = Arc::new(Shared {
+            id,
+            spec: spec.clone(),
+            root: dir.path().to_path_buf(),
+            env,
+            redactor: secrets.redactor(),
+            born: Instant::now(),
+            gone: AtomicBool::new(false),
+            running: Mutex::new(HashSet::new()),
+        });
+        Ok(UnisolatedSandbox {
+            shared,
+            dir,
+            timeline: t.finish(),
+        })
+    }
+}
+
+impl Shared {
+    fn alive(&self) -> Result<()> {
+        if self.gone.load(Ordering::SeqCst) {
+            return Err(Error::SandboxGone {
+                id: self.id.clone(),
+                reason: "destroyed".into(),
+            });
+        }
+        if self.born.elapsed() > self.spec.limits.lifetime() {
+            self.kill_all();
+            self.gone.store(true, Ordering::SeqCst);
+            return Err(Error::SandboxGone {
+                id: self.id.clone(),
+                reason: "lifetime limit reached".into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn host_path(&self, path: &str) -> Result<PathBuf> {
+        WorkspacePath::parse(path)?.resolve_under(&self.root)
+    }
+
+    fn argv(&self, cmd: &Command) -> Result<Vec<String>> {
+        Ok(match cmd {
+            Command::Argv(a) => a.clone(),
+            Command::Code(code) => {
+                let prog: &[&str] = match self.spec.language {
+                    Language::Python => &["python3", "-c"],
+                    Language::Shell => &["sh", "-c"],
+                    Language::Node | Language::Javascript => &["node", "-e"],
+                    other => {
+                        return Err(Error::unsupported(TIER, format!("code strings in {other}")))
+                    }
+                };
+                prog.iter()
+                    .map(|s| s.to_string())
+                    .chain([code.clone()])
+                    .collect()
+            }
+        })
+    }
+
+    fn kill_all(&self) {
+        let pgids: Vec<i32> = self
+            .running
+            .lock()
+            .map(|s| s.iter().copied().collect())
+            .unwrap_or_default();
+        for pg in pgids {
+            let _ = killpg(Pid::from_raw(pg), Signal::SIGKILL);
+        }
+    }
+
+    async fn run(
+        &self,
+        req: ExecRequest,
+        sink: Option<mpsc::Sender<Result<ExecEvent>>>,
+    ) -> Result<ExecResult> {
+        self.alive()?;
+        req.validate()?;
+        let mut t = TimelineRecorder::start();
+        let argv = self.argv(&req.command)?;
+        let cwd = match &req.cwd {
+            Some(c) => self.host_path(c)?,
+            None => self.root.clone(),
+        };
+        let mut cmd = tokio::process::Command::new(&argv[0]);
+        cmd.args(&argv[1..])
+            .env_clear()
+            .envs(&self.env)
+            .envs(&req.env)
+            .current_dir(&cwd)
+            .stdin(if req.stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        let as_root = nix::unistd::geteuid().is_root();
+        // SAFETY: the closure runs between fork and exec and only calls `unshare(2)`, which is
+        // async-signal-safe; it touches no allocator or lock.
+        unsafe {
+            cmd.pre_exec(move || {
+                let mut flags = nix::sched::CloneFlags::CLONE_NEWNET;
+                if !as_root {
+                    flags |= nix::sched::CloneFlags::CLONE_NEWUSER;
+                }
+                nix::sched::unshare(flags).map_err(std::io::Error::from)
+            });
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(ExecResult {
+                    exit_code: Some(127),
+                    stdout: vec![],
+                    stderr: format!("{}: command not found\n", argv[0]).into_bytes(),
+                    limit: None,
+                    truncated: false,
+                    value: None,
+                    timeline: t.finish(),
+                });
+            }
+            Err(e) => return Err(Error::io(format!("spawn {}", argv[0]), e)),
+        };
+        let pgid = child.id().and_then(|p| i32::try_from(p).ok());
+        if let (Some(pg), Ok(mut set)) = (pgid, self.running.lock()) {
+            set.insert(pg);
+        }
+        t.mark(Phase::Allocation);
+        if let (Some(data), Some(mut stdin)) = (req.stdin.clone(), child.stdin.take()) {
+            tokio::spawn(async move {
+                let _ = stdin.write_all(&data).await;
+            });
+        }
+        let cap = self.spec.limits.output_bytes;
+        let out = tokio::spawn(pump(child.stdout.take(), cap, sink.clone(), true));
+        let err = tokio::spawn(pump(child.stderr.take(), cap, sink.clone(), false));
+        let timeout = req.effective_timeout(self.spec.limits.wall_time());
+        let (status, limit) = match tokio::time::timeout(timeout, child.wait()).await {
+            Ok(s) => (s.map_err(|e| Error::io("wait for command", e))?, None),
+            Err(_) => {
+                if let Some(pg) = pgid {
+                    let _ = killpg(Pid::from_raw(pg), Signal::SIGKILL);
+                }
+                (
+                    child
+                        .wait()
+                        .await
+                        .map_err(|e| Error::io("reap command", e))?,
+                    Some(LimitKind::WallTime),
+                )
+            }
+        };
+        // Anything the command left behind in its group dies with it.
+        if let Some(pg) = pgid {
+            let _ = killpg(Pid::from_raw(pg), Signal::SIGKILL);
+            if let Ok(mut set) = self.running.lock() {
+                set.remove(&pg);
+            }
+        }
+        let join = |r: std::result::Result<OutputBuffer, tokio::task::JoinError>| {
+            r.unwrap_or_else(|_| OutputBuffer::new(0))
+        };
+        let (out, err) = (join(out.await), join(err.await));
+        t.mark(Phase::Command);
+        use std::os::unix::process::ExitStatusExt;
+        let exit_code = status.code().or_else(|| status.signal().map(|s| 128 + s));
+        let truncated = out.truncated() || err.truncated();
+        Ok(ExecResult {
+            exit_code,
+            stdout: out.finish(&self.redactor),
+            stderr: err.finish(&self.redactor),
+            limit,
+            truncated,
+            value: None,
+            timeline: t.finish(),
+        })
+    }
+}
+
+async fn pump<R: AsyncRead + Unpin>(
+    src: Option<R>,
+    cap: u64,
+    sink: Option<mpsc::Sender<Result<ExecEvent>>>,
+    stdout: bool,
+) -> OutputBuffer {
+    let mut buf = OutputBuffer::new(cap);
+    let Some(mut src) = src else { return buf };
+    let mut chunk = vec![0u8; 16 * 1024];
+    let mut streamed: u64 = 0;
+    loop {
+        match src.read(&mut chunk).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                buf.push(&chunk[..n]);
+                if let Some(tx) = &sink {
+                    // Streamed chunks obey the same cap; the flood is drained and dropped.
+                    let room = cap.saturating_sub(streamed);
+                    let take = usize::try_from(room).unwrap_or(usize::MAX).min(n);
+                    if take > 0 {
+                        streamed += take as u64;
+                        let b = Bytes::copy_from_slice(&chunk[..take]);
+                        let ev = if stdout {
+                            ExecEvent::Stdout(b)
+                        } else {
+                            ExecEvent::Stderr(b)
+                        };
+                        let _ = tx.send(Ok(ev)).await;
+                    }
+                }
+            }
+        }
+    }
+    buf
+}
+
+#[async_trait]
+impl Sandbox for UnisolatedSandbox {
+    fn id(&self) -> &str {
+        &self.shared.id
+    }
+
+    fn tier(&self) -> Tier {
+        TIER
+    }
+
+    fn spec(&self) -> &SandboxSpec {
+        &self.shared.spec
+    }
+
+    fn timeline(&self) -> &Timeline {
+        &self.timeline
+    }
+
+    async fn exec(&self, req: ExecRequest) -> Result<ExecResult> {
+        self.shared.run(req, None).await
+    }
+
+    async fn exec_stream(&self, req: ExecRequest) -> Result<ExecStream> {
+        self.shared.alive()?;
+        let (tx, stream) = ExecStream::channel(64);
+        let shared = Arc::clone(&self.shared);
+        tokio::spawn(async move {
+            let r = shared.run(req, Some(tx.clone())).await;
+            let _ = match r {
+                Ok(mut res) => {
+                    res.stdout.clear();
+                    res.stderr.clear();
+                    tx.send(Ok(ExecEvent::Exit(res))).await
+                }
+                Err(e) => tx.send(Err(e)).await,
+            };
+        });
+        Ok(stream)
+    }
+
+    async fn write_file(&self, path: &str, data: &[u8]) -> Result<()> {
+        let sh = &self.shared;
+        sh.alive()?;
+        let p = sh.host_path(path)?;
+        if let Some(parent) = p.parent() {
+            tokio::fs::create_dir_all(parent)
+                .await
+                .map_err(|e| Error::io_path("create", parent, e))?;
+        }
+        // Re-check after creating parents: they may not have existed at the first check.
+        let p = sh.host_path(path)?;
+        tokio::fs::write(&p, data)
+            .await
+            .map_err(|e| Error::io_path("write", &p, e))
+    }
+
+    async fn read_file(&self, path: &str) -> Result<Vec<u8>> {
+        self.shared.alive()?;
+        let p = self.shared.host_path(path)?;
+        match tokio::fs::read(&p).await {
+            Ok(d) => Ok(d),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Err(Error::NotFound { path: path.into() })
+            }
+            Err(e) => Err(Error::io_path("read", &p, e)),
+        }
+    }
+
+    async fn list(&self, path: &str) -> Result<Vec<DirEntry>> {
+        self.shared.alive()?;
+        list_dir(&self.shared.host_path(path)?, path)
+    }
+
+    async fn snapshot(&self, store: &dyn SnapshotStore) -> Result<SnapshotId> {
+        self.shared.alive()?;
+        let tar = fsnap::pack_dir(self.dir.path())?;
+        let draft = SnapshotDraft::new(
+            TIER,
+            ENGINE,
+            vec![SnapshotKind::Filesystem],
+            self.shared.spec.clone(),
+        )
+        .artifact("workspace.tar", tar)
+        .meta("sandbox_id", self.shared.id.clone());
+        Ok(store.put(draft).await?)
+    }
+
+    async fn health_check(&self) -> Result<()> {
+        self.shared.alive()?;
+        if self.dir.path().is_dir() {
+            Ok(())
+        } else {
+            Err(Error::SandboxGone {
+                id: self.shared.id.clone(),
+                reason: "workspace vanished".into(),
+            })
+        }
+    }
+
+    async fn destroy(&self) -> Result<()> {
+        if !self.shared.gone.swap(true, Ordering::SeqCst) {
+            self.shared.kill_all();
+            // Empty the workspace now; the directory itself goes when the sandbox is dropped.
+            if let Ok(rd) = std::fs::read_dir(self.dir.path()) {
+                for e in rd.flatten() {
+                    let p = e.path();
+                    let _ = if p.is_dir() && !p.is_symlink() {
+                        std::fs::remove_dir_all(&p)
+                    } else {
+                        std::fs::remove_file(&p)
+                    };
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for UnisolatedSandbox {
+    fn drop(&mut self) {
+        self.shared.kill_all();
+        // `TempDir` removes the directory.
+    }
+}
+
+fn list_dir(dir: &Path, shown: &str) -> Result<Vec<DirEntry>> {
+    let rd = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Error::NotFound { path: shown.into() })
+        }
+        Err(e) => return Err(Error::io_path("list", dir, e)),
+    };
+    let mut out = Vec::new();
+    for e in rd {
+        let e = e.map_err(|e| Error::io_path("list", dir, e))?;
+        let md = e
+            .path()
+            .symlink_metadata()
+            .map_err(|err| Error::io_path("stat", e.path(), err))?;
+        let ft = md.file_type();
+        let kind = if ft.is_symlink() {
+            EntryKind::Symlink
+        } else if ft.is_dir() {
+            EntryKind::Dir
+        } else if ft.is_file() {
+            EntryKind::File
+        } else {
+            EntryKind::Other
+        };
+        out.push(DirEntry {
+            name: e.file_name().to_string_lossy().into_owned(),
+            kind,
+            size: md.len(),
+        });
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}

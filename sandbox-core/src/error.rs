@@ -1,0 +1,174 @@
+//! The error type shared by every backend. Each variant says what went wrong and what to do.
+
+use std::path::PathBuf;
+
+use crate::probe::TierStatus;
+use crate::tier::Tier;
+
+/// A result with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in agent-sandbox.
+///
+/// Errors about the *sandboxed code* (a non-zero exit, an exception, a hit limit) are not
+/// errors: they are reported in [`ExecResult`](crate::ExecResult). These are failures of the
+/// sandbox itself or of the caller's input.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The backend cannot do this operation at all. Nothing was done.
+    #[error("{tier} tier does not support {what}; pick a tier whose capabilities() list it")]
+    Unsupported {
+        /// The operation or feature that is not supported.
+        what: String,
+        /// The tier that refused it.
+        tier: Tier,
+    },
+
+    /// The spec (or a request) is invalid. Nothing was created.
+    #[error("invalid {field}: {reason}")]
+    InvalidSpec {
+        /// The offending field, e.g. `limits.memory_bytes`.
+        field: String,
+        /// Why it is invalid and what is accepted.
+        reason: String,
+    },
+
+    /// The tier's engine is not usable on this host.
+    #[error("{tier} tier is unavailable: {reason}; fix: {fix}")]
+    Unavailable {
+        /// The tier.
+        tier: Tier,
+        /// Why it cannot run here.
+        reason: String,
+        /// How to make it available.
+        fix: String,
+    },
+
+    /// No acceptable tier is available; each candidate says why and how to fix it.
+    #[error("no acceptable tier is available on this host:{}", format_statuses(.statuses))]
+    NoTierAvailable {
+        /// Every considered tier, in ranking order, with its status.
+        statuses: Vec<TierStatus>,
+    },
+
+    /// A path given to the file API leaves the sandbox's workspace.
+    #[error("path `{path}` escapes the workspace: use a relative path (or one under /workspace) without `..` leaving it")]
+    PathEscape {
+        /// The path as given.
+        path: String,
+    },
+
+    /// A file the caller asked for does not exist in the sandbox.
+    #[error("no such file in the sandbox: {path}")]
+    NotFound {
+        /// The path as given.
+        path: String,
+    },
+
+    /// The sandbox was destroyed (or died); create a new one.
+    #[error("sandbox {id} is gone ({reason}); create or restore a new one")]
+    SandboxGone {
+        /// The sandbox id.
+        id: String,
+        /// Destroyed by the caller, killed, exceeded its lifetime...
+        reason: String,
+    },
+
+    /// A snapshot could not be written or read.
+    #[error("snapshot error: {0}")]
+    Snapshot(#[from] crate::snapshot::SnapshotError),
+
+    /// A secret named by the spec could not be resolved.
+    #[error("secret `{name}` could not be resolved: {reason}")]
+    Secret {
+        /// The secret's name (never its value).
+        name: String,
+        /// Why.
+        reason: String,
+    },
+
+    /// An I/O failure on the host side.
+    #[error("{context}: {source}")]
+    Io {
+        /// What we were doing.
+        context: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A host resource is exhausted (disk full, too many sandboxes...).
+    #[error("host resource exhausted: {what}; free some or lower the limits")]
+    ResourceExhausted {
+        /// What ran out.
+        what: String,
+    },
+
+    /// The backend's engine failed in a way not covered above.
+    #[error("{tier} backend failed: {message}")]
+    Backend {
+        /// The tier.
+        tier: Tier,
+        /// What happened, with the fix when known.
+        message: String,
+    },
+}
+
+impl Error {
+    /// Builds [`Error::Unsupported`].
+    pub fn unsupported(tier: Tier, what: impl Into<String>) -> Self {
+        Error::Unsupported {
+            what: what.into(),
+            tier,
+        }
+    }
+
+    /// Builds [`Error::InvalidSpec`].
+    pub fn invalid(field: impl Into<String>, reason: impl Into<String>) -> Self {
+        Error::InvalidSpec {
+            field: field.into(),
+            reason: reason.into(),
+        }
+    }
+
+    /// Builds [`Error::Io`] with context.
+    pub fn io(context: impl Into<String>, source: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            source,
+        }
+    }
+
+    /// Builds [`Error::Io`] for an operation on a path.
+    pub fn io_path(op: &str, path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io {
+            context: format!("{op} {}", path.into().display()),
+            source,
+        }
+    }
+
+    /// Builds [`Error::Backend`].
+    pub fn backend(tier: Tier, message: impl Into<String>) -> Self {
+        Error::Backend {
+            tier,
+            message: message.into(),
+        }
+    }
+}
+
+fn format_statuses(statuses: &[TierStatus]) -> String {
+    let mut out = String::new();
+    for s in statuses {
+        out.push_str("\n  - ");
+        out.push_str(s.tier.name());
+        out.push_str(": ");
+        out.push_str(&s.reason);
+        if let Some(fix) = &s.fix {
+            out.push_str(" (fix: ");
+            out.push_str(fix);
+            out.push(')');
+        }
+    }
+    out
+}

@@ -1,0 +1,367 @@
+//! Exec requests and results, streaming events, and the bounded output buffer backends share.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+use crate::secrets::Redactor;
+use crate::timeline::Timeline;
+
+/// What to run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", content = "value", rename_all = "kebab-case")]
+pub enum Command {
+    /// A program and its arguments (`argv[0]` is looked up on the sandbox's `PATH`).
+    Argv(Vec<String>),
+    /// Source code in the sandbox spec's language.
+    Code(String),
+}
+
+/// One command to run in a sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecRequest {
+    /// What to run.
+    pub command: Command,
+    /// Bytes fed to standard input (then closed). `None`: stdin is empty.
+    #[serde(default)]
+    pub stdin: Option<Vec<u8>>,
+    /// Extra environment for this call only (on top of the spec's).
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Working directory inside the sandbox (default `/workspace`).
+    #[serde(default)]
+    pub cwd: Option<String>,
+    /// Wall timeout for this call; capped by the spec's `limits.wall_time_ms`.
+    #[serde(default, with = "opt_millis")]
+    pub timeout: Option<Duration>,
+}
+
+mod opt_millis {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => s.serialize_some(&u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        Ok(Option::<u64>::deserialize(d)?.map(Duration::from_millis))
+    }
+}
+
+impl ExecRequest {
+    /// Runs a program with arguments.
+    pub fn argv<I, S>(argv: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        Self::new(Command::Argv(argv.into_iter().map(Into::into).collect()))
+    }
+
+    /// Runs a code string in the spec's language.
+    pub fn code(code: impl Into<String>) -> Self {
+        Self::new(Command::Code(code.into()))
+    }
+
+    fn new(command: Command) -> Self {
+        ExecRequest {
+            command,
+            stdin: None,
+            env: BTreeMap::new(),
+            cwd: None,
+            timeout: None,
+        }
+    }
+
+    /// Sets stdin.
+    pub fn stdin(mut self, data: impl Into<Vec<u8>>) -> Self {
+        self.stdin = Some(data.into());
+        self
+    }
+
+    /// Adds an environment variable for this call.
+    pub fn env(mut self, k: impl Into<String>, v: impl Into<String>) -> Self {
+        self.env.insert(k.into(), v.into());
+        self
+    }
+
+    /// Sets the working directory.
+    pub fn cwd(mut self, cwd: impl Into<String>) -> Self {
+        self.cwd = Some(cwd.into());
+        self
+    }
+
+    /// Sets this call's timeout.
+    pub fn timeout(mut self, d: Duration) -> Self {
+        self.timeout = Some(d);
+        self
+    }
+
+    /// The effective wall limit: the call's timeout capped by the spec's.
+    pub fn effective_timeout(&self, spec_wall: Duration) -> Duration {
+        self.timeout.map_or(spec_wall, |t| t.min(spec_wall))
+    }
+
+    /// Validates what a backend cannot check for itself.
+    pub fn validate(&self) -> crate::Result<()> {
+        if let Command::Argv(a) = &self.command {
+            if a.is_empty() {
+                return Err(crate::Error::invalid("command", "argv is empty"));
+            }
+            if a.iter().any(|s| s.contains('\0')) {
+                return Err(crate::Error::invalid(
+                    "command",
+                    "arguments cannot contain NUL",
+                ));
+            }
+        }
+        if self.timeout == Some(Duration::ZERO) {
+            return Err(crate::Error::invalid("timeout", "must be positive"));
+        }
+        Ok(())
+    }
+}
+
+/// The limit that stopped a command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LimitKind {
+    /// Per-exec wall time.
+    WallTime,
+    /// CPU time.
+    CpuTime,
+    /// Memory.
+    Memory,
+    /// Process count.
+    Pids,
+    /// Output bytes (the command was stopped, not only truncated).
+    Output,
+    /// Disk bytes.
+    Disk,
+    /// Open files.
+    OpenFiles,
+    /// Instruction budget (wasm fuel).
+    Fuel,
+    /// The sandbox's lifetime ran out.
+    Lifetime,
+}
+
+/// What a finished command produced.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecResult {
+    /// Exit status (`128 + signal` for a killed process); `None` if it never exited normally.
+    pub exit_code: Option<i32>,
+    /// Captured standard output (capped, secrets redacted).
+    #[serde(with = "lossy_bytes")]
+    pub stdout: Vec<u8>,
+    /// Captured standard error (capped, secrets redacted).
+    #[serde(with = "lossy_bytes")]
+    pub stderr: Vec<u8>,
+    /// The limit that stopped the command, if one did.
+    pub limit: Option<LimitKind>,
+    /// Whether output beyond the cap was dropped.
+    pub truncated: bool,
+    /// The final value of a code string, as JSON text, for languages that have one
+    /// (a JavaScript snippet's completion value, a Python session's last expression).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value: Option<String>,
+    /// Phases of this call.
+    pub timeline: Timeline,
+}
+
+impl ExecResult {
+    /// `true` when the command exited 0 and no limit stopped it.
+    pub fn success(&self) -> bool {
+        self.exit_code == Some(0) && self.limit.is_none()
+    }
+
+    /// Stdout as (lossy) UTF-8.
+    pub fn stdout_str(&self) -> String {
+        String::from_utf8_lossy(&self.stdout).into_owned()
+    }
+
+    /// Stderr as (lossy) UTF-8.
+    pub fn stderr_str(&self) -> String {
+        String::from_utf8_lossy(&self.stderr).into_owned()
+    }
+}
+
+mod lossy_bytes {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(b: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&String::from_utf8_lossy(b))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        Ok(String::deserialize(d)?.into_bytes())
+    }
+}
+
+/// One event of a streaming exec.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ExecEvent {
+    /// A chunk of standard output.
+    Stdout(Bytes),
+    /// A chunk of standard error.
+    Stderr(Bytes),
+    /// The command finished; `stdout`/`stderr` in the result are empty (already streamed).
+    Exit(ExecResult),
+}
+
+/// The receiving end of a streaming exec. The last event is always [`ExecEvent::Exit`],
+/// unless the sandbox failed, in which case the stream yields an error.
+#[derive(Debug)]
+pub struct ExecStream {
+    rx: mpsc::Receiver<crate::Result<ExecEvent>>,
+}
+
+impl ExecStream {
+    /// A stream fed by `tx`. Backends create the pair with [`ExecStream::channel`].
+    pub fn channel(capacity: usize) -> (mpsc::Sender<crate::Result<ExecEvent>>, ExecStream) {
+        let (tx, rx) = mpsc::channel(capacity.max(1));
+        (tx, ExecStream { rx })
+    }
+
+    /// The next event, or `None` after the last one.
+    pub async fn next(&mut self) -> Option<crate::Result<ExecEvent>> {
+        self.rx.recv().await
+    }
+
+    /// Drains the stream into one [`ExecResult`] (stdout/stderr concatenated).
+    pub async fn collect(mut self) -> crate::Result<ExecResult> {
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        while let Some(ev) = self.next().await {
+            match ev? {
+                ExecEvent::Stdout(b) => out.extend_from_slice(&b),
+                ExecEvent::Stderr(b) => err.extend_from_slice(&b),
+                ExecEvent::Exit(mut r) => {
+                    r.stdout = out;
+                    r.stderr = err;
+                    return Ok(r);
+                }
+            }
+        }
+        Err(crate::Error::Io {
+            context: "exec stream ended without an exit event".into(),
+            source: std::io::Error::from(std::io::ErrorKind::UnexpectedEof),
+        })
+    }
+}
+
+/// A capped output buffer that redacts secrets. Backends push raw bytes; the first `cap`
+/// bytes are kept, the rest counted and dropped.
+#[derive(Debug)]
+pub struct OutputBuffer {
+    data: Vec<u8>,
+    cap: usize,
+    dropped: u64,
+}
+
+impl OutputBuffer {
+    /// A buffer keeping at most `cap` bytes.
+    pub fn new(cap: u64) -> Self {
+        let cap = usize::try_from(cap).unwrap_or(usize::MAX);
+        OutputBuffer {
+            data: Vec::new(),
+            cap,
+            dropped: 0,
+        }
+    }
+
+    /// Appends; returns `false` once the cap is reached.
+    pub fn push(&mut self, chunk: &[u8]) -> bool {
+        let room = self.cap.saturating_sub(self.data.len());
+        let take = room.min(chunk.len());
+        self.data.extend_from_slice(&chunk[..take]);
+        self.dropped += (chunk.len() - take) as u64;
+        self.dropped == 0
+    }
+
+    /// Whether anything was dropped.
+    pub fn truncated(&self) -> bool {
+        self.dropped > 0
+    }
+
+    /// The kept bytes, with secrets redacted.
+    pub fn finish(self, redactor: &Redactor) -> Vec<u8> {
+        if redactor.is_empty() {
+            self.data
+        } else {
+            redactor.redact(&self.data)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn output_buffer_caps_and_redacts() {
+        let mut b = OutputBuffer::new(10);
+        assert!(b.push(b"token=abc"));
+        assert!(!b.push(b"defghijk"));
+        assert!(b.truncated());
+        let r = Redactor::new([("T".into(), "abc".into())]);
+        assert_eq!(b.finish(&r), b"token=[REDACTED:T]d".to_vec());
+    }
+
+    #[test]
+    fn timeout_is_capped_by_spec() {
+        let r = ExecRequest::code("x").timeout(Duration::from_secs(100));
+        assert_eq!(
+            r.effective_timeout(Duration::from_secs(5)),
+            Duration::from_secs(5)
+        );
+        let r = ExecRequest::code("x");
+        assert_eq!(
+            r.effective_timeout(Duration::from_secs(5)),
+            Duration::from_secs(5)
+        );
+        assert!(ExecRequest::argv(Vec::<String>::new()).validate().is_err());
+        assert!(ExecRequest::code("x")
+            .timeout(Duration::ZERO)
+            .validate()
+            .is_err());
+    }
+
+    #[tokio::test]
+    async fn stream_collects() {
+        let (tx, s) = ExecStream::channel(4);
+        tokio::spawn(async move {
+            tx.send(Ok(ExecEvent::Stdout(Bytes::from_static(b"a"))))
+                .await
+                .unwrap();
+            tx.send(Ok(ExecEvent::Stderr(Bytes::from_static(b"e"))))
+                .await
+                .unwrap();
+            tx.send(Ok(ExecEvent::Stdout(Bytes::from_static(b"b"))))
+                .await
+                .unwrap();
+            tx.send(Ok(ExecEvent::Exit(ExecResult {
+                exit_code: Some(0),
+                stdout: vec![],
+                stderr: vec![],
+                limit: None,
+                truncated: false,
+                value: None,
+                timeline: Timeline::default(),
+            })))
+            .await
+            .unwrap();
+        });
+        let r = s.collect().await.unwrap();
+        assert_eq!(r.stdout, b"ab");
+        assert_eq!(r.stderr, b"e");
+        assert!(r.success());
+    }
+}

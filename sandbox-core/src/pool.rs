@@ -1,0 +1,289 @@
+//! Warm pools: N ready sandboxes of one spec, refilled in the background.
+//!
+//! `checkout` never waits for a creation while a ready sandbox exists: it pops one, checks it
+//! (age, then health), and wakes the refiller. Only a miss (pool empty) creates inline.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+
+use crate::error::Result;
+use crate::sandbox::{DynBackend, Sandbox};
+use crate::secrets::ResolvedSecrets;
+use crate::spec::SandboxSpec;
+
+/// Pool settings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolConfig {
+    /// Ready sandboxes to keep.
+    pub size: usize,
+    /// A ready sandbox idle longer than this is destroyed instead of handed out.
+    #[serde(with = "millis")]
+    pub max_idle: Duration,
+    /// Run [`Sandbox::health_check`] on checkout.
+    pub health_check: bool,
+}
+
+mod millis {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        Ok(Duration::from_millis(u64::deserialize(d)?))
+    }
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            size: 2,
+            max_idle: Duration::from_secs(300),
+            health_check: true,
+        }
+    }
+}
+
+/// Counters and checkout latency of a pool.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolStats {
+    /// Checkouts served from ready sandboxes.
+    pub hits: u64,
+    /// Checkouts that had to create inline.
+    pub misses: u64,
+    /// Sandboxes created by the refiller.
+    pub created: u64,
+    /// Sandboxes destroyed for idling past `max_idle`.
+    pub evicted: u64,
+    /// Sandboxes destroyed because their health check failed.
+    pub unhealthy: u64,
+    /// Failed background creations.
+    pub create_failures: u64,
+    /// The last background creation error, if any.
+    pub last_error: Option<String>,
+    /// Sandboxes ready now.
+    pub ready: usize,
+    /// Median checkout latency over the last 1024 checkouts, microseconds.
+    pub checkout_p50_us: u64,
+    /// 99th percentile of the same, microseconds.
+    pub checkout_p99_us: u64,
+}
+
+struct Ready {
+    sandbox: Box<dyn Sandbox>,
+    since: Instant,
+}
+
+struct State {
+    ready: VecDeque<Ready>,
+    stats: PoolStats,
+    latencies: VecDeque<u64>,
+}
+
+struct Inner {
+    backend: DynBackend,
+    spec: SandboxSpec,
+    secrets: ResolvedSecrets,
+    config: PoolConfig,
+    state: Mutex<State>,
+    wake: Notify,
+    closed: AtomicBool,
+}
+
+impl Inner {
+    fn state(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave `State` inconsistent (plain pushes/pops).
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A warm pool of sandboxes of one spec on one backend.
+pub struct WarmPool {
+    inner: Arc<Inner>,
+    refiller: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for WarmPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WarmPool")
+            .field("tier", &self.inner.backend.tier())
+            .field("config", &self.inner.config)
+            .finish()
+    }
+}
+
+impl WarmPool {
+    /// Starts a pool (must be called inside a tokio runtime). The spec is validated now.
+    pub fn start(
+        backend: DynBackend,
+        spec: SandboxSpec,
+        secrets: ResolvedSecrets,
+        config: PoolConfig,
+    ) -> Result<Self> {
+        spec.validate()?;
+        let inner = Arc::new(Inner {
+            backend,
+            spec,
+            secrets,
+            config,
+            state: Mutex::new(State {
+                ready: VecDeque::new(),
+                stats: PoolStats::default(),
+                latencies: VecDeque::new(),
+            }),
+            wake: Notify::new(),
+            closed: AtomicBool::new(false),
+        });
+        let refiller = tokio::spawn(refill_loop(Arc::clone(&inner)));
+        Ok(WarmPool { inner, refiller })
+    }
+
+    /// Hands out a sandbox: a ready one if there is one (checked for age and health), else a
+    /// new one created now (a miss). The caller owns it; it is not returned to the pool.
+    pub async fn checkout(&self) -> Result<Box<dyn Sandbox>> {
+        let started = Instant::now();
+        loop {
+            let next = self.inner.state().ready.pop_front();
+            self.inner.wake.notify_one();
+            let Some(r) = next else { break };
+            if r.since.elapsed() > self.inner.config.max_idle {
+                self.inner.state().stats.evicted += 1;
+                let _ = r.sandbox.destroy().await;
+                continue;
+            }
+            if self.inner.config.health_check && r.sandbox.health_check().await.is_err() {
+                self.inner.state().stats.unhealthy += 1;
+                let _ = r.sandbox.destroy().await;
+                continue;
+            }
+            self.record(started, true);
+            return Ok(r.sandbox);
+        }
+        let sb = self
+            .inner
+            .backend
+            .create(&self.inner.spec, self.inner.secrets.clone())
+            .await?;
+        self.record(started, false);
+        Ok(sb)
+    }
+
+    fn record(&self, started: Instant, hit: bool) {
+        let us = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
+        let mut st = self.inner.state();
+        if hit {
+            st.stats.hits += 1;
+        } else {
+            st.stats.misses += 1;
+        }
+        if st.latencies.len() == 1024 {
+            st.latencies.pop_front();
+        }
+        st.latencies.push_back(us);
+    }
+
+    /// Current counters.
+    pub fn stats(&self) -> PoolStats {
+        let st = self.inner.state();
+        let mut s = st.stats.clone();
+        s.ready = st.ready.len();
+        let mut l: Vec<u64> = st.latencies.iter().copied().collect();
+        l.sort_unstable();
+        if !l.is_empty() {
+            s.checkout_p50_us = l[l.len() / 2];
+            s.checkout_p99_us = l[(l.len() * 99 / 100).min(l.len() - 1)];
+        }
+        s
+    }
+
+    /// Waits until `n` sandboxes are ready or `timeout` passes; returns whether they are.
+    pub async fn wait_ready(&self, n: usize, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if self.inner.state().ready.len() >= n {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        self.inner.state().ready.len() >= n
+    }
+
+    /// Stops refilling and destroys every ready sandbox.
+    pub async fn shutdown(self) {
+        self.inner.closed.store(true, Ordering::SeqCst);
+        self.inner.wake.notify_one();
+        self.refiller.abort();
+        let drained: Vec<Ready> = self.inner.state().ready.drain(..).collect();
+        for r in drained {
+            let _ = r.sandbox.destroy().await;
+        }
+    }
+}
+
+impl Drop for WarmPool {
+    fn drop(&mut self) {
+        self.inner.closed.store(true, Ordering::SeqCst);
+        self.refiller.abort();
+        // Ready sandboxes are dropped with `inner`; each backend destroys on drop.
+    }
+}
+
+async fn refill_loop(inner: Arc<Inner>) {
+    let mut backoff = Duration::from_millis(10);
+    let tick = (inner.config.max_idle / 2).clamp(Duration::from_millis(5), Duration::from_secs(1));
+    while !inner.closed.load(Ordering::SeqCst) {
+        // Evict what idled too long.
+        let stale: Vec<Ready> = {
+            let mut st = inner.state();
+            let max_idle = inner.config.max_idle;
+            let (keep, stale): (VecDeque<Ready>, VecDeque<Ready>) = st
+                .ready
+                .drain(..)
+                .partition(|r| r.since.elapsed() <= max_idle);
+            st.ready = keep;
+            st.stats.evicted += stale.len() as u64;
+            stale.into_iter().collect()
+        };
+        for r in stale {
+            let _ = r.sandbox.destroy().await;
+        }
+        if inner.state().ready.len() < inner.config.size {
+            match inner
+                .backend
+                .create(&inner.spec, inner.secrets.clone())
+                .await
+            {
+                Ok(sb) => {
+                    let mut st = inner.state();
+                    st.stats.created += 1;
+                    st.ready.push_back(Ready {
+                        sandbox: sb,
+                        since: Instant::now(),
+                    });
+                    backoff = Duration::from_millis(10);
+                    continue;
+                }
+                Err(e) => {
+                    tracing::warn!(tier = %inner.backend.tier(), error = %e, "warm pool refill failed");
+                    {
+                        let mut st = inner.state();
+                        st.stats.create_failures += 1;
+                        st.stats.last_error = Some(e.to_string());
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    continue;
+                }
+            }
+        }
+        let _ = tokio::time::timeout(tick, inner.wake.notified()).await;
+    }
+}

@@ -1,0 +1,112 @@
+//! The two traits every backend implements.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+
+use crate::capabilities::Capabilities;
+use crate::error::{Error, Result};
+use crate::exec::{ExecRequest, ExecResult, ExecStream};
+use crate::path::DirEntry;
+use crate::probe::TierStatus;
+use crate::secrets::ResolvedSecrets;
+use crate::snapshot::{SnapshotId, SnapshotStore};
+use crate::spec::SandboxSpec;
+use crate::tier::Tier;
+use crate::timeline::Timeline;
+
+/// A sandbox engine: one per tier.
+#[async_trait]
+pub trait Backend: Send + Sync + 'static {
+    /// The tier this backend implements.
+    fn tier(&self) -> Tier;
+
+    /// What it can do. Operations not listed return [`Error::Unsupported`].
+    fn capabilities(&self) -> Capabilities;
+
+    /// Whether this host can run the backend, with the reason and the fix when not.
+    /// Must not hang: a probe that needs to measure does so with a bound.
+    async fn probe(&self) -> TierStatus;
+
+    /// Creates a sandbox. The spec is validated first; secrets are already resolved.
+    async fn create(
+        &self,
+        spec: &SandboxSpec,
+        secrets: ResolvedSecrets,
+    ) -> Result<Box<dyn Sandbox>>;
+
+    /// Restores a sandbox from a snapshot in `store`. A snapshot of another tier, engine
+    /// version or format, or a corrupt one, is refused before anything is started.
+    async fn restore(
+        &self,
+        store: &dyn SnapshotStore,
+        id: &SnapshotId,
+        secrets: ResolvedSecrets,
+    ) -> Result<Box<dyn Sandbox>> {
+        let _ = (store, id, secrets);
+        Err(Error::unsupported(self.tier(), "restore"))
+    }
+}
+
+/// A live sandbox. All methods take `&self`; implementations serialize what must be.
+///
+/// Dropping a sandbox destroys it (best effort, synchronously); call [`Sandbox::destroy`]
+/// to observe errors. `destroy` is idempotent (a second call returns `Ok`); every other
+/// operation after it returns [`Error::SandboxGone`].
+#[async_trait]
+pub trait Sandbox: Send + Sync {
+    /// A unique id.
+    fn id(&self) -> &str;
+
+    /// The tier it runs on.
+    fn tier(&self) -> Tier;
+
+    /// The spec it was created from.
+    fn spec(&self) -> &SandboxSpec;
+
+    /// The phases of its create (or restore).
+    fn timeline(&self) -> &Timeline;
+
+    /// Runs one command to completion and returns its captured output.
+    async fn exec(&self, req: ExecRequest) -> Result<ExecResult>;
+
+    /// Runs one command, streaming output as it comes.
+    async fn exec_stream(&self, req: ExecRequest) -> Result<ExecStream> {
+        let _ = req;
+        Err(Error::unsupported(self.tier(), "streaming exec"))
+    }
+
+    /// Writes a file in the workspace (creating parent directories).
+    async fn write_file(&self, path: &str, data: &[u8]) -> Result<()>;
+
+    /// Reads a file from the workspace.
+    async fn read_file(&self, path: &str) -> Result<Vec<u8>>;
+
+    /// Lists a directory of the workspace (`""` or `/workspace` for its root).
+    async fn list(&self, path: &str) -> Result<Vec<DirEntry>>;
+
+    /// Snapshots the sandbox into `store`.
+    async fn snapshot(&self, store: &dyn SnapshotStore) -> Result<SnapshotId> {
+        let _ = store;
+        Err(Error::unsupported(self.tier(), "snapshots"))
+    }
+
+    /// Pauses every process of the sandbox.
+    async fn pause(&self) -> Result<()> {
+        Err(Error::unsupported(self.tier(), "pause/resume"))
+    }
+
+    /// Resumes a paused sandbox.
+    async fn resume(&self) -> Result<()> {
+        Err(Error::unsupported(self.tier(), "pause/resume"))
+    }
+
+    /// A cheap liveness check used by warm pools before handing a sandbox out.
+    async fn health_check(&self) -> Result<()>;
+
+    /// Destroys the sandbox and everything it holds on the host. Idempotent.
+    async fn destroy(&self) -> Result<()>;
+}
+
+/// A shared backend handle.
+pub type DynBackend = Arc<dyn Backend>;

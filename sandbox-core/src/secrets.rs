@@ -1,0 +1,276 @@
+//! Secrets: named in the spec, resolved from a [`SecretSource`] at create time, never logged,
+//! and redacted from captured output.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// A secret value. `Debug` and `Display` never show it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps a value.
+    pub fn new(value: impl Into<String>) -> Self {
+        Secret(value.into())
+    }
+
+    /// The value. Call only where it is handed to the sandbox or a host tool.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+impl Drop for Secret {
+    fn drop(&mut self) {
+        // Best effort: overwrite the bytes before the allocation is freed.
+        // SAFETY: writing zero bytes keeps the string valid UTF-8.
+        unsafe { self.0.as_bytes_mut() }.fill(0);
+    }
+}
+
+/// How a secret reaches the sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum SecretExposure {
+    /// As this environment variable of every command.
+    Env {
+        /// The variable name.
+        var: String,
+    },
+    /// Never inside the sandbox: only host-side tools (host functions, the egress proxy) see it.
+    HostOnly,
+}
+
+/// A secret named by the spec. Only the name is stored: the value is resolved at create time.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SecretBinding {
+    /// The name looked up in the [`SecretSource`].
+    pub name: String,
+    /// Where the value goes.
+    pub exposure: SecretExposure,
+}
+
+/// Where secret values come from.
+pub trait SecretSource: Send + Sync {
+    /// Returns the value of the named secret.
+    fn resolve(&self, name: &str) -> Result<Secret>;
+}
+
+/// Secrets from an in-memory map (tests, or a caller that fetched them from a vault).
+#[derive(Default, Clone)]
+pub struct MapSecretSource(BTreeMap<String, Secret>);
+
+impl MapSecretSource {
+    /// An empty source.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a secret.
+    pub fn with(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.0.insert(name.into(), Secret::new(value));
+        self
+    }
+}
+
+impl SecretSource for MapSecretSource {
+    fn resolve(&self, name: &str) -> Result<Secret> {
+        self.0.get(name).cloned().ok_or_else(|| Error::Secret {
+            name: name.into(),
+            reason: "not present in the secret source".into(),
+        })
+    }
+}
+
+/// Secrets from host environment variables, each **named explicitly** by the caller.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct EnvSecretSource;
+
+impl SecretSource for EnvSecretSource {
+    fn resolve(&self, name: &str) -> Result<Secret> {
+        std::env::var(name)
+            .map(Secret::new)
+            .map_err(|e| Error::Secret {
+                name: name.into(),
+                reason: format!("host environment variable: {e}"),
+            })
+    }
+}
+
+/// Secrets resolved for one sandbox, plus the redactor built from them.
+#[derive(Default, Clone)]
+pub struct ResolvedSecrets {
+    entries: Vec<(SecretBinding, Secret)>,
+}
+
+impl fmt::Debug for ResolvedSecrets {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list()
+            .entries(self.entries.iter().map(|(b, _)| &b.name))
+            .finish()
+    }
+}
+
+impl ResolvedSecrets {
+    /// No secrets.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Resolves every binding; fails on the first missing one, naming it.
+    pub fn resolve(bindings: &[SecretBinding], source: &dyn SecretSource) -> Result<Self> {
+        let mut entries = Vec::with_capacity(bindings.len());
+        for b in bindings {
+            let v = source.resolve(&b.name)?;
+            if v.expose().is_empty() {
+                return Err(Error::Secret {
+                    name: b.name.clone(),
+                    reason: "value is empty".into(),
+                });
+            }
+            entries.push((b.clone(), v));
+        }
+        Ok(ResolvedSecrets { entries })
+    }
+
+    /// The `(var, value)` pairs to add to the sandbox environment.
+    pub fn env(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.entries.iter().filter_map(|(b, v)| match &b.exposure {
+            SecretExposure::Env { var } => Some((var.as_str(), v.expose())),
+            SecretExposure::HostOnly => None,
+        })
+    }
+
+    /// A host-only (or any) secret's value by name, for host-side tools.
+    pub fn get(&self, name: &str) -> Option<&Secret> {
+        self.entries
+            .iter()
+            .find(|(b, _)| b.name == name)
+            .map(|(_, v)| v)
+    }
+
+    /// The redactor for this sandbox's output.
+    pub fn redactor(&self) -> Redactor {
+        Redactor::new(
+            self.entries
+                .iter()
+                .map(|(b, v)| (b.name.clone(), v.expose().to_string())),
+        )
+    }
+}
+
+/// Replaces every occurrence of a secret value in captured output by `[REDACTED:name]`.
+#[derive(Clone, Default)]
+pub struct Redactor {
+    // Longest first, so a secret containing another is replaced whole.
+    needles: Vec<(String, Vec<u8>)>,
+}
+
+impl fmt::Debug for Redactor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Redactor({} secrets)", self.needles.len())
+    }
+}
+
+impl Redactor {
+    /// A redactor for `(name, value)` pairs.
+    pub fn new(secrets: impl IntoIterator<Item = (String, String)>) -> Self {
+        let mut needles: Vec<_> = secrets
+            .into_iter()
+            .filter(|(_, v)| !v.is_empty())
+            .map(|(n, v)| (n, v.into_bytes()))
+            .collect();
+        needles.sort_by_key(|(_, v)| std::cmp::Reverse(v.len()));
+        Redactor { needles }
+    }
+
+    /// `true` when there is nothing to redact.
+    pub fn is_empty(&self) -> bool {
+        self.needles.is_empty()
+    }
+
+    /// The longest secret, in bytes: a streaming caller keeps that much minus one back.
+    pub fn max_len(&self) -> usize {
+        self.needles.first().map_or(0, |(_, v)| v.len())
+    }
+
+    /// Returns `data` with every secret replaced.
+    pub fn redact(&self, data: &[u8]) -> Vec<u8> {
+        if self.needles.is_empty() {
+            return data.to_vec();
+        }
+        let mut out = Vec::with_capacity(data.len());
+        let mut i = 0;
+        'outer: while i < data.len() {
+            for (name, needle) in &self.needles {
+                if data[i..].starts_with(needle) {
+                    out.extend_from_slice(b"[REDACTED:");
+                    out.extend_from_slice(name.as_bytes());
+                    out.push(b']');
+                    i += needle.len();
+                    continue 'outer;
+                }
+            }
+            out.push(data[i]);
+            i += 1;
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_never_shows_values() {
+        let s = Secret::new("hunter2");
+        assert!(!format!("{s:?}").contains("hunter2"));
+        let src = MapSecretSource::new().with("API_KEY", "sk-123456");
+        let r = ResolvedSecrets::resolve(
+            &[SecretBinding {
+                name: "API_KEY".into(),
+                exposure: SecretExposure::HostOnly,
+            }],
+            &src,
+        )
+        .unwrap();
+        assert!(!format!("{r:?}").contains("sk-123456"));
+        assert_eq!(r.env().count(), 0, "host-only secrets never enter the env");
+        assert_eq!(r.get("API_KEY").unwrap().expose(), "sk-123456");
+    }
+
+    #[test]
+    fn missing_secret_names_it() {
+        let err = ResolvedSecrets::resolve(
+            &[SecretBinding {
+                name: "NOPE".into(),
+                exposure: SecretExposure::Env { var: "X".into() },
+            }],
+            &MapSecretSource::new(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("NOPE"));
+    }
+
+    #[test]
+    fn redacts_all_occurrences_longest_first() {
+        let r = Redactor::new([("A".into(), "abc".into()), ("B".into(), "abcdef".into())]);
+        assert_eq!(
+            r.redact(b"x abcdef y abc z"),
+            b"x [REDACTED:B] y [REDACTED:A] z".to_vec()
+        );
+        assert_eq!(r.redact(b"nothing"), b"nothing".to_vec());
+        assert_eq!(r.max_len(), 6);
+    }
+}

@@ -1,0 +1,484 @@
+//! The sandbox spec: what the caller asks for. Typed, flat, serde, with a builder.
+//!
+//! Everything is denied unless granted here: no network ([`NetworkPolicy::DenyAll`]), no host
+//! environment variable unless named in [`SandboxSpec::pass_env`], no host file unless mounted.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::policy::NetworkPolicy;
+use crate::secrets::{SecretBinding, SecretExposure};
+use crate::tier::Language;
+
+/// Everything a backend needs to create a sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxSpec {
+    /// The language code strings are written in (`exec` with [`Command::Code`](crate::Command::Code)).
+    pub language: Language,
+    /// The sandbox's working directory, seen inside as `/workspace`.
+    #[serde(default)]
+    pub workspace: Workspace,
+    /// Extra host paths made visible inside. Read-only unless `read_only` is `false`.
+    #[serde(default)]
+    pub mounts: Vec<Mount>,
+    /// Environment variables set for every command. Nothing of the host's passes by default.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Host environment variables passed through **by name** (copied at create time).
+    #[serde(default)]
+    pub pass_env: Vec<String>,
+    /// Secrets, by name; values come from a [`SecretSource`](crate::SecretSource).
+    #[serde(default)]
+    pub secrets: Vec<SecretBinding>,
+    /// Resource limits.
+    #[serde(default)]
+    pub limits: Limits,
+    /// Network egress policy.
+    #[serde(default)]
+    pub network: NetworkPolicy,
+}
+
+/// Where `/workspace` comes from.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+pub enum Workspace {
+    /// A fresh, empty workspace owned by the sandbox (capped by `limits.disk_bytes`).
+    #[default]
+    Empty,
+    /// A host directory.
+    HostDir {
+        /// The host path (must exist and be a directory).
+        path: PathBuf,
+        /// Whether the sandbox may only read it.
+        #[serde(default)]
+        read_only: bool,
+    },
+}
+
+/// An extra host path made visible inside the sandbox.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Mount {
+    /// Host path.
+    pub source: PathBuf,
+    /// Absolute path inside the sandbox.
+    pub target: String,
+    /// Read-only (the default).
+    #[serde(default = "yes")]
+    pub read_only: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// Resource limits. Every field has a safe default; `None` where a limit can be absent means
+/// "the backend's own cap", never "unlimited host resources".
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Limits {
+    /// Memory for the whole sandbox, bytes.
+    pub memory_bytes: u64,
+    /// CPU time per exec, milliseconds.
+    pub cpu_time_ms: u64,
+    /// Wall time per exec, milliseconds (a call's own timeout may lower it).
+    pub wall_time_ms: u64,
+    /// Wall time for the sandbox's whole life, milliseconds; then it is destroyed.
+    pub lifetime_ms: u64,
+    /// Processes/threads at once.
+    pub pids: u32,
+    /// Captured output per stream per exec, bytes; the rest is dropped and `truncated` set.
+    pub output_bytes: u64,
+    /// Writable disk (workspace + temp), bytes.
+    pub disk_bytes: u64,
+    /// Open file descriptors per process.
+    pub open_files: u32,
+    /// Optional instruction budget (wasm fuel) per exec.
+    pub fuel: Option<u64>,
+    /// CPU share as a scheduler quota, in thousandths of a CPU (500 = half a CPU).
+    pub cpu_millis: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            memory_bytes: 512 << 20,
+            cpu_time_ms: 60_000,
+            wall_time_ms: 30_000,
+            lifetime_ms: 3_600_000,
+            pids: 256,
+            output_bytes: 1 << 20,
+            disk_bytes: 1 << 30,
+            open_files: 256,
+            fuel: None,
+            cpu_millis: 1000,
+        }
+    }
+}
+
+impl Limits {
+    /// The per-exec wall limit as a duration.
+    pub fn wall_time(&self) -> Duration {
+        Duration::from_millis(self.wall_time_ms)
+    }
+
+    /// The sandbox lifetime as a duration.
+    pub fn lifetime(&self) -> Duration {
+        Duration::from_millis(self.lifetime_ms)
+    }
+
+    /// Checks that every limit is possible.
+    pub fn validate(&self) -> Result<()> {
+        let check = |ok: bool, field: &str, why: &str| {
+            if ok {
+                Ok(())
+            } else {
+                Err(Error::invalid(format!("limits.{field}"), why))
+            }
+        };
+        check(
+            self.memory_bytes >= 4 << 20,
+            "memory_bytes",
+            "must be at least 4 MiB",
+        )?;
+        check(
+            self.memory_bytes <= 1 << 40,
+            "memory_bytes",
+            "must be at most 1 TiB",
+        )?;
+        check(self.cpu_time_ms > 0, "cpu_time_ms", "must be positive")?;
+        check(self.wall_time_ms > 0, "wall_time_ms", "must be positive")?;
+        check(
+            self.lifetime_ms >= self.wall_time_ms,
+            "lifetime_ms",
+            "must be at least wall_time_ms",
+        )?;
+        check(self.pids >= 1, "pids", "must be at least 1")?;
+        check(self.output_bytes >= 1, "output_bytes", "must be at least 1")?;
+        check(self.open_files >= 16, "open_files", "must be at least 16")?;
+        check(
+            (10..=1_024_000).contains(&self.cpu_millis),
+            "cpu_millis",
+            "must be between 10 (1% of a CPU) and 1024000",
+        )?;
+        check(self.fuel != Some(0), "fuel", "must be positive when set")?;
+        Ok(())
+    }
+}
+
+fn valid_env_name(k: &str) -> bool {
+    !k.is_empty()
+        && !k.as_bytes()[0].is_ascii_digit()
+        && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_')
+}
+
+impl SandboxSpec {
+    /// A spec with safe defaults for `language`.
+    pub fn new(language: Language) -> Self {
+        SandboxSpec {
+            language,
+            workspace: Workspace::Empty,
+            mounts: Vec::new(),
+            env: BTreeMap::new(),
+            pass_env: Vec::new(),
+            secrets: Vec::new(),
+            limits: Limits::default(),
+            network: NetworkPolicy::DenyAll,
+        }
+    }
+
+    /// Starts a builder.
+    pub fn builder(language: Language) -> SpecBuilder {
+        SpecBuilder {
+            spec: SandboxSpec::new(language),
+        }
+    }
+
+    /// Checks the whole spec; the error names the field and says what is accepted.
+    pub fn validate(&self) -> Result<()> {
+        self.limits.validate()?;
+        self.network.validate()?;
+        for k in self.env.keys().chain(self.pass_env.iter()) {
+            if !valid_env_name(k) {
+                return Err(Error::invalid(
+                    "env",
+                    format!("`{k}` is not a valid variable name"),
+                ));
+            }
+        }
+        for v in self.env.values() {
+            if v.contains('\0') {
+                return Err(Error::invalid("env", "values cannot contain NUL"));
+            }
+        }
+        for s in &self.secrets {
+            if s.name.is_empty() {
+                return Err(Error::invalid("secrets", "a secret needs a name"));
+            }
+            if let SecretExposure::Env { var } = &s.exposure {
+                if !valid_env_name(var) {
+                    return Err(Error::invalid(
+                        "secrets",
+                        format!("`{var}` is not a variable name"),
+                    ));
+                }
+            }
+        }
+        if let Workspace::HostDir { path, .. } = &self.workspace {
+            if !path.is_dir() {
+                return Err(Error::invalid(
+                    "workspace",
+                    format!("{} is not an existing directory", path.display()),
+                ));
+            }
+        }
+        for m in &self.mounts {
+            if !m.target.starts_with('/') || m.target.split('/').any(|c| c == "..") {
+                return Err(Error::invalid(
+                    "mounts",
+                    format!("target `{}` must be absolute and without `..`", m.target),
+                ));
+            }
+            if m.target == "/" || m.target == "/workspace" {
+                return Err(Error::invalid(
+                    "mounts",
+                    format!("cannot mount over `{}`", m.target),
+                ));
+            }
+            if !m.source.exists() {
+                return Err(Error::invalid(
+                    "mounts",
+                    format!("source {} does not exist", m.source.display()),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The environment every command starts with: the spec's `env`, then the named host
+    /// variables that exist. Secrets are added by the backend from
+    /// [`ResolvedSecrets`](crate::ResolvedSecrets).
+    pub fn base_env(&self) -> BTreeMap<String, String> {
+        let mut env = self.env.clone();
+        for k in &self.pass_env {
+            if let Ok(v) = std::env::var(k) {
+                env.insert(k.clone(), v);
+            }
+        }
+        env
+    }
+}
+
+/// Builder for [`SandboxSpec`]; `build()` validates.
+#[derive(Debug, Clone)]
+pub struct SpecBuilder {
+    spec: SandboxSpec,
+}
+
+impl SpecBuilder {
+    /// Uses a host directory as `/workspace`.
+    pub fn workspace_dir(mut self, path: impl Into<PathBuf>, read_only: bool) -> Self {
+        self.spec.workspace = Workspace::HostDir {
+            path: path.into(),
+            read_only,
+        };
+        self
+    }
+
+    /// Mounts a host path read-only at `target`.
+    pub fn mount_ro(mut self, source: impl Into<PathBuf>, target: impl Into<String>) -> Self {
+        self.spec.mounts.push(Mount {
+            source: source.into(),
+            target: target.into(),
+            read_only: true,
+        });
+        self
+    }
+
+    /// Mounts a host path read-write at `target`.
+    pub fn mount_rw(mut self, source: impl Into<PathBuf>, target: impl Into<String>) -> Self {
+        self.spec.mounts.push(Mount {
+            source: source.into(),
+            target: target.into(),
+            read_only: false,
+        });
+        self
+    }
+
+    /// Sets an environment variable.
+    pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.spec.env.insert(key.into(), value.into());
+        self
+    }
+
+    /// Passes a host environment variable through by name.
+    pub fn pass_env(mut self, key: impl Into<String>) -> Self {
+        self.spec.pass_env.push(key.into());
+        self
+    }
+
+    /// Exposes a secret as an environment variable.
+    pub fn secret_env(mut self, name: impl Into<String>, var: impl Into<String>) -> Self {
+        self.spec.secrets.push(SecretBinding {
+            name: name.into(),
+            exposure: SecretExposure::Env { var: var.into() },
+        });
+        self
+    }
+
+    /// Makes a secret available to host-side tools only.
+    pub fn secret_host_only(mut self, name: impl Into<String>) -> Self {
+        self.spec.secrets.push(SecretBinding {
+            name: name.into(),
+            exposure: SecretExposure::HostOnly,
+        });
+        self
+    }
+
+    /// Memory limit in MiB.
+    pub fn memory_mib(mut self, mib: u64) -> Self {
+        self.spec.limits.memory_bytes = mib.saturating_mul(1 << 20);
+        self
+    }
+
+    /// Per-exec wall time.
+    pub fn wall_time(mut self, d: Duration) -> Self {
+        self.spec.limits.wall_time_ms = d.as_millis().try_into().unwrap_or(u64::MAX);
+        self.spec.limits.lifetime_ms = self
+            .spec
+            .limits
+            .lifetime_ms
+            .max(self.spec.limits.wall_time_ms);
+        self
+    }
+
+    /// Replaces all limits.
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.spec.limits = limits;
+        self
+    }
+
+    /// Output cap per stream per exec.
+    pub fn output_bytes(mut self, bytes: u64) -> Self {
+        self.spec.limits.output_bytes = bytes;
+        self
+    }
+
+    /// Sets the network policy.
+    pub fn network(mut self, policy: NetworkPolicy) -> Self {
+        self.spec.network = policy;
+        self
+    }
+
+    /// Validates and returns the spec.
+    pub fn build(self) -> Result<SandboxSpec> {
+        self.spec.validate()?;
+        Ok(self.spec)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_deny_everything() {
+        let s = SandboxSpec::new(Language::Python);
+        assert_eq!(s.network, NetworkPolicy::DenyAll);
+        assert!(s.env.is_empty() && s.pass_env.is_empty() && s.mounts.is_empty());
+        assert_eq!(s.workspace, Workspace::Empty);
+        s.validate().unwrap();
+        // no host variable leaks into the base env
+        assert!(s.base_env().is_empty());
+    }
+
+    #[test]
+    fn pass_env_only_named() {
+        let s = SandboxSpec::builder(Language::Shell)
+            .pass_env("PATH")
+            .build()
+            .unwrap();
+        let env = s.base_env();
+        assert_eq!(env.len(), usize::from(std::env::var("PATH").is_ok()));
+    }
+
+    #[test]
+    fn bad_specs_name_the_field() {
+        let cases: Vec<(SandboxSpec, &str)> = vec![
+            (
+                SandboxSpec::builder(Language::C).memory_mib(1).spec,
+                "limits.memory_bytes",
+            ),
+            (
+                SandboxSpec::builder(Language::C).env("1BAD", "x").spec,
+                "env",
+            ),
+            (
+                SandboxSpec::builder(Language::C).env("A", "x\0y").spec,
+                "env",
+            ),
+            (
+                SandboxSpec::builder(Language::C)
+                    .mount_ro("/", "relative")
+                    .spec,
+                "mounts",
+            ),
+            (
+                SandboxSpec::builder(Language::C)
+                    .mount_ro("/", "/a/../etc")
+                    .spec,
+                "mounts",
+            ),
+            (
+                SandboxSpec::builder(Language::C)
+                    .mount_ro("/nonexistent-xyz", "/x")
+                    .spec,
+                "mounts",
+            ),
+            (
+                SandboxSpec::builder(Language::C)
+                    .workspace_dir("/nonexistent-xyz", false)
+                    .spec,
+                "workspace",
+            ),
+            (
+                SandboxSpec::builder(Language::C).output_bytes(0).spec,
+                "limits.output_bytes",
+            ),
+            (
+                SandboxSpec::builder(Language::C)
+                    .secret_env("K", "bad var")
+                    .spec,
+                "secrets",
+            ),
+        ];
+        for (spec, field) in cases {
+            match spec.validate() {
+                Err(Error::InvalidSpec { field: f, .. }) => assert_eq!(f, field),
+                other => panic!("expected InvalidSpec({field}), got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn serde_round_trip_and_unknown_fields_refused() {
+        let s = SandboxSpec::builder(Language::Python)
+            .env("A", "1")
+            .secret_env("TOKEN", "API_TOKEN")
+            .memory_mib(256)
+            .build()
+            .unwrap();
+        let j = serde_json::to_string(&s).unwrap();
+        assert_eq!(serde_json::from_str::<SandboxSpec>(&j).unwrap(), s);
+        let minimal: SandboxSpec = serde_json::from_str(r#"{"language":"python"}"#).unwrap();
+        assert_eq!(minimal, SandboxSpec::new(Language::Python));
+        assert!(
+            serde_json::from_str::<SandboxSpec>(r#"{"language":"python","netwrk":{}}"#).is_err()
+        );
+    }
+}

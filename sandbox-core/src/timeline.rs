@@ -1,0 +1,141 @@
+//! The phase timeline of a create, restore or exec.
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+/// One phase of bringing code to its first result.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Phase {
+    /// Resources reserved: process, VM, instance, cgroup.
+    Allocation,
+    /// Root filesystem and workspace ready.
+    Filesystem,
+    /// Language runtime / init / guest agent ready.
+    Runtime,
+    /// Dependencies (stdlib, packages, preloaded modules) ready.
+    Dependencies,
+    /// Network policy in place.
+    Network,
+    /// The first command ran to completion.
+    FirstCommand,
+    /// A later command ran to completion.
+    Command,
+    /// A snapshot was loaded.
+    Restore,
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = match self {
+            Phase::Allocation => "allocation",
+            Phase::Filesystem => "filesystem",
+            Phase::Runtime => "runtime",
+            Phase::Dependencies => "dependencies",
+            Phase::Network => "network",
+            Phase::FirstCommand => "first-command",
+            Phase::Command => "command",
+            Phase::Restore => "restore",
+        };
+        f.write_str(s)
+    }
+}
+
+/// How long one phase took.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PhaseTiming {
+    /// The phase.
+    pub phase: Phase,
+    /// Its duration in microseconds.
+    pub micros: u64,
+}
+
+/// The phases recorded so far, in order.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Timeline {
+    /// Recorded phases.
+    pub phases: Vec<PhaseTiming>,
+}
+
+impl Timeline {
+    /// Sum of all phases.
+    pub fn total(&self) -> Duration {
+        Duration::from_micros(self.phases.iter().map(|p| p.micros).sum())
+    }
+
+    /// The duration of `phase`, if recorded.
+    pub fn get(&self, phase: Phase) -> Option<Duration> {
+        self.phases
+            .iter()
+            .find(|p| p.phase == phase)
+            .map(|p| Duration::from_micros(p.micros))
+    }
+
+    /// Appends another timeline's phases (e.g. create's phases before the first exec's).
+    pub fn extend(&mut self, other: &Timeline) {
+        self.phases.extend_from_slice(&other.phases);
+    }
+}
+
+/// Records phases as they finish: each `mark` measures from the previous mark.
+#[derive(Debug)]
+pub struct TimelineRecorder {
+    last: Instant,
+    timeline: Timeline,
+}
+
+impl Default for TimelineRecorder {
+    fn default() -> Self {
+        Self::start()
+    }
+}
+
+impl TimelineRecorder {
+    /// Starts the clock.
+    pub fn start() -> Self {
+        TimelineRecorder {
+            last: Instant::now(),
+            timeline: Timeline::default(),
+        }
+    }
+
+    /// Ends `phase` now.
+    pub fn mark(&mut self, phase: Phase) {
+        let now = Instant::now();
+        let micros = u64::try_from(now.duration_since(self.last).as_micros()).unwrap_or(u64::MAX);
+        self.timeline.phases.push(PhaseTiming { phase, micros });
+        self.last = now;
+    }
+
+    /// The recorded timeline.
+    pub fn finish(self) -> Timeline {
+        self.timeline
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_in_order_and_sums() {
+        let mut r = TimelineRecorder::start();
+        r.mark(Phase::Allocation);
+        std::thread::sleep(Duration::from_millis(2));
+        r.mark(Phase::Runtime);
+        let t = r.finish();
+        assert_eq!(
+            t.phases.iter().map(|p| p.phase).collect::<Vec<_>>(),
+            [Phase::Allocation, Phase::Runtime]
+        );
+        assert!(t.get(Phase::Runtime).unwrap() >= Duration::from_millis(2));
+        assert_eq!(
+            t.total(),
+            t.get(Phase::Allocation).unwrap() + t.get(Phase::Runtime).unwrap()
+        );
+        let j = serde_json::to_string(&t).unwrap();
+        assert!(j.contains("\"phase\":\"runtime\""), "{j}");
+    }
+}

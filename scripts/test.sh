@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Installs what the test suite needs (idempotent) and runs every check CI runs:
+# formatting, clippy (warnings are errors), rustdoc (warnings are errors), and all tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# A build cache outside the clone keeps CI incremental; override freely.
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/tmp/agent-sandbox-target}"
+export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
+
+step() { printf '\n==> %s\n' "$*"; }
+
+# --- system packages -------------------------------------------------------
+# Debian packages the tests use. Installed only when missing.
+APT_PACKAGES=(python3 util-linux)
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  step "apt-get install ${missing[*]}"
+  if [ "$(id -u)" -eq 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+  else
+    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+  fi
+fi
+
+# --- checks ----------------------------------------------------------------
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy (all targets, warnings are errors)"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "cargo doc (warnings are errors)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
+
+step "cargo test"
+cargo test --workspace --locked -- --test-threads="${TEST_THREADS:-2}"
+
+step "CLI smoke: probe and select answer"
+cargo run --locked -q -p agent-sandbox -- probe
+cargo run --locked -q -p agent-sandbox -- select --lang javascript --json >/dev/null
+
+echo
+echo "all checks passed"
