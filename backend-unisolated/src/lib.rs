@@ -25,7 +25,7 @@ use sandbox_core::{
     fsnap, Backend, Capabilities, Command, DirEntry, EntryKind, Error, ExecEvent, ExecRequest,
     ExecResult, ExecStream, IsolationBoundary, Language, LimitKind, OutputBuffer, Phase, Redactor,
     ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotDraft, SnapshotId, SnapshotKind,
-    SnapshotStore, Tier, TierStatus, Timeline, TimelineRecorder, WorkspacePath,
+    SnapshotStore, StreamRedactor, Tier, TierStatus, Timeline, TimelineRecorder, WorkspacePath,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::sync::mpsc;
@@ -213,6 +213,13 @@ impl Shared {
         })
     }
 
+    fn sink(&self, tx: &Option<mpsc::Sender<Result<ExecEvent>>>) -> Option<Sink> {
+        tx.as_ref().map(|tx| Sink {
+            tx: tx.clone(),
+            redactor: StreamRedactor::new(self.redactor.clone()),
+        })
+    }
+
     fn kill_all(&self) {
         let pgids: Vec<i32> = self
             .running
@@ -290,8 +297,8 @@ impl Shared {
             });
         }
         let cap = self.spec.limits.output_bytes;
-        let out = tokio::spawn(pump(child.stdout.take(), cap, sink.clone(), true));
-        let err = tokio::spawn(pump(child.stderr.take(), cap, sink.clone(), false));
+        let out = tokio::spawn(pump(child.stdout.take(), cap, self.sink(&sink), true));
+        let err = tokio::spawn(pump(child.stderr.take(), cap, self.sink(&sink), false));
         let timeout = req.effective_timeout(self.spec.limits.wall_time());
         let (status, limit) = match tokio::time::timeout(timeout, child.wait()).await {
             Ok(s) => (s.map_err(|e| Error::io("wait for command", e))?, None),
@@ -335,10 +342,31 @@ impl Shared {
     }
 }
 
+/// Where a streaming exec's chunks go, redacted on the way.
+struct Sink {
+    tx: mpsc::Sender<Result<ExecEvent>>,
+    redactor: StreamRedactor,
+}
+
+impl Sink {
+    async fn send(&self, data: Vec<u8>, stdout: bool) {
+        if data.is_empty() {
+            return;
+        }
+        let b = Bytes::from(data);
+        let ev = if stdout {
+            ExecEvent::Stdout(b)
+        } else {
+            ExecEvent::Stderr(b)
+        };
+        let _ = self.tx.send(Ok(ev)).await;
+    }
+}
+
 async fn pump<R: AsyncRead + Unpin>(
     src: Option<R>,
     cap: u64,
-    sink: Option<mpsc::Sender<Result<ExecEvent>>>,
+    mut sink: Option<Sink>,
     stdout: bool,
 ) -> OutputBuffer {
     let mut buf = OutputBuffer::new(cap);
@@ -350,23 +378,22 @@ async fn pump<R: AsyncRead + Unpin>(
             Ok(0) | Err(_) => break,
             Ok(n) => {
                 buf.push(&chunk[..n]);
-                if let Some(tx) = &sink {
+                if let Some(s) = &mut sink {
                     // Streamed chunks obey the same cap; the flood is drained and dropped.
                     let room = cap.saturating_sub(streamed);
                     let take = usize::try_from(room).unwrap_or(usize::MAX).min(n);
                     if take > 0 {
                         streamed += take as u64;
-                        let b = Bytes::copy_from_slice(&chunk[..take]);
-                        let ev = if stdout {
-                            ExecEvent::Stdout(b)
-                        } else {
-                            ExecEvent::Stderr(b)
-                        };
-                        let _ = tx.send(Ok(ev)).await;
+                        let out = s.redactor.push(&chunk[..take]);
+                        s.send(out, stdout).await;
                     }
                 }
             }
         }
+    }
+    if let Some(s) = &mut sink {
+        let rest = s.redactor.finish(buf.truncated());
+        s.send(rest, stdout).await;
     }
     buf
 }

@@ -308,3 +308,24 @@ async fn deny_all_network_has_only_a_down_loopback() {
     // and the same connection from the host works, so the check is meaningful
     assert!(std::net::TcpStream::connect(("127.0.0.1", port)).is_ok());
 }
+
+#[tokio::test]
+async fn streamed_output_is_redacted_too() {
+    let spec = SandboxSpec::builder(Language::Shell)
+        .secret_env("TOKEN", "API_TOKEN")
+        .build()
+        .unwrap();
+    let src = MapSecretSource::new().with("TOKEN", "sk-live-0123456789");
+    let secrets = ResolvedSecrets::resolve(&spec.secrets, &src).unwrap();
+    let sb = backend().create(&spec, secrets).await.unwrap();
+    // Print the secret in two writes so it straddles chunk boundaries.
+    let code = "printf 'a=%s' \"${API_TOKEN%%0123456789}\"; sleep 0.1; printf '0123456789\\n'";
+    let r = sb
+        .exec_stream(ExecRequest::code(code))
+        .await
+        .unwrap()
+        .collect()
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_str(), "a=[REDACTED:TOKEN]\n");
+}

@@ -291,10 +291,12 @@ impl OutputBuffer {
         self.dropped > 0
     }
 
-    /// The kept bytes, with secrets redacted.
+    /// The kept bytes, with secrets redacted (also a secret cut in half by the cap).
     pub fn finish(self, redactor: &Redactor) -> Vec<u8> {
         if redactor.is_empty() {
             self.data
+        } else if self.truncated() {
+            redactor.redact_truncated(&self.data)
         } else {
             redactor.redact(&self.data)
         }
@@ -313,6 +315,10 @@ mod tests {
         assert!(b.truncated());
         let r = Redactor::new([("T".into(), "abc".into())]);
         assert_eq!(b.finish(&r), b"token=[REDACTED:T]d".to_vec());
+        // a secret cut by the cap does not leak its first bytes
+        let mut b = OutputBuffer::new(8);
+        b.push(b"token=abc");
+        assert_eq!(b.finish(&r), b"token=[REDACTED:T]".to_vec());
     }
 
     #[test]

@@ -35,7 +35,7 @@ pub use probe::TierStatus;
 pub use sandbox::{Backend, DynBackend, Sandbox};
 pub use secrets::{
     EnvSecretSource, MapSecretSource, Redactor, ResolvedSecrets, Secret, SecretBinding,
-    SecretExposure, SecretSource,
+    SecretExposure, SecretSource, StreamRedactor,
 };
 pub use selector::{IoProfile, KernelNeed, Question, Ranked, Selection, Selector, Trust};
 pub use snapshot::{

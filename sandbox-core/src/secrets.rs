@@ -204,6 +204,23 @@ impl Redactor {
         self.needles.first().map_or(0, |(_, v)| v.len())
     }
 
+    /// Like [`Redactor::redact`], for output that was cut at a cap: a tail that is the start
+    /// of a secret is redacted too, so truncation never leaks a secret's first bytes.
+    pub fn redact_truncated(&self, data: &[u8]) -> Vec<u8> {
+        let mut out = self.redact(data);
+        for (name, needle) in &self.needles {
+            let longest = (1..needle.len().min(out.len() + 1))
+                .rev()
+                .find(|&n| out.ends_with(&needle[..n]));
+            if let Some(n) = longest {
+                out.truncate(out.len() - n);
+                out.extend_from_slice(format!("[REDACTED:{name}]").as_bytes());
+                break;
+            }
+        }
+        out
+    }
+
     /// Returns `data` with every secret replaced.
     pub fn redact(&self, data: &[u8]) -> Vec<u8> {
         if self.needles.is_empty() {
@@ -225,6 +242,71 @@ impl Redactor {
             i += 1;
         }
         out
+    }
+}
+
+/// Redaction for streamed output: secrets split across chunk boundaries are still caught.
+///
+/// Bytes that might be the start of a secret are held back until the next chunk decides them;
+/// [`StreamRedactor::finish`] flushes the rest.
+#[derive(Debug, Clone)]
+pub struct StreamRedactor {
+    redactor: Redactor,
+    pending: Vec<u8>,
+}
+
+impl StreamRedactor {
+    /// Wraps a redactor.
+    pub fn new(redactor: Redactor) -> Self {
+        StreamRedactor {
+            redactor,
+            pending: Vec::new(),
+        }
+    }
+
+    /// Feeds a chunk; returns what can be emitted now (possibly empty).
+    pub fn push(&mut self, chunk: &[u8]) -> Vec<u8> {
+        if self.redactor.is_empty() {
+            return chunk.to_vec();
+        }
+        self.pending.extend_from_slice(chunk);
+        let data = std::mem::take(&mut self.pending);
+        let mut out = Vec::with_capacity(data.len());
+        let mut i = 0;
+        'outer: while i < data.len() {
+            let rest = &data[i..];
+            let mut undecided = false;
+            for (name, needle) in &self.redactor.needles {
+                if rest.starts_with(needle) {
+                    out.extend_from_slice(b"[REDACTED:");
+                    out.extend_from_slice(name.as_bytes());
+                    out.push(b']');
+                    i += needle.len();
+                    continue 'outer;
+                }
+                if rest.len() < needle.len() && needle.starts_with(rest) {
+                    undecided = true;
+                }
+            }
+            if undecided {
+                self.pending = rest.to_vec();
+                return out;
+            }
+            out.push(data[i]);
+            i += 1;
+        }
+        out
+    }
+
+    /// Flushes held-back bytes at the end of the stream. With `truncated`, a held-back start
+    /// of a secret is redacted rather than emitted (see [`Redactor::redact_truncated`]).
+    pub fn finish(&mut self, truncated: bool) -> Vec<u8> {
+        let rest = std::mem::take(&mut self.pending);
+        if truncated {
+            self.redactor.redact_truncated(&rest)
+        } else {
+            self.redactor.redact(&rest)
+        }
     }
 }
 
@@ -261,6 +343,33 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("NOPE"));
+    }
+
+    #[test]
+    fn stream_redaction_catches_secrets_split_across_chunks() {
+        let r = Redactor::new([("K".into(), "sk-123456".into())]);
+        let input = b"key=sk-123456 and again sk-123456 end sk-12";
+        for split in 1..input.len() {
+            let mut s = StreamRedactor::new(r.clone());
+            let mut out = Vec::new();
+            for chunk in input.chunks(split) {
+                out.extend(s.push(chunk));
+            }
+            out.extend(s.finish(false));
+            assert_eq!(
+                String::from_utf8(out).unwrap(),
+                "key=[REDACTED:K] and again [REDACTED:K] end sk-12",
+                "chunk size {split}"
+            );
+        }
+        let mut s = StreamRedactor::new(r.clone());
+        let mut out = s.push(b"x sk-1234");
+        out.extend(s.finish(true));
+        assert_eq!(out, b"x [REDACTED:K]");
+        assert_eq!(r.redact_truncated(b"abc sk-12345"), b"abc [REDACTED:K]");
+        assert_eq!(r.redact_truncated(b"abc"), b"abc");
+        let mut none = StreamRedactor::new(Redactor::default());
+        assert_eq!(none.push(b"abc"), b"abc");
     }
 
     #[test]
