@@ -18,16 +18,16 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use async_trait::async_trait;
-use bytes::Bytes;
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use sandbox_core::{
-    fsnap, Backend, Capabilities, Command, DirEntry, EntryKind, Error, ExecEvent, ExecRequest,
-    ExecResult, ExecStream, IsolationBoundary, Language, LimitKind, OutputBuffer, Phase, Redactor,
-    ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotDraft, SnapshotId, SnapshotKind,
-    SnapshotStore, StreamRedactor, Tier, TierStatus, Timeline, TimelineRecorder, WorkspacePath,
+    fsnap, pump_output, Backend, Capabilities, Command, DirEntry, EntryKind, Error, ExecEvent,
+    ExecRequest, ExecResult, ExecStream, IsolationBoundary, Language, LimitKind, OutputBuffer,
+    Phase, Redactor, ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotDraft, SnapshotId,
+    SnapshotKind, SnapshotStore, StreamKind, StreamSink, Tier, TierStatus, Timeline,
+    TimelineRecorder, WorkspacePath,
 };
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
 
 const ENGINE: &str = "unisolated 1";
@@ -213,11 +213,13 @@ impl Shared {
         })
     }
 
-    fn sink(&self, tx: &Option<mpsc::Sender<Result<ExecEvent>>>) -> Option<Sink> {
-        tx.as_ref().map(|tx| Sink {
-            tx: tx.clone(),
-            redactor: StreamRedactor::new(self.redactor.clone()),
-        })
+    fn sink(
+        &self,
+        tx: &Option<mpsc::Sender<Result<ExecEvent>>>,
+        kind: StreamKind,
+    ) -> Option<StreamSink> {
+        tx.as_ref()
+            .map(|tx| StreamSink::new(tx.clone(), &self.redactor, kind))
     }
 
     fn kill_all(&self) {
@@ -297,8 +299,16 @@ impl Shared {
             });
         }
         let cap = self.spec.limits.output_bytes;
-        let out = tokio::spawn(pump(child.stdout.take(), cap, self.sink(&sink), true));
-        let err = tokio::spawn(pump(child.stderr.take(), cap, self.sink(&sink), false));
+        let out = tokio::spawn(pump_output(
+            child.stdout.take(),
+            cap,
+            self.sink(&sink, StreamKind::Stdout),
+        ));
+        let err = tokio::spawn(pump_output(
+            child.stderr.take(),
+            cap,
+            self.sink(&sink, StreamKind::Stderr),
+        ));
         let timeout = req.effective_timeout(self.spec.limits.wall_time());
         let (status, limit) = match tokio::time::timeout(timeout, child.wait()).await {
             Ok(s) => (s.map_err(|e| Error::io("wait for command", e))?, None),
@@ -340,62 +350,6 @@ impl Shared {
             timeline: t.finish(),
         })
     }
-}
-
-/// Where a streaming exec's chunks go, redacted on the way.
-struct Sink {
-    tx: mpsc::Sender<Result<ExecEvent>>,
-    redactor: StreamRedactor,
-}
-
-impl Sink {
-    async fn send(&self, data: Vec<u8>, stdout: bool) {
-        if data.is_empty() {
-            return;
-        }
-        let b = Bytes::from(data);
-        let ev = if stdout {
-            ExecEvent::Stdout(b)
-        } else {
-            ExecEvent::Stderr(b)
-        };
-        let _ = self.tx.send(Ok(ev)).await;
-    }
-}
-
-async fn pump<R: AsyncRead + Unpin>(
-    src: Option<R>,
-    cap: u64,
-    mut sink: Option<Sink>,
-    stdout: bool,
-) -> OutputBuffer {
-    let mut buf = OutputBuffer::new(cap);
-    let Some(mut src) = src else { return buf };
-    let mut chunk = vec![0u8; 16 * 1024];
-    let mut streamed: u64 = 0;
-    loop {
-        match src.read(&mut chunk).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => {
-                buf.push(&chunk[..n]);
-                if let Some(s) = &mut sink {
-                    // Streamed chunks obey the same cap; the flood is drained and dropped.
-                    let room = cap.saturating_sub(streamed);
-                    let take = usize::try_from(room).unwrap_or(usize::MAX).min(n);
-                    if take > 0 {
-                        streamed += take as u64;
-                        let out = s.redactor.push(&chunk[..take]);
-                        s.send(out, stdout).await;
-                    }
-                }
-            }
-        }
-    }
-    if let Some(s) = &mut sink {
-        let rest = s.redactor.finish(buf.truncated());
-        s.send(rest, stdout).await;
-    }
-    buf
 }
 
 #[async_trait]

@@ -7,7 +7,7 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
-use crate::secrets::Redactor;
+use crate::secrets::{Redactor, StreamRedactor};
 use crate::timeline::Timeline;
 
 /// What to run.
@@ -301,6 +301,88 @@ impl OutputBuffer {
             redactor.redact(&self.data)
         }
     }
+}
+
+/// Which stream a chunk belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamKind {
+    /// Standard output.
+    Stdout,
+    /// Standard error.
+    Stderr,
+}
+
+/// Where a streaming exec's chunks go, redacted on the way (secrets split across chunks too).
+#[derive(Debug)]
+pub struct StreamSink {
+    tx: mpsc::Sender<crate::Result<ExecEvent>>,
+    redactor: StreamRedactor,
+    kind: StreamKind,
+}
+
+impl StreamSink {
+    /// A sink for one stream of an exec.
+    pub fn new(
+        tx: mpsc::Sender<crate::Result<ExecEvent>>,
+        redactor: &Redactor,
+        kind: StreamKind,
+    ) -> Self {
+        StreamSink {
+            tx,
+            redactor: StreamRedactor::new(redactor.clone()),
+            kind,
+        }
+    }
+
+    async fn send(&self, data: Vec<u8>) {
+        if data.is_empty() {
+            return;
+        }
+        let b = Bytes::from(data);
+        let ev = match self.kind {
+            StreamKind::Stdout => ExecEvent::Stdout(b),
+            StreamKind::Stderr => ExecEvent::Stderr(b),
+        };
+        // A dropped receiver only means nobody is listening any more.
+        let _ = self.tx.send(Ok(ev)).await;
+    }
+}
+
+/// Reads `src` to its end, keeping the first `cap` bytes in an [`OutputBuffer`] and, when a
+/// sink is given, streaming the same (capped, redacted) bytes as they come. Output past the
+/// cap is drained and dropped, so a flood neither blocks the writer nor grows host memory.
+pub async fn pump_output<R>(src: Option<R>, cap: u64, mut sink: Option<StreamSink>) -> OutputBuffer
+where
+    R: tokio::io::AsyncRead + Unpin,
+{
+    use tokio::io::AsyncReadExt;
+    let mut buf = OutputBuffer::new(cap);
+    if let Some(mut src) = src {
+        let mut chunk = vec![0u8; 16 * 1024];
+        let mut streamed: u64 = 0;
+        loop {
+            match src.read(&mut chunk).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    buf.push(&chunk[..n]);
+                    if let Some(s) = &mut sink {
+                        let room = cap.saturating_sub(streamed);
+                        let take = usize::try_from(room).unwrap_or(usize::MAX).min(n);
+                        if take > 0 {
+                            streamed += take as u64;
+                            let out = s.redactor.push(&chunk[..take]);
+                            s.send(out).await;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if let Some(s) = &mut sink {
+        let rest = s.redactor.finish(buf.truncated());
+        s.send(rest).await;
+    }
+    buf
 }
 
 #[cfg(test)]

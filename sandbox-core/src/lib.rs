@@ -27,7 +27,10 @@ pub mod timeline;
 
 pub use capabilities::{Capabilities, NetworkMode, SnapshotKind};
 pub use error::{Error, Result};
-pub use exec::{Command, ExecEvent, ExecRequest, ExecResult, ExecStream, LimitKind, OutputBuffer};
+pub use exec::{
+    pump_output, Command, ExecEvent, ExecRequest, ExecResult, ExecStream, LimitKind, OutputBuffer,
+    StreamKind, StreamSink,
+};
 pub use path::{DirEntry, EntryKind, WorkspacePath, WORKSPACE_MOUNT};
 pub use policy::{Cidr, Decision, DecisionRule, DenyRule, HostPattern, HostRule, NetworkPolicy};
 pub use pool::{PoolConfig, PoolStats, WarmPool};
