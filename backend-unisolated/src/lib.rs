@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 use std::collections::HashSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -21,11 +21,11 @@ use async_trait::async_trait;
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use sandbox_core::{
-    fsnap, pump_output, Backend, Capabilities, Command, DirEntry, EntryKind, Error, ExecEvent,
-    ExecRequest, ExecResult, ExecStream, IsolationBoundary, Language, LimitKind, OutputBuffer,
-    Phase, Redactor, ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotDraft, SnapshotId,
-    SnapshotKind, SnapshotStore, StreamKind, StreamSink, Tier, TierStatus, Timeline,
-    TimelineRecorder, WorkspacePath,
+    fsnap, pump_output, Backend, Capabilities, Command, DirEntry, Error, ExecEvent, ExecRequest,
+    ExecResult, ExecStream, IsolationBoundary, Language, LimitKind, OutputBuffer, Phase, Redactor,
+    ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotDraft, SnapshotId, SnapshotKind,
+    SnapshotStore, StreamKind, StreamSink, Tier, TierStatus, Timeline, TimelineRecorder,
+    WorkspacePath,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
@@ -422,7 +422,7 @@ impl Sandbox for UnisolatedSandbox {
 
     async fn list(&self, path: &str) -> Result<Vec<DirEntry>> {
         self.shared.alive()?;
-        list_dir(&self.shared.host_path(path)?, path)
+        sandbox_core::path::list_host_dir(&self.shared.host_path(path)?, path)
     }
 
     async fn snapshot(&self, store: &dyn SnapshotStore) -> Result<SnapshotId> {
@@ -475,39 +475,4 @@ impl Drop for UnisolatedSandbox {
         self.shared.kill_all();
         // `TempDir` removes the directory.
     }
-}
-
-fn list_dir(dir: &Path, shown: &str) -> Result<Vec<DirEntry>> {
-    let rd = match std::fs::read_dir(dir) {
-        Ok(rd) => rd,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(Error::NotFound { path: shown.into() })
-        }
-        Err(e) => return Err(Error::io_path("list", dir, e)),
-    };
-    let mut out = Vec::new();
-    for e in rd {
-        let e = e.map_err(|e| Error::io_path("list", dir, e))?;
-        let md = e
-            .path()
-            .symlink_metadata()
-            .map_err(|err| Error::io_path("stat", e.path(), err))?;
-        let ft = md.file_type();
-        let kind = if ft.is_symlink() {
-            EntryKind::Symlink
-        } else if ft.is_dir() {
-            EntryKind::Dir
-        } else if ft.is_file() {
-            EntryKind::File
-        } else {
-            EntryKind::Other
-        };
-        out.push(DirEntry {
-            name: e.file_name().to_string_lossy().into_owned(),
-            kind,
-            size: md.len(),
-        });
-    }
-    out.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(out)
 }

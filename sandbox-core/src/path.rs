@@ -133,6 +133,43 @@ pub struct DirEntry {
     pub size: u64,
 }
 
+/// Lists a host directory that backs (part of) a workspace, without following symlinks;
+/// `shown` is the caller's path, used in errors. Entries are sorted by name.
+pub fn list_host_dir(dir: &Path, shown: &str) -> Result<Vec<DirEntry>> {
+    let rd = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Error::NotFound { path: shown.into() })
+        }
+        Err(e) => return Err(Error::io_path("list", dir, e)),
+    };
+    let mut out = Vec::new();
+    for e in rd {
+        let e = e.map_err(|e| Error::io_path("list", dir, e))?;
+        let md = e
+            .path()
+            .symlink_metadata()
+            .map_err(|err| Error::io_path("stat", e.path(), err))?;
+        let ft = md.file_type();
+        let kind = if ft.is_symlink() {
+            EntryKind::Symlink
+        } else if ft.is_dir() {
+            EntryKind::Dir
+        } else if ft.is_file() {
+            EntryKind::File
+        } else {
+            EntryKind::Other
+        };
+        out.push(DirEntry {
+            name: e.file_name().to_string_lossy().into_owned(),
+            kind,
+            size: md.len(),
+        });
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
