@@ -46,16 +46,32 @@ pub enum TierChoice {
 /// Whether each product tier's backend is compiled into this binary.
 pub fn built_in(tier: Tier) -> bool {
     match tier {
-        Tier::Wasm | Tier::Container | Tier::Gvisor | Tier::Microvm | Tier::Unisolated => false,
+        Tier::Gvisor => cfg!(feature = "gvisor"),
+        Tier::Wasm | Tier::Container | Tier::Microvm | Tier::Unisolated => false,
     }
 }
 
+/// Whether this version of agent-sandbox has a backend for the tier at all.
+fn implemented(tier: Tier) -> bool {
+    matches!(tier, Tier::Gvisor)
+}
+
 fn not_built(tier: Tier) -> TierStatus {
-    TierStatus::unavailable(
-        tier,
-        format!("the {tier} backend is not built into this binary (not implemented yet in this version)"),
-        format!("use a build of agent-sandbox that includes the `{tier}` feature"),
-    )
+    if implemented(tier) {
+        TierStatus::unavailable(
+            tier,
+            format!(
+                "the {tier} backend is not built into this binary (cargo feature `{tier}` is off)"
+            ),
+            format!("cargo build -p agent-sandbox --features {tier}"),
+        )
+    } else {
+        TierStatus::unavailable(
+            tier,
+            format!("the {tier} backend is not built into this binary (not implemented yet in this version)"),
+            format!("use a later version of agent-sandbox that includes the `{tier}` tier"),
+        )
+    }
 }
 
 /// The entry point: registered backends, the secret source, probing, selection, creation.
@@ -129,6 +145,10 @@ impl Runtime {
     pub fn builder_with_defaults() -> RuntimeBuilder {
         #[allow(unused_mut)]
         let mut b = Self::builder();
+        #[cfg(feature = "gvisor")]
+        {
+            b = b.backend(Arc::new(backend_gvisor::GvisorBackend::default()));
+        }
         b
     }
 

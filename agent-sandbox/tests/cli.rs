@@ -180,3 +180,71 @@ fn run_without_an_available_tier_exits_125_and_says_why() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("microvm") && err.contains("fix"), "{err}");
 }
+
+fn tier_available(tier: &str) -> bool {
+    let v = json(&cli(&["probe", "--json"]));
+    v["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|t| t["tier"] == tier && t["available"] == true)
+}
+
+#[test]
+fn run_on_gvisor_prints_output_and_passes_exit_codes() {
+    if !tier_available("gvisor") {
+        eprintln!("SKIP: the gvisor tier is unavailable on this host (see `agent-sandbox probe`)");
+        return;
+    }
+    let out = cli(&[
+        "run",
+        "--tier",
+        "gvisor",
+        "--",
+        "/bin/sh",
+        "-c",
+        "echo out; echo err >&2; exit 7",
+    ]);
+    assert_eq!(out.status.code(), Some(7));
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "out\n");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("err"));
+    let out = cli(&[
+        "run",
+        "--tier",
+        "gvisor",
+        "--lang",
+        "python",
+        "--env",
+        "A=1",
+        "--json",
+        "-c",
+        "import os; print(os.environ['A'])",
+    ]);
+    assert!(out.status.success());
+    let v = json(&out);
+    assert_eq!(v["tier"], "gvisor");
+    assert_eq!(v["stdout"], "1\n");
+    assert_eq!(v["exit_code"], 0);
+    assert_eq!(v["truncated"], false);
+    assert!(v["limit"].is_null());
+    let phases: Vec<&str> = v["timeline"]["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["phase"].as_str().unwrap())
+        .collect();
+    assert_eq!(phases.last(), Some(&"first-command"));
+    let out = cli(&[
+        "run",
+        "--tier",
+        "gvisor",
+        "--timeout",
+        "1",
+        "--lang",
+        "shell",
+        "-c",
+        "sleep 30",
+    ]);
+    assert_eq!(out.status.code(), Some(137));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("wall-time"));
+}

@@ -1,0 +1,291 @@
+//! The OCI bundle: a read-only root of our own holding only mount points, the host's `/usr`
+//! and the few `/etc` files tools need (the "host tools" view), a tmpfs `/tmp`, and the
+//! workspace. Nothing of `/root`, `/home`, `/var`, host sockets or the host's `/proc`.
+
+use std::fs;
+use std::os::unix::fs::symlink;
+use std::path::{Path, PathBuf};
+
+use oci_spec::runtime::{
+    Capabilities, LinuxBuilder, LinuxCapabilitiesBuilder, LinuxCpuBuilder, LinuxMemoryBuilder,
+    LinuxNamespaceBuilder, LinuxNamespaceType, LinuxPidsBuilder, LinuxResourcesBuilder, Mount,
+    MountBuilder, PosixRlimitBuilder, PosixRlimitType, Process, ProcessBuilder, RootBuilder, Spec,
+    SpecBuilder, UserBuilder,
+};
+use sandbox_core::{Error, Result, SandboxSpec, Tier};
+
+/// `/etc` entries bind-mounted read-only from the host when they exist.
+const HOST_ETC: &[&str] = &[
+    "ld.so.cache",
+    "nsswitch.conf",
+    "ssl",
+    "ca-certificates",
+    "ca-certificates.conf",
+    "alternatives",
+    "localtime",
+    "mime.types",
+];
+
+/// Top-level links of a merged-`/usr` system.
+const USR_LINKS: &[&str] = &["bin", "lib", "lib32", "lib64", "libx32", "sbin"];
+
+/// The init process of every sandbox: pid 1 stays up so files and background processes persist
+/// across execs, and reaps the orphans re-parented to it (dash's `wait` collects any child).
+pub const INIT_SCRIPT: &str = "trap 'exit 0' TERM INT; while :; do sleep 3600 & wait; done";
+
+/// Host tasks an idle sandbox uses (sentry threads, gofer): measured ~37 on ptrace.
+pub const HOST_TASKS_BASE: i64 = 64;
+/// Host tasks per guest process on the ptrace platform (stub process and its threads):
+/// measured ~9.
+pub const HOST_TASKS_PER_PROCESS: i64 = 10;
+
+/// The host pids-cgroup limit for a spec. gVisor's guest processes are not host processes,
+/// so the workload's `pids` limit is applied to the host tasks they cost. (`RLIMIT_NPROC` is not
+/// used: runsc also applies it to the sentry's own stub processes, which then panics.)
+pub fn host_pids_limit(spec: &SandboxSpec) -> i64 {
+    HOST_TASKS_BASE + HOST_TASKS_PER_PROCESS * i64::from(spec.limits.pids)
+}
+
+/// Who the workload runs as.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Identity {
+    /// uid inside the sandbox.
+    pub uid: u32,
+    /// gid inside the sandbox.
+    pub gid: u32,
+}
+
+fn ctx(op: &str, p: &Path) -> impl FnOnce(std::io::Error) -> Error {
+    let (op, p) = (op.to_string(), p.to_path_buf());
+    move |e| Error::io_path(&op, p, e)
+}
+
+fn oci(e: oci_spec::OciSpecError) -> Error {
+    Error::backend(Tier::Gvisor, format!("building the OCI spec: {e}"))
+}
+
+/// Writes `rootfs/` (mount points, links, generated `/etc` files) under `bundle`.
+pub fn write_rootfs(bundle: &Path, who: Identity) -> Result<PathBuf> {
+    let rootfs = bundle.join("rootfs");
+    for d in ["usr", "etc", "tmp", "workspace", "proc", "dev", "sys"] {
+        fs::create_dir_all(rootfs.join(d)).map_err(ctx("create", &rootfs))?;
+    }
+    for l in USR_LINKS {
+        if Path::new("/usr").join(l).exists() {
+            symlink(format!("usr/{l}"), rootfs.join(l)).map_err(ctx("link", &rootfs))?;
+        }
+    }
+    let etc = rootfs.join("etc");
+    let (uid, gid) = (who.uid, who.gid);
+    let passwd = format!(
+        "root:x:0:0:root:/root:/bin/sh\nsandbox:x:{uid}:{gid}:sandbox:/workspace:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+    );
+    let group = format!("root:x:0:\nsandbox:x:{gid}:\nnogroup:x:65534:\n");
+    let files: [(&str, &str); 5] = [
+        ("passwd", &passwd),
+        ("group", &group),
+        (
+            "hosts",
+            "127.0.0.1 localhost sandbox\n::1 localhost ip6-localhost ip6-loopback\n",
+        ),
+        ("hostname", "sandbox\n"),
+        (
+            "resolv.conf",
+            "# no network unless the egress policy allows it\nnameserver 127.0.0.1\n",
+        ),
+    ];
+    for (name, text) in files {
+        fs::write(etc.join(name), text).map_err(ctx("write", &etc))?;
+    }
+    for name in HOST_ETC {
+        let host = Path::new("/etc").join(name);
+        if host.is_dir() {
+            fs::create_dir_all(etc.join(name)).map_err(ctx("create", &etc))?;
+        } else if host.is_file() {
+            fs::write(etc.join(name), b"").map_err(ctx("create", &etc))?;
+        }
+    }
+    Ok(rootfs)
+}
+
+fn bind(dst: &str, src: &Path, read_only: bool) -> Result<Mount> {
+    MountBuilder::default()
+        .destination(dst)
+        .typ("bind")
+        .source(src)
+        .options(vec![
+            "rbind".to_string(),
+            if read_only { "ro" } else { "rw" }.to_string(),
+        ])
+        .build()
+        .map_err(oci)
+}
+
+/// The process of an exec (also used for the init).
+pub fn process(
+    args: Vec<String>,
+    env: Vec<String>,
+    cwd: &str,
+    who: Identity,
+    spec: &SandboxSpec,
+) -> Result<Process> {
+    let none = || Capabilities::new();
+    let caps = LinuxCapabilitiesBuilder::default()
+        .bounding(none())
+        .effective(none())
+        .permitted(none())
+        .inheritable(none())
+        .ambient(none())
+        .build()
+        .map_err(oci)?;
+    let nofile = u64::from(spec.limits.open_files);
+    let rlimits = vec![
+        PosixRlimitBuilder::default()
+            .typ(PosixRlimitType::RlimitNofile)
+            .hard(nofile)
+            .soft(nofile)
+            .build()
+            .map_err(oci)?,
+        PosixRlimitBuilder::default()
+            .typ(PosixRlimitType::RlimitCore)
+            .hard(0u64)
+            .soft(0u64)
+            .build()
+            .map_err(oci)?,
+        PosixRlimitBuilder::default()
+            .typ(PosixRlimitType::RlimitCpu)
+            .hard(spec.limits.cpu_time_ms.div_ceil(1000) + 1)
+            .soft(spec.limits.cpu_time_ms.div_ceil(1000))
+            .build()
+            .map_err(oci)?,
+    ];
+    ProcessBuilder::default()
+        .terminal(false)
+        .user(
+            UserBuilder::default()
+                .uid(who.uid)
+                .gid(who.gid)
+                .build()
+                .map_err(oci)?,
+        )
+        .args(args)
+        .env(env)
+        .cwd(cwd)
+        .capabilities(caps)
+        .no_new_privileges(true)
+        .rlimits(rlimits)
+        .build()
+        .map_err(oci)
+}
+
+/// The whole `config.json`.
+pub fn config(
+    spec: &SandboxSpec,
+    who: Identity,
+    workspace: &Path,
+    workspace_read_only: bool,
+    cgroup: &str,
+) -> Result<Spec> {
+    let mut mounts = vec![
+        MountBuilder::default()
+            .destination("/proc")
+            .typ("proc")
+            .source("proc")
+            .build()
+            .map_err(oci)?,
+        bind("/usr", Path::new("/usr"), true)?,
+    ];
+    for name in HOST_ETC {
+        let host = Path::new("/etc").join(name);
+        if host.exists() {
+            mounts.push(bind(&format!("/etc/{name}"), &host, true)?);
+        }
+    }
+    let tmp_bytes = spec.limits.disk_bytes.clamp(1 << 20, 1 << 30);
+    mounts.push(
+        MountBuilder::default()
+            .destination("/tmp")
+            .typ("tmpfs")
+            .source("tmpfs")
+            .options(vec![
+                "nosuid".to_string(),
+                "nodev".to_string(),
+                "mode=1777".to_string(),
+                format!("size={tmp_bytes}"),
+            ])
+            .build()
+            .map_err(oci)?,
+    );
+    mounts.push(bind("/workspace", workspace, workspace_read_only)?);
+    for m in &spec.mounts {
+        mounts.push(bind(&m.target, &m.source, m.read_only)?);
+    }
+    let ns = |t| LinuxNamespaceBuilder::default().typ(t).build().map_err(oci);
+    let namespaces = vec![
+        ns(LinuxNamespaceType::Pid)?,
+        ns(LinuxNamespaceType::Network)?,
+        ns(LinuxNamespaceType::Ipc)?,
+        ns(LinuxNamespaceType::Uts)?,
+        ns(LinuxNamespaceType::Mount)?,
+    ];
+    let mem = i64::try_from(spec.limits.memory_bytes).unwrap_or(i64::MAX);
+    let period: u64 = 100_000;
+    let quota = i64::from(spec.limits.cpu_millis) * 100;
+    let resources = LinuxResourcesBuilder::default()
+        .memory(
+            LinuxMemoryBuilder::default()
+                .limit(mem)
+                .swap(mem)
+                .build()
+                .map_err(oci)?,
+        )
+        .pids(
+            LinuxPidsBuilder::default()
+                .limit(host_pids_limit(spec))
+                .build()
+                .map_err(oci)?,
+        )
+        .cpu(
+            LinuxCpuBuilder::default()
+                .quota(quota)
+                .period(period)
+                .build()
+                .map_err(oci)?,
+        )
+        .build()
+        .map_err(oci)?;
+    let linux = LinuxBuilder::default()
+        .namespaces(namespaces)
+        .resources(resources)
+        .cgroups_path(PathBuf::from(cgroup))
+        .build()
+        .map_err(oci)?;
+    let init = process(
+        vec!["/bin/sh".into(), "-c".into(), INIT_SCRIPT.into()],
+        vec!["PATH=/usr/local/bin:/usr/bin:/bin".into()],
+        "/",
+        who,
+        spec,
+    )?;
+    SpecBuilder::default()
+        .version("1.0.2")
+        .root(
+            RootBuilder::default()
+                .path("rootfs")
+                .readonly(true)
+                .build()
+                .map_err(oci)?,
+        )
+        .hostname("sandbox")
+        .process(init)
+        .mounts(mounts)
+        .linux(linux)
+        .build()
+        .map_err(oci)
+}
+
+/// Writes the spec as `config.json`.
+pub fn save(spec: &Spec, bundle: &Path) -> Result<()> {
+    spec.save(bundle.join("config.json"))
+        .map_err(|e| Error::backend(Tier::Gvisor, format!("writing config.json: {e}")))
+}

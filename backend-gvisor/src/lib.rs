@@ -1,0 +1,246 @@
+//! # backend-gvisor — tier 3: untrusted code under gVisor
+//!
+//! We drive the `runsc` binary (gVisor's OCI runtime; Debian package `runsc`); we do not
+//! reimplement it. Each sandbox is one runsc container with its own state root:
+//!
+//! 1. **create**: write an OCI bundle ([`bundle`]): a read-only root holding only mount
+//!    points, read-only binds of the host's `/usr` and the `/etc` files tools need, generated
+//!    `passwd`/`group`/`hosts`, a tmpfs `/tmp`, and `/workspace`; then `runsc run --detach`
+//!    starts pid 1, a tiny shell loop that stays up and reaps orphans, so files and
+//!    background processes persist across an agent's turns.
+//! 2. **exec**: `runsc exec --process <json>` with exactly the spec's environment (written to a
+//!    0600 file, never on a command line where `ps` would show secrets), no capabilities,
+//!    `no_new_privs`, rlimits; output is captured with caps and secret redaction. A wall
+//!    timeout kills the exec's whole process group inside the sandbox.
+//! 3. **snapshot**: `runsc checkpoint` (full memory state of every process) + the workspace
+//!    files, stored in a [`SnapshotStore`]; the sandbox is
+//!    restored in place from the image and keeps running. **restore** recreates the bundle
+//!    under a new id and `runsc restore`s the image: processes resume where they were.
+//! 4. **destroy**: `runsc delete --force`, reaping the sandbox's runsc processes ([`reaper`]),
+//!    unmounting the workspace and removing the state directory.
+//!
+//! ## Limits
+//! Memory, pids and CPU quota go to OCI `linux.resources` (cgroups v1 or v2, created by runsc
+//! under `agent-sandbox-gvisor-<id>`); an OOM kill is reported as `limit: memory`. The
+//! workspace of an `Empty` spec is a host tmpfs capped at `limits.disk_bytes`; `/tmp` is a
+//! gVisor tmpfs capped the same way. Per-exec wall time, output bytes, open files and CPU
+//! seconds (`RLIMIT_CPU`) are enforced per exec.
+//!
+//! ## Network
+//! Always `--network=none`: the sandbox has only its own loopback. (`--network=sandbox` fails
+//! on current kernels with "cannot run with network enabled in root network namespace"; the
+//! egress enforcer will give allowlisted sandboxes a path out instead.) Specs asking for
+//! network access are refused with `Unsupported` until then.
+//!
+//! ## Known runsc quirks (Debian's 2022-12-19 build)
+//! - `statx` with `AT_NO_AUTOMOUNT` is rejected, so Debian's `ls PATH` and `stat` fail inside
+//!   ("Invalid argument"); python, busybox, `cat`, `cp`, `find`, `tar` work.
+//! - Rootless `create` and `restore` are refused by this runsc: the tier needs root
+//!   (`probe()` says so).
+//! - `checkpoint --leave-running` hangs: snapshots checkpoint, delete and restore in place.
+//! - The `systrap` platform does not exist in this build (ptrace is used); `kvm` hangs on
+//!   nested hosts, so it is used only when asked for.
+//! - Without a child subreaper, `delete` takes 1.3-2 s on hosts whose pid 1 reaps slowly:
+//!   the backend makes the process a subreaper and reaps exactly its runsc processes.
+
+pub mod bundle;
+pub mod reaper;
+pub mod runsc;
+mod sandbox;
+
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+use async_trait::async_trait;
+use sandbox_core::{
+    Backend, Capabilities, Error, IsolationBoundary, Language, NetworkMode, ResolvedSecrets,
+    Result, Sandbox, SandboxSpec, SnapshotId, SnapshotKind, SnapshotStore, Tier, TierStatus,
+};
+
+pub use runsc::{Platform, RunscInfo};
+pub use sandbox::GvisorSandbox;
+
+const TIER: Tier = Tier::Gvisor;
+
+/// Settings of the gVisor backend.
+#[derive(Debug, Clone, Default)]
+pub struct GvisorConfig {
+    /// The runsc binary (default: `runsc` on `PATH`).
+    pub runsc: Option<PathBuf>,
+    /// The platform (default: systrap where available, else ptrace).
+    pub platform: Option<Platform>,
+    /// Where per-sandbox state lives (default: `$TMPDIR/agent-sandbox-gvisor`).
+    pub state_dir: Option<PathBuf>,
+}
+
+impl GvisorConfig {
+    /// Uses this runsc binary.
+    pub fn runsc(mut self, path: impl Into<PathBuf>) -> Self {
+        self.runsc = Some(path.into());
+        self
+    }
+
+    /// Forces a platform.
+    pub fn platform(mut self, p: Platform) -> Self {
+        self.platform = Some(p);
+        self
+    }
+
+    /// Keeps sandbox state under this directory.
+    pub fn state_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.state_dir = Some(dir.into());
+        self
+    }
+}
+
+/// The gVisor backend.
+#[derive(Debug, Clone)]
+pub struct GvisorBackend {
+    config: GvisorConfig,
+    /// The runsc facts, found once (a successful discovery is cached; failures are retried).
+    resolved: Arc<OnceLock<Resolved>>,
+}
+
+impl Default for GvisorBackend {
+    fn default() -> Self {
+        Self::new(GvisorConfig::default())
+    }
+}
+
+/// Everything `create` needs, resolved once per call.
+#[derive(Debug, Clone)]
+pub(crate) struct Resolved {
+    pub info: RunscInfo,
+    pub platform: Platform,
+    pub state_dir: PathBuf,
+}
+
+impl GvisorBackend {
+    /// A backend with these settings. Nothing is checked until `probe` or `create`.
+    pub fn new(config: GvisorConfig) -> Self {
+        GvisorBackend {
+            config,
+            resolved: Arc::new(OnceLock::new()),
+        }
+    }
+
+    fn state_dir(&self) -> PathBuf {
+        self.config
+            .state_dir
+            .clone()
+            .unwrap_or_else(|| std::env::temp_dir().join("agent-sandbox-gvisor"))
+    }
+
+    pub(crate) fn resolve(&self) -> Result<Resolved> {
+        if let Some(r) = self.resolved.get() {
+            return Ok(r.clone());
+        }
+        let r = self.discover()?;
+        Ok(self.resolved.get_or_init(|| r).clone())
+    }
+
+    fn discover(&self) -> Result<Resolved> {
+        let info = RunscInfo::discover(self.config.runsc.as_deref())?;
+        info.check_version()?;
+        if !nix::unistd::geteuid().is_root() {
+            return Err(Error::Unavailable {
+                tier: TIER,
+                reason: "runsc refuses rootless `create` and `restore` (this tier needs root)"
+                    .into(),
+                fix: "run as root, or use the container tier's rootless mode for trusted code"
+                    .into(),
+            });
+        }
+        let platform = self
+            .config
+            .platform
+            .unwrap_or_else(|| info.default_platform());
+        if !info.platforms.contains(&platform) {
+            return Err(Error::Unavailable {
+                tier: TIER,
+                reason: format!("{} has no `{}` platform", info.version, platform.name()),
+                fix: "use the default platform".into(),
+            });
+        }
+        Ok(Resolved {
+            info,
+            platform,
+            state_dir: self.state_dir(),
+        })
+    }
+}
+
+#[async_trait]
+impl Backend for GvisorBackend {
+    fn tier(&self) -> Tier {
+        TIER
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            tier: TIER,
+            languages: vec![
+                Language::Python,
+                Language::Shell,
+                Language::Node,
+                Language::C,
+            ],
+            argv: true,
+            boundary: IsolationBoundary::UserSpaceKernel,
+            snapshots: vec![SnapshotKind::Filesystem, SnapshotKind::FullMemory],
+            network: vec![NetworkMode::DenyAll],
+            pause_resume: true,
+            streaming: true,
+            persistent_state: true,
+        }
+    }
+
+    async fn probe(&self) -> TierStatus {
+        let this = self.clone();
+        let r = tokio::task::spawn_blocking(move || this.resolve()).await;
+        match r {
+            Ok(Ok(r)) => {
+                let platforms: Vec<&str> = r.info.platforms.iter().map(|p| p.name()).collect();
+                TierStatus::available(
+                    TIER,
+                    format!("{} (platform {})", r.info.version, r.platform.name()),
+                )
+                .with_detail("runsc", r.info.path.display().to_string())
+                .with_detail("version", r.info.version.clone())
+                .with_detail("platforms", platforms.join(","))
+                .with_detail("platform", r.platform.name())
+            }
+            Ok(Err(Error::Unavailable { reason, fix, .. })) => {
+                TierStatus::unavailable(TIER, reason, fix)
+            }
+            Ok(Err(e)) => TierStatus::unavailable(TIER, e.to_string(), "see the error"),
+            Err(e) => TierStatus::unavailable(TIER, format!("probe panicked: {e}"), "report a bug"),
+        }
+    }
+
+    async fn create(
+        &self,
+        spec: &SandboxSpec,
+        secrets: ResolvedSecrets,
+    ) -> Result<Box<dyn Sandbox>> {
+        Ok(Box::new(
+            GvisorSandbox::create(self, spec, secrets, None).await?,
+        ))
+    }
+
+    async fn restore(
+        &self,
+        store: &dyn SnapshotStore,
+        id: &SnapshotId,
+        secrets: ResolvedSecrets,
+    ) -> Result<Box<dyn Sandbox>> {
+        Ok(Box::new(
+            GvisorSandbox::restore(self, store, id, secrets).await?,
+        ))
+    }
+}
+
+/// Shared handle type for the facade.
+pub fn backend(config: GvisorConfig) -> Arc<dyn Backend> {
+    Arc::new(GvisorBackend::new(config))
+}

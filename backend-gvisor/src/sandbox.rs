@@ -1,0 +1,857 @@
+//! One gVisor sandbox: its state directory, bundle, workspace and runsc container.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use sandbox_core::{
+    fsnap, pump_output, Command, DirEntry, Error, ExecEvent, ExecRequest, ExecResult, ExecStream,
+    Language, LimitKind, Phase, Redactor, ResolvedSecrets, Result, Sandbox, SandboxSpec,
+    SnapshotDraft, SnapshotError, SnapshotId, SnapshotKind, SnapshotStore, StreamKind, StreamSink,
+    Tier, Timeline, TimelineRecorder, Workspace, WorkspacePath,
+};
+use tokio::io::AsyncWriteExt;
+use tokio::sync::{mpsc, RwLock};
+
+use crate::bundle::{self, Identity};
+use crate::reaper;
+use crate::runsc::{run_checked_async, run_detached, Runsc};
+use crate::{GvisorBackend, TIER};
+
+/// The default identity of the workload when the sandbox owns its workspace.
+const SANDBOX_ID: Identity = Identity {
+    uid: 1000,
+    gid: 1000,
+};
+
+/// A running gVisor sandbox.
+pub struct GvisorSandbox {
+    inner: Arc<Inner>,
+    timeline: Timeline,
+}
+
+struct Inner {
+    id: String,
+    spec: SandboxSpec,
+    runsc: Runsc,
+    engine: String,
+    dir: PathBuf,
+    bundle: PathBuf,
+    workspace: PathBuf,
+    /// We mounted a tmpfs on `workspace` (an `Empty` spec) and must unmount it.
+    workspace_tmpfs: bool,
+    who: Identity,
+    env: BTreeMap<String, String>,
+    redactor: Redactor,
+    /// runsc processes (sandbox, gofer) re-parented to us, to reap on delete.
+    pids: Mutex<Vec<i32>>,
+    /// The sandbox's cgroup paths (v1 memory and pids hierarchies), to read OOM kills and
+    /// pids-limit hits from.
+    cgroup: Mutex<(Option<String>, Option<String>)>,
+    gone: AtomicBool,
+    /// Why the sandbox died on its own (e.g. killed by the memory limit), if it did.
+    dead: Mutex<Option<String>>,
+    born: Instant,
+    seq: AtomicU64,
+    /// Execs hold it shared; snapshot/pause hold it exclusively.
+    lifecycle: RwLock<()>,
+}
+
+impl std::fmt::Debug for GvisorSandbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GvisorSandbox")
+            .field("id", &self.inner.id)
+            .finish()
+    }
+}
+
+fn io(op: &str, p: &Path) -> impl FnOnce(std::io::Error) -> Error {
+    let what = format!("{op} {}", p.display());
+    move |e| {
+        if e.raw_os_error() == Some(libc::ENOSPC) {
+            Error::ResourceExhausted {
+                what: format!("disk space ({what})"),
+            }
+        } else {
+            Error::io(what, e)
+        }
+    }
+}
+
+impl GvisorSandbox {
+    pub(crate) async fn create(
+        backend: &GvisorBackend,
+        spec: &SandboxSpec,
+        secrets: ResolvedSecrets,
+        restore: Option<Restore>,
+    ) -> Result<Self> {
+        spec.validate()?;
+        if spec.network.allows_any_network() {
+            return Err(Error::unsupported(
+                TIER,
+                "network egress (only deny-all is enforced on this tier yet)",
+            ));
+        }
+        if spec.language == Language::Wasm {
+            return Err(Error::unsupported(
+                TIER,
+                "WebAssembly modules (use the wasm tier)",
+            ));
+        }
+        let mut t = TimelineRecorder::start();
+        let b = backend.clone();
+        let r = tokio::task::spawn_blocking(move || b.resolve())
+            .await
+            .map_err(|e| Error::backend(TIER, format!("probe task failed: {e}")))??;
+        reaper::ensure_subreaper();
+        let id = format!("as-{}", &uuid::Uuid::new_v4().simple().to_string()[..20]);
+        let dir = r.state_dir.join(&id);
+        let bundle_dir = dir.join("bundle");
+        let runsc_root = dir.join("runsc");
+        std::fs::create_dir_all(&bundle_dir).map_err(io("create", &bundle_dir))?;
+        std::fs::create_dir_all(&runsc_root).map_err(io("create", &runsc_root))?;
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))
+            .map_err(io("chmod", &dir))?;
+        let (workspace, who, tmpfs) = match &spec.workspace {
+            Workspace::Empty => {
+                let ws = dir.join("workspace");
+                std::fs::create_dir_all(&ws).map_err(io("create", &ws))?;
+                (ws, restore.as_ref().map_or(SANDBOX_ID, |r| r.who), true)
+            }
+            Workspace::HostDir { path, .. } => {
+                use std::os::unix::fs::MetadataExt;
+                let md = std::fs::metadata(path).map_err(io("stat", path))?;
+                (
+                    path.clone(),
+                    Identity {
+                        uid: md.uid(),
+                        gid: md.gid(),
+                    },
+                    false,
+                )
+            }
+        };
+        let mut env = spec.base_env();
+        for (k, v) in secrets.env() {
+            env.insert(k.to_string(), v.to_string());
+        }
+        env.entry("PATH".into())
+            .or_insert_with(|| "/usr/local/bin:/usr/bin:/bin".into());
+        env.entry("HOME".into())
+            .or_insert_with(|| "/workspace".into());
+        env.entry("LANG".into()).or_insert_with(|| "C.UTF-8".into());
+        let inner = Arc::new(Inner {
+            id: id.clone(),
+            spec: spec.clone(),
+            runsc: Runsc {
+                bin: r.info.path.clone(),
+                root: runsc_root,
+                platform: r.platform,
+            },
+            engine: r.info.version.clone(),
+            dir,
+            bundle: bundle_dir,
+            workspace,
+            workspace_tmpfs: tmpfs,
+            who,
+            env,
+            redactor: secrets.redactor(),
+            pids: Mutex::new(Vec::new()),
+            cgroup: Mutex::new((None, None)),
+            gone: AtomicBool::new(false),
+            dead: Mutex::new(None),
+            born: Instant::now(),
+            seq: AtomicU64::new(0),
+            lifecycle: RwLock::new(()),
+        });
+        t.mark(Phase::Allocation);
+        // From here on, a failure tears down whatever was made.
+        match inner.start(restore, &mut t).await {
+            Ok(()) => Ok(GvisorSandbox {
+                inner,
+                timeline: t.finish(),
+            }),
+            Err(e) => {
+                let i = Arc::clone(&inner);
+                let _ = tokio::task::spawn_blocking(move || i.teardown()).await;
+                Err(e)
+            }
+        }
+    }
+
+    pub(crate) async fn restore(
+        backend: &GvisorBackend,
+        store: &dyn SnapshotStore,
+        id: &SnapshotId,
+        secrets: ResolvedSecrets,
+    ) -> Result<Self> {
+        let m = store.manifest_for(id, TIER).await?;
+        let b = backend.clone();
+        let r = tokio::task::spawn_blocking(move || b.resolve())
+            .await
+            .map_err(|e| Error::backend(TIER, format!("probe task failed: {e}")))??;
+        if m.engine != r.info.version {
+            return Err(SnapshotError::Incompatible {
+                id: id.clone(),
+                reason: format!(
+                    "taken with `{}`, this host has `{}`",
+                    m.engine, r.info.version
+                ),
+            }
+            .into());
+        }
+        let who = Identity {
+            uid: meta_u32(&m.metadata, "uid").unwrap_or(SANDBOX_ID.uid),
+            gid: meta_u32(&m.metadata, "gid").unwrap_or(SANDBOX_ID.gid),
+        };
+        // Fetch (and verify) everything before anything is started.
+        let image = store.artifact(id, "checkpoint.tar").await?;
+        let workspace = match m.spec.workspace {
+            Workspace::Empty => Some(store.artifact(id, "workspace.tar").await?),
+            Workspace::HostDir { .. } => None,
+        };
+        Self::create(
+            backend,
+            &m.spec,
+            secrets,
+            Some(Restore {
+                image: image.to_vec(),
+                workspace,
+                who,
+            }),
+        )
+        .await
+    }
+}
+
+/// What a restore brings into `create`.
+pub(crate) struct Restore {
+    image: Vec<u8>,
+    workspace: Option<bytes::Bytes>,
+    who: Identity,
+}
+
+fn meta_u32(m: &BTreeMap<String, String>, k: &str) -> Option<u32> {
+    m.get(k)?.parse().ok()
+}
+
+impl Inner {
+    async fn start(&self, restore: Option<Restore>, t: &mut TimelineRecorder) -> Result<()> {
+        if self.workspace_tmpfs {
+            self.mount_workspace()?;
+        }
+        let rootfs_bundle = self.bundle.clone();
+        let who = self.who;
+        bundle::write_rootfs(&rootfs_bundle, who)?;
+        let cgroup = format!("agent-sandbox-gvisor-{}", self.id);
+        let cfg = bundle::config(&self.spec, who, &self.workspace, self.read_only(), &cgroup)?;
+        bundle::save(&cfg, &self.bundle)?;
+        let image_dir = self.dir.join("restore-image");
+        if let Some(r) = &restore {
+            if let Some(ws) = &r.workspace {
+                fsnap::unpack_into(ws, &self.workspace)?;
+            }
+            std::fs::create_dir_all(&image_dir).map_err(io("create", &image_dir))?;
+            fsnap::unpack_into(&r.image, &image_dir)?;
+        }
+        t.mark(Phase::Filesystem);
+        let mut cmd = self.runsc.async_command();
+        match &restore {
+            None => cmd
+                .args(["run", "--detach", "--bundle"])
+                .arg(&self.bundle)
+                .arg(&self.id),
+            Some(_) => cmd
+                .args(["restore", "--detach", "--bundle"])
+                .arg(&self.bundle)
+                .arg("--image-path")
+                .arg(&image_dir)
+                .arg(&self.id),
+        };
+        let what = if restore.is_some() { "restore" } else { "run" };
+        run_detached(cmd, &self.dir.join("runsc.log"), what).await?;
+        self.track_processes().await;
+        if restore.is_some() {
+            let _ = std::fs::remove_dir_all(&image_dir);
+            t.mark(Phase::Restore);
+        } else {
+            t.mark(Phase::Runtime);
+        }
+        Ok(())
+    }
+
+    fn read_only(&self) -> bool {
+        matches!(
+            self.spec.workspace,
+            Workspace::HostDir {
+                read_only: true,
+                ..
+            }
+        )
+    }
+
+    fn mount_workspace(&self) -> Result<()> {
+        use nix::mount::{mount, MsFlags};
+        let size = self.spec.limits.disk_bytes;
+        let data = format!(
+            "size={size},mode=0755,uid={},gid={}",
+            self.who.uid, self.who.gid
+        );
+        mount(
+            Some("agent-sandbox-ws"),
+            &self.workspace,
+            Some("tmpfs"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            Some(data.as_str()),
+        )
+        .map_err(|e| Error::io_path("mount a tmpfs workspace on", &self.workspace, e.into()))
+    }
+
+    async fn track_processes(&self) {
+        let needle = format!("--root={}", self.runsc.root.display());
+        let pids = reaper::children_matching(&needle);
+        if let Ok(mut p) = self.pids.lock() {
+            *p = pids;
+        }
+        // The cgroup of the sandbox process, for limit accounting (cgroup v1).
+        let mut state = self.runsc.async_command();
+        state.args(["state", &self.id]).stdout(Stdio::piped());
+        let pid = match state.output().await {
+            Ok(out) if out.status.success() => {
+                serde_json::from_slice::<serde_json::Value>(&out.stdout)
+                    .ok()
+                    .and_then(|v| v["pid"].as_i64())
+            }
+            _ => None,
+        };
+        let cg = match pid {
+            Some(pid) => (cgroup_of(pid, "memory"), cgroup_of(pid, "pids")),
+            None => (None, None),
+        };
+        if let Ok(mut m) = self.cgroup.lock() {
+            *m = cg;
+        }
+    }
+
+    /// `(oom kills, pids-limit hits)` of the sandbox's cgroups, where readable.
+    fn limit_counters(&self) -> (Option<u64>, Option<u64>) {
+        let (mem, pids) = self.cgroup.lock().map(|c| c.clone()).unwrap_or_default();
+        let read = |rel: Option<String>, ctrl: &str, file: &str, key: &str| -> Option<u64> {
+            let rel = rel?;
+            let p = Path::new("/sys/fs/cgroup")
+                .join(ctrl)
+                .join(rel.trim_start_matches('/'))
+                .join(file);
+            let text = std::fs::read_to_string(p).ok()?;
+            text.lines()
+                .find_map(|l| l.strip_prefix(key)?.trim().parse().ok())
+        };
+        (
+            read(mem, "memory", "memory.oom_control", "oom_kill "),
+            read(pids, "pids", "pids.events", "max "),
+        )
+    }
+
+    fn alive(&self) -> Result<()> {
+        if self.gone.load(Ordering::SeqCst) {
+            return Err(Error::SandboxGone {
+                id: self.id.clone(),
+                reason: "destroyed".into(),
+            });
+        }
+        if let Some(reason) = self.dead.lock().ok().and_then(|d| d.clone()) {
+            return Err(Error::SandboxGone {
+                id: self.id.clone(),
+                reason,
+            });
+        }
+        if self.born.elapsed() > self.spec.limits.lifetime() {
+            self.teardown();
+            return Err(Error::SandboxGone {
+                id: self.id.clone(),
+                reason: "lifetime limit reached".into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn argv(&self, cmd: &Command) -> Result<(Vec<String>, BTreeMap<String, String>)> {
+        let mut extra = BTreeMap::new();
+        let argv = match cmd {
+            Command::Argv(a) => a.clone(),
+            Command::Code(code) => match self.spec.language {
+                Language::Python => vec!["/usr/bin/python3".into(), "-c".into(), code.clone()],
+                Language::Shell => vec!["/bin/sh".into(), "-c".into(), code.clone()],
+                Language::Node | Language::Javascript => {
+                    vec!["node".into(), "-e".into(), code.clone()]
+                }
+                Language::C => {
+                    // The source travels in the environment (not on a command line).
+                    extra.insert("AGENT_SANDBOX_C_SOURCE".to_string(), code.clone());
+                    vec![
+                        "/bin/sh".into(),
+                        "-c".into(),
+                        "d=$(mktemp -d) && printf '%s' \"$AGENT_SANDBOX_C_SOURCE\" > \"$d/main.c\" && unset AGENT_SANDBOX_C_SOURCE && cc -O1 -o \"$d/main\" \"$d/main.c\" && exec \"$d/main\"".into(),
+                    ]
+                }
+                Language::Wasm => return Err(Error::unsupported(TIER, "WebAssembly modules")),
+            },
+        };
+        Ok((argv, extra))
+    }
+
+    async fn run(
+        &self,
+        req: ExecRequest,
+        sink: Option<mpsc::Sender<Result<ExecEvent>>>,
+    ) -> Result<ExecResult> {
+        self.alive()?;
+        req.validate()?;
+        let _shared = self.lifecycle.read().await;
+        self.alive()?;
+        let mut t = TimelineRecorder::start();
+        let (argv, extra) = self.argv(&req.command)?;
+        let cwd = match &req.cwd {
+            None => "/workspace".to_string(),
+            Some(c) if c.starts_with('/') => c.clone(),
+            Some(c) => WorkspacePath::parse(c)?.in_sandbox(),
+        };
+        let mut env = self.env.clone();
+        env.extend(extra);
+        env.extend(req.env.clone());
+        let env: Vec<String> = env.into_iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let process = bundle::process(argv, env, &cwd, self.who, &self.spec)?;
+        let n = self.seq.fetch_add(1, Ordering::SeqCst);
+        let pfile = self.dir.join(format!("exec-{n}.json"));
+        let pidfile = self.dir.join(format!("exec-{n}.pid"));
+        write_private(
+            &pfile,
+            &serde_json::to_vec(&process).map_err(|e| Error::backend(TIER, e.to_string()))?,
+        )?;
+        let before = self.limit_counters();
+        let mut cmd = self.runsc.async_command();
+        cmd.arg("exec")
+            .arg("--process")
+            .arg(&pfile)
+            .arg("--internal-pid-file")
+            .arg(&pidfile)
+            .arg(&self.id)
+            .stdin(if req.stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let spawned = cmd.spawn();
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = std::fs::remove_file(&pfile);
+                return Err(Error::io("spawn runsc exec", e));
+            }
+        };
+        t.mark(Phase::Allocation);
+        if let (Some(data), Some(mut stdin)) = (req.stdin.clone(), child.stdin.take()) {
+            tokio::spawn(async move {
+                let _ = stdin.write_all(&data).await;
+            });
+        }
+        let cap = self.spec.limits.output_bytes;
+        let mk = |k| {
+            sink.as_ref()
+                .map(|tx| StreamSink::new(tx.clone(), &self.redactor, k))
+        };
+        let out = tokio::spawn(pump_output(
+            child.stdout.take(),
+            cap,
+            mk(StreamKind::Stdout),
+        ));
+        let err = tokio::spawn(pump_output(
+            child.stderr.take(),
+            cap,
+            mk(StreamKind::Stderr),
+        ));
+        let timeout = req.effective_timeout(self.spec.limits.wall_time());
+        let (status, mut limit) = match tokio::time::timeout(timeout, child.wait()).await {
+            Ok(s) => (s.map_err(|e| Error::io("wait for runsc exec", e))?, None),
+            Err(_) => {
+                self.kill_exec(&pidfile).await;
+                let s = match tokio::time::timeout(Duration::from_secs(10), child.wait()).await {
+                    Ok(s) => s.map_err(|e| Error::io("reap runsc exec", e))?,
+                    Err(_) => {
+                        let _ = child.start_kill();
+                        child
+                            .wait()
+                            .await
+                            .map_err(|e| Error::io("reap runsc exec", e))?
+                    }
+                };
+                (s, Some(LimitKind::WallTime))
+            }
+        };
+        let _ = std::fs::remove_file(&pfile);
+        let _ = std::fs::remove_file(&pidfile);
+        let join = |r: std::result::Result<sandbox_core::OutputBuffer, tokio::task::JoinError>| {
+            r.unwrap_or_else(|_| sandbox_core::OutputBuffer::new(0))
+        };
+        let (out, err) = (join(out.await), join(err.await));
+        t.mark(Phase::Command);
+        use std::os::unix::process::ExitStatusExt;
+        let exit_code = status.code().or_else(|| status.signal().map(|s| 128 + s));
+        let mut exit_code = exit_code;
+        if limit.is_none() && exit_code != Some(0) {
+            let after = self.limit_counters();
+            let grew =
+                |a: Option<u64>, b: Option<u64>| matches!((a, b), (Some(a), Some(b)) if b > a);
+            // The host's OOM killer, or a pids limit that stops the sentry from creating its
+            // stubs, ends the whole sandbox (it is one host process tree): report the limit,
+            // and the sandbox as gone from now on.
+            let hit = if grew(before.0, after.0) {
+                Some((LimitKind::Memory, "killed by its memory limit"))
+            } else if grew(before.1, after.1) && !self.container_running().await {
+                Some((LimitKind::Pids, "ended by its process limit"))
+            } else {
+                None
+            };
+            if hit.is_none() && exit_code == Some(128) && !self.container_running().await {
+                // runsc could not wait for the process: the sandbox itself is gone.
+                if let Ok(mut d) = self.dead.lock() {
+                    *d = Some("the gVisor sandbox exited unexpectedly".into());
+                }
+            }
+            if let Some((kind, why)) = hit {
+                limit = Some(kind);
+                exit_code = Some(137);
+                if let Ok(mut d) = self.dead.lock() {
+                    *d = Some(why.into());
+                }
+            }
+        }
+        let truncated = out.truncated() || err.truncated();
+        Ok(ExecResult {
+            exit_code,
+            stdout: out.finish(&self.redactor),
+            stderr: err.finish(&self.redactor),
+            limit,
+            truncated,
+            value: None,
+            timeline: t.finish(),
+        })
+    }
+
+    async fn container_running(&self) -> bool {
+        let mut cmd = self.runsc.async_command();
+        cmd.args(["state", &self.id]).stdout(Stdio::piped());
+        match cmd.output().await {
+            Ok(out) => serde_json::from_slice::<serde_json::Value>(&out.stdout)
+                .map(|v| v["status"] == "running")
+                .unwrap_or(false),
+            Err(_) => false,
+        }
+    }
+
+    /// Kills a timed-out exec's whole process group inside the sandbox.
+    async fn kill_exec(&self, pidfile: &Path) {
+        let Some(pid) = std::fs::read_to_string(pidfile)
+            .ok()
+            .and_then(|s| s.trim().parse::<i32>().ok())
+        else {
+            return;
+        };
+        let script = format!("kill -9 -{pid} 2>/dev/null; kill -9 {pid} 2>/dev/null; true");
+        let env = vec!["PATH=/usr/bin:/bin".to_string()];
+        let Ok(process) = bundle::process(
+            vec!["/bin/sh".into(), "-c".into(), script],
+            env,
+            "/",
+            self.who,
+            &self.spec,
+        ) else {
+            return;
+        };
+        let n = self.seq.fetch_add(1, Ordering::SeqCst);
+        let pfile = self.dir.join(format!("kill-{n}.json"));
+        if let Ok(bytes) = serde_json::to_vec(&process) {
+            if write_private(&pfile, &bytes).is_ok() {
+                let mut cmd = self.runsc.async_command();
+                cmd.arg("exec").arg("--process").arg(&pfile).arg(&self.id);
+                let _ = tokio::time::timeout(Duration::from_secs(10), cmd.status()).await;
+                let _ = std::fs::remove_file(&pfile);
+            }
+        }
+    }
+
+    fn host_path(&self, path: &str) -> Result<PathBuf> {
+        WorkspacePath::parse(path)?.resolve_under(&self.workspace)
+    }
+
+    /// Deletes the container, reaps its processes, unmounts and removes the state. Idempotent.
+    fn teardown(&self) {
+        if self.gone.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        self.delete_container();
+        if self.workspace_tmpfs {
+            let _ = nix::mount::umount2(&self.workspace, nix::mount::MntFlags::MNT_DETACH);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+
+    fn delete_container(&self) {
+        let pids = self.pids.lock().map(|p| p.clone()).unwrap_or_default();
+        let mut cmd = self.runsc.command();
+        cmd.args(["delete", "--force", &self.id])
+            .stderr(Stdio::null());
+        match cmd.spawn() {
+            Ok(mut child) => {
+                reaper::reap_while(&pids, Duration::from_secs(20), || {
+                    matches!(child.try_wait(), Ok(Some(_)) | Err(_))
+                });
+                let _ = child.wait();
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %self.id, error = %e, "runsc delete could not start")
+            }
+        }
+    }
+
+    async fn snapshot(&self, store: &dyn SnapshotStore) -> Result<SnapshotId> {
+        self.alive()?;
+        let _exclusive = self.lifecycle.write().await;
+        self.alive()?;
+        let image = self.dir.join(format!(
+            "checkpoint-{}",
+            self.seq.fetch_add(1, Ordering::SeqCst)
+        ));
+        std::fs::create_dir_all(&image).map_err(io("create", &image))?;
+        let mut cmd = self.runsc.async_command();
+        cmd.arg("checkpoint")
+            .arg("--image-path")
+            .arg(&image)
+            .arg(&self.id);
+        let checkpointed = run_checked_async(cmd, "checkpoint").await;
+        // The container stopped (or failed): delete it and bring it back from the image.
+        let inner_self: &Inner = self;
+        let pids = inner_self
+            .pids
+            .lock()
+            .map(|p| p.clone())
+            .unwrap_or_default();
+        let mut del = self.runsc.command();
+        del.args(["delete", "--force", &self.id])
+            .stderr(Stdio::null());
+        if let Ok(mut child) = del.spawn() {
+            reaper::reap_while(&pids, Duration::from_secs(20), || {
+                matches!(child.try_wait(), Ok(Some(_)) | Err(_))
+            });
+            let _ = child.wait();
+        }
+        if let Err(e) = checkpointed {
+            let _ = std::fs::remove_dir_all(&image);
+            self.teardown();
+            return Err(e);
+        }
+        let packed = fsnap::pack_dir(&image);
+        let ws = match self.spec.workspace {
+            Workspace::Empty => Some(fsnap::pack_dir(&self.workspace)),
+            Workspace::HostDir { .. } => None,
+        };
+        let mut cmd = self.runsc.async_command();
+        cmd.args(["restore", "--detach", "--bundle"])
+            .arg(&self.bundle)
+            .arg("--image-path")
+            .arg(&image)
+            .arg(&self.id);
+        let resumed = run_detached(cmd, &self.dir.join("runsc.log"), "restore").await;
+        self.track_processes().await;
+        let _ = std::fs::remove_dir_all(&image);
+        if let Err(e) = resumed {
+            self.teardown();
+            return Err(e);
+        }
+        let mut draft = SnapshotDraft::new(
+            TIER,
+            self.engine.clone(),
+            vec![SnapshotKind::Filesystem, SnapshotKind::FullMemory],
+            self.spec.clone(),
+        )
+        .artifact("checkpoint.tar", packed?)
+        .meta("uid", self.who.uid.to_string())
+        .meta("gid", self.who.gid.to_string())
+        .meta("platform", self.runsc.platform.name())
+        .meta("sandbox_id", self.id.clone());
+        if let Some(ws) = ws {
+            draft = draft.artifact("workspace.tar", ws?);
+        }
+        Ok(store.put(draft).await?)
+    }
+}
+
+fn write_private(path: &Path, data: &[u8]) -> Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .map_err(io("create", path))?;
+    f.write_all(data).map_err(io("write", path))
+}
+
+/// The cgroup path of `pid` in the v1 hierarchy that has `controller`.
+fn cgroup_of(pid: i64, controller: &str) -> Option<String> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    text.lines().find_map(|l| {
+        let mut parts = l.splitn(3, ':');
+        let (_, ctrls, path) = (parts.next()?, parts.next()?, parts.next()?);
+        ctrls
+            .split(',')
+            .any(|c| c == controller)
+            .then(|| path.to_string())
+    })
+}
+
+fn chown_new(path: &Path, who: Identity) -> Result<()> {
+    nix::unistd::chown(path, Some(who.uid.into()), Some(who.gid.into()))
+        .map_err(|e| Error::io_path("chown", path, e.into()))
+}
+
+#[async_trait]
+impl Sandbox for GvisorSandbox {
+    fn id(&self) -> &str {
+        &self.inner.id
+    }
+
+    fn tier(&self) -> Tier {
+        TIER
+    }
+
+    fn spec(&self) -> &SandboxSpec {
+        &self.inner.spec
+    }
+
+    fn timeline(&self) -> &Timeline {
+        &self.timeline
+    }
+
+    async fn exec(&self, req: ExecRequest) -> Result<ExecResult> {
+        self.inner.run(req, None).await
+    }
+
+    async fn exec_stream(&self, req: ExecRequest) -> Result<ExecStream> {
+        self.inner.alive()?;
+        let (tx, stream) = ExecStream::channel(64);
+        let inner = Arc::clone(&self.inner);
+        tokio::spawn(async move {
+            let r = inner.run(req, Some(tx.clone())).await;
+            let _ = match r {
+                Ok(mut res) => {
+                    res.stdout.clear();
+                    res.stderr.clear();
+                    tx.send(Ok(ExecEvent::Exit(res))).await
+                }
+                Err(e) => tx.send(Err(e)).await,
+            };
+        });
+        Ok(stream)
+    }
+
+    async fn write_file(&self, path: &str, data: &[u8]) -> Result<()> {
+        let s = &self.inner;
+        s.alive()?;
+        if s.read_only() {
+            return Err(Error::invalid(
+                "path",
+                "the workspace is read-only in this sandbox's spec",
+            ));
+        }
+        let target = s.host_path(path)?;
+        // Create missing parents one by one, owned by the workload's user.
+        let rel = WorkspacePath::parse(path)?.relative();
+        let mut cur = s.workspace.clone();
+        if let Some(parent) = rel.parent() {
+            for c in parent.components() {
+                cur.push(c);
+                if !cur.exists() {
+                    std::fs::create_dir(&cur).map_err(io("create", &cur))?;
+                    chown_new(&cur, s.who)?;
+                }
+            }
+        }
+        // Re-check after creating parents, then refuse to write through a symlink.
+        let target2 = s.host_path(path)?;
+        if target2 != target || target.is_symlink() {
+            return Err(Error::PathEscape { path: path.into() });
+        }
+        std::fs::write(&target, data).map_err(io("write", &target))?;
+        chown_new(&target, s.who)
+    }
+
+    async fn read_file(&self, path: &str) -> Result<Vec<u8>> {
+        self.inner.alive()?;
+        let p = self.inner.host_path(path)?;
+        match std::fs::read(&p) {
+            Ok(d) => Ok(d),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Err(Error::NotFound { path: path.into() })
+            }
+            Err(e) => Err(io("read", &p)(e)),
+        }
+    }
+
+    async fn list(&self, path: &str) -> Result<Vec<DirEntry>> {
+        self.inner.alive()?;
+        sandbox_core::path::list_host_dir(&self.inner.host_path(path)?, path)
+    }
+
+    async fn snapshot(&self, store: &dyn SnapshotStore) -> Result<SnapshotId> {
+        self.inner.snapshot(store).await
+    }
+
+    async fn pause(&self) -> Result<()> {
+        self.inner.alive()?;
+        let mut cmd = self.inner.runsc.async_command();
+        cmd.args(["pause", &self.inner.id]);
+        run_checked_async(cmd, "pause").await
+    }
+
+    async fn resume(&self) -> Result<()> {
+        self.inner.alive()?;
+        let mut cmd = self.inner.runsc.async_command();
+        cmd.args(["resume", &self.inner.id]);
+        run_checked_async(cmd, "resume").await
+    }
+
+    async fn health_check(&self) -> Result<()> {
+        self.inner.alive()?;
+        if self.inner.container_running().await {
+            Ok(())
+        } else {
+            Err(Error::SandboxGone {
+                id: self.inner.id.clone(),
+                reason: "runsc reports the sandbox is not running".into(),
+            })
+        }
+    }
+
+    async fn destroy(&self) -> Result<()> {
+        let inner = Arc::clone(&self.inner);
+        tokio::task::spawn_blocking(move || inner.teardown())
+            .await
+            .map_err(|e| Error::backend(TIER, format!("teardown task failed: {e}")))
+    }
+}
+
+impl Drop for GvisorSandbox {
+    fn drop(&mut self) {
+        self.inner.teardown();
+    }
+}

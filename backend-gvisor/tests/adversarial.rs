@@ -1,0 +1,365 @@
+//! Bad input and hostile code against the gVisor tier: typed errors, nothing orphaned.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::os::unix::fs::PermissionsExt;
+
+use backend_gvisor::{GvisorBackend, GvisorConfig};
+use bytes::Bytes;
+use sandbox_core::{
+    Backend, Error, ExecRequest, Language, LimitKind, ObjectSnapshotStore, ResolvedSecrets,
+    SandboxSpec, SnapshotDraft, SnapshotKind, SnapshotStore, Tier,
+};
+
+#[tokio::test]
+async fn missing_runsc_is_unavailable_with_a_fix() {
+    let b = GvisorBackend::new(GvisorConfig::default().runsc("/nonexistent/runsc"));
+    let s = b.probe().await;
+    assert!(!s.available);
+    let e = b
+        .create(&SandboxSpec::new(Language::Python), ResolvedSecrets::none())
+        .await
+        .err()
+        .unwrap();
+    assert!(
+        matches!(
+            e,
+            Error::Unavailable {
+                tier: Tier::Gvisor,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("apt-get install"), "{e}");
+}
+
+#[tokio::test]
+async fn too_old_or_fake_runsc_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let old = dir.path().join("runsc-old");
+    std::fs::write(&old, "#!/bin/sh\necho 'runsc version 0.0~20190101.0'\n").unwrap();
+    std::fs::set_permissions(&old, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let s = GvisorBackend::new(GvisorConfig::default().runsc(&old))
+        .probe()
+        .await;
+    assert!(!s.available && s.reason.contains("too old"), "{s:?}");
+    let fake = dir.path().join("runsc-fake");
+    std::fs::write(&fake, "#!/bin/sh\necho hello\n").unwrap();
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let s = GvisorBackend::new(GvisorConfig::default().runsc(&fake))
+        .probe()
+        .await;
+    assert!(
+        !s.available && s.reason.contains("not a working runsc"),
+        "{s:?}"
+    );
+}
+
+#[tokio::test]
+async fn network_and_wasm_requests_are_unsupported_not_ignored() {
+    require_gvisor!();
+    let spec = SandboxSpec::builder(Language::Python)
+        .network(sandbox_core::NetworkPolicy::allow_hosts(["example.com"]).unwrap())
+        .build()
+        .unwrap();
+    let e = common::backend()
+        .create(&spec, ResolvedSecrets::none())
+        .await
+        .err()
+        .unwrap();
+    assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+    let e = common::backend()
+        .create(&SandboxSpec::new(Language::Wasm), ResolvedSecrets::none())
+        .await
+        .err()
+        .unwrap();
+    assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+}
+
+#[tokio::test]
+async fn file_api_refuses_escapes_and_host_symlinks() {
+    require_gvisor!();
+    let sb = common::python().await;
+    for bad in ["../x", "/etc/passwd", "/workspace/../x", "a/../../b"] {
+        assert!(
+            matches!(sb.read_file(bad).await, Err(Error::PathEscape { .. })),
+            "{bad}"
+        );
+        assert!(
+            matches!(
+                sb.write_file(bad, b"x").await,
+                Err(Error::PathEscape { .. })
+            ),
+            "{bad}"
+        );
+    }
+    // Code plants symlinks to host paths; the host-side file API does not follow them out.
+    let r = sb
+        .exec(ExecRequest::argv([
+            "/bin/sh",
+            "-c",
+            "ln -s /etc hostetc && ln -s /etc/shadow sh",
+        ]))
+        .await
+        .unwrap();
+    assert!(r.success(), "{r:?}");
+    assert!(matches!(
+        sb.read_file("hostetc/passwd").await,
+        Err(Error::PathEscape { .. })
+    ));
+    assert!(matches!(
+        sb.read_file("sh").await,
+        Err(Error::PathEscape { .. })
+    ));
+    assert!(matches!(
+        sb.write_file("hostetc/evil", b"x").await,
+        Err(Error::PathEscape { .. })
+    ));
+    assert!(!std::path::Path::new("/etc/evil").exists());
+}
+
+#[tokio::test]
+async fn hostile_code_stays_inside() {
+    require_gvisor!();
+    let sb = common::sandbox(&SandboxSpec::new(Language::Shell)).await;
+    // No host secrets or homes are visible; the root is ours.
+    let r = sb.exec(ExecRequest::code("ls_ok=0; for p in /root /home/* /var/lib /etc/shadow; do [ -e \"$p\" ] && echo \"visible $p\"; done; echo done")).await.unwrap();
+    assert_eq!(r.stdout_str(), "done\n", "{r:?}");
+    // kill -9 -1 kills the sandbox's processes (maybe even its init) but nothing on the host.
+    let marker = std::process::Command::new("sleep")
+        .arg("30")
+        .spawn()
+        .unwrap();
+    let r = sb.exec(ExecRequest::code("kill -9 -1; echo after")).await;
+    let mut marker = marker;
+    assert!(
+        marker.try_wait().unwrap().is_none(),
+        "a host process was killed from inside"
+    );
+    let _ = marker.kill();
+    let _ = marker.wait();
+    drop(r);
+    // Mount, ptrace of pid 1, module loading: refused (no capabilities, no_new_privs). (A new
+    // user namespace is allowed: it is gVisor's own emulation and never reaches the host.)
+    let sb = common::sandbox(&SandboxSpec::new(Language::Python)).await;
+    let r = sb
+        .exec(ExecRequest::code(
+            "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nprint(libc.mount(b'none', b'/tmp', b'tmpfs', 0, None), libc.unshare(0x10000000), libc.ptrace(16, 1, 0, 0), libc.syscall(175, 0, 0, b''))",
+        ))
+        .await
+        .unwrap();
+    let out = r.stdout_str();
+    let fields: Vec<&str> = out.split_whitespace().collect();
+    assert_eq!(
+        (fields[0], fields[2], fields[3]),
+        ("-1", "-1", "-1"),
+        "{r:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_killed_sandbox_is_reported_and_cleaned_up() {
+    require_gvisor!();
+    let sb = common::python().await;
+    let id = sb.id().to_string();
+    // Kill the sandbox's host processes behind the backend's back.
+    let _ = std::process::Command::new("pkill")
+        .args(["-9", "-f", &id])
+        .status();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(sb.health_check().await.is_err());
+    match sb.exec(ExecRequest::code("print(1)")).await {
+        Ok(r) => assert!(!r.success(), "{r:?}"),
+        Err(e) => assert!(!e.to_string().is_empty()),
+    }
+    sb.destroy().await.unwrap();
+    assert_eq!(common::host_processes_of(&id), 0);
+    assert_eq!(common::mounts_mentioning(&id), 0);
+}
+
+#[tokio::test]
+async fn corrupt_or_garbage_checkpoints_are_refused_and_leave_nothing() {
+    require_gvisor!();
+    let dir = tempfile::tempdir().unwrap();
+    let store = ObjectSnapshotStore::local(dir.path()).unwrap();
+    let sb = common::python().await;
+    let id = sb.snapshot(&store).await.unwrap();
+    // Flip a byte of the stored image: the store's checksum refuses it.
+    let m = store.manifest(&id).await.unwrap();
+    let blob = dir
+        .path()
+        .join("blobs")
+        .join(&m.artifacts["checkpoint.tar"].sha256);
+    let mut bytes = std::fs::read(&blob).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    std::fs::write(&blob, &bytes).unwrap();
+    let state = tempfile::tempdir().unwrap();
+    let isolated = GvisorBackend::new(GvisorConfig::default().state_dir(state.path()));
+    let e = isolated
+        .restore(&store, &id, ResolvedSecrets::none())
+        .await
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("corrupt"), "{e}");
+    // A checksum-valid but garbage image: runsc refuses, and the half-made sandbox is removed.
+    let garbage = SnapshotDraft::new(
+        Tier::Gvisor,
+        m.engine.clone(),
+        vec![SnapshotKind::FullMemory],
+        m.spec.clone(),
+    )
+    .artifact(
+        "checkpoint.tar",
+        Bytes::from(sandbox_core::fsnap::pack_dir(tempfile::tempdir().unwrap().path()).unwrap()),
+    )
+    .artifact(
+        "workspace.tar",
+        Bytes::from(sandbox_core::fsnap::pack_dir(tempfile::tempdir().unwrap().path()).unwrap()),
+    );
+    let gid = store.put(garbage).await.unwrap();
+    let e = isolated
+        .restore(&store, &gid, ResolvedSecrets::none())
+        .await
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("restore"), "{e}");
+    let left: Vec<_> = std::fs::read_dir(state.path()).unwrap().collect();
+    assert!(
+        left.is_empty(),
+        "no state directory was left behind: {left:?}"
+    );
+    // A snapshot of another tier is refused as foreign.
+    let foreign = SnapshotDraft::new(Tier::Wasm, "x", vec![], m.spec.clone());
+    let fid = store.put(foreign).await.unwrap();
+    let e = common::backend()
+        .restore(&store, &fid, ResolvedSecrets::none())
+        .await
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("wasm tier"), "{e}");
+    // An engine mismatch is refused before anything starts.
+    let other = SnapshotDraft::new(
+        Tier::Gvisor,
+        "runsc version 0.0~20990101.0",
+        vec![],
+        m.spec.clone(),
+    );
+    let oid = store.put(other).await.unwrap();
+    let e = common::backend()
+        .restore(&store, &oid, ResolvedSecrets::none())
+        .await
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("incompatible"), "{e}");
+    // Snapshot of a destroyed sandbox and exec after destroy: SandboxGone.
+    sb.destroy().await.unwrap();
+    assert!(matches!(
+        sb.snapshot(&store).await,
+        Err(Error::SandboxGone { .. })
+    ));
+    assert!(matches!(
+        sb.exec(ExecRequest::code("1")).await,
+        Err(Error::SandboxGone { .. })
+    ));
+}
+
+#[tokio::test]
+async fn a_full_state_directory_fails_cleanly() {
+    require_gvisor!();
+    let base = tempfile::tempdir().unwrap();
+    let tiny = base.path().join("tiny");
+    std::fs::create_dir(&tiny).unwrap();
+    nix::mount::mount(
+        Some("tmpfs"),
+        &tiny,
+        Some("tmpfs"),
+        nix::mount::MsFlags::empty(),
+        Some("size=16k"),
+    )
+    .unwrap();
+    let b = GvisorBackend::new(GvisorConfig::default().state_dir(&tiny));
+    let r = b
+        .create(&SandboxSpec::new(Language::Python), ResolvedSecrets::none())
+        .await;
+    let leftovers = std::fs::read_dir(&tiny).map(|d| d.count()).unwrap_or(0);
+    nix::mount::umount2(&tiny, nix::mount::MntFlags::MNT_DETACH).unwrap();
+    let e = r.err().expect("16 KiB is not enough for a sandbox's state");
+    assert!(
+        matches!(
+            e,
+            Error::ResourceExhausted { .. } | Error::Backend { .. } | Error::Io { .. }
+        ),
+        "{e}"
+    );
+    assert_eq!(leftovers, 0, "the failed sandbox removed its state");
+}
+
+#[tokio::test]
+async fn fork_bomb_is_contained() {
+    require_gvisor!();
+    let mut spec = SandboxSpec::new(Language::Shell);
+    spec.limits.pids = 32;
+    let sb = common::sandbox(&spec).await;
+    let marker = std::process::Command::new("sleep").arg("30").spawn();
+    let r = sb
+        .exec(
+            ExecRequest::code("b() { b | b & }; b; sleep 2; echo survived")
+                .timeout(std::time::Duration::from_secs(10)),
+        )
+        .await
+        .unwrap();
+    // Either the limit stopped the bomb inside, or it ended the whole sandbox and says so.
+    match r.limit {
+        Some(LimitKind::Pids) => {
+            assert_eq!(r.exit_code, Some(137), "{r:?}");
+            let e = sb.exec(ExecRequest::code("true")).await.err().unwrap();
+            assert!(
+                matches!(e, Error::SandboxGone { ref reason, .. } if reason.contains("process limit")),
+                "{e}"
+            );
+        }
+        _ => assert!(r.stderr_str().contains("fork"), "{r:?}"),
+    }
+    // The host can still fork, and other sandboxes work.
+    let mut marker = marker.expect("the host can still start processes");
+    let _ = marker.kill();
+    let _ = marker.wait();
+    let id = sb.id().to_string();
+    sb.destroy().await.unwrap();
+    assert_eq!(common::host_processes_of(&id), 0);
+    let other = common::sandbox(&SandboxSpec::new(Language::Shell)).await;
+    assert!(other
+        .exec(ExecRequest::code("echo fine"))
+        .await
+        .unwrap()
+        .success());
+}
+
+#[tokio::test]
+async fn create_destroy_cycles_leave_nothing() {
+    require_gvisor!();
+    let state = std::env::temp_dir().join("agent-sandbox-gvisor");
+    let mut ids = vec![];
+    for _ in 0..10 {
+        let sb = common::sandbox(&SandboxSpec::new(Language::Shell)).await;
+        assert!(sb.exec(ExecRequest::code("true")).await.unwrap().success());
+        ids.push(sb.id().to_string());
+        if ids.len() % 2 == 0 {
+            sb.destroy().await.unwrap();
+        } // else: dropped without destroy: Drop cleans up
+    }
+    for id in &ids {
+        assert_eq!(common::host_processes_of(id), 0, "{id}");
+        assert_eq!(common::mounts_mentioning(id), 0, "{id}");
+        assert!(
+            common::cgroups_of(id).is_empty(),
+            "{id}: {:?}",
+            common::cgroups_of(id)
+        );
+        assert!(!state.join(id).exists(), "{id}");
+    }
+}

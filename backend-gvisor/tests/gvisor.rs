@@ -1,0 +1,380 @@
+//! The gVisor tier against the shared contract, on a real runsc.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use sandbox_core::{
+    Backend, Error, ExecEvent, ExecRequest, Language, LimitKind, MapSecretSource,
+    ObjectSnapshotStore, Phase, ResolvedSecrets, SandboxSpec, SnapshotStore,
+};
+
+/// Counts processes inside whose argv is exactly `sleep 300` / `sleep 100`.
+const COUNT_SLEEP_300: &str = "import os; print(sum(1 for p in os.listdir('/proc') if p.isdigit() and open(f'/proc/{p}/cmdline','rb').read() == b'sleep\\x00300\\x00'))";
+const COUNT_SLEEP_100: &str = "import os; print(sum(1 for p in os.listdir('/proc') if p.isdigit() and open(f'/proc/{p}/cmdline','rb').read() == b'sleep\\x00100\\x00'))";
+
+#[tokio::test]
+async fn python_runs_with_exactly_the_spec_env() {
+    require_gvisor!();
+    std::env::set_var("AGENT_SANDBOX_HOST_ONLY", "leak-me-not");
+    let spec = SandboxSpec::builder(Language::Python)
+        .env("GREETING", "hello")
+        .build()
+        .unwrap();
+    let sb = common::sandbox(&spec).await;
+    let phases: Vec<Phase> = sb.timeline().phases.iter().map(|p| p.phase).collect();
+    assert_eq!(
+        phases,
+        [Phase::Allocation, Phase::Filesystem, Phase::Runtime]
+    );
+    let r = sb
+        .exec(ExecRequest::code(
+            "import os; print(sorted(os.environ)); print(os.getuid(), os.getcwd())",
+        ))
+        .await
+        .unwrap();
+    assert!(r.success(), "{r:?}");
+    assert_eq!(
+        r.stdout_str(),
+        "['GREETING', 'HOME', 'LANG', 'PATH']\n1000 /workspace\n"
+    );
+    // Not through pid 1's environment either.
+    let r = sb
+        .exec(ExecRequest::code(
+            "print(open('/proc/1/environ','rb').read())",
+        ))
+        .await
+        .unwrap();
+    assert!(
+        !r.stdout_str().contains("leak-me-not") && r.success(),
+        "{r:?}"
+    );
+    sb.destroy().await.unwrap();
+}
+
+#[tokio::test]
+async fn gvisor_kernel_not_host_kernel() {
+    require_gvisor!();
+    let sb = common::python().await;
+    let r = sb
+        .exec(ExecRequest::argv([
+            "/bin/sh",
+            "-c",
+            "cat /proc/version; dmesg 2>/dev/null | head -1",
+        ]))
+        .await
+        .unwrap();
+    assert!(
+        r.stdout_str().to_lowercase().contains("gvisor")
+            || r.stdout_str().contains("Starting gVisor"),
+        "{r:?}"
+    );
+}
+
+#[tokio::test]
+async fn files_and_background_processes_persist_across_execs() {
+    require_gvisor!();
+    let sb = common::python().await;
+    sb.write_file("data/in.txt", b"from the host")
+        .await
+        .unwrap();
+    let r = sb
+        .exec(ExecRequest::code(
+            "print(open('data/in.txt').read()); open('out.txt','w').write('from inside')",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_str(), "from the host\n", "{r:?}");
+    assert_eq!(sb.read_file("out.txt").await.unwrap(), b"from inside");
+    let names: Vec<String> = sb
+        .list("")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    assert_eq!(names, ["data", "out.txt"]);
+    // A background process started by one exec is still there for the next.
+    let r = sb
+        .exec(ExecRequest::argv([
+            "/bin/sh",
+            "-c",
+            "sleep 300 >/dev/null 2>&1 & echo started",
+        ]))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_str(), "started\n");
+    let r = sb.exec(ExecRequest::code(COUNT_SLEEP_300)).await.unwrap();
+    assert_eq!(r.stdout_str().trim(), "1", "{r:?}");
+    // Writes outside /workspace and /tmp fail: the root is read-only.
+    let r = sb
+        .exec(ExecRequest::argv([
+            "/bin/sh",
+            "-c",
+            "echo x > /usr/evil; echo x > /etc/evil; echo ok > /tmp/fine && cat /tmp/fine",
+        ]))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_str(), "ok\n", "{r:?}");
+    assert!(
+        !std::path::Path::new("/usr/evil").exists() && !std::path::Path::new("/etc/evil").exists()
+    );
+}
+
+#[tokio::test]
+async fn stdin_exit_codes_cwd_and_c() {
+    require_gvisor!();
+    let sb = common::sandbox(&SandboxSpec::new(Language::Shell)).await;
+    let r = sb
+        .exec(ExecRequest::code("tr a-z A-Z; exit 3").stdin("shout\n"))
+        .await
+        .unwrap();
+    assert_eq!((r.exit_code, r.stdout_str().as_str()), (Some(3), "SHOUT\n"));
+    let r = sb.exec(ExecRequest::code("pwd").cwd("/tmp")).await.unwrap();
+    assert_eq!(r.stdout_str(), "/tmp\n");
+    let r = sb
+        .exec(ExecRequest::argv(["no-such-binary-xyz"]))
+        .await
+        .unwrap();
+    assert_ne!(r.exit_code, Some(0));
+    assert!(!r.stderr.is_empty(), "a missing binary says so: {r:?}");
+    let c = common::sandbox(&SandboxSpec::new(Language::C)).await;
+    let r = c
+        .exec(ExecRequest::code(
+            "#include <stdio.h>\nint main(){printf(\"%d\\n\", 6*7);return 0;}",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_str(), "42\n", "{r:?}");
+}
+
+#[tokio::test]
+async fn wall_timeout_kills_the_exec_tree_and_the_sandbox_survives() {
+    require_gvisor!();
+    let sb = common::sandbox(&SandboxSpec::new(Language::Shell)).await;
+    let r = sb
+        .exec(
+            ExecRequest::code("sleep 100 & sleep 100; echo never").timeout(Duration::from_secs(1)),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.limit, Some(LimitKind::WallTime), "{r:?}");
+    assert!(!r.stdout_str().contains("never"));
+    let r = sb
+        .exec(ExecRequest::argv([
+            "/usr/bin/python3",
+            "-c",
+            COUNT_SLEEP_100,
+        ]))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_str().trim(), "0", "both sleeps died: {r:?}");
+}
+
+#[tokio::test]
+async fn memory_limit_kills_inside_and_is_reported() {
+    require_gvisor!();
+    let spec = SandboxSpec::builder(Language::Python)
+        .memory_mib(96)
+        .build()
+        .unwrap();
+    let sb = common::sandbox(&spec).await;
+    let r = sb.exec(ExecRequest::code("b = bytearray(400 * 1024 * 1024)\nfor i in range(0, len(b), 4096): b[i] = 1\nprint('survived')")).await.unwrap();
+    assert!(!r.stdout_str().contains("survived"), "{r:?}");
+    assert_eq!(
+        (r.exit_code, r.limit),
+        (Some(137), Some(LimitKind::Memory)),
+        "{r:?}"
+    );
+    // The host OOM killer ends the whole gVisor sandbox: it says so from now on.
+    let e = sb.exec(ExecRequest::code("print(1)")).await.err().unwrap();
+    assert!(
+        matches!(e, Error::SandboxGone { ref reason, .. } if reason.contains("memory")),
+        "{e}"
+    );
+    let id = sb.id().to_string();
+    sb.destroy().await.unwrap();
+    assert_eq!(common::host_processes_of(&id), 0);
+    // A new one works.
+    let sb = common::python().await;
+    assert!(sb
+        .exec(ExecRequest::code("print(1)"))
+        .await
+        .unwrap()
+        .success());
+}
+
+#[tokio::test]
+async fn output_flood_is_capped() {
+    require_gvisor!();
+    let spec = SandboxSpec::builder(Language::Python)
+        .output_bytes(4096)
+        .build()
+        .unwrap();
+    let sb = common::sandbox(&spec).await;
+    let r = sb
+        .exec(ExecRequest::code(
+            "import sys\nsys.stdout.write('x' * 50_000_000)\nprint('end', file=sys.stderr)",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout.len(), 4096);
+    assert!(r.truncated);
+    assert_eq!(r.stderr_str(), "end\n");
+}
+
+#[tokio::test]
+async fn secrets_are_passed_and_redacted_and_host_only_ones_stay_out() {
+    require_gvisor!();
+    let spec = SandboxSpec::builder(Language::Python)
+        .secret_env("API", "API_KEY")
+        .secret_host_only("DB_PASSWORD")
+        .build()
+        .unwrap();
+    let src = MapSecretSource::new()
+        .with("API", "sk-abcdef123456")
+        .with("DB_PASSWORD", "hunter2-very-secret");
+    let secrets = ResolvedSecrets::resolve(&spec.secrets, &src).unwrap();
+    let sb = common::backend().create(&spec, secrets).await.unwrap();
+    let r = sb.exec(ExecRequest::code("import os; print(os.environ['API_KEY']); print(len(os.environ['API_KEY'])); print('DB_PASSWORD' in str(os.environ))")).await.unwrap();
+    assert_eq!(r.stdout_str(), "[REDACTED:API]\n15\nFalse\n");
+}
+
+#[tokio::test]
+async fn streaming_exec() {
+    require_gvisor!();
+    let sb = common::sandbox(&SandboxSpec::new(Language::Shell)).await;
+    let mut s = sb
+        .exec_stream(ExecRequest::code("echo a; sleep 0.3; echo b >&2; exit 4"))
+        .await
+        .unwrap();
+    let mut evs = vec![];
+    while let Some(e) = s.next().await {
+        evs.push(e.unwrap());
+    }
+    assert_eq!(evs.first(), Some(&ExecEvent::Stdout("a\n".into())));
+    assert!(evs.contains(&ExecEvent::Stderr("b\n".into())));
+    assert!(matches!(evs.last(), Some(ExecEvent::Exit(r)) if r.exit_code == Some(4)));
+}
+
+const COUNTER: &str = r#"
+import hashlib, os, random, time
+random.seed(7)
+buf = bytes(random.getrandbits(8) for _ in range(8 * 1024 * 1024))
+digest = hashlib.sha256(buf).hexdigest()
+counter = 0
+open('/workspace/ready', 'w').write(digest)
+while True:
+    n = counter + 1
+    if os.path.exists(f'/workspace/ping-{n}'):
+        counter = n
+        open(f'/workspace/pong-{n}', 'w').write(f'{counter} {hashlib.sha256(buf).hexdigest()}')
+    time.sleep(0.01)
+"#;
+
+async fn wait_for(sb: &dyn sandbox_core::Sandbox, path: &str) -> Vec<u8> {
+    for _ in 0..1000 {
+        if let Ok(d) = sb.read_file(path).await {
+            if !d.is_empty() {
+                return d;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("{path} never appeared");
+}
+
+#[tokio::test]
+async fn checkpoint_restore_resumes_a_live_process_with_its_memory() {
+    require_gvisor!();
+    let dir = tempfile::tempdir().unwrap();
+    let store = ObjectSnapshotStore::local(dir.path()).unwrap();
+    let sb = common::python().await;
+    sb.write_file("counter.py", COUNTER.as_bytes())
+        .await
+        .unwrap();
+    let r = sb
+        .exec(ExecRequest::argv([
+            "/bin/sh",
+            "-c",
+            "python3 counter.py >/dev/null 2>&1 &",
+        ]))
+        .await
+        .unwrap();
+    assert!(r.success(), "{r:?}");
+    let digest = String::from_utf8(wait_for(sb.as_ref(), "ready").await).unwrap();
+    sb.write_file("ping-1", b"").await.unwrap();
+    assert_eq!(
+        String::from_utf8(wait_for(sb.as_ref(), "pong-1").await).unwrap(),
+        format!("1 {digest}")
+    );
+
+    let id = sb.snapshot(&store).await.unwrap();
+    let m = store.manifest(&id).await.unwrap();
+    assert!(
+        m.artifacts.contains_key("checkpoint.tar") && m.artifacts.contains_key("workspace.tar")
+    );
+    // The original keeps running after the snapshot.
+    sb.write_file("ping-2", b"").await.unwrap();
+    assert_eq!(
+        String::from_utf8(wait_for(sb.as_ref(), "pong-2").await).unwrap(),
+        format!("2 {digest}")
+    );
+    sb.destroy().await.unwrap();
+
+    // A new sandbox from the snapshot resumes the process at counter 1 with the same buffer.
+    let restored = common::backend()
+        .restore(&store, &id, ResolvedSecrets::none())
+        .await
+        .unwrap();
+    assert_ne!(restored.id(), sb.id());
+    assert!(restored.timeline().get(Phase::Restore).is_some());
+    assert!(
+        restored.read_file("pong-2").await.is_err(),
+        "workspace is the snapshot's, not the later one"
+    );
+    restored.write_file("ping-2", b"").await.unwrap();
+    assert_eq!(
+        String::from_utf8(wait_for(restored.as_ref(), "pong-2").await).unwrap(),
+        format!("2 {digest}")
+    );
+    restored.destroy().await.unwrap();
+}
+
+#[tokio::test]
+async fn pause_and_resume() {
+    require_gvisor!();
+    let sb = common::sandbox(&SandboxSpec::new(Language::Shell)).await;
+    sb.pause().await.unwrap();
+    sb.resume().await.unwrap();
+    assert!(sb
+        .exec(ExecRequest::code("echo back"))
+        .await
+        .unwrap()
+        .success());
+}
+
+#[tokio::test]
+async fn destroy_leaves_nothing_behind_and_is_final() {
+    require_gvisor!();
+    let sb = common::python().await;
+    let id = sb.id().to_string();
+    assert!(common::host_processes_of(&id) >= 2, "sandbox and gofer run");
+    assert!(
+        common::mounts_mentioning(&id) >= 1,
+        "the workspace tmpfs is mounted"
+    );
+    sb.destroy().await.unwrap();
+    sb.destroy().await.unwrap();
+    assert_eq!(common::host_processes_of(&id), 0);
+    assert_eq!(common::mounts_mentioning(&id), 0);
+    assert_eq!(common::cgroups_of(&id), Vec::<String>::new());
+    let state = std::env::temp_dir().join("agent-sandbox-gvisor").join(&id);
+    assert!(!state.exists());
+    assert!(matches!(
+        sb.exec(ExecRequest::code("1")).await,
+        Err(Error::SandboxGone { .. })
+    ));
+}
