@@ -58,8 +58,8 @@ struct Inner {
     dead: Mutex<Option<String>>,
     born: Instant,
     seq: AtomicU64,
-    /// Execs hold it shared; snapshot/pause hold it exclusively.
-    lifecycle: RwLock<()>,
+    /// Execs hold it shared; a snapshot holds it exclusively until the sandbox is resumed.
+    lifecycle: Arc<RwLock<()>>,
 }
 
 impl std::fmt::Debug for GvisorSandbox {
@@ -167,7 +167,7 @@ impl GvisorSandbox {
             dead: Mutex::new(None),
             born: Instant::now(),
             seq: AtomicU64::new(0),
-            lifecycle: RwLock::new(()),
+            lifecycle: Arc::new(RwLock::new(())),
         });
         t.mark(Phase::Allocation);
         // From here on, a failure tears down whatever was made.
@@ -315,24 +315,22 @@ impl Inner {
     async fn track_processes(&self) {
         let needle = format!("--root={}", self.runsc.root.display());
         let pids = reaper::children_matching(&needle);
+        // The sandbox process (`runsc-sandbox ... boot`) carries the container's cgroups.
+        let boot = pids.iter().copied().find(|p| {
+            std::fs::read(format!("/proc/{p}/cmdline"))
+                .map(|c| c.split(|b| *b == 0).any(|a| a == b"boot"))
+                .unwrap_or(false)
+        });
+        let cg = match boot {
+            Some(pid) => (
+                cgroup_of(i64::from(pid), "memory"),
+                cgroup_of(i64::from(pid), "pids"),
+            ),
+            None => (None, None),
+        };
         if let Ok(mut p) = self.pids.lock() {
             *p = pids;
         }
-        // The cgroup of the sandbox process, for limit accounting (cgroup v1).
-        let mut state = self.runsc.async_command();
-        state.args(["state", &self.id]).stdout(Stdio::piped());
-        let pid = match state.output().await {
-            Ok(out) if out.status.success() => {
-                serde_json::from_slice::<serde_json::Value>(&out.stdout)
-                    .ok()
-                    .and_then(|v| v["pid"].as_i64())
-            }
-            _ => None,
-        };
-        let cg = match pid {
-            Some(pid) => (cgroup_of(pid, "memory"), cgroup_of(pid, "pids")),
-            None => (None, None),
-        };
         if let Ok(mut m) = self.cgroup.lock() {
             *m = cg;
         }
@@ -597,6 +595,11 @@ impl Inner {
         if self.gone.swap(true, Ordering::SeqCst) {
             return;
         }
+        self.cleanup();
+    }
+
+    /// Deletes the container and removes the host state. Safe to repeat.
+    fn cleanup(&self) {
         self.delete_container();
         if self.workspace_tmpfs {
             let _ = nix::mount::umount2(&self.workspace, nix::mount::MntFlags::MNT_DETACH);
@@ -622,9 +625,14 @@ impl Inner {
         }
     }
 
-    async fn snapshot(&self, store: &dyn SnapshotStore) -> Result<SnapshotId> {
+    /// Checkpoints the whole sandbox (every process's memory) plus the workspace into `store`.
+    ///
+    /// `runsc checkpoint` stops the container; it is brought back from the same image in the
+    /// background (delete, then restore under the same id), holding the lifecycle lock so
+    /// the next exec waits for it. The call returns once the snapshot is stored.
+    async fn snapshot(self: &Arc<Self>, store: &dyn SnapshotStore) -> Result<SnapshotId> {
         self.alive()?;
-        let _exclusive = self.lifecycle.write().await;
+        let guard = Arc::clone(&self.lifecycle).write_owned().await;
         self.alive()?;
         let image = self.dir.join(format!(
             "checkpoint-{}",
@@ -636,26 +644,11 @@ impl Inner {
             .arg("--image-path")
             .arg(&image)
             .arg(&self.id);
-        let checkpointed = run_checked_async(cmd, "checkpoint").await;
-        // The container stopped (or failed): delete it and bring it back from the image.
-        let inner_self: &Inner = self;
-        let pids = inner_self
-            .pids
-            .lock()
-            .map(|p| p.clone())
-            .unwrap_or_default();
-        let mut del = self.runsc.command();
-        del.args(["delete", "--force", &self.id])
-            .stderr(Stdio::null());
-        if let Ok(mut child) = del.spawn() {
-            reaper::reap_while(&pids, Duration::from_secs(20), || {
-                matches!(child.try_wait(), Ok(Some(_)) | Err(_))
-            });
-            let _ = child.wait();
-        }
-        if let Err(e) = checkpointed {
-            let _ = std::fs::remove_dir_all(&image);
-            self.teardown();
+        if let Err(e) = run_checked_async(cmd, "checkpoint").await {
+            // Nothing consistent to resume from: the sandbox is gone.
+            let me = Arc::clone(self);
+            drop(guard);
+            let _ = tokio::task::spawn_blocking(move || me.teardown()).await;
             return Err(e);
         }
         let packed = fsnap::pack_dir(&image);
@@ -663,19 +656,12 @@ impl Inner {
             Workspace::Empty => Some(fsnap::pack_dir(&self.workspace)),
             Workspace::HostDir { .. } => None,
         };
-        let mut cmd = self.runsc.async_command();
-        cmd.args(["restore", "--detach", "--bundle"])
-            .arg(&self.bundle)
-            .arg("--image-path")
-            .arg(&image)
-            .arg(&self.id);
-        let resumed = run_detached(cmd, &self.dir.join("runsc.log"), "restore").await;
-        self.track_processes().await;
-        let _ = std::fs::remove_dir_all(&image);
-        if let Err(e) = resumed {
-            self.teardown();
-            return Err(e);
-        }
+        let me = Arc::clone(self);
+        let resume_image = image.clone();
+        tokio::spawn(async move {
+            let _exclusive = guard;
+            me.resume_from(&resume_image).await;
+        });
         let mut draft = SnapshotDraft::new(
             TIER,
             self.engine.clone(),
@@ -691,6 +677,32 @@ impl Inner {
             draft = draft.artifact("workspace.tar", ws?);
         }
         Ok(store.put(draft).await?)
+    }
+
+    /// Brings a checkpointed (stopped) container back from its image under the same id.
+    async fn resume_from(self: &Arc<Self>, image: &Path) {
+        let me = Arc::clone(self);
+        let _ = tokio::task::spawn_blocking(move || me.delete_container()).await;
+        let mut cmd = self.runsc.async_command();
+        cmd.args(["restore", "--detach", "--bundle"])
+            .arg(&self.bundle)
+            .arg("--image-path")
+            .arg(image)
+            .arg(&self.id);
+        let resumed = run_detached(cmd, &self.dir.join("runsc.log"), "restore").await;
+        self.track_processes().await;
+        let _ = std::fs::remove_dir_all(image);
+        if let Err(e) = resumed {
+            tracing::warn!(sandbox = %self.id, error = %e, "could not resume after a checkpoint");
+            if let Ok(mut d) = self.dead.lock() {
+                *d = Some(format!("could not resume after its snapshot: {e}"));
+            }
+        }
+        if self.gone.load(Ordering::SeqCst) {
+            // Destroyed while resuming: remove what the restore brought back.
+            let me = Arc::clone(self);
+            let _ = tokio::task::spawn_blocking(move || me.cleanup()).await;
+        }
     }
 }
 
@@ -843,6 +855,8 @@ impl Sandbox for GvisorSandbox {
     }
 
     async fn destroy(&self) -> Result<()> {
+        // Not waiting for execs: a running one is killed with the container. A resume in
+        // progress after a snapshot sees `gone` when it finishes and cleans up after itself.
         let inner = Arc::clone(&self.inner);
         tokio::task::spawn_blocking(move || inner.teardown())
             .await

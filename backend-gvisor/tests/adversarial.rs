@@ -363,3 +363,27 @@ async fn create_destroy_cycles_leave_nothing() {
         assert!(!state.join(id).exists(), "{id}");
     }
 }
+
+#[tokio::test]
+async fn destroy_right_after_a_snapshot_leaves_nothing() {
+    require_gvisor!();
+    let dir = tempfile::tempdir().unwrap();
+    let store = ObjectSnapshotStore::local(dir.path()).unwrap();
+    let sb = common::python().await;
+    let id = sb.id().to_string();
+    sb.snapshot(&store).await.unwrap();
+    // The in-place resume is still running in the background.
+    sb.destroy().await.unwrap();
+    for _ in 0..100 {
+        if common::host_processes_of(&id) == 0 && common::mounts_mentioning(&id) == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(common::host_processes_of(&id), 0);
+    assert_eq!(common::mounts_mentioning(&id), 0);
+    assert!(!std::env::temp_dir()
+        .join("agent-sandbox-gvisor")
+        .join(&id)
+        .exists());
+}
