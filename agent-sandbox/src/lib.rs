@@ -47,13 +47,14 @@ pub enum TierChoice {
 pub fn built_in(tier: Tier) -> bool {
     match tier {
         Tier::Gvisor => cfg!(feature = "gvisor"),
-        Tier::Wasm | Tier::Container | Tier::Microvm | Tier::Unisolated => false,
+        Tier::Container => cfg!(feature = "container"),
+        Tier::Wasm | Tier::Microvm | Tier::Unisolated => false,
     }
 }
 
 /// Whether this version of agent-sandbox has a backend for the tier at all.
 fn implemented(tier: Tier) -> bool {
-    matches!(tier, Tier::Gvisor)
+    matches!(tier, Tier::Gvisor | Tier::Container)
 }
 
 fn not_built(tier: Tier) -> TierStatus {
@@ -145,6 +146,16 @@ impl Runtime {
     pub fn builder_with_defaults() -> RuntimeBuilder {
         #[allow(unused_mut)]
         let mut b = Self::builder();
+        #[cfg(feature = "container")]
+        {
+            // The default configuration is always valid; a failure here is a bug worth a log line.
+            match backend_container::ContainerBackend::builder().build() {
+                Ok(c) => b = b.backend(Arc::new(c)),
+                Err(e) => {
+                    tracing::error!(error = %e, "container backend: default configuration refused")
+                }
+            }
+        }
         #[cfg(feature = "gvisor")]
         {
             b = b.backend(Arc::new(backend_gvisor::GvisorBackend::default()));

@@ -135,6 +135,12 @@ impl std::fmt::Debug for UnisolatedSandbox {
 impl UnisolatedSandbox {
     fn create(spec: &SandboxSpec, secrets: ResolvedSecrets) -> Result<Self> {
         spec.validate()?;
+        if spec.rootfs.is_some() {
+            return Err(Error::unsupported(
+                TIER,
+                "a rootfs directory (host processes see the host's /)",
+            ));
+        }
         let mut t = TimelineRecorder::start();
         let id = uuid::Uuid::new_v4().simple().to_string();
         t.mark(Phase::Allocation);

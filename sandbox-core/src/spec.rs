@@ -20,6 +20,12 @@ use crate::tier::Language;
 pub struct SandboxSpec {
     /// The language code strings are written in (`exec` with [`Command::Code`](crate::Command::Code)).
     pub language: Language,
+    /// A root filesystem directory (a `debootstrap` tree, an unpacked OCI image) to use
+    /// instead of the default "host tools" view (the host's `/usr` and a few `/etc` files,
+    /// read-only). It is never written: writes go to an overlay the sandbox owns. Backends
+    /// without a Linux userland refuse it with `Unsupported`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rootfs: Option<PathBuf>,
     /// The sandbox's working directory, seen inside as `/workspace`.
     #[serde(default)]
     pub workspace: Workspace,
@@ -182,6 +188,7 @@ impl SandboxSpec {
     pub fn new(language: Language) -> Self {
         SandboxSpec {
             language,
+            rootfs: None,
             workspace: Workspace::Empty,
             mounts: Vec::new(),
             env: BTreeMap::new(),
@@ -227,6 +234,14 @@ impl SandboxSpec {
                         format!("`{var}` is not a variable name"),
                     ));
                 }
+            }
+        }
+        if let Some(root) = &self.rootfs {
+            if !root.is_absolute() || !root.is_dir() {
+                return Err(Error::invalid(
+                    "rootfs",
+                    format!("{} is not an existing absolute directory", root.display()),
+                ));
             }
         }
         if let Workspace::HostDir { path, .. } = &self.workspace {
@@ -287,6 +302,12 @@ impl SpecBuilder {
             path: path.into(),
             read_only,
         };
+        self
+    }
+
+    /// Uses a root filesystem directory instead of the host-tools view.
+    pub fn rootfs(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.spec.rootfs = Some(dir.into());
         self
     }
 

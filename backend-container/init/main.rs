@@ -1,0 +1,1119 @@
+//! agent-sandbox container init: pid 1 of every container sandbox.
+//!
+//! Built by `build.rs` with plain `rustc` (std only, no crates), embedded in the library and
+//! executed from a sealed memfd. The library starts it with `posix_spawn`, the control socket
+//! (`SOCK_SEQPACKET`, see `proto.rs`) as stdin; we move it to fd 3.
+//!
+//! 0. Bootstrap: unshare a user namespace, wait for the library to write its maps, unshare
+//!    the other namespaces, clone pid 1 (`CLONE_PARENT`: a child of the library); the first
+//!    process exits. Everything below runs in pid 1.
+//! 1. `SETUP`: run the op list: mounts, files, `pivot_root`, hostname, lo up, then lock
+//!    itself down (`no_new_privs`, Landlock, seccomp) so every exec inherits it.
+//! 2. `EXEC`...: fork a supervisor (child subreaper) that forks the command, which drops every
+//!    capability, switches to the sandbox user, applies rlimits and execs; the supervisor
+//!    reports STARTED/EXITED and, on `KILL`, kills every descendant.
+//!
+//! Between requests it reaps every zombie of the pid namespace. If the library goes away
+//! (socket closed), the init exits and the kernel kills the whole pid namespace.
+
+#![allow(clippy::all)]
+// Our own C `main`: skips std's runtime start-up (its main-thread stack guard parses
+// /proc/self/maps, ~0.2 ms); std itself still works (args come from glibc's init_array).
+#![no_main]
+
+#[path = "proto.rs"]
+mod proto;
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::fs::File;
+use std::io::{self, Read};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Stdio};
+
+use proto::*;
+
+#[allow(non_camel_case_types)]
+type c_int = i32;
+#[allow(non_camel_case_types)]
+type c_long = i64;
+#[allow(non_camel_case_types)]
+type c_ulong = u64;
+#[allow(non_camel_case_types)]
+type c_char = i8;
+#[allow(non_camel_case_types)]
+type c_void = u8;
+
+#[repr(C)]
+struct IoVec {
+    base: *mut c_void,
+    len: usize,
+}
+
+#[repr(C)]
+struct MsgHdr {
+    name: *mut c_void,
+    namelen: u32,
+    iov: *mut IoVec,
+    iovlen: usize,
+    control: *mut c_void,
+    controllen: usize,
+    flags: c_int,
+}
+
+#[repr(C)]
+struct PollFd {
+    fd: c_int,
+    events: i16,
+    revents: i16,
+}
+
+#[repr(C)]
+struct Rlimit {
+    cur: u64,
+    max: u64,
+}
+
+#[repr(C)]
+struct SockFprog {
+    len: u16,
+    filter: *const u64,
+}
+
+#[repr(C)]
+struct MountAttr {
+    set: u64,
+    clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
+
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: c_int,
+}
+
+#[repr(C)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+#[repr(C)]
+struct IfReq {
+    name: [u8; 16],
+    flags: i16,
+    pad: [u8; 22],
+}
+
+#[repr(C, align(8))]
+struct SigSet([u64; 16]);
+
+extern "C" {
+    fn syscall(n: c_long, ...) -> c_long;
+    fn mount(
+        src: *const c_char,
+        dst: *const c_char,
+        fstype: *const c_char,
+        flags: c_ulong,
+        data: *const c_void,
+    ) -> c_int;
+    fn umount2(target: *const c_char, flags: c_int) -> c_int;
+    fn sethostname(name: *const c_char, len: usize) -> c_int;
+    fn setgroups(n: usize, list: *const u32) -> c_int;
+    fn setresuid(r: u32, e: u32, s: u32) -> c_int;
+    fn setresgid(r: u32, e: u32, s: u32) -> c_int;
+    fn setsid() -> c_int;
+    fn setrlimit(res: c_int, lim: *const Rlimit) -> c_int;
+    fn prctl(op: c_int, ...) -> c_int;
+    fn socket(domain: c_int, ty: c_int, proto: c_int) -> c_int;
+    fn ioctl(fd: c_int, req: c_ulong, ...) -> c_int;
+    fn poll(fds: *mut PollFd, n: u64, timeout: c_int) -> c_int;
+    fn sigemptyset(set: *mut SigSet) -> c_int;
+    fn sigaddset(set: *mut SigSet, sig: c_int) -> c_int;
+    fn sigprocmask(how: c_int, set: *const SigSet, old: *mut SigSet) -> c_int;
+    fn signalfd(fd: c_int, mask: *const SigSet, flags: c_int) -> c_int;
+    fn waitpid(pid: c_int, status: *mut c_int, options: c_int) -> c_int;
+    fn kill(pid: c_int, sig: c_int) -> c_int;
+    fn recvmsg(fd: c_int, msg: *mut MsgHdr, flags: c_int) -> isize;
+    fn write(fd: c_int, buf: *const c_void, n: usize) -> isize;
+    fn read(fd: c_int, buf: *mut c_void, n: usize) -> isize;
+    fn close(fd: c_int) -> c_int;
+    fn fcntl(fd: c_int, cmd: c_int, ...) -> c_int;
+    fn unshare(flags: c_int) -> c_int;
+    fn chdir(path: *const c_char) -> c_int;
+    fn _exit(code: c_int) -> !;
+    fn fork() -> c_int;
+    fn dup2(old: c_int, new: c_int) -> c_int;
+    #[link_name = "open"]
+    fn libc_open(path: *const c_char, flags: c_int, ...) -> c_int;
+    fn getpid() -> c_int;
+}
+
+#[cfg(target_arch = "x86_64")]
+const NR_CLONE: i64 = 56;
+#[cfg(target_arch = "aarch64")]
+const NR_CLONE: i64 = 220;
+
+#[cfg(target_arch = "x86_64")]
+mod nr {
+    pub const PIVOT_ROOT: i64 = 155;
+    pub const SECCOMP: i64 = 317;
+    pub const CAPSET: i64 = 126;
+}
+#[cfg(target_arch = "aarch64")]
+mod nr {
+    pub const PIVOT_ROOT: i64 = 41;
+    pub const SECCOMP: i64 = 277;
+    pub const CAPSET: i64 = 91;
+}
+const NR_CLOSE_RANGE: i64 = 436;
+const CLONE_NEWUSER: c_int = 0x1000_0000;
+const CLONE_NEWNS: c_int = 0x0002_0000;
+const CLONE_NEWUTS: c_int = 0x0400_0000;
+const CLONE_NEWIPC: c_int = 0x0800_0000;
+const CLONE_NEWNET: c_int = 0x4000_0000;
+const CLONE_NEWPID: c_int = 0x2000_0000;
+const CLONE_PARENT: c_int = 0x0000_8000;
+const NR_MOUNT_SETATTR: i64 = 442;
+const NR_LANDLOCK_CREATE_RULESET: i64 = 444;
+const NR_LANDLOCK_ADD_RULE: i64 = 445;
+const NR_LANDLOCK_RESTRICT_SELF: i64 = 446;
+const O_PATH: c_int = 0o10000000;
+const O_CLOEXEC: c_int = 0o2000000;
+#[cfg(target_arch = "x86_64")]
+const O_NOFOLLOW: c_int = 0o400000;
+#[cfg(target_arch = "aarch64")]
+const O_NOFOLLOW: c_int = 0o100000;
+
+const AT_FDCWD: c_int = -100;
+const AT_RECURSIVE: u32 = 0x8000;
+const MS_BIND: u64 = 4096;
+const MS_REC: u64 = 16384;
+const MNT_DETACH: c_int = 2;
+const SIGCHLD: c_int = 17;
+const SIGKILL: c_int = 9;
+const SIGTERM: c_int = 15;
+const PR_SET_CHILD_SUBREAPER: c_int = 36;
+const SIG_BLOCK: c_int = 0;
+const SFD_CLOEXEC: c_int = 0o2000000;
+const SFD_NONBLOCK: c_int = 0o4000;
+const WNOHANG: c_int = 1;
+const POLLIN: i16 = 1;
+const POLLERR: i16 = 8;
+const POLLHUP: i16 = 16;
+const MSG_CMSG_CLOEXEC: c_int = 0x40000000;
+const MSG_TRUNC: c_int = 0x20;
+const MSG_CTRUNC: c_int = 0x8;
+const F_SETFD: c_int = 2;
+const PR_SET_NO_NEW_PRIVS: c_int = 38;
+const PR_SET_NAME: c_int = 15;
+const PR_CAPBSET_DROP: c_int = 24;
+const PR_CAP_AMBIENT: c_int = 47;
+const PR_CAP_AMBIENT_CLEAR_ALL: c_int = 4;
+const PR_SET_SECUREBITS: c_int = 28;
+const SECBITS_LOCKED_NOROOT: c_int = 0x1 | 0x2 | 0x4 | 0x8 | 0x20;
+const SECCOMP_SET_MODE_FILTER: c_int = 1;
+const SIOCGIFFLAGS: u64 = 0x8913;
+const SIOCSIFFLAGS: u64 = 0x8914;
+const IFF_UP: i16 = 1;
+
+const CTL: RawFd = 3;
+
+fn errno() -> i32 {
+    io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+fn cstr(s: &str) -> io::Result<CString> {
+    CString::new(s).map_err(|_| io::Error::from_raw_os_error(22))
+}
+
+fn opt_ptr(c: &Option<CString>) -> *const c_char {
+    c.as_ref().map_or(std::ptr::null(), |c| c.as_ptr())
+}
+
+fn check(r: c_int) -> io::Result<()> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+fn send(kind: u32, id: u64, payload: &[u8]) {
+    let mut e = Enc::header(kind, id);
+    e.0.extend_from_slice(payload);
+    // SAFETY: writes a buffer we own to our control socket.
+    unsafe {
+        write(CTL, e.0.as_ptr(), e.0.len());
+    }
+}
+
+fn send_err(id: u64, index: u32, err: &io::Error, what: &str) {
+    let mut e = Enc::default();
+    e.u32(index);
+    e.i32(err.raw_os_error().unwrap_or(0));
+    e.str(&format!("{what}: {err}"));
+    send(REP_ERR, id, &e.0);
+}
+
+fn run_op(op: &Op) -> io::Result<()> {
+    match op {
+        Op::Mount {
+            src,
+            dst,
+            fstype,
+            flags,
+            data,
+        } => {
+            let nz = |s: &String| {
+                if s.is_empty() {
+                    Ok(None)
+                } else {
+                    cstr(s).map(Some)
+                }
+            };
+            let (src, fstype, data) = (nz(src)?, nz(fstype)?, nz(data)?);
+            let dst = cstr(dst)?;
+            // SAFETY: all pointers are NUL-terminated strings or NULL, alive for the call.
+            check(unsafe {
+                mount(
+                    opt_ptr(&src),
+                    dst.as_ptr(),
+                    opt_ptr(&fstype),
+                    *flags,
+                    opt_ptr(&data) as *const c_void,
+                )
+            })
+        }
+        Op::Bind { src, dst } => {
+            let (s, d) = (cstr(src)?, cstr(dst)?);
+            // SAFETY: valid strings; NULL fstype/data are allowed for bind mounts.
+            check(unsafe {
+                mount(
+                    s.as_ptr(),
+                    d.as_ptr(),
+                    std::ptr::null(),
+                    MS_BIND | MS_REC,
+                    std::ptr::null(),
+                )
+            })
+        }
+        Op::SetAttr {
+            path,
+            set,
+            clear,
+            recursive,
+        } => {
+            let p = cstr(path)?;
+            let attr = MountAttr {
+                set: *set,
+                clr: *clear,
+                propagation: 0,
+                userns_fd: 0,
+            };
+            let flags = if *recursive { AT_RECURSIVE } else { 0 };
+            // SAFETY: mount_setattr(dirfd, path, flags, &attr, size) with a valid struct.
+            let r = unsafe {
+                syscall(
+                    NR_MOUNT_SETATTR,
+                    AT_FDCWD,
+                    p.as_ptr(),
+                    flags,
+                    &attr as *const MountAttr,
+                    std::mem::size_of::<MountAttr>(),
+                )
+            };
+            check(r as c_int)
+        }
+        Op::Mkdir { path, mode } => {
+            use std::os::unix::fs::DirBuilderExt;
+            match std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(*mode)
+                .create(path)
+            {
+                Ok(()) => Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+                Err(e) => Err(e),
+            }
+        }
+        Op::WriteFile { path, mode, data } => {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(*mode)
+                .open(path)?;
+            f.write_all(data)
+        }
+        Op::Touch { path } => {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .mode(0o644)
+                .open(path)
+                .map(|_| ())
+        }
+        Op::Symlink { target, path } => std::os::unix::fs::symlink(target, path),
+        Op::Chown { path, uid, gid } => std::os::unix::fs::lchown(path, Some(*uid), Some(*gid)),
+        Op::Pivot { newroot } => {
+            let nr_ = cstr(newroot)?;
+            let dot = cstr(".")?;
+            let slash = cstr("/")?;
+            // SAFETY: plain syscalls with valid NUL-terminated paths.
+            unsafe {
+                check(chdir(nr_.as_ptr()))?;
+                check(syscall(nr::PIVOT_ROOT, dot.as_ptr(), dot.as_ptr()) as c_int)?;
+                check(umount2(dot.as_ptr(), MNT_DETACH))?;
+                check(chdir(slash.as_ptr()))
+            }
+        }
+        Op::PivotOld { newroot, put_old } => {
+            let (n, o, slash) = (cstr(newroot)?, cstr(put_old)?, cstr("/")?);
+            // SAFETY: plain syscalls with valid NUL-terminated paths.
+            unsafe {
+                check(syscall(nr::PIVOT_ROOT, n.as_ptr(), o.as_ptr()) as c_int)?;
+                check(chdir(slash.as_ptr()))
+            }
+        }
+        Op::Landlock { handled, rules } => landlock(*handled, rules),
+        Op::Seccomp { bpf } => seccomp(bpf),
+        Op::Hostname { name } => {
+            // SAFETY: pointer and length of a live byte slice.
+            check(unsafe { sethostname(name.as_ptr() as *const c_char, name.len()) })
+        }
+        Op::LoopbackUp => {
+            // SAFETY: socket + two ioctls on a zeroed, correctly sized `struct ifreq`.
+            unsafe {
+                let fd = socket(2, 2 | 0o2000000, 0);
+                if fd < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                let fd = OwnedFd::from_raw_fd(fd);
+                let mut ifr = IfReq {
+                    name: [0; 16],
+                    flags: 0,
+                    pad: [0; 22],
+                };
+                ifr.name[..2].copy_from_slice(b"lo");
+                check(ioctl(fd.as_raw_fd(), SIOCGIFFLAGS, &mut ifr as *mut IfReq))?;
+                ifr.flags |= IFF_UP;
+                check(ioctl(fd.as_raw_fd(), SIOCSIFFLAGS, &mut ifr as *mut IfReq))
+            }
+        }
+        Op::Unshare { flags, optional } => {
+            // SAFETY: unshare with namespace flags only.
+            let r = unsafe { unshare(*flags as c_int) };
+            if r < 0 && *optional && errno() == 22 {
+                return Ok(());
+            }
+            check(r)
+        }
+        Op::Chdir { path } => std::env::set_current_dir(path),
+        Op::Rlimit {
+            resource,
+            soft,
+            hard,
+        } => {
+            let l = Rlimit {
+                cur: *soft,
+                max: *hard,
+            };
+            // SAFETY: valid struct pointer.
+            check(unsafe { setrlimit(*resource as c_int, &l) })
+        }
+    }
+}
+
+fn no_new_privs() -> io::Result<()> {
+    // SAFETY: prctl with integer arguments.
+    check(unsafe { prctl(PR_SET_NO_NEW_PRIVS, 1u64, 0u64, 0u64, 0u64) })
+}
+
+#[repr(C)]
+struct LlRulesetAttr {
+    handled_access_fs: u64,
+}
+
+#[repr(C, packed)]
+struct LlPathBeneath {
+    allowed_access: u64,
+    parent_fd: i32,
+}
+
+/// Restricts this process (and so every exec) to writing beneath the rules' paths.
+fn landlock(handled: u64, rules: &[(String, u64)]) -> io::Result<()> {
+    let attr = LlRulesetAttr {
+        handled_access_fs: handled,
+    };
+    // SAFETY: landlock_create_ruleset with a valid attr of the stated size.
+    let rs = unsafe {
+        syscall(
+            NR_LANDLOCK_CREATE_RULESET,
+            &attr as *const LlRulesetAttr,
+            8usize,
+            0u32,
+        )
+    };
+    if rs < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the kernel returned a new fd that we now own.
+    let rs = unsafe { OwnedFd::from_raw_fd(rs as RawFd) };
+    for (path, rights) in rules {
+        let c = cstr(path)?;
+        // SAFETY: open(2) O_PATH of a NUL-terminated path.
+        let fd = unsafe { libc_open(c.as_ptr(), O_PATH | O_CLOEXEC | O_NOFOLLOW) };
+        if fd < 0 {
+            if errno() == 2 {
+                continue;
+            }
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: we own the new fd.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let rule = LlPathBeneath {
+            allowed_access: rights & handled,
+            parent_fd: fd.as_raw_fd(),
+        };
+        // SAFETY: landlock_add_rule(PATH_BENEATH) with a valid packed attr.
+        if unsafe {
+            syscall(
+                NR_LANDLOCK_ADD_RULE,
+                rs.as_raw_fd(),
+                1u32,
+                &rule as *const LlPathBeneath,
+                0u32,
+            )
+        } < 0
+        {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    no_new_privs()?;
+    // SAFETY: landlock_restrict_self(ruleset_fd, 0).
+    check(unsafe { syscall(NR_LANDLOCK_RESTRICT_SELF, rs.as_raw_fd(), 0u32) } as c_int)
+}
+
+/// Installs the seccomp filter on this process (inherited by every exec).
+fn seccomp(bpf: &[u8]) -> io::Result<()> {
+    if bpf.len() % 8 != 0 || bpf.is_empty() || bpf.len() / 8 > 4096 {
+        return Err(io::Error::from_raw_os_error(22));
+    }
+    let prog: Vec<u64> = bpf
+        .chunks_exact(8)
+        .map(|c| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(c);
+            u64::from_ne_bytes(a)
+        })
+        .collect();
+    let fprog = SockFprog {
+        len: prog.len() as u16,
+        filter: prog.as_ptr(),
+    };
+    no_new_privs()?;
+    // SAFETY: seccomp(SET_MODE_FILTER, 0, &fprog) with a program that outlives the call.
+    check(unsafe {
+        syscall(
+            nr::SECCOMP,
+            SECCOMP_SET_MODE_FILTER,
+            0u32,
+            &fprog as *const SockFprog,
+        )
+    } as c_int)
+}
+
+fn describe(op: &Op) -> String {
+    match op {
+        Op::Mount { dst, fstype, .. } => format!("mount {fstype} on {dst}"),
+        Op::Bind { src, dst } => format!("bind {src} on {dst}"),
+        Op::SetAttr { path, .. } => format!("set mount attributes of {path}"),
+        Op::Mkdir { path, .. } => format!("mkdir {path}"),
+        Op::WriteFile { path, .. } => format!("write {path}"),
+        Op::Touch { path } => format!("create {path}"),
+        Op::Symlink { path, .. } => format!("symlink {path}"),
+        Op::Chown { path, .. } => format!("chown {path}"),
+        Op::Pivot { .. } | Op::PivotOld { .. } => "pivot_root".to_string(),
+        Op::Landlock { .. } => "landlock".to_string(),
+        Op::Seccomp { .. } => "seccomp".to_string(),
+        Op::Hostname { .. } => "sethostname".to_string(),
+        Op::LoopbackUp => "bring up lo".to_string(),
+        Op::Unshare { flags, .. } => format!("unshare({flags:#x})"),
+        Op::Chdir { path } => format!("chdir {path}"),
+        Op::Rlimit { .. } => "setrlimit".to_string(),
+    }
+}
+
+fn setup(id: u64, payload: &[u8]) {
+    let ops = match Dec::new(payload).ops() {
+        Ok(o) => o,
+        Err(_) => {
+            return send_err(
+                id,
+                u32::MAX,
+                &io::Error::from_raw_os_error(22),
+                "malformed setup",
+            )
+        }
+    };
+    for (i, op) in ops.iter().enumerate() {
+        if let Err(e) = run_op(op) {
+            return send_err(id, i as u32, &e, &describe(op));
+        }
+    }
+    send(REP_OK, id, &[]);
+}
+
+fn raw_write(fd: RawFd, msg: &[u8]) {
+    // SAFETY: writes a live buffer to an fd.
+    unsafe {
+        write(fd, msg.as_ptr(), msg.len());
+    }
+}
+
+/// Drops every capability and privilege in the forked child. Runs between fork and exec.
+fn drop_privileges(spec_flags: u32, uid: u32, gid: u32) -> io::Result<()> {
+    // SAFETY: prctl/setgroups/setres*id/capset with integer arguments and valid structs.
+    unsafe {
+        let stay_root = spec_flags & EXEC_STAY_ROOT != 0;
+        if stay_root {
+            // uid 0 must not regain capabilities on exec.
+            check(prctl(
+                PR_SET_SECUREBITS,
+                SECBITS_LOCKED_NOROOT as u64,
+                0u64,
+                0u64,
+                0u64,
+            ))?;
+        }
+        for cap in 0..64u64 {
+            if prctl(PR_CAPBSET_DROP, cap, 0u64, 0u64, 0u64) < 0 && errno() != 22 {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        prctl(
+            PR_CAP_AMBIENT,
+            PR_CAP_AMBIENT_CLEAR_ALL as u64,
+            0u64,
+            0u64,
+            0u64,
+        );
+        if !stay_root {
+            check(setgroups(0, std::ptr::null()))?;
+            check(setresgid(gid, gid, gid))?;
+            check(setresuid(uid, uid, uid))?;
+        }
+        let hdr = CapHeader {
+            version: 0x2008_0522,
+            pid: 0,
+        };
+        let data = [
+            CapData {
+                effective: 0,
+                permitted: 0,
+                inheritable: 0,
+            },
+            CapData {
+                effective: 0,
+                permitted: 0,
+                inheritable: 0,
+            },
+        ];
+        check(syscall(nr::CAPSET, &hdr as *const CapHeader, data.as_ptr()) as c_int)?;
+    }
+    Ok(())
+}
+
+struct Running {
+    /// Supervisor pid -> exec id.
+    sups: HashMap<i32, u64>,
+    /// Exec id -> supervisor pid.
+    by_id: HashMap<u64, i32>,
+    /// Execs whose tree was asked to die (acknowledged when their supervisor is gone).
+    kills: std::collections::HashSet<u64>,
+}
+
+fn exited(id: u64, status: i32, spawned: bool) {
+    let mut e = Enc::default();
+    e.i32(status);
+    e.u8(u8::from(spawned));
+    send(REP_EXITED, id, &e.0);
+}
+
+/// Starts exec `id`: forks a supervisor that is a child subreaper, so every process of the
+/// exec's tree (even after `setsid` or a double fork) stays its descendant until the
+/// command exits; the supervisor can then kill the whole tree on request (SIGTERM).
+fn exec(id: u64, payload: &[u8], fds: Vec<OwnedFd>, run: &mut Running, sfd: RawFd) {
+    let spec = match Dec::new(payload).exec() {
+        Ok(s) => s,
+        Err(_) => return send_err(id, 0, &io::Error::from_raw_os_error(22), "malformed exec"),
+    };
+    // SAFETY: the init is single-threaded; the child continues in `supervise`.
+    let pid = unsafe { fork() };
+    if pid < 0 {
+        let e = io::Error::last_os_error();
+        if let Some(fd) = fds.get(1) {
+            raw_write(
+                fd.as_raw_fd(),
+                format!("agent-sandbox: fork: {e}\n").as_bytes(),
+            );
+        }
+        return exited(id, 126 << 8, false);
+    }
+    if pid == 0 {
+        supervise(id, spec, fds, sfd);
+    }
+    drop(fds);
+    run.sups.insert(pid, id);
+    run.by_id.insert(id, pid);
+}
+
+fn supervise(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>, sfd: RawFd) -> ! {
+    // SAFETY: prctl with integer arguments.
+    unsafe { prctl(PR_SET_CHILD_SUBREAPER, 1u64, 0u64, 0u64, 0u64) };
+    let Some(leader) = spawn(id, spec, fds) else {
+        std::process::exit(0)
+    };
+    let mut e = Enc::default();
+    e.u32(leader as u32);
+    send(REP_STARTED, id, &e.0);
+    let mut leader_done = false;
+    loop {
+        let mut pfd = [PollFd {
+            fd: sfd,
+            events: POLLIN,
+            revents: 0,
+        }];
+        // SAFETY: one valid pollfd.
+        unsafe { poll(pfd.as_mut_ptr(), 1, -1) };
+        let mut kill = false;
+        let mut info = [0u8; 128];
+        // SAFETY: reads whole signalfd_siginfo records into a local buffer.
+        while unsafe { read(sfd, info.as_mut_ptr(), info.len()) } == 128 {
+            if u32::from_ne_bytes([info[0], info[1], info[2], info[3]]) == SIGTERM as u32 {
+                kill = true;
+            }
+        }
+        if kill {
+            kill_descendants();
+            // Acknowledge: the tree is gone (the library may wait for this).
+            send(REP_OK, id, &[]);
+        }
+        loop {
+            let mut status: c_int = 0;
+            // SAFETY: waitpid with a valid status pointer.
+            let p = unsafe { waitpid(-1, &mut status, WNOHANG) };
+            if p < 0 && leader_done {
+                // No descendant left (ECHILD): this exec is over.
+                std::process::exit(0);
+            }
+            if p <= 0 {
+                break;
+            }
+            if p == leader {
+                exited(id, status, true);
+                // What the command left running stays our descendant (we are its subreaper),
+                // so it can still be killed as this exec's tree; we leave with the last of it.
+                leader_done = true;
+            }
+        }
+    }
+}
+
+/// SIGKILLs every descendant of this process until none is left (bounded).
+fn kill_descendants() {
+    // SAFETY: getpid has no preconditions.
+    let me = unsafe { getpid() };
+    for _ in 0..2000 {
+        let mut parent: HashMap<i32, i32> = HashMap::new();
+        if let Ok(rd) = std::fs::read_dir("/proc") {
+            for e in rd.flatten() {
+                let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+                    continue;
+                };
+                let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                    continue;
+                };
+                let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+                    continue;
+                };
+                let mut f = rest.split_whitespace();
+                let state = f.next().unwrap_or("");
+                let ppid = f.next().and_then(|p| p.parse::<i32>().ok()).unwrap_or(0);
+                if state != "Z" && state != "X" {
+                    parent.insert(pid, ppid);
+                }
+            }
+        }
+        let mut victims = Vec::new();
+        for &pid in parent.keys() {
+            let mut p = pid;
+            for _ in 0..4096 {
+                match parent.get(&p) {
+                    Some(&pp) if pp == me => {
+                        victims.push(pid);
+                        break;
+                    }
+                    Some(&pp) if pp > 1 => p = pp,
+                    _ => break,
+                }
+            }
+        }
+        if victims.is_empty() {
+            return;
+        }
+        for v in victims {
+            // SAFETY: signals a process of our own subtree.
+            unsafe { kill(v, SIGKILL) };
+        }
+        std::thread::sleep(std::time::Duration::from_micros(200));
+    }
+}
+
+/// Forks and execs the command (in the supervisor). Returns the leader's pid.
+fn spawn(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>) -> Option<i32> {
+    let mut fds = fds.into_iter();
+    let (Some(out), Some(err)) = (fds.next(), fds.next()) else {
+        send_err(
+            id,
+            0,
+            &io::Error::from_raw_os_error(9),
+            "exec needs stdout and stderr",
+        );
+        return None;
+    };
+    let stdin = if spec.flags & EXEC_STDIN != 0 {
+        fds.next()
+    } else {
+        None
+    };
+    let report_fd = err.try_clone().ok();
+    let fail = |code: i32, msg: String| {
+        if let Some(fd) = &report_fd {
+            raw_write(fd.as_raw_fd(), msg.as_bytes());
+        }
+        exited(id, code << 8, false);
+        None
+    };
+    if spec.argv.is_empty() || spec.argv[0].is_empty() {
+        return fail(127, "agent-sandbox: empty command\n".into());
+    }
+    let mut cmd = Command::new(&spec.argv[0]);
+    cmd.args(&spec.argv[1..]);
+    cmd.env_clear();
+    for kv in &spec.env {
+        if let Some((k, v)) = kv.split_once('=') {
+            cmd.env(k, v);
+        }
+    }
+    cmd.stdin(stdin.map_or_else(Stdio::null, Stdio::from));
+    cmd.stdout(Stdio::from(out));
+    cmd.stderr(Stdio::from(err));
+    let Ok(cwd) = cstr(&spec.cwd) else {
+        return fail(126, "agent-sandbox: bad working directory\n".into());
+    };
+    let (flags, uid, gid, rlimits) = (spec.flags, spec.uid, spec.gid, spec.rlimits.clone());
+    // SAFETY: the supervisor is single-threaded, so the closure may allocate; it only makes syscalls.
+    unsafe {
+        cmd.pre_exec(move || {
+            setsid();
+            // The init is shielded from the OOM killer; commands must not be.
+            let adj = b"0";
+            let p = b"/proc/self/oom_score_adj\0";
+            let fd = libc_open(p.as_ptr() as *const c_char, 1 /* O_WRONLY */);
+            if fd >= 0 {
+                write(fd, adj.as_ptr(), adj.len());
+                close(fd);
+            }
+            for (r, s, h) in &rlimits {
+                let l = Rlimit { cur: *s, max: *h };
+                check(setrlimit(*r as c_int, &l))?;
+            }
+            drop_privileges(flags, uid, gid)?;
+            if chdir(cwd.as_ptr()) < 0 {
+                let e = io::Error::last_os_error();
+                let msg = format!("agent-sandbox: cannot enter working directory: {e}\n");
+                write(2, msg.as_ptr(), msg.len());
+                _exit(126);
+            }
+            Ok(())
+        });
+    }
+    match cmd.spawn() {
+        Ok(child) => Some(child.id() as i32),
+        Err(e) => {
+            let a0 = &spec.argv[0];
+            match e.kind() {
+                io::ErrorKind::NotFound => {
+                    fail(127, format!("agent-sandbox: {a0}: command not found\n"))
+                }
+                io::ErrorKind::PermissionDenied => {
+                    fail(126, format!("agent-sandbox: {a0}: permission denied\n"))
+                }
+                _ => fail(126, format!("agent-sandbox: {a0}: {e}\n")),
+            }
+        }
+    }
+}
+
+fn reap(run: &mut Running) {
+    loop {
+        let mut status: c_int = 0;
+        // SAFETY: waitpid with a valid status pointer.
+        let pid = unsafe { waitpid(-1, &mut status, WNOHANG) };
+        if pid <= 0 {
+            return;
+        }
+        if let Some(id) = run.sups.remove(&pid) {
+            run.by_id.remove(&id);
+            if run.kills.remove(&id) {
+                send(REP_OK, id, &[]);
+            }
+            // A supervisor exits 0 after reporting; anything else means it was killed.
+            if status != 0 {
+                exited(id, status, true);
+            }
+        }
+    }
+}
+
+/// Receives one packet; `Ok(None)` when the library is gone.
+fn recv(buf: &mut [u8]) -> io::Result<Option<(usize, Vec<OwnedFd>)>> {
+    let mut ctl = [0u64; 32];
+    let mut iov = IoVec {
+        base: buf.as_mut_ptr(),
+        len: buf.len(),
+    };
+    let mut msg = MsgHdr {
+        name: std::ptr::null_mut(),
+        namelen: 0,
+        iov: &mut iov,
+        iovlen: 1,
+        control: ctl.as_mut_ptr() as *mut c_void,
+        controllen: std::mem::size_of_val(&ctl),
+        flags: 0,
+    };
+    // SAFETY: msghdr points at live buffers of the stated sizes.
+    let n = unsafe { recvmsg(CTL, &mut msg, MSG_CMSG_CLOEXEC) };
+    if n < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut fds = Vec::new();
+    let ctl_bytes = ctl.as_ptr() as *const u8;
+    let mut off = 0usize;
+    while off + 16 <= msg.controllen {
+        // SAFETY: reads a cmsghdr within the control buffer the kernel filled.
+        let (len, level, ty) = unsafe {
+            let p = ctl_bytes.add(off);
+            (
+                std::ptr::read_unaligned(p as *const usize),
+                std::ptr::read_unaligned(p.add(8) as *const i32),
+                std::ptr::read_unaligned(p.add(12) as *const i32),
+            )
+        };
+        if len < 16 || off + len > msg.controllen {
+            break;
+        }
+        if level == 1 && ty == 1 {
+            for k in 0..(len - 16) / 4 {
+                // SAFETY: SCM_RIGHTS data is an array of fds now owned by us.
+                let fd = unsafe {
+                    std::ptr::read_unaligned(ctl_bytes.add(off + 16 + 4 * k) as *const i32)
+                };
+                // SAFETY: the kernel installed this fd for us.
+                fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+            }
+        }
+        off += (len + 7) & !7;
+    }
+    if n == 0 && fds.is_empty() {
+        return Ok(None);
+    }
+    if msg.flags & (MSG_TRUNC | MSG_CTRUNC) != 0 {
+        return Err(io::Error::from_raw_os_error(90));
+    }
+    Ok(Some((n as usize, fds)))
+}
+
+/// Creates the namespaces and becomes pid 1 of the new pid namespace (returns in pid 1).
+fn bootstrap() {
+    let die = |code: i32, what: &str| -> ! {
+        send_err(0, 0, &io::Error::last_os_error(), what);
+        std::process::exit(code)
+    };
+    // SAFETY: unshare/setres*id/clone on our own, single-threaded process.
+    unsafe {
+        if unshare(CLONE_NEWUSER) < 0 {
+            die(80, "unshare(CLONE_NEWUSER)");
+        }
+        send(REP_BOOT, 0, &[]);
+        let mut buf = [0u8; 64];
+        match recv(&mut buf) {
+            Ok(Some((n, _))) if n >= 12 && Dec::new(&buf[..n]).u32() == Ok(MSG_MAPS) => {}
+            _ => std::process::exit(81),
+        }
+        // Become root of the new namespace (our host ids may be unmapped there) and drop the
+        // host's supplementary groups (refused rootless, where setgroups is denied).
+        setgroups(0, std::ptr::null());
+        if setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0 {
+            die(82, "become root of the user namespace");
+        }
+        if unshare(CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWPID) < 0 {
+            die(83, "unshare namespaces");
+        }
+        // Wait until the library has put us in the sandbox's cgroups (pid 1 inherits them).
+        match recv(&mut buf) {
+            Ok(Some((n, fds))) if n >= 12 && Dec::new(&buf[..n]).u32() == Ok(MSG_CGROUPS) => {
+                // Join each cgroup by writing "0" (ourselves) to the file the library opened
+                // (the kernel checks the opener's credentials).
+                for fd in fds {
+                    if write(fd.as_raw_fd(), b"0".as_ptr(), 1) != 1 {
+                        die(86, "join the sandbox's cgroups");
+                    }
+                }
+            }
+            _ => std::process::exit(85),
+        }
+        // pid 1, as a child of the library (CLONE_PARENT), so it can wait for it.
+        let pid = syscall(NR_CLONE, CLONE_PARENT as u64, 0u64, 0u64, 0u64, 0u64);
+        if pid < 0 {
+            die(84, "clone pid 1");
+        }
+        if pid == 0 {
+            return;
+        }
+        let mut e = Enc::default();
+        e.u32(pid as u32);
+        send(REP_INIT, 0, &e.0);
+        _exit(0)
+    }
+}
+
+#[no_mangle]
+extern "C" fn main(_argc: c_int, _argv: *const *const c_char) -> c_int {
+    // SAFETY: fd/signal plumbing on our own process at startup.
+    let sfd = unsafe {
+        prctl(PR_SET_NAME, b"asb-init\0".as_ptr() as u64, 0u64, 0u64, 0u64);
+        // The library hands us the control socket as stdin: move it to fd 3.
+        dup2(0, CTL);
+        let null = libc_open(
+            b"/dev/null\0".as_ptr() as *const c_char,
+            2, /* O_RDWR */
+        );
+        if null >= 0 {
+            dup2(null, 0);
+            dup2(null, 1);
+            dup2(null, 2);
+            if null > 3 {
+                close(null);
+            }
+        }
+        fcntl(CTL, F_SETFD, 1);
+        syscall(NR_CLOSE_RANGE, 4u32, u32::MAX, 0u32);
+        bootstrap();
+        let mut set = SigSet([0; 16]);
+        sigemptyset(&mut set);
+        sigaddset(&mut set, SIGCHLD);
+        sigaddset(&mut set, SIGTERM);
+        sigprocmask(SIG_BLOCK, &set, std::ptr::null_mut());
+        signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK)
+    };
+    if sfd < 0 {
+        std::process::exit(70);
+    }
+    let mut run = Running {
+        sups: HashMap::new(),
+        by_id: HashMap::new(),
+        kills: Default::default(),
+    };
+    let mut buf = vec![0u8; PACKET_MAX];
+    loop {
+        let mut pfd = [
+            PollFd {
+                fd: CTL,
+                events: POLLIN,
+                revents: 0,
+            },
+            PollFd {
+                fd: sfd,
+                events: POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: two valid pollfd structs.
+        let r = unsafe { poll(pfd.as_mut_ptr(), 2, -1) };
+        if r < 0 {
+            if errno() == 4 {
+                continue;
+            }
+            std::process::exit(71);
+        }
+        if pfd[1].revents != 0 {
+            let mut junk = [0u8; 128 * 8];
+            // SAFETY: drains the signalfd into a local buffer.
+            while unsafe { read(sfd, junk.as_mut_ptr(), junk.len()) } > 0 {}
+            reap(&mut run);
+        }
+        if pfd[0].revents & POLLIN != 0 {
+            match recv(&mut buf) {
+                Ok(None) => std::process::exit(0),
+                Err(e) if e.raw_os_error() == Some(4) || e.raw_os_error() == Some(11) => continue,
+                Err(_) => std::process::exit(72),
+                Ok(Some((n, mut fds))) => {
+                    let mut d = Dec::new(&buf[..n]);
+                    let (Ok(kind), Ok(id)) = (d.u32(), d.u64()) else {
+                        continue;
+                    };
+                    let mut big = Vec::new();
+                    let payload: &[u8] = if kind & FLAG_BIG != 0 {
+                        match fds.pop() {
+                            Some(fd) => {
+                                if File::from(fd).read_to_end(&mut big).is_err() {
+                                    send_err(
+                                        id,
+                                        0,
+                                        &io::Error::from_raw_os_error(5),
+                                        "read payload",
+                                    );
+                                    continue;
+                                }
+                                &big
+                            }
+                            None => continue,
+                        }
+                    } else {
+                        d.rest()
+                    };
+                    match kind & !FLAG_BIG {
+                        MSG_SETUP => setup(id, payload),
+                        MSG_EXEC => exec(id, payload, fds, &mut run, sfd),
+                        MSG_KILL => {
+                            reap(&mut run);
+                            match run.by_id.get(&id) {
+                                // SAFETY: asks the exec's supervisor to kill its tree; it
+                                // acknowledges (or we do, if it exits first: see `reap`).
+                                Some(sup) => unsafe {
+                                    run.kills.insert(id);
+                                    kill(*sup, SIGTERM);
+                                },
+                                None => send(REP_OK, id, &[]),
+                            }
+                        }
+                        MSG_PING => send(REP_OK, id, &[]),
+                        _ => send_err(id, 0, &io::Error::from_raw_os_error(22), "unknown request"),
+                    }
+                }
+            }
+        } else if pfd[0].revents & (POLLHUP | POLLERR) != 0 {
+            std::process::exit(0);
+        }
+    }
+}

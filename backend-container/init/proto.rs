@@ -1,0 +1,466 @@
+//! Wire format between the library and the sandbox init (`init/main.rs`).
+//!
+//! This file is compiled twice: into the library (`#[path]` module) and into the init
+//! program, which build.rs compiles with plain `rustc` (std only). Keep it std-only.
+//!
+//! Bootstrap: the library starts the init with the socket as stdin. The init creates its user
+//! namespace and says `REP_BOOT`; the library writes the id maps and says `MSG_MAPS`; the init
+//! creates the other namespaces, waits for `MSG_CGROUPS` (the library moved it into the
+//! sandbox's cgroups meanwhile) and clones pid 1 (a child of the library, `CLONE_PARENT`);
+//! it says `REP_INIT` with pid 1's host pid and exits.
+//!
+//! Transport: one `SOCK_SEQPACKET` socketpair; one message per packet:
+//! `[u32 kind][u64 id][payload]`, file descriptors travel as `SCM_RIGHTS`.
+//! Payloads larger than [`INLINE_MAX`] travel in a memfd passed as the *last* fd and
+//! flagged with [`FLAG_BIG`] in `kind`'s high bit.
+
+#![allow(dead_code)]
+
+/// Largest payload sent inline in a packet.
+pub const INLINE_MAX: usize = 48 * 1024;
+/// Receive buffer size of the init (header + inline payload).
+pub const PACKET_MAX: usize = INLINE_MAX + 64;
+/// Set in `kind` when the payload travels in a memfd (the last fd).
+pub const FLAG_BIG: u32 = 0x8000_0000;
+
+// library -> init
+/// Build the root filesystem and lock the init down: payload = [`Op`] list.
+pub const MSG_SETUP: u32 = 1;
+/// Run a command: payload = [`ExecSpec`]; fds: stdout, stderr, [stdin].
+pub const MSG_EXEC: u32 = 3;
+/// Kill the whole process tree of exec `id` (its supervisor does it).
+pub const MSG_KILL: u32 = 4;
+/// Liveness check.
+pub const MSG_PING: u32 = 5;
+/// Bootstrap (id 0): the uid/gid maps of the init's user namespace are written.
+pub const MSG_MAPS: u32 = 6;
+/// Bootstrap (id 0): the init sits in the sandbox's cgroups; pid 1 may be cloned.
+pub const MSG_CGROUPS: u32 = 7;
+
+// init -> library
+/// Request `id` succeeded.
+pub const REP_OK: u32 = 100;
+/// Request `id` failed: payload = u32 op index, i32 errno, message.
+pub const REP_ERR: u32 = 101;
+/// Exec `id` started: payload = u32 pid (inside the sandbox).
+pub const REP_STARTED: u32 = 102;
+/// Exec `id` finished: payload = i32 wait status, u8 spawned (0: never started).
+pub const REP_EXITED: u32 = 103;
+/// Bootstrap (id 0): the init is in its new user namespace; write its maps.
+pub const REP_BOOT: u32 = 104;
+/// Bootstrap (id 0): pid 1 of the sandbox exists: payload = u32 host pid.
+pub const REP_INIT: u32 = 105;
+
+/// Exec flag: a stdin fd is attached (else stdin is /dev/null).
+pub const EXEC_STDIN: u32 = 1;
+/// Exec flag: keep uid 0 inside but drop every capability (rootless mode).
+pub const EXEC_STAY_ROOT: u32 = 4;
+
+/// One root-filesystem setup step, run in order by the init.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Op {
+    /// `mount(src, dst, fstype, flags, data)`; empty strings mean NULL.
+    Mount {
+        src: String,
+        dst: String,
+        fstype: String,
+        flags: u64,
+        data: String,
+    },
+    /// Bind mount `src` on `dst` (recursive).
+    Bind { src: String, dst: String },
+    /// `mount_setattr(dst, AT_RECURSIVE?, set, clear)`.
+    SetAttr {
+        path: String,
+        set: u64,
+        clear: u64,
+        recursive: bool,
+    },
+    /// `mkdir -p` with a mode for the last component.
+    Mkdir { path: String, mode: u32 },
+    /// Creates (or truncates) a file with content.
+    WriteFile {
+        path: String,
+        mode: u32,
+        data: Vec<u8>,
+    },
+    /// Creates an empty file if missing (a bind target).
+    Touch { path: String },
+    /// `symlink(target, path)`.
+    Symlink { target: String, path: String },
+    /// `lchown(path, uid, gid)`.
+    Chown { path: String, uid: u32, gid: u32 },
+    /// `pivot_root` into `newroot`, then detach the old root.
+    Pivot { newroot: String },
+    /// `sethostname`.
+    Hostname { name: String },
+    /// Brings the loopback interface up.
+    LoopbackUp,
+    /// `unshare(flags)`; `optional` ones may fail with EINVAL.
+    Unshare { flags: u64, optional: bool },
+    /// `chdir`.
+    Chdir { path: String },
+    /// Sets an rlimit on the init itself (inherited by every exec).
+    Rlimit { resource: u32, soft: u64, hard: u64 },
+    /// `pivot_root(newroot, put_old)` keeping the old root reachable, then `chdir("/")`.
+    PivotOld { newroot: String, put_old: String },
+    /// `no_new_privs`, then a Landlock domain handling `handled` rights and granting each
+    /// rule's rights beneath its path (missing paths are skipped).
+    Landlock {
+        handled: u64,
+        rules: Vec<(String, u64)>,
+    },
+    /// `no_new_privs`, then this seccomp filter (`struct sock_filter` array bytes).
+    Seccomp { bpf: Vec<u8> },
+}
+
+/// One command to start.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ExecSpec {
+    /// `EXEC_*` flags.
+    pub flags: u32,
+    /// uid/gid inside the sandbox to run as (ignored with `EXEC_STAY_ROOT`).
+    pub uid: u32,
+    /// gid inside.
+    pub gid: u32,
+    /// Working directory.
+    pub cwd: String,
+    /// argv.
+    pub argv: Vec<String>,
+    /// `K=V` strings: the whole environment.
+    pub env: Vec<String>,
+    /// (resource, soft, hard).
+    pub rlimits: Vec<(u32, u64, u64)>,
+}
+
+/// Appends little-endian values.
+#[derive(Debug, Default)]
+pub struct Enc(pub Vec<u8>);
+
+impl Enc {
+    pub fn header(kind: u32, id: u64) -> Enc {
+        let mut e = Enc(Vec::with_capacity(64));
+        e.u32(kind);
+        e.u64(id);
+        e
+    }
+    pub fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    pub fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    pub fn i32(&mut self, v: i32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    pub fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    pub fn bytes(&mut self, b: &[u8]) {
+        self.u32(b.len() as u32);
+        self.0.extend_from_slice(b);
+    }
+    pub fn str(&mut self, s: &str) {
+        self.bytes(s.as_bytes());
+    }
+    pub fn strs(&mut self, v: &[String]) {
+        self.u32(v.len() as u32);
+        for s in v {
+            self.str(s);
+        }
+    }
+
+    pub fn op(&mut self, op: &Op) {
+        match op {
+            Op::Mount {
+                src,
+                dst,
+                fstype,
+                flags,
+                data,
+            } => {
+                self.u8(1);
+                self.str(src);
+                self.str(dst);
+                self.str(fstype);
+                self.u64(*flags);
+                self.str(data);
+            }
+            Op::Bind { src, dst } => {
+                self.u8(2);
+                self.str(src);
+                self.str(dst);
+            }
+            Op::SetAttr {
+                path,
+                set,
+                clear,
+                recursive,
+            } => {
+                self.u8(3);
+                self.str(path);
+                self.u64(*set);
+                self.u64(*clear);
+                self.u8(u8::from(*recursive));
+            }
+            Op::Mkdir { path, mode } => {
+                self.u8(4);
+                self.str(path);
+                self.u32(*mode);
+            }
+            Op::WriteFile { path, mode, data } => {
+                self.u8(5);
+                self.str(path);
+                self.u32(*mode);
+                self.bytes(data);
+            }
+            Op::Touch { path } => {
+                self.u8(6);
+                self.str(path);
+            }
+            Op::Symlink { target, path } => {
+                self.u8(7);
+                self.str(target);
+                self.str(path);
+            }
+            Op::Chown { path, uid, gid } => {
+                self.u8(8);
+                self.str(path);
+                self.u32(*uid);
+                self.u32(*gid);
+            }
+            Op::Pivot { newroot } => {
+                self.u8(9);
+                self.str(newroot);
+            }
+            Op::Hostname { name } => {
+                self.u8(10);
+                self.str(name);
+            }
+            Op::LoopbackUp => self.u8(11),
+            Op::Unshare { flags, optional } => {
+                self.u8(12);
+                self.u64(*flags);
+                self.u8(u8::from(*optional));
+            }
+            Op::Chdir { path } => {
+                self.u8(13);
+                self.str(path);
+            }
+            Op::Rlimit {
+                resource,
+                soft,
+                hard,
+            } => {
+                self.u8(14);
+                self.u32(*resource);
+                self.u64(*soft);
+                self.u64(*hard);
+            }
+            Op::PivotOld { newroot, put_old } => {
+                self.u8(15);
+                self.str(newroot);
+                self.str(put_old);
+            }
+            Op::Landlock { handled, rules } => {
+                self.u8(16);
+                self.u64(*handled);
+                self.u32(rules.len() as u32);
+                for (p, r) in rules {
+                    self.str(p);
+                    self.u64(*r);
+                }
+            }
+            Op::Seccomp { bpf } => {
+                self.u8(17);
+                self.bytes(bpf);
+            }
+        }
+    }
+
+    pub fn ops(&mut self, ops: &[Op]) {
+        self.u32(ops.len() as u32);
+        for op in ops {
+            self.op(op);
+        }
+    }
+
+    pub fn exec(&mut self, x: &ExecSpec) {
+        self.u32(x.flags);
+        self.u32(x.uid);
+        self.u32(x.gid);
+        self.str(&x.cwd);
+        self.strs(&x.argv);
+        self.strs(&x.env);
+        self.u32(x.rlimits.len() as u32);
+        for (r, s, h) in &x.rlimits {
+            self.u32(*r);
+            self.u64(*s);
+            self.u64(*h);
+        }
+    }
+}
+
+/// Reads what [`Enc`] wrote; every read is bounds-checked.
+#[derive(Debug)]
+pub struct Dec<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+/// A malformed message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Malformed;
+
+impl<'a> Dec<'a> {
+    pub fn new(buf: &'a [u8]) -> Self {
+        Dec { buf, pos: 0 }
+    }
+    pub fn rest(&self) -> &'a [u8] {
+        &self.buf[self.pos.min(self.buf.len())..]
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u8], Malformed> {
+        let end = self.pos.checked_add(n).ok_or(Malformed)?;
+        let s = self.buf.get(self.pos..end).ok_or(Malformed)?;
+        self.pos = end;
+        Ok(s)
+    }
+    pub fn u8(&mut self) -> Result<u8, Malformed> {
+        Ok(self.take(1)?[0])
+    }
+    pub fn u32(&mut self) -> Result<u32, Malformed> {
+        let mut a = [0u8; 4];
+        a.copy_from_slice(self.take(4)?);
+        Ok(u32::from_le_bytes(a))
+    }
+    pub fn i32(&mut self) -> Result<i32, Malformed> {
+        let mut a = [0u8; 4];
+        a.copy_from_slice(self.take(4)?);
+        Ok(i32::from_le_bytes(a))
+    }
+    pub fn u64(&mut self) -> Result<u64, Malformed> {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(self.take(8)?);
+        Ok(u64::from_le_bytes(a))
+    }
+    pub fn bytes(&mut self) -> Result<&'a [u8], Malformed> {
+        let n = self.u32()? as usize;
+        self.take(n)
+    }
+    pub fn str(&mut self) -> Result<String, Malformed> {
+        String::from_utf8(self.bytes()?.to_vec()).map_err(|_| Malformed)
+    }
+    pub fn strs(&mut self) -> Result<Vec<String>, Malformed> {
+        let n = self.u32()? as usize;
+        let mut v = Vec::with_capacity(n.min(4096));
+        for _ in 0..n {
+            v.push(self.str()?);
+        }
+        Ok(v)
+    }
+
+    pub fn op(&mut self) -> Result<Op, Malformed> {
+        Ok(match self.u8()? {
+            1 => Op::Mount {
+                src: self.str()?,
+                dst: self.str()?,
+                fstype: self.str()?,
+                flags: self.u64()?,
+                data: self.str()?,
+            },
+            2 => Op::Bind {
+                src: self.str()?,
+                dst: self.str()?,
+            },
+            3 => Op::SetAttr {
+                path: self.str()?,
+                set: self.u64()?,
+                clear: self.u64()?,
+                recursive: self.u8()? != 0,
+            },
+            4 => Op::Mkdir {
+                path: self.str()?,
+                mode: self.u32()?,
+            },
+            5 => Op::WriteFile {
+                path: self.str()?,
+                mode: self.u32()?,
+                data: self.bytes()?.to_vec(),
+            },
+            6 => Op::Touch { path: self.str()? },
+            7 => Op::Symlink {
+                target: self.str()?,
+                path: self.str()?,
+            },
+            8 => Op::Chown {
+                path: self.str()?,
+                uid: self.u32()?,
+                gid: self.u32()?,
+            },
+            9 => Op::Pivot {
+                newroot: self.str()?,
+            },
+            10 => Op::Hostname { name: self.str()? },
+            11 => Op::LoopbackUp,
+            12 => Op::Unshare {
+                flags: self.u64()?,
+                optional: self.u8()? != 0,
+            },
+            13 => Op::Chdir { path: self.str()? },
+            14 => Op::Rlimit {
+                resource: self.u32()?,
+                soft: self.u64()?,
+                hard: self.u64()?,
+            },
+            15 => Op::PivotOld {
+                newroot: self.str()?,
+                put_old: self.str()?,
+            },
+            16 => {
+                let handled = self.u64()?;
+                let n = self.u32()? as usize;
+                let mut rules = Vec::with_capacity(n.min(256));
+                for _ in 0..n {
+                    rules.push((self.str()?, self.u64()?));
+                }
+                Op::Landlock { handled, rules }
+            }
+            17 => Op::Seccomp {
+                bpf: self.bytes()?.to_vec(),
+            },
+            _ => return Err(Malformed),
+        })
+    }
+
+    pub fn ops(&mut self) -> Result<Vec<Op>, Malformed> {
+        let n = self.u32()? as usize;
+        let mut v = Vec::with_capacity(n.min(1024));
+        for _ in 0..n {
+            v.push(self.op()?);
+        }
+        Ok(v)
+    }
+
+    pub fn exec(&mut self) -> Result<ExecSpec, Malformed> {
+        let flags = self.u32()?;
+        let uid = self.u32()?;
+        let gid = self.u32()?;
+        let cwd = self.str()?;
+        let argv = self.strs()?;
+        let env = self.strs()?;
+        let n = self.u32()? as usize;
+        let mut rlimits = Vec::with_capacity(n.min(64));
+        for _ in 0..n {
+            rlimits.push((self.u32()?, self.u64()?, self.u64()?));
+        }
+        Ok(ExecSpec {
+            flags,
+            uid,
+            gid,
+            cwd,
+            argv,
+            env,
+            rlimits,
+        })
+    }
+}

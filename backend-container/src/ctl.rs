@@ -1,0 +1,210 @@
+//! The library's end of the control socket to a sandbox's init.
+
+use std::collections::HashMap;
+use std::io::{self, IoSlice, Write};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+use tokio::sync::mpsc;
+
+use crate::proto::{Dec, Enc, FLAG_BIG, INLINE_MAX, PACKET_MAX};
+
+/// One reply from the init.
+#[derive(Debug, Clone)]
+pub(crate) struct Reply {
+    pub kind: u32,
+    pub payload: Vec<u8>,
+}
+
+type Waiters = Mutex<HashMap<u64, mpsc::UnboundedSender<Reply>>>;
+
+/// A request/reply channel; replies are routed by id by a reader task.
+#[derive(Debug)]
+pub(crate) struct Ctl {
+    fd: AsyncFd<OwnedFd>,
+    next: AtomicU64,
+    waiters: Waiters,
+    closed: AtomicBool,
+}
+
+impl Ctl {
+    /// Wraps our end of the socketpair and starts the reader task.
+    pub fn start(fd: OwnedFd) -> io::Result<Arc<Ctl>> {
+        set_nonblocking(fd.as_raw_fd())?;
+        let ctl = Arc::new(Ctl {
+            // SAFETY: `fd` is an open socket owned by the AsyncFd for its whole life.
+            fd: unsafe {
+                AsyncFd::register_with_interest(fd, Interest::READABLE | Interest::WRITABLE)
+            }?,
+            next: AtomicU64::new(1),
+            waiters: Mutex::new(HashMap::new()),
+            closed: AtomicBool::new(false),
+        });
+        let reader = Arc::clone(&ctl);
+        tokio::spawn(async move { reader.read_loop().await });
+        Ok(ctl)
+    }
+
+    /// Whether the init hung up.
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::SeqCst)
+    }
+
+    async fn read_loop(&self) {
+        let mut buf = vec![0u8; 4096];
+        loop {
+            let r = match self.fd.readable().await {
+                Ok(mut g) => g.try_io(|fd| {
+                    // SAFETY: recv into a buffer we own.
+                    let n = unsafe {
+                        libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0)
+                    };
+                    if n < 0 {
+                        Err(io::Error::last_os_error())
+                    } else {
+                        Ok(n as usize)
+                    }
+                }),
+                Err(_) => Ok(Ok(0)),
+            };
+            match r {
+                Err(_would_block) => continue,
+                Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Ok(Ok(0)) | Ok(Err(_)) => break,
+                Ok(Ok(n)) => self.dispatch(&buf[..n]),
+            }
+        }
+        self.closed.store(true, Ordering::SeqCst);
+        // Dropping the senders wakes every waiter with "closed".
+        if let Ok(mut w) = self.waiters.lock() {
+            w.clear();
+        }
+    }
+
+    fn dispatch(&self, msg: &[u8]) {
+        let mut d = Dec::new(msg);
+        let (Ok(kind), Ok(id)) = (d.u32(), d.u64()) else {
+            return;
+        };
+        let reply = Reply {
+            kind,
+            payload: d.rest().to_vec(),
+        };
+        if let Ok(w) = self.waiters.lock() {
+            if let Some(tx) = w.get(&id) {
+                let _ = tx.send(reply);
+            }
+        }
+    }
+
+    /// Registers a waiter for a new request id.
+    pub fn register(&self) -> (u64, mpsc::UnboundedReceiver<Reply>) {
+        let id = self.next.fetch_add(1, Ordering::SeqCst);
+        let (tx, rx) = mpsc::unbounded_channel();
+        if let Ok(mut w) = self.waiters.lock() {
+            if !self.is_closed() {
+                w.insert(id, tx);
+            }
+        }
+        (id, rx)
+    }
+
+    /// Registers a waiter for a fixed id (0: the bootstrap).
+    pub fn register_fixed(&self, id: u64) -> mpsc::UnboundedReceiver<Reply> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        if let Ok(mut w) = self.waiters.lock() {
+            w.insert(id, tx);
+        }
+        rx
+    }
+
+    /// Forgets a waiter.
+    pub fn unregister(&self, id: u64) {
+        if let Ok(mut w) = self.waiters.lock() {
+            w.remove(&id);
+        }
+    }
+
+    /// Sends one message with fds; large payloads travel in a memfd.
+    pub async fn send(
+        &self,
+        kind: u32,
+        id: u64,
+        payload: &[u8],
+        fds: &[BorrowedFd<'_>],
+    ) -> io::Result<()> {
+        let mut raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+        let mut kind = kind;
+        let big;
+        let inline: &[u8] = if payload.len() > INLINE_MAX {
+            big = payload_memfd(payload)?;
+            raw.push(big.as_raw_fd());
+            kind |= FLAG_BIG;
+            &[]
+        } else {
+            payload
+        };
+        let mut head = Enc::header(kind, id);
+        head.0.extend_from_slice(inline);
+        debug_assert!(head.0.len() <= PACKET_MAX);
+        loop {
+            let mut g = self.fd.writable().await?;
+            let r = g.try_io(|fd| {
+                let iov = [IoSlice::new(&head.0)];
+                let cmsg = [ControlMessage::ScmRights(&raw)];
+                let cm: &[ControlMessage] = if raw.is_empty() { &[] } else { &cmsg };
+                sendmsg::<()>(fd.as_raw_fd(), &iov, cm, MsgFlags::MSG_NOSIGNAL, None)
+                    .map_err(io::Error::from)
+            });
+            match r {
+                Ok(Ok(_)) => return Ok(()),
+                Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Ok(Err(e)) => return Err(e),
+                Err(_would_block) => continue,
+            }
+        }
+    }
+
+    /// Sends a request and waits for its final reply (OK or ERR).
+    pub async fn call(
+        &self,
+        kind: u32,
+        payload: &[u8],
+        fds: &[BorrowedFd<'_>],
+    ) -> io::Result<Reply> {
+        let (id, mut rx) = self.register();
+        let r = async {
+            self.send(kind, id, payload, fds).await?;
+            rx.recv()
+                .await
+                .ok_or_else(|| io::Error::new(io::ErrorKind::BrokenPipe, "sandbox init is gone"))
+        }
+        .await;
+        self.unregister(id);
+        r
+    }
+}
+
+fn set_nonblocking(fd: RawFd) -> io::Result<()> {
+    // SAFETY: fcntl on an fd we own.
+    unsafe {
+        let fl = libc::fcntl(fd, libc::F_GETFL);
+        if fl < 0 || libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK) < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+fn payload_memfd(data: &[u8]) -> io::Result<OwnedFd> {
+    let fd = nix::sys::memfd::memfd_create(c"asb-payload", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+        .map_err(io::Error::from)?;
+    let mut f = std::fs::File::from(fd);
+    f.write_all(data)?;
+    std::io::Seek::seek(&mut f, std::io::SeekFrom::Start(0))?;
+    Ok(OwnedFd::from(f))
+}

@@ -1,0 +1,631 @@
+//! The root filesystem plan: a list of [`Op`]s the init runs in its new mount namespace.
+//!
+//! Layout (see the crate docs): a fresh tmpfs root, read-only binds of `/usr` and the
+//! `bin`/`lib*`/`sbin` links, a handful of `/etc` files, fresh `/proc`, minimal `/dev`,
+//! tmpfs `/tmp`, the workspace, the spec's mounts, then `pivot_root` and the old root detached.
+//!
+//! Bind sources are reached through `/oldroot`: the init first pivots into a scratch tmpfs
+//! (keeping the host root at `/oldroot`), so no host path is hidden by our own mounts
+//! (bubblewrap does the same).
+
+use std::path::{Path, PathBuf};
+
+use sandbox_core::{Error, Result, SandboxSpec, Workspace};
+
+use crate::landlock;
+use crate::proto::Op;
+
+const MS_NOSUID: u64 = libc::MS_NOSUID;
+const MS_NODEV: u64 = libc::MS_NODEV;
+const MS_NOEXEC: u64 = libc::MS_NOEXEC;
+const MS_REC: u64 = libc::MS_REC;
+const MS_PRIVATE: u64 = libc::MS_PRIVATE;
+
+/// `MOUNT_ATTR_*` for `mount_setattr`.
+pub(crate) const ATTR_RDONLY: u64 = 0x1;
+pub(crate) const ATTR_NOSUID: u64 = 0x2;
+pub(crate) const ATTR_NODEV: u64 = 0x4;
+
+const NEW: &str = "/newroot";
+const OLD: &str = "/oldroot";
+
+/// Directories under which a spec mount may not be placed (they are host binds or kernel
+/// filesystems: creating a mount point there would write to the host or be meaningless).
+const RESERVED: &[&str] = &[
+    "usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "proc", "dev", "sys",
+    "oldroot", "newroot",
+];
+
+/// Host `/etc` entries made visible read-only (when present).
+const ETC_FROM_HOST: &[&str] = &[
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "ssl",
+    "ca-certificates",
+    "ca-certificates.conf",
+    "alternatives",
+    "localtime",
+    "timezone",
+    "protocols",
+    "services",
+    "mime.types",
+    "host.conf",
+    "gai.conf",
+    "os-release",
+    "debian_version",
+    "bash.bashrc",
+    "profile",
+    "inputrc",
+    "magic",
+    "python3",
+    "python3.11",
+    "perl",
+];
+
+/// Inputs of the plan.
+#[derive(Debug, Clone)]
+pub(crate) struct Plan<'a> {
+    pub spec: &'a SandboxSpec,
+    /// uid/gid inside that runs commands.
+    pub user: u32,
+    pub hostname: &'a str,
+    pub resolv_conf: &'a str,
+    /// Size cap of `/tmp` and `/dev/shm`, bytes.
+    pub tmp_bytes: u64,
+    /// Landlock ABI to confine writes with (`None`: no Landlock).
+    pub landlock: Option<u32>,
+    /// [`host_ops`], cached by the backend.
+    pub host: &'a [Op],
+}
+
+fn old(p: &Path) -> String {
+    format!("{OLD}{}", p.display())
+}
+
+fn new(p: &str) -> String {
+    format!("{NEW}{p}")
+}
+
+fn canonical(p: &Path, what: &str) -> Result<PathBuf> {
+    p.canonicalize()
+        .map_err(|e| Error::invalid(what, format!("{}: {e}", p.display())))
+}
+
+/// Checks the spec's mounts against our layout.
+pub(crate) fn check_mounts(spec: &SandboxSpec) -> Result<()> {
+    for m in &spec.mounts {
+        let first = m
+            .target
+            .trim_start_matches('/')
+            .split('/')
+            .next()
+            .unwrap_or("");
+        if first.is_empty() || RESERVED.contains(&first) {
+            return Err(Error::invalid(
+                "mounts",
+                format!(
+                    "target `{}` is inside a system directory; use e.g. /data or /mnt/...",
+                    m.target
+                ),
+            ));
+        }
+        if first == "workspace" && !matches!(spec.workspace, Workspace::Empty) {
+            return Err(Error::invalid(
+                "mounts",
+                format!(
+                    "target `{}` would create a directory in the host workspace directory",
+                    m.target
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn bind_ro(ops: &mut Vec<Op>, src: &Path, dst: &str, dir: bool) {
+    if dir {
+        ops.push(Op::Mkdir {
+            path: new(dst),
+            mode: 0o755,
+        });
+    } else {
+        ops.push(Op::Touch { path: new(dst) });
+    }
+    ops.push(Op::Bind {
+        src: old(src),
+        dst: new(dst),
+    });
+    ops.push(Op::SetAttr {
+        path: new(dst),
+        set: ATTR_RDONLY | ATTR_NOSUID | ATTR_NODEV,
+        clear: 0,
+        recursive: true,
+    });
+}
+
+/// Adds a host path (directory, file or symlink) at the same place, read-only. Small regular
+/// files (≤ 4 KiB) are copied into the (read-only) root instead: cheaper than a bind, and
+/// the setup message stays small.
+fn host_entry(ops: &mut Vec<Op>, host: &str) {
+    let p = Path::new(host);
+    let Ok(md) = p.symlink_metadata() else { return };
+    if md.is_file() && md.len() <= 4 << 10 {
+        if let Ok(data) = std::fs::read(p) {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = md.permissions().mode() & 0o755;
+            ops.push(Op::WriteFile {
+                path: new(host),
+                mode,
+                data,
+            });
+            return;
+        }
+    }
+    if md.file_type().is_symlink() {
+        if let Ok(t) = std::fs::read_link(p) {
+            ops.push(Op::Symlink {
+                target: t.to_string_lossy().into_owned(),
+                path: new(host),
+            });
+        }
+    } else if md.is_dir() {
+        bind_ro(ops, p, host, true);
+    } else if md.is_file() {
+        bind_ro(ops, p, host, false);
+    }
+}
+
+fn etc_files(plan: &Plan<'_>) -> Vec<(&'static str, String)> {
+    let u = plan.user;
+    let passwd = if u == 0 {
+        "root:x:0:0:sandbox:/workspace:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+            .to_string()
+    } else {
+        format!(
+            "root:x:0:0:root:/root:/bin/sh\nsandbox:x:{u}:{u}:sandbox:/workspace:/bin/sh\n\
+             nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+        )
+    };
+    let group = if u == 0 {
+        "root:x:0:\nnogroup:x:65534:\n".to_string()
+    } else {
+        format!("root:x:0:\nsandbox:x:{u}:\nnogroup:x:65534:\n")
+    };
+    let h = plan.hostname;
+    vec![
+        ("passwd", passwd),
+        ("group", group),
+        ("hostname", format!("{h}\n")),
+        (
+            "hosts",
+            format!(
+                "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{h}\n"
+            ),
+        ),
+        ("resolv.conf", plan.resolv_conf.to_string()),
+        (
+            "nsswitch.conf",
+            "passwd: files\ngroup: files\nshadow: files\nhosts: files dns\nnetworks: files\n\
+             protocols: files\nservices: files\nethers: files\nrpc: files\n"
+                .to_string(),
+        ),
+        (
+            "gitconfig",
+            "[user]\n\tname = sandbox\n\temail = sandbox@localhost\n[safe]\n\tdirectory = *\n\
+             [init]\n\tdefaultBranch = main\n"
+                .to_string(),
+        ),
+    ]
+}
+
+/// The host-dependent, spec-independent part of the plan: `/usr` and the `bin`/`lib*`
+/// links, `/etc` with the listed host entries (generated files are added per sandbox).
+pub(crate) fn host_ops() -> Vec<Op> {
+    let mut ops = Vec::new();
+    bind_ro(&mut ops, Path::new("/usr"), "/usr", true);
+    for d in ["/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"] {
+        host_entry(&mut ops, d);
+    }
+    ops.push(Op::Mkdir {
+        path: new("/etc"),
+        mode: 0o755,
+    });
+    for name in ETC_FROM_HOST {
+        host_entry(&mut ops, &format!("/etc/{name}"));
+    }
+    ops
+}
+
+/// The whole setup, in order.
+#[allow(clippy::unnecessary_cast)] // RLIMIT_* types differ between libcs
+pub(crate) fn plan(p: &Plan<'_>) -> Result<Vec<Op>> {
+    let spec = p.spec;
+    check_mounts(spec)?;
+    let mut ops = vec![
+        // Children get their own clocks (CLONE_NEWTIME); absent on old kernels.
+        Op::Unshare {
+            flags: 0x80,
+            optional: true,
+        },
+        Op::Mount {
+            src: String::new(),
+            dst: "/".into(),
+            fstype: String::new(),
+            flags: MS_REC | MS_PRIVATE,
+            data: String::new(),
+        },
+        Op::Mount {
+            src: "tmpfs".into(),
+            dst: "/tmp".into(),
+            fstype: "tmpfs".into(),
+            flags: MS_NOSUID | MS_NODEV,
+            data: "mode=0755,size=64k".into(),
+        },
+        Op::Mkdir {
+            path: format!("/tmp{OLD}"),
+            mode: 0o755,
+        },
+        Op::Mkdir {
+            path: format!("/tmp{NEW}"),
+            mode: 0o755,
+        },
+        Op::PivotOld {
+            newroot: "/tmp".into(),
+            put_old: format!("/tmp{OLD}"),
+        },
+        Op::Mount {
+            src: "tmpfs".into(),
+            dst: NEW.into(),
+            fstype: "tmpfs".into(),
+            flags: MS_NOSUID | MS_NODEV,
+            data: "mode=0755,size=4m,nr_inodes=4096".into(),
+        },
+    ];
+
+    // /usr, the merged-/usr links and the host's /etc files: the same for every sandbox of
+    // this host, computed once per backend.
+    ops.extend_from_slice(p.host);
+    for (name, content) in etc_files(p) {
+        ops.push(Op::WriteFile {
+            path: new(&format!("/etc/{name}")),
+            mode: 0o644,
+            data: content.into_bytes(),
+        });
+    }
+
+    // /proc (fresh, this pid namespace only), /proc/sys read-only.
+    ops.push(Op::Mkdir {
+        path: new("/proc"),
+        mode: 0o555,
+    });
+    ops.push(Op::Mount {
+        src: "proc".into(),
+        dst: new("/proc"),
+        fstype: "proc".into(),
+        flags: MS_NOSUID | MS_NODEV | MS_NOEXEC,
+        data: String::new(),
+    });
+    ops.push(Op::Bind {
+        src: new("/proc/sys"),
+        dst: new("/proc/sys"),
+    });
+    ops.push(Op::SetAttr {
+        path: new("/proc/sys"),
+        set: ATTR_RDONLY | ATTR_NOSUID | ATTR_NODEV,
+        clear: 0,
+        recursive: true,
+    });
+
+    // /dev: a small tmpfs with bound device nodes (no mknod in a user namespace).
+    ops.push(Op::Mkdir {
+        path: new("/dev"),
+        mode: 0o755,
+    });
+    ops.push(Op::Mount {
+        src: "tmpfs".into(),
+        dst: new("/dev"),
+        fstype: "tmpfs".into(),
+        flags: MS_NOSUID | MS_NOEXEC,
+        data: "mode=0755,size=64k,nr_inodes=256".into(),
+    });
+    for n in ["null", "zero", "full", "random", "urandom", "tty"] {
+        let host = format!("/dev/{n}");
+        if Path::new(&host).exists() {
+            ops.push(Op::Touch { path: new(&host) });
+            ops.push(Op::Bind {
+                src: old(Path::new(&host)),
+                dst: new(&host),
+            });
+        }
+    }
+    ops.push(Op::Mkdir {
+        path: new("/dev/pts"),
+        mode: 0o755,
+    });
+    ops.push(Op::Mount {
+        src: "devpts".into(),
+        dst: new("/dev/pts"),
+        fstype: "devpts".into(),
+        flags: MS_NOSUID | MS_NOEXEC,
+        data: "newinstance,ptmxmode=0666,mode=0620".into(),
+    });
+    ops.push(Op::Symlink {
+        target: "pts/ptmx".into(),
+        path: new("/dev/ptmx"),
+    });
+    ops.push(Op::Mkdir {
+        path: new("/dev/shm"),
+        mode: 0o1777,
+    });
+    ops.push(Op::Mount {
+        src: "tmpfs".into(),
+        dst: new("/dev/shm"),
+        fstype: "tmpfs".into(),
+        flags: MS_NOSUID | MS_NODEV,
+        data: format!("mode=1777,size={}", p.tmp_bytes),
+    });
+    for (l, t) in [
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        ops.push(Op::Symlink {
+            target: t.into(),
+            path: new(&format!("/dev/{l}")),
+        });
+    }
+    ops.push(Op::SetAttr {
+        path: new("/dev"),
+        set: ATTR_RDONLY,
+        clear: 0,
+        recursive: false,
+    });
+
+    // /tmp and /var/tmp.
+    ops.push(Op::Mkdir {
+        path: new("/tmp"),
+        mode: 0o1777,
+    });
+    ops.push(Op::Mount {
+        src: "tmpfs".into(),
+        dst: new("/tmp"),
+        fstype: "tmpfs".into(),
+        flags: MS_NOSUID | MS_NODEV,
+        data: format!("mode=1777,size={}", p.tmp_bytes),
+    });
+    ops.push(Op::Mkdir {
+        path: new("/var"),
+        mode: 0o755,
+    });
+    ops.push(Op::Symlink {
+        target: "/tmp".into(),
+        path: new("/var/tmp"),
+    });
+
+    // The workspace.
+    ops.push(Op::Mkdir {
+        path: new("/workspace"),
+        mode: 0o755,
+    });
+    match &spec.workspace {
+        Workspace::Empty => ops.push(Op::Mount {
+            src: "tmpfs".into(),
+            dst: new("/workspace"),
+            fstype: "tmpfs".into(),
+            flags: MS_NOSUID | MS_NODEV,
+            data: format!(
+                "mode=0755,size={},uid={u},gid={u}",
+                spec.limits.disk_bytes,
+                u = p.user
+            ),
+        }),
+        Workspace::HostDir { path, read_only } => {
+            let src = canonical(path, "workspace")?;
+            ops.push(Op::Bind {
+                src: old(&src),
+                dst: new("/workspace"),
+            });
+            let ro = if *read_only { ATTR_RDONLY } else { 0 };
+            ops.push(Op::SetAttr {
+                path: new("/workspace"),
+                set: ro | ATTR_NOSUID | ATTR_NODEV,
+                clear: 0,
+                recursive: true,
+            });
+        }
+    }
+
+    // The spec's mounts (read-only unless asked otherwise).
+    for m in &spec.mounts {
+        let src = canonical(&m.source, "mounts")?;
+        let target = m.target.trim_end_matches('/');
+        if let Some(parent) = Path::new(target).parent() {
+            ops.push(Op::Mkdir {
+                path: new(&parent.to_string_lossy()),
+                mode: 0o755,
+            });
+        }
+        if src.is_dir() {
+            ops.push(Op::Mkdir {
+                path: new(target),
+                mode: 0o755,
+            });
+        } else {
+            ops.push(Op::Touch { path: new(target) });
+        }
+        ops.push(Op::Bind {
+            src: old(&src),
+            dst: new(target),
+        });
+        let ro = if m.read_only { ATTR_RDONLY } else { 0 };
+        ops.push(Op::SetAttr {
+            path: new(target),
+            set: ro | ATTR_NOSUID | ATTR_NODEV,
+            clear: 0,
+            recursive: true,
+        });
+    }
+
+    // Freeze the layout: the root tmpfs itself becomes read-only (its submounts keep theirs).
+    ops.push(Op::SetAttr {
+        path: NEW.into(),
+        set: ATTR_RDONLY,
+        clear: 0,
+        recursive: false,
+    });
+    ops.push(Op::Hostname {
+        name: p.hostname.to_string(),
+    });
+    ops.push(Op::LoopbackUp);
+    ops.push(Op::Pivot {
+        newroot: NEW.into(),
+    });
+    ops.push(Op::Chdir {
+        path: "/workspace".into(),
+    });
+    ops.push(Op::Rlimit {
+        resource: libc::RLIMIT_CORE as u32,
+        soft: 0,
+        hard: 0,
+    });
+    // Lock the init down; every exec inherits both.
+    if let Some(abi) = p.landlock {
+        let rules = writable_paths(spec)
+            .into_iter()
+            .map(|(path, dir)| {
+                let r = if dir {
+                    landlock::tree_rights(abi)
+                } else {
+                    landlock::file_rights(abi)
+                };
+                (path, r)
+            })
+            .collect();
+        ops.push(Op::Landlock {
+            handled: landlock::handled(abi),
+            rules,
+        });
+    }
+    Ok(ops)
+}
+
+/// The last steps, once the init sits in the sandbox's cgroups: a cgroup namespace rooted
+/// there, then the seccomp filter (which forbids any further `unshare`).
+pub(crate) fn seal_ops(seccomp: Option<&[u8]>) -> Vec<Op> {
+    let mut ops = vec![Op::Unshare {
+        flags: libc::CLONE_NEWCGROUP as u64,
+        optional: true,
+    }];
+    if let Some(bpf) = seccomp {
+        ops.push(Op::Seccomp { bpf: bpf.to_vec() });
+    }
+    ops
+}
+
+/// Writable paths inside the sandbox (for Landlock), as (path, is_dir).
+pub(crate) fn writable_paths(spec: &SandboxSpec) -> Vec<(String, bool)> {
+    let mut v = vec![
+        ("/tmp".to_string(), true),
+        ("/dev/shm".to_string(), true),
+        ("/dev/pts".to_string(), true),
+        ("/dev/null".to_string(), false),
+        ("/dev/zero".to_string(), false),
+        ("/dev/full".to_string(), false),
+        ("/dev/tty".to_string(), false),
+    ];
+    let ws_ro = matches!(
+        spec.workspace,
+        Workspace::HostDir {
+            read_only: true,
+            ..
+        }
+    );
+    if !ws_ro {
+        v.push(("/workspace".to_string(), true));
+    }
+    for m in &spec.mounts {
+        if !m.read_only {
+            v.push((
+                m.target.trim_end_matches('/').to_string(),
+                m.source.is_dir(),
+            ));
+        }
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sandbox_core::Language;
+
+    fn plan_for(spec: &SandboxSpec) -> Result<Vec<Op>> {
+        plan(&Plan {
+            spec,
+            landlock: Some(3),
+            host: &host_ops(),
+            user: 1000,
+            hostname: "sandbox",
+            resolv_conf: "",
+            tmp_bytes: 1 << 20,
+        })
+    }
+
+    #[test]
+    fn plan_ends_with_pivot_and_has_no_host_etc_secrets() {
+        let spec = SandboxSpec::new(Language::Shell);
+        let ops = plan_for(&spec).unwrap();
+        assert!(ops.iter().any(|o| matches!(o, Op::Pivot { .. })));
+        for o in &ops {
+            if let Op::Bind { src, .. } = o {
+                assert!(
+                    !src.contains("shadow") && !src.contains("/root") && !src.contains("/home"),
+                    "{src}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn reserved_mount_targets_are_refused() {
+        let spec = SandboxSpec::builder(Language::Shell)
+            .mount_ro("/usr", "/usr/x")
+            .build()
+            .unwrap();
+        assert!(matches!(plan_for(&spec), Err(Error::InvalidSpec { .. })));
+        let spec = SandboxSpec::builder(Language::Shell)
+            .mount_ro("/usr/share", "/data/share")
+            .build()
+            .unwrap();
+        assert!(plan_for(&spec).is_ok());
+    }
+}
+
+#[cfg(test)]
+mod wire_tests {
+    use super::*;
+    use crate::proto::{Dec, Enc};
+    use sandbox_core::Language;
+
+    #[test]
+    fn plan_round_trips_through_the_wire_format() {
+        let spec = SandboxSpec::new(Language::Shell);
+        let bpf = crate::seccomp::program_bytes();
+        let mut ops = plan(&Plan {
+            spec: &spec,
+            landlock: Some(3),
+            host: &host_ops(),
+            user: 1000,
+            hostname: "sandbox",
+            resolv_conf: "",
+            tmp_bytes: 1 << 20,
+        })
+        .unwrap();
+        ops.extend(seal_ops(Some(&bpf)));
+        let mut e = Enc::default();
+        e.ops(&ops);
+        assert_eq!(Dec::new(&e.0).ops().unwrap(), ops);
+    }
+}

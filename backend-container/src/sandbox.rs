@@ -1,0 +1,732 @@
+//! A live container sandbox: its init, cgroups, control channel, exec and file API.
+
+use std::collections::BTreeMap;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use sandbox_core::{
+    Command, DirEntry, Error, ExecEvent, ExecRequest, ExecResult, ExecStream, Language, LimitKind,
+    OutputBuffer, Phase, Redactor, Result, Sandbox, SandboxSpec, SnapshotDraft, SnapshotId,
+    SnapshotKind, SnapshotStore, Tier, Timeline, TimelineRecorder,
+};
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+use tokio::sync::{mpsc, watch, Notify};
+
+use crate::cgroup::SandboxCgroup;
+use crate::ctl::{Ctl, Reply};
+use crate::files::{self, Owner};
+use crate::network::NetnsHook;
+use crate::proto::{self, Dec, Enc, ExecSpec};
+use crate::spawn::IdMap;
+
+pub(crate) const ENGINE: &str = "agent-sandbox-container 1";
+pub(crate) const TIER: Tier = Tier::Container;
+
+/// Compiles and runs a C program given as `$1` (the code), cleaning up after itself.
+const C_RUNNER: &str = r#"d=$(mktemp -d /tmp/.agent-c.XXXXXX) || exit 125
+printf '%s' "$1" > "$d/main.c" && cc -O1 -o "$d/main" "$d/main.c" -lm || { rc=$?; rm -rf "$d"; exit $rc; }
+"$d/main"; rc=$?; rm -rf "$d"; exit $rc"#;
+
+/// Everything a sandbox owns, shared with its streaming and timer tasks.
+pub(crate) struct Inner {
+    pub id: String,
+    pub spec: SandboxSpec,
+    pub env: BTreeMap<String, String>,
+    pub redactor: Redactor,
+    pub born: Instant,
+    pub gone: AtomicBool,
+    pub gone_reason: Mutex<String>,
+    /// Host pid of the init (our child until reaped in `terminate`).
+    pub pid: libc::pid_t,
+    pub ctl: Arc<Ctl>,
+    pub cgroup: Option<SandboxCgroup>,
+    pub ids: IdMap,
+    /// uid/gid inside that runs commands.
+    pub user: u32,
+    pub hook: Option<Arc<dyn NetnsHook>>,
+    pub state_file: Option<PathBuf>,
+    pub terminated: Mutex<bool>,
+    /// The lifetime timer, aborted on terminate.
+    pub timer: Mutex<Option<tokio::task::AbortHandle>>,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ContainerSandbox")
+            .field("id", &self.id)
+            .field("init_pid", &self.pid)
+            .finish()
+    }
+}
+
+/// A sandbox of [`ContainerBackend`](crate::ContainerBackend).
+#[derive(Debug)]
+pub struct ContainerSandbox {
+    pub(crate) inner: Arc<Inner>,
+    pub(crate) timeline: Timeline,
+}
+
+impl ContainerSandbox {
+    /// Host pid of the sandbox's init (pid 1 inside). For diagnostics and tests.
+    pub fn init_pid(&self) -> i32 {
+        self.inner.pid
+    }
+}
+
+fn wait_status_code(status: i32) -> (Option<i32>, Option<i32>) {
+    if libc::WIFEXITED(status) {
+        (Some(libc::WEXITSTATUS(status)), None)
+    } else if libc::WIFSIGNALED(status) {
+        let s = libc::WTERMSIG(status);
+        (Some(128 + s), Some(s))
+    } else {
+        (None, None)
+    }
+}
+
+fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
+    let mut p = [0 as RawFd; 2];
+    // SAFETY: pipe2 with a valid out array.
+    if unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the kernel gave us these fds.
+    Ok(unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) })
+}
+
+fn set_nonblocking(fd: RawFd) {
+    // SAFETY: fcntl on an fd we own.
+    unsafe {
+        let fl = libc::fcntl(fd, libc::F_GETFL);
+        if fl >= 0 {
+            libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
+        }
+    }
+}
+
+/// Reads a pipe until EOF or until told to stop (then drains what is already there).
+#[allow(clippy::too_many_arguments)]
+async fn pump(
+    fd: OwnedFd,
+    cap: u64,
+    flood_at: u64,
+    sink: Option<mpsc::Sender<Result<ExecEvent>>>,
+    stdout: bool,
+    mut stop: watch::Receiver<bool>,
+    flood: Arc<Notify>,
+) -> OutputBuffer {
+    let mut buf = OutputBuffer::new(cap);
+    set_nonblocking(fd.as_raw_fd());
+    // SAFETY: `fd` is an open pipe owned by the AsyncFd for its whole life.
+    let Ok(afd) = (unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }) else {
+        return buf;
+    };
+    let mut chunk = vec![0u8; 64 * 1024];
+    let (mut seen, mut streamed) = (0u64, 0u64);
+    let mut flooded = false;
+    let raw_read = |fd: RawFd, chunk: &mut [u8]| {
+        // SAFETY: read into a buffer we own.
+        let n = unsafe { libc::read(fd, chunk.as_mut_ptr().cast(), chunk.len()) };
+        if n < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(n as usize)
+        }
+    };
+    macro_rules! take {
+        ($n:expr) => {{
+            let n = $n;
+            seen += n as u64;
+            buf.push(&chunk[..n]);
+            if let Some(tx) = &sink {
+                let room = cap.saturating_sub(streamed);
+                let take = usize::try_from(room).unwrap_or(usize::MAX).min(n);
+                if take > 0 {
+                    streamed += take as u64;
+                    let b = Bytes::copy_from_slice(&chunk[..take]);
+                    let ev = if stdout {
+                        ExecEvent::Stdout(b)
+                    } else {
+                        ExecEvent::Stderr(b)
+                    };
+                    let _ = tx.send(Ok(ev)).await;
+                }
+            }
+            if seen > flood_at && !flooded {
+                flooded = true;
+                flood.notify_one();
+            }
+        }};
+    }
+    loop {
+        tokio::select! {
+            g = afd.readable() => {
+                let Ok(mut g) = g else { break };
+                match g.try_io(|f| raw_read(f.as_raw_fd(), &mut chunk)) {
+                    Ok(Ok(0)) => break,
+                    Ok(Ok(n)) => take!(n),
+                    Ok(Err(e)) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Ok(Err(_)) => break,
+                    Err(_would_block) => {}
+                }
+            }
+            r = stop.changed() => {
+                // The command exited: take what it wrote, not what a background child
+                // keeps writing (bounded), then stop.
+                let _ = r;
+                let mut budget: u64 = 1 << 20;
+                while budget > 0 {
+                    match raw_read(afd.get_ref().as_raw_fd(), &mut chunk) {
+                        Ok(0) => break,
+                        Ok(n) => { budget = budget.saturating_sub(n as u64); take!(n) }
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        Err(_) => break,
+                    }
+                }
+                break;
+            }
+        }
+    }
+    buf
+}
+
+impl Inner {
+    fn gone_err(&self) -> Error {
+        let reason = self
+            .gone_reason
+            .lock()
+            .map(|r| r.clone())
+            .unwrap_or_default();
+        Error::SandboxGone {
+            id: self.id.clone(),
+            reason,
+        }
+    }
+
+    pub(crate) fn alive(&self) -> Result<()> {
+        if self.gone.load(Ordering::SeqCst) {
+            return Err(self.gone_err());
+        }
+        if self.born.elapsed() > self.spec.limits.lifetime() {
+            self.terminate("lifetime limit reached");
+            return Err(self.gone_err());
+        }
+        if self.ctl.is_closed() {
+            self.terminate("its init exited");
+            return Err(self.gone_err());
+        }
+        Ok(())
+    }
+
+    /// Kills everything and removes every host-side trace. Idempotent, synchronous.
+    pub(crate) fn terminate(&self, reason: &str) {
+        let Ok(mut done) = self.terminated.lock() else {
+            return;
+        };
+        if *done {
+            return;
+        }
+        *done = true;
+        if !self.gone.swap(true, Ordering::SeqCst) {
+            if let Ok(mut r) = self.gone_reason.lock() {
+                *r = reason.to_string();
+            }
+        }
+        // SAFETY: SIGKILL and reap our own child; the kernel then kills the pid namespace.
+        unsafe {
+            libc::kill(self.pid, libc::SIGKILL);
+            loop {
+                let r = libc::waitpid(self.pid, std::ptr::null_mut(), 0);
+                if r >= 0 || *libc::__errno_location() != libc::EINTR {
+                    break;
+                }
+            }
+        }
+        if let Some(cg) = &self.cgroup {
+            let left = cg.remove(Duration::from_secs(2));
+            if !left.is_empty() {
+                tracing::warn!(sandbox = %self.id, ?left, "cgroup directories could not be removed");
+            }
+        }
+        if let Some(h) = &self.hook {
+            h.teardown(&self.id);
+        }
+        if let Some(f) = &self.state_file {
+            let _ = std::fs::remove_file(f);
+        }
+        if let Some(t) = self.timer.lock().ok().and_then(|mut t| t.take()) {
+            t.abort();
+        }
+    }
+
+    /// The workspace as seen by the init, as a directory fd.
+    pub(crate) fn workspace_fd(&self) -> Result<OwnedFd> {
+        let p = format!("/proc/{}/root/workspace", self.pid);
+        let c = std::ffi::CString::new(p.clone()).map_err(|_| Error::backend(TIER, "bad path"))?;
+        // SAFETY: open(2) with a NUL-terminated path.
+        let fd = unsafe {
+            libc::open(
+                c.as_ptr(),
+                libc::O_RDONLY | libc::O_DIRECTORY | libc::O_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            let e = std::io::Error::last_os_error();
+            if self.ctl.is_closed() {
+                self.terminate("its init exited");
+                return Err(self.gone_err());
+            }
+            return Err(Error::io(format!("open {p}"), e));
+        }
+        // SAFETY: we own the new fd.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// Whose ids the file API creates files with: the sandbox user's, except rootless (we
+    /// are that user already) and on a host-directory workspace not mapped to its owner (the
+    /// caller's own files, created as the caller).
+    pub(crate) fn owner(&self) -> Option<Owner> {
+        let host_dir = !matches!(self.spec.workspace, sandbox_core::Workspace::Empty);
+        if self.ids.rootless || (host_dir && self.ids.user_override.is_none()) {
+            None
+        } else {
+            Some(Owner {
+                uid: self.ids.host_uid(self.user),
+                gid: self.ids.host_gid(self.user),
+            })
+        }
+    }
+
+    fn argv(&self, cmd: &Command) -> Result<Vec<String>> {
+        Ok(match cmd {
+            Command::Argv(a) => a.clone(),
+            Command::Code(code) => {
+                let v = |p: &[&str]| {
+                    p.iter()
+                        .map(|s| s.to_string())
+                        .chain([code.clone()])
+                        .collect::<Vec<_>>()
+                };
+                match self.spec.language {
+                    Language::Python => v(&["/usr/bin/python3", "-c"]),
+                    Language::Shell => v(&["/bin/sh", "-c"]),
+                    Language::Node | Language::Javascript => v(&["node", "-e"]),
+                    Language::C => vec![
+                        "/bin/sh".into(),
+                        "-c".into(),
+                        C_RUNNER.into(),
+                        "agent-sandbox-c".into(),
+                        code.clone(),
+                    ],
+                    other => {
+                        return Err(Error::unsupported(TIER, format!("code strings in {other}")))
+                    }
+                }
+            }
+        })
+    }
+
+    fn disk_full(&self) -> bool {
+        ["workspace", "tmp"].iter().any(|d| {
+            nix::sys::statvfs::statvfs(format!("/proc/{}/root/{d}", self.pid).as_str())
+                .is_ok_and(|s| s.blocks_available() == 0 || s.files_available() == 0)
+        })
+    }
+
+    /// Kills what exec `id` left running and waits (bounded) until it is gone.
+    async fn kill_leftovers(&self, id: u64) {
+        let mut rx = self.ctl.register_fixed(id);
+        if self.ctl.send(proto::MSG_KILL, id, &[], &[]).await.is_ok() {
+            let _ = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await;
+        }
+        self.ctl.unregister(id);
+    }
+
+    async fn kill_tree(&self, id: u64) {
+        // The exec's supervisor (a child subreaper) kills every descendant.
+        let _ = self.ctl.send(proto::MSG_KILL, id, &[], &[]).await;
+    }
+
+    #[allow(clippy::unnecessary_cast)] // RLIMIT_* types differ between libcs
+    pub(crate) async fn run(
+        &self,
+        req: ExecRequest,
+        sink: Option<mpsc::Sender<Result<ExecEvent>>>,
+    ) -> Result<ExecResult> {
+        self.alive()?;
+        req.validate()?;
+        let mut t = TimelineRecorder::start();
+        let argv = self.argv(&req.command)?;
+        if argv.iter().any(|a| a.contains('\0')) {
+            return Err(Error::invalid("command", "code cannot contain NUL"));
+        }
+        let cwd = match &req.cwd {
+            None => "/workspace".to_string(),
+            Some(c) if c.starts_with('/') => c.clone(),
+            Some(c) => format!("/workspace/{c}"),
+        };
+        if cwd.contains('\0') {
+            return Err(Error::invalid("cwd", "cannot contain NUL"));
+        }
+        let mut env = self.env.clone();
+        for (k, v) in &req.env {
+            if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+                return Err(Error::invalid(
+                    "env",
+                    format!("`{k}` is not a valid variable"),
+                ));
+            }
+            env.insert(k.clone(), v.clone());
+        }
+        let l = &self.spec.limits;
+        let cpu_s = l.cpu_time_ms.div_ceil(1000).max(1);
+        let mut x = ExecSpec {
+            flags: 0,
+            uid: self.user,
+            gid: self.user,
+            cwd,
+            argv,
+            env: env.iter().map(|(k, v)| format!("{k}={v}")).collect(),
+            rlimits: vec![
+                (
+                    libc::RLIMIT_NOFILE as u32,
+                    u64::from(l.open_files),
+                    u64::from(l.open_files),
+                ),
+                (libc::RLIMIT_CORE as u32, 0, 0),
+                (libc::RLIMIT_CPU as u32, cpu_s, cpu_s + 1),
+            ],
+        };
+        if self.ids.rootless {
+            x.flags |= proto::EXEC_STAY_ROOT;
+        }
+        let io = |what: &str| {
+            let what = what.to_string();
+            move |e: std::io::Error| Error::io(what, e)
+        };
+        let (out_r, out_w) = pipe().map_err(io("create stdout pipe"))?;
+        let (err_r, err_w) = pipe().map_err(io("create stderr pipe"))?;
+        let stdin = match &req.stdin {
+            Some(d) => Some((pipe().map_err(io("create stdin pipe"))?, d.clone())),
+            None => None,
+        };
+        let (oom0, pids0) = self
+            .cgroup
+            .as_ref()
+            .map_or((0, 0), |c| (c.oom_kills(), c.pids_max_events()));
+        let mut fds: Vec<BorrowedFd<'_>> = vec![out_w.as_fd(), err_w.as_fd()];
+        if let Some(((r, _), _)) = &stdin {
+            x.flags |= proto::EXEC_STDIN;
+            fds.push(r.as_fd());
+        }
+        let mut payload = Enc::default();
+        payload.exec(&x);
+        let (id, mut rx) = self.ctl.register();
+        if let Err(e) = self.ctl.send(proto::MSG_EXEC, id, &payload.0, &fds).await {
+            self.ctl.unregister(id);
+            if self.ctl.is_closed() {
+                return Err(self.gone_err());
+            }
+            return Err(Error::io("send exec request to the sandbox init", e));
+        }
+        drop(fds);
+        drop((out_w, err_w));
+        let stdin_task = stdin.map(|((r, w), data)| {
+            drop(r);
+            tokio::spawn(async move {
+                use tokio::io::AsyncWriteExt;
+                set_nonblocking(w.as_raw_fd());
+                if let Ok(mut tx) = tokio::net::unix::pipe::Sender::from_owned_fd(w) {
+                    let _ = tx.write_all(&data).await;
+                }
+            })
+        });
+        let cap = l.output_bytes;
+        let flood_at = cap.saturating_mul(4).max(cap.saturating_add(8 << 20));
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let flood = Arc::new(Notify::new());
+        let out_task = tokio::spawn(pump(
+            out_r,
+            cap,
+            flood_at,
+            sink.clone(),
+            true,
+            stop_rx.clone(),
+            Arc::clone(&flood),
+        ));
+        let err_task = tokio::spawn(pump(
+            err_r,
+            cap,
+            flood_at,
+            sink,
+            false,
+            stop_rx,
+            Arc::clone(&flood),
+        ));
+
+        let timeout = req.effective_timeout(l.wall_time());
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut grace: Option<tokio::time::Instant> = None;
+        let (mut timed_out, mut flooded) = (false, false);
+        let mut status: Option<i32> = None;
+        let mut failure: Option<Error> = None;
+        loop {
+            let grace_at = grace.unwrap_or(deadline + Duration::from_secs(3600));
+            tokio::select! {
+                r = rx.recv() => match r {
+                    Some(Reply { kind: proto::REP_STARTED, .. }) => t.mark(Phase::Allocation),
+                    Some(Reply { kind: proto::REP_EXITED, payload }) => {
+                        status = Dec::new(&payload).i32().ok();
+                        break;
+                    }
+                    Some(Reply { kind: proto::REP_ERR, payload }) => {
+                        let mut d = Dec::new(&payload);
+                        let _ = (d.u32(), d.i32());
+                        failure = Some(Error::backend(TIER, format!("sandbox init refused the exec: {}", d.str().unwrap_or_default())));
+                        break;
+                    }
+                    Some(_) => {}
+                    None => {
+                        failure = Some(self.gone_err_after_init_death());
+                        break;
+                    }
+                },
+                _ = tokio::time::sleep_until(deadline), if grace.is_none() => {
+                    timed_out = true;
+                    self.kill_tree(id).await;
+                    grace = Some(tokio::time::Instant::now() + Duration::from_secs(10));
+                }
+                _ = flood.notified(), if grace.is_none() => {
+                    flooded = true;
+                    self.kill_tree(id).await;
+                    grace = Some(tokio::time::Instant::now() + Duration::from_secs(10));
+                }
+                _ = tokio::time::sleep_until(grace_at), if grace.is_some() => {
+                    // The leader did not die within the grace period (uninterruptible sleep?).
+                    break;
+                }
+            }
+        }
+        self.ctl.unregister(id);
+        let _ = stop_tx.send(true);
+        let join = |r: std::result::Result<OutputBuffer, tokio::task::JoinError>| {
+            r.unwrap_or_else(|_| OutputBuffer::new(0))
+        };
+        let (out, err) = (join(out_task.await), join(err_task.await));
+        if let Some(s) = stdin_task {
+            s.abort();
+        }
+        if let Some(f) = failure {
+            return Err(f);
+        }
+        t.mark(Phase::Command);
+        let (exit_code, signal) = status.map_or((None, None), wait_status_code);
+        let failed = exit_code != Some(0);
+        let (oom, pids) = self.cgroup.as_ref().map_or((false, false), |c| {
+            (c.oom_kills() > oom0, c.pids_max_events() > pids0)
+        });
+        let limit = if failed && oom {
+            Some(LimitKind::Memory)
+        } else if failed && pids {
+            Some(LimitKind::Pids)
+        } else if flooded {
+            Some(LimitKind::Output)
+        } else if signal == Some(libc::SIGXCPU) {
+            Some(LimitKind::CpuTime)
+        } else if timed_out {
+            Some(LimitKind::WallTime)
+        } else if failed && self.disk_full() {
+            Some(LimitKind::Disk)
+        } else {
+            None
+        };
+        if matches!(limit, Some(LimitKind::Memory | LimitKind::Pids)) {
+            // A runaway tree (fork bomb, leaking children) must not outlive the exec that
+            // hit the limit: its leftovers are still grouped under the exec's supervisor.
+            self.kill_leftovers(id).await;
+        }
+        let truncated = out.truncated() || err.truncated();
+        Ok(ExecResult {
+            exit_code,
+            stdout: out.finish(&self.redactor),
+            stderr: err.finish(&self.redactor),
+            limit,
+            truncated,
+            value: None,
+            timeline: t.finish(),
+        })
+    }
+
+    fn gone_err_after_init_death(&self) -> Error {
+        self.terminate("its init exited");
+        self.gone_err()
+    }
+
+    pub(crate) async fn ping(&self) -> Result<()> {
+        let r = tokio::time::timeout(
+            Duration::from_secs(5),
+            self.ctl.call(proto::MSG_PING, &[], &[]),
+        )
+        .await;
+        match r {
+            Ok(Ok(Reply {
+                kind: proto::REP_OK,
+                ..
+            })) => Ok(()),
+            _ => {
+                self.terminate("its init stopped answering");
+                Err(self.gone_err())
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Sandbox for ContainerSandbox {
+    fn id(&self) -> &str {
+        &self.inner.id
+    }
+
+    fn tier(&self) -> Tier {
+        TIER
+    }
+
+    fn spec(&self) -> &SandboxSpec {
+        &self.inner.spec
+    }
+
+    fn timeline(&self) -> &Timeline {
+        &self.timeline
+    }
+
+    async fn exec(&self, req: ExecRequest) -> Result<ExecResult> {
+        self.inner.run(req, None).await
+    }
+
+    async fn exec_stream(&self, req: ExecRequest) -> Result<ExecStream> {
+        self.inner.alive()?;
+        req.validate()?;
+        let (tx, stream) = ExecStream::channel(64);
+        let inner = Arc::clone(&self.inner);
+        tokio::spawn(async move {
+            let r = inner.run(req, Some(tx.clone())).await;
+            let _ = match r {
+                Ok(mut res) => {
+                    res.stdout.clear();
+                    res.stderr.clear();
+                    tx.send(Ok(ExecEvent::Exit(res))).await
+                }
+                Err(e) => tx.send(Err(e)).await,
+            };
+        });
+        Ok(stream)
+    }
+
+    async fn write_file(&self, path: &str, data: &[u8]) -> Result<()> {
+        self.inner.alive()?;
+        let ws = self.inner.workspace_fd()?;
+        let _ids = files::FsIds::switch(self.inner.owner());
+        files::write_file(ws.as_raw_fd(), path, data, self.inner.owner())
+    }
+
+    async fn read_file(&self, path: &str) -> Result<Vec<u8>> {
+        self.inner.alive()?;
+        let ws = self.inner.workspace_fd()?;
+        files::read_file(ws.as_raw_fd(), path)
+    }
+
+    async fn list(&self, path: &str) -> Result<Vec<DirEntry>> {
+        self.inner.alive()?;
+        let ws = self.inner.workspace_fd()?;
+        files::list(ws.as_raw_fd(), path)
+    }
+
+    async fn snapshot(&self, store: &dyn SnapshotStore) -> Result<SnapshotId> {
+        self.inner.alive()?;
+        let ws = self.inner.workspace_fd()?;
+        // Freeze the sandbox while packing when we can, for a consistent copy.
+        let frozen = self
+            .inner
+            .cgroup
+            .as_ref()
+            .is_some_and(|c| c.can_freeze() && c.freeze(true).is_ok());
+        let tar = files::pack(ws.as_raw_fd());
+        if frozen {
+            if let Some(c) = &self.inner.cgroup {
+                let _ = c.freeze(false);
+            }
+        }
+        let tar = tar?;
+        let draft = SnapshotDraft::new(
+            TIER,
+            ENGINE,
+            vec![SnapshotKind::Filesystem],
+            self.inner.spec.clone(),
+        )
+        .artifact("workspace.tar", tar)
+        .meta("sandbox_id", self.inner.id.clone());
+        Ok(store.put(draft).await?)
+    }
+
+    async fn pause(&self) -> Result<()> {
+        self.inner.alive()?;
+        match &self.inner.cgroup {
+            Some(c) if c.can_freeze() => c
+                .freeze(true)
+                .map_err(|e| Error::io("freeze the sandbox", e)),
+            _ => Err(Error::unsupported(
+                TIER,
+                "pause/resume (no freezer cgroup on this host)",
+            )),
+        }
+    }
+
+    async fn resume(&self) -> Result<()> {
+        self.inner.alive()?;
+        match &self.inner.cgroup {
+            Some(c) if c.can_freeze() => c
+                .freeze(false)
+                .map_err(|e| Error::io("thaw the sandbox", e)),
+            _ => Err(Error::unsupported(
+                TIER,
+                "pause/resume (no freezer cgroup on this host)",
+            )),
+        }
+    }
+
+    async fn health_check(&self) -> Result<()> {
+        self.inner.alive()?;
+        self.inner.ping().await
+    }
+
+    async fn destroy(&self) -> Result<()> {
+        let inner = Arc::clone(&self.inner);
+        // A frozen sandbox must be thawed or its processes cannot die.
+        if let Some(c) = &inner.cgroup {
+            if c.can_freeze() {
+                let _ = c.freeze(false);
+            }
+        }
+        tokio::task::spawn_blocking(move || inner.terminate("destroyed"))
+            .await
+            .map_err(|e| Error::backend(TIER, format!("destroy task failed: {e}")))?;
+        Ok(())
+    }
+}
+
+impl Drop for ContainerSandbox {
+    fn drop(&mut self) {
+        if let Some(c) = &self.inner.cgroup {
+            if c.can_freeze() && !self.inner.gone.load(Ordering::SeqCst) {
+                let _ = c.freeze(false);
+            }
+        }
+        self.inner.terminate("dropped");
+    }
+}

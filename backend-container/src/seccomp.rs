@@ -1,0 +1,340 @@
+//! The seccomp filter every sandboxed process runs under (see the crate docs for the list
+//! and the reasons). A deny-list: agents need a general-purpose Linux (compilers, package
+//! managers, language runtimes), so everything is allowed except what no agent workload needs
+//! and what widens the kernel attack surface or breaks out of the namespaces.
+//!
+//! The program is built here as classic BPF and installed by the init on itself (so every
+//! exec inherits it) after `no_new_privs`.
+
+/// One BPF instruction (`struct sock_filter`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Insn {
+    /// Opcode.
+    pub code: u16,
+    /// Jump offset if true.
+    pub jt: u8,
+    /// Jump offset if false.
+    pub jf: u8,
+    /// Constant.
+    pub k: u32,
+}
+
+const BPF_LD_W_ABS: u16 = 0x20; // BPF_LD | BPF_W | BPF_ABS
+const BPF_JEQ_K: u16 = 0x15; // BPF_JMP | BPF_JEQ | BPF_K
+const BPF_JGE_K: u16 = 0x35; // BPF_JMP | BPF_JGE | BPF_K
+const BPF_JSET_K: u16 = 0x45; // BPF_JMP | BPF_JSET | BPF_K
+const BPF_RET_K: u16 = 0x06; // BPF_RET | BPF_K
+
+const RET_ALLOW: u32 = 0x7fff_0000;
+const RET_KILL_PROCESS: u32 = 0x8000_0000;
+const RET_ERRNO: u32 = 0x0005_0000;
+
+const OFF_NR: u32 = 0;
+const OFF_ARCH: u32 = 4;
+// args[i] low 32 bits (little-endian hosts only, which is all we build for).
+const fn off_arg_lo(i: u32) -> u32 {
+    16 + 8 * i
+}
+
+#[cfg(target_arch = "x86_64")]
+const AUDIT_ARCH: u32 = 0xc000_003e;
+#[cfg(target_arch = "aarch64")]
+const AUDIT_ARCH: u32 = 0xc000_00b7;
+
+/// Every `CLONE_NEW*` namespace flag.
+pub const NS_FLAGS: u32 = (libc::CLONE_NEWUSER
+    | libc::CLONE_NEWNS
+    | libc::CLONE_NEWPID
+    | libc::CLONE_NEWNET
+    | libc::CLONE_NEWUTS
+    | libc::CLONE_NEWIPC
+    | libc::CLONE_NEWCGROUP
+    | 0x80/* CLONE_NEWTIME */) as u32;
+
+/// A syscall refused outright, with the errno returned and why.
+#[derive(Debug, Clone, Copy)]
+pub struct Denied {
+    /// Syscall number.
+    pub nr: i64,
+    /// Name, for docs and tests.
+    pub name: &'static str,
+    /// errno returned.
+    pub errno: i32,
+}
+
+macro_rules! deny {
+    ($($name:ident => $errno:expr),* $(,)?) => {
+        &[$(Denied { nr: libc::$name as i64, name: stringify!($name), errno: $errno }),*]
+    };
+}
+
+/// Syscalls refused whatever their arguments.
+pub fn denied() -> &'static [Denied] {
+    use libc::{ENOSYS, EPERM};
+    deny![
+        // Replace or reconfigure the kernel.
+        SYS_kexec_load => EPERM, SYS_kexec_file_load => EPERM, SYS_reboot => EPERM,
+        SYS_init_module => EPERM, SYS_finit_module => EPERM, SYS_delete_module => EPERM,
+        // Large, often-exploited kernel surfaces agents never need.
+        SYS_bpf => EPERM, SYS_perf_event_open => EPERM, SYS_userfaultfd => EPERM,
+        SYS_io_uring_setup => ENOSYS, SYS_io_uring_enter => ENOSYS, SYS_io_uring_register => ENOSYS,
+        // The kernel keyring is not namespaced.
+        SYS_keyctl => EPERM, SYS_add_key => EPERM, SYS_request_key => EPERM,
+        // The filesystem view is fixed after setup.
+        SYS_mount => EPERM, SYS_umount2 => EPERM, SYS_pivot_root => EPERM, SYS_chroot => EPERM,
+        SYS_move_mount => EPERM, SYS_open_tree => EPERM, SYS_fsopen => EPERM, SYS_fsconfig => EPERM,
+        SYS_fsmount => EPERM, SYS_fspick => EPERM, SYS_mount_setattr => EPERM,
+        // Joining other namespaces; clone3's flags live in memory seccomp cannot read, so
+        // it is refused with ENOSYS and libc falls back to clone, whose flags are checked.
+        SYS_setns => EPERM, SYS_clone3 => ENOSYS,
+        // Inspecting or writing other processes' memory.
+        SYS_ptrace => EPERM, SYS_process_vm_readv => EPERM, SYS_process_vm_writev => EPERM,
+        SYS_pidfd_getfd => EPERM, SYS_kcmp => EPERM,
+        // File handles bypass path-based checks (the "shocker" escape).
+        SYS_open_by_handle_at => EPERM, SYS_name_to_handle_at => EPERM,
+        // Host-global state.
+        SYS_swapon => EPERM, SYS_swapoff => EPERM, SYS_syslog => EPERM, SYS_acct => EPERM,
+        SYS_settimeofday => EPERM, SYS_clock_settime => EPERM, SYS_clock_adjtime => EPERM,
+        SYS_adjtimex => EPERM, SYS_quotactl => EPERM, SYS_vhangup => EPERM,
+        SYS_fanotify_init => EPERM, SYS_lookup_dcookie => EPERM,
+        SYS_mbind => EPERM, SYS_migrate_pages => EPERM, SYS_move_pages => EPERM,
+        SYS_set_mempolicy => EPERM,
+    ]
+}
+
+#[cfg(target_arch = "x86_64")]
+fn arch_denied() -> &'static [Denied] {
+    use libc::{ENOSYS, EPERM};
+    deny![SYS_iopl => EPERM, SYS_ioperm => EPERM, SYS_uselib => EPERM, SYS_nfsservctl => ENOSYS]
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn arch_denied() -> &'static [Denied] {
+    &[]
+}
+
+fn ld(off: u32) -> Insn {
+    Insn {
+        code: BPF_LD_W_ABS,
+        jt: 0,
+        jf: 0,
+        k: off,
+    }
+}
+fn ret(k: u32) -> Insn {
+    Insn {
+        code: BPF_RET_K,
+        jt: 0,
+        jf: 0,
+        k,
+    }
+}
+fn errno(e: i32) -> u32 {
+    RET_ERRNO | (e as u32 & 0xffff)
+}
+
+/// Builds the filter program.
+pub fn program() -> Vec<Insn> {
+    let mut p = vec![
+        ld(OFF_ARCH),
+        Insn {
+            code: BPF_JEQ_K,
+            jt: 1,
+            jf: 0,
+            k: AUDIT_ARCH,
+        },
+        ret(RET_KILL_PROCESS),
+        ld(OFF_NR),
+    ];
+    #[cfg(target_arch = "x86_64")]
+    {
+        // x32 syscalls share the arch value: refuse the whole x32 range.
+        p.push(Insn {
+            code: BPF_JGE_K,
+            jt: 0,
+            jf: 1,
+            k: 0x4000_0000,
+        });
+        p.push(ret(errno(libc::ENOSYS)));
+    }
+    for d in denied().iter().chain(arch_denied()) {
+        p.push(Insn {
+            code: BPF_JEQ_K,
+            jt: 0,
+            jf: 1,
+            k: d.nr as u32,
+        });
+        p.push(ret(errno(d.errno)));
+    }
+    // Conditional rules. Each block is entered on its syscall number and ends in a return,
+    // so the accumulator can be reused inside it.
+    // clone(flags, ...): no new namespaces (a new user namespace would regain capabilities).
+    // unshare(flags): same.
+    for nr in [libc::SYS_clone as u32, libc::SYS_unshare as u32] {
+        p.push(Insn {
+            code: BPF_JEQ_K,
+            jt: 0,
+            jf: 4,
+            k: nr,
+        });
+        p.push(ld(off_arg_lo(0)));
+        p.push(Insn {
+            code: BPF_JSET_K,
+            jt: 0,
+            jf: 1,
+            k: NS_FLAGS,
+        });
+        p.push(ret(errno(libc::EPERM)));
+        p.push(ret(RET_ALLOW));
+    }
+    // ioctl(fd, TIOCSTI / TIOCLINUX): typing into a terminal outside the sandbox.
+    p.push(Insn {
+        code: BPF_JEQ_K,
+        jt: 0,
+        jf: 5,
+        k: libc::SYS_ioctl as u32,
+    });
+    p.push(ld(off_arg_lo(1)));
+    p.push(Insn {
+        code: BPF_JEQ_K,
+        jt: 1,
+        jf: 0,
+        k: libc::TIOCSTI as u32,
+    });
+    p.push(Insn {
+        code: BPF_JEQ_K,
+        jt: 0,
+        jf: 1,
+        k: libc::TIOCLINUX as u32,
+    });
+    p.push(ret(errno(libc::EPERM)));
+    p.push(ret(RET_ALLOW));
+    p.push(ret(RET_ALLOW));
+    p
+}
+
+/// The program as the bytes of a `struct sock_filter` array (native endian).
+pub fn program_bytes() -> Vec<u8> {
+    let mut out = Vec::new();
+    for i in program() {
+        out.extend_from_slice(&i.code.to_ne_bytes());
+        out.push(i.jt);
+        out.push(i.jf);
+        out.extend_from_slice(&i.k.to_ne_bytes());
+    }
+    out
+}
+
+/// Whether the kernel supports seccomp filters (`Seccomp:` in /proc/self/status).
+pub fn available() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .is_ok_and(|s| s.lines().any(|l| l.starts_with("Seccomp:")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tiny BPF interpreter for the subset we emit.
+    fn run(p: &[Insn], arch: u32, nr: u32, args: [u64; 6]) -> u32 {
+        let mut data = [0u8; 64];
+        data[0..4].copy_from_slice(&nr.to_le_bytes());
+        data[4..8].copy_from_slice(&arch.to_le_bytes());
+        for (i, a) in args.iter().enumerate() {
+            data[16 + 8 * i..24 + 8 * i].copy_from_slice(&a.to_le_bytes());
+        }
+        let mut acc = 0u32;
+        let mut pc = 0usize;
+        loop {
+            let i = p[pc];
+            match i.code {
+                BPF_LD_W_ABS => {
+                    let o = i.k as usize;
+                    acc = u32::from_le_bytes(data[o..o + 4].try_into().unwrap());
+                    pc += 1;
+                }
+                BPF_JEQ_K => pc += 1 + usize::from(if acc == i.k { i.jt } else { i.jf }),
+                BPF_JGE_K => pc += 1 + usize::from(if acc >= i.k { i.jt } else { i.jf }),
+                BPF_JSET_K => pc += 1 + usize::from(if acc & i.k != 0 { i.jt } else { i.jf }),
+                BPF_RET_K => return i.k,
+                c => panic!("unexpected opcode {c}"),
+            }
+        }
+    }
+
+    #[test]
+    #[allow(clippy::unnecessary_cast)] // the libc types differ between targets
+    fn filter_decisions() {
+        let p = program();
+        assert!(p.len() < 4096);
+        let a = AUDIT_ARCH;
+        let z = [0u64; 6];
+        assert_eq!(run(&p, a, libc::SYS_read as u32, z), RET_ALLOW);
+        assert_eq!(run(&p, a, libc::SYS_mount as u32, z), errno(libc::EPERM));
+        assert_eq!(run(&p, a, libc::SYS_bpf as u32, z), errno(libc::EPERM));
+        assert_eq!(run(&p, a, libc::SYS_clone3 as u32, z), errno(libc::ENOSYS));
+        assert_eq!(
+            run(&p, a, libc::SYS_io_uring_setup as u32, z),
+            errno(libc::ENOSYS)
+        );
+        // clone for threads/fork is fine; with a namespace flag it is not.
+        let fork_flags =
+            (libc::CLONE_CHILD_SETTID | libc::CLONE_CHILD_CLEARTID | libc::SIGCHLD) as u64;
+        assert_eq!(
+            run(&p, a, libc::SYS_clone as u32, [fork_flags, 0, 0, 0, 0, 0]),
+            RET_ALLOW
+        );
+        let userns = fork_flags | libc::CLONE_NEWUSER as u64;
+        assert_eq!(
+            run(&p, a, libc::SYS_clone as u32, [userns, 0, 0, 0, 0, 0]),
+            errno(libc::EPERM)
+        );
+        assert_eq!(
+            run(
+                &p,
+                a,
+                libc::SYS_unshare as u32,
+                [libc::CLONE_NEWNS as u64, 0, 0, 0, 0, 0]
+            ),
+            errno(libc::EPERM)
+        );
+        assert_eq!(
+            run(
+                &p,
+                a,
+                libc::SYS_unshare as u32,
+                [libc::CLONE_FILES as u64, 0, 0, 0, 0, 0]
+            ),
+            RET_ALLOW
+        );
+        assert_eq!(
+            run(
+                &p,
+                a,
+                libc::SYS_ioctl as u32,
+                [1, libc::TIOCSTI as u64, 0, 0, 0, 0]
+            ),
+            errno(libc::EPERM)
+        );
+        assert_eq!(
+            run(
+                &p,
+                a,
+                libc::SYS_ioctl as u32,
+                [1, libc::TIOCGWINSZ as u64, 0, 0, 0, 0]
+            ),
+            RET_ALLOW
+        );
+        // Another architecture is killed.
+        assert_eq!(
+            run(&p, 0x4000_0003, libc::SYS_read as u32, z),
+            RET_KILL_PROCESS
+        );
+        #[cfg(target_arch = "x86_64")]
+        assert_eq!(
+            run(&p, a, 0x4000_0000 | libc::SYS_read as u32, z),
+            errno(libc::ENOSYS)
+        );
+        assert_eq!(program_bytes().len(), p.len() * 8);
+    }
+}

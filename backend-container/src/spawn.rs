@@ -1,0 +1,306 @@
+//! Starting a sandbox's init: the embedded init binary in a sealed memfd, started with
+//! `posix_spawn` and brought into its namespaces by a short bootstrap over its socket.
+
+use std::io::{self, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+use crate::ctl::Ctl;
+use crate::proto;
+use std::sync::OnceLock;
+
+/// The init binary built by build.rs.
+static INIT_IMAGE: &[u8] = include_bytes!(env!("AGENT_SANDBOX_INIT"));
+
+/// A read-only fd of the sealed init image, shared by every sandbox of the process.
+#[derive(Debug)]
+pub(crate) struct InitImage {
+    fd: OwnedFd,
+}
+
+static IMAGE: OnceLock<Result<InitImage, String>> = OnceLock::new();
+
+/// The init image, created on first use.
+pub(crate) fn image() -> Result<&'static InitImage, String> {
+    IMAGE
+        .get_or_init(|| {
+            load_image().map_err(|e| format!("load the sandbox init into a memfd: {e}"))
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+fn load_image() -> io::Result<InitImage> {
+    const MFD_EXEC: libc::c_uint = 0x10;
+    let name = c"agent-sandbox-init";
+    let base = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+    // SAFETY: memfd_create with a NUL-terminated name.
+    let mut fd = unsafe { libc::memfd_create(name.as_ptr(), base | MFD_EXEC) };
+    if fd < 0 {
+        // SAFETY: as above, without MFD_EXEC (kernels before 6.3).
+        fd = unsafe { libc::memfd_create(name.as_ptr(), base) };
+    }
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: we own the new fd.
+    let rw = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut f = std::fs::File::from(rw);
+    f.write_all(INIT_IMAGE)?;
+    let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
+    // SAFETY: fcntl on our fd.
+    if unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, seals) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // Re-open read-only: exec refuses a file open for writing (ETXTBSY).
+    let path = std::ffi::CString::new(format!("/proc/self/fd/{}", f.as_raw_fd()))
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: open(2) with a NUL-terminated path.
+    let ro = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
+    if ro < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    drop(f);
+    // SAFETY: we own the new fd.
+    let fd = unsafe { OwnedFd::from_raw_fd(ro) };
+    Ok(InitImage { fd })
+}
+
+/// How the sandbox's ids map to the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct IdMap {
+    /// Host uid of uid 0 inside.
+    pub host_root: u32,
+    /// Number of ids mapped (1 when rootless).
+    pub count: u32,
+    /// Host gid of gid 0 inside.
+    pub host_root_gid: u32,
+    /// Whether we are rootless (only our own uid is mapped, as root inside).
+    pub rootless: bool,
+    /// As root with a host-directory workspace: the host uid/gid the sandbox user
+    /// ([`SANDBOX_USER`] inside) maps to instead of its slot in the range (the directory's
+    /// owner), so it can write its workspace.
+    pub user_override: Option<(u32, u32)>,
+}
+
+/// The uid/gid commands run as inside the sandbox (as root; rootless they run as 0).
+pub(crate) const SANDBOX_USER: u32 = 1000;
+
+impl IdMap {
+    /// The host uid of an inside uid.
+    pub fn host_uid(&self, inside: u32) -> u32 {
+        match self.user_override {
+            Some((u, _)) if inside == SANDBOX_USER => u,
+            _ => self.host_root + inside,
+        }
+    }
+    /// The host gid of an inside gid.
+    pub fn host_gid(&self, inside: u32) -> u32 {
+        match self.user_override {
+            Some((_, g)) if inside == SANDBOX_USER => g,
+            _ => self.host_root_gid + inside,
+        }
+    }
+
+    /// The `uid_map` (or `gid_map`) text.
+    fn map_text(&self, base: u32, over: Option<u32>) -> String {
+        match over {
+            Some(o) if self.count > SANDBOX_USER + 1 => format!(
+                "0 {base} {u}\n{u} {o} 1\n{next} {} {}\n",
+                base + SANDBOX_USER + 1,
+                self.count - SANDBOX_USER - 1,
+                u = SANDBOX_USER,
+                next = SANDBOX_USER + 1
+            ),
+            _ => format!("0 {base} {}\n", self.count),
+        }
+    }
+}
+
+/// A started (but not yet set up) init.
+#[derive(Debug)]
+pub(crate) struct Spawned {
+    /// Host pid of the sandbox's pid 1 (our direct child).
+    pub pid: libc::pid_t,
+    /// The control channel to it.
+    pub ctl: std::sync::Arc<Ctl>,
+    /// The setup and seal requests queued behind the bootstrap: ids and reply channels.
+    pub queued: [(u64, tokio::sync::mpsc::UnboundedReceiver<crate::ctl::Reply>); 2],
+    /// The sandbox's cgroups (pid 1 is in them).
+    pub cgroup: Option<crate::cgroup::SandboxCgroup>,
+}
+
+/// The job making the sandbox's cgroups: it returns them with the opened files the init
+/// writes `0` to in order to join them (see `SandboxCgroup::join_files`).
+pub(crate) type CgroupJob =
+    tokio::task::JoinHandle<Result<Option<(crate::cgroup::SandboxCgroup, Vec<OwnedFd>)>, String>>;
+
+/// Starts the init and brings it to pid 1 of fresh user, pid, mount, UTS, IPC and network
+/// namespaces (the cgroup and time namespaces come later, from inside).
+///
+/// The library never forks itself: the init is started with `std::process::Command`
+/// (`posix_spawn`, a vfork-style spawn that copies no page tables, safe in a multi-threaded
+/// process), with the control socket as its stdin. It unshares a user namespace, we write the
+/// id maps, it unshares the rest and clones pid 1 with `CLONE_PARENT`, so pid 1 is our child.
+///
+/// `setup` (a `MSG_SETUP` payload) is queued right behind the maps message, so pid 1 finds it
+/// waiting when it starts.
+/// The cgroup job runs meanwhile; the first process then joins the cgroups itself through
+/// the files the job opened (our credentials authorize the write) and only then clones pid 1,
+/// which inherits them.
+pub(crate) async fn spawn_init(
+    ids: &IdMap,
+    requests: [&[u8]; 2],
+    oom_protect: bool,
+    cgroup_job: CgroupJob,
+) -> Result<Spawned, String> {
+    let img = image()?;
+    let mut sv = [0 as RawFd; 2];
+    // SAFETY: socketpair with a valid out array.
+    cvt(unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+            0,
+            sv.as_mut_ptr(),
+        )
+    })
+    .map_err(|e| format!("socketpair: {e}"))?;
+    // SAFETY: the kernel gave us these fds.
+    let (ours, theirs) = unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) };
+    let ctl = Ctl::start(ours).map_err(|e| format!("control socket: {e}"))?;
+    let mut rx = ctl.register_fixed(0);
+    let queued = [ctl.register(), ctl.register()];
+    let mut cmd = std::process::Command::new(format!("/proc/self/fd/{}", img.fd.as_raw_fd()));
+    cmd.env_clear()
+        .stdin(std::process::Stdio::from(theirs))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let mut first = cmd
+        .spawn()
+        .map_err(|e| format!("start the sandbox init: {e}"))?;
+    let mut cgroup = None;
+    let result = async {
+        let boot = rx.recv().await.ok_or("the init exited during start-up")?;
+        if boot.kind != proto::REP_BOOT {
+            return Err(describe_err(&boot));
+        }
+        write_maps(first.id() as libc::pid_t, ids)
+            .map_err(|e| format!("write uid/gid maps: {e}"))?;
+        ctl.send(proto::MSG_MAPS, 0, &[], &[])
+            .await
+            .map_err(|e| format!("bootstrap: {e}"))?;
+        let joined = cgroup_job
+            .await
+            .map_err(|e| format!("cgroup task failed: {e}"))??;
+        let files = match joined {
+            Some((c, files)) => {
+                cgroup = Some(c);
+                files
+            }
+            None => Vec::new(),
+        };
+        if oom_protect {
+            // The init must survive the sandbox's own OOM kills (commands reset theirs).
+            let _ = std::fs::write(format!("/proc/{}/oom_score_adj", first.id()), "-1000");
+        }
+        let fds: Vec<_> = files.iter().map(std::os::fd::AsFd::as_fd).collect();
+        ctl.send(proto::MSG_CGROUPS, 0, &[], &fds)
+            .await
+            .map_err(|e| format!("bootstrap: {e}"))?;
+        for ((id, _), payload) in queued.iter().zip(requests) {
+            ctl.send(proto::MSG_SETUP, *id, payload, &[])
+                .await
+                .map_err(|e| format!("send the setup: {e}"))?;
+        }
+        let init = rx.recv().await.ok_or("the init exited during start-up")?;
+        if init.kind != proto::REP_INIT {
+            return Err(describe_err(&init));
+        }
+        proto::Dec::new(&init.payload)
+            .u32()
+            .map(|p| p as libc::pid_t)
+            .map_err(|_| "malformed bootstrap reply".to_string())
+    }
+    .await;
+    ctl.unregister(0);
+    match result {
+        Ok(pid) => {
+            // The first process exits right after cloning pid 1.
+            let _ = first.wait();
+            Ok(Spawned {
+                pid,
+                ctl,
+                queued,
+                cgroup,
+            })
+        }
+        Err(e) => {
+            let _ = first.kill();
+            let _ = first.wait();
+            if let Some(c) = cgroup {
+                c.remove(std::time::Duration::from_millis(500));
+            }
+            Err(e)
+        }
+    }
+}
+
+fn describe_err(r: &crate::ctl::Reply) -> String {
+    let mut d = proto::Dec::new(&r.payload);
+    let _ = (d.u32(), d.i32());
+    format!(
+        "sandbox init start-up failed: {}",
+        d.str().unwrap_or_default()
+    )
+}
+
+fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+fn write_maps(pid: libc::pid_t, ids: &IdMap) -> io::Result<()> {
+    if ids.rootless {
+        std::fs::write(format!("/proc/{pid}/setgroups"), "deny")?;
+    }
+    std::fs::write(
+        format!("/proc/{pid}/uid_map"),
+        ids.map_text(ids.host_root, ids.user_override.map(|o| o.0)),
+    )?;
+    std::fs::write(
+        format!("/proc/{pid}/gid_map"),
+        ids.map_text(ids.host_root_gid, ids.user_override.map(|o| o.1)),
+    )?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn maps_with_and_without_an_owner_override() {
+        let mut m = IdMap {
+            host_root: 100_000,
+            count: 65536,
+            host_root_gid: 200_000,
+            rootless: false,
+            user_override: None,
+        };
+        assert_eq!(m.map_text(m.host_root, None), "0 100000 65536\n");
+        assert_eq!(m.host_uid(SANDBOX_USER), 101_000);
+        m.user_override = Some((4242, 4343));
+        assert_eq!(
+            m.map_text(m.host_root, Some(4242)),
+            "0 100000 1000\n1000 4242 1\n1001 101001 64535\n"
+        );
+        assert_eq!(
+            (m.host_uid(SANDBOX_USER), m.host_gid(SANDBOX_USER)),
+            (4242, 4343)
+        );
+        assert_eq!(m.host_uid(0), 100_000);
+    }
+}

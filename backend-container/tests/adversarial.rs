@@ -1,0 +1,304 @@
+//! Hostile input and escape attempts against the container backend.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{backend, create, sh, sh_ok, spec};
+use sandbox_core::{
+    Backend, Error, ExecRequest, Language, LimitKind, ResolvedSecrets, SandboxSpec,
+};
+
+#[tokio::test]
+async fn missing_binary_is_a_result_not_an_error() {
+    require_host!();
+    let sb = create(Language::Shell).await;
+    let r = sb
+        .exec(ExecRequest::argv(["definitely-not-a-binary-xyz"]))
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, Some(127));
+    assert!(
+        r.stderr_str().contains("command not found"),
+        "{}",
+        r.stderr_str()
+    );
+    let r = sb.exec(ExecRequest::argv(["/workspace"])).await.unwrap();
+    assert_eq!(r.exit_code, Some(126));
+    assert!(matches!(
+        sb.exec(ExecRequest::argv(Vec::<String>::new())).await,
+        Err(Error::InvalidSpec { .. })
+    ));
+    sh_ok(sb.as_ref(), "true").await;
+}
+
+#[tokio::test]
+async fn writes_outside_workspace_and_tmp_fail() {
+    require_host!();
+    let sb = create(Language::Shell).await;
+    for target in [
+        "/x",
+        "/etc/x",
+        "/etc/passwd",
+        "/usr/x",
+        "/usr/bin/x",
+        "/dev/x",
+        "/proc/sys/kernel/hostname",
+        "/var/x",
+    ] {
+        let r = sh(sb.as_ref(), &format!("echo pwned > {target}")).await;
+        assert_ne!(r.exit_code, Some(0), "could write {target}");
+    }
+    sh_ok(
+        sb.as_ref(),
+        "echo ok > /workspace/a && echo ok > /tmp/b && echo ok > /dev/null && echo ok > /dev/shm/c",
+    )
+    .await;
+    // Landlock also holds for processes that somehow gain write permission bits.
+    let r = sh(
+        sb.as_ref(),
+        "ln -s /tmp/b /workspace/l && rm /workspace/l && mkfifo /tmp/f && rm /tmp/f",
+    )
+    .await;
+    assert!(r.success(), "{}", r.stderr_str());
+}
+
+#[tokio::test]
+async fn kill_all_inside_leaves_the_sandbox_working() {
+    require_host!();
+    let sb = create(Language::Shell).await;
+    sh_ok(sb.as_ref(), "sleep 1000 >/dev/null 2>&1 &").await;
+    let _ = sh(sb.as_ref(), "kill -9 -1; sleep 0.1").await;
+    sb.health_check().await.unwrap();
+    assert_eq!(sh_ok(sb.as_ref(), "echo still here").await, "still here\n");
+    let _ = sh(sb.as_ref(), "kill -9 1; kill -TERM 1; kill -STOP 1").await;
+    assert_eq!(
+        sh_ok(sb.as_ref(), "echo init survives").await,
+        "init survives\n"
+    );
+}
+
+#[tokio::test]
+async fn closed_stdout_and_lingering_children() {
+    require_host!();
+    let sb = create(Language::Shell).await;
+    // Closes its output but keeps running: the timeout ends it.
+    let r = sb
+        .exec(ExecRequest::code("exec >&- 2>&-; sleep 1000").timeout(Duration::from_millis(300)))
+        .await
+        .unwrap();
+    assert_eq!(r.limit, Some(LimitKind::WallTime));
+    // Leaves a child holding stdout: the call returns when the command exits.
+    let r = sb
+        .exec(ExecRequest::code("sleep 1000 & echo parent done").timeout(Duration::from_secs(20)))
+        .await
+        .unwrap();
+    assert_eq!(r.limit, None);
+    assert_eq!(r.stdout_str(), "parent done\n");
+}
+
+#[tokio::test]
+async fn zombie_storm_is_reaped() {
+    require_host!();
+    let sb = create(Language::Shell).await;
+    sh_ok(sb.as_ref(), "for i in $(seq 300); do (sleep 0 &) ; done").await;
+    // Orphans are reaped by the init; poll a bounded number of times.
+    let mut zombies = String::new();
+    for _ in 0..100 {
+        zombies = sh_ok(
+            sb.as_ref(),
+            "grep -l '^State:.*Z' /proc/[0-9]*/status 2>/dev/null | wc -l",
+        )
+        .await;
+        if zombies.trim() == "0" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(zombies.trim(), "0");
+}
+
+#[tokio::test]
+async fn file_api_refuses_dot_dot_and_symlinks_out() {
+    require_host!();
+    let sb = create(Language::Shell).await;
+    sh_ok(sb.as_ref(), "ln -s /etc/passwd passwd-link && ln -s / root-link && ln -s ../../.. up && mkdir d && ln -s ../.. d/up2").await;
+    for p in [
+        "../etc/passwd",
+        "/etc/passwd",
+        "/workspace/../etc/passwd",
+        "passwd-link",
+        "root-link/etc/shadow",
+        "up/etc/passwd",
+        "d/up2/x",
+    ] {
+        let r = sb.read_file(p).await;
+        assert!(matches!(r, Err(Error::PathEscape { .. })), "{p}: {r:?}");
+    }
+    for p in ["root-link/tmp/pwned", "up/pwned", "../pwned", "d/up2/pwned"] {
+        let r = sb.write_file(p, b"x").await;
+        assert!(matches!(r, Err(Error::PathEscape { .. })), "{p}: {r:?}");
+    }
+    assert!(matches!(
+        sb.list("root-link").await,
+        Err(Error::PathEscape { .. })
+    ));
+    assert!(!std::path::Path::new("/tmp/pwned").exists());
+    assert!(matches!(
+        sb.read_file("a\0b").await,
+        Err(Error::InvalidSpec { .. })
+    ));
+    // A FIFO cannot hang the API.
+    sh_ok(sb.as_ref(), "mkfifo fifo").await;
+    assert!(sb.read_file("fifo").await.is_err());
+}
+
+#[tokio::test]
+async fn impossible_specs_are_refused_before_anything_starts() {
+    require_host!();
+    let b = backend();
+    let mut s = SandboxSpec::new(Language::Shell);
+    s.limits.memory_bytes = 1;
+    assert!(matches!(
+        b.create(&s, ResolvedSecrets::none()).await,
+        Err(Error::InvalidSpec { .. })
+    ));
+    let mut s = SandboxSpec::new(Language::Shell);
+    s.limits.pids = 0;
+    assert!(matches!(
+        b.create(&s, ResolvedSecrets::none()).await,
+        Err(Error::InvalidSpec { .. })
+    ));
+    let s = SandboxSpec::builder(Language::Shell)
+        .mount_ro("/usr/bin", "/usr/local/x")
+        .build()
+        .unwrap();
+    assert!(matches!(
+        b.create(&s, ResolvedSecrets::none()).await,
+        Err(Error::InvalidSpec { .. })
+    ));
+    let s = SandboxSpec::builder(Language::Shell)
+        .mount_ro("/etc", "/proc/x")
+        .build()
+        .unwrap();
+    assert!(matches!(
+        b.create(&s, ResolvedSecrets::none()).await,
+        Err(Error::InvalidSpec { .. })
+    ));
+    let s = SandboxSpec::new(Language::Wasm);
+    assert!(matches!(
+        b.create(&s, ResolvedSecrets::none()).await,
+        Err(Error::Unsupported { .. })
+    ));
+    let s = SandboxSpec::builder(Language::Shell)
+        .workspace_dir("/tmp", false)
+        .mount_rw("/tmp", "/workspace/x")
+        .build()
+        .unwrap();
+    assert!(matches!(
+        b.create(&s, ResolvedSecrets::none()).await,
+        Err(Error::InvalidSpec { .. })
+    ));
+}
+
+#[tokio::test]
+async fn escape_attempts_fail() {
+    require_host!();
+    let sb = backend()
+        .create(&spec(Language::Python), ResolvedSecrets::none())
+        .await
+        .unwrap();
+    let attempts = [
+        "mount -t tmpfs none /tmp",
+        "mount --bind /workspace /tmp",
+        "unshare -U true",
+        "unshare -Ur true",
+        "unshare -m true",
+        "umount /proc",
+        "chroot / true",
+        "ls /root",
+        "ls /home",
+        "cat /etc/shadow",
+        "ls /sys/kernel",
+        "ls /oldroot",
+        "cat /proc/1/environ",
+        "cat /proc/1/mem",
+        "ls /proc/1/root/",
+        "ls -l /proc/1/fd/",
+        "head -c1 /proc/kcore",
+    ];
+    for a in attempts {
+        let r = sh(sb.as_ref(), a).await;
+        assert_ne!(r.exit_code, Some(0), "`{a}` succeeded: {}", r.stdout_str());
+    }
+    let py = [
+        // ptrace of the init
+        "import ctypes; l=ctypes.CDLL(None, use_errno=True); assert l.ptrace(16, 1, 0, 0) == -1, 'ptrace attach worked'",
+        // a new user namespace (clone/unshare with CLONE_NEWUSER)
+        "import ctypes; l=ctypes.CDLL(None, use_errno=True); assert l.unshare(0x10000000) == -1 and ctypes.get_errno() == 1",
+        // bpf, perf_event_open, keyctl, io_uring, userfaultfd, open_by_handle_at, kexec
+        "import ctypes; l=ctypes.CDLL(None, use_errno=True)\nfor nr in (321, 298, 250, 425, 323, 304, 246):\n  assert l.syscall(nr, 0, 0, 0, 0, 0) == -1, nr",
+    ];
+    for code in py {
+        let r = sb.exec(ExecRequest::code(code)).await.unwrap();
+        assert!(r.success(), "{code}: {r:?} {}", r.stderr_str());
+    }
+    // No capabilities at all, no_new_privs, seccomp filter mode, running as the sandbox user.
+    let st = sh_ok(
+        sb.as_ref(),
+        "grep -E '^(Cap(Inh|Prm|Eff|Bnd|Amb)|NoNewPrivs|Seccomp|Uid):' /proc/self/status",
+    )
+    .await;
+    for l in st.lines() {
+        if l.starts_with("Cap") {
+            assert!(l.ends_with("0000000000000000"), "{l}");
+        }
+    }
+    assert!(st.contains("NoNewPrivs:\t1"), "{st}");
+    assert!(st.contains("Seccomp:\t2"), "{st}");
+    assert!(st.contains("Uid:\t1000") || st.contains("Uid:\t0"), "{st}");
+    // Only the sandbox's own processes are visible.
+    let ps = sh_ok(sb.as_ref(), "ls /proc | grep -c '^[0-9]'").await;
+    assert!(ps.trim().parse::<u32>().unwrap() < 6, "{ps}");
+}
+
+#[tokio::test]
+async fn dropping_without_destroy_cleans_up() {
+    require_host!();
+    let sb = backend_container::ContainerBackend::new()
+        .unwrap()
+        .create_container(&spec(Language::Shell))
+        .await
+        .unwrap();
+    let pid = sb.init_pid();
+    let id = sandbox_core::Sandbox::id(&sb).to_string();
+    assert!(!common::cgroups_of(&id).is_empty());
+    sh_ok(&sb, "sleep 1000 >/dev/null 2>&1 &").await;
+    assert!(std::path::Path::new(&format!("/proc/{pid}")).exists());
+    drop(sb);
+    assert!(
+        !std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "init {pid} survived drop"
+    );
+    assert!(
+        common::cgroups_of(&id).is_empty(),
+        "cgroups left after drop"
+    );
+}
+
+#[tokio::test]
+async fn leftovers_of_a_dead_process_are_swept() {
+    require_host!();
+    // What a process killed without running destructors leaves: empty cgroups named after it.
+    let dead_pid = 999_999_999u32;
+    let dirs: Vec<_> = common::own_cgroup_dirs()
+        .into_iter()
+        .map(|d| d.join(format!("asb-{dead_pid}-0123abcd")))
+        .collect();
+    for d in &dirs {
+        std::fs::create_dir(d).unwrap();
+    }
+    let _ = backend();
+    assert!(dirs.iter().all(|d| !d.exists()), "not swept: {dirs:?}");
+}

@@ -1,0 +1,166 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use backend_container::ContainerBackend;
+use sandbox_core::{
+    Backend, ExecRequest, ExecResult, Language, ResolvedSecrets, Sandbox, SandboxSpec,
+};
+
+/// Why the suite cannot run here, per the backend's own probe.
+pub async fn skip_reason() -> Option<String> {
+    let b = match ContainerBackend::new() {
+        Ok(b) => b,
+        Err(e) => return Some(format!("container backend cannot be built: {e}")),
+    };
+    let s = b.probe().await;
+    if s.available {
+        None
+    } else {
+        Some(format!("{} (fix: {})", s.reason, s.fix.unwrap_or_default()))
+    }
+}
+
+/// Skips the test (with the reason on stderr) when the host cannot run containers.
+#[macro_export]
+macro_rules! require_host {
+    () => {
+        if let Some(why) = common::skip_reason().await {
+            eprintln!("SKIP: {why}");
+            return;
+        }
+    };
+}
+
+pub fn backend() -> ContainerBackend {
+    ContainerBackend::new().unwrap()
+}
+
+pub fn spec(lang: Language) -> SandboxSpec {
+    SandboxSpec::builder(lang)
+        .wall_time(Duration::from_secs(20))
+        .build()
+        .unwrap()
+}
+
+pub async fn create(lang: Language) -> Box<dyn Sandbox> {
+    backend()
+        .create(&spec(lang), ResolvedSecrets::none())
+        .await
+        .unwrap()
+}
+
+pub async fn sh(sb: &dyn Sandbox, script: &str) -> ExecResult {
+    sb.exec(ExecRequest::argv(["/bin/sh", "-c", script]))
+        .await
+        .unwrap()
+}
+
+/// Runs `script` and asserts it succeeded; returns stdout.
+pub async fn sh_ok(sb: &dyn Sandbox, script: &str) -> String {
+    let r = sh(sb, script).await;
+    assert!(
+        r.success(),
+        "`{script}` failed: {r:?} stderr={}",
+        r.stderr_str()
+    );
+    r.stdout_str()
+}
+
+/// Our own cgroup directories (one per v1 controller we use, or the v2 one).
+pub fn own_cgroup_dirs() -> Vec<std::path::PathBuf> {
+    let me = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    let mut out = Vec::new();
+    for line in me.lines() {
+        let mut it = line.splitn(3, ':');
+        let (_, ctrls, path) = (it.next(), it.next().unwrap_or(""), it.next().unwrap_or(""));
+        for c in ["memory", "pids", "cpu", "freezer"] {
+            if ctrls.split(',').any(|x| x == c) {
+                let base = if c == "cpu" && !std::path::Path::new("/sys/fs/cgroup/cpu").exists() {
+                    "/sys/fs/cgroup/cpu,cpuacct".to_string()
+                } else {
+                    format!("/sys/fs/cgroup/{c}")
+                };
+                out.push(std::path::PathBuf::from(format!("{base}{path}")));
+            }
+        }
+        if ctrls.is_empty() && out.is_empty() {
+            out.push(std::path::PathBuf::from(format!("/sys/fs/cgroup{path}")));
+        }
+    }
+    out
+}
+
+/// Number of `asb-*` cgroup directories under our own cgroups.
+pub fn count_sandbox_cgroups() -> usize {
+    own_cgroup_dirs()
+        .iter()
+        .filter_map(|d| std::fs::read_dir(d).ok())
+        .flat_map(|rd| rd.flatten())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("asb-"))
+        .count()
+}
+
+/// Our direct children (zombies included).
+pub fn count_children() -> usize {
+    let me = std::process::id().to_string();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
+        .filter(|s| {
+            s.rfind(')')
+                .and_then(|i| s[i + 1..].split_whitespace().nth(1).map(|p| p == me))
+                .unwrap_or(false)
+        })
+        .count()
+}
+
+/// Processes running as a host uid inside `[lo, hi)`.
+pub fn count_procs_with_uid_in(lo: u32, hi: u32) -> usize {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| std::fs::read_to_string(e.path().join("status")).ok())
+        .filter(|s| {
+            s.lines()
+                .find(|l| l.starts_with("Uid:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|u| u.parse::<u32>().ok())
+                .is_some_and(|u| (lo..hi).contains(&u))
+        })
+        .count()
+}
+
+/// Open fds of this process.
+pub fn count_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .map(|d| d.count())
+        .unwrap_or(0)
+}
+
+/// Mounts in our mount namespace.
+pub fn count_mounts() -> usize {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .map(|s| s.lines().count())
+        .unwrap_or(0)
+}
+
+/// Cgroup directories of the sandbox `id` that still exist.
+pub fn cgroups_of(id: &str) -> Vec<std::path::PathBuf> {
+    own_cgroup_dirs()
+        .into_iter()
+        .map(|d| d.join(format!("asb-{}-{id}", std::process::id())))
+        .filter(|d| d.exists())
+        .collect()
+}
+
+/// Mount lines of our namespace that mention sandbox internals.
+pub fn sandbox_mounts() -> usize {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("newroot") || l.contains("oldroot") || l.contains("/asb-"))
+        .count()
+}

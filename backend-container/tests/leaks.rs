@@ -1,0 +1,89 @@
+//! Create/destroy cycles leave no process, mount, cgroup, fd or namespace behind.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+mod common;
+
+use common::{sh_ok, spec};
+use sandbox_core::{Backend, ExecRequest, Language, ResolvedSecrets};
+
+const CYCLES: usize = 200;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_destroy_cycles_leave_nothing_behind() {
+    require_host!();
+    // A uid range of our own, so other processes' sandboxes on this host do not count.
+    let b = backend_container::ContainerBackend::builder()
+        .uid_base(0x5000_0000)
+        .build()
+        .unwrap();
+    let uid_lo = b.config().uid_base;
+    let uid_hi = uid_lo.saturating_add(4096 * 65536);
+    // Warm up (the init image memfd is created once per process and kept).
+    let sb = b
+        .create(&spec(Language::Shell), ResolvedSecrets::none())
+        .await
+        .unwrap();
+    sb.destroy().await.unwrap();
+    let (children, fds, mounts, cgroups, procs) = (
+        common::count_children(),
+        common::count_fds(),
+        common::count_mounts(),
+        common::count_sandbox_cgroups(),
+        common::count_procs_with_uid_in(uid_lo, uid_hi),
+    );
+    for i in 0..CYCLES {
+        let sb = b
+            .create(&spec(Language::Shell), ResolvedSecrets::none())
+            .await
+            .unwrap();
+        match i % 4 {
+            0 => {
+                sb.exec(ExecRequest::argv(["true"])).await.unwrap();
+            }
+            1 => {
+                // Background processes and files must go too.
+                sh_ok(
+                    sb.as_ref(),
+                    "sleep 1000 >/dev/null 2>&1 & head -c 100000 /dev/zero > f",
+                )
+                .await;
+            }
+            2 => {
+                sb.write_file("x", b"y").await.unwrap();
+            }
+            _ => {}
+        }
+        if i % 10 == 9 {
+            drop(sb); // the Drop path
+        } else {
+            sb.destroy().await.unwrap();
+        }
+    }
+    assert_eq!(common::count_children(), children, "child processes left");
+    assert_eq!(common::count_fds(), fds, "fds left open");
+    assert_eq!(
+        common::count_mounts(),
+        mounts,
+        "mounts left in our namespace"
+    );
+    assert_eq!(
+        common::count_sandbox_cgroups(),
+        cgroups,
+        "cgroup directories left"
+    );
+    assert_eq!(
+        common::count_procs_with_uid_in(uid_lo, uid_hi),
+        procs,
+        "sandbox processes left"
+    );
+    // Namespaces live as long as a process, fd or mount holds them: none of ours does.
+    let ns_users: usize = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| {
+            std::fs::read_to_string(e.path().join("comm"))
+                .is_ok_and(|c| c.starts_with("agent-sandbox"))
+        })
+        .count();
+    assert_eq!(ns_users, 0, "sandbox inits left");
+}
