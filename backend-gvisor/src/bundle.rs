@@ -186,19 +186,20 @@ pub fn config(
     workspace_read_only: bool,
     cgroup: &str,
 ) -> Result<Spec> {
-    let mut mounts = vec![
-        MountBuilder::default()
-            .destination("/proc")
-            .typ("proc")
-            .source("proc")
-            .build()
-            .map_err(oci)?,
-        bind("/usr", Path::new("/usr"), true)?,
-    ];
-    for name in HOST_ETC {
-        let host = Path::new("/etc").join(name);
-        if host.exists() {
-            mounts.push(bind(&format!("/etc/{name}"), &host, true)?);
+    let mut mounts = vec![MountBuilder::default()
+        .destination("/proc")
+        .typ("proc")
+        .source("proc")
+        .build()
+        .map_err(oci)?];
+    // The host-tools view binds the host's /usr and /etc files; a caller's rootfs brings its own.
+    if spec.rootfs.is_none() {
+        mounts.push(bind("/usr", Path::new("/usr"), true)?);
+        for name in HOST_ETC {
+            let host = Path::new("/etc").join(name);
+            if host.exists() {
+                mounts.push(bind(&format!("/etc/{name}"), &host, true)?);
+            }
         }
     }
     let tmp_bytes = spec.limits.disk_bytes.clamp(1 << 20, 1 << 30);
@@ -267,15 +268,16 @@ pub fn config(
         who,
         spec,
     )?;
+    // A caller's rootfs is the root itself, wrapped by runsc in an in-memory overlay
+    // (`--overlay2=root:memory`) so writes never reach the directory.
+    let root = match &spec.rootfs {
+        Some(dir) => RootBuilder::default().path(dir).readonly(false).build(),
+        None => RootBuilder::default().path("rootfs").readonly(true).build(),
+    }
+    .map_err(oci)?;
     SpecBuilder::default()
         .version("1.0.2")
-        .root(
-            RootBuilder::default()
-                .path("rootfs")
-                .readonly(true)
-                .build()
-                .map_err(oci)?,
-        )
+        .root(root)
         .hostname("sandbox")
         .process(init)
         .mounts(mounts)

@@ -16,6 +16,11 @@
 //!    files, stored in a [`SnapshotStore`]; the sandbox is
 //!    restored in place from the image and keeps running. **restore** recreates the bundle
 //!    under a new id and `runsc restore`s the image: processes resume where they were.
+//!
+//!    With [`SandboxSpec::rootfs`](sandbox_core::SandboxSpec) set, that directory is the root
+//!    instead, wrapped by runsc in an in-memory overlay (`--overlay2=root:memory`): the
+//!    sandbox can write where its user may, and the directory itself is never modified. The
+//!    path must be traversable by unprivileged users (gVisor's sandbox process is one).
 //! 4. **destroy**: `runsc delete --force`, reaping the sandbox's runsc processes ([`reaper`]),
 //!    unmounting the workspace and removing the state directory.
 //!
@@ -31,6 +36,9 @@
 //! on current kernels with "cannot run with network enabled in root network namespace"; the
 //! egress enforcer will give allowlisted sandboxes a path out instead.) Specs asking for
 //! network access are refused with `Unsupported` until then.
+//!
+//! ## Troubleshooting
+//! `AGENT_SANDBOX_RUNSC_DEBUG=/some/dir` makes every runsc call write its debug logs there.
 //!
 //! ## Known runsc quirks (Debian's 2022-12-19 build)
 //! - `statx` with `AT_NO_AUTOMOUNT` is rejected, so Debian's `ls PATH` and `stat` fail inside

@@ -166,6 +166,9 @@ pub struct Runsc {
     pub root: PathBuf,
     /// `--platform`.
     pub platform: Platform,
+    /// Wrap the root mount in an in-memory overlay (`--overlay2=root:memory`): used for a
+    /// caller's rootfs directory, which must never be written.
+    pub overlay_root: bool,
 }
 
 impl Runsc {
@@ -176,8 +179,18 @@ impl Runsc {
         let mut c = Command::new(&self.bin);
         c.arg(format!("--root={}", self.root.display()))
             .arg("--network=none")
-            .arg(format!("--platform={}", self.platform.name()))
-            .stdin(Stdio::null())
+            .arg(format!("--platform={}", self.platform.name()));
+        if self.overlay_root {
+            c.arg("--overlay2=root:memory");
+        }
+        // Troubleshooting: `AGENT_SANDBOX_RUNSC_DEBUG=/some/dir` keeps runsc's debug logs there.
+        if let Some(dir) = std::env::var_os("AGENT_SANDBOX_RUNSC_DEBUG") {
+            let mut flag = std::ffi::OsString::from("--debug-log=");
+            flag.push(&dir);
+            flag.push("/");
+            c.arg("--debug").arg(flag);
+        }
+        c.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
         c

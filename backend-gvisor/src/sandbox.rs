@@ -152,6 +152,7 @@ impl GvisorSandbox {
                 bin: r.info.path.clone(),
                 root: runsc_root,
                 platform: r.platform,
+                overlay_root: spec.rootfs.is_some(),
             },
             engine: r.info.version.clone(),
             dir,
@@ -245,9 +246,10 @@ impl Inner {
         if self.workspace_tmpfs {
             self.mount_workspace()?;
         }
-        let rootfs_bundle = self.bundle.clone();
         let who = self.who;
-        bundle::write_rootfs(&rootfs_bundle, who)?;
+        if self.spec.rootfs.is_none() {
+            bundle::write_rootfs(&self.bundle, who)?;
+        }
         let cgroup = format!("agent-sandbox-gvisor-{}", self.id);
         let cfg = bundle::config(&self.spec, who, &self.workspace, self.read_only(), &cgroup)?;
         bundle::save(&cfg, &self.bundle)?;

@@ -378,3 +378,91 @@ async fn destroy_leaves_nothing_behind_and_is_final() {
         Err(Error::SandboxGone { .. })
     ));
 }
+
+/// A minimal root filesystem: busybox and its applet links.
+fn busybox_rootfs(dir: &std::path::Path) -> bool {
+    let busybox = std::path::Path::new("/bin/busybox");
+    if !busybox.exists() {
+        return false;
+    }
+    for d in ["bin", "etc", "tmp", "workspace", "proc", "dev"] {
+        std::fs::create_dir_all(dir.join(d)).unwrap();
+    }
+    std::fs::copy(busybox, dir.join("bin/busybox")).unwrap();
+    for applet in [
+        "sh", "cat", "echo", "ls", "id", "touch", "mkdir", "rm", "sleep",
+    ] {
+        std::os::unix::fs::symlink("busybox", dir.join("bin").join(applet)).unwrap();
+    }
+    std::fs::write(
+        dir.join("etc/passwd"),
+        "root:x:0:0::/:/bin/sh\nsandbox:x:1000:1000::/workspace:/bin/sh\n",
+    )
+    .unwrap();
+    std::fs::write(dir.join("etc/os-release"), "NAME=tiny\n").unwrap();
+    // A directory the sandbox user may write, to show writes land in the overlay.
+    std::fs::create_dir_all(dir.join("srv")).unwrap();
+    std::fs::write(dir.join("srv/data"), "original\n").unwrap();
+    std::fs::set_permissions(
+        dir.join("srv"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        dir.join("srv/data"),
+        std::os::unix::fs::PermissionsExt::from_mode(0o666),
+    )
+    .unwrap();
+    true
+}
+
+#[tokio::test]
+async fn a_rootfs_directory_is_used_and_never_written() {
+    require_gvisor!();
+    let dir = tempfile::tempdir().unwrap();
+    // gVisor's sandbox process runs as an unprivileged host user: the path must be traversable.
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let root = dir.path().join("root");
+    if !busybox_rootfs(&root) {
+        eprintln!("SKIP: /bin/busybox missing (apt-get install busybox-static)");
+        return;
+    }
+    let before = sandbox_core::fsnap::pack_dir(&root).unwrap();
+    let spec = SandboxSpec::builder(Language::Shell)
+        .rootfs(&root)
+        .build()
+        .unwrap();
+    let sb = common::sandbox(&spec).await;
+    let r = sb
+        .exec(ExecRequest::code("cat /etc/os-release; [ -e /usr/bin/python3 ] && echo host-usr; echo changed > /srv/data; echo new > /srv/new; cat /srv/data /srv/new"))
+        .await
+        .unwrap();
+    assert_eq!(
+        r.stdout_str(),
+        "NAME=tiny\nchanged\nnew\n",
+        "its own root, not the host's; writes work: {r:?}"
+    );
+    let r = sb
+        .exec(ExecRequest::code("echo x > /etc/os-release"))
+        .await
+        .unwrap();
+    assert!(
+        !r.success(),
+        "root-owned files stay read-only for the sandbox user"
+    );
+    sb.destroy().await.unwrap();
+    assert_eq!(
+        sandbox_core::fsnap::pack_dir(&root).unwrap(),
+        before,
+        "the rootfs directory is unchanged"
+    );
+    assert_eq!(
+        std::fs::read_to_string(root.join("srv/data")).unwrap(),
+        "original\n"
+    );
+    assert!(!root.join("srv/new").exists());
+}
