@@ -466,3 +466,69 @@ async fn a_rootfs_directory_is_used_and_never_written() {
     );
     assert!(!root.join("srv/new").exists());
 }
+
+/// Child half of `a_snapshot_restores_in_another_process`: run only when the parent asks.
+#[tokio::test]
+#[ignore = "run by a_snapshot_restores_in_another_process in a child process"]
+async fn restore_child_process() {
+    let (Ok(dir), Ok(id), Ok(digest)) = (
+        std::env::var("AS_TEST_STORE"),
+        std::env::var("AS_TEST_SNAPSHOT"),
+        std::env::var("AS_TEST_DIGEST"),
+    ) else {
+        panic!("run by the parent test only");
+    };
+    let store = ObjectSnapshotStore::local(&dir).unwrap();
+    let id: sandbox_core::SnapshotId = id.parse().unwrap();
+    let sb = common::backend()
+        .restore(&store, &id, ResolvedSecrets::none())
+        .await
+        .unwrap();
+    sb.write_file("ping-2", b"").await.unwrap();
+    assert_eq!(
+        String::from_utf8(wait_for(sb.as_ref(), "pong-2").await).unwrap(),
+        format!("2 {digest}")
+    );
+    sb.destroy().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_snapshot_restores_in_another_process() {
+    require_gvisor!();
+    let dir = tempfile::tempdir().unwrap();
+    let store = ObjectSnapshotStore::local(dir.path()).unwrap();
+    let sb = common::python().await;
+    sb.write_file("counter.py", COUNTER.as_bytes())
+        .await
+        .unwrap();
+    sb.exec(ExecRequest::argv([
+        "/bin/sh",
+        "-c",
+        "python3 counter.py >/dev/null 2>&1 &",
+    ]))
+    .await
+    .unwrap();
+    let digest = String::from_utf8(wait_for(sb.as_ref(), "ready").await).unwrap();
+    sb.write_file("ping-1", b"").await.unwrap();
+    wait_for(sb.as_ref(), "pong-1").await;
+    let id = sb.snapshot(&store).await.unwrap();
+    sb.destroy().await.unwrap();
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "restore_child_process",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env("AS_TEST_STORE", dir.path())
+        .env("AS_TEST_SNAPSHOT", id.as_str())
+        .env("AS_TEST_DIGEST", &digest)
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "child process: {text}"
+    );
+}
