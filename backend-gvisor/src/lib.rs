@@ -56,8 +56,9 @@ pub mod reaper;
 pub mod runsc;
 mod sandbox;
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use async_trait::async_trait;
 use sandbox_core::{
@@ -148,7 +149,21 @@ impl GvisorBackend {
     }
 
     fn discover(&self) -> Result<Resolved> {
-        let info = RunscInfo::discover(self.config.runsc.as_deref())?;
+        // runsc's facts are the same for every backend using the same binary: ask it once
+        // per process (two runsc calls, ~40 ms).
+        static FOUND: Mutex<BTreeMap<Option<PathBuf>, RunscInfo>> = Mutex::new(BTreeMap::new());
+        let key = self.config.runsc.clone();
+        let cached = FOUND.lock().ok().and_then(|m| m.get(&key).cloned());
+        let info = match cached {
+            Some(info) => info,
+            None => {
+                let info = RunscInfo::discover(key.as_deref())?;
+                if let Ok(mut m) = FOUND.lock() {
+                    m.insert(key, info.clone());
+                }
+                info
+            }
+        };
         info.check_version()?;
         if !nix::unistd::geteuid().is_root() {
             return Err(Error::Unavailable {
