@@ -382,20 +382,10 @@ impl Sandbox for UnisolatedSandbox {
 
     async fn exec_stream(&self, req: ExecRequest) -> Result<ExecStream> {
         self.shared.alive()?;
-        let (tx, stream) = ExecStream::channel(64);
         let shared = Arc::clone(&self.shared);
-        tokio::spawn(async move {
-            let r = shared.run(req, Some(tx.clone())).await;
-            let _ = match r {
-                Ok(mut res) => {
-                    res.stdout.clear();
-                    res.stderr.clear();
-                    tx.send(Ok(ExecEvent::Exit(res))).await
-                }
-                Err(e) => tx.send(Err(e)).await,
-            };
-        });
-        Ok(stream)
+        Ok(ExecStream::spawn(move |tx| async move {
+            shared.run(req, Some(tx)).await
+        }))
     }
 
     async fn write_file(&self, path: &str, data: &[u8]) -> Result<()> {

@@ -231,6 +231,31 @@ impl ExecStream {
         (tx, ExecStream { rx })
     }
 
+    /// Runs an exec on its own task and streams it: `run` gets the sender for chunk events
+    /// (see [`StreamSink`]); its result becomes the final [`ExecEvent::Exit`] (with `stdout`
+    /// and `stderr` emptied, since they were streamed) or the stream's error.
+    pub fn spawn<F, Fut>(run: F) -> ExecStream
+    where
+        F: FnOnce(mpsc::Sender<crate::Result<ExecEvent>>) -> Fut,
+        Fut: std::future::Future<Output = crate::Result<ExecResult>> + Send + 'static,
+    {
+        let (tx, stream) = ExecStream::channel(64);
+        let fut = run(tx.clone());
+        tokio::spawn(async move {
+            let last = match fut.await {
+                Ok(mut res) => {
+                    res.stdout.clear();
+                    res.stderr.clear();
+                    Ok(ExecEvent::Exit(res))
+                }
+                Err(e) => Err(e),
+            };
+            // A dropped receiver only means nobody is listening any more.
+            let _ = tx.send(last).await;
+        });
+        stream
+    }
+
     /// The next event, or `None` after the last one.
     pub async fn next(&mut self) -> Option<crate::Result<ExecEvent>> {
         self.rx.recv().await
