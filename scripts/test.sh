@@ -36,6 +36,9 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "cargo doc (warnings are errors)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
 
+step "install CPython-in-WebAssembly for the wasm tier (verified; cached in ~/.cache/agent-sandbox)"
+cargo run --locked -q -p agent-sandbox -- install python-wasm
+
 step "cargo test"
 cargo test --workspace --locked -- --test-threads="${TEST_THREADS:-2}"
 

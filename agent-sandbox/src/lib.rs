@@ -31,6 +31,10 @@ use std::time::Duration;
 
 pub use sandbox_core::*;
 
+/// The wasm tier's crate (host tools, the Python installer), when built in.
+#[cfg(feature = "wasm")]
+pub use backend_wasm as wasm;
+
 /// How long one backend's probe may take before it is reported as hanging.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -48,13 +52,14 @@ pub fn built_in(tier: Tier) -> bool {
     match tier {
         Tier::Gvisor => cfg!(feature = "gvisor"),
         Tier::Container => cfg!(feature = "container"),
-        Tier::Wasm | Tier::Microvm | Tier::Unisolated => false,
+        Tier::Wasm => cfg!(feature = "wasm"),
+        Tier::Microvm | Tier::Unisolated => false,
     }
 }
 
 /// Whether this version of agent-sandbox has a backend for the tier at all.
 fn implemented(tier: Tier) -> bool {
-    matches!(tier, Tier::Gvisor | Tier::Container)
+    matches!(tier, Tier::Wasm | Tier::Gvisor | Tier::Container)
 }
 
 fn not_built(tier: Tier) -> TierStatus {
@@ -146,6 +151,10 @@ impl Runtime {
     pub fn builder_with_defaults() -> RuntimeBuilder {
         #[allow(unused_mut)]
         let mut b = Self::builder();
+        #[cfg(feature = "wasm")]
+        {
+            b = b.backend(Arc::new(backend_wasm::WasmBackend::new()));
+        }
         #[cfg(feature = "container")]
         {
             // The default configuration is always valid; a failure here is a bug worth a log line.

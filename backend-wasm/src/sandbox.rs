@@ -1,0 +1,730 @@
+//! [`WasmSandbox`]: one workspace plus, for Python and JavaScript, one live interpreter.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use sandbox_core::{
+    fsnap, Command, DirEntry, EntryKind, Error, ExecRequest, ExecResult, Language, LimitKind,
+    NetworkPolicy, OutputBuffer, Phase, PhaseTiming, Redactor, ResolvedSecrets, Result, Sandbox,
+    SandboxSpec, SnapshotDraft, SnapshotId, SnapshotKind, SnapshotStore, Tier, Timeline,
+    TimelineRecorder, Workspace, WorkspacePath, WORKSPACE_MOUNT,
+};
+
+use crate::engine::{self, Flavor};
+use crate::host::{CallLimits, Preopen};
+use crate::js::JsSession;
+use crate::module::{self, ModuleRun};
+use crate::python::{self, PythonSource, Session, SessionSetup};
+use crate::scratch::Scratch;
+use crate::tools::{HostTools, ToolBox};
+use crate::ENGINE_NAME;
+
+const TIER: Tier = Tier::Wasm;
+/// Snapshot format written by this crate (workspace files only).
+pub(crate) const SNAPSHOT_FORMAT: &str = "workspace-tar-v1";
+
+/// What a sandbox needs from its backend.
+#[derive(Clone)]
+pub(crate) struct SandboxConfig {
+    pub(crate) python: PythonSource,
+    pub(crate) tools: HostTools,
+}
+
+/// A call's outcome before redaction.
+struct Raw {
+    exit_code: Option<i32>,
+    limit: Option<LimitKind>,
+    out: OutputBuffer,
+    err: OutputBuffer,
+    note: Option<String>,
+    value: Option<String>,
+}
+
+enum LangState {
+    Python(Option<Session>),
+    Js(Option<JsSession>),
+    Wasm,
+}
+
+/// A sandbox of the wasm tier.
+///
+/// - `Language::Python`: one CPython interpreter (a wasmtime instance) kept across `exec`
+///   calls: variables and imports persist, and a final expression is echoed to stdout and
+///   returned in [`ExecResult::value`] (as JSON, or the JSON string of its `repr`).
+/// - `Language::Javascript`: one QuickJS context kept across calls; the completion value is
+///   returned as JSON in `value`.
+/// - `Language::Wasm`: a code string is a WebAssembly module in the text format (WAT).
+///
+/// In every language, [`Command::Argv`] runs a WASI preview-1 command module from the
+/// workspace: `argv[0]` names a `.wasm` file (`app.wasm`, `/workspace/bin/app.wasm`), the
+/// whole argv is passed to the module, and the module sees `/workspace` (and its working
+/// directory as `.`), nothing else.
+///
+/// After a limit, a trap, `os._exit()` or Python's `exit()`, the interpreter is **reset**:
+/// that call's result says so on stderr, and the next call starts a fresh interpreter
+/// (variables and imports are lost, workspace files remain). A call whose future is
+/// dropped mid-run also loses the interpreter (the guest finishes or hits its deadline in
+/// the background).
+///
+/// Per-call request fields:
+/// - `timeout`: the call's wall deadline (capped by the spec and the remaining lifetime).
+/// - `stdin`: Python (`sys.stdin`) and modules; JavaScript has no stdin.
+/// - `env`: modules get it on top of the spec's; Python sets it in `os.environ` for the
+///   call and restores the session's afterwards; JavaScript has no environment.
+/// - `cwd` (inside `/workspace`, default `/workspace`): a module's `.`; Python `chdir`s
+///   there before the call when it differs from the directory the host last set (a
+///   `chdir` made by the code itself persists across calls, as in a REPL); JavaScript has
+///   no filesystem.
+pub struct WasmSandbox {
+    id: String,
+    spec: SandboxSpec,
+    timeline: Timeline,
+    /// The private folder: `workspace/` (for an empty workspace) and `tmp/`.
+    scratch: Arc<Scratch>,
+    workspace: PathBuf,
+    workspace_writable: bool,
+    mounts: Vec<Preopen>,
+    env: BTreeMap<String, String>,
+    redactor: Redactor,
+    tools: Option<Arc<ToolBox>>,
+    cfg: SandboxConfig,
+    flavor: Flavor,
+    born: Instant,
+    gone: AtomicBool,
+    state: tokio::sync::Mutex<LangState>,
+}
+
+impl std::fmt::Debug for WasmSandbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WasmSandbox")
+            .field("id", &self.id)
+            .field("language", &self.spec.language)
+            .finish()
+    }
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+fn check_spec(spec: &SandboxSpec) -> Result<()> {
+    spec.validate()?;
+    if spec.network != NetworkPolicy::DenyAll {
+        return Err(Error::unsupported(
+            TIER,
+            "network egress (the wasm tier has no network at all: use network: deny-all, or a container tier)",
+        ));
+    }
+    match spec.language {
+        Language::Python | Language::Javascript | Language::Wasm => {}
+        other => return Err(Error::unsupported(TIER, format!("{other} code"))),
+    }
+    if spec.language == Language::Javascript && spec.limits.fuel.is_some() {
+        return Err(Error::unsupported(
+            TIER,
+            "instruction fuel for JavaScript (QuickJS has no instruction counter; use wall_time_ms)",
+        ));
+    }
+    if spec.language == Language::Python {
+        python::check_memory(spec.limits.memory_bytes)?;
+    }
+    for m in &spec.mounts {
+        if !m.source.is_dir() {
+            return Err(Error::unsupported(
+                TIER,
+                "mounting a single file (mount a directory)",
+            ));
+        }
+        let t = m.target.trim_end_matches('/');
+        let reserved = ["/usr/local/lib", "/tmp", WORKSPACE_MOUNT];
+        if reserved
+            .iter()
+            .any(|r| t == *r || t.starts_with(&format!("{r}/")) || r.starts_with(&format!("{t}/")))
+        {
+            return Err(Error::invalid(
+                "mounts",
+                format!("target `{}` overlaps a reserved path", m.target),
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl WasmSandbox {
+    pub(crate) async fn create(
+        cfg: SandboxConfig,
+        spec: &SandboxSpec,
+        secrets: ResolvedSecrets,
+    ) -> Result<WasmSandbox> {
+        check_spec(spec)?;
+        let mut t = TimelineRecorder::start();
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let flavor = Flavor::for_fuel(spec.limits.fuel);
+        engine::engine(flavor)?;
+        t.mark(Phase::Allocation);
+        let scratch = Scratch::new()?;
+        let (workspace, workspace_writable) = match &spec.workspace {
+            Workspace::Empty => (scratch.workspace(), true),
+            Workspace::HostDir { path, read_only } => (
+                path.canonicalize()
+                    .map_err(|e| Error::io_path("open workspace", path, e))?,
+                !read_only,
+            ),
+        };
+        let mounts = spec
+            .mounts
+            .iter()
+            .map(|m| python::grant(&m.source, &m.target, !m.read_only))
+            .collect();
+        let mut env = spec.base_env();
+        for (k, v) in secrets.env() {
+            env.insert(k.to_string(), v.to_string());
+        }
+        let tools = (!cfg.tools.is_empty()).then(|| {
+            Arc::new(ToolBox {
+                tools: cfg.tools.clone(),
+                sandbox_id: id.clone(),
+                secrets: secrets.clone(),
+            })
+        });
+        t.mark(Phase::Filesystem);
+        let mut sb = WasmSandbox {
+            id,
+            spec: spec.clone(),
+            timeline: Timeline::default(),
+            scratch,
+            workspace,
+            workspace_writable,
+            mounts,
+            env,
+            redactor: secrets.redactor(),
+            tools,
+            cfg,
+            flavor,
+            born: Instant::now(),
+            gone: AtomicBool::new(false),
+            state: tokio::sync::Mutex::new(LangState::Wasm),
+        };
+        let mut extra = Vec::new();
+        let state = match spec.language {
+            Language::Python => {
+                let started = Instant::now();
+                let (s, loaded) = sb.start_python().await?;
+                extra.push(PhaseTiming {
+                    phase: Phase::Dependencies,
+                    micros: micros(loaded - started),
+                });
+                extra.push(PhaseTiming {
+                    phase: Phase::Runtime,
+                    micros: micros(loaded.elapsed()),
+                });
+                LangState::Python(Some(s))
+            }
+            Language::Javascript => {
+                let s = JsSession::new(
+                    spec.limits.memory_bytes,
+                    spec.limits.output_bytes,
+                    sb.tools.clone(),
+                )?;
+                t.mark(Phase::Runtime);
+                LangState::Js(Some(s))
+            }
+            _ => LangState::Wasm,
+        };
+        sb.state = tokio::sync::Mutex::new(state);
+        sb.timeline = t.finish();
+        sb.timeline.phases.extend(extra);
+        Ok(sb)
+    }
+
+    fn grants(&self) -> Vec<Preopen> {
+        let mut g = vec![python::grant(
+            &self.workspace,
+            WORKSPACE_MOUNT,
+            self.workspace_writable,
+        )];
+        g.extend(self.mounts.iter().cloned());
+        g
+    }
+
+    /// Starts an interpreter; also returns when the shared runtime was ready.
+    async fn start_python(&self) -> Result<(Session, Instant)> {
+        let src = self.cfg.python.clone();
+        let flavor = self.flavor;
+        let setup = SessionSetup {
+            flavor,
+            env: self.env.clone(),
+            scratch: Arc::clone(&self.scratch),
+            home_name: format!(".home-{}", &self.id[..16]),
+            grants: self.grants(),
+            memory_cap: self.spec.limits.memory_bytes,
+            output_cap: self.spec.limits.output_bytes,
+            open_files: self.spec.limits.open_files,
+            tools: self.tools.clone(),
+        };
+        engine::on_guest_thread(move || {
+            let rt = python::runtime(&src, flavor)?;
+            let loaded = Instant::now();
+            Session::start(&rt, setup).map(|s| (s, loaded))
+        })
+        .await?
+    }
+
+    fn alive(&self) -> Result<()> {
+        if self.gone.load(Ordering::SeqCst) {
+            return Err(Error::SandboxGone {
+                id: self.id.clone(),
+                reason: "destroyed".into(),
+            });
+        }
+        if self.born.elapsed() > self.spec.limits.lifetime() {
+            self.gone.store(true, Ordering::SeqCst);
+            return Err(Error::SandboxGone {
+                id: self.id.clone(),
+                reason: "lifetime limit reached".into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn limits(&self, req: &ExecRequest) -> CallLimits {
+        let left = self
+            .spec
+            .limits
+            .lifetime()
+            .saturating_sub(self.born.elapsed());
+        CallLimits {
+            wall: req
+                .effective_timeout(self.spec.limits.wall_time())
+                .min(left)
+                .max(Duration::from_millis(1)),
+            cpu: Duration::from_millis(self.spec.limits.cpu_time_ms),
+            fuel: self.spec.limits.fuel,
+        }
+    }
+
+    fn host_path(&self, path: &str) -> Result<PathBuf> {
+        WorkspacePath::parse(path)?.resolve_under(&self.workspace)
+    }
+
+    fn finish(&self, raw: Raw, t: TimelineRecorder) -> ExecResult {
+        let Raw {
+            exit_code,
+            limit,
+            out,
+            err,
+            note,
+            value,
+        } = raw;
+        let truncated = out.truncated() || err.truncated();
+        let mut stderr = err.finish(&self.redactor);
+        if let Some(n) = note {
+            stderr.extend_from_slice(format!("[agent-sandbox] {n}\n").as_bytes());
+        }
+        let value = value.map(|v| {
+            if self.redactor.is_empty() {
+                v
+            } else {
+                String::from_utf8_lossy(&self.redactor.redact(v.as_bytes())).into_owned()
+            }
+        });
+        ExecResult {
+            exit_code,
+            stdout: out.finish(&self.redactor),
+            stderr,
+            limit,
+            truncated,
+            value,
+            timeline: t.finish(),
+        }
+    }
+
+    async fn exec_module(
+        &self,
+        argv: Vec<String>,
+        req: &ExecRequest,
+        mut t: TimelineRecorder,
+    ) -> Result<ExecResult> {
+        let cap = self.spec.limits.output_bytes;
+        let program = &argv[0];
+        if !program.ends_with(".wasm") {
+            return Err(Error::unsupported(
+                TIER,
+                format!("running `{program}`: argv[0] must name a .wasm module in the workspace"),
+            ));
+        }
+        let path = self.host_path(program)?;
+        let bytes = match tokio::fs::read(&path).await {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let mut err = OutputBuffer::new(cap);
+                err.push(format!("{program}: no such module in the workspace\n").as_bytes());
+                return Ok(self.finish(
+                    Raw {
+                        exit_code: Some(127),
+                        limit: None,
+                        out: OutputBuffer::new(cap),
+                        err,
+                        note: None,
+                        value: None,
+                    },
+                    t,
+                ));
+            }
+            Err(e) => return Err(Error::io_path("read", &path, e)),
+        };
+        t.mark(Phase::Filesystem);
+        self.run_module(bytes, argv, req, t).await
+    }
+
+    async fn run_module(
+        &self,
+        bytes: Vec<u8>,
+        argv: Vec<String>,
+        req: &ExecRequest,
+        mut t: TimelineRecorder,
+    ) -> Result<ExecResult> {
+        let cwd = match &req.cwd {
+            Some(c) => self.host_path(c)?,
+            None => self.workspace.clone(),
+        };
+        let mut preopens = self.grants();
+        preopens.push(Preopen {
+            host: cwd,
+            guest: ".".into(),
+            writable: self.workspace_writable,
+        });
+        let mut env = self.env.clone();
+        env.extend(req.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+        let run = ModuleRun {
+            flavor: self.flavor,
+            bytes,
+            argv,
+            env: env.into_iter().collect(),
+            preopens,
+            stdin: req.stdin.clone().unwrap_or_default(),
+            output_cap: self.spec.limits.output_bytes,
+            memory_cap: self.spec.limits.memory_bytes,
+            open_files: self.spec.limits.open_files,
+            tools: self.tools.clone(),
+            limits: self.limits(req),
+            scratch: Arc::clone(&self.scratch),
+        };
+        let o = engine::on_guest_thread(move || module::run(run)).await??;
+        t.mark(Phase::Command);
+        Ok(self.finish(
+            Raw {
+                exit_code: o.exit_code,
+                limit: o.limit,
+                out: o.stdout,
+                err: o.stderr,
+                note: o.note,
+                value: None,
+            },
+            t,
+        ))
+    }
+
+    async fn exec_python(
+        &self,
+        code: String,
+        req: &ExecRequest,
+        mut t: TimelineRecorder,
+    ) -> Result<ExecResult> {
+        let cwd = match &req.cwd {
+            Some(c) => WorkspacePath::parse(c)?.in_sandbox(),
+            None => WORKSPACE_MOUNT.to_string(),
+        };
+        let mut guard = self.state.lock().await;
+        let LangState::Python(slot) = &mut *guard else {
+            return Err(Error::backend(TIER, "not a Python sandbox"));
+        };
+        let sess = match slot.take() {
+            Some(s) => s,
+            None => {
+                let (s, _) = self.start_python().await?;
+                t.mark(Phase::Runtime);
+                s
+            }
+        };
+        let limits = self.limits(req);
+        let cap = self.spec.limits.output_bytes;
+        let env = req.env.clone();
+        let stdin = req.stdin.clone().unwrap_or_default();
+        let (sess, r, out, err) = engine::on_guest_thread(move || {
+            let mut sess = sess;
+            let pre = |sess: &mut Session,
+                       code: String|
+             -> Option<(python::TurnResult, OutputBuffer, OutputBuffer)> {
+                let r = sess.turn(&code, &[], limits, cap);
+                let (o, e) = sess.take_output(cap);
+                if r.exit_code == Some(0) && r.alive {
+                    None
+                } else {
+                    Some((r, o, e))
+                }
+            };
+            if sess.cwd != cwd {
+                if let Some(fail) = pre(&mut sess, python::chdir(&cwd)) {
+                    return (Some(sess).filter(|_| fail.0.alive), fail.0, fail.1, fail.2);
+                }
+                sess.cwd = cwd.clone();
+            }
+            if !env.is_empty() {
+                if let Some(fail) = pre(&mut sess, python::env_apply(&env)) {
+                    return (Some(sess).filter(|_| fail.0.alive), fail.0, fail.1, fail.2);
+                }
+            }
+            let r = sess.turn(&code, &stdin, limits, cap);
+            let (o, e) = sess.take_output(cap);
+            if r.alive && !env.is_empty() {
+                let restore = python::env_restore(&env, &sess.base_env);
+                let _ = sess.turn(&restore, &[], limits, cap);
+                let _ = sess.take_output(cap);
+            }
+            let alive = r.alive;
+            (Some(sess).filter(|_| alive), r, o, e)
+        })
+        .await?;
+        *slot = sess;
+        drop(guard);
+        t.mark(Phase::Command);
+        Ok(self.finish(
+            Raw {
+                exit_code: r.exit_code,
+                limit: r.limit,
+                out,
+                err,
+                note: r.note,
+                value: r.value,
+            },
+            t,
+        ))
+    }
+
+    async fn exec_js(
+        &self,
+        code: String,
+        req: &ExecRequest,
+        mut t: TimelineRecorder,
+    ) -> Result<ExecResult> {
+        let mut guard = self.state.lock().await;
+        let LangState::Js(slot) = &mut *guard else {
+            return Err(Error::backend(TIER, "not a JavaScript sandbox"));
+        };
+        let sess = match slot.take() {
+            Some(s) => s,
+            None => {
+                let s = JsSession::new(
+                    self.spec.limits.memory_bytes,
+                    self.spec.limits.output_bytes,
+                    self.tools.clone(),
+                )?;
+                t.mark(Phase::Runtime);
+                s
+            }
+        };
+        let limits = self.limits(req);
+        let cap = self.spec.limits.output_bytes;
+        let (sess, o) = engine::on_guest_thread(move || {
+            let mut sess = sess;
+            let o = sess.eval(&code, limits.wall, limits.cpu, cap);
+            (sess, o)
+        })
+        .await?;
+        if !o.reset {
+            *slot = Some(sess);
+        }
+        drop(guard);
+        t.mark(Phase::Command);
+        Ok(self.finish(
+            Raw {
+                exit_code: o.exit_code,
+                limit: o.limit,
+                out: o.stdout,
+                err: o.stderr,
+                note: o.note,
+                value: o.value,
+            },
+            t,
+        ))
+    }
+
+    /// Packs the workspace into a snapshot draft.
+    fn snapshot_draft(&self) -> Result<SnapshotDraft> {
+        let tar = fsnap::pack_dir(&self.workspace)?;
+        Ok(SnapshotDraft::new(
+            TIER,
+            ENGINE_NAME,
+            vec![SnapshotKind::Filesystem],
+            self.spec.clone(),
+        )
+        .artifact("workspace.tar", tar)
+        .meta("format", SNAPSHOT_FORMAT)
+        .meta("sandbox_id", self.id.clone())
+        .meta(
+            "state",
+            "workspace files only; interpreter state (Python/JavaScript variables) is not captured",
+        ))
+    }
+
+    /// The workspace folder on the host.
+    pub fn workspace_dir(&self) -> &Path {
+        &self.workspace
+    }
+
+    /// Unpacks a workspace archive into this (fresh, empty) sandbox.
+    pub(crate) fn unpack(&self, tar: &[u8]) -> Result<()> {
+        fsnap::unpack_into(tar, &self.workspace)
+    }
+}
+
+#[async_trait]
+impl Sandbox for WasmSandbox {
+    fn id(&self) -> &str {
+        &self.id
+    }
+
+    fn tier(&self) -> Tier {
+        TIER
+    }
+
+    fn spec(&self) -> &SandboxSpec {
+        &self.spec
+    }
+
+    fn timeline(&self) -> &Timeline {
+        &self.timeline
+    }
+
+    async fn exec(&self, req: ExecRequest) -> Result<ExecResult> {
+        self.alive()?;
+        req.validate()?;
+        let t = TimelineRecorder::start();
+        match req.command.clone() {
+            Command::Argv(argv) => self.exec_module(argv, &req, t).await,
+            Command::Code(code) => match self.spec.language {
+                Language::Python => self.exec_python(code, &req, t).await,
+                Language::Javascript => self.exec_js(code, &req, t).await,
+                _ => {
+                    self.run_module(code.into_bytes(), vec!["main.wasm".into()], &req, t)
+                        .await
+                }
+            },
+        }
+    }
+
+    async fn write_file(&self, path: &str, data: &[u8]) -> Result<()> {
+        self.alive()?;
+        let p = self.host_path(path)?;
+        if let Some(parent) = p.parent() {
+            tokio::fs::create_dir_all(parent)
+                .await
+                .map_err(|e| Error::io_path("create", parent, e))?;
+        }
+        let p = self.host_path(path)?;
+        tokio::fs::write(&p, data)
+            .await
+            .map_err(|e| Error::io_path("write", &p, e))
+    }
+
+    async fn read_file(&self, path: &str) -> Result<Vec<u8>> {
+        self.alive()?;
+        let p = self.host_path(path)?;
+        match tokio::fs::read(&p).await {
+            Ok(d) => Ok(d),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Err(Error::NotFound { path: path.into() })
+            }
+            Err(e) => Err(Error::io_path("read", &p, e)),
+        }
+    }
+
+    async fn list(&self, path: &str) -> Result<Vec<DirEntry>> {
+        self.alive()?;
+        list_dir(&self.host_path(path)?, path)
+    }
+
+    async fn snapshot(&self, store: &dyn SnapshotStore) -> Result<SnapshotId> {
+        self.alive()?;
+        let draft = self.snapshot_draft()?;
+        Ok(store.put(draft).await?)
+    }
+
+    async fn health_check(&self) -> Result<()> {
+        self.alive()?;
+        if self.workspace.is_dir() {
+            Ok(())
+        } else {
+            Err(Error::SandboxGone {
+                id: self.id.clone(),
+                reason: "workspace vanished".into(),
+            })
+        }
+    }
+
+    async fn destroy(&self) -> Result<()> {
+        if !self.gone.swap(true, Ordering::SeqCst) {
+            if let Ok(mut g) = self.state.try_lock() {
+                *g = LangState::Wasm;
+            }
+            // Only our private folders are emptied; a host workspace folder is the caller's.
+            let mut dirs = vec![self.scratch.tmp()];
+            if matches!(self.spec.workspace, Workspace::Empty) {
+                dirs.push(self.scratch.workspace());
+            }
+            for d in dirs {
+                if let Ok(rd) = std::fs::read_dir(&d) {
+                    for e in rd.flatten() {
+                        let p = e.path();
+                        let _ = if p.is_dir() && !p.is_symlink() {
+                            std::fs::remove_dir_all(&p)
+                        } else {
+                            std::fs::remove_file(&p)
+                        };
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn list_dir(dir: &Path, shown: &str) -> Result<Vec<DirEntry>> {
+    let rd = match std::fs::read_dir(dir) {
+        Ok(rd) => rd,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(Error::NotFound { path: shown.into() })
+        }
+        Err(e) => return Err(Error::io_path("list", dir, e)),
+    };
+    let mut out = Vec::new();
+    for e in rd {
+        let e = e.map_err(|e| Error::io_path("list", dir, e))?;
+        let md = e
+            .path()
+            .symlink_metadata()
+            .map_err(|err| Error::io_path("stat", e.path(), err))?;
+        let ft = md.file_type();
+        let kind = if ft.is_symlink() {
+            EntryKind::Symlink
+        } else if ft.is_dir() {
+            EntryKind::Dir
+        } else if ft.is_file() {
+            EntryKind::File
+        } else {
+            EntryKind::Other
+        };
+        out.push(DirEntry {
+            name: e.file_name().to_string_lossy().into_owned(),
+            kind,
+            size: md.len(),
+        });
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
