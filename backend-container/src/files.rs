@@ -275,12 +275,27 @@ pub(crate) fn list(ws: RawFd, path: &str) -> Result<Vec<DirEntry>> {
     Ok(out)
 }
 
+/// The xattr overlayfs (mounted with `userxattr`) marks an opaque upper directory with.
+const OPAQUE_XATTR: &str = "user.overlay.opaque";
+/// The same, as a PAX record of the snapshot archive.
+const OPAQUE_PAX: &str = "SCHILY.xattr.user.overlay.opaque";
+
 /// Packs the workspace (fd) into a tar archive, one `O_NOFOLLOW` name at a time.
 pub(crate) fn pack(ws: RawFd) -> Result<Vec<u8>> {
+    pack_tree(ws, false)
+}
+
+/// Packs an overlay upper layer (fd): like [`pack`], plus whiteouts (0/0 character devices:
+/// files deleted from the lower layer) and opaque directories (`user.overlay.opaque`).
+pub(crate) fn pack_upper(upper: RawFd) -> Result<Vec<u8>> {
+    pack_tree(upper, true)
+}
+
+fn pack_tree(ws: RawFd, overlay: bool) -> Result<Vec<u8>> {
     let root = open_beneath(ws, Path::new("."), libc::O_RDONLY | libc::O_DIRECTORY, 0)
         .map_err(|e| Error::io("open workspace", e))?;
     let mut b = tar::Builder::new(Vec::new());
-    pack_dir(&mut b, &root, Path::new(""), 0)?;
+    pack_dir(&mut b, &root, Path::new(""), 0, overlay)?;
     b.into_inner()
         .map_err(|e| Error::io("finish snapshot archive", e))
 }
@@ -296,7 +311,22 @@ fn header(st: &libc::stat, kind: tar::EntryType, size: u64) -> tar::Header {
     h
 }
 
-fn pack_dir(b: &mut tar::Builder<Vec<u8>>, dir: &OwnedFd, prefix: &Path, depth: u32) -> Result<()> {
+fn is_opaque(dir: RawFd) -> bool {
+    let mut v = [0u8; 4];
+    let name = c"user.overlay.opaque";
+    debug_assert_eq!(name.to_bytes(), OPAQUE_XATTR.as_bytes());
+    // SAFETY: fgetxattr into a local buffer of the stated size.
+    let n = unsafe { libc::fgetxattr(dir, name.as_ptr(), v.as_mut_ptr().cast(), v.len()) };
+    n == 1 && v[0] == b'y'
+}
+
+fn pack_dir(
+    b: &mut tar::Builder<Vec<u8>>,
+    dir: &OwnedFd,
+    prefix: &Path,
+    depth: u32,
+    overlay: bool,
+) -> Result<()> {
     if depth > 256 {
         return Err(Error::invalid(
             "workspace",
@@ -314,8 +344,6 @@ fn pack_dir(b: &mut tar::Builder<Vec<u8>>, dir: &OwnedFd, prefix: &Path, depth: 
         let io = |e| Error::io(format!("snapshot /workspace/{}", rel.display()), e);
         match st.st_mode & libc::S_IFMT {
             libc::S_IFDIR => {
-                let mut h = header(&st, tar::EntryType::Directory, 0);
-                b.append_data(&mut h, &rel, std::io::empty()).map_err(io)?;
                 // SAFETY: openat of one name relative to our dir fd, refusing symlinks.
                 let fd = unsafe {
                     libc::openat(
@@ -329,7 +357,20 @@ fn pack_dir(b: &mut tar::Builder<Vec<u8>>, dir: &OwnedFd, prefix: &Path, depth: 
                 }
                 // SAFETY: we own the new fd.
                 let sub = unsafe { OwnedFd::from_raw_fd(fd) };
-                pack_dir(b, &sub, &rel, depth + 1)?;
+                if overlay && is_opaque(sub.as_raw_fd()) {
+                    b.append_pax_extensions([(OPAQUE_PAX, &b"y"[..])])
+                        .map_err(io)?;
+                }
+                let mut h = header(&st, tar::EntryType::Directory, 0);
+                b.append_data(&mut h, &rel, std::io::empty()).map_err(io)?;
+                pack_dir(b, &sub, &rel, depth + 1, overlay)?;
+            }
+            libc::S_IFCHR if overlay && st.st_rdev == 0 => {
+                // A whiteout: the name was deleted from the lower layer.
+                let mut h = header(&st, tar::EntryType::Char, 0);
+                h.set_device_major(0).map_err(io)?;
+                h.set_device_minor(0).map_err(io)?;
+                b.append_data(&mut h, &rel, std::io::empty()).map_err(io)?;
             }
             libc::S_IFREG => {
                 // SAFETY: as above, for a regular file; O_NONBLOCK so a swapped-in FIFO cannot hang us.
@@ -384,6 +425,16 @@ fn pack_dir(b: &mut tar::Builder<Vec<u8>>, dir: &OwnedFd, prefix: &Path, depth: 
 /// Unpacks an archive made by [`pack`] into an empty workspace (fd), refusing any entry
 /// that would leave it, and any device/FIFO entry.
 pub(crate) fn unpack(ws: RawFd, archive: &[u8], owner: Option<Owner>) -> Result<()> {
+    unpack_tree(ws, archive, owner, false)
+}
+
+/// Unpacks an archive made by [`pack_upper`] into an empty, not yet mounted overlay upper
+/// layer (fd): also whiteouts and opaque directories.
+pub(crate) fn unpack_upper(upper: RawFd, archive: &[u8], owner: Option<Owner>) -> Result<()> {
+    unpack_tree(upper, archive, owner, true)
+}
+
+fn unpack_tree(ws: RawFd, archive: &[u8], owner: Option<Owner>, overlay: bool) -> Result<()> {
     let mut a = tar::Archive::new(archive);
     let entries = a
         .entries()
@@ -407,7 +458,33 @@ pub(crate) fn unpack(ws: RawFd, archive: &[u8], owner: Option<Owner>) -> Result<
         let dir = mkdirs(ws, parent, owner, &shown)?;
         let mode = entry.header().mode().unwrap_or(0o644) & 0o1777;
         let kind = entry.header().entry_type();
-        if kind.is_dir() {
+        let opaque = overlay
+            && entry.pax_extensions().ok().flatten().is_some_and(|mut x| {
+                x.any(|e| e.is_ok_and(|e| e.key_bytes() == OPAQUE_PAX.as_bytes()))
+            });
+        let whiteout = overlay
+            && kind.is_character_special()
+            && entry.header().device_major().ok().flatten() == Some(0)
+            && entry.header().device_minor().ok().flatten() == Some(0);
+        if whiteout {
+            // SAFETY: mknodat of a 0/0 character device (a whiteout, allowed without
+            // CAP_MKNOD) relative to our dir fd.
+            if unsafe { libc::mknodat(dir.as_raw_fd(), name.as_ptr(), libc::S_IFCHR, 0) } < 0 {
+                return Err(map_err(last_err(), &shown, "create whiteout"));
+            }
+            if let Some(o) = owner {
+                // SAFETY: fchownat on the new node itself.
+                unsafe {
+                    libc::fchownat(
+                        dir.as_raw_fd(),
+                        name.as_ptr(),
+                        o.uid,
+                        o.gid,
+                        libc::AT_SYMLINK_NOFOLLOW,
+                    )
+                };
+            }
+        } else if kind.is_dir() {
             // SAFETY: mkdirat relative to our dir fd.
             if unsafe { libc::mkdirat(dir.as_raw_fd(), name.as_ptr(), mode) } < 0
                 && last_err().raw_os_error() != Some(libc::EEXIST)
@@ -422,6 +499,21 @@ pub(crate) fn unpack(ws: RawFd, archive: &[u8], owner: Option<Owner>) -> Result<
             )
             .map_err(|e| map_err(e, &shown, "open"))?;
             fchown(d.as_raw_fd(), owner).map_err(|e| map_err(e, &shown, "chown"))?;
+            if opaque {
+                // SAFETY: fsetxattr on our dir fd with a live 1-byte value.
+                let r = unsafe {
+                    libc::fsetxattr(
+                        d.as_raw_fd(),
+                        c"user.overlay.opaque".as_ptr(),
+                        b"y".as_ptr().cast(),
+                        1,
+                        0,
+                    )
+                };
+                if r < 0 {
+                    return Err(map_err(last_err(), &shown, "mark opaque"));
+                }
+            }
         } else if kind.is_file() {
             // SAFETY: openat of one new name relative to our dir fd (O_EXCL: never an existing link).
             let fd = unsafe {

@@ -24,11 +24,13 @@
 //!  library process (tokio)                       the init (static, from a sealed memfd)
 //!  ───────────────────────                       ──────────────────────────────────────
 //!  create: posix_spawn(init, stdin = socket) ───▶ A: unshare(USER) ── BOOT ─┐
-//!          (meanwhile: mkdir cgroups)             │                         │
+//!          (meanwhile: mkdir cgroups, then move   │  unshare(NS|UTS|IPC|NET|PID)
+//!           A into them by pid)                   │                         │
 //!          write uid_map/gid_map  ◀───────────────┼─────────────────────────┘
-//!          MAPS ───────────────────────────────▶ A: setresuid(0), unshare(NS|UTS|IPC|NET|PID)
-//!          CGROUPS (+ fds of their tasks files) ▶ A: writes "0" to each (joins them),
-//!                                                    clone(CLONE_PARENT) → B = pid 1, A exits
+//!          (rootfs dir: open_tree + idmap)        │
+//!          MAPS ───────────────────────────────▶ A: setresuid(0)
+//!          CGROUPS (+ fds of any it could not   ▶ A: writes "0" to those (joins them),
+//!           move A into)                             clone(CLONE_PARENT) → B = pid 1, A exits
 //!          SETUP, SEAL (queued) ───────────────▶ B: mounts, pivot_root, hostname, lo up,
 //!                                                    Landlock; unshare(CGROUP), seccomp
 //!          network hook (netns of B)
@@ -42,7 +44,9 @@
 //! **The init is a separate, embedded program** (`init/main.rs`, std only, compiled by
 //! `build.rs` with the same `rustc`, statically linked and non-PIE when possible, ~1.3 MB).
 //! The library writes it once per process into a sealed memfd; every sandbox starts it from
-//! there with `std::process::Command` (glibc's `posix_spawn`: a vfork-style spawn).
+//! there with `std::process::Command` (glibc's `posix_spawn`: a vfork-style spawn). The init
+//! reports a compile-time hash of its sources at start-up, and the library refuses an init
+//! built from other sources (a stale build-script output) with a clear error.
 //! **The library never forks itself**, for two reasons:
 //! 1. *Safety*: the library runs inside multi-threaded tokio programs. After `fork` only
 //!    async-signal-safe calls are allowed (no malloc, no locks), which rules out building a
@@ -56,7 +60,10 @@
 //!    C `main` (`#![no_main]`): std's runtime start-up would parse `/proc/self/maps`.
 //!
 //! The namespaces are created from inside the init: the user namespace first (the library
-//! then writes its id maps, which needs privileges over the parent namespace), then the rest;
+//! then writes its id maps, which needs privileges over the parent namespace), then the rest,
+//! right away (they need only the capabilities the init holds in its new user namespace, so
+//! their cost, ~1 ms with the network namespace, overlaps the library's map writing and the
+//! cgroup job, which moves the first process into the sandbox's cgroups meanwhile);
 //! a new pid namespace applies to children, so the init clones pid 1 with `CLONE_PARENT`,
 //! keeping it a direct child of the library (which waits for it on destroy). The cgroup
 //! namespace is created last, once pid 1 sits in the sandbox's cgroups, so it is rooted there.
@@ -86,7 +93,8 @@
 //! (an unprivileged host uid), commands run as `sandbox` (uid 1000 inside) with no
 //! capabilities. **Rootless**, only the caller's uid can be mapped: it becomes uid 0 inside and
 //! commands run as that uid with every capability dropped, the bounding set emptied and
-//! `SECBIT_NOROOT` locked, so exec cannot regain any.
+//! `SECBIT_NOROOT` locked, so exec cannot regain any. With a rootfs directory, commands run
+//! as uid 0 inside in both modes (see below).
 //!
 //! ## Root filesystem ("host tools" view)
 //!
@@ -122,8 +130,41 @@
 //! own host root's files): it is writable only if its mode allows it. Rootless, the caller's
 //! own directories are writable. (Idmapped mounts would lift the root-owned case; not done.)
 //!
-//! Rootfs-directory mode (a Debian tree or an unpacked OCI image with an overlay upper layer)
-//! is **not implemented yet**; [`RootfsMode`] has only [`RootfsMode::HostTools`].
+//! ## Root filesystem from a directory ([`SandboxSpec::rootfs`])
+//!
+//! A root filesystem directory (a Debian tree made with `debootstrap`, an unpacked OCI image)
+//! replaces the host-tools view. It is the **lower layer of an overlay** and is never
+//! written: the upper and work directories live on a tmpfs of the sandbox's own (capped at
+//! `limits.disk_bytes`, charged to its memory cgroup), so changes vanish with the sandbox
+//! unless snapshotted. `/proc`, `/dev`, `/tmp`, `/workspace`, the spec's mounts, hostname,
+//! loopback, rlimits, cgroups, seccomp and Landlock are the same as in the host-tools view;
+//! the image keeps its own `/etc` except `hosts`, `hostname` and `resolv.conf`, which are
+//! written (into the upper layer) for the sandbox. Nothing of the host's `/usr` is visible.
+//!
+//! - **Ownership.** As root, the library clones the directory's mount with `open_tree`
+//!   (not recursive: submounts stay out) and **idmaps** it through the sandbox's user
+//!   namespace (`mount_setattr(MOUNT_ATTR_IDMAP)`), then hands the detached mount to the
+//!   init, which `move_mount`s it into place: a file owned by host uid N appears owned by N
+//!   inside (host root's files belong to the sandbox's root, not `nobody`), nothing on disk
+//!   changes, and copy-up keeps owners. Rootless (no idmapping without host privileges), the
+//!   directory is bound as it is: the caller's files look root-owned, other owners' files
+//!   look like `nobody` and cannot be copied up (modified). A filesystem without idmapped
+//!   mount support falls back to the same (with a warning).
+//! - **Identity.** Commands run as the image's root (uid 0 inside, like `docker run`), with
+//!   every capability dropped, the bounding set empty and `SECBIT_NOROOT` locked (as in
+//!   rootless mode); uid 0 inside is an unprivileged host uid of the sandbox's range. A
+//!   host-directory workspace is therefore not mapped to its owner in this mode.
+//! - **Writes.** Landlock grants writes beneath `/workspace`, `/tmp` and the image's
+//!   top-level directories (`/etc`, `/usr`, `/var`, `/root`, `/opt`...; not `/proc`, `/dev`,
+//!   `/sys`); new entries directly in `/` are refused.
+//! - **No host paths in `/proc/mounts`.** The init mounts the overlay from its scratch root
+//!   with *relative* layer paths (`lowerdir=lower,upperdir=ovl/upper,workdir=ovl/work`); the
+//!   layers' own mounts are detached with the scratch root after `pivot_root`. The init keeps
+//!   the upper directory open (fd 10, close-on-exec) so the library can reach it through
+//!   `/proc/<init>/fd/10`.
+//!
+//! [`RootfsMode`] is the backend-wide default view ([`RootfsMode::HostTools`]); a spec's
+//! `rootfs` overrides it for that sandbox.
 //!
 //! ## Resource limits
 //!
@@ -190,8 +231,13 @@
 //! `/proc/<init>/root`) with `openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)`: `..` and
 //! symlinks leaving the workspace fail with `PathEscape`. Snapshots pack the workspace into a
 //! tar (one `O_NOFOLLOW` name at a time, the sandbox frozen meanwhile when a freezer exists)
-//! and restore unpacks it into a new sandbox's empty workspace. Only the filesystem is
-//! captured: CRIU cannot checkpoint processes on this kernel.
+//! and restore unpacks it into a new sandbox's empty workspace. With a rootfs directory the
+//! snapshot also packs the overlay's **upper layer** (`upper.tar`: the changes made to the
+//! root, with whiteouts of deleted files as 0/0 character devices and opaque directories as a
+//! PAX `user.overlay.opaque` record); restore unpacks it into the new sandbox's empty upper
+//! layer *before* the overlay is mounted (the setup is split in two for that), as the
+//! sandbox's root (owners inside are not preserved). The directory itself must still exist.
+//! Only the filesystem is captured: CRIU cannot checkpoint processes on this kernel.
 //!
 //! ## What is *not* isolated
 //!
@@ -243,6 +289,7 @@ use crate::spawn::IdMap;
 #[non_exhaustive]
 pub enum RootfsMode {
     /// The host's `/usr` and a few `/etc` files, read-only (like bubblewrap's usual setup).
+    /// A spec's [`rootfs`](SandboxSpec::rootfs) directory overrides it for that sandbox.
     #[default]
     HostTools,
 }
@@ -469,12 +516,6 @@ impl ContainerBackend {
                 "network policies other than deny-all (the egress enforcer is not plugged in)",
             ));
         }
-        if spec.rootfs.is_some() {
-            return Err(Error::unsupported(
-                TIER,
-                "a rootfs directory (this version builds the host-tools view only)",
-            ));
-        }
         rootfs::check_mounts(spec)?;
         if self.cfg.require_cgroups {
             self.cgroups_usable().map_err(|reason| Error::Unavailable {
@@ -499,6 +540,17 @@ impl ContainerBackend {
         spec: &SandboxSpec,
         secrets: ResolvedSecrets,
     ) -> Result<ContainerSandbox> {
+        self.create_inner(spec, secrets, None).await
+    }
+
+    /// Creates a sandbox; `upper` (a snapshot's `upper.tar`, rootfs-directory mode) is
+    /// unpacked into the overlay's upper layer before the overlay is mounted.
+    async fn create_inner(
+        &self,
+        spec: &SandboxSpec,
+        secrets: ResolvedSecrets,
+        upper: Option<&[u8]>,
+    ) -> Result<ContainerSandbox> {
         self.check_spec(spec)?;
         let mut t = TimelineRecorder::start();
         let id = uuid::Uuid::new_v4().simple().to_string();
@@ -519,10 +571,19 @@ impl ContainerBackend {
                 host_root_gid: base,
                 count: 65536,
                 rootless: false,
-                user_override: self.workspace_owner(spec),
+                // Rootfs mode runs commands as root inside: a host-directory workspace is
+                // not mapped to its owner then.
+                user_override: if spec.rootfs.is_some() {
+                    None
+                } else {
+                    self.workspace_owner(spec)
+                },
             }
         };
-        let user = if rootless { 0 } else { spawn::SANDBOX_USER };
+        // A rootfs directory is an image: commands run as its root (uid 0 inside, with no
+        // capabilities, like rootless mode), which owns its files through the idmapping.
+        let stay_root = rootless || spec.rootfs.is_some();
+        let user = if stay_root { 0 } else { spawn::SANDBOX_USER };
         // The plan and the seal are ready before the init starts: both are queued behind the
         // bootstrap, and the init runs them in order, stopping at the first failure.
         let resolv = self
@@ -543,18 +604,42 @@ impl ContainerBackend {
             } else {
                 None
             },
-            host: self.host_ops.get_or_init(rootfs::host_ops),
+            host: if spec.rootfs.is_some() {
+                &[]
+            } else {
+                self.host_ops.get_or_init(rootfs::host_ops)
+            },
         })?;
-        let mut setup = proto::Enc::default();
-        setup.ops(&ops);
-        let mut seal = proto::Enc::default();
-        seal.ops(&rootfs::seal_ops(
+        let enc = |ops: &[proto::Op]| {
+            let mut e = proto::Enc::default();
+            e.ops(ops);
+            e.0
+        };
+        let seal = enc(&rootfs::seal_ops(
             self.cfg.seccomp.then_some(self.bpf.as_slice()),
         ));
+        // Queued behind the bootstrap: everything, or (restoring an upper layer) only the
+        // preparation; the rest follows once the upper layer is filled.
+        let (queued, later): (Vec<Vec<u8>>, Vec<Vec<u8>>) = match upper {
+            Some(_) if spec.rootfs.is_some() => (vec![enc(&ops.prep)], vec![enc(&ops.main), seal]),
+            _ => (vec![enc(&ops.all()), seal], Vec::new()),
+        };
+        let lower = match (&spec.rootfs, rootless) {
+            (Some(r), false) => Some(
+                r.canonicalize()
+                    .map_err(|e| Error::io_path("resolve the rootfs directory", r, e))?,
+            ),
+            _ => None,
+        };
 
         // The cgroups are made in parallel with the init's start-up (a v1 memory cgroup mkdir
-        // alone is ~0.3 ms); the first init process joins them itself before it clones pid 1
-        // (see `spawn::spawn_init`), which inherits them.
+        // alone is ~0.3 ms); as soon as the first init process exists this job moves it into
+        // them, while it is still creating its namespaces: a v1 migration waits for an RCU
+        // grace period (`cgroup_threadgroup_rwsem`), ~0.1-2 ms depending on the host's load,
+        // which is then off the critical path. The init clones pid 1 only after that (see
+        // `spawn::spawn_init`), so pid 1 inherits them. If a move is refused, the init joins
+        // that cgroup itself through the file we opened (writing `0`).
+        let (pid_tx, pid_rx) = std::sync::mpsc::channel::<u32>();
         let cg_job = {
             let host = self.host.clone();
             let (name, limits) = (cgroup_name(&id), spec.limits.clone());
@@ -569,40 +654,78 @@ impl ContainerBackend {
                 let mut files = Vec::new();
                 for p in c.join_files() {
                     match std::fs::OpenOptions::new().write(true).open(&p) {
-                        Ok(f) => files.push(std::os::fd::OwnedFd::from(f)),
+                        Ok(f) => files.push(f),
                         Err(e) => {
                             c.remove(std::time::Duration::from_millis(500));
                             return Err(format!("open {}: {e}", p.display()));
                         }
                     }
                 }
-                Ok(Some((c, files)))
+                let Ok(pid) = pid_rx.recv() else {
+                    // The init never started.
+                    c.remove(std::time::Duration::from_millis(500));
+                    return Err("the sandbox init did not start".to_string());
+                };
+                let pid = pid.to_string();
+                let left = files
+                    .into_iter()
+                    .filter(|mut f| {
+                        use std::io::Write;
+                        f.write_all(pid.as_bytes()).is_err()
+                    })
+                    .map(std::os::fd::OwnedFd::from)
+                    .collect();
+                Ok(Some((c, left)))
             })
         };
-        let spawned = spawn::spawn_init(&ids, [&setup.0, &seal.0], !rootless, cg_job)
-            .await
-            .map_err(|e| Error::backend(TIER, e))?;
+        let requests: Vec<&[u8]> = queued.iter().map(Vec::as_slice).collect();
+        let spawned = spawn::spawn_init(
+            &ids,
+            &requests,
+            lower.as_deref(),
+            !rootless,
+            (cg_job, pid_tx),
+        )
+        .await
+        .map_err(|e| Error::backend(TIER, e))?;
         let (pid, ctl, cgroup) = (spawned.pid, spawned.ctl, spawned.cgroup);
+        if lower.is_some() && !spawned.idmapped {
+            tracing::warn!(sandbox = %id, "rootfs directory used without idmapping");
+        }
         t.mark(Phase::Allocation);
-        let [(id1, mut rx1), (id2, mut rx2)] = spawned.queued;
         let gone = || std::io::Error::new(std::io::ErrorKind::BrokenPipe, "sandbox init is gone");
+        let mut ids_used: Vec<u64> = spawned.queued.iter().map(|(i, _)| *i).collect();
         let done = async {
-            let r = rx1
-                .recv()
-                .await
-                .ok_or_else(gone)
-                .map_err(|e| Error::io("set up the sandbox", e))?;
-            check_reply(&r, "set up the sandbox")?;
-            let r = rx2
-                .recv()
-                .await
-                .ok_or_else(gone)
-                .map_err(|e| Error::io("seal the sandbox", e))?;
-            check_reply(&r, "seal the sandbox")
+            let wait = |mut rx: tokio::sync::mpsc::UnboundedReceiver<ctl::Reply>| async move {
+                let r = rx
+                    .recv()
+                    .await
+                    .ok_or_else(gone)
+                    .map_err(|e| Error::io("set up the sandbox", e))?;
+                check_reply(&r, "set up the sandbox")
+            };
+            for (_, rx) in spawned.queued {
+                wait(rx).await?;
+            }
+            if !later.is_empty() {
+                if let Some(tar) = upper {
+                    restore_upper(pid, tar, &ids, user)?;
+                }
+                for next in &later {
+                    let (rid, rx) = ctl.register();
+                    ids_used.push(rid);
+                    ctl.send(proto::MSG_SETUP, rid, next, &[])
+                        .await
+                        .map_err(|e| Error::io("set up the sandbox", e))?;
+                    wait(rx).await?;
+                }
+            }
+            Ok::<(), Error>(())
         };
         let done = done.await;
-        ctl.unregister(id1);
-        ctl.unregister(id2);
+        for rid in ids_used {
+            ctl.unregister(rid);
+        }
         if let Err(e) = done {
             // SAFETY: kill and reap our own child.
             unsafe {
@@ -641,6 +764,7 @@ impl ContainerBackend {
             cgroup,
             ids,
             user,
+            stay_root,
             hook: self.cfg.network_hook.clone(),
             state_file,
             terminated: Mutex::new(false),
@@ -962,14 +1086,33 @@ impl Backend for ContainerBackend {
         if matches!(spec.workspace, Workspace::HostDir { .. }) {
             spec.workspace = Workspace::Empty;
         }
+        let upper = if spec.rootfs.is_some() {
+            Some(store.artifact(id, "upper.tar").await?)
+        } else {
+            None
+        };
         let mut t = TimelineRecorder::start();
-        let mut sb = self.create_sandbox(&spec, secrets).await?;
+        let mut sb = self.create_inner(&spec, secrets, upper.as_deref()).await?;
         let ws = sb.inner.workspace_fd()?;
         files_unpack(&sb, &ws, &tar)?;
         t.mark(Phase::Restore);
         sb.timeline.extend(&t.finish());
         Ok(Box::new(sb))
     }
+}
+
+/// Unpacks a snapshot's `upper.tar` into the overlay upper layer the init keeps open (before
+/// the overlay is mounted), as the sandbox's root.
+fn restore_upper(pid: libc::pid_t, tar: &[u8], ids: &IdMap, user: u32) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let p = format!("/proc/{pid}/fd/{}", proto::UPPER_FD);
+    let dir = std::fs::File::open(&p).map_err(|e| Error::io(format!("open {p}"), e))?;
+    let owner = (!ids.rootless).then(|| files::Owner {
+        uid: ids.host_uid(user),
+        gid: ids.host_gid(user),
+    });
+    let _ids = files::FsIds::switch(owner);
+    files::unpack_upper(dir.as_raw_fd(), tar, owner)
 }
 
 fn files_unpack(sb: &ContainerSandbox, ws: &std::os::fd::OwnedFd, tar: &[u8]) -> Result<()> {

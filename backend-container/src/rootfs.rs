@@ -237,11 +237,57 @@ pub(crate) fn host_ops() -> Vec<Op> {
     ops
 }
 
+/// The setup, in two parts: `prep` (rootfs-directory mode only: the scratch root, the
+/// overlay's upper tmpfs and lower layer, before the overlay is mounted; a restore fills the
+/// upper layer in between) and `main` (everything else).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Setup {
+    pub prep: Vec<Op>,
+    pub main: Vec<Op>,
+}
+
+impl Setup {
+    /// Both parts, in order.
+    pub(crate) fn all(self) -> Vec<Op> {
+        let mut v = self.prep;
+        v.extend(self.main);
+        v
+    }
+}
+
+/// The lower layer's top-level directories that commands may write beneath (Landlock), for
+/// a rootfs directory: its real directories except the kernel and sandbox-managed ones.
+fn rootfs_writable_dirs(root: &Path) -> Vec<String> {
+    let mut v = Vec::new();
+    if let Ok(rd) = std::fs::read_dir(root) {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if ["proc", "dev", "sys", "tmp", "workspace"].contains(&name.as_str()) {
+                continue;
+            }
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                v.push(format!("/{name}"));
+            }
+        }
+    }
+    v.sort();
+    v
+}
+
+/// The mount options of the overlay root: paths relative to the scratch root (the init's
+/// working directory when it mounts it), so `/proc/mounts` shows no host path.
+pub(crate) const OVERLAY_DATA: &str =
+    "lowerdir=lower,upperdir=ovl/upper,workdir=ovl/work,userxattr";
+
 /// The whole setup, in order.
 #[allow(clippy::unnecessary_cast)] // RLIMIT_* types differ between libcs
-pub(crate) fn plan(p: &Plan<'_>) -> Result<Vec<Op>> {
+pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
     let spec = p.spec;
     check_mounts(spec)?;
+    let rootfs = match &spec.rootfs {
+        Some(r) => Some(canonical(r, "rootfs")?),
+        None => None,
+    };
     let mut ops = vec![
         // Children get their own clocks (CLONE_NEWTIME); absent on old kernels.
         Op::Unshare {
@@ -274,24 +320,85 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Vec<Op>> {
             newroot: "/tmp".into(),
             put_old: format!("/tmp{OLD}"),
         },
-        Op::Mount {
+    ];
+    let mut prep = Vec::new();
+    if let Some(root) = &rootfs {
+        // Rootfs-directory mode: an overlay whose lower layer is the directory (idmapped
+        // when the library could, see `Op::Lower`) and whose upper layer lives on a tmpfs
+        // capped at `disk_bytes`, so the directory is never written. Both sit in the scratch
+        // root and are detached with it after `pivot_root`; the init keeps the upper
+        // directory open for snapshots.
+        ops.push(Op::Mkdir {
+            path: "/lower".into(),
+            mode: 0o755,
+        });
+        ops.push(Op::Mkdir {
+            path: "/ovl".into(),
+            mode: 0o755,
+        });
+        ops.push(Op::Mount {
+            src: "tmpfs".into(),
+            dst: "/ovl".into(),
+            fstype: "tmpfs".into(),
+            flags: MS_NOSUID | MS_NODEV,
+            data: format!("mode=0755,size={}", spec.limits.disk_bytes),
+        });
+        ops.push(Op::Mkdir {
+            path: "/ovl/upper".into(),
+            mode: 0o755,
+        });
+        ops.push(Op::Mkdir {
+            path: "/ovl/work".into(),
+            mode: 0o700,
+        });
+        ops.push(Op::KeepDir {
+            path: "/ovl/upper".into(),
+            fd: crate::proto::UPPER_FD,
+        });
+        ops.push(Op::Lower {
+            src: old(root),
+            dst: "/lower".into(),
+        });
+        prep = std::mem::take(&mut ops);
+        ops.push(Op::Mount {
+            src: "overlay".into(),
+            dst: NEW.into(),
+            fstype: "overlay".into(),
+            flags: MS_NOSUID | MS_NODEV,
+            data: OVERLAY_DATA.into(),
+        });
+        // The image keeps its own /etc, except the files that describe this sandbox.
+        ops.push(Op::Mkdir {
+            path: new("/etc"),
+            mode: 0o755,
+        });
+        for (name, content) in etc_files(p) {
+            if matches!(name, "hostname" | "hosts" | "resolv.conf") {
+                ops.push(Op::WriteFile {
+                    path: new(&format!("/etc/{name}")),
+                    mode: 0o644,
+                    data: content.into_bytes(),
+                });
+            }
+        }
+    } else {
+        ops.push(Op::Mount {
             src: "tmpfs".into(),
             dst: NEW.into(),
             fstype: "tmpfs".into(),
             flags: MS_NOSUID | MS_NODEV,
             data: "mode=0755,size=4m,nr_inodes=4096".into(),
-        },
-    ];
-
-    // /usr, the merged-/usr links and the host's /etc files: the same for every sandbox of
-    // this host, computed once per backend.
-    ops.extend_from_slice(p.host);
-    for (name, content) in etc_files(p) {
-        ops.push(Op::WriteFile {
-            path: new(&format!("/etc/{name}")),
-            mode: 0o644,
-            data: content.into_bytes(),
         });
+        // /usr, the merged-/usr links and the host's /etc files: the same for every sandbox
+        // of this host, computed once per backend.
+        ops.extend_from_slice(p.host);
+        for (name, content) in etc_files(p) {
+            ops.push(Op::WriteFile {
+                path: new(&format!("/etc/{name}")),
+                mode: 0o644,
+                data: content.into_bytes(),
+            });
+        }
     }
 
     // /proc (fresh, this pid namespace only), /proc/sys read-only.
@@ -395,14 +502,16 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Vec<Op>> {
         flags: MS_NOSUID | MS_NODEV,
         data: format!("mode=1777,size={}", p.tmp_bytes),
     });
-    ops.push(Op::Mkdir {
-        path: new("/var"),
-        mode: 0o755,
-    });
-    ops.push(Op::Symlink {
-        target: "/tmp".into(),
-        path: new("/var/tmp"),
-    });
+    if rootfs.is_none() {
+        ops.push(Op::Mkdir {
+            path: new("/var"),
+            mode: 0o755,
+        });
+        ops.push(Op::Symlink {
+            target: "/tmp".into(),
+            path: new("/var/tmp"),
+        });
+    }
 
     // The workspace.
     ops.push(Op::Mkdir {
@@ -469,12 +578,15 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Vec<Op>> {
     }
 
     // Freeze the layout: the root tmpfs itself becomes read-only (its submounts keep theirs).
-    ops.push(Op::SetAttr {
-        path: NEW.into(),
-        set: ATTR_RDONLY,
-        clear: 0,
-        recursive: false,
-    });
+    // A rootfs directory's overlay stays writable: writes land in its upper layer.
+    if rootfs.is_none() {
+        ops.push(Op::SetAttr {
+            path: NEW.into(),
+            set: ATTR_RDONLY,
+            clear: 0,
+            recursive: false,
+        });
+    }
     ops.push(Op::Hostname {
         name: p.hostname.to_string(),
     });
@@ -492,7 +604,11 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Vec<Op>> {
     });
     // Lock the init down; every exec inherits both.
     if let Some(abi) = p.landlock {
-        let rules = writable_paths(spec)
+        let mut paths = writable_paths(spec);
+        if let Some(root) = &rootfs {
+            paths.extend(rootfs_writable_dirs(root).into_iter().map(|d| (d, true)));
+        }
+        let rules = paths
             .into_iter()
             .map(|(path, dir)| {
                 let r = if dir {
@@ -508,7 +624,7 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Vec<Op>> {
             rules,
         });
     }
-    Ok(ops)
+    Ok(Setup { prep, main: ops })
 }
 
 /// The last steps, once the init sits in the sandbox's cgroups: a cgroup namespace rooted
@@ -571,6 +687,7 @@ mod tests {
             resolv_conf: "",
             tmp_bytes: 1 << 20,
         })
+        .map(Setup::all)
     }
 
     #[test]
@@ -586,6 +703,66 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn rootfs_plan_mounts_an_overlay_with_relative_layers() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("etc")).unwrap();
+        std::fs::create_dir_all(dir.path().join("proc")).unwrap();
+        std::os::unix::fs::symlink("usr/bin", dir.path().join("bin")).unwrap();
+        let spec = SandboxSpec::builder(Language::Shell)
+            .rootfs(dir.path())
+            .build()
+            .unwrap();
+        let setup = plan(&Plan {
+            spec: &spec,
+            landlock: Some(3),
+            host: &[],
+            user: 0,
+            hostname: "sandbox",
+            resolv_conf: "",
+            tmp_bytes: 1 << 20,
+        })
+        .unwrap();
+        // The preparation ends with the layers in place; the overlay comes first after it.
+        assert!(matches!(setup.prep.last(), Some(Op::Lower { .. })));
+        assert!(setup
+            .prep
+            .iter()
+            .any(|o| matches!(o, Op::KeepDir { fd, .. } if *fd == crate::proto::UPPER_FD)));
+        match setup.main.first() {
+            Some(Op::Mount {
+                fstype, data, dst, ..
+            }) => {
+                assert_eq!((fstype.as_str(), dst.as_str()), ("overlay", NEW));
+                assert_eq!(data, OVERLAY_DATA);
+                assert!(!data.contains("=/"), "{data}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let host = dir.path().canonicalize().unwrap();
+        let host = host.to_string_lossy();
+        for o in &setup.main {
+            assert!(!format!("{o:?}").contains(&*host), "{o:?}");
+            // The root stays writable (the upper layer takes the writes).
+            assert!(
+                !matches!(o, Op::SetAttr { path, .. } if path == NEW),
+                "{o:?}"
+            );
+        }
+        let Some(Op::Landlock { rules, .. }) = setup.main.last() else {
+            panic!("no landlock")
+        };
+        let paths: Vec<&str> = rules.iter().map(|(p, _)| p.as_str()).collect();
+        assert!(
+            paths.contains(&"/etc") && paths.contains(&"/workspace"),
+            "{paths:?}"
+        );
+        assert!(
+            !paths.contains(&"/proc") && !paths.contains(&"/bin"),
+            "{paths:?}"
+        );
     }
 
     #[test]
@@ -622,7 +799,8 @@ mod wire_tests {
             resolv_conf: "",
             tmp_bytes: 1 << 20,
         })
-        .unwrap();
+        .unwrap()
+        .all();
         ops.extend(seal_ops(Some(&bpf)));
         let mut e = Enc::default();
         e.ops(&ops);

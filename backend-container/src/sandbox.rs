@@ -49,6 +49,8 @@ pub(crate) struct Inner {
     pub ids: IdMap,
     /// uid/gid inside that runs commands.
     pub user: u32,
+    /// Commands keep uid 0 inside (with no capabilities): rootless, or a rootfs directory.
+    pub stay_root: bool,
     pub hook: Option<Arc<dyn NetnsHook>>,
     pub state_file: Option<PathBuf>,
     pub terminated: Mutex<bool>,
@@ -333,10 +335,25 @@ impl Inner {
     }
 
     fn disk_full(&self) -> bool {
-        ["workspace", "tmp"].iter().any(|d| {
-            nix::sys::statvfs::statvfs(format!("/proc/{}/root/{d}", self.pid).as_str())
+        let mut dirs = vec![
+            format!("/proc/{}/root/workspace", self.pid),
+            format!("/proc/{}/root/tmp", self.pid),
+        ];
+        if self.spec.rootfs.is_some() {
+            dirs.push(format!("/proc/{}/fd/{}", self.pid, proto::UPPER_FD));
+        }
+        dirs.iter().any(|d| {
+            nix::sys::statvfs::statvfs(d.as_str())
                 .is_ok_and(|s| s.blocks_available() == 0 || s.files_available() == 0)
         })
+    }
+
+    /// The overlay's upper layer (rootfs-directory mode), as a directory fd.
+    pub(crate) fn upper_fd(&self) -> Result<OwnedFd> {
+        let p = format!("/proc/{}/fd/{}", self.pid, proto::UPPER_FD);
+        std::fs::File::open(&p)
+            .map(OwnedFd::from)
+            .map_err(|e| Error::io(format!("open {p}"), e))
     }
 
     /// Kills what exec `id` left running and waits (bounded) until it is gone.
@@ -403,7 +420,7 @@ impl Inner {
                 (libc::RLIMIT_CPU as u32, cpu_s, cpu_s + 1),
             ],
         };
-        if self.ids.rootless {
+        if self.stay_root {
             x.flags |= proto::EXEC_STAY_ROOT;
         }
         let io = |what: &str| {
@@ -657,13 +674,23 @@ impl Sandbox for ContainerSandbox {
             .as_ref()
             .is_some_and(|c| c.can_freeze() && c.freeze(true).is_ok());
         let tar = files::pack(ws.as_raw_fd());
+        // Rootfs-directory mode: the changes made to the root too (the overlay's upper layer).
+        let upper = if self.inner.spec.rootfs.is_some() {
+            Some(
+                self.inner
+                    .upper_fd()
+                    .and_then(|u| files::pack_upper(u.as_raw_fd())),
+            )
+        } else {
+            None
+        };
         if frozen {
             if let Some(c) = &self.inner.cgroup {
                 let _ = c.freeze(false);
             }
         }
         let tar = tar?;
-        let draft = SnapshotDraft::new(
+        let mut draft = SnapshotDraft::new(
             TIER,
             ENGINE,
             vec![SnapshotKind::Filesystem],
@@ -671,6 +698,9 @@ impl Sandbox for ContainerSandbox {
         )
         .artifact("workspace.tar", tar)
         .meta("sandbox_id", self.inner.id.clone());
+        if let Some(u) = upper {
+            draft = draft.artifact("upper.tar", u?);
+        }
         Ok(store.put(draft).await?)
     }
 

@@ -123,16 +123,22 @@ pub(crate) struct Spawned {
     pub pid: libc::pid_t,
     /// The control channel to it.
     pub ctl: std::sync::Arc<Ctl>,
-    /// The setup and seal requests queued behind the bootstrap: ids and reply channels.
-    pub queued: [(u64, tokio::sync::mpsc::UnboundedReceiver<crate::ctl::Reply>); 2],
+    /// The setup requests queued behind the bootstrap: ids and reply channels, in order.
+    pub queued: Vec<(u64, tokio::sync::mpsc::UnboundedReceiver<crate::ctl::Reply>)>,
+    /// Whether the rootfs directory's lower layer went over as an idmapped mount.
+    pub idmapped: bool,
     /// The sandbox's cgroups (pid 1 is in them).
     pub cgroup: Option<crate::cgroup::SandboxCgroup>,
 }
 
-/// The job making the sandbox's cgroups: it returns them with the opened files the init
-/// writes `0` to in order to join them (see `SandboxCgroup::join_files`).
-pub(crate) type CgroupJob =
-    tokio::task::JoinHandle<Result<Option<(crate::cgroup::SandboxCgroup, Vec<OwnedFd>)>, String>>;
+/// The job making the sandbox's cgroups and the channel it waits on for the first init
+/// process's pid, which it moves into them. It returns the cgroups with the opened files of
+/// those it could not move the process into: the init writes `0` to them to join them itself
+/// (see `SandboxCgroup::join_files`).
+pub(crate) type CgroupJob = (
+    tokio::task::JoinHandle<Result<Option<(crate::cgroup::SandboxCgroup, Vec<OwnedFd>)>, String>>,
+    std::sync::mpsc::Sender<u32>,
+);
 
 /// Starts the init and brings it to pid 1 of fresh user, pid, mount, UTS, IPC and network
 /// namespaces (the cgroup and time namespaces come later, from inside).
@@ -142,16 +148,20 @@ pub(crate) type CgroupJob =
 /// process), with the control socket as its stdin. It unshares a user namespace, we write the
 /// id maps, it unshares the rest and clones pid 1 with `CLONE_PARENT`, so pid 1 is our child.
 ///
-/// `setup` (a `MSG_SETUP` payload) is queued right behind the maps message, so pid 1 finds it
-/// waiting when it starts.
-/// The cgroup job runs meanwhile; the first process then joins the cgroups itself through
-/// the files the job opened (our credentials authorize the write) and only then clones pid 1,
-/// which inherits them.
+/// `requests` (`MSG_SETUP` payloads) are queued right behind the maps message, so pid 1 finds
+/// them waiting when it starts. With `lower` (a rootfs directory, as root), the first one
+/// carries a detached, idmapped mount of it (see [`idmapped_tree`]); if the filesystem cannot
+/// be idmapped, none (the init then binds the directory as it is).
+/// The cgroup job runs meanwhile and moves the first process into the cgroups as soon as it
+/// exists (or hands back the opened files of those it could not: the first process then
+/// joins them itself, our credentials authorizing the write); the first process clones pid 1,
+/// which inherits them, only after that.
 pub(crate) async fn spawn_init(
     ids: &IdMap,
-    requests: [&[u8]; 2],
+    requests: &[&[u8]],
+    lower: Option<&std::path::Path>,
     oom_protect: bool,
-    cgroup_job: CgroupJob,
+    (cgroup_job, pid_tx): CgroupJob,
 ) -> Result<Spawned, String> {
     let img = image()?;
     let mut sv = [0 as RawFd; 2];
@@ -169,7 +179,8 @@ pub(crate) async fn spawn_init(
     let (ours, theirs) = unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) };
     let ctl = Ctl::start(ours).map_err(|e| format!("control socket: {e}"))?;
     let mut rx = ctl.register_fixed(0);
-    let queued = [ctl.register(), ctl.register()];
+    let queued: Vec<_> = requests.iter().map(|_| ctl.register()).collect();
+    let mut idmapped = false;
     let mut cmd = std::process::Command::new(format!("/proc/self/fd/{}", img.fd.as_raw_fd()));
     cmd.env_clear()
         .stdin(std::process::Stdio::from(theirs))
@@ -178,14 +189,38 @@ pub(crate) async fn spawn_init(
     let mut first = cmd
         .spawn()
         .map_err(|e| format!("start the sandbox init: {e}"))?;
+    let _ = pid_tx.send(first.id());
+    drop(pid_tx);
     let mut cgroup = None;
     let result = async {
         let boot = rx.recv().await.ok_or("the init exited during start-up")?;
         if boot.kind != proto::REP_BOOT {
             return Err(describe_err(&boot));
         }
+        if proto::Dec::new(&boot.payload).u64() != Ok(proto::SOURCE_HASH) {
+            return Err(
+                "the embedded sandbox init was built from other sources than this \
+                        library (a stale build-script output, e.g. another checkout sharing the \
+                        target directory): `touch backend-container/init/main.rs` and rebuild"
+                    .to_string(),
+            );
+        }
         write_maps(first.id() as libc::pid_t, ids)
             .map_err(|e| format!("write uid/gid maps: {e}"))?;
+        let mut lower_fd = Vec::new();
+        if let Some(dir) = lower {
+            match idmapped_tree(dir, first.id() as libc::pid_t) {
+                Ok(fd) => {
+                    lower_fd.push(fd);
+                    idmapped = true;
+                }
+                Err(e) => tracing::warn!(
+                    dir = %dir.display(),
+                    "cannot idmap the rootfs directory ({e}); its files keep their host owners \
+                     (unmapped ones show as nobody)"
+                ),
+            }
+        }
         ctl.send(proto::MSG_MAPS, 0, &[], &[])
             .await
             .map_err(|e| format!("bootstrap: {e}"))?;
@@ -207,8 +242,13 @@ pub(crate) async fn spawn_init(
         ctl.send(proto::MSG_CGROUPS, 0, &[], &fds)
             .await
             .map_err(|e| format!("bootstrap: {e}"))?;
-        for ((id, _), payload) in queued.iter().zip(requests) {
-            ctl.send(proto::MSG_SETUP, *id, payload, &[])
+        for (i, ((id, _), payload)) in queued.iter().zip(requests).enumerate() {
+            let fds: Vec<_> = if i == 0 {
+                lower_fd.iter().map(std::os::fd::AsFd::as_fd).collect()
+            } else {
+                Vec::new()
+            };
+            ctl.send(proto::MSG_SETUP, *id, payload, &fds)
                 .await
                 .map_err(|e| format!("send the setup: {e}"))?;
         }
@@ -231,6 +271,7 @@ pub(crate) async fn spawn_init(
                 pid,
                 ctl,
                 queued,
+                idmapped,
                 cgroup,
             })
         }
@@ -243,6 +284,68 @@ pub(crate) async fn spawn_init(
             Err(e)
         }
     }
+}
+
+/// `struct mount_attr` of `mount_setattr(2)`.
+#[repr(C)]
+struct MountAttr {
+    set: u64,
+    clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
+
+/// A detached, read-only clone of the mount at `dir` (not recursive: a rootfs directory's
+/// submounts are not part of it), idmapped through the user namespace of `pid`: a file the
+/// host sees as owned by uid N appears inside that namespace as owned by N (host root's
+/// files belong to the sandbox's root), without changing anything on disk. Needs root (the
+/// host filesystem belongs to the initial user namespace) and a filesystem that supports
+/// idmapped mounts (ext4, xfs, btrfs, tmpfs, overlayfs...).
+fn idmapped_tree(dir: &std::path::Path, pid: libc::pid_t) -> io::Result<OwnedFd> {
+    use std::os::unix::ffi::OsStrExt;
+    const OPEN_TREE_CLONE: libc::c_uint = 1;
+    const MOUNT_ATTR_RDONLY: u64 = 0x1;
+    const MOUNT_ATTR_NOSUID: u64 = 0x2;
+    const MOUNT_ATTR_NODEV: u64 = 0x4;
+    const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: open_tree(AT_FDCWD, path, flags) with a NUL-terminated path.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: we own the new fd.
+    let tree = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/user"))?;
+    let attr = MountAttr {
+        set: MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
+        clr: 0,
+        propagation: 0,
+        userns_fd: ns.as_raw_fd() as u64,
+    };
+    // SAFETY: mount_setattr(fd, "", AT_EMPTY_PATH, &attr, size) with a valid struct.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(tree)
 }
 
 fn describe_err(r: &crate::ctl::Reply) -> String {

@@ -164,3 +164,32 @@ pub fn sandbox_mounts() -> usize {
         .filter(|l| l.contains("newroot") || l.contains("oldroot") || l.contains("/asb-"))
         .count()
 }
+
+const APPLETS: &[&str] = &[
+    "sh", "ls", "cat", "echo", "touch", "mkdir", "rm", "id", "stat", "grep", "wc", "sleep",
+];
+
+/// Why this file cannot run here: the backend's probe, or no static busybox to build a rootfs.
+pub async fn rootfs_skip_reason() -> Option<String> {
+    if let Some(why) = skip_reason().await {
+        return Some(why);
+    }
+    if !std::path::Path::new("/bin/busybox").exists() {
+        return Some("no /bin/busybox (apt-get install busybox-static)".into());
+    }
+    None
+}
+
+/// A tiny root filesystem: `/bin/busybox` and applet links, `/etc/passwd`, `/etc/group`.
+pub fn make_rootfs(dir: &std::path::Path) {
+    std::fs::create_dir_all(dir.join("bin")).unwrap();
+    std::fs::create_dir_all(dir.join("etc")).unwrap();
+    std::fs::create_dir_all(dir.join("opt/keep")).unwrap();
+    std::fs::copy("/bin/busybox", dir.join("bin/busybox")).unwrap();
+    for a in APPLETS {
+        std::os::unix::fs::symlink("busybox", dir.join("bin").join(a)).unwrap();
+    }
+    std::fs::write(dir.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n").unwrap();
+    std::fs::write(dir.join("etc/group"), "root:x:0:\n").unwrap();
+    std::fs::write(dir.join("opt/keep/data"), "base data\n").unwrap();
+}

@@ -1,0 +1,51 @@
+//! Rootfs-directory mode leaves nothing behind: fds, mounts, processes, cgroups (alone in its
+//! own test binary, since it counts process-wide resources).
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+mod common;
+
+use common::{backend, sh_ok};
+use sandbox_core::{Backend, Language, ResolvedSecrets, SandboxSpec};
+
+fn rootfs_spec(root: &std::path::Path) -> SandboxSpec {
+    SandboxSpec::builder(Language::Shell)
+        .rootfs(root)
+        .build()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn rootfs_create_destroy_cycles_leave_nothing_behind() {
+    if let Some(why) = common::rootfs_skip_reason().await {
+        eprintln!("SKIP: {why}");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("rootfs");
+    common::make_rootfs(&root);
+    let b = backend();
+    // Warm up (lazily created process-wide state: the init image, the runtime's threads).
+    let sb = b
+        .create(&rootfs_spec(&root), ResolvedSecrets::none())
+        .await
+        .unwrap();
+    sb.destroy().await.unwrap();
+    let (fds, mounts, children, cgroups) = (
+        common::count_fds(),
+        common::count_mounts(),
+        common::count_children(),
+        common::count_sandbox_cgroups(),
+    );
+    for _ in 0..30 {
+        let sb = b
+            .create(&rootfs_spec(&root), ResolvedSecrets::none())
+            .await
+            .unwrap();
+        sh_ok(sb.as_ref(), "echo x > /etc/x; sleep 100 >/dev/null 2>&1 &").await;
+        sb.destroy().await.unwrap();
+    }
+    assert_eq!(common::count_fds(), fds, "fds leaked");
+    assert_eq!(common::count_mounts(), mounts, "mounts leaked");
+    assert_eq!(common::count_children(), children, "processes leaked");
+    assert_eq!(common::count_sandbox_cgroups(), cgroups, "cgroups leaked");
+}

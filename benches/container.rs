@@ -1,0 +1,337 @@
+//! Container tier, side by side with bubblewrap, crun and runc, same commands, one run.
+//!
+//! `cargo bench -p agent-sandbox --bench container` (Linux; root for crun/runc). Each
+//! iteration starts real sandboxes, so sample counts are small; see docs/benchmarks.md.
+//!
+//! For each command (`/bin/true`, `/usr/bin/python3 -c pass`):
+//! - `ours: create + first command`: `Backend::create` then `exec` (destroy not timed);
+//! - `bwrap`: `bwrap --ro-bind / / --unshare-all --die-with-parent CMD`;
+//! - `crun run` / `runc run`: an OCI bundle with the same host-tools view and limits (the
+//!   gVisor tier's bundle writer: read-only `/usr` and `/etc` files, tmpfs `/tmp`, memory,
+//!   pids and CPU cgroups, pid/net/ipc/uts/mount namespaces, no capabilities). crun refuses
+//!   this hybrid cgroup host ("cgroups in hybrid mode not supported") unless the cgroup2
+//!   mount `/sys/fs/cgroup/unified` is hidden: the runtimes run from a thread that has its own
+//!   mount namespace with that mount detached (never the host's);
+//! - `ours: exec`: into a running sandbox;
+//! - `ours: pool checkout + first command`: a `WarmPool` checkout then `exec`.
+//!
+//! Then the idle sandbox's memory: the init's RSS and PSS.
+
+// A benchmark that cannot set itself up should stop loudly.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use agent_sandbox::{
+    Backend, ExecRequest, Language, PoolConfig, ResolvedSecrets, Sandbox, SandboxSpec, WarmPool,
+};
+use backend_container::ContainerBackend;
+use backend_gvisor::bundle::{self, Identity};
+use criterion::{criterion_group, Criterion};
+
+const COMMANDS: &[(&str, &[&str])] = &[
+    ("/bin/true", &["/bin/true"]),
+    ("python3 -c pass", &["/usr/bin/python3", "-c", "pass"]),
+];
+
+fn oci_bundle(dir: &Path, name: &str, argv: &[&str]) -> PathBuf {
+    let b = dir.join(name);
+    std::fs::create_dir_all(&b).unwrap();
+    let who = Identity {
+        uid: 1000,
+        gid: 1000,
+    };
+    bundle::write_rootfs(&b, who).unwrap();
+    let ws = dir.join(format!("{name}-ws"));
+    std::fs::create_dir_all(&ws).unwrap();
+    let spec = SandboxSpec::new(Language::Shell);
+    let mut cfg = bundle::config(&spec, who, &ws, false, &format!("asb-bench-{name}")).unwrap();
+    let mut p = cfg.process().clone().unwrap();
+    p.set_args(Some(argv.iter().map(|s| s.to_string()).collect()));
+    cfg.set_process(Some(p));
+    bundle::save(&cfg, &b).unwrap();
+    b
+}
+
+/// Set (to the runtime's path) when this binary runs as the OCI runtime driver.
+const RUNNER_ENV: &str = "ASB_BENCH_OCI_RUNNER";
+
+/// Runs `runtime run` of `bundle` `iters` times and returns the total time. The runs happen
+/// in a child of this binary (see [`runner`]) started by `unshare -m` (a private mount
+/// namespace) after the cgroup2 mount of this hybrid host is unmounted there: crun refuses
+/// hybrid hosts otherwise. The host's mounts are untouched; the set-up is not timed.
+fn timed_runs(
+    runtime: &Path,
+    state: &Path,
+    bundle: &Path,
+    tag: &str,
+    iters: u64,
+) -> Option<Duration> {
+    let me = std::env::current_exe().unwrap();
+    let out = Command::new("unshare")
+        .args(["-m", "--propagation", "private", "sh", "-c"])
+        .arg("umount /sys/fs/cgroup/unified 2>/dev/null; exec \"$0\" \"$@\"")
+        .arg(me)
+        .arg(state)
+        .arg(bundle)
+        .arg(tag)
+        .arg(iters.to_string())
+        .env(RUNNER_ENV, runtime)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .ok()?;
+    let nanos: u64 = String::from_utf8_lossy(&out.stdout).trim().parse().ok()?;
+    out.status.success().then(|| Duration::from_nanos(nanos))
+}
+
+/// The driver side of [`timed_runs`]: `<state> <bundle> <tag> <iters>`; prints the total
+/// nanoseconds of the runs, fails if one fails.
+fn runner(runtime: &str) {
+    let a: Vec<String> = std::env::args().skip(1).collect();
+    let iters: u64 = a[3].parse().unwrap();
+    let mut total = Duration::ZERO;
+    for i in 0..iters {
+        let t = Instant::now();
+        let ok = quiet(
+            Command::new(runtime)
+                .arg("--root")
+                .arg(&a[0])
+                .args(["run", "--bundle"])
+                .arg(&a[1])
+                .arg(format!("{}-{i}", a[2])),
+        );
+        total += t.elapsed();
+        if !ok {
+            std::process::exit(1);
+        }
+    }
+    println!("{}", total.as_nanos());
+}
+
+fn installed(bin: &str) -> Option<PathBuf> {
+    ["/usr/bin", "/usr/sbin", "/usr/local/bin", "/usr/local/sbin"]
+        .iter()
+        .map(|d| Path::new(d).join(bin))
+        .find(|p| p.exists())
+}
+
+fn quiet(c: &mut Command) -> bool {
+    c.stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+fn pss_rss_kib(pid: i32) -> (u64, u64) {
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    let field = |name: &str| {
+        rollup
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(name)?
+                    .trim()
+                    .strip_suffix("kB")?
+                    .trim()
+                    .parse::<u64>()
+                    .ok()
+            })
+            .unwrap_or(0)
+    };
+    (field("Rss:"), field("Pss:"))
+}
+
+fn container(c: &mut Criterion) {
+    let backend = ContainerBackend::new().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let status = rt.block_on(backend.probe());
+    if !status.available {
+        eprintln!(
+            "SKIP container benches: {} (fix: {})",
+            status.reason,
+            status.fix.unwrap_or_default()
+        );
+        return;
+    }
+    let root = nix_is_root();
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = SandboxSpec::new(Language::Shell);
+    let bwrap = installed("bwrap");
+    let crun = installed("crun");
+    let runc = installed("runc");
+    for (name, bin) in [("bwrap", &bwrap), ("crun", &crun), ("runc", &runc)] {
+        if bin.is_none() {
+            eprintln!("SKIP {name}: not installed (apt-get install {name})");
+        }
+    }
+    if !root && (crun.is_some() || runc.is_some()) {
+        eprintln!("SKIP crun/runc: the bundles need root (cgroups, no user namespace)");
+    }
+
+    let mut g = c.benchmark_group("container");
+    g.sample_size(20)
+        .measurement_time(Duration::from_secs(4))
+        .warm_up_time(Duration::from_millis(500));
+
+    for (label, argv) in COMMANDS {
+        let req = || ExecRequest::argv(argv.iter().copied());
+        g.bench_function(format!("ours: create + first command ({label})"), |b| {
+            b.iter_custom(|iters| {
+                rt.block_on(async {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        let t = Instant::now();
+                        let sb = backend
+                            .create(&spec, ResolvedSecrets::none())
+                            .await
+                            .unwrap();
+                        assert!(sb.exec(req()).await.unwrap().success());
+                        total += t.elapsed();
+                        sb.destroy().await.unwrap();
+                    }
+                    total
+                })
+            })
+        });
+
+        if let Some(bwrap) = &bwrap {
+            g.bench_function(
+                format!("bwrap --ro-bind / / --unshare-all --die-with-parent ({label})"),
+                |b| {
+                    b.iter(|| {
+                        assert!(quiet(
+                            Command::new(bwrap)
+                                .args(["--ro-bind", "/", "/", "--unshare-all", "--die-with-parent"])
+                                .args(*argv)
+                        ))
+                    })
+                },
+            );
+        }
+
+        for (rt_name, bin) in [("crun", &crun), ("runc", &runc)] {
+            let Some(bin) = bin.as_ref().filter(|_| root) else {
+                continue;
+            };
+            let bundle = oci_bundle(tmp.path(), &format!("{rt_name}-{}", label.len()), argv);
+            let state = tmp.path().join(format!("{rt_name}-state"));
+            std::fs::create_dir_all(&state).unwrap();
+            // One try first: a runtime that cannot run here is skipped, not fatal.
+            let probe = format!("asb-bench-{rt_name}-probe");
+            if timed_runs(bin, &state, &bundle, &probe, 1).is_none() {
+                eprintln!("SKIP {rt_name} ({label}): `{rt_name} run` of the bundle failed");
+                continue;
+            }
+            let mut n = 0u64;
+            g.bench_function(
+                format!("{rt_name} run (same view and limits, {label})"),
+                |b| {
+                    b.iter_custom(|iters| {
+                        n += 1;
+                        let tag = format!("asb-bench-{rt_name}-{n}");
+                        timed_runs(bin, &state, &bundle, &tag, iters)
+                            .unwrap_or_else(|| panic!("{rt_name} run failed"))
+                    })
+                },
+            );
+        }
+    }
+
+    let live = rt
+        .block_on(backend.create(&spec, ResolvedSecrets::none()))
+        .unwrap();
+    for (label, argv) in COMMANDS {
+        g.bench_function(format!("ours: exec ({label})"), |b| {
+            b.iter(|| {
+                rt.block_on(async {
+                    let r = live
+                        .exec(ExecRequest::argv(argv.iter().copied()))
+                        .await
+                        .unwrap();
+                    assert!(r.success());
+                })
+            })
+        });
+    }
+
+    let pool = rt
+        .block_on(async {
+            let p = WarmPool::start(
+                Arc::new(backend.clone()),
+                spec.clone(),
+                ResolvedSecrets::none(),
+                PoolConfig {
+                    size: 2,
+                    max_idle: Duration::from_secs(600),
+                    health_check: false,
+                },
+            )?;
+            p.wait_ready(2, Duration::from_secs(30)).await;
+            Ok::<_, agent_sandbox::Error>(p)
+        })
+        .unwrap();
+    g.bench_function("ours: pool checkout + first command (/bin/true)", |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    // Let the refiller catch up (creation is not what is measured here).
+                    pool.wait_ready(2, Duration::from_secs(30)).await;
+                    let t = Instant::now();
+                    let sb = pool.checkout().await.unwrap();
+                    assert!(sb
+                        .exec(ExecRequest::argv(["/bin/true"]))
+                        .await
+                        .unwrap()
+                        .success());
+                    total += t.elapsed();
+                    sb.destroy().await.unwrap();
+                }
+                total
+            })
+        })
+    });
+    eprintln!("pool stats: {:?}", pool.stats());
+    rt.block_on(pool.shutdown());
+    g.finish();
+
+    // Idle footprint: the init (pid 1 of the sandbox) after a command ran.
+    let idle = rt.block_on(backend.create_container(&spec)).unwrap();
+    rt.block_on(idle.exec(ExecRequest::argv(["/bin/true"])))
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let (rss, pss) = pss_rss_kib(idle.init_pid());
+    eprintln!("idle sandbox init: RSS {rss} KiB, PSS {pss} KiB");
+    rt.block_on(async {
+        idle.destroy().await.unwrap();
+        live.destroy().await.unwrap();
+    });
+}
+
+fn nix_is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("Uid:"))
+        .and_then(|l| l.split_whitespace().nth(2).map(|u| u == "0"))
+        .unwrap_or(false)
+}
+
+criterion_group!(benches, container);
+
+fn main() {
+    if let Ok(runtime) = std::env::var(RUNNER_ENV) {
+        runner(&runtime);
+        return;
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}
