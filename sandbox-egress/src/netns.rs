@@ -1,0 +1,343 @@
+//! The veth + nftables transport (Linux): a path from a sandbox's network namespace to the
+//! egress proxy and nowhere else.
+//!
+//! [`VethConfig::setup`] creates a veth pair (host end `host_if` with `host_ip`, sandbox end
+//! `sandbox_if` with `sandbox_ip`, default route via `host_ip`) and installs two nftables
+//! tables:
+//! - **host side** (the enforcing one, out of the sandbox's reach even if it is root in its own
+//!   user namespace): TCP arriving on `host_if` for any port other than the proxy's is
+//!   `redirect`ed to the transparent listener (so the proxy reads the original destination
+//!   with `SO_ORIGINAL_DST`, see [`SoOriginalDst`]), UDP 53 to the DNS responder; `input` from
+//!   `host_if` accepts only the proxy's ports on `host_ip` and drops everything else (ICMP,
+//!   IPv6, other ports of the host); `forward` from or to `host_if` is dropped, so the host never
+//!   routes sandbox packets anywhere.
+//! - **sandbox side** (defence in depth): `output` allows `lo`, TCP out of `sandbox_if` and UDP
+//!   53 to `host_ip`; everything else (other UDP, ICMP, IPv6) is dropped.
+//!
+//! [`VethConfig::teardown`] deletes the host end (which deletes its peer) and the host table.
+//! It needs `ip`, `nsenter` and `nft` and `CAP_NET_ADMIN` over both namespaces.
+
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::os::fd::AsRawFd;
+use std::path::PathBuf;
+use std::process::Stdio;
+
+use sandbox_core::Error;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tokio::process::Command;
+
+use crate::proxy::OriginalDst;
+
+/// A network namespace to run commands in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Netns {
+    /// The caller's own namespace.
+    Current,
+    /// A namespace made with `ip netns add NAME` (`/var/run/netns/NAME`).
+    Named(String),
+    /// The namespace of this process (e.g. a sandbox's init).
+    Pid(i32),
+}
+
+impl Netns {
+    fn path(&self) -> Option<PathBuf> {
+        match self {
+            Netns::Current => None,
+            Netns::Named(n) => Some(PathBuf::from(format!("/var/run/netns/{n}"))),
+            Netns::Pid(p) => Some(PathBuf::from(format!("/proc/{p}/ns/net"))),
+        }
+    }
+
+    /// What `ip link set ... netns X` takes.
+    fn ip_arg(&self) -> Option<String> {
+        match self {
+            Netns::Current => None,
+            Netns::Named(n) => Some(n.clone()),
+            Netns::Pid(p) => Some(p.to_string()),
+        }
+    }
+
+    fn command(&self, program: &str) -> Command {
+        match self.path() {
+            None => Command::new(program),
+            Some(p) => {
+                let mut c = Command::new("nsenter");
+                c.arg(format!("--net={}", p.display()))
+                    .arg("--")
+                    .arg(program);
+                c
+            }
+        }
+    }
+}
+
+/// One sandbox's veth pair and rules.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VethConfig {
+    /// Host-side interface name (≤ 15 bytes, unique per sandbox).
+    pub host_if: String,
+    /// Sandbox-side interface name (≤ 15 bytes).
+    pub sandbox_if: String,
+    /// Address of the host end: the proxy's listeners bind here.
+    pub host_ip: Ipv4Addr,
+    /// Address of the sandbox end.
+    pub sandbox_ip: Ipv4Addr,
+    /// Prefix length of the link (30 is enough).
+    pub prefix: u8,
+    /// The explicit proxy port on `host_ip`.
+    pub proxy_port: u16,
+    /// The transparent listener's port on `host_ip` (all other TCP is redirected there).
+    pub transparent_port: Option<u16>,
+    /// The DNS responder's UDP port on `host_ip` (UDP 53 is redirected there).
+    pub dns_port: Option<u16>,
+}
+
+fn valid_ifname(n: &str) -> bool {
+    !n.is_empty()
+        && n.len() <= 15
+        && n.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+}
+
+async fn run(mut cmd: Command, stdin: Option<&str>) -> Result<(), Error> {
+    let what = format!("{:?}", cmd.as_std());
+    cmd.stdin(if stdin.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    })
+    .stdout(Stdio::null())
+    .stderr(Stdio::piped());
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| Error::io(format!("egress netns: spawn {what}"), e))?;
+    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
+        pipe.write_all(input.as_bytes())
+            .await
+            .map_err(|e| Error::io(format!("egress netns: write to {what}"), e))?;
+        drop(pipe);
+    }
+    let out = child
+        .wait_with_output()
+        .await
+        .map_err(|e| Error::io(format!("egress netns: wait for {what}"), e))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            "network",
+            format!(
+                "egress netns setup: {what} failed ({}): {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        ))
+    }
+}
+
+impl VethConfig {
+    /// The host-side nftables table name of this sandbox.
+    pub fn host_table(&self) -> String {
+        format!("agent_sandbox_{}", self.host_if.replace('-', "_"))
+    }
+
+    fn check(&self) -> Result<(), Error> {
+        if !valid_ifname(&self.host_if) || !valid_ifname(&self.sandbox_if) {
+            return Err(Error::invalid(
+                "network.veth",
+                "interface names must be 1-15 of [A-Za-z0-9_-]",
+            ));
+        }
+        if self.prefix == 0 || self.prefix > 30 {
+            return Err(Error::invalid("network.veth", "prefix must be 1-30"));
+        }
+        Ok(())
+    }
+
+    /// The host-side ruleset (an `nft -f` script).
+    pub fn host_ruleset(&self) -> String {
+        let (h, ip, p) = (&self.host_if, self.host_ip, self.proxy_port);
+        let mut tcp_ports = vec![p];
+        let mut nat = String::new();
+        if let Some(d) = self.dns_port {
+            nat.push_str(&format!(
+                "    iifname \"{h}\" udp dport 53 redirect to :{d}\n"
+            ));
+        }
+        if let Some(t) = self.transparent_port {
+            tcp_ports.push(t);
+            nat.push_str(&format!(
+                "    iifname \"{h}\" meta l4proto tcp tcp dport != {{ {p}, {t} }} redirect to :{t}\n"
+            ));
+        }
+        let tcp: Vec<String> = tcp_ports.iter().map(u16::to_string).collect();
+        let mut input = format!(
+            "    iifname \"{h}\" ip daddr {ip} tcp dport {{ {} }} accept\n",
+            tcp.join(", ")
+        );
+        if let Some(d) = self.dns_port {
+            input.push_str(&format!(
+                "    iifname \"{h}\" ip daddr {ip} udp dport {d} accept\n"
+            ));
+        }
+        let table = self.host_table();
+        format!(
+            "table inet {table} {{\n  chain prerouting {{\n    type nat hook prerouting priority dstnat; policy accept;\n{nat}  }}\n  chain input {{\n    type filter hook input priority filter; policy accept;\n{input}    iifname \"{h}\" drop\n  }}\n  chain forward {{\n    type filter hook forward priority filter; policy accept;\n    iifname \"{h}\" drop\n    oifname \"{h}\" drop\n  }}\n}}\n"
+        )
+    }
+
+    /// The sandbox-side ruleset (defence in depth).
+    pub fn sandbox_ruleset(&self) -> String {
+        let (s, ip) = (&self.sandbox_if, self.host_ip);
+        format!(
+            "table inet agent_sandbox {{\n  chain output {{\n    type filter hook output priority filter; policy drop;\n    oifname \"lo\" accept\n    oifname \"{s}\" meta nfproto ipv4 meta l4proto tcp accept\n    oifname \"{s}\" ip daddr {ip} udp dport 53 accept\n  }}\n}}\n"
+        )
+    }
+
+    /// Creates the veth pair between `host` and `sandbox` and installs both rulesets. On error,
+    /// whatever was created is removed again.
+    pub async fn setup(&self, host: &Netns, sandbox: &Netns) -> Result<(), Error> {
+        self.check()?;
+        let Some(target) = sandbox.ip_arg() else {
+            return Err(Error::invalid(
+                "network.veth",
+                "the sandbox side must be another namespace",
+            ));
+        };
+        let res = self.setup_inner(host, sandbox, &target).await;
+        if res.is_err() {
+            self.teardown(host).await;
+        }
+        res
+    }
+
+    async fn setup_inner(&self, host: &Netns, sandbox: &Netns, target: &str) -> Result<(), Error> {
+        let (h, s) = (self.host_if.as_str(), self.sandbox_if.as_str());
+        let ip = |ns: &Netns, args: &[&str]| {
+            let mut c = ns.command("ip");
+            c.args(args);
+            c
+        };
+        run(
+            ip(host, &["link", "add", h, "type", "veth", "peer", "name", s]),
+            None,
+        )
+        .await?;
+        run(ip(host, &["link", "set", s, "netns", target]), None).await?;
+        let host_addr = format!("{}/{}", self.host_ip, self.prefix);
+        let sb_addr = format!("{}/{}", self.sandbox_ip, self.prefix);
+        run(ip(host, &["addr", "add", &host_addr, "dev", h]), None).await?;
+        run(ip(host, &["link", "set", h, "up"]), None).await?;
+        let mut nft = host.command("nft");
+        nft.args(["-f", "-"]);
+        run(nft, Some(&self.host_ruleset())).await?;
+        run(ip(sandbox, &["addr", "add", &sb_addr, "dev", s]), None).await?;
+        run(ip(sandbox, &["link", "set", s, "up"]), None).await?;
+        run(ip(sandbox, &["link", "set", "lo", "up"]), None).await?;
+        let via = self.host_ip.to_string();
+        run(
+            ip(sandbox, &["route", "add", "default", "via", &via, "dev", s]),
+            None,
+        )
+        .await?;
+        let mut nft = sandbox.command("nft");
+        nft.args(["-f", "-"]);
+        run(nft, Some(&self.sandbox_ruleset())).await?;
+        Ok(())
+    }
+
+    /// Removes the host end (its peer goes with it) and the host table. Idempotent.
+    pub async fn teardown(&self, host: &Netns) {
+        let mut del = host.command("ip");
+        del.args(["link", "del", &self.host_if]);
+        let _ = run(del, None).await;
+        let mut nft = host.command("nft");
+        nft.args(["delete", "table", "inet", &self.host_table()]);
+        let _ = run(nft, None).await;
+    }
+}
+
+/// Reads the pre-NAT destination of a redirected connection (`SO_ORIGINAL_DST`, IPv4).
+/// A connection that was not redirected reports its own local address: that is treated as
+/// unknown, so the proxy can never be pointed at itself.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SoOriginalDst;
+
+impl OriginalDst for SoOriginalDst {
+    fn original_dst(&self, stream: &TcpStream) -> Option<SocketAddr> {
+        let fd = stream.as_raw_fd();
+        // SAFETY: sockaddr_in is plain old data; all-zero is a valid value.
+        let mut addr: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+        // SAFETY: fd is a live socket owned by `stream`; `addr`/`len` point to a writable
+        // sockaddr_in of the size passed, which is what SO_ORIGINAL_DST writes.
+        let rc = unsafe {
+            libc::getsockopt(
+                fd,
+                libc::SOL_IP,
+                libc::SO_ORIGINAL_DST,
+                (&mut addr as *mut libc::sockaddr_in).cast(),
+                &mut len,
+            )
+        };
+        if rc != 0 || i32::from(addr.sin_family) != libc::AF_INET {
+            return None;
+        }
+        let dst = SocketAddr::V4(SocketAddrV4::new(
+            Ipv4Addr::from(u32::from_be(addr.sin_addr.s_addr)),
+            u16::from_be(addr.sin_port),
+        ));
+        match stream.local_addr() {
+            Ok(local) if local == dst => None,
+            Ok(_) => Some(dst),
+            Err(_) => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> VethConfig {
+        VethConfig {
+            host_if: "egh-1".into(),
+            sandbox_if: "egs-1".into(),
+            host_ip: Ipv4Addr::new(10, 201, 7, 1),
+            sandbox_ip: Ipv4Addr::new(10, 201, 7, 2),
+            prefix: 30,
+            proxy_port: 3128,
+            transparent_port: Some(3129),
+            dns_port: Some(5353),
+        }
+    }
+
+    #[test]
+    fn rulesets() {
+        let c = cfg();
+        let host = c.host_ruleset();
+        assert!(host.contains("table inet agent_sandbox_egh_1"), "{host}");
+        assert!(
+            host.contains("tcp dport != { 3128, 3129 } redirect to :3129"),
+            "{host}"
+        );
+        assert!(host.contains("udp dport 53 redirect to :5353"), "{host}");
+        assert!(
+            host.contains("ip daddr 10.201.7.1 tcp dport { 3128, 3129 } accept"),
+            "{host}"
+        );
+        assert!(host.contains("iifname \"egh-1\" drop"), "{host}");
+        let sb = c.sandbox_ruleset();
+        assert!(sb.contains("policy drop;"), "{sb}");
+        assert!(
+            sb.contains("ip daddr 10.201.7.1 udp dport 53 accept"),
+            "{sb}"
+        );
+        let bad = VethConfig {
+            host_if: "a name; rm".into(),
+            ..cfg()
+        };
+        assert!(bad.check().is_err());
+    }
+}
