@@ -629,20 +629,10 @@ impl Sandbox for ContainerSandbox {
     async fn exec_stream(&self, req: ExecRequest) -> Result<ExecStream> {
         self.inner.alive()?;
         req.validate()?;
-        let (tx, stream) = ExecStream::channel(64);
         let inner = Arc::clone(&self.inner);
-        tokio::spawn(async move {
-            let r = inner.run(req, Some(tx.clone())).await;
-            let _ = match r {
-                Ok(mut res) => {
-                    res.stdout.clear();
-                    res.stderr.clear();
-                    tx.send(Ok(ExecEvent::Exit(res))).await
-                }
-                Err(e) => tx.send(Err(e)).await,
-            };
-        });
-        Ok(stream)
+        Ok(ExecStream::spawn(move |tx| async move {
+            inner.run(req, Some(tx)).await
+        }))
     }
 
     async fn write_file(&self, path: &str, data: &[u8]) -> Result<()> {

@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use sandbox_core::{
-    fsnap, Command, DirEntry, EntryKind, Error, ExecRequest, ExecResult, Language, LimitKind,
-    NetworkPolicy, OutputBuffer, Phase, PhaseTiming, Redactor, ResolvedSecrets, Result, Sandbox,
-    SandboxSpec, SnapshotDraft, SnapshotId, SnapshotKind, SnapshotStore, Tier, Timeline,
-    TimelineRecorder, Workspace, WorkspacePath, WORKSPACE_MOUNT,
+    fsnap, Command, DirEntry, Error, ExecRequest, ExecResult, Language, LimitKind, NetworkPolicy,
+    OutputBuffer, Phase, PhaseTiming, Redactor, ResolvedSecrets, Result, Sandbox, SandboxSpec,
+    SnapshotDraft, SnapshotId, SnapshotKind, SnapshotStore, Tier, Timeline, TimelineRecorder,
+    Workspace, WorkspacePath, WORKSPACE_MOUNT,
 };
 
 use crate::engine::{self, Flavor};
@@ -646,7 +646,7 @@ impl Sandbox for WasmSandbox {
 
     async fn list(&self, path: &str) -> Result<Vec<DirEntry>> {
         self.alive()?;
-        list_dir(&self.host_path(path)?, path)
+        sandbox_core::path::list_host_dir(&self.host_path(path)?, path)
     }
 
     async fn snapshot(&self, store: &dyn SnapshotStore) -> Result<SnapshotId> {
@@ -692,39 +692,4 @@ impl Sandbox for WasmSandbox {
         }
         Ok(())
     }
-}
-
-fn list_dir(dir: &Path, shown: &str) -> Result<Vec<DirEntry>> {
-    let rd = match std::fs::read_dir(dir) {
-        Ok(rd) => rd,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            return Err(Error::NotFound { path: shown.into() })
-        }
-        Err(e) => return Err(Error::io_path("list", dir, e)),
-    };
-    let mut out = Vec::new();
-    for e in rd {
-        let e = e.map_err(|e| Error::io_path("list", dir, e))?;
-        let md = e
-            .path()
-            .symlink_metadata()
-            .map_err(|err| Error::io_path("stat", e.path(), err))?;
-        let ft = md.file_type();
-        let kind = if ft.is_symlink() {
-            EntryKind::Symlink
-        } else if ft.is_dir() {
-            EntryKind::Dir
-        } else if ft.is_file() {
-            EntryKind::File
-        } else {
-            EntryKind::Other
-        };
-        out.push(DirEntry {
-            name: e.file_name().to_string_lossy().into_owned(),
-            kind,
-            size: md.len(),
-        });
-    }
-    out.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(out)
 }
