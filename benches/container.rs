@@ -272,6 +272,7 @@ fn container(c: &mut Criterion) {
                     size: 2,
                     max_idle: Duration::from_secs(600),
                     health_check: false,
+                    ..Default::default()
                 },
             )?;
             p.wait_ready(2, Duration::from_secs(30)).await;

@@ -105,6 +105,7 @@ fn pool(c: &mut Criterion) {
                     size: 8,
                     max_idle: Duration::from_secs(60),
                     health_check: true,
+                    ..Default::default()
                 },
             )?;
             p.wait_ready(8, Duration::from_secs(10)).await;

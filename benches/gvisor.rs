@@ -132,6 +132,7 @@ fn gvisor(c: &mut Criterion) {
                     size: 2,
                     max_idle: Duration::from_secs(600),
                     health_check: false,
+                    ..Default::default()
                 },
             )?;
             p.wait_ready(2, Duration::from_secs(30)).await;

@@ -92,6 +92,7 @@ fn wasm(c: &mut Criterion) {
                     size: 4,
                     max_idle: Duration::from_secs(600),
                     health_check: false,
+                    ..Default::default()
                 },
             )?;
             p.wait_ready(4, Duration::from_secs(120)).await;

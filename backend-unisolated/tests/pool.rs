@@ -107,6 +107,7 @@ async fn idle_sandboxes_are_evicted() {
         size: 2,
         max_idle: Duration::from_millis(50),
         health_check: true,
+        ..Default::default()
     };
     let pool = WarmPool::start(b.clone(), spec(), ResolvedSecrets::none(), cfg).unwrap();
     assert!(pool.wait_ready(2, Duration::from_secs(10)).await);
@@ -127,6 +128,7 @@ async fn unhealthy_sandboxes_are_skipped_on_checkout() {
         size: 2,
         max_idle: Duration::from_secs(60),
         health_check: true,
+        ..Default::default()
     };
     let pool = WarmPool::start(b.clone(), spec(), ResolvedSecrets::none(), cfg).unwrap();
     assert!(pool.wait_ready(2, Duration::from_secs(10)).await);

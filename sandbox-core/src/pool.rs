@@ -26,6 +26,14 @@ pub struct PoolConfig {
     pub max_idle: Duration,
     /// Run [`Sandbox::health_check`] on checkout.
     pub health_check: bool,
+    /// How long the refiller waits after a checkout before creating a replacement, so the
+    /// creation does not compete for the CPUs with the caller's first command.
+    #[serde(with = "millis", default = "default_refill_delay")]
+    pub refill_delay: Duration,
+}
+
+fn default_refill_delay() -> Duration {
+    Duration::from_millis(10)
 }
 
 mod millis {
@@ -48,6 +56,7 @@ impl Default for PoolConfig {
             size: 2,
             max_idle: Duration::from_secs(300),
             health_check: true,
+            refill_delay: default_refill_delay(),
         }
     }
 }
@@ -239,6 +248,7 @@ impl Drop for WarmPool {
 async fn refill_loop(inner: Arc<Inner>) {
     let mut backoff = Duration::from_millis(10);
     let tick = (inner.config.max_idle / 2).clamp(Duration::from_millis(5), Duration::from_secs(1));
+    let mut woken = false;
     while !inner.closed.load(Ordering::SeqCst) {
         // Evict what idled too long.
         let stale: Vec<Ready> = {
@@ -256,6 +266,11 @@ async fn refill_loop(inner: Arc<Inner>) {
             let _ = r.sandbox.destroy().await;
         }
         if inner.state().ready.len() < inner.config.size {
+            if woken && !inner.config.refill_delay.is_zero() {
+                // Just after a checkout: let the caller's first command run first.
+                tokio::time::sleep(inner.config.refill_delay).await;
+            }
+            woken = false;
             match inner
                 .backend
                 .create(&inner.spec, inner.secrets.clone())
@@ -284,6 +299,8 @@ async fn refill_loop(inner: Arc<Inner>) {
                 }
             }
         }
-        let _ = tokio::time::timeout(tick, inner.wake.notified()).await;
+        woken = tokio::time::timeout(tick, inner.wake.notified())
+            .await
+            .is_ok();
     }
 }
