@@ -79,6 +79,17 @@ pub(crate) struct Plan<'a> {
     pub host: &'a [Op],
 }
 
+/// A tmpfs mounted at `dst` with these flags and options.
+fn tmpfs(dst: impl Into<String>, flags: u64, data: impl Into<String>) -> Op {
+    Op::Mount {
+        src: "tmpfs".into(),
+        dst: dst.into(),
+        fstype: "tmpfs".into(),
+        flags,
+        data: data.into(),
+    }
+}
+
 fn old(p: &Path) -> String {
     format!("{OLD}{}", p.display())
 }
@@ -301,13 +312,7 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
             flags: MS_REC | MS_PRIVATE,
             data: String::new(),
         },
-        Op::Mount {
-            src: "tmpfs".into(),
-            dst: "/tmp".into(),
-            fstype: "tmpfs".into(),
-            flags: MS_NOSUID | MS_NODEV,
-            data: "mode=0755,size=64k".into(),
-        },
+        tmpfs("/tmp", MS_NOSUID | MS_NODEV, "mode=0755,size=64k"),
         Op::Mkdir {
             path: format!("/tmp{OLD}"),
             mode: 0o755,
@@ -336,13 +341,11 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
             path: "/ovl".into(),
             mode: 0o755,
         });
-        ops.push(Op::Mount {
-            src: "tmpfs".into(),
-            dst: "/ovl".into(),
-            fstype: "tmpfs".into(),
-            flags: MS_NOSUID | MS_NODEV,
-            data: format!("mode=0755,size={}", spec.limits.disk_bytes),
-        });
+        ops.push(tmpfs(
+            "/ovl",
+            MS_NOSUID | MS_NODEV,
+            format!("mode=0755,size={}", spec.limits.disk_bytes),
+        ));
         ops.push(Op::Mkdir {
             path: "/ovl/upper".into(),
             mode: 0o755,
@@ -382,13 +385,11 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
             }
         }
     } else {
-        ops.push(Op::Mount {
-            src: "tmpfs".into(),
-            dst: NEW.into(),
-            fstype: "tmpfs".into(),
-            flags: MS_NOSUID | MS_NODEV,
-            data: "mode=0755,size=4m,nr_inodes=4096".into(),
-        });
+        ops.push(tmpfs(
+            NEW,
+            MS_NOSUID | MS_NODEV,
+            "mode=0755,size=4m,nr_inodes=4096",
+        ));
         // /usr, the merged-/usr links and the host's /etc files: the same for every sandbox
         // of this host, computed once per backend.
         ops.extend_from_slice(p.host);
@@ -429,13 +430,11 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
         path: new("/dev"),
         mode: 0o755,
     });
-    ops.push(Op::Mount {
-        src: "tmpfs".into(),
-        dst: new("/dev"),
-        fstype: "tmpfs".into(),
-        flags: MS_NOSUID | MS_NOEXEC,
-        data: "mode=0755,size=64k,nr_inodes=256".into(),
-    });
+    ops.push(tmpfs(
+        new("/dev"),
+        MS_NOSUID | MS_NOEXEC,
+        "mode=0755,size=64k,nr_inodes=256",
+    ));
     for n in ["null", "zero", "full", "random", "urandom", "tty"] {
         let host = format!("/dev/{n}");
         if Path::new(&host).exists() {
@@ -465,13 +464,11 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
         path: new("/dev/shm"),
         mode: 0o1777,
     });
-    ops.push(Op::Mount {
-        src: "tmpfs".into(),
-        dst: new("/dev/shm"),
-        fstype: "tmpfs".into(),
-        flags: MS_NOSUID | MS_NODEV,
-        data: format!("mode=1777,size={}", p.tmp_bytes),
-    });
+    ops.push(tmpfs(
+        new("/dev/shm"),
+        MS_NOSUID | MS_NODEV,
+        format!("mode=1777,size={}", p.tmp_bytes),
+    ));
     for (l, t) in [
         ("fd", "/proc/self/fd"),
         ("stdin", "/proc/self/fd/0"),
@@ -495,13 +492,11 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
         path: new("/tmp"),
         mode: 0o1777,
     });
-    ops.push(Op::Mount {
-        src: "tmpfs".into(),
-        dst: new("/tmp"),
-        fstype: "tmpfs".into(),
-        flags: MS_NOSUID | MS_NODEV,
-        data: format!("mode=1777,size={}", p.tmp_bytes),
-    });
+    ops.push(tmpfs(
+        new("/tmp"),
+        MS_NOSUID | MS_NODEV,
+        format!("mode=1777,size={}", p.tmp_bytes),
+    ));
     if rootfs.is_none() {
         ops.push(Op::Mkdir {
             path: new("/var"),
@@ -519,17 +514,15 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
         mode: 0o755,
     });
     match &spec.workspace {
-        Workspace::Empty => ops.push(Op::Mount {
-            src: "tmpfs".into(),
-            dst: new("/workspace"),
-            fstype: "tmpfs".into(),
-            flags: MS_NOSUID | MS_NODEV,
-            data: format!(
+        Workspace::Empty => ops.push(tmpfs(
+            new("/workspace"),
+            MS_NOSUID | MS_NODEV,
+            format!(
                 "mode=0755,size={},uid={u},gid={u}",
                 spec.limits.disk_bytes,
                 u = p.user
             ),
-        }),
+        )),
         Workspace::HostDir { path, read_only } => {
             let src = canonical(path, "workspace")?;
             ops.push(Op::Bind {
