@@ -26,7 +26,8 @@
 //! # Ok(()) }
 //! ```
 
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 pub use sandbox_core::*;
@@ -85,6 +86,9 @@ fn not_built(tier: Tier) -> TierStatus {
 pub struct Runtime {
     backends: Vec<DynBackend>,
     secrets: Arc<dyn SecretSource>,
+    /// Tiers whose probe said "available", so creating sandboxes does not re-probe the host
+    /// each time (the container probe runs a smoke test). Unavailable tiers are probed again.
+    available: Arc<Mutex<BTreeMap<Tier, TierStatus>>>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -129,6 +133,7 @@ impl RuntimeBuilder {
         Runtime {
             backends: self.backends,
             secrets: self.secrets,
+            available: Arc::new(Mutex::new(BTreeMap::new())),
         }
     }
 }
@@ -177,33 +182,53 @@ impl Runtime {
         self.backends.iter().find(|b| b.tier() == tier)
     }
 
-    /// Probes every product tier (and any extra registered backend), concurrently and bounded.
+    /// Probes every product tier (and any extra registered backend) afresh, concurrently and
+    /// bounded by [`PROBE_TIMEOUT`].
     pub async fn probe(&self) -> Vec<TierStatus> {
+        self.statuses(true).await
+    }
+
+    async fn statuses(&self, fresh: bool) -> Vec<TierStatus> {
         let mut tiers: Vec<Tier> = Tier::PRODUCT.to_vec();
         for b in &self.backends {
             if !tiers.contains(&b.tier()) {
                 tiers.push(b.tier());
             }
         }
-        let futs = tiers.into_iter().map(|t| async move {
-            match self.backend(t) {
-                None => not_built(t),
-                Some(b) => match tokio::time::timeout(PROBE_TIMEOUT, b.probe()).await {
-                    Ok(s) => s,
-                    Err(_) => TierStatus::unavailable(
-                        t,
-                        format!("probe did not finish within {}s", PROBE_TIMEOUT.as_secs()),
-                        "check the engine by hand; see `agent-sandbox probe` docs",
-                    ),
-                },
-            }
-        });
-        futures::future::join_all(futs).await
+        futures::future::join_all(tiers.into_iter().map(|t| self.probe_tier(t, fresh))).await
     }
 
-    /// Ranks tiers for `q` and picks the first one this host can run.
+    /// One tier's status: the cached "available" unless `fresh`, else a bounded probe.
+    async fn probe_tier(&self, t: Tier, fresh: bool) -> TierStatus {
+        let Some(b) = self.backend(t) else {
+            return not_built(t);
+        };
+        let lock = || self.available.lock().unwrap_or_else(|p| p.into_inner());
+        if !fresh {
+            if let Some(s) = lock().get(&t) {
+                return s.clone();
+            }
+        }
+        let s = match tokio::time::timeout(PROBE_TIMEOUT, b.probe()).await {
+            Ok(s) => s,
+            Err(_) => TierStatus::unavailable(
+                t,
+                format!("probe did not finish within {}s", PROBE_TIMEOUT.as_secs()),
+                "check the engine by hand; see `agent-sandbox probe` docs",
+            ),
+        };
+        if s.available {
+            lock().insert(t, s.clone());
+        } else {
+            lock().remove(&t);
+        }
+        s
+    }
+
+    /// Ranks tiers for `q` and picks the first one this host can run. A tier found available
+    /// once by this runtime is not probed again.
     pub async fn select(&self, q: &Question) -> Selection {
-        let statuses = self.probe().await;
+        let statuses = self.statuses(false).await;
         Selector.select(q, &statuses)
     }
 
@@ -261,7 +286,7 @@ impl Runtime {
             }
         })?;
         if let TierChoice::Tier(_) = choice {
-            let s = backend.probe().await;
+            let s = self.probe_tier(tier, false).await;
             if !s.available {
                 return Err(Error::Unavailable {
                     tier,
