@@ -163,7 +163,10 @@ impl Runtime {
         #[cfg(feature = "container")]
         {
             // The default configuration is always valid; a failure here is a bug worth a log line.
-            match backend_container::ContainerBackend::builder().build() {
+            match backend_container::ContainerBackend::builder()
+                .egress(sandbox_egress::shared_enforcer())
+                .build()
+            {
                 Ok(c) => b = b.backend(Arc::new(c)),
                 Err(e) => {
                     tracing::error!(error = %e, "container backend: default configuration refused")
@@ -172,7 +175,9 @@ impl Runtime {
         }
         #[cfg(feature = "gvisor")]
         {
-            b = b.backend(Arc::new(backend_gvisor::GvisorBackend::default()));
+            b = b.backend(Arc::new(backend_gvisor::GvisorBackend::new(
+                backend_gvisor::GvisorConfig::default().egress(sandbox_egress::shared_enforcer()),
+            )));
         }
         b
     }
@@ -298,17 +303,18 @@ impl Runtime {
         Ok(backend)
     }
 
-    /// Creates a sandbox, runs one command, destroys the sandbox. The returned timeline holds
+    /// Creates a sandbox, runs one command, destroys the sandbox. The result's timeline holds
     /// the create phases followed by the command as [`Phase::FirstCommand`].
     pub async fn run_once(
         &self,
         spec: &SandboxSpec,
         choice: TierChoice,
         req: ExecRequest,
-    ) -> Result<(Tier, ExecResult)> {
+    ) -> Result<RunOutput> {
         let sandbox = self.create(spec, choice).await?;
         let tier = sandbox.tier();
         let result = sandbox.exec(req).await;
+        let network = sandbox.network_events().await.unwrap_or_default();
         let created = sandbox.timeline().clone();
         let destroyed = sandbox.destroy().await;
         let mut result = result?;
@@ -319,6 +325,21 @@ impl Runtime {
             micros: u64::try_from(result.timeline.total().as_micros()).unwrap_or(u64::MAX),
         });
         result.timeline = timeline;
-        Ok((tier, result))
+        Ok(RunOutput {
+            tier,
+            result,
+            network,
+        })
     }
+}
+
+/// What [`Runtime::run_once`] returns.
+#[derive(Debug, Clone)]
+pub struct RunOutput {
+    /// The tier that ran the command.
+    pub tier: Tier,
+    /// The command's result.
+    pub result: ExecResult,
+    /// The egress decisions about the sandbox's traffic (empty under deny-all).
+    pub network: Vec<sandbox_core::NetworkEvent>,
 }

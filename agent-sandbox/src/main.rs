@@ -461,10 +461,12 @@ async fn run(runtime: &Runtime, args: RunArgs) -> ExitCode {
         TierArg::Microvm => TierChoice::Tier(Tier::Microvm),
     };
     match runtime.run_once(&spec, choice, req).await {
-        Ok((tier, r)) => {
+        Ok(out) => {
+            let (tier, r) = (out.tier, out.result);
             if args.json {
                 print_json(&json!({
                     "tier": tier,
+                    "network": out.network,
                     "exit_code": r.exit_code,
                     "stdout": r.stdout_str(),
                     "stderr": r.stderr_str(),
@@ -490,6 +492,9 @@ async fn run(runtime: &Runtime, args: RunArgs) -> ExitCode {
                         "agent-sandbox: output truncated at {} bytes per stream",
                         spec.limits.output_bytes
                     );
+                }
+                for ev in out.network.iter().filter(|e| !e.allowed) {
+                    eprintln!("agent-sandbox: network: {ev}");
                 }
             }
             let code = r.exit_code.unwrap_or(if r.limit.is_some() {

@@ -248,3 +248,113 @@ fn run_on_gvisor_prints_output_and_passes_exit_codes() {
     assert_eq!(out.status.code(), Some(137));
     assert!(String::from_utf8_lossy(&out.stderr).contains("wall-time"));
 }
+
+/// A one-request HTTP server on loopback answering `hello`; returns its port.
+fn loopback_http_server() -> u16 {
+    use std::io::{Read, Write};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { return };
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf);
+            let _ = s.write_all(
+                b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nConnection: close\r\n\r\nhello",
+            );
+        }
+    });
+    port
+}
+
+/// The sandboxed side: one absolute-URI request through `$HTTP_PROXY`, printing the status
+/// line and body (raw sockets: no client library decides anything for us).
+const PROXY_GET: &str = r#"
+import os, socket, sys
+host, port = os.environ["HTTP_PROXY"].split("//", 1)[1].rsplit(":", 1)
+s = socket.create_connection((host, int(port)), timeout=20)
+url = "URL"
+s.sendall(("GET %s HTTP/1.1\r\nHost: %s\r\nConnection: close\r\n\r\n" % (url, url.split("/")[2])).encode())
+data = b""
+while True:
+    b = s.recv(65536)
+    if not b:
+        break
+    data += b
+head, _, body = data.partition(b"\r\n\r\n")
+print(head.split(b"\r\n")[0].decode(), body.decode(errors="replace")[:40])
+"#;
+
+#[test]
+fn run_with_allow_host_reaches_only_what_it_allows() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 || !tier_available("container") {
+        eprintln!("SKIP: needs root and the container tier (see `agent-sandbox probe`)");
+        return;
+    }
+    // `localhost` resolves from /etc/hosts on the host side; loopback is allowed only because
+    // the command lists it (`--allow-cidr`), as the policy requires for any local range.
+    let port = loopback_http_server();
+    let url = format!("http://localhost:{port}/");
+    let ok = PROXY_GET.replace("URL", &url);
+    let refused = PROXY_GET.replace("URL", "http://not-listed.invalid/");
+    let base = [
+        "run",
+        "--tier",
+        "container",
+        "--allow-host",
+        "localhost",
+        "--allow-cidr",
+        "127.0.0.1/32",
+        "--allow-cidr",
+        "::1/128",
+        "--lang",
+        "python",
+        "-c",
+    ];
+    let mut args = base.to_vec();
+    args.push(&ok);
+    let out = cli(&args);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert_eq!(stdout.trim(), "HTTP/1.1 200 OK hello", "{stderr}");
+    // A name the flags do not list: refused by the proxy, reported on stderr, never resolved.
+    let mut args = base.to_vec();
+    args.push(&refused);
+    let out = cli(&args);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(stdout.starts_with("HTTP/1.1 403"), "{stdout}{stderr}");
+    assert!(
+        stderr.contains("network: denied not-listed.invalid"),
+        "{stderr}"
+    );
+    // --allow-internet still refuses the metadata endpoint (decided before any dial).
+    let out = cli(&[
+        "run",
+        "--tier",
+        "container",
+        "--allow-internet",
+        "--json",
+        "--lang",
+        "python",
+        "-c",
+        &PROXY_GET.replace("URL", "http://169.254.169.254/latest/meta-data/"),
+    ]);
+    let v = json(&out);
+    assert!(
+        v["stdout"].as_str().unwrap().starts_with("HTTP/1.1 403"),
+        "{v}"
+    );
+    let net = v["network"].as_array().unwrap();
+    assert!(
+        net.iter()
+            .any(|e| e["ip"] == "169.254.169.254" && e["allowed"] == false),
+        "{v}"
+    );
+}

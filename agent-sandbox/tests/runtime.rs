@@ -26,7 +26,7 @@ async fn explicit_tier_runs_and_timeline_has_first_command() {
         .secret_env("TOKEN", "T")
         .build()
         .unwrap();
-    let (tier, r) = rt
+    let out = rt
         .run_once(
             &spec,
             TierChoice::Tier(Tier::Unisolated),
@@ -34,6 +34,8 @@ async fn explicit_tier_runs_and_timeline_has_first_command() {
         )
         .await
         .unwrap();
+    let (tier, r) = (out.tier, out.result);
+    assert!(out.network.is_empty());
     assert_eq!(tier, Tier::Unisolated);
     assert_eq!(r.stdout_str(), "[REDACTED:TOKEN]\nhi\n");
     let phases: Vec<Phase> = r.timeline.phases.iter().map(|p| p.phase).collect();

@@ -222,8 +222,9 @@
 //! ## Network
 //!
 //! An empty network namespace with `lo` up: no route out (see [`network`]).
-//! [`NetworkPolicy::DenyAll`](sandbox_core::NetworkPolicy) is the only policy enforced without
-//! a [`NetnsHook`]; any other policy is refused with `Error::Unsupported`.
+//! [`NetworkPolicy::DenyAll`](sandbox_core::NetworkPolicy) is enforced by that alone; other
+//! policies need an [`EgressEnforcer`] ([`ContainerBuilder::egress`]) and are refused with
+//! `Error::Unsupported` without one.
 //!
 //! ## Files and snapshots
 //!
@@ -259,9 +260,9 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use sandbox_core::{
-    Backend, Capabilities, Error, IsolationBoundary, Language, NetworkMode, NetworkPolicy, Phase,
-    ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotId, SnapshotKind, SnapshotStore, Tier,
-    TierStatus, TimelineRecorder, Workspace,
+    Backend, Capabilities, EgressEnforcer, Error, IsolationBoundary, Language, NetworkMode,
+    NetworkPolicy, Phase, ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotId, SnapshotKind,
+    SnapshotStore, Tier, TierStatus, TimelineRecorder, Workspace,
 };
 
 mod cgroup;
@@ -278,7 +279,6 @@ pub mod seccomp;
 mod spawn;
 
 pub use cgroup::CgroupVersion;
-pub use network::{NetnsContext, NetnsHook};
 pub use sandbox::ContainerSandbox;
 
 use crate::sandbox::{Inner, ENGINE, TIER};
@@ -316,8 +316,8 @@ pub struct ContainerConfig {
     pub seccomp: bool,
     /// Install the Landlock domain when the kernel has Landlock (default `true`).
     pub landlock: bool,
-    /// The egress enforcer's hook, if any (see [`network`]).
-    pub network_hook: Option<Arc<dyn NetnsHook>>,
+    /// The egress enforcer for policies other than deny-all, if any (see [`network`]).
+    pub egress: Option<Arc<dyn EgressEnforcer>>,
 }
 
 impl Default for ContainerConfig {
@@ -330,7 +330,7 @@ impl Default for ContainerConfig {
             require_cgroups: true,
             seccomp: true,
             landlock: true,
-            network_hook: None,
+            egress: None,
         }
     }
 }
@@ -384,9 +384,9 @@ impl ContainerBuilder {
         self
     }
 
-    /// Plugs in a network namespace hook.
-    pub fn network_hook(mut self, hook: Arc<dyn NetnsHook>) -> Self {
-        self.cfg.network_hook = Some(hook);
+    /// Plugs in the egress enforcer that gives allowlisted sandboxes their path out.
+    pub fn egress(mut self, enforcer: Arc<dyn EgressEnforcer>) -> Self {
+        self.cfg.egress = Some(enforcer);
         self
     }
 
@@ -505,16 +505,16 @@ impl ContainerBackend {
                 "the wasm language (use the wasm tier)",
             ));
         }
-        let hook_ok = self
-            .cfg
-            .network_hook
-            .as_ref()
-            .is_some_and(|h| h.supports(&spec.network));
-        if spec.network != NetworkPolicy::DenyAll && !hook_ok {
-            return Err(Error::unsupported(
-                TIER,
-                "network policies other than deny-all (the egress enforcer is not plugged in)",
-            ));
+        if spec.network != NetworkPolicy::DenyAll {
+            match &self.cfg.egress {
+                Some(e) => e.check(&spec.network)?,
+                None => {
+                    return Err(Error::unsupported(
+                        TIER,
+                        "network policies other than deny-all (no egress enforcer is plugged in)",
+                    ))
+                }
+            }
         }
         rootfs::check_mounts(spec)?;
         if self.cfg.require_cgroups {
@@ -586,11 +586,15 @@ impl ContainerBackend {
         let user = if stay_root { 0 } else { spawn::SANDBOX_USER };
         // The plan and the seal are ready before the init starts: both are queued behind the
         // bootstrap, and the init runs them in order, stopping at the first failure.
-        let resolv = self
-            .cfg
-            .network_hook
+        let egress = match (&self.cfg.egress, &spec.network) {
+            (_, NetworkPolicy::DenyAll) | (None, _) => None,
+            (Some(e), policy) => Some((e.clone(), e.prepare(&id, policy)?)),
+        };
+        // From here on, a failed create must give the prepared link back.
+        let release = EgressRelease(egress.as_ref().map(|(e, _)| (e.clone(), id.clone())));
+        let resolv = egress
             .as_ref()
-            .and_then(|h| h.resolv_conf(&spec.network))
+            .map(|(_, plan)| plan.resolv_conf.clone())
             .unwrap_or_else(|| network::DEFAULT_RESOLV_CONF.to_string());
         let tmp_bytes = (spec.limits.disk_bytes / 4).max(16 << 20);
         let ops = rootfs::plan(&rootfs::Plan {
@@ -746,6 +750,11 @@ impl ContainerBackend {
         });
         env.insert("HOME".into(), "/workspace".into());
         env.entry("LANG".into()).or_insert_with(|| "C.UTF-8".into());
+        if let Some((_, plan)) = &egress {
+            for (k, v) in &plan.env {
+                env.insert(k.clone(), v.clone());
+            }
+        }
         let state_file = self
             .cfg
             .state_dir
@@ -765,7 +774,7 @@ impl ContainerBackend {
             ids,
             user,
             stay_root,
-            hook: self.cfg.network_hook.clone(),
+            egress: egress.as_ref().map(|(e, _)| e.clone()),
             state_file,
             terminated: Mutex::new(false),
             timer: Mutex::new(None),
@@ -786,15 +795,10 @@ impl ContainerBackend {
         }
         t.mark(Phase::Filesystem);
 
-        if let Some(h) = &self.cfg.network_hook {
-            let ctx = NetnsContext {
-                sandbox_id: id.clone(),
-                init_pid: pid,
-                netns_path: PathBuf::from(format!("/proc/{pid}/ns/net")),
-                policy: spec.network.clone(),
-            };
-            h.setup(&ctx)
-                .map_err(|e| Error::backend(TIER, format!("network hook: {e}")))?;
+        // The sandbox owns the link now: its teardown detaches it.
+        release.disarm();
+        if let Some((e, plan)) = &egress {
+            e.attach(plan, pid).await?;
             t.mark(Phase::Network);
         }
 
@@ -1009,18 +1013,8 @@ impl Backend for ContainerBackend {
 
     fn capabilities(&self) -> Capabilities {
         let mut network = vec![NetworkMode::DenyAll];
-        if let Some(h) = &self.cfg.network_hook {
-            if let Ok(p) = NetworkPolicy::allow_hosts(["example.com"]) {
-                if h.supports(&p) {
-                    network.push(NetworkMode::Allowlist);
-                }
-            }
-            if h.supports(&NetworkPolicy::AllowInternet {
-                deny: vec![],
-                private: vec![],
-            }) {
-                network.push(NetworkMode::Internet);
-            }
+        if self.cfg.egress.is_some() {
+            network.extend([NetworkMode::Allowlist, NetworkMode::Internet]);
         }
         let freezer = match self.host.version() {
             Some(CgroupVersion::V1) => self.host.v1.iter().any(|(c, _)| c == "freezer"),
@@ -1119,4 +1113,21 @@ fn files_unpack(sb: &ContainerSandbox, ws: &std::os::fd::OwnedFd, tar: &[u8]) ->
     use std::os::fd::AsRawFd;
     let _ids = files::FsIds::switch(sb.inner.owner());
     files::unpack(ws.as_raw_fd(), tar, sb.inner.owner())
+}
+
+/// Gives a prepared egress link back if a create fails before the sandbox owns it.
+struct EgressRelease(Option<(Arc<dyn EgressEnforcer>, String)>);
+
+impl EgressRelease {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for EgressRelease {
+    fn drop(&mut self) {
+        if let Some((e, id)) = self.0.take() {
+            e.detach_in_background(&id);
+        }
+    }
 }

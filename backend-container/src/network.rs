@@ -3,51 +3,21 @@
 //! Every sandbox gets a fresh network namespace (`CLONE_NEWNET` at clone time) in which the
 //! init brings `lo` up, and nothing else: no interface, no route, so no packet can leave,
 //! whatever the code does (TCP, UDP, ICMP, raw sockets, IPv6, DNS). That is
-//! [`NetworkPolicy::DenyAll`], the only policy enforced without a hook.
+//! [`NetworkPolicy::DenyAll`](sandbox_core::NetworkPolicy), enforced by the kernel alone.
 //!
-//! The egress enforcer (allowlists through a host-side proxy) plugs in with a [`NetnsHook`]:
-//! it is called once per sandbox after the namespace exists and before the first command
-//! runs, with the namespace's path, and again when the sandbox is destroyed.
+//! Any other policy needs an [`EgressEnforcer`](sandbox_core::EgressEnforcer) plugged in with
+//! [`ContainerBuilder::egress`](crate::ContainerBuilder::egress) (`sandbox-egress`'s
+//! `VethEnforcer` is the one the facade uses). The backend then:
+//! 1. asks the enforcer to `prepare` the sandbox before its init starts: the plan's
+//!    `/etc/resolv.conf` goes into the rootfs plan, its proxy variables into every command's
+//!    environment;
+//! 2. `attach`es the new namespace (by the init's pid) before any command runs: the enforcer
+//!    gives it one veth link whose only destination is the egress proxy (everything else is
+//!    redirected to the proxy or dropped on the far side, out of the sandbox's reach);
+//! 3. forwards [`Sandbox::set_network_policy`](sandbox_core::Sandbox::set_network_policy) and
+//!    [`Sandbox::network_events`](sandbox_core::Sandbox::network_events) to it;
+//! 4. `detach`es on destroy (and in the background when a sandbox is dropped).
 
-use std::fmt;
-use std::path::PathBuf;
-
-use sandbox_core::NetworkPolicy;
-
-/// What a hook is told about a new sandbox.
-#[derive(Debug, Clone)]
-pub struct NetnsContext {
-    /// The sandbox id.
-    pub sandbox_id: String,
-    /// Host pid of the sandbox's init (its namespaces are under `/proc/<pid>/ns/`).
-    pub init_pid: i32,
-    /// `/proc/<pid>/ns/net`: open it and `setns` to configure the namespace.
-    pub netns_path: PathBuf,
-    /// The policy the sandbox was created with.
-    pub policy: NetworkPolicy,
-}
-
-/// Extends a sandbox's network namespace (e.g. with a veth pair or a proxy socket).
-pub trait NetnsHook: Send + Sync + fmt::Debug {
-    /// Whether this hook can enforce `policy` (the backend refuses the spec otherwise).
-    fn supports(&self, policy: &NetworkPolicy) -> bool;
-
-    /// The content of the sandbox's `/etc/resolv.conf` for `policy` (`None`: our default,
-    /// which names no resolver).
-    fn resolv_conf(&self, policy: &NetworkPolicy) -> Option<String> {
-        let _ = policy;
-        None
-    }
-
-    /// Called once the namespace exists with `lo` up, before any command runs.
-    fn setup(&self, ctx: &NetnsContext) -> Result<(), String>;
-
-    /// Called when the sandbox is destroyed (its namespace dies with the init).
-    fn teardown(&self, sandbox_id: &str) {
-        let _ = sandbox_id;
-    }
-}
-
-/// `/etc/resolv.conf` of a sandbox without a hook.
+/// `/etc/resolv.conf` of a sandbox without network.
 pub(crate) const DEFAULT_RESOLV_CONF: &str =
     "# agent-sandbox: no network (this namespace has only loopback)\noptions timeout:1 attempts:1\n";

@@ -10,9 +10,10 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use bytes::Bytes;
 use sandbox_core::{
-    Command, DirEntry, Error, ExecEvent, ExecRequest, ExecResult, ExecStream, Language, LimitKind,
-    OutputBuffer, Phase, Redactor, Result, Sandbox, SandboxSpec, SnapshotDraft, SnapshotId,
-    SnapshotKind, SnapshotStore, Tier, Timeline, TimelineRecorder,
+    Command, DirEntry, EgressEnforcer, Error, ExecEvent, ExecRequest, ExecResult, ExecStream,
+    Language, LimitKind, NetworkEvent, NetworkPolicy, OutputBuffer, Phase, Redactor, Result,
+    Sandbox, SandboxSpec, SnapshotDraft, SnapshotId, SnapshotKind, SnapshotStore, Tier, Timeline,
+    TimelineRecorder,
 };
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
@@ -21,7 +22,6 @@ use tokio::sync::{mpsc, watch, Notify};
 use crate::cgroup::SandboxCgroup;
 use crate::ctl::{Ctl, Reply};
 use crate::files::{self, Owner};
-use crate::network::NetnsHook;
 use crate::proto::{self, Dec, Enc, ExecSpec};
 use crate::spawn::IdMap;
 
@@ -51,7 +51,8 @@ pub(crate) struct Inner {
     pub user: u32,
     /// Commands keep uid 0 inside (with no capabilities): rootless, or a rootfs directory.
     pub stay_root: bool,
-    pub hook: Option<Arc<dyn NetnsHook>>,
+    /// The egress enforcer this sandbox is attached to (policies other than deny-all).
+    pub egress: Option<Arc<dyn EgressEnforcer>>,
     pub state_file: Option<PathBuf>,
     pub terminated: Mutex<bool>,
     /// The lifetime timer, aborted on terminate.
@@ -256,8 +257,8 @@ impl Inner {
                 tracing::warn!(sandbox = %self.id, ?left, "cgroup directories could not be removed");
             }
         }
-        if let Some(h) = &self.hook {
-            h.teardown(&self.id);
+        if let Some(e) = &self.egress {
+            e.detach_in_background(&self.id);
         }
         if let Some(f) = &self.state_file {
             let _ = std::fs::remove_file(f);
@@ -720,6 +721,25 @@ impl Sandbox for ContainerSandbox {
         }
     }
 
+    async fn set_network_policy(&self, policy: NetworkPolicy) -> Result<()> {
+        self.inner.alive()?;
+        match &self.inner.egress {
+            Some(e) => e.update(&self.inner.id, &policy),
+            None => Err(Error::unsupported(
+                TIER,
+                "changing the network policy of a sandbox created with deny-all (it has no \
+                 path out to open; create it with an allowlist, even an empty one)",
+            )),
+        }
+    }
+
+    async fn network_events(&self) -> Result<Vec<NetworkEvent>> {
+        match &self.inner.egress {
+            Some(e) => e.events(&self.inner.id),
+            None => Ok(Vec::new()),
+        }
+    }
+
     async fn health_check(&self) -> Result<()> {
         self.inner.alive()?;
         self.inner.ping().await
@@ -732,6 +752,10 @@ impl Sandbox for ContainerSandbox {
             if c.can_freeze() {
                 let _ = c.freeze(false);
             }
+        }
+        // Detach first and wait for it, so nothing of the link is left when this returns.
+        if let Some(e) = &inner.egress {
+            e.detach(&inner.id).await;
         }
         tokio::task::spawn_blocking(move || inner.terminate("destroyed"))
             .await

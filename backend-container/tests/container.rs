@@ -593,46 +593,90 @@ async fn capabilities_and_probe_are_honest() {
     let _ = Command::Argv(vec![]);
 }
 
+/// Records the backend's calls to its egress enforcer (the real one is tested in
+/// agent-sandbox/tests/egress.rs).
 #[derive(Debug, Default)]
-struct RecordingHook {
+struct RecordingEnforcer {
     calls: std::sync::Mutex<Vec<String>>,
 }
 
-impl backend_container::NetnsHook for RecordingHook {
-    fn supports(&self, policy: &NetworkPolicy) -> bool {
-        matches!(policy, NetworkPolicy::Allow { .. })
+#[async_trait::async_trait]
+impl sandbox_core::EgressEnforcer for RecordingEnforcer {
+    fn check(&self, policy: &NetworkPolicy) -> sandbox_core::Result<()> {
+        match policy {
+            NetworkPolicy::AllowInternet { .. } => Err(Error::unsupported(
+                sandbox_core::Tier::Container,
+                "internet (test enforcer)",
+            )),
+            _ => Ok(()),
+        }
     }
 
-    fn resolv_conf(&self, _policy: &NetworkPolicy) -> Option<String> {
-        Some("nameserver 127.0.0.53\n".into())
+    fn prepare(
+        &self,
+        sandbox_id: &str,
+        _policy: &NetworkPolicy,
+    ) -> sandbox_core::Result<sandbox_core::EgressPlan> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push(format!("prepare {sandbox_id}"));
+        Ok(sandbox_core::EgressPlan {
+            sandbox_id: sandbox_id.into(),
+            env: vec![("HTTP_PROXY".into(), "http://10.200.0.1:3128".into())],
+            resolv_conf: "nameserver 10.200.0.1\n".into(),
+        })
     }
 
-    fn setup(&self, ctx: &backend_container::NetnsContext) -> Result<(), String> {
+    async fn attach(
+        &self,
+        plan: &sandbox_core::EgressPlan,
+        netns_pid: i32,
+    ) -> sandbox_core::Result<()> {
         // The namespace exists and is not ours.
-        let theirs = std::fs::read_link(&ctx.netns_path).map_err(|e| e.to_string())?;
-        let ours = std::fs::read_link("/proc/self/ns/net").map_err(|e| e.to_string())?;
+        let theirs = std::fs::read_link(format!("/proc/{netns_pid}/ns/net")).unwrap();
+        let ours = std::fs::read_link("/proc/self/ns/net").unwrap();
         assert_ne!(theirs, ours);
         self.calls
             .lock()
             .unwrap()
-            .push(format!("setup {}", ctx.sandbox_id));
+            .push(format!("attach {}", plan.sandbox_id));
         Ok(())
     }
 
-    fn teardown(&self, sandbox_id: &str) {
+    fn update(&self, sandbox_id: &str, _policy: &NetworkPolicy) -> sandbox_core::Result<()> {
         self.calls
             .lock()
             .unwrap()
-            .push(format!("teardown {sandbox_id}"));
+            .push(format!("update {sandbox_id}"));
+        Ok(())
+    }
+
+    fn events(&self, _sandbox_id: &str) -> sandbox_core::Result<Vec<sandbox_core::NetworkEvent>> {
+        Ok(Vec::new())
+    }
+
+    async fn detach(&self, sandbox_id: &str) {
+        self.calls
+            .lock()
+            .unwrap()
+            .push(format!("detach {sandbox_id}"));
+    }
+
+    fn detach_in_background(&self, sandbox_id: &str) {
+        self.calls
+            .lock()
+            .unwrap()
+            .push(format!("detach-bg {sandbox_id}"));
     }
 }
 
 #[tokio::test]
-async fn network_hook_is_called_with_the_sandbox_namespace() {
+async fn egress_enforcer_is_driven_through_the_sandbox_lifecycle() {
     require_host!();
-    let hook = std::sync::Arc::new(RecordingHook::default());
+    let enforcer = std::sync::Arc::new(RecordingEnforcer::default());
     let b = ContainerBackend::builder()
-        .network_hook(hook.clone())
+        .egress(enforcer.clone())
         .build()
         .unwrap();
     assert!(b
@@ -647,15 +691,26 @@ async fn network_hook_is_called_with_the_sandbox_namespace() {
     assert!(sb.timeline().get(sandbox_core::Phase::Network).is_some());
     assert_eq!(
         sh_ok(sb.as_ref(), "cat /etc/resolv.conf").await,
-        "nameserver 127.0.0.53\n"
+        "nameserver 10.200.0.1\n"
     );
+    assert_eq!(
+        sh_ok(sb.as_ref(), "echo $HTTP_PROXY").await,
+        "http://10.200.0.1:3128\n"
+    );
+    sb.set_network_policy(NetworkPolicy::DenyAll).await.unwrap();
     let id = sb.id().to_string();
     sb.destroy().await.unwrap();
+    let calls = enforcer.calls.lock().unwrap().clone();
     assert_eq!(
-        *hook.calls.lock().unwrap(),
-        [format!("setup {id}"), format!("teardown {id}")]
+        calls[..4],
+        [
+            format!("prepare {id}"),
+            format!("attach {id}"),
+            format!("update {id}"),
+            format!("detach {id}")
+        ]
     );
-    // A policy the hook does not support is still refused.
+    // A policy the enforcer refuses is refused at create; a deny-all sandbox never asks it.
     let spec = SandboxSpec::builder(Language::Shell)
         .network(NetworkPolicy::AllowInternet {
             deny: vec![],
@@ -667,6 +722,21 @@ async fn network_hook_is_called_with_the_sandbox_namespace() {
         b.create(&spec, ResolvedSecrets::none()).await,
         Err(Error::Unsupported { .. })
     ));
+    let before = enforcer.calls.lock().unwrap().len();
+    let sb = b
+        .create(
+            &SandboxSpec::builder(Language::Shell).build().unwrap(),
+            ResolvedSecrets::none(),
+        )
+        .await
+        .unwrap();
+    assert!(matches!(
+        sb.set_network_policy(NetworkPolicy::allow_hosts(["a.test"]).unwrap())
+            .await,
+        Err(Error::Unsupported { .. })
+    ));
+    sb.destroy().await.unwrap();
+    assert_eq!(enforcer.calls.lock().unwrap().len(), before);
 }
 
 #[tokio::test]

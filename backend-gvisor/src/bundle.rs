@@ -185,6 +185,7 @@ pub fn config(
     workspace: &Path,
     workspace_read_only: bool,
     cgroup: &str,
+    resolv_conf: Option<&Path>,
 ) -> Result<Spec> {
     let mut mounts = vec![MountBuilder::default()
         .destination("/proc")
@@ -218,6 +219,9 @@ pub fn config(
             .map_err(oci)?,
     );
     mounts.push(bind("/workspace", workspace, workspace_read_only)?);
+    if let Some(r) = resolv_conf {
+        mounts.push(bind("/etc/resolv.conf", r, true)?);
+    }
     for m in &spec.mounts {
         mounts.push(bind(&m.target, &m.source, m.read_only)?);
     }

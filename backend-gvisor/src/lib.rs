@@ -32,10 +32,17 @@
 //! seconds (`RLIMIT_CPU`) are enforced per exec.
 //!
 //! ## Network
-//! Always `--network=none`: the sandbox has only its own loopback. (`--network=sandbox` fails
-//! on current kernels with "cannot run with network enabled in root network namespace"; the
-//! egress enforcer will give allowlisted sandboxes a path out instead.) Specs asking for
-//! network access are refused with `Unsupported` until then.
+//! Deny-all (the default): `--network=none`, the sandbox has only gVisor's own loopback.
+//!
+//! Any other policy needs an [`EgressEnforcer`] ([`GvisorConfig::egress`]; refused with
+//! `Unsupported` without one). runsc then starts in a **network namespace of its own** (made
+//! for it at spawn time) with `--network=host`: gVisor passes socket calls to the host kernel
+//! *of that namespace*, whose only link is the enforcer's veth to the egress proxy
+//! (`--network=sandbox` fails on current kernels with "cannot run with network enabled in root
+//! network namespace"). Commands get the proxy variables, `/etc/resolv.conf` names the proxy's
+//! DNS responder, and code that ignores the proxy is captured transparently or dropped on the
+//! far side of the link. Such sandboxes cannot be snapshotted: runsc refuses to checkpoint
+//! a sandbox that uses host networking (`Unsupported` says so).
 //!
 //! ## Troubleshooting
 //! `AGENT_SANDBOX_RUNSC_DEBUG=/some/dir` makes every runsc call write its debug logs there.
@@ -62,8 +69,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use async_trait::async_trait;
 use sandbox_core::{
-    Backend, Capabilities, Error, IsolationBoundary, Language, NetworkMode, ResolvedSecrets,
-    Result, Sandbox, SandboxSpec, SnapshotId, SnapshotKind, SnapshotStore, Tier, TierStatus,
+    Backend, Capabilities, EgressEnforcer, Error, IsolationBoundary, Language, NetworkMode,
+    ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotId, SnapshotKind, SnapshotStore, Tier,
+    TierStatus,
 };
 
 pub use runsc::{Platform, RunscInfo};
@@ -80,6 +88,8 @@ pub struct GvisorConfig {
     pub platform: Option<Platform>,
     /// Where per-sandbox state lives (default: `$TMPDIR/agent-sandbox-gvisor`).
     pub state_dir: Option<PathBuf>,
+    /// The egress enforcer for policies other than deny-all, if any (see the crate docs).
+    pub egress: Option<Arc<dyn EgressEnforcer>>,
 }
 
 impl GvisorConfig {
@@ -98,6 +108,12 @@ impl GvisorConfig {
     /// Keeps sandbox state under this directory.
     pub fn state_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.state_dir = Some(dir.into());
+        self
+    }
+
+    /// Plugs in the egress enforcer that gives allowlisted sandboxes their path out.
+    pub fn egress(mut self, enforcer: Arc<dyn EgressEnforcer>) -> Self {
+        self.egress = Some(enforcer);
         self
     }
 }
@@ -211,7 +227,15 @@ impl Backend for GvisorBackend {
             argv: true,
             boundary: IsolationBoundary::UserSpaceKernel,
             snapshots: vec![SnapshotKind::Filesystem, SnapshotKind::FullMemory],
-            network: vec![NetworkMode::DenyAll],
+            network: if self.config.egress.is_some() {
+                vec![
+                    NetworkMode::DenyAll,
+                    NetworkMode::Allowlist,
+                    NetworkMode::Internet,
+                ]
+            } else {
+                vec![NetworkMode::DenyAll]
+            },
             pause_resume: true,
             streaming: true,
             persistent_state: true,

@@ -1,7 +1,10 @@
 //! The `runsc` binary: discovery, version, platforms, and command lines.
 
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::Arc;
 
 use sandbox_core::{Error, Result, Tier};
 
@@ -169,16 +172,23 @@ pub struct Runsc {
     /// Wrap the root mount in an in-memory overlay (`--overlay2=root:memory`): used for a
     /// caller's rootfs directory, which must never be written.
     pub overlay_root: bool,
+    /// With `Some`, `--network=host` inside this network namespace (made for the sandbox and
+    /// connected to the egress enforcer) instead of `--network=none`. Every runsc call of
+    /// the sandbox runs in it: runsc reaches a running sandbox through an abstract Unix
+    /// socket, and those are scoped by network namespace.
+    pub netns: Option<Arc<std::fs::File>>,
 }
 
 impl Runsc {
-    /// A command with the global flags every call needs. The network is always `none`:
-    /// rootless `do` silently switches to host networking without an explicit flag, and the
-    /// `sandbox` mode fails on current kernels.
+    /// A command with the global flags every call needs. The network flag is always explicit
+    /// (rootless `do` silently switches to host networking without one; the `sandbox` mode
+    /// fails on current kernels): `none`, or `host` for a sandbox attached to the egress
+    /// enforcer.
     pub fn command(&self) -> Command {
         let mut c = Command::new(&self.bin);
+        let net = if self.netns.is_some() { "host" } else { "none" };
         c.arg(format!("--root={}", self.root.display()))
-            .arg("--network=none")
+            .arg(format!("--network={net}"))
             .arg(format!("--platform={}", self.platform.name()));
         if self.overlay_root {
             c.arg("--overlay2=root:memory");
@@ -193,7 +203,37 @@ impl Runsc {
         c.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
+        if let Some(ns) = &self.netns {
+            let fd = ns.as_raw_fd();
+            // SAFETY: the closure runs in the forked child before exec and only calls the
+            // async-signal-safe `setns` on a descriptor the child inherited (`ns` outlives
+            // the command: it is owned by the sandbox).
+            unsafe {
+                c.pre_exec(move || {
+                    if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
+        }
         c
+    }
+
+    /// A new, empty network namespace for a sandbox attached to the egress enforcer (held
+    /// open by the returned file: it lives as long as the sandbox keeps it).
+    pub fn new_netns() -> Result<Arc<std::fs::File>> {
+        let made = std::thread::spawn(|| -> std::io::Result<std::fs::File> {
+            // SAFETY: unshare(CLONE_NEWNET) moves only this short-lived thread.
+            if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            std::fs::File::open("/proc/thread-self/ns/net")
+        })
+        .join()
+        .map_err(|_| Error::backend(Tier::Gvisor, "network namespace thread panicked"))?;
+        made.map(Arc::new)
+            .map_err(|e| Error::io("create the sandbox's network namespace", e))
     }
 
     /// The same, for tokio.

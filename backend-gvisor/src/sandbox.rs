@@ -10,10 +10,11 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use sandbox_core::{
-    fsnap, pump_output, Command, DirEntry, Error, ExecEvent, ExecRequest, ExecResult, ExecStream,
-    Language, LimitKind, Phase, Redactor, ResolvedSecrets, Result, Sandbox, SandboxSpec,
-    SnapshotDraft, SnapshotError, SnapshotId, SnapshotKind, SnapshotStore, StreamKind, StreamSink,
-    Tier, Timeline, TimelineRecorder, Workspace, WorkspacePath,
+    fsnap, pump_output, Command, DirEntry, EgressEnforcer, EgressPlan, Error, ExecEvent,
+    ExecRequest, ExecResult, ExecStream, Language, LimitKind, NetworkEvent, NetworkPolicy, Phase,
+    Redactor, ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotDraft, SnapshotError,
+    SnapshotId, SnapshotKind, SnapshotStore, StreamKind, StreamSink, Tier, Timeline,
+    TimelineRecorder, Workspace, WorkspacePath,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, RwLock};
@@ -60,6 +61,8 @@ struct Inner {
     seq: AtomicU64,
     /// Execs hold it shared; a snapshot holds it exclusively until the sandbox is resumed.
     lifecycle: Arc<RwLock<()>>,
+    /// The egress enforcer and this sandbox's plan (policies other than deny-all).
+    egress: Option<(Arc<dyn EgressEnforcer>, EgressPlan)>,
 }
 
 impl std::fmt::Debug for GvisorSandbox {
@@ -91,12 +94,19 @@ impl GvisorSandbox {
         restore: Option<Restore>,
     ) -> Result<Self> {
         spec.validate()?;
-        if spec.network.allows_any_network() {
-            return Err(Error::unsupported(
-                TIER,
-                "network egress (only deny-all is enforced on this tier yet)",
-            ));
-        }
+        let enforcer = match (&spec.network, &backend.config.egress) {
+            (NetworkPolicy::DenyAll, _) => None,
+            (_, None) => {
+                return Err(Error::unsupported(
+                    TIER,
+                    "network policies other than deny-all (no egress enforcer is plugged in)",
+                ))
+            }
+            (p, Some(e)) => {
+                e.check(p)?;
+                Some(e.clone())
+            }
+        };
         if spec.language == Language::Wasm {
             return Err(Error::unsupported(
                 TIER,
@@ -145,6 +155,20 @@ impl GvisorSandbox {
         env.entry("HOME".into())
             .or_insert_with(|| "/workspace".into());
         env.entry("LANG".into()).or_insert_with(|| "C.UTF-8".into());
+        let netns = match enforcer {
+            Some(_) => Some(Runsc::new_netns()?),
+            None => None,
+        };
+        let egress = match enforcer {
+            Some(e) => {
+                let plan = e.prepare(&id, &spec.network)?;
+                for (k, v) in &plan.env {
+                    env.insert(k.clone(), v.clone());
+                }
+                Some((e, plan))
+            }
+            None => None,
+        };
         let inner = Arc::new(Inner {
             id: id.clone(),
             spec: spec.clone(),
@@ -153,6 +177,7 @@ impl GvisorSandbox {
                 root: runsc_root,
                 platform: r.platform,
                 overlay_root: spec.rootfs.is_some(),
+                netns,
             },
             engine: r.info.version.clone(),
             dir,
@@ -169,6 +194,7 @@ impl GvisorSandbox {
             born: Instant::now(),
             seq: AtomicU64::new(0),
             lifecycle: Arc::new(RwLock::new(())),
+            egress,
         });
         t.mark(Phase::Allocation);
         // From here on, a failure tears down whatever was made.
@@ -178,6 +204,9 @@ impl GvisorSandbox {
                 timeline: t.finish(),
             }),
             Err(e) => {
+                if let Some((enf, _)) = &inner.egress {
+                    enf.detach(&inner.id).await;
+                }
                 let i = Arc::clone(&inner);
                 let _ = tokio::task::spawn_blocking(move || i.teardown()).await;
                 Err(e)
@@ -251,7 +280,22 @@ impl Inner {
             bundle::write_rootfs(&self.bundle, who)?;
         }
         let cgroup = format!("agent-sandbox-gvisor-{}", self.id);
-        let cfg = bundle::config(&self.spec, who, &self.workspace, self.read_only(), &cgroup)?;
+        let resolv = match &self.egress {
+            Some((_, plan)) => {
+                let p = self.dir.join("resolv.conf");
+                std::fs::write(&p, &plan.resolv_conf).map_err(io("write", &p))?;
+                Some(p)
+            }
+            None => None,
+        };
+        let cfg = bundle::config(
+            &self.spec,
+            who,
+            &self.workspace,
+            self.read_only(),
+            &cgroup,
+            resolv.as_deref(),
+        )?;
         bundle::save(&cfg, &self.bundle)?;
         let image_dir = self.dir.join("restore-image");
         if let Some(r) = &restore {
@@ -277,7 +321,11 @@ impl Inner {
         };
         let what = if restore.is_some() { "restore" } else { "run" };
         run_detached(cmd, &self.dir.join("runsc.log"), what).await?;
-        self.track_processes().await;
+        let boot = self.track_processes().await;
+        self.attach_network(boot).await?;
+        if self.egress.is_some() {
+            t.mark(Phase::Network);
+        }
         if restore.is_some() {
             let _ = std::fs::remove_dir_all(&image_dir);
             t.mark(Phase::Restore);
@@ -314,7 +362,22 @@ impl Inner {
         .map_err(|e| Error::io_path("mount a tmpfs workspace on", &self.workspace, e.into()))
     }
 
-    async fn track_processes(&self) {
+    /// Connects the sandbox's namespace (that of its `boot` process) to the egress enforcer.
+    async fn attach_network(&self, boot: Option<i32>) -> Result<()> {
+        let Some((e, plan)) = &self.egress else {
+            return Ok(());
+        };
+        let Some(pid) = boot else {
+            return Err(Error::backend(
+                TIER,
+                "the gVisor sandbox process was not found: cannot attach its network",
+            ));
+        };
+        e.attach(plan, pid).await
+    }
+
+    /// Finds the runsc processes of this sandbox; returns the sandbox (`boot`) process.
+    async fn track_processes(&self) -> Option<i32> {
         let needle = format!("--root={}", self.runsc.root.display());
         let pids = reaper::children_matching(&needle);
         // The sandbox process (`runsc-sandbox ... boot`) carries the container's cgroups.
@@ -336,6 +399,7 @@ impl Inner {
         if let Ok(mut m) = self.cgroup.lock() {
             *m = cg;
         }
+        boot
     }
 
     /// `(oom kills, pids-limit hits)` of the sandbox's cgroups, where readable.
@@ -602,6 +666,9 @@ impl Inner {
 
     /// Deletes the container and removes the host state. Safe to repeat.
     fn cleanup(&self) {
+        if let Some((e, _)) = &self.egress {
+            e.detach_in_background(&self.id);
+        }
         self.delete_container();
         if self.workspace_tmpfs {
             let _ = nix::mount::umount2(&self.workspace, nix::mount::MntFlags::MNT_DETACH);
@@ -634,6 +701,15 @@ impl Inner {
     /// the next exec waits for it. The call returns once the snapshot is stored.
     async fn snapshot(self: &Arc<Self>, store: &dyn SnapshotStore) -> Result<SnapshotId> {
         self.alive()?;
+        if self.egress.is_some() {
+            // runsc: "checkpoint not supported when using hostinet".
+            return Err(Error::unsupported(
+                TIER,
+                "snapshots of a sandbox with network access (gVisor cannot checkpoint a sandbox \
+                 using the host network stack, which the egress path needs); snapshot a \
+                 deny-all sandbox instead",
+            ));
+        }
         let guard = Arc::clone(&self.lifecycle).write_owned().await;
         self.alive()?;
         let image = self.dir.join(format!(
@@ -850,9 +926,34 @@ impl Sandbox for GvisorSandbox {
         // Not waiting for execs: a running one is killed with the container. A resume in
         // progress after a snapshot sees `gone` when it finishes and cleans up after itself.
         let inner = Arc::clone(&self.inner);
+        // Detach first and wait, so nothing of the link is left when this returns.
+        if let Some((e, _)) = &inner.egress {
+            if !inner.gone.load(Ordering::SeqCst) {
+                e.detach(&inner.id).await;
+            }
+        }
         tokio::task::spawn_blocking(move || inner.teardown())
             .await
             .map_err(|e| Error::backend(TIER, format!("teardown task failed: {e}")))
+    }
+
+    async fn set_network_policy(&self, policy: NetworkPolicy) -> Result<()> {
+        self.inner.alive()?;
+        match &self.inner.egress {
+            Some((e, _)) => e.update(&self.inner.id, &policy),
+            None => Err(Error::unsupported(
+                TIER,
+                "changing the network policy of a sandbox created with deny-all (it has no \
+                 path out to open; create it with an allowlist, even an empty one)",
+            )),
+        }
+    }
+
+    async fn network_events(&self) -> Result<Vec<NetworkEvent>> {
+        match &self.inner.egress {
+            Some((e, _)) => e.events(&self.inner.id),
+            None => Ok(Vec::new()),
+        }
     }
 }
 

@@ -10,6 +10,7 @@
 #![forbid(unsafe_op_in_unsafe_fn)]
 
 pub mod capabilities;
+pub mod egress;
 pub mod error;
 pub mod exec;
 pub mod fsnap;
@@ -26,6 +27,7 @@ pub mod tier;
 pub mod timeline;
 
 pub use capabilities::{Capabilities, NetworkMode, SnapshotKind};
+pub use egress::{EgressEnforcer, EgressPlan, NetworkEvent};
 pub use error::{Error, Result};
 pub use exec::{
     pump_output, Command, ExecEvent, ExecRequest, ExecResult, ExecStream, LimitKind, OutputBuffer,

@@ -5,9 +5,11 @@ use std::sync::Arc;
 use async_trait::async_trait;
 
 use crate::capabilities::Capabilities;
+use crate::egress::NetworkEvent;
 use crate::error::{Error, Result};
 use crate::exec::{ExecRequest, ExecResult, ExecStream};
 use crate::path::DirEntry;
+use crate::policy::NetworkPolicy;
 use crate::probe::TierStatus;
 use crate::secrets::ResolvedSecrets;
 use crate::snapshot::{SnapshotId, SnapshotStore};
@@ -99,6 +101,24 @@ pub trait Sandbox: Send + Sync {
     /// Resumes a paused sandbox.
     async fn resume(&self) -> Result<()> {
         Err(Error::unsupported(self.tier(), "pause/resume"))
+    }
+
+    /// Replaces the network policy of a running sandbox: the next connection is decided by
+    /// the new one, open connections are left as they are. Works for sandboxes created with
+    /// a policy other than `DenyAll` (those are attached to an egress enforcer); a sandbox
+    /// created with `DenyAll` has no path out to open later.
+    async fn set_network_policy(&self, policy: NetworkPolicy) -> Result<()> {
+        let _ = policy;
+        Err(Error::unsupported(
+            self.tier(),
+            "changing the network policy of a running sandbox",
+        ))
+    }
+
+    /// The egress decisions about this sandbox's traffic so far, oldest first (bounded).
+    /// Empty for a `DenyAll` sandbox: its packets have no route, nothing is asked.
+    async fn network_events(&self) -> Result<Vec<NetworkEvent>> {
+        Ok(Vec::new())
     }
 
     /// A cheap liveness check used by warm pools before handing a sandbox out.

@@ -27,6 +27,20 @@ pub enum Via {
     Dns,
 }
 
+impl Via {
+    /// The kebab-case name (as serialized).
+    pub fn name(self) -> &'static str {
+        match self {
+            Via::Http => "http",
+            Via::Connect => "connect",
+            Via::TransparentHttp => "transparent-http",
+            Via::TransparentTls => "transparent-tls",
+            Via::TransparentTcp => "transparent-tcp",
+            Via::Dns => "dns",
+        }
+    }
+}
+
 /// Why a connection was allowed or refused.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", content = "detail", rename_all = "kebab-case")]

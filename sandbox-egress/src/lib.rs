@@ -95,6 +95,8 @@
 
 pub mod audit;
 pub mod dns;
+#[cfg(target_os = "linux")]
+pub mod enforcer;
 mod http;
 pub mod net;
 #[cfg(target_os = "linux")]
@@ -103,6 +105,8 @@ mod proxy;
 pub mod tls;
 
 pub use audit::{AuditEntry, AuditRule, Via};
+#[cfg(target_os = "linux")]
+pub use enforcer::{shared as shared_enforcer, LazyEnforcer, VethEnforcer, VethEnforcerBuilder};
 pub use net::{Dialer, Resolver, StaticResolver, SystemResolver, TcpDialer, UpstreamStream};
 pub use proxy::{
     EgressProxy, EgressProxyBuilder, ListenOptions, NoOriginalDst, OriginalDst, ProxyConfig,

@@ -23,9 +23,7 @@ use std::path::PathBuf;
 use std::process::Stdio;
 
 use sandbox_core::Error;
-use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
-use tokio::process::Command;
 
 use crate::proxy::OriginalDst;
 
@@ -38,6 +36,9 @@ pub enum Netns {
     Named(String),
     /// The namespace of this process (e.g. a sandbox's init).
     Pid(i32),
+    /// A namespace file (e.g. `/proc/<pid>/fd/<n>` of an open namespace descriptor). It can
+    /// be the host side of a veth pair, not the sandbox side (`ip` moves links by pid or name).
+    Path(PathBuf),
 }
 
 impl Netns {
@@ -46,6 +47,7 @@ impl Netns {
             Netns::Current => None,
             Netns::Named(n) => Some(PathBuf::from(format!("/var/run/netns/{n}"))),
             Netns::Pid(p) => Some(PathBuf::from(format!("/proc/{p}/ns/net"))),
+            Netns::Path(p) => Some(p.clone()),
         }
     }
 
@@ -55,21 +57,119 @@ impl Netns {
             Netns::Current => None,
             Netns::Named(n) => Some(n.clone()),
             Netns::Pid(p) => Some(p.to_string()),
+            Netns::Path(_) => None,
         }
     }
 
-    fn command(&self, program: &str) -> Command {
-        match self.path() {
-            None => Command::new(program),
-            Some(p) => {
-                let mut c = Command::new("nsenter");
-                c.arg(format!("--net={}", p.display()))
-                    .arg("--")
-                    .arg(program);
-                c
-            }
+    /// Runs `program args` inside this namespace, with `stdin` as its input, and returns its
+    /// stdout. The child is spawned from a short-lived thread that joined the namespace
+    /// (`setns`), so no `nsenter` process is needed.
+    pub(crate) async fn output(
+        &self,
+        program: &str,
+        args: &[&str],
+        stdin: Option<&str>,
+    ) -> Result<Vec<u8>, Error> {
+        let path = self.path();
+        let what = format!("{program} {}", args.join(" "));
+        let program = program.to_string();
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let input = stdin.map(str::to_string);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name("egress-netns".into())
+            .spawn(move || {
+                let _ = tx.send(run_blocking(path, &program, &args, input));
+            })
+            .map_err(|e| Error::io("egress netns: start a thread", e))?;
+        let out = rx
+            .await
+            .map_err(|_| Error::io("egress netns: helper thread", std::io::Error::other("lost")))?
+            .map_err(|e| Error::io(format!("egress netns: run {what}"), e))?;
+        if out.status.success() {
+            Ok(out.stdout)
+        } else {
+            Err(Error::invalid(
+                "network",
+                format!(
+                    "egress netns setup: `{what}` failed ({}): {}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            ))
         }
     }
+}
+
+impl Netns {
+    /// [`Netns::output`] for synchronous callers (blocks on a helper thread).
+    pub(crate) fn output_blocking(
+        &self,
+        program: &str,
+        args: &[&str],
+        stdin: Option<&str>,
+    ) -> Result<Vec<u8>, Error> {
+        let path = self.path();
+        let what = format!("{program} {}", args.join(" "));
+        let program = program.to_string();
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let input = stdin.map(str::to_string);
+        let out = std::thread::Builder::new()
+            .name("egress-netns".into())
+            .spawn(move || run_blocking(path, &program, &args, input))
+            .map_err(|e| Error::io("egress netns: start a thread", e))?
+            .join()
+            .map_err(|_| {
+                Error::io(
+                    "egress netns: helper thread",
+                    std::io::Error::other("panicked"),
+                )
+            })?
+            .map_err(|e| Error::io(format!("egress netns: run {what}"), e))?;
+        if out.status.success() {
+            Ok(out.stdout)
+        } else {
+            Err(Error::invalid(
+                "network",
+                format!(
+                    "egress netns setup: `{what}` failed ({}): {}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            ))
+        }
+    }
+}
+
+/// The body of [`Netns::output`], on its own thread.
+fn run_blocking(
+    ns: Option<PathBuf>,
+    program: &str,
+    args: &[String],
+    input: Option<String>,
+) -> std::io::Result<std::process::Output> {
+    use std::io::Write;
+    if let Some(p) = ns {
+        let f = std::fs::File::open(&p)?;
+        // SAFETY: setns on this dedicated, short-lived thread only; `f` is an open netns file.
+        if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    let mut child = std::process::Command::new(program)
+        .args(args)
+        .stdin(if input.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    if let (Some(text), Some(mut pipe)) = (input, child.stdin.take()) {
+        pipe.write_all(text.as_bytes())?;
+    }
+    child.wait_with_output()
 }
 
 /// One sandbox's veth pair and rules.
@@ -98,42 +198,6 @@ fn valid_ifname(n: &str) -> bool {
         && n.len() <= 15
         && n.bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-}
-
-async fn run(mut cmd: Command, stdin: Option<&str>) -> Result<(), Error> {
-    let what = format!("{:?}", cmd.as_std());
-    cmd.stdin(if stdin.is_some() {
-        Stdio::piped()
-    } else {
-        Stdio::null()
-    })
-    .stdout(Stdio::null())
-    .stderr(Stdio::piped());
-    let mut child = cmd
-        .spawn()
-        .map_err(|e| Error::io(format!("egress netns: spawn {what}"), e))?;
-    if let (Some(input), Some(mut pipe)) = (stdin, child.stdin.take()) {
-        pipe.write_all(input.as_bytes())
-            .await
-            .map_err(|e| Error::io(format!("egress netns: write to {what}"), e))?;
-        drop(pipe);
-    }
-    let out = child
-        .wait_with_output()
-        .await
-        .map_err(|e| Error::io(format!("egress netns: wait for {what}"), e))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(Error::invalid(
-            "network",
-            format!(
-                "egress netns setup: {what} failed ({}): {}",
-                out.status,
-                String::from_utf8_lossy(&out.stderr).trim()
-            ),
-        ))
-    }
 }
 
 impl VethConfig {
@@ -213,49 +277,95 @@ impl VethConfig {
     }
 
     async fn setup_inner(&self, host: &Netns, sandbox: &Netns, target: &str) -> Result<(), Error> {
-        let (h, s) = (self.host_if.as_str(), self.sandbox_if.as_str());
-        let ip = |ns: &Netns, args: &[&str]| {
-            let mut c = ns.command("ip");
-            c.args(args);
-            c
+        self.setup_link_inner(host, sandbox, target).await?;
+        host.output("nft", &["-f", "-"], Some(&self.host_ruleset()))
+            .await?;
+        Ok(())
+    }
+
+    /// Like [`setup`](Self::setup) but without the per-link host table: for a host namespace
+    /// that already holds [`shared_host_ruleset`] for every link.
+    pub async fn setup_link(&self, host: &Netns, sandbox: &Netns) -> Result<(), Error> {
+        self.check()?;
+        let Some(target) = sandbox.ip_arg() else {
+            return Err(Error::invalid(
+                "network.veth",
+                "the sandbox side must be another namespace",
+            ));
         };
-        run(
-            ip(host, &["link", "add", h, "type", "veth", "peer", "name", s]),
-            None,
-        )
-        .await?;
-        run(ip(host, &["link", "set", s, "netns", target]), None).await?;
-        let host_addr = format!("{}/{}", self.host_ip, self.prefix);
-        let sb_addr = format!("{}/{}", self.sandbox_ip, self.prefix);
-        run(ip(host, &["addr", "add", &host_addr, "dev", h]), None).await?;
-        run(ip(host, &["link", "set", h, "up"]), None).await?;
-        let mut nft = host.command("nft");
-        nft.args(["-f", "-"]);
-        run(nft, Some(&self.host_ruleset())).await?;
-        run(ip(sandbox, &["addr", "add", &sb_addr, "dev", s]), None).await?;
-        run(ip(sandbox, &["link", "set", s, "up"]), None).await?;
-        run(ip(sandbox, &["link", "set", "lo", "up"]), None).await?;
-        let via = self.host_ip.to_string();
-        run(
-            ip(sandbox, &["route", "add", "default", "via", &via, "dev", s]),
-            None,
-        )
-        .await?;
-        let mut nft = sandbox.command("nft");
-        nft.args(["-f", "-"]);
-        run(nft, Some(&self.sandbox_ruleset())).await?;
+        let res = self.setup_link_inner(host, sandbox, &target).await;
+        if res.is_err() {
+            self.teardown_link(host).await;
+        }
+        res
+    }
+
+    async fn setup_link_inner(
+        &self,
+        host: &Netns,
+        sandbox: &Netns,
+        target: &str,
+    ) -> Result<(), Error> {
+        // Three processes: one `ip -batch` per side and the sandbox's `nft -f`.
+        let (h, s) = (self.host_if.as_str(), self.sandbox_if.as_str());
+        let host_script = format!(
+            "link add {h} type veth peer name {s}\nlink set {s} netns {target}\naddr add {}/{} dev {h}\nlink set {h} up\n",
+            self.host_ip, self.prefix
+        );
+        host.output("ip", &["-batch", "-"], Some(&host_script))
+            .await?;
+        let sandbox_script = format!(
+            "addr add {}/{} dev {s}\nlink set {s} up\nlink set lo up\nroute add default via {} dev {s}\n",
+            self.sandbox_ip, self.prefix, self.host_ip
+        );
+        sandbox
+            .output("ip", &["-batch", "-"], Some(&sandbox_script))
+            .await?;
+        sandbox
+            .output("nft", &["-f", "-"], Some(&self.sandbox_ruleset()))
+            .await?;
         Ok(())
     }
 
     /// Removes the host end (its peer goes with it) and the host table. Idempotent.
     pub async fn teardown(&self, host: &Netns) {
-        let mut del = host.command("ip");
-        del.args(["link", "del", &self.host_if]);
-        let _ = run(del, None).await;
-        let mut nft = host.command("nft");
-        nft.args(["delete", "table", "inet", &self.host_table()]);
-        let _ = run(nft, None).await;
+        self.teardown_link(host).await;
+        let _ = host
+            .output(
+                "nft",
+                &["delete", "table", "inet", &self.host_table()],
+                None,
+            )
+            .await;
     }
+
+    /// Removes the host end (its peer goes with it). Idempotent.
+    pub async fn teardown_link(&self, host: &Netns) {
+        let _ = host
+            .output("ip", &["link", "del", &self.host_if], None)
+            .await;
+    }
+}
+
+/// The host-side ruleset for every link whose host end is named `<if_prefix>*`, installed
+/// once in a namespace that holds only such links (the enforcer's egress namespace): TCP to
+/// any port but the proxy's is redirected to the transparent listener, UDP 53 to the DNS
+/// responder; a link may reach only the proxy's ports on **its own** host address (`fib
+/// daddr . iif type local`), so a sandbox cannot talk to another sandbox's listeners and be
+/// judged by that sandbox's policy; everything else from the links is dropped, and nothing is
+/// forwarded.
+pub fn shared_host_ruleset(
+    table: &str,
+    if_prefix: &str,
+    proxy_port: u16,
+    transparent_port: u16,
+    dns_port: u16,
+) -> String {
+    let (p, t, d) = (proxy_port, transparent_port, dns_port);
+    let m = format!("iifname \"{if_prefix}*\"");
+    format!(
+        "table inet {table} {{\n  chain prerouting {{\n    type nat hook prerouting priority dstnat; policy accept;\n    {m} udp dport 53 redirect to :{d}\n    {m} meta l4proto tcp tcp dport != {{ {p}, {t} }} redirect to :{t}\n  }}\n  chain input {{\n    type filter hook input priority filter; policy accept;\n    {m} fib daddr . iif type != local drop\n    {m} tcp dport {{ {p}, {t} }} accept\n    {m} udp dport {d} accept\n    {m} drop\n  }}\n  chain forward {{\n    type filter hook forward priority filter; policy drop;\n  }}\n}}\n"
+    )
 }
 
 /// Reads the pre-NAT destination of a redirected connection (`SO_ORIGINAL_DST`, IPv4).

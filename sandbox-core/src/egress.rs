@@ -1,0 +1,108 @@
+//! The seam between backends and an egress enforcer.
+//!
+//! A sandbox whose [`NetworkPolicy`] is anything but [`NetworkPolicy::DenyAll`] needs a path
+//! out that only the enforcer controls. Backends know how to make a network namespace for a
+//! sandbox; an [`EgressEnforcer`] (the `sandbox-egress` crate provides one) knows how to give
+//! that namespace its single route to a policy-checking proxy. The two meet here, so neither
+//! depends on the other:
+//!
+//! 1. [`EgressEnforcer::prepare`] before the sandbox starts: reserves its addresses and says
+//!    what the sandbox must be given ([`EgressPlan`]: proxy variables for every command's
+//!    environment, the content of its `/etc/resolv.conf`).
+//! 2. [`EgressEnforcer::attach`] once the sandbox's network namespace exists and before any
+//!    sandboxed code runs (the namespace of a given host pid).
+//! 3. [`EgressEnforcer::update`] changes the policy of a running sandbox (next connection);
+//!    [`EgressEnforcer::events`] reads its audit log.
+//! 4. [`EgressEnforcer::detach`] when the sandbox is destroyed (also after a failed create).
+
+use std::fmt;
+use std::net::IpAddr;
+use std::time::SystemTime;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+
+use crate::error::Result;
+use crate::policy::NetworkPolicy;
+
+/// What a sandbox needs from its enforcer before it starts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EgressPlan {
+    /// The sandbox id the plan was made for.
+    pub sandbox_id: String,
+    /// Variables added to every command's environment (`HTTP_PROXY`, `HTTPS_PROXY`,
+    /// `ALL_PROXY`, `NO_PROXY` and their lowercase forms).
+    pub env: Vec<(String, String)>,
+    /// The sandbox's `/etc/resolv.conf`.
+    pub resolv_conf: String,
+}
+
+/// One decision of an egress enforcer, as a sandbox's caller sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetworkEvent {
+    /// When it was decided.
+    pub time: SystemTime,
+    /// How the sandbox asked (`http`, `connect`, `transparent-tls`, `dns`, ...).
+    pub via: String,
+    /// The name asked for (`None` for a bare address).
+    pub host: Option<String>,
+    /// The address decided on, if any.
+    pub ip: Option<IpAddr>,
+    /// The destination port (0 for DNS).
+    pub port: u16,
+    /// Whether the policy allowed it.
+    pub allowed: bool,
+    /// The rule that decided, in words.
+    pub rule: String,
+    /// For an allowed destination that could not be reached: why.
+    pub error: Option<String>,
+}
+
+impl fmt::Display for NetworkEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let dest = match (&self.host, self.ip) {
+            (Some(h), Some(ip)) => format!("{h} ({ip})"),
+            (Some(h), None) => h.clone(),
+            (None, Some(ip)) => ip.to_string(),
+            (None, None) => "?".into(),
+        };
+        let verdict = if self.allowed { "allowed" } else { "denied" };
+        write!(
+            f,
+            "{verdict} {dest}:{} via {}: {}",
+            self.port, self.via, self.rule
+        )?;
+        if let Some(e) = &self.error {
+            write!(f, " ({e})")?;
+        }
+        Ok(())
+    }
+}
+
+/// Gives sandboxes a policy-checked path out (see the module docs for the protocol).
+#[async_trait]
+pub trait EgressEnforcer: Send + Sync + fmt::Debug {
+    /// Whether `policy` can be enforced here; `Err` says why not and what to do.
+    fn check(&self, policy: &NetworkPolicy) -> Result<()>;
+
+    /// Reserves what sandbox `sandbox_id` needs; nothing is set up on the host yet.
+    fn prepare(&self, sandbox_id: &str, policy: &NetworkPolicy) -> Result<EgressPlan>;
+
+    /// Connects the network namespace of host process `netns_pid` (which has only `lo`) to
+    /// the enforcer. On error nothing of it is left behind. Attaching an attached sandbox
+    /// again connects its new namespace (e.g. after a restore) with the same plan.
+    async fn attach(&self, plan: &EgressPlan, netns_pid: i32) -> Result<()>;
+
+    /// Replaces the policy of an attached sandbox; the next connection is decided by it.
+    fn update(&self, sandbox_id: &str, policy: &NetworkPolicy) -> Result<()>;
+
+    /// The latest decisions about an attached sandbox's traffic, oldest first.
+    fn events(&self, sandbox_id: &str) -> Result<Vec<NetworkEvent>>;
+
+    /// Removes everything of the sandbox (also a prepared-only one). Idempotent.
+    async fn detach(&self, sandbox_id: &str);
+
+    /// Starts [`detach`](Self::detach) without waiting (for synchronous teardown paths such
+    /// as `Drop`).
+    fn detach_in_background(&self, sandbox_id: &str);
+}
