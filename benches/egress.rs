@@ -1,10 +1,12 @@
 //! Egress proxy overhead: one connection + a small HTTP request/response, and one large
-//! download, **direct** (a client in this process's namespace, straight to the loopback
-//! server) versus **through the enforcer** (a client inside a sandbox-like network namespace
-//! attached by `VethEnforcer`: veth link, nftables, proxy, then the same loopback server).
+//! download, **direct** (a client in this process's namespace, over a veth pair to the server's
+//! test namespace) versus **through the enforcer** (a client inside a sandbox-like network
+//! namespace attached by `VethEnforcer`: its veth link, nftables, the proxy, then the same
+//! veth pair to the same server).
 //!
-//! Everything stays on this machine: the server listens on 127.0.0.1, the test resolver maps
-//! `bench.test` to it, and the policy allows only that name and `127.0.0.1/32`.
+//! Everything stays on this machine: the server listens on 10.201.77.2 inside a namespace the
+//! bench creates, the test resolver maps `bench.test` to it, and the policy allows only that
+//! name and `10.201.77.2/32`.
 //!
 //! `cargo bench -p agent-sandbox --bench egress` (root: it creates network namespaces)
 
@@ -27,10 +29,8 @@ use sandbox_egress::{StaticResolver, VethEnforcer};
 /// Bytes of the large download.
 const BIG: usize = 256 << 20;
 
-/// An HTTP/1.1 server on loopback: `/small` answers 2 bytes, `/big` answers [`BIG`] bytes.
-fn server() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = l.local_addr().unwrap().port();
+/// An HTTP/1.1 server on `l`: `/small` answers 2 bytes, `/big` answers [`BIG`] bytes.
+fn serve(l: TcpListener) {
     std::thread::spawn(move || {
         for s in l.incoming() {
             let Ok(mut s) = s else { return };
@@ -65,7 +65,77 @@ fn server() -> u16 {
             });
         }
     });
-    port
+}
+
+/// A process in a new network namespace (the anchor of a test namespace); killed on drop.
+struct NsAnchor(Child);
+
+impl NsAnchor {
+    fn new() -> Self {
+        let mut cmd = Command::new("sleep");
+        cmd.arg("3600").stdin(Stdio::null());
+        // SAFETY: only the async-signal-safe unshare runs between fork and exec.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::unshare(libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        NsAnchor(cmd.spawn().unwrap())
+    }
+
+    fn pid(&self) -> i32 {
+        self.0.id() as i32
+    }
+
+    /// Runs `f` on a new thread inside the namespace (sockets it makes stay there).
+    fn run<T: Send + 'static>(&self, f: impl FnOnce() -> T + Send + 'static) -> T {
+        let ns = std::fs::File::open(format!("/proc/{}/ns/net", self.pid())).unwrap();
+        std::thread::spawn(move || {
+            // SAFETY: setns on this dedicated thread only; `ns` is an open netns file.
+            let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
+            assert_eq!(rc, 0);
+            f()
+        })
+        .join()
+        .unwrap()
+    }
+}
+
+impl Drop for NsAnchor {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn sh(cmd: &str) {
+    let ok = Command::new("sh")
+        .arg("-c")
+        .arg(cmd)
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "{cmd}");
+}
+
+/// The upstream: a test namespace holding the server at 10.201.77.2, linked to this
+/// process's namespace (10.201.77.1) by a veth pair. Returns the anchor and the port.
+fn upstream() -> (NsAnchor, u16) {
+    let ns = NsAnchor::new();
+    let pid = ns.pid();
+    sh(&format!(
+        "ip link add egb-up type veth peer name egb-srv netns {pid} && \
+         ip addr add 10.201.77.1/30 dev egb-up && ip link set egb-up up && \
+         nsenter --net=/proc/{pid}/ns/net sh -c 'ip addr add 10.201.77.2/30 dev egb-srv && \
+         ip link set egb-srv up && ip link set lo up'"
+    ));
+    let l = ns.run(|| TcpListener::bind("10.201.77.2:0").unwrap());
+    let port = l.local_addr().unwrap().port();
+    serve(l);
+    (ns, port)
 }
 
 /// Sends `req` on a fresh connection to `to` and reads the whole reply; returns its size.
@@ -116,36 +186,25 @@ fn fetch_tunnel(proxy: SocketAddr, target: &str, req: &str) -> usize {
 /// A "sandbox": a process in a new network namespace, attached to the enforcer; plus a
 /// thread inside that namespace that runs client jobs.
 struct Attached {
-    child: Child,
+    _anchor: NsAnchor,
     jobs: mpsc::Sender<Box<dyn FnOnce() + Send>>,
     proxy: SocketAddr,
 }
 
 impl Attached {
     fn new(rt: &tokio::runtime::Runtime, e: &VethEnforcer, policy: &NetworkPolicy) -> Self {
-        let mut cmd = Command::new("sleep");
-        cmd.arg("3600").stdin(Stdio::null());
-        // SAFETY: only the async-signal-safe unshare runs between fork and exec.
-        unsafe {
-            cmd.pre_exec(|| {
-                if libc::unshare(libc::CLONE_NEWNET) != 0 {
-                    return Err(std::io::Error::last_os_error());
-                }
-                Ok(())
-            });
-        }
-        let child = cmd.spawn().unwrap();
-        let pid = child.id() as i32;
+        let anchor = NsAnchor::new();
         let plan = e.prepare("bench", policy).unwrap();
-        rt.block_on(e.attach(&plan, pid)).unwrap();
+        rt.block_on(e.attach(&plan, anchor.pid())).unwrap();
         let proxy = plan
             .env
             .iter()
             .find(|(k, _)| k == "HTTP_PROXY")
             .map(|(_, v)| v.trim_start_matches("http://").parse().unwrap())
             .unwrap();
+        // One long-lived client thread inside the namespace runs the measured jobs.
         let (tx, rx) = mpsc::channel::<Box<dyn FnOnce() + Send>>();
-        let ns = std::fs::File::open(format!("/proc/{pid}/ns/net")).unwrap();
+        let ns = std::fs::File::open(format!("/proc/{}/ns/net", anchor.pid())).unwrap();
         std::thread::spawn(move || {
             // SAFETY: setns on this dedicated thread only; `ns` is an open netns file.
             let rc = unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) };
@@ -155,7 +214,7 @@ impl Attached {
             }
         });
         Attached {
-            child,
+            _anchor: anchor,
             jobs: tx,
             proxy,
         }
@@ -173,13 +232,6 @@ impl Attached {
     }
 }
 
-impl Drop for Attached {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 fn egress(c: &mut Criterion) {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -187,21 +239,21 @@ fn egress(c: &mut Criterion) {
         return;
     }
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let loopback: IpAddr = "127.0.0.1".parse().unwrap();
+    let server_ip: IpAddr = "10.201.77.2".parse().unwrap();
+    let (upstream_ns, port) = upstream();
     let e = VethEnforcer::builder()
         .resolver(Arc::new(
-            StaticResolver::new().with("bench.test", &[loopback]),
+            StaticResolver::new().with("bench.test", &[server_ip]),
         ))
         .build()
         .unwrap();
     let policy = NetworkPolicy::Allow {
         hosts: vec!["bench.test".parse().unwrap()],
-        cidrs: vec!["127.0.0.1/32".parse().unwrap()],
+        cidrs: vec!["10.201.77.2/32".parse().unwrap()],
         ports: vec![],
     };
     let sb = Attached::new(&rt, &e, &policy);
-    let port = server();
-    let direct: SocketAddr = (loopback, port).into();
+    let direct: SocketAddr = (server_ip, port).into();
     let proxy = sb.proxy;
     // Any address outside the link: redirected to the transparent listener.
     let redirected: SocketAddr = ("10.201.0.9".parse::<IpAddr>().unwrap(), port).into();
@@ -216,7 +268,7 @@ fn egress(c: &mut Criterion) {
     g.measurement_time(Duration::from_secs(5));
     {
         let req = small.clone();
-        g.bench_function("direct (host namespace, loopback)", |b| {
+        g.bench_function("direct (over a veth to the server namespace)", |b| {
             b.iter(|| fetch(direct, &req))
         });
     }
@@ -249,7 +301,7 @@ fn egress(c: &mut Criterion) {
     g.throughput(Throughput::Bytes(BIG as u64));
     {
         let req = big.clone();
-        g.bench_function("direct (host namespace, loopback)", |b| {
+        g.bench_function("direct (over a veth to the server namespace)", |b| {
             b.iter(|| assert!(fetch(direct, &req) > BIG))
         });
     }
@@ -271,6 +323,8 @@ fn egress(c: &mut Criterion) {
     g.finish();
     drop(sb);
     rt.block_on(e.detach("bench"));
+    drop(upstream_ns);
+    let _ = Command::new("ip").args(["link", "del", "egb-up"]).status();
 }
 
 criterion_group!(benches, egress);

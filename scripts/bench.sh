@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/tmp/agent-sandbox-target}"
 benches=("$@")
-if [ ${#benches[@]} -eq 0 ]; then benches=(core wasm gvisor container); fi
+if [ ${#benches[@]} -eq 0 ]; then benches=(core wasm gvisor container egress); fi
 # The container bench runs bwrap, crun and runc side by side.
 if [[ " ${benches[*]} " == *" container "* ]]; then
   for p in bubblewrap crun runc; do

@@ -102,6 +102,8 @@ pub mod net;
 #[cfg(target_os = "linux")]
 pub mod netns;
 mod proxy;
+#[cfg(target_os = "linux")]
+mod splice;
 pub mod tls;
 
 pub use audit::{AuditEntry, AuditRule, Via};

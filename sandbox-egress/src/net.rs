@@ -74,8 +74,8 @@ impl Resolver for StaticResolver {
 }
 
 /// A byte stream to an upstream destination.
-pub trait UpstreamStream: AsyncRead + AsyncWrite + Unpin + Send {}
-impl<T: AsyncRead + AsyncWrite + Unpin + Send> UpstreamStream for T {}
+pub trait UpstreamStream: AsyncRead + AsyncWrite + Unpin + Send + std::any::Any {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send + 'static> UpstreamStream for T {}
 
 /// Opens connections to destinations the policy allowed.
 #[async_trait]

@@ -468,7 +468,7 @@ impl EgressProxy {
         mode: StreamMode,
     ) -> Result<(), Error>
     where
-        S: AsyncRead + AsyncWrite + Unpin + Send,
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         let sb = self.sandbox_or_gone(sandbox_id)?;
         let Ok(_permit) = sb.slots.clone().try_acquire_owned() else {
@@ -551,7 +551,7 @@ async fn stopped(rx: &mut watch::Receiver<bool>) {
 /// Runs a connection until it ends or the sandbox is unregistered.
 async fn guarded<S>(inner: &Arc<Inner>, sb: &Arc<SandboxState>, stream: S, mode: StreamMode)
 where
-    S: AsyncRead + AsyncWrite + Unpin + Send,
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let mut stop = sb.shutdown.subscribe();
     if *stop.borrow() {
@@ -565,7 +565,7 @@ where
 
 async fn handle<S>(inner: &Arc<Inner>, sb: &Arc<SandboxState>, stream: S, mode: StreamMode)
 where
-    S: AsyncRead + AsyncWrite + Unpin + Send,
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     match mode {
         StreamMode::Explicit => handle_explicit(inner, sb, stream).await,
@@ -608,7 +608,7 @@ async fn read_head<S: AsyncRead + Unpin>(
 
 async fn handle_explicit<S>(inner: &Arc<Inner>, sb: &Arc<SandboxState>, mut client: S)
 where
-    S: AsyncRead + AsyncWrite + Unpin + Send,
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let mut buf = Vec::new();
     let head = match read_head(inner, &mut client, &mut buf).await {
@@ -644,7 +644,7 @@ where
                 if !body_start.is_empty() && up.write_all(&body_start).await.is_err() {
                     return;
                 }
-                let _ = tokio::io::copy_bidirectional(&mut client, &mut up).await;
+                let _ = relay(&mut client, &mut up).await;
             }
             Err(r) => {
                 reply_and_close(&mut client, &refusal_response(&r)).await;
@@ -682,7 +682,7 @@ where
             if up.write_all(&first).await.is_err() {
                 return;
             }
-            let _ = tokio::io::copy_bidirectional(&mut client, &mut up).await;
+            let _ = relay(&mut client, &mut up).await;
         }
         Err(r) => {
             reply_and_close(&mut client, &refusal_response(&r)).await;
@@ -759,7 +759,7 @@ async fn handle_transparent<S>(
     mut client: S,
     original_dst: Option<SocketAddr>,
 ) where
-    S: AsyncRead + AsyncWrite + Unpin + Send,
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let mut buf = Vec::new();
     let orig_port = original_dst.map(|a| a.port());
@@ -809,7 +809,7 @@ async fn handle_transparent<S>(
             if up.write_all(&buf).await.is_err() {
                 return;
             }
-            let _ = tokio::io::copy_bidirectional(&mut client, &mut up).await;
+            let _ = relay(&mut client, &mut up).await;
         }
         Err(r) => {
             if via == Via::TransparentHttp {
@@ -1190,6 +1190,30 @@ async fn dns_loop(inner: Arc<Inner>, sb: Arc<SandboxState>, sock: UdpSocket) {
             drop(permit);
         });
     }
+}
+
+/// Buffer per direction of a relayed connection: large enough that a bulk transfer costs a
+/// few syscalls per megabyte (tokio's default of 8 KiB costs 128).
+const RELAY_BUFFER: usize = 256 * 1024;
+
+/// Copies both ways until both sides are done: with `splice(2)` when both ends are TCP
+/// sockets (no copy through user space), else through buffers.
+async fn relay<A>(a: &mut A, b: &mut Box<dyn UpstreamStream>) -> std::io::Result<(u64, u64)>
+where
+    A: AsyncRead + AsyncWrite + Unpin + 'static,
+{
+    #[cfg(target_os = "linux")]
+    {
+        let a_any: &dyn std::any::Any = &*a;
+        let b_any: &dyn std::any::Any = &**b;
+        if let (Some(x), Some(y)) = (
+            a_any.downcast_ref::<TcpStream>(),
+            b_any.downcast_ref::<TcpStream>(),
+        ) {
+            return crate::splice::relay(x, y).await;
+        }
+    }
+    tokio::io::copy_bidirectional_with_sizes(a, b, RELAY_BUFFER, RELAY_BUFFER).await
 }
 
 #[cfg(test)]
