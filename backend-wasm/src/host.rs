@@ -21,6 +21,7 @@ use wasmtime_wasi::runtime::in_tokio;
 use wasmtime_wasi::{FsPerms, HostMonotonicClock, I32Exit, WasiCtxBuilder};
 
 use crate::engine::{self, Flavor, TickerGuard};
+use crate::stream::{Tap, Taps};
 use crate::tools::{DoorAnswer, ToolBox};
 
 const P1: &str = "wasi_snapshot_preview1";
@@ -38,33 +39,48 @@ const DOOR_MAX_REQUEST: usize = 1 << 20;
 // Output and input pipes.
 
 /// A capped in-memory output stream: bytes past the cap are counted and dropped, but
-/// reported to the guest as written, so a flood never grows host memory.
+/// reported to the guest as written, so a flood never grows host memory. A streamed call
+/// also sets a [`Tap`] that forwards the bytes as they are written.
 #[derive(Clone)]
-pub(crate) struct CappedPipe(Arc<Mutex<OutputBuffer>>);
+pub(crate) struct CappedPipe(Arc<Mutex<PipeState>>);
+
+struct PipeState {
+    buf: OutputBuffer,
+    tap: Option<Tap>,
+}
 
 impl CappedPipe {
     pub(crate) fn new(cap: u64) -> Self {
-        CappedPipe(Arc::new(Mutex::new(OutputBuffer::new(cap))))
+        CappedPipe(Arc::new(Mutex::new(PipeState {
+            buf: OutputBuffer::new(cap),
+            tap: None,
+        })))
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, PipeState> {
+        match self.0.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        }
     }
 
     fn push(&self, b: &[u8]) {
-        match self.0.lock() {
-            Ok(mut g) => {
-                g.push(b);
-            }
-            Err(p) => {
-                p.into_inner().push(b);
-            }
+        let mut g = self.state();
+        g.buf.push(b);
+        if let Some(t) = &g.tap {
+            t.push(b);
         }
     }
 
     /// Takes what was written so far and starts a fresh buffer with cap `cap`.
     pub(crate) fn take(&self, cap: u64) -> OutputBuffer {
-        let mut g = match self.0.lock() {
-            Ok(g) => g,
-            Err(p) => p.into_inner(),
-        };
-        std::mem::replace(&mut *g, OutputBuffer::new(cap))
+        std::mem::replace(&mut self.state().buf, OutputBuffer::new(cap))
+    }
+
+    /// Sets (or, with `None`, removes and drops) the tap of a streamed call.
+    pub(crate) fn set_tap(&self, tap: Option<Tap>) {
+        let old = std::mem::replace(&mut self.state().tap, tap);
+        drop(old);
     }
 }
 
@@ -327,6 +343,12 @@ pub struct Host {
 }
 
 impl Host {
+    /// Sets (or removes) the taps of a streamed call on stdout and stderr.
+    pub(crate) fn set_taps(&self, taps: Option<&Taps>) {
+        self.stdout.set_tap(taps.map(|t| t.out.clone()));
+        self.stderr.set_tap(taps.map(|t| t.err.clone()));
+    }
+
     /// Resets the per-call state.
     pub(crate) fn begin_call(&mut self, output_cap: u64) {
         self.ctl.hit = None;

@@ -11,6 +11,7 @@ use rquickjs::{CaughtError, Context, Ctx, Function, Object, Runtime, Value};
 use sandbox_core::{Error, LimitKind, OutputBuffer, Result, Tier};
 
 use crate::engine;
+use crate::stream::Taps;
 use crate::tools::ToolBox;
 
 const TIER: Tier = Tier::Wasm;
@@ -55,6 +56,8 @@ impl Ctl {
 struct Io {
     out: OutputBuffer,
     err: OutputBuffer,
+    /// Where console output also goes as written (a streamed call).
+    taps: Option<Taps>,
 }
 
 /// One JavaScript session.
@@ -145,23 +148,27 @@ impl JsSession {
         let io = Arc::new(Mutex::new(Io {
             out: OutputBuffer::new(output_cap),
             err: OutputBuffer::new(output_cap),
+            taps: None,
         }));
         ctx.with(|ctx| install_globals(&ctx, &io, tools))
             .map_err(js_err)?;
         Ok(JsSession { rt, ctx, io, ctl })
     }
 
-    /// Evaluates `code` as a global script. Blocking; run on a guest thread.
+    /// Evaluates `code` as a global script. Blocking; run on a guest thread. With `taps`,
+    /// console output is also forwarded as it is written.
     pub(crate) fn eval(
         &mut self,
         code: &str,
         wall: Duration,
         cpu: Duration,
         output_cap: u64,
+        taps: Option<Taps>,
     ) -> JsOutcome {
         if let Ok(mut g) = self.io.lock() {
             g.out = OutputBuffer::new(output_cap);
             g.err = OutputBuffer::new(output_cap);
+            g.taps = taps;
         }
         let now = u64::try_from(self.ctl.base.elapsed().as_nanos()).unwrap_or(u64::MAX);
         let wall_ns = u64::try_from(wall.as_nanos()).unwrap_or(u64::MAX);
@@ -209,7 +216,11 @@ impl JsSession {
         self.ctl.cpu_deadline_ns.store(u64::MAX, Ordering::Relaxed);
         let (mut out, mut err) = match self.io.lock() {
             Ok(mut g) => (
-                std::mem::replace(&mut g.out, OutputBuffer::new(0)),
+                {
+                    // The streams end with the call.
+                    drop(g.taps.take());
+                    std::mem::replace(&mut g.out, OutputBuffer::new(0))
+                },
                 std::mem::replace(&mut g.err, OutputBuffer::new(0)),
             ),
             Err(_) => (OutputBuffer::new(0), OutputBuffer::new(0)),
@@ -288,8 +299,16 @@ fn install_globals<'js>(
                 .join(" ");
             line.push('\n');
             if let Ok(mut g) = io.lock() {
-                let b = if to_err { &mut g.err } else { &mut g.out };
+                let g = &mut *g;
+                let (b, tap) = if to_err {
+                    (&mut g.err, g.taps.as_ref().map(|t| &t.err))
+                } else {
+                    (&mut g.out, g.taps.as_ref().map(|t| &t.out))
+                };
                 b.push(line.as_bytes());
+                if let Some(t) = tap {
+                    t.push(line.as_bytes());
+                }
             }
         })?;
         console.set(name, f)?;

@@ -39,7 +39,10 @@
 //! `async_stack_size` = `max_wasm_stack` = 8 MiB, copy-on-write memory initialisation, and
 //! Cranelift at `speed`. One ticker thread advances the epoch every 10 ms while any guest
 //! runs (it sleeps otherwise); each store's epoch callback checks the call's wall deadline
-//! and thread CPU budget. Guests run on a cached pool of threads with a 16 MiB native stack.
+//! and thread CPU budget. Guests run on a cached pool of threads with a 16 MiB native stack
+//! (a call hands its job straight to an idle thread: one lock, one wake-up); tearing down
+//! a store, a QuickJS runtime or a sandbox's folder happens on a background janitor thread,
+//! off the caller's path.
 //! Instances use the on-demand allocator with CoW images (instantiating python-snapshot.wasm
 //! maps its 15.8 MB data segment instead of copying it); the pooling allocator was
 //! considered and not used: it would reserve address space for the worst-case memory size
@@ -67,6 +70,12 @@
 //! stdout/stderr into capped buffers. After a limit, a trap, `os._exit()` or `exit()` the
 //! interpreter is discarded and the next `exec` starts a fresh one (the result's stderr says
 //! so): **the sandbox is reset, not gone**.
+//!
+//! ## Streaming
+//! `exec_stream` forwards output as the guest writes it: QuickJS `console` lines, WASI
+//! `fd_write`s to fd 1/2 (Python's flushed writes), through a per-call tap on the capped
+//! pipes into `sandbox_core::pump_output` (same cap as `exec`, secrets redacted across chunk
+//! boundaries). The host's note about a reset interpreter comes last on stderr.
 //!
 //! ## Host tools
 //! [`HostTools`] registers named Rust functions taking and returning JSON. JavaScript sees
@@ -100,6 +109,7 @@ mod module;
 mod python;
 mod sandbox;
 mod scratch;
+mod stream;
 pub mod tools;
 
 use std::path::{Path, PathBuf};
@@ -323,7 +333,7 @@ impl Backend for WasmBackend {
             snapshots: vec![SnapshotKind::Filesystem],
             network: vec![NetworkMode::DenyAll],
             pause_resume: false,
-            streaming: false,
+            streaming: true,
             persistent_state: true,
         }
     }

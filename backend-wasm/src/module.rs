@@ -7,6 +7,7 @@ use sandbox_core::{LimitKind, OutputBuffer, Result};
 
 use crate::engine::{self, Flavor};
 use crate::host::{self, CallLimits, Preopen, Stop, StoreSetup};
+use crate::stream::Taps;
 use crate::tools::ToolBox;
 
 /// Largest module accepted, bytes.
@@ -27,6 +28,8 @@ pub(crate) struct ModuleRun {
     pub(crate) limits: CallLimits,
     /// Keeps the sandbox folders alive (and unrecycled) while the run holds them.
     pub(crate) scratch: Arc<crate::scratch::Scratch>,
+    /// Where stdout/stderr also go as written (a streamed call).
+    pub(crate) taps: Option<Taps>,
 }
 
 /// What a run produced.
@@ -72,6 +75,7 @@ pub(crate) fn run(r: ModuleRun) -> Result<ModuleOutcome> {
         tools: r.tools,
     })?;
     store.data().stdin.set(r.stdin);
+    store.data().set_taps(r.taps.as_ref());
     let guard = host::arm(&mut store, r.limits)?;
     let result = (|| -> wasmtime::Result<Option<i32>> {
         let instance = pre.instantiate(&mut store)?;
@@ -106,6 +110,8 @@ pub(crate) fn run(r: ModuleRun) -> Result<ModuleOutcome> {
             limit = Some(LimitKind::OpenFiles);
         }
     }
+    // The streams end here, not when the store is finally dropped.
+    h.set_taps(None);
     let outcome = ModuleOutcome {
         exit_code,
         limit,

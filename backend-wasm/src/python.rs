@@ -179,7 +179,7 @@ impl Session {
         let home = format!("/tmp/{}", s.home_name);
         // HOME is not created: Python (and matplotlib) create it on demand inside the
         // writable /tmp, and an untouched /tmp lets the folder be recycled.
-        let tmp_dir = s.scratch.tmp();
+        let tmp_dir = s.scratch.tmp().to_path_buf();
         let mut env: BTreeMap<String, String> = BTreeMap::new();
         env.insert("TMPDIR".into(), "/tmp".into());
         env.insert("PYTHONTZPATH".into(), String::new());
@@ -265,6 +265,11 @@ impl Session {
         }
         let _ = sess.take_output(s.output_cap);
         Ok(sess)
+    }
+
+    /// Sets (or removes) the taps of a streamed call.
+    pub(crate) fn set_taps(&self, taps: Option<&crate::stream::Taps>) {
+        self.store.data().set_taps(taps);
     }
 
     /// Takes the captured stdout and stderr of the last turn.

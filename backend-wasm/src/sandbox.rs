@@ -3,16 +3,18 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use sandbox_core::{
-    fsnap, Command, DirEntry, Error, ExecRequest, ExecResult, Language, LimitKind, NetworkPolicy,
-    OutputBuffer, Phase, PhaseTiming, Redactor, ResolvedSecrets, Result, Sandbox, SandboxSpec,
-    SnapshotDraft, SnapshotId, SnapshotKind, SnapshotStore, Tier, Timeline, TimelineRecorder,
-    Workspace, WorkspacePath, WORKSPACE_MOUNT,
+    fsnap, pump_output, Command, DirEntry, Error, ExecEvent, ExecRequest, ExecResult, ExecStream,
+    Language, LimitKind, NetworkPolicy, OutputBuffer, Phase, PhaseTiming, Redactor,
+    ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotDraft, SnapshotId, SnapshotKind,
+    SnapshotStore, StreamKind, StreamSink, Tier, Timeline, TimelineRecorder, Workspace,
+    WorkspacePath, WORKSPACE_MOUNT,
 };
+use tokio::sync::mpsc;
 
 use crate::engine::{self, Flavor};
 use crate::host::{CallLimits, Preopen};
@@ -20,6 +22,7 @@ use crate::js::JsSession;
 use crate::module::{self, ModuleRun};
 use crate::python::{self, PythonSource, Session, SessionSetup};
 use crate::scratch::Scratch;
+use crate::stream::{self, Taps};
 use crate::tools::{HostTools, ToolBox};
 use crate::ENGINE_NAME;
 
@@ -79,13 +82,24 @@ enum LangState {
 ///   there before the call when it differs from the directory the host last set (a
 ///   `chdir` made by the code itself persists across calls, as in a REPL); JavaScript has
 ///   no filesystem.
+///
+/// [`Sandbox::exec_stream`] streams stdout and stderr as the guest writes them (JavaScript's
+/// `console` lines, WASI `fd_write`s, Python's flushed writes), capped and redacted like
+/// `exec`'s output; the host's own notes (why an interpreter was reset) come last on stderr.
 pub struct WasmSandbox {
+    inner: Arc<Inner>,
+}
+
+/// The sandbox's state, shared with streamed calls' tasks.
+struct Inner {
     id: String,
     spec: SandboxSpec,
     timeline: Timeline,
-    /// The private folder: `workspace/` (for an empty workspace) and `tmp/`.
-    scratch: Arc<Scratch>,
-    workspace: PathBuf,
+    /// The private folder: `workspace/` (for an empty workspace) and `tmp/`. Made on first
+    /// use: a JavaScript sandbox that never touches files never needs one.
+    scratch: OnceLock<Arc<Scratch>>,
+    /// The workspace when it is a host folder (else the scratch's `workspace/`).
+    host_workspace: Option<PathBuf>,
     workspace_writable: bool,
     mounts: Vec<Preopen>,
     env: BTreeMap<String, String>,
@@ -101,9 +115,20 @@ pub struct WasmSandbox {
 impl std::fmt::Debug for WasmSandbox {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("WasmSandbox")
-            .field("id", &self.id)
-            .field("language", &self.spec.language)
+            .field("id", &self.inner.id)
+            .field("language", &self.inner.spec.language)
             .finish()
+    }
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Freeing an interpreter (a QuickJS runtime, a wasmtime store) takes tens of
+        // microseconds: do it off the caller's path.
+        let state = std::mem::replace(self.state.get_mut(), LangState::Wasm);
+        if !matches!(state, LangState::Wasm) {
+            engine::drop_later(state);
+        }
     }
 }
 
@@ -160,18 +185,47 @@ impl WasmSandbox {
         spec: &SandboxSpec,
         secrets: ResolvedSecrets,
     ) -> Result<WasmSandbox> {
+        Ok(WasmSandbox {
+            inner: Arc::new(Inner::create(cfg, spec, secrets).await?),
+        })
+    }
+
+    /// The workspace folder on the host (made on first use for a private workspace; empty
+    /// if it could not be made).
+    pub fn workspace_dir(&self) -> &Path {
+        self.inner.workspace().unwrap_or(Path::new(""))
+    }
+
+    /// Unpacks a workspace archive into this (fresh, empty) sandbox.
+    pub(crate) fn unpack(&self, tar: &[u8]) -> Result<()> {
+        fsnap::unpack_into(tar, self.inner.workspace()?)
+    }
+}
+
+impl Inner {
+    async fn create(
+        cfg: SandboxConfig,
+        spec: &SandboxSpec,
+        secrets: ResolvedSecrets,
+    ) -> Result<Inner> {
         check_spec(spec)?;
         let mut t = TimelineRecorder::start();
         let id = uuid::Uuid::new_v4().simple().to_string();
         let flavor = Flavor::for_fuel(spec.limits.fuel);
         engine::engine(flavor)?;
         t.mark(Phase::Allocation);
-        let scratch = Scratch::new()?;
-        let (workspace, workspace_writable) = match &spec.workspace {
-            Workspace::Empty => (scratch.workspace(), true),
+        let scratch = OnceLock::new();
+        if spec.language != Language::Javascript {
+            // Python and modules always preopen it: make it now.
+            let _ = scratch.set(Scratch::new()?);
+        }
+        let (host_workspace, workspace_writable) = match &spec.workspace {
+            Workspace::Empty => (None, true),
             Workspace::HostDir { path, read_only } => (
-                path.canonicalize()
-                    .map_err(|e| Error::io_path("open workspace", path, e))?,
+                Some(
+                    path.canonicalize()
+                        .map_err(|e| Error::io_path("open workspace", path, e))?,
+                ),
                 !read_only,
             ),
         };
@@ -192,12 +246,12 @@ impl WasmSandbox {
             })
         });
         t.mark(Phase::Filesystem);
-        let mut sb = WasmSandbox {
+        let mut sb = Inner {
             id,
             spec: spec.clone(),
             timeline: Timeline::default(),
             scratch,
-            workspace,
+            host_workspace,
             workspace_writable,
             mounts,
             env,
@@ -241,14 +295,34 @@ impl WasmSandbox {
         Ok(sb)
     }
 
-    fn grants(&self) -> Vec<Preopen> {
+    /// The private folder, made on first use.
+    fn scratch(&self) -> Result<&Arc<Scratch>> {
+        if let Some(s) = self.scratch.get() {
+            return Ok(s);
+        }
+        // Two first uses at once: the loser's folder goes back to the spare list.
+        let _ = self.scratch.set(Scratch::new()?);
+        self.scratch
+            .get()
+            .ok_or_else(|| Error::backend(TIER, "sandbox folder vanished"))
+    }
+
+    /// The workspace folder on the host.
+    fn workspace(&self) -> Result<&Path> {
+        match &self.host_workspace {
+            Some(p) => Ok(p),
+            None => Ok(self.scratch()?.workspace()),
+        }
+    }
+
+    fn grants(&self) -> Result<Vec<Preopen>> {
         let mut g = vec![python::grant(
-            &self.workspace,
+            self.workspace()?,
             WORKSPACE_MOUNT,
             self.workspace_writable,
         )];
         g.extend(self.mounts.iter().cloned());
-        g
+        Ok(g)
     }
 
     /// Starts an interpreter; also returns when the shared runtime was ready.
@@ -258,9 +332,9 @@ impl WasmSandbox {
         let setup = SessionSetup {
             flavor,
             env: self.env.clone(),
-            scratch: Arc::clone(&self.scratch),
+            scratch: Arc::clone(self.scratch()?),
             home_name: format!(".home-{}", &self.id[..16]),
-            grants: self.grants(),
+            grants: self.grants()?,
             memory_cap: self.spec.limits.memory_bytes,
             output_cap: self.spec.limits.output_bytes,
             open_files: self.spec.limits.open_files,
@@ -308,10 +382,12 @@ impl WasmSandbox {
     }
 
     fn host_path(&self, path: &str) -> Result<PathBuf> {
-        WorkspacePath::parse(path)?.resolve_under(&self.workspace)
+        WorkspacePath::parse(path)?.resolve_under(self.workspace()?)
     }
 
-    fn finish(&self, raw: Raw, t: TimelineRecorder) -> ExecResult {
+    /// The call's result. With `taps` (a streamed call) the output was already forwarded as
+    /// written: only the host's note goes out here, and dropping the taps ends the streams.
+    fn finish(&self, raw: Raw, t: TimelineRecorder, taps: Option<Taps>) -> ExecResult {
         let Raw {
             exit_code,
             limit,
@@ -323,8 +399,13 @@ impl WasmSandbox {
         let truncated = out.truncated() || err.truncated();
         let mut stderr = err.finish(&self.redactor);
         if let Some(n) = note {
-            stderr.extend_from_slice(format!("[agent-sandbox] {n}\n").as_bytes());
+            let line = format!("[agent-sandbox] {n}\n");
+            if let Some(t) = &taps {
+                t.err.note(line.as_bytes());
+            }
+            stderr.extend_from_slice(line.as_bytes());
         }
+        drop(taps);
         let value = value.map(|v| {
             if self.redactor.is_empty() {
                 v
@@ -348,6 +429,7 @@ impl WasmSandbox {
         argv: Vec<String>,
         req: &ExecRequest,
         mut t: TimelineRecorder,
+        taps: Option<Taps>,
     ) -> Result<ExecResult> {
         let cap = self.spec.limits.output_bytes;
         let program = &argv[0];
@@ -362,7 +444,11 @@ impl WasmSandbox {
             Ok(b) => b,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let mut err = OutputBuffer::new(cap);
-                err.push(format!("{program}: no such module in the workspace\n").as_bytes());
+                let msg = format!("{program}: no such module in the workspace\n");
+                err.push(msg.as_bytes());
+                if let Some(t) = &taps {
+                    t.err.push(msg.as_bytes());
+                }
                 return Ok(self.finish(
                     Raw {
                         exit_code: Some(127),
@@ -373,12 +459,13 @@ impl WasmSandbox {
                         value: None,
                     },
                     t,
+                    taps,
                 ));
             }
             Err(e) => return Err(Error::io_path("read", &path, e)),
         };
         t.mark(Phase::Filesystem);
-        self.run_module(bytes, argv, req, t).await
+        self.run_module(bytes, argv, req, t, taps).await
     }
 
     async fn run_module(
@@ -387,12 +474,13 @@ impl WasmSandbox {
         argv: Vec<String>,
         req: &ExecRequest,
         mut t: TimelineRecorder,
+        taps: Option<Taps>,
     ) -> Result<ExecResult> {
         let cwd = match &req.cwd {
             Some(c) => self.host_path(c)?,
-            None => self.workspace.clone(),
+            None => self.workspace()?.to_path_buf(),
         };
-        let mut preopens = self.grants();
+        let mut preopens = self.grants()?;
         preopens.push(Preopen {
             host: cwd,
             guest: ".".into(),
@@ -412,7 +500,8 @@ impl WasmSandbox {
             open_files: self.spec.limits.open_files,
             tools: self.tools.clone(),
             limits: self.limits(req),
-            scratch: Arc::clone(&self.scratch),
+            scratch: Arc::clone(self.scratch()?),
+            taps: taps.clone(),
         };
         let o = engine::on_guest_thread(move || module::run(run)).await??;
         t.mark(Phase::Command);
@@ -426,6 +515,7 @@ impl WasmSandbox {
                 value: None,
             },
             t,
+            taps,
         ))
     }
 
@@ -434,6 +524,7 @@ impl WasmSandbox {
         code: String,
         req: &ExecRequest,
         mut t: TimelineRecorder,
+        taps: Option<Taps>,
     ) -> Result<ExecResult> {
         let cwd = match &req.cwd {
             Some(c) => WorkspacePath::parse(c)?.in_sandbox(),
@@ -455,8 +546,16 @@ impl WasmSandbox {
         let cap = self.spec.limits.output_bytes;
         let env = req.env.clone();
         let stdin = req.stdin.clone().unwrap_or_default();
+        let guest_taps = taps.clone();
         let (sess, r, out, err) = engine::on_guest_thread(move || {
             let mut sess = sess;
+            // Every turn of this call streams (the host's own turns print nothing unless
+            // they fail, and then their output is the call's output).
+            sess.set_taps(guest_taps.as_ref());
+            let untap = |sess: Session| {
+                sess.set_taps(None);
+                sess
+            };
             let pre = |sess: &mut Session,
                        code: String|
              -> Option<(python::TurnResult, OutputBuffer, OutputBuffer)> {
@@ -470,17 +569,20 @@ impl WasmSandbox {
             };
             if sess.cwd != cwd {
                 if let Some(fail) = pre(&mut sess, python::chdir(&cwd)) {
+                    let sess = untap(sess);
                     return (Some(sess).filter(|_| fail.0.alive), fail.0, fail.1, fail.2);
                 }
                 sess.cwd = cwd.clone();
             }
             if !env.is_empty() {
                 if let Some(fail) = pre(&mut sess, python::env_apply(&env)) {
+                    let sess = untap(sess);
                     return (Some(sess).filter(|_| fail.0.alive), fail.0, fail.1, fail.2);
                 }
             }
             let r = sess.turn(&code, &stdin, limits, cap);
             let (o, e) = sess.take_output(cap);
+            let mut sess = untap(sess);
             if r.alive && !env.is_empty() {
                 let restore = python::env_restore(&env, &sess.base_env);
                 let _ = sess.turn(&restore, &[], limits, cap);
@@ -503,6 +605,7 @@ impl WasmSandbox {
                 value: r.value,
             },
             t,
+            taps,
         ))
     }
 
@@ -511,6 +614,7 @@ impl WasmSandbox {
         code: String,
         req: &ExecRequest,
         mut t: TimelineRecorder,
+        taps: Option<Taps>,
     ) -> Result<ExecResult> {
         let mut guard = self.state.lock().await;
         let LangState::Js(slot) = &mut *guard else {
@@ -530,9 +634,10 @@ impl WasmSandbox {
         };
         let limits = self.limits(req);
         let cap = self.spec.limits.output_bytes;
+        let guest_taps = taps.clone();
         let (sess, o) = engine::on_guest_thread(move || {
             let mut sess = sess;
-            let o = sess.eval(&code, limits.wall, limits.cpu, cap);
+            let o = sess.eval(&code, limits.wall, limits.cpu, cap, guest_taps);
             (sess, o)
         })
         .await?;
@@ -551,12 +656,53 @@ impl WasmSandbox {
                 value: o.value,
             },
             t,
+            taps,
         ))
+    }
+
+    /// One exec; with `stream`, its output is streamed as written (see
+    /// [`WasmSandbox`]'s `exec_stream`).
+    async fn run(
+        &self,
+        req: ExecRequest,
+        stream: Option<mpsc::Sender<Result<ExecEvent>>>,
+    ) -> Result<ExecResult> {
+        self.alive()?;
+        req.validate()?;
+        let Some(tx) = stream else {
+            return self.dispatch(&req, None).await;
+        };
+        let cap = self.spec.limits.output_bytes;
+        let (out, out_rx) = stream::tap(cap);
+        let (err, err_rx) = stream::tap(cap);
+        let sink = |kind| Some(StreamSink::new(tx.clone(), &self.redactor, kind));
+        // The call owns the taps: when it ends (or fails), they drop and the pumps finish.
+        let (res, _, _) = tokio::join!(
+            self.dispatch(&req, Some(Taps { out, err })),
+            pump_output(Some(out_rx), cap, sink(StreamKind::Stdout)),
+            pump_output(Some(err_rx), cap, sink(StreamKind::Stderr)),
+        );
+        res
+    }
+
+    async fn dispatch(&self, req: &ExecRequest, taps: Option<Taps>) -> Result<ExecResult> {
+        let t = TimelineRecorder::start();
+        match req.command.clone() {
+            Command::Argv(argv) => self.exec_module(argv, req, t, taps).await,
+            Command::Code(code) => match self.spec.language {
+                Language::Python => self.exec_python(code, req, t, taps).await,
+                Language::Javascript => self.exec_js(code, req, t, taps).await,
+                _ => {
+                    self.run_module(code.into_bytes(), vec!["main.wasm".into()], req, t, taps)
+                        .await
+                }
+            },
+        }
     }
 
     /// Packs the workspace into a snapshot draft.
     fn snapshot_draft(&self) -> Result<SnapshotDraft> {
-        let tar = fsnap::pack_dir(&self.workspace)?;
+        let tar = fsnap::pack_dir(self.workspace()?)?;
         Ok(SnapshotDraft::new(
             TIER,
             ENGINE_NAME,
@@ -571,53 +717,9 @@ impl WasmSandbox {
             "workspace files only; interpreter state (Python/JavaScript variables) is not captured",
         ))
     }
-
-    /// The workspace folder on the host.
-    pub fn workspace_dir(&self) -> &Path {
-        &self.workspace
-    }
-
-    /// Unpacks a workspace archive into this (fresh, empty) sandbox.
-    pub(crate) fn unpack(&self, tar: &[u8]) -> Result<()> {
-        fsnap::unpack_into(tar, &self.workspace)
-    }
 }
 
-#[async_trait]
-impl Sandbox for WasmSandbox {
-    fn id(&self) -> &str {
-        &self.id
-    }
-
-    fn tier(&self) -> Tier {
-        TIER
-    }
-
-    fn spec(&self) -> &SandboxSpec {
-        &self.spec
-    }
-
-    fn timeline(&self) -> &Timeline {
-        &self.timeline
-    }
-
-    async fn exec(&self, req: ExecRequest) -> Result<ExecResult> {
-        self.alive()?;
-        req.validate()?;
-        let t = TimelineRecorder::start();
-        match req.command.clone() {
-            Command::Argv(argv) => self.exec_module(argv, &req, t).await,
-            Command::Code(code) => match self.spec.language {
-                Language::Python => self.exec_python(code, &req, t).await,
-                Language::Javascript => self.exec_js(code, &req, t).await,
-                _ => {
-                    self.run_module(code.into_bytes(), vec!["main.wasm".into()], &req, t)
-                        .await
-                }
-            },
-        }
-    }
-
+impl Inner {
     async fn write_file(&self, path: &str, data: &[u8]) -> Result<()> {
         self.alive()?;
         let p = self.host_path(path)?;
@@ -657,7 +759,7 @@ impl Sandbox for WasmSandbox {
 
     async fn health_check(&self) -> Result<()> {
         self.alive()?;
-        if self.workspace.is_dir() {
+        if self.workspace()?.is_dir() {
             Ok(())
         } else {
             Err(Error::SandboxGone {
@@ -670,15 +772,18 @@ impl Sandbox for WasmSandbox {
     async fn destroy(&self) -> Result<()> {
         if !self.gone.swap(true, Ordering::SeqCst) {
             if let Ok(mut g) = self.state.try_lock() {
-                *g = LangState::Wasm;
+                engine::drop_later(std::mem::replace(&mut *g, LangState::Wasm));
             }
             // Only our private folders are emptied; a host workspace folder is the caller's.
-            let mut dirs = vec![self.scratch.tmp()];
-            if matches!(self.spec.workspace, Workspace::Empty) {
-                dirs.push(self.scratch.workspace());
+            let mut dirs = Vec::new();
+            if let Some(s) = self.scratch.get() {
+                dirs.push(s.tmp());
+                if self.host_workspace.is_none() {
+                    dirs.push(s.workspace());
+                }
             }
             for d in dirs {
-                if let Ok(rd) = std::fs::read_dir(&d) {
+                if let Ok(rd) = std::fs::read_dir(d) {
                     for e in rd.flatten() {
                         let p = e.path();
                         let _ = if p.is_dir() && !p.is_symlink() {
@@ -691,5 +796,61 @@ impl Sandbox for WasmSandbox {
             }
         }
         Ok(())
+    }
+}
+
+#[async_trait]
+impl Sandbox for WasmSandbox {
+    fn id(&self) -> &str {
+        &self.inner.id
+    }
+
+    fn tier(&self) -> Tier {
+        TIER
+    }
+
+    fn spec(&self) -> &SandboxSpec {
+        &self.inner.spec
+    }
+
+    fn timeline(&self) -> &Timeline {
+        &self.inner.timeline
+    }
+
+    async fn exec(&self, req: ExecRequest) -> Result<ExecResult> {
+        self.inner.run(req, None).await
+    }
+
+    async fn exec_stream(&self, req: ExecRequest) -> Result<ExecStream> {
+        self.inner.alive()?;
+        req.validate()?;
+        let inner = Arc::clone(&self.inner);
+        Ok(ExecStream::spawn(move |tx| async move {
+            inner.run(req, Some(tx)).await
+        }))
+    }
+
+    async fn write_file(&self, path: &str, data: &[u8]) -> Result<()> {
+        self.inner.write_file(path, data).await
+    }
+
+    async fn read_file(&self, path: &str) -> Result<Vec<u8>> {
+        self.inner.read_file(path).await
+    }
+
+    async fn list(&self, path: &str) -> Result<Vec<DirEntry>> {
+        self.inner.list(path).await
+    }
+
+    async fn snapshot(&self, store: &dyn SnapshotStore) -> Result<SnapshotId> {
+        self.inner.snapshot(store).await
+    }
+
+    async fn health_check(&self) -> Result<()> {
+        self.inner.health_check().await
+    }
+
+    async fn destroy(&self) -> Result<()> {
+        self.inner.destroy().await
     }
 }

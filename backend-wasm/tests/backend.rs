@@ -22,7 +22,7 @@ async fn capabilities_are_honest() {
     assert_eq!(c.boundary, IsolationBoundary::InProcessVm);
     assert_eq!(c.snapshots, vec![SnapshotKind::Filesystem]);
     assert!(c.supports_network(&NetworkPolicy::DenyAll));
-    assert!(!c.streaming && !c.pause_resume && c.persistent_state);
+    assert!(c.streaming && !c.pause_resume && c.persistent_state);
     let st = b.probe().await;
     assert!(st.available, "{st:?}");
     assert!(st.details.contains_key("python_installed"));
