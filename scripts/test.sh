@@ -12,7 +12,7 @@ step() { printf '\n==> %s\n' "$*"; }
 
 # --- system packages -------------------------------------------------------
 # Debian packages the tests use. Installed only when missing.
-APT_PACKAGES=(python3 util-linux procps iproute2 nftables runsc busybox-static)
+APT_PACKAGES=(python3 util-linux procps iproute2 nftables runsc busybox-static acpica-tools)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

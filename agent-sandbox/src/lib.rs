@@ -36,6 +36,10 @@ pub use sandbox_core::*;
 #[cfg(feature = "wasm")]
 pub use backend_wasm as wasm;
 
+/// The microVM tier's crate (the VMM, guest installer, probe), when built in.
+#[cfg(feature = "microvm")]
+pub use backend_microvm as microvm;
+
 /// How long one backend's probe may take before it is reported as hanging.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -54,13 +58,17 @@ pub fn built_in(tier: Tier) -> bool {
         Tier::Gvisor => cfg!(feature = "gvisor"),
         Tier::Container => cfg!(feature = "container"),
         Tier::Wasm => cfg!(feature = "wasm"),
-        Tier::Microvm | Tier::Unisolated => false,
+        Tier::Microvm => cfg!(feature = "microvm"),
+        Tier::Unisolated => false,
     }
 }
 
 /// Whether this version of agent-sandbox has a backend for the tier at all.
 fn implemented(tier: Tier) -> bool {
-    matches!(tier, Tier::Wasm | Tier::Gvisor | Tier::Container)
+    matches!(
+        tier,
+        Tier::Wasm | Tier::Gvisor | Tier::Container | Tier::Microvm
+    )
 }
 
 fn not_built(tier: Tier) -> TierStatus {
@@ -178,6 +186,12 @@ impl Runtime {
             b = b.backend(Arc::new(backend_gvisor::GvisorBackend::new(
                 backend_gvisor::GvisorConfig::default().egress(sandbox_egress::shared_enforcer()),
             )));
+        }
+        #[cfg(feature = "microvm")]
+        {
+            // Probed like every tier: where KVM cannot boot Linux guests (or the guest is not
+            // installed) it reports unavailable, so `auto` never picks it there.
+            b = b.backend(Arc::new(backend_microvm::MicrovmBackend::new()));
         }
         b
     }

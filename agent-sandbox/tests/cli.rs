@@ -174,11 +174,66 @@ fn argument_errors_exit_2_with_a_clear_message() {
 
 #[test]
 fn run_without_an_available_tier_exits_125_and_says_why() {
-    // Ask for a tier that no build of this revision has yet: the error names it and the fix.
+    // The microvm tier is built in; where the probe says it cannot run (no hardware KVM for
+    // Linux guests, or no guest installed), `run --tier microvm` fails with the probe's reason
+    // and fix, and `auto` never picks it.
+    let probe = json(&cli(&["probe", "--json"]));
+    let microvm = probe["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tier"] == "microvm")
+        .unwrap()
+        .clone();
+    if microvm["available"] == true {
+        eprintln!("SKIP: the microvm tier is available on this host");
+        return;
+    }
     let out = cli(&["run", "--tier", "microvm", "--", "true"]);
     assert_eq!(out.status.code(), Some(125));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("microvm") && err.contains("fix"), "{err}");
+    assert!(err.contains(microvm["reason"].as_str().unwrap()), "{err}");
+    assert!(err.contains(microvm["fix"].as_str().unwrap()), "{err}");
+    let v = select("shell", "untrusted", "syscall-heavy", "custom");
+    assert_ne!(v["chosen"], "microvm", "{v}");
+}
+
+#[test]
+fn install_microvm_guest_reports_bad_input_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-such-vmlinux");
+    let out = cli(&[
+        "install",
+        "microvm-guest",
+        "--kernel",
+        missing.to_str().unwrap(),
+        "--dir",
+        dir.path().join("cache").to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(125));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("installing the microVM guest failed") && err.contains("no-such-vmlinux"),
+        "{err}"
+    );
+    // Not a kernel at all.
+    let junk = dir.path().join("junk");
+    std::fs::write(&junk, b"not a kernel").unwrap();
+    let out = cli(&[
+        "install",
+        "microvm-guest",
+        "--kernel",
+        junk.to_str().unwrap(),
+        "--dir",
+        dir.path().join("cache").to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(125));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("kernel"), "{err}");
+    // The microvm options belong to microvm-guest.
+    let out = cli(&["install", "python-wasm", "--dir", "/tmp"]);
+    assert_eq!(out.status.code(), Some(2));
 }
 
 fn tier_available(tier: &str) -> bool {

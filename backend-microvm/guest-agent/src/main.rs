@@ -1,0 +1,992 @@
+//! agent-sandbox microVM guest agent: pid 1 of the guest's initramfs.
+//!
+//! Built by backend-microvm's `build.rs` with plain `rustc` (std only, no crates) as a static
+//! binary and stored as `/init` in the initramfs the library builds.
+//!
+//! As pid 1 it mounts `/proc`, `/sys`, `/dev` (devtmpfs), `/tmp` and `/workspace` (tmpfs),
+//! loads the kernel modules listed in `/lib/modules/modules.dep` (dependencies first) with
+//! `finit_module`, waits for `/dev/hvc0` (the virtio-console port that is the agent channel),
+//! puts it in raw mode and serves the framed protocol of `proto.rs` on it: exec (a new process
+//! group per command, the exact environment given, stdin, a timeout that kills the group,
+//! stdout/stderr streamed in chunks, exit status), file write/read/list confined to the
+//! workspace, ping, kill and shutdown (`reboot`: the VMM sees the reset and ends the VM). A
+//! reaper thread collects every child, including orphans re-parented to pid 1.
+//!
+//! Test mode: started as an ordinary process (not pid 1) with `AGENT_CHANNEL_FD=<fd>`, it
+//! skips the system set-up and serves on that inherited file descriptor, with the workspace
+//! at `AGENT_WORKSPACE` (default `/workspace`); `Shutdown` then just ends the process. The
+//! host-side tests drive the real binary this way over a socketpair.
+//!
+//! Nothing the host sends may crash it: malformed frames get an `Error` answer and the loop
+//! goes on; there is no `unwrap` on input-derived values.
+
+#[path = "proto.rs"]
+mod proto;
+
+use std::collections::{HashMap, HashSet};
+use std::ffi::{CString, OsStr};
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, RecvTimeoutError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread;
+use std::time::Duration;
+
+use proto::{
+    Entry, EntryKind, ErrorKind, ExecRequest, ExitInfo, ReadError, Request, Response, MAX_PAYLOAD,
+    SOURCE_HASH,
+};
+
+#[allow(non_camel_case_types)]
+type c_int = i32;
+#[allow(non_camel_case_types)]
+type c_char = std::ffi::c_char;
+
+extern "C" {
+    fn syscall(n: i64, ...) -> i64;
+    fn mount(
+        src: *const c_char,
+        dst: *const c_char,
+        fstype: *const c_char,
+        flags: u64,
+        data: *const std::ffi::c_void,
+    ) -> c_int;
+    fn fork() -> c_int;
+    fn execve(path: *const c_char, argv: *const *const c_char, envp: *const *const c_char)
+        -> c_int;
+    fn setpgid(pid: c_int, pgid: c_int) -> c_int;
+    fn dup2(old: c_int, new: c_int) -> c_int;
+    fn chdir(path: *const c_char) -> c_int;
+    fn pipe2(fds: *mut c_int, flags: c_int) -> c_int;
+    fn write(fd: c_int, buf: *const u8, n: usize) -> isize;
+    fn _exit(code: c_int) -> !;
+    fn waitpid(pid: c_int, status: *mut c_int, options: c_int) -> c_int;
+    fn kill(pid: c_int, sig: c_int) -> c_int;
+    fn signal(sig: c_int, handler: usize) -> usize;
+    fn getpid() -> c_int;
+    fn fcntl(fd: c_int, cmd: c_int, ...) -> c_int;
+    fn tcgetattr(fd: c_int, t: *mut Termios) -> c_int;
+    fn tcsetattr(fd: c_int, act: c_int, t: *const Termios) -> c_int;
+    fn cfmakeraw(t: *mut Termios);
+    fn sync();
+    fn reboot(cmd: c_int) -> c_int;
+    fn __errno_location() -> *mut c_int;
+}
+
+/// glibc's `struct termios` is 60 bytes; a larger, aligned buffer is enough for the calls
+/// that only pass it around.
+#[repr(C, align(8))]
+struct Termios([u8; 128]);
+
+const O_CLOEXEC: c_int = 0o2000000;
+const F_SETFD: c_int = 2;
+const FD_CLOEXEC: c_int = 1;
+const SIGKILL: c_int = 9;
+const SIGPIPE: c_int = 13;
+const SIG_DFL: usize = 0;
+const ECHILD: i32 = 10;
+const EINTR: i32 = 4;
+const EEXIST: i32 = 17;
+const MS_NOSUID: u64 = 2;
+const MS_NODEV: u64 = 4;
+const MS_NOEXEC: u64 = 8;
+const RB_AUTOBOOT: c_int = 0x0123_4567;
+#[cfg(target_arch = "x86_64")]
+const NR_FINIT_MODULE: i64 = 313;
+#[cfg(target_arch = "aarch64")]
+const NR_FINIT_MODULE: i64 = 273;
+
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+const WORKSPACE: &str = "/workspace";
+
+fn log(msg: &str) {
+    let _ = writeln!(io::stderr(), "agent: {msg}");
+}
+
+fn errno() -> i32 {
+    io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn main() {
+    // SAFETY: getpid has no preconditions.
+    let pid1 = unsafe { getpid() } == 1;
+    let chan = if pid1 {
+        system_setup();
+        match open_console() {
+            Ok(f) => f,
+            Err(e) => {
+                log(&format!("no agent channel: {e}"));
+                power_off();
+            }
+        }
+    } else {
+        let fd = std::env::var("AGENT_CHANNEL_FD")
+            .ok()
+            .and_then(|v| v.parse::<RawFd>().ok());
+        let Some(fd) = fd.filter(|fd| *fd >= 0) else {
+            log("not pid 1 and AGENT_CHANNEL_FD=<fd> not set: nothing to serve");
+            std::process::exit(2);
+        };
+        // Keep the channel out of the commands we run.
+        // SAFETY: fcntl on an fd number only changes that descriptor's flags (EBADF if bad).
+        if unsafe { fcntl(fd, F_SETFD, FD_CLOEXEC) } != 0 {
+            log(&format!(
+                "AGENT_CHANNEL_FD={fd}: {}",
+                io::Error::last_os_error()
+            ));
+            std::process::exit(2);
+        }
+        // SAFETY: the fd is inherited from our parent for us to own (checked valid above).
+        unsafe { File::from_raw_fd(fd) }
+    };
+    let workspace = if pid1 {
+        PathBuf::from(WORKSPACE)
+    } else {
+        std::env::var_os("AGENT_WORKSPACE")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(WORKSPACE))
+    };
+    let code = serve(chan, workspace, pid1);
+    if pid1 {
+        power_off();
+    }
+    std::process::exit(code);
+}
+
+// ---------------------------------------------------------------------------------------------
+// pid 1 set-up
+
+fn cstr(s: &str) -> CString {
+    CString::new(s).unwrap_or_default()
+}
+
+fn mount_fs(fstype: &str, dst: &str, flags: u64, data: &str) {
+    let _ = fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(dst);
+    let (src, dst_c, ty, data_c) = (cstr(fstype), cstr(dst), cstr(fstype), cstr(data));
+    // SAFETY: all pointers are valid NUL-terminated strings that outlive the call.
+    let r = unsafe {
+        mount(
+            src.as_ptr(),
+            dst_c.as_ptr(),
+            ty.as_ptr(),
+            flags,
+            data_c.as_ptr().cast(),
+        )
+    };
+    if r != 0 {
+        log(&format!(
+            "mount {fstype} on {dst}: {}",
+            io::Error::last_os_error()
+        ));
+    }
+}
+
+fn system_setup() {
+    mount_fs("proc", "/proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "");
+    mount_fs("sysfs", "/sys", MS_NOSUID | MS_NODEV | MS_NOEXEC, "");
+    mount_fs("devtmpfs", "/dev", MS_NOSUID, "mode=0755");
+    mount_fs(
+        "devpts",
+        "/dev/pts",
+        MS_NOSUID | MS_NOEXEC,
+        "mode=0620,ptmxmode=0666",
+    );
+    mount_fs("tmpfs", "/dev/shm", MS_NOSUID | MS_NODEV, "mode=1777");
+    mount_fs("tmpfs", "/tmp", MS_NOSUID | MS_NODEV, "mode=1777");
+    mount_fs("tmpfs", WORKSPACE, MS_NOSUID | MS_NODEV, "mode=0755");
+    // SAFETY: plain syscall wrapper with no pointers.
+    unsafe { setpgid(0, 0) };
+    load_modules(Path::new("/lib/modules"));
+}
+
+/// Loads every module of `<dir>/modules.dep` (format `path: dep dep...`, paths relative to
+/// `dir`), each after its dependencies.
+fn load_modules(dir: &Path) {
+    let Ok(text) = fs::read_to_string(dir.join("modules.dep")) else {
+        return;
+    };
+    let mut deps: HashMap<String, Vec<String>> = HashMap::new();
+    let mut order = Vec::new();
+    for line in text.lines() {
+        let Some((m, d)) = line.split_once(':') else {
+            continue;
+        };
+        let m = m.trim().to_string();
+        order.push(m.clone());
+        deps.insert(m, d.split_whitespace().map(str::to_string).collect());
+    }
+    let mut done = HashSet::new();
+    for m in order {
+        load_module(dir, &m, &deps, &mut done, 0);
+    }
+}
+
+fn load_module(
+    dir: &Path,
+    m: &str,
+    deps: &HashMap<String, Vec<String>>,
+    done: &mut HashSet<String>,
+    depth: usize,
+) {
+    if depth > 32 || !done.insert(m.to_string()) {
+        return;
+    }
+    // modules.dep lists the deepest dependency last: load from the end.
+    if let Some(ds) = deps.get(m) {
+        for d in ds.iter().rev() {
+            load_module(dir, d, deps, done, depth + 1);
+        }
+    }
+    let path = dir.join(m);
+    let f = match File::open(&path) {
+        Ok(f) => f,
+        Err(e) => {
+            log(&format!("module {}: {e}", path.display()));
+            return;
+        }
+    };
+    let empty = cstr("");
+    // SAFETY: finit_module(fd, params, flags) with a valid open fd and a NUL-terminated string.
+    let r = unsafe { syscall(NR_FINIT_MODULE, f.as_raw_fd(), empty.as_ptr(), 0) };
+    if r != 0 && errno() != EEXIST {
+        log(&format!(
+            "load {}: {}",
+            path.display(),
+            io::Error::last_os_error()
+        ));
+    }
+}
+
+/// Waits for `/dev/hvc0` (the virtio-console driver registers it asynchronously) and opens it
+/// in raw mode.
+fn open_console() -> io::Result<File> {
+    let path = Path::new("/dev/hvc0");
+    let mut waited = 0u32;
+    let f = loop {
+        match OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(0o400 /* O_NOCTTY */)
+            .open(path)
+        {
+            Ok(f) => break f,
+            // ENODEV/ENXIO until the port is ready; ENOENT until devtmpfs has the node.
+            Err(e) if waited < 60_000 => {
+                if waited.is_multiple_of(5000) && waited > 0 {
+                    log(&format!("waiting for /dev/hvc0: {e}"));
+                }
+                thread::sleep(Duration::from_millis(2));
+                waited += 2;
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    let mut t = Termios([0; 128]);
+    // SAFETY: `t` is a writable buffer larger than glibc's struct termios; fd is open.
+    if unsafe { tcgetattr(f.as_raw_fd(), &mut t) } == 0 {
+        // SAFETY: as above; cfmakeraw only edits the struct, tcsetattr reads it.
+        unsafe {
+            cfmakeraw(&mut t);
+            tcsetattr(f.as_raw_fd(), 0 /* TCSANOW */, &t);
+        }
+    }
+    Ok(f)
+}
+
+fn power_off() -> ! {
+    // SAFETY: kill(-1) signals every process but us; sync and reboot take no pointers.
+    unsafe {
+        kill(-1, SIGKILL);
+        sync();
+        reboot(RB_AUTOBOOT);
+    }
+    // Not reached as pid 1 (reboot does not return); elsewhere just stop.
+    std::process::exit(0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// the protocol loop
+
+/// Writes whole frames to the channel, one at a time.
+#[derive(Clone)]
+struct Chan(Arc<Mutex<File>>);
+
+impl Chan {
+    fn send(&self, id: u32, r: &Response) {
+        let frame = r.encode(id);
+        let mut f = lock(&self.0);
+        let _ = f.write_all(&frame);
+    }
+    fn error(&self, id: u32, kind: ErrorKind, message: impl Into<String>) {
+        self.send(
+            id,
+            &Response::Error {
+                kind,
+                message: message.into(),
+            },
+        );
+    }
+}
+
+/// Children we wait for: pid -> where to send its wait status. The reaper thread collects
+/// every child (also orphans re-parented to pid 1) and routes known ones here.
+#[derive(Default)]
+struct Procs {
+    waiters: HashMap<i32, mpsc::Sender<i32>>,
+    /// Bumped on every fork, so the reaper knows to look again after `ECHILD`.
+    generation: u64,
+}
+
+struct State {
+    chan: Chan,
+    workspace: PathBuf,
+    procs: Arc<(Mutex<Procs>, Condvar)>,
+    /// Running execs: request id -> process group id.
+    running: Arc<Mutex<HashMap<u32, i32>>>,
+}
+
+fn serve(chan: File, workspace: PathBuf, pid1: bool) -> i32 {
+    let mut reader = match chan.try_clone() {
+        Ok(r) => r,
+        Err(e) => {
+            log(&format!("dup channel: {e}"));
+            return 1;
+        }
+    };
+    let st = Arc::new(State {
+        chan: Chan(Arc::new(Mutex::new(chan))),
+        workspace,
+        procs: Arc::new((Mutex::new(Procs::default()), Condvar::new())),
+        running: Arc::new(Mutex::new(HashMap::new())),
+    });
+    let procs = st.procs.clone();
+    thread::spawn(move || reaper(&procs));
+    st.chan.send(
+        0,
+        &Response::Ready {
+            source_hash: SOURCE_HASH,
+        },
+    );
+    loop {
+        let (hdr, payload) = match proto::read_frame(&mut reader, MAX_PAYLOAD) {
+            Ok(Some(f)) => f,
+            Ok(None) => return 0,
+            Err(ReadError::TooLarge(h)) => {
+                st.chan.error(
+                    h.id,
+                    ErrorKind::Protocol,
+                    format!("frame of {} bytes is over the limit", h.len),
+                );
+                if proto::skip_bytes(&mut reader, u64::from(h.len)).is_err() {
+                    return 1;
+                }
+                continue;
+            }
+            Err(ReadError::Truncated) => return 1,
+            Err(ReadError::Io(e)) => {
+                log(&format!("channel read: {e}"));
+                return 1;
+            }
+        };
+        let req = match Request::decode(hdr.kind, &payload) {
+            Ok(r) => r,
+            Err(proto::Malformed) => {
+                st.chan.error(
+                    hdr.id,
+                    ErrorKind::Protocol,
+                    format!("malformed frame (kind {}, {} bytes)", hdr.kind, hdr.len),
+                );
+                continue;
+            }
+        };
+        drop(payload);
+        let id = hdr.id;
+        match req {
+            Request::Exec(x) => {
+                let st2 = st.clone();
+                let spawned = thread::Builder::new().spawn(move || exec(&st2, id, x));
+                if let Err(e) = spawned {
+                    st.chan.error(id, ErrorKind::Io, format!("thread: {e}"));
+                }
+            }
+            Request::WriteFile {
+                path,
+                mode,
+                append,
+                data,
+            } => match write_file(&st.workspace, &path, mode, append, &data) {
+                Ok(()) => st.chan.send(id, &Response::Ok),
+                Err((k, m)) => st.chan.error(id, k, m),
+            },
+            Request::ReadFile { path, max } => {
+                if let Err((k, m)) = read_file(&st, id, &path, max) {
+                    st.chan.error(id, k, m);
+                }
+            }
+            Request::List { path } => match list(&st.workspace, &path) {
+                Ok(v) => st.chan.send(id, &Response::Entries(v)),
+                Err((k, m)) => st.chan.error(id, k, m),
+            },
+            Request::Ping => st.chan.send(
+                id,
+                &Response::Pong {
+                    source_hash: SOURCE_HASH,
+                },
+            ),
+            Request::Kill { target } => {
+                let pg = lock(&st.running).get(&target).copied();
+                match pg {
+                    Some(pg) => {
+                        // SAFETY: kill on a process group we created; no pointers.
+                        unsafe { kill(-pg, SIGKILL) };
+                        st.chan.send(id, &Response::Ok);
+                    }
+                    None => st.chan.error(id, ErrorKind::NotFound, "no such exec"),
+                }
+            }
+            Request::Shutdown => {
+                let groups: Vec<i32> = lock(&st.running).values().copied().collect();
+                for pg in groups {
+                    // SAFETY: as above.
+                    unsafe { kill(-pg, SIGKILL) };
+                }
+                st.chan.send(id, &Response::Ok);
+                if pid1 {
+                    power_off();
+                }
+                return 0;
+            }
+        }
+    }
+}
+
+fn reaper(procs: &(Mutex<Procs>, Condvar)) {
+    let (m, cv) = procs;
+    loop {
+        let gen = lock(m).generation;
+        let mut status: c_int = 0;
+        // SAFETY: status is a valid out-pointer.
+        let pid = unsafe { waitpid(-1, &mut status, 0) };
+        if pid > 0 {
+            if let Some(tx) = lock(m).waiters.remove(&pid) {
+                let _ = tx.send(status);
+            }
+            continue;
+        }
+        match errno() {
+            EINTR => {}
+            ECHILD => {
+                // No children: sleep until the next fork.
+                let mut g = lock(m);
+                while g.generation == gen {
+                    g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
+                }
+            }
+            _ => thread::sleep(Duration::from_millis(10)),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// exec
+
+fn pipe() -> io::Result<(File, File)> {
+    let mut fds = [0 as c_int; 2];
+    // SAFETY: fds is a writable array of two ints.
+    if unsafe { pipe2(fds.as_mut_ptr(), O_CLOEXEC) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: pipe2 returned two new descriptors that we now own.
+    Ok(unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) })
+}
+
+/// Finds `prog` in `path` like execvp does.
+fn lookup(prog: &str, path: &str, cwd: &Path) -> Option<PathBuf> {
+    if prog.contains('/') {
+        let p = Path::new(prog);
+        return Some(if p.is_absolute() {
+            p.to_path_buf()
+        } else {
+            cwd.join(p)
+        });
+    }
+    path.split(':')
+        .map(|d| {
+            if d.is_empty() {
+                cwd.to_path_buf()
+            } else {
+                PathBuf::from(d)
+            }
+            .join(prog)
+        })
+        .find(|p| {
+            fs::metadata(p)
+                .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+                .unwrap_or(false)
+        })
+}
+
+fn exit_info(status: i32) -> ExitInfo {
+    let sig = status & 0x7f;
+    if sig == 0 {
+        ExitInfo {
+            code: Some((status >> 8) & 0xff),
+            ..ExitInfo::default()
+        }
+    } else {
+        ExitInfo {
+            signal: Some(sig),
+            ..ExitInfo::default()
+        }
+    }
+}
+
+/// Pumps one output pipe to the channel, within the shared output budget.
+fn pump(
+    mut r: File,
+    chan: Chan,
+    id: u32,
+    stderr: bool,
+    sent: Arc<AtomicU64>,
+    max: u64,
+    truncated: Arc<AtomicBool>,
+) {
+    let mut buf = vec![0u8; proto::CHUNK];
+    loop {
+        let n = match r.read(&mut buf) {
+            Ok(0) => return,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(_) => return,
+        };
+        let mut take = n;
+        if max > 0 {
+            let before = sent.fetch_add(n as u64, Ordering::SeqCst);
+            let left = max.saturating_sub(before);
+            take = usize::try_from(left.min(n as u64)).unwrap_or(n);
+            if take < n {
+                truncated.store(true, Ordering::SeqCst);
+            }
+        }
+        if take > 0 {
+            let data = buf.get(..take).unwrap_or_default().to_vec();
+            chan.send(
+                id,
+                &if stderr {
+                    Response::Stderr(data)
+                } else {
+                    Response::Stdout(data)
+                },
+            );
+        }
+    }
+}
+
+fn resolve_cwd(ws: &Path, cwd: &str) -> PathBuf {
+    if cwd.is_empty() {
+        return ws.to_path_buf();
+    }
+    if let Some(rest) = cwd.strip_prefix(WORKSPACE) {
+        if rest.is_empty() || rest.starts_with('/') {
+            return ws.join(rest.trim_start_matches('/'));
+        }
+    }
+    let p = Path::new(cwd);
+    if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        ws.join(p)
+    }
+}
+
+fn exec(st: &State, id: u32, x: ExecRequest) {
+    let chan = &st.chan;
+    let Some(prog) = x.argv.first() else {
+        return chan.error(id, ErrorKind::Invalid, "empty argv");
+    };
+    let cwd = resolve_cwd(&st.workspace, &x.cwd);
+    let path_var = x
+        .env
+        .iter()
+        .rev()
+        .find(|(k, _)| k == "PATH")
+        .map(|(_, v)| v.clone());
+    let mut env: Vec<String> = x.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    if path_var.is_none() {
+        env.push(format!("PATH={DEFAULT_PATH}"));
+    }
+    let path_var = path_var.unwrap_or_else(|| DEFAULT_PATH.to_string());
+    let Some(exe) = lookup(prog, &path_var, &cwd) else {
+        chan.send(
+            id,
+            &Response::Stderr(format!("agent: {prog}: command not found\n").into_bytes()),
+        );
+        return chan.send(
+            id,
+            &Response::Exit(ExitInfo {
+                code: Some(127),
+                ..ExitInfo::default()
+            }),
+        );
+    };
+    // Everything the child needs, prepared before fork: it may not allocate afterwards.
+    let to_c = |s: &[u8]| CString::new(s).ok();
+    let exe_c = to_c(exe.as_os_str().as_bytes());
+    let cwd_c = to_c(cwd.as_os_str().as_bytes());
+    let argv_c: Option<Vec<CString>> = x.argv.iter().map(|a| to_c(a.as_bytes())).collect();
+    let env_c: Option<Vec<CString>> = env.iter().map(|a| to_c(a.as_bytes())).collect();
+    let (Some(exe_c), Some(cwd_c), Some(argv_c), Some(env_c)) = (exe_c, cwd_c, argv_c, env_c)
+    else {
+        return chan.error(id, ErrorKind::Invalid, "NUL byte in argv, env or cwd");
+    };
+    let mut argv_p: Vec<*const c_char> = argv_c.iter().map(|c| c.as_ptr()).collect();
+    argv_p.push(std::ptr::null());
+    let mut env_p: Vec<*const c_char> = env_c.iter().map(|c| c.as_ptr()).collect();
+    env_p.push(std::ptr::null());
+
+    let pipes = (|| Ok::<_, io::Error>((pipe()?, pipe()?, pipe()?, pipe()?)))();
+    let ((in_r, in_w), (out_r, out_w), (err_r, err_w), (fail_r, fail_w)) = match pipes {
+        Ok(p) => p,
+        Err(e) => return chan.error(id, ErrorKind::Io, format!("pipe: {e}")),
+    };
+    let (tx, rx) = mpsc::channel();
+    let (m, cv) = &*st.procs;
+    let pid = {
+        // Hold the table while forking so the reaper cannot see the child's exit before the
+        // child is registered.
+        let mut g = lock(m);
+        // SAFETY: fork; the child below only makes async-signal-safe calls on data prepared
+        // before the fork, then execs or exits.
+        let pid = unsafe { fork() };
+        if pid == 0 {
+            // SAFETY: child side, async-signal-safe calls only; all pointers were prepared
+            // before fork and stay valid until execve or _exit.
+            unsafe {
+                setpgid(0, 0);
+                dup2(in_r.as_raw_fd(), 0);
+                dup2(out_w.as_raw_fd(), 1);
+                dup2(err_w.as_raw_fd(), 2);
+                signal(SIGPIPE, SIG_DFL);
+                if chdir(cwd_c.as_ptr()) == 0 {
+                    execve(exe_c.as_ptr(), argv_p.as_ptr(), env_p.as_ptr());
+                }
+                let e = (*__errno_location()).to_le_bytes();
+                write(fail_w.as_raw_fd(), e.as_ptr(), e.len());
+                _exit(127);
+            }
+        }
+        if pid > 0 {
+            g.waiters.insert(pid, tx);
+            g.generation = g.generation.wrapping_add(1);
+            cv.notify_all();
+        }
+        pid
+    };
+    if pid < 0 {
+        return chan.error(
+            id,
+            ErrorKind::Io,
+            format!("fork: {}", io::Error::last_os_error()),
+        );
+    }
+    // Also set the group from the parent side (whichever runs first wins; same result).
+    // SAFETY: no pointers.
+    unsafe { setpgid(pid, pid) };
+    lock(&st.running).insert(id, pid);
+    drop((in_r, out_w, err_w, fail_w));
+
+    let mut fail = [0u8; 4];
+    let mut fail_r = fail_r;
+    let exec_failed = matches!(fail_r.read(&mut fail), Ok(4));
+    let stdin = x.stdin;
+    let writer = thread::spawn(move || {
+        let mut w = in_w;
+        let _ = w.write_all(&stdin);
+    });
+    let sent = Arc::new(AtomicU64::new(0));
+    let truncated = Arc::new(AtomicBool::new(false));
+    let readers: Vec<_> = [(out_r, false), (err_r, true)]
+        .into_iter()
+        .map(|(r, is_err)| {
+            let (c, s, t) = (chan.clone(), sent.clone(), truncated.clone());
+            let max = x.max_output;
+            thread::spawn(move || pump(r, c, id, is_err, s, max, t))
+        })
+        .collect();
+
+    let mut timed_out = false;
+    let status = if x.timeout_ms > 0 {
+        match rx.recv_timeout(Duration::from_millis(x.timeout_ms)) {
+            Ok(s) => Some(s),
+            Err(RecvTimeoutError::Timeout) => {
+                timed_out = true;
+                // SAFETY: kill on the child's own process group; no pointers.
+                unsafe { kill(-pid, SIGKILL) };
+                rx.recv().ok()
+            }
+            Err(RecvTimeoutError::Disconnected) => None,
+        }
+    } else {
+        rx.recv().ok()
+    };
+    // Whatever the command left behind in its group goes too (it would hold the pipes open).
+    // SAFETY: as above.
+    unsafe { kill(-pid, SIGKILL) };
+    for r in readers {
+        let _ = r.join();
+    }
+    let _ = writer.join();
+    lock(&st.running).remove(&id);
+    if exec_failed {
+        let e = io::Error::from_raw_os_error(i32::from_le_bytes(fail));
+        chan.send(
+            id,
+            &Response::Stderr(format!("agent: {prog}: {e}\n").into_bytes()),
+        );
+    }
+    let mut info = status.map(exit_info).unwrap_or_default();
+    info.timed_out = timed_out;
+    info.truncated = truncated.load(Ordering::SeqCst);
+    if exec_failed {
+        info = ExitInfo {
+            code: Some(if fail_errno_is_noent(&fail) { 127 } else { 126 }),
+            ..info
+        };
+    }
+    chan.send(id, &Response::Exit(info));
+}
+
+fn fail_errno_is_noent(fail: &[u8; 4]) -> bool {
+    i32::from_le_bytes(*fail) == 2
+}
+
+// ---------------------------------------------------------------------------------------------
+// files
+
+type FileError = (ErrorKind, String);
+
+fn io_err(what: &str, path: &str, e: &io::Error) -> FileError {
+    let kind = match e.kind() {
+        io::ErrorKind::NotFound => ErrorKind::NotFound,
+        _ => ErrorKind::Io,
+    };
+    (kind, format!("{what} {path}: {e}"))
+}
+
+/// Maps a protocol path (relative to the workspace, or absolute under `/workspace`) to a path
+/// under `ws`, lexically normalised; refuses anything that leaves the workspace.
+fn ws_path(ws: &Path, path: &str) -> Result<PathBuf, FileError> {
+    if path.contains('\0') {
+        return Err((ErrorKind::Invalid, "NUL byte in path".into()));
+    }
+    let rel = if path.starts_with('/') {
+        match path.strip_prefix(WORKSPACE) {
+            Some(r) if r.is_empty() || r.starts_with('/') => r,
+            _ => return Err((ErrorKind::PathEscape, format!("{path}: outside /workspace"))),
+        }
+    } else {
+        path
+    };
+    let mut parts: Vec<&OsStr> = Vec::new();
+    for c in Path::new(rel).components() {
+        match c {
+            Component::Normal(p) => parts.push(p),
+            Component::ParentDir => {
+                if parts.pop().is_none() {
+                    return Err((ErrorKind::PathEscape, format!("{path}: outside /workspace")));
+                }
+            }
+            Component::CurDir | Component::RootDir | Component::Prefix(_) => {}
+        }
+    }
+    let mut full = ws.to_path_buf();
+    full.extend(parts);
+    Ok(full)
+}
+
+/// Refuses a path whose existing part resolves (through symlinks) outside the workspace.
+fn check_inside(ws: &Path, full: &Path, shown: &str) -> Result<(), FileError> {
+    let root = fs::canonicalize(ws).map_err(|e| io_err("workspace", shown, &e))?;
+    let mut p = full.to_path_buf();
+    loop {
+        match fs::canonicalize(&p) {
+            Ok(c) if c.starts_with(&root) => return Ok(()),
+            Ok(_) => break,
+            Err(_) => {
+                if fs::symlink_metadata(&p).is_ok() {
+                    // A dangling symlink: where it would lead is unknown; refuse.
+                    break;
+                }
+                if !p.pop() {
+                    break;
+                }
+            }
+        }
+    }
+    Err((
+        ErrorKind::PathEscape,
+        format!("{shown}: outside /workspace"),
+    ))
+}
+
+fn write_file(
+    ws: &Path,
+    path: &str,
+    mode: u32,
+    append: bool,
+    data: &[u8],
+) -> Result<(), FileError> {
+    let full = ws_path(ws, path)?;
+    if full == ws {
+        return Err((ErrorKind::Invalid, format!("{path}: is the workspace")));
+    }
+    check_inside(ws, &full, path)?;
+    if let Some(parent) = full.parent() {
+        fs::create_dir_all(parent).map_err(|e| io_err("create", path, &e))?;
+        check_inside(ws, &full, path)?;
+    }
+    let mode = if mode & 0o7777 == 0 {
+        0o644
+    } else {
+        mode & 0o7777
+    };
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .append(append)
+        .truncate(!append)
+        .mode(mode)
+        .custom_flags(0o400000 /* O_NOFOLLOW */)
+        .open(&full)
+        .map_err(|e| io_err("write", path, &e))?;
+    f.write_all(data).map_err(|e| io_err("write", path, &e))
+}
+
+fn read_file(st: &State, id: u32, path: &str, max: u64) -> Result<(), FileError> {
+    let ws = &st.workspace;
+    let full = ws_path(ws, path)?;
+    check_inside(ws, &full, path)?;
+    let mut f = File::open(&full).map_err(|e| io_err("read", path, &e))?;
+    let meta = f.metadata().map_err(|e| io_err("read", path, &e))?;
+    if meta.is_dir() {
+        return Err((ErrorKind::Invalid, format!("{path}: is a directory")));
+    }
+    if meta.len() > max {
+        return Err((
+            ErrorKind::TooLarge,
+            format!("{path}: {} bytes, over the limit of {max}", meta.len()),
+        ));
+    }
+    let mut buf = vec![0u8; proto::CHUNK];
+    let mut total: u64 = 0;
+    loop {
+        let n = match f.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(io_err("read", path, &e)),
+        };
+        total = total.saturating_add(n as u64);
+        if total > max {
+            return Err((
+                ErrorKind::TooLarge,
+                format!("{path}: grew over {max} bytes"),
+            ));
+        }
+        st.chan.send(
+            id,
+            &Response::Data(buf.get(..n).unwrap_or_default().to_vec()),
+        );
+    }
+    st.chan.send(id, &Response::Ok);
+    Ok(())
+}
+
+fn list(ws: &Path, path: &str) -> Result<Vec<Entry>, FileError> {
+    let full = ws_path(ws, path)?;
+    check_inside(ws, &full, path)?;
+    let rd = fs::read_dir(&full).map_err(|e| io_err("list", path, &e))?;
+    let mut v = Vec::new();
+    for e in rd {
+        let e = e.map_err(|e| io_err("list", path, &e))?;
+        let Ok(meta) = fs::symlink_metadata(e.path()) else {
+            continue;
+        };
+        let ft = meta.file_type();
+        let kind = if ft.is_symlink() {
+            EntryKind::Symlink
+        } else if ft.is_dir() {
+            EntryKind::Dir
+        } else if ft.is_file() {
+            EntryKind::File
+        } else {
+            EntryKind::Other
+        };
+        v.push(Entry {
+            name: e.file_name().to_string_lossy().into_owned(),
+            kind,
+            size: meta.len(),
+        });
+    }
+    v.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn workspace_paths_are_confined() {
+        let ws = Path::new("/w");
+        assert_eq!(ws_path(ws, "a/b").unwrap(), Path::new("/w/a/b"));
+        assert_eq!(ws_path(ws, "./a/../b").unwrap(), Path::new("/w/b"));
+        assert_eq!(ws_path(ws, "/workspace/a").unwrap(), Path::new("/w/a"));
+        assert_eq!(ws_path(ws, "/workspace").unwrap(), Path::new("/w"));
+        assert_eq!(ws_path(ws, "").unwrap(), Path::new("/w"));
+        for bad in [
+            "../x",
+            "/etc/passwd",
+            "/workspace/../x",
+            "/workspacex/a",
+            "a/../../b",
+        ] {
+            assert_eq!(
+                ws_path(ws, bad).unwrap_err().0,
+                ErrorKind::PathEscape,
+                "{bad}"
+            );
+        }
+        assert_eq!(ws_path(ws, "a\0b").unwrap_err().0, ErrorKind::Invalid);
+    }
+
+    #[test]
+    fn cwd_mapping() {
+        let ws = Path::new("/w");
+        assert_eq!(resolve_cwd(ws, ""), Path::new("/w"));
+        assert_eq!(resolve_cwd(ws, "/workspace/x"), Path::new("/w/x"));
+        assert_eq!(resolve_cwd(ws, "sub"), Path::new("/w/sub"));
+        assert_eq!(resolve_cwd(ws, "/tmp"), Path::new("/tmp"));
+    }
+
+    #[test]
+    fn wait_status_decoding() {
+        assert_eq!(exit_info(3 << 8).code, Some(3));
+        assert_eq!(exit_info(9).signal, Some(9));
+        assert_eq!(exit_info(9).code, None);
+    }
+}

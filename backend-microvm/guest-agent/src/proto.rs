@@ -1,0 +1,876 @@
+//! Wire protocol between the host (`backend_microvm::agent_client`) and the guest agent.
+//!
+//! This file is compiled three times: into the agent binary (build.rs runs `rustc` on
+//! `main.rs`), into the `microvm-guest-agent` crate, and into the library through
+//! `#[path = "../guest-agent/src/proto.rs"]`. Keep it std-only and panic-free.
+//!
+//! The channel is one byte stream (virtio-console, `/dev/hvc0` in the guest). Every message is
+//! one frame: a fixed 9-byte header `[u32 payload length][u8 kind][u32 request id]` (little
+//! endian) followed by the payload. The host picks the request ids; every response frame carries
+//! the id of the request it answers, so several requests may be in flight and an exec's output
+//! streams as many `Stdout`/`Stderr` frames before its final `Exit`. Id 0 is reserved for
+//! messages that answer no request (`Ready`, and errors about frames whose id is unknown).
+//!
+//! Payload values: integers little endian; byte strings and UTF-8 strings as `u32 length` +
+//! bytes; lists as `u32 count` + items. A payload longer than [`MAX_PAYLOAD`], an unknown kind,
+//! a truncated field, trailing bytes or invalid UTF-8 make the frame malformed: decoders return
+//! an error and never allocate more than the payload they were given.
+
+#![allow(dead_code)]
+
+use std::io::{self, Read};
+
+/// FNV-1a of the agent's sources (this file and `main.rs`), computed at compile time on both
+/// sides: the agent announces it in [`Response::Ready`] and [`Response::Pong`] so the host can
+/// tell an agent built from other sources (a stale initramfs) from a matching one.
+pub const SOURCE_HASH: u64 = fnv1a(include_bytes!("proto.rs")) ^ fnv1a(include_bytes!("main.rs"));
+
+const fn fnv1a(b: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut i = 0;
+    while i < b.len() {
+        h ^= b[i] as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        i += 1;
+    }
+    h
+}
+
+/// Size of a frame header: payload length (u32), kind (u8), request id (u32).
+pub const HEADER_LEN: usize = 9;
+/// Largest payload a frame may carry (4 MiB of data plus room for the other fields).
+pub const MAX_PAYLOAD: usize = (4 << 20) + 64 * 1024;
+/// Largest data chunk the agent puts in one `Stdout`/`Stderr`/`Data` frame.
+pub const CHUNK: usize = 64 * 1024;
+/// Largest file content the host sends in one `WriteFile` frame (bigger files are sent as
+/// several frames, the later ones with `append`).
+pub const WRITE_CHUNK: usize = 1 << 20;
+/// Largest stdin an exec request may carry.
+pub const MAX_STDIN: usize = 4 << 20;
+
+// Request kinds (host -> guest).
+const K_EXEC: u8 = 1;
+const K_WRITE: u8 = 2;
+const K_READ: u8 = 3;
+const K_LIST: u8 = 4;
+const K_PING: u8 = 5;
+const K_SHUTDOWN: u8 = 6;
+const K_KILL: u8 = 7;
+// Response kinds (guest -> host).
+const K_STDOUT: u8 = 64;
+const K_STDERR: u8 = 65;
+const K_EXIT: u8 = 66;
+const K_DATA: u8 = 67;
+const K_ENTRIES: u8 = 68;
+const K_OK: u8 = 69;
+const K_ERROR: u8 = 70;
+const K_PONG: u8 = 71;
+const K_READY: u8 = 72;
+
+/// One command to run in the guest.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ExecRequest {
+    /// Program and arguments; `argv[0]` is looked up in `PATH` when it has no `/`.
+    pub argv: Vec<String>,
+    /// The whole environment of the program (the agent adds a default `PATH` if absent).
+    pub env: Vec<(String, String)>,
+    /// Working directory; empty means the workspace root.
+    pub cwd: String,
+    /// Bytes written to the program's standard input, which is then closed.
+    pub stdin: Vec<u8>,
+    /// Wall timeout in milliseconds (0: none). On expiry the agent kills the program's
+    /// process group and reports `timed_out`.
+    pub timeout_ms: u64,
+    /// Most bytes of stdout plus stderr forwarded to the host (0: no limit); the rest is read
+    /// and dropped, and the exit reports `truncated`.
+    pub max_output: u64,
+}
+
+/// A request from the host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    /// Run a program: answered by `Stdout`/`Stderr` chunks and one `Exit` (or one `Error`).
+    Exec(ExecRequest),
+    /// Write a file under the workspace (parents are created): answered by `Ok` or `Error`.
+    WriteFile {
+        /// Path, relative to the workspace or absolute under `/workspace`.
+        path: String,
+        /// Permission bits for a new file.
+        mode: u32,
+        /// Append to the file instead of truncating it first.
+        append: bool,
+        /// Content.
+        data: Vec<u8>,
+    },
+    /// Read a whole file: answered by `Data` chunks then `Ok`, or by `Error`.
+    ReadFile {
+        /// Path, relative to the workspace or absolute under `/workspace`.
+        path: String,
+        /// Refuse (with `TooLarge`) files bigger than this.
+        max: u64,
+    },
+    /// List a directory: answered by `Entries` or `Error`.
+    List {
+        /// Path, relative to the workspace or absolute under `/workspace`.
+        path: String,
+    },
+    /// Liveness and version check: answered by `Pong`.
+    Ping,
+    /// Kill every process and power the guest off (reboot in the guest, which the VMM treats
+    /// as the end of the VM); answered by `Ok` first. In test mode the agent just exits.
+    Shutdown,
+    /// Kill the process group of the exec with request id `target`: answered by `Ok`, or
+    /// `Error(NotFound)` if it is not running.
+    Kill {
+        /// Request id of the exec to kill.
+        target: u32,
+    },
+}
+
+/// How an exec ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ExitInfo {
+    /// Exit code, if the program exited by itself.
+    pub code: Option<i32>,
+    /// Signal number, if the program was killed by a signal.
+    pub signal: Option<i32>,
+    /// Whether the agent killed it because its timeout expired.
+    pub timed_out: bool,
+    /// Whether output beyond `max_output` was dropped.
+    pub truncated: bool,
+}
+
+/// Kind of a directory entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EntryKind {
+    /// Regular file.
+    File,
+    /// Directory.
+    Dir,
+    /// Symbolic link (not followed).
+    Symlink,
+    /// Anything else.
+    Other,
+}
+
+/// One directory entry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    /// File name.
+    pub name: String,
+    /// Kind.
+    pub kind: EntryKind,
+    /// Size in bytes.
+    pub size: u64,
+}
+
+/// Category of an error reported by the agent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The path does not exist.
+    NotFound,
+    /// The path leaves the workspace.
+    PathEscape,
+    /// The file or request is bigger than allowed.
+    TooLarge,
+    /// The request is well-formed but makes no sense (empty argv, a directory to read...).
+    Invalid,
+    /// An I/O error in the guest.
+    Io,
+    /// A malformed frame.
+    Protocol,
+}
+
+/// A message from the agent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Response {
+    /// A chunk of an exec's standard output.
+    Stdout(Vec<u8>),
+    /// A chunk of an exec's standard error.
+    Stderr(Vec<u8>),
+    /// The exec ended (last frame of an exec).
+    Exit(ExitInfo),
+    /// A chunk of a file's content.
+    Data(Vec<u8>),
+    /// A directory listing.
+    Entries(Vec<Entry>),
+    /// The request succeeded.
+    Ok,
+    /// The request failed.
+    Error {
+        /// Category.
+        kind: ErrorKind,
+        /// Human-readable detail.
+        message: String,
+    },
+    /// Answer to `Ping`.
+    Pong {
+        /// The agent's [`SOURCE_HASH`].
+        source_hash: u64,
+    },
+    /// Sent once, with id 0, when the agent starts serving.
+    Ready {
+        /// The agent's [`SOURCE_HASH`].
+        source_hash: u64,
+    },
+}
+
+/// A malformed payload or header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Malformed;
+
+/// A frame header as read from the stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    /// Payload length.
+    pub len: u32,
+    /// Message kind.
+    pub kind: u8,
+    /// Request id.
+    pub id: u32,
+}
+
+impl Header {
+    /// Parses the fixed-size header.
+    pub fn parse(b: &[u8; HEADER_LEN]) -> Header {
+        Header {
+            len: u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            kind: b[4],
+            id: u32::from_le_bytes([b[5], b[6], b[7], b[8]]),
+        }
+    }
+}
+
+/// Why [`read_frame`] returned no frame.
+#[derive(Debug)]
+pub enum ReadError {
+    /// The stream ended in the middle of a frame.
+    Truncated,
+    /// The header announced a payload over the limit; nothing of it was read.
+    TooLarge(Header),
+    /// The underlying read failed.
+    Io(io::Error),
+}
+
+/// Reads one frame: `Ok(None)` on a clean end of stream (at a frame boundary). The payload
+/// buffer is allocated only after its length was checked against `max`.
+pub fn read_frame<R: Read>(r: &mut R, max: usize) -> Result<Option<(Header, Vec<u8>)>, ReadError> {
+    let mut h = [0u8; HEADER_LEN];
+    let mut got = 0;
+    while got < HEADER_LEN {
+        match r.read(&mut h[got..]) {
+            Ok(0) if got == 0 => return Ok(None),
+            Ok(0) => return Err(ReadError::Truncated),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(ReadError::Io(e)),
+        }
+    }
+    let hdr = Header::parse(&h);
+    let len = hdr.len as usize;
+    if len > max {
+        return Err(ReadError::TooLarge(hdr));
+    }
+    let mut payload = vec![0u8; len];
+    match r.read_exact(&mut payload) {
+        Ok(()) => Ok(Some((hdr, payload))),
+        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Err(ReadError::Truncated),
+        Err(e) => Err(ReadError::Io(e)),
+    }
+}
+
+/// Reads and drops `n` bytes (the payload of a frame refused as too large), so the stream
+/// stays in sync without buffering it.
+pub fn skip_bytes<R: Read>(r: &mut R, mut n: u64) -> io::Result<()> {
+    let mut buf = [0u8; 8192];
+    while n > 0 {
+        let want = buf.len().min(usize::try_from(n).unwrap_or(usize::MAX));
+        match r.read(&mut buf[..want]) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(k) => n = n.saturating_sub(k as u64),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Appends little-endian values to a frame under construction.
+struct Enc(Vec<u8>);
+
+impl Enc {
+    fn frame(kind: u8, id: u32) -> Enc {
+        let mut v = Vec::with_capacity(64);
+        v.extend_from_slice(&[0, 0, 0, 0, kind]);
+        v.extend_from_slice(&id.to_le_bytes());
+        Enc(v)
+    }
+    fn u8(&mut self, v: u8) {
+        self.0.push(v);
+    }
+    fn u32(&mut self, v: u32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn i32(&mut self, v: i32) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn u64(&mut self, v: u64) {
+        self.0.extend_from_slice(&v.to_le_bytes());
+    }
+    fn len(&mut self, n: usize) {
+        // Lengths above u32::MAX cannot be framed anyway: saturate, and the frame will be
+        // refused by the receiver as too large.
+        self.u32(u32::try_from(n).unwrap_or(u32::MAX));
+    }
+    fn bytes(&mut self, b: &[u8]) {
+        self.len(b.len());
+        self.0.extend_from_slice(b);
+    }
+    fn str(&mut self, s: &str) {
+        self.bytes(s.as_bytes());
+    }
+    /// Writes the payload length into the header and returns the whole frame.
+    fn finish(mut self) -> Vec<u8> {
+        let n = self.0.len().saturating_sub(HEADER_LEN);
+        let n = u32::try_from(n).unwrap_or(u32::MAX).to_le_bytes();
+        self.0[..4].copy_from_slice(&n);
+        self.0
+    }
+}
+
+/// Reads what [`Enc`] wrote; every read is bounds-checked.
+struct Dec<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Dec<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], Malformed> {
+        let end = self.pos.checked_add(n).ok_or(Malformed)?;
+        let s = self.buf.get(self.pos..end).ok_or(Malformed)?;
+        self.pos = end;
+        Ok(s)
+    }
+    fn arr<const N: usize>(&mut self) -> Result<[u8; N], Malformed> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+    fn u8(&mut self) -> Result<u8, Malformed> {
+        Ok(self.arr::<1>()?[0])
+    }
+    fn bool(&mut self) -> Result<bool, Malformed> {
+        match self.u8()? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(Malformed),
+        }
+    }
+    fn u32(&mut self) -> Result<u32, Malformed> {
+        Ok(u32::from_le_bytes(self.arr()?))
+    }
+    fn i32(&mut self) -> Result<i32, Malformed> {
+        Ok(i32::from_le_bytes(self.arr()?))
+    }
+    fn u64(&mut self) -> Result<u64, Malformed> {
+        Ok(u64::from_le_bytes(self.arr()?))
+    }
+    fn bytes(&mut self) -> Result<&'a [u8], Malformed> {
+        let n = self.u32()? as usize;
+        self.take(n)
+    }
+    fn str(&mut self) -> Result<String, Malformed> {
+        String::from_utf8(self.bytes()?.to_vec()).map_err(|_| Malformed)
+    }
+    /// A list count, checked against the bytes left (each item takes at least `min_item`
+    /// bytes), so a forged count cannot make us reserve memory.
+    fn count(&mut self, min_item: usize) -> Result<usize, Malformed> {
+        let n = self.u32()? as usize;
+        let left = self.buf.len().saturating_sub(self.pos);
+        if n.saturating_mul(min_item.max(1)) > left {
+            return Err(Malformed);
+        }
+        Ok(n)
+    }
+    fn end(&self) -> Result<(), Malformed> {
+        if self.pos == self.buf.len() {
+            Ok(())
+        } else {
+            Err(Malformed)
+        }
+    }
+}
+
+impl Request {
+    /// Encodes this request as one frame with id `id`.
+    pub fn encode(&self, id: u32) -> Vec<u8> {
+        let mut e;
+        match self {
+            Request::Exec(x) => {
+                e = Enc::frame(K_EXEC, id);
+                e.len(x.argv.len());
+                for a in &x.argv {
+                    e.str(a);
+                }
+                e.len(x.env.len());
+                for (k, v) in &x.env {
+                    e.str(k);
+                    e.str(v);
+                }
+                e.str(&x.cwd);
+                e.bytes(&x.stdin);
+                e.u64(x.timeout_ms);
+                e.u64(x.max_output);
+            }
+            Request::WriteFile {
+                path,
+                mode,
+                append,
+                data,
+            } => {
+                e = Enc::frame(K_WRITE, id);
+                e.str(path);
+                e.u32(*mode);
+                e.u8(u8::from(*append));
+                e.bytes(data);
+            }
+            Request::ReadFile { path, max } => {
+                e = Enc::frame(K_READ, id);
+                e.str(path);
+                e.u64(*max);
+            }
+            Request::List { path } => {
+                e = Enc::frame(K_LIST, id);
+                e.str(path);
+            }
+            Request::Ping => e = Enc::frame(K_PING, id),
+            Request::Shutdown => e = Enc::frame(K_SHUTDOWN, id),
+            Request::Kill { target } => {
+                e = Enc::frame(K_KILL, id);
+                e.u32(*target);
+            }
+        }
+        e.finish()
+    }
+
+    /// Decodes a request payload of the given kind.
+    pub fn decode(kind: u8, payload: &[u8]) -> Result<Request, Malformed> {
+        let mut d = Dec {
+            buf: payload,
+            pos: 0,
+        };
+        let r = match kind {
+            K_EXEC => {
+                let n = d.count(4)?;
+                let mut argv = Vec::with_capacity(n);
+                for _ in 0..n {
+                    argv.push(d.str()?);
+                }
+                let n = d.count(8)?;
+                let mut env = Vec::with_capacity(n);
+                for _ in 0..n {
+                    env.push((d.str()?, d.str()?));
+                }
+                Request::Exec(ExecRequest {
+                    argv,
+                    env,
+                    cwd: d.str()?,
+                    stdin: d.bytes()?.to_vec(),
+                    timeout_ms: d.u64()?,
+                    max_output: d.u64()?,
+                })
+            }
+            K_WRITE => Request::WriteFile {
+                path: d.str()?,
+                mode: d.u32()?,
+                append: d.bool()?,
+                data: d.bytes()?.to_vec(),
+            },
+            K_READ => Request::ReadFile {
+                path: d.str()?,
+                max: d.u64()?,
+            },
+            K_LIST => Request::List { path: d.str()? },
+            K_PING => Request::Ping,
+            K_SHUTDOWN => Request::Shutdown,
+            K_KILL => Request::Kill { target: d.u32()? },
+            _ => return Err(Malformed),
+        };
+        d.end()?;
+        Ok(r)
+    }
+}
+
+fn kind_code(k: EntryKind) -> u8 {
+    match k {
+        EntryKind::File => 0,
+        EntryKind::Dir => 1,
+        EntryKind::Symlink => 2,
+        EntryKind::Other => 3,
+    }
+}
+
+fn err_code(k: ErrorKind) -> u8 {
+    match k {
+        ErrorKind::NotFound => 1,
+        ErrorKind::PathEscape => 2,
+        ErrorKind::TooLarge => 3,
+        ErrorKind::Invalid => 4,
+        ErrorKind::Io => 5,
+        ErrorKind::Protocol => 6,
+    }
+}
+
+impl Response {
+    /// Encodes this response as one frame with id `id`.
+    pub fn encode(&self, id: u32) -> Vec<u8> {
+        let mut e;
+        match self {
+            Response::Stdout(b) => {
+                e = Enc::frame(K_STDOUT, id);
+                e.bytes(b);
+            }
+            Response::Stderr(b) => {
+                e = Enc::frame(K_STDERR, id);
+                e.bytes(b);
+            }
+            Response::Exit(x) => {
+                e = Enc::frame(K_EXIT, id);
+                let flags = u8::from(x.code.is_some())
+                    | (u8::from(x.signal.is_some()) << 1)
+                    | (u8::from(x.timed_out) << 2)
+                    | (u8::from(x.truncated) << 3);
+                e.u8(flags);
+                e.i32(x.code.unwrap_or(0));
+                e.i32(x.signal.unwrap_or(0));
+            }
+            Response::Data(b) => {
+                e = Enc::frame(K_DATA, id);
+                e.bytes(b);
+            }
+            Response::Entries(list) => {
+                e = Enc::frame(K_ENTRIES, id);
+                e.len(list.len());
+                for x in list {
+                    e.str(&x.name);
+                    e.u8(kind_code(x.kind));
+                    e.u64(x.size);
+                }
+            }
+            Response::Ok => e = Enc::frame(K_OK, id),
+            Response::Error { kind, message } => {
+                e = Enc::frame(K_ERROR, id);
+                e.u8(err_code(*kind));
+                e.str(message);
+            }
+            Response::Pong { source_hash } => {
+                e = Enc::frame(K_PONG, id);
+                e.u64(*source_hash);
+            }
+            Response::Ready { source_hash } => {
+                e = Enc::frame(K_READY, id);
+                e.u64(*source_hash);
+            }
+        }
+        e.finish()
+    }
+
+    /// Decodes a response payload of the given kind.
+    pub fn decode(kind: u8, payload: &[u8]) -> Result<Response, Malformed> {
+        let mut d = Dec {
+            buf: payload,
+            pos: 0,
+        };
+        let r = match kind {
+            K_STDOUT => Response::Stdout(d.bytes()?.to_vec()),
+            K_STDERR => Response::Stderr(d.bytes()?.to_vec()),
+            K_EXIT => {
+                let flags = d.u8()?;
+                if flags & !0x0f != 0 {
+                    return Err(Malformed);
+                }
+                let code = d.i32()?;
+                let signal = d.i32()?;
+                Response::Exit(ExitInfo {
+                    code: (flags & 1 != 0).then_some(code),
+                    signal: (flags & 2 != 0).then_some(signal),
+                    timed_out: flags & 4 != 0,
+                    truncated: flags & 8 != 0,
+                })
+            }
+            K_DATA => Response::Data(d.bytes()?.to_vec()),
+            K_ENTRIES => {
+                let n = d.count(13)?;
+                let mut v = Vec::with_capacity(n);
+                for _ in 0..n {
+                    let name = d.str()?;
+                    let kind = match d.u8()? {
+                        0 => EntryKind::File,
+                        1 => EntryKind::Dir,
+                        2 => EntryKind::Symlink,
+                        3 => EntryKind::Other,
+                        _ => return Err(Malformed),
+                    };
+                    v.push(Entry {
+                        name,
+                        kind,
+                        size: d.u64()?,
+                    });
+                }
+                Response::Entries(v)
+            }
+            K_OK => Response::Ok,
+            K_ERROR => {
+                let kind = match d.u8()? {
+                    1 => ErrorKind::NotFound,
+                    2 => ErrorKind::PathEscape,
+                    3 => ErrorKind::TooLarge,
+                    4 => ErrorKind::Invalid,
+                    5 => ErrorKind::Io,
+                    6 => ErrorKind::Protocol,
+                    _ => return Err(Malformed),
+                };
+                Response::Error {
+                    kind,
+                    message: d.str()?,
+                }
+            }
+            K_PONG => Response::Pong {
+                source_hash: d.u64()?,
+            },
+            K_READY => Response::Ready {
+                source_hash: d.u64()?,
+            },
+            _ => return Err(Malformed),
+        };
+        d.end()?;
+        Ok(r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    fn split(frame: &[u8]) -> (Header, &[u8]) {
+        let mut h = [0u8; HEADER_LEN];
+        h.copy_from_slice(&frame[..HEADER_LEN]);
+        let h = Header::parse(&h);
+        assert_eq!(h.len as usize, frame.len() - HEADER_LEN);
+        (h, &frame[HEADER_LEN..])
+    }
+
+    fn requests() -> Vec<Request> {
+        vec![
+            Request::Exec(ExecRequest {
+                argv: vec!["sh".into(), "-c".into(), "echo hi".into()],
+                env: vec![("A".into(), "b=c".into()), ("EMPTY".into(), String::new())],
+                cwd: "/workspace/sub".into(),
+                stdin: b"\x00\xffinput".to_vec(),
+                timeout_ms: 1500,
+                max_output: 1 << 20,
+            }),
+            Request::Exec(ExecRequest::default()),
+            Request::WriteFile {
+                path: "a/b.txt".into(),
+                mode: 0o644,
+                append: true,
+                data: vec![7; 1000],
+            },
+            Request::ReadFile {
+                path: "x".into(),
+                max: u64::MAX,
+            },
+            Request::List {
+                path: String::new(),
+            },
+            Request::Ping,
+            Request::Shutdown,
+            Request::Kill { target: 42 },
+        ]
+    }
+
+    fn responses() -> Vec<Response> {
+        vec![
+            Response::Stdout(b"out".to_vec()),
+            Response::Stderr(Vec::new()),
+            Response::Exit(ExitInfo {
+                code: Some(3),
+                signal: None,
+                timed_out: false,
+                truncated: true,
+            }),
+            Response::Exit(ExitInfo {
+                code: None,
+                signal: Some(9),
+                timed_out: true,
+                truncated: false,
+            }),
+            Response::Data(vec![0; 70_000]),
+            Response::Entries(vec![
+                Entry {
+                    name: "f".into(),
+                    kind: EntryKind::File,
+                    size: 12,
+                },
+                Entry {
+                    name: "d".into(),
+                    kind: EntryKind::Dir,
+                    size: 0,
+                },
+                Entry {
+                    name: "l".into(),
+                    kind: EntryKind::Symlink,
+                    size: 1,
+                },
+                Entry {
+                    name: "o".into(),
+                    kind: EntryKind::Other,
+                    size: 0,
+                },
+            ]),
+            Response::Ok,
+            Response::Error {
+                kind: ErrorKind::PathEscape,
+                message: "no".into(),
+            },
+            Response::Pong { source_hash: 1 },
+            Response::Ready {
+                source_hash: SOURCE_HASH,
+            },
+        ]
+    }
+
+    #[test]
+    fn requests_round_trip() {
+        for (i, r) in requests().into_iter().enumerate() {
+            let f = r.encode(i as u32 + 1);
+            let (h, p) = split(&f);
+            assert_eq!(h.id, i as u32 + 1);
+            assert_eq!(Request::decode(h.kind, p).unwrap(), r);
+        }
+    }
+
+    #[test]
+    fn responses_round_trip() {
+        for (i, r) in responses().into_iter().enumerate() {
+            let f = r.encode(i as u32);
+            let (h, p) = split(&f);
+            assert_eq!(Response::decode(h.kind, p).unwrap(), r);
+        }
+    }
+
+    #[test]
+    fn truncated_or_extended_payloads_are_malformed() {
+        for r in requests() {
+            let f = r.encode(1);
+            let (h, p) = split(&f);
+            for cut in 0..p.len() {
+                assert_eq!(
+                    Request::decode(h.kind, &p[..cut]),
+                    Err(Malformed),
+                    "{r:?} cut {cut}"
+                );
+            }
+            let mut longer = p.to_vec();
+            longer.push(0);
+            assert_eq!(Request::decode(h.kind, &longer), Err(Malformed));
+        }
+        for r in responses() {
+            let f = r.encode(1);
+            let (h, p) = split(&f);
+            for cut in 0..p.len().min(300) {
+                assert_eq!(Response::decode(h.kind, &p[..cut]), Err(Malformed));
+            }
+        }
+    }
+
+    #[test]
+    fn garbage_never_panics_or_overallocates() {
+        // A forged list count of 4 billion must fail before any allocation.
+        let mut p = Vec::new();
+        p.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert_eq!(Request::decode(K_EXEC, &p), Err(Malformed));
+        assert_eq!(Response::decode(K_ENTRIES, &p), Err(Malformed));
+        // Unknown kinds, bad flags, bad enum codes, invalid UTF-8.
+        assert_eq!(Request::decode(0, &[]), Err(Malformed));
+        assert_eq!(Request::decode(K_STDOUT, &[0, 0, 0, 0]), Err(Malformed));
+        assert_eq!(Response::decode(K_EXEC, &[]), Err(Malformed));
+        assert_eq!(Response::decode(K_EXIT, &[0xff; 9]), Err(Malformed));
+        assert_eq!(Response::decode(K_ERROR, &[9, 0, 0, 0, 0]), Err(Malformed));
+        assert_eq!(
+            Request::decode(K_LIST, &[2, 0, 0, 0, 0xc3, 0x28]),
+            Err(Malformed)
+        );
+        assert_eq!(
+            Request::decode(K_WRITE, &[0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0]),
+            Err(Malformed)
+        );
+        // Pseudo-random bytes for every kind.
+        let mut x: u64 = 0x1234_5678_9abc_def0;
+        for len in 0..200usize {
+            let buf: Vec<u8> = (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    x as u8
+                })
+                .collect();
+            for kind in 0..=255u8 {
+                let _ = Request::decode(kind, &buf);
+                let _ = Response::decode(kind, &buf);
+            }
+        }
+    }
+
+    #[test]
+    fn read_frame_checks_length_before_allocating() {
+        let mut f = Vec::new();
+        f.extend_from_slice(&u32::MAX.to_le_bytes());
+        f.extend_from_slice(&[K_PING, 7, 0, 0, 0]);
+        match read_frame(&mut &f[..], MAX_PAYLOAD) {
+            Err(ReadError::TooLarge(h)) => {
+                assert_eq!(h.id, 7);
+                assert_eq!(h.len, u32::MAX);
+            }
+            other => panic!("{other:?}"),
+        }
+        // Clean EOF, EOF inside the header, EOF inside the payload.
+        assert!(matches!(read_frame(&mut &[][..], MAX_PAYLOAD), Ok(None)));
+        assert!(matches!(
+            read_frame(&mut &[1u8, 0][..], MAX_PAYLOAD),
+            Err(ReadError::Truncated)
+        ));
+        let ping = Request::List { path: "abc".into() }.encode(3);
+        assert!(matches!(
+            read_frame(&mut &ping[..ping.len() - 1], MAX_PAYLOAD),
+            Err(ReadError::Truncated)
+        ));
+        // Two frames back to back, then EOF.
+        let mut two = ping.clone();
+        two.extend(Request::Ping.encode(4));
+        let mut r = &two[..];
+        let (h, p) = read_frame(&mut r, MAX_PAYLOAD).unwrap().unwrap();
+        assert_eq!(
+            (h.id, Request::decode(h.kind, &p).unwrap()),
+            (3, Request::List { path: "abc".into() })
+        );
+        let (h, _) = read_frame(&mut r, MAX_PAYLOAD).unwrap().unwrap();
+        assert_eq!(h.id, 4);
+        assert!(read_frame(&mut r, MAX_PAYLOAD).unwrap().is_none());
+    }
+
+    #[test]
+    fn skip_bytes_keeps_the_stream_in_sync() {
+        let mut data = vec![1u8; 20_000];
+        data.extend(Request::Ping.encode(9));
+        let mut r = &data[..];
+        skip_bytes(&mut r, 20_000).unwrap();
+        let (h, _) = read_frame(&mut r, 16).unwrap().unwrap();
+        assert_eq!(h.id, 9);
+        assert!(skip_bytes(&mut &[0u8; 3][..], 4).is_err());
+    }
+}

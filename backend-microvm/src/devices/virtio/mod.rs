@@ -1,0 +1,5 @@
+//! Virtio: the MMIO transport, split virtqueues and the console device.
+
+pub mod console;
+pub mod mmio;
+pub mod queue;

@@ -1,0 +1,730 @@
+//! The guest's initramfs: a cpio "newc" archive (the format the kernel unpacks into its
+//! rootfs) holding the guest agent as `/init`, busybox with its applet links in `/bin`, the
+//! kernel modules the agent needs (virtio transport and console) with a `modules.dep`, and a
+//! minimal `/etc`.
+//!
+//! [`CpioWriter`] writes the archive, [`read_cpio`] reads one back (tests, and checking a
+//! cached or user-given initramfs), [`module_info`] reads a kernel module's `.modinfo`
+//! (name and dependencies) so the modules and their dependency order come from the modules
+//! themselves (Debian's package ships no `modules.dep`; depmod makes it at install time).
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::GuestError;
+
+/// Modules the agent needs in the guest (their dependencies are added): the virtio-mmio
+/// transport (devices described by ACPI) and virtio-console (`/dev/hvc0`, the agent channel).
+pub const GUEST_MODULES: &[&str] = &["virtio_mmio", "virtio_console"];
+
+/// Where modules live in the initramfs; `modules.dep` paths are relative to it.
+pub const MODULES_DIR: &str = "lib/modules";
+
+/// Busybox applets linked in `/bin` when the list cannot be asked from the binary.
+const FALLBACK_APPLETS: &[&str] = &[
+    "sh",
+    "ash",
+    "cat",
+    "cp",
+    "mv",
+    "rm",
+    "ln",
+    "ls",
+    "mkdir",
+    "rmdir",
+    "touch",
+    "chmod",
+    "echo",
+    "printf",
+    "env",
+    "true",
+    "false",
+    "test",
+    "[",
+    "sleep",
+    "pwd",
+    "head",
+    "tail",
+    "wc",
+    "sort",
+    "uniq",
+    "cut",
+    "tr",
+    "grep",
+    "sed",
+    "awk",
+    "find",
+    "xargs",
+    "tar",
+    "gzip",
+    "gunzip",
+    "ps",
+    "kill",
+    "mount",
+    "umount",
+    "dmesg",
+    "uname",
+    "id",
+    "date",
+    "stat",
+    "du",
+    "df",
+    "which",
+    "basename",
+    "dirname",
+    "readlink",
+    "realpath",
+    "seq",
+    "yes",
+    "tee",
+    "md5sum",
+    "sha256sum",
+    "od",
+    "hexdump",
+    "diff",
+    "expr",
+    "hostname",
+    "free",
+    "top",
+    "vi",
+    "timeout",
+];
+
+const S_IFDIR: u32 = 0o040000;
+const S_IFREG: u32 = 0o100000;
+const S_IFLNK: u32 = 0o120000;
+const S_IFCHR: u32 = 0o020000;
+const S_IFMT: u32 = 0o170000;
+const TRAILER: &str = "TRAILER!!!";
+
+/// Writes a cpio "newc" archive in memory. Parent directories are added automatically.
+#[derive(Debug, Default)]
+pub struct CpioWriter {
+    buf: Vec<u8>,
+    ino: u32,
+    names: BTreeSet<String>,
+}
+
+fn pad4(buf: &mut Vec<u8>) {
+    while !buf.len().is_multiple_of(4) {
+        buf.push(0);
+    }
+}
+
+/// Normalises an archive path: no leading `/` or `./`, no empty, `.` or `..` components.
+fn clean(path: &str) -> Result<String, GuestError> {
+    let mut parts = Vec::new();
+    for c in path.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => return Err(GuestError::BadInitramfs(format!("`..` in path {path}"))),
+            c => parts.push(c),
+        }
+    }
+    if parts.is_empty() {
+        return Err(GuestError::BadInitramfs(format!("empty path {path:?}")));
+    }
+    Ok(parts.join("/"))
+}
+
+impl CpioWriter {
+    /// An empty archive.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn entry(
+        &mut self,
+        name: &str,
+        mode: u32,
+        data: &[u8],
+        rdev: (u32, u32),
+    ) -> Result<(), GuestError> {
+        let size = u32::try_from(data.len())
+            .map_err(|_| GuestError::BadInitramfs(format!("{name}: over 4 GiB")))?;
+        let namesize = u32::try_from(name.len() + 1)
+            .map_err(|_| GuestError::BadInitramfs("name too long".into()))?;
+        self.ino = self.ino.wrapping_add(1);
+        let nlink = if mode & S_IFMT == S_IFDIR { 2 } else { 1 };
+        let fields = [
+            self.ino, mode, 0, 0, nlink, 0, size, 0, 0, rdev.0, rdev.1, namesize, 0,
+        ];
+        self.buf.extend_from_slice(b"070701");
+        for f in fields {
+            self.buf.extend_from_slice(format!("{f:08x}").as_bytes());
+        }
+        self.buf.extend_from_slice(name.as_bytes());
+        self.buf.push(0);
+        pad4(&mut self.buf);
+        self.buf.extend_from_slice(data);
+        pad4(&mut self.buf);
+        Ok(())
+    }
+
+    fn parents(&mut self, name: &str) -> Result<(), GuestError> {
+        let mut at = 0;
+        while let Some(i) = name[at..].find('/') {
+            let dir = &name[..at + i];
+            if self.names.insert(dir.to_string()) {
+                self.entry(dir, S_IFDIR | 0o755, &[], (0, 0))?;
+            }
+            at += i + 1;
+        }
+        Ok(())
+    }
+
+    fn add(
+        &mut self,
+        path: &str,
+        mode: u32,
+        data: &[u8],
+        rdev: (u32, u32),
+    ) -> Result<(), GuestError> {
+        let name = clean(path)?;
+        self.parents(&name)?;
+        if !self.names.insert(name.clone()) {
+            if mode & S_IFMT == S_IFDIR {
+                return Ok(());
+            }
+            return Err(GuestError::BadInitramfs(format!("{name} added twice")));
+        }
+        self.entry(&name, mode, data, rdev)
+    }
+
+    /// Adds a directory.
+    pub fn dir(&mut self, path: &str, perm: u32) -> Result<(), GuestError> {
+        self.add(path, S_IFDIR | (perm & 0o7777), &[], (0, 0))
+    }
+
+    /// Adds a regular file.
+    pub fn file(&mut self, path: &str, perm: u32, data: &[u8]) -> Result<(), GuestError> {
+        self.add(path, S_IFREG | (perm & 0o7777), data, (0, 0))
+    }
+
+    /// Adds a symbolic link to `target`.
+    pub fn symlink(&mut self, path: &str, target: &str) -> Result<(), GuestError> {
+        self.add(path, S_IFLNK | 0o777, target.as_bytes(), (0, 0))
+    }
+
+    /// Adds a character device node.
+    pub fn char_dev(
+        &mut self,
+        path: &str,
+        perm: u32,
+        major: u32,
+        minor: u32,
+    ) -> Result<(), GuestError> {
+        self.add(path, S_IFCHR | (perm & 0o7777), &[], (major, minor))
+    }
+
+    /// Appends the trailer and returns the archive.
+    pub fn finish(mut self) -> Vec<u8> {
+        // The trailer's fields are all zero but nlink 1; it cannot fail.
+        let _ = self.entry(TRAILER, 0, &[], (0, 0));
+        self.buf
+    }
+}
+
+/// One entry read back from a cpio archive.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CpioEntry {
+    /// Path (as stored: no leading `/`).
+    pub name: String,
+    /// `st_mode` (type and permission bits).
+    pub mode: u32,
+    /// Content (the target for a symlink).
+    pub data: Vec<u8>,
+    /// Device number (major, minor) for device nodes.
+    pub rdev: (u32, u32),
+}
+
+impl CpioEntry {
+    /// Whether this is a regular file.
+    pub fn is_file(&self) -> bool {
+        self.mode & S_IFMT == S_IFREG
+    }
+    /// Whether this is a directory.
+    pub fn is_dir(&self) -> bool {
+        self.mode & S_IFMT == S_IFDIR
+    }
+    /// Whether this is a symbolic link.
+    pub fn is_symlink(&self) -> bool {
+        self.mode & S_IFMT == S_IFLNK
+    }
+    /// Whether this is a character device.
+    pub fn is_char_dev(&self) -> bool {
+        self.mode & S_IFMT == S_IFCHR
+    }
+}
+
+/// Reads a (single, uncompressed) cpio "newc" archive up to its trailer.
+pub fn read_cpio(data: &[u8]) -> Result<Vec<CpioEntry>, GuestError> {
+    let bad = |at: usize, m: &str| GuestError::BadInitramfs(format!("at byte {at}: {m}"));
+    let mut out = Vec::new();
+    let mut at = 0usize;
+    loop {
+        let hdr = data
+            .get(at..at + 110)
+            .ok_or_else(|| bad(at, "truncated header"))?;
+        if &hdr[..6] != b"070701" && &hdr[..6] != b"070702" {
+            return Err(bad(at, "not a cpio newc header"));
+        }
+        let mut f = [0u32; 13];
+        for (i, v) in f.iter_mut().enumerate() {
+            let s = std::str::from_utf8(&hdr[6 + i * 8..14 + i * 8])
+                .map_err(|_| bad(at, "non-hex header field"))?;
+            *v = u32::from_str_radix(s, 16).map_err(|_| bad(at, "non-hex header field"))?;
+        }
+        let (mode, size, namesize) = (f[1], f[6] as usize, f[11] as usize);
+        let name_end = at + 110 + namesize;
+        let name = data
+            .get(at + 110..name_end.saturating_sub(1))
+            .ok_or_else(|| bad(at, "truncated name"))?;
+        let name = String::from_utf8(name.to_vec()).map_err(|_| bad(at, "non-UTF-8 name"))?;
+        let data_start = name_end.next_multiple_of(4);
+        let data_end = data_start
+            .checked_add(size)
+            .ok_or_else(|| bad(at, "size overflows"))?;
+        if name == TRAILER {
+            return Ok(out);
+        }
+        let body = data
+            .get(data_start..data_end)
+            .ok_or_else(|| bad(at, "truncated data"))?;
+        out.push(CpioEntry {
+            name,
+            mode,
+            data: body.to_vec(),
+            rdev: (f[9], f[10]),
+        });
+        at = data_end.next_multiple_of(4);
+    }
+}
+
+/// What a kernel module says about itself in its `.modinfo` section.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModInfo {
+    /// Module name (`name=`).
+    pub name: String,
+    /// Modules it needs loaded first (`depends=`).
+    pub depends: Vec<String>,
+}
+
+/// Reads `name=` and `depends=` from a kernel module (an ELF64 relocatable object).
+pub fn module_info(ko: &[u8]) -> Result<ModInfo, GuestError> {
+    let bad = |m: &str| GuestError::BadInitramfs(format!("kernel module: {m}"));
+    let u16_at = |at: usize| -> Option<u16> {
+        Some(u16::from_le_bytes(ko.get(at..at + 2)?.try_into().ok()?))
+    };
+    let u32_at = |at: usize| -> Option<u32> {
+        Some(u32::from_le_bytes(ko.get(at..at + 4)?.try_into().ok()?))
+    };
+    let u64_at = |at: usize| -> Option<usize> {
+        usize::try_from(u64::from_le_bytes(ko.get(at..at + 8)?.try_into().ok()?)).ok()
+    };
+    if !ko.starts_with(b"\x7fELF") || ko.get(4) != Some(&2) || ko.get(5) != Some(&1) {
+        return Err(bad("not a 64-bit little-endian ELF"));
+    }
+    let shoff = u64_at(0x28).ok_or_else(|| bad("truncated header"))?;
+    let shentsize = usize::from(u16_at(0x3a).ok_or_else(|| bad("truncated header"))?);
+    let shnum = usize::from(u16_at(0x3c).ok_or_else(|| bad("truncated header"))?);
+    let shstrndx = usize::from(u16_at(0x3e).ok_or_else(|| bad("truncated header"))?);
+    if shentsize < 64 {
+        return Err(bad("bad section header size"));
+    }
+    let section = |i: usize| -> Option<(u32, &[u8])> {
+        let h = shoff.checked_add(i.checked_mul(shentsize)?)?;
+        let name = u32_at(h)?;
+        let off = u64_at(h + 0x18)?;
+        let size = u64_at(h + 0x20)?;
+        Some((name, ko.get(off..off.checked_add(size)?)?))
+    };
+    let (_, strtab) = section(shstrndx).ok_or_else(|| bad("bad section string table"))?;
+    let mut modinfo = None;
+    for i in 0..shnum {
+        let Some((name_off, body)) = section(i) else {
+            continue;
+        };
+        let name = strtab
+            .get(name_off as usize..)
+            .and_then(|s| s.split(|b| *b == 0).next())
+            .unwrap_or_default();
+        if name == b".modinfo" {
+            modinfo = Some(body);
+            break;
+        }
+    }
+    let modinfo = modinfo.ok_or_else(|| bad("no .modinfo section"))?;
+    let mut info = ModInfo {
+        name: String::new(),
+        depends: Vec::new(),
+    };
+    for kv in modinfo.split(|b| *b == 0) {
+        let kv = String::from_utf8_lossy(kv);
+        if let Some(v) = kv.strip_prefix("name=") {
+            info.name = v.to_string();
+        } else if let Some(v) = kv.strip_prefix("depends=") {
+            info.depends = v
+                .split(',')
+                .filter(|s| !s.is_empty())
+                .map(str::to_string)
+                .collect();
+        }
+    }
+    if info.name.is_empty() {
+        return Err(bad("no name= in .modinfo"));
+    }
+    Ok(info)
+}
+
+/// A kernel module to put in the initramfs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelModule {
+    /// Module name (`virtio_mmio`).
+    pub name: String,
+    /// Path relative to the modules directory (`kernel/drivers/virtio/virtio_mmio.ko`).
+    pub path: String,
+    /// Names of the modules it depends on.
+    pub depends: Vec<String>,
+    /// The `.ko` file (uncompressed).
+    pub data: Vec<u8>,
+}
+
+/// Orders modules so that each comes after its dependencies, and writes `modules.dep` (each
+/// line `path: dependency paths`, the transitive dependencies, the deepest last, as depmod
+/// writes it). Fails if a dependency is missing or the dependencies form a cycle.
+pub fn modules_dep(modules: &[KernelModule]) -> Result<String, GuestError> {
+    let by_name: BTreeMap<&str, &KernelModule> =
+        modules.iter().map(|m| (m.name.as_str(), m)).collect();
+    fn visit<'a>(
+        m: &'a KernelModule,
+        by_name: &BTreeMap<&str, &'a KernelModule>,
+        stack: &mut Vec<&'a str>,
+        out: &mut Vec<&'a str>,
+    ) -> Result<(), GuestError> {
+        if stack.contains(&m.name.as_str()) {
+            return Err(GuestError::BadInitramfs(format!(
+                "module dependency cycle through {}",
+                m.name
+            )));
+        }
+        stack.push(&m.name);
+        for d in &m.depends {
+            let dm = by_name.get(d.as_str()).ok_or_else(|| {
+                GuestError::BadInitramfs(format!("module {} needs {d}, which is missing", m.name))
+            })?;
+            visit(dm, by_name, stack, out)?;
+            if !out.contains(&dm.path.as_str()) {
+                out.push(&dm.path);
+            }
+        }
+        stack.pop();
+        Ok(())
+    }
+    let mut text = String::new();
+    for m in modules {
+        let mut deps = Vec::new();
+        visit(m, &by_name, &mut Vec::new(), &mut deps)?;
+        deps.reverse();
+        text.push_str(&m.path);
+        text.push(':');
+        for d in deps {
+            text.push(' ');
+            text.push_str(d);
+        }
+        text.push('\n');
+    }
+    Ok(text)
+}
+
+/// Everything that goes into the guest's initramfs.
+#[derive(Debug, Clone, Default)]
+pub struct InitramfsContents<'a> {
+    /// The guest agent, stored as `/init` (normally [`super::AGENT_BINARY`]).
+    pub agent: &'a [u8],
+    /// A static busybox, stored as `/bin/busybox`.
+    pub busybox: Option<&'a [u8]>,
+    /// Applets to link to busybox in `/bin` (empty: a built-in list of common ones).
+    pub applets: Vec<String>,
+    /// Kernel modules (with their dependencies) for `/lib/modules`.
+    pub modules: Vec<KernelModule>,
+}
+
+/// Builds the initramfs (an uncompressed cpio newc archive).
+pub fn build(c: &InitramfsContents<'_>) -> Result<Vec<u8>, GuestError> {
+    if !c.agent.starts_with(b"\x7fELF") {
+        return Err(GuestError::BadInitramfs(
+            "the agent is not an ELF binary".into(),
+        ));
+    }
+    let mut w = CpioWriter::new();
+    for d in [
+        "dev",
+        "proc",
+        "sys",
+        "tmp",
+        "workspace",
+        "root",
+        "etc",
+        "bin",
+        "sbin",
+        "usr/bin",
+        "usr/sbin",
+        MODULES_DIR,
+    ] {
+        let perm = if d == "tmp" { 0o1777 } else { 0o755 };
+        w.dir(d, perm)?;
+    }
+    // The kernel opens /dev/console for init before we mount devtmpfs.
+    w.char_dev("dev/console", 0o600, 5, 1)?;
+    w.char_dev("dev/null", 0o666, 1, 3)?;
+    w.file("init", 0o755, c.agent)?;
+    w.file("etc/passwd", 0o644, b"root:x:0:0:root:/root:/bin/sh\n")?;
+    w.file("etc/group", 0o644, b"root:x:0:\n")?;
+    w.file("etc/hosts", 0o644, b"127.0.0.1 localhost\n::1 localhost\n")?;
+    if let Some(bb) = c.busybox {
+        w.file("bin/busybox", 0o755, bb)?;
+        let fallback: Vec<String> = FALLBACK_APPLETS.iter().map(|s| s.to_string()).collect();
+        let applets = if c.applets.is_empty() {
+            &fallback
+        } else {
+            &c.applets
+        };
+        let mut seen = BTreeSet::new();
+        for a in applets {
+            if a.is_empty() || a.contains('/') || a == "busybox" || a == "init" || !seen.insert(a) {
+                continue;
+            }
+            w.symlink(&format!("bin/{a}"), "busybox")?;
+        }
+        if seen.contains(&"env".to_string()) {
+            w.symlink("usr/bin/env", "../../bin/busybox")?;
+        }
+    }
+    let dep = modules_dep(&c.modules)?;
+    for m in &c.modules {
+        w.file(&format!("{MODULES_DIR}/{}", m.path), 0o644, &m.data)?;
+    }
+    w.file(&format!("{MODULES_DIR}/modules.dep"), 0o644, dep.as_bytes())?;
+    Ok(w.finish())
+}
+
+/// Checks that `data` is an initramfs our VMM can boot: a cpio archive whose `/init` is an
+/// executable ELF (the agent). Returns its entries.
+pub fn check(data: &[u8]) -> Result<Vec<CpioEntry>, GuestError> {
+    let entries = read_cpio(data)?;
+    let init = entries.iter().find(|e| e.name == "init").ok_or_else(|| {
+        GuestError::BadInitramfs("no /init (the guest agent) in the archive".into())
+    })?;
+    if !init.is_file() || init.mode & 0o111 == 0 || !init.data.starts_with(b"\x7fELF") {
+        return Err(GuestError::BadInitramfs(
+            "/init is not an executable ELF file".into(),
+        ));
+    }
+    Ok(entries)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    fn module(name: &str, deps: &[&str]) -> KernelModule {
+        KernelModule {
+            name: name.into(),
+            path: format!("kernel/{name}.ko"),
+            depends: deps.iter().map(|s| s.to_string()).collect(),
+            data: name.as_bytes().to_vec(),
+        }
+    }
+
+    #[test]
+    fn cpio_round_trip() {
+        let mut w = CpioWriter::new();
+        w.file("/a/b/c.txt", 0o640, b"hello").unwrap();
+        w.file("odd", 0o600, b"12345").unwrap();
+        w.symlink("a/link", "b/c.txt").unwrap();
+        w.char_dev("dev/console", 0o600, 5, 1).unwrap();
+        w.dir("a", 0o755).unwrap();
+        assert!(w.file("odd", 0o600, b"again").is_err());
+        assert!(w.file("../x", 0o600, b"").is_err());
+        let data = w.finish();
+        assert_eq!(data.len() % 4, 0);
+        let e = read_cpio(&data).unwrap();
+        let names: Vec<&str> = e.iter().map(|e| e.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "a",
+                "a/b",
+                "a/b/c.txt",
+                "odd",
+                "a/link",
+                "dev",
+                "dev/console"
+            ]
+        );
+        assert!(e[0].is_dir() && e[2].is_file() && e[4].is_symlink() && e[6].is_char_dev());
+        assert_eq!(e[2].data, b"hello");
+        assert_eq!(e[2].mode & 0o7777, 0o640);
+        assert_eq!(e[4].data, b"b/c.txt");
+        assert_eq!(e[6].rdev, (5, 1));
+    }
+
+    #[test]
+    fn cpio_matches_gnu_cpio_when_available() {
+        // GNU cpio is optional on the host; our own reader is the main check.
+        let mut w = CpioWriter::new();
+        w.file("x/y", 0o644, b"data").unwrap();
+        let data = w.finish();
+        let Ok(mut child) = std::process::Command::new("cpio")
+            .args(["-t", "--quiet"])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+        else {
+            return;
+        };
+        use std::io::Write;
+        child.stdin.take().unwrap().write_all(&data).unwrap();
+        let out = child.wait_with_output().unwrap();
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "x\nx/y\n");
+    }
+
+    #[test]
+    fn garbage_cpio_is_an_error() {
+        assert!(read_cpio(b"").is_err());
+        assert!(read_cpio(&[b'0'; 200]).is_err());
+        let mut w = CpioWriter::new();
+        w.file("f", 0o644, &[1; 100]).unwrap();
+        let data = w.finish();
+        for cut in [10, 115, 150, data.len() - 20] {
+            assert!(read_cpio(&data[..cut]).is_err(), "cut {cut}");
+        }
+        let mut forged = data.clone();
+        forged[6 + 6 * 8..6 + 7 * 8].copy_from_slice(b"ffffffff");
+        assert!(read_cpio(&forged).is_err());
+    }
+
+    #[test]
+    fn modules_dep_orders_dependencies() {
+        let mods = vec![
+            module("virtio_console", &["virtio", "virtio_ring"]),
+            module("virtio_mmio", &["virtio", "virtio_ring"]),
+            module("virtio_ring", &[]),
+            module("virtio", &[]),
+            module("a", &["b"]),
+            module("b", &["virtio_ring"]),
+        ];
+        let dep = modules_dep(&mods).unwrap();
+        let lines: Vec<&str> = dep.lines().collect();
+        assert_eq!(
+            lines[0],
+            "kernel/virtio_console.ko: kernel/virtio_ring.ko kernel/virtio.ko"
+        );
+        assert_eq!(lines[2], "kernel/virtio_ring.ko:");
+        assert_eq!(lines[4], "kernel/a.ko: kernel/b.ko kernel/virtio_ring.ko");
+        assert!(modules_dep(&[module("x", &["missing"])]).is_err());
+        assert!(modules_dep(&[module("x", &["y"]), module("y", &["x"])]).is_err());
+    }
+
+    #[test]
+    fn initramfs_layout_and_check() {
+        let agent = b"\x7fELFagent".to_vec();
+        let bb = b"\x7fELFbusybox".to_vec();
+        let data = build(&InitramfsContents {
+            agent: &agent,
+            busybox: Some(&bb),
+            applets: vec![
+                "sh".into(),
+                "ls".into(),
+                "env".into(),
+                "busybox".into(),
+                "sh".into(),
+            ],
+            modules: vec![module("virtio", &[]), module("virtio_mmio", &["virtio"])],
+        })
+        .unwrap();
+        let e = check(&data).unwrap();
+        let get = |n: &str| {
+            e.iter()
+                .find(|x| x.name == n)
+                .unwrap_or_else(|| panic!("{n}"))
+        };
+        assert_eq!(get("init").data, agent);
+        assert_eq!(get("init").mode & 0o777, 0o755);
+        assert_eq!(get("bin/busybox").data, bb);
+        assert_eq!(get("bin/sh").data, b"busybox");
+        assert_eq!(get("usr/bin/env").data, b"../../bin/busybox");
+        assert!(get("dev/console").is_char_dev());
+        assert_eq!(get("tmp").mode & 0o7777, 0o1777);
+        assert!(get("workspace").is_dir());
+        assert_eq!(
+            get("lib/modules/modules.dep").data,
+            b"kernel/virtio.ko:\nkernel/virtio_mmio.ko: kernel/virtio.ko\n"
+        );
+        assert_eq!(
+            get("lib/modules/kernel/virtio_mmio.ko").data,
+            b"virtio_mmio"
+        );
+        assert_eq!(e.iter().filter(|x| x.name == "bin/sh").count(), 1);
+
+        // An initramfs without the agent is refused.
+        let mut w = CpioWriter::new();
+        w.file("bin/sh", 0o755, b"\x7fELF").unwrap();
+        let err = check(&w.finish()).unwrap_err().to_string();
+        assert!(err.contains("/init"), "{err}");
+        let mut w = CpioWriter::new();
+        w.file("init", 0o644, b"\x7fELF").unwrap();
+        assert!(check(&w.finish()).is_err());
+        assert!(build(&InitramfsContents {
+            agent: b"#!/bin/sh",
+            ..Default::default()
+        })
+        .is_err());
+    }
+
+    #[test]
+    fn module_info_of_a_forged_object() {
+        // A tiny ELF64 with a section string table and a .modinfo section.
+        let strtab = b"\0.shstrtab\0.modinfo\0";
+        let modinfo = b"license=GPL\0depends=virtio,virtio_ring\0name=virtio_mmio\0";
+        let mut ko = vec![0u8; 64];
+        ko[..4].copy_from_slice(b"\x7fELF");
+        ko[4] = 2;
+        ko[5] = 1;
+        let strtab_off = ko.len();
+        ko.extend_from_slice(strtab);
+        let modinfo_off = ko.len();
+        ko.extend_from_slice(modinfo);
+        while !ko.len().is_multiple_of(8) {
+            ko.push(0);
+        }
+        let shoff = ko.len();
+        let mut sh = |name: u32, off: usize, size: usize| {
+            let mut h = vec![0u8; 64];
+            h[..4].copy_from_slice(&name.to_le_bytes());
+            h[0x18..0x20].copy_from_slice(&(off as u64).to_le_bytes());
+            h[0x20..0x28].copy_from_slice(&(size as u64).to_le_bytes());
+            ko.extend_from_slice(&h);
+        };
+        sh(0, 0, 0);
+        sh(1, strtab_off, strtab.len());
+        sh(11, modinfo_off, modinfo.len());
+        ko[0x28..0x30].copy_from_slice(&(shoff as u64).to_le_bytes());
+        ko[0x3a..0x3c].copy_from_slice(&64u16.to_le_bytes());
+        ko[0x3c..0x3e].copy_from_slice(&3u16.to_le_bytes());
+        ko[0x3e..0x40].copy_from_slice(&1u16.to_le_bytes());
+        let info = module_info(&ko).unwrap();
+        assert_eq!(info.name, "virtio_mmio");
+        assert_eq!(info.depends, ["virtio", "virtio_ring"]);
+        // Corruptions: never a panic.
+        for i in 0..ko.len() {
+            let mut b = ko.clone();
+            b[i] ^= 0xff;
+            let _ = module_info(&b);
+        }
+        assert!(module_info(&ko[..100]).is_err());
+        assert!(module_info(b"not elf").is_err());
+    }
+}

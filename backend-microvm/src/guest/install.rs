@@ -1,0 +1,925 @@
+//! Prepares the guest artifacts (kernel `vmlinux` + initramfs) in a cache directory,
+//! `$XDG_CACHE_HOME/agent-sandbox/microvm/` (else `~/.cache/agent-sandbox/microvm/`).
+//!
+//! Sources: Debian's `linux-image-amd64` package (fetched with `apt-get download`, following
+//! its dependency to the versioned `linux-image-<version>-amd64` package, unpacked in Rust: `ar`
+//! members, `data.tar.xz`), or a kernel file the user gives (a `vmlinux` ELF or an xz bzImage),
+//! optionally with a modules directory. Busybox comes from the host's static busybox
+//! (Debian's `busybox-static`, `/bin/busybox`).
+//!
+//! Everything is written to a temporary name and renamed into place, and a `manifest.json`
+//! (written last) records each artifact's size and SHA-256: [`load`] refuses missing, partial
+//! or corrupt artifacts with a typed error. The initramfs file is named after the agent's
+//! source hash, so a library with another agent rebuilds it (from the cached modules and
+//! busybox) instead of booting a stale one.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::initramfs::{self, InitramfsContents, KernelModule, GUEST_MODULES};
+use super::{kernel, GuestError, AGENT_BINARY};
+use crate::agent_client::SOURCE_HASH;
+
+/// The Debian meta-package whose dependency is the current kernel package.
+pub const DEBIAN_KERNEL_PACKAGE: &str = "linux-image-amd64";
+/// Version of the manifest format.
+const MANIFEST_FORMAT: u32 = 1;
+const MANIFEST: &str = "manifest.json";
+
+/// The default cache directory: `$XDG_CACHE_HOME/agent-sandbox/microvm`, else
+/// `$HOME/.cache/agent-sandbox/microvm`, else a directory under the system temp dir.
+pub fn default_cache_dir() -> PathBuf {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME")
+                .filter(|v| !v.is_empty())
+                .map(|h| PathBuf::from(h).join(".cache"))
+        })
+        .unwrap_or_else(|| std::env::temp_dir().join("agent-sandbox-cache"));
+    base.join("agent-sandbox").join("microvm")
+}
+
+/// Where the kernel comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KernelSource {
+    /// Debian's `linux-image-amd64` (downloaded with `apt-get download`).
+    Debian,
+    /// A local Debian kernel package (`linux-image-*.deb`).
+    DebFile(PathBuf),
+    /// A kernel file (uncompressed `vmlinux` ELF, or a bzImage with an xz payload), with an
+    /// optional modules directory (`/lib/modules/<version>`) to take the virtio modules from;
+    /// without one the kernel must have virtio-mmio and virtio-console built in.
+    Kernel {
+        /// The kernel image.
+        image: PathBuf,
+        /// Its modules directory.
+        modules: Option<PathBuf>,
+    },
+}
+
+/// What to install and where.
+#[derive(Debug, Clone)]
+pub struct InstallOptions {
+    /// The cache directory (see [`default_cache_dir`]).
+    pub dir: PathBuf,
+    /// The kernel.
+    pub kernel: KernelSource,
+    /// The static busybox to include (default: `/bin/busybox`, else `/usr/bin/busybox`);
+    /// `Some(None)`-like opt-out is [`InstallOptions::no_busybox`].
+    pub busybox: Option<PathBuf>,
+    /// Build an initramfs without busybox (only the agent; commands must exist otherwise).
+    pub no_busybox: bool,
+}
+
+impl InstallOptions {
+    /// Debian's kernel into the default cache directory.
+    pub fn debian() -> Self {
+        InstallOptions {
+            dir: default_cache_dir(),
+            kernel: KernelSource::Debian,
+            busybox: None,
+            no_busybox: false,
+        }
+    }
+}
+
+/// One recorded file of the cache.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileRecord {
+    /// File name relative to the cache directory.
+    pub file: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// SHA-256, hex.
+    pub sha256: String,
+}
+
+/// A cached kernel module.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModuleRecord {
+    /// Module name.
+    pub name: String,
+    /// Path relative to the modules directory (as in `modules.dep`).
+    pub path: String,
+    /// Names of the modules it needs.
+    pub depends: Vec<String>,
+    /// The cached `.ko`.
+    pub record: FileRecord,
+}
+
+/// The cache's `manifest.json`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    /// Format version.
+    pub format: u32,
+    /// Where the kernel came from (package name and version, or the file given).
+    pub source: String,
+    /// Kernel release (`6.1.0-48-amd64`) when known.
+    pub kernel_version: Option<String>,
+    /// The uncompressed kernel.
+    pub vmlinux: FileRecord,
+    /// The cached static busybox, if any.
+    pub busybox: Option<FileRecord>,
+    /// Busybox applets to link.
+    pub applets: Vec<String>,
+    /// The cached modules.
+    pub modules: Vec<ModuleRecord>,
+    /// The initramfs built for the agent whose source hash is `agent_hash`.
+    pub initramfs: FileRecord,
+    /// The agent's source hash (hex) in that initramfs.
+    pub agent_hash: String,
+}
+
+/// Paths of ready-to-boot guest artifacts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuestArtifacts {
+    /// The cache directory.
+    pub dir: PathBuf,
+    /// The uncompressed kernel ELF.
+    pub vmlinux: PathBuf,
+    /// The initramfs (cpio newc) with this library's agent.
+    pub initramfs: PathBuf,
+    /// The manifest they were checked against.
+    pub manifest: Manifest,
+}
+
+/// How much [`load`] checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verify {
+    /// Existence and sizes only (fast; for every VM start).
+    Sizes,
+    /// Sizes and SHA-256 of every file.
+    Full,
+}
+
+fn sha256_hex(data: &[u8]) -> String {
+    let d = Sha256::digest(data);
+    d.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn sha256_file(path: &Path) -> Result<(u64, String), GuestError> {
+    let mut f = std::fs::File::open(path).map_err(|e| GuestError::io("open", path, e))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut n = 0u64;
+    loop {
+        let k = f
+            .read(&mut buf)
+            .map_err(|e| GuestError::io("read", path, e))?;
+        if k == 0 {
+            break;
+        }
+        n += k as u64;
+        h.update(buf.get(..k).unwrap_or_default());
+    }
+    Ok((n, h.finalize().iter().map(|b| format!("{b:02x}")).collect()))
+}
+
+/// Writes `data` to `dir/name` atomically (temporary file, fsync, rename) and returns its
+/// record.
+fn write_atomic(dir: &Path, name: &str, data: &[u8]) -> Result<FileRecord, GuestError> {
+    let dst = dir.join(name);
+    if let Some(p) = dst.parent() {
+        std::fs::create_dir_all(p).map_err(|e| GuestError::io("create", p, e))?;
+    }
+    let tmp = dst.with_file_name(format!(
+        ".{}.tmp-{}",
+        dst.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        std::process::id()
+    ));
+    let r = (|| {
+        let mut f = std::fs::File::create(&tmp).map_err(|e| GuestError::io("create", &tmp, e))?;
+        f.write_all(data)
+            .map_err(|e| GuestError::io("write", &tmp, e))?;
+        f.sync_all().map_err(|e| GuestError::io("sync", &tmp, e))?;
+        std::fs::rename(&tmp, &dst).map_err(|e| GuestError::io("rename", &dst, e))
+    })();
+    if r.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    r?;
+    Ok(FileRecord {
+        file: name.to_string(),
+        size: data.len() as u64,
+        sha256: sha256_hex(data),
+    })
+}
+
+fn check_record(dir: &Path, r: &FileRecord, verify: Verify) -> Result<PathBuf, GuestError> {
+    if r.file.contains("..") || r.file.starts_with('/') {
+        return Err(GuestError::Corrupt {
+            path: dir.join(MANIFEST),
+            reason: format!("bad file name {}", r.file),
+        });
+    }
+    let p = dir.join(&r.file);
+    let meta = std::fs::metadata(&p).map_err(|e| GuestError::Corrupt {
+        path: p.clone(),
+        reason: format!("missing: {e}"),
+    })?;
+    if meta.len() != r.size {
+        return Err(GuestError::Corrupt {
+            path: p,
+            reason: format!("{} bytes, the manifest records {}", meta.len(), r.size),
+        });
+    }
+    if verify == Verify::Full {
+        let (_, sum) = sha256_file(&p)?;
+        if sum != r.sha256 {
+            return Err(GuestError::Corrupt {
+                path: p,
+                reason: "SHA-256 mismatch".into(),
+            });
+        }
+    }
+    Ok(p)
+}
+
+fn read_manifest(dir: &Path) -> Result<Manifest, GuestError> {
+    let path = dir.join(MANIFEST);
+    let text = match std::fs::read(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(GuestError::NotInstalled {
+                dir: dir.to_path_buf(),
+            })
+        }
+        Err(e) => return Err(GuestError::io("read", &path, e)),
+    };
+    let m: Manifest = serde_json::from_slice(&text).map_err(|e| GuestError::Corrupt {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
+    if m.format != MANIFEST_FORMAT {
+        return Err(GuestError::Corrupt {
+            path,
+            reason: format!("manifest format {} (expected {MANIFEST_FORMAT})", m.format),
+        });
+    }
+    Ok(m)
+}
+
+fn agent_hash_hex() -> String {
+    format!("{SOURCE_HASH:016x}")
+}
+
+/// Builds the initramfs for this library's agent from the cached busybox and modules,
+/// writes it atomically, and returns its record.
+fn build_initramfs(dir: &Path, m: &Manifest, verify: Verify) -> Result<FileRecord, GuestError> {
+    let busybox = match &m.busybox {
+        Some(r) => {
+            let p = check_record(dir, r, verify)?;
+            Some(std::fs::read(&p).map_err(|e| GuestError::io("read", &p, e))?)
+        }
+        None => None,
+    };
+    let mut modules = Vec::new();
+    for mr in &m.modules {
+        let p = check_record(dir, &mr.record, verify)?;
+        modules.push(KernelModule {
+            name: mr.name.clone(),
+            path: mr.path.clone(),
+            depends: mr.depends.clone(),
+            data: std::fs::read(&p).map_err(|e| GuestError::io("read", &p, e))?,
+        });
+    }
+    let cpio = initramfs::build(&InitramfsContents {
+        agent: AGENT_BINARY,
+        busybox: busybox.as_deref(),
+        applets: m.applets.clone(),
+        modules,
+    })?;
+    write_atomic(dir, &format!("initramfs-{}.cpio", agent_hash_hex()), &cpio)
+}
+
+/// Checks the cached artifacts in `dir` and returns their paths. If the initramfs was built
+/// for another agent (another version of this library), it is rebuilt from the cached parts.
+pub fn load(dir: &Path, verify: Verify) -> Result<GuestArtifacts, GuestError> {
+    let mut m = read_manifest(dir)?;
+    let vmlinux = check_record(dir, &m.vmlinux, verify)?;
+    if m.agent_hash != agent_hash_hex() {
+        let rec = build_initramfs(dir, &m, verify)?;
+        m.initramfs = rec;
+        m.agent_hash = agent_hash_hex();
+        let json = serde_json::to_vec_pretty(&m).map_err(|e| GuestError::Corrupt {
+            path: dir.join(MANIFEST),
+            reason: e.to_string(),
+        })?;
+        write_atomic(dir, MANIFEST, &json)?;
+    }
+    let initramfs = check_record(dir, &m.initramfs, verify)?;
+    Ok(GuestArtifacts {
+        dir: dir.to_path_buf(),
+        vmlinux,
+        initramfs,
+        manifest: m,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Debian packages
+
+/// Reads the members of an `ar` archive (a `.deb`): (name, data).
+pub fn ar_members(data: &[u8]) -> Result<Vec<(String, &[u8])>, String> {
+    let rest = data.strip_prefix(b"!<arch>\n").ok_or("not an ar archive")?;
+    let mut out = Vec::new();
+    let mut at = 0usize;
+    while at < rest.len() {
+        let hdr = rest.get(at..at + 60).ok_or("truncated ar member header")?;
+        if &hdr[58..60] != b"`\n" {
+            return Err("bad ar member header".into());
+        }
+        let name = String::from_utf8_lossy(&hdr[..16])
+            .trim_end()
+            .trim_end_matches('/')
+            .to_string();
+        let size: usize = String::from_utf8_lossy(&hdr[48..58])
+            .trim()
+            .parse()
+            .map_err(|_| "bad ar member size")?;
+        let start = at + 60;
+        let end = start.checked_add(size).ok_or("ar member size overflows")?;
+        let body = rest.get(start..end).ok_or("truncated ar member")?;
+        out.push((name, body));
+        at = end + (end % 2);
+    }
+    Ok(out)
+}
+
+fn deb_member<'a>(deb: &'a [u8], prefix: &str, path: &Path) -> Result<&'a [u8], GuestError> {
+    let bad = |reason: String| GuestError::BadPackage {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let members = ar_members(deb).map_err(bad)?;
+    let (name, body) = members
+        .into_iter()
+        .find(|(n, _)| n.starts_with(prefix))
+        .ok_or_else(|| bad(format!("no {prefix}* member")))?;
+    if !name.ends_with(".tar.xz") {
+        return Err(bad(format!("{name}: only .tar.xz members are supported")));
+    }
+    Ok(body)
+}
+
+fn deb_tar<'a>(
+    deb: &'a [u8],
+    prefix: &str,
+    path: &Path,
+) -> Result<tar::Archive<lzma_rust2::XzReader<&'a [u8]>>, GuestError> {
+    let body = deb_member(deb, prefix, path)?;
+    Ok(tar::Archive::new(lzma_rust2::XzReader::new(body, true)))
+}
+
+/// The `Depends:` package names of a `.deb`'s control file.
+pub fn deb_depends(deb: &[u8], path: &Path) -> Result<Vec<String>, GuestError> {
+    let bad = |reason: String| GuestError::BadPackage {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let mut ar = deb_tar(deb, "control.tar", path)?;
+    let entries = ar.entries().map_err(|e| bad(e.to_string()))?;
+    for e in entries {
+        let mut e = e.map_err(|e| bad(e.to_string()))?;
+        let p = e.path().map_err(|e| bad(e.to_string()))?.into_owned();
+        if p.file_name().is_some_and(|n| n == "control") {
+            let mut text = String::new();
+            e.by_ref()
+                .take(1 << 20)
+                .read_to_string(&mut text)
+                .map_err(|e| bad(e.to_string()))?;
+            let deps = text
+                .lines()
+                .find_map(|l| l.strip_prefix("Depends:"))
+                .unwrap_or_default();
+            return Ok(deps
+                .split(',')
+                .filter_map(|d| d.split(['|', '(']).next())
+                .map(|d| d.trim().to_string())
+                .filter(|d| !d.is_empty())
+                .collect());
+        }
+    }
+    Err(bad("no control file".into()))
+}
+
+/// What [`scan_kernel_deb`] found.
+#[derive(Debug, Default)]
+pub struct KernelPackage {
+    /// Kernel release (`6.1.0-48-amd64`).
+    pub version: String,
+    /// The `vmlinuz` image.
+    pub vmlinuz: Vec<u8>,
+    /// The modules asked for plus their dependencies.
+    pub modules: Vec<KernelModule>,
+}
+
+fn module_name_of(path: &str) -> Option<String> {
+    let file = path.rsplit('/').next()?;
+    let stem = file.strip_suffix(".ko")?;
+    Some(stem.replace('-', "_"))
+}
+
+/// Reads a Debian kernel package: its `boot/vmlinuz-*` and the modules named in `wanted`
+/// with their dependencies (from each module's `.modinfo`), in one pass over `data.tar.xz`
+/// when the dependencies share the `virtio` prefix (else a second pass).
+pub fn scan_kernel_deb(
+    deb: &[u8],
+    path: &Path,
+    wanted: &[&str],
+) -> Result<KernelPackage, GuestError> {
+    let bad = |reason: String| GuestError::BadPackage {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let mut want: BTreeSet<String> = wanted.iter().map(|s| s.to_string()).collect();
+    let mut found: BTreeMap<String, KernelModule> = BTreeMap::new();
+    let mut pkg = KernelPackage::default();
+    for _pass in 0..4 {
+        let mut ar = deb_tar(deb, "data.tar", path)?;
+        for e in ar.entries().map_err(|e| bad(e.to_string()))? {
+            let mut e = e.map_err(|e| bad(e.to_string()))?;
+            let p = e
+                .path()
+                .map_err(|e| bad(e.to_string()))?
+                .to_string_lossy()
+                .trim_start_matches("./")
+                .to_string();
+            if let Some(ver) = p.strip_prefix("boot/vmlinuz-") {
+                if pkg.vmlinuz.is_empty() {
+                    pkg.version = ver.to_string();
+                    e.read_to_end(&mut pkg.vmlinuz)
+                        .map_err(|e| bad(e.to_string()))?;
+                }
+                continue;
+            }
+            let Some(rest) = p
+                .strip_prefix("lib/modules/")
+                .or_else(|| p.strip_prefix("usr/lib/modules/"))
+            else {
+                continue;
+            };
+            let Some((_, rel)) = rest.split_once('/') else {
+                continue;
+            };
+            let Some(name) = module_name_of(rel) else {
+                continue;
+            };
+            if found.contains_key(&name) || !(want.contains(&name) || name.starts_with("virtio")) {
+                continue;
+            }
+            let mut data = Vec::new();
+            e.by_ref()
+                .take(64 << 20)
+                .read_to_end(&mut data)
+                .map_err(|e| bad(e.to_string()))?;
+            let info = initramfs::module_info(&data)?;
+            found.insert(
+                name.clone(),
+                KernelModule {
+                    name,
+                    path: rel.to_string(),
+                    depends: info.depends,
+                    data,
+                },
+            );
+        }
+        if pkg.vmlinuz.is_empty() {
+            return Err(bad("no boot/vmlinuz-* in the package".into()));
+        }
+        // Close `want` over dependencies; done when everything wanted was found.
+        let mut queue: Vec<String> = want.iter().cloned().collect();
+        let mut closure = BTreeSet::new();
+        let mut missing = false;
+        while let Some(n) = queue.pop() {
+            if !closure.insert(n.clone()) {
+                continue;
+            }
+            match found.get(&n) {
+                Some(m) => queue.extend(m.depends.iter().cloned()),
+                None => missing = true,
+            }
+        }
+        if !missing {
+            pkg.modules = closure
+                .iter()
+                .filter_map(|n| found.get(n).cloned())
+                .collect();
+            return Ok(pkg);
+        }
+        if closure == want {
+            let gone: Vec<&String> = want.iter().filter(|n| !found.contains_key(*n)).collect();
+            return Err(bad(format!("modules not in the package: {gone:?}")));
+        }
+        want = closure;
+    }
+    Err(bad("module dependencies did not settle".into()))
+}
+
+fn run(cmd: &mut Command) -> Result<std::process::Output, GuestError> {
+    let shown = format!("{cmd:?}");
+    let out = cmd.output().map_err(|e| GuestError::Command {
+        command: shown.clone(),
+        reason: e.to_string(),
+    })?;
+    if !out.status.success() {
+        return Err(GuestError::Command {
+            command: shown,
+            reason: format!(
+                "{}: {}",
+                out.status,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        });
+    }
+    Ok(out)
+}
+
+/// Downloads a package's `.deb` into `dir` with `apt-get download` and returns its path.
+pub fn apt_download(package: &str, dir: &Path) -> Result<PathBuf, GuestError> {
+    run(Command::new("apt-get")
+        .args(["download", "-q", package])
+        .current_dir(dir))?;
+    let prefix = format!("{package}_");
+    let rd = std::fs::read_dir(dir).map_err(|e| GuestError::io("list", dir, e))?;
+    for e in rd.flatten() {
+        let n = e.file_name().to_string_lossy().into_owned();
+        if n.starts_with(&prefix) && n.ends_with(".deb") {
+            return Ok(e.path());
+        }
+    }
+    Err(GuestError::Command {
+        command: format!("apt-get download {package}"),
+        reason: format!("no {prefix}*.deb appeared in {}", dir.display()),
+    })
+}
+
+/// Downloads Debian's current kernel package (following `linux-image-amd64` to the versioned
+/// package it depends on) into `dir`.
+pub fn download_debian_kernel(dir: &Path) -> Result<PathBuf, GuestError> {
+    let meta = apt_download(DEBIAN_KERNEL_PACKAGE, dir)?;
+    let data = std::fs::read(&meta).map_err(|e| GuestError::io("read", &meta, e))?;
+    let deps = deb_depends(&data, &meta)?;
+    let target = deps
+        .iter()
+        .find(|d| d.starts_with("linux-image-"))
+        .ok_or_else(|| GuestError::BadPackage {
+            path: meta.clone(),
+            reason: format!("no linux-image-* dependency in {deps:?}"),
+        })?;
+    apt_download(target, dir)
+}
+
+fn find_busybox(opts: &InstallOptions) -> Result<Option<PathBuf>, GuestError> {
+    if opts.no_busybox {
+        return Ok(None);
+    }
+    if let Some(p) = &opts.busybox {
+        return Ok(Some(p.clone()));
+    }
+    for p in ["/bin/busybox", "/usr/bin/busybox"] {
+        if Path::new(p).is_file() {
+            return Ok(Some(PathBuf::from(p)));
+        }
+    }
+    Err(GuestError::Command {
+        command: "busybox".into(),
+        reason: "no static busybox found: install Debian's `busybox-static` package".into(),
+    })
+}
+
+/// Whether an ELF has a `PT_INTERP` (needs a dynamic loader the guest does not have).
+fn elf_is_dynamic(elf: &[u8]) -> bool {
+    let le16 = |at: usize| {
+        elf.get(at..at + 2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]))
+    };
+    let phoff = elf
+        .get(32..40)
+        .and_then(|b| b.try_into().ok())
+        .map(u64::from_le_bytes)
+        .and_then(|v| usize::try_from(v).ok());
+    let (Some(phoff), Some(56), Some(n)) = (phoff, le16(54), le16(56)) else {
+        return true;
+    };
+    (0..usize::from(n))
+        .any(|i| elf.get(phoff + i * 56..phoff + i * 56 + 4) == Some(&3u32.to_le_bytes()[..]))
+}
+
+fn busybox_applets(path: &Path) -> Vec<String> {
+    Command::new(path)
+        .arg("--list")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .map(|l| l.trim().to_string())
+                .filter(|l| !l.is_empty())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn modules_from_dir(dir: &Path) -> Result<Vec<KernelModule>, GuestError> {
+    // Index every .ko under dir by name, then take the closure of GUEST_MODULES.
+    let mut index: BTreeMap<String, PathBuf> = BTreeMap::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        let rd = std::fs::read_dir(&d).map_err(|e| GuestError::io("list", &d, e))?;
+        for e in rd.flatten() {
+            let p = e.path();
+            if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                stack.push(p);
+            } else if let Some(n) = p.to_str().and_then(module_name_of) {
+                index.insert(n, p);
+            }
+        }
+    }
+    let mut out: BTreeMap<String, KernelModule> = BTreeMap::new();
+    let mut queue: Vec<String> = GUEST_MODULES.iter().map(|s| s.to_string()).collect();
+    while let Some(n) = queue.pop() {
+        if out.contains_key(&n) {
+            continue;
+        }
+        let Some(p) = index.get(&n) else {
+            // Built into the kernel (or absent): nothing to load.
+            continue;
+        };
+        let data = std::fs::read(p).map_err(|e| GuestError::io("read", p, e))?;
+        let info = initramfs::module_info(&data)?;
+        queue.extend(info.depends.iter().cloned());
+        let rel = p
+            .strip_prefix(dir)
+            .map(|r| r.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| format!("kernel/{n}.ko"));
+        out.insert(
+            n.clone(),
+            KernelModule {
+                name: n,
+                path: rel,
+                depends: info.depends,
+                data,
+            },
+        );
+    }
+    // Dependencies that are built in are dropped from the lists.
+    let names: BTreeSet<String> = out.keys().cloned().collect();
+    Ok(out
+        .into_values()
+        .map(|mut m| {
+            m.depends.retain(|d| names.contains(d));
+            m
+        })
+        .collect())
+}
+
+/// Prepares kernel + initramfs in `opts.dir` and returns them (checked). Idempotent: an
+/// existing, intact installation from the same source is replaced atomically.
+pub fn install(opts: &InstallOptions) -> Result<GuestArtifacts, GuestError> {
+    let dir = &opts.dir;
+    std::fs::create_dir_all(dir).map_err(|e| GuestError::io("create", dir, e))?;
+    let work = tempfile::Builder::new()
+        .prefix(".install-")
+        .tempdir_in(dir)
+        .map_err(|e| GuestError::io("create a temporary directory in", dir, e))?;
+
+    let (source, version, vmlinuz, modules) = match &opts.kernel {
+        KernelSource::Debian | KernelSource::DebFile(_) => {
+            let deb_path = match &opts.kernel {
+                KernelSource::DebFile(p) => p.clone(),
+                _ => download_debian_kernel(work.path())?,
+            };
+            let deb = std::fs::read(&deb_path).map_err(|e| GuestError::io("read", &deb_path, e))?;
+            let pkg = scan_kernel_deb(&deb, &deb_path, GUEST_MODULES)?;
+            let source = deb_path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            (source, Some(pkg.version), pkg.vmlinuz, pkg.modules)
+        }
+        KernelSource::Kernel { image, modules } => {
+            let data = std::fs::read(image).map_err(|e| GuestError::io("read", image, e))?;
+            let mods = match modules {
+                Some(m) => modules_from_dir(m)?,
+                None => Vec::new(),
+            };
+            (image.display().to_string(), None, data, mods)
+        }
+    };
+
+    // Kernel.
+    let tmp_vmlinux = work.path().join("vmlinux");
+    kernel::extract_vmlinux_file_from_bytes(&vmlinuz, &tmp_vmlinux)?;
+    drop(vmlinuz);
+    let (size, sum) = sha256_file(&tmp_vmlinux)?;
+    let vmlinux_name = match &version {
+        Some(v) => format!("vmlinux-{v}"),
+        None => format!("vmlinux-{}", &sum[..16]),
+    };
+    std::fs::rename(&tmp_vmlinux, dir.join(&vmlinux_name))
+        .map_err(|e| GuestError::io("rename", dir.join(&vmlinux_name), e))?;
+    let vmlinux = FileRecord {
+        file: vmlinux_name,
+        size,
+        sha256: sum,
+    };
+
+    // Busybox.
+    let (busybox, applets) = match find_busybox(opts)? {
+        Some(p) => {
+            let data = std::fs::read(&p).map_err(|e| GuestError::io("read", &p, e))?;
+            if !data.starts_with(b"\x7fELF") || elf_is_dynamic(&data) {
+                return Err(GuestError::Command {
+                    command: p.display().to_string(),
+                    reason: "busybox is not a static ELF binary: install Debian's `busybox-static`"
+                        .into(),
+                });
+            }
+            let applets = busybox_applets(&p);
+            (Some(write_atomic(dir, "busybox", &data)?), applets)
+        }
+        None => (None, Vec::new()),
+    };
+
+    // Modules.
+    let mut records = Vec::new();
+    for m in &modules {
+        let file = format!("modules/{}", m.path);
+        if m.path.contains("..") || m.path.starts_with('/') {
+            return Err(GuestError::BadInitramfs(format!(
+                "bad module path {}",
+                m.path
+            )));
+        }
+        records.push(ModuleRecord {
+            name: m.name.clone(),
+            path: m.path.clone(),
+            depends: m.depends.clone(),
+            record: write_atomic(dir, &file, &m.data)?,
+        });
+    }
+
+    let mut manifest = Manifest {
+        format: MANIFEST_FORMAT,
+        source,
+        kernel_version: version,
+        vmlinux,
+        busybox,
+        applets,
+        modules: records,
+        initramfs: FileRecord {
+            file: String::new(),
+            size: 0,
+            sha256: String::new(),
+        },
+        agent_hash: agent_hash_hex(),
+    };
+    manifest.initramfs = build_initramfs(dir, &manifest, Verify::Sizes)?;
+    let json = serde_json::to_vec_pretty(&manifest).map_err(|e| GuestError::Corrupt {
+        path: dir.join(MANIFEST),
+        reason: e.to_string(),
+    })?;
+    write_atomic(dir, MANIFEST, &json)?;
+    drop(work);
+    load(dir, Verify::Full)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    #[test]
+    fn ar_parsing() {
+        let mut a = b"!<arch>\n".to_vec();
+        for (name, body) in [("debian-binary", &b"2.0\n"[..]), ("odd", &b"abc"[..])] {
+            a.extend_from_slice(
+                format!(
+                    "{name:<16}{:<12}{:<6}{:<6}{:<8}{:<10}`\n",
+                    0,
+                    0,
+                    0,
+                    100644,
+                    body.len()
+                )
+                .as_bytes(),
+            );
+            a.extend_from_slice(body);
+            if body.len() % 2 == 1 {
+                a.push(b'\n');
+            }
+        }
+        let m = ar_members(&a).unwrap();
+        assert_eq!(
+            m,
+            [
+                ("debian-binary".to_string(), &b"2.0\n"[..]),
+                ("odd".to_string(), &b"abc"[..])
+            ]
+        );
+        assert!(ar_members(b"junk").is_err());
+        assert!(ar_members(&a[..a.len() - 2]).is_err());
+        let mut forged = a.clone();
+        forged[8 + 48..8 + 58].copy_from_slice(b"9999999999");
+        assert!(ar_members(&forged).is_err());
+    }
+
+    #[test]
+    fn module_names() {
+        assert_eq!(
+            module_name_of("kernel/drivers/virtio/virtio_mmio.ko").as_deref(),
+            Some("virtio_mmio")
+        );
+        assert_eq!(
+            module_name_of("kernel/x/virtio-rng.ko").as_deref(),
+            Some("virtio_rng")
+        );
+        assert_eq!(module_name_of("modules.dep"), None);
+    }
+
+    #[test]
+    fn cache_dir_follows_xdg() {
+        // Only reads the environment of this process; does not change it.
+        let d = default_cache_dir();
+        assert!(d.ends_with("agent-sandbox/microvm"));
+    }
+
+    #[test]
+    fn missing_and_corrupt_caches_are_typed_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(matches!(
+            load(dir.path(), Verify::Sizes),
+            Err(GuestError::NotInstalled { .. })
+        ));
+        std::fs::write(dir.path().join(MANIFEST), b"{not json").unwrap();
+        assert!(matches!(
+            load(dir.path(), Verify::Sizes),
+            Err(GuestError::Corrupt { .. })
+        ));
+
+        // A small but complete installation from a raw "kernel" ELF without modules.
+        let elf = kernel::tests_support::tiny_elf();
+        let k = dir.path().join("vmlinux-in");
+        std::fs::write(&k, &elf).unwrap();
+        let opts = InstallOptions {
+            dir: dir.path().join("cache"),
+            kernel: KernelSource::Kernel {
+                image: k,
+                modules: None,
+            },
+            busybox: None,
+            no_busybox: true,
+        };
+        let a = install(&opts).unwrap();
+        assert_eq!(std::fs::read(&a.vmlinux).unwrap(), elf);
+        let entries = initramfs::check(&std::fs::read(&a.initramfs).unwrap()).unwrap();
+        assert!(entries
+            .iter()
+            .any(|e| e.name == "init" && e.data == AGENT_BINARY));
+        // No temporary files left behind.
+        let names: Vec<String> = std::fs::read_dir(&opts.dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(names.iter().all(|n| !n.starts_with('.')), "{names:?}");
+
+        // Truncate the kernel: a size mismatch. Same size, other bytes: a checksum mismatch
+        // (only with full verification).
+        let v = a.vmlinux.clone();
+        std::fs::write(&v, &elf[..10]).unwrap();
+        let err = load(&opts.dir, Verify::Sizes).unwrap_err();
+        assert!(matches!(err, GuestError::Corrupt { .. }), "{err}");
+        let mut other = elf.clone();
+        other[100] ^= 1;
+        std::fs::write(&v, &other).unwrap();
+        load(&opts.dir, Verify::Sizes).unwrap();
+        let err = load(&opts.dir, Verify::Full).unwrap_err();
+        assert!(err.to_string().contains("SHA-256"), "{err}");
+        // Missing initramfs.
+        std::fs::write(&v, &elf).unwrap();
+        std::fs::remove_file(&a.initramfs).unwrap();
+        assert!(matches!(
+            load(&opts.dir, Verify::Sizes),
+            Err(GuestError::Corrupt { .. })
+        ));
+        // A stale initramfs (another agent) is rebuilt.
+        let mut m = read_manifest(&opts.dir).unwrap();
+        m.agent_hash = "0".into();
+        std::fs::write(opts.dir.join(MANIFEST), serde_json::to_vec(&m).unwrap()).unwrap();
+        let again = load(&opts.dir, Verify::Full).unwrap();
+        assert_eq!(again.manifest.agent_hash, agent_hash_hex());
+        assert!(again.initramfs.exists());
+    }
+}

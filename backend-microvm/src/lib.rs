@@ -1,0 +1,538 @@
+//! # backend-microvm — tier 4: our own KVM microVM monitor
+//!
+//! A sandbox of this tier is a **Linux guest behind hardware virtualization**: its own kernel
+//! (Debian's, or one you give), booted in a virtual machine that our own monitor (VMM) runs
+//! with KVM, with our guest agent as `/init`. Code in the guest shares nothing with the host
+//! kernel but the KVM interface; this is the tier for public multi-tenant agents and for
+//! anything that needs a kernel of its own. Firecracker is the model (and the numbers to
+//! beat); the difference is that the monitor is a library: `cargo add` and no VMM binary to
+//! install.
+//!
+//! [`MicrovmBackend`] implements [`sandbox_core::Backend`]; the parts it is made of are public
+//! modules, usable on their own:
+//!
+//! - [`vmm`]: the monitor on the rust-vmm crates (`kvm-ioctls`, `vm-memory`, `linux-loader`,
+//!   `vm-superio`): memfd-backed guest RAM, vCPU threads, an 8250 serial console, a virtio-mmio
+//!   transport with a virtio-console device, KVM's in-kernel irqchip and PIT, snapshot/restore.
+//! - [`boot`] + [`acpi`]: the Linux 64-bit boot protocol (vmlinux ELF, `boot_params`, e820,
+//!   command line, initrd) and the ACPI tables (RSDP, XSDT, FADT, MADT, DSDT) that describe
+//!   the virtio-mmio devices: Debian's kernel has no `virtio_mmio.device=` command-line
+//!   devices, so ACPI is how it finds them (as with Firecracker and cloud-hypervisor).
+//! - [`guest`]: kernel extraction (bzImage with an xz payload → `vmlinux`), the initramfs we
+//!   build (cpio newc: the agent as `/init`, static busybox, the virtio modules), and the
+//!   cache [`guest::install`] prepares.
+//! - [`agent_client`]: the host side of the agent's framed protocol (exec with streamed
+//!   output, files, ping, shutdown).
+//! - [`probe`]: what this host's KVM can really do, measured.
+//!
+//! ## The monitor runs in-process, contained
+//! There is no external VMM binary and no fork from the caller's (threaded, async) process:
+//! a VM is a set of threads of the library user's process (one per vCPU, one for device
+//! I/O). A crash or a hostile guest must still not take that process down, so every path the
+//! guest can reach (exit decoding, port and MMIO accesses, virtqueue parsing) validates what
+//! it reads, uses checked arithmetic on guest addresses and returns errors instead of
+//! panicking; each VMM thread runs under `catch_unwind` and under a **thread-scoped seccomp
+//! filter** allowing only the syscalls and ioctls its loop needs ([`seccomp`]); guest memory
+//! is bounded by the spec. A guest that triple-faults, spins, floods the serial port or
+//! writes garbage into a virtqueue ends that VM with a typed [`vmm::VmExit`]; other VMs and
+//! the host process carry on. A wall-clock deadline (the spec's `lifetime_ms`) kills the VM
+//! from the host side whatever the guest does.
+//!
+//! ## The agent channel: virtio-console
+//! The host talks to the guest agent over **one virtio-console port** (`/dev/hvc0` in the
+//! guest, put in raw mode by the agent) on the virtio-mmio transport. One byte stream is all
+//! the framed protocol needs (it multiplexes concurrent requests by id), and the device model
+//! is far smaller than virtio-vsock's (no connection state machine, no credit accounting):
+//! less guest-reachable code in the host process. The host end is one side of a Unix
+//! socketpair, so [`agent_client::AgentClient`] is plain blocking stream code; the backend
+//! calls it on tokio's blocking pool. The agent runs every command with exactly the
+//! environment the host sends (the spec's `env`, its secrets, and `PATH`/`HOME`/`LANG`
+//! defaults), in `/workspace` (a tmpfs in the guest), kills a command's process group at its
+//! timeout and caps the output it forwards; the host caps and redacts again.
+//!
+//! ## Snapshots
+//! [`Sandbox::snapshot`] pauses the vCPUs and saves every
+//! vCPU's state (registers, special registers, FPU/XSAVE, XCRs, debug registers, MSRs,
+//! LAPIC, pending events), the VM's (irqchip, PIT, KVM clock), the devices' (serial,
+//! virtio transport and queues) and guest memory. The VMM writes a versioned JSON state file
+//! (`vm-state.json`, format [`vmm::vm::SNAPSHOT_FORMAT_VERSION`]) and a sparse memory file;
+//! the sandbox stores them in the [`SnapshotStore`] as two
+//! artifacts, `vm-state.json` and `memory.extents` (only the non-zero pages, as
+//! offset/length/bytes runs: a guest that touched 40 MiB of 512 stores 40). The manifest's
+//! engine string names the VMM version and the snapshot format version; metadata records the
+//! memory size, vCPU count and agent build. Restore writes the memory back as a sparse file,
+//! maps it **copy-on-write** (`MAP_PRIVATE`) into a new VM, so restore cost does not grow
+//! with memory size, and pings the agent: processes, files in `/workspace` and the guest
+//! kernel's state continue exactly where they were. A snapshot from another format version,
+//! another engine or of another memory size is refused with a typed error before anything
+//! starts. The sandbox waits for its in-flight agent calls before it snapshots, so no request
+//! is cut in half on the channel.
+//!
+//! ## What this host can run
+//! [`probe::probe_kvm`] runs the same tiny loop at CPL 3 and at CPL 0 in throwaway VMs (each
+//! bounded by a deadline: the probe never hangs) and compares. On hosts with hardware
+//! virtualization both take about as long and the tier is available (once the guest is
+//! installed). On **nested, PVM-style KVM** (the `kvm_pvm` module, as on the machines this
+//! project is developed on) guest user mode runs natively but guest kernel mode is emulated
+//! at ~2 million instructions/s, and a stock Linux kernel never finishes booting; the probe
+//! then reports *"Linux guests unsupported on this host: kernel mode is emulated"* with a fix,
+//! `create` returns [`Error::Unavailable`] at once, and
+//! `--tier auto` never picks this tier. Tiny freestanding guests that run in user mode still
+//! work there: they are what the VMM's own test suite (`tests/tiny_guest.rs`,
+//! `tests/adversarial.rs`) boots.
+//!
+//! ## Installing the guest
+//! ```text
+//! agent-sandbox install microvm-guest                 # Debian's linux-image-amd64 (apt-get download)
+//! agent-sandbox install microvm-guest --kernel vmlinux [--modules /lib/modules/VER] [--dir DIR]
+//! ```
+//! prepares `vmlinux` and the initramfs (agent + busybox-static + the virtio modules) in
+//! `$XDG_CACHE_HOME/agent-sandbox/microvm` (else `~/.cache/agent-sandbox/microvm`), each
+//! file recorded with its size and SHA-256 in a manifest ([`guest::install`]). From Rust:
+//! [`guest::install::install`].
+//!
+//! ## Your own kernel
+//! `--kernel` takes an uncompressed `vmlinux` ELF or a bzImage with an xz payload (extracted),
+//! for example Firecracker's CI kernels; a kernel with `virtio_mmio` and `virtio_console`
+//! built in needs no modules. Or skip the cache and point the backend at files directly:
+//! [`MicrovmBackend::builder`]`().kernel(path).initramfs(path)` (the kernel must then be a
+//! `vmlinux` ELF and the initramfs must hold this library's agent as `/init`; build one with
+//! [`guest::initramfs::build`]).
+//!
+//! ## Limits
+//! `limits.memory_bytes` is the guest's RAM (at least 32 MiB); vCPUs come from the backend
+//! configuration (default 1); `lifetime_ms` is the VM's wall-clock deadline; per-exec
+//! `wall_time_ms` (or the request's shorter timeout) is enforced by the agent, which kills the
+//! command's process group; `output_bytes` caps each stream. CPU time, pids, open files and
+//! disk are bounded by the VM as a whole (its vCPUs and RAM; `/workspace` is a tmpfs in guest
+//! RAM), not per command. There is no network device: only the deny-all policy is offered.
+//! Host directories (`Workspace::HostDir`, `mounts`) and `rootfs` are not shared into the
+//! guest: such specs are refused with `Unsupported`.
+
+mod sandbox;
+
+pub mod acpi;
+pub mod agent_client;
+pub mod boot;
+pub mod devices;
+pub mod guest;
+pub mod layout;
+pub mod probe;
+pub mod seccomp;
+pub mod vmm;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sandbox_core::{
+    Backend, Capabilities, Error, IsolationBoundary, Language, NetworkMode, ResolvedSecrets,
+    Result, Sandbox, SandboxSpec, SnapshotId, SnapshotKind, SnapshotStore, Tier, TierStatus,
+};
+
+pub use sandbox::MicrovmSandbox;
+
+use crate::guest::install::{self, Verify};
+use crate::guest::GuestError;
+
+const TIER: Tier = Tier::Microvm;
+
+/// The fix offered when the guest artifacts are missing.
+pub const INSTALL_FIX: &str = "agent-sandbox install microvm-guest";
+/// Default time from starting the kernel to the agent's `Ready`.
+pub const DEFAULT_BOOT_TIMEOUT: Duration = Duration::from_secs(20);
+/// The smallest guest RAM a Linux guest is given (the spec's `limits.memory_bytes` must be at
+/// least this).
+pub const MIN_GUEST_MEMORY: u64 = 32 << 20;
+
+/// Where the guest kernel and initramfs come from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GuestSource {
+    /// A cache prepared by `agent-sandbox install microvm-guest` ([`guest::install`]).
+    Installed {
+        /// The cache directory.
+        dir: PathBuf,
+    },
+    /// Explicit files: an uncompressed `vmlinux` ELF and an initramfs (cpio newc) holding this
+    /// library's agent as `/init`.
+    Files {
+        /// The kernel.
+        kernel: PathBuf,
+        /// The initramfs.
+        initramfs: PathBuf,
+    },
+}
+
+/// Settings of the microVM backend (see [`MicrovmBackend::builder`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MicrovmConfig {
+    /// Guest kernel and initramfs.
+    pub guest: GuestSource,
+    /// vCPUs per VM (1-32).
+    pub vcpus: u8,
+    /// How long the guest may take from kernel start to agent ready.
+    pub boot_timeout: Duration,
+    /// The kernel command line.
+    pub cmdline: String,
+}
+
+impl Default for MicrovmConfig {
+    fn default() -> Self {
+        MicrovmConfig {
+            guest: GuestSource::Installed {
+                dir: install::default_cache_dir(),
+            },
+            vcpus: 1,
+            boot_timeout: DEFAULT_BOOT_TIMEOUT,
+            cmdline: boot::DEFAULT_CMDLINE.to_string(),
+        }
+    }
+}
+
+/// Builder for [`MicrovmBackend`].
+#[derive(Debug, Clone, Default)]
+pub struct MicrovmBuilder {
+    config: MicrovmConfig,
+    kernel: Option<PathBuf>,
+    initramfs: Option<PathBuf>,
+    dir: Option<PathBuf>,
+}
+
+impl MicrovmBuilder {
+    /// Uses the guest cache in `dir` (default: [`guest::install::default_cache_dir`]).
+    pub fn guest_dir(mut self, dir: impl Into<PathBuf>) -> Self {
+        self.dir = Some(dir.into());
+        self
+    }
+
+    /// Boots this kernel (an uncompressed `vmlinux` ELF) instead of the cached one; needs
+    /// [`initramfs`](Self::initramfs) too.
+    pub fn kernel(mut self, path: impl Into<PathBuf>) -> Self {
+        self.kernel = Some(path.into());
+        self
+    }
+
+    /// Uses this initramfs (with this library's agent as `/init`) instead of the cached one;
+    /// needs [`kernel`](Self::kernel) too.
+    pub fn initramfs(mut self, path: impl Into<PathBuf>) -> Self {
+        self.initramfs = Some(path.into());
+        self
+    }
+
+    /// vCPUs per VM (default 1).
+    pub fn vcpus(mut self, n: u8) -> Self {
+        self.config.vcpus = n;
+        self
+    }
+
+    /// Time from kernel start to agent ready before `create` gives up (default 20 s).
+    pub fn boot_timeout(mut self, d: Duration) -> Self {
+        self.config.boot_timeout = d;
+        self
+    }
+
+    /// Replaces the kernel command line (default [`boot::DEFAULT_CMDLINE`]).
+    pub fn cmdline(mut self, cmdline: impl Into<String>) -> Self {
+        self.config.cmdline = cmdline.into();
+        self
+    }
+
+    /// Checks the settings and builds the backend (nothing on the host is touched).
+    pub fn build(self) -> Result<MicrovmBackend> {
+        let mut config = self.config;
+        config.guest = match (self.kernel, self.initramfs, self.dir) {
+            (Some(kernel), Some(initramfs), None) => GuestSource::Files { kernel, initramfs },
+            (None, None, Some(dir)) => GuestSource::Installed { dir },
+            (None, None, None) => config.guest,
+            (Some(_), None, _) | (None, Some(_), _) => {
+                return Err(Error::invalid(
+                    "microvm.guest",
+                    "give both a kernel and an initramfs, or neither",
+                ))
+            }
+            (Some(_), Some(_), Some(_)) => {
+                return Err(Error::invalid(
+                    "microvm.guest",
+                    "give either a guest cache directory or kernel + initramfs files, not both",
+                ))
+            }
+        };
+        if !(1..=32).contains(&config.vcpus) {
+            return Err(Error::invalid("microvm.vcpus", "must be between 1 and 32"));
+        }
+        if config.boot_timeout.is_zero() {
+            return Err(Error::invalid("microvm.boot_timeout", "must be positive"));
+        }
+        if config.cmdline.contains('\0') || config.cmdline.len() >= layout::CMDLINE_MAX {
+            return Err(Error::invalid(
+                "microvm.cmdline",
+                format!("must be under {} bytes, without NUL", layout::CMDLINE_MAX),
+            ));
+        }
+        Ok(MicrovmBackend {
+            config: Arc::new(config),
+        })
+    }
+}
+
+/// The microVM backend: one KVM VM per sandbox, booting a Linux guest with our agent.
+#[derive(Debug, Clone)]
+pub struct MicrovmBackend {
+    config: Arc<MicrovmConfig>,
+}
+
+impl Default for MicrovmBackend {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The guest files a VM boots.
+#[derive(Debug, Clone)]
+pub(crate) struct GuestFiles {
+    pub kernel: PathBuf,
+    pub initramfs: PathBuf,
+    /// The kernel release, when known (from the install manifest).
+    pub kernel_version: Option<String>,
+    /// Whether the files were verified by an install manifest (else the initramfs is checked
+    /// for the agent before booting).
+    pub installed: bool,
+}
+
+impl MicrovmBackend {
+    /// The default backend: the installed guest in the default cache directory, 1 vCPU.
+    pub fn new() -> Self {
+        MicrovmBackend {
+            config: Arc::new(MicrovmConfig::default()),
+        }
+    }
+
+    /// A builder for other settings.
+    pub fn builder() -> MicrovmBuilder {
+        MicrovmBuilder::default()
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &MicrovmConfig {
+        &self.config
+    }
+
+    /// The engine string recorded in snapshots: the VMM version and its snapshot format.
+    pub fn engine() -> String {
+        format!(
+            "agent-sandbox-microvm {} (snapshot format {})",
+            env!("CARGO_PKG_VERSION"),
+            vmm::vm::SNAPSHOT_FORMAT_VERSION
+        )
+    }
+
+    /// KVM must run Linux guests here: the probe's verdict as an error.
+    pub(crate) fn check_kvm() -> Result<probe::KvmProbe> {
+        let p = probe::probe_kvm();
+        if p.linux_guests_supported() {
+            Ok(p)
+        } else {
+            Err(Error::Unavailable {
+                tier: TIER,
+                reason: p.reason.clone(),
+                fix: p
+                    .fix
+                    .clone()
+                    .unwrap_or_else(|| "run on a host with hardware virtualization".into()),
+            })
+        }
+    }
+
+    /// The guest artifacts, checked (sizes; the install verified checksums).
+    pub(crate) fn guest_files(&self) -> Result<GuestFiles> {
+        match &self.config.guest {
+            GuestSource::Installed { dir } => match install::load(dir, Verify::Sizes) {
+                Ok(a) => Ok(GuestFiles {
+                    kernel: a.vmlinux,
+                    initramfs: a.initramfs,
+                    kernel_version: a.manifest.kernel_version,
+                    installed: true,
+                }),
+                Err(e @ GuestError::NotInstalled { .. }) => Err(Error::Unavailable {
+                    tier: TIER,
+                    reason: format!("the microVM guest (kernel + initramfs) is not installed: {e}"),
+                    fix: if *dir == install::default_cache_dir() {
+                        INSTALL_FIX.to_string()
+                    } else {
+                        format!("{INSTALL_FIX} --dir {}", dir.display())
+                    },
+                }),
+                Err(e) => Err(Error::Unavailable {
+                    tier: TIER,
+                    reason: format!("the microVM guest in {} is unusable: {e}", dir.display()),
+                    fix: format!("{INSTALL_FIX} (to prepare it again)"),
+                }),
+            },
+            GuestSource::Files { kernel, initramfs } => {
+                for (what, p) in [("kernel", kernel), ("initramfs", initramfs)] {
+                    if !p.is_file() {
+                        return Err(Error::Unavailable {
+                            tier: TIER,
+                            reason: format!("the configured guest {what} {} does not exist", p.display()),
+                            fix: format!(
+                                "point the backend at an existing {what}, or use the installed guest ({INSTALL_FIX})"
+                            ),
+                        });
+                    }
+                }
+                check_vmlinux(kernel)?;
+                Ok(GuestFiles {
+                    kernel: kernel.clone(),
+                    initramfs: initramfs.clone(),
+                    kernel_version: None,
+                    installed: false,
+                })
+            }
+        }
+    }
+
+    fn status(&self) -> TierStatus {
+        let p = probe::probe_kvm();
+        let mut details: Vec<(String, String)> = Vec::new();
+        if let Some(u) = p.user_loop {
+            details.push(("kvm.user_loop".into(), format!("{u:?}")));
+        }
+        if let Some(k) = p.kernel_loop {
+            details.push(("kvm.kernel_loop".into(), format!("{k:?}")));
+        }
+        for d in &p.details {
+            match d.split_once(": ") {
+                Some((k, v)) => details.push((format!("kvm.{k}"), v.to_string())),
+                None => details.push(("kvm".into(), d.clone())),
+            }
+        }
+        let guest = match &self.config.guest {
+            GuestSource::Installed { dir } => dir.display().to_string(),
+            GuestSource::Files { kernel, initramfs } => {
+                format!("{} + {}", kernel.display(), initramfs.display())
+            }
+        };
+        details.push(("guest".into(), guest));
+        // The guest is checked even where KVM cannot run it, so `probe` names every problem.
+        let files = self.guest_files();
+        details.push((
+            "guest.status".into(),
+            match &files {
+                Ok(g) => format!(
+                    "ready (kernel {})",
+                    g.kernel_version.as_deref().unwrap_or("given by path")
+                ),
+                Err(Error::Unavailable { reason, fix, .. }) => format!("{reason}; fix: {fix}"),
+                Err(e) => e.to_string(),
+            },
+        ));
+        let status = if !p.linux_guests_supported() {
+            TierStatus::unavailable(
+                TIER,
+                p.reason.clone(),
+                p.fix
+                    .clone()
+                    .unwrap_or_else(|| "run on a host with hardware virtualization".into()),
+            )
+        } else {
+            match files {
+                Ok(g) => TierStatus::available(
+                    TIER,
+                    format!(
+                        "hardware KVM; guest kernel {}",
+                        g.kernel_version
+                            .unwrap_or_else(|| g.kernel.display().to_string())
+                    ),
+                ),
+                Err(Error::Unavailable { reason, fix, .. }) => {
+                    TierStatus::unavailable(TIER, reason, fix)
+                }
+                Err(e) => TierStatus::unavailable(TIER, e.to_string(), INSTALL_FIX),
+            }
+        };
+        details
+            .into_iter()
+            .fold(status, |s, (k, v)| s.with_detail(k, v))
+    }
+}
+
+/// Refuses a kernel file that is not an x86-64 ELF (a bzImage must be extracted first).
+fn check_vmlinux(kernel: &Path) -> Result<()> {
+    use std::io::Read;
+    let mut head = [0u8; 64];
+    let n = std::fs::File::open(kernel)
+        .and_then(|mut f| f.read(&mut head))
+        .map_err(|e| Error::io_path("read", kernel, e))?;
+    if head.get(..n).unwrap_or_default().starts_with(b"\x7fELF") {
+        return Ok(());
+    }
+    Err(Error::Unavailable {
+        tier: TIER,
+        reason: format!(
+            "the configured guest kernel {} is not an uncompressed vmlinux ELF",
+            kernel.display()
+        ),
+        fix: format!(
+            "{INSTALL_FIX} --kernel {} (extracts vmlinux from a bzImage)",
+            kernel.display()
+        ),
+    })
+}
+
+#[async_trait]
+impl Backend for MicrovmBackend {
+    fn tier(&self) -> Tier {
+        TIER
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            tier: TIER,
+            // The initramfs we build has busybox and our agent: shell, and any program given
+            // as argv. No Python, Node or compiler in the guest.
+            languages: vec![Language::Shell],
+            argv: true,
+            boundary: IsolationBoundary::GuestKernel,
+            snapshots: vec![SnapshotKind::FullMemory, SnapshotKind::Filesystem],
+            network: vec![NetworkMode::DenyAll],
+            pause_resume: true,
+            streaming: true,
+            persistent_state: true,
+        }
+    }
+
+    async fn probe(&self) -> TierStatus {
+        let this = self.clone();
+        match tokio::task::spawn_blocking(move || this.status()).await {
+            Ok(s) => s,
+            Err(e) => TierStatus::unavailable(TIER, format!("probe panicked: {e}"), "report a bug"),
+        }
+    }
+
+    async fn create(
+        &self,
+        spec: &SandboxSpec,
+        secrets: ResolvedSecrets,
+    ) -> Result<Box<dyn Sandbox>> {
+        Ok(Box::new(MicrovmSandbox::create(self, spec, secrets).await?))
+    }
+
+    async fn restore(
+        &self,
+        store: &dyn SnapshotStore,
+        id: &SnapshotId,
+        secrets: ResolvedSecrets,
+    ) -> Result<Box<dyn Sandbox>> {
+        Ok(Box::new(
+            MicrovmSandbox::restore(self, store, id, secrets).await?,
+        ))
+    }
+}
+
+/// Shared handle type for the facade.
+pub fn backend(config: MicrovmConfig) -> Arc<dyn Backend> {
+    Arc::new(MicrovmBackend {
+        config: Arc::new(config),
+    })
+}

@@ -1,0 +1,680 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! The microVM tier through the `Backend` / `Sandbox` traits.
+//!
+//! The first group runs everywhere: the probe tells the truth (and returns), `create` on a host
+//! that cannot boot Linux guests is `Unavailable` at once, specs this tier cannot honour are
+//! `Unsupported`, the capabilities are honest, snapshots from elsewhere are refused.
+//!
+//! The second group is the full Linux-guest path (boot, agent, exec, env, secrets, files,
+//! limits, streaming, snapshot/restore, pause, teardown). It runs where the probe reports
+//! hardware-speed guest kernel mode and skips elsewhere, printing the probe's reason. Its guest
+//! comes from `MICROVM_GUEST_DIR` if set (a cache prepared by `agent-sandbox install
+//! microvm-guest`), else it is prepared once (Debian's kernel via `apt-get download`) in a
+//! directory under the system temp dir, shared with `tests/linux_guest.rs`.
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use backend_microvm::guest::install::{self, InstallOptions, Verify};
+use backend_microvm::probe::{probe_kvm, EMULATED_KERNEL_MODE};
+use backend_microvm::{MicrovmBackend, INSTALL_FIX};
+use sandbox_core::{
+    Backend, Error, ExecEvent, ExecRequest, IsolationBoundary, Language, LimitKind,
+    MapSecretSource, NetworkMode, NetworkPolicy, ObjectSnapshotStore, ResolvedSecrets, Sandbox,
+    SandboxSpec, SnapshotDraft, SnapshotError, SnapshotKind, SnapshotStore, Tier, Workspace,
+};
+
+/// A probe never takes this long; a hang fails the test instead of blocking CI.
+const HANG: Duration = Duration::from_secs(120);
+
+fn shell_spec() -> SandboxSpec {
+    SandboxSpec::builder(Language::Shell)
+        .memory_mib(256)
+        .build()
+        .unwrap()
+}
+
+// ------------------------------------------------------------------------------------------
+// Runs on every host.
+
+#[tokio::test]
+async fn the_probe_tells_the_truth_and_returns() {
+    let status = tokio::time::timeout(HANG, MicrovmBackend::new().probe())
+        .await
+        .expect("the probe must not hang");
+    let kvm = probe_kvm();
+    assert_eq!(status.tier, Tier::Microvm);
+    assert!(!status.reason.is_empty());
+    assert!(status.details.contains_key("guest.status"), "{status:?}");
+    if !kvm.linux_guests_supported() {
+        assert!(!status.available, "{status:?}");
+        assert_eq!(status.reason, kvm.reason);
+        assert!(!status.fix.as_deref().unwrap_or_default().is_empty());
+        if kvm.present {
+            // KVM works but kernel mode is emulated (nested PVM): the documented message.
+            assert_eq!(status.reason, EMULATED_KERNEL_MODE);
+            assert!(status
+                .reason
+                .starts_with("Linux guests unsupported on this host: kernel mode is emulated"));
+        }
+    } else if status.available {
+        assert!(status.reason.contains("hardware KVM"), "{status:?}");
+    } else {
+        // Hardware KVM but no guest installed: the fix is the install command.
+        assert!(status
+            .fix
+            .as_deref()
+            .unwrap_or_default()
+            .contains(INSTALL_FIX));
+    }
+    eprintln!("microvm probe: {status:?}");
+}
+
+#[tokio::test]
+async fn a_missing_guest_is_named_with_the_install_fix() {
+    let empty = tempfile::tempdir().unwrap();
+    let b = MicrovmBackend::builder()
+        .guest_dir(empty.path())
+        .build()
+        .unwrap();
+    let status = tokio::time::timeout(HANG, b.probe()).await.unwrap();
+    assert!(!status.available);
+    let guest = &status.details["guest.status"];
+    assert!(guest.contains("not installed"), "{guest}");
+    assert!(guest.contains(INSTALL_FIX), "{guest}");
+    if probe_kvm().linux_guests_supported() {
+        assert!(status.fix.unwrap().contains(INSTALL_FIX));
+    }
+    // Explicit files that do not exist: named.
+    let b = MicrovmBackend::builder()
+        .kernel(empty.path().join("vmlinux"))
+        .initramfs(empty.path().join("initrd"))
+        .build()
+        .unwrap();
+    let status = b.probe().await;
+    assert!(!status.available);
+    assert!(
+        status.details["guest.status"].contains("does not exist"),
+        "{status:?}"
+    );
+}
+
+#[tokio::test]
+async fn create_where_linux_guests_cannot_run_is_unavailable_at_once() {
+    let kvm = probe_kvm();
+    if kvm.linux_guests_supported() {
+        eprintln!("SKIP: this host runs Linux guests; the full-path tests cover create");
+        return;
+    }
+    let r = tokio::time::timeout(
+        HANG,
+        MicrovmBackend::new().create(&shell_spec(), ResolvedSecrets::none()),
+    )
+    .await
+    .expect("create must not hang");
+    match r {
+        Err(Error::Unavailable { tier, reason, fix }) => {
+            assert_eq!(tier, Tier::Microvm);
+            assert_eq!(reason, kvm.reason);
+            assert!(!fix.is_empty());
+        }
+        Err(other) => panic!("expected Unavailable, got {other}"),
+        Ok(_) => panic!("created a microVM on a host whose probe says it cannot"),
+    }
+}
+
+#[tokio::test]
+async fn specs_this_tier_cannot_honour_are_refused_before_anything_starts() {
+    let b = MicrovmBackend::new();
+    let unsupported = |s: SandboxSpec| {
+        let b = b.clone();
+        async move {
+            match b.create(&s, ResolvedSecrets::none()).await {
+                Err(Error::Unsupported { tier, what }) => {
+                    assert_eq!(tier, Tier::Microvm);
+                    what
+                }
+                Err(e) => panic!("expected Unsupported, got {e}"),
+                Ok(_) => panic!("accepted"),
+            }
+        }
+    };
+    let mut s = shell_spec();
+    s.network = NetworkPolicy::Allow {
+        hosts: vec!["example.com".parse().unwrap()],
+        cidrs: vec![],
+        ports: vec![],
+    };
+    assert!(unsupported(s).await.contains("network"));
+    let mut s = shell_spec();
+    s.network = NetworkPolicy::AllowInternet {
+        deny: vec![],
+        private: vec![],
+    };
+    assert!(unsupported(s).await.contains("network"));
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = shell_spec();
+    s.rootfs = Some(dir.path().to_path_buf());
+    assert!(unsupported(s).await.contains("rootfs"));
+    let mut s = shell_spec();
+    s.workspace = Workspace::HostDir {
+        path: dir.path().to_path_buf(),
+        read_only: false,
+    };
+    assert!(unsupported(s).await.contains("host directory"));
+    let s = SandboxSpec::builder(Language::Shell)
+        .mount_ro(dir.path(), "/data")
+        .build()
+        .unwrap();
+    assert!(unsupported(s).await.contains("mounts"));
+    let s = SandboxSpec::builder(Language::Python).build().unwrap();
+    assert!(unsupported(s).await.contains("python"));
+    // Too little memory for a Linux guest: an invalid spec, naming the field.
+    let s = SandboxSpec::builder(Language::Shell)
+        .memory_mib(16)
+        .build()
+        .unwrap();
+    match b.create(&s, ResolvedSecrets::none()).await {
+        Err(Error::InvalidSpec { field, .. }) => assert_eq!(field, "limits.memory_bytes"),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("accepted"),
+    }
+}
+
+#[test]
+fn capabilities_are_honest() {
+    let c = MicrovmBackend::new().capabilities();
+    assert_eq!(c.tier, Tier::Microvm);
+    // Our initramfs has busybox and the agent: shell code and argv, nothing else.
+    assert_eq!(c.languages, vec![Language::Shell]);
+    assert!(c.argv);
+    assert_eq!(c.boundary, IsolationBoundary::GuestKernel);
+    assert!(c.supports_snapshot(SnapshotKind::FullMemory));
+    assert!(c.supports_snapshot(SnapshotKind::Filesystem));
+    assert_eq!(c.network, vec![NetworkMode::DenyAll]);
+    assert!(!c.supports_network(&NetworkPolicy::AllowInternet {
+        deny: vec![],
+        private: vec![]
+    }));
+    assert!(c.streaming && c.pause_resume && c.persistent_state);
+}
+
+#[test]
+fn the_builder_refuses_bad_settings() {
+    let bad = |r: sandbox_core::Result<MicrovmBackend>| match r {
+        Err(Error::InvalidSpec { field, .. }) => field,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(
+        bad(MicrovmBackend::builder().vcpus(0).build()),
+        "microvm.vcpus"
+    );
+    assert_eq!(
+        bad(MicrovmBackend::builder().vcpus(33).build()),
+        "microvm.vcpus"
+    );
+    assert_eq!(
+        bad(MicrovmBackend::builder().kernel("/k").build()),
+        "microvm.guest"
+    );
+    assert_eq!(
+        bad(MicrovmBackend::builder()
+            .kernel("/k")
+            .initramfs("/i")
+            .guest_dir("/d")
+            .build()),
+        "microvm.guest"
+    );
+    assert_eq!(
+        bad(MicrovmBackend::builder()
+            .boot_timeout(Duration::ZERO)
+            .build()),
+        "microvm.boot_timeout"
+    );
+    let b = MicrovmBackend::builder().vcpus(2).build().unwrap();
+    assert_eq!(b.config().vcpus, 2);
+    assert_eq!(MicrovmBackend::new().config().vcpus, 1);
+    assert!(MicrovmBackend::engine().contains(&format!(
+        "snapshot format {}",
+        backend_microvm::vmm::vm::SNAPSHOT_FORMAT_VERSION
+    )));
+}
+
+#[tokio::test]
+async fn snapshots_from_elsewhere_are_refused_before_anything_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = ObjectSnapshotStore::local(dir.path()).unwrap();
+    let b = MicrovmBackend::new();
+    let restore = |id| {
+        let (b, store) = (b.clone(), store.clone());
+        async move {
+            match b.restore(&store, &id, ResolvedSecrets::none()).await {
+                Err(Error::Snapshot(e)) => e,
+                Err(e) => panic!("expected a snapshot error, got {e}"),
+                Ok(_) => panic!("restored"),
+            }
+        }
+    };
+    let draft = |tier, engine: String| {
+        SnapshotDraft::new(tier, engine, vec![SnapshotKind::FullMemory], shell_spec())
+            .artifact("vm-state.json", b"{}".to_vec())
+            .artifact("memory.extents", b"AGSBMEM1".to_vec())
+    };
+    // Another tier.
+    let id = store
+        .put(draft(Tier::Gvisor, "runsc".into()))
+        .await
+        .unwrap();
+    assert!(matches!(restore(id).await, SnapshotError::Foreign { .. }));
+    // Another VMM version / snapshot format.
+    let id = store
+        .put(draft(
+            Tier::Microvm,
+            "agent-sandbox-microvm 0.0.1 (snapshot format 0)".into(),
+        ))
+        .await
+        .unwrap();
+    assert!(matches!(
+        restore(id).await,
+        SnapshotError::Incompatible { .. }
+    ));
+    // Our engine, but no memory size recorded.
+    let id = store
+        .put(draft(Tier::Microvm, MicrovmBackend::engine()))
+        .await
+        .unwrap();
+    assert!(matches!(restore(id).await, SnapshotError::Corrupt { .. }));
+}
+
+// ------------------------------------------------------------------------------------------
+// The full Linux-guest path: hardware KVM only.
+
+/// Why the full path cannot run here (the probe's reason), if it cannot.
+fn skip_reason() -> Option<String> {
+    let p = probe_kvm();
+    (!p.linux_guests_supported()).then_some(p.reason)
+}
+
+/// One VM at a time: bounded memory, and thread/fd counts that mean something.
+static ONE_VM: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+fn guest_dir() -> &'static PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let dir = std::env::var_os("MICROVM_GUEST_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| std::env::temp_dir().join("agent-sandbox-linux-guest-test"));
+        if let Err(e) = install::load(&dir, Verify::Sizes) {
+            eprintln!("preparing guest artifacts in {} ({e})", dir.display());
+            install::install(&InstallOptions {
+                dir: dir.clone(),
+                ..InstallOptions::debian()
+            })
+            .unwrap();
+        }
+        dir
+    })
+}
+
+fn backend() -> MicrovmBackend {
+    MicrovmBackend::builder()
+        .guest_dir(guest_dir())
+        .build()
+        .unwrap()
+}
+
+const SECRET: &str = "hunter2-very-secret-value";
+
+fn secrets_for(spec: &SandboxSpec) -> ResolvedSecrets {
+    ResolvedSecrets::resolve(
+        &spec.secrets,
+        &MapSecretSource::new().with("API_TOKEN", SECRET),
+    )
+    .unwrap()
+}
+
+async fn create(spec: &SandboxSpec) -> Box<dyn Sandbox> {
+    let b = backend();
+    let dir = guest_dir().clone();
+    tokio::task::spawn_blocking(move || drop(install::load(&dir, Verify::Sizes)))
+        .await
+        .unwrap();
+    b.create(spec, secrets_for(spec)).await.unwrap()
+}
+
+#[tokio::test]
+async fn create_exec_and_the_exact_environment() {
+    if let Some(why) = skip_reason() {
+        eprintln!("SKIP: {why}");
+        return;
+    }
+    let _one = ONE_VM.lock().await;
+    let spec = SandboxSpec::builder(Language::Shell)
+        .memory_mib(256)
+        .env("ONLY", "this")
+        .build()
+        .unwrap();
+    let s = create(&spec).await;
+    let phases: Vec<_> = s.timeline().phases.iter().map(|p| p.phase).collect();
+    assert!(phases.contains(&sandbox_core::Phase::Runtime), "{phases:?}");
+    s.health_check().await.unwrap();
+
+    // Debian's kernel, our mounts.
+    let r = s.exec(ExecRequest::argv(["uname", "-r"])).await.unwrap();
+    let m = install::load(guest_dir(), Verify::Sizes).unwrap().manifest;
+    assert_eq!(
+        Some(r.stdout_str().trim()),
+        m.kernel_version.as_deref(),
+        "{r:?}"
+    );
+    let mounts = s
+        .exec(ExecRequest::argv(["cat", "/proc/mounts"]))
+        .await
+        .unwrap()
+        .stdout_str();
+    assert!(mounts.contains(" /workspace "), "{mounts}");
+
+    // Exit codes, stderr, stdin, cwd.
+    let r = s
+        .exec(ExecRequest::code("echo out; echo err >&2; exit 7"))
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            r.stdout_str().as_str(),
+            r.stderr_str().as_str(),
+            r.exit_code
+        ),
+        ("out\n", "err\n", Some(7))
+    );
+    let r = s
+        .exec(ExecRequest::argv(["cat"]).stdin(b"via stdin".to_vec()))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout, b"via stdin");
+    s.exec(ExecRequest::code("mkdir -p /workspace/sub"))
+        .await
+        .unwrap();
+    let r = s.exec(ExecRequest::argv(["pwd"]).cwd("sub")).await.unwrap();
+    assert_eq!(r.stdout_str(), "/workspace/sub\n");
+
+    // Exactly the spec's environment plus the defaults; per-call env on top.
+    let r = s
+        .exec(ExecRequest::argv(["env"]).env("CALL", "1"))
+        .await
+        .unwrap();
+    let mut names: Vec<String> = r
+        .stdout_str()
+        .lines()
+        .filter_map(|l| l.split_once('=').map(|(k, _)| k.to_string()))
+        .collect();
+    names.sort();
+    assert_eq!(names, ["CALL", "HOME", "LANG", "ONLY", "PATH"], "{r:?}");
+
+    // State persists across execs.
+    s.exec(ExecRequest::code("echo 41 > /tmp/n")).await.unwrap();
+    let r = s
+        .exec(ExecRequest::code("echo $(( $(cat /tmp/n) + 1 ))"))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_str(), "42\n");
+    s.destroy().await.unwrap();
+}
+
+#[tokio::test]
+async fn secrets_are_in_the_environment_and_redacted_from_output() {
+    if let Some(why) = skip_reason() {
+        eprintln!("SKIP: {why}");
+        return;
+    }
+    let _one = ONE_VM.lock().await;
+    let spec = SandboxSpec::builder(Language::Shell)
+        .memory_mib(256)
+        .secret_env("API_TOKEN", "TOKEN")
+        .build()
+        .unwrap();
+    let s = create(&spec).await;
+    let r = s
+        .exec(ExecRequest::code(
+            "echo \"out $TOKEN\"; echo \"err $TOKEN\" >&2; [ \"$TOKEN\" = '{SECRET}' ] && echo same"
+                .replace("{SECRET}", SECRET),
+        ))
+        .await
+        .unwrap();
+    let (out, err) = (r.stdout_str(), r.stderr_str());
+    assert!(
+        !out.contains(SECRET) && !err.contains(SECRET),
+        "{out} {err}"
+    );
+    assert!(
+        out.contains("[REDACTED:API_TOKEN]") && out.contains("same"),
+        "{out}"
+    );
+    // Streamed output too, also when the secret is split across chunks.
+    let mut st = s
+        .exec_stream(ExecRequest::code(format!(
+            "printf '%s' '{}'; sleep 0.2; printf '%s\\n' '{}'",
+            &SECRET[..5],
+            &SECRET[5..]
+        )))
+        .await
+        .unwrap();
+    let mut streamed = Vec::new();
+    let mut exit = None;
+    while let Some(ev) = st.next().await {
+        match ev.unwrap() {
+            ExecEvent::Stdout(b) => streamed.extend_from_slice(&b),
+            ExecEvent::Stderr(_) => {}
+            ExecEvent::Exit(r) => exit = Some(r),
+        }
+    }
+    let streamed = String::from_utf8(streamed).unwrap();
+    assert!(!streamed.contains(SECRET), "{streamed}");
+    assert!(streamed.contains("[REDACTED:API_TOKEN]"), "{streamed}");
+    assert_eq!(exit.unwrap().exit_code, Some(0));
+    s.destroy().await.unwrap();
+}
+
+#[tokio::test]
+async fn files_go_to_the_guest_workspace_and_escapes_are_refused() {
+    if let Some(why) = skip_reason() {
+        eprintln!("SKIP: {why}");
+        return;
+    }
+    let _one = ONE_VM.lock().await;
+    let s = create(&shell_spec()).await;
+    s.write_file("dir/hello.txt", b"hello guest").await.unwrap();
+    let r = s
+        .exec(ExecRequest::argv(["cat", "/workspace/dir/hello.txt"]))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout, b"hello guest");
+    s.exec(ExecRequest::code("echo made > /workspace/made.txt"))
+        .await
+        .unwrap();
+    assert_eq!(s.read_file("/workspace/made.txt").await.unwrap(), b"made\n");
+    let names: Vec<String> = s
+        .list("")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    assert_eq!(names, ["dir", "made.txt"]);
+    for bad in ["../init", "/etc/passwd", "/workspace/../init"] {
+        assert!(
+            matches!(s.read_file(bad).await, Err(Error::PathEscape { .. })),
+            "{bad}"
+        );
+        assert!(matches!(
+            s.write_file(bad, b"x").await,
+            Err(Error::PathEscape { .. })
+        ));
+    }
+    // A symlink made inside the guest that points out of the workspace: the agent refuses.
+    s.exec(ExecRequest::code("ln -s /etc /workspace/out"))
+        .await
+        .unwrap();
+    assert!(matches!(
+        s.read_file("out/passwd").await,
+        Err(Error::PathEscape { .. })
+    ));
+    assert!(matches!(
+        s.read_file("missing.txt").await,
+        Err(Error::NotFound { .. })
+    ));
+    s.destroy().await.unwrap();
+}
+
+#[tokio::test]
+async fn limits_wall_time_and_output_caps() {
+    if let Some(why) = skip_reason() {
+        eprintln!("SKIP: {why}");
+        return;
+    }
+    let _one = ONE_VM.lock().await;
+    let spec = SandboxSpec::builder(Language::Shell)
+        .memory_mib(256)
+        .output_bytes(1000)
+        .build()
+        .unwrap();
+    let s = create(&spec).await;
+    let r = s
+        .exec(ExecRequest::argv(["sleep", "100"]).timeout(Duration::from_millis(500)))
+        .await
+        .unwrap();
+    assert_eq!(r.limit, Some(LimitKind::WallTime));
+    assert_eq!(r.exit_code, Some(137));
+    // A flood is capped (the guest drops the rest) and the sandbox still answers.
+    let r = s
+        .exec(ExecRequest::code("yes | head -c 50000000"))
+        .await
+        .unwrap();
+    assert!(r.truncated);
+    assert_eq!(r.stdout.len(), 1000);
+    let r = s.exec(ExecRequest::code("echo fine")).await.unwrap();
+    assert_eq!(r.stdout_str(), "fine\n");
+    s.destroy().await.unwrap();
+}
+
+#[tokio::test]
+async fn snapshot_and_restore_continue_where_they_were() {
+    if let Some(why) = skip_reason() {
+        eprintln!("SKIP: {why}");
+        return;
+    }
+    let _one = ONE_VM.lock().await;
+    let dir = tempfile::tempdir().unwrap();
+    let store = ObjectSnapshotStore::local(dir.path()).unwrap();
+    let s = create(&shell_spec()).await;
+    s.write_file("state.txt", b"before snapshot").await.unwrap();
+    s.exec(ExecRequest::code(
+        "(i=0; while true; do i=$((i+1)); echo $i > /workspace/counter; sleep 0.05; done) \
+         >/dev/null 2>&1 &",
+    ))
+    .await
+    .unwrap();
+    s.pause().await.unwrap();
+    s.resume().await.unwrap();
+    let id = s.snapshot(&store).await.unwrap();
+    let m = store.manifest(&id).await.unwrap();
+    assert_eq!(m.tier, Tier::Microvm);
+    assert_eq!(m.engine, MicrovmBackend::engine());
+    assert!(m.kinds.contains(&SnapshotKind::FullMemory));
+    assert_eq!(m.metadata["mem_size"], (256u64 << 20).to_string());
+    // The original keeps running after its snapshot.
+    assert_eq!(
+        s.exec(ExecRequest::code("echo still"))
+            .await
+            .unwrap()
+            .stdout,
+        b"still\n"
+    );
+    s.destroy().await.unwrap();
+
+    let r = backend()
+        .restore(&store, &id, ResolvedSecrets::none())
+        .await
+        .unwrap();
+    assert!(r
+        .timeline()
+        .phases
+        .iter()
+        .any(|p| p.phase == sandbox_core::Phase::Restore));
+    assert_eq!(r.read_file("state.txt").await.unwrap(), b"before snapshot");
+    let read = |d: Vec<u8>| -> u64 { String::from_utf8(d).unwrap().trim().parse().unwrap() };
+    let first = read(r.read_file("counter").await.unwrap());
+    r.exec(ExecRequest::argv(["sleep", "0.5"])).await.unwrap();
+    assert!(read(r.read_file("counter").await.unwrap()) > first);
+    r.destroy().await.unwrap();
+}
+
+fn microvm_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|c| c.starts_with("microvm-"))
+        .count()
+}
+
+fn kvm_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|f| std::fs::read_link(f.ok()?.path()).ok())
+        .filter(|l| l.to_string_lossy().contains("kvm"))
+        .count()
+}
+
+#[tokio::test]
+async fn destroy_is_idempotent_and_leaves_no_threads_or_fds() {
+    if let Some(why) = skip_reason() {
+        eprintln!("SKIP: {why}");
+        return;
+    }
+    let _one = ONE_VM.lock().await;
+    let (threads, fds) = (microvm_threads(), kvm_fds());
+    let s = create(&shell_spec()).await;
+    assert!(microvm_threads() > threads);
+    // A background process that would outlive a careless teardown.
+    s.exec(ExecRequest::code("sleep 1000 >/dev/null 2>&1 &"))
+        .await
+        .unwrap();
+    s.destroy().await.unwrap();
+    s.destroy().await.unwrap();
+    assert!(matches!(
+        s.exec(ExecRequest::code("true")).await,
+        Err(Error::SandboxGone { .. })
+    ));
+    assert!(matches!(
+        s.health_check().await,
+        Err(Error::SandboxGone { .. })
+    ));
+    assert_eq!(microvm_threads(), threads);
+    assert_eq!(kvm_fds(), fds);
+    // Dropping without destroy also ends everything.
+    let s = create(&shell_spec()).await;
+    drop(s);
+    assert_eq!(microvm_threads(), threads);
+    assert_eq!(kvm_fds(), fds);
+}
+
+#[tokio::test]
+async fn the_lifetime_limit_stops_the_vm() {
+    if let Some(why) = skip_reason() {
+        eprintln!("SKIP: {why}");
+        return;
+    }
+    let _one = ONE_VM.lock().await;
+    let mut spec = shell_spec();
+    spec.limits.wall_time_ms = 1000;
+    spec.limits.lifetime_ms = 4000;
+    let s = create(&spec).await;
+    // Past the lifetime the VM is killed from the host, and the sandbox is gone.
+    tokio::time::sleep(Duration::from_millis(4500)).await;
+    match s.exec(ExecRequest::code("true")).await {
+        Err(Error::SandboxGone { reason, .. }) => assert!(reason.contains("lifetime"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    s.destroy().await.unwrap();
+}

@@ -1,0 +1,474 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! The real guest agent binary (the static one the library embeds as `/init`), run on the host
+//! in its test mode (`AGENT_CHANNEL_FD`) over a socketpair, driven through
+//! `backend_microvm::agent_client`. Also: a hostile "agent" against the client.
+
+use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use backend_microvm::agent_client::proto::{self, Request, Response};
+use backend_microvm::agent_client::{
+    AgentClient, AgentError, EntryKind, ErrorKind, ExecEvent, ExecRequest,
+};
+use backend_microvm::guest::AGENT_BINARY;
+
+const T: Duration = Duration::from_secs(60);
+
+fn agent_path() -> &'static Path {
+    static P: OnceLock<PathBuf> = OnceLock::new();
+    P.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("microvm-agent-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("agent");
+        let tmp = dir.join("agent.tmp");
+        std::fs::write(&tmp, AGENT_BINARY).unwrap();
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::rename(&tmp, &p).unwrap();
+        p
+    })
+}
+
+struct Agent {
+    child: Child,
+    client: AgentClient,
+    ws: tempfile::TempDir,
+}
+
+fn spawn_raw() -> (Child, UnixStream, tempfile::TempDir) {
+    let ws = tempfile::tempdir().unwrap();
+    let (ours, theirs) = UnixStream::pair().unwrap();
+    let fd = theirs.as_raw_fd();
+    let mut cmd = Command::new(agent_path());
+    cmd.env_clear()
+        .env("AGENT_CHANNEL_FD", "3")
+        .env("AGENT_WORKSPACE", ws.path())
+        .stdin(Stdio::null());
+    // SAFETY: dup2 is async-signal-safe; it puts the channel at fd 3 without close-on-exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::dup2(fd, 3) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().unwrap();
+    drop(theirs);
+    (child, ours, ws)
+}
+
+fn spawn() -> Agent {
+    let (child, ours, ws) = spawn_raw();
+    let client = AgentClient::new(ours).unwrap();
+    client.wait_ready(T).unwrap();
+    Agent { child, client, ws }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn req(argv: &[&str]) -> ExecRequest {
+    ExecRequest {
+        argv: argv.iter().map(|s| s.to_string()).collect(),
+        ..ExecRequest::default()
+    }
+}
+
+#[test]
+fn exec_basics() {
+    let a = spawn();
+    let c = &a.client;
+    assert_eq!(c.ping(T).unwrap(), proto::SOURCE_HASH);
+
+    let out = c.exec(&req(&["echo", "hello", "world"])).unwrap();
+    assert_eq!(out.stdout, b"hello world\n");
+    assert_eq!(out.exit.code, Some(0));
+    assert!(out.stderr.is_empty() && !out.truncated && !out.exit.timed_out);
+
+    let out = c.exec(&req(&["false"])).unwrap();
+    assert_eq!((out.exit.code, out.exit.signal), (Some(1), None));
+
+    let out = c
+        .exec(&req(&["sh", "-c", "echo out; echo err >&2; exit 3"]))
+        .unwrap();
+    assert_eq!(
+        (out.stdout.as_slice(), out.stderr.as_slice(), out.exit.code),
+        (&b"out\n"[..], &b"err\n"[..], Some(3))
+    );
+
+    let mut r = req(&["cat"]);
+    r.stdin = b"from stdin\x00\xff".to_vec();
+    let out = c.exec(&r).unwrap();
+    assert_eq!(out.stdout, b"from stdin\x00\xff");
+
+    // A command that exits without reading its stdin does not hang the agent.
+    let mut r = req(&["true"]);
+    r.stdin = vec![b'x'; 3 << 20];
+    assert_eq!(c.exec(&r).unwrap().exit.code, Some(0));
+
+    let out = c.exec(&req(&["no-such-command-xyz"])).unwrap();
+    assert_eq!(out.exit.code, Some(127));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not found"));
+
+    let out = c.exec(&req(&["sh", "-c", "kill -9 $$"])).unwrap();
+    assert_eq!((out.exit.code, out.exit.signal), (None, Some(9)));
+
+    match c.exec(&req(&[])) {
+        Err(AgentError::Remote { kind, .. }) => assert_eq!(kind, ErrorKind::Invalid),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn exec_env_is_exactly_what_was_given() {
+    let a = spawn();
+    let mut r = req(&["env"]);
+    r.env = vec![
+        ("FOO".into(), "bar baz".into()),
+        ("EMPTY".into(), String::new()),
+    ];
+    let out = a.client.exec(&r).unwrap();
+    let mut lines: Vec<String> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(str::to_string)
+        .collect();
+    lines.sort();
+    assert_eq!(
+        lines,
+        [
+            "EMPTY=",
+            "FOO=bar baz",
+            "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+        ]
+    );
+    // A given PATH replaces the default one.
+    r.env = vec![("PATH".into(), "/bin:/usr/bin".into())];
+    let out = a.client.exec(&r).unwrap();
+    assert_eq!(out.stdout, b"PATH=/bin:/usr/bin\n");
+}
+
+#[test]
+fn exec_cwd_and_files() {
+    let a = spawn();
+    let c = &a.client;
+    c.write_file("sub/dir/f.txt", b"content", 0, T).unwrap();
+    let mut r = req(&["cat", "f.txt"]);
+    r.cwd = "sub/dir".into();
+    assert_eq!(c.exec(&r).unwrap().stdout, b"content");
+    let mut r = req(&["pwd"]);
+    r.cwd = "/workspace/sub".into();
+    let pwd = String::from_utf8(c.exec(&r).unwrap().stdout).unwrap();
+    assert_eq!(
+        Path::new(pwd.trim()).canonicalize().unwrap(),
+        a.ws.path().join("sub").canonicalize().unwrap()
+    );
+    // Default cwd: the workspace; commands' files are visible to the file API.
+    c.exec(&req(&[
+        "sh",
+        "-c",
+        "printf abc > made.txt; mkdir d; ln -s made.txt l",
+    ]))
+    .unwrap();
+    assert_eq!(c.read_file("made.txt", 100, T).unwrap(), b"abc");
+    assert_eq!(c.read_file("/workspace/made.txt", 100, T).unwrap(), b"abc");
+    let names: Vec<(String, EntryKind, u64)> = c
+        .list("", T)
+        .unwrap()
+        .into_iter()
+        .map(|e| (e.name, e.kind, e.size))
+        .collect();
+    assert_eq!(
+        names
+            .iter()
+            .map(|n| (n.0.as_str(), n.1))
+            .collect::<Vec<_>>(),
+        [
+            ("d", EntryKind::Dir),
+            ("l", EntryKind::Symlink),
+            ("made.txt", EntryKind::File),
+            ("sub", EntryKind::Dir)
+        ]
+    );
+    assert_eq!(names[2].2, 3);
+
+    // Modes, append via chunking (bigger than one frame), overwrite.
+    let big: Vec<u8> = (0..(3 << 20) + 12345).map(|i| (i % 251) as u8).collect();
+    c.write_file("big.bin", &big, 0o600, T).unwrap();
+    assert_eq!(c.read_file("big.bin", 1 << 30, T).unwrap(), big);
+    let meta = std::fs::metadata(a.ws.path().join("big.bin")).unwrap();
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+    c.write_file("big.bin", b"small", 0, T).unwrap();
+    assert_eq!(c.read_file("big.bin", 100, T).unwrap(), b"small");
+    c.write_file("empty", b"", 0, T).unwrap();
+    assert_eq!(c.read_file("empty", 0, T).unwrap(), b"");
+
+    // Errors.
+    match c.read_file("big.bin", 3, T) {
+        Err(AgentError::Remote { kind, .. }) => assert_eq!(kind, ErrorKind::TooLarge),
+        other => panic!("{other:?}"),
+    }
+    for (p, want) in [
+        ("missing", ErrorKind::NotFound),
+        ("d", ErrorKind::Invalid),
+        ("../outside", ErrorKind::PathEscape),
+        ("/etc/passwd", ErrorKind::PathEscape),
+    ] {
+        match c.read_file(p, 100, T) {
+            Err(AgentError::Remote { kind, .. }) => assert_eq!(kind, want, "{p}"),
+            other => panic!("{p}: {other:?}"),
+        }
+    }
+    match c.list("missing", T) {
+        Err(AgentError::Remote { kind, .. }) => assert_eq!(kind, ErrorKind::NotFound),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn file_escapes_are_refused() {
+    let a = spawn();
+    let c = &a.client;
+    let outside = tempfile::tempdir().unwrap();
+    std::fs::write(outside.path().join("secret"), b"host secret").unwrap();
+    std::os::unix::fs::symlink(outside.path(), a.ws.path().join("link")).unwrap();
+    std::os::unix::fs::symlink(outside.path().join("secret"), a.ws.path().join("flink")).unwrap();
+    std::os::unix::fs::symlink("/nonexistent/target", a.ws.path().join("dangling")).unwrap();
+    for p in [
+        "../x",
+        "a/../../x",
+        "/workspace/../etc/passwd",
+        "/tmp/x",
+        "link/secret",
+        "flink",
+        "link/new",
+        "dangling",
+    ] {
+        for r in [
+            c.read_file(p, 100, T).map(|_| ()),
+            c.write_file(p, b"pwned", 0, T),
+            c.list(p, T).map(|_| ()),
+        ] {
+            match r {
+                Err(AgentError::Remote { kind, .. }) => {
+                    assert_eq!(kind, ErrorKind::PathEscape, "{p}")
+                }
+                other => panic!("{p}: {other:?}"),
+            }
+        }
+    }
+    assert_eq!(
+        std::fs::read(outside.path().join("secret")).unwrap(),
+        b"host secret"
+    );
+    assert!(!outside.path().join("new").exists());
+    assert!(!Path::new("/nonexistent/target").exists());
+}
+
+#[test]
+fn exec_timeout_kills_the_process_group() {
+    let a = spawn();
+    let marker = a.ws.path().join("survivor");
+    let mut r = req(&[
+        "sh",
+        "-c",
+        // A background grandchild in the same group that would write the marker later.
+        "(sleep 3; echo alive > survivor) & echo started; sleep 1000",
+    ]);
+    r.timeout_ms = 1500;
+    let out = a.client.exec(&r).unwrap();
+    assert!(out.exit.timed_out);
+    assert_eq!((out.exit.code, out.exit.signal), (None, Some(9)));
+    // (On a very loaded machine the shell may not have printed yet when killed.)
+    assert!(
+        out.stdout == b"started\n" || out.stdout.is_empty(),
+        "{:?}",
+        out.stdout
+    );
+    // The grandchild was killed with the group: after it would have written, nothing is
+    // there. (Waiting on a command that outlives its deadline, not a timing assertion.)
+    let out = a.client.exec(&req(&["sleep", "4"])).unwrap();
+    assert_eq!(out.exit.code, Some(0));
+    assert!(!marker.exists());
+}
+
+#[test]
+fn large_output_streams_and_is_capped() {
+    let a = spawn();
+    let c = &a.client;
+    let n = 5_000_000usize;
+    let mut chunks = 0;
+    let out = c
+        .exec_with(&req(&["head", "-c", &n.to_string(), "/dev/zero"]), |ev| {
+            if let ExecEvent::Stdout(d) = ev {
+                assert!(d.len() <= proto::CHUNK);
+                chunks += 1;
+            }
+        })
+        .unwrap();
+    assert_eq!(out.stdout.len(), n);
+    assert!(out.stdout.iter().all(|b| *b == 0));
+    assert!(chunks > 1);
+    assert!(!out.truncated);
+
+    let mut r = req(&[
+        "sh",
+        "-c",
+        "head -c 100000 /dev/zero; head -c 100000 /dev/zero >&2",
+    ]);
+    r.max_output = 1000;
+    let out = c.exec(&r).unwrap();
+    assert_eq!(out.stdout.len() + out.stderr.len(), 1000);
+    assert!(out.truncated && out.exit.truncated);
+    assert_eq!(out.exit.code, Some(0));
+}
+
+#[test]
+fn concurrent_execs_and_kill() {
+    let a = spawn();
+    let c = a.client.clone();
+    let slow = std::thread::spawn(move || c.exec(&req(&["sh", "-c", "read line; echo got $line"])));
+    // The slow one waits for stdin that never comes... until we kill it via a handle on a
+    // second command, while other commands keep working.
+    let mut h = a.client.start_exec(&req(&["sleep", "1000"])).unwrap();
+    for i in 0..5 {
+        let out = a.client.exec(&req(&["echo", &i.to_string()])).unwrap();
+        assert_eq!(out.stdout, format!("{i}\n").as_bytes());
+    }
+    a.client.kill(h.id(), T).unwrap();
+    match h.next_event().unwrap() {
+        ExecEvent::Exit(x) => assert_eq!(x.signal, Some(9)),
+        other => panic!("{other:?}"),
+    }
+    // The first exec got empty stdin (closed), so `read` failed and it printed "got ".
+    let out = slow.join().unwrap().unwrap();
+    assert_eq!(out.stdout, b"got\n");
+}
+
+#[test]
+fn malformed_frames_get_errors_and_the_agent_goes_on() {
+    let (mut child, mut s, _ws) = spawn_raw();
+    let read = |s: &mut UnixStream| {
+        let (h, p) = proto::read_frame(s, proto::MAX_PAYLOAD).unwrap().unwrap();
+        (h.id, Response::decode(h.kind, &p).unwrap())
+    };
+    assert!(matches!(read(&mut s), (0, Response::Ready { .. })));
+    // Unknown kind.
+    s.write_all(&[3, 0, 0, 0, 200, 5, 0, 0, 0, 1, 2, 3])
+        .unwrap();
+    match read(&mut s) {
+        (5, Response::Error { kind, .. }) => assert_eq!(kind, ErrorKind::Protocol),
+        other => panic!("{other:?}"),
+    }
+    // A list request whose string length points past the payload.
+    s.write_all(&[4, 0, 0, 0, 4, 6, 0, 0, 0, 0xff, 0xff, 0xff, 0x7f])
+        .unwrap();
+    assert!(matches!(
+        read(&mut s),
+        (
+            6,
+            Response::Error {
+                kind: ErrorKind::Protocol,
+                ..
+            }
+        )
+    ));
+    // An oversized frame: refused without buffering, its bytes skipped.
+    let len = proto::MAX_PAYLOAD as u32 + 1;
+    let mut f = len.to_le_bytes().to_vec();
+    f.extend_from_slice(&[1, 7, 0, 0, 0]);
+    s.write_all(&f).unwrap();
+    match read(&mut s) {
+        (7, Response::Error { kind, .. }) => assert_eq!(kind, ErrorKind::Protocol),
+        other => panic!("{other:?}"),
+    }
+    let junk = vec![0xabu8; len as usize];
+    s.write_all(&junk).unwrap();
+    // Still in sync: a ping is answered.
+    s.write_all(&Request::Ping.encode(8)).unwrap();
+    assert!(matches!(read(&mut s), (8, Response::Pong { .. })));
+    // Shutdown: acknowledged, then the agent exits 0.
+    s.write_all(&Request::Shutdown.encode(9)).unwrap();
+    assert!(matches!(read(&mut s), (9, Response::Ok)));
+    let st = child.wait().unwrap();
+    assert_eq!(st.code(), Some(0), "{st:?} {:?}", st.signal());
+    let mut rest = Vec::new();
+    s.read_to_end(&mut rest).unwrap();
+    assert!(rest.is_empty());
+}
+
+#[test]
+fn shutdown_ends_the_agent_and_the_client_sees_it() {
+    let mut a = spawn();
+    a.client.shutdown(T).unwrap();
+    assert_eq!(a.child.wait().unwrap().code(), Some(0));
+    match a.client.ping(T) {
+        Err(AgentError::Closed(_)) => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(a.client.failure().is_some());
+}
+
+#[test]
+fn agent_refuses_to_run_without_a_channel() {
+    let st = Command::new(agent_path())
+        .env_clear()
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert_eq!(st.code(), Some(2));
+}
+
+/// A hostile guest: the client must turn garbage into a typed error, never hang or allocate
+/// what the guest announces.
+#[test]
+fn client_survives_a_hostile_agent() {
+    for garbage in [
+        // Announces a 4 GiB frame.
+        vec![0xff, 0xff, 0xff, 0xff, 64, 1, 0, 0, 0],
+        // A stdout frame whose byte string overruns the payload.
+        vec![4, 0, 0, 0, 64, 1, 0, 0, 0, 0xff, 0xff, 0xff, 0xff],
+        // Unknown kind.
+        vec![0, 0, 0, 0, 3, 1, 0, 0, 0],
+    ] {
+        let (ours, mut theirs) = UnixStream::pair().unwrap();
+        let c = AgentClient::new(ours).unwrap();
+        let c2 = c.clone();
+        let t = std::thread::spawn(move || c2.exec(&req(&["echo"])));
+        // Read the request, answer garbage.
+        let _ = proto::read_frame(&mut theirs, proto::MAX_PAYLOAD).unwrap();
+        theirs.write_all(&garbage).unwrap();
+        match t.join().unwrap() {
+            Err(AgentError::Protocol(_)) => {}
+            other => panic!("{garbage:?}: {other:?}"),
+        }
+        assert!(matches!(c.ping(T), Err(AgentError::Protocol(_))));
+    }
+    // A guest that announces another version.
+    let (ours, mut theirs) = UnixStream::pair().unwrap();
+    let c = AgentClient::new(ours).unwrap();
+    theirs
+        .write_all(&Response::Ready { source_hash: 1 }.encode(0))
+        .unwrap();
+    assert!(matches!(
+        c.wait_ready(T),
+        Err(AgentError::VersionMismatch { found: 1, .. })
+    ));
+    // A guest that goes away mid-request.
+    let c2 = c.clone();
+    let t = std::thread::spawn(move || c2.list("", T));
+    let _ = proto::read_frame(&mut theirs, proto::MAX_PAYLOAD).unwrap();
+    drop(theirs);
+    assert!(matches!(t.join().unwrap(), Err(AgentError::Closed(_))));
+}

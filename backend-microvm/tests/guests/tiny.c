@@ -1,0 +1,222 @@
+/* A tiny freestanding guest for backend-microvm's tests. It runs at CPL 3 in 64-bit mode,
+ * set up by the VMM: rdi = vCPU index, rsi = test selector, rdx = RAM size. It talks to the
+ * world with `out` (serial at 0x3f8, exit code at 0x501) and MMIO (virtio at 0xd0000000). */
+
+#define SERIAL 0x3f8
+#define EXIT_PORT 0x501
+#define VIRTIO 0xd0000000UL
+/* A word the host writes to release a guest that waits (snapshot / pause tests). */
+#define GO_FLAG ((volatile unsigned int *)0x300000UL)
+/* Where vCPU 1 reports in (multi-vCPU test). */
+#define AP_FLAG ((volatile unsigned int *)0x300040UL)
+
+__asm__(".globl _start\n"
+        "_start:\n"
+        "  and $-16, %rsp\n"
+        "  call cmain\n"
+        "  mov $0x501, %dx\n"
+        "  out %eax, %dx\n"
+        "1: jmp 1b\n");
+
+static inline void outb(unsigned short port, unsigned char v) {
+    __asm__ volatile("outb %0, %1" : : "a"(v), "Nd"(port));
+}
+static inline void outl(unsigned short port, unsigned int v) {
+    __asm__ volatile("outl %0, %1" : : "a"(v), "Nd"(port));
+}
+static inline void barrier(void) { __asm__ volatile("" ::: "memory"); }
+
+static void puts_(const char *s) {
+    while (*s) outb(SERIAL, (unsigned char)*s++);
+}
+static void puthex(unsigned long v) {
+    char buf[19];
+    buf[0] = '0';
+    buf[1] = 'x';
+    for (int i = 0; i < 16; i++) buf[2 + i] = "0123456789abcdef"[(v >> (60 - 4 * i)) & 15];
+    buf[18] = 0;
+    puts_(buf);
+}
+static void exit_(unsigned int code) {
+    outl(EXIT_PORT, code);
+    for (;;) {}
+}
+
+/* ---- computation (snapshot tests) ---- */
+static unsigned long compute(unsigned long n, int pause_halfway) {
+    unsigned long x = 0x9e3779b97f4a7c15UL, acc = 0;
+    for (unsigned long i = 0; i < n; i++) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        acc += x ^ i;
+        if (pause_halfway && i == n / 2) {
+            puts_("H");
+            while (*GO_FLAG == 0) {}
+        }
+    }
+    return acc;
+}
+
+/* ---- virtio-mmio console driver (polling, no interrupts) ---- */
+struct desc {
+    unsigned long addr;
+    unsigned int len;
+    unsigned short flags, next;
+};
+#define QSZ 8
+struct queue {
+    struct desc d[QSZ] __attribute__((aligned(16)));
+    volatile unsigned short avail[3 + QSZ] __attribute__((aligned(2)));
+    volatile unsigned int used[1 + 2 * QSZ + 1] __attribute__((aligned(4)));
+};
+static struct queue q[2] __attribute__((aligned(4096)));
+static char rxbuf[256];
+static const char ping[] = "ping from the guest";
+
+static inline unsigned int vr(unsigned long off) { return *(volatile unsigned int *)(VIRTIO + off); }
+static inline void vw(unsigned long off, unsigned int v) { *(volatile unsigned int *)(VIRTIO + off) = v; }
+
+static int setup_queue(int i, unsigned long desc, unsigned long avail, unsigned long used) {
+    vw(0x30, i);
+    if (vr(0x34) < QSZ) return 0;
+    vw(0x38, QSZ);
+    vw(0x80, (unsigned int)desc);
+    vw(0x84, (unsigned int)(desc >> 32));
+    vw(0x90, (unsigned int)avail);
+    vw(0x94, (unsigned int)(avail >> 32));
+    vw(0xa0, (unsigned int)used);
+    vw(0xa4, (unsigned int)(used >> 32));
+    vw(0x44, 1);
+    return 1;
+}
+
+static int virtio_init(void) {
+    if (vr(0x00) != 0x74726976 || vr(0x04) != 2 || vr(0x08) != 3) return 0;
+    vw(0x70, 0);
+    vw(0x70, 1 | 2);
+    vw(0x14, 1);
+    if (!(vr(0x10) & 1)) return 0; /* VERSION_1 */
+    vw(0x24, 1);
+    vw(0x20, 1);
+    vw(0x24, 0);
+    vw(0x20, 0);
+    vw(0x70, 1 | 2 | 8);
+    if (!(vr(0x70) & 8)) return 0;
+    return 1;
+}
+
+static unsigned int console_echo(void) {
+    if (!virtio_init()) return 101;
+    for (int i = 0; i < 2; i++)
+        if (!setup_queue(i, (unsigned long)q[i].d, (unsigned long)q[i].avail, (unsigned long)q[i].used))
+            return 102;
+    vw(0x70, 1 | 2 | 8 | 4);
+    /* A receive buffer. */
+    q[0].d[0].addr = (unsigned long)rxbuf;
+    q[0].d[0].len = sizeof(rxbuf);
+    q[0].d[0].flags = 2; /* WRITE */
+    q[0].avail[2] = 0;
+    barrier();
+    q[0].avail[1] = 1;
+    vw(0x50, 0);
+    /* Transmit the request. */
+    q[1].d[0].addr = (unsigned long)ping;
+    q[1].d[0].len = sizeof(ping) - 1;
+    q[1].d[0].flags = 0;
+    q[1].avail[2] = 0;
+    barrier();
+    q[1].avail[1] = 1;
+    vw(0x50, 1);
+    /* Poll the used rings (no interrupts at CPL 3). */
+    while ((q[1].used[0] >> 16) == 0) {}
+    while ((q[0].used[0] >> 16) == 0) {}
+    barrier();
+    unsigned int len = q[0].used[2];
+    if (len > sizeof(rxbuf)) return 103;
+    puts_("guest got: ");
+    for (unsigned int i = 0; i < len; i++) outb(SERIAL, rxbuf[i]);
+    puts_("\n");
+    return 0;
+}
+
+/* A queue whose descriptor table lies outside RAM: the device must refuse it. */
+static unsigned int virtio_garbage_addr(void) {
+    if (!virtio_init()) return 101;
+    setup_queue(1, 0xffff0000000UL, (unsigned long)q[1].avail, (unsigned long)q[1].used);
+    vw(0x70, 1 | 2 | 8 | 4);
+    return vr(0x70); /* NEEDS_RESET (64) must be set */
+}
+
+/* Valid rings full of garbage: head index out of range, then a descriptor loop. */
+static unsigned int virtio_garbage_ring(unsigned long ram) {
+    if (!virtio_init()) return 101;
+    for (int i = 0; i < 2; i++)
+        setup_queue(i, (unsigned long)q[i].d, (unsigned long)q[i].avail, (unsigned long)q[i].used);
+    vw(0x70, 1 | 2 | 8 | 4);
+    q[1].d[0].addr = ram - 8; /* runs off the end of RAM */
+    q[1].d[0].len = 4096;
+    q[1].d[0].flags = 1; /* NEXT */
+    q[1].d[0].next = 0;  /* and loops */
+    q[1].avail[2] = 77;  /* head out of range */
+    barrier();
+    q[1].avail[1] = 60000; /* far ahead */
+    vw(0x50, 1);
+    while (!(vr(0x70) & 64)) {}
+    return vr(0x70);
+}
+
+unsigned int cmain(unsigned long cpu, unsigned long test, unsigned long ram) {
+    switch (test) {
+    case 0: /* hello */
+        puts_("hello from the guest\n");
+        return 42;
+    case 1: /* computation, uninterrupted */
+        puthex(compute(20000000UL, 0));
+        puts_("\n");
+        return 7;
+    case 2: /* computation that waits for GO_FLAG halfway */
+        puthex(compute(20000000UL, 1));
+        puts_("\n");
+        return 7;
+    case 3: /* triple fault: hlt is privileged at CPL 3, and there is no IDT */
+        __asm__ volatile("hlt");
+        return 1;
+    case 4: /* spin forever */
+        for (;;) {}
+    case 5: /* serial flood: 100000 bytes */
+        for (int i = 0; i < 100000; i++) outb(SERIAL, 'x');
+        return 5;
+    case 6: /* unmapped MMIO: write and read the gap, and RAM-less space below it */
+        *(volatile unsigned int *)0xe0000000UL = 0x12345678;
+        *(volatile unsigned int *)(ram + 0x100000) = 1;
+        return *(volatile unsigned int *)0xe0000000UL; /* 0xffffffff */
+    case 7:
+        return console_echo();
+    case 8:
+        return virtio_garbage_addr();
+    case 9:
+        return virtio_garbage_ring(ram);
+    case 10: /* two vCPUs: the second reports in, the first waits for it */
+        if (cpu == 1) {
+            *AP_FLAG = 0xa9;
+            for (;;) {}
+        }
+        while (*AP_FLAG != 0xa9) {}
+        puts_("both vCPUs ran\n");
+        return 10;
+    case 11: /* wait for GO_FLAG, then exit */
+        puts_("W");
+        while (*GO_FLAG == 0) {}
+        return 11;
+    case 12: /* rep outsb to the serial port */
+    {
+        const char *src = ping;
+        unsigned long n = sizeof(ping) - 1;
+        __asm__ volatile("rep outsb" : "+S"(src), "+c"(n) : "d"((unsigned short)SERIAL) : "memory");
+        return 12;
+    }
+    default:
+        return 0xdead;
+    }
+}
