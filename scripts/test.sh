@@ -12,7 +12,9 @@ step() { printf '\n==> %s\n' "$*"; }
 
 # --- system packages -------------------------------------------------------
 # Debian packages the tests use. Installed only when missing.
-APT_PACKAGES=(python3 util-linux procps iproute2 nftables runsc busybox-static acpica-tools)
+# qemu-system-x86: the microVM guest (Debian kernel + our initramfs + agent) is booted under
+# QEMU's software emulation, since this host's nested KVM cannot boot Linux.
+APT_PACKAGES=(python3 util-linux procps iproute2 nftables runsc busybox-static acpica-tools qemu-system-x86)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -20,9 +22,9 @@ done
 if ((${#missing[@]})); then
   step "apt-get install ${missing[*]}"
   if [ "$(id -u)" -eq 0 ]; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
   else
-    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
+    sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
   fi
 fi
 

@@ -81,6 +81,14 @@
 //! work there: they are what the VMM's own test suite (`tests/tiny_guest.rs`,
 //! `tests/adversarial.rs`) boots.
 //!
+//! The guest side is still checked on a real kernel there: `tests/qemu_guest.rs` boots the
+//! installed Debian kernel with our initramfs under QEMU's software emulation (`microvm`
+//! machine, its virtio-mmio console described by ACPI as ours is) and drives the agent over
+//! the console with [`agent_client`]: module loading, `/dev/hvc0`, exec, files, streaming,
+//! timeouts and shutdown. What only a hardware-KVM host shows is our VMM's own devices and
+//! tables under Linux (`tests/linux_guest.rs`, `tests/backend.rs`: they skip here with the
+//! probe's reason).
+//!
 //! ## Installing the guest
 //! ```text
 //! agent-sandbox install microvm-guest                 # Debian's linux-image-amd64 (apt-get download)

@@ -1500,8 +1500,16 @@ mod tests {
                 tokio::spawn(async move { s2.exec(ExecRequest::argv(["sleep", "25"])).await });
             tokio::time::sleep(Duration::from_millis(300)).await;
             s.destroy().await.unwrap();
-            match running.await.unwrap() {
+            // Either the channel closed first (SandboxGone) or the agent's shutdown killed the
+            // command first (137); never the 25 s sleep running to its end (the guard is far
+            // below it, a hang guard rather than a timing assertion).
+            let done = tokio::time::timeout(Duration::from_secs(20), running)
+                .await
+                .expect("the running exec was not ended by destroy")
+                .unwrap();
+            match done {
                 Err(Error::SandboxGone { reason, .. }) => assert_eq!(reason, "destroyed"),
+                Ok(r) => assert_eq!(r.exit_code, Some(137), "{r:?}"),
                 other => panic!("{other:?}"),
             }
         }

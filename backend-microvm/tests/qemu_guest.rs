@@ -1,0 +1,265 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! The guest side on a real Linux kernel, where KVM cannot boot one: Debian's kernel with
+//! our initramfs (the agent as pid 1, busybox, the virtio modules) booted by QEMU's software
+//! emulator (TCG) as a `microvm` machine whose virtio-mmio console is described by ACPI, the
+//! same way our VMM describes its own. The host side is our [`AgentClient`] on QEMU's socket.
+//!
+//! What this shows on this host: the kernel finds the virtio-mmio device through ACPI, the
+//! agent loads `virtio_mmio`/`virtio_console` from the initramfs, opens `/dev/hvc0` raw and
+//! serves exec (env, cwd, stdin, exit codes, timeouts, streaming), files (and refuses escapes)
+//! and shutdown. What it does not show: our VMM's own devices and ACPI tables under a Linux
+//! guest (that needs hardware KVM: `tests/linux_guest.rs`).
+//!
+//! Needs `qemu-system-x86_64` (`apt-get install --no-install-recommends qemu-system-x86`;
+//! scripts/test.sh installs it) and the Debian mirror (or `MICROVM_TEST_KERNEL_DEB`).
+
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use backend_microvm::agent_client::proto::{EntryKind, ExecRequest};
+use backend_microvm::agent_client::{AgentClient, AgentError, ExecEvent};
+use backend_microvm::guest::install::{self, InstallOptions, KernelSource};
+
+const QEMU: &str = "qemu-system-x86_64";
+/// Generous: TCG boots the kernel in seconds here, but CI machines are shared.
+const BOOT: Duration = Duration::from_secs(120);
+const CALL: Duration = Duration::from_secs(60);
+
+fn qemu_missing() -> Option<String> {
+    let found = Command::new(QEMU)
+        .arg("--version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    (!found).then(|| {
+        format!(
+            "`{QEMU}` is not installed (apt-get install --no-install-recommends qemu-system-x86)"
+        )
+    })
+}
+
+/// Kills QEMU when the test ends, whatever happens.
+struct Qemu(Child);
+
+impl Drop for Qemu {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn guest_files(dir: &Path) -> (PathBuf, PathBuf) {
+    let deb = match std::env::var_os("MICROVM_TEST_KERNEL_DEB") {
+        Some(p) => PathBuf::from(p),
+        None => {
+            let dl = dir.join("debs");
+            std::fs::create_dir_all(&dl).unwrap();
+            install::download_debian_kernel(&dl).unwrap()
+        }
+    };
+    let a = install::install(&InstallOptions {
+        dir: dir.join("cache"),
+        kernel: KernelSource::DebFile(deb),
+        busybox: None,
+        no_busybox: false,
+    })
+    .unwrap();
+    (a.vmlinux, a.initramfs)
+}
+
+fn boot(dir: &Path) -> (Qemu, AgentClient) {
+    let (vmlinux, initramfs) = guest_files(dir);
+    let sock = dir.join("agent.sock");
+    let serial = dir.join("serial.log");
+    let child = Command::new(QEMU)
+        // A PIT and no timer checks: under TCG on a loaded host, timer calibration can
+        // otherwise stall the boot ("tsc: Unable to calibrate against PIT").
+        .args(["-M", "microvm,acpi=on,rtc=on,pit=on", "-cpu", "max", "-m", "256"])
+        .args(["-smp", "1", "-nodefaults", "-no-reboot", "-display", "none"])
+        .arg("-kernel")
+        .arg(&vmlinux)
+        .arg("-initrd")
+        .arg(&initramfs)
+        .args([
+            "-append",
+            "console=ttyS0 reboot=k panic=1 pci=off rdinit=/init no_timer_check tsc=unstable lpj=2000000",
+        ])
+        .arg("-serial")
+        .arg(format!("file:{}", serial.display()))
+        .args(["-device", "virtio-serial-device"])
+        .arg("-chardev")
+        // `wait=on`: the guest does not start before we are connected (no lost `Ready`).
+        .arg(format!(
+            "socket,id=agent,path={},server=on,wait=on",
+            sock.display()
+        ))
+        .args(["-device", "virtconsole,chardev=agent"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let qemu = Qemu(child);
+    let start = Instant::now();
+    let stream = loop {
+        match UnixStream::connect(&sock) {
+            Ok(s) => break s,
+            Err(_) if start.elapsed() < Duration::from_secs(20) => {
+                std::thread::sleep(Duration::from_millis(50))
+            }
+            Err(e) => panic!("QEMU's agent socket never appeared: {e}"),
+        }
+    };
+    let client = AgentClient::new(stream).unwrap();
+    if let Err(e) = client.wait_ready(BOOT) {
+        let log = std::fs::read_to_string(&serial).unwrap_or_default();
+        panic!("the agent did not come up: {e}\n--- serial ---\n{log}");
+    }
+    (qemu, client)
+}
+
+fn exec(c: &AgentClient, argv: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String, String) {
+    let out = c
+        .exec(&ExecRequest {
+            argv: argv.iter().map(|s| s.to_string()).collect(),
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            cwd: String::new(),
+            stdin: Vec::new(),
+            timeout_ms: 60_000,
+            max_output: 0,
+        })
+        .unwrap();
+    (
+        out.exit.code,
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn debian_kernel_boots_our_initramfs_and_the_agent_serves() {
+    if let Some(why) = qemu_missing() {
+        eprintln!("SKIP: {why}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (mut qemu, c) = boot(dir.path());
+
+    // The guest is the kernel we installed, with our agent as pid 1.
+    let (code, out, err) = exec(&c, &["sh", "-c", "uname -sm; cat /proc/1/comm"], &[]);
+    assert_eq!(code, Some(0), "{err}");
+    let mut lines = out.lines();
+    assert_eq!(lines.next(), Some("Linux x86_64"), "{out}");
+    assert!(lines.next().is_some_and(|l| !l.is_empty()), "{out}");
+    // The virtio-console came from ACPI (no virtio_mmio.device= on the command line) and the
+    // modules were loaded from the initramfs.
+    let (_, out, _) = exec(
+        &c,
+        &["sh", "-c", "cat /proc/cmdline; cat /proc/modules"],
+        &[],
+    );
+    assert!(!out.contains("virtio_mmio.device"), "{out}");
+    assert!(out.contains("virtio_console"), "{out}");
+
+    // Exactly the environment given (plus the default PATH), exit codes, stdin, cwd.
+    let (code, out, _) = exec(&c, &["env"], &[("ONLY", "this")]);
+    assert_eq!(code, Some(0));
+    let mut keys: Vec<&str> = out.lines().filter_map(|l| l.split('=').next()).collect();
+    keys.sort();
+    assert_eq!(keys, ["ONLY", "PATH"], "{out}");
+    let (code, _, _) = exec(&c, &["sh", "-c", "exit 7"], &[]);
+    assert_eq!(code, Some(7));
+    let out = c.exec(&ExecRequest {
+        argv: vec!["sh".into(), "-c".into(), "pwd; cat".into()],
+        env: vec![],
+        cwd: "sub".into(),
+        stdin: b"from stdin".to_vec(),
+        timeout_ms: 60_000,
+        max_output: 0,
+    });
+    // `sub` does not exist yet: a clear error or a failed start, never a hang.
+    assert!(out.is_err() || out.as_ref().is_ok_and(|o| o.exit.code != Some(0)));
+    c.write_file("sub/note.txt", b"hello guest", 0o644, CALL)
+        .unwrap();
+    let out = c
+        .exec(&ExecRequest {
+            argv: vec!["sh".into(), "-c".into(), "pwd; cat; cat note.txt".into()],
+            env: vec![],
+            cwd: "sub".into(),
+            stdin: b"from stdin\n".to_vec(),
+            timeout_ms: 60_000,
+            max_output: 0,
+        })
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "/workspace/sub\nfrom stdin\nhello guest"
+    );
+
+    // Files: read back, listed, escapes refused.
+    assert_eq!(
+        c.read_file("sub/note.txt", 1 << 20, CALL).unwrap(),
+        b"hello guest"
+    );
+    let list = c.list("sub", CALL).unwrap();
+    assert!(list
+        .iter()
+        .any(|e| e.name == "note.txt" && e.kind == EntryKind::File && e.size == 11));
+    for bad in ["../etc/passwd", "/etc/passwd"] {
+        assert!(
+            matches!(
+                c.read_file(bad, 1 << 20, CALL),
+                Err(AgentError::Remote { .. })
+            ),
+            "{bad}"
+        );
+    }
+
+    // Streaming and timeouts.
+    let mut h = c
+        .start_exec(&ExecRequest {
+            argv: vec![
+                "sh".into(),
+                "-c".into(),
+                "echo first; sleep 30; echo never".into(),
+            ],
+            env: vec![],
+            cwd: String::new(),
+            stdin: vec![],
+            timeout_ms: 2_000,
+            max_output: 0,
+        })
+        .unwrap();
+    let mut seen = String::new();
+    let exit = loop {
+        match h.next_event().unwrap() {
+            ExecEvent::Stdout(b) => seen.push_str(&String::from_utf8_lossy(&b)),
+            ExecEvent::Stderr(_) => {}
+            ExecEvent::Exit(e) => break e,
+        }
+    };
+    assert_eq!(seen, "first\n");
+    assert!(exit.timed_out, "{exit:?}");
+
+    // Shutdown powers the guest off: QEMU exits by itself.
+    c.shutdown(CALL).unwrap();
+    let start = Instant::now();
+    loop {
+        if let Some(status) = qemu.0.try_wait().unwrap() {
+            eprintln!("QEMU exited: {status}");
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the guest did not power off after shutdown"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
