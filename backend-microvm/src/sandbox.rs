@@ -1207,28 +1207,7 @@ mod tests {
         let code = [
             0x66, 0xba, 0xf8, 0x03, 0xb0, b'h', 0xee, 0xb0, b'i', 0xee, 0xeb, 0xfe,
         ];
-        let mut e = vec![0u8; 0x1000];
-        e[..4].copy_from_slice(b"\x7fELF");
-        e[4] = 2;
-        e[5] = 1;
-        e[6] = 1;
-        e[16..18].copy_from_slice(&2u16.to_le_bytes());
-        e[18..20].copy_from_slice(&62u16.to_le_bytes());
-        e[20..24].copy_from_slice(&1u32.to_le_bytes());
-        e[24..32].copy_from_slice(&0x100_0000u64.to_le_bytes());
-        e[32..40].copy_from_slice(&64u64.to_le_bytes());
-        e[52..54].copy_from_slice(&64u16.to_le_bytes());
-        e[54..56].copy_from_slice(&56u16.to_le_bytes());
-        e[56..58].copy_from_slice(&1u16.to_le_bytes());
-        let ph = 64;
-        e[ph..ph + 4].copy_from_slice(&1u32.to_le_bytes());
-        e[ph + 4..ph + 8].copy_from_slice(&5u32.to_le_bytes());
-        e[ph + 8..ph + 16].copy_from_slice(&0x1000u64.to_le_bytes());
-        e[ph + 16..ph + 24].copy_from_slice(&0x100_0000u64.to_le_bytes());
-        e[ph + 24..ph + 32].copy_from_slice(&0x100_0000u64.to_le_bytes());
-        e[ph + 32..ph + 40].copy_from_slice(&(code.len() as u64).to_le_bytes());
-        e[ph + 40..ph + 48].copy_from_slice(&(code.len() as u64).to_le_bytes());
-        e.extend_from_slice(&code);
+        let e = crate::guest::kernel::tests_support::elf_with(&code, code.len() as u64, 0x100_0000);
         let dir = tempfile::tempdir().unwrap();
         let kernel = dir.path().join("vmlinux");
         std::fs::write(&kernel, &e).unwrap();

@@ -70,38 +70,23 @@ impl Netns {
         args: &[&str],
         stdin: Option<&str>,
     ) -> Result<Vec<u8>, Error> {
-        let path = self.path();
-        let what = format!("{program} {}", args.join(" "));
-        let program = program.to_string();
-        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-        let input = stdin.map(str::to_string);
         let (tx, rx) = tokio::sync::oneshot::channel();
+        let job = Job::new(self, program, args, stdin);
+        let what = job.what.clone();
         std::thread::Builder::new()
             .name("egress-netns".into())
             .spawn(move || {
-                let _ = tx.send(run_blocking(path, &program, &args, input));
+                let _ = tx.send(job.run());
             })
             .map_err(|e| Error::io("egress netns: start a thread", e))?;
-        let out = rx
-            .await
-            .map_err(|_| Error::io("egress netns: helper thread", std::io::Error::other("lost")))?
-            .map_err(|e| Error::io(format!("egress netns: run {what}"), e))?;
-        if out.status.success() {
-            Ok(out.stdout)
-        } else {
-            Err(Error::invalid(
-                "network",
-                format!(
-                    "egress netns setup: `{what}` failed ({}): {}",
-                    out.status,
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ),
+        rx.await.unwrap_or_else(|_| {
+            Err(Error::io(
+                format!("egress netns: run {what}"),
+                std::io::Error::other("helper thread lost"),
             ))
-        }
+        })
     }
-}
 
-impl Netns {
     /// [`Netns::output`] for synchronous callers (blocks on a helper thread).
     pub(crate) fn output_blocking(
         &self,
@@ -109,30 +94,54 @@ impl Netns {
         args: &[&str],
         stdin: Option<&str>,
     ) -> Result<Vec<u8>, Error> {
-        let path = self.path();
-        let what = format!("{program} {}", args.join(" "));
-        let program = program.to_string();
-        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-        let input = stdin.map(str::to_string);
-        let out = std::thread::Builder::new()
+        let job = Job::new(self, program, args, stdin);
+        let what = job.what.clone();
+        std::thread::Builder::new()
             .name("egress-netns".into())
-            .spawn(move || run_blocking(path, &program, &args, input))
+            .spawn(move || job.run())
             .map_err(|e| Error::io("egress netns: start a thread", e))?
             .join()
-            .map_err(|_| {
-                Error::io(
-                    "egress netns: helper thread",
-                    std::io::Error::other("panicked"),
-                )
-            })?
-            .map_err(|e| Error::io(format!("egress netns: run {what}"), e))?;
+            .unwrap_or_else(|_| {
+                Err(Error::io(
+                    format!("egress netns: run {what}"),
+                    std::io::Error::other("helper thread panicked"),
+                ))
+            })
+    }
+}
+
+/// One command to run in a namespace, owned so it can move to a helper thread.
+struct Job {
+    ns: Option<PathBuf>,
+    program: String,
+    args: Vec<String>,
+    input: Option<String>,
+    what: String,
+}
+
+impl Job {
+    fn new(ns: &Netns, program: &str, args: &[&str], stdin: Option<&str>) -> Job {
+        Job {
+            ns: ns.path(),
+            program: program.to_string(),
+            args: args.iter().map(|a| a.to_string()).collect(),
+            input: stdin.map(str::to_string),
+            what: format!("{program} {}", args.join(" ")),
+        }
+    }
+
+    /// Runs the command (on the calling thread, which joins the namespace) and checks it.
+    fn run(self) -> Result<Vec<u8>, Error> {
+        let out = run_blocking(self.ns, &self.program, &self.args, self.input)
+            .map_err(|e| Error::io(format!("egress netns: run {}", self.what), e))?;
         if out.status.success() {
             Ok(out.stdout)
         } else {
             Err(Error::invalid(
                 "network",
                 format!(
-                    "egress netns setup: `{what}` failed ({}): {}",
+                    "egress netns setup: `{}` failed ({}): {}",
+                    self.what,
                     out.status,
                     String::from_utf8_lossy(&out.stderr).trim()
                 ),
@@ -141,7 +150,7 @@ impl Netns {
     }
 }
 
-/// The body of [`Netns::output`], on its own thread.
+/// Runs a command after joining `ns` (on a dedicated thread: `setns` changes the thread).
 fn run_blocking(
     ns: Option<PathBuf>,
     program: &str,
@@ -262,30 +271,16 @@ impl VethConfig {
     /// Creates the veth pair between `host` and `sandbox` and installs both rulesets. On error,
     /// whatever was created is removed again.
     pub async fn setup(&self, host: &Netns, sandbox: &Netns) -> Result<(), Error> {
-        self.check()?;
-        let Some(target) = sandbox.ip_arg() else {
-            return Err(Error::invalid(
-                "network.veth",
-                "the sandbox side must be another namespace",
-            ));
-        };
-        let res = self.setup_inner(host, sandbox, &target).await;
-        if res.is_err() {
-            self.teardown(host).await;
-        }
-        res
-    }
-
-    async fn setup_inner(&self, host: &Netns, sandbox: &Netns, target: &str) -> Result<(), Error> {
-        self.setup_link_inner(host, sandbox, target).await?;
-        host.output("nft", &["-f", "-"], Some(&self.host_ruleset()))
-            .await?;
-        Ok(())
+        self.setup_with(host, sandbox, true).await
     }
 
     /// Like [`setup`](Self::setup) but without the per-link host table: for a host namespace
     /// that already holds [`shared_host_ruleset`] for every link.
     pub async fn setup_link(&self, host: &Netns, sandbox: &Netns) -> Result<(), Error> {
+        self.setup_with(host, sandbox, false).await
+    }
+
+    async fn setup_with(&self, host: &Netns, sandbox: &Netns, table: bool) -> Result<(), Error> {
         self.check()?;
         let Some(target) = sandbox.ip_arg() else {
             return Err(Error::invalid(
@@ -293,9 +288,19 @@ impl VethConfig {
                 "the sandbox side must be another namespace",
             ));
         };
-        let res = self.setup_link_inner(host, sandbox, &target).await;
+        let mut res = self.setup_link_inner(host, sandbox, &target).await;
+        if res.is_ok() && table {
+            res = host
+                .output("nft", &["-f", "-"], Some(&self.host_ruleset()))
+                .await
+                .map(|_| ());
+        }
         if res.is_err() {
-            self.teardown_link(host).await;
+            if table {
+                self.teardown(host).await;
+            } else {
+                self.teardown_link(host).await;
+            }
         }
         res
     }
