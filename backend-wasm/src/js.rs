@@ -125,16 +125,62 @@ fn js_to_json<'js>(ctx: &Ctx<'js>, v: Value<'js>) -> serde_json::Value {
     }
 }
 
+/// Pristine runtimes with a full context (the standard built-ins), made ahead of time: building
+/// the context is the largest part of a JavaScript sandbox's creation. Each is handed out once,
+/// before any code ran in it, then configured (memory limit, interrupt handler, `console`, tools)
+/// for its sandbox; nothing is ever returned to this list.
+static SPARES: Mutex<Vec<(Runtime, Context)>> = Mutex::new(Vec::new());
+
+/// How many pristine contexts are kept ready (each is a few hundred KiB).
+const SPARE_CONTEXTS: usize = 2;
+
+fn fresh_context() -> Result<(Runtime, Context)> {
+    let rt = Runtime::new().map_err(js_err)?;
+    rt.set_max_stack_size(JS_STACK);
+    let ctx = Context::full(&rt).map_err(js_err)?;
+    Ok((rt, ctx))
+}
+
+fn spare_context() -> Option<(Runtime, Context)> {
+    SPARES.lock().ok()?.pop()
+}
+
+/// Tops the spare list up when dropped (on the janitor thread, see `engine::drop_later`).
+struct RefillSpare;
+
+impl Drop for RefillSpare {
+    fn drop(&mut self) {
+        let missing = SPARES
+            .lock()
+            .map(|g| SPARE_CONTEXTS.saturating_sub(g.len()))
+            .unwrap_or(0);
+        for _ in 0..missing {
+            match fresh_context() {
+                Ok(pair) => match SPARES.lock() {
+                    Ok(mut g) if g.len() < SPARE_CONTEXTS => g.push(pair),
+                    _ => return,
+                },
+                Err(_) => return,
+            }
+        }
+    }
+}
+
 impl JsSession {
-    /// A fresh runtime and context with `console` and the tools. Cheap (~60 µs).
+    /// A runtime and context (pristine, from the spares when one is ready) with `console` and
+    /// the tools.
     pub(crate) fn new(
         memory_limit: u64,
         output_cap: u64,
         tools: Option<Arc<ToolBox>>,
     ) -> Result<JsSession> {
-        let rt = Runtime::new().map_err(js_err)?;
+        let (rt, ctx) = match spare_context() {
+            Some(pair) => pair,
+            None => fresh_context()?,
+        };
+        // Replace what was taken, off the caller's path.
+        engine::drop_later(RefillSpare);
         rt.set_memory_limit(usize::try_from(memory_limit).unwrap_or(usize::MAX));
-        rt.set_max_stack_size(JS_STACK);
         let ctl = Arc::new(Ctl {
             base: Instant::now(),
             deadline_ns: AtomicU64::new(u64::MAX),
@@ -144,7 +190,6 @@ impl JsSession {
         });
         let c2 = Arc::clone(&ctl);
         rt.set_interrupt_handler(Some(Box::new(move || c2.interrupt())));
-        let ctx = Context::full(&rt).map_err(js_err)?;
         let io = Arc::new(Mutex::new(Io {
             out: OutputBuffer::new(output_cap),
             err: OutputBuffer::new(output_cap),

@@ -162,3 +162,31 @@ async fn limits() {
         Err(sandbox_core::Error::Unsupported { .. })
     ));
 }
+
+#[tokio::test]
+async fn every_sandbox_starts_from_a_pristine_context() {
+    // Contexts are built ahead of time (on the janitor thread); each must be unused when a
+    // sandbox gets it, and the stack limit must hold on the thread that runs it.
+    let b = WasmBackend::new();
+    for round in 0..8 {
+        let sb = common::js(&b).await;
+        let r = common::run(
+            sb.as_ref(),
+            "[typeof leaked, typeof Object.prototype.poisoned, [1,2,3].map(x => x * 2).join()]",
+        )
+        .await;
+        assert_eq!(
+            r.value.as_deref(),
+            Some(r#"["undefined","undefined","2,4,6"]"#),
+            "round {round}: {r:?}"
+        );
+        let r = common::run(
+            sb.as_ref(),
+            "globalThis.leaked = 1; Object.prototype.poisoned = 1; (function f() { f() })()",
+        )
+        .await;
+        assert_eq!(r.exit_code, Some(1), "round {round}: {r:?}");
+        assert!(r.stderr_str().contains("stack"), "{}", r.stderr_str());
+        sb.destroy().await.unwrap();
+    }
+}
