@@ -1,4 +1,5 @@
-//! Linux boot: loads the `vmlinux` ELF into guest memory with `linux-loader`, writes the
+//! Linux boot: loads the kernel into guest memory with `linux-loader` (a `vmlinux` ELF, or a
+//! bzImage whose protected-mode part goes at 1 MiB and is entered at `startup_64`), writes the
 //! kernel command line, the initrd and the `boot_params` "zero page" (setup header fields and
 //! the e820 memory map), and the ACPI tables ([`crate::acpi`]). The VMM then starts the boot
 //! vCPU in 64-bit mode at [`LinuxBoot::entry`] with `rsi` = [`LinuxBoot::boot_params`]
@@ -14,6 +15,7 @@
 use std::io::{Read, Seek};
 
 use linux_loader::loader::bootparam::{boot_e820_entry, boot_params};
+use linux_loader::loader::bzimage::BzImage;
 use linux_loader::loader::elf::Elf;
 use linux_loader::loader::KernelLoader;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, ReadVolatile};
@@ -33,6 +35,10 @@ pub const E820_RESERVED: u32 = 2;
 
 const KERNEL_BOOT_FLAG_MAGIC: u16 = 0xaa55;
 const KERNEL_HDR_MAGIC: u32 = 0x5372_6448; // "HdrS"
+/// `xloadflags` bit: the kernel has a 64-bit entry point at the load address + 0x200.
+const XLF_KERNEL_64: u16 = 1;
+/// Offset of `startup_64` from a bzImage's protected-mode load address.
+const STARTUP_64_OFFSET: u64 = 0x200;
 const KERNEL_LOADER_OTHER: u8 = 0xff;
 const KERNEL_MIN_ALIGNMENT: u32 = 0x100_0000;
 const FIRST_ADDR_PAST_32BITS: u64 = 1 << 32;
@@ -171,11 +177,44 @@ where
         )));
     }
 
-    // Kernel.
-    let loaded = Elf::load(mem, None, kernel, Some(GuestAddress(layout::HIMEM_START)))
-        .map_err(|e| BootError::Kernel(e.to_string()))?;
-    let entry = loaded.kernel_load;
-    let kernel_end = loaded.kernel_end;
+    // Kernel: an uncompressed vmlinux (ELF, entered at its 64-bit entry) or a bzImage (its
+    // protected-mode part loaded at 1 MiB, entered at `startup_64`, 0x200 further; it
+    // decompresses itself in place, so `init_size` bytes from the load address stay free).
+    let mut magic = [0u8; 4];
+    kernel
+        .read_exact(&mut magic)
+        .and_then(|_| kernel.seek(std::io::SeekFrom::Start(0)))
+        .map_err(|e| BootError::Kernel(format!("reading the kernel: {e}")))?;
+    let himem = Some(GuestAddress(layout::HIMEM_START));
+    let (entry, kernel_end, image_hdr) = if magic == *b"\x7fELF" {
+        let loaded =
+            Elf::load(mem, None, kernel, himem).map_err(|e| BootError::Kernel(e.to_string()))?;
+        (loaded.kernel_load, loaded.kernel_end, None)
+    } else {
+        let loaded = BzImage::load(mem, None, kernel, himem)
+            .map_err(|e| BootError::Kernel(format!("neither an ELF vmlinux nor a bzImage: {e}")))?;
+        let hdr = loaded
+            .setup_header
+            .ok_or_else(|| BootError::Kernel("bzImage without a setup header".into()))?;
+        if hdr.xloadflags & XLF_KERNEL_64 == 0 {
+            return Err(BootError::Kernel(
+                "this bzImage has no 64-bit entry point (xloadflags)".into(),
+            ));
+        }
+        let entry = loaded
+            .kernel_load
+            .0
+            .checked_add(STARTUP_64_OFFSET)
+            .map(GuestAddress)
+            .ok_or_else(|| BootError::Kernel("entry point overflows".into()))?;
+        let end = loaded.kernel_end.max(
+            loaded
+                .kernel_load
+                .0
+                .saturating_add(u64::from(hdr.init_size)),
+        );
+        (entry, end, Some(hdr))
+    };
     let low_end = low_ram_end(cfg.mem_size);
     if kernel_end > low_end {
         return Err(BootError::Memory(format!(
@@ -214,6 +253,11 @@ where
 
     // boot_params.
     let mut params = boot_params::default();
+    if let Some(hdr) = image_hdr {
+        // A bzImage's own header (setup_sects, version, init_size, ...) goes in first; the
+        // loader's fields below are ours.
+        params.hdr = hdr;
+    }
     params.hdr.type_of_loader = KERNEL_LOADER_OTHER;
     params.hdr.boot_flag = KERNEL_BOOT_FLAG_MAGIC;
     params.hdr.header = KERNEL_HDR_MAGIC;
@@ -354,6 +398,66 @@ mod tests {
             .unwrap();
         assert_eq!(&rsdp[..8], b"RSD PTR ");
         assert_eq!(acpi::checksum(&rsdp), 0);
+    }
+
+    /// A synthetic bzImage: 3 setup sectors, protocol 2.15, loaded high, 64-bit entry,
+    /// `init_size` 8 MiB, then `payload` as the protected-mode part.
+    fn bzimage(payload: &[u8], xloadflags: u16) -> Vec<u8> {
+        let setup_sects = 3u8;
+        let pm = (usize::from(setup_sects) + 1) * 512;
+        let mut img = vec![0u8; pm + payload.len()];
+        img[0x1f1] = setup_sects;
+        img[0x202..0x206].copy_from_slice(b"HdrS");
+        img[0x206..0x208].copy_from_slice(&0x020fu16.to_le_bytes());
+        img[0x211] = 1; // loadflags: LOADED_HIGH
+        img[0x214..0x218].copy_from_slice(&0x10_0000u32.to_le_bytes()); // code32_start
+        img[0x236..0x238].copy_from_slice(&xloadflags.to_le_bytes());
+        img[0x260..0x264].copy_from_slice(&(8u32 << 20).to_le_bytes()); // init_size
+        img[pm..].copy_from_slice(payload);
+        img
+    }
+
+    #[test]
+    fn loads_a_bzimage_at_1_mib_with_its_64_bit_entry() {
+        let size = 64 << 20;
+        let mem = memory(size);
+        let payload = vec![0x90u8; 0x3000];
+        let initrd = vec![0x5a; 4096];
+        let cfg = BootConfig {
+            cmdline: DEFAULT_CMDLINE,
+            initrd: &initrd,
+            mem_size: size,
+            vcpus: 1,
+            devices: &[],
+        };
+        let boot = load_linux(&mem, &mut Cursor::new(bzimage(&payload, 1)), &cfg).unwrap();
+        assert_eq!(boot.entry, GuestAddress(0x10_0200));
+        // The in-place decompression's room (init_size) is kept free of the initrd.
+        assert_eq!(boot.kernel_end, 0x10_0000 + (8 << 20));
+        let (initrd_at, _) = boot.initrd.unwrap();
+        assert!(initrd_at.0 >= boot.kernel_end);
+        let mut got = vec![0u8; payload.len()];
+        mem.read_slice(&mut got, GuestAddress(0x10_0000)).unwrap();
+        assert_eq!(got, payload);
+        // The image's own header is in boot_params, with our loader fields over it.
+        let params: boot_params = mem
+            .read_obj(GuestAddress(layout::BOOT_PARAMS_ADDR))
+            .unwrap();
+        let (version, init_size, loader) = (
+            params.hdr.version,
+            params.hdr.init_size,
+            params.hdr.type_of_loader,
+        );
+        assert_eq!((version, init_size, loader), (0x020f, 8 << 20, 0xff));
+        // Without a 64-bit entry point it is refused, as is something that is neither format.
+        assert!(matches!(
+            load_linux(&mem, &mut Cursor::new(bzimage(&payload, 0)), &cfg),
+            Err(BootError::Kernel(_))
+        ));
+        assert!(matches!(
+            load_linux(&mem, &mut Cursor::new(vec![7u8; 4096]), &cfg),
+            Err(BootError::Kernel(_))
+        ));
     }
 
     #[test]

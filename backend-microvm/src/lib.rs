@@ -103,8 +103,9 @@
 //! `--kernel` takes an uncompressed `vmlinux` ELF or a bzImage with an xz payload (extracted),
 //! for example Firecracker's CI kernels; a kernel with `virtio_mmio` and `virtio_console`
 //! built in needs no modules. Or skip the cache and point the backend at files directly:
-//! [`MicrovmBackend::builder`]`().kernel(path).initramfs(path)` (the kernel must then be a
-//! `vmlinux` ELF and the initramfs must hold this library's agent as `/init`; build one with
+//! [`MicrovmBackend::builder`]`().kernel(path).initramfs(path)` (the kernel may then be a
+//! `vmlinux` ELF or a bzImage, loaded as it is and entered at its 64-bit `startup_64`; the
+//! initramfs must hold this library's agent as `/init`: build one with
 //! [`guest::initramfs::build`]).
 //!
 //! ## Limits
