@@ -293,7 +293,21 @@ impl Runtime {
             TierChoice::Tier(t) => t,
             TierChoice::Auto(mut q) => {
                 q.language = spec.language;
-                self.select(&q).await.require()?
+                // The same choice as `select` (the first available tier in ranking order), but
+                // probing lazily: a tier ranked after an available one is never probed (the
+                // microVM probe alone runs a guest loop of up to a quarter second).
+                let mut chosen = None;
+                for r in Selector.rank(&q) {
+                    if self.probe_tier(r.tier, false).await.available {
+                        chosen = Some(r.tier);
+                        break;
+                    }
+                }
+                match chosen {
+                    Some(t) => t,
+                    // Nothing available: the full selection names every tier and its fix.
+                    None => self.select(&q).await.require()?,
+                }
             }
         };
         let backend = self.backend(tier).ok_or_else(|| {
