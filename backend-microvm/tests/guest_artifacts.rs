@@ -189,3 +189,16 @@ fn cache_reloads_and_detects_corruption() {
     assert!(matches!(err, GuestError::Corrupt { .. }), "{err}");
     assert!(err.to_string().contains("install microvm-guest"), "{err}");
 }
+
+#[test]
+fn a_package_the_mirror_does_not_have_is_a_typed_error() {
+    // apt-get download fails; as root the lists are refreshed once and it fails again.
+    let dir = tempfile::tempdir().unwrap();
+    match install::apt_download("agent-sandbox-no-such-package", dir.path()) {
+        Err(GuestError::Command { command, reason }) => {
+            assert!(command.contains("apt-get"), "{command}");
+            assert!(!reason.is_empty());
+        }
+        other => panic!("{other:?}"),
+    }
+}

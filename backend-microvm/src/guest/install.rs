@@ -544,11 +544,24 @@ fn run(cmd: &mut Command) -> Result<std::process::Output, GuestError> {
     Ok(out)
 }
 
-/// Downloads a package's `.deb` into `dir` with `apt-get download` and returns its path.
+/// Downloads a package's `.deb` into `dir` with `apt-get download` and returns its path. If
+/// the download fails and this process is root, the package lists are refreshed once
+/// (`apt-get update`) and the download retried: stale lists name package versions the mirror
+/// no longer has (Debian replaces kernel packages on point releases).
 pub fn apt_download(package: &str, dir: &Path) -> Result<PathBuf, GuestError> {
-    run(Command::new("apt-get")
-        .args(["download", "-q", package])
-        .current_dir(dir))?;
+    let download = || {
+        run(Command::new("apt-get")
+            .args(["download", "-q", package])
+            .current_dir(dir))
+    };
+    if let Err(first) = download() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return Err(first);
+        }
+        run(Command::new("apt-get").args(["update", "-qq"]))?;
+        download()?;
+    }
     let prefix = format!("{package}_");
     let rd = std::fs::read_dir(dir).map_err(|e| GuestError::io("list", dir, e))?;
     for e in rd.flatten() {
