@@ -260,9 +260,9 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use sandbox_core::{
-    Backend, Capabilities, EgressEnforcer, Error, IsolationBoundary, Language, NetworkMode,
-    NetworkPolicy, Phase, ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotId, SnapshotKind,
-    SnapshotStore, Tier, TierStatus, TimelineRecorder, Workspace,
+    Backend, Capabilities, EgressEnforcer, Error, IsolationBoundary, Language, NetworkMode, Phase,
+    ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotId, SnapshotKind, SnapshotStore, Tier,
+    TierStatus, TimelineRecorder, Workspace,
 };
 
 mod cgroup;
@@ -497,7 +497,8 @@ impl ContainerBackend {
             .then(|| (md.uid(), md.gid()))
     }
 
-    fn check_spec(&self, spec: &SandboxSpec) -> Result<()> {
+    /// Checks `spec` against this backend; returns the egress enforcer its network needs.
+    fn check_spec(&self, spec: &SandboxSpec) -> Result<Option<Arc<dyn EgressEnforcer>>> {
         spec.validate()?;
         if spec.language == Language::Wasm {
             return Err(Error::unsupported(
@@ -505,17 +506,8 @@ impl ContainerBackend {
                 "the wasm language (use the wasm tier)",
             ));
         }
-        if spec.network != NetworkPolicy::DenyAll {
-            match &self.cfg.egress {
-                Some(e) => e.check(&spec.network)?,
-                None => {
-                    return Err(Error::unsupported(
-                        TIER,
-                        "network policies other than deny-all (no egress enforcer is plugged in)",
-                    ))
-                }
-            }
-        }
+        let enforcer =
+            sandbox_core::egress::enforcer_for(TIER, self.cfg.egress.as_ref(), &spec.network)?;
         rootfs::check_mounts(spec)?;
         if self.cfg.require_cgroups {
             self.cgroups_usable().map_err(|reason| Error::Unavailable {
@@ -527,7 +519,7 @@ impl ContainerBackend {
                     .into(),
             })?;
         }
-        Ok(())
+        Ok(enforcer)
     }
 
     /// Creates a sandbox and returns the concrete type (for [`ContainerSandbox::init_pid`]).
@@ -551,7 +543,7 @@ impl ContainerBackend {
         secrets: ResolvedSecrets,
         upper: Option<&[u8]>,
     ) -> Result<ContainerSandbox> {
-        self.check_spec(spec)?;
+        let enforcer = self.check_spec(spec)?;
         let mut t = TimelineRecorder::start();
         let id = uuid::Uuid::new_v4().simple().to_string();
         let rootless = !is_root();
@@ -586,9 +578,12 @@ impl ContainerBackend {
         let user = if stay_root { 0 } else { spawn::SANDBOX_USER };
         // The plan and the seal are ready before the init starts: both are queued behind the
         // bootstrap, and the init runs them in order, stopping at the first failure.
-        let egress = match (&self.cfg.egress, &spec.network) {
-            (_, NetworkPolicy::DenyAll) | (None, _) => None,
-            (Some(e), policy) => Some((e.clone(), e.prepare(&id, policy)?)),
+        let egress = match enforcer {
+            Some(e) => {
+                let plan = e.prepare(&id, &spec.network)?;
+                Some((e, plan))
+            }
+            None => None,
         };
         // From here on, a failed create must give the prepared link back.
         let release = EgressRelease(egress.as_ref().map(|(e, _)| (e.clone(), id.clone())));

@@ -723,14 +723,12 @@ impl Sandbox for ContainerSandbox {
 
     async fn set_network_policy(&self, policy: NetworkPolicy) -> Result<()> {
         self.inner.alive()?;
-        match &self.inner.egress {
-            Some(e) => e.update(&self.inner.id, &policy),
-            None => Err(Error::unsupported(
-                TIER,
-                "changing the network policy of a sandbox created with deny-all (it has no \
-                 path out to open; create it with an allowlist, even an empty one)",
-            )),
-        }
+        sandbox_core::egress::update_policy(
+            TIER,
+            self.inner.egress.as_deref(),
+            &self.inner.id,
+            &policy,
+        )
     }
 
     async fn network_events(&self) -> Result<Vec<NetworkEvent>> {

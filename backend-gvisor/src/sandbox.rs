@@ -94,19 +94,11 @@ impl GvisorSandbox {
         restore: Option<Restore>,
     ) -> Result<Self> {
         spec.validate()?;
-        let enforcer = match (&spec.network, &backend.config.egress) {
-            (NetworkPolicy::DenyAll, _) => None,
-            (_, None) => {
-                return Err(Error::unsupported(
-                    TIER,
-                    "network policies other than deny-all (no egress enforcer is plugged in)",
-                ))
-            }
-            (p, Some(e)) => {
-                e.check(p)?;
-                Some(e.clone())
-            }
-        };
+        let enforcer = sandbox_core::egress::enforcer_for(
+            TIER,
+            backend.config.egress.as_ref(),
+            &spec.network,
+        )?;
         if spec.language == Language::Wasm {
             return Err(Error::unsupported(
                 TIER,
@@ -939,14 +931,12 @@ impl Sandbox for GvisorSandbox {
 
     async fn set_network_policy(&self, policy: NetworkPolicy) -> Result<()> {
         self.inner.alive()?;
-        match &self.inner.egress {
-            Some((e, _)) => e.update(&self.inner.id, &policy),
-            None => Err(Error::unsupported(
-                TIER,
-                "changing the network policy of a sandbox created with deny-all (it has no \
-                 path out to open; create it with an allowlist, even an empty one)",
-            )),
-        }
+        sandbox_core::egress::update_policy(
+            TIER,
+            self.inner.egress.as_ref().map(|(e, _)| e.as_ref()),
+            &self.inner.id,
+            &policy,
+        )
     }
 
     async fn network_events(&self) -> Result<Vec<NetworkEvent>> {

@@ -17,13 +17,15 @@
 
 use std::fmt;
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::policy::NetworkPolicy;
+use crate::tier::Tier;
 
 /// What a sandbox needs from its enforcer before it starts.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -89,8 +91,7 @@ pub trait EgressEnforcer: Send + Sync + fmt::Debug {
     fn prepare(&self, sandbox_id: &str, policy: &NetworkPolicy) -> Result<EgressPlan>;
 
     /// Connects the network namespace of host process `netns_pid` (which has only `lo`) to
-    /// the enforcer. On error nothing of it is left behind. Attaching an attached sandbox
-    /// again connects its new namespace (e.g. after a restore) with the same plan.
+    /// the enforcer, once per prepared sandbox. On error nothing of it is left behind.
     async fn attach(&self, plan: &EgressPlan, netns_pid: i32) -> Result<()>;
 
     /// Replaces the policy of an attached sandbox; the next connection is decided by it.
@@ -105,4 +106,43 @@ pub trait EgressEnforcer: Send + Sync + fmt::Debug {
     /// Starts [`detach`](Self::detach) without waiting (for synchronous teardown paths such
     /// as `Drop`).
     fn detach_in_background(&self, sandbox_id: &str);
+}
+
+/// The enforcer a new sandbox with `policy` needs, for a backend with `plugged` (if any):
+/// `None` under deny-all (an empty network namespace is enough), the plugged-in enforcer once
+/// it accepts `policy`, else [`Error::Unsupported`] on `tier`.
+pub fn enforcer_for(
+    tier: Tier,
+    plugged: Option<&Arc<dyn EgressEnforcer>>,
+    policy: &NetworkPolicy,
+) -> Result<Option<Arc<dyn EgressEnforcer>>> {
+    if *policy == NetworkPolicy::DenyAll {
+        return Ok(None);
+    }
+    let e = plugged.ok_or_else(|| {
+        Error::unsupported(
+            tier,
+            "network policies other than deny-all (no egress enforcer is plugged in)",
+        )
+    })?;
+    e.check(policy)?;
+    Ok(Some(Arc::clone(e)))
+}
+
+/// [`Sandbox::set_network_policy`](crate::Sandbox::set_network_policy) for a sandbox on `tier`
+/// that is attached to `attached`, or was created with deny-all (`None`: nothing to open).
+pub fn update_policy(
+    tier: Tier,
+    attached: Option<&dyn EgressEnforcer>,
+    sandbox_id: &str,
+    policy: &NetworkPolicy,
+) -> Result<()> {
+    match attached {
+        Some(e) => e.update(sandbox_id, policy),
+        None => Err(Error::unsupported(
+            tier,
+            "changing the network policy of a sandbox created with deny-all (it has no path \
+             out to open; create it with an allowlist, even an empty one)",
+        )),
+    }
 }

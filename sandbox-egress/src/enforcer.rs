@@ -524,10 +524,10 @@ async fn attach(inner: Arc<Inner>, id: String, netns_pid: i32) -> Result<()> {
     })?;
     let host = inner.host();
     if entry.registered {
-        // Re-attach (the sandbox's namespace was replaced, e.g. restored after a checkpoint):
-        // the same link again; the proxy's listeners and policy stay.
-        entry.veth.teardown_link(&host).await;
-        return entry.veth.setup_link(&host, &Netns::Pid(netns_pid)).await;
+        return Err(Error::invalid(
+            "sandbox_id",
+            format!("{id} is already attached to the egress enforcer"),
+        ));
     }
     entry.veth.setup_link(&host, &Netns::Pid(netns_pid)).await?;
     let registered = match inner.ns.bind(entry.veth.host_ip) {
