@@ -29,8 +29,6 @@ use std::ffi::CString;
 use std::fs::File;
 use std::io::{self, Read};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::process::CommandExt;
-use std::process::{Command, Stdio};
 
 use proto::*;
 
@@ -147,11 +145,21 @@ extern "C" {
     fn chdir(path: *const c_char) -> c_int;
     fn _exit(code: c_int) -> !;
     fn fork() -> c_int;
+    fn clone(
+        f: extern "C" fn(*mut c_void) -> c_int,
+        stack: *mut c_void,
+        flags: c_int,
+        arg: *mut c_void,
+        ...
+    ) -> c_int;
+    fn execve(path: *const c_char, argv: *const *const c_char, envp: *const *const c_char)
+        -> c_int;
     fn dup2(old: c_int, new: c_int) -> c_int;
     fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int;
     #[link_name = "open"]
     fn libc_open(path: *const c_char, flags: c_int, ...) -> c_int;
     fn getpid() -> c_int;
+    fn clock_gettime(clock: c_int, ts: *mut [i64; 2]) -> c_int;
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -391,6 +399,7 @@ fn run_op(op: &Op, fds: &mut Vec<OwnedFd>) -> io::Result<()> {
             }
         }
         Op::Landlock { handled, rules } => landlock(*handled, rules),
+        Op::DropBoundingSet => drop_bounding_set(),
         Op::Seccomp { bpf } => seccomp(bpf),
         Op::Lower { src, dst } => lower(src, dst, fds),
         Op::KeepDir { path, fd } => {
@@ -477,12 +486,26 @@ fn lower(src: &str, dst: &str, fds: &mut Vec<OwnedFd>) -> io::Result<()> {
     }
     let s = cstr(src)?;
     // SAFETY: bind mount between NUL-terminated paths; NULL fstype/data are allowed.
-    let mut r = unsafe { mount(s.as_ptr(), d.as_ptr(), std::ptr::null(), MS_BIND, std::ptr::null()) };
+    let mut r = unsafe {
+        mount(
+            s.as_ptr(),
+            d.as_ptr(),
+            std::ptr::null(),
+            MS_BIND,
+            std::ptr::null(),
+        )
+    };
     if r < 0 && errno() == 22 {
         // Locked submounts beneath `src` (user namespace): only a recursive bind is allowed.
         // SAFETY: as above.
         r = unsafe {
-            mount(s.as_ptr(), d.as_ptr(), std::ptr::null(), MS_BIND | MS_REC, std::ptr::null())
+            mount(
+                s.as_ptr(),
+                d.as_ptr(),
+                std::ptr::null(),
+                MS_BIND | MS_REC,
+                std::ptr::null(),
+            )
         };
     }
     check(r)?;
@@ -624,6 +647,7 @@ fn describe(op: &Op) -> String {
         Op::Rlimit { .. } => "setrlimit".to_string(),
         Op::Lower { src, .. } => format!("mount the root filesystem layer {src}"),
         Op::KeepDir { path, .. } => format!("open {path}"),
+        Op::DropBoundingSet => "drop the capability bounding set".to_string(),
     }
 }
 
@@ -654,7 +678,21 @@ fn raw_write(fd: RawFd, msg: &[u8]) {
     }
 }
 
-/// Drops every capability and privilege in the forked child. Runs between fork and exec.
+/// Empties the bounding set (the init keeps its own capabilities; what it starts cannot
+/// regain any through `execve`).
+fn drop_bounding_set() -> io::Result<()> {
+    for cap in 0..64u64 {
+        // SAFETY: prctl with integer arguments.
+        if unsafe { prctl(PR_CAPBSET_DROP, cap, 0u64, 0u64, 0u64) } < 0 && errno() != 22 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Drops every capability and privilege in the command's child, between clone and exec
+/// (the bounding set is already empty: see [`drop_bounding_set`]). Makes system calls only:
+/// no allocation (the child shares the supervisor's memory).
 fn drop_privileges(spec_flags: u32, uid: u32, gid: u32) -> io::Result<()> {
     // SAFETY: prctl/setgroups/setres*id/capset with integer arguments and valid structs.
     unsafe {
@@ -668,11 +706,6 @@ fn drop_privileges(spec_flags: u32, uid: u32, gid: u32) -> io::Result<()> {
                 0u64,
                 0u64,
             ))?;
-        }
-        for cap in 0..64u64 {
-            if prctl(PR_CAPBSET_DROP, cap, 0u64, 0u64, 0u64) < 0 && errno() != 22 {
-                return Err(io::Error::last_os_error());
-            }
         }
         prctl(
             PR_CAP_AMBIENT,
@@ -716,10 +749,26 @@ struct Running {
     kills: std::collections::HashSet<u64>,
 }
 
-fn exited(id: u64, status: i32, spawned: bool) {
+/// CLOCK_MONOTONIC in nanoseconds (the sandbox's time namespace keeps the host's offsets).
+fn monotonic_ns() -> u64 {
+    let mut ts = [0i64; 2];
+    // SAFETY: clock_gettime into a timespec-sized local.
+    unsafe {
+        clock_gettime(1 /* CLOCK_MONOTONIC */, &mut ts)
+    };
+    (ts[0] as u64)
+        .wrapping_mul(1_000_000_000)
+        .wrapping_add(ts[1] as u64)
+}
+
+/// Reports how an exec ended; `started` is when the command was running (CLOCK_MONOTONIC
+/// ns, 0 if it never started): carried here instead of in a message of its own, so the
+/// library is not woken while the command runs.
+fn exited(id: u64, status: i32, spawned: bool, started: u64) {
     let mut e = Enc::default();
     e.i32(status);
     e.u8(u8::from(spawned));
+    e.u64(started);
     send(REP_EXITED, id, &e.0);
 }
 
@@ -741,7 +790,7 @@ fn exec(id: u64, payload: &[u8], fds: Vec<OwnedFd>, run: &mut Running, sfd: RawF
                 format!("agent-sandbox: fork: {e}\n").as_bytes(),
             );
         }
-        return exited(id, 126 << 8, false);
+        return exited(id, 126 << 8, false, 0);
     }
     if pid == 0 {
         supervise(id, spec, fds, sfd);
@@ -757,9 +806,7 @@ fn supervise(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>, sfd: RawFd) -> ! {
     let Some(leader) = spawn(id, spec, fds) else {
         std::process::exit(0)
     };
-    let mut e = Enc::default();
-    e.u32(leader as u32);
-    send(REP_STARTED, id, &e.0);
+    let started = monotonic_ns();
     let mut leader_done = false;
     loop {
         let mut pfd = [PollFd {
@@ -794,7 +841,7 @@ fn supervise(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>, sfd: RawFd) -> ! {
                 break;
             }
             if p == leader {
-                exited(id, status, true);
+                exited(id, status, true, started);
                 // What the command left running stays our descendant (we are its subreaper),
                 // so it can still be killed as this exec's tree; we leave with the last of it.
                 leader_done = true;
@@ -853,7 +900,132 @@ fn kill_descendants() {
     }
 }
 
-/// Forks and execs the command (in the supervisor). Returns the leader's pid.
+/// Everything the command's child needs, prepared before the clone: the child shares the
+/// supervisor's memory (`CLONE_VM | CLONE_VFORK`) and must not allocate, so it only reads
+/// this and makes system calls. It reports a failure in `stage`/`errno`.
+struct Child {
+    /// Executables to try, in order (the `PATH` search is done here, not in the child).
+    paths: Vec<CString>,
+    /// NULL-terminated argv; `argv[0]` is the command as given.
+    argv: Vec<*const c_char>,
+    /// argv for running a file without a `#!` line through `/bin/sh` (like `execvp`); slot
+    /// 1 is filled with the candidate path in the child.
+    sh_argv: Vec<*const c_char>,
+    /// NULL-terminated `K=V` pointers.
+    envp: Vec<*const c_char>,
+    cwd: CString,
+    stdin: RawFd,
+    out: RawFd,
+    err: RawFd,
+    rlimits: Vec<(c_int, Rlimit)>,
+    flags: u32,
+    uid: u32,
+    gid: u32,
+    /// 0: exec'd; 1: set-up (rlimits, privileges) failed; 2: chdir failed; 3: exec failed.
+    stage: c_int,
+    errno: c_int,
+}
+
+const SH: &[u8] = b"/bin/sh\0";
+const ENOENT: c_int = 2;
+const EACCES: c_int = 13;
+const ENOEXEC: c_int = 8;
+const ENOTDIR: c_int = 20;
+const CLONE_VM: c_int = 0x100;
+const CLONE_VFORK: c_int = 0x4000;
+const SIG_SETMASK: c_int = 2;
+
+extern "C" fn child_main(arg: *mut c_void) -> c_int {
+    // SAFETY: `arg` is the supervisor's `Child`, alive and not touched by the supervisor
+    // until we exec or exit (CLONE_VFORK). Only system calls below, no allocation.
+    unsafe {
+        let c = &mut *(arg as *mut Child);
+        let empty = SigSet([0; 16]);
+        sigprocmask(SIG_SETMASK, &empty, std::ptr::null_mut());
+        if c.stdin >= 0 {
+            dup2(c.stdin, 0);
+        }
+        dup2(c.out, 1);
+        dup2(c.err, 2);
+        setsid();
+        // The init is shielded from the OOM killer; commands must not be.
+        let fd = libc_open(
+            b"/proc/self/oom_score_adj\0".as_ptr() as *const c_char,
+            1, /* O_WRONLY */
+        );
+        if fd >= 0 {
+            write(fd, b"0".as_ptr(), 1);
+            close(fd);
+        }
+        let mut failed = false;
+        for (r, l) in &c.rlimits {
+            if setrlimit(*r, l) < 0 {
+                failed = true;
+                break;
+            }
+        }
+        if failed || drop_privileges(c.flags, c.uid, c.gid).is_err() {
+            c.stage = 1;
+            c.errno = errno();
+            _exit(126);
+        }
+        if chdir(c.cwd.as_ptr()) < 0 {
+            c.stage = 2;
+            c.errno = errno();
+            _exit(126);
+        }
+        let mut seen = ENOENT;
+        for p in &c.paths {
+            execve(p.as_ptr(), c.argv.as_ptr(), c.envp.as_ptr());
+            match errno() {
+                ENOEXEC => {
+                    c.sh_argv[1] = p.as_ptr();
+                    execve(
+                        SH.as_ptr() as *const c_char,
+                        c.sh_argv.as_ptr(),
+                        c.envp.as_ptr(),
+                    );
+                    seen = errno();
+                    break;
+                }
+                EACCES => seen = EACCES,
+                ENOENT | ENOTDIR => {}
+                e => {
+                    seen = e;
+                    break;
+                }
+            }
+        }
+        c.stage = 3;
+        c.errno = seen;
+        _exit(127)
+    }
+}
+
+/// Where to look for `cmd`: itself if it has a `/`, else each directory of the command's own
+/// `PATH` (like `execvp`; an empty entry is the working directory).
+fn candidates(cmd: &str, env: &[String]) -> Vec<String> {
+    if cmd.contains('/') {
+        return vec![cmd.to_string()];
+    }
+    let path = env
+        .iter()
+        .find_map(|kv| kv.strip_prefix("PATH="))
+        .unwrap_or("/usr/local/bin:/usr/bin:/bin");
+    path.split(':')
+        .map(|d| {
+            if d.is_empty() {
+                cmd.to_string()
+            } else {
+                format!("{}/{cmd}", d.trim_end_matches('/'))
+            }
+        })
+        .collect()
+}
+
+/// Starts the command (in the supervisor) with a vfork-style clone: no copy of our page
+/// tables, no copy-on-write faults, and we resume once it has exec'd (or failed). Returns the
+/// leader's pid, or `None` after reporting why it could not start.
 fn spawn(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>) -> Option<i32> {
     let mut fds = fds.into_iter();
     let (Some(out), Some(err)) = (fds.next(), fds.next()) else {
@@ -870,72 +1042,86 @@ fn spawn(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>) -> Option<i32> {
     } else {
         None
     };
-    let report_fd = err.try_clone().ok();
     let fail = |code: i32, msg: String| {
-        if let Some(fd) = &report_fd {
-            raw_write(fd.as_raw_fd(), msg.as_bytes());
-        }
-        exited(id, code << 8, false);
+        raw_write(err.as_raw_fd(), msg.as_bytes());
+        exited(id, code << 8, false, 0);
         None
     };
     if spec.argv.is_empty() || spec.argv[0].is_empty() {
         return fail(127, "agent-sandbox: empty command\n".into());
     }
-    let mut cmd = Command::new(&spec.argv[0]);
-    cmd.args(&spec.argv[1..]);
-    cmd.env_clear();
-    for kv in &spec.env {
-        if let Some((k, v)) = kv.split_once('=') {
-            cmd.env(k, v);
-        }
-    }
-    cmd.stdin(stdin.map_or_else(Stdio::null, Stdio::from));
-    cmd.stdout(Stdio::from(out));
-    cmd.stderr(Stdio::from(err));
-    let Ok(cwd) = cstr(&spec.cwd) else {
-        return fail(126, "agent-sandbox: bad working directory\n".into());
+    let a0 = spec.argv[0].clone();
+    let cs = |v: &[String]| v.iter().map(|a| cstr(a)).collect::<io::Result<Vec<_>>>();
+    let (Ok(argv), Ok(env), Ok(paths), Ok(cwd)) = (
+        cs(&spec.argv),
+        cs(&spec.env),
+        cs(&candidates(&a0, &spec.env)),
+        cstr(&spec.cwd),
+    ) else {
+        return fail(126, "agent-sandbox: NUL byte in the command\n".into());
     };
-    let (flags, uid, gid, rlimits) = (spec.flags, spec.uid, spec.gid, spec.rlimits.clone());
-    // SAFETY: the supervisor is single-threaded, so the closure may allocate; it only makes syscalls.
-    unsafe {
-        cmd.pre_exec(move || {
-            setsid();
-            // The init is shielded from the OOM killer; commands must not be.
-            let adj = b"0";
-            let p = b"/proc/self/oom_score_adj\0";
-            let fd = libc_open(p.as_ptr() as *const c_char, 1 /* O_WRONLY */);
-            if fd >= 0 {
-                write(fd, adj.as_ptr(), adj.len());
-                close(fd);
-            }
-            for (r, s, h) in &rlimits {
-                let l = Rlimit { cur: *s, max: *h };
-                check(setrlimit(*r as c_int, &l))?;
-            }
-            drop_privileges(flags, uid, gid)?;
-            if chdir(cwd.as_ptr()) < 0 {
-                let e = io::Error::last_os_error();
-                let msg = format!("agent-sandbox: cannot enter working directory: {e}\n");
-                write(2, msg.as_ptr(), msg.len());
-                _exit(126);
-            }
-            Ok(())
-        });
+    let ptrs = |v: &[CString]| {
+        v.iter()
+            .map(|c| c.as_ptr())
+            .chain([std::ptr::null()])
+            .collect::<Vec<_>>()
+    };
+    let mut sh_argv = vec![SH.as_ptr() as *const c_char, std::ptr::null()];
+    sh_argv.extend(argv.iter().skip(1).map(|c| c.as_ptr()));
+    sh_argv.push(std::ptr::null());
+    let mut job = Child {
+        paths,
+        argv: ptrs(&argv),
+        sh_argv,
+        envp: ptrs(&env),
+        cwd,
+        stdin: stdin.as_ref().map_or(-1, |f| f.as_raw_fd()),
+        out: out.as_raw_fd(),
+        err: err.as_raw_fd(),
+        rlimits: spec
+            .rlimits
+            .iter()
+            .map(|&(r, s, h)| (r as c_int, Rlimit { cur: s, max: h }))
+            .collect(),
+        flags: spec.flags,
+        uid: spec.uid,
+        gid: spec.gid,
+        stage: 0,
+        errno: 0,
+    };
+    let mut stack = vec![0u8; 64 * 1024];
+    // SAFETY: the child runs `child_main` on its own stack (the top of `stack`, 16-byte
+    // aligned) with `job`; CLONE_VFORK suspends us until it has exec'd or exited, so both
+    // outlive its use of them.
+    let pid = unsafe {
+        let top = stack.as_mut_ptr().add(stack.len()) as usize & !15;
+        clone(
+            child_main,
+            top as *mut c_void,
+            CLONE_VM | CLONE_VFORK | SIGCHLD,
+            &mut job as *mut Child as *mut c_void,
+        )
+    };
+    if pid < 0 {
+        let e = io::Error::last_os_error();
+        return fail(126, format!("agent-sandbox: {a0}: {e}\n"));
     }
-    match cmd.spawn() {
-        Ok(child) => Some(child.id() as i32),
-        Err(e) => {
-            let a0 = &spec.argv[0];
-            match e.kind() {
-                io::ErrorKind::NotFound => {
-                    fail(127, format!("agent-sandbox: {a0}: command not found\n"))
-                }
-                io::ErrorKind::PermissionDenied => {
-                    fail(126, format!("agent-sandbox: {a0}: permission denied\n"))
-                }
-                _ => fail(126, format!("agent-sandbox: {a0}: {e}\n")),
-            }
-        }
+    if job.stage == 0 {
+        return Some(pid);
+    }
+    // It exited without exec'ing: reap it and say why.
+    let mut status: c_int = 0;
+    // SAFETY: waitpid on our own child with a valid status pointer.
+    unsafe { waitpid(pid, &mut status, 0) };
+    let e = io::Error::from_raw_os_error(job.errno);
+    match (job.stage, job.errno) {
+        (2, _) => fail(
+            126,
+            format!("agent-sandbox: cannot enter working directory: {e}\n"),
+        ),
+        (3, ENOENT) => fail(127, format!("agent-sandbox: {a0}: command not found\n")),
+        (3, EACCES) => fail(126, format!("agent-sandbox: {a0}: permission denied\n")),
+        _ => fail(126, format!("agent-sandbox: {a0}: {e}\n")),
     }
 }
 
@@ -954,7 +1140,7 @@ fn reap(run: &mut Running) {
             }
             // A supervisor exits 0 after reporting; anything else means it was killed.
             if status != 0 {
-                exited(id, status, true);
+                exited(id, status, true, 0);
             }
         }
     }

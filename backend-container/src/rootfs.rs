@@ -623,10 +623,13 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
 /// The last steps, once the init sits in the sandbox's cgroups: a cgroup namespace rooted
 /// there, then the seccomp filter (which forbids any further `unshare`).
 pub(crate) fn seal_ops(seccomp: Option<&[u8]>) -> Vec<Op> {
-    let mut ops = vec![Op::Unshare {
-        flags: libc::CLONE_NEWCGROUP as u64,
-        optional: true,
-    }];
+    let mut ops = vec![
+        Op::Unshare {
+            flags: libc::CLONE_NEWCGROUP as u64,
+            optional: true,
+        },
+        Op::DropBoundingSet,
+    ];
     if let Some(bpf) = seccomp {
         ops.push(Op::Seccomp { bpf: bpf.to_vec() });
     }

@@ -113,6 +113,21 @@ fn set_nonblocking(fd: RawFd) {
     }
 }
 
+/// The `Instant` of a CLOCK_MONOTONIC reading in nanoseconds (`Instant` is that clock on
+/// Linux); `None` for 0 (unknown) or a reading from the future.
+fn instant_of(ns: u64) -> Option<Instant> {
+    if ns == 0 {
+        return None;
+    }
+    let now = Instant::now();
+    let t = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).ok()?;
+    let now_ns = u64::try_from(t.tv_sec())
+        .ok()?
+        .checked_mul(1_000_000_000)?
+        .checked_add(u64::try_from(t.tv_nsec()).ok()?)?;
+    now.checked_sub(Duration::from_nanos(now_ns.checked_sub(ns)?))
+}
+
 /// Reads a pipe until EOF or until told to stop (then drains what is already there).
 #[allow(clippy::too_many_arguments)]
 async fn pump(
@@ -498,9 +513,13 @@ impl Inner {
             let grace_at = grace.unwrap_or(deadline + Duration::from_secs(3600));
             tokio::select! {
                 r = rx.recv() => match r {
-                    Some(Reply { kind: proto::REP_STARTED, .. }) => t.mark(Phase::Allocation),
                     Some(Reply { kind: proto::REP_EXITED, payload }) => {
-                        status = Dec::new(&payload).i32().ok();
+                        let mut d = Dec::new(&payload);
+                        status = d.i32().ok();
+                        let started = d.u8().and_then(|_| d.u64()).unwrap_or(0);
+                        if let Some(at) = instant_of(started) {
+                            t.mark_at(Phase::Allocation, at);
+                        }
                         break;
                     }
                     Some(Reply { kind: proto::REP_ERR, payload }) => {

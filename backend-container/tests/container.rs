@@ -110,6 +110,60 @@ async fn argv_exit_codes_stdin_and_cwd() {
 }
 
 #[tokio::test]
+async fn commands_are_found_on_their_path_and_start_without_privileges() {
+    require_host!();
+    let sb = create(Language::Shell).await;
+    // The command's own PATH decides, like execvp: a directory of the workspace first.
+    sh_ok(
+        sb.as_ref(),
+        "mkdir -p bin && printf '#!/bin/sh\\necho mine \"$@\"\\n' > bin/true && chmod +x bin/true",
+    )
+    .await;
+    let r = sb
+        .exec(ExecRequest::argv(["true", "a", "b"]).env("PATH", "/workspace/bin:/usr/bin:/bin"))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_str(), "mine a b\n");
+    // A file without `#!` runs through /bin/sh, with its arguments.
+    sh_ok(
+        sb.as_ref(),
+        "printf 'echo plain \"$1\"\\n' > plain && chmod +x plain",
+    )
+    .await;
+    let r = sb
+        .exec(ExecRequest::argv(["./plain", "arg"]))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_str(), "plain arg\n", "{}", r.stderr_str());
+    // Found but not executable: 126, not "not found".
+    sh_ok(sb.as_ref(), "echo x > noexec && chmod 644 noexec").await;
+    let r = sb
+        .exec(ExecRequest::argv(["/workspace/noexec"]))
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, Some(126), "{}", r.stderr_str());
+    assert!(
+        r.stderr_str().contains("permission denied"),
+        "{}",
+        r.stderr_str()
+    );
+    // No capability of any kind survives into the command, and none can come back.
+    let caps = sh_ok(
+        sb.as_ref(),
+        "grep -E '^Cap(Inh|Prm|Eff|Bnd|Amb)' /proc/self/status",
+    )
+    .await;
+    for line in caps.lines() {
+        assert!(line.ends_with("0000000000000000"), "{caps}");
+    }
+    // Signals are not blocked in the command (the init blocks SIGCHLD/SIGTERM for itself).
+    let blocked = sh_ok(sb.as_ref(), "grep SigBlk /proc/self/status").await;
+    assert!(blocked.trim().ends_with("0000000000000000"), "{blocked}");
+    let r = sh(sb.as_ref(), "sleep 30 & kill -TERM $!; wait $!; echo $?").await;
+    assert_eq!(r.stdout_str(), "143\n");
+}
+
+#[tokio::test]
 async fn environment_is_exactly_the_specs() {
     require_host!();
     let spec = SandboxSpec::builder(Language::Shell)

@@ -109,6 +109,15 @@ impl TimelineRecorder {
         self.last = now;
     }
 
+    /// Ends `phase` at `at`, an instant observed elsewhere (e.g. reported by a helper
+    /// process); clamped between the previous mark and now.
+    pub fn mark_at(&mut self, phase: Phase, at: Instant) {
+        let at = at.clamp(self.last, Instant::now());
+        let micros = u64::try_from(at.duration_since(self.last).as_micros()).unwrap_or(u64::MAX);
+        self.timeline.phases.push(PhaseTiming { phase, micros });
+        self.last = at;
+    }
+
     /// The recorded timeline.
     pub fn finish(self) -> Timeline {
         self.timeline
@@ -118,6 +127,17 @@ impl TimelineRecorder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn mark_at_is_clamped_to_the_previous_mark_and_now() {
+        let mut r = TimelineRecorder::start();
+        let before = Instant::now() - Duration::from_secs(5);
+        r.mark_at(Phase::Allocation, before);
+        r.mark_at(Phase::Command, Instant::now() + Duration::from_secs(3600));
+        let t = r.finish();
+        assert_eq!(t.get(Phase::Allocation), Some(Duration::ZERO));
+        assert!(t.get(Phase::Command).unwrap() < Duration::from_secs(60));
+    }
 
     #[test]
     fn records_in_order_and_sums() {
