@@ -1,17 +1,19 @@
 //! agent-sandbox container init: pid 1 of every container sandbox.
 //!
 //! Built by `build.rs` with plain `rustc` (std only, no crates), embedded in the library and
-//! executed from a sealed memfd. The library starts it with `posix_spawn`, the control socket
-//! (`SOCK_SEQPACKET`, see `proto.rs`) as stdin; we move it to fd 3.
+//! executed from a sealed memfd, once per library process, as the **zygote** (`--zygote`):
+//! a fork server that forks one init per control socket it receives (`SOCK_SEQPACKET`, see
+//! `proto.rs`), as the new init's fd 0; the init moves it to fd 3.
 //!
 //! 0. Bootstrap: unshare a user namespace, then the other namespaces while the library writes
 //!    its maps, wait for the maps and the cgroups, clone pid 1 (`CLONE_PARENT`: a child of the
 //!    library); the first process exits. Everything below runs in pid 1.
 //! 1. `SETUP`: run the op list: mounts, files, `pivot_root`, hostname, lo up, then lock
-//!    itself down (`no_new_privs`, Landlock, seccomp) so every exec inherits it.
-//! 2. `EXEC`...: fork a supervisor (child subreaper) that forks the command, which drops every
-//!    capability, switches to the sandbox user, applies rlimits and execs; the supervisor
-//!    reports STARTED/EXITED and, on `KILL`, kills every descendant.
+//!    itself down (bounding set, `no_new_privs`, Landlock, seccomp) so every exec inherits it.
+//! 2. `EXEC`...: fork a supervisor (child subreaper) that starts the command with a
+//!    vfork-style clone; the command's child drops every capability, switches to the sandbox
+//!    user, applies rlimits and execs; the supervisor reports EXITED and, on `KILL`, kills
+//!    every descendant.
 //!
 //! Between requests it reaps every zombie of the pid namespace. If the library goes away
 //! (socket closed), the init exits and the kernel kills the whole pid namespace.
@@ -1148,6 +1150,11 @@ fn reap(run: &mut Running) {
 
 /// Receives one packet; `Ok(None)` when the library is gone.
 fn recv(buf: &mut [u8]) -> io::Result<Option<(usize, Vec<OwnedFd>)>> {
+    recv_on(CTL, buf)
+}
+
+/// [`recv`] on another socket.
+fn recv_on(sock: RawFd, buf: &mut [u8]) -> io::Result<Option<(usize, Vec<OwnedFd>)>> {
     let mut ctl = [0u64; 32];
     let mut iov = IoVec {
         base: buf.as_mut_ptr(),
@@ -1163,7 +1170,7 @@ fn recv(buf: &mut [u8]) -> io::Result<Option<(usize, Vec<OwnedFd>)>> {
         flags: 0,
     };
     // SAFETY: msghdr points at live buffers of the stated sizes.
-    let n = unsafe { recvmsg(CTL, &mut msg, MSG_CMSG_CLOEXEC) };
+    let n = unsafe { recvmsg(sock, &mut msg, MSG_CMSG_CLOEXEC) };
     if n < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -1261,8 +1268,70 @@ fn bootstrap() {
     }
 }
 
+/// The fork server (`--zygote`): started once per library process, it forks a new init for
+/// every control socket it receives on fd 0 — a fork of this small, idle process costs a
+/// fraction of a `posix_spawn` + `execve` of the init (and its libc start-up, whose CPUID
+/// probing is slow under virtualization). Each child is cloned with `CLONE_PARENT`, so it
+/// is the library's child like a spawned init; its pid is the reply (`u32`; `0` and an
+/// errno on failure). Exits when the library closes the socket.
+fn zygote() -> ! {
+    // SAFETY: prctl/close_range on our own process.
+    unsafe {
+        prctl(
+            PR_SET_NAME,
+            b"asb-zygote\0".as_ptr() as u64,
+            0u64,
+            0u64,
+            0u64,
+        );
+        syscall(NR_CLOSE_RANGE, 3u32, u32::MAX, 0u32);
+    }
+    let mut buf = [0u8; 16];
+    loop {
+        let fds = match recv_on(0, &mut buf) {
+            Ok(Some((_, fds))) => fds,
+            Err(e) if e.raw_os_error() == Some(4) => continue,
+            _ => std::process::exit(0),
+        };
+        for fd in fds {
+            // SAFETY: single-threaded; the child only moves its fd into place and runs the
+            // init from the top, like a freshly executed one.
+            let pid = unsafe { syscall(NR_CLONE, CLONE_PARENT as u64, 0u64, 0u64, 0u64, 0u64) };
+            if pid == 0 {
+                // SAFETY: fd plumbing on our own process.
+                unsafe {
+                    dup2(fd.as_raw_fd(), 0);
+                }
+                drop(fd);
+                init_main();
+            }
+            let mut e = Enc::default();
+            if pid < 0 {
+                e.u32(0);
+                e.i32(errno());
+            } else {
+                e.u32(pid as u32);
+                e.i32(0);
+            }
+            raw_write(0, &e.0);
+        }
+    }
+}
+
 #[no_mangle]
-extern "C" fn main(_argc: c_int, _argv: *const *const c_char) -> c_int {
+extern "C" fn main(argc: c_int, argv: *const *const c_char) -> c_int {
+    if argc > 1 {
+        // SAFETY: glibc passes argc valid, NUL-terminated strings.
+        let a1 = unsafe { std::ffi::CStr::from_ptr(*argv.add(1)) };
+        if a1.to_bytes() == b"--zygote" {
+            zygote();
+        }
+    }
+    init_main()
+}
+
+/// The init proper: bootstrap, then serve the library until it hangs up.
+fn init_main() -> ! {
     // SAFETY: fd/signal plumbing on our own process at startup.
     let sfd = unsafe {
         prctl(PR_SET_NAME, b"asb-init\0".as_ptr() as u64, 0u64, 0u64, 0u64);

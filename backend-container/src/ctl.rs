@@ -32,8 +32,9 @@ pub(crate) struct Ctl {
 }
 
 impl Ctl {
-    /// Wraps our end of the socketpair and starts the reader task.
-    pub fn start(fd: OwnedFd) -> io::Result<Arc<Ctl>> {
+    /// Wraps our end of the socketpair; the reader task starts with [`Ctl::start_reader`],
+    /// once the first waiters are registered (a reply for an unregistered id is dropped).
+    pub fn new(fd: OwnedFd) -> io::Result<Arc<Ctl>> {
         set_nonblocking(fd.as_raw_fd())?;
         let ctl = Arc::new(Ctl {
             // SAFETY: `fd` is an open socket owned by the AsyncFd for its whole life.
@@ -44,9 +45,13 @@ impl Ctl {
             waiters: Mutex::new(HashMap::new()),
             closed: AtomicBool::new(false),
         });
-        let reader = Arc::clone(&ctl);
-        tokio::spawn(async move { reader.read_loop().await });
         Ok(ctl)
+    }
+
+    /// Starts the task that routes replies to their waiters.
+    pub fn start_reader(self: &Arc<Self>) {
+        let reader = Arc::clone(self);
+        tokio::spawn(async move { reader.read_loop().await });
     }
 
     /// Whether the init hung up.

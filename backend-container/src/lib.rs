@@ -23,7 +23,7 @@
 //! ```text
 //!  library process (tokio)                       the init (static, from a sealed memfd)
 //!  ───────────────────────                       ──────────────────────────────────────
-//!  create: posix_spawn(init, stdin = socket) ───▶ A: unshare(USER) ── BOOT ─┐
+//!  create: zygote forks A (socket = its fd 0) ──▶ A: unshare(USER) ── BOOT ─┐
 //!          (meanwhile: mkdir cgroups, then move   │  unshare(NS|UTS|IPC|NET|PID)
 //!           A into them by pid)                   │                         │
 //!          write uid_map/gid_map  ◀───────────────┼─────────────────────────┘
@@ -35,16 +35,22 @@
 //!                                                    Landlock; unshare(CGROUP), seccomp
 //!          network hook (netns of B)
 //!  exec:   pipes (stdin/stdout/stderr) ─────────▶ B forks a supervisor (child subreaper), which
-//!                                                 forks: setsid, rlimits, drop caps,
-//!                                                 setuid(sandbox), chdir, execve
-//!          ◀──────────── STARTED / EXITED(status) ─ B reaps every orphan of the namespace
+//!                                                 starts the command with a vfork-style clone:
+//!                                                 setsid, rlimits, drop caps, setuid(sandbox),
+//!                                                 chdir, execve
+//!          ◀────────────────── EXITED(status, t) ─ B reaps every orphan of the namespace
 //!  destroy: SIGKILL B → the kernel kills the pid namespace; rmdir cgroups
 //! ```
 //!
 //! **The init is a separate, embedded program** (`init/main.rs`, std only, compiled by
 //! `build.rs` with the same `rustc`, statically linked and non-PIE when possible, ~1.3 MB).
-//! The library writes it once per process into a sealed memfd; every sandbox starts it from
-//! there with `std::process::Command` (glibc's `posix_spawn`: a vfork-style spawn). The init
+//! The library writes it once per process into a sealed memfd and starts it from there once,
+//! with `std::process::Command` (glibc's `posix_spawn`: a vfork-style spawn), as the
+//! process's **zygote**: a small idle fork server. Every sandbox's init is a fork of it
+//! (`CLONE_PARENT`, so a child of the library), which skips an `execve` and libc's start-up
+//! per sandbox (~0.3-0.5 ms here: its CPUID probing traps to the hypervisor); a zygote that
+//! died is replaced on the next create. The zygote holds nothing of any sandbox: no
+//! namespace, cgroup or file. The init
 //! reports a compile-time hash of its sources at start-up, and the library refuses an init
 //! built from other sources (a stale build-script output) with a clear error.
 //! **The library never forks itself**, for two reasons:
@@ -72,13 +78,18 @@
 //! program's `main` (or a pre-main constructor), and breaks when the library is loaded into
 //! another interpreter (e.g. a Python extension, whose `/proc/self/exe` is python).
 //!
-//! **Exec enters the running sandbox through its init**: the init forks the command, which is
+//! **Exec enters the running sandbox through its init**: the init starts the command, which is
 //! therefore in every namespace, the same root filesystem and the sandbox's cgroups, under the
 //! same seccomp filter and Landlock domain (no `setns` needed: the init is already inside).
 //! Each exec gets a *supervisor*, a fork of the init marked `PR_SET_CHILD_SUBREAPER`: every
 //! process the command starts stays its descendant (orphans are re-parented to it, even after
 //! `setsid` or a double fork), so a timeout kills the exec's whole tree by walking `/proc`.
-//! When the command itself exits the supervisor reports; what the command left running
+//! The supervisor starts the command with `clone(CLONE_VM | CLONE_VFORK)`: the child shares
+//! the supervisor's memory until it execs (no page-table copy, no copy-on-write faults) and
+//! only makes system calls on data prepared before the clone (argv, env, the `PATH`
+//! candidates, rlimits); the capability bounding set was emptied once, when the sandbox was
+//! sealed. The command's start time travels in the final `EXITED` reply, so the library is
+//! not woken while the command runs. When the command itself exits the supervisor reports; what the command left running
 //! **persists** (files do too), still grouped under its supervisor, which leaves with the
 //! last of it. An exec that hit the memory or pids limit has its leftovers killed. An exec
 //! returns when its command exits; output written later by background children is not

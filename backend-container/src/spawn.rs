@@ -1,5 +1,6 @@
-//! Starting a sandbox's init: the embedded init binary in a sealed memfd, started with
-//! `posix_spawn` and brought into its namespaces by a short bootstrap over its socket.
+//! Starting a sandbox's init: the embedded init binary in a sealed memfd, forked by the
+//! process's zygote (itself started once with `posix_spawn`), and brought into its
+//! namespaces by a short bootstrap over its socket.
 
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -63,6 +64,125 @@ fn load_image() -> io::Result<InitImage> {
     // SAFETY: we own the new fd.
     let fd = unsafe { OwnedFd::from_raw_fd(ro) };
     Ok(InitImage { fd })
+}
+
+/// The fork server: the init image started once with `--zygote`. It forks a fresh init for
+/// each control socket sent to it (see the init's `zygote`) and replies with its pid.
+#[derive(Debug)]
+struct Zygote {
+    sock: OwnedFd,
+    child: std::process::Child,
+}
+
+static ZYGOTE: std::sync::Mutex<Option<Zygote>> = std::sync::Mutex::new(None);
+
+impl Zygote {
+    fn start(img: &InitImage) -> io::Result<Zygote> {
+        let (ours, theirs) = seqpacket_pair()?;
+        let child = std::process::Command::new(format!("/proc/self/fd/{}", img.fd.as_raw_fd()))
+            .arg("--zygote")
+            .env_clear()
+            .stdin(std::process::Stdio::from(theirs))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()?;
+        Ok(Zygote { sock: ours, child })
+    }
+
+    /// Sends `ctl` and reads back the new init's pid. `Err((true, _))`: the zygote is gone
+    /// and never got `ctl` (safe to retry with a new one); `Err((false, _))`: anything else
+    /// (not retried: it may have forked an init for `ctl` before failing).
+    fn fork(&self, ctl: &OwnedFd) -> Result<libc::pid_t, (bool, io::Error)> {
+        let fds = [ctl.as_raw_fd()];
+        let cmsg = [nix::sys::socket::ControlMessage::ScmRights(&fds)];
+        let iov = [io::IoSlice::new(b"F")];
+        nix::sys::socket::sendmsg::<()>(
+            self.sock.as_raw_fd(),
+            &iov,
+            &cmsg,
+            nix::sys::socket::MsgFlags::MSG_NOSIGNAL,
+            None,
+        )
+        .map_err(|e| {
+            let gone = matches!(e, nix::Error::EPIPE | nix::Error::ECONNRESET);
+            (gone, io::Error::from(e))
+        })?;
+        let mut reply = [0u8; 8];
+        let n = loop {
+            // SAFETY: recv into a local buffer of the stated size.
+            let n = unsafe {
+                libc::recv(
+                    self.sock.as_raw_fd(),
+                    reply.as_mut_ptr().cast(),
+                    reply.len(),
+                    0,
+                )
+            };
+            if n >= 0 || io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+                break n;
+            }
+        };
+        if n != 8 {
+            return Err((
+                false,
+                io::Error::new(io::ErrorKind::BrokenPipe, "the sandbox zygote hung up"),
+            ));
+        }
+        let mut d = proto::Dec::new(&reply);
+        let (pid, errno) = (d.u32().unwrap_or(0), d.i32().unwrap_or(0));
+        match pid {
+            0 => Err((false, io::Error::from_raw_os_error(errno))),
+            p => Ok(p as libc::pid_t),
+        }
+    }
+}
+
+/// Forks a new init through the process's zygote (started on first use, and again if it
+/// died). Returns the init's pid (our child) and our end of its control socket.
+fn fork_init(img: &InitImage) -> Result<(libc::pid_t, OwnedFd), String> {
+    let mut z = ZYGOTE
+        .lock()
+        .map_err(|_| "the sandbox zygote's lock is poisoned".to_string())?;
+    let mut last = String::new();
+    for _ in 0..2 {
+        if z.is_none() {
+            *z = Some(Zygote::start(img).map_err(|e| format!("start the sandbox zygote: {e}"))?);
+        }
+        // A fresh socket each attempt: should a dying zygote have forked an init for the
+        // last one, that init finds its socket closed and exits.
+        let (ours, theirs) = seqpacket_pair().map_err(|e| format!("socketpair: {e}"))?;
+        match z.as_ref().map(|zy| zy.fork(&theirs)) {
+            Some(Ok(pid)) => return Ok((pid, ours)),
+            // A fork the kernel refused (e.g. no pids left) is not the zygote's fault.
+            Some(Err((false, e))) if e.raw_os_error().is_some() => {
+                return Err(format!("fork the sandbox init: {e}"))
+            }
+            Some(Err((_, e))) => {
+                last = e.to_string();
+                if let Some(mut old) = z.take() {
+                    let _ = old.child.kill();
+                    let _ = old.child.wait();
+                }
+            }
+            None => {}
+        }
+    }
+    Err(format!("the sandbox zygote failed twice: {last}"))
+}
+
+fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut sv = [0 as RawFd; 2];
+    // SAFETY: socketpair with a valid out array.
+    cvt(unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+            0,
+            sv.as_mut_ptr(),
+        )
+    })?;
+    // SAFETY: the kernel gave us these fds.
+    Ok(unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) })
 }
 
 /// How the sandbox's ids map to the host.
@@ -164,32 +284,19 @@ pub(crate) async fn spawn_init(
     (cgroup_job, pid_tx): CgroupJob,
 ) -> Result<Spawned, String> {
     let img = image()?;
-    let mut sv = [0 as RawFd; 2];
-    // SAFETY: socketpair with a valid out array.
-    cvt(unsafe {
-        libc::socketpair(
-            libc::AF_UNIX,
-            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
-            0,
-            sv.as_mut_ptr(),
-        )
-    })
-    .map_err(|e| format!("socketpair: {e}"))?;
-    // SAFETY: the kernel gave us these fds.
-    let (ours, theirs) = unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) };
-    let ctl = Ctl::start(ours).map_err(|e| format!("control socket: {e}"))?;
+    let (first, ours) = fork_init(img)?;
+    let _ = pid_tx.send(first as u32);
+    let ctl = match Ctl::new(ours) {
+        Ok(c) => c,
+        Err(e) => {
+            reap(first, true);
+            return Err(format!("control socket: {e}"));
+        }
+    };
     let mut rx = ctl.register_fixed(0);
     let queued: Vec<_> = requests.iter().map(|_| ctl.register()).collect();
+    ctl.start_reader();
     let mut idmapped = false;
-    let mut cmd = std::process::Command::new(format!("/proc/self/fd/{}", img.fd.as_raw_fd()));
-    cmd.env_clear()
-        .stdin(std::process::Stdio::from(theirs))
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null());
-    let mut first = cmd
-        .spawn()
-        .map_err(|e| format!("start the sandbox init: {e}"))?;
-    let _ = pid_tx.send(first.id());
     drop(pid_tx);
     let mut cgroup = None;
     let result = async {
@@ -205,11 +312,10 @@ pub(crate) async fn spawn_init(
                     .to_string(),
             );
         }
-        write_maps(first.id() as libc::pid_t, ids)
-            .map_err(|e| format!("write uid/gid maps: {e}"))?;
+        write_maps(first, ids).map_err(|e| format!("write uid/gid maps: {e}"))?;
         let mut lower_fd = Vec::new();
         if let Some(dir) = lower {
-            match idmapped_tree(dir, first.id() as libc::pid_t) {
+            match idmapped_tree(dir, first) {
                 Ok(fd) => {
                     lower_fd.push(fd);
                     idmapped = true;
@@ -236,7 +342,7 @@ pub(crate) async fn spawn_init(
         };
         if oom_protect {
             // The init must survive the sandbox's own OOM kills (commands reset theirs).
-            let _ = std::fs::write(format!("/proc/{}/oom_score_adj", first.id()), "-1000");
+            let _ = std::fs::write(format!("/proc/{first}/oom_score_adj"), "-1000");
         }
         let fds: Vec<_> = files.iter().map(std::os::fd::AsFd::as_fd).collect();
         ctl.send(proto::MSG_CGROUPS, 0, &[], &fds)
@@ -266,7 +372,7 @@ pub(crate) async fn spawn_init(
     match result {
         Ok(pid) => {
             // The first process exits right after cloning pid 1.
-            let _ = first.wait();
+            reap(first, false);
             Ok(Spawned {
                 pid,
                 ctl,
@@ -276,13 +382,25 @@ pub(crate) async fn spawn_init(
             })
         }
         Err(e) => {
-            let _ = first.kill();
-            let _ = first.wait();
+            reap(first, true);
             if let Some(c) = cgroup {
                 c.remove(std::time::Duration::from_millis(500));
             }
             Err(e)
         }
+    }
+}
+
+/// Waits for our child `pid` (killing it first if asked), retrying on EINTR.
+fn reap(pid: libc::pid_t, kill: bool) {
+    // SAFETY: kill/waitpid on our own child.
+    unsafe {
+        if kill {
+            libc::kill(pid, libc::SIGKILL);
+        }
+        while libc::waitpid(pid, std::ptr::null_mut(), 0) < 0
+            && io::Error::last_os_error().raw_os_error() == Some(libc::EINTR)
+        {}
     }
 }
 
