@@ -60,7 +60,8 @@ async fn create_destroy_cycles_leave_nothing_behind() {
         }
     }
     assert_eq!(common::count_children(), children, "child processes left");
-    assert_eq!(common::count_fds(), fds, "fds left open");
+    let left = common::fds_settled_at(fds).await;
+    assert_eq!(left, fds, "fds left open");
     assert_eq!(
         common::count_mounts(),
         mounts,

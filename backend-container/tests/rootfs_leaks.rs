@@ -44,7 +44,7 @@ async fn rootfs_create_destroy_cycles_leave_nothing_behind() {
         sh_ok(sb.as_ref(), "echo x > /etc/x; sleep 100 >/dev/null 2>&1 &").await;
         sb.destroy().await.unwrap();
     }
-    assert_eq!(common::count_fds(), fds, "fds leaked");
+    assert_eq!(common::fds_settled_at(fds).await, fds, "fds leaked");
     assert_eq!(common::count_mounts(), mounts, "mounts leaked");
     assert_eq!(common::count_children(), children, "processes leaked");
     assert_eq!(common::count_sandbox_cgroups(), cgroups, "cgroups leaked");

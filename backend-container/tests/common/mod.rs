@@ -140,6 +140,21 @@ pub fn count_fds() -> usize {
         .unwrap_or(0)
 }
 
+/// Our open fds once they are back at `expected` (or after ~2 s): the last sandbox's control
+/// socket closes when its reader task sees the init's end close, asynchronously, on a
+/// runtime thread.
+pub async fn fds_settled_at(expected: usize) -> usize {
+    let mut n = count_fds();
+    for _ in 0..200 {
+        if n == expected {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        n = count_fds();
+    }
+    n
+}
+
 /// Mounts in our mount namespace.
 pub fn count_mounts() -> usize {
     std::fs::read_to_string("/proc/self/mountinfo")
