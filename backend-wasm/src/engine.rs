@@ -35,15 +35,31 @@ pub(crate) const MEMORY_INIT_COW: bool = true;
 
 const TIER: Tier = Tier::Wasm;
 
-/// The two engine flavours: fuel metering changes the generated code, so a metered run
-/// needs its own engine (and its own compiled modules).
+/// The engine flavours: fuel metering changes the generated code, so a metered run needs
+/// its own engine (and its own compiled modules); user WASI modules get an engine with the
+/// pooling allocator.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Flavor {
-    /// No fuel metering (the fast path).
+    /// No fuel metering (Python, and modules the pool cannot hold).
     Plain,
     /// Fuel metering on (`limits.fuel` set).
     Fuel,
+    /// No fuel metering, instances from wasmtime's pooling allocator: user WASI modules.
+    /// A pooled instance reuses a reserved slot (no `mmap`/`mprotect` to create it, no
+    /// `munmap` and TLB shootdown to drop it; the first [`POOL_KEEP_RESIDENT`] bytes of its
+    /// memory are reset in place), which halves a small module's create-to-output time.
+    Pooled,
 }
+
+/// Concurrent instances (and memories, tables, GC heaps) the pooled engine holds; one
+/// more falls back to the plain engine.
+pub(crate) const POOL_SLOTS: u32 = 128;
+/// Largest memory a pooled instance may have (the wasm32 maximum).
+pub(crate) const POOL_MAX_MEMORY: usize = 1 << 32;
+/// Table elements a pooled instance may have.
+pub(crate) const POOL_TABLE_ELEMENTS: usize = 64 * 1024;
+/// Bytes of a pooled memory reset with `memset` (not decommitted) when its slot is reused.
+pub(crate) const POOL_KEEP_RESIDENT: usize = 128 << 10;
 
 impl Flavor {
     pub(crate) fn for_fuel(fuel: Option<u64>) -> Self {
@@ -58,6 +74,7 @@ impl Flavor {
         match self {
             Flavor::Plain => "plain",
             Flavor::Fuel => "fuel",
+            Flavor::Pooled => "pooled",
         }
     }
 }
@@ -84,12 +101,46 @@ fn config(flavor: Flavor) -> Config {
     c.memory_init_cow(MEMORY_INIT_COW);
     c.cranelift_opt_level(wasmtime::OptLevel::Speed);
     c.parallel_compilation(true);
+    if flavor == Flavor::Pooled {
+        let mut p = wasmtime::PoolingAllocationConfig::new();
+        p.total_core_instances(POOL_SLOTS)
+            .total_memories(POOL_SLOTS)
+            .total_tables(POOL_SLOTS)
+            .total_gc_heaps(POOL_SLOTS)
+            .max_memory_size(POOL_MAX_MEMORY)
+            .table_elements(POOL_TABLE_ELEMENTS)
+            .linear_memory_keep_resident(POOL_KEEP_RESIDENT)
+            .table_keep_resident(16 << 10);
+        c.allocation_strategy(wasmtime::InstanceAllocationStrategy::Pooling(p));
+    }
     c
+}
+
+/// Whether a module compiled for the pooled engine fits its slots (one memory and one
+/// table, of sizes the slots allow); one that does not runs on the plain engine.
+pub(crate) fn fits_pool(module: &Module) -> bool {
+    let r = module.resources_required();
+    let page = 64 * 1024u64;
+    r.num_memories <= 1
+        && r.num_tables <= 1
+        && r.max_initial_memory_size
+            .is_none_or(|pages| pages.saturating_mul(page) <= POOL_MAX_MEMORY as u64)
+        && r.max_initial_table_size
+            .is_none_or(|n| n <= POOL_TABLE_ELEMENTS as u64)
+}
+
+/// Whether instantiation failed because every pool slot is in use.
+pub(crate) fn pool_exhausted(e: &wasmtime::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<wasmtime::PoolConcurrencyLimitError>()
+            .is_some()
+    })
 }
 
 struct Engines {
     plain: Engine,
     fuel: OnceLock<std::result::Result<Engine, String>>,
+    pooled: OnceLock<std::result::Result<Engine, String>>,
 }
 
 static ENGINES: OnceLock<std::result::Result<Engines, String>> = OnceLock::new();
@@ -101,6 +152,7 @@ fn engines() -> Result<&'static Engines> {
         Ok(Engines {
             plain,
             fuel: OnceLock::new(),
+            pooled: OnceLock::new(),
         })
     });
     e.as_ref().map_err(|msg| Error::Unavailable {
@@ -120,6 +172,11 @@ pub(crate) fn engine(flavor: Flavor) -> Result<&'static Engine> {
             .get_or_init(|| Engine::new(&config(Flavor::Fuel)).map_err(|e| format!("{e:#}")))
             .as_ref()
             .map_err(|msg| Error::backend(TIER, format!("fuel engine: {msg}"))),
+        Flavor::Pooled => es
+            .pooled
+            .get_or_init(|| Engine::new(&config(Flavor::Pooled)).map_err(|e| format!("{e:#}")))
+            .as_ref()
+            .map_err(|msg| Error::backend(TIER, format!("pooled engine: {msg}"))),
     }
 }
 
@@ -163,8 +220,10 @@ fn start_ticker() {
                 std::thread::sleep(EPOCH_TICK);
                 if let Some(Ok(es)) = ENGINES.get() {
                     es.plain.increment_epoch();
-                    if let Some(Ok(f)) = es.fuel.get() {
-                        f.increment_epoch();
+                    for e in [&es.fuel, &es.pooled] {
+                        if let Some(Ok(e)) = e.get() {
+                            e.increment_epoch();
+                        }
                     }
                 }
             }
@@ -253,7 +312,30 @@ impl Slot {
     }
 }
 
+thread_local! {
+    /// What the current guest job handed to [`drop_after_reply`]; `None` off guest threads.
+    static AFTER_REPLY: std::cell::RefCell<Option<Vec<Box<dyn Send>>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Drops `v` on this guest thread once its job has sent its reply (a pooled store: cheap to
+/// drop, but not on the caller's clock), or on the janitor off a guest thread.
+pub(crate) fn drop_after_reply<T: Send + 'static>(v: T) {
+    let mut v = Some(v);
+    AFTER_REPLY.with(|a| {
+        if let Some(list) = a.borrow_mut().as_mut() {
+            if let Some(v) = v.take() {
+                list.push(Box::new(v));
+            }
+        }
+    });
+    if let Some(v) = v {
+        drop_later(v);
+    }
+}
+
 fn worker_loop(first: Job) {
+    AFTER_REPLY.with(|a| *a.borrow_mut() = Some(Vec::new()));
     run_job(first);
     let slot = Arc::new(Slot {
         job: Mutex::new(None),
@@ -272,6 +354,10 @@ fn run_job(job: Job) {
     // A panic in a guest job must not kill the thread silently: the job's result channel
     // is dropped, which the submitter reports as an error.
     let _ = std::panic::catch_unwind(AssertUnwindSafe(job));
+    let later = AFTER_REPLY.with(|a| a.borrow_mut().as_mut().map(std::mem::take));
+    for item in later.into_iter().flatten() {
+        let _ = std::panic::catch_unwind(AssertUnwindSafe(move || drop(item)));
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -486,15 +572,13 @@ pub(crate) fn shared_linker(
 ) -> Result<&'static Linker<Host>> {
     static PLAIN: LinkerCell = OnceLock::new();
     static FUEL: LinkerCell = OnceLock::new();
-    linker_cell(
-        if flavor == Flavor::Plain {
-            &PLAIN
-        } else {
-            &FUEL
-        },
-        flavor,
-        build,
-    )
+    static POOLED: LinkerCell = OnceLock::new();
+    let cell = match flavor {
+        Flavor::Plain => &PLAIN,
+        Flavor::Fuel => &FUEL,
+        Flavor::Pooled => &POOLED,
+    };
+    linker_cell(cell, flavor, build)
 }
 
 /// CPU time consumed by the calling thread.
@@ -522,6 +606,7 @@ mod tests {
     fn engines_build_and_threads_have_big_stacks() {
         engine(Flavor::Plain).unwrap();
         engine(Flavor::Fuel).unwrap();
+        engine(Flavor::Pooled).unwrap();
         // Recursing over 3 MiB deep would overflow a default 2 MiB thread.
         let depth = on_guest_thread_blocking(|| {
             fn rec(n: usize) -> usize {

@@ -60,25 +60,72 @@ pub(crate) fn run(r: ModuleRun) -> Result<ModuleOutcome> {
             format!("module is larger than {MAX_MODULE_BYTES} bytes"),
         ));
     }
-    let pre = match engine::user_module(r.flavor, &r.bytes)? {
-        Ok(p) => p,
-        Err(msg) => return Ok(refused(r.output_cap, 126, msg)),
+    // Unmetered modules run from the pool when they fit it and a slot is free.
+    let mut flavor = match r.flavor {
+        Flavor::Plain => Flavor::Pooled,
+        f => f,
     };
-    let mut store = host::new_store(StoreSetup {
-        flavor: r.flavor,
-        args: r.argv,
-        env: r.env,
-        preopens: r.preopens,
-        output_cap: r.output_cap,
-        memory_cap: r.memory_cap,
-        open_files: r.open_files,
-        tools: r.tools,
-    })?;
-    store.data().stdin.set(r.stdin);
+    let (mut pre, mut store) = loop {
+        let pre = match engine::user_module(flavor, &r.bytes) {
+            Ok(Ok(p)) => p,
+            // The pooled engine also refuses modules its slots cannot hold (e.g. two
+            // memories), and may not exist (a host that refuses its address-space
+            // reservation, e.g. under RLIMIT_AS): the plain engine then decides.
+            Ok(Err(_)) | Err(_) if flavor == Flavor::Pooled => {
+                flavor = Flavor::Plain;
+                continue;
+            }
+            Ok(Err(msg)) => return Ok(refused(r.output_cap, 126, msg)),
+            Err(e) => return Err(e),
+        };
+        if flavor == Flavor::Pooled && !engine::fits_pool(pre.module()) {
+            flavor = Flavor::Plain;
+            continue;
+        }
+        let store = host::new_store(StoreSetup {
+            flavor,
+            args: r.argv.clone(),
+            env: r.env.clone(),
+            preopens: r.preopens.clone(),
+            output_cap: r.output_cap,
+            memory_cap: r.memory_cap,
+            open_files: r.open_files,
+            tools: r.tools.clone(),
+        })?;
+        break (pre, store);
+    };
+    store.data().stdin.set(r.stdin.clone());
     store.data().set_taps(r.taps.as_ref());
-    let guard = host::arm(&mut store, r.limits)?;
+    let mut guard = host::arm(&mut store, r.limits)?;
+    let mut instance = pre.instantiate(&mut store);
+    if flavor == Flavor::Pooled && instance.as_ref().is_err_and(engine::pool_exhausted) {
+        // Every pool slot is busy: this one runs on the plain engine.
+        drop(guard);
+        flavor = Flavor::Plain;
+        pre = match engine::user_module(flavor, &r.bytes)? {
+            Ok(p) => p,
+            Err(msg) => return Ok(refused(r.output_cap, 126, msg)),
+        };
+        engine::drop_after_reply(std::mem::replace(
+            &mut store,
+            host::new_store(StoreSetup {
+                flavor,
+                args: r.argv,
+                env: r.env,
+                preopens: r.preopens,
+                output_cap: r.output_cap,
+                memory_cap: r.memory_cap,
+                open_files: r.open_files,
+                tools: r.tools,
+            })?,
+        ));
+        store.data().stdin.set(r.stdin);
+        store.data().set_taps(r.taps.as_ref());
+        guard = host::arm(&mut store, r.limits)?;
+        instance = pre.instantiate(&mut store);
+    }
     let result = (|| -> wasmtime::Result<Option<i32>> {
-        let instance = pre.instantiate(&mut store)?;
+        let instance = instance?;
         let Ok(start) = instance.get_typed_func::<(), ()>(&mut store, "_start") else {
             return Ok(None);
         };
@@ -119,7 +166,13 @@ pub(crate) fn run(r: ModuleRun) -> Result<ModuleOutcome> {
         stderr: h.stderr.take(0),
         note,
     };
-    // The folders stay held (never recycled) until the store's handles are closed.
-    engine::drop_later((store, r.scratch));
+    // The folders stay held (never recycled) until the store's handles are closed. A pooled
+    // store is cheap to drop (its slot is reset in place): right after the reply; a plain
+    // one unmaps its memory: on the janitor.
+    if flavor == Flavor::Pooled {
+        engine::drop_after_reply((store, r.scratch));
+    } else {
+        engine::drop_later((store, r.scratch));
+    }
     Ok(outcome)
 }

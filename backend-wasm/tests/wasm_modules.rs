@@ -279,3 +279,63 @@ async fn limits_wall_fuel_memory_output_files() {
         "hello wasm\n"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pooled_slots_are_clean_and_overflow_to_the_plain_engine() {
+    let b = WasmBackend::new();
+    let spec = SandboxSpec::builder(Language::Wasm)
+        .wall_time(Duration::from_millis(400))
+        .build()
+        .unwrap();
+    // A reused slot starts from zero: each run reads a cell the previous run wrote.
+    let dirty = module(
+        r#"(data (i32.const 64) "clean\n") (data (i32.const 80) "dirty\n")
+        (func (export "_start")
+          (if (i32.load (i32.const 4096))
+            (then (call $write (i32.const 1) (i32.const 80) (i32.const 6)))
+            (else (call $write (i32.const 1) (i32.const 64) (i32.const 6))))
+          (i32.store (i32.const 4096) (i32.const 1)))"#,
+    );
+    let sb = wasm_sandbox(&b, spec.clone()).await;
+    for _ in 0..20 {
+        let r = common::run(sb.as_ref(), &dirty).await;
+        assert_eq!(r.stdout_str(), "clean\n", "{r:?}");
+    }
+    // A module the pool's slots cannot hold (two memories) runs on the plain engine.
+    let two = r#"(module
+      (import "wasi_snapshot_preview1" "fd_write" (func $w (param i32 i32 i32 i32) (result i32)))
+      (memory (export "memory") 1) (memory $second 1)
+      (data (i32.const 16) "two memories\n")
+      (func (export "_start")
+        (i32.store (i32.const 0) (i32.const 16)) (i32.store (i32.const 4) (i32.const 13))
+        (i32.store $second (i32.const 0) (i32.const 7))
+        (drop (call $w (i32.const 1) (i32.const 0) (i32.const 1) (i32.const 8)))))"#;
+    let r = common::run(sb.as_ref(), two).await;
+    assert_eq!(r.stdout_str(), "two memories\n", "{r:?}");
+    // More concurrent runs than pool slots (128): the extra ones take the plain engine,
+    // and every run ends the same way (its wall deadline).
+    let spin = module(r#"(func (export "_start") (loop $l (br $l)))"#);
+    let runs = (0..140).map(|_| {
+        let (b, spec, spin) = (b.clone(), spec.clone(), spin.clone());
+        tokio::spawn(async move {
+            let sb = wasm_sandbox(&b, spec).await;
+            common::run(sb.as_ref(), &spin).await
+        })
+    });
+    for r in futures_join(runs).await {
+        assert_eq!(r.limit, Some(LimitKind::WallTime), "{r:?}");
+    }
+    // Afterwards the pool serves again.
+    let r = common::run(sb.as_ref(), &hello()).await;
+    assert_eq!(r.stdout_str(), "hello wasm\n");
+}
+
+async fn futures_join(
+    handles: impl Iterator<Item = tokio::task::JoinHandle<sandbox_core::ExecResult>>,
+) -> Vec<sandbox_core::ExecResult> {
+    let mut out = Vec::new();
+    for h in handles.collect::<Vec<_>>() {
+        out.push(h.await.unwrap());
+    }
+    out
+}
