@@ -57,6 +57,13 @@
 //! hold (two memories, a huge table) compiles for the plain engine instead, and so does a
 //! run that finds all 128 slots busy.
 //!
+//! ## Components
+//! WebAssembly components (the component model, WASI 0.2) are refused with
+//! [`sandbox_core::Error::Unsupported`] naming them: every limit of this tier on a module
+//! (output caps while written, open files, the preopen rules, the `host.call` door) lives in
+//! our own shadows of preview-1 functions, and WASI 0.2's resource-based streams and
+//! filesystem would each need them again. Build for `wasm32-wasip1`.
+//!
 //! ## Caching
 //! - User modules: compiled once per process per (content SHA-256, engine flavour), kept as
 //!   `InstancePre` (linking done once).

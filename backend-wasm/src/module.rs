@@ -51,6 +51,30 @@ fn refused(cap: u64, code: i32, msg: String) -> ModuleOutcome {
     }
 }
 
+/// Whether `bytes` is a WebAssembly component (binary: the `\0asm` magic with the
+/// component layer; text: a `(component` form) rather than a core module. Components are
+/// not run: our limits (output caps, open files, preopen rules) are enforced by our own
+/// preview-1 functions, which WASI 0.2's resource-based streams would each need again.
+pub(crate) fn is_component(bytes: &[u8]) -> bool {
+    if bytes.starts_with(b"\0asm") {
+        return bytes.get(6..8) == Some(&[0x01, 0x00]);
+    }
+    let text = String::from_utf8_lossy(&bytes[..bytes.len().min(4096)]);
+    let mut rest = text.trim_start();
+    // Skip leading `;;` line comments and `(; ;)` block comments.
+    loop {
+        if let Some(r) = rest.strip_prefix(";;") {
+            rest = r.split_once('\n').map_or("", |(_, r)| r).trim_start();
+        } else if let Some(r) = rest.strip_prefix("(;") {
+            rest = r.split_once(";)").map_or("", |(_, r)| r).trim_start();
+        } else {
+            break;
+        }
+    }
+    rest.strip_prefix('(')
+        .is_some_and(|r| r.trim_start().starts_with("component"))
+}
+
 /// Runs a module to completion. Blocking: call on a guest thread.
 pub(crate) fn run(r: ModuleRun) -> Result<ModuleOutcome> {
     if r.bytes.len() > MAX_MODULE_BYTES {
@@ -175,4 +199,19 @@ pub(crate) fn run(r: ModuleRun) -> Result<ModuleOutcome> {
         engine::drop_later((store, r.scratch));
     }
     Ok(outcome)
+}
+
+#[cfg(test)]
+mod component_tests {
+    use super::is_component;
+
+    #[test]
+    fn components_are_told_apart_from_core_modules() {
+        // Core module: version 1, layer 0. Component: version 0x0d, layer 1.
+        assert!(!is_component(b"\0asm\x01\x00\x00\x00"));
+        assert!(is_component(b"\0asm\x0d\x00\x01\x00"));
+        assert!(!is_component(b"(module)"));
+        assert!(is_component(b"  ;; a comment\n (; block ;) ( component)"));
+        assert!(!is_component(b""));
+    }
 }

@@ -476,6 +476,13 @@ impl Inner {
         mut t: TimelineRecorder,
         taps: Option<Taps>,
     ) -> Result<ExecResult> {
+        if module::is_component(&bytes) {
+            return Err(Error::unsupported(
+                TIER,
+                "WebAssembly components (the component model, WASI 0.2): this tier runs WASI \
+                 preview-1 command modules; build for `wasm32-wasip1`",
+            ));
+        }
         let cwd = match &req.cwd {
             Some(c) => self.host_path(c)?,
             None => self.workspace()?.to_path_buf(),

@@ -339,3 +339,22 @@ async fn futures_join(
     }
     out
 }
+
+#[tokio::test]
+async fn components_are_refused_as_unsupported_by_name() {
+    let b = WasmBackend::new();
+    let sb = wasm_sandbox(&b, SandboxSpec::new(Language::Wasm)).await;
+    let err = sb
+        .exec(ExecRequest::code("(component)"))
+        .await
+        .expect_err("a component is not a preview-1 command");
+    match err {
+        sandbox_core::Error::Unsupported { what, .. } => {
+            assert!(what.contains("components"), "{what}")
+        }
+        other => panic!("{other:?}"),
+    }
+    // The sandbox is unharmed.
+    let r = common::run(sb.as_ref(), &hello()).await;
+    assert_eq!(r.stdout_str(), "hello wasm\n");
+}
