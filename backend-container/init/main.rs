@@ -306,19 +306,7 @@ fn run_op(op: &Op, fds: &mut Vec<OwnedFd>) -> io::Result<()> {
                 )
             })
         }
-        Op::Bind { src, dst } => {
-            let (s, d) = (cstr(src)?, cstr(dst)?);
-            // SAFETY: valid strings; NULL fstype/data are allowed for bind mounts.
-            check(unsafe {
-                mount(
-                    s.as_ptr(),
-                    d.as_ptr(),
-                    std::ptr::null(),
-                    MS_BIND | MS_REC,
-                    std::ptr::null(),
-                )
-            })
-        }
+        Op::Bind { src, dst } => check(bind(&cstr(src)?, &cstr(dst)?, MS_BIND | MS_REC)),
         Op::SetAttr {
             path,
             set,
@@ -467,6 +455,20 @@ fn run_op(op: &Op, fds: &mut Vec<OwnedFd>) -> io::Result<()> {
     }
 }
 
+/// `mount(src, dst, NULL, flags, NULL)`: a bind mount (`flags` has `MS_BIND`).
+fn bind(src: &CString, dst: &CString, flags: u64) -> c_int {
+    // SAFETY: NUL-terminated paths; NULL fstype/data are allowed for bind mounts.
+    unsafe {
+        mount(
+            src.as_ptr(),
+            dst.as_ptr(),
+            std::ptr::null(),
+            flags,
+            std::ptr::null(),
+        )
+    }
+}
+
 /// The overlay's lower layer: the detached mount the library passed (idmapped), else a
 /// read-only bind of `src` (not recursive: submounts of a rootfs are not part of it).
 fn lower(src: &str, dst: &str, fds: &mut Vec<OwnedFd>) -> io::Result<()> {
@@ -487,28 +489,10 @@ fn lower(src: &str, dst: &str, fds: &mut Vec<OwnedFd>) -> io::Result<()> {
         } as c_int);
     }
     let s = cstr(src)?;
-    // SAFETY: bind mount between NUL-terminated paths; NULL fstype/data are allowed.
-    let mut r = unsafe {
-        mount(
-            s.as_ptr(),
-            d.as_ptr(),
-            std::ptr::null(),
-            MS_BIND,
-            std::ptr::null(),
-        )
-    };
+    let mut r = bind(&s, &d, MS_BIND);
     if r < 0 && errno() == 22 {
         // Locked submounts beneath `src` (user namespace): only a recursive bind is allowed.
-        // SAFETY: as above.
-        r = unsafe {
-            mount(
-                s.as_ptr(),
-                d.as_ptr(),
-                std::ptr::null(),
-                MS_BIND | MS_REC,
-                std::ptr::null(),
-            )
-        };
+        r = bind(&s, &d, MS_BIND | MS_REC);
     }
     check(r)?;
     let attr = MountAttr {

@@ -303,30 +303,13 @@ async fn leftovers_of_a_dead_process_are_swept() {
     assert!(dirs.iter().all(|d| !d.exists()), "not swept: {dirs:?}");
 }
 
-/// Our children named `comm` (their pids).
-fn children_named(comm: &str) -> Vec<i32> {
-    let me = std::process::id().to_string();
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
-        .filter_map(|s| {
-            let (head, tail) = s.split_at(s.rfind(')')?);
-            let name = &head[head.find('(')? + 1..];
-            let mut f = tail[1..].split_whitespace();
-            let (_state, ppid) = (f.next()?, f.next()?);
-            (name == comm && ppid == me).then(|| head.split(' ').next()?.parse().ok())?
-        })
-        .collect()
-}
-
 #[tokio::test]
 async fn a_killed_zygote_is_replaced_on_the_next_create() {
     require_host!();
     let b = backend();
     let sb = create(Language::Shell).await;
     sb.destroy().await.unwrap();
-    let zygotes = children_named("asb-zygote");
+    let zygotes = common::children_named("asb-zygote");
     assert_eq!(zygotes.len(), 1, "one fork server per process: {zygotes:?}");
     // SAFETY: kills and reaps our own child.
     unsafe {
@@ -341,7 +324,7 @@ async fn a_killed_zygote_is_replaced_on_the_next_create() {
         assert_eq!(sh_ok(sb.as_ref(), "echo ok").await, "ok\n");
         sb.destroy().await.unwrap();
     }
-    let now = children_named("asb-zygote");
+    let now = common::children_named("asb-zygote");
     assert_eq!(now.len(), 1, "{now:?}");
     assert_ne!(now[0], zygotes[0]);
 }

@@ -102,19 +102,35 @@ pub fn count_sandbox_cgroups() -> usize {
         .count()
 }
 
-/// Our direct children (zombies included).
-pub fn count_children() -> usize {
+/// Our direct children (zombies included): (pid, command name).
+pub fn children() -> Vec<(i32, String)> {
     let me = std::process::id().to_string();
     std::fs::read_dir("/proc")
         .unwrap()
         .flatten()
         .filter_map(|e| std::fs::read_to_string(e.path().join("stat")).ok())
-        .filter(|s| {
-            s.rfind(')')
-                .and_then(|i| s[i + 1..].split_whitespace().nth(1).map(|p| p == me))
-                .unwrap_or(false)
+        .filter_map(|s| {
+            // `pid (comm) state ppid ...`; comm may hold spaces and parentheses.
+            let (head, tail) = s.split_at(s.rfind(')')?);
+            let (pid, comm) = head.split_once(" (")?;
+            let ppid = tail[1..].split_whitespace().nth(1)?;
+            (ppid == me).then(|| Some((pid.parse().ok()?, comm.to_string())))?
         })
-        .count()
+        .collect()
+}
+
+/// How many [`children`] we have.
+pub fn count_children() -> usize {
+    children().len()
+}
+
+/// Our children named `comm` (their pids).
+pub fn children_named(comm: &str) -> Vec<i32> {
+    children()
+        .into_iter()
+        .filter(|(_, c)| c == comm)
+        .map(|(p, _)| p)
+        .collect()
 }
 
 /// Processes running as a host uid inside `[lo, hi)`.
