@@ -305,13 +305,21 @@ fn container(c: &mut Criterion) {
     rt.block_on(pool.shutdown());
     g.finish();
 
-    // Idle footprint: the init (pid 1 of the sandbox) after a command ran.
+    // Idle footprint: the init (pid 1 of the sandbox) and its spare supervisor after a
+    // command ran. PSS counts the pages they share with each other and the zygote once.
     let idle = rt.block_on(backend.create_container(&spec)).unwrap();
     rt.block_on(idle.exec(ExecRequest::argv(["/bin/true"])))
         .unwrap();
     std::thread::sleep(Duration::from_millis(300));
     let (rss, pss) = pss_rss_kib(idle.init_pid());
     eprintln!("idle sandbox init: RSS {rss} KiB, PSS {pss} KiB");
+    let children =
+        std::fs::read_to_string(format!("/proc/{p}/task/{p}/children", p = idle.init_pid()))
+            .unwrap_or_default();
+    for child in children.split_whitespace() {
+        let (rss, pss) = pss_rss_kib(child.parse().unwrap());
+        eprintln!("  its spare supervisor (pid {child}): RSS {rss} KiB, PSS {pss} KiB");
+    }
     rt.block_on(async {
         idle.destroy().await.unwrap();
         live.destroy().await.unwrap();
