@@ -241,8 +241,7 @@ impl CgroupHost {
                     }
                     let _ = write(&dir.join("memory.swappiness"), "0");
                 }
-                // +1: the init counts too.
-                "pids" => write(&dir.join("pids.max"), &(u64::from(l.pids) + 1).to_string())?,
+                "pids" => write(&dir.join("pids.max"), &pids_max(l).to_string())?,
                 "cpu" => {
                     let period = 100_000u64;
                     let quota = u64::from(l.cpu_millis) * period / 1000;
@@ -268,7 +267,7 @@ impl CgroupHost {
         cg.dirs.push(("unified".into(), dir.clone()));
         write(&dir.join("memory.max"), &l.memory_bytes.to_string())?;
         let _ = write(&dir.join("memory.swap.max"), "0");
-        write(&dir.join("pids.max"), &(u64::from(l.pids) + 1).to_string())?;
+        write(&dir.join("pids.max"), &pids_max(l).to_string())?;
         let period = 100_000u64;
         let quota = (u64::from(l.cpu_millis) * period / 1000).max(1000);
         let _ = write(&dir.join("cpu.max"), &format!("{quota} {period}"));
@@ -459,6 +458,12 @@ pub(crate) fn kill_procs(dir: &Path) -> bool {
         std::thread::sleep(Duration::from_micros(200));
     }
     false
+}
+
+/// `pids.max` for `limits.pids`: the init and its spare supervisor count too, so the
+/// sandbox's own processes (each exec's supervisor included) get the spec's number.
+fn pids_max(l: &Limits) -> u64 {
+    u64::from(l.pids) + 2
 }
 
 /// The value of `key` in a flat-keyed cgroup file (`key value` lines), 0 if absent.

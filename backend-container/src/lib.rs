@@ -88,7 +88,7 @@
 //! carries it, and again whenever an exec's supervisor has exited, so its fork does not
 //! compete with a running command): an exec is handed to it over a private socket instead
 //! of paying a `fork` on its critical path; with no spare (concurrent execs) the init forks
-//! one as before. A spare costs a process slot of the sandbox's pids limit and ~0.25 MiB
+//! one as before. A spare takes a process slot (`pids.max` allows for it) and ~0.2-0.25 MiB
 //! PSS. The supervisor starts the command with `clone(CLONE_VM | CLONE_VFORK)`: the child shares
 //! the supervisor's memory until it execs (no page-table copy, no copy-on-write faults) and
 //! only makes system calls on data prepared before the clone (argv, env, the `PATH`
@@ -188,8 +188,8 @@
 //! on destroy; a process that dies without destroying its sandboxes leaves them empty, and
 //! the next [`ContainerBackend`] built on the host removes those whose process is gone.
 //! **v1** (detected from `/proc/self/cgroup` and `/proc/self/mountinfo`): `memory`
-//! (`limit_in_bytes`, `memsw` when present, swappiness 0), `pids` (`pids.max` = limit + 1 for
-//! the init), `cpu` (CFS quota from `cpu_millis`), `freezer` (pause/resume). No cpuset child is
+//! (`limit_in_bytes`, `memsw` when present, swappiness 0), `pids` (`pids.max` = limit + 2 for
+//! the init and its spare supervisor), `cpu` (CFS quota from `cpu_millis`), `freezer` (pause/resume). No cpuset child is
 //! made: the sandbox stays in the caller's cpuset. **v2**: the same limits in one directory
 //! (`memory.max`, `memory.swap.max`, `pids.max`, `cpu.max`, `cgroup.freeze`), used only when
 //! no v1 memory/pids hierarchy exists; it needs a delegated cgroup (the "no internal process"
