@@ -63,6 +63,9 @@ struct Inner {
     lifecycle: Arc<RwLock<()>>,
     /// The egress enforcer and this sandbox's plan (policies other than deny-all).
     egress: Option<(Arc<dyn EgressEnforcer>, EgressPlan)>,
+    /// Whether commands start through the sandbox's control socket ([`crate::urpc`]);
+    /// cleared for good the first time that is not possible (then `runsc exec`).
+    direct: AtomicBool,
 }
 
 impl std::fmt::Debug for GvisorSandbox {
@@ -151,6 +154,7 @@ impl GvisorSandbox {
             Some(_) => Some(Runsc::new_netns()?),
             None => None,
         };
+        let netns_is_ours = netns.is_none();
         let egress = match enforcer {
             Some(e) => {
                 let plan = e.prepare(&id, &spec.network)?;
@@ -185,6 +189,9 @@ impl GvisorSandbox {
             dead: Mutex::new(None),
             born: Instant::now(),
             seq: AtomicU64::new(0),
+            // The control socket is abstract, so in the sandbox's network namespace: only
+            // reachable directly when that is ours.
+            direct: AtomicBool::new(netns_is_ours),
             lifecycle: Arc::new(RwLock::new(())),
             egress,
         });
@@ -481,6 +488,15 @@ impl Inner {
         env.extend(extra);
         env.extend(req.env.clone());
         let env: Vec<String> = env.into_iter().map(|(k, v)| format!("{k}={v}")).collect();
+        if self.direct.load(Ordering::SeqCst) {
+            match self
+                .run_direct(&argv, &env, &cwd, &req, &sink, &mut t)
+                .await?
+            {
+                Some(r) => return Ok(r),
+                None => self.direct.store(false, Ordering::SeqCst),
+            }
+        }
         let process = bundle::process(argv, env, &cwd, self.who, &self.spec)?;
         let n = self.seq.fetch_add(1, Ordering::SeqCst);
         let pfile = self.dir.join(format!("exec-{n}.json"));
@@ -535,10 +551,15 @@ impl Inner {
             mk(StreamKind::Stderr),
         ));
         let timeout = req.effective_timeout(self.spec.limits.wall_time());
-        let (status, mut limit) = match tokio::time::timeout(timeout, child.wait()).await {
+        let (status, limit) = match tokio::time::timeout(timeout, child.wait()).await {
             Ok(s) => (s.map_err(|e| Error::io("wait for runsc exec", e))?, None),
             Err(_) => {
-                self.kill_exec(&pidfile).await;
+                if let Some(pid) = std::fs::read_to_string(&pidfile)
+                    .ok()
+                    .and_then(|s| s.trim().parse::<i32>().ok())
+                {
+                    self.kill_exec(pid).await;
+                }
                 let s = match tokio::time::timeout(Duration::from_secs(10), child.wait()).await {
                     Ok(s) => s.map_err(|e| Error::io("reap runsc exec", e))?,
                     Err(_) => {
@@ -561,7 +582,20 @@ impl Inner {
         t.mark(Phase::Command);
         use std::os::unix::process::ExitStatusExt;
         let exit_code = status.code().or_else(|| status.signal().map(|s| 128 + s));
-        let mut exit_code = exit_code;
+        Ok(self.conclude(exit_code, limit, before, out, err, t).await)
+    }
+
+    /// The result of an exec whose command has ended: a non-zero end is checked against the
+    /// sandbox's cgroup counters (`before`: taken when it started) and its liveness.
+    async fn conclude(
+        &self,
+        mut exit_code: Option<i32>,
+        mut limit: Option<LimitKind>,
+        before: (Option<u64>, Option<u64>),
+        out: sandbox_core::OutputBuffer,
+        err: sandbox_core::OutputBuffer,
+        t: TimelineRecorder,
+    ) -> ExecResult {
         if limit.is_none() && exit_code != Some(0) {
             let after = self.limit_counters();
             let grew =
@@ -591,7 +625,7 @@ impl Inner {
             }
         }
         let truncated = out.truncated() || err.truncated();
-        Ok(ExecResult {
+        ExecResult {
             exit_code,
             stdout: out.finish(&self.redactor),
             stderr: err.finish(&self.redactor),
@@ -599,7 +633,164 @@ impl Inner {
             truncated,
             value: None,
             timeline: t.finish(),
+        }
+    }
+
+    /// Runs a command through the sandbox's control socket ([`crate::urpc`]): what
+    /// `runsc exec` does, without a runsc process. `Ok(None)`: that interface is not
+    /// available (nothing was started); the caller uses `runsc exec`.
+    async fn run_direct(
+        &self,
+        argv: &[String],
+        env: &[String],
+        cwd: &str,
+        req: &ExecRequest,
+        sink: &Option<mpsc::Sender<Result<ExecEvent>>>,
+        t: &mut TimelineRecorder,
+    ) -> Result<Option<ExecResult>> {
+        let io = |what: &'static str| move |e: nix::Error| Error::io(what, e.into());
+        let cloexec = nix::fcntl::OFlag::O_CLOEXEC;
+        let (out_r, out_w) = nix::unistd::pipe2(cloexec).map_err(io("create a pipe"))?;
+        let (err_r, err_w) = nix::unistd::pipe2(cloexec).map_err(io("create a pipe"))?;
+        let (stdin_r, stdin_w) = match &req.stdin {
+            Some(_) => {
+                let (r, w) = nix::unistd::pipe2(cloexec).map_err(io("create a pipe"))?;
+                (r, Some(w))
+            }
+            None => (
+                std::fs::File::open("/dev/null")
+                    .map_err(|e| Error::io("open /dev/null", e))?
+                    .into(),
+                None,
+            ),
+        };
+        let before = self.limit_counters();
+        let (id, who) = (self.id.clone(), self.who);
+        let (a, e, c) = (argv.to_vec(), env.to_vec(), cwd.to_string());
+        // Connecting, sending and the sandbox creating the process block briefly.
+        let started = tokio::task::spawn_blocking(move || {
+            use std::os::fd::AsRawFd;
+            let r = crate::urpc::execute(
+                &id,
+                &crate::urpc::Exec {
+                    argv: &a,
+                    env: &e,
+                    cwd: &c,
+                    uid: who.uid,
+                    gid: who.gid,
+                    stdio: [stdin_r.as_raw_fd(), out_w.as_raw_fd(), err_w.as_raw_fd()],
+                },
+            );
+            // The sandbox holds its own copies now: the pipes end when the command's do.
+            drop((stdin_r, out_w, err_w));
+            r
         })
+        .await
+        .map_err(|e| Error::backend(TIER, format!("exec task failed: {e}")))?;
+        let pid = match started {
+            Ok(pid) => pid,
+            Err(crate::urpc::CallError::Unavailable(why)) => {
+                tracing::debug!(sandbox = %self.id, %why, "starting commands with runsc exec");
+                return Ok(None);
+            }
+            Err(crate::urpc::CallError::Remote(why)) => {
+                // The sandbox refused to start it (e.g. no such executable): a result, like
+                // the message and status `runsc exec` gives.
+                let cap = self.spec.limits.output_bytes;
+                let mut err = sandbox_core::OutputBuffer::new(cap);
+                err.push(format!("agent-sandbox: {}: {why}\n", argv[0]).as_bytes());
+                let code = if why.contains("no such file") || why.contains("not found") {
+                    127
+                } else {
+                    126
+                };
+                t.mark(Phase::Command);
+                let r = self
+                    .conclude(
+                        Some(code),
+                        None,
+                        before,
+                        sandbox_core::OutputBuffer::new(cap),
+                        err,
+                        std::mem::take(t),
+                    )
+                    .await;
+                return Ok(Some(r));
+            }
+            Err(crate::urpc::CallError::Io(e)) => {
+                if !self.container_running().await {
+                    let reason = "the gVisor sandbox exited unexpectedly".to_string();
+                    if let Ok(mut d) = self.dead.lock() {
+                        *d = Some(reason.clone());
+                    }
+                    return Err(Error::SandboxGone {
+                        id: self.id.clone(),
+                        reason,
+                    });
+                }
+                return Err(Error::io("start a command in the gVisor sandbox", e));
+            }
+        };
+        t.mark(Phase::Allocation);
+        let reader = |fd: std::os::fd::OwnedFd| {
+            let _ = nix::fcntl::fcntl(
+                &fd,
+                nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+            );
+            tokio::net::unix::pipe::Receiver::from_owned_fd(fd).ok()
+        };
+        if let (Some(data), Some(w)) = (req.stdin.clone(), stdin_w) {
+            let _ = nix::fcntl::fcntl(
+                &w,
+                nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+            );
+            if let Ok(mut tx) = tokio::net::unix::pipe::Sender::from_owned_fd(w) {
+                tokio::spawn(async move {
+                    let _ = tx.write_all(&data).await;
+                });
+            }
+        }
+        let cap = self.spec.limits.output_bytes;
+        let mk = |k| {
+            sink.as_ref()
+                .map(|tx| StreamSink::new(tx.clone(), &self.redactor, k))
+        };
+        let out = tokio::spawn(pump_output(reader(out_r), cap, mk(StreamKind::Stdout)));
+        let err = tokio::spawn(pump_output(reader(err_r), cap, mk(StreamKind::Stderr)));
+        let id = self.id.clone();
+        let mut wait = tokio::task::spawn_blocking(move || crate::urpc::wait_pid(&id, pid));
+        let timeout = req.effective_timeout(self.spec.limits.wall_time());
+        let (status, limit) = match tokio::time::timeout(timeout, &mut wait).await {
+            Ok(s) => (s, None),
+            Err(_) => {
+                self.kill_exec(pid).await;
+                match tokio::time::timeout(Duration::from_secs(10), &mut wait).await {
+                    Ok(s) => (s, Some(LimitKind::WallTime)),
+                    Err(_) => {
+                        wait.abort();
+                        return Err(Error::backend(
+                            TIER,
+                            "a timed-out command did not end after SIGKILL",
+                        ));
+                    }
+                }
+            }
+        };
+        let join = |r: std::result::Result<sandbox_core::OutputBuffer, tokio::task::JoinError>| {
+            r.unwrap_or_else(|_| sandbox_core::OutputBuffer::new(0))
+        };
+        let (out, err) = (join(out.await), join(err.await));
+        t.mark(Phase::Command);
+        // A raw wait status; 128 (like `runsc exec`) when the wait itself failed.
+        let exit_code = match status {
+            Ok(Ok(ws)) if ws & 0x7f == 0 => (ws >> 8) & 0xff,
+            Ok(Ok(ws)) => 128 + (ws & 0x7f),
+            _ => 128,
+        };
+        Ok(Some(
+            self.conclude(Some(exit_code), limit, before, out, err, std::mem::take(t))
+                .await,
+        ))
     }
 
     async fn container_running(&self) -> bool {
@@ -614,15 +805,32 @@ impl Inner {
     }
 
     /// Kills a timed-out exec's whole process group inside the sandbox.
-    async fn kill_exec(&self, pidfile: &Path) {
-        let Some(pid) = std::fs::read_to_string(pidfile)
-            .ok()
-            .and_then(|s| s.trim().parse::<i32>().ok())
-        else {
-            return;
-        };
+    async fn kill_exec(&self, pid: i32) {
         let script = format!("kill -9 -{pid} 2>/dev/null; kill -9 {pid} 2>/dev/null; true");
         let env = vec!["PATH=/usr/bin:/bin".to_string()];
+        if self.direct.load(Ordering::SeqCst) {
+            let (id, who, script) = (self.id.clone(), self.who, script.clone());
+            let killed = tokio::task::spawn_blocking(move || {
+                let null = std::fs::File::open("/dev/null").ok()?;
+                use std::os::fd::AsRawFd;
+                let fd = null.as_raw_fd();
+                let argv = ["/bin/sh".to_string(), "-c".to_string(), script];
+                let env = ["PATH=/usr/bin:/bin".to_string()];
+                let x = crate::urpc::Exec {
+                    argv: &argv,
+                    env: &env,
+                    cwd: "/",
+                    uid: who.uid,
+                    gid: who.gid,
+                    stdio: [fd, fd, fd],
+                };
+                let pid = crate::urpc::execute(&id, &x).ok()?;
+                crate::urpc::wait_pid(&id, pid).ok()
+            });
+            if let Ok(Ok(Some(_))) = tokio::time::timeout(Duration::from_secs(10), killed).await {
+                return;
+            }
+        }
         let Ok(process) = bundle::process(
             vec!["/bin/sh".into(), "-c".into(), script],
             env,

@@ -151,6 +151,51 @@ async fn stdin_exit_codes_cwd_and_c() {
 }
 
 #[tokio::test]
+async fn commands_start_as_the_sandbox_user_with_its_limits_and_nothing_more() {
+    require_gvisor!();
+    let mut spec = SandboxSpec::new(Language::Shell);
+    spec.limits.open_files = 77;
+    let sb = common::sandbox(&spec).await;
+    // A name is looked up on the command's PATH; a signal ends it with 128 + n.
+    let r = sb
+        .exec(ExecRequest::argv(["sh", "-c", "echo found; kill -9 $$"]))
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.exit_code, r.stdout_str().as_str()),
+        (Some(137), "found\n")
+    );
+    // The spec's open-files limit, no core dumps, and no capability of any kind.
+    let r = sb
+        .exec(ExecRequest::code(
+            "ulimit -n; ulimit -c; id -u; grep -E '^Cap(Inh|Prm|Eff|Bnd|Amb)' /proc/self/status",
+        ))
+        .await
+        .unwrap();
+    let out = r.stdout_str();
+    let mut lines = out.lines();
+    assert_eq!(lines.next(), Some("77"), "{out}");
+    assert_eq!(lines.next(), Some("0"), "{out}");
+    assert_eq!(lines.next(), Some("1000"), "{out}");
+    let caps: Vec<&str> = lines.collect();
+    // gVisor's /proc/self/status has no CapAmb line.
+    assert_eq!(caps.len(), 4, "{out}");
+    assert!(
+        caps.iter().all(|l| l.ends_with("0000000000000000")),
+        "{out}"
+    );
+    // A missing executable is a result with a message, not an error; the sandbox goes on.
+    let r = sb
+        .exec(ExecRequest::argv(["/no/such/program"]))
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, Some(127), "{r:?}");
+    assert!(!r.stderr.is_empty(), "{r:?}");
+    let r = sb.exec(ExecRequest::code("echo still here")).await.unwrap();
+    assert_eq!(r.stdout_str(), "still here\n");
+}
+
+#[tokio::test]
 async fn wall_timeout_kills_the_exec_tree_and_the_sandbox_survives() {
     require_gvisor!();
     let sb = common::sandbox(&SandboxSpec::new(Language::Shell)).await;
