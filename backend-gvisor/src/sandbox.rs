@@ -154,7 +154,6 @@ impl GvisorSandbox {
             Some(_) => Some(Runsc::new_netns()?),
             None => None,
         };
-        let netns_is_ours = netns.is_none();
         let egress = match enforcer {
             Some(e) => {
                 let plan = e.prepare(&id, &spec.network)?;
@@ -189,9 +188,7 @@ impl GvisorSandbox {
             dead: Mutex::new(None),
             born: Instant::now(),
             seq: AtomicU64::new(0),
-            // The control socket is abstract, so in the sandbox's network namespace: only
-            // reachable directly when that is ours.
-            direct: AtomicBool::new(netns_is_ours),
+            direct: AtomicBool::new(!backend.config.runsc_exec),
             lifecycle: Arc::new(RwLock::new(())),
             egress,
         });
@@ -581,7 +578,15 @@ impl Inner {
         let (out, err) = (join(out.await), join(err.await));
         t.mark(Phase::Command);
         use std::os::unix::process::ExitStatusExt;
-        let exit_code = status.code().or_else(|| status.signal().map(|s| 128 + s));
+        let mut exit_code = status.code().or_else(|| status.signal().map(|s| 128 + s));
+        if exit_code == Some(128) {
+            // runsc exec's own failure to start the program: 127 when it does not exist,
+            // as the control-socket path (and a shell) reports it.
+            let text = String::from_utf8_lossy(err.peek());
+            if text.contains("failed to load") && text.contains("no such file or directory") {
+                exit_code = Some(127);
+            }
+        }
         Ok(self.conclude(exit_code, limit, before, out, err, t).await)
     }
 
@@ -665,13 +670,14 @@ impl Inner {
             ),
         };
         let before = self.limit_counters();
-        let (id, who) = (self.id.clone(), self.who);
+        let (id, who, ns) = (self.id.clone(), self.who, self.runsc.netns.clone());
         let (a, e, c) = (argv.to_vec(), env.to_vec(), cwd.to_string());
         // Connecting, sending and the sandbox creating the process block briefly.
         let started = tokio::task::spawn_blocking(move || {
             use std::os::fd::AsRawFd;
             let r = crate::urpc::execute(
                 &id,
+                ns.as_deref(),
                 &crate::urpc::Exec {
                     argv: &a,
                     env: &e,
@@ -757,8 +763,9 @@ impl Inner {
         };
         let out = tokio::spawn(pump_output(reader(out_r), cap, mk(StreamKind::Stdout)));
         let err = tokio::spawn(pump_output(reader(err_r), cap, mk(StreamKind::Stderr)));
-        let id = self.id.clone();
-        let mut wait = tokio::task::spawn_blocking(move || crate::urpc::wait_pid(&id, pid));
+        let (id, ns) = (self.id.clone(), self.runsc.netns.clone());
+        let mut wait =
+            tokio::task::spawn_blocking(move || crate::urpc::wait_pid(&id, ns.as_deref(), pid));
         let timeout = req.effective_timeout(self.spec.limits.wall_time());
         let (status, limit) = match tokio::time::timeout(timeout, &mut wait).await {
             Ok(s) => (s, None),
@@ -810,6 +817,7 @@ impl Inner {
         let env = vec!["PATH=/usr/bin:/bin".to_string()];
         if self.direct.load(Ordering::SeqCst) {
             let (id, who, script) = (self.id.clone(), self.who, script.clone());
+            let ns = self.runsc.netns.clone();
             let killed = tokio::task::spawn_blocking(move || {
                 let null = std::fs::File::open("/dev/null").ok()?;
                 use std::os::fd::AsRawFd;
@@ -824,8 +832,8 @@ impl Inner {
                     gid: who.gid,
                     stdio: [fd, fd, fd],
                 };
-                let pid = crate::urpc::execute(&id, &x).ok()?;
-                crate::urpc::wait_pid(&id, pid).ok()
+                let pid = crate::urpc::execute(&id, ns.as_deref(), &x).ok()?;
+                crate::urpc::wait_pid(&id, ns.as_deref(), pid).ok()
             });
             if let Ok(Ok(Some(_))) = tokio::time::timeout(Duration::from_secs(10), killed).await {
                 return;

@@ -6,9 +6,10 @@
 //! themselves cost ~5 ms, so the backend makes them directly.
 //!
 //! ## The protocol
-//! The socket is the abstract Unix stream socket `@runsc-sandbox.<id>\0`; abstract sockets
-//! belong to a network namespace, so only sandboxes in ours are reached this way. Each call
-//! uses its own connection:
+//! The socket is the abstract Unix stream socket `@runsc-sandbox.<id>\0`. Abstract sockets
+//! belong to a network namespace: for a sandbox in a namespace of its own (egress), the
+//! connection is made from a short-lived thread that joined it (a socket keeps the namespace
+//! it was made in). Each call uses its own connection:
 //! 1. The request is one JSON object `{"method": ..., "arg": ...}`, sent with its file
 //!    descriptors (SCM_RIGHTS) attached to its first bytes.
 //! 2. The reply is one JSON object `{"success": bool, "err": string, "result": ...}`.
@@ -27,6 +28,7 @@
 //! [`CallError::Unavailable`], and the caller falls back to `runsc exec` for good. A command
 //! that did start is never started twice.
 
+use std::fs::File;
 use std::io::{self, Read};
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::linux::net::SocketAddrExt;
@@ -56,23 +58,42 @@ impl std::fmt::Display for CallError {
     }
 }
 
-fn connect(id: &str) -> Result<UnixStream, CallError> {
+/// Connects to sandbox `id`'s control socket, in network namespace `netns` (ours if `None`).
+fn connect(id: &str, netns: Option<&File>) -> Result<UnixStream, CallError> {
     let name = format!("runsc-sandbox.{id}\0");
     let addr = SocketAddr::from_abstract_name(name.as_bytes())
         .map_err(|e| CallError::Unavailable(format!("socket name: {e}")))?;
-    UnixStream::connect_addr(&addr).map_err(|e| CallError::Unavailable(format!("connect: {e}")))
+    let dial = || {
+        UnixStream::connect_addr(&addr).map_err(|e| CallError::Unavailable(format!("connect: {e}")))
+    };
+    let Some(ns) = netns else { return dial() };
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            // SAFETY: setns moves only this thread, which ends right after the connect.
+            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return Err(CallError::Unavailable(format!(
+                    "join the sandbox's network namespace: {}",
+                    io::Error::last_os_error()
+                )));
+            }
+            dial()
+        })
+        .join()
+        .unwrap_or_else(|_| Err(CallError::Unavailable("connect thread panicked".into())))
+    })
 }
 
 /// One call: sends `method(arg)` with `fds`, returns the `result`. `timeout` bounds the wait
 /// for the reply (`None`: wait as long as it takes).
 fn call(
     id: &str,
+    netns: Option<&File>,
     method: &str,
     arg: Value,
     fds: &[RawFd],
     timeout: Option<Duration>,
 ) -> Result<Value, CallError> {
-    let mut s = connect(id)?;
+    let mut s = connect(id, netns)?;
     let body = serde_json::to_vec(&json!({ "method": method, "arg": arg }))
         .map_err(|e| CallError::Unavailable(e.to_string()))?;
     let iov = [io::IoSlice::new(&body)];
@@ -139,7 +160,7 @@ pub(crate) struct Exec<'a> {
 }
 
 /// Starts a process in container `id` (no capabilities at all); returns its pid there.
-pub(crate) fn execute(id: &str, x: &Exec<'_>) -> Result<i32, CallError> {
+pub(crate) fn execute(id: &str, netns: Option<&File>, x: &Exec<'_>) -> Result<i32, CallError> {
     let none = json!({
         "PermittedCaps": 0, "InheritableCaps": 0, "EffectiveCaps": 0,
         "BoundingCaps": 0, "AmbientCaps": 0,
@@ -161,6 +182,7 @@ pub(crate) fn execute(id: &str, x: &Exec<'_>) -> Result<i32, CallError> {
     });
     let r = call(
         id,
+        netns,
         "containerManager.ExecuteAsync",
         arg,
         &x.stdio,
@@ -173,9 +195,10 @@ pub(crate) fn execute(id: &str, x: &Exec<'_>) -> Result<i32, CallError> {
 }
 
 /// Waits for process `pid` of container `id`; returns its raw wait status.
-pub(crate) fn wait_pid(id: &str, pid: i32) -> Result<i32, CallError> {
+pub(crate) fn wait_pid(id: &str, netns: Option<&File>, pid: i32) -> Result<i32, CallError> {
     let r = call(
         id,
+        netns,
         "containerManager.WaitPID",
         json!({ "PID": pid, "CID": id }),
         &[],
@@ -192,7 +215,7 @@ mod tests {
 
     #[test]
     fn a_missing_sandbox_is_unavailable_not_an_error() {
-        let e = wait_pid("no-such-sandbox-for-this-test", 1).unwrap_err();
+        let e = wait_pid("no-such-sandbox-for-this-test", None, 1).unwrap_err();
         assert!(matches!(e, CallError::Unavailable(_)), "{e}");
     }
 
@@ -235,6 +258,7 @@ mod tests {
         let (argv, env) = (vec!["/bin/true".to_string()], vec!["A=b".to_string()]);
         let pid = execute(
             &id,
+            None,
             &Exec {
                 argv: &argv,
                 env: &env,

@@ -153,9 +153,21 @@ async fn stdin_exit_codes_cwd_and_c() {
 #[tokio::test]
 async fn commands_start_as_the_sandbox_user_with_its_limits_and_nothing_more() {
     require_gvisor!();
+    // Through the control socket (the default), and through `runsc exec` processes.
+    for runsc_exec in [false, true] {
+        let b = backend_gvisor::GvisorBackend::new(
+            backend_gvisor::GvisorConfig::default().runsc_exec(runsc_exec),
+        );
+        same_start_semantics(&b).await;
+    }
+}
+
+async fn same_start_semantics(b: &backend_gvisor::GvisorBackend) {
+    use sandbox_core::{Backend, ResolvedSecrets};
     let mut spec = SandboxSpec::new(Language::Shell);
     spec.limits.open_files = 77;
-    let sb = common::sandbox(&spec).await;
+    spec.limits.wall_time_ms = 3_000;
+    let sb = b.create(&spec, ResolvedSecrets::none()).await.unwrap();
     // A name is looked up on the command's PATH; a signal ends it with 128 + n.
     let r = sb
         .exec(ExecRequest::argv(["sh", "-c", "echo found; kill -9 $$"]))
@@ -191,9 +203,26 @@ async fn commands_start_as_the_sandbox_user_with_its_limits_and_nothing_more() {
         .unwrap();
     assert_eq!(r.exit_code, Some(127), "{r:?}");
     assert!(!r.stderr.is_empty(), "{r:?}");
+    // stdin, and a wall timeout that kills the command's whole group.
+    let r = sb
+        .exec(ExecRequest::code("read x; echo got $x; sleep 100 & sleep 100").stdin("in\n"))
+        .await
+        .unwrap();
+    assert_eq!(r.limit, Some(LimitKind::WallTime), "{r:?}");
+    assert_eq!(r.stdout_str(), "got in\n");
+    let r = sb
+        .exec(ExecRequest::code(COUNT_SLEEP_100_SH))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_str().trim(), "0", "{r:?}");
     let r = sb.exec(ExecRequest::code("echo still here")).await.unwrap();
     assert_eq!(r.stdout_str(), "still here\n");
+    sb.destroy().await.unwrap();
 }
+
+/// Counts processes inside whose argv is exactly `sleep 100`, in shell.
+const COUNT_SLEEP_100_SH: &str =
+    "n=0; for f in /proc/[0-9]*/cmdline; do [ \"$(tr '\\0' ' ' < $f 2>/dev/null)\" = 'sleep 100 ' ] && n=$((n+1)); done; echo $n";
 
 #[tokio::test]
 async fn wall_timeout_kills_the_exec_tree_and_the_sandbox_survives() {

@@ -316,6 +316,12 @@ impl OutputBuffer {
         self.dropped > 0
     }
 
+    /// The kept bytes as captured, **not redacted**: for a backend to inspect (e.g. an
+    /// engine's own error message), never to hand to a caller (use [`OutputBuffer::finish`]).
+    pub fn peek(&self) -> &[u8] {
+        &self.data
+    }
+
     /// The kept bytes, with secrets redacted (also a secret cut in half by the cap).
     pub fn finish(self, redactor: &Redactor) -> Vec<u8> {
         if redactor.is_empty() {
