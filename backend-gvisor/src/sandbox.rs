@@ -527,26 +527,13 @@ impl Inner {
             }
         };
         t.mark(Phase::Allocation);
-        if let (Some(data), Some(mut stdin)) = (req.stdin.clone(), child.stdin.take()) {
-            tokio::spawn(async move {
-                let _ = stdin.write_all(&data).await;
-            });
-        }
-        let cap = self.spec.limits.output_bytes;
-        let mk = |k| {
-            sink.as_ref()
-                .map(|tx| StreamSink::new(tx.clone(), &self.redactor, k))
-        };
-        let out = tokio::spawn(pump_output(
+        let stdin = child.stdin.take();
+        let (out, err) = self.start_io(
+            req.stdin.clone().zip(stdin),
             child.stdout.take(),
-            cap,
-            mk(StreamKind::Stdout),
-        ));
-        let err = tokio::spawn(pump_output(
             child.stderr.take(),
-            cap,
-            mk(StreamKind::Stderr),
-        ));
+            &sink,
+        );
         let timeout = req.effective_timeout(self.spec.limits.wall_time());
         let (status, limit) = match tokio::time::timeout(timeout, child.wait()).await {
             Ok(s) => (s.map_err(|e| Error::io("wait for runsc exec", e))?, None),
@@ -639,6 +626,40 @@ impl Inner {
             value: None,
             timeline: t.finish(),
         }
+    }
+
+    /// Feeds the command's stdin (if given) and pumps its output (capped, streamed to `sink`
+    /// when there is one), each on a task of its own.
+    #[allow(clippy::type_complexity)]
+    fn start_io<W, O, E>(
+        &self,
+        stdin: Option<(Vec<u8>, W)>,
+        out: Option<O>,
+        err: Option<E>,
+        sink: &Option<mpsc::Sender<Result<ExecEvent>>>,
+    ) -> (
+        tokio::task::JoinHandle<sandbox_core::OutputBuffer>,
+        tokio::task::JoinHandle<sandbox_core::OutputBuffer>,
+    )
+    where
+        W: tokio::io::AsyncWrite + Unpin + Send + 'static,
+        O: tokio::io::AsyncRead + Unpin + Send + 'static,
+        E: tokio::io::AsyncRead + Unpin + Send + 'static,
+    {
+        if let Some((data, mut w)) = stdin {
+            tokio::spawn(async move {
+                let _ = w.write_all(&data).await;
+            });
+        }
+        let cap = self.spec.limits.output_bytes;
+        let mk = |k| {
+            sink.as_ref()
+                .map(|tx| StreamSink::new(tx.clone(), &self.redactor, k))
+        };
+        (
+            tokio::spawn(pump_output(out, cap, mk(StreamKind::Stdout))),
+            tokio::spawn(pump_output(err, cap, mk(StreamKind::Stderr))),
+        )
     }
 
     /// Runs a command through the sandbox's control socket ([`crate::urpc`]): what
@@ -745,24 +766,19 @@ impl Inner {
             );
             tokio::net::unix::pipe::Receiver::from_owned_fd(fd).ok()
         };
-        if let (Some(data), Some(w)) = (req.stdin.clone(), stdin_w) {
+        let stdin = stdin_w.and_then(|w| {
             let _ = nix::fcntl::fcntl(
                 &w,
                 nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
             );
-            if let Ok(mut tx) = tokio::net::unix::pipe::Sender::from_owned_fd(w) {
-                tokio::spawn(async move {
-                    let _ = tx.write_all(&data).await;
-                });
-            }
-        }
-        let cap = self.spec.limits.output_bytes;
-        let mk = |k| {
-            sink.as_ref()
-                .map(|tx| StreamSink::new(tx.clone(), &self.redactor, k))
-        };
-        let out = tokio::spawn(pump_output(reader(out_r), cap, mk(StreamKind::Stdout)));
-        let err = tokio::spawn(pump_output(reader(err_r), cap, mk(StreamKind::Stderr)));
+            tokio::net::unix::pipe::Sender::from_owned_fd(w).ok()
+        });
+        let (out, err) = self.start_io(
+            req.stdin.clone().zip(stdin),
+            reader(out_r),
+            reader(err_r),
+            sink,
+        );
         let (id, ns) = (self.id.clone(), self.runsc.netns.clone());
         let mut wait =
             tokio::task::spawn_blocking(move || crate::urpc::wait_pid(&id, ns.as_deref(), pid));
