@@ -781,7 +781,7 @@ impl Inner {
         );
         let (id, ns) = (self.id.clone(), self.runsc.netns.clone());
         let mut wait =
-            tokio::task::spawn_blocking(move || crate::urpc::wait_pid(&id, ns.as_deref(), pid));
+            tokio::spawn(async move { crate::urpc::wait_pid(&id, ns.as_deref(), pid).await });
         let timeout = req.effective_timeout(self.spec.limits.wall_time());
         let (status, limit) = match tokio::time::timeout(timeout, &mut wait).await {
             Ok(s) => (s, None),
@@ -848,11 +848,14 @@ impl Inner {
                     gid: who.gid,
                     stdio: [fd, fd, fd],
                 };
-                let pid = crate::urpc::execute(&id, ns.as_deref(), &x).ok()?;
-                crate::urpc::wait_pid(&id, ns.as_deref(), pid).ok()
+                crate::urpc::execute(&id, ns.as_deref(), &x).ok()
             });
-            if let Ok(Ok(Some(_))) = tokio::time::timeout(Duration::from_secs(10), killed).await {
-                return;
+            if let Ok(Some(pid)) = killed.await {
+                let (id, ns) = (&self.id, self.runsc.netns.as_deref());
+                let waited = crate::urpc::wait_pid(id, ns, pid);
+                if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(10), waited).await {
+                    return;
+                }
             }
         }
         let Ok(process) = bundle::process(

@@ -83,17 +83,15 @@ fn connect(id: &str, netns: Option<&File>) -> Result<UnixStream, CallError> {
     })
 }
 
-/// One call: sends `method(arg)` with `fds`, returns the `result`. `timeout` bounds the wait
-/// for the reply (`None`: wait as long as it takes).
-fn call(
+/// Connects and sends `method(arg)` with `fds`; the reply is still to be read.
+fn send_request(
     id: &str,
     netns: Option<&File>,
     method: &str,
     arg: Value,
     fds: &[RawFd],
-    timeout: Option<Duration>,
-) -> Result<Value, CallError> {
-    let mut s = connect(id, netns)?;
+) -> Result<UnixStream, CallError> {
+    let s = connect(id, netns)?;
     let body = serde_json::to_vec(&json!({ "method": method, "arg": arg }))
         .map_err(|e| CallError::Unavailable(e.to_string()))?;
     let iov = [io::IoSlice::new(&body)];
@@ -116,28 +114,76 @@ fn call(
         .map_err(|e| CallError::Io(e.into()))?;
         sent += n;
     }
-    s.set_read_timeout(timeout).map_err(CallError::Io)?;
+    Ok(s)
+}
+
+/// Adds `chunk` to `buf`; the reply once `buf` holds a whole JSON object.
+fn take_reply(buf: &mut Vec<u8>, chunk: &[u8]) -> Result<Option<Value>, CallError> {
+    if chunk.is_empty() {
+        return Err(CallError::Io(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "the sandbox closed its control socket before replying",
+        )));
+    }
+    buf.extend_from_slice(chunk);
+    match serde_json::Deserializer::from_slice(buf)
+        .into_iter::<Value>()
+        .next()
+    {
+        Some(Ok(v)) => Ok(Some(v)),
+        Some(Err(e)) if e.is_eof() => Ok(None),
+        Some(Err(e)) => Err(CallError::Unavailable(format!("reply: {e}"))),
+        None => Ok(None),
+    }
+}
+
+/// One call, blocking: sends `method(arg)` with `fds`, returns the `result`. `timeout`
+/// bounds the wait for the reply.
+fn call(
+    id: &str,
+    netns: Option<&File>,
+    method: &str,
+    arg: Value,
+    fds: &[RawFd],
+    timeout: Duration,
+) -> Result<Value, CallError> {
+    let mut s = send_request(id, netns, method, arg, fds)?;
+    s.set_read_timeout(Some(timeout)).map_err(CallError::Io)?;
     let mut buf = Vec::with_capacity(256);
     let mut chunk = [0u8; 4096];
-    let reply: Value = loop {
+    let reply = loop {
         let n = s.read(&mut chunk).map_err(CallError::Io)?;
-        if n == 0 {
-            return Err(CallError::Io(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "the sandbox closed its control socket before replying",
-            )));
-        }
-        buf.extend_from_slice(&chunk[..n]);
-        match serde_json::Deserializer::from_slice(&buf)
-            .into_iter::<Value>()
-            .next()
-        {
-            Some(Ok(v)) => break v,
-            Some(Err(e)) if e.is_eof() => continue,
-            Some(Err(e)) => return Err(CallError::Unavailable(format!("reply: {e}"))),
-            None => continue,
+        if let Some(v) = take_reply(&mut buf, &chunk[..n])? {
+            break v;
         }
     };
+    result_of(method, reply)
+}
+
+/// The same call, waiting for the reply without holding a thread.
+async fn call_async(
+    id: &str,
+    netns: Option<&File>,
+    method: &str,
+    arg: Value,
+) -> Result<Value, CallError> {
+    use tokio::io::AsyncReadExt;
+    let s = send_request(id, netns, method, arg, &[])?;
+    s.set_nonblocking(true).map_err(CallError::Io)?;
+    let mut s = tokio::net::UnixStream::from_std(s).map_err(CallError::Io)?;
+    let mut buf = Vec::with_capacity(256);
+    let mut chunk = [0u8; 4096];
+    let reply = loop {
+        let n = s.read(&mut chunk).await.map_err(CallError::Io)?;
+        if let Some(v) = take_reply(&mut buf, &chunk[..n])? {
+            break v;
+        }
+    };
+    result_of(method, reply)
+}
+
+/// The `result` of a reply, or why there is none.
+fn result_of(method: &str, reply: Value) -> Result<Value, CallError> {
     if reply["success"] == Value::Bool(true) {
         return Ok(reply["result"].clone());
     }
@@ -186,7 +232,7 @@ pub(crate) fn execute(id: &str, netns: Option<&File>, x: &Exec<'_>) -> Result<i3
         "containerManager.ExecuteAsync",
         arg,
         &x.stdio,
-        Some(Duration::from_secs(30)),
+        Duration::from_secs(30),
     )?;
     r.as_i64()
         .and_then(|p| i32::try_from(p).ok())
@@ -194,16 +240,16 @@ pub(crate) fn execute(id: &str, netns: Option<&File>, x: &Exec<'_>) -> Result<i3
         .ok_or_else(|| CallError::Unavailable(format!("ExecuteAsync result: {r}")))
 }
 
-/// Waits for process `pid` of container `id`; returns its raw wait status.
-pub(crate) fn wait_pid(id: &str, netns: Option<&File>, pid: i32) -> Result<i32, CallError> {
-    let r = call(
+/// Waits for process `pid` of container `id`; returns its raw wait status. Holds no
+/// thread while the process runs.
+pub(crate) async fn wait_pid(id: &str, netns: Option<&File>, pid: i32) -> Result<i32, CallError> {
+    let r = call_async(
         id,
         netns,
         "containerManager.WaitPID",
         json!({ "PID": pid, "CID": id }),
-        &[],
-        None,
-    )?;
+    )
+    .await?;
     r.as_i64()
         .and_then(|s| i32::try_from(s).ok())
         .ok_or_else(|| CallError::Io(io::Error::other(format!("WaitPID result: {r}"))))
@@ -213,9 +259,11 @@ pub(crate) fn wait_pid(id: &str, netns: Option<&File>, pid: i32) -> Result<i32, 
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_missing_sandbox_is_unavailable_not_an_error() {
-        let e = wait_pid("no-such-sandbox-for-this-test", None, 1).unwrap_err();
+    #[tokio::test]
+    async fn a_missing_sandbox_is_unavailable_not_an_error() {
+        let e = wait_pid("no-such-sandbox-for-this-test", None, 1)
+            .await
+            .unwrap_err();
         assert!(matches!(e, CallError::Unavailable(_)), "{e}");
     }
 
