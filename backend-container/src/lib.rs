@@ -789,6 +789,7 @@ impl ContainerBackend {
             state_file,
             terminated: Mutex::new(false),
             timer: Mutex::new(None),
+            paused: Default::default(),
         });
         // From here on, dropping `sb` tears everything down.
         let mut sb = ContainerSandbox {

@@ -57,6 +57,8 @@ pub(crate) struct Inner {
     pub terminated: Mutex<bool>,
     /// The lifetime timer, aborted on terminate.
     pub timer: Mutex<Option<tokio::task::AbortHandle>>,
+    /// Frozen with [`Sandbox::pause`]: no command can start until it is resumed.
+    pub paused: AtomicBool,
 }
 
 impl std::fmt::Debug for Inner {
@@ -394,6 +396,12 @@ impl Inner {
     ) -> Result<ExecResult> {
         self.alive()?;
         req.validate()?;
+        if self.paused.load(Ordering::SeqCst) {
+            return Err(Error::backend(
+                TIER,
+                "the sandbox is paused: resume() it before running commands",
+            ));
+        }
         let mut t = TimelineRecorder::start();
         let argv = self.argv(&req.command)?;
         if argv.iter().any(|a| a.contains('\0')) {
@@ -717,9 +725,12 @@ impl Sandbox for ContainerSandbox {
     async fn pause(&self) -> Result<()> {
         self.inner.alive()?;
         match &self.inner.cgroup {
-            Some(c) if c.can_freeze() => c
-                .freeze(true)
-                .map_err(|e| Error::io("freeze the sandbox", e)),
+            Some(c) if c.can_freeze() => {
+                c.freeze(true)
+                    .map_err(|e| Error::io("freeze the sandbox", e))?;
+                self.inner.paused.store(true, Ordering::SeqCst);
+                Ok(())
+            }
             _ => Err(Error::unsupported(
                 TIER,
                 "pause/resume (no freezer cgroup on this host)",
@@ -730,9 +741,12 @@ impl Sandbox for ContainerSandbox {
     async fn resume(&self) -> Result<()> {
         self.inner.alive()?;
         match &self.inner.cgroup {
-            Some(c) if c.can_freeze() => c
-                .freeze(false)
-                .map_err(|e| Error::io("thaw the sandbox", e)),
+            Some(c) if c.can_freeze() => {
+                c.freeze(false)
+                    .map_err(|e| Error::io("thaw the sandbox", e))?;
+                self.inner.paused.store(false, Ordering::SeqCst);
+                Ok(())
+            }
             _ => Err(Error::unsupported(
                 TIER,
                 "pause/resume (no freezer cgroup on this host)",

@@ -603,6 +603,9 @@ async fn pause_and_resume() {
     std::thread::sleep(Duration::from_millis(100));
     let b2 = sb.read_file("count").await.unwrap();
     assert_eq!(a, b2, "a frozen sandbox kept running");
+    // A command cannot start in a frozen sandbox: a clear error at once.
+    let e = sb.exec(ExecRequest::argv(["true"])).await.unwrap_err();
+    assert!(e.to_string().contains("paused"), "{e}");
     sb.resume().await.unwrap();
     sh_ok(sb.as_ref(), "true").await;
     sb.destroy().await.unwrap();

@@ -66,6 +66,8 @@ struct Inner {
     /// Whether commands start through the sandbox's control socket ([`crate::urpc`]);
     /// cleared for good the first time that is not possible (then `runsc exec`).
     direct: AtomicBool,
+    /// Paused with [`Sandbox::pause`]: no command can start until it is resumed.
+    paused: AtomicBool,
 }
 
 impl std::fmt::Debug for GvisorSandbox {
@@ -189,6 +191,7 @@ impl GvisorSandbox {
             born: Instant::now(),
             seq: AtomicU64::new(0),
             direct: AtomicBool::new(!backend.config.runsc_exec),
+            paused: AtomicBool::new(false),
             lifecycle: Arc::new(RwLock::new(())),
             egress,
         });
@@ -474,6 +477,12 @@ impl Inner {
         req.validate()?;
         let _shared = self.lifecycle.read().await;
         self.alive()?;
+        if self.paused.load(Ordering::SeqCst) {
+            return Err(Error::backend(
+                TIER,
+                "the sandbox is paused: resume() it before running commands",
+            ));
+        }
         let mut t = TimelineRecorder::start();
         let (argv, extra) = self.argv(&req.command)?;
         let cwd = match &req.cwd {
@@ -1127,14 +1136,18 @@ impl Sandbox for GvisorSandbox {
         self.inner.alive()?;
         let mut cmd = self.inner.runsc.async_command();
         cmd.args(["pause", &self.inner.id]);
-        run_checked_async(cmd, "pause").await
+        run_checked_async(cmd, "pause").await?;
+        self.inner.paused.store(true, Ordering::SeqCst);
+        Ok(())
     }
 
     async fn resume(&self) -> Result<()> {
         self.inner.alive()?;
         let mut cmd = self.inner.runsc.async_command();
         cmd.args(["resume", &self.inner.id]);
-        run_checked_async(cmd, "resume").await
+        run_checked_async(cmd, "resume").await?;
+        self.inner.paused.store(false, Ordering::SeqCst);
+        Ok(())
     }
 
     async fn health_check(&self) -> Result<()> {

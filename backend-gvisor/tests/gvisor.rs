@@ -422,6 +422,15 @@ async fn pause_and_resume() {
     require_gvisor!();
     let sb = common::sandbox(&SandboxSpec::new(Language::Shell)).await;
     sb.pause().await.unwrap();
+    // A command cannot start in a paused sandbox: a clear error at once, and the sandbox
+    // is not taken for dead.
+    let t = std::time::Instant::now();
+    let e = sb
+        .exec(ExecRequest::code("echo while paused"))
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("paused"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
     sb.resume().await.unwrap();
     assert!(sb
         .exec(ExecRequest::code("echo back"))
