@@ -20,14 +20,15 @@
 // A benchmark that cannot set itself up should stop loudly.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
+#[path = "shared/mod.rs"]
+mod shared;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use agent_sandbox::{
-    Backend, ExecRequest, Language, PoolConfig, ResolvedSecrets, Sandbox, SandboxSpec, WarmPool,
-};
+use agent_sandbox::{Backend, ExecRequest, Language, ResolvedSecrets, Sandbox, SandboxSpec};
 use backend_container::ContainerBackend;
 use backend_gvisor::bundle::{self, Identity};
 use criterion::{criterion_group, Criterion};
@@ -263,46 +264,15 @@ fn container(c: &mut Criterion) {
         });
     }
 
-    let pool = rt
-        .block_on(async {
-            let p = WarmPool::start(
-                Arc::new(backend.clone()),
-                spec.clone(),
-                ResolvedSecrets::none(),
-                PoolConfig {
-                    size: 2,
-                    max_idle: Duration::from_secs(600),
-                    health_check: false,
-                    ..Default::default()
-                },
-            )?;
-            p.wait_ready(2, Duration::from_secs(30)).await;
-            Ok::<_, agent_sandbox::Error>(p)
-        })
-        .unwrap();
-    g.bench_function("ours: pool checkout + first command (/bin/true)", |b| {
-        b.iter_custom(|iters| {
-            rt.block_on(async {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    // Let the refiller catch up (creation is not what is measured here).
-                    pool.wait_ready(2, Duration::from_secs(30)).await;
-                    let t = Instant::now();
-                    let sb = pool.checkout().await.unwrap();
-                    assert!(sb
-                        .exec(ExecRequest::argv(["/bin/true"]))
-                        .await
-                        .unwrap()
-                        .success());
-                    total += t.elapsed();
-                    sb.destroy().await.unwrap();
-                }
-                total
-            })
-        })
-    });
-    eprintln!("pool stats: {:?}", pool.stats());
-    rt.block_on(pool.shutdown());
+    let pool = shared::ready_pool(&rt, Arc::new(backend.clone()), &spec);
+    shared::bench_checkout_and_first_command(
+        &mut g,
+        "ours: pool checkout + first command (/bin/true)",
+        &rt,
+        pool,
+        2,
+        ExecRequest::argv(["/bin/true"]),
+    );
     g.finish();
 
     // Idle footprint: the init (pid 1 of the sandbox) and its spare supervisor after a

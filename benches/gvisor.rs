@@ -13,13 +13,15 @@
 // A benchmark that cannot set itself up should stop loudly.
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
+#[path = "shared/mod.rs"]
+mod shared;
+
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use agent_sandbox::{
-    Backend, ExecRequest, Language, ObjectSnapshotStore, PoolConfig, ResolvedSecrets, SandboxSpec,
-    WarmPool,
+    Backend, ExecRequest, Language, ObjectSnapshotStore, ResolvedSecrets, SandboxSpec,
 };
 use backend_gvisor::bundle::{self, Identity};
 use backend_gvisor::{GvisorBackend, GvisorConfig, RunscInfo};
@@ -123,42 +125,15 @@ fn gvisor(c: &mut Criterion) {
         b.iter(|| rt.block_on(async { assert!(live.exec(true_cmd()).await.unwrap().success()) }))
     });
 
-    let pool = rt
-        .block_on(async {
-            let p = WarmPool::start(
-                Arc::new(backend.clone()),
-                spec.clone(),
-                ResolvedSecrets::none(),
-                PoolConfig {
-                    size: 2,
-                    max_idle: Duration::from_secs(600),
-                    health_check: false,
-                    ..Default::default()
-                },
-            )?;
-            p.wait_ready(2, Duration::from_secs(30)).await;
-            Ok::<_, agent_sandbox::Error>(p)
-        })
-        .unwrap();
-    g.bench_function("pool checkout + first command", |b| {
-        b.iter_custom(|iters| {
-            rt.block_on(async {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    // Let the refiller catch up (creation is not what is measured here).
-                    pool.wait_ready(1, Duration::from_secs(30)).await;
-                    let t = Instant::now();
-                    let sb = pool.checkout().await.unwrap();
-                    assert!(sb.exec(true_cmd()).await.unwrap().success());
-                    total += t.elapsed();
-                    sb.destroy().await.unwrap();
-                }
-                total
-            })
-        })
-    });
-    eprintln!("pool stats: {:?}", pool.stats());
-    rt.block_on(pool.shutdown());
+    let pool = shared::ready_pool(&rt, Arc::new(backend.clone()), &spec);
+    shared::bench_checkout_and_first_command(
+        &mut g,
+        "pool checkout + first command",
+        &rt,
+        pool,
+        1,
+        true_cmd(),
+    );
 
     // Full-memory snapshots of an idle Python sandbox.
     let store_dir = tempfile::tempdir().unwrap();
@@ -188,7 +163,11 @@ fn gvisor(c: &mut Criterion) {
             })
         })
     });
-    let id = last.unwrap();
+    // A filtered run (`-- restore`) skips the checkpoint bench: take one snapshot here.
+    let id = match last {
+        Some(id) => id,
+        None => rt.block_on(py.snapshot(&store)).unwrap(),
+    };
     g.bench_function("restore + first command (idle python)", |b| {
         b.iter_custom(|iters| {
             rt.block_on(async {

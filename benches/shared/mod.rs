@@ -1,0 +1,63 @@
+//! Pieces the side-by-side benches share.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use agent_sandbox::{Backend, ExecRequest, PoolConfig, ResolvedSecrets, SandboxSpec, WarmPool};
+use criterion::measurement::WallTime;
+use criterion::BenchmarkGroup;
+
+/// A warm pool of 2 sandboxes of `spec` (health checks off: they would be timed), filled.
+pub fn ready_pool(
+    rt: &tokio::runtime::Runtime,
+    backend: Arc<dyn Backend>,
+    spec: &SandboxSpec,
+) -> WarmPool {
+    rt.block_on(async {
+        let p = WarmPool::start(
+            backend,
+            spec.clone(),
+            ResolvedSecrets::none(),
+            PoolConfig {
+                size: 2,
+                max_idle: Duration::from_secs(600),
+                health_check: false,
+                ..Default::default()
+            },
+        )?;
+        p.wait_ready(2, Duration::from_secs(30)).await;
+        Ok::<_, agent_sandbox::Error>(p)
+    })
+    .expect("warm pool")
+}
+
+/// Times `checkout` + `cmd` on `pool` (the destroy after it is not timed), waiting before
+/// each iteration until `ready` sandboxes are back in the pool: the refill's creation is not
+/// what is measured. Prints the pool's stats and shuts it down afterwards.
+pub fn bench_checkout_and_first_command(
+    g: &mut BenchmarkGroup<'_, WallTime>,
+    name: &str,
+    rt: &tokio::runtime::Runtime,
+    pool: WarmPool,
+    ready: usize,
+    cmd: ExecRequest,
+) {
+    g.bench_function(name, |b| {
+        b.iter_custom(|iters| {
+            rt.block_on(async {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    pool.wait_ready(ready, Duration::from_secs(30)).await;
+                    let t = Instant::now();
+                    let sb = pool.checkout().await.expect("checkout");
+                    assert!(sb.exec(cmd.clone()).await.expect("exec").success());
+                    total += t.elapsed();
+                    sb.destroy().await.expect("destroy");
+                }
+                total
+            })
+        })
+    });
+    eprintln!("pool stats: {:?}", pool.stats());
+    rt.block_on(pool.shutdown());
+}
