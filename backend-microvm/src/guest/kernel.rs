@@ -253,24 +253,31 @@ pub fn extract_vmlinux_file_from_bytes(image: &[u8], dst: &Path) -> Result<u64, 
 
 #[cfg(test)]
 pub(crate) mod tests_support {
+    /// An x86-64 executable ELF header for entry 16 MiB with one program header right after
+    /// it, in a zeroed buffer of `len` bytes.
+    fn header(len: usize) -> Vec<u8> {
+        let mut e = vec![0u8; len];
+        e[..4].copy_from_slice(b"\x7fELF");
+        e[4] = 2; // 64-bit
+        e[5] = 1; // little-endian
+        e[6] = 1;
+        e[16..18].copy_from_slice(&2u16.to_le_bytes()); // ET_EXEC
+        e[18..20].copy_from_slice(&62u16.to_le_bytes()); // x86-64
+        e[20..24].copy_from_slice(&1u32.to_le_bytes());
+        e[24..32].copy_from_slice(&0x100_0000u64.to_le_bytes()); // entry
+        e[32..40].copy_from_slice(&64u64.to_le_bytes()); // phoff
+        e[52..54].copy_from_slice(&64u16.to_le_bytes());
+        e[54..56].copy_from_slice(&56u16.to_le_bytes());
+        e[56..58].copy_from_slice(&1u16.to_le_bytes()); // phnum
+        e[64..68].copy_from_slice(&1u32.to_le_bytes()); // PT_LOAD
+        e
+    }
+
     /// A small loadable x86-64 ELF: one R+X `PT_LOAD` segment holding `code` at physical
     /// 16 MiB (virtual `vaddr`), `memsz` bytes in memory, entry at its start.
     pub(crate) fn elf_with(code: &[u8], memsz: u64, vaddr: u64) -> Vec<u8> {
-        let mut e = vec![0u8; 0x1000];
-        e[..4].copy_from_slice(b"\x7fELF");
-        e[4] = 2;
-        e[5] = 1;
-        e[6] = 1;
-        e[16..18].copy_from_slice(&2u16.to_le_bytes());
-        e[18..20].copy_from_slice(&62u16.to_le_bytes());
-        e[20..24].copy_from_slice(&1u32.to_le_bytes());
-        e[24..32].copy_from_slice(&0x100_0000u64.to_le_bytes());
-        e[32..40].copy_from_slice(&64u64.to_le_bytes());
-        e[52..54].copy_from_slice(&64u16.to_le_bytes());
-        e[54..56].copy_from_slice(&56u16.to_le_bytes());
-        e[56..58].copy_from_slice(&1u16.to_le_bytes());
+        let mut e = header(0x1000);
         let ph = 64;
-        e[ph..ph + 4].copy_from_slice(&1u32.to_le_bytes()); // PT_LOAD
         e[ph + 4..ph + 8].copy_from_slice(&5u32.to_le_bytes()); // R+X
         e[ph + 8..ph + 16].copy_from_slice(&0x1000u64.to_le_bytes()); // offset
         e[ph + 16..ph + 24].copy_from_slice(&vaddr.to_le_bytes());
@@ -281,21 +288,9 @@ pub(crate) mod tests_support {
         e
     }
 
-    /// A minimal valid x86-64 ELF header with one PT_LOAD program header.
+    /// A minimal valid x86-64 ELF header with one (empty) PT_LOAD program header.
     pub(crate) fn tiny_elf() -> Vec<u8> {
-        let mut e = vec![0u8; 64 + 56];
-        e[..4].copy_from_slice(b"\x7fELF");
-        e[4] = 2;
-        e[5] = 1;
-        e[6] = 1;
-        e[16..18].copy_from_slice(&2u16.to_le_bytes());
-        e[18..20].copy_from_slice(&62u16.to_le_bytes());
-        e[24..32].copy_from_slice(&0x100_0000u64.to_le_bytes());
-        e[32..40].copy_from_slice(&64u64.to_le_bytes());
-        e[54..56].copy_from_slice(&56u16.to_le_bytes());
-        e[56..58].copy_from_slice(&1u16.to_le_bytes());
-        e[64..68].copy_from_slice(&1u32.to_le_bytes());
-        e
+        header(64 + 56)
     }
 }
 
