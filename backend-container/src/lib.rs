@@ -742,11 +742,7 @@ impl ContainerBackend {
             ctl.unregister(rid);
         }
         if let Err(e) = done {
-            // SAFETY: kill and reap our own child.
-            unsafe {
-                libc::kill(pid, libc::SIGKILL);
-                libc::waitpid(pid, std::ptr::null_mut(), 0);
-            }
+            spawn::reap(pid, true);
             if let Some(c) = &cgroup {
                 c.remove(std::time::Duration::from_millis(500));
             }

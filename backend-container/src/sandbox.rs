@@ -258,16 +258,8 @@ impl Inner {
                 *r = reason.to_string();
             }
         }
-        // SAFETY: SIGKILL and reap our own child; the kernel then kills the pid namespace.
-        unsafe {
-            libc::kill(self.pid, libc::SIGKILL);
-            loop {
-                let r = libc::waitpid(self.pid, std::ptr::null_mut(), 0);
-                if r >= 0 || *libc::__errno_location() != libc::EINTR {
-                    break;
-                }
-            }
-        }
+        // The kernel then kills the whole pid namespace.
+        crate::spawn::reap(self.pid, true);
         if let Some(cg) = &self.cgroup {
             let left = cg.remove(Duration::from_secs(2));
             if !left.is_empty() {

@@ -392,7 +392,7 @@ pub(crate) async fn spawn_init(
 }
 
 /// Waits for our child `pid` (killing it first if asked), retrying on EINTR.
-fn reap(pid: libc::pid_t, kill: bool) {
+pub(crate) fn reap(pid: libc::pid_t, kill: bool) {
     // SAFETY: kill/waitpid on our own child.
     unsafe {
         if kill {
