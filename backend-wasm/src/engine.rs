@@ -116,19 +116,6 @@ fn config(flavor: Flavor) -> Config {
     c
 }
 
-/// Whether a module compiled for the pooled engine fits its slots (one memory and one
-/// table, of sizes the slots allow); one that does not runs on the plain engine.
-pub(crate) fn fits_pool(module: &Module) -> bool {
-    let r = module.resources_required();
-    let page = 64 * 1024u64;
-    r.num_memories <= 1
-        && r.num_tables <= 1
-        && r.max_initial_memory_size
-            .is_none_or(|pages| pages.saturating_mul(page) <= POOL_MAX_MEMORY as u64)
-        && r.max_initial_table_size
-            .is_none_or(|n| n <= POOL_TABLE_ELEMENTS as u64)
-}
-
 /// Whether instantiation failed because every pool slot is in use.
 pub(crate) fn pool_exhausted(e: &wasmtime::Error) -> bool {
     e.chain().any(|c| {

@@ -89,12 +89,13 @@ pub(crate) fn run(r: ModuleRun) -> Result<ModuleOutcome> {
         Flavor::Plain => Flavor::Pooled,
         f => f,
     };
-    let (mut pre, mut store) = loop {
+    let (mut store, instance, guard) = loop {
         let pre = match engine::user_module(flavor, &r.bytes) {
             Ok(Ok(p)) => p,
             // The pooled engine also refuses modules its slots cannot hold (e.g. two
-            // memories), and may not exist (a host that refuses its address-space
-            // reservation, e.g. under RLIMIT_AS): the plain engine then decides.
+            // memories: wasmtime checks that when it compiles), and may not exist (a host
+            // that refuses its address-space reservation, e.g. under RLIMIT_AS): the plain
+            // engine then decides.
             Ok(Err(_)) | Err(_) if flavor == Flavor::Pooled => {
                 flavor = Flavor::Plain;
                 continue;
@@ -102,11 +103,7 @@ pub(crate) fn run(r: ModuleRun) -> Result<ModuleOutcome> {
             Ok(Err(msg)) => return Ok(refused(r.output_cap, 126, msg)),
             Err(e) => return Err(e),
         };
-        if flavor == Flavor::Pooled && !engine::fits_pool(pre.module()) {
-            flavor = Flavor::Plain;
-            continue;
-        }
-        let store = host::new_store(StoreSetup {
+        let mut store = host::new_store(StoreSetup {
             flavor,
             args: r.argv.clone(),
             env: r.env.clone(),
@@ -116,38 +113,19 @@ pub(crate) fn run(r: ModuleRun) -> Result<ModuleOutcome> {
             open_files: r.open_files,
             tools: r.tools.clone(),
         })?;
-        break (pre, store);
-    };
-    store.data().stdin.set(r.stdin.clone());
-    store.data().set_taps(r.taps.as_ref());
-    let mut guard = host::arm(&mut store, r.limits)?;
-    let mut instance = pre.instantiate(&mut store);
-    if flavor == Flavor::Pooled && instance.as_ref().is_err_and(engine::pool_exhausted) {
-        // Every pool slot is busy: this one runs on the plain engine.
-        drop(guard);
-        flavor = Flavor::Plain;
-        pre = match engine::user_module(flavor, &r.bytes)? {
-            Ok(p) => p,
-            Err(msg) => return Ok(refused(r.output_cap, 126, msg)),
-        };
-        engine::drop_after_reply(std::mem::replace(
-            &mut store,
-            host::new_store(StoreSetup {
-                flavor,
-                args: r.argv,
-                env: r.env,
-                preopens: r.preopens,
-                output_cap: r.output_cap,
-                memory_cap: r.memory_cap,
-                open_files: r.open_files,
-                tools: r.tools,
-            })?,
-        ));
-        store.data().stdin.set(r.stdin);
+        store.data().stdin.set(r.stdin.clone());
         store.data().set_taps(r.taps.as_ref());
-        guard = host::arm(&mut store, r.limits)?;
-        instance = pre.instantiate(&mut store);
-    }
+        let guard = host::arm(&mut store, r.limits)?;
+        let instance = pre.instantiate(&mut store);
+        if flavor == Flavor::Pooled && instance.as_ref().is_err_and(engine::pool_exhausted) {
+            // Every pool slot is busy: this one runs on the plain engine.
+            drop(guard);
+            engine::drop_after_reply(store);
+            flavor = Flavor::Plain;
+            continue;
+        }
+        break (store, instance, guard);
+    };
     let result = (|| -> wasmtime::Result<Option<i32>> {
         let instance = instance?;
         let Ok(start) = instance.get_typed_func::<(), ()>(&mut store, "_start") else {
