@@ -299,6 +299,20 @@ fn skip_reason() -> Option<String> {
 /// One VM at a time: bounded memory, and thread/fd counts that mean something.
 static ONE_VM: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// Skips the test (saying why) when the host cannot boot Linux guests; otherwise takes the
+/// one-VM-at-a-time lock, to be held for the rest of the test.
+macro_rules! linux_vm_or_skip {
+    () => {
+        match skip_reason() {
+            Some(why) => {
+                eprintln!("SKIP: {why}");
+                return;
+            }
+            None => ONE_VM.lock().await,
+        }
+    };
+}
+
 fn guest_dir() -> &'static PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| {
@@ -345,11 +359,7 @@ async fn create(spec: &SandboxSpec) -> Box<dyn Sandbox> {
 
 #[tokio::test]
 async fn create_exec_and_the_exact_environment() {
-    if let Some(why) = skip_reason() {
-        eprintln!("SKIP: {why}");
-        return;
-    }
-    let _one = ONE_VM.lock().await;
+    let _one = linux_vm_or_skip!();
     let spec = SandboxSpec::builder(Language::Shell)
         .memory_mib(256)
         .env("ONLY", "this")
@@ -424,11 +434,7 @@ async fn create_exec_and_the_exact_environment() {
 
 #[tokio::test]
 async fn secrets_are_in_the_environment_and_redacted_from_output() {
-    if let Some(why) = skip_reason() {
-        eprintln!("SKIP: {why}");
-        return;
-    }
-    let _one = ONE_VM.lock().await;
+    let _one = linux_vm_or_skip!();
     let spec = SandboxSpec::builder(Language::Shell)
         .memory_mib(256)
         .secret_env("API_TOKEN", "TOKEN")
@@ -478,11 +484,7 @@ async fn secrets_are_in_the_environment_and_redacted_from_output() {
 
 #[tokio::test]
 async fn files_go_to_the_guest_workspace_and_escapes_are_refused() {
-    if let Some(why) = skip_reason() {
-        eprintln!("SKIP: {why}");
-        return;
-    }
-    let _one = ONE_VM.lock().await;
+    let _one = linux_vm_or_skip!();
     let s = create(&shell_spec()).await;
     s.write_file("dir/hello.txt", b"hello guest").await.unwrap();
     let r = s
@@ -529,11 +531,7 @@ async fn files_go_to_the_guest_workspace_and_escapes_are_refused() {
 
 #[tokio::test]
 async fn limits_wall_time_and_output_caps() {
-    if let Some(why) = skip_reason() {
-        eprintln!("SKIP: {why}");
-        return;
-    }
-    let _one = ONE_VM.lock().await;
+    let _one = linux_vm_or_skip!();
     let spec = SandboxSpec::builder(Language::Shell)
         .memory_mib(256)
         .output_bytes(1000)
@@ -560,11 +558,7 @@ async fn limits_wall_time_and_output_caps() {
 
 #[tokio::test]
 async fn snapshot_and_restore_continue_where_they_were() {
-    if let Some(why) = skip_reason() {
-        eprintln!("SKIP: {why}");
-        return;
-    }
-    let _one = ONE_VM.lock().await;
+    let _one = linux_vm_or_skip!();
     let dir = tempfile::tempdir().unwrap();
     let store = ObjectSnapshotStore::local(dir.path()).unwrap();
     let s = create(&shell_spec()).await;
@@ -628,11 +622,7 @@ fn kvm_fds() -> usize {
 
 #[tokio::test]
 async fn destroy_is_idempotent_and_leaves_no_threads_or_fds() {
-    if let Some(why) = skip_reason() {
-        eprintln!("SKIP: {why}");
-        return;
-    }
-    let _one = ONE_VM.lock().await;
+    let _one = linux_vm_or_skip!();
     let (threads, fds) = (microvm_threads(), kvm_fds());
     let s = create(&shell_spec()).await;
     assert!(microvm_threads() > threads);
@@ -661,11 +651,7 @@ async fn destroy_is_idempotent_and_leaves_no_threads_or_fds() {
 
 #[tokio::test]
 async fn the_lifetime_limit_stops_the_vm() {
-    if let Some(why) = skip_reason() {
-        eprintln!("SKIP: {why}");
-        return;
-    }
-    let _one = ONE_VM.lock().await;
+    let _one = linux_vm_or_skip!();
     let mut spec = shell_spec();
     spec.limits.wall_time_ms = 1000;
     spec.limits.lifetime_ms = 4000;
