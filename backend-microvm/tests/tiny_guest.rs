@@ -104,13 +104,7 @@ fn console_request_and_answer_over_virtio() {
 #[test]
 fn pause_resume_and_seccomp_on_vcpu_threads() {
     skip_without_kvm!();
-    let (mut vm, entry) = vm_with_guest(cfg());
-    vm.start(backend_microvm::vmm::Entry {
-        arg: t::WAIT_GO,
-        ..backend_microvm::vmm::Entry::user(entry)
-    })
-    .unwrap();
-    assert!(wait_serial(&vm, "W"));
+    let vm = waiting_vm(cfg());
     // The vCPU thread runs under its own seccomp filter; this (test) thread does not.
     let tid = vm.vcpu_thread_ids()[0];
     assert_ne!(tid, 0);
@@ -219,13 +213,7 @@ fn snapshot_of_a_virtio_vm_restores_and_serves_the_console() {
 #[test]
 fn snapshot_with_another_version_or_memory_size_is_refused() {
     skip_without_kvm!();
-    let (mut vm, entry) = vm_with_guest(cfg());
-    vm.start(backend_microvm::vmm::Entry {
-        arg: t::WAIT_GO,
-        ..backend_microvm::vmm::Entry::user(entry)
-    })
-    .unwrap();
-    assert!(wait_serial(&vm, "W"));
+    let vm = waiting_vm(cfg());
     let dir = tempfile::tempdir().unwrap();
     vm.snapshot(dir.path()).unwrap();
     let mut other = cfg();
@@ -259,13 +247,7 @@ fn back_to_back_snapshots_each_capture_the_vcpus() {
     // A resume followed at once by the next snapshot's pause must not lose the second
     // request (the vCPU thread may not have left its paused state in between).
     skip_without_kvm!();
-    let (mut vm, entry) = vm_with_guest(cfg());
-    vm.start(backend_microvm::vmm::Entry {
-        arg: t::WAIT_GO,
-        ..backend_microvm::vmm::Entry::user(entry)
-    })
-    .unwrap();
-    assert!(wait_serial(&vm, "W"));
+    let vm = waiting_vm(cfg());
     let dir = tempfile::tempdir().unwrap();
     for i in 0..100 {
         vm.snapshot(&dir.path().join(format!("s{i}"))).unwrap();

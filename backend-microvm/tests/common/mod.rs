@@ -103,6 +103,18 @@ pub fn run(cfg: VmConfig, test: u64) -> (Vm, VmExit) {
     (vm, e)
 }
 
+/// A VM running the tiny guest's `WAIT_GO` test, which has said it is waiting (`W`).
+pub fn waiting_vm(cfg: VmConfig) -> Vm {
+    let (mut vm, entry) = vm_with_guest(cfg);
+    vm.start(Entry {
+        arg: t::WAIT_GO,
+        ..Entry::user(entry)
+    })
+    .unwrap();
+    assert!(wait_serial(&vm, "W"));
+    vm
+}
+
 /// Waits until the serial output contains `needle` (or the VM ends).
 pub fn wait_serial(vm: &Vm, needle: &str) -> bool {
     loop {
