@@ -1354,7 +1354,9 @@ fn bootstrap() {
         match recv(&mut buf) {
             Ok(Some((n, fds))) if n >= 12 && Dec::new(&buf[..n]).u32() == Ok(MSG_CGROUPS) => {
                 // Join each cgroup by writing "0" (ourselves) to the file the library opened
-                // (the kernel checks the opener's credentials).
+                // (the kernel checks the opener's credentials). A single thread moving itself
+                // through a v1 `tasks` file skips the global lock (and its RCU grace period)
+                // that moving another process takes.
                 for fd in fds {
                     if write(fd.as_raw_fd(), b"0".as_ptr(), 1) != 1 {
                         die(86, "join the sandbox's cgroups");

@@ -648,13 +648,8 @@ impl ContainerBackend {
         };
 
         // The cgroups are made in parallel with the init's start-up (a v1 memory cgroup mkdir
-        // alone is ~0.3 ms); as soon as the first init process exists this job moves it into
-        // them, while it is still creating its namespaces: a v1 migration waits for an RCU
-        // grace period (`cgroup_threadgroup_rwsem`), ~0.1-2 ms depending on the host's load,
-        // which is then off the critical path. The init clones pid 1 only after that (see
-        // `spawn::spawn_init`), so pid 1 inherits them. If a move is refused, the init joins
-        // that cgroup itself through the file we opened (writing `0`).
-        let (pid_tx, pid_rx) = std::sync::mpsc::channel::<u32>();
+        // alone is ~0.3 ms). The init's first process joins them itself (see
+        // `spawn::CgroupJob` for why) before it clones pid 1, which inherits them.
         let cg_job = {
             let host = self.host.clone();
             let (name, limits) = (cgroup_name(&id), spec.limits.clone());
@@ -669,40 +664,20 @@ impl ContainerBackend {
                 let mut files = Vec::new();
                 for p in c.join_files() {
                     match std::fs::OpenOptions::new().write(true).open(&p) {
-                        Ok(f) => files.push(f),
+                        Ok(f) => files.push(std::os::fd::OwnedFd::from(f)),
                         Err(e) => {
                             c.remove(std::time::Duration::from_millis(500));
                             return Err(format!("open {}: {e}", p.display()));
                         }
                     }
                 }
-                let Ok(pid) = pid_rx.recv() else {
-                    // The init never started.
-                    c.remove(std::time::Duration::from_millis(500));
-                    return Err("the sandbox init did not start".to_string());
-                };
-                let pid = pid.to_string();
-                let left = files
-                    .into_iter()
-                    .filter(|mut f| {
-                        use std::io::Write;
-                        f.write_all(pid.as_bytes()).is_err()
-                    })
-                    .map(std::os::fd::OwnedFd::from)
-                    .collect();
-                Ok(Some((c, left)))
+                Ok(Some((c, files)))
             })
         };
         let requests: Vec<&[u8]> = queued.iter().map(Vec::as_slice).collect();
-        let spawned = spawn::spawn_init(
-            &ids,
-            &requests,
-            lower.as_deref(),
-            !rootless,
-            (cg_job, pid_tx),
-        )
-        .await
-        .map_err(|e| Error::backend(TIER, e))?;
+        let spawned = spawn::spawn_init(&ids, &requests, lower.as_deref(), !rootless, cg_job)
+            .await
+            .map_err(|e| Error::backend(TIER, e))?;
         let (pid, ctl, cgroup) = (spawned.pid, spawned.ctl, spawned.cgroup);
         if lower.is_some() && !spawned.idmapped {
             tracing::warn!(sandbox = %id, "rootfs directory used without idmapping");

@@ -251,14 +251,18 @@ pub(crate) struct Spawned {
     pub cgroup: Option<crate::cgroup::SandboxCgroup>,
 }
 
-/// The job making the sandbox's cgroups and the channel it waits on for the first init
-/// process's pid, which it moves into them. It returns the cgroups with the opened files of
-/// those it could not move the process into: the init writes `0` to them to join them itself
-/// (see `SandboxCgroup::join_files`).
-pub(crate) type CgroupJob = (
-    tokio::task::JoinHandle<Result<Option<(crate::cgroup::SandboxCgroup, Vec<OwnedFd>)>, String>>,
-    std::sync::mpsc::Sender<u32>,
-);
+/// The job making the sandbox's cgroups: it returns them with their join files opened for
+/// writing (`SandboxCgroup::join_files`); the init's first process writes `0` to each to move
+/// itself in, our credentials (the opener's) authorizing the write.
+///
+/// Why the process moves itself rather than being moved: on cgroup v1, moving another process
+/// takes the global `cgroup_threadgroup_rwsem` for writing, which waits for an RCU grace
+/// period whenever no migration happened in the last few — ~10-20 ms on an idle host,
+/// measured here, against ~0.1 ms in a tight loop. A single-threaded process writing `0`
+/// (itself) to a v1 `tasks` file is the one case the kernel migrates without that lock. (On
+/// v2, `cgroup.procs` always takes it.)
+pub(crate) type CgroupJob =
+    tokio::task::JoinHandle<Result<Option<(crate::cgroup::SandboxCgroup, Vec<OwnedFd>)>, String>>;
 
 /// Starts the init and brings it to pid 1 of fresh user, pid, mount, UTS, IPC and network
 /// namespaces (the cgroup and time namespaces come later, from inside).
@@ -272,20 +276,17 @@ pub(crate) type CgroupJob = (
 /// them waiting when it starts. With `lower` (a rootfs directory, as root), the first one
 /// carries a detached, idmapped mount of it (see [`idmapped_tree`]); if the filesystem cannot
 /// be idmapped, none (the init then binds the directory as it is).
-/// The cgroup job runs meanwhile and moves the first process into the cgroups as soon as it
-/// exists (or hands back the opened files of those it could not: the first process then
-/// joins them itself, our credentials authorizing the write); the first process clones pid 1,
-/// which inherits them, only after that.
+/// The cgroup job runs meanwhile; the first process joins the cgroups it made (writing `0`
+/// to the files it opened) and clones pid 1, which inherits them, only after that.
 pub(crate) async fn spawn_init(
     ids: &IdMap,
     requests: &[&[u8]],
     lower: Option<&std::path::Path>,
     oom_protect: bool,
-    (cgroup_job, pid_tx): CgroupJob,
+    cgroup_job: CgroupJob,
 ) -> Result<Spawned, String> {
     let img = image()?;
     let (first, ours) = fork_init(img)?;
-    let _ = pid_tx.send(first as u32);
     let ctl = match Ctl::new(ours) {
         Ok(c) => c,
         Err(e) => {
@@ -297,7 +298,6 @@ pub(crate) async fn spawn_init(
     let queued: Vec<_> = requests.iter().map(|_| ctl.register()).collect();
     ctl.start_reader();
     let mut idmapped = false;
-    drop(pid_tx);
     let mut cgroup = None;
     let result = async {
         let boot = rx.recv().await.ok_or("the init exited during start-up")?;
