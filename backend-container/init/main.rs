@@ -213,6 +213,9 @@ const AT_FDCWD: c_int = -100;
 const AT_RECURSIVE: u32 = 0x8000;
 const MS_BIND: u64 = 4096;
 const MS_REC: u64 = 16384;
+const MS_SLAVE: u64 = 1 << 19;
+const MS_NOSUID: u64 = 2;
+const MS_NODEV: u64 = 4;
 const MNT_DETACH: c_int = 2;
 const SIGCHLD: c_int = 17;
 const SIGKILL: c_int = 9;
@@ -1380,13 +1383,20 @@ fn bootstrap() {
     }
 }
 
-/// The fork server (`--zygote`): started once per library process, it forks a new init for
-/// every control socket it receives on fd 0 — a fork of this small, idle process costs a
-/// fraction of a `posix_spawn` + `execve` of the init (and its libc start-up, whose CPUID
-/// probing is slow under virtualization). Each child is cloned with `CLONE_PARENT`, so it
-/// is the library's child like a spawned init; its pid is the reply (`u32`; `0` and an
-/// errno on failure). Exits when the library closes the socket.
-fn zygote() -> ! {
+/// The fork server (`--zygote [TEMPLATES]`): started once per library process, it forks a
+/// new init for every control socket it receives on fd 0 — a fork of this small, idle
+/// process costs a fraction of a `posix_spawn` + `execve` of the init (and its libc
+/// start-up, whose CPUID probing is slow under virtualization). Each child is cloned with
+/// `CLONE_PARENT`, so it is the library's child like a spawned init; its pid is the reply
+/// (`u32`; `0` and an errno on failure). Exits when the library closes the socket.
+///
+/// With `TEMPLATES` (as root), it also builds root-filesystem templates: it moves into a
+/// mount namespace of its own (a slave of the host's: host mounts still arrive, ours never
+/// leave), mounts a tmpfs on `TEMPLATES`, and for each `T` request (`u64` index, the setup
+/// ops in a memfd) runs the ops, which build a template at `TEMPLATES/<index>`; the reply is
+/// `1` (or `0` and an errno). Every init it forks starts from a copy of this namespace, so
+/// a template is one recursive bind away.
+fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
     // SAFETY: prctl/close_range on our own process.
     unsafe {
         prctl(
@@ -1398,13 +1408,51 @@ fn zygote() -> ! {
         );
         syscall(NR_CLOSE_RANGE, 3u32, u32::MAX, 0u32);
     }
+    // Errno of the template set-up (0: ready); templates are refused with it otherwise.
+    let mut tmpl_err = 95 /* EOPNOTSUPP */;
+    if let Some(dir) = templates {
+        // SAFETY: unshare/mount with NUL-terminated paths, on our own single-threaded process.
+        tmpl_err = unsafe {
+            let tmpfs = b"tmpfs\0".as_ptr() as *const c_char;
+            let opts = b"mode=0711,size=64k\0".as_ptr() as *const c_void;
+            if unshare(CLONE_NEWNS) < 0
+                || mount(
+                    std::ptr::null(),
+                    b"/\0".as_ptr() as *const c_char,
+                    std::ptr::null(),
+                    MS_REC | MS_SLAVE,
+                    std::ptr::null(),
+                ) < 0
+                || mount(tmpfs, dir.as_ptr(), tmpfs, MS_NOSUID | MS_NODEV, opts) < 0
+            {
+                errno()
+            } else {
+                0
+            }
+        };
+    }
     let mut buf = [0u8; 16];
     loop {
-        let fds = match recv_on(0, &mut buf) {
-            Ok(Some((_, fds))) => fds,
+        let (n, fds) = match recv_on(0, &mut buf) {
+            Ok(Some(m)) => m,
             Err(e) if e.raw_os_error() == Some(4) => continue,
             _ => std::process::exit(0),
         };
+        if n == 9 && buf[0] == b'T' {
+            let mut e = Enc::default();
+            match build_template(tmpl_err, fds) {
+                Ok(()) => {
+                    e.u32(1);
+                    e.i32(0);
+                }
+                Err(err) => {
+                    e.u32(0);
+                    e.i32(err.raw_os_error().unwrap_or(5));
+                }
+            }
+            raw_write(0, &e.0);
+            continue;
+        }
         for fd in fds {
             // SAFETY: single-threaded; the child only moves its fd into place and runs the
             // init from the top, like a freshly executed one.
@@ -1430,13 +1478,37 @@ fn zygote() -> ! {
     }
 }
 
+/// Runs a template's ops (encoded in the memfd `fds[0]`), stopping at the first failure.
+fn build_template(tmpl_err: i32, mut fds: Vec<OwnedFd>) -> io::Result<()> {
+    if tmpl_err != 0 {
+        return Err(io::Error::from_raw_os_error(tmpl_err));
+    }
+    let Some(fd) = fds.pop() else {
+        return Err(io::Error::from_raw_os_error(22));
+    };
+    let mut payload = Vec::new();
+    File::from(fd).read_to_end(&mut payload)?;
+    let ops = Dec::new(&payload)
+        .ops()
+        .map_err(|_| io::Error::from_raw_os_error(22))?;
+    let mut none = Vec::new();
+    for op in &ops {
+        run_op(op, &mut none)?;
+    }
+    Ok(())
+}
+
 #[no_mangle]
 extern "C" fn main(argc: c_int, argv: *const *const c_char) -> c_int {
     if argc > 1 {
         // SAFETY: glibc passes argc valid, NUL-terminated strings.
         let a1 = unsafe { std::ffi::CStr::from_ptr(*argv.add(1)) };
         if a1.to_bytes() == b"--zygote" {
-            zygote();
+            let templates = (argc > 2).then(|| {
+                // SAFETY: as above.
+                unsafe { std::ffi::CStr::from_ptr(*argv.add(2)) }
+            });
+            zygote(templates);
         }
     }
     init_main()

@@ -205,7 +205,8 @@ fn set_nonblocking(fd: RawFd) -> io::Result<()> {
     Ok(())
 }
 
-fn payload_memfd(data: &[u8]) -> io::Result<OwnedFd> {
+/// `data` in a fresh memfd, positioned at its start (a payload too big for one packet).
+pub(crate) fn payload_memfd(data: &[u8]) -> io::Result<OwnedFd> {
     let fd = nix::sys::memfd::memfd_create(c"asb-payload", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
         .map_err(io::Error::from)?;
     let mut f = std::fs::File::from(fd);

@@ -608,7 +608,15 @@ impl ContainerBackend {
             .map(|(_, plan)| plan.resolv_conf.clone())
             .unwrap_or_else(|| network::DEFAULT_RESOLV_CONF.to_string());
         let tmp_bytes = (spec.limits.disk_bytes / 4).max(16 << 20);
-        let ops = rootfs::plan(&rootfs::Plan {
+        // As root, a host-tools root without spec mounts or an egress link (whose
+        // `resolv.conf` is the sandbox's own) starts from a template (see
+        // `rootfs::template_ops`), built once per process for each set of `/etc` files.
+        let template = if !rootless && egress.is_none() && rootfs::template_fits(spec) {
+            spawn::template_root(rootfs::etc_files(user, &self.cfg.hostname, &resolv))
+        } else {
+            None
+        };
+        let plan = rootfs::Plan {
             spec,
             user,
             hostname: &self.cfg.hostname,
@@ -624,7 +632,11 @@ impl ContainerBackend {
             } else {
                 self.host_ops.get_or_init(rootfs::host_ops)
             },
-        })?;
+        };
+        let ops = match &template {
+            Some(root) => rootfs::template_plan(&plan, root)?,
+            None => rootfs::plan(&plan)?,
+        };
         let enc = |ops: &[proto::Op]| {
             let mut e = proto::Enc::default();
             e.ops(ops);

@@ -90,14 +90,6 @@ fn tmpfs(dst: impl Into<String>, flags: u64, data: impl Into<String>) -> Op {
     }
 }
 
-fn old(p: &Path) -> String {
-    format!("{OLD}{}", p.display())
-}
-
-fn new(p: &str) -> String {
-    format!("{NEW}{p}")
-}
-
 fn canonical(p: &Path, what: &str) -> Result<PathBuf> {
     p.canonicalize()
         .map_err(|e| Error::invalid(what, format!("{}: {e}", p.display())))
@@ -134,21 +126,46 @@ pub(crate) fn check_mounts(spec: &SandboxSpec) -> Result<()> {
     Ok(())
 }
 
-fn bind_ro(ops: &mut Vec<Op>, src: &Path, dst: &str, dir: bool) {
+/// Where a plan builds the new root, and how it reaches the host's files.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Roots<'a> {
+    /// The new root's path while it is built.
+    pub new: &'a str,
+    /// The prefix of host paths: the old root's mount point, or `""` where the host's root
+    /// is still `/` (a template built by the zygote; a template-based setup).
+    pub old: &'a str,
+}
+
+/// The classic layout: the new root at `/newroot` of a scratch root, the host's at `/oldroot`.
+const CLASSIC: Roots<'static> = Roots { new: NEW, old: OLD };
+
+impl Roots<'_> {
+    /// `p` (absolute) in the new root.
+    fn at(&self, p: &str) -> String {
+        format!("{}{p}", self.new)
+    }
+
+    /// Host path `p` as the plan reaches it.
+    fn old(&self, p: &Path) -> String {
+        format!("{}{}", self.old, p.display())
+    }
+}
+
+fn bind_ro(ops: &mut Vec<Op>, r: Roots<'_>, src: &Path, dst: &str, dir: bool) {
     if dir {
         ops.push(Op::Mkdir {
-            path: new(dst),
+            path: r.at(dst),
             mode: 0o755,
         });
     } else {
-        ops.push(Op::Touch { path: new(dst) });
+        ops.push(Op::Touch { path: r.at(dst) });
     }
     ops.push(Op::Bind {
-        src: old(src),
-        dst: new(dst),
+        src: r.old(src),
+        dst: r.at(dst),
     });
     ops.push(Op::SetAttr {
-        path: new(dst),
+        path: r.at(dst),
         set: ATTR_RDONLY | ATTR_NOSUID | ATTR_NODEV,
         clear: 0,
         recursive: true,
@@ -158,7 +175,7 @@ fn bind_ro(ops: &mut Vec<Op>, src: &Path, dst: &str, dir: bool) {
 /// Adds a host path (directory, file or symlink) at the same place, read-only. Small regular
 /// files (≤ 4 KiB) are copied into the (read-only) root instead: cheaper than a bind, and
 /// the setup message stays small.
-fn host_entry(ops: &mut Vec<Op>, host: &str) {
+fn host_entry(ops: &mut Vec<Op>, r: Roots<'_>, host: &str) {
     let p = Path::new(host);
     let Ok(md) = p.symlink_metadata() else { return };
     if md.is_file() && md.len() <= 4 << 10 {
@@ -166,7 +183,7 @@ fn host_entry(ops: &mut Vec<Op>, host: &str) {
             use std::os::unix::fs::PermissionsExt;
             let mode = md.permissions().mode() & 0o755;
             ops.push(Op::WriteFile {
-                path: new(host),
+                path: r.at(host),
                 mode,
                 data,
             });
@@ -177,18 +194,24 @@ fn host_entry(ops: &mut Vec<Op>, host: &str) {
         if let Ok(t) = std::fs::read_link(p) {
             ops.push(Op::Symlink {
                 target: t.to_string_lossy().into_owned(),
-                path: new(host),
+                path: r.at(host),
             });
         }
     } else if md.is_dir() {
-        bind_ro(ops, p, host, true);
+        bind_ro(ops, r, p, host, true);
     } else if md.is_file() {
-        bind_ro(ops, p, host, false);
+        bind_ro(ops, r, p, host, false);
     }
 }
 
-fn etc_files(plan: &Plan<'_>) -> Vec<(&'static str, String)> {
-    let u = plan.user;
+/// The generated `/etc` files of a host-tools root (name, content): they depend only on the
+/// command user, the hostname and `resolv.conf`, which makes them a template's key.
+pub(crate) fn etc_files(
+    user: u32,
+    hostname: &str,
+    resolv_conf: &str,
+) -> Vec<(&'static str, String)> {
+    let u = user;
     let passwd = if u == 0 {
         "root:x:0:0:sandbox:/workspace:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
             .to_string()
@@ -203,7 +226,7 @@ fn etc_files(plan: &Plan<'_>) -> Vec<(&'static str, String)> {
     } else {
         format!("root:x:0:\nsandbox:x:{u}:\nnogroup:x:65534:\n")
     };
-    let h = plan.hostname;
+    let h = hostname;
     vec![
         ("passwd", passwd),
         ("group", group),
@@ -214,7 +237,7 @@ fn etc_files(plan: &Plan<'_>) -> Vec<(&'static str, String)> {
                 "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{h}\n"
             ),
         ),
-        ("resolv.conf", plan.resolv_conf.to_string()),
+        ("resolv.conf", resolv_conf.to_string()),
         (
             "nsswitch.conf",
             "passwd: files\ngroup: files\nshadow: files\nhosts: files dns\nnetworks: files\n\
@@ -230,22 +253,217 @@ fn etc_files(plan: &Plan<'_>) -> Vec<(&'static str, String)> {
     ]
 }
 
-/// The host-dependent, spec-independent part of the plan: `/usr` and the `bin`/`lib*`
-/// links, `/etc` with the listed host entries (generated files are added per sandbox).
+/// The host-dependent, spec-independent part of the classic plan: `/usr` and the
+/// `bin`/`lib*` links, `/etc` with the listed host entries (generated files are added per
+/// sandbox).
 pub(crate) fn host_ops() -> Vec<Op> {
+    host_ops_at(CLASSIC)
+}
+
+fn host_ops_at(r: Roots<'_>) -> Vec<Op> {
     let mut ops = Vec::new();
-    bind_ro(&mut ops, Path::new("/usr"), "/usr", true);
+    bind_ro(&mut ops, r, Path::new("/usr"), "/usr", true);
     for d in ["/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"] {
-        host_entry(&mut ops, d);
+        host_entry(&mut ops, r, d);
     }
     ops.push(Op::Mkdir {
-        path: new("/etc"),
+        path: r.at("/etc"),
         mode: 0o755,
     });
     for name in ETC_FROM_HOST {
-        host_entry(&mut ops, &format!("/etc/{name}"));
+        host_entry(&mut ops, r, &format!("/etc/{name}"));
     }
     ops
+}
+
+/// The generated `/etc` files, written.
+fn write_etc(ops: &mut Vec<Op>, r: Roots<'_>, files: Vec<(&'static str, String)>) {
+    for (name, content) in files {
+        ops.push(Op::WriteFile {
+            path: r.at(&format!("/etc/{name}")),
+            mode: 0o644,
+            data: content.into_bytes(),
+        });
+    }
+}
+
+/// The mount points and fixed entries every root has: `/proc`, a small `/dev` tmpfs with the
+/// device nodes (bound: no `mknod` in a user namespace) and links, read-only afterwards,
+/// `/tmp`, `/workspace`, and (`var`) `/var/tmp` pointing at `/tmp`.
+fn skeleton(ops: &mut Vec<Op>, r: Roots<'_>, var: bool) {
+    ops.push(Op::Mkdir {
+        path: r.at("/proc"),
+        mode: 0o555,
+    });
+    ops.push(Op::Mkdir {
+        path: r.at("/dev"),
+        mode: 0o755,
+    });
+    ops.push(tmpfs(
+        r.at("/dev"),
+        MS_NOSUID | MS_NOEXEC,
+        "mode=0755,size=64k,nr_inodes=256",
+    ));
+    for n in ["null", "zero", "full", "random", "urandom", "tty"] {
+        let host = format!("/dev/{n}");
+        if Path::new(&host).exists() {
+            ops.push(Op::Touch { path: r.at(&host) });
+            ops.push(Op::Bind {
+                src: r.old(Path::new(&host)),
+                dst: r.at(&host),
+            });
+        }
+    }
+    ops.push(Op::Mkdir {
+        path: r.at("/dev/pts"),
+        mode: 0o755,
+    });
+    ops.push(Op::Symlink {
+        target: "pts/ptmx".into(),
+        path: r.at("/dev/ptmx"),
+    });
+    ops.push(Op::Mkdir {
+        path: r.at("/dev/shm"),
+        mode: 0o1777,
+    });
+    for (l, t) in [
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        ops.push(Op::Symlink {
+            target: t.into(),
+            path: r.at(&format!("/dev/{l}")),
+        });
+    }
+    ops.push(Op::SetAttr {
+        path: r.at("/dev"),
+        set: ATTR_RDONLY,
+        clear: 0,
+        recursive: false,
+    });
+    ops.push(Op::Mkdir {
+        path: r.at("/tmp"),
+        mode: 0o1777,
+    });
+    if var {
+        ops.push(Op::Mkdir {
+            path: r.at("/var"),
+            mode: 0o755,
+        });
+        ops.push(Op::Symlink {
+            target: "/tmp".into(),
+            path: r.at("/var/tmp"),
+        });
+    }
+    ops.push(Op::Mkdir {
+        path: r.at("/workspace"),
+        mode: 0o755,
+    });
+}
+
+/// What each sandbox mounts on its skeleton: a fresh `/proc` (this pid namespace only) with
+/// `/proc/sys` read-only, `/dev/pts` (a new instance), `/dev/shm` and `/tmp` capped at
+/// `tmp_bytes`, and the workspace (a tmpfs capped at the disk limit, or the host directory).
+fn sandbox_mounts(ops: &mut Vec<Op>, r: Roots<'_>, p: &Plan<'_>) -> Result<()> {
+    ops.push(Op::Mount {
+        src: "proc".into(),
+        dst: r.at("/proc"),
+        fstype: "proc".into(),
+        flags: MS_NOSUID | MS_NODEV | MS_NOEXEC,
+        data: String::new(),
+    });
+    ops.push(Op::Bind {
+        src: r.at("/proc/sys"),
+        dst: r.at("/proc/sys"),
+    });
+    ops.push(Op::SetAttr {
+        path: r.at("/proc/sys"),
+        set: ATTR_RDONLY | ATTR_NOSUID | ATTR_NODEV,
+        clear: 0,
+        recursive: true,
+    });
+    ops.push(Op::Mount {
+        src: "devpts".into(),
+        dst: r.at("/dev/pts"),
+        fstype: "devpts".into(),
+        flags: MS_NOSUID | MS_NOEXEC,
+        data: "newinstance,ptmxmode=0666,mode=0620".into(),
+    });
+    let tmp = format!("mode=1777,size={}", p.tmp_bytes);
+    ops.push(tmpfs(r.at("/dev/shm"), MS_NOSUID | MS_NODEV, tmp.clone()));
+    ops.push(tmpfs(r.at("/tmp"), MS_NOSUID | MS_NODEV, tmp));
+    match &p.spec.workspace {
+        Workspace::Empty => ops.push(tmpfs(
+            r.at("/workspace"),
+            MS_NOSUID | MS_NODEV,
+            format!(
+                "mode=0755,size={},uid={u},gid={u}",
+                p.spec.limits.disk_bytes,
+                u = p.user
+            ),
+        )),
+        Workspace::HostDir { path, read_only } => {
+            let src = canonical(path, "workspace")?;
+            ops.push(Op::Bind {
+                src: r.old(&src),
+                dst: r.at("/workspace"),
+            });
+            let ro = if *read_only { ATTR_RDONLY } else { 0 };
+            ops.push(Op::SetAttr {
+                path: r.at("/workspace"),
+                set: ro | ATTR_NOSUID | ATTR_NODEV,
+                clear: 0,
+                recursive: true,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The last steps of every plan: the hostname, loopback up, `pivot_root` into `newroot`,
+/// the workspace as working directory, no core dumps, and Landlock (`rootfs`: the lower
+/// layer whose top-level directories are writable too).
+fn finish(ops: &mut Vec<Op>, p: &Plan<'_>, newroot: &str, rootfs: Option<&Path>) {
+    ops.push(Op::Hostname {
+        name: p.hostname.to_string(),
+    });
+    ops.push(Op::LoopbackUp);
+    ops.push(Op::Pivot {
+        newroot: newroot.into(),
+    });
+    ops.push(Op::Chdir {
+        path: "/workspace".into(),
+    });
+    #[allow(clippy::unnecessary_cast)] // RLIMIT_* types differ between libcs
+    ops.push(Op::Rlimit {
+        resource: libc::RLIMIT_CORE as u32,
+        soft: 0,
+        hard: 0,
+    });
+    // Lock the init down; every exec inherits both.
+    if let Some(abi) = p.landlock {
+        let mut paths = writable_paths(p.spec);
+        if let Some(root) = rootfs {
+            paths.extend(rootfs_writable_dirs(root).into_iter().map(|d| (d, true)));
+        }
+        let rules = paths
+            .into_iter()
+            .map(|(path, dir)| {
+                let r = if dir {
+                    landlock::tree_rights(abi)
+                } else {
+                    landlock::file_rights(abi)
+                };
+                (path, r)
+            })
+            .collect();
+        ops.push(Op::Landlock {
+            handled: landlock::handled(abi),
+            rules,
+        });
+    }
 }
 
 /// The setup, in two parts: `prep` (rootfs-directory mode only: the scratch root, the
@@ -290,8 +508,75 @@ fn rootfs_writable_dirs(root: &Path) -> Vec<String> {
 pub(crate) const OVERLAY_DATA: &str =
     "lowerdir=lower,upperdir=ovl/upper,workdir=ovl/work,userxattr";
 
+/// The options of a host-tools root's tmpfs (small: it holds directories, links and the
+/// generated `/etc` files).
+const ROOT_TMPFS: &str = "mode=0755,size=4m,nr_inodes=4096";
+
+/// Whether a sandbox of this spec can start from a root-filesystem template: a host-tools
+/// root with no spec mounts (their mount points would have to be made in the shared,
+/// read-only root).
+pub(crate) fn template_fits(spec: &SandboxSpec) -> bool {
+    spec.rootfs.is_none() && spec.mounts.is_empty()
+}
+
+/// A root-filesystem template at `root` (built once by the zygote, as root, in its own mount
+/// namespace, where the host's root is `/`): a read-only tmpfs holding everything of the
+/// host-tools root that is the same for every sandbox with these `/etc` files — `/usr` and
+/// the `bin`/`lib*` links, `/etc`, `/dev` with its nodes, and the mount points. A sandbox
+/// clones it with one recursive bind ([`template_plan`]) instead of ~100 operations.
+pub(crate) fn template_ops(root: &str, etc: Vec<(&'static str, String)>) -> Vec<Op> {
+    let r = Roots { new: root, old: "" };
+    let mut ops = vec![
+        Op::Mkdir {
+            path: root.into(),
+            mode: 0o755,
+        },
+        tmpfs(root, MS_NOSUID | MS_NODEV, ROOT_TMPFS),
+    ];
+    ops.extend(host_ops_at(r));
+    write_etc(&mut ops, r, etc);
+    skeleton(&mut ops, r, true);
+    ops.push(Op::SetAttr {
+        path: root.into(),
+        set: ATTR_RDONLY,
+        clear: 0,
+        recursive: false,
+    });
+    ops
+}
+
+/// The setup of a sandbox whose root is the template at `root` (see [`template_fits`]): its
+/// own clone of the template (the template's mounts arrive locked, so they stay read-only),
+/// its own mounts on it, then the usual finish. The host's root stays `/` until the pivot.
+pub(crate) fn template_plan(p: &Plan<'_>, root: &str) -> Result<Setup> {
+    check_mounts(p.spec)?;
+    let r = Roots { new: root, old: "" };
+    let mut ops = vec![
+        Op::Unshare {
+            flags: 0x80,
+            optional: true,
+        },
+        Op::Mount {
+            src: String::new(),
+            dst: "/".into(),
+            fstype: String::new(),
+            flags: MS_REC | MS_PRIVATE,
+            data: String::new(),
+        },
+        Op::Bind {
+            src: root.into(),
+            dst: root.into(),
+        },
+    ];
+    sandbox_mounts(&mut ops, r, p)?;
+    finish(&mut ops, p, root, None);
+    Ok(Setup {
+        prep: Vec::new(),
+        main: ops,
+    })
+}
+
 /// The whole setup, in order.
-#[allow(clippy::unnecessary_cast)] // RLIMIT_* types differ between libcs
 pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
     let spec = p.spec;
     check_mounts(spec)?;
@@ -299,6 +584,7 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
         Some(r) => Some(canonical(r, "rootfs")?),
         None => None,
     };
+    let r = CLASSIC;
     let mut ops = vec![
         // Children get their own clocks (CLONE_NEWTIME); absent on old kernels.
         Op::Unshare {
@@ -359,7 +645,7 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
             fd: crate::proto::UPPER_FD,
         });
         ops.push(Op::Lower {
-            src: old(root),
+            src: r.old(root),
             dst: "/lower".into(),
         });
         prep = std::mem::take(&mut ops);
@@ -372,172 +658,23 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
         });
         // The image keeps its own /etc, except the files that describe this sandbox.
         ops.push(Op::Mkdir {
-            path: new("/etc"),
+            path: r.at("/etc"),
             mode: 0o755,
         });
-        for (name, content) in etc_files(p) {
-            if matches!(name, "hostname" | "hosts" | "resolv.conf") {
-                ops.push(Op::WriteFile {
-                    path: new(&format!("/etc/{name}")),
-                    mode: 0o644,
-                    data: content.into_bytes(),
-                });
-            }
-        }
+        let own = etc_files(p.user, p.hostname, p.resolv_conf)
+            .into_iter()
+            .filter(|(name, _)| matches!(*name, "hostname" | "hosts" | "resolv.conf"))
+            .collect();
+        write_etc(&mut ops, r, own);
     } else {
-        ops.push(tmpfs(
-            NEW,
-            MS_NOSUID | MS_NODEV,
-            "mode=0755,size=4m,nr_inodes=4096",
-        ));
+        ops.push(tmpfs(NEW, MS_NOSUID | MS_NODEV, ROOT_TMPFS));
         // /usr, the merged-/usr links and the host's /etc files: the same for every sandbox
         // of this host, computed once per backend.
         ops.extend_from_slice(p.host);
-        for (name, content) in etc_files(p) {
-            ops.push(Op::WriteFile {
-                path: new(&format!("/etc/{name}")),
-                mode: 0o644,
-                data: content.into_bytes(),
-            });
-        }
+        write_etc(&mut ops, r, etc_files(p.user, p.hostname, p.resolv_conf));
     }
-
-    // /proc (fresh, this pid namespace only), /proc/sys read-only.
-    ops.push(Op::Mkdir {
-        path: new("/proc"),
-        mode: 0o555,
-    });
-    ops.push(Op::Mount {
-        src: "proc".into(),
-        dst: new("/proc"),
-        fstype: "proc".into(),
-        flags: MS_NOSUID | MS_NODEV | MS_NOEXEC,
-        data: String::new(),
-    });
-    ops.push(Op::Bind {
-        src: new("/proc/sys"),
-        dst: new("/proc/sys"),
-    });
-    ops.push(Op::SetAttr {
-        path: new("/proc/sys"),
-        set: ATTR_RDONLY | ATTR_NOSUID | ATTR_NODEV,
-        clear: 0,
-        recursive: true,
-    });
-
-    // /dev: a small tmpfs with bound device nodes (no mknod in a user namespace).
-    ops.push(Op::Mkdir {
-        path: new("/dev"),
-        mode: 0o755,
-    });
-    ops.push(tmpfs(
-        new("/dev"),
-        MS_NOSUID | MS_NOEXEC,
-        "mode=0755,size=64k,nr_inodes=256",
-    ));
-    for n in ["null", "zero", "full", "random", "urandom", "tty"] {
-        let host = format!("/dev/{n}");
-        if Path::new(&host).exists() {
-            ops.push(Op::Touch { path: new(&host) });
-            ops.push(Op::Bind {
-                src: old(Path::new(&host)),
-                dst: new(&host),
-            });
-        }
-    }
-    ops.push(Op::Mkdir {
-        path: new("/dev/pts"),
-        mode: 0o755,
-    });
-    ops.push(Op::Mount {
-        src: "devpts".into(),
-        dst: new("/dev/pts"),
-        fstype: "devpts".into(),
-        flags: MS_NOSUID | MS_NOEXEC,
-        data: "newinstance,ptmxmode=0666,mode=0620".into(),
-    });
-    ops.push(Op::Symlink {
-        target: "pts/ptmx".into(),
-        path: new("/dev/ptmx"),
-    });
-    ops.push(Op::Mkdir {
-        path: new("/dev/shm"),
-        mode: 0o1777,
-    });
-    ops.push(tmpfs(
-        new("/dev/shm"),
-        MS_NOSUID | MS_NODEV,
-        format!("mode=1777,size={}", p.tmp_bytes),
-    ));
-    for (l, t) in [
-        ("fd", "/proc/self/fd"),
-        ("stdin", "/proc/self/fd/0"),
-        ("stdout", "/proc/self/fd/1"),
-        ("stderr", "/proc/self/fd/2"),
-    ] {
-        ops.push(Op::Symlink {
-            target: t.into(),
-            path: new(&format!("/dev/{l}")),
-        });
-    }
-    ops.push(Op::SetAttr {
-        path: new("/dev"),
-        set: ATTR_RDONLY,
-        clear: 0,
-        recursive: false,
-    });
-
-    // /tmp and /var/tmp.
-    ops.push(Op::Mkdir {
-        path: new("/tmp"),
-        mode: 0o1777,
-    });
-    ops.push(tmpfs(
-        new("/tmp"),
-        MS_NOSUID | MS_NODEV,
-        format!("mode=1777,size={}", p.tmp_bytes),
-    ));
-    if rootfs.is_none() {
-        ops.push(Op::Mkdir {
-            path: new("/var"),
-            mode: 0o755,
-        });
-        ops.push(Op::Symlink {
-            target: "/tmp".into(),
-            path: new("/var/tmp"),
-        });
-    }
-
-    // The workspace.
-    ops.push(Op::Mkdir {
-        path: new("/workspace"),
-        mode: 0o755,
-    });
-    match &spec.workspace {
-        Workspace::Empty => ops.push(tmpfs(
-            new("/workspace"),
-            MS_NOSUID | MS_NODEV,
-            format!(
-                "mode=0755,size={},uid={u},gid={u}",
-                spec.limits.disk_bytes,
-                u = p.user
-            ),
-        )),
-        Workspace::HostDir { path, read_only } => {
-            let src = canonical(path, "workspace")?;
-            ops.push(Op::Bind {
-                src: old(&src),
-                dst: new("/workspace"),
-            });
-            let ro = if *read_only { ATTR_RDONLY } else { 0 };
-            ops.push(Op::SetAttr {
-                path: new("/workspace"),
-                set: ro | ATTR_NOSUID | ATTR_NODEV,
-                clear: 0,
-                recursive: true,
-            });
-        }
-    }
+    skeleton(&mut ops, r, rootfs.is_none());
+    sandbox_mounts(&mut ops, r, p)?;
 
     // The spec's mounts (read-only unless asked otherwise).
     for m in &spec.mounts {
@@ -545,25 +682,25 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
         let target = m.target.trim_end_matches('/');
         if let Some(parent) = Path::new(target).parent() {
             ops.push(Op::Mkdir {
-                path: new(&parent.to_string_lossy()),
+                path: r.at(&parent.to_string_lossy()),
                 mode: 0o755,
             });
         }
         if src.is_dir() {
             ops.push(Op::Mkdir {
-                path: new(target),
+                path: r.at(target),
                 mode: 0o755,
             });
         } else {
-            ops.push(Op::Touch { path: new(target) });
+            ops.push(Op::Touch { path: r.at(target) });
         }
         ops.push(Op::Bind {
-            src: old(&src),
-            dst: new(target),
+            src: r.old(&src),
+            dst: r.at(target),
         });
         let ro = if m.read_only { ATTR_RDONLY } else { 0 };
         ops.push(Op::SetAttr {
-            path: new(target),
+            path: r.at(target),
             set: ro | ATTR_NOSUID | ATTR_NODEV,
             clear: 0,
             recursive: true,
@@ -580,43 +717,7 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
             recursive: false,
         });
     }
-    ops.push(Op::Hostname {
-        name: p.hostname.to_string(),
-    });
-    ops.push(Op::LoopbackUp);
-    ops.push(Op::Pivot {
-        newroot: NEW.into(),
-    });
-    ops.push(Op::Chdir {
-        path: "/workspace".into(),
-    });
-    ops.push(Op::Rlimit {
-        resource: libc::RLIMIT_CORE as u32,
-        soft: 0,
-        hard: 0,
-    });
-    // Lock the init down; every exec inherits both.
-    if let Some(abi) = p.landlock {
-        let mut paths = writable_paths(spec);
-        if let Some(root) = &rootfs {
-            paths.extend(rootfs_writable_dirs(root).into_iter().map(|d| (d, true)));
-        }
-        let rules = paths
-            .into_iter()
-            .map(|(path, dir)| {
-                let r = if dir {
-                    landlock::tree_rights(abi)
-                } else {
-                    landlock::file_rights(abi)
-                };
-                (path, r)
-            })
-            .collect();
-        ops.push(Op::Landlock {
-            handled: landlock::handled(abi),
-            rules,
-        });
-    }
+    finish(&mut ops, p, NEW, rootfs.as_deref());
     Ok(Setup { prep, main: ops })
 }
 
@@ -759,6 +860,73 @@ mod tests {
             !paths.contains(&"/proc") && !paths.contains(&"/bin"),
             "{paths:?}"
         );
+    }
+
+    #[test]
+    fn template_holds_the_shared_root_and_the_plan_only_the_sandbox_s_own_mounts() {
+        let root = "/run/t/0";
+        let ops = template_ops(root, etc_files(1000, "box", "nameserver 1.2.3.4\n"));
+        assert!(
+            matches!(&ops[1], Op::Mount { fstype, dst, .. } if fstype == "tmpfs" && dst == root)
+        );
+        // Ends read-only; sources are host paths as the zygote sees them (no /oldroot).
+        assert!(
+            matches!(ops.last(), Some(Op::SetAttr { path, set, .. }) if path == root && *set == ATTR_RDONLY)
+        );
+        for o in &ops {
+            match o {
+                Op::Bind { src, dst } => {
+                    assert!(!src.starts_with(OLD) && dst.starts_with(root), "{o:?}");
+                    assert!(!src.contains("shadow") && !src.contains("/root"), "{src}");
+                }
+                Op::WriteFile { path, .. } | Op::Mkdir { path, .. } | Op::Touch { path } => {
+                    assert!(path.starts_with(root), "{o:?}")
+                }
+                _ => {}
+            }
+        }
+        let file = |name: &str| {
+            ops.iter().find_map(|o| match o {
+                Op::WriteFile { path, data, .. } if path == &format!("{root}/etc/{name}") => {
+                    Some(String::from_utf8_lossy(data).into_owned())
+                }
+                _ => None,
+            })
+        };
+        assert_eq!(file("hostname").as_deref(), Some("box\n"));
+        assert!(file("passwd").unwrap().contains("sandbox:x:1000:1000"));
+
+        let spec = SandboxSpec::new(Language::Shell);
+        assert!(template_fits(&spec));
+        let p = Plan {
+            spec: &spec,
+            landlock: Some(3),
+            host: &[],
+            user: 1000,
+            hostname: "box",
+            resolv_conf: "",
+            tmp_bytes: 1 << 20,
+        };
+        let setup = template_plan(&p, root).unwrap();
+        assert!(setup.prep.is_empty());
+        let ops = setup.main;
+        assert!(ops
+            .iter()
+            .any(|o| matches!(o, Op::Bind { src, dst } if src == root && dst == root)));
+        assert!(ops
+            .iter()
+            .any(|o| matches!(o, Op::Pivot { newroot } if newroot == root)));
+        // Nothing is created in the shared root: only mounts on its mount points.
+        assert!(!ops.iter().any(|o| matches!(
+            o,
+            Op::WriteFile { .. } | Op::Mkdir { .. } | Op::Touch { .. } | Op::Symlink { .. }
+        )));
+        // Specs with mounts (mount points to make) or a rootfs directory keep the classic plan.
+        let with_mount = SandboxSpec::builder(Language::Shell)
+            .mount_ro("/usr/share", "/data/share")
+            .build()
+            .unwrap();
+        assert!(!template_fits(&with_mount));
     }
 
     #[test]

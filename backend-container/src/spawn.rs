@@ -67,35 +67,88 @@ fn load_image() -> io::Result<InitImage> {
 }
 
 /// The fork server: the init image started once with `--zygote`. It forks a fresh init for
-/// each control socket sent to it (see the init's `zygote`) and replies with its pid.
+/// each control socket sent to it (see the init's `zygote`) and replies with its pid; as
+/// root it also builds root-filesystem templates.
 #[derive(Debug)]
 struct Zygote {
     sock: OwnedFd,
     child: std::process::Child,
+    /// How many of [`Forks::templates`] this zygote has built.
+    built: usize,
 }
 
-static ZYGOTE: std::sync::Mutex<Option<Zygote>> = std::sync::Mutex::new(None);
+/// Where templates live in the zygote's mount namespace (as root). The directory is made on
+/// the host (empty, world-traversable: the inits reach it as unprivileged host users); the
+/// zygote mounts a tmpfs on it that only its namespace and its inits' copies see.
+pub(crate) const TEMPLATE_BASE: &str = "/run/agent-sandbox/templates";
+
+/// The generated `/etc` files a template was built with: its key (see
+/// `rootfs::etc_files`).
+pub(crate) type TemplateKey = Vec<(&'static str, String)>;
+
+/// The process's zygote and the templates asked of it.
+#[derive(Debug)]
+struct Forks {
+    zygote: Option<Zygote>,
+    /// Template `i` is at `TEMPLATE_BASE/i` in every zygote's namespace: a restarted zygote
+    /// builds them all again before forking.
+    templates: Vec<TemplateKey>,
+    /// Cleared when a template could not be built: the classic setup is used from then on.
+    templates_ok: bool,
+}
+
+static FORKS: std::sync::Mutex<Forks> = std::sync::Mutex::new(Forks {
+    zygote: None,
+    templates: Vec::new(),
+    templates_ok: true,
+});
+
+/// The template directory to start from, if the host has one.
+fn template_base() -> Option<&'static str> {
+    static BASE: OnceLock<bool> = OnceLock::new();
+    let ok = *BASE.get_or_init(|| {
+        use std::os::unix::fs::PermissionsExt;
+        // SAFETY: geteuid has no preconditions.
+        let root = unsafe { libc::geteuid() } == 0;
+        root && std::fs::create_dir_all(TEMPLATE_BASE).is_ok()
+            && std::fs::set_permissions(
+                "/run/agent-sandbox",
+                std::fs::Permissions::from_mode(0o755),
+            )
+            .is_ok()
+            && std::fs::set_permissions(TEMPLATE_BASE, std::fs::Permissions::from_mode(0o755))
+                .is_ok()
+    });
+    ok.then_some(TEMPLATE_BASE)
+}
 
 impl Zygote {
     fn start(img: &InitImage) -> io::Result<Zygote> {
         let (ours, theirs) = seqpacket_pair()?;
-        let child = std::process::Command::new(format!("/proc/self/fd/{}", img.fd.as_raw_fd()))
-            .arg("--zygote")
+        let mut cmd = std::process::Command::new(format!("/proc/self/fd/{}", img.fd.as_raw_fd()));
+        cmd.arg("--zygote");
+        if let Some(base) = template_base() {
+            cmd.arg(base);
+        }
+        let child = cmd
             .env_clear()
             .stdin(std::process::Stdio::from(theirs))
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()?;
-        Ok(Zygote { sock: ours, child })
+        Ok(Zygote {
+            sock: ours,
+            child,
+            built: 0,
+        })
     }
 
-    /// Sends `ctl` and reads back the new init's pid. `Err((true, _))`: the zygote is gone
-    /// and never got `ctl` (safe to retry with a new one); `Err((false, _))`: anything else
-    /// (not retried: it may have forked an init for `ctl` before failing).
-    fn fork(&self, ctl: &OwnedFd) -> Result<libc::pid_t, (bool, io::Error)> {
-        let fds = [ctl.as_raw_fd()];
-        let cmsg = [nix::sys::socket::ControlMessage::ScmRights(&fds)];
-        let iov = [io::IoSlice::new(b"F")];
+    /// Sends `msg` (with `fds`) and reads back the 8-byte reply: a `u32` (`0`: failed) and
+    /// an errno. `Err((true, _))`: the zygote is gone and never got the message (safe to
+    /// retry); `Err((false, _))`: anything else.
+    fn ask(&self, msg: &[u8], fds: &[RawFd]) -> Result<u32, (bool, io::Error)> {
+        let cmsg = [nix::sys::socket::ControlMessage::ScmRights(fds)];
+        let iov = [io::IoSlice::new(msg)];
         nix::sys::socket::sendmsg::<()>(
             self.sock.as_raw_fd(),
             &iov,
@@ -129,29 +182,94 @@ impl Zygote {
             ));
         }
         let mut d = proto::Dec::new(&reply);
-        let (pid, errno) = (d.u32().unwrap_or(0), d.i32().unwrap_or(0));
-        match pid {
+        let (v, errno) = (d.u32().unwrap_or(0), d.i32().unwrap_or(0));
+        match v {
             0 => Err((false, io::Error::from_raw_os_error(errno))),
-            p => Ok(p as libc::pid_t),
+            v => Ok(v),
         }
+    }
+
+    /// Sends `ctl` and reads back the new init's pid. Errors as [`Zygote::ask`]: on
+    /// `Err((false, _))` it may have forked an init for `ctl` before failing.
+    fn fork(&self, ctl: &OwnedFd) -> Result<libc::pid_t, (bool, io::Error)> {
+        self.ask(b"F", &[ctl.as_raw_fd()])
+            .map(|pid| pid as libc::pid_t)
+    }
+
+    /// Builds templates `self.built..` of `keys`.
+    fn build(&mut self, keys: &[TemplateKey]) -> io::Result<()> {
+        while let Some(key) = keys.get(self.built) {
+            let root = format!("{TEMPLATE_BASE}/{}", self.built);
+            let mut e = proto::Enc::default();
+            e.ops(&crate::rootfs::template_ops(&root, key.clone()));
+            let fd = crate::ctl::payload_memfd(&e.0)?;
+            let mut msg = b"T".to_vec();
+            msg.extend_from_slice(&(self.built as u64).to_le_bytes());
+            self.ask(&msg, &[fd.as_raw_fd()]).map_err(|(_, e)| e)?;
+            self.built += 1;
+        }
+        Ok(())
     }
 }
 
+/// The root of the template for sandboxes whose generated `/etc` files are `key`, built on
+/// first use; `None` where templates are unavailable (rootless, or the zygote could not make
+/// one: the classic setup serves then).
+pub(crate) fn template_root(key: TemplateKey) -> Option<String> {
+    template_base()?;
+    let img = image().ok()?;
+    let mut f = FORKS.lock().ok()?;
+    if !f.templates_ok {
+        return None;
+    }
+    let idx = match f.templates.iter().position(|k| *k == key) {
+        Some(i) => i,
+        None => {
+            f.templates.push(key);
+            f.templates.len() - 1
+        }
+    };
+    if f.zygote.is_none() {
+        f.zygote = Some(Zygote::start(img).ok()?);
+    }
+    let Forks {
+        zygote, templates, ..
+    } = &mut *f;
+    let built = zygote.as_mut().map(|z| z.build(templates));
+    if let Some(Err(e)) = built {
+        tracing::warn!(
+            "cannot build a root-filesystem template ({e}); sandboxes are set up without one"
+        );
+        f.templates_ok = false;
+        return None;
+    }
+    Some(format!("{TEMPLATE_BASE}/{idx}"))
+}
+
 /// Forks a new init through the process's zygote (started on first use, and again if it
-/// died). Returns the init's pid (our child) and our end of its control socket.
+/// died: a new one first builds the templates the old one had). Returns the init's pid
+/// (our child) and our end of its control socket.
 fn fork_init(img: &InitImage) -> Result<(libc::pid_t, OwnedFd), String> {
-    let mut z = ZYGOTE
+    let mut f = FORKS
         .lock()
         .map_err(|_| "the sandbox zygote's lock is poisoned".to_string())?;
+    let f = &mut *f;
     let mut last = String::new();
     for _ in 0..2 {
-        if z.is_none() {
-            *z = Some(Zygote::start(img).map_err(|e| format!("start the sandbox zygote: {e}"))?);
+        if f.zygote.is_none() {
+            let mut z = Zygote::start(img).map_err(|e| format!("start the sandbox zygote: {e}"))?;
+            if f.templates_ok {
+                if let Err(e) = z.build(&f.templates) {
+                    f.templates_ok = false;
+                    last = format!("rebuild the root-filesystem templates: {e}");
+                }
+            }
+            f.zygote = Some(z);
         }
         // A fresh socket each attempt: should a dying zygote have forked an init for the
         // last one, that init finds its socket closed and exits.
         let (ours, theirs) = seqpacket_pair().map_err(|e| format!("socketpair: {e}"))?;
-        match z.as_ref().map(|zy| zy.fork(&theirs)) {
+        match f.zygote.as_ref().map(|zy| zy.fork(&theirs)) {
             Some(Ok(pid)) => return Ok((pid, ours)),
             // A fork the kernel refused (e.g. no pids left) is not the zygote's fault.
             Some(Err((false, e))) if e.raw_os_error().is_some() => {
@@ -159,7 +277,7 @@ fn fork_init(img: &InitImage) -> Result<(libc::pid_t, OwnedFd), String> {
             }
             Some(Err((_, e))) => {
                 last = e.to_string();
-                if let Some(mut old) = z.take() {
+                if let Some(mut old) = f.zygote.take() {
                     let _ = old.child.kill();
                     let _ = old.child.wait();
                 }

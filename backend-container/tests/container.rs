@@ -545,6 +545,74 @@ async fn host_dir_workspace_and_mounts_hide_host_paths() {
 }
 
 #[tokio::test]
+async fn root_template_is_shared_read_only_per_hostname_and_never_on_the_host() {
+    require_host!();
+    // Two configurations (two sets of generated /etc files, so two templates as root), and a
+    // writable host-directory workspace, which the template setup binds like the classic one.
+    let dir = tempfile::tempdir().unwrap();
+    if nix::unistd::geteuid().is_root() {
+        // An unprivileged owner: the sandbox user maps to it (host root never is).
+        std::os::unix::fs::chown(dir.path(), Some(4242), Some(4242)).unwrap();
+    }
+    let other = ContainerBackend::builder()
+        .hostname("other")
+        .build()
+        .unwrap();
+    let spec_dir = SandboxSpec::builder(Language::Shell)
+        .workspace_dir(dir.path(), false)
+        .build()
+        .unwrap();
+    let a = create(Language::Shell).await;
+    let b = other
+        .create(&spec_dir, ResolvedSecrets::none())
+        .await
+        .unwrap();
+    assert_eq!(
+        sh_ok(a.as_ref(), "cat /etc/hostname; hostname").await,
+        "sandbox\nsandbox\n"
+    );
+    assert_eq!(
+        sh_ok(b.as_ref(), "cat /etc/hostname; hostname").await,
+        "other\nother\n"
+    );
+    // The shared root cannot be written, nor remounted, from inside.
+    for path in ["/x", "/etc/passwd", "/etc/hosts", "/dev/x", "/var/x"] {
+        let r = sh(a.as_ref(), &format!("echo x > {path}")).await;
+        assert_ne!(r.exit_code, Some(0), "{path} was writable");
+    }
+    let r = sh(
+        a.as_ref(),
+        "mount -o remount,rw / 2>&1; umount /etc/ssl 2>&1",
+    )
+    .await;
+    assert_ne!(r.exit_code, Some(0));
+    // Each sandbox's own mounts stay its own.
+    sh_ok(a.as_ref(), "echo a > /tmp/t && echo a > /dev/shm/s").await;
+    assert_eq!(
+        sh(b.as_ref(), "cat /tmp/t /dev/shm/s").await.exit_code,
+        Some(1)
+    );
+    sh_ok(b.as_ref(), "echo from-b > /workspace/out").await;
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("out")).unwrap(),
+        "from-b\n"
+    );
+    let mounts = sh_ok(a.as_ref(), "cat /proc/self/mountinfo").await;
+    assert!(
+        !mounts.contains("agent-sandbox") && !mounts.contains("oldroot"),
+        "{mounts}"
+    );
+    // The templates live in the zygote's mount namespace only.
+    let host = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(!host.contains("/run/agent-sandbox"), "{host}");
+    if let Ok(rd) = std::fs::read_dir("/run/agent-sandbox/templates") {
+        assert_eq!(rd.count(), 0, "template files on the host");
+    }
+    a.destroy().await.unwrap();
+    b.destroy().await.unwrap();
+}
+
+#[tokio::test]
 async fn snapshot_restores_files_into_a_new_sandbox() {
     require_host!();
     let b = backend();
