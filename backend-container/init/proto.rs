@@ -3,12 +3,12 @@
 //! This file is compiled twice: into the library (`#[path]` module) and into the init
 //! program, which build.rs compiles with plain `rustc` (std only). Keep it std-only.
 //!
-//! Bootstrap: the library starts the init with the socket as stdin. The init creates its user
-//! namespace, says `REP_BOOT` and creates the other namespaces while the library writes the id
-//! maps and says `MSG_MAPS`; the init becomes root inside, waits for `MSG_CGROUPS` (the library
-//! moved it into the sandbox's cgroups meanwhile; fds attached are cgroup files it could not
-//! move it into: the init writes `0` to each) and clones pid 1 (a child of the library,
-//! `CLONE_PARENT`); it says `REP_INIT` with pid 1's host pid and exits.
+//! Bootstrap: the library's zygote clones the init (pid 1 of new user and pid namespaces, a
+//! child of the library through `CLONE_PARENT`) with the socket as stdin. The init says
+//! `REP_BOOT` and creates its other namespaces while the library writes the id maps and says
+//! `MSG_MAPS`; the init becomes root inside, waits for `MSG_CGROUPS` (fds attached: the
+//! sandbox's cgroup files, opened by the library; the init writes `0` to each to move itself
+//! in) and says `REP_INIT`.
 //!
 //! Transport: one `SOCK_SEQPACKET` socketpair; one message per packet:
 //! `[u32 kind][u64 id][payload]`, file descriptors travel as `SCM_RIGHTS`.
@@ -67,7 +67,7 @@ pub const REP_EXITED: u32 = 103;
 /// Bootstrap (id 0): the init is in its new user namespace; write its maps. Payload: u64
 /// [`SOURCE_HASH`].
 pub const REP_BOOT: u32 = 104;
-/// Bootstrap (id 0): pid 1 of the sandbox exists: payload = u32 host pid.
+/// Bootstrap (id 0): the init is in its namespaces and cgroups (no payload).
 pub const REP_INIT: u32 = 105;
 
 /// Where the init keeps the overlay's upper directory open (rootfs-directory mode).

@@ -436,6 +436,7 @@ impl ContainerBuilder {
             bpf: Arc::new(seccomp::program_bytes()),
             slot: Arc::new(AtomicU64::new(0)),
             host_ops: Arc::new(std::sync::OnceLock::new()),
+            cgroups_ok: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         })
     }
 }
@@ -449,6 +450,8 @@ pub struct ContainerBackend {
     bpf: Arc<Vec<u8>>,
     slot: Arc<AtomicU64>,
     host_ops: Arc<std::sync::OnceLock<Vec<proto::Op>>>,
+    /// Set once the cgroup directories were found writable (see `cgroups_usable`).
+    cgroups_ok: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// The cgroup (and state record) name of sandbox `id`: tagged with our pid, so leftovers of a
@@ -487,8 +490,18 @@ impl ContainerBackend {
         !is_root()
     }
 
+    /// Whether we can make cgroups. Checked (`access(2)` on each controller's directory, ~15
+    /// µs apiece here) until it first holds; should the permission go later, each create's
+    /// cgroup job fails with the `mkdir` error instead.
     fn cgroups_usable(&self) -> std::result::Result<(), String> {
-        self.host.writable()
+        if self.cgroups_ok.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let r = self.host.writable();
+        if r.is_ok() {
+            self.cgroups_ok.store(true, Ordering::Relaxed);
+        }
+        r
     }
 
     /// As root, a writable host-directory workspace owned by an unprivileged user (outside

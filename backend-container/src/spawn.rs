@@ -370,8 +370,7 @@ pub(crate) struct Spawned {
 }
 
 /// The job making the sandbox's cgroups: it returns them with their join files opened for
-/// writing (`SandboxCgroup::join_files`); the init's first process writes `0` to each to move
-/// itself in, our credentials (the opener's) authorizing the write.
+/// writing (`SandboxCgroup::join_files`); the init writes `0` to each to move itself in, our credentials (the opener's) authorizing the write.
 ///
 /// Why the process moves itself rather than being moved: on cgroup v1, moving another process
 /// takes the global `cgroup_threadgroup_rwsem` for writing, which waits for an RCU grace
@@ -382,20 +381,19 @@ pub(crate) struct Spawned {
 pub(crate) type CgroupJob =
     tokio::task::JoinHandle<Result<Option<(crate::cgroup::SandboxCgroup, Vec<OwnedFd>)>, String>>;
 
-/// Starts the init and brings it to pid 1 of fresh user, pid, mount, UTS, IPC and network
-/// namespaces (the cgroup and time namespaces come later, from inside).
+/// Starts the init as pid 1 of fresh user, pid, mount, UTS, IPC and network namespaces (the
+/// cgroup and time namespaces come later, from inside).
 ///
-/// The library never forks itself: the init is started with `std::process::Command`
-/// (`posix_spawn`, a vfork-style spawn that copies no page tables, safe in a multi-threaded
-/// process), with the control socket as its stdin. It unshares a user namespace, we write the
-/// id maps, it unshares the rest and clones pid 1 with `CLONE_PARENT`, so pid 1 is our child.
+/// The library never forks itself: the process's zygote (see [`Zygote`]) clones the init
+/// with new user and pid namespaces and `CLONE_PARENT`, so it is our child, with the control
+/// socket as its stdin. It says `REP_BOOT` and makes the other namespaces while we write its
+/// id maps and the cgroup job makes the cgroups; it joins those itself (writing `0` to the
+/// files the job opened) before it starts anything, so all it starts inherits them.
 ///
-/// `requests` (`MSG_SETUP` payloads) are queued right behind the maps message, so pid 1 finds
-/// them waiting when it starts. With `lower` (a rootfs directory, as root), the first one
+/// `requests` (`MSG_SETUP` payloads) are queued right behind the bootstrap messages, so the
+/// init finds them waiting. With `lower` (a rootfs directory, as root), the first one
 /// carries a detached, idmapped mount of it (see [`idmapped_tree`]); if the filesystem cannot
 /// be idmapped, none (the init then binds the directory as it is).
-/// The cgroup job runs meanwhile; the first process joins the cgroups it made (writing `0`
-/// to the files it opened) and clones pid 1, which inherits them, only after that.
 pub(crate) async fn spawn_init(
     ids: &IdMap,
     requests: &[&[u8]],
@@ -480,25 +478,18 @@ pub(crate) async fn spawn_init(
         if init.kind != proto::REP_INIT {
             return Err(describe_err(&init));
         }
-        proto::Dec::new(&init.payload)
-            .u32()
-            .map(|p| p as libc::pid_t)
-            .map_err(|_| "malformed bootstrap reply".to_string())
+        Ok(())
     }
     .await;
     ctl.unregister(0);
     match result {
-        Ok(pid) => {
-            // The first process exits right after cloning pid 1.
-            reap(first, false);
-            Ok(Spawned {
-                pid,
-                ctl,
-                queued,
-                idmapped,
-                cgroup,
-            })
-        }
+        Ok(()) => Ok(Spawned {
+            pid: first,
+            ctl,
+            queued,
+            idmapped,
+            cgroup,
+        }),
         Err(e) => {
             reap(first, true);
             if let Some(c) = cgroup {
