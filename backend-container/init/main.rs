@@ -680,8 +680,12 @@ fn raw_write(fd: RawFd, msg: &[u8]) {
 fn drop_bounding_set() -> io::Result<()> {
     for cap in 0..64u64 {
         // SAFETY: prctl with integer arguments.
-        if unsafe { prctl(PR_CAPBSET_DROP, cap, 0u64, 0u64, 0u64) } < 0 && errno() != 22 {
-            return Err(io::Error::last_os_error());
+        if unsafe { prctl(PR_CAPBSET_DROP, cap, 0u64, 0u64, 0u64) } < 0 {
+            // EINVAL: past the kernel's last capability, so all are gone.
+            return match errno() {
+                22 if cap > 0 => Ok(()),
+                _ => Err(io::Error::last_os_error()),
+            };
         }
     }
     Ok(())
@@ -762,19 +766,8 @@ fn fork_spare(run: &mut Running, sfd: RawFd) {
     if run.spare.is_some() || !run.sealed {
         return;
     }
-    let mut sv = [0 as c_int; 2];
-    // SAFETY: socketpair into a valid array; the fds are ours.
-    let (ours, theirs) = unsafe {
-        if socketpair(
-            1, /* AF_UNIX */
-            5 /* SOCK_SEQPACKET */ | O_CLOEXEC,
-            0,
-            sv.as_mut_ptr(),
-        ) < 0
-        {
-            return;
-        }
-        (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1]))
+    let Ok((ours, theirs)) = socket_pair() else {
+        return;
     };
     // SAFETY: the init is single-threaded; the child only waits for its job, then
     // continues in `supervise`.
@@ -1334,13 +1327,18 @@ fn bootstrap() {
     };
     // SAFETY: unshare/setres*id/write on our own, single-threaded process.
     unsafe {
+        let mut buf = [0u8; 64];
+        // Nothing happens before the library asks (we may have been cloned ahead of time).
+        match recv(&mut buf) {
+            Ok(Some((n, _))) if n >= 12 && Dec::new(&buf[..n]).u32() == Ok(MSG_START) => {}
+            _ => std::process::exit(0),
+        }
         send(REP_BOOT, 0, &SOURCE_HASH.to_le_bytes());
         // Creating them needs only the capabilities we hold in the new user namespace, which
         // owns them (a new network namespace alone costs ~0.4 ms).
         if unshare(CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET) < 0 {
             die(83, "unshare namespaces");
         }
-        let mut buf = [0u8; 64];
         match recv(&mut buf) {
             Ok(Some((n, _))) if n >= 12 && Dec::new(&buf[..n]).u32() == Ok(MSG_MAPS) => {}
             _ => std::process::exit(81),
@@ -1424,6 +1422,33 @@ fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
             Err(e) if e.raw_os_error() == Some(4) => continue,
             _ => std::process::exit(0),
         };
+        if n == 1 && buf[0] == b'S' {
+            // A spare init, cloned ahead of time on a socketpair of its own; the reply
+            // carries our end of it.
+            let mut e = Enc::default();
+            let mut sent = Vec::new();
+            match socket_pair() {
+                Ok((ours, theirs)) => {
+                    let pid = clone_init(theirs);
+                    if pid < 0 {
+                        e.u32(0);
+                        e.i32(errno());
+                    } else {
+                        e.u32(pid as u32);
+                        e.i32(0);
+                        sent.push(ours);
+                    }
+                }
+                Err(err) => {
+                    e.u32(0);
+                    e.i32(err.raw_os_error().unwrap_or(5));
+                }
+            }
+            if send_with_fds(0, &e.0, &sent).is_err() {
+                std::process::exit(0);
+            }
+            continue;
+        }
         if n == 9 && buf[0] == b'T' {
             let mut e = Enc::default();
             match build_template(tmpl_err, fds) {
@@ -1440,19 +1465,7 @@ fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
             continue;
         }
         for fd in fds {
-            // SAFETY: single-threaded; the child only moves its fd into place and runs the
-            // init from the top, like a freshly executed one.
-            // pid 1 of new user and pid namespaces (see `bootstrap`).
-            let flags = CLONE_PARENT | CLONE_NEWUSER | CLONE_NEWPID;
-            let pid = unsafe { syscall(NR_CLONE, flags as u64, 0u64, 0u64, 0u64, 0u64) };
-            if pid == 0 {
-                // SAFETY: fd plumbing on our own process.
-                unsafe {
-                    dup2(fd.as_raw_fd(), 0);
-                }
-                drop(fd);
-                init_main();
-            }
+            let pid = clone_init(fd);
             let mut e = Enc::default();
             if pid < 0 {
                 e.u32(0);
@@ -1463,6 +1476,38 @@ fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
             }
             raw_write(0, &e.0);
         }
+    }
+}
+
+/// Clones an init on control socket `ctl`: pid 1 of new user and pid namespaces (see
+/// `bootstrap`), the library's child (`CLONE_PARENT`). Returns its pid (or -1, errno set).
+fn clone_init(ctl: OwnedFd) -> i64 {
+    let flags = CLONE_PARENT | CLONE_NEWUSER | CLONE_NEWPID;
+    // SAFETY: single-threaded; the child only moves its fd into place and runs the init
+    // from the top, like a freshly executed one.
+    let pid = unsafe { syscall(NR_CLONE, flags as u64, 0u64, 0u64, 0u64, 0u64) };
+    if pid == 0 {
+        // SAFETY: fd plumbing on our own process: the socket becomes stdin, every other
+        // inherited fd (e.g. our end of a spare's socketpair) goes.
+        unsafe {
+            dup2(ctl.as_raw_fd(), 0);
+            syscall(NR_CLOSE_RANGE, 3u32, u32::MAX, 0u32);
+        }
+        std::mem::forget(ctl);
+        init_main();
+    }
+    pid
+}
+
+/// A close-on-exec `SOCK_SEQPACKET` socketpair.
+fn socket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut sv = [0 as c_int; 2];
+    // SAFETY: socketpair into a valid array; the fds are ours.
+    unsafe {
+        if socketpair(1 /* AF_UNIX */, 5 /* SOCK_SEQPACKET */ | O_CLOEXEC, 0, sv.as_mut_ptr()) < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok((OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])))
     }
 }
 

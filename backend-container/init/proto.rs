@@ -4,8 +4,8 @@
 //! program, which build.rs compiles with plain `rustc` (std only). Keep it std-only.
 //!
 //! Bootstrap: the library's zygote clones the init (pid 1 of new user and pid namespaces, a
-//! child of the library through `CLONE_PARENT`) with the socket as stdin. The init says
-//! `REP_BOOT` and creates its other namespaces while the library writes the id maps and says
+//! child of the library through `CLONE_PARENT`) with the socket as stdin, on request or ahead
+//! of time. The init waits for `MSG_START`, says `REP_BOOT` and creates its other namespaces while the library writes the id maps and says
 //! `MSG_MAPS`; the init becomes root inside, waits for `MSG_CGROUPS` (fds attached: the
 //! sandbox's cgroup files, opened by the library; the init writes `0` to each to move itself
 //! in) and says `REP_INIT`.
@@ -53,8 +53,11 @@ pub const MSG_KILL: u32 = 4;
 pub const MSG_PING: u32 = 5;
 /// Bootstrap (id 0): the uid/gid maps of the init's user namespace are written.
 pub const MSG_MAPS: u32 = 6;
-/// Bootstrap (id 0): the init sits in the sandbox's cgroups; pid 1 may be cloned.
+/// Bootstrap (id 0): the sandbox's cgroup files to join (as fds).
 pub const MSG_CGROUPS: u32 = 7;
+/// Bootstrap (id 0): the first message: a sandbox is wanted. Until then a freshly cloned
+/// init (perhaps cloned ahead of time, see the zygote) only waits.
+pub const MSG_START: u32 = 8;
 
 // init -> library
 /// Request `id` succeeded.

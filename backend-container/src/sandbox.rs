@@ -258,6 +258,8 @@ impl Inner {
                 *r = reason.to_string();
             }
         }
+        // The next create's init is cloned meanwhile (see `spawn::prefork`).
+        crate::spawn::prefork();
         // The kernel then kills the whole pid namespace.
         crate::spawn::reap(self.pid, true);
         if let Some(cg) = &self.cgroup {
@@ -589,6 +591,7 @@ impl Inner {
             self.kill_leftovers(id).await;
         }
         let truncated = out.truncated() || err.truncated();
+        crate::spawn::prefork();
         Ok(ExecResult {
             exit_code,
             stdout: out.finish(&self.redactor),

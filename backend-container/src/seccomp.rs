@@ -133,84 +133,121 @@ fn errno(e: i32) -> u32 {
     RET_ERRNO | (e as u32 & 0xffff)
 }
 
-/// Builds the filter program.
+/// A jump target in [`program`]'s layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Label {
+    /// The namespace-flag check of `clone`/`unshare`.
+    NsFlags,
+    /// The `ioctl` request check.
+    Ioctl,
+    /// `return errno(e)`.
+    Errno(i32),
+}
+
+/// An instruction whose true branch jumps to a label (the false branch falls through).
+#[derive(Debug, Clone, Copy)]
+enum Item {
+    Plain(Insn),
+    Jump { code: u16, k: u32, to: Label },
+}
+
+/// Builds the filter program: the architecture check, then one comparison per refused or
+/// argument-checked syscall, each jumping to a block shared by all with the same outcome.
+///
+/// Compactness is speed here: the kernel verifies, converts and JIT-compiles the filter in
+/// every sandbox's init, and that cost grows with its length (measured on this host: 42
+/// instructions ~90 µs, 82 ~110 µs, 132 ~230 µs); one shared return per errno instead of
+/// one after each comparison halves the program.
 pub fn program() -> Vec<Insn> {
-    let mut p = vec![
-        ld(OFF_ARCH),
-        Insn {
+    let jeq = |k: u32, to: Label| Item::Jump {
+        code: BPF_JEQ_K,
+        k,
+        to,
+    };
+    let mut items = vec![
+        Item::Plain(ld(OFF_ARCH)),
+        Item::Plain(Insn {
             code: BPF_JEQ_K,
             jt: 1,
             jf: 0,
             k: AUDIT_ARCH,
-        },
-        ret(RET_KILL_PROCESS),
-        ld(OFF_NR),
+        }),
+        Item::Plain(ret(RET_KILL_PROCESS)),
+        Item::Plain(ld(OFF_NR)),
     ];
+    // x32 syscalls share the arch value: refuse the whole x32 range.
     #[cfg(target_arch = "x86_64")]
-    {
-        // x32 syscalls share the arch value: refuse the whole x32 range.
-        p.push(Insn {
-            code: BPF_JGE_K,
-            jt: 0,
-            jf: 1,
-            k: 0x4000_0000,
-        });
-        p.push(ret(errno(libc::ENOSYS)));
-    }
+    items.push(Item::Jump {
+        code: BPF_JGE_K,
+        k: 0x4000_0000,
+        to: Label::Errno(libc::ENOSYS),
+    });
+    // clone(flags, ...) and unshare(flags): no new namespaces (a new user namespace would
+    // regain capabilities). ioctl(fd, TIOCSTI / TIOCLINUX): typing into a terminal outside.
+    items.push(jeq(libc::SYS_clone as u32, Label::NsFlags));
+    items.push(jeq(libc::SYS_unshare as u32, Label::NsFlags));
+    items.push(jeq(libc::SYS_ioctl as u32, Label::Ioctl));
     for d in denied().iter().chain(arch_denied()) {
-        p.push(Insn {
-            code: BPF_JEQ_K,
-            jt: 0,
-            jf: 1,
-            k: d.nr as u32,
-        });
-        p.push(ret(errno(d.errno)));
+        items.push(jeq(d.nr as u32, Label::Errno(d.errno)));
     }
-    // Conditional rules. Each block is entered on its syscall number and ends in a return,
-    // so the accumulator can be reused inside it.
-    // clone(flags, ...): no new namespaces (a new user namespace would regain capabilities).
-    // unshare(flags): same.
-    for nr in [libc::SYS_clone as u32, libc::SYS_unshare as u32] {
-        p.push(Insn {
-            code: BPF_JEQ_K,
-            jt: 0,
-            jf: 4,
-            k: nr,
-        });
-        p.push(ld(off_arg_lo(0)));
-        p.push(Insn {
-            code: BPF_JSET_K,
-            jt: 0,
-            jf: 1,
-            k: NS_FLAGS,
-        });
-        p.push(ret(errno(libc::EPERM)));
-        p.push(ret(RET_ALLOW));
+    items.push(Item::Plain(ret(RET_ALLOW)));
+    // The blocks, in order; each ends in a return.
+    let mut blocks: Vec<(Label, Vec<Item>)> = vec![
+        (
+            Label::NsFlags,
+            vec![
+                Item::Plain(ld(off_arg_lo(0))),
+                Item::Jump {
+                    code: BPF_JSET_K,
+                    k: NS_FLAGS,
+                    to: Label::Errno(libc::EPERM),
+                },
+                Item::Plain(ret(RET_ALLOW)),
+            ],
+        ),
+        (
+            Label::Ioctl,
+            vec![
+                Item::Plain(ld(off_arg_lo(1))),
+                jeq(libc::TIOCSTI as u32, Label::Errno(libc::EPERM)),
+                jeq(libc::TIOCLINUX as u32, Label::Errno(libc::EPERM)),
+                Item::Plain(ret(RET_ALLOW)),
+            ],
+        ),
+    ];
+    let mut errnos: Vec<i32> = denied()
+        .iter()
+        .chain(arch_denied())
+        .map(|d| d.errno)
+        .chain([libc::EPERM, libc::ENOSYS])
+        .collect();
+    errnos.sort_unstable();
+    errnos.dedup();
+    for e in errnos {
+        blocks.push((Label::Errno(e), vec![Item::Plain(ret(errno(e)))]));
     }
-    // ioctl(fd, TIOCSTI / TIOCLINUX): typing into a terminal outside the sandbox.
-    p.push(Insn {
-        code: BPF_JEQ_K,
-        jt: 0,
-        jf: 5,
-        k: libc::SYS_ioctl as u32,
-    });
-    p.push(ld(off_arg_lo(1)));
-    p.push(Insn {
-        code: BPF_JEQ_K,
-        jt: 1,
-        jf: 0,
-        k: libc::TIOCSTI as u32,
-    });
-    p.push(Insn {
-        code: BPF_JEQ_K,
-        jt: 0,
-        jf: 1,
-        k: libc::TIOCLINUX as u32,
-    });
-    p.push(ret(errno(libc::EPERM)));
-    p.push(ret(RET_ALLOW));
-    p.push(ret(RET_ALLOW));
-    p
+    // Lay out, then resolve the (always forward) jumps.
+    let mut at = Vec::new();
+    for (label, body) in blocks {
+        at.push((label, items.len()));
+        items.extend(body);
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(pc, item)| match *item {
+            Item::Plain(i) => i,
+            Item::Jump { code, k, to } => {
+                let target = at
+                    .iter()
+                    .find(|(l, _)| *l == to)
+                    .map_or(pc + 1, |(_, t)| *t);
+                // Offsets fit a byte: the program is ~80 instructions (see the tests).
+                let jt = u8::try_from(target.saturating_sub(pc + 1)).unwrap_or(u8::MAX);
+                Insn { code, jt, jf: 0, k }
+            }
+        })
+        .collect()
 }
 
 /// The program as the bytes of a `struct sock_filter` array (native endian).
@@ -266,7 +303,21 @@ mod tests {
     #[allow(clippy::unnecessary_cast)] // the libc types differ between targets
     fn filter_decisions() {
         let p = program();
-        assert!(p.len() < 4096);
+        // Short, because its length is paid in every create (see `program`), and every jump
+        // offset fits a byte.
+        assert!(p.len() < 90, "{}", p.len());
+        for d in denied().iter().chain(arch_denied()) {
+            let r = run(&p, AUDIT_ARCH, d.nr as u32, [0; 6]);
+            assert_eq!(r, errno(d.errno), "{}", d.name);
+        }
+        for nr in [
+            libc::SYS_write,
+            libc::SYS_openat,
+            libc::SYS_execve,
+            libc::SYS_wait4,
+        ] {
+            assert_eq!(run(&p, AUDIT_ARCH, nr as u32, [0; 6]), RET_ALLOW, "{nr}");
+        }
         let a = AUDIT_ARCH;
         let z = [0u64; 6];
         assert_eq!(run(&p, a, libc::SYS_read as u32, z), RET_ALLOW);

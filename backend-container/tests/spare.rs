@@ -1,0 +1,63 @@
+//! The init cloned ahead of time (the spare): used by the next create, replaced when it
+//! died. Its own test binary: it counts this process's children.
+#![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{backend, sh_ok, spec};
+use sandbox_core::{Language, Sandbox};
+
+/// Our children named `asb-init` that are not `except`, waited for (bounded) until there
+/// are `n`.
+fn spares(n: usize, except: &[i32]) -> Vec<i32> {
+    let t = Instant::now();
+    loop {
+        let v: Vec<i32> = common::children_named("asb-init")
+            .into_iter()
+            .filter(|p| !except.contains(p))
+            .collect();
+        if v.len() == n || t.elapsed() > Duration::from_secs(5) {
+            return v;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[tokio::test]
+async fn a_spare_init_serves_the_next_create_and_a_dead_one_is_skipped() {
+    require_host!();
+    let b = backend();
+    // The first create clones its init on demand; its first command asks for a spare.
+    let sb = b.create_container(&spec(Language::Shell)).await.unwrap();
+    assert_eq!(sh_ok(&sb, "echo 1").await, "1\n");
+    let live = sb.init_pid();
+    let spare = spares(1, &[live]);
+    assert_eq!(spare.len(), 1, "one spare init: {spare:?}");
+    // The next create takes it: its init is that very process.
+    let next = b.create_container(&spec(Language::Shell)).await.unwrap();
+    assert_eq!(next.init_pid(), spare[0]);
+    assert_eq!(sh_ok(&next, "echo 2").await, "2\n");
+    // A spare that died is noticed, reaped and replaced by an on-demand clone.
+    let spare = spares(1, &[live, next.init_pid()]);
+    assert_eq!(spare.len(), 1, "{spare:?}");
+    // SAFETY: kills our own child.
+    unsafe {
+        libc::kill(spare[0], libc::SIGKILL);
+    }
+    let third = b.create_container(&spec(Language::Shell)).await.unwrap();
+    assert_ne!(third.init_pid(), spare[0]);
+    assert_eq!(sh_ok(&third, "echo 3").await, "3\n");
+    assert!(
+        !common::children().iter().any(|(p, _)| *p == spare[0]),
+        "the dead spare was not reaped"
+    );
+    for s in [
+        sb.destroy().await,
+        next.destroy().await,
+        third.destroy().await,
+    ] {
+        s.unwrap();
+    }
+}
