@@ -22,35 +22,45 @@
 //!
 //! ```text
 //!  library process (tokio)                       the init (static, from a sealed memfd)
-//!  ───────────────────────                       ──────────────────────────────────────
-//!  create: zygote forks A (socket = its fd 0) ──▶ A: unshare(USER) ── BOOT ─┐
-//!          (meanwhile: mkdir cgroups, then move   │  unshare(NS|UTS|IPC|NET|PID)
-//!           A into them by pid)                   │                         │
-//!          write uid_map/gid_map  ◀───────────────┼─────────────────────────┘
-//!          (rootfs dir: open_tree + idmap)        │
+//!  ───────────────────────                       ────────────────────
+//!  create: take the spare init (or have the      A = pid 1 of new user + pid namespaces,
+//!          zygote clone one: CLONE_NEWUSER |       cloned by the zygote (CLONE_PARENT), waits
+//!          CLONE_NEWPID | CLONE_PARENT)
+//!          START ──────────────────────────────▶ A: BOOT, unshare(NS|UTS|IPC|NET)
+//!          (meanwhile: mkdir cgroups, open their
+//!           `tasks` files)
+//!          write uid_map/gid_map ◀── BOOT
+//!          (rootfs dir: open_tree + idmap)
 //!          MAPS ───────────────────────────────▶ A: setresuid(0)
-//!          CGROUPS (+ fds of any it could not   ▶ A: writes "0" to those (joins them),
-//!           move A into)                             clone(CLONE_PARENT) → B = pid 1, A exits
-//!          SETUP, SEAL (queued) ───────────────▶ B: mounts, pivot_root, hostname, lo up,
+//!          CGROUPS (the opened files) ─────────▶ A: writes "0" to each (moves itself in)
+//!          SETUP, SEAL (queued) ───────────────▶ A: as root, one recursive bind of the
+//!                                                    zygote's root-filesystem template, its
+//!                                                    own mounts on it (else the classic
+//!                                                    setup), pivot_root, hostname, lo up,
 //!                                                    Landlock; unshare(CGROUP), seccomp
-//!          network hook (netns of B)
-//!  exec:   pipes (stdin/stdout/stderr) ─────────▶ B forks a supervisor (child subreaper), which
+//!          network hook (netns of A)
+//!  exec:   pipes (stdin/stdout/stderr) ─────────▶ A forks a supervisor (child subreaper), which
 //!                                                 starts the command with a vfork-style clone:
 //!                                                 setsid, rlimits, drop caps, setuid(sandbox),
 //!                                                 chdir, execve
-//!          ◀────────────────── EXITED(status, t) ─ B reaps every orphan of the namespace
-//!  destroy: SIGKILL B → the kernel kills the pid namespace; rmdir cgroups
+//!          ◀────────────────── EXITED(status, t) ─ A reaps every orphan of the namespace
+//!  destroy: SIGKILL A → the kernel kills the pid namespace; rmdir cgroups
 //! ```
 //!
 //! **The init is a separate, embedded program** (`init/main.rs`, std only, compiled by
 //! `build.rs` with the same `rustc`, statically linked and non-PIE when possible, ~1.3 MB).
 //! The library writes it once per process into a sealed memfd and starts it from there once,
 //! with `std::process::Command` (glibc's `posix_spawn`: a vfork-style spawn), as the
-//! process's **zygote**: a small idle fork server. Every sandbox's init is a fork of it
+//! process's **zygote**: a small idle fork server. Every sandbox's init is a clone of it
 //! (`CLONE_PARENT`, so a child of the library), which skips an `execve` and libc's start-up
 //! per sandbox (~0.3-0.5 ms here: its CPUID probing traps to the hypervisor); a zygote that
-//! died is replaced on the next create. The zygote holds nothing of any sandbox: no
-//! namespace, cgroup or file. The init
+//! died is replaced on the next create. The zygote holds no sandbox's namespace, cgroup or
+//! file. It keeps **one init cloned ahead of time** (a *spare*, asked for after a command
+//! finishes and when a sandbox is torn down, moments that usually precede idleness): a blank
+//! process in empty user and pid namespaces that does nothing until a create sends it
+//! `START`, so a create skips the zygote's wake-up and `clone` (~0.3 ms here). A spare that
+//! died is noticed (its socket hung up), reaped and replaced by an on-demand clone. As root
+//! the zygote also holds the **root-filesystem templates** (see below). The init
 //! reports a compile-time hash of its sources at start-up, and the library refuses an init
 //! built from other sources (a stale build-script output) with a clear error.
 //! **The library never forks itself**, for two reasons:
@@ -65,14 +75,16 @@
 //!    parent writes to it. The idle init measures ~0.84 MB RSS, ~0.48 MB PSS. It has its own
 //!    C `main` (`#![no_main]`): std's runtime start-up would parse `/proc/self/maps`.
 //!
-//! The namespaces are created from inside the init: the user namespace first (the library
-//! then writes its id maps, which needs privileges over the parent namespace), then the rest,
-//! right away (they need only the capabilities the init holds in its new user namespace, so
-//! their cost, ~1 ms with the network namespace, overlaps the library's map writing and the
-//! cgroup job, which moves the first process into the sandbox's cgroups meanwhile);
-//! a new pid namespace applies to children, so the init clones pid 1 with `CLONE_PARENT`,
-//! keeping it a direct child of the library (which waits for it on destroy). The cgroup
-//! namespace is created last, once pid 1 sits in the sandbox's cgroups, so it is rooted there.
+//! The init is cloned as pid 1 of a new pid namespace, in a new user namespace (so pid 1 is
+//! a direct child of the library, which waits for it on destroy); the other namespaces are
+//! created from inside it, right away (they need only the capabilities it holds in its user
+//! namespace, so their cost, ~0.5 ms with the network namespace, overlaps the library's map
+//! writing and the cgroup job). **It moves itself into the sandbox's cgroups** (writing `0` to
+//! the `tasks` files the library opened; the opener's credentials authorize it) before it
+//! starts anything: on cgroup v1 a single thread moving itself skips the global lock that
+//! moving another process takes, which waits for an RCU grace period: 10-20 ms on an idle
+//! host, measured here. The cgroup namespace is created last, once the init sits in the
+//! sandbox's cgroups, so it is rooted there.
 //!
 //! Why not re-exec `/proc/self/exe` with a magic argument? It needs a hook in the embedding
 //! program's `main` (or a pre-main constructor), and breaks when the library is loaded into
@@ -131,13 +143,29 @@
 //!   spec's host directory (read-only if asked);
 //! - the spec's mounts, read-only unless `read_only: false`, never under a system directory.
 //!
-//! No `/sys`, `/home`, `/root`, `/var`, `/run` or host sockets. The init builds this in a
-//! scratch tmpfs (keeping the host root at `/oldroot` for bind sources, as bubblewrap does),
-//! `pivot_root`s into it and detaches the old root. `/proc/mounts` shows only the sandbox's
-//! own mounts (device names and mount points inside; bind sources appear as the device they
-//! live on, never as a host path). Not hidden: `/proc/self/mountinfo` shows a bind's path
-//! *within its filesystem* (e.g. a host workspace directory's path), and tmpfs options show
-//! the host uid the sandbox's root maps to.
+//! No `/sys`, `/home`, `/root`, `/var`, `/run` or host sockets.
+//!
+//! **As root, from a template.** Everything above that is the same for every sandbox with
+//! the same generated `/etc` files (the command user, the hostname, `resolv.conf`) — `/usr`
+//! and the links, `/etc`, the `/dev` tmpfs with its nodes and links, the mount points — is
+//! built **once per process** by the zygote, in a mount namespace of its own (a slave of the
+//! host's, so host mounts still arrive and ours never leave), as a read-only tmpfs under
+//! `/run/agent-sandbox/templates` (the directory is made on the host and stays empty there).
+//! Every init starts from a copy of that namespace: it clones the template with one recursive
+//! bind (the template's mounts arrive locked, so they stay read-only: a sandbox can neither
+//! write nor unmount them), mounts its own `/proc`, `/dev/pts`, `/dev/shm`, `/tmp` and
+//! workspace on it, `pivot_root`s into it and detaches the old root: ~20 mount operations
+//! instead of ~100 (the filesystem phase went from ~1.2 to ~0.5 ms). The template's files
+//! belong to host root, so inside they show as `nobody` (like `/usr` always did). Specs with
+//! their own mounts (whose mount points would have to be made in the shared root), an egress
+//! link (its own `resolv.conf`) or a rootfs directory, and rootless mode, use the classic
+//! setup: the init builds the root in a scratch tmpfs (keeping the host root at `/oldroot`
+//! for bind sources, as bubblewrap does), `pivot_root`s into it and detaches the old root.
+//!
+//! `/proc/mounts` shows only the sandbox's own mounts (device names and mount points inside;
+//! bind sources appear as the device they live on, never as a host path). Not hidden:
+//! `/proc/self/mountinfo` shows a bind's path *within its filesystem* (e.g. a host workspace
+//! directory's path), and tmpfs options show the host uid the sandbox's root maps to.
 //!
 //! **Host-directory workspaces as root**: when the directory (writable spec) belongs to an
 //! unprivileged user, the sandbox user (uid 1000 inside) is mapped to that owner (an extra
