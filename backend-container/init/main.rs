@@ -139,6 +139,7 @@ extern "C" {
     fn signalfd(fd: c_int, mask: *const SigSet, flags: c_int) -> c_int;
     fn waitpid(pid: c_int, status: *mut c_int, options: c_int) -> c_int;
     fn kill(pid: c_int, sig: c_int) -> c_int;
+    fn getppid() -> c_int;
     fn recvmsg(fd: c_int, msg: *mut MsgHdr, flags: c_int) -> isize;
     fn write(fd: c_int, buf: *const c_void, n: usize) -> isize;
     fn read(fd: c_int, buf: *mut c_void, n: usize) -> isize;
@@ -220,6 +221,7 @@ const MNT_DETACH: c_int = 2;
 const SIGCHLD: c_int = 17;
 const SIGKILL: c_int = 9;
 const SIGTERM: c_int = 15;
+const SIGUSR1: c_int = 10;
 const PR_SET_CHILD_SUBREAPER: c_int = 36;
 const SIG_BLOCK: c_int = 0;
 const SFD_CLOEXEC: c_int = 0o2000000;
@@ -266,12 +268,22 @@ fn check(r: c_int) -> io::Result<()> {
     }
 }
 
+/// Where this process's replies go: the control socket, or (a supervisor serving an exec the
+/// library handed it directly, see [`fork_spare`]) that exec's own socket.
+static REPLY_FD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(CTL);
+
 fn send(kind: u32, id: u64, payload: &[u8]) {
     let mut e = Enc::header(kind, id);
     e.0.extend_from_slice(payload);
-    // SAFETY: writes a buffer we own to our control socket.
-    unsafe {
-        write(CTL, e.0.as_ptr(), e.0.len());
+    let fd = REPLY_FD.load(std::sync::atomic::Ordering::Relaxed);
+    if fd == CTL {
+        // SAFETY: writes a buffer we own to our control socket.
+        unsafe {
+            write(CTL, e.0.as_ptr(), e.0.len());
+        }
+    } else {
+        // The library may have hung up its end: no SIGPIPE.
+        let _ = send_with_fds(fd, &e.0, &[]);
     }
 }
 
@@ -643,9 +655,10 @@ fn describe(op: &Op) -> String {
     }
 }
 
-/// Runs a setup request; returns whether it sealed the sandbox (its ops included
-/// [`Op::DropBoundingSet`] and all succeeded).
-fn setup(id: u64, payload: &[u8], mut fds: Vec<OwnedFd>) -> bool {
+/// Runs a setup request. On failure it reports the error and returns `None`; on success it
+/// returns whether the request sealed the sandbox (its ops included
+/// [`Op::DropBoundingSet`]) and leaves the `REP_OK` to the caller.
+fn setup(id: u64, payload: &[u8], mut fds: Vec<OwnedFd>) -> Option<bool> {
     let ops = match Dec::new(payload).ops() {
         Ok(o) => o,
         Err(_) => {
@@ -655,17 +668,16 @@ fn setup(id: u64, payload: &[u8], mut fds: Vec<OwnedFd>) -> bool {
                 &io::Error::from_raw_os_error(22),
                 "malformed setup",
             );
-            return false;
+            return None;
         }
     };
     for (i, op) in ops.iter().enumerate() {
         if let Err(e) = run_op(op, &mut fds) {
             send_err(id, i as u32, &e, &describe(op));
-            return false;
+            return None;
         }
     }
-    send(REP_OK, id, &[]);
-    ops.iter().any(|op| matches!(op, Op::DropBoundingSet))
+    Some(ops.iter().any(|op| matches!(op, Op::DropBoundingSet)))
 }
 
 fn raw_write(fd: RawFd, msg: &[u8]) {
@@ -748,25 +760,29 @@ struct Running {
     by_id: HashMap<u64, i32>,
     /// Execs whose tree was asked to die (acknowledged when their supervisor is gone).
     kills: std::collections::HashSet<u64>,
-    /// A supervisor forked ahead of time, waiting for its exec on the socket (see
+    /// The pid of the supervisor forked ahead of time, until it served an exec (see
     /// [`fork_spare`]).
-    spare: Option<(i32, OwnedFd)>,
+    spare: Option<i32>,
     /// Whether the sandbox is sealed (only then may a spare be forked: it must inherit the
     /// seal) and a spare should be made when the loop is next idle.
     sealed: bool,
     want_spare: bool,
 }
 
-/// Forks a spare supervisor: a fork of the sealed init that waits on a private socket for
-/// one exec (`u64 id`, the exec payload, its fds) and then runs it like a supervisor forked
-/// on demand. An exec handed to it skips the `fork` (~0.1-0.2 ms here) on its critical
-/// path; the spare is made after the seal and whenever an exec's supervisor has exited, so
-/// its own fork does not compete with a command for the CPUs.
+/// Forks a spare supervisor: a fork of the sealed init that waits for one exec on a socket
+/// whose other end goes to the library (`REP_SPARE`, as an fd), which then hands it an exec
+/// (`MSG_EXEC`, id, the exec payload, its fds) **directly**: no `fork` and no hop through
+/// the init on the exec's critical path. The replies of that exec (`EXITED`, kill
+/// acknowledgements) travel back on the same socket, and a `MSG_KILL` there kills its tree.
+/// Once its command has exited the spare signals us (`SIGUSR1`) and the next spare is
+/// forked: after the seal, and after each exec, so a spare's own fork does not compete with
+/// a command for the CPUs. Execs the library sends us instead (no spare at hand: concurrent
+/// execs, a payload too big for one packet) get a supervisor forked on demand.
 fn fork_spare(run: &mut Running, sfd: RawFd) {
     if run.spare.is_some() || !run.sealed {
         return;
     }
-    let Ok((ours, theirs)) = socket_pair() else {
+    let Ok((lib, ours)) = socket_pair() else {
         return;
     };
     // SAFETY: the init is single-threaded; the child only waits for its job, then
@@ -776,19 +792,24 @@ fn fork_spare(run: &mut Running, sfd: RawFd) {
         return;
     }
     if pid == 0 {
-        drop(ours);
+        drop(lib);
         let mut buf = vec![0u8; PACKET_MAX];
-        let job = recv_on(theirs.as_raw_fd(), &mut buf);
-        drop(theirs);
-        if let Ok(Some((n, fds))) = job {
+        if let Ok(Some((n, fds))) = recv_on(ours.as_raw_fd(), &mut buf) {
             let mut d = Dec::new(&buf[..n]);
-            if let (Ok(id), Ok(spec)) = (d.u64(), d.exec()) {
-                supervise(id, spec, fds, sfd);
+            if let (Ok(MSG_EXEC), Ok(id), Ok(spec)) = (d.u32(), d.u64(), d.exec()) {
+                supervise(id, spec, fds, sfd, Some(ours));
             }
         }
         std::process::exit(0);
     }
-    run.spare = Some((pid, ours));
+    drop(ours);
+    let e = Enc::header(REP_SPARE, 0);
+    if send_with_fds(CTL, &e.0, &[lib]).is_ok() {
+        run.spare = Some(pid);
+    } else {
+        // SAFETY: kills our own child (reaped by the SIGCHLD path).
+        unsafe { kill(pid, SIGKILL) };
+    }
 }
 
 /// Sends `data` with `fds` (at most 4) on a `SOCK_SEQPACKET` socket.
@@ -867,20 +888,6 @@ fn exec(id: u64, payload: &[u8], fds: Vec<OwnedFd>, run: &mut Running, sfd: RawF
         Ok(s) => s,
         Err(_) => return send_err(id, 0, &io::Error::from_raw_os_error(22), "malformed exec"),
     };
-    // A spare supervisor takes it if there is one and the job fits one packet.
-    if payload.len() + 8 <= PACKET_MAX {
-        if let Some((pid, sock)) = run.spare.take() {
-            let mut job = id.to_le_bytes().to_vec();
-            job.extend_from_slice(payload);
-            if send_with_fds(sock.as_raw_fd(), &job, &fds).is_ok() {
-                drop(fds);
-                run.sups.insert(pid, id);
-                run.by_id.insert(id, pid);
-                return;
-            }
-            // It is gone (it will be reaped): fork one as usual.
-        }
-    }
     // SAFETY: the init is single-threaded; the child continues in `supervise`.
     let pid = unsafe { fork() };
     if pid < 0 {
@@ -894,38 +901,65 @@ fn exec(id: u64, payload: &[u8], fds: Vec<OwnedFd>, run: &mut Running, sfd: RawF
         return exited(id, 126 << 8, false, 0);
     }
     if pid == 0 {
-        supervise(id, spec, fds, sfd);
+        supervise(id, spec, fds, sfd, None);
     }
     drop(fds);
     run.sups.insert(pid, id);
     run.by_id.insert(id, pid);
 }
 
-fn supervise(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>, sfd: RawFd) -> ! {
+/// Runs exec `id` as its supervisor (a child subreaper). `job`: the exec's own socket to the
+/// library (a spare's), which then carries the replies and kill requests.
+fn supervise(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>, sfd: RawFd, job: Option<OwnedFd>) -> ! {
     // SAFETY: prctl with integer arguments.
     unsafe { prctl(PR_SET_CHILD_SUBREAPER, 1u64, 0u64, 0u64, 0u64) };
+    if let Some(j) = &job {
+        REPLY_FD.store(j.as_raw_fd(), std::sync::atomic::Ordering::Relaxed);
+    }
+    let mut job_fd = job.as_ref().map_or(-1, |j| j.as_raw_fd());
     let Some(leader) = spawn(id, spec, fds) else {
         std::process::exit(0)
     };
     let started = monotonic_ns();
     let mut leader_done = false;
     loop {
-        let mut pfd = [PollFd {
-            fd: sfd,
-            events: POLLIN,
-            revents: 0,
-        }];
-        // SAFETY: one valid pollfd.
-        unsafe { poll(pfd.as_mut_ptr(), 1, -1) };
-        let mut kill = false;
+        let mut pfd = [
+            PollFd {
+                fd: sfd,
+                events: POLLIN,
+                revents: 0,
+            },
+            PollFd {
+                // Negative: ignored by poll.
+                fd: job_fd,
+                events: POLLIN,
+                revents: 0,
+            },
+        ];
+        // SAFETY: two valid pollfds.
+        unsafe { poll(pfd.as_mut_ptr(), 2, -1) };
+        let mut kill_tree = false;
         let mut info = [0u8; 128];
         // SAFETY: reads whole signalfd_siginfo records into a local buffer.
         while unsafe { read(sfd, info.as_mut_ptr(), info.len()) } == 128 {
             if u32::from_ne_bytes([info[0], info[1], info[2], info[3]]) == SIGTERM as u32 {
-                kill = true;
+                kill_tree = true;
             }
         }
-        if kill {
+        if pfd[1].revents != 0 {
+            let mut buf = [0u8; 64];
+            match recv_on(job_fd, &mut buf) {
+                Ok(Some((n, _))) => {
+                    if Dec::new(&buf[..n]).u32() == Ok(MSG_KILL) {
+                        kill_tree = true;
+                    }
+                }
+                Err(e) if e.raw_os_error() == Some(4) => {}
+                // The library hung up (the exec is over for it): stop listening.
+                _ => job_fd = -1,
+            }
+        }
+        if kill_tree {
             kill_descendants();
             // Acknowledge: the tree is gone (the library may wait for this).
             send(REP_OK, id, &[]);
@@ -943,6 +977,11 @@ fn supervise(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>, sfd: RawFd) -> ! {
             }
             if p == leader {
                 exited(id, status, true, started);
+                if job.is_some() {
+                    // A spare served this exec: the init may fork the next one now.
+                    // SAFETY: signals our parent, the init.
+                    unsafe { kill(getppid(), SIGUSR1) };
+                }
                 // What the command left running stays our descendant (we are its subreaper),
                 // so it can still be killed as this exec's tree; we leave with the last of it.
                 leader_done = true;
@@ -1234,8 +1273,8 @@ fn reap(run: &mut Running) {
         if pid <= 0 {
             return;
         }
-        if run.spare.as_ref().is_some_and(|(p, _)| *p == pid) {
-            // The spare died idle (killed): make another.
+        if run.spare == Some(pid) {
+            // The spare died idle (killed), or served an exec that is now over.
             run.spare = None;
             run.want_spare = true;
         }
@@ -1573,6 +1612,7 @@ fn init_main() -> ! {
         sigemptyset(&mut set);
         sigaddset(&mut set, SIGCHLD);
         sigaddset(&mut set, SIGTERM);
+        sigaddset(&mut set, SIGUSR1);
         sigprocmask(SIG_BLOCK, &set, std::ptr::null_mut());
         signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK)
     };
@@ -1613,9 +1653,16 @@ fn init_main() -> ! {
             std::process::exit(71);
         }
         if pfd[1].revents != 0 {
-            let mut junk = [0u8; 128 * 8];
-            // SAFETY: drains the signalfd into a local buffer.
-            while unsafe { read(sfd, junk.as_mut_ptr(), junk.len()) } > 0 {}
+            let mut info = [0u8; 128];
+            // SAFETY: reads whole signalfd_siginfo records into a local buffer.
+            while unsafe { read(sfd, info.as_mut_ptr(), info.len()) } == 128 {
+                let field = |o: usize| u32::from_ne_bytes([info[o], info[o + 1], info[o + 2], info[o + 3]]);
+                // ssi_signo, ssi_pid: the spare's command is done (see `fork_spare`).
+                if field(0) == SIGUSR1 as u32 && run.spare == Some(field(12) as i32) {
+                    run.spare = None;
+                    run.want_spare = true;
+                }
+            }
             reap(&mut run);
         }
         if pfd[0].revents & POLLIN != 0 {
@@ -1650,9 +1697,15 @@ fn init_main() -> ! {
                     };
                     match kind & !FLAG_BIG {
                         MSG_SETUP => {
-                            if setup(id, payload, fds) {
-                                run.sealed = true;
-                                run.want_spare = true;
+                            if let Some(sealed) = setup(id, payload, fds) {
+                                if sealed {
+                                    // The first spare goes out before the seal's reply, so
+                                    // the first exec finds it (its fork would otherwise
+                                    // delay that exec all the same).
+                                    run.sealed = true;
+                                    fork_spare(&mut run, sfd);
+                                }
+                                send(REP_OK, id, &[]);
                             }
                         }
                         MSG_EXEC => exec(id, payload, fds, &mut run, sfd),

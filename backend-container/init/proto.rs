@@ -72,6 +72,10 @@ pub const REP_EXITED: u32 = 103;
 pub const REP_BOOT: u32 = 104;
 /// Bootstrap (id 0): the init is in its namespaces and cgroups (no payload).
 pub const REP_INIT: u32 = 105;
+/// (id 0) A spare supervisor is ready: the fd attached is a socket to it. The library may
+/// send it one `MSG_EXEC` (same framing, with the stdio fds); that exec's replies and
+/// `MSG_KILL` requests then travel on this socket instead of the control socket.
+pub const REP_SPARE: u32 = 106;
 
 /// Where the init keeps the overlay's upper directory open (rootfs-directory mode).
 pub const UPPER_FD: u32 = 10;

@@ -11,7 +11,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::sync::mpsc;
 
-use crate::proto::{Dec, Enc, FLAG_BIG, INLINE_MAX, PACKET_MAX};
+use crate::proto::{Dec, Enc, FLAG_BIG, INLINE_MAX, MSG_EXEC, MSG_KILL, PACKET_MAX, REP_SPARE};
 
 /// One reply from the init.
 #[derive(Debug, Clone)]
@@ -29,6 +29,8 @@ pub(crate) struct Ctl {
     next: AtomicU64,
     waiters: Waiters,
     closed: AtomicBool,
+    /// The socket to the init's spare supervisor, when it announced one (`REP_SPARE`).
+    spare: Mutex<Option<OwnedFd>>,
 }
 
 impl Ctl {
@@ -44,6 +46,7 @@ impl Ctl {
             next: AtomicU64::new(1),
             waiters: Mutex::new(HashMap::new()),
             closed: AtomicBool::new(false),
+            spare: Mutex::new(None),
         });
         Ok(ctl)
     }
@@ -63,24 +66,14 @@ impl Ctl {
         let mut buf = vec![0u8; 4096];
         loop {
             let r = match self.fd.readable().await {
-                Ok(mut g) => g.try_io(|fd| {
-                    // SAFETY: recv into a buffer we own.
-                    let n = unsafe {
-                        libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0)
-                    };
-                    if n < 0 {
-                        Err(io::Error::last_os_error())
-                    } else {
-                        Ok(n as usize)
-                    }
-                }),
-                Err(_) => Ok(Ok(0)),
+                Ok(mut g) => g.try_io(|fd| recv_with_fd(fd.as_raw_fd(), &mut buf)),
+                Err(_) => Ok(Ok((0, None))),
             };
             match r {
                 Err(_would_block) => continue,
                 Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Ok(Ok(0)) | Ok(Err(_)) => break,
-                Ok(Ok(n)) => self.dispatch(&buf[..n]),
+                Ok(Ok((0, _))) | Ok(Err(_)) => break,
+                Ok(Ok((n, fd))) => self.dispatch(&buf[..n], fd),
             }
         }
         self.closed.store(true, Ordering::SeqCst);
@@ -90,11 +83,17 @@ impl Ctl {
         }
     }
 
-    fn dispatch(&self, msg: &[u8]) {
+    fn dispatch(&self, msg: &[u8], fd: Option<OwnedFd>) {
         let mut d = Dec::new(msg);
         let (Ok(kind), Ok(id)) = (d.u32(), d.u64()) else {
             return;
         };
+        if kind == REP_SPARE {
+            if let (Some(fd), Ok(mut s)) = (fd, self.spare.lock()) {
+                *s = Some(fd);
+            }
+            return;
+        }
         let reply = Reply {
             kind,
             payload: d.rest().to_vec(),
@@ -104,6 +103,16 @@ impl Ctl {
                 let _ = tx.send(reply);
             }
         }
+    }
+
+    /// The socket to the init's spare supervisor, if one is ready (see [`Job`]).
+    pub fn take_spare(&self) -> Option<OwnedFd> {
+        self.spare.lock().ok()?.take()
+    }
+
+    /// A fresh request id without a waiter (for a [`Job`]).
+    pub fn next_id(&self) -> u64 {
+        self.next.fetch_add(1, Ordering::SeqCst)
     }
 
     /// Registers a waiter for a new request id.
@@ -213,4 +222,109 @@ pub(crate) fn payload_memfd(data: &[u8]) -> io::Result<OwnedFd> {
     f.write_all(data)?;
     std::io::Seek::seek(&mut f, std::io::SeekFrom::Start(0))?;
     Ok(OwnedFd::from(f))
+}
+
+/// `recv` of one message and at most one fd passed with it (`MSG_CMSG_CLOEXEC`).
+fn recv_with_fd(sock: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned};
+    let mut iov = [io::IoSliceMut::new(buf)];
+    let mut space = nix::cmsg_space!([RawFd; 1]);
+    let msg = recvmsg::<()>(sock, &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)
+        .map_err(io::Error::from)?;
+    let mut fd = None;
+    if let Ok(cmsgs) = msg.cmsgs() {
+        for c in cmsgs {
+            if let ControlMessageOwned::ScmRights(fds) = c {
+                for raw in fds {
+                    // SAFETY: the kernel installed this fd for us; we own it now.
+                    let owned = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) };
+                    fd.get_or_insert(owned);
+                }
+            }
+        }
+    }
+    Ok((msg.bytes, fd))
+}
+
+/// One exec handed straight to the init's spare supervisor (see the init's `fork_spare`):
+/// the request, its replies and kill requests travel on the spare's own socket, skipping
+/// the init (and the control socket's reader task) on the exec's critical path.
+#[derive(Debug)]
+pub(crate) struct Job {
+    fd: AsyncFd<OwnedFd>,
+}
+
+impl Job {
+    /// Sends exec `id` (`payload`, at most [`INLINE_MAX`] bytes, and its stdio `fds`) to the
+    /// spare behind `sock`. Fails if the spare is gone: the exec is then not started.
+    pub fn start(
+        sock: OwnedFd,
+        id: u64,
+        payload: &[u8],
+        fds: &[BorrowedFd<'_>],
+    ) -> io::Result<Job> {
+        if payload.len() > INLINE_MAX {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
+        }
+        set_nonblocking(sock.as_raw_fd())?;
+        let mut head = Enc::header(MSG_EXEC, id);
+        head.0.extend_from_slice(payload);
+        let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+        let iov = [IoSlice::new(&head.0)];
+        let cmsg = [ControlMessage::ScmRights(&raw)];
+        // A fresh socket with an empty buffer: the send does not block.
+        sendmsg::<()>(sock.as_raw_fd(), &iov, &cmsg, MsgFlags::MSG_NOSIGNAL, None)
+            .map_err(io::Error::from)?;
+        Ok(Job {
+            // SAFETY: `sock` is an open socket owned by the AsyncFd for its whole life.
+            fd: unsafe { AsyncFd::register_with_interest(sock, Interest::READABLE) }?,
+        })
+    }
+
+    /// The next reply; `None` once the supervisor has hung up.
+    pub async fn recv(&self) -> Option<Reply> {
+        let mut buf = [0u8; 256];
+        loop {
+            let mut g = self.fd.readable().await.ok()?;
+            let r = g.try_io(|fd| {
+                // SAFETY: recv into a buffer we own.
+                let n =
+                    unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
+                if n < 0 {
+                    Err(io::Error::last_os_error())
+                } else {
+                    Ok(n as usize)
+                }
+            });
+            match r {
+                Err(_would_block) => continue,
+                Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Ok(Ok(0)) | Ok(Err(_)) => return None,
+                Ok(Ok(n)) => {
+                    let mut d = Dec::new(&buf[..n]);
+                    let (Ok(kind), Ok(_id)) = (d.u32(), d.u64()) else {
+                        continue;
+                    };
+                    return Some(Reply {
+                        kind,
+                        payload: d.rest().to_vec(),
+                    });
+                }
+            }
+        }
+    }
+
+    /// Asks the supervisor to kill the exec's whole tree (acknowledged with `REP_OK`).
+    pub fn kill(&self, id: u64) {
+        let head = Enc::header(MSG_KILL, id);
+        // SAFETY: send of a buffer we own; a hung-up peer is not an error here.
+        unsafe {
+            libc::send(
+                self.fd.get_ref().as_raw_fd(),
+                head.0.as_ptr().cast(),
+                head.0.len(),
+                libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
+            );
+        }
+    }
 }

@@ -20,7 +20,7 @@ use tokio::io::Interest;
 use tokio::sync::{mpsc, watch, Notify};
 
 use crate::cgroup::SandboxCgroup;
-use crate::ctl::{Ctl, Reply};
+use crate::ctl::{self, Ctl, Reply};
 use crate::files::{self, Owner};
 use crate::proto::{self, Dec, Enc, ExecSpec};
 use crate::spawn::IdMap;
@@ -369,17 +369,38 @@ impl Inner {
     }
 
     /// Kills what exec `id` left running and waits (bounded) until it is gone.
-    async fn kill_leftovers(&self, id: u64) {
-        let mut rx = self.ctl.register_fixed(id);
-        if self.ctl.send(proto::MSG_KILL, id, &[], &[]).await.is_ok() {
-            let _ = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await;
+    async fn kill_leftovers(&self, id: u64, replies: &mut Replies) {
+        match replies {
+            Replies::Job(job) => {
+                job.kill(id);
+                // Acknowledged once the tree is gone; a hang-up means the supervisor is.
+                let _ = tokio::time::timeout(Duration::from_secs(10), async {
+                    while let Some(r) = job.recv().await {
+                        if r.kind == proto::REP_OK {
+                            break;
+                        }
+                    }
+                })
+                .await;
+            }
+            Replies::Ctl(_) => {
+                let mut rx = self.ctl.register_fixed(id);
+                if self.ctl.send(proto::MSG_KILL, id, &[], &[]).await.is_ok() {
+                    let _ = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await;
+                }
+                self.ctl.unregister(id);
+            }
         }
-        self.ctl.unregister(id);
     }
 
-    async fn kill_tree(&self, id: u64) {
+    async fn kill_tree(&self, id: u64, replies: &Replies) {
         // The exec's supervisor (a child subreaper) kills every descendant.
-        let _ = self.ctl.send(proto::MSG_KILL, id, &[], &[]).await;
+        match replies {
+            Replies::Job(job) => job.kill(id),
+            Replies::Ctl(_) => {
+                let _ = self.ctl.send(proto::MSG_KILL, id, &[], &[]).await;
+            }
+        }
     }
 
     #[allow(clippy::unnecessary_cast)] // RLIMIT_* types differ between libcs
@@ -462,14 +483,27 @@ impl Inner {
         }
         let mut payload = Enc::default();
         payload.exec(&x);
-        let (id, mut rx) = self.ctl.register();
-        if let Err(e) = self.ctl.send(proto::MSG_EXEC, id, &payload.0, &fds).await {
-            self.ctl.unregister(id);
-            if self.ctl.is_closed() {
-                return Err(self.gone_err());
+        // Straight to the init's spare supervisor when there is one; else through the init.
+        let job = self.ctl.take_spare().and_then(|sock| {
+            let id = self.ctl.next_id();
+            ctl::Job::start(sock, id, &payload.0, &fds)
+                .ok()
+                .map(|j| (id, j))
+        });
+        let (id, mut replies) = match job {
+            Some((id, j)) => (id, Replies::Job(j)),
+            None => {
+                let (id, rx) = self.ctl.register();
+                if let Err(e) = self.ctl.send(proto::MSG_EXEC, id, &payload.0, &fds).await {
+                    self.ctl.unregister(id);
+                    if self.ctl.is_closed() {
+                        return Err(self.gone_err());
+                    }
+                    return Err(Error::io("send exec request to the sandbox init", e));
+                }
+                (id, Replies::Ctl(rx))
             }
-            return Err(Error::io("send exec request to the sandbox init", e));
-        }
+        };
         drop(fds);
         drop((out_w, err_w));
         let stdin_task = stdin.map(|((r, w), data)| {
@@ -514,7 +548,7 @@ impl Inner {
         loop {
             let grace_at = grace.unwrap_or(deadline + Duration::from_secs(3600));
             tokio::select! {
-                r = rx.recv() => match r {
+                r = replies.recv() => match r {
                     Some(Reply { kind: proto::REP_EXITED, payload }) => {
                         let mut d = Dec::new(&payload);
                         status = d.i32().ok();
@@ -531,6 +565,11 @@ impl Inner {
                         break;
                     }
                     Some(_) => {}
+                    None if matches!(replies, Replies::Job(_)) && !self.ctl.is_closed()
+                        && !self.gone.load(Ordering::SeqCst) => {
+                        failure = Some(Error::backend(TIER, "the command's supervisor died before reporting (killed from outside?)"));
+                        break;
+                    }
                     None => {
                         failure = Some(self.gone_err_after_init_death());
                         break;
@@ -538,12 +577,12 @@ impl Inner {
                 },
                 _ = tokio::time::sleep_until(deadline), if grace.is_none() => {
                     timed_out = true;
-                    self.kill_tree(id).await;
+                    self.kill_tree(id, &replies).await;
                     grace = Some(tokio::time::Instant::now() + Duration::from_secs(10));
                 }
                 _ = flood.notified(), if grace.is_none() => {
                     flooded = true;
-                    self.kill_tree(id).await;
+                    self.kill_tree(id, &replies).await;
                     grace = Some(tokio::time::Instant::now() + Duration::from_secs(10));
                 }
                 _ = tokio::time::sleep_until(grace_at), if grace.is_some() => {
@@ -588,7 +627,7 @@ impl Inner {
         if matches!(limit, Some(LimitKind::Memory | LimitKind::Pids)) {
             // A runaway tree (fork bomb, leaking children) must not outlive the exec that
             // hit the limit: its leftovers are still grouped under the exec's supervisor.
-            self.kill_leftovers(id).await;
+            self.kill_leftovers(id, &mut replies).await;
         }
         let truncated = out.truncated() || err.truncated();
         crate::spawn::prefork();
@@ -798,5 +837,22 @@ impl Drop for ContainerSandbox {
             }
         }
         self.inner.terminate("dropped");
+    }
+}
+
+/// Where an exec's replies come from: the control socket (routed by id), or the spare
+/// supervisor's own socket (see [`ctl::Job`]).
+#[derive(Debug)]
+enum Replies {
+    Ctl(mpsc::UnboundedReceiver<Reply>),
+    Job(ctl::Job),
+}
+
+impl Replies {
+    async fn recv(&mut self) -> Option<Reply> {
+        match self {
+            Replies::Ctl(rx) => rx.recv().await,
+            Replies::Job(j) => j.recv().await,
+        }
     }
 }
