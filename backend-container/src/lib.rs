@@ -39,11 +39,12 @@
 //!                                                    setup), pivot_root, hostname, lo up,
 //!                                                    Landlock; unshare(CGROUP), seccomp
 //!          network hook (netns of A)
-//!  exec:   pipes (stdin/stdout/stderr) ─────────▶ A forks a supervisor (child subreaper), which
-//!                                                 starts the command with a vfork-style clone:
-//!                                                 setsid, rlimits, drop caps, setuid(sandbox),
-//!                                                 chdir, execve
-//!          ◀────────────────── EXITED(status, t) ─ A reaps every orphan of the namespace
+//!  exec:   pipes (stdin/stdout/stderr) ─────────▶ the spare supervisor A forked ahead
+//!          (on the spare's own socket; else        (else one A forks on demand): a child
+//!           through A)                              subreaper; it starts the command with a
+//!                                                   vfork-style clone: setsid, rlimits,
+//!                                                   setuid(sandbox), chdir, execve
+//!          ◀──────────── EXITED(status, t) ──────── the supervisor; A reaps every orphan
 //!  destroy: SIGKILL A → the kernel kills the pid namespace; rmdir cgroups
 //! ```
 //!
@@ -96,11 +97,15 @@
 //! Each exec gets a *supervisor*, a fork of the init marked `PR_SET_CHILD_SUBREAPER`: every
 //! process the command starts stays its descendant (orphans are re-parented to it, even after
 //! `setsid` or a double fork), so a timeout kills the exec's whole tree by walking `/proc`.
-//! The init keeps one **spare supervisor** forked ahead of time (after the seal, so it
-//! carries it, and again whenever an exec's supervisor has exited, so its fork does not
-//! compete with a running command): an exec is handed to it over a private socket instead
-//! of paying a `fork` on its critical path; with no spare (concurrent execs) the init forks
-//! one as before. A spare takes a process slot (`pids.max` allows for it) and ~0.2-0.25 MiB
+//! The init keeps one **spare supervisor** forked ahead of time (the first before the seal's
+//! reply, so it carries the seal; then whenever a spare's command has exited, so its fork
+//! does not compete with a running command) and hands the library a socket to it
+//! (`REP_SPARE`): the library sends the exec **straight to the spare**, whose replies
+//! (`EXITED`, kill acknowledgements) and kill requests travel on that socket, so an exec's
+//! critical path has neither a `fork` nor a hop through the init or the control socket's
+//! reader task. Execs that find no spare at hand (concurrent ones, or a request too big for
+//! one packet) go through the init, which forks their supervisor on demand. A spare takes a
+//! process slot (`pids.max` allows for it) and ~0.2-0.25 MiB
 //! PSS. The supervisor starts the command with `clone(CLONE_VM | CLONE_VFORK)`: the child shares
 //! the supervisor's memory until it execs (no page-table copy, no copy-on-write faults) and
 //! only makes system calls on data prepared before the clone (argv, env, the `PATH`
