@@ -774,9 +774,9 @@ struct Running {
 /// (`MSG_EXEC`, id, the exec payload, its fds) **directly**: no `fork` and no hop through
 /// the init on the exec's critical path. The replies of that exec (`EXITED`, kill
 /// acknowledgements) travel back on the same socket, and a `MSG_KILL` there kills its tree.
-/// Once its command has exited the spare signals us (`SIGUSR1`) and the next spare is
-/// forked: after the seal, and after each exec, so a spare's own fork does not compete with
-/// a command for the CPUs. Execs the library sends us instead (no spare at hand: concurrent
+/// Once its command has started the spare signals us (`SIGUSR1`) and the next spare is
+/// forked while that command runs, so a following exec finds one ready (the first spare
+/// is forked right after the seal). Execs the library sends us instead (no spare at hand: concurrent
 /// execs, a payload too big for one packet) get a supervisor forked on demand.
 fn fork_spare(run: &mut Running, sfd: RawFd) {
     if run.spare.is_some() || !run.sealed {
@@ -917,10 +917,15 @@ fn supervise(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>, sfd: RawFd, job: Option
         REPLY_FD.store(j.as_raw_fd(), std::sync::atomic::Ordering::Relaxed);
     }
     let mut job_fd = job.as_ref().map_or(-1, |j| j.as_raw_fd());
-    let Some(leader) = spawn(id, spec, fds) else {
+    let Some((leader, started)) = spawn(id, spec, fds) else {
         std::process::exit(0)
     };
-    let started = monotonic_ns();
+    if job.is_some() {
+        // A spare serves this exec: the init may fork the next one while the command runs,
+        // so a following exec finds it ready.
+        // SAFETY: signals our parent, the init.
+        unsafe { kill(getppid(), SIGUSR1) };
+    }
     let mut leader_done = false;
     loop {
         let mut pfd = [
@@ -977,11 +982,6 @@ fn supervise(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>, sfd: RawFd, job: Option
             }
             if p == leader {
                 exited(id, status, true, started);
-                if job.is_some() {
-                    // A spare served this exec: the init may fork the next one now.
-                    // SAFETY: signals our parent, the init.
-                    unsafe { kill(getppid(), SIGUSR1) };
-                }
                 // What the command left running stays our descendant (we are its subreaper),
                 // so it can still be killed as this exec's tree; we leave with the last of it.
                 leader_done = true;
@@ -1064,6 +1064,9 @@ struct Child {
     /// 0: exec'd; 1: set-up (rlimits, privileges) failed; 2: chdir failed; 3: exec failed.
     stage: c_int,
     errno: c_int,
+    /// CLOCK_MONOTONIC ns at the first `execve` (the command's start, as the library reports
+    /// it; taken here because the supervisor may wait for a CPU once the command runs).
+    started: u64,
 }
 
 const SH: &[u8] = b"/bin/sh\0";
@@ -1115,6 +1118,7 @@ extern "C" fn child_main(arg: *mut c_void) -> c_int {
             _exit(126);
         }
         let mut seen = ENOENT;
+        c.started = monotonic_ns();
         for p in &c.paths {
             execve(p.as_ptr(), c.argv.as_ptr(), c.envp.as_ptr());
             match errno() {
@@ -1165,8 +1169,9 @@ fn candidates(cmd: &str, env: &[String]) -> Vec<String> {
 
 /// Starts the command (in the supervisor) with a vfork-style clone: no copy of our page
 /// tables, no copy-on-write faults, and we resume once it has exec'd (or failed). Returns the
-/// leader's pid, or `None` after reporting why it could not start.
-fn spawn(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>) -> Option<i32> {
+/// leader's pid and when it was started (see [`Child::started`]), or `None` after reporting why it
+/// could not start.
+fn spawn(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>) -> Option<(i32, u64)> {
     let mut fds = fds.into_iter();
     let (Some(out), Some(err)) = (fds.next(), fds.next()) else {
         send_err(
@@ -1228,6 +1233,7 @@ fn spawn(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>) -> Option<i32> {
         gid: spec.gid,
         stage: 0,
         errno: 0,
+        started: 0,
     };
     let mut stack = vec![0u8; 64 * 1024];
     // SAFETY: the child runs `child_main` on its own stack (the top of `stack`, 16-byte
@@ -1247,7 +1253,7 @@ fn spawn(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>) -> Option<i32> {
         return fail(126, format!("agent-sandbox: {a0}: {e}\n"));
     }
     if job.stage == 0 {
-        return Some(pid);
+        return Some((pid, job.started));
     }
     // It exited without exec'ing: reap it and say why.
     let mut status: c_int = 0;

@@ -98,8 +98,8 @@
 //! process the command starts stays its descendant (orphans are re-parented to it, even after
 //! `setsid` or a double fork), so a timeout kills the exec's whole tree by walking `/proc`.
 //! The init keeps one **spare supervisor** forked ahead of time (the first before the seal's
-//! reply, so it carries the seal; then whenever a spare's command has exited, so its fork
-//! does not compete with a running command) and hands the library a socket to it
+//! reply, so it carries the seal; the next as soon as a spare has started its command, so
+//! back-to-back execs find one ready) and hands the library a socket to it
 //! (`REP_SPARE`): the library sends the exec **straight to the spare**, whose replies
 //! (`EXITED`, kill acknowledgements) and kill requests travel on that socket, so an exec's
 //! critical path has neither a `fork` nor a hop through the init or the control socket's
