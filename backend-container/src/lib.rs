@@ -678,6 +678,8 @@ impl ContainerBackend {
             } else {
                 self.host_ops.get_or_init(rootfs::host_ops)
             },
+            // As root the library brings `lo` up meanwhile (see `network::loopback_up`).
+            loopback: rootless,
         };
         let ops = match &template {
             Some(root) => rootfs::template_plan(&plan, root)?,
@@ -737,6 +739,7 @@ impl ContainerBackend {
             .await
             .map_err(|e| Error::backend(TIER, e))?;
         let (pid, ctl, cgroup) = (spawned.pid, spawned.ctl, spawned.cgroup);
+        let lo = (!rootless).then(|| network::loopback_up(pid));
         if lower.is_some() && !spawned.idmapped {
             tracing::warn!(sandbox = %id, "rootfs directory used without idmapping");
         }
@@ -770,7 +773,14 @@ impl ContainerBackend {
             }
             Ok::<(), Error>(())
         };
-        let done = done.await;
+        let mut done = done.await;
+        if let (Ok(()), Some(lo)) = (&done, lo) {
+            done = match lo.await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(Error::io("bring up the sandbox's loopback interface", e)),
+                Err(_) => Err(Error::backend(TIER, "the loopback thread vanished")),
+            };
+        }
         for rid in ids_used {
             ctl.unregister(rid);
         }

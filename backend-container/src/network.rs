@@ -1,7 +1,9 @@
 //! The sandbox's network namespace: the one place where its network is set up.
 //!
-//! Every sandbox gets a fresh network namespace (`CLONE_NEWNET` at clone time) in which the
-//! init brings `lo` up, and nothing else: no interface, no route, so no packet can leave,
+//! Every sandbox gets a fresh network namespace (made by its init) in which `lo` is brought up
+//! (as root by the library, from a short-lived thread that joins the namespace, while the
+//! init builds the root filesystem: see [`loopback_up`]; rootless, where the library may not
+//! join it, by the init), and nothing else: no interface, no route, so no packet can leave,
 //! whatever the code does (TCP, UDP, ICMP, raw sockets, IPv6, DNS). That is
 //! [`NetworkPolicy::DenyAll`](sandbox_core::NetworkPolicy), enforced by the kernel alone.
 //!
@@ -21,3 +23,52 @@
 /// `/etc/resolv.conf` of a sandbox without network.
 pub(crate) const DEFAULT_RESOLV_CONF: &str =
     "# agent-sandbox: no network (this namespace has only loopback)\noptions timeout:1 attempts:1\n";
+
+/// Brings `lo` up in the network namespace of process `pid`, from a short-lived thread of
+/// ours that joins it (a thread's network namespace is its own; the thread then exits, so no
+/// thread of the process stays inside). Needs `CAP_SYS_ADMIN` over both namespaces (root).
+/// Runs in parallel with the init's filesystem setup: the ~0.1 ms the interface takes to come
+/// up (IPv4 and IPv6 addresses and routes) leaves the create's critical path.
+pub(crate) fn loopback_up(pid: libc::pid_t) -> tokio::sync::oneshot::Receiver<std::io::Result<()>> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let spawned = std::thread::Builder::new()
+        .name("asb-netns-lo".into())
+        .stack_size(64 << 10)
+        .spawn(move || {
+            let _ = tx.send(lo_up_in(pid));
+        });
+    if let Err(e) = spawned {
+        let (tx2, rx2) = tokio::sync::oneshot::channel();
+        let _ = tx2.send(Err(e));
+        return rx2;
+    }
+    rx
+}
+
+fn lo_up_in(pid: libc::pid_t) -> std::io::Result<()> {
+    use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+    let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))?;
+    nix::sched::setns(ns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)?;
+    // SAFETY: socket(2); the fd is ours.
+    let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if sock < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: the kernel just gave us this fd.
+    let sock = unsafe { OwnedFd::from_raw_fd(sock) };
+    // SAFETY: a zeroed `ifreq` is valid; the two ioctls read and write it in place.
+    unsafe {
+        let mut ifr: libc::ifreq = std::mem::zeroed();
+        for (d, s) in ifr.ifr_name.iter_mut().zip(b"lo") {
+            *d = *s as libc::c_char;
+        }
+        if libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFFLAGS, &mut ifr) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        ifr.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
+        if libc::ioctl(sock.as_raw_fd(), libc::SIOCSIFFLAGS, &ifr) < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}

@@ -77,6 +77,9 @@ pub(crate) struct Plan<'a> {
     pub landlock: Option<u32>,
     /// [`host_ops`], cached by the backend.
     pub host: &'a [Op],
+    /// Whether the init brings `lo` up (else the library does, see
+    /// [`crate::network::loopback_up`]).
+    pub loopback: bool,
 }
 
 /// A tmpfs mounted at `dst` with these flags and options.
@@ -429,7 +432,9 @@ fn finish(ops: &mut Vec<Op>, p: &Plan<'_>, newroot: &str, rootfs: Option<&Path>)
     ops.push(Op::Hostname {
         name: p.hostname.to_string(),
     });
-    ops.push(Op::LoopbackUp);
+    if p.loopback {
+        ops.push(Op::LoopbackUp);
+    }
     ops.push(Op::Pivot {
         newroot: newroot.into(),
     });
@@ -783,6 +788,7 @@ mod tests {
             hostname: "sandbox",
             resolv_conf: "",
             tmp_bytes: 1 << 20,
+            loopback: true,
         })
         .map(Setup::all)
     }
@@ -820,6 +826,7 @@ mod tests {
             hostname: "sandbox",
             resolv_conf: "",
             tmp_bytes: 1 << 20,
+            loopback: true,
         })
         .unwrap();
         // The preparation ends with the layers in place; the overlay comes first after it.
@@ -906,6 +913,7 @@ mod tests {
             hostname: "box",
             resolv_conf: "",
             tmp_bytes: 1 << 20,
+            loopback: true,
         };
         let setup = template_plan(&p, root).unwrap();
         assert!(setup.prep.is_empty());
@@ -962,6 +970,7 @@ mod wire_tests {
             hostname: "sandbox",
             resolv_conf: "",
             tmp_bytes: 1 << 20,
+            loopback: true,
         })
         .unwrap()
         .all();

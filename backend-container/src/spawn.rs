@@ -354,9 +354,10 @@ pub(crate) fn prefork() {
 }
 
 /// Forks a new init through the process's zygote (started on first use, and again if it
-/// died: a new one first builds the templates the old one had). Returns the init's pid
-/// (our child) and our end of its control socket.
-fn fork_init(img: &InitImage) -> Result<(libc::pid_t, OwnedFd), String> {
+/// died: a new one first builds the templates the old one had), or takes its spare
+/// (`use_spare`). Returns the init's pid (our child), our end of its control socket and
+/// whether it was the spare.
+fn fork_init(img: &InitImage, use_spare: bool) -> Result<(libc::pid_t, OwnedFd, bool), String> {
     let mut f = FORKS
         .lock()
         .map_err(|_| "the sandbox zygote's lock is poisoned".to_string())?;
@@ -373,14 +374,16 @@ fn fork_init(img: &InitImage) -> Result<(libc::pid_t, OwnedFd), String> {
             }
             f.zygote = Some(z);
         }
-        if let Some(spare) = f.zygote.as_mut().and_then(Zygote::take_spare) {
-            return Ok(spare);
+        if use_spare {
+            if let Some((pid, fd)) = f.zygote.as_mut().and_then(Zygote::take_spare) {
+                return Ok((pid, fd, true));
+            }
         }
         // A fresh socket each attempt: should a dying zygote have forked an init for the
         // last one, that init finds its socket closed and exits.
         let (ours, theirs) = seqpacket_pair().map_err(|e| format!("socketpair: {e}"))?;
         match f.zygote.as_mut().map(|zy| zy.fork(&theirs)) {
-            Some(Ok(pid)) => return Ok((pid, ours)),
+            Some(Ok(pid)) => return Ok((pid, ours, false)),
             // A fork the kernel refused (e.g. no pids left) is not the zygote's fault.
             Some(Err((false, e))) if e.raw_os_error().is_some() => {
                 return Err(format!("fork the sandbox init: {e}"))
@@ -511,25 +514,43 @@ pub(crate) async fn spawn_init(
     cgroup_job: CgroupJob,
 ) -> Result<Spawned, String> {
     let img = image()?;
-    let (first, ours) = fork_init(img)?;
-    let ctl = match Ctl::new(ours) {
-        Ok(c) => c,
-        Err(e) => {
-            reap(first, true);
-            return Err(format!("control socket: {e}"));
+    let mut use_spare = true;
+    let (first, ctl, mut rx, queued, boot) = loop {
+        let (first, ours, spare) = fork_init(img, use_spare)?;
+        let ctl = match Ctl::new(ours) {
+            Ok(c) => c,
+            Err(e) => {
+                reap(first, true);
+                return Err(format!("control socket: {e}"));
+            }
+        };
+        let mut rx = ctl.register_fixed(0);
+        let queued: Vec<_> = requests.iter().map(|_| ctl.register()).collect();
+        ctl.start_reader();
+        let boot = match ctl.send(proto::MSG_START, 0, &[], &[]).await {
+            Ok(()) => rx.recv().await,
+            Err(_) => None,
+        };
+        match boot {
+            Some(b) => break (first, ctl, rx, queued, b),
+            // A spare that died just before we took it (its death not yet visible then):
+            // once more with a fresh clone.
+            None if spare => {
+                reap(first, true);
+                use_spare = false;
+            }
+            None => {
+                reap(first, true);
+                if let Ok(Ok(Some((c, _)))) = cgroup_job.await {
+                    c.remove(std::time::Duration::from_millis(500));
+                }
+                return Err("the init exited during start-up".into());
+            }
         }
     };
-    let mut rx = ctl.register_fixed(0);
-    let queued: Vec<_> = requests.iter().map(|_| ctl.register()).collect();
-    ctl.start_reader();
-    if let Err(e) = ctl.send(proto::MSG_START, 0, &[], &[]).await {
-        reap(first, true);
-        return Err(format!("start the sandbox init: {e}"));
-    }
     let mut idmapped = false;
     let mut cgroup = None;
     let result = async {
-        let boot = rx.recv().await.ok_or("the init exited during start-up")?;
         if boot.kind != proto::REP_BOOT {
             return Err(describe_err(&boot));
         }
