@@ -662,54 +662,9 @@ impl ContainerBackend {
         } else {
             None
         };
-        let plan = rootfs::Plan {
-            spec,
-            user,
-            hostname: &self.cfg.hostname,
-            resolv_conf: &resolv,
-            tmp_bytes,
-            landlock: if self.cfg.landlock {
-                self.landlock_abi
-            } else {
-                None
-            },
-            host: if spec.rootfs.is_some() {
-                &[]
-            } else {
-                self.host_ops.get_or_init(rootfs::host_ops)
-            },
-            // As root the library brings `lo` up meanwhile (see `network::loopback_up`).
-            loopback: rootless,
-        };
-        let ops = match &template {
-            Some(root) => rootfs::template_plan(&plan, root)?,
-            None => rootfs::plan(&plan)?,
-        };
-        let enc = |ops: &[proto::Op]| {
-            let mut e = proto::Enc::default();
-            e.ops(ops);
-            e.0
-        };
-        let seal = enc(&rootfs::seal_ops(
-            self.cfg.seccomp.then_some(self.bpf.as_slice()),
-        ));
-        // Queued behind the bootstrap: everything, or (restoring an upper layer) only the
-        // preparation; the rest follows once the upper layer is filled.
-        let (queued, later): (Vec<Vec<u8>>, Vec<Vec<u8>>) = match upper {
-            Some(_) if spec.rootfs.is_some() => (vec![enc(&ops.prep)], vec![enc(&ops.main), seal]),
-            _ => (vec![enc(&ops.all()), seal], Vec::new()),
-        };
-        let lower = match (&spec.rootfs, rootless) {
-            (Some(r), false) => Some(
-                r.canonicalize()
-                    .map_err(|e| Error::io_path("resolve the rootfs directory", r, e))?,
-            ),
-            _ => None,
-        };
-
         // The cgroups are made in parallel with the init's start-up (a v1 memory cgroup mkdir
-        // alone is ~0.3 ms). The init's first process joins them itself (see
-        // `spawn::CgroupJob` for why) before it clones pid 1, which inherits them.
+        // alone is ~0.3 ms). The init joins them itself (see `spawn::CgroupJob` for why)
+        // before it starts anything.
         let cg_job = {
             let host = self.host.clone();
             let (name, limits) = (cgroup_name(&id), spec.limits.clone());
@@ -734,10 +689,82 @@ impl ContainerBackend {
                 Ok(Some((c, files)))
             })
         };
+        // The init makes its namespaces (~0.5 ms) while we plan its setup.
+        let starting = match spawn::start_init(true).await {
+            Ok(s) => s,
+            Err(e) => {
+                spawn::abandon(None, cg_job).await;
+                return Err(Error::backend(TIER, e));
+            }
+        };
+        let planned = (|| {
+            let plan = rootfs::Plan {
+                spec,
+                user,
+                hostname: &self.cfg.hostname,
+                resolv_conf: &resolv,
+                tmp_bytes,
+                landlock: if self.cfg.landlock {
+                    self.landlock_abi
+                } else {
+                    None
+                },
+                host: if spec.rootfs.is_some() {
+                    &[]
+                } else {
+                    self.host_ops.get_or_init(rootfs::host_ops)
+                },
+                // As root the library brings `lo` up meanwhile (see `network::loopback_up`).
+                loopback: rootless,
+            };
+            let ops = match &template {
+                Some(root) => rootfs::template_plan(&plan, root)?,
+                None => rootfs::plan(&plan)?,
+            };
+            let enc = |ops: &[proto::Op]| {
+                let mut e = proto::Enc::default();
+                e.ops(ops);
+                e.0
+            };
+            let seal = enc(&rootfs::seal_ops(
+                self.cfg.seccomp.then_some(self.bpf.as_slice()),
+            ));
+            // Queued behind the bootstrap: everything, or (restoring an upper layer) only the
+            // preparation; the rest follows once the upper layer is filled.
+            let (queued, later): (Vec<Vec<u8>>, Vec<Vec<u8>>) = match upper {
+                Some(_) if spec.rootfs.is_some() => {
+                    (vec![enc(&ops.prep)], vec![enc(&ops.main), seal])
+                }
+                _ => (vec![enc(&ops.all()), seal], Vec::new()),
+            };
+            let lower = match (&spec.rootfs, rootless) {
+                (Some(r), false) => Some(
+                    r.canonicalize()
+                        .map_err(|e| Error::io_path("resolve the rootfs directory", r, e))?,
+                ),
+                _ => None,
+            };
+            Ok((queued, later, lower))
+        })();
+        let (queued, later, lower): (Vec<Vec<u8>>, Vec<Vec<u8>>, Option<std::path::PathBuf>) =
+            match planned {
+                Ok(p) => p,
+                Err(e) => {
+                    spawn::abandon(Some(starting), cg_job).await;
+                    return Err(e);
+                }
+            };
         let requests: Vec<&[u8]> = queued.iter().map(Vec::as_slice).collect();
-        let spawned = spawn::spawn_init(&ids, &requests, lower.as_deref(), !rootless, cg_job)
-            .await
-            .map_err(|e| Error::backend(TIER, e))?;
+        let spawned = spawn::spawn_init(
+            starting,
+            &ids,
+            &requests,
+            lower.as_deref(),
+            !rootless,
+            cg_job,
+        )
+        .await
+        .map_err(|e| Error::backend(TIER, e))?;
         let (pid, ctl, cgroup) = (spawned.pid, spawned.ctl, spawned.cgroup);
         let lo = (!rootless).then(|| network::loopback_up(pid));
         if lower.is_some() && !spawned.idmapped {

@@ -493,8 +493,60 @@ pub(crate) struct Spawned {
 pub(crate) type CgroupJob =
     tokio::task::JoinHandle<Result<Option<(crate::cgroup::SandboxCgroup, Vec<OwnedFd>)>, String>>;
 
-/// Starts the init as pid 1 of fresh user, pid, mount, UTS, IPC and network namespaces (the
-/// cgroup and time namespaces come later, from inside).
+/// An init told to start ([`start_init`]), not yet bootstrapped ([`spawn_init`]).
+#[derive(Debug)]
+pub(crate) struct Starting {
+    first: libc::pid_t,
+    ctl: std::sync::Arc<Ctl>,
+    rx: tokio::sync::mpsc::UnboundedReceiver<crate::ctl::Reply>,
+    /// Whether it is the zygote's spare (which may have died unseen: see [`spawn_init`]).
+    spare: bool,
+}
+
+/// Takes the spare init (`use_spare`) or has the zygote clone one, and tells it to start:
+/// it makes its namespaces while the caller plans the sandbox, then [`spawn_init`] carries
+/// on. (A root-filesystem template the setup will use must exist before this: the init copies
+/// the zygote's mount namespace as it starts.)
+pub(crate) async fn start_init(use_spare: bool) -> Result<Starting, String> {
+    let img = image()?;
+    let (first, ours, spare) = fork_init(img, use_spare)?;
+    let ctl = match Ctl::new(ours) {
+        Ok(c) => c,
+        Err(e) => {
+            reap(first, true);
+            return Err(format!("control socket: {e}"));
+        }
+    };
+    let rx = ctl.register_fixed(0);
+    ctl.start_reader();
+    if let Err(e) = ctl.send(proto::MSG_START, 0, &[], &[]).await {
+        if !spare {
+            reap(first, true);
+            return Err(format!("start the sandbox init: {e}"));
+        }
+        // A dead spare: `spawn_init` sees its socket closed and clones another.
+    }
+    Ok(Starting {
+        first,
+        ctl,
+        rx,
+        spare,
+    })
+}
+
+/// Gives up on a create before [`spawn_init`]: kills the started init, if any, and removes
+/// the cgroups its job made.
+pub(crate) async fn abandon(starting: Option<Starting>, cgroup_job: CgroupJob) {
+    if let Some(s) = starting {
+        reap(s.first, true);
+    }
+    if let Ok(Ok(Some((c, _)))) = cgroup_job.await {
+        c.remove(std::time::Duration::from_millis(500));
+    }
+}
+
+/// Brings a started init ([`start_init`]) to pid 1 of fresh user, pid, mount, UTS, IPC and
+/// network namespaces (the cgroup and time namespaces come later, from inside).
 ///
 /// The library never forks itself: the process's zygote (see [`Zygote`]) clones the init
 /// with new user and pid namespaces and `CLONE_PARENT`, so it is our child, with the control
@@ -507,37 +559,36 @@ pub(crate) type CgroupJob =
 /// carries a detached, idmapped mount of it (see [`idmapped_tree`]); if the filesystem cannot
 /// be idmapped, none (the init then binds the directory as it is).
 pub(crate) async fn spawn_init(
+    starting: Starting,
     ids: &IdMap,
     requests: &[&[u8]],
     lower: Option<&std::path::Path>,
     oom_protect: bool,
     cgroup_job: CgroupJob,
 ) -> Result<Spawned, String> {
-    let img = image()?;
-    let mut use_spare = true;
-    let (first, ctl, mut rx, queued, boot) = loop {
-        let (first, ours, spare) = fork_init(img, use_spare)?;
-        let ctl = match Ctl::new(ours) {
-            Ok(c) => c,
-            Err(e) => {
-                reap(first, true);
-                return Err(format!("control socket: {e}"));
-            }
-        };
-        let mut rx = ctl.register_fixed(0);
-        let queued: Vec<_> = requests.iter().map(|_| ctl.register()).collect();
-        ctl.start_reader();
-        let boot = match ctl.send(proto::MSG_START, 0, &[], &[]).await {
-            Ok(()) => rx.recv().await,
-            Err(_) => None,
-        };
-        match boot {
-            Some(b) => break (first, ctl, rx, queued, b),
+    let mut starting = starting;
+    let (first, ctl, mut rx, boot) = loop {
+        let Starting {
+            first,
+            ctl,
+            mut rx,
+            spare,
+        } = starting;
+        match rx.recv().await {
+            Some(b) => break (first, ctl, rx, b),
             // A spare that died just before we took it (its death not yet visible then):
             // once more with a fresh clone.
             None if spare => {
                 reap(first, true);
-                use_spare = false;
+                match start_init(false).await {
+                    Ok(s) => starting = s,
+                    Err(e) => {
+                        if let Ok(Ok(Some((c, _)))) = cgroup_job.await {
+                            c.remove(std::time::Duration::from_millis(500));
+                        }
+                        return Err(e);
+                    }
+                }
             }
             None => {
                 reap(first, true);
@@ -548,6 +599,7 @@ pub(crate) async fn spawn_init(
             }
         }
     };
+    let queued: Vec<_> = requests.iter().map(|_| ctl.register()).collect();
     let mut idmapped = false;
     let mut cgroup = None;
     let result = async {
