@@ -612,6 +612,46 @@ async fn root_template_is_shared_read_only_per_hostname_and_never_on_the_host() 
     b.destroy().await.unwrap();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_execs_each_get_their_own_output_and_status() {
+    require_host!();
+    // One exec takes the spare supervisor (straight from the library), the others go through
+    // the init (a supervisor forked on demand); a timeout kills only its own tree.
+    let sb: std::sync::Arc<dyn sandbox_core::Sandbox> =
+        std::sync::Arc::from(create(Language::Shell).await);
+    let mut tasks = Vec::new();
+    for i in 0..6u32 {
+        let sb = sb.clone();
+        tasks.push(tokio::spawn(async move {
+            let req = if i == 5 {
+                ExecRequest::argv(["/bin/sh", "-c", "sleep 30"]).timeout(Duration::from_millis(300))
+            } else {
+                ExecRequest::argv([
+                    "/bin/sh",
+                    "-c",
+                    &format!("sleep 0.0{i}; echo out{i}; echo err{i} >&2; exit {i}"),
+                ])
+            };
+            (i, sb.exec(req).await.unwrap())
+        }));
+    }
+    for t in tasks {
+        let (i, r) = t.await.unwrap();
+        if i == 5 {
+            assert_eq!(r.limit, Some(LimitKind::WallTime), "{r:?}");
+        } else {
+            assert_eq!(r.exit_code, Some(i as i32), "{r:?}");
+            assert_eq!(r.stdout_str(), format!("out{i}\n"));
+            assert_eq!(String::from_utf8_lossy(&r.stderr), format!("err{i}\n"));
+        }
+    }
+    // Both paths keep working afterwards.
+    for _ in 0..3 {
+        assert_eq!(sh_ok(sb.as_ref(), "echo after").await, "after\n");
+    }
+    sb.destroy().await.unwrap();
+}
+
 #[tokio::test]
 async fn snapshot_restores_files_into_a_new_sandbox() {
     require_host!();
