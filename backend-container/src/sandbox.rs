@@ -472,10 +472,6 @@ impl Inner {
             Some(d) => Some((pipe().map_err(io("create stdin pipe"))?, d.clone())),
             None => None,
         };
-        let (oom0, pids0) = self
-            .cgroup
-            .as_ref()
-            .map_or((0, 0), |c| (c.oom_kills(), c.pids_max_events()));
         let mut fds: Vec<BorrowedFd<'_>> = vec![out_w.as_fd(), err_w.as_fd()];
         if let Some(((r, _), _)) = &stdin {
             x.flags |= proto::EXEC_STDIN;
@@ -506,6 +502,12 @@ impl Inner {
         };
         drop(fds);
         drop((out_w, err_w));
+        // The limit counters before the command can have touched them: read while the
+        // supervisor wakes up and spawns it (~0.2 ms), not before the request goes out.
+        let (oom0, pids0) = self
+            .cgroup
+            .as_ref()
+            .map_or((0, 0), |c| (c.oom_kills(), c.pids_max_events()));
         let stdin_task = stdin.map(|((r, w), data)| {
             drop(r);
             tokio::spawn(async move {
