@@ -774,9 +774,8 @@ struct Running {
 /// (`MSG_EXEC`, id, the exec payload, its fds) **directly**: no `fork` and no hop through
 /// the init on the exec's critical path. The replies of that exec (`EXITED`, kill
 /// acknowledgements) travel back on the same socket, and a `MSG_KILL` there kills its tree.
-/// Once its command has started the spare signals us (`SIGUSR1`) and the next spare is
-/// forked while that command runs, so a following exec finds one ready (the first spare
-/// is forked right after the seal). Execs the library sends us instead (no spare at hand: concurrent
+/// Once its command has exited (and the reply is out) the spare signals us (`SIGUSR1`) and
+/// the next spare is forked; the first one right after the seal. Execs the library sends us instead (no spare at hand: concurrent
 /// execs, a payload too big for one packet) get a supervisor forked on demand.
 fn fork_spare(run: &mut Running, sfd: RawFd) {
     if run.spare.is_some() || !run.sealed {
@@ -920,12 +919,6 @@ fn supervise(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>, sfd: RawFd, job: Option
     let Some((leader, started)) = spawn(id, spec, fds) else {
         std::process::exit(0)
     };
-    if job.is_some() {
-        // A spare serves this exec: the init may fork the next one while the command runs,
-        // so a following exec finds it ready.
-        // SAFETY: signals our parent, the init.
-        unsafe { kill(getppid(), SIGUSR1) };
-    }
     let mut leader_done = false;
     loop {
         let mut pfd = [
@@ -982,6 +975,12 @@ fn supervise(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>, sfd: RawFd, job: Option
             }
             if p == leader {
                 exited(id, status, true, started);
+                if job.is_some() {
+                    // A spare served this exec: the init forks the next one now, after the
+                    // reply (forking while the command ran competed with it for the CPUs).
+                    // SAFETY: signals our parent, the init.
+                    unsafe { kill(getppid(), SIGUSR1) };
+                }
                 // What the command left running stays our descendant (we are its subreaper),
                 // so it can still be killed as this exec's tree; we leave with the last of it.
                 leader_done = true;

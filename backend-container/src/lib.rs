@@ -98,8 +98,9 @@
 //! process the command starts stays its descendant (orphans are re-parented to it, even after
 //! `setsid` or a double fork), so a timeout kills the exec's whole tree by walking `/proc`.
 //! The init keeps one **spare supervisor** forked ahead of time (the first before the seal's
-//! reply, so it carries the seal; the next as soon as a spare has started its command, so
-//! back-to-back execs find one ready) and hands the library a socket to it
+//! reply, so it carries the seal; the next once a spare's command has exited and its reply
+//! is out, so the fork competes with no command; an exec that follows at once may find none
+//! and take the path below) and hands the library a socket to it
 //! (`REP_SPARE`): the library sends the exec **straight to the spare**, whose replies
 //! (`EXITED`, kill acknowledgements) and kill requests travel on that socket, so an exec's
 //! critical path has neither a `fork` nor a hop through the init or the control socket's
@@ -662,41 +663,10 @@ impl ContainerBackend {
         } else {
             None
         };
-        // The cgroups are made in parallel with the init's start-up (a v1 memory cgroup mkdir
-        // alone is ~0.3 ms). The init joins them itself (see `spawn::CgroupJob` for why)
-        // before it starts anything.
-        let cg_job = {
-            let host = self.host.clone();
-            let (name, limits) = (cgroup_name(&id), spec.limits.clone());
-            let want = self.cgroups_usable().is_ok();
-            tokio::task::spawn_blocking(move || {
-                if !want {
-                    return Ok(None);
-                }
-                let c = host
-                    .create(&name, &limits)
-                    .map_err(|e| format!("create the sandbox cgroup: {e}"))?;
-                let mut files = Vec::new();
-                for p in c.join_files() {
-                    match std::fs::OpenOptions::new().write(true).open(&p) {
-                        Ok(f) => files.push(std::os::fd::OwnedFd::from(f)),
-                        Err(e) => {
-                            c.remove(std::time::Duration::from_millis(500));
-                            return Err(format!("open {}: {e}", p.display()));
-                        }
-                    }
-                }
-                Ok(Some((c, files)))
-            })
-        };
         // The init makes its namespaces (~0.5 ms) while we plan its setup.
-        let starting = match spawn::start_init(true).await {
-            Ok(s) => s,
-            Err(e) => {
-                spawn::abandon(None, cg_job).await;
-                return Err(Error::backend(TIER, e));
-            }
-        };
+        let starting = spawn::start_init(true)
+            .await
+            .map_err(|e| Error::backend(TIER, e))?;
         let planned = (|| {
             let plan = rootfs::Plan {
                 spec,
@@ -750,10 +720,38 @@ impl ContainerBackend {
             match planned {
                 Ok(p) => p,
                 Err(e) => {
-                    spawn::abandon(Some(starting), cg_job).await;
+                    spawn::abandon(starting);
                     return Err(e);
                 }
             };
+        // The cgroups are made in parallel with the init's start-up (the job is ~0.3 ms),
+        // started once the setup is planned so the init gets a CPU first (on 2 CPUs a third
+        // busy thread delayed its start). The init joins them itself (see `spawn::CgroupJob`
+        // for why) before it starts anything.
+        let cg_job = {
+            let host = self.host.clone();
+            let (name, limits) = (cgroup_name(&id), spec.limits.clone());
+            let want = self.cgroups_usable().is_ok();
+            tokio::task::spawn_blocking(move || {
+                if !want {
+                    return Ok(None);
+                }
+                let c = host
+                    .create(&name, &limits)
+                    .map_err(|e| format!("create the sandbox cgroup: {e}"))?;
+                let mut files = Vec::new();
+                for p in c.join_files() {
+                    match std::fs::OpenOptions::new().write(true).open(&p) {
+                        Ok(f) => files.push(std::os::fd::OwnedFd::from(f)),
+                        Err(e) => {
+                            c.remove(std::time::Duration::from_millis(500));
+                            return Err(format!("open {}: {e}", p.display()));
+                        }
+                    }
+                }
+                Ok(Some((c, files)))
+            })
+        };
         let requests: Vec<&[u8]> = queued.iter().map(Vec::as_slice).collect();
         let spawned = spawn::spawn_init(
             starting,

@@ -534,15 +534,9 @@ pub(crate) async fn start_init(use_spare: bool) -> Result<Starting, String> {
     })
 }
 
-/// Gives up on a create before [`spawn_init`]: kills the started init, if any, and removes
-/// the cgroups its job made.
-pub(crate) async fn abandon(starting: Option<Starting>, cgroup_job: CgroupJob) {
-    if let Some(s) = starting {
-        reap(s.first, true);
-    }
-    if let Ok(Ok(Some((c, _)))) = cgroup_job.await {
-        c.remove(std::time::Duration::from_millis(500));
-    }
+/// Gives up on a create before [`spawn_init`]: kills the started init.
+pub(crate) fn abandon(starting: Starting) {
+    reap(starting.first, true);
 }
 
 /// Brings a started init ([`start_init`]) to pid 1 of fresh user, pid, mount, UTS, IPC and
