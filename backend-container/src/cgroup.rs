@@ -225,29 +225,36 @@ impl CgroupHost {
     }
 
     fn create_v1(&self, cg: &mut SandboxCgroup, name: &str, l: &Limits) -> io::Result<()> {
+        // Each write to a cgroup file is an open/write/close (~15 µs here): the files are
+        // opened relative to their directory, and none is written that keeps its default
+        // (a new cgroup's CFS period is the kernel's 100 ms).
         for (ctrl, parent) in &self.v1 {
             let dir = parent.join(name);
             mkdir(&dir)?;
             cg.dirs.push((ctrl.clone(), dir.clone()));
+            let at = || DirFd::open(&dir);
             match ctrl.as_str() {
                 "memory" => {
-                    write(
-                        &dir.join("memory.limit_in_bytes"),
-                        &l.memory_bytes.to_string(),
-                    )?;
-                    let sw = dir.join("memory.memsw.limit_in_bytes");
-                    if sw.exists() {
-                        write(&sw, &l.memory_bytes.to_string())?;
+                    let d = at()?;
+                    let mem = l.memory_bytes.to_string();
+                    d.write("memory.limit_in_bytes", &mem)?;
+                    match d.write("memory.memsw.limit_in_bytes", &mem) {
+                        Ok(()) => {}
+                        // No swap accounting: keep the sandbox's memory out of swap, if the
+                        // host has any.
+                        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                            if host_has_swap() {
+                                let _ = d.write("memory.swappiness", "0");
+                            }
+                        }
+                        Err(e) => return Err(e),
                     }
-                    let _ = write(&dir.join("memory.swappiness"), "0");
                 }
-                "pids" => write(&dir.join("pids.max"), &pids_max(l).to_string())?,
+                "pids" => at()?.write("pids.max", &pids_max(l).to_string())?,
                 "cpu" => {
-                    // A new cgroup's period is the kernel's default, 100 ms (each write to a
-                    // cgroup file is an open/write/close of ~15 µs here: not repeated).
                     let period = 100_000u64;
                     let quota = u64::from(l.cpu_millis) * period / 1000;
-                    write(&dir.join("cpu.cfs_quota_us"), &quota.max(1000).to_string())?;
+                    at()?.write("cpu.cfs_quota_us", &quota.max(1000).to_string())?;
                 }
                 _ => {}
             }
@@ -274,6 +281,63 @@ impl CgroupHost {
         let _ = write(&dir.join("cpu.max"), &format!("{quota} {period}"));
         Ok(())
     }
+}
+
+/// A cgroup directory, open for `openat`.
+struct DirFd {
+    fd: std::os::fd::OwnedFd,
+    path: PathBuf,
+}
+
+impl DirFd {
+    fn open(dir: &Path) -> io::Result<DirFd> {
+        use nix::fcntl::OFlag;
+        let fd = nix::fcntl::open(
+            dir,
+            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map_err(|e| {
+            io::Error::new(
+                io::Error::from(e).kind(),
+                format!("open {}: {e}", dir.display()),
+            )
+        })?;
+        Ok(DirFd {
+            fd,
+            path: dir.to_path_buf(),
+        })
+    }
+
+    /// Writes `v` to file `name` of the directory (which must exist: no `O_CREAT`).
+    fn write(&self, name: &str, v: &str) -> io::Result<()> {
+        use nix::fcntl::OFlag;
+        use std::io::Write;
+        let err = |e: io::Error| {
+            io::Error::new(
+                e.kind(),
+                format!(
+                    "write {} to {}: {e}",
+                    v.trim(),
+                    self.path.join(name).display()
+                ),
+            )
+        };
+        let fd = nix::fcntl::openat(
+            &self.fd,
+            name,
+            OFlag::O_WRONLY | OFlag::O_CLOEXEC,
+            nix::sys::stat::Mode::empty(),
+        )
+        .map_err(|e| err(e.into()))?;
+        fs::File::from(fd).write_all(v.as_bytes()).map_err(err)
+    }
+}
+
+/// Whether the host has any swap space (`/proc/swaps` lists a device), read once.
+fn host_has_swap() -> bool {
+    static SWAP: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SWAP.get_or_init(|| fs::read_to_string("/proc/swaps").map_or(true, |s| s.lines().count() > 1))
 }
 
 fn mkdir(p: &Path) -> io::Result<()> {
