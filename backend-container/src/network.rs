@@ -2,7 +2,7 @@
 //!
 //! Every sandbox gets a fresh network namespace (made by its init) in which `lo` is brought up
 //! (as root by the library, from a short-lived thread that joins the namespace, while the
-//! init builds the root filesystem: see [`loopback_up`]; rootless, where the library may not
+//! init builds the root filesystem; rootless, where the library may not
 //! join it, by the init), and nothing else: no interface, no route, so no packet can leave,
 //! whatever the code does (TCP, UDP, ICMP, raw sockets, IPv6, DNS). That is
 //! [`NetworkPolicy::DenyAll`](sandbox_core::NetworkPolicy), enforced by the kernel alone.
