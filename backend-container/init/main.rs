@@ -1469,58 +1469,43 @@ fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
         if n == 1 && buf[0] == b'S' {
             // A spare init, cloned ahead of time on a socketpair of its own; the reply
             // carries our end of it.
-            let mut e = Enc::default();
-            let mut sent = Vec::new();
-            match socket_pair() {
-                Ok((ours, theirs)) => {
-                    let pid = clone_init(theirs);
-                    if pid < 0 {
-                        e.u32(0);
-                        e.i32(errno());
-                    } else {
-                        e.u32(pid as u32);
-                        e.i32(0);
-                        sent.push(ours);
-                    }
-                }
-                Err(err) => {
-                    e.u32(0);
-                    e.i32(err.raw_os_error().unwrap_or(5));
-                }
-            }
-            if send_with_fds(0, &e.0, &sent).is_err() {
+            let (r, sent) = match socket_pair() {
+                Ok((ours, theirs)) => match clone_init(theirs) {
+                    pid if pid < 0 => (Err(errno()), Vec::new()),
+                    pid => (Ok(pid as u32), vec![ours]),
+                },
+                Err(err) => (Err(err.raw_os_error().unwrap_or(5)), Vec::new()),
+            };
+            if send_with_fds(0, &zygote_reply(r), &sent).is_err() {
                 std::process::exit(0);
             }
             continue;
         }
         if n == 9 && buf[0] == b'T' {
-            let mut e = Enc::default();
-            match build_template(tmpl_err, fds) {
-                Ok(()) => {
-                    e.u32(1);
-                    e.i32(0);
-                }
-                Err(err) => {
-                    e.u32(0);
-                    e.i32(err.raw_os_error().unwrap_or(5));
-                }
-            }
-            raw_write(0, &e.0);
+            let r = build_template(tmpl_err, fds).map(|()| 1);
+            raw_write(0, &zygote_reply(r.map_err(|e| e.raw_os_error().unwrap_or(5))));
             continue;
         }
         for fd in fds {
-            let pid = clone_init(fd);
-            let mut e = Enc::default();
-            if pid < 0 {
-                e.u32(0);
-                e.i32(errno());
-            } else {
-                e.u32(pid as u32);
-                e.i32(0);
-            }
-            raw_write(0, &e.0);
+            let r = match clone_init(fd) {
+                pid if pid < 0 => Err(errno()),
+                pid => Ok(pid as u32),
+            };
+            raw_write(0, &zygote_reply(r));
         }
     }
+}
+
+/// The zygote's 8-byte reply: a non-zero value (a pid, or 1), or 0 and an errno.
+fn zygote_reply(r: Result<u32, i32>) -> Vec<u8> {
+    let mut e = Enc::default();
+    let (v, errno) = match r {
+        Ok(v) => (v, 0),
+        Err(errno) => (0, errno),
+    };
+    e.u32(v);
+    e.i32(errno);
+    e.0
 }
 
 /// Clones an init on control socket `ctl`: pid 1 of new user and pid namespaces (see

@@ -317,28 +317,24 @@ fn skeleton(ops: &mut Vec<Op>, r: Roots<'_>, var: bool) {
             });
         }
     }
-    ops.push(Op::Mkdir {
-        path: r.at("/dev/pts"),
-        mode: 0o755,
-    });
-    ops.push(Op::Symlink {
-        target: "pts/ptmx".into(),
-        path: r.at("/dev/ptmx"),
-    });
-    ops.push(Op::Mkdir {
-        path: r.at("/dev/shm"),
-        mode: 0o1777,
-    });
+    let dir = |path: &str, mode: u32| Op::Mkdir {
+        path: r.at(path),
+        mode,
+    };
+    let link = |target: &str, path: &str| Op::Symlink {
+        target: target.into(),
+        path: r.at(path),
+    };
+    ops.push(dir("/dev/pts", 0o755));
+    ops.push(link("pts/ptmx", "/dev/ptmx"));
+    ops.push(dir("/dev/shm", 0o1777));
     for (l, t) in [
         ("fd", "/proc/self/fd"),
         ("stdin", "/proc/self/fd/0"),
         ("stdout", "/proc/self/fd/1"),
         ("stderr", "/proc/self/fd/2"),
     ] {
-        ops.push(Op::Symlink {
-            target: t.into(),
-            path: r.at(&format!("/dev/{l}")),
-        });
+        ops.push(link(t, &format!("/dev/{l}")));
     }
     ops.push(Op::SetAttr {
         path: r.at("/dev"),
@@ -346,24 +342,12 @@ fn skeleton(ops: &mut Vec<Op>, r: Roots<'_>, var: bool) {
         clear: 0,
         recursive: false,
     });
-    ops.push(Op::Mkdir {
-        path: r.at("/tmp"),
-        mode: 0o1777,
-    });
+    ops.push(dir("/tmp", 0o1777));
     if var {
-        ops.push(Op::Mkdir {
-            path: r.at("/var"),
-            mode: 0o755,
-        });
-        ops.push(Op::Symlink {
-            target: "/tmp".into(),
-            path: r.at("/var/tmp"),
-        });
+        ops.push(dir("/var", 0o755));
+        ops.push(link("/tmp", "/var/tmp"));
     }
-    ops.push(Op::Mkdir {
-        path: r.at("/workspace"),
-        mode: 0o755,
-    });
+    ops.push(dir("/workspace", 0o755));
 }
 
 /// What each sandbox mounts on its skeleton: a fresh `/proc` (this pid namespace only) with
