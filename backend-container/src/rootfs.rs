@@ -534,13 +534,10 @@ pub(crate) fn template_ops(root: &str, etc: Vec<(&'static str, String)>) -> Vec<
     ops
 }
 
-/// The setup of a sandbox whose root is the template at `root` (see [`template_fits`]): its
-/// own clone of the template (the template's mounts arrive locked, so they stay read-only),
-/// its own mounts on it, then the usual finish. The host's root stays `/` until the pivot.
-pub(crate) fn template_plan(p: &Plan<'_>, root: &str) -> Result<Setup> {
-    check_mounts(p.spec)?;
-    let r = Roots { new: root, old: "" };
-    let mut ops = vec![
+/// How every setup starts: children get their own clocks (`CLONE_NEWTIME`; absent on old
+/// kernels), and no mount event crosses between the sandbox and the host any more.
+fn first_ops() -> Vec<Op> {
+    vec![
         Op::Unshare {
             flags: 0x80,
             optional: true,
@@ -552,11 +549,20 @@ pub(crate) fn template_plan(p: &Plan<'_>, root: &str) -> Result<Setup> {
             flags: MS_REC | MS_PRIVATE,
             data: String::new(),
         },
-        Op::Bind {
-            src: root.into(),
-            dst: root.into(),
-        },
-    ];
+    ]
+}
+
+/// The setup of a sandbox whose root is the template at `root` (see [`template_fits`]): its
+/// own clone of the template (the template's mounts arrive locked, so they stay read-only),
+/// its own mounts on it, then the usual finish. The host's root stays `/` until the pivot.
+pub(crate) fn template_plan(p: &Plan<'_>, root: &str) -> Result<Setup> {
+    check_mounts(p.spec)?;
+    let r = Roots { new: root, old: "" };
+    let mut ops = first_ops();
+    ops.push(Op::Bind {
+        src: root.into(),
+        dst: root.into(),
+    });
     sandbox_mounts(&mut ops, r, p)?;
     finish(&mut ops, p, root, None);
     Ok(Setup {
@@ -574,19 +580,8 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
         None => None,
     };
     let r = CLASSIC;
-    let mut ops = vec![
-        // Children get their own clocks (CLONE_NEWTIME); absent on old kernels.
-        Op::Unshare {
-            flags: 0x80,
-            optional: true,
-        },
-        Op::Mount {
-            src: String::new(),
-            dst: "/".into(),
-            fstype: String::new(),
-            flags: MS_REC | MS_PRIVATE,
-            data: String::new(),
-        },
+    let mut ops = first_ops();
+    ops.extend([
         tmpfs("/tmp", MS_NOSUID | MS_NODEV, "mode=0755,size=64k"),
         Op::Mkdir {
             path: format!("/tmp{OLD}"),
@@ -600,7 +595,7 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
             newroot: "/tmp".into(),
             put_old: format!("/tmp{OLD}"),
         },
-    ];
+    ]);
     let mut prep = Vec::new();
     if let Some(root) = &rootfs {
         // Rootfs-directory mode: an overlay whose lower layer is the directory (idmapped
