@@ -147,7 +147,7 @@ async fn pump(
     let Ok(afd) = (unsafe { AsyncFd::register_with_interest(fd, Interest::READABLE) }) else {
         return buf;
     };
-    let mut chunk = vec![0u8; 64 * 1024];
+    let mut chunk = vec![0u8; 16 * 1024];
     let (mut seen, mut streamed) = (0u64, 0u64);
     let mut flooded = false;
     let raw_read = |fd: RawFd, chunk: &mut [u8]| {
@@ -522,7 +522,8 @@ impl Inner {
         let flood_at = cap.saturating_mul(4).max(cap.saturating_add(8 << 20));
         let (stop_tx, stop_rx) = watch::channel(false);
         let flood = Arc::new(Notify::new());
-        let out_task = tokio::spawn(pump(
+        // The pumps run inside this task (no task spawns, no cross-thread wake-ups per exec).
+        let out_pump = pump(
             out_r,
             cap,
             flood_at,
@@ -530,8 +531,8 @@ impl Inner {
             true,
             stop_rx.clone(),
             Arc::clone(&flood),
-        ));
-        let err_task = tokio::spawn(pump(
+        );
+        let err_pump = pump(
             err_r,
             cap,
             flood_at,
@@ -539,7 +540,9 @@ impl Inner {
             false,
             stop_rx,
             Arc::clone(&flood),
-        ));
+        );
+        tokio::pin!(out_pump, err_pump);
+        let (mut out, mut err): (Option<OutputBuffer>, Option<OutputBuffer>) = (None, None);
 
         let timeout = req.effective_timeout(l.wall_time());
         let deadline = tokio::time::Instant::now() + timeout;
@@ -591,14 +594,20 @@ impl Inner {
                     // The leader did not die within the grace period (uninterruptible sleep?).
                     break;
                 }
+                o = &mut out_pump, if out.is_none() => out = Some(o),
+                e = &mut err_pump, if err.is_none() => err = Some(e),
             }
         }
         self.ctl.unregister(id);
         let _ = stop_tx.send(true);
-        let join = |r: std::result::Result<OutputBuffer, tokio::task::JoinError>| {
-            r.unwrap_or_else(|_| OutputBuffer::new(0))
+        let out = match out {
+            Some(o) => o,
+            None => out_pump.await,
         };
-        let (out, err) = (join(out_task.await), join(err_task.await));
+        let err = match err {
+            Some(e) => e,
+            None => err_pump.await,
+        };
         if let Some(s) = stdin_task {
             s.abort();
         }
