@@ -156,7 +156,7 @@
 //! and the links, `/etc`, the `/dev` tmpfs with its nodes and links, the mount points — is
 //! built **once per process** by the zygote, in a mount namespace of its own (a slave of the
 //! host's, so host mounts still arrive and ours never leave), as a read-only tmpfs under
-//! `/run/agent-sandbox/templates` (the directory is made on the host and stays empty there).
+//! `/run/agent-sandbox-templates` (the directory is made on the host and stays empty there).
 //! Every init starts from a copy of that namespace: it clones the template with one recursive
 //! bind (the template's mounts arrive locked, so they stay read-only: a sandbox can neither
 //! write nor unmount them), mounts its own `/proc`, `/dev/pts`, `/dev/shm`, `/tmp` and

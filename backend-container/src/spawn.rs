@@ -83,9 +83,10 @@ struct Zygote {
 }
 
 /// Where templates live in the zygote's mount namespace (as root). The directory is made on
-/// the host (empty, world-traversable: the inits reach it as unprivileged host users); the
-/// zygote mounts a tmpfs on it that only its namespace and its inits' copies see.
-pub(crate) const TEMPLATE_BASE: &str = "/run/agent-sandbox/templates";
+/// the host if missing (empty, mode 0755: the inits reach it as unprivileged host users) and
+/// stays empty there; the zygote mounts a tmpfs on it that only its namespace and its inits'
+/// copies see.
+pub(crate) const TEMPLATE_BASE: &str = "/run/agent-sandbox-templates";
 
 /// The generated `/etc` files a template was built with: its key (see
 /// `rootfs::etc_files`).
@@ -108,21 +109,19 @@ static FORKS: std::sync::Mutex<Forks> = std::sync::Mutex::new(Forks {
     templates_ok: true,
 });
 
-/// The template directory to start from, if the host has one.
+/// The template directory to start from, if the host has one: as root, an existing
+/// directory that others may traverse (never changed if it is there), or one we make.
 fn template_base() -> Option<&'static str> {
     static BASE: OnceLock<bool> = OnceLock::new();
     let ok = *BASE.get_or_init(|| {
-        use std::os::unix::fs::PermissionsExt;
+        use std::os::unix::fs::{DirBuilderExt, MetadataExt};
         // SAFETY: geteuid has no preconditions.
-        let root = unsafe { libc::geteuid() } == 0;
-        root && std::fs::create_dir_all(TEMPLATE_BASE).is_ok()
-            && std::fs::set_permissions(
-                "/run/agent-sandbox",
-                std::fs::Permissions::from_mode(0o755),
-            )
-            .is_ok()
-            && std::fs::set_permissions(TEMPLATE_BASE, std::fs::Permissions::from_mode(0o755))
-                .is_ok()
+        if unsafe { libc::geteuid() } != 0 {
+            return false;
+        }
+        let _ = std::fs::DirBuilder::new().mode(0o755).create(TEMPLATE_BASE);
+        std::fs::symlink_metadata(TEMPLATE_BASE)
+            .is_ok_and(|m| m.is_dir() && m.uid() == 0 && m.mode() & 0o001 != 0)
     });
     ok.then_some(TEMPLATE_BASE)
 }

@@ -575,6 +575,14 @@ async fn root_template_is_shared_read_only_per_hostname_and_never_on_the_host() 
         sh_ok(b.as_ref(), "cat /etc/hostname; hostname").await,
         "other\nother\n"
     );
+    if nix::unistd::geteuid().is_root() {
+        // The template is in use: its files belong to host root, unmapped inside (the classic
+        // setup's root is written by the sandbox's own root, uid 0).
+        assert_eq!(
+            sh_ok(a.as_ref(), "stat -c %u /etc/passwd /").await,
+            "65534\n65534\n"
+        );
+    }
     // The shared root cannot be written, nor remounted, from inside.
     for path in ["/x", "/etc/passwd", "/etc/hosts", "/dev/x", "/var/x"] {
         let r = sh(a.as_ref(), &format!("echo x > {path}")).await;
@@ -604,8 +612,8 @@ async fn root_template_is_shared_read_only_per_hostname_and_never_on_the_host() 
     );
     // The templates live in the zygote's mount namespace only.
     let host = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-    assert!(!host.contains("/run/agent-sandbox"), "{host}");
-    if let Ok(rd) = std::fs::read_dir("/run/agent-sandbox/templates") {
+    assert!(!host.contains("/run/agent-sandbox-templates"), "{host}");
+    if let Ok(rd) = std::fs::read_dir("/run/agent-sandbox-templates") {
         assert_eq!(rd.count(), 0, "template files on the host");
     }
     a.destroy().await.unwrap();
