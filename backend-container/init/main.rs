@@ -1647,8 +1647,13 @@ fn init_main() -> ! {
             // SAFETY: reads whole signalfd_siginfo records into a local buffer.
             while unsafe { read(sfd, info.as_mut_ptr(), info.len()) } == 128 {
                 let field = |o: usize| u32::from_ne_bytes([info[o], info[o + 1], info[o + 2], info[o + 3]]);
-                // ssi_signo, ssi_pid: the spare's command is done (see `fork_spare`).
-                if field(0) == SIGUSR1 as u32 && run.spare == Some(field(12) as i32) {
+                // ssi_signo, ssi_code, ssi_pid: the spare's command is done (see
+                // `fork_spare`). SI_USER (0): a kill(2), whose pid the kernel fills in (a
+                // queued signal's pid is the sender's to choose).
+                if field(0) == SIGUSR1 as u32
+                    && field(8) == 0
+                    && run.spare == Some(field(12) as i32)
+                {
                     run.spare = None;
                     run.want_spare = true;
                 }

@@ -31,11 +31,20 @@ pub(crate) const DEFAULT_RESOLV_CONF: &str =
 /// up (IPv4 and IPv6 addresses and routes) leaves the create's critical path.
 pub(crate) fn loopback_up(pid: libc::pid_t) -> tokio::sync::oneshot::Receiver<std::io::Result<()>> {
     let (tx, rx) = tokio::sync::oneshot::channel();
+    // Opened here, while `pid` is surely our live init (the thread may run after a failed
+    // create reaped it, when the pid could name another process).
+    let ns = match std::fs::File::open(format!("/proc/{pid}/ns/net")) {
+        Ok(f) => f,
+        Err(e) => {
+            let _ = tx.send(Err(e));
+            return rx;
+        }
+    };
     let spawned = std::thread::Builder::new()
         .name("asb-netns-lo".into())
         .stack_size(64 << 10)
         .spawn(move || {
-            let _ = tx.send(lo_up_in(pid));
+            let _ = tx.send(lo_up_in(&ns));
         });
     if let Err(e) = spawned {
         let (tx2, rx2) = tokio::sync::oneshot::channel();
@@ -45,9 +54,8 @@ pub(crate) fn loopback_up(pid: libc::pid_t) -> tokio::sync::oneshot::Receiver<st
     rx
 }
 
-fn lo_up_in(pid: libc::pid_t) -> std::io::Result<()> {
+fn lo_up_in(ns: &std::fs::File) -> std::io::Result<()> {
     use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
-    let ns = std::fs::File::open(format!("/proc/{pid}/ns/net"))?;
     nix::sched::setns(ns.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET)?;
     // SAFETY: socket(2); the fd is ours.
     let sock = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };

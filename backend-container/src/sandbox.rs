@@ -480,12 +480,16 @@ impl Inner {
         let mut payload = Enc::default();
         payload.exec(&x);
         // Straight to the init's spare supervisor when there is one; else through the init.
-        let job = self.ctl.take_spare().and_then(|sock| {
-            let id = self.ctl.next_id();
-            ctl::Job::start(sock, id, &payload.0, &fds)
-                .ok()
-                .map(|j| (id, j))
-        });
+        let fits = payload.0.len() <= proto::INLINE_MAX;
+        let job = fits
+            .then(|| self.ctl.take_spare())
+            .flatten()
+            .and_then(|sock| {
+                let id = self.ctl.next_id();
+                ctl::Job::start(sock, id, &payload.0, &fds)
+                    .ok()
+                    .map(|j| (id, j))
+            });
         let (id, mut replies) = match job {
             Some((id, j)) => (id, Replies::Job(j)),
             None => {
@@ -570,8 +574,7 @@ impl Inner {
                         break;
                     }
                     Some(_) => {}
-                    None if matches!(replies, Replies::Job(_)) && !self.ctl.is_closed()
-                        && !self.gone.load(Ordering::SeqCst) => {
+                    None if matches!(replies, Replies::Job(_)) && !self.init_died().await => {
                         failure = Some(Error::backend(TIER, "the command's supervisor died before reporting (killed from outside?)"));
                         break;
                     }
@@ -651,6 +654,19 @@ impl Inner {
             value: None,
             timeline: t.finish(),
         })
+    }
+
+    /// Whether the init is gone (or the sandbox torn down), allowing the control socket's
+    /// reader up to ~10 ms to notice: a supervisor's socket hangs up at the same moment as the
+    /// init's when the whole sandbox dies.
+    async fn init_died(&self) -> bool {
+        for _ in 0..20 {
+            if self.ctl.is_closed() || self.gone.load(Ordering::SeqCst) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_micros(500)).await;
+        }
+        false
     }
 
     fn gone_err_after_init_death(&self) -> Error {

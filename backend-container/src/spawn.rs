@@ -227,13 +227,16 @@ impl Zygote {
         Some((pid, fd))
     }
 
-    /// Kills the zygote and its spare, and reaps them.
+    /// Kills the zygote and its spare (also one whose announcement is still unread), and
+    /// reaps them.
     fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // A reply queued before it died still arrives; then EOF.
+        let _ = self.settle();
         if let Some((pid, _)) = self.spare.take() {
             reap(pid, true);
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 
     /// Sends `msg` (with `fds`) and reads back the 8-byte reply: a `u32` (`0`: failed) and
@@ -595,6 +598,7 @@ pub(crate) async fn spawn_init(
     let queued: Vec<_> = requests.iter().map(|_| ctl.register()).collect();
     let mut idmapped = false;
     let mut cgroup = None;
+    let mut cgroup_job = Some(cgroup_job);
     let result = async {
         if boot.kind != proto::REP_BOOT {
             return Err(describe_err(&boot));
@@ -625,7 +629,10 @@ pub(crate) async fn spawn_init(
         ctl.send(proto::MSG_MAPS, 0, &[], &[])
             .await
             .map_err(|e| format!("bootstrap: {e}"))?;
-        let joined = cgroup_job
+        let Some(job) = cgroup_job.take() else {
+            return Err("cgroup task already taken".to_string());
+        };
+        let joined = job
             .await
             .map_err(|e| format!("cgroup task failed: {e}"))??;
         let files = match joined {
@@ -671,7 +678,17 @@ pub(crate) async fn spawn_init(
         }),
         Err(e) => {
             reap(first, true);
-            if let Some(c) = cgroup {
+            // The job may not have been awaited yet (an early failure): its cgroups too.
+            let pending = match cgroup_job {
+                Some(job) => job
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+                    .flatten()
+                    .map(|(c, _)| c),
+                None => None,
+            };
+            if let Some(c) = cgroup.or(pending) {
                 c.remove(std::time::Duration::from_millis(500));
             }
             Err(e)
