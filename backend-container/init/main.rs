@@ -140,6 +140,7 @@ extern "C" {
     fn waitpid(pid: c_int, status: *mut c_int, options: c_int) -> c_int;
     fn kill(pid: c_int, sig: c_int) -> c_int;
     fn getppid() -> c_int;
+    fn setns(fd: c_int, nstype: c_int) -> c_int;
     fn recvmsg(fd: c_int, msg: *mut MsgHdr, flags: c_int) -> isize;
     fn write(fd: c_int, buf: *const c_void, n: usize) -> isize;
     fn read(fd: c_int, buf: *mut c_void, n: usize) -> isize;
@@ -1418,12 +1419,15 @@ fn bootstrap() {
 /// `CLONE_PARENT`, so it is the library's child like a spawned init; its pid is the reply
 /// (`u32`; `0` and an errno on failure). Exits when the library closes the socket.
 ///
-/// With `TEMPLATES` (as root), it also builds root-filesystem templates: it moves into a
-/// mount namespace of its own (a slave of the host's: host mounts still arrive, ours never
+/// With `TEMPLATES` (as root), it also builds root-filesystem templates: it makes a mount
+/// namespace of its own (a slave of the library's: host mounts still arrive, ours never
 /// leave), mounts a tmpfs on `TEMPLATES`, and for each `T` request (`u64` index, the setup
-/// ops in a memfd) runs the ops, which build a template at `TEMPLATES/<index>`; the reply is
-/// `1` (or `0` and an errno). Every init it forks starts from a copy of this namespace, so
-/// a template is one recursive bind away.
+/// ops in a memfd) runs the ops there, which build a template at `TEMPLATES/<index>`; the
+/// reply is `1` (or `0` and an errno). It keeps both namespaces and clones each init in the
+/// one it needs: template-mode inits (`P` requests, and spares) in the template namespace,
+/// where a template is one recursive bind away; the others (`F`) in the library's own, so
+/// their bind sources (workspaces, spec mounts, rootfs directories) are the library's
+/// current view, whatever was mounted since.
 fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
     // SAFETY: prctl/close_range on our own process.
     unsafe {
@@ -1438,12 +1442,26 @@ fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
     }
     // Errno of the template set-up (0: ready); templates are refused with it otherwise.
     let mut tmpl_err = 95 /* EOPNOTSUPP */;
+    // The library's mount namespace and ours (templates), as fds to `setns` between; -1
+    // without templates (everything happens in the library's).
+    let (mut host_ns, mut tmpl_ns) = (-1, -1);
     if let Some(dir) = templates {
+        let ns_fd = || {
+            // SAFETY: open(2) of a NUL-terminated path.
+            unsafe {
+                libc_open(
+                    b"/proc/self/ns/mnt\0".as_ptr() as *const c_char,
+                    O_CLOEXEC,
+                )
+            }
+        };
+        host_ns = ns_fd();
         // SAFETY: unshare/mount with NUL-terminated paths, on our own single-threaded process.
         tmpl_err = unsafe {
             let tmpfs = b"tmpfs\0".as_ptr() as *const c_char;
             let opts = b"mode=0711,size=64k\0".as_ptr() as *const c_void;
-            if unshare(CLONE_NEWNS) < 0
+            if host_ns < 0
+                || unshare(CLONE_NEWNS) < 0
                 || mount(
                     std::ptr::null(),
                     b"/\0".as_ptr() as *const c_char,
@@ -1458,7 +1476,26 @@ fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
                 0
             }
         };
+        tmpl_ns = ns_fd();
+        if tmpl_err == 0 && tmpl_ns < 0 {
+            tmpl_err = errno();
+        }
     }
+    // Which namespace we are in: true for the templates'.
+    let mut in_tmpl = tmpl_ns >= 0 && tmpl_err == 0;
+    let mut enter = |tmpl: bool| -> bool {
+        if tmpl_ns < 0 || tmpl == in_tmpl {
+            return true;
+        }
+        let fd = if tmpl { tmpl_ns } else { host_ns };
+        // SAFETY: setns(2) to a mount namespace fd we opened, single-threaded.
+        if unsafe { setns(fd, CLONE_NEWNS) } < 0 {
+            return false;
+        }
+        in_tmpl = tmpl;
+        true
+    };
+    let templates_ok = tmpl_ns >= 0 && tmpl_err == 0;
     let mut buf = [0u8; 16];
     loop {
         let (n, fds) = match recv_on(0, &mut buf) {
@@ -1467,14 +1504,18 @@ fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
             _ => std::process::exit(0),
         };
         if n == 1 && buf[0] == b'S' {
-            // A spare init, cloned ahead of time on a socketpair of its own; the reply
-            // carries our end of it.
-            let (r, sent) = match socket_pair() {
-                Ok((ours, theirs)) => match clone_init(theirs) {
-                    pid if pid < 0 => (Err(errno()), Vec::new()),
-                    pid => (Ok(pid as u32), vec![ours]),
-                },
-                Err(err) => (Err(err.raw_os_error().unwrap_or(5)), Vec::new()),
+            // A spare init, cloned ahead of time on a socketpair of its own (in the template
+            // namespace: spares serve template-mode creates); the reply carries our end.
+            let (r, sent) = if !enter(templates_ok) {
+                (Err(errno()), Vec::new())
+            } else {
+                match socket_pair() {
+                    Ok((ours, theirs)) => match clone_init(theirs) {
+                        pid if pid < 0 => (Err(errno()), Vec::new()),
+                        pid => (Ok(pid as u32), vec![ours]),
+                    },
+                    Err(err) => (Err(err.raw_os_error().unwrap_or(5)), Vec::new()),
+                }
             };
             if send_with_fds(0, &zygote_reply(r), &sent).is_err() {
                 std::process::exit(0);
@@ -1482,14 +1523,24 @@ fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
             continue;
         }
         if n == 9 && buf[0] == b'T' {
-            let r = build_template(tmpl_err, fds).map(|()| 1);
+            let r = if enter(true) {
+                build_template(tmpl_err, fds).map(|()| 1)
+            } else {
+                Err(io::Error::last_os_error())
+            };
             raw_write(0, &zygote_reply(r.map_err(|e| e.raw_os_error().unwrap_or(5))));
             continue;
         }
+        // `F`: an init in the library's namespace; `P`: one in the templates'.
+        let tmpl = n >= 1 && buf[0] == b'P' && templates_ok;
         for fd in fds {
-            let r = match clone_init(fd) {
-                pid if pid < 0 => Err(errno()),
-                pid => Ok(pid as u32),
+            let r = if !enter(tmpl) {
+                Err(errno())
+            } else {
+                match clone_init(fd) {
+                    pid if pid < 0 => Err(errno()),
+                    pid => Ok(pid as u32),
+                }
             };
             raw_write(0, &zygote_reply(r));
         }

@@ -163,9 +163,11 @@
 //! workspace on it, `pivot_root`s into it and detaches the old root: ~20 mount operations
 //! instead of ~100 (the filesystem phase went from ~1.2 to ~0.5 ms). The template's files
 //! belong to host root, so inside they show as `nobody` (like `/usr` always did). Specs with
-//! their own mounts (whose mount points would have to be made in the shared root), an egress
-//! link (its own `resolv.conf`) or a rootfs directory, and rootless mode, use the classic
-//! setup: the init builds the root in a scratch tmpfs (keeping the host root at `/oldroot`
+//! their own mounts (whose mount points would have to be made in the shared root), a
+//! host-directory workspace, an egress link (its own `resolv.conf`) or a rootfs directory,
+//! and rootless mode, use the classic setup, from an init the zygote clones in the library's
+//! own mount namespace (so bind sources are the library's current view, whatever was mounted
+//! since the zygote's namespace was copied): the init builds the root in a scratch tmpfs (keeping the host root at `/oldroot`
 //! for bind sources, as bubblewrap does), `pivot_root`s into it and detaches the old root.
 //!
 //! `/proc/mounts` shows only the sandbox's own mounts (device names and mount points inside;
@@ -664,7 +666,7 @@ impl ContainerBackend {
             None
         };
         // The init makes its namespaces (~0.5 ms) while we plan its setup.
-        let starting = spawn::start_init(true)
+        let starting = spawn::start_init(true, template.is_some())
             .await
             .map_err(|e| Error::backend(TIER, e))?;
         let planned = (|| {

@@ -503,9 +503,11 @@ const ROOT_TMPFS: &str = "mode=0755,size=4m,nr_inodes=4096";
 
 /// Whether a sandbox of this spec can start from a root-filesystem template: a host-tools
 /// root with no spec mounts (their mount points would have to be made in the shared,
-/// read-only root).
+/// read-only root) and no host-directory workspace (template-mode inits live in the
+/// zygote's own mount namespace, a copy of the host's that may lag behind it; bind sources
+/// are taken from the library's current view instead, by the classic setup).
 pub(crate) fn template_fits(spec: &SandboxSpec) -> bool {
-    spec.rootfs.is_none() && spec.mounts.is_empty()
+    spec.rootfs.is_none() && spec.mounts.is_empty() && matches!(spec.workspace, Workspace::Empty)
 }
 
 /// A root-filesystem template at `root` (built once by the zygote, as root, in its own mount
@@ -914,6 +916,11 @@ mod tests {
             .build()
             .unwrap();
         assert!(!template_fits(&with_mount));
+        let with_dir = SandboxSpec::builder(Language::Shell)
+            .workspace_dir("/tmp", false)
+            .build()
+            .unwrap();
+        assert!(!template_fits(&with_dir));
     }
 
     #[test]

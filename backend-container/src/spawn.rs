@@ -288,8 +288,10 @@ impl Zygote {
 
     /// Sends `ctl` and reads back the new init's pid. Errors as [`Zygote::ask`]: on
     /// `Err((false, _))` it may have forked an init for `ctl` before failing.
-    fn fork(&mut self, ctl: &OwnedFd) -> Result<libc::pid_t, (bool, io::Error)> {
-        self.ask(b"F", &[ctl.as_raw_fd()])
+    /// `template`: cloned in the template namespace (else in ours, see the init's `zygote`).
+    fn fork(&mut self, ctl: &OwnedFd, template: bool) -> Result<libc::pid_t, (bool, io::Error)> {
+        let msg: &[u8] = if template { b"P" } else { b"F" };
+        self.ask(msg, &[ctl.as_raw_fd()])
             .map(|pid| pid as libc::pid_t)
     }
 
@@ -357,9 +359,16 @@ pub(crate) fn prefork() {
 
 /// Forks a new init through the process's zygote (started on first use, and again if it
 /// died: a new one first builds the templates the old one had), or takes its spare
-/// (`use_spare`). Returns the init's pid (our child), our end of its control socket and
-/// whether it was the spare.
-fn fork_init(img: &InitImage, use_spare: bool) -> Result<(libc::pid_t, OwnedFd, bool), String> {
+/// (`use_spare`). `template`: the init will set up from a root-filesystem template, so it is
+/// cloned in the zygote's template namespace (spares live there too); other inits are cloned
+/// in the library's own mount namespace, whose current view their bind sources need.
+/// Returns the init's pid (our child), our end of its control socket and whether it was the
+/// spare.
+fn fork_init(
+    img: &InitImage,
+    use_spare: bool,
+    template: bool,
+) -> Result<(libc::pid_t, OwnedFd, bool), String> {
     let mut f = FORKS
         .lock()
         .map_err(|_| "the sandbox zygote's lock is poisoned".to_string())?;
@@ -376,7 +385,8 @@ fn fork_init(img: &InitImage, use_spare: bool) -> Result<(libc::pid_t, OwnedFd, 
             }
             f.zygote = Some(z);
         }
-        if use_spare {
+        // Without templates (rootless) there is one namespace, and spares serve everyone.
+        if use_spare && (template || template_base().is_none()) {
             if let Some((pid, fd)) = f.zygote.as_mut().and_then(Zygote::take_spare) {
                 return Ok((pid, fd, true));
             }
@@ -384,7 +394,7 @@ fn fork_init(img: &InitImage, use_spare: bool) -> Result<(libc::pid_t, OwnedFd, 
         // A fresh socket each attempt: should a dying zygote have forked an init for the
         // last one, that init finds its socket closed and exits.
         let (ours, theirs) = seqpacket_pair().map_err(|e| format!("socketpair: {e}"))?;
-        match f.zygote.as_mut().map(|zy| zy.fork(&theirs)) {
+        match f.zygote.as_mut().map(|zy| zy.fork(&theirs, template)) {
             Some(Ok(pid)) => return Ok((pid, ours, false)),
             // A fork the kernel refused (e.g. no pids left) is not the zygote's fault.
             Some(Err((false, e))) if e.raw_os_error().is_some() => {
@@ -503,15 +513,18 @@ pub(crate) struct Starting {
     rx: tokio::sync::mpsc::UnboundedReceiver<crate::ctl::Reply>,
     /// Whether it is the zygote's spare (which may have died unseen: see [`spawn_init`]).
     spare: bool,
+    /// Whether it was cloned for a template-mode setup (see [`fork_init`]).
+    template: bool,
 }
 
-/// Takes the spare init (`use_spare`) or has the zygote clone one, and tells it to start:
+/// Takes the spare init (`use_spare`, for a `template`-mode create; see [`fork_init`]) or has
+/// the zygote clone one, and tells it to start:
 /// it makes its namespaces while the caller plans the sandbox, then [`spawn_init`] carries
 /// on. (A root-filesystem template the setup will use must exist before this: the init copies
 /// the zygote's mount namespace as it starts.)
-pub(crate) async fn start_init(use_spare: bool) -> Result<Starting, String> {
+pub(crate) async fn start_init(use_spare: bool, template: bool) -> Result<Starting, String> {
     let img = image()?;
-    let (first, ours, spare) = fork_init(img, use_spare)?;
+    let (first, ours, spare) = fork_init(img, use_spare, template)?;
     let ctl = match Ctl::new(ours) {
         Ok(c) => c,
         Err(e) => {
@@ -533,6 +546,7 @@ pub(crate) async fn start_init(use_spare: bool) -> Result<Starting, String> {
         ctl,
         rx,
         spare,
+        template,
     })
 }
 
@@ -569,6 +583,7 @@ pub(crate) async fn spawn_init(
             ctl,
             mut rx,
             spare,
+            template,
         } = starting;
         match rx.recv().await {
             Some(b) => break (first, ctl, rx, b),
@@ -576,7 +591,7 @@ pub(crate) async fn spawn_init(
             // once more with a fresh clone.
             None if spare => {
                 reap(first, true);
-                match start_init(false).await {
+                match start_init(false, template).await {
                     Ok(s) => starting = s,
                     Err(e) => {
                         if let Ok(Ok(Some((c, _)))) = cgroup_job.await {

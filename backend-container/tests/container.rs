@@ -547,8 +547,8 @@ async fn host_dir_workspace_and_mounts_hide_host_paths() {
 #[tokio::test]
 async fn root_template_is_shared_read_only_per_hostname_and_never_on_the_host() {
     require_host!();
-    // Two configurations (two sets of generated /etc files, so two templates as root), and a
-    // writable host-directory workspace, which the template setup binds like the classic one.
+    // Two configurations (two sets of generated /etc files), one of them with a writable
+    // host-directory workspace (which takes the classic setup, from the library's own view).
     let dir = tempfile::tempdir().unwrap();
     if nix::unistd::geteuid().is_root() {
         // An unprivileged owner: the sandbox user maps to it (host root never is).
