@@ -328,21 +328,34 @@ pub(crate) fn template_root(key: TemplateKey) -> Option<String> {
             f.templates.len() - 1
         }
     };
-    if f.zygote.is_none() {
-        f.zygote = Some(Zygote::start(img).ok()?);
+    for attempt in 0..2 {
+        if f.zygote.is_none() {
+            f.zygote = Some(Zygote::start(img).ok()?);
+        }
+        let Forks {
+            zygote, templates, ..
+        } = &mut *f;
+        let z = zygote.as_mut()?;
+        match z.build(templates) {
+            Ok(()) => return Some(format!("{TEMPLATE_BASE}/{idx}")),
+            // A zygote that died (it is restarted on the next fork anyway): once more with a
+            // new one, which builds every template again.
+            Err(_) if attempt == 0 && z.child.try_wait().ok().flatten().is_some() => {
+                if let Some(old) = f.zygote.take() {
+                    old.kill();
+                }
+            }
+            Err(e) => {
+                tracing::warn!(
+                    "cannot build a root-filesystem template ({e}); sandboxes are set up \
+                     without one"
+                );
+                f.templates_ok = false;
+                return None;
+            }
+        }
     }
-    let Forks {
-        zygote, templates, ..
-    } = &mut *f;
-    let built = zygote.as_mut().map(|z| z.build(templates));
-    if let Some(Err(e)) = built {
-        tracing::warn!(
-            "cannot build a root-filesystem template ({e}); sandboxes are set up without one"
-        );
-        f.templates_ok = false;
-        return None;
-    }
-    Some(format!("{TEMPLATE_BASE}/{idx}"))
+    None
 }
 
 /// Has the zygote clone the next init ahead of time (see [`Zygote::spare`]) unless one is
@@ -505,9 +518,24 @@ pub(crate) struct Spawned {
 pub(crate) type CgroupJob =
     tokio::task::JoinHandle<Result<Option<(crate::cgroup::SandboxCgroup, Vec<OwnedFd>)>, String>>;
 
-/// An init told to start ([`start_init`]), not yet bootstrapped ([`spawn_init`]).
+/// An init told to start ([`start_init`]), not yet bootstrapped ([`spawn_init`]). Dropped
+/// unused (e.g. a create future cancelled meanwhile), it kills and reaps the init.
 #[derive(Debug)]
 pub(crate) struct Starting {
+    inner: Option<StartingInit>,
+}
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        if let Some(i) = self.inner.take() {
+            reap(i.first, true);
+        }
+    }
+}
+
+/// What [`Starting`] holds.
+#[derive(Debug)]
+struct StartingInit {
     first: libc::pid_t,
     ctl: std::sync::Arc<Ctl>,
     rx: tokio::sync::mpsc::UnboundedReceiver<crate::ctl::Reply>,
@@ -542,17 +570,19 @@ pub(crate) async fn start_init(use_spare: bool, template: bool) -> Result<Starti
         // A dead spare: `spawn_init` sees its socket closed and clones another.
     }
     Ok(Starting {
-        first,
-        ctl,
-        rx,
-        spare,
-        template,
+        inner: Some(StartingInit {
+            first,
+            ctl,
+            rx,
+            spare,
+            template,
+        }),
     })
 }
 
 /// Gives up on a create before [`spawn_init`]: kills the started init.
 pub(crate) fn abandon(starting: Starting) {
-    reap(starting.first, true);
+    drop(starting);
 }
 
 /// Brings a started init ([`start_init`]) to pid 1 of fresh user, pid, mount, UTS, IPC and
@@ -578,13 +608,16 @@ pub(crate) async fn spawn_init(
 ) -> Result<Spawned, String> {
     let mut starting = starting;
     let (first, ctl, mut rx, boot) = loop {
-        let Starting {
+        let Some(StartingInit {
             first,
             ctl,
             mut rx,
             spare,
             template,
-        } = starting;
+        }) = starting.inner.take()
+        else {
+            return Err("the sandbox init was already taken".into());
+        };
         match rx.recv().await {
             Some(b) => break (first, ctl, rx, b),
             // A spare that died just before we took it (its death not yet visible then):

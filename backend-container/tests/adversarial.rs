@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::{backend, create, sh, sh_ok, spec};
 use sandbox_core::{
-    Backend, Error, ExecRequest, Language, LimitKind, ResolvedSecrets, SandboxSpec,
+    Backend, Error, ExecRequest, Language, LimitKind, ResolvedSecrets, Sandbox, SandboxSpec,
 };
 
 #[tokio::test]
@@ -324,7 +324,23 @@ async fn a_killed_zygote_is_replaced_on_the_next_create() {
     unsafe {
         libc::kill(zygotes[0], libc::SIGKILL);
     }
-    // Its socket is now dead: the next create notices, reaps it and starts a new one.
+    // Its socket is now dead: the next create notices, reaps it and starts a new one, also
+    // when that create first needs a new root-filesystem template (a new hostname): the
+    // template is built by the new zygote rather than given up on.
+    let other = backend_container::ContainerBackend::builder()
+        .hostname("after-the-zygote")
+        .build()
+        .unwrap();
+    let sb = other
+        .create_container(&spec(Language::Shell))
+        .await
+        .unwrap();
+    assert_eq!(sh_ok(&sb, "hostname").await, "after-the-zygote\n");
+    if nix::unistd::geteuid().is_root() {
+        // Host root's files, unmapped inside: the template is in use.
+        assert_eq!(sh_ok(&sb, "stat -c %u /etc/hostname").await, "65534\n");
+    }
+    sb.destroy().await.unwrap();
     for _ in 0..3 {
         let sb = b
             .create(&spec(Language::Shell), ResolvedSecrets::none())
