@@ -1606,6 +1606,21 @@ fn build_template(tmpl_err: i32, mut fds: Vec<OwnedFd>) -> io::Result<()> {
         .map_err(|_| io::Error::from_raw_os_error(22))?;
     let mut none = Vec::new();
     for op in &ops {
+        // We run these as host root in the host's UTS and network namespaces: only what
+        // builds a tree of files and mounts.
+        let fs_only = matches!(
+            op,
+            Op::Mount { .. }
+                | Op::Bind { .. }
+                | Op::SetAttr { .. }
+                | Op::Mkdir { .. }
+                | Op::WriteFile { .. }
+                | Op::Touch { .. }
+                | Op::Symlink { .. }
+        );
+        if !fs_only {
+            return Err(io::Error::from_raw_os_error(1 /* EPERM */));
+        }
         run_op(op, &mut none)?;
     }
     Ok(())

@@ -279,6 +279,43 @@ fn host_ops_at(r: Roots<'_>) -> Vec<Op> {
     ops
 }
 
+/// A fingerprint of the host entries a template takes a snapshot of (the small `/etc` files
+/// it copies, the single files it binds, the merged-`/usr` links): device, inode, size, mode
+/// and mtime of each. A template built under another fingerprint is not used (a new one is
+/// built): e.g. `ldconfig` replaces `/etc/ld.so.cache` by a rename, and a bind keeps the old
+/// file. Directories (`/usr`, `/etc/ssl`...) are bound live anyway.
+pub(crate) fn host_fingerprint() -> u64 {
+    let links = ["/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"].map(String::from);
+    fingerprint(
+        links
+            .into_iter()
+            .chain(ETC_FROM_HOST.iter().map(|n| format!("/etc/{n}"))),
+    )
+}
+
+/// [`host_fingerprint`] of any paths.
+fn fingerprint(paths: impl Iterator<Item = String>) -> u64 {
+    use std::hash::{Hash, Hasher};
+    use std::os::unix::fs::MetadataExt;
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for p in paths {
+        p.hash(&mut h);
+        match std::fs::symlink_metadata(&p) {
+            Ok(m) => (
+                m.dev(),
+                m.ino(),
+                m.size(),
+                m.mode(),
+                m.mtime(),
+                m.mtime_nsec(),
+            )
+                .hash(&mut h),
+            Err(_) => 0u8.hash(&mut h),
+        }
+    }
+    h.finish()
+}
+
 /// The generated `/etc` files, written.
 fn write_etc(ops: &mut Vec<Op>, r: Roots<'_>, files: Vec<(&'static str, String)>) {
     for (name, content) in files {
@@ -921,6 +958,24 @@ mod tests {
             .build()
             .unwrap();
         assert!(!template_fits(&with_dir));
+    }
+
+    #[test]
+    fn the_fingerprint_sees_a_file_replaced_by_a_rename() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("ld.so.cache");
+        std::fs::write(&f, "old").unwrap();
+        let paths = || [f.to_string_lossy().into_owned(), "/nonexistent/x".into()].into_iter();
+        let before = fingerprint(paths());
+        assert_eq!(fingerprint(paths()), before);
+        // What ldconfig does: a new file renamed over the old one (same size, maybe same
+        // mtime second): the inode differs.
+        let tmp = dir.path().join("ld.so.cache~");
+        std::fs::write(&tmp, "new").unwrap();
+        std::fs::rename(&tmp, &f).unwrap();
+        assert_ne!(fingerprint(paths()), before);
+        // The host's, unchanged from one call to the next.
+        assert_eq!(host_fingerprint(), host_fingerprint());
     }
 
     #[test]

@@ -97,16 +97,20 @@ pub(crate) type TemplateKey = Vec<(&'static str, String)>;
 struct Forks {
     zygote: Option<Zygote>,
     /// Template `i` is at `TEMPLATE_BASE/i` in every zygote's namespace: a restarted zygote
-    /// builds them all again before forking.
-    templates: Vec<TemplateKey>,
+    /// builds them all again before forking. Each with the host fingerprint it was built
+    /// under (see `rootfs::host_fingerprint`): a changed host gets a new template.
+    templates: Vec<(TemplateKey, u64)>,
     /// Cleared when a template could not be built: the classic setup is used from then on.
     templates_ok: bool,
+    /// The host fingerprint and when it was taken (at most once a second).
+    fingerprint: Option<(std::time::Instant, u64)>,
 }
 
 static FORKS: std::sync::Mutex<Forks> = std::sync::Mutex::new(Forks {
     zygote: None,
     templates: Vec::new(),
     templates_ok: true,
+    fingerprint: None,
 });
 
 /// The template directory to start from, if the host has one: as root, an existing
@@ -296,8 +300,8 @@ impl Zygote {
     }
 
     /// Builds templates `self.built..` of `keys`.
-    fn build(&mut self, keys: &[TemplateKey]) -> io::Result<()> {
-        while let Some(key) = keys.get(self.built) {
+    fn build(&mut self, keys: &[(TemplateKey, u64)]) -> io::Result<()> {
+        while let Some((key, _)) = keys.get(self.built) {
             let root = format!("{TEMPLATE_BASE}/{}", self.built);
             let mut e = proto::Enc::default();
             e.ops(&crate::rootfs::template_ops(&root, key.clone()));
@@ -321,10 +325,23 @@ pub(crate) fn template_root(key: TemplateKey) -> Option<String> {
     if !f.templates_ok {
         return None;
     }
-    let idx = match f.templates.iter().position(|k| *k == key) {
+    let now = std::time::Instant::now();
+    let print = match f.fingerprint {
+        Some((at, p)) if now.duration_since(at) < std::time::Duration::from_secs(1) => p,
+        _ => {
+            let p = crate::rootfs::host_fingerprint();
+            f.fingerprint = Some((now, p));
+            p
+        }
+    };
+    let idx = match f
+        .templates
+        .iter()
+        .position(|(k, p)| *k == key && *p == print)
+    {
         Some(i) => i,
         None => {
-            f.templates.push(key);
+            f.templates.push((key, print));
             f.templates.len() - 1
         }
     };
