@@ -161,7 +161,11 @@
 //! bind (the template's mounts arrive locked, so they stay read-only: a sandbox can neither
 //! write nor unmount them), mounts its own `/proc`, `/dev/pts`, `/dev/shm`, `/tmp` and
 //! workspace on it, `pivot_root`s into it and detaches the old root: ~20 mount operations
-//! instead of ~100 (the filesystem phase went from ~1.2 to ~0.5 ms). The template's files
+//! instead of ~100 (the filesystem phase went from ~1.2 to ~0.5 ms). A template is used only
+//! under the host fingerprint it was built with (device, inode, size, mode and mtime of the
+//! `/etc` entries it copies or binds and of the `/usr` links, taken at most once a second):
+//! e.g. after an `ldconfig` renamed a new `ld.so.cache` into place, the next create builds a
+//! new template (a file bind would keep the old file). The template's files
 //! belong to host root, so inside they show as `nobody` (like `/usr` always did). Specs with
 //! their own mounts (whose mount points would have to be made in the shared root), a
 //! host-directory workspace, an egress link (its own `resolv.conf`) or a rootfs directory,
