@@ -10,6 +10,18 @@ export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 
 step() { printf '\n==> %s\n' "$*"; }
 
+# The cache only grows (cargo keeps every stale test binary and incremental session): once it
+# passes 30 GB, drop what no build touched for two days (it filled a disk once, at 65 GB).
+if [ -d "$CARGO_TARGET_DIR" ] && [ "$(du -sm "$CARGO_TARGET_DIR" 2>/dev/null | cut -f1)" -gt 30000 ]; then
+  step "prune $CARGO_TARGET_DIR (artifacts untouched for 2 days)"
+  for profile in debug release; do
+    d="$CARGO_TARGET_DIR/$profile"
+    [ -d "$d" ] || continue
+    find "$d/incremental" -mindepth 1 -maxdepth 1 -mtime +1 -exec rm -rf {} + 2>/dev/null || true
+    find "$d/deps" "$d/examples" -maxdepth 1 -type f -mtime +1 -delete 2>/dev/null || true
+  done
+fi
+
 # --- system packages -------------------------------------------------------
 # Debian packages the tests use. Installed only when missing.
 # qemu-system-x86: the microVM guest (Debian kernel + our initramfs + agent) is booted under
