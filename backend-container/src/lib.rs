@@ -80,11 +80,12 @@
 //! a direct child of the library, which waits for it on destroy); the other namespaces are
 //! created from inside it, right away (they need only the capabilities it holds in its user
 //! namespace, so their cost, ~0.5 ms with the network namespace, overlaps the library's map
-//! writing and the cgroup job). **It moves itself into the sandbox's cgroups** (writing `0` to
-//! the `tasks` files the library opened; the opener's credentials authorize it) before it
-//! starts anything: on cgroup v1 a single thread moving itself skips the global lock that
+//! writing and the cgroup job). **On cgroup v1 it moves itself into the sandbox's cgroups**
+//! (writing `0` to the `tasks` files the library opened; the opener's credentials authorize
+//! it) before it starts anything: a single thread moving itself skips the global lock that
 //! moving another process takes, which waits for an RCU grace period: 10-20 ms on an idle
-//! host, measured here. The cgroup namespace is created last, once the init sits in the
+//! host, measured here. (On v2, where `cgroup.procs` takes that lock either way, the library
+//! writes the init's pid.) The cgroup namespace is created last, once the init sits in the
 //! sandbox's cgroups, so it is rooted there.
 //!
 //! Why not re-exec `/proc/self/exe` with a magic argument? It needs a hook in the embedding

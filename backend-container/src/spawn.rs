@@ -531,7 +531,7 @@ pub(crate) struct Spawned {
 /// period whenever no migration happened in the last few — ~10-20 ms on an idle host,
 /// measured here, against ~0.1 ms in a tight loop. A single-threaded process writing `0`
 /// (itself) to a v1 `tasks` file is the one case the kernel migrates without that lock. (On
-/// v2, `cgroup.procs` always takes it.)
+/// v2, `cgroup.procs` always takes it, so there [`spawn_init`] writes the init's pid itself.)
 pub(crate) type CgroupJob =
     tokio::task::JoinHandle<Result<Option<(crate::cgroup::SandboxCgroup, Vec<OwnedFd>)>, String>>;
 
@@ -701,6 +701,20 @@ pub(crate) async fn spawn_init(
             .await
             .map_err(|e| format!("cgroup task failed: {e}"))??;
         let files = match joined {
+            // cgroup v2: `cgroup.procs` takes the global lock either way, and kernels before
+            // 5.16 check the writer's credentials rather than the opener's: we move the init
+            // (its pid is final here, after any retry) instead of letting it move itself.
+            Some((c, files)) if c.version == crate::cgroup::CgroupVersion::V2 => {
+                let pid = first.to_string();
+                for f in files {
+                    use std::io::Write;
+                    std::fs::File::from(f)
+                        .write_all(pid.as_bytes())
+                        .map_err(|e| format!("move the sandbox init into its cgroup: {e}"))?;
+                }
+                cgroup = Some(c);
+                Vec::new()
+            }
             Some((c, files)) => {
                 cgroup = Some(c);
                 files
