@@ -167,12 +167,13 @@
 //! `/etc` entries it copies or binds and of the `/usr` links, taken at most once a second):
 //! e.g. after an `ldconfig` renamed a new `ld.so.cache` into place, the next create builds a
 //! new template (a file bind would keep the old file). The template's files
-//! belong to host root, so inside they show as `nobody` (like `/usr` always did). Specs with
-//! their own mounts (whose mount points would have to be made in the shared root), a
-//! host-directory workspace, an egress link (its own `resolv.conf`) or a rootfs directory,
-//! and rootless mode, use the classic setup, from an init the zygote clones in the library's
-//! own mount namespace (so bind sources are the library's current view, whatever was mounted
-//! since the zygote's namespace was copied): the init builds the root in a scratch tmpfs (keeping the host root at `/oldroot`
+//! belong to host root, so inside they show as `nobody` (like `/usr` always did). A
+//! host-directory workspace reaches a template-mode init as a detached mount the library
+//! clones (`open_tree`) from its own current view, since the init's namespace descends from
+//! the zygote's copy, which may lag it. Specs with their own mounts (whose mount points would
+//! have to be made in the shared root), an egress link (its own `resolv.conf`) or a rootfs
+//! directory, and rootless mode, use the classic setup, from an init the zygote clones in the
+//! library's own mount namespace (so bind sources are the library's current view): the init builds the root in a scratch tmpfs (keeping the host root at `/oldroot`
 //! for bind sources, as bubblewrap does), `pivot_root`s into it and detaches the old root.
 //!
 //! `/proc/mounts` shows only the sandbox's own mounts (device names and mount points inside;
@@ -665,11 +666,25 @@ impl ContainerBackend {
         // As root, a host-tools root without spec mounts or an egress link (whose
         // `resolv.conf` is the sandbox's own) starts from a template (see
         // `rootfs::template_ops`), built once per process for each set of `/etc` files.
-        let template = if !rootless && egress.is_none() && rootfs::template_fits(spec) {
+        // A host-directory workspace reaches a template-mode init as a detached mount made
+        // here, from our current view (see `rootfs::template_fits`); if we cannot make one,
+        // the classic setup binds the directory instead.
+        let mut ws_tree = None;
+        let mut fits = !rootless && egress.is_none() && rootfs::template_fits(spec);
+        if let (true, Workspace::HostDir { path, .. }) = (fits, &spec.workspace) {
+            match path.canonicalize().and_then(|p| spawn::detached_tree(&p)) {
+                Ok(t) => ws_tree = Some(t),
+                Err(_) => fits = false,
+            }
+        }
+        let template = if fits {
             spawn::template_root(rootfs::etc_files(user, &self.cfg.hostname, &resolv))
         } else {
             None
         };
+        if template.is_none() {
+            ws_tree = None;
+        }
         // The init makes its namespaces (~0.5 ms) while we plan its setup.
         let starting = spawn::start_init(true, template.is_some())
             .await
@@ -765,6 +780,7 @@ impl ContainerBackend {
             &ids,
             &requests,
             lower.as_deref(),
+            ws_tree,
             !rootless,
             cg_job,
         )

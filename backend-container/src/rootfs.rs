@@ -390,7 +390,9 @@ fn skeleton(ops: &mut Vec<Op>, r: Roots<'_>, var: bool) {
 /// What each sandbox mounts on its skeleton: a fresh `/proc` (this pid namespace only) with
 /// `/proc/sys` read-only, `/dev/pts` (a new instance), `/dev/shm` and `/tmp` capped at
 /// `tmp_bytes`, and the workspace (a tmpfs capped at the disk limit, or the host directory).
-fn sandbox_mounts(ops: &mut Vec<Op>, r: Roots<'_>, p: &Plan<'_>) -> Result<()> {
+/// `detached`: a host-directory workspace arrives as a detached mount (the setup message's
+/// first fd, see `Op::Lower`) instead of being bound from its host path.
+fn sandbox_mounts(ops: &mut Vec<Op>, r: Roots<'_>, p: &Plan<'_>, detached: bool) -> Result<()> {
     ops.push(Op::Mount {
         src: "proc".into(),
         dst: r.at("/proc"),
@@ -430,9 +432,16 @@ fn sandbox_mounts(ops: &mut Vec<Op>, r: Roots<'_>, p: &Plan<'_>) -> Result<()> {
         )),
         Workspace::HostDir { path, read_only } => {
             let src = canonical(path, "workspace")?;
-            ops.push(Op::Bind {
-                src: r.old(&src),
-                dst: r.at("/workspace"),
+            ops.push(if detached {
+                Op::Lower {
+                    src: r.old(&src),
+                    dst: r.at("/workspace"),
+                }
+            } else {
+                Op::Bind {
+                    src: r.old(&src),
+                    dst: r.at("/workspace"),
+                }
             });
             let ro = if *read_only { ATTR_RDONLY } else { 0 };
             ops.push(Op::SetAttr {
@@ -540,11 +549,12 @@ const ROOT_TMPFS: &str = "mode=0755,size=4m,nr_inodes=4096";
 
 /// Whether a sandbox of this spec can start from a root-filesystem template: a host-tools
 /// root with no spec mounts (their mount points would have to be made in the shared,
-/// read-only root) and no host-directory workspace (template-mode inits live in the
-/// zygote's own mount namespace, a copy of the host's that may lag behind it; bind sources
-/// are taken from the library's current view instead, by the classic setup).
+/// read-only root). Template-mode inits live in the zygote's own mount namespace, a copy of
+/// the host's that may lag behind it, so a host-directory workspace must reach them as a
+/// detached mount the library made from its current view ([`template_plan`] expects it as
+/// the setup message's first fd).
 pub(crate) fn template_fits(spec: &SandboxSpec) -> bool {
-    spec.rootfs.is_none() && spec.mounts.is_empty() && matches!(spec.workspace, Workspace::Empty)
+    spec.rootfs.is_none() && spec.mounts.is_empty()
 }
 
 /// A root-filesystem template at `root` (built once by the zygote, as root, in its own mount
@@ -602,7 +612,7 @@ pub(crate) fn template_plan(p: &Plan<'_>, root: &str) -> Result<Setup> {
         src: root.into(),
         dst: root.into(),
     });
-    sandbox_mounts(&mut ops, r, p)?;
+    sandbox_mounts(&mut ops, r, p, true)?;
     finish(&mut ops, p, root, None);
     Ok(Setup {
         prep: Vec::new(),
@@ -697,7 +707,7 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
         write_etc(&mut ops, r, etc_files(p.user, p.hostname, p.resolv_conf));
     }
     skeleton(&mut ops, r, rootfs.is_none());
-    sandbox_mounts(&mut ops, r, p)?;
+    sandbox_mounts(&mut ops, r, p, false)?;
 
     // The spec's mounts (read-only unless asked otherwise).
     for m in &spec.mounts {
@@ -957,7 +967,19 @@ mod tests {
             .workspace_dir("/tmp", false)
             .build()
             .unwrap();
-        assert!(!template_fits(&with_dir));
+        // A host-directory workspace fits, as a detached mount (the setup's first fd).
+        assert!(template_fits(&with_dir));
+        let p = Plan {
+            spec: &with_dir,
+            ..p
+        };
+        let ops = template_plan(&p, root).unwrap().main;
+        assert!(ops
+            .iter()
+            .any(|o| matches!(o, Op::Lower { dst, .. } if dst == &format!("{root}/workspace"))));
+        assert!(!ops
+            .iter()
+            .any(|o| matches!(o, Op::Bind { src, .. } if src == "/tmp")));
     }
 
     #[test]

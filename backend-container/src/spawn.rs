@@ -620,6 +620,7 @@ pub(crate) async fn spawn_init(
     ids: &IdMap,
     requests: &[&[u8]],
     lower: Option<&std::path::Path>,
+    workspace: Option<OwnedFd>,
     oom_protect: bool,
     cgroup_job: CgroupJob,
 ) -> Result<Spawned, String> {
@@ -677,7 +678,8 @@ pub(crate) async fn spawn_init(
             );
         }
         write_maps(first, ids).map_err(|e| format!("write uid/gid maps: {e}"))?;
-        let mut lower_fd = Vec::new();
+        // A template-mode setup's host-directory workspace, as a detached mount (`Op::Lower`).
+        let mut lower_fd: Vec<OwnedFd> = workspace.into_iter().collect();
         if let Some(dir) = lower {
             match idmapped_tree(dir, first) {
                 Ok(fd) => {
@@ -803,6 +805,31 @@ struct MountAttr {
 /// files belong to the sandbox's root), without changing anything on disk. Needs root (the
 /// host filesystem belongs to the initial user namespace) and a filesystem that supports
 /// idmapped mounts (ext4, xfs, btrfs, tmpfs, overlayfs...).
+/// A detached, recursive clone of the mount tree at `dir`, made in our own (current) mount
+/// namespace: how a host-directory workspace reaches a template-mode init, whose namespace
+/// descends from the zygote's copy (see [`fork_init`]).
+pub(crate) fn detached_tree(dir: &std::path::Path) -> io::Result<OwnedFd> {
+    use std::os::unix::ffi::OsStrExt;
+    const OPEN_TREE_CLONE: libc::c_uint = 1;
+    const AT_RECURSIVE: libc::c_uint = 0x8000;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: open_tree(AT_FDCWD, path, flags) with a NUL-terminated path.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            OPEN_TREE_CLONE | AT_RECURSIVE | libc::O_CLOEXEC as libc::c_uint,
+        )
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: we own the new fd.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
 fn idmapped_tree(dir: &std::path::Path, pid: libc::pid_t) -> io::Result<OwnedFd> {
     use std::os::unix::ffi::OsStrExt;
     const OPEN_TREE_CLONE: libc::c_uint = 1;
