@@ -32,6 +32,7 @@ use std::ffi::CString;
 use std::fs::File;
 use std::io::{self, Read};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use proto::*;
 
@@ -775,9 +776,11 @@ struct Running {
 /// (`MSG_EXEC`, id, the exec payload, its fds) **directly**: no `fork` and no hop through
 /// the init on the exec's critical path. The replies of that exec (`EXITED`, kill
 /// acknowledgements) travel back on the same socket, and a `MSG_KILL` there kills its tree.
-/// Once its command has exited (and the reply is out) the spare signals us (`SIGUSR1`) and
-/// the next spare is forked; the first one right after the seal. Execs the library sends us instead (no spare at hand: concurrent
-/// execs, a payload too big for one packet) get a supervisor forked on demand.
+/// An exec that leaves nothing behind hands the spare back to the library for the next one
+/// (see [`supervise`]); otherwise, once its command has exited (and the reply is out), the
+/// spare signals us (`SIGUSR1`) and the next spare is forked. The first one is forked right
+/// after the seal. Execs the library sends us instead (no spare at hand: concurrent execs, a
+/// payload too big for one packet) get a supervisor forked on demand.
 fn fork_spare(run: &mut Running, sfd: RawFd) {
     if run.spare.is_some() || !run.sealed {
         return;
@@ -793,14 +796,25 @@ fn fork_spare(run: &mut Running, sfd: RawFd) {
     }
     if pid == 0 {
         drop(lib);
+        let mut stack = child_stack();
         let mut buf = vec![0u8; PACKET_MAX];
-        if let Ok(Some((n, fds))) = recv_on(ours.as_raw_fd(), &mut buf) {
-            let mut d = Dec::new(&buf[..n]);
-            if let (Ok(MSG_EXEC), Ok(id), Ok(spec)) = (d.u32(), d.u64(), d.exec()) {
-                supervise(id, spec, fds, sfd, Some(ours));
+        loop {
+            match recv_on(ours.as_raw_fd(), &mut buf) {
+                Ok(Some((n, fds))) => {
+                    let mut d = Dec::new(&buf[..n]);
+                    match (d.u32(), d.u64(), d.exec()) {
+                        (Ok(MSG_EXEC), Ok(id), Ok(spec)) => {
+                            supervise(id, spec, fds, sfd, Some(&ours), &mut stack)
+                        }
+                        // Anything else (a late kill request after a reusable `EXITED`): the
+                        // library will not hand us another exec.
+                        _ => std::process::exit(0),
+                    }
+                }
+                Err(e) if e.raw_os_error() == Some(4) => {}
+                _ => std::process::exit(0),
             }
         }
-        std::process::exit(0);
     }
     drop(ours);
     let e = Enc::header(REP_SPARE, 0);
@@ -873,10 +887,16 @@ fn monotonic_ns() -> u64 {
 /// ns, 0 if it never started): carried here instead of in a message of its own, so the
 /// library is not woken while the command runs.
 fn exited(id: u64, status: i32, spawned: bool, started: u64) {
+    exited_with(id, status, spawned, started, 0);
+}
+
+/// [`exited`] with `flags` ([`EXITED_REUSABLE`]).
+fn exited_with(id: u64, status: i32, spawned: bool, started: u64, flags: u8) {
     let mut e = Enc::default();
     e.i32(status);
     e.u8(u8::from(spawned));
     e.u64(started);
+    e.u8(flags);
     send(REP_EXITED, id, &e.0);
 }
 
@@ -901,26 +921,60 @@ fn exec(id: u64, payload: &[u8], fds: Vec<OwnedFd>, run: &mut Running, sfd: RawF
         return exited(id, 126 << 8, false, 0);
     }
     if pid == 0 {
-        supervise(id, spec, fds, sfd, None);
+        supervise(id, spec, fds, sfd, None, &mut child_stack());
+        std::process::exit(0);
     }
     drop(fds);
     run.sups.insert(pid, id);
     run.by_id.insert(id, pid);
 }
 
+/// The stack a supervisor's vfork child runs on before it execs (see [`spawn`]).
+const CHILD_STACK: usize = 64 * 1024;
+
+/// A stack for [`spawn`], every page written once: a supervisor makes it while it waits
+/// (a spare), so the copy-on-write faults are not taken on an exec's critical path.
+fn child_stack() -> Vec<u8> {
+    let mut stack = vec![0u8; CHILD_STACK];
+    for i in (0..CHILD_STACK).step_by(4096) {
+        // SAFETY: an in-bounds write; volatile so the touch is not optimized away.
+        unsafe { std::ptr::write_volatile(stack.as_mut_ptr().add(i), 0) };
+    }
+    stack
+}
+
 /// Runs exec `id` as its supervisor (a child subreaper). `job`: the exec's own socket to the
 /// library (a spare's), which then carries the replies and kill requests.
-fn supervise(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>, sfd: RawFd, job: Option<OwnedFd>) -> ! {
+///
+/// Returns (a spare's supervisor only) when the exec is over and left nothing behind: its
+/// command exited, no descendant is left, no kill was asked for and the library still
+/// listens. `EXITED` then says so ([`EXITED_REUSABLE`]) and the supervisor waits for the next
+/// exec on the same socket: no fork, and no fresh process's page faults, per exec. Otherwise
+/// it leaves once the last of the exec's tree is gone.
+fn supervise(
+    id: u64,
+    spec: ExecSpec,
+    fds: Vec<OwnedFd>,
+    sfd: RawFd,
+    job: Option<&OwnedFd>,
+    stack: &mut [u8],
+) {
     // SAFETY: prctl with integer arguments.
     unsafe { prctl(PR_SET_CHILD_SUBREAPER, 1u64, 0u64, 0u64, 0u64) };
-    if let Some(j) = &job {
+    if let Some(j) = job {
         REPLY_FD.store(j.as_raw_fd(), std::sync::atomic::Ordering::Relaxed);
     }
-    let mut job_fd = job.as_ref().map_or(-1, |j| j.as_raw_fd());
-    let Some((leader, started)) = spawn(id, spec, fds) else {
+    let mut job_fd = job.map_or(-1, |j| j.as_raw_fd());
+    // We keep our copies of the command's stdout and stderr until `EXITED` is out: when
+    // the command exits, its closing them then wakes no one (the library's readers would
+    // otherwise be woken twice, each preempting the exiting command, before our report).
+    // The library reads what is left when `EXITED` comes, without waiting for EOF.
+    let Some((leader, started, outputs)) = spawn(id, spec, fds, stack) else {
         std::process::exit(0)
     };
+    let mut outputs = Some(outputs);
     let mut leader_done = false;
+    let mut killed = false;
     loop {
         let mut pfd = [
             PollFd {
@@ -959,6 +1013,7 @@ fn supervise(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>, sfd: RawFd, job: Option
             }
         }
         if kill_tree {
+            killed = true;
             kill_descendants();
             // Acknowledge: the tree is gone (the library may wait for this).
             send(REP_OK, id, &[]);
@@ -975,10 +1030,20 @@ fn supervise(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>, sfd: RawFd, job: Option
                 break;
             }
             if p == leader {
+                // Orphans of the tree were reparented to us before the leader's death was
+                // reported: none now means none at all (ECHILD).
+                // SAFETY: waitpid with a null status pointer, not blocking.
+                let alone = unsafe { waitpid(-1, std::ptr::null_mut(), WNOHANG) } < 0;
+                if job_fd >= 0 && alone && !killed {
+                    exited_with(id, status, true, started, EXITED_REUSABLE);
+                    return;
+                }
                 exited(id, status, true, started);
+                drop(outputs.take());
                 if job.is_some() {
-                    // A spare served this exec: the init forks the next one now, after the
-                    // reply (forking while the command ran competed with it for the CPUs).
+                    // A spare served this exec and cannot take another: the init forks the
+                    // next one now, after the reply (forking while the command ran competed
+                    // with it for the CPUs).
                     // SAFETY: signals our parent, the init.
                     unsafe { kill(getppid(), SIGUSR1) };
                 }
@@ -1091,15 +1156,6 @@ extern "C" fn child_main(arg: *mut c_void) -> c_int {
         dup2(c.out, 1);
         dup2(c.err, 2);
         setsid();
-        // The init is shielded from the OOM killer; commands must not be.
-        let fd = libc_open(
-            b"/proc/self/oom_score_adj\0".as_ptr() as *const c_char,
-            1, /* O_WRONLY */
-        );
-        if fd >= 0 {
-            write(fd, b"0".as_ptr(), 1);
-            close(fd);
-        }
         let mut failed = false;
         for (r, l) in &c.rlimits {
             if setrlimit(*r, l) < 0 {
@@ -1171,7 +1227,12 @@ fn candidates(cmd: &str, env: &[String]) -> Vec<String> {
 /// tables, no copy-on-write faults, and we resume once it has exec'd (or failed). Returns the
 /// leader's pid and when it was started (see [`Child::started`]), or `None` after reporting why it
 /// could not start.
-fn spawn(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>) -> Option<(i32, u64)> {
+fn spawn(
+    id: u64,
+    spec: ExecSpec,
+    fds: Vec<OwnedFd>,
+    stack: &mut [u8],
+) -> Option<(i32, u64, [OwnedFd; 2])> {
     let mut fds = fds.into_iter();
     let (Some(out), Some(err)) = (fds.next(), fds.next()) else {
         send_err(
@@ -1235,7 +1296,6 @@ fn spawn(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>) -> Option<(i32, u64)> {
         errno: 0,
         started: 0,
     };
-    let mut stack = vec![0u8; 64 * 1024];
     // SAFETY: the child runs `child_main` on its own stack (the top of `stack`, 16-byte
     // aligned) with `job`; CLONE_VFORK suspends us until it has exec'd or exited, so both
     // outlive its use of them.
@@ -1253,7 +1313,7 @@ fn spawn(id: u64, spec: ExecSpec, fds: Vec<OwnedFd>) -> Option<(i32, u64)> {
         return fail(126, format!("agent-sandbox: {a0}: {e}\n"));
     }
     if job.stage == 0 {
-        return Some((pid, job.started));
+        return Some((pid, job.started, [out, err]));
     }
     // It exited without exec'ing: reap it and say why.
     let mut status: c_int = 0;
@@ -1373,15 +1433,23 @@ fn bootstrap() {
     // SAFETY: unshare/setres*id/write on our own, single-threaded process.
     unsafe {
         let mut buf = [0u8; 64];
+        // A spare (cloned ahead of time, with all its namespaces) brings its `lo` up while
+        // it waits; if that fails, the library does it and reports the error.
+        let lo_up = AHEAD.load(Ordering::Relaxed) && run_op(&Op::LoopbackUp, &mut Vec::new()).is_ok();
         // Nothing happens before the library asks (we may have been cloned ahead of time).
         match recv(&mut buf) {
             Ok(Some((n, _))) if n >= 12 && Dec::new(&buf[..n]).u32() == Ok(MSG_START) => {}
             _ => std::process::exit(0),
         }
-        send(REP_BOOT, 0, &SOURCE_HASH.to_le_bytes());
+        let mut boot = Enc::default();
+        boot.u64(SOURCE_HASH);
+        boot.u8(if lo_up { BOOT_LO_UP } else { 0 });
+        send(REP_BOOT, 0, &boot.0);
         // Creating them needs only the capabilities we hold in the new user namespace, which
-        // owns them (a new network namespace alone costs ~0.4 ms).
-        if unshare(CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET) < 0 {
+        // owns them (a new network namespace alone costs ~0.4 ms). A spare has them already.
+        if !AHEAD.load(Ordering::Relaxed)
+            && unshare(CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET) < 0
+        {
             die(83, "unshare namespaces");
         }
         match recv(&mut buf) {
@@ -1510,7 +1578,7 @@ fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
                 (Err(errno()), Vec::new())
             } else {
                 match socket_pair() {
-                    Ok((ours, theirs)) => match clone_init(theirs) {
+                    Ok((ours, theirs)) => match clone_init(theirs, true) {
                         pid if pid < 0 => (Err(errno()), Vec::new()),
                         pid => (Ok(pid as u32), vec![ours]),
                     },
@@ -1537,7 +1605,7 @@ fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
             let r = if !enter(tmpl) {
                 Err(errno())
             } else {
-                match clone_init(fd) {
+                match clone_init(fd, false) {
                     pid if pid < 0 => Err(errno()),
                     pid => Ok(pid as u32),
                 }
@@ -1559,10 +1627,22 @@ fn zygote_reply(r: Result<u32, i32>) -> Vec<u8> {
     e.0
 }
 
+/// Whether this init was cloned with all its namespaces (a spare, see [`clone_init`]).
+static AHEAD: AtomicBool = AtomicBool::new(false);
+
 /// Clones an init on control socket `ctl`: pid 1 of new user and pid namespaces (see
 /// `bootstrap`), the library's child (`CLONE_PARENT`). Returns its pid (or -1, errno set).
-fn clone_init(ctl: OwnedFd) -> i64 {
-    let flags = CLONE_PARENT | CLONE_NEWUSER | CLONE_NEWPID;
+///
+/// A spare (`ahead`) gets its mount, UTS, IPC and network namespaces in the same `clone`
+/// (all owned by its new user namespace, exactly as if it made them after `MSG_START`): a
+/// spare waits for a create that has not come yet, so that work (~0.5 ms, mostly the network
+/// namespace) is off the create's path. Other inits make them after `REP_BOOT`, in parallel
+/// with the library's part of the bootstrap.
+fn clone_init(ctl: OwnedFd, ahead: bool) -> i64 {
+    let mut flags = CLONE_PARENT | CLONE_NEWUSER | CLONE_NEWPID;
+    if ahead {
+        flags |= CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET;
+    }
     // SAFETY: single-threaded; the child only moves its fd into place and runs the init
     // from the top, like a freshly executed one.
     let pid = unsafe { syscall(NR_CLONE, flags as u64, 0u64, 0u64, 0u64, 0u64) };
@@ -1574,6 +1654,7 @@ fn clone_init(ctl: OwnedFd) -> i64 {
             syscall(NR_CLOSE_RANGE, 3u32, u32::MAX, 0u32);
         }
         std::mem::forget(ctl);
+        AHEAD.store(ahead, Ordering::Relaxed);
         init_main();
     }
     pid

@@ -5,8 +5,9 @@
 //!
 //! Bootstrap: the library's zygote clones the init (pid 1 of new user and pid namespaces, a
 //! child of the library through `CLONE_PARENT`) with the socket as stdin, on request or ahead
-//! of time. The init waits for `MSG_START`, says `REP_BOOT` and creates its other namespaces while the library writes the id maps and says
-//! `MSG_MAPS`; the init becomes root inside, waits for `MSG_CGROUPS` (fds attached: the
+//! of time. The init waits for `MSG_START`, says `REP_BOOT` and creates its other namespaces
+//! (a spare has them from its `clone`, and its `lo` up) while the library writes the id maps
+//! and says `MSG_MAPS`; the init becomes root inside, waits for `MSG_CGROUPS` (fds attached: the
 //! sandbox's cgroup files, opened by the library; the init writes `0` to each to move itself
 //! in) and says `REP_INIT`.
 //!
@@ -65,11 +66,17 @@ pub const REP_OK: u32 = 100;
 /// Request `id` failed: payload = u32 op index, i32 errno, message.
 pub const REP_ERR: u32 = 101;
 /// Exec `id` finished: payload = i32 wait status, u8 spawned (0: never started), u64 when
-/// the command was running (CLOCK_MONOTONIC ns; 0: unknown).
+/// the command was running (CLOCK_MONOTONIC ns; 0: unknown), u8 flags ([`EXITED_REUSABLE`]).
 pub const REP_EXITED: u32 = 103;
+/// `REP_EXITED` flag (a spare's exec only): the exec left nothing behind and its supervisor
+/// waits for another `MSG_EXEC` on the same socket.
+pub const EXITED_REUSABLE: u8 = 1;
 /// Bootstrap (id 0): the init is in its new user namespace; write its maps. Payload: u64
-/// [`SOURCE_HASH`].
+/// [`SOURCE_HASH`], u8 flags ([`BOOT_LO_UP`]).
 pub const REP_BOOT: u32 = 104;
+/// `REP_BOOT` flag: the init (a spare, cloned with all its namespaces) has brought its `lo`
+/// up already.
+pub const BOOT_LO_UP: u8 = 1;
 /// Bootstrap (id 0): the init is in its namespaces and cgroups (no payload).
 pub const REP_INIT: u32 = 105;
 /// (id 0) A spare supervisor is ready: the fd attached is a socket to it. The library may

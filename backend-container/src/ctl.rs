@@ -31,6 +31,8 @@ pub(crate) struct Ctl {
     closed: AtomicBool,
     /// The socket to the init's spare supervisor, when it announced one (`REP_SPARE`).
     spare: Mutex<Option<OwnedFd>>,
+    /// A spare that served an exec and waits for the next (see [`Ctl::give_back`]).
+    idle: Mutex<Option<Job>>,
 }
 
 impl Ctl {
@@ -47,6 +49,7 @@ impl Ctl {
             waiters: Mutex::new(HashMap::new()),
             closed: AtomicBool::new(false),
             spare: Mutex::new(None),
+            idle: Mutex::new(None),
         });
         Ok(ctl)
     }
@@ -105,9 +108,23 @@ impl Ctl {
         }
     }
 
-    /// The socket to the init's spare supervisor, if one is ready (see [`Job`]).
-    pub fn take_spare(&self) -> Option<OwnedFd> {
-        self.spare.lock().ok()?.take()
+    /// The init's spare supervisor, if one is ready (see [`Job`]): one that served an exec
+    /// before, else the one the init announced last.
+    pub fn take_spare(&self) -> Option<Job> {
+        if let Some(j) = self.idle.lock().ok()?.take() {
+            return Some(j);
+        }
+        let sock = self.spare.lock().ok()?.take()?;
+        Job::new(sock).ok()
+    }
+
+    /// Keeps a spare whose exec is over and that said it can take another
+    /// (`EXITED_REUSABLE`) for the next exec. The init forks no other spare meanwhile (it
+    /// does when a spare cannot be reused, or dies), so there is at most one.
+    pub fn give_back(&self, job: Job) {
+        if let Ok(mut idle) = self.idle.lock() {
+            *idle = Some(job);
+        }
     }
 
     /// A fresh request id without a waiter (for a [`Job`]).
@@ -255,30 +272,37 @@ pub(crate) struct Job {
 }
 
 impl Job {
+    /// Wraps the socket to a spare supervisor.
+    fn new(sock: OwnedFd) -> io::Result<Job> {
+        set_nonblocking(sock.as_raw_fd())?;
+        Ok(Job {
+            // SAFETY: `sock` is an open socket owned by the AsyncFd for its whole life.
+            fd: unsafe { AsyncFd::register_with_interest(sock, Interest::READABLE) }?,
+        })
+    }
+
     /// Sends exec `id` (`payload`, at most [`INLINE_MAX`] bytes, and its stdio `fds`) to the
-    /// spare behind `sock`. Fails if the spare is gone: the exec is then not started.
-    pub fn start(
-        sock: OwnedFd,
-        id: u64,
-        payload: &[u8],
-        fds: &[BorrowedFd<'_>],
-    ) -> io::Result<Job> {
+    /// spare. Fails if the spare is gone: the exec is then not started.
+    pub fn start(&self, id: u64, payload: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
         if payload.len() > INLINE_MAX {
             return Err(io::Error::from(io::ErrorKind::InvalidInput));
         }
-        set_nonblocking(sock.as_raw_fd())?;
         let mut head = Enc::header(MSG_EXEC, id);
         head.0.extend_from_slice(payload);
         let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
         let iov = [IoSlice::new(&head.0)];
         let cmsg = [ControlMessage::ScmRights(&raw)];
-        // A fresh socket with an empty buffer: the send does not block.
-        sendmsg::<()>(sock.as_raw_fd(), &iov, &cmsg, MsgFlags::MSG_NOSIGNAL, None)
-            .map_err(io::Error::from)?;
-        Ok(Job {
-            // SAFETY: `sock` is an open socket owned by the AsyncFd for its whole life.
-            fd: unsafe { AsyncFd::register_with_interest(sock, Interest::READABLE) }?,
-        })
+        // The spare reads nothing else and we send nothing else: an empty buffer, so the
+        // send does not block.
+        sendmsg::<()>(
+            self.fd.get_ref().as_raw_fd(),
+            &iov,
+            &cmsg,
+            MsgFlags::MSG_NOSIGNAL,
+            None,
+        )
+        .map_err(io::Error::from)?;
+        Ok(())
     }
 
     /// The next reply; `None` once the supervisor has hung up.

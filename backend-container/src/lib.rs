@@ -25,7 +25,8 @@
 //!  ───────────────────────                       ────────────────────
 //!  create: take the spare init (or have the      A = pid 1 of new user + pid namespaces,
 //!          zygote clone one: CLONE_NEWUSER |       cloned by the zygote (CLONE_PARENT), waits
-//!          CLONE_NEWPID | CLONE_PARENT)
+//!          CLONE_NEWPID | CLONE_PARENT)            (a spare: cloned with NS|UTS|IPC|NET too,
+//!                                                   its lo up while it waits)
 //!          START ──────────────────────────────▶ A: BOOT, unshare(NS|UTS|IPC|NET)
 //!          (meanwhile: mkdir cgroups, open their
 //!           `tasks` files)
@@ -44,7 +45,9 @@
 //!           through A)                              subreaper; it starts the command with a
 //!                                                   vfork-style clone: setsid, rlimits,
 //!                                                   setuid(sandbox), chdir, execve
-//!          ◀──────────── EXITED(status, t) ──────── the supervisor; A reaps every orphan
+//!          ◀──────────── EXITED(status, t) ──────── the supervisor (which then waits for the
+//!                                                   next exec, if this one left nothing);
+//!                                                   A reaps every orphan
 //!  destroy: SIGKILL A → the kernel kills the pid namespace; rmdir cgroups
 //! ```
 //!
@@ -57,9 +60,12 @@
 //! per sandbox (~0.3-0.5 ms here: its CPUID probing traps to the hypervisor); a zygote that
 //! died is replaced on the next create. The zygote holds no sandbox's namespace, cgroup or
 //! file. It keeps **one init cloned ahead of time** (a *spare*, asked for after a command
-//! finishes and when a sandbox is torn down, moments that usually precede idleness): a blank
-//! process in empty user and pid namespaces that does nothing until a create sends it
-//! `START`, so a create skips the zygote's wake-up and `clone` (~0.3 ms here). A spare that
+//! finishes and when a sandbox is torn down, moments that usually precede idleness): a
+//! process cloned with all of a sandbox's namespaces (user, pid, mount, UTS, IPC, network:
+//! empty, owned by its own user namespace, exactly what an init makes after `START`) that
+//! brings its `lo` up and then does nothing until a create sends it `START`. Nothing in it
+//! depends on the spec. A create then skips the zygote's wake-up and `clone` (~0.3 ms here)
+//! and the namespaces' creation (~0.5 ms, mostly the network namespace's). A spare that
 //! died is noticed (its socket hung up), reaped and replaced by an on-demand clone. As root
 //! the zygote also holds the **root-filesystem templates** (see below). The init
 //! reports a compile-time hash of its sources at start-up, and the library refuses an init
@@ -77,8 +83,9 @@
 //!    C `main` (`#![no_main]`): std's runtime start-up would parse `/proc/self/maps`.
 //!
 //! The init is cloned as pid 1 of a new pid namespace, in a new user namespace (so pid 1 is
-//! a direct child of the library, which waits for it on destroy); the other namespaces are
-//! created from inside it, right away (they need only the capabilities it holds in its user
+//! a direct child of the library, which waits for it on destroy); the other namespaces come
+//! with a spare's `clone`, or are created from inside an init cloned on demand, right away
+//! (they need only the capabilities it holds in its user
 //! namespace, so their cost, ~0.5 ms with the network namespace, overlaps the library's map
 //! writing and the cgroup job). **On cgroup v1 it moves itself into the sandbox's cgroups**
 //! (writing `0` to the `tasks` files the library opened; the opener's credentials authorize
@@ -99,16 +106,25 @@
 //! process the command starts stays its descendant (orphans are re-parented to it, even after
 //! `setsid` or a double fork), so a timeout kills the exec's whole tree by walking `/proc`.
 //! The init keeps one **spare supervisor** forked ahead of time (the first before the seal's
-//! reply, so it carries the seal; the next once a spare's command has exited and its reply
-//! is out, so the fork competes with no command; an exec that follows at once may find none
-//! and take the path below) and hands the library a socket to it
+//! reply, so it carries the seal) and hands the library a socket to it
 //! (`REP_SPARE`): the library sends the exec **straight to the spare**, whose replies
 //! (`EXITED`, kill acknowledgements) and kill requests travel on that socket, so an exec's
 //! critical path has neither a `fork` nor a hop through the init or the control socket's
 //! reader task. Execs that find no spare at hand (concurrent ones, or a request too big for
-//! one packet) go through the init, which forks their supervisor on demand. A spare takes a
-//! process slot (`pids.max` allows for it) and ~0.2-0.25 MiB
-//! PSS. The supervisor starts the command with `clone(CLONE_VM | CLONE_VFORK)`: the child shares
+//! one packet) go through the init, which forks their supervisor on demand. **A spare serves
+//! exec after exec** as long as each leaves nothing behind: when the command has exited, no
+//! descendant is left (orphans are re-parented to the supervisor before the command's death
+//! is reported, so none then means none), no kill was asked for and the library still
+//! listens, `EXITED` says so and the supervisor waits for the next exec on the same socket;
+//! the library keeps it for the next one. An exec that leaves a process running keeps its
+//! supervisor (which leaves with the last of it) and the init forks the next spare once the
+//! reply is out (an exec that follows at once may find none and take the path above). No
+//! fork, and none of a fresh process's page faults, per exec: "until started" for
+//! `/bin/true` went from ~0.24 to ~0.10 ms. The supervisor keeps its copies of the command's
+//! stdout and stderr until its `EXITED` is out, so the command's exit wakes no reader: the
+//! library's two pipe readers were woken in turn (each preempting the exiting command on a
+//! busy CPU) before the report; it now reads what is left once `EXITED` comes. A spare takes
+//! a process slot (`pids.max` allows for it) and ~0.2-0.3 MiB PSS. The supervisor starts the command with `clone(CLONE_VM | CLONE_VFORK)`: the child shares
 //! the supervisor's memory until it execs (no page-table copy, no copy-on-write faults) and
 //! only makes system calls on data prepared before the clone (argv, env, the `PATH`
 //! candidates, rlimits); the capability bounding set was emptied once, when the sandbox was
@@ -244,6 +260,14 @@
 //! call's timeout killed the tree; `Disk` when it failed with `/workspace` or `/tmp` full.
 //! rlimits: `RLIMIT_NOFILE` = `open_files`, `RLIMIT_CORE` = 0, `RLIMIT_CPU`.
 //! `lifetime_ms` is checked on every call. tmpfs pages count against the memory limit.
+//!
+//! The init keeps the default OOM score (0), like every process in the sandbox: the kernel
+//! kills the task using the most memory, which is never the ~1 MB init unless the sandbox is
+//! nothing but smaller processes (then the sandbox dies and says so). A negative score would
+//! be inherited by every command, and a command cannot raise its own back (the init is not
+//! dumpable, so its `/proc` files belong to the host's root): the memory limit would then
+//! find nothing to kill. Moving the init out of the sandbox's memory cgroup would shield it
+//! without that; not done yet.
 //!
 //! ## Hardening
 //!
@@ -685,7 +709,8 @@ impl ContainerBackend {
         if template.is_none() {
             ws_tree = None;
         }
-        // The init makes its namespaces (~0.5 ms) while we plan its setup.
+        // The init makes its namespaces (~0.5 ms; a spare has them already) while we plan
+        // its setup.
         let starting = spawn::start_init(true, template.is_some())
             .await
             .map_err(|e| Error::backend(TIER, e))?;
@@ -706,7 +731,8 @@ impl ContainerBackend {
                 } else {
                     self.host_ops.get_or_init(rootfs::host_ops)
                 },
-                // As root the library brings `lo` up meanwhile (see `network::loopback_up`).
+                // As root the library brings `lo` up meanwhile (see `network::loopback_up`),
+                // unless the init (a spare) did so while it waited.
                 loopback: rootless,
             };
             let ops = match &template {
@@ -775,19 +801,12 @@ impl ContainerBackend {
             })
         };
         let requests: Vec<&[u8]> = queued.iter().map(Vec::as_slice).collect();
-        let spawned = spawn::spawn_init(
-            starting,
-            &ids,
-            &requests,
-            lower.as_deref(),
-            ws_tree,
-            !rootless,
-            cg_job,
-        )
-        .await
-        .map_err(|e| Error::backend(TIER, e))?;
+        let spawned =
+            spawn::spawn_init(starting, &ids, &requests, lower.as_deref(), ws_tree, cg_job)
+                .await
+                .map_err(|e| Error::backend(TIER, e))?;
         let (pid, ctl, cgroup) = (spawned.pid, spawned.ctl, spawned.cgroup);
-        let lo = (!rootless).then(|| network::loopback_up(pid));
+        let lo = (!rootless && !spawned.lo_up).then(|| network::loopback_up(pid));
         if lower.is_some() && !spawned.idmapped {
             tracing::warn!(sandbox = %id, "rootfs directory used without idmapping");
         }

@@ -481,15 +481,10 @@ impl Inner {
         payload.exec(&x);
         // Straight to the init's spare supervisor when there is one; else through the init.
         let fits = payload.0.len() <= proto::INLINE_MAX;
-        let job = fits
-            .then(|| self.ctl.take_spare())
-            .flatten()
-            .and_then(|sock| {
-                let id = self.ctl.next_id();
-                ctl::Job::start(sock, id, &payload.0, &fds)
-                    .ok()
-                    .map(|j| (id, j))
-            });
+        let job = fits.then(|| self.ctl.take_spare()).flatten().and_then(|j| {
+            let id = self.ctl.next_id();
+            j.start(id, &payload.0, &fds).ok().map(|()| (id, j))
+        });
         let (id, mut replies) = match job {
             Some((id, j)) => (id, Replies::Job(j)),
             None => {
@@ -553,6 +548,7 @@ impl Inner {
         let mut grace: Option<tokio::time::Instant> = None;
         let (mut timed_out, mut flooded) = (false, false);
         let mut status: Option<i32> = None;
+        let mut reusable = false;
         let mut failure: Option<Error> = None;
         loop {
             let grace_at = grace.unwrap_or(deadline + Duration::from_secs(3600));
@@ -565,6 +561,7 @@ impl Inner {
                         if let Some(at) = instant_of(started) {
                             t.mark_at(Phase::Allocation, at);
                         }
+                        reusable = d.u8().is_ok_and(|f| f & proto::EXITED_REUSABLE != 0);
                         break;
                     }
                     Some(Reply { kind: proto::REP_ERR, payload }) => {
@@ -642,6 +639,17 @@ impl Inner {
             // A runaway tree (fork bomb, leaking children) must not outlive the exec that
             // hit the limit: its leftovers are still grouped under the exec's supervisor.
             self.kill_leftovers(id, &mut replies).await;
+        }
+        // The spare that served this exec takes the next one, unless we asked it to kill
+        // (it may be tearing the tree down) or the exec left anything behind.
+        if let Replies::Job(j) = replies {
+            if reusable
+                && !timed_out
+                && !flooded
+                && limit.is_none_or(|l| !matches!(l, LimitKind::Memory | LimitKind::Pids))
+            {
+                self.ctl.give_back(j);
+            }
         }
         let truncated = out.truncated() || err.truncated();
         crate::spawn::prefork();

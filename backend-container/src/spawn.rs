@@ -521,6 +521,8 @@ pub(crate) struct Spawned {
     pub idmapped: bool,
     /// The sandbox's cgroups (pid 1 is in them).
     pub cgroup: Option<crate::cgroup::SandboxCgroup>,
+    /// Whether the init brought its `lo` up itself (a spare, see `proto::BOOT_LO_UP`).
+    pub lo_up: bool,
 }
 
 /// The job making the sandbox's cgroups: it returns them with their join files opened for
@@ -603,7 +605,8 @@ pub(crate) fn abandon(starting: Starting) {
 }
 
 /// Brings a started init ([`start_init`]) to pid 1 of fresh user, pid, mount, UTS, IPC and
-/// network namespaces (the cgroup and time namespaces come later, from inside).
+/// network namespaces (the cgroup and time namespaces come later, from inside). A spare
+/// init has those from its `clone` and its `lo` up already ([`Spawned::lo_up`]).
 ///
 /// The library never forks itself: the process's zygote (see [`Zygote`]) clones the init
 /// with new user and pid namespaces and `CLONE_PARENT`, so it is our child, with the control
@@ -621,7 +624,6 @@ pub(crate) async fn spawn_init(
     requests: &[&[u8]],
     lower: Option<&std::path::Path>,
     workspace: Option<OwnedFd>,
-    oom_protect: bool,
     cgroup_job: CgroupJob,
 ) -> Result<Spawned, String> {
     let mut starting = starting;
@@ -663,13 +665,15 @@ pub(crate) async fn spawn_init(
     };
     let queued: Vec<_> = requests.iter().map(|_| ctl.register()).collect();
     let mut idmapped = false;
+    let mut lo_up = false;
     let mut cgroup = None;
     let mut cgroup_job = Some(cgroup_job);
     let result = async {
         if boot.kind != proto::REP_BOOT {
             return Err(describe_err(&boot));
         }
-        if proto::Dec::new(&boot.payload).u64() != Ok(proto::SOURCE_HASH) {
+        let mut dec = proto::Dec::new(&boot.payload);
+        if dec.u64() != Ok(proto::SOURCE_HASH) {
             return Err(
                 "the embedded sandbox init was built from other sources than this \
                         library (a stale build-script output, e.g. another checkout sharing the \
@@ -677,6 +681,7 @@ pub(crate) async fn spawn_init(
                     .to_string(),
             );
         }
+        lo_up = dec.u8().is_ok_and(|f| f & proto::BOOT_LO_UP != 0);
         write_maps(first, ids).map_err(|e| format!("write uid/gid maps: {e}"))?;
         // A template-mode setup's host-directory workspace, as a detached mount (`Op::Lower`).
         let mut lower_fd: Vec<OwnedFd> = workspace.into_iter().collect();
@@ -723,10 +728,6 @@ pub(crate) async fn spawn_init(
             }
             None => Vec::new(),
         };
-        if oom_protect {
-            // The init must survive the sandbox's own OOM kills (commands reset theirs).
-            let _ = std::fs::write(format!("/proc/{first}/oom_score_adj"), "-1000");
-        }
         let fds: Vec<_> = files.iter().map(std::os::fd::AsFd::as_fd).collect();
         ctl.send(proto::MSG_CGROUPS, 0, &[], &fds)
             .await
@@ -756,6 +757,7 @@ pub(crate) async fn spawn_init(
             queued,
             idmapped,
             cgroup,
+            lo_up,
         }),
         Err(e) => {
             reap(first, true);

@@ -368,6 +368,16 @@ async fn memory_exhaustion_is_reported_and_contained() {
             .stdout_str(),
         "alive\n"
     );
+    // Commands (and the init they are forked from) keep the default OOM score: a negative
+    // one, inherited, would leave the OOM killer nothing to kill (on hosts where the
+    // library may set one; this CI host's root lacks CAP_SYS_RESOURCE).
+    let r = sb
+        .exec(ExecRequest::code(
+            "print(open('/proc/self/oom_score_adj').read().strip(), open('/proc/1/oom_score_adj').read().strip())",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_str(), "0 0\n", "{}", r.stderr_str());
 }
 
 #[tokio::test]
@@ -1036,4 +1046,65 @@ async fn host_dir_workspace_owned_by_a_user_is_writable() {
         std::fs::read_to_string(dir.path().join("in.txt")).unwrap(),
         "hostmore\n"
     );
+}
+
+#[tokio::test]
+async fn a_spare_supervisor_serves_execs_that_leave_nothing_behind() {
+    require_host!();
+    let sb = create(Language::Shell).await;
+    let parent = |s: String| s.trim().parse::<u32>().unwrap();
+    // Consecutive execs that leave nothing behind are served by the same supervisor (the
+    // command's parent), each with its own environment, working directory and output.
+    let first = parent(sh_ok(sb.as_ref(), "echo $PPID").await);
+    let mut req = ExecRequest::argv(["/bin/sh", "-c", "echo $PPID $ONLY_HERE; pwd"]);
+    req.env.insert("ONLY_HERE".into(), "x".into());
+    req.cwd = Some("/tmp".into());
+    let r = sb.exec(req).await.unwrap();
+    assert_eq!(r.stdout_str(), format!("{first} x\n/tmp\n"));
+    assert_eq!(
+        sh_ok(sb.as_ref(), "echo $PPID ${ONLY_HERE:-unset}; pwd").await,
+        format!("{first} unset\n/workspace\n")
+    );
+    // A command that fails to start: its supervisor leaves, the sandbox goes on.
+    let r = sb
+        .exec(ExecRequest::argv(["/no/such/binary"]))
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, Some(127));
+    assert_eq!(sh_ok(sb.as_ref(), "echo ok").await, "ok\n");
+    // An exec that leaves a process running gets a supervisor of its own, which stays with
+    // that process; the next exec has another.
+    let bg = sh_ok(sb.as_ref(), "sleep 30 >/dev/null 2>&1 & echo $PPID").await;
+    let bg_sup = parent(bg);
+    let next = parent(sh_ok(sb.as_ref(), "echo $PPID").await);
+    assert_ne!(
+        next, bg_sup,
+        "a supervisor with a live tree served another exec"
+    );
+    // So does one whose exec timed out (its tree is being killed).
+    let mut slow = ExecRequest::argv(["/bin/sh", "-c", "echo $PPID; sleep 30"]);
+    slow.timeout = Some(Duration::from_millis(300));
+    let r = sb.exec(slow).await.unwrap();
+    assert_eq!(r.limit, Some(LimitKind::WallTime));
+    let slow_sup = parent(r.stdout_str());
+    let again = parent(sh_ok(sb.as_ref(), "echo $PPID").await);
+    assert_ne!(
+        again, slow_sup,
+        "a supervisor that was told to kill served another exec"
+    );
+    // The init's next spare (forked once the killed one is done) is reused again.
+    let mut pairs = Vec::new();
+    for _ in 0..20 {
+        let (a, b) = (
+            parent(sh_ok(sb.as_ref(), "echo $PPID").await),
+            parent(sh_ok(sb.as_ref(), "echo $PPID").await),
+        );
+        pairs.push((a, b));
+        if a == b {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(pairs.iter().any(|(a, b)| a == b), "never reused: {pairs:?}");
+    sb.destroy().await.unwrap();
 }

@@ -39,6 +39,19 @@ async fn a_spare_init_serves_the_next_create_and_a_dead_one_is_skipped() {
     let next = b.create_container(&spec(Language::Shell)).await.unwrap();
     assert_eq!(next.init_pid(), spare[0]);
     assert_eq!(sh_ok(&next, "echo 2").await, "2\n");
+    // It was cloned with its namespaces: its own, not ours, nor another sandbox's.
+    let ns = |pid: i32, kind: &str| std::fs::read_link(format!("/proc/{pid}/ns/{kind}")).unwrap();
+    for kind in ["net", "mnt", "uts", "ipc", "user", "pid"] {
+        let own = std::process::id() as i32;
+        assert_ne!(ns(next.init_pid(), kind), ns(own, kind), "{kind}");
+        assert_ne!(ns(next.init_pid(), kind), ns(live, kind), "{kind}");
+    }
+    // Its `lo` is up (it brought it up itself while it waited), as in an init cloned on
+    // demand (whose `lo` the library brings up).
+    let up = "python3 -c \"import socket; s=socket.socket(); s.bind(('127.0.0.1',0)); s.listen(); \
+              socket.create_connection(s.getsockname()); print('lo up')\"";
+    assert_eq!(sh_ok(&next, up).await, "lo up\n");
+    assert_eq!(sh_ok(&sb, up).await, "lo up\n");
     // A spare that died is noticed, reaped and replaced by an on-demand clone.
     let spare = spares(1, &[live, next.init_pid()]);
     assert_eq!(spare.len(), 1, "{spare:?}");
