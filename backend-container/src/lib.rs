@@ -245,6 +245,16 @@
 //! cgroups, created under the caller's own cgroup as `asb-<our pid>-<sandbox id>` and removed
 //! on destroy; a process that dies without destroying its sandboxes leaves them empty, and
 //! the next [`ContainerBackend`] built on the host removes those whose process is gone.
+//! **On v1, a destroyed sandbox's emptied cgroups are kept for the next one** (renamed
+//! `asb-<our pid>-free-<n>`, at most two sets per process, removed at its normal exit (a
+//! killed process leaves them to the sweep above), only when no process or child
+//! cgroup is left, the freezer is thawed and at most 2 MiB of memory is still charged): the
+//! next create renames them and writes its own limits. Removing a v1 cgroup leaves the
+//! kernel deferred work (each controller's state killed, released and freed after RCU grace
+//! periods, the memory cgroup's per-CPU caches drained on every CPU) that lands on whatever
+//! runs next; a rename leaves none. Counters such as the OOM-kill count carry on, which
+//! changes nothing: each exec compares them before and after. cgroup2 cannot rename its
+//! directories, so v2 makes and removes them per sandbox.
 //! **v1** (detected from `/proc/self/cgroup` and `/proc/self/mountinfo`): `memory`
 //! (`limit_in_bytes`, `memsw` when present, swappiness 0), `pids` (`pids.max` = limit + 2 for
 //! the init and its spare supervisor), `cpu` (CFS quota from `cpu_millis`), `freezer` (pause/resume). No cpuset child is

@@ -263,7 +263,7 @@ impl Inner {
         // The kernel then kills the whole pid namespace.
         crate::spawn::reap(self.pid, true);
         if let Some(cg) = &self.cgroup {
-            let left = cg.remove(Duration::from_secs(2));
+            let left = cg.release(Duration::from_secs(2));
             if !left.is_empty() {
                 tracing::warn!(sandbox = %self.id, ?left, "cgroup directories could not be removed");
             }

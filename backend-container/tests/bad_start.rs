@@ -32,6 +32,7 @@ async fn a_create_failing_after_its_init_started_leaves_nothing_behind() {
         }
     }
     assert_eq!(common::count_sandbox_cgroups(), cgroups, "cgroups left");
+    common::assert_free_cgroups_are_empty_and_few();
     assert_eq!(common::count_children(), children, "processes left");
     // And the backend still works.
     let sb = b.create_container(&spec(Language::Shell)).await.unwrap();

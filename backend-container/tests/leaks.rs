@@ -72,6 +72,7 @@ async fn create_destroy_cycles_leave_nothing_behind() {
         cgroups,
         "cgroup directories left"
     );
+    common::assert_free_cgroups_are_empty_and_few();
     assert_eq!(
         common::count_procs_with_uid_in(uid_lo, uid_hi),
         procs,

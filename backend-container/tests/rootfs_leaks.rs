@@ -48,4 +48,5 @@ async fn rootfs_create_destroy_cycles_leave_nothing_behind() {
     assert_eq!(common::count_mounts(), mounts, "mounts leaked");
     assert_eq!(common::count_children(), children, "processes leaked");
     assert_eq!(common::count_sandbox_cgroups(), cgroups, "cgroups leaked");
+    common::assert_free_cgroups_are_empty_and_few();
 }

@@ -92,14 +92,44 @@ pub fn own_cgroup_dirs() -> Vec<std::path::PathBuf> {
     out
 }
 
-/// Number of `asb-*` cgroup directories under our own cgroups.
+/// Number of sandboxes' `asb-*` cgroup directories under our own cgroups (not counting the
+/// emptied ones kept for reuse: see [`free_cgroup_dirs`]).
 pub fn count_sandbox_cgroups() -> usize {
     own_cgroup_dirs()
         .iter()
         .filter_map(|d| std::fs::read_dir(d).ok())
         .flat_map(|rd| rd.flatten())
-        .filter(|e| e.file_name().to_string_lossy().starts_with("asb-"))
+        .filter(|e| {
+            let n = e.file_name().to_string_lossy().into_owned();
+            n.starts_with("asb-") && !n.contains("-free-")
+        })
         .count()
+}
+
+/// Our emptied cgroup directories kept for the next sandboxes (`asb-<our pid>-free-<n>`).
+pub fn free_cgroup_dirs() -> Vec<std::path::PathBuf> {
+    let prefix = format!("asb-{}-free-", std::process::id());
+    own_cgroup_dirs()
+        .iter()
+        .filter_map(|d| std::fs::read_dir(d).ok())
+        .flat_map(|rd| rd.flatten())
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .map(|e| e.path())
+        .collect()
+}
+
+/// Asserts that the kept cgroup directories hold no process and are at most two sets.
+pub fn assert_free_cgroups_are_empty_and_few() {
+    let free = free_cgroup_dirs();
+    let controllers = own_cgroup_dirs().len().max(1);
+    assert!(
+        free.len() <= 2 * controllers,
+        "too many kept cgroups: {free:?}"
+    );
+    for d in free {
+        let procs = std::fs::read_to_string(d.join("cgroup.procs")).unwrap_or_default();
+        assert!(procs.trim().is_empty(), "{} holds {procs}", d.display());
+    }
 }
 
 /// Our direct children (zombies included): (pid, command name).
