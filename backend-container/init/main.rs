@@ -1424,7 +1424,8 @@ fn recv_on(sock: RawFd, buf: &mut [u8]) -> io::Result<Option<(usize, Vec<OwnedFd
 
 /// Finishes the namespaces. The zygote cloned us as pid 1 of a new pid namespace, in a new
 /// user namespace (one process, no extra `clone` for pid 1); the mount, UTS, IPC and network
-/// namespaces are made here while the library writes our id maps and makes the cgroups.
+/// namespaces are made here (a spare has them) while the library makes the cgroups. The
+/// library wrote our id maps before `START`, and `MAPS` follows it at once.
 fn bootstrap() {
     let die = |code: i32, what: &str| -> ! {
         send_err(0, 0, &io::Error::last_os_error(), what);

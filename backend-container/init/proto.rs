@@ -5,9 +5,10 @@
 //!
 //! Bootstrap: the library's zygote clones the init (pid 1 of new user and pid namespaces, a
 //! child of the library through `CLONE_PARENT`) with the socket as stdin, on request or ahead
-//! of time. The init waits for `MSG_START`, says `REP_BOOT` and creates its other namespaces
-//! (a spare has them from its `clone`, and its `lo` up) while the library writes the id maps
-//! and says `MSG_MAPS`; the init becomes root inside, waits for `MSG_CGROUPS` (fds attached: the
+//! of time. The library writes its id maps (its user namespace exists from the `clone`) and
+//! sends `MSG_START` and `MSG_MAPS` back to back. The init says `REP_BOOT`, creates its other
+//! namespaces (a spare has them from its `clone`, and its `lo` up), takes `MSG_MAPS` (already
+//! there: no round trip) and becomes root inside, waits for `MSG_CGROUPS` (fds attached: the
 //! sandbox's cgroup files, opened by the library; the init writes `0` to each to move itself
 //! in) and says `REP_INIT`.
 //!

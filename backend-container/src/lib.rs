@@ -27,12 +27,13 @@
 //!          zygote clone one: CLONE_NEWUSER |       cloned by the zygote (CLONE_PARENT), waits
 //!          CLONE_NEWPID | CLONE_PARENT)            (a spare: cloned with NS|UTS|IPC|NET too,
 //!                                                   its lo up while it waits)
-//!          START ──────────────────────────────▶ A: BOOT, unshare(NS|UTS|IPC|NET)
-//!          (meanwhile: mkdir cgroups, open their
-//!           `tasks` files)
-//!          write uid_map/gid_map ◀── BOOT
+//!          write uid_map/gid_map
+//!          START, MAPS ────────────────────────▶ A: BOOT, unshare(NS|UTS|IPC|NET) (not a
+//!          (meanwhile: plan the setup; make the     spare), setresuid(0)
+//!           cgroups, or rename kept ones, open
+//!           their `tasks` files)
+//!          check BOOT ◀──────────────────────── (source hash; spare: lo is up)
 //!          (rootfs dir: open_tree + idmap)
-//!          MAPS ───────────────────────────────▶ A: setresuid(0)
 //!          CGROUPS (the opened files) ─────────▶ A: writes "0" to each (moves itself in)
 //!          SETUP, SEAL (queued) ───────────────▶ A: as root, one recursive bind of the
 //!                                                    zygote's root-filesystem template, its
@@ -721,7 +722,7 @@ impl ContainerBackend {
         }
         // The init makes its namespaces (~0.5 ms; a spare has them already) while we plan
         // its setup.
-        let starting = spawn::start_init(true, template.is_some())
+        let starting = spawn::start_init(true, template.is_some(), &ids)
             .await
             .map_err(|e| Error::backend(TIER, e))?;
         let planned = (|| {

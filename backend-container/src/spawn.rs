@@ -565,13 +565,34 @@ struct StartingInit {
 }
 
 /// Takes the spare init (`use_spare`, for a `template`-mode create; see [`fork_init`]) or has
-/// the zygote clone one, and tells it to start:
-/// it makes its namespaces while the caller plans the sandbox, then [`spawn_init`] carries
-/// on. (A root-filesystem template the setup will use must exist before this: the init copies
-/// the zygote's mount namespace as it starts.)
-pub(crate) async fn start_init(use_spare: bool, template: bool) -> Result<Starting, String> {
+/// the zygote clone one, writes its id maps (`ids`: its user namespace exists from its
+/// `clone`) and tells it to start, with `MAPS` right behind `START`: it makes its namespaces
+/// (a spare has them) and becomes root inside while the caller plans the sandbox, with no
+/// round trip to us, then [`spawn_init`] carries on. (A root-filesystem template the setup
+/// will use must exist before this: the init copies the zygote's mount namespace as it
+/// starts.)
+pub(crate) async fn start_init(
+    use_spare: bool,
+    template: bool,
+    ids: &IdMap,
+) -> Result<Starting, String> {
     let img = image()?;
-    let (first, ours, spare) = fork_init(img, use_spare, template)?;
+    let mut use_spare = use_spare;
+    let (first, ours, spare) = loop {
+        let (first, ours, spare) = fork_init(img, use_spare, template)?;
+        match write_maps(first, ids) {
+            Ok(()) => break (first, ours, spare),
+            // A spare that died unseen (its maps cannot be written): a fresh clone.
+            Err(_) if spare => {
+                reap(first, true);
+                use_spare = false;
+            }
+            Err(e) => {
+                reap(first, true);
+                return Err(format!("write uid/gid maps: {e}"));
+            }
+        }
+    };
     let ctl = match Ctl::new(ours) {
         Ok(c) => c,
         Err(e) => {
@@ -581,12 +602,15 @@ pub(crate) async fn start_init(use_spare: bool, template: bool) -> Result<Starti
     };
     let rx = ctl.register_fixed(0);
     ctl.start_reader();
-    if let Err(e) = ctl.send(proto::MSG_START, 0, &[], &[]).await {
-        if !spare {
-            reap(first, true);
-            return Err(format!("start the sandbox init: {e}"));
+    for msg in [proto::MSG_START, proto::MSG_MAPS] {
+        if let Err(e) = ctl.send(msg, 0, &[], &[]).await {
+            if !spare {
+                reap(first, true);
+                return Err(format!("start the sandbox init: {e}"));
+            }
+            // A dead spare: `spawn_init` sees its socket closed and clones another.
+            break;
         }
-        // A dead spare: `spawn_init` sees its socket closed and clones another.
     }
     Ok(Starting {
         inner: Some(StartingInit {
@@ -610,9 +634,10 @@ pub(crate) fn abandon(starting: Starting) {
 ///
 /// The library never forks itself: the process's zygote (see [`Zygote`]) clones the init
 /// with new user and pid namespaces and `CLONE_PARENT`, so it is our child, with the control
-/// socket as its stdin. It says `REP_BOOT` and makes the other namespaces while we write its
-/// id maps and the cgroup job makes the cgroups; it joins those itself (writing `0` to the
-/// files the job opened) before it starts anything, so all it starts inherits them.
+/// socket as its stdin. [`start_init`] wrote its id maps and sent `START` and `MAPS`; it says
+/// `REP_BOOT`, makes the other namespaces and becomes root inside while the cgroup job makes
+/// the cgroups; it joins those itself (writing `0` to the files the job opened) before it
+/// starts anything, so all it starts inherits them.
 ///
 /// `requests` (`MSG_SETUP` payloads) are queued right behind the bootstrap messages, so the
 /// init finds them waiting. With `lower` (a rootfs directory, as root), the first one
@@ -644,7 +669,7 @@ pub(crate) async fn spawn_init(
             // once more with a fresh clone.
             None if spare => {
                 reap(first, true);
-                match start_init(false, template).await {
+                match start_init(false, template, ids).await {
                     Ok(s) => starting = s,
                     Err(e) => {
                         if let Ok(Ok(Some((c, _)))) = cgroup_job.await {
@@ -682,7 +707,6 @@ pub(crate) async fn spawn_init(
             );
         }
         lo_up = dec.u8().is_ok_and(|f| f & proto::BOOT_LO_UP != 0);
-        write_maps(first, ids).map_err(|e| format!("write uid/gid maps: {e}"))?;
         // A template-mode setup's host-directory workspace, as a detached mount (`Op::Lower`).
         let mut lower_fd: Vec<OwnedFd> = workspace.into_iter().collect();
         if let Some(dir) = lower {
@@ -698,9 +722,6 @@ pub(crate) async fn spawn_init(
                 ),
             }
         }
-        ctl.send(proto::MSG_MAPS, 0, &[], &[])
-            .await
-            .map_err(|e| format!("bootstrap: {e}"))?;
         let Some(job) = cgroup_job.take() else {
             return Err("cgroup task already taken".to_string());
         };
