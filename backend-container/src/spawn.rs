@@ -80,6 +80,9 @@ struct Zygote {
     spare: Option<(libc::pid_t, OwnedFd)>,
     /// Whether a spare was asked for and its reply not read yet (replies come in order).
     spare_asked: bool,
+    /// How many templates existed when the spare was asked for: a spare copies the
+    /// zygote's mount namespace as it is cloned, so it lacks templates built after that.
+    spare_built: usize,
 }
 
 /// Where templates live in the zygote's mount namespace (as root). The directory is made on
@@ -150,6 +153,7 @@ impl Zygote {
             built: 0,
             spare: None,
             spare_asked: false,
+            spare_built: 0,
         })
     }
 
@@ -211,12 +215,18 @@ impl Zygote {
             None,
         );
         self.spare_asked = sent.is_ok();
+        self.spare_built = self.built;
     }
 
-    /// The spare init, if there is a live one.
+    /// The spare init, if there is a live one that has every template (a stale one is
+    /// killed: the next is cloned with the templates as they are now).
     fn take_spare(&mut self) -> Option<(libc::pid_t, OwnedFd)> {
         self.settle().ok()?;
         let (pid, fd) = self.spare.take()?;
+        if self.spare_built < self.built {
+            reap(pid, true);
+            return None;
+        }
         // It only waits until we speak: any event on its socket means it is gone.
         let mut p = libc::pollfd {
             fd: fd.as_raw_fd(),

@@ -66,10 +66,25 @@ async fn a_spare_init_serves_the_next_create_and_a_dead_one_is_skipped() {
         !common::children().iter().any(|(p, _)| *p == spare[0]),
         "the dead spare was not reaped"
     );
+    // A spare copies the zygote's mount namespace as it is cloned, so it lacks templates
+    // built after that: a create needing such a template must not use it.
+    let spare = spares(1, &[live, next.init_pid(), third.init_pid()]);
+    assert_eq!(spare.len(), 1, "{spare:?}");
+    let late = backend_container::ContainerBackend::builder()
+        .hostname("late-template")
+        .build()
+        .unwrap();
+    let fourth = late.create_container(&spec(Language::Shell)).await.unwrap();
+    assert_eq!(sh_ok(&fourth, "hostname").await, "late-template\n");
+    if nix::unistd::geteuid().is_root() {
+        // As root it set up from the new template, in an init cloned after it was built.
+        assert_ne!(fourth.init_pid(), spare[0]);
+    }
     for s in [
         sb.destroy().await,
         next.destroy().await,
         third.destroy().await,
+        fourth.destroy().await,
     ] {
         s.unwrap();
     }
