@@ -119,6 +119,40 @@ async fn main() {
         "baseline: host fork+exec /bin/true (no sandbox): median {} us",
         median(v)
     );
+    // What a warm pool's checkout meets: the first command of a fresh sandbox, right after
+    // its create and after 12 ms of idleness, against a host spawn after the same pause.
+    let spawn_true = || {
+        let t0 = Instant::now();
+        assert!(std::process::Command::new("/bin/true")
+            .status()
+            .unwrap()
+            .success());
+        t0.elapsed().as_micros()
+    };
+    for idle in [0u64, 12] {
+        let pause = || std::thread::sleep(std::time::Duration::from_millis(idle));
+        let (mut first, mut host) = (Vec::new(), Vec::new());
+        for _ in 0..n / 2 {
+            let sb = b.create(&spec, ResolvedSecrets::none()).await.unwrap();
+            pause();
+            let t0 = Instant::now();
+            assert!(sb
+                .exec(ExecRequest::argv(["/bin/true"]))
+                .await
+                .unwrap()
+                .success());
+            first.push(t0.elapsed().as_micros());
+            sb.destroy().await.unwrap();
+            pause();
+            host.push(spawn_true());
+        }
+        println!(
+            "first /bin/true in a fresh sandbox after {idle} ms idle: median {} us \
+             (host spawn after the same pause: {} us)",
+            median(first),
+            median(host)
+        );
+    }
     let pid = b.create_container(&spec).await.unwrap();
     let status = std::fs::read_to_string(format!("/proc/{}/status", pid.init_pid())).unwrap();
     let rss = status
