@@ -264,10 +264,22 @@ fn container(c: &mut Criterion) {
         });
     }
 
-    let pool = shared::ready_pool(&rt, Arc::new(backend.clone()), &spec);
+    let pool = shared::ready_pool(&rt, Arc::new(backend.clone()), &spec, None);
     shared::bench_checkout_and_first_command(
         &mut g,
         "ours: pool checkout + first command (/bin/true)",
+        &rt,
+        pool,
+        2,
+        ExecRequest::argv(["/bin/true"]),
+    );
+    // The same with a warm-up (`PoolConfig::warm_up`): each pooled sandbox ran a no-op once,
+    // so the supervisor that serves the first command has run before.
+    let warm = ExecRequest::argv(["/bin/true"]);
+    let pool = shared::ready_pool(&rt, Arc::new(backend.clone()), &spec, Some(warm));
+    shared::bench_checkout_and_first_command(
+        &mut g,
+        "ours: pool (warm-up: /bin/true) checkout + first command (/bin/true)",
         &rt,
         pool,
         2,

@@ -125,7 +125,7 @@ fn gvisor(c: &mut Criterion) {
         b.iter(|| rt.block_on(async { assert!(live.exec(true_cmd()).await.unwrap().success()) }))
     });
 
-    let pool = shared::ready_pool(&rt, Arc::new(backend.clone()), &spec);
+    let pool = shared::ready_pool(&rt, Arc::new(backend.clone()), &spec, None);
     shared::bench_checkout_and_first_command(
         &mut g,
         "pool checkout + first command",

@@ -171,3 +171,56 @@ async fn invalid_template_is_refused() {
     )
     .is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn warm_up_runs_in_each_pooled_sandbox_and_a_failing_one_discards_it() {
+    // Each pooled sandbox ran the warm-up once before it was handed out.
+    let pool = WarmPool::start(
+        counting(false),
+        spec(),
+        ResolvedSecrets::none(),
+        PoolConfig {
+            size: 2,
+            warm_up: Some(ExecRequest::code("echo warm >> warmed")),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(pool.wait_ready(2, Duration::from_secs(10)).await);
+    let sb = pool.checkout().await.unwrap();
+    let r = sb.exec(ExecRequest::code("cat warmed")).await.unwrap();
+    assert_eq!(r.stdout_str(), "warm\n");
+    sb.destroy().await.unwrap();
+    assert_eq!(pool.stats().hits, 1);
+    pool.shutdown().await;
+
+    // A warm-up that fails: nothing is pooled, failures are counted with the reason, and a
+    // checkout is a miss (which does not run the warm-up).
+    let pool = WarmPool::start(
+        counting(false),
+        spec(),
+        ResolvedSecrets::none(),
+        PoolConfig {
+            size: 1,
+            warm_up: Some(ExecRequest::code("echo x >> warmed; exit 3")),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert!(!pool.wait_ready(1, Duration::from_millis(300)).await);
+    let st = pool.stats();
+    assert!(st.create_failures >= 1, "{st:?}");
+    assert!(
+        st.last_error
+            .as_deref()
+            .unwrap_or_default()
+            .contains("Some(3)"),
+        "{st:?}"
+    );
+    let sb = pool.checkout().await.unwrap();
+    let r = sb.exec(ExecRequest::code("cat warmed")).await.unwrap();
+    assert!(!r.success(), "a miss ran the warm-up: {r:?}");
+    assert_eq!(pool.stats().misses, 1);
+    sb.destroy().await.unwrap();
+    pool.shutdown().await;
+}

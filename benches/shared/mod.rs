@@ -7,11 +7,13 @@ use agent_sandbox::{Backend, ExecRequest, PoolConfig, ResolvedSecrets, SandboxSp
 use criterion::measurement::WallTime;
 use criterion::BenchmarkGroup;
 
-/// A warm pool of 2 sandboxes of `spec` (health checks off: they would be timed), filled.
+/// A warm pool of 2 sandboxes of `spec` (health checks off: they would be timed), filled;
+/// each pooled sandbox runs `warm_up` first, if given (see `PoolConfig::warm_up`).
 pub fn ready_pool(
     rt: &tokio::runtime::Runtime,
     backend: Arc<dyn Backend>,
     spec: &SandboxSpec,
+    warm_up: Option<ExecRequest>,
 ) -> WarmPool {
     rt.block_on(async {
         let p = WarmPool::start(
@@ -22,6 +24,7 @@ pub fn ready_pool(
                 size: 2,
                 max_idle: Duration::from_secs(600),
                 health_check: false,
+                warm_up,
                 ..Default::default()
             },
         )?;

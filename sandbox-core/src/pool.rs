@@ -30,6 +30,14 @@ pub struct PoolConfig {
     /// creation does not compete for the CPUs with the caller's first command.
     #[serde(with = "millis", default = "default_refill_delay")]
     pub refill_delay: Duration,
+    /// A command each pooled sandbox runs once, in the background, after its creation and
+    /// before it is handed out: e.g. a no-op, so the first real command finds the backend's
+    /// exec path warm (in the container tier, the supervisor that serves it has run before),
+    /// or a session's heavy imports. A warm-up that fails or exits non-zero discards the
+    /// sandbox (counted in [`PoolStats::create_failures`]). A miss (a sandbox created at
+    /// checkout) does not run it.
+    #[serde(default)]
+    pub warm_up: Option<crate::exec::ExecRequest>,
 }
 
 fn default_refill_delay() -> Duration {
@@ -57,6 +65,7 @@ impl Default for PoolConfig {
             max_idle: Duration::from_secs(300),
             health_check: true,
             refill_delay: default_refill_delay(),
+            warm_up: None,
         }
     }
 }
@@ -277,6 +286,25 @@ async fn refill_loop(inner: Arc<Inner>) {
                 .await
             {
                 Ok(sb) => {
+                    if let Some(req) = &inner.config.warm_up {
+                        let failed = match sb.exec(req.clone()).await {
+                            Ok(r) if r.success() => None,
+                            Ok(r) => Some(format!("warm-up exited with {:?}", r.exit_code)),
+                            Err(e) => Some(format!("warm-up failed: {e}")),
+                        };
+                        if let Some(why) = failed {
+                            tracing::warn!(tier = %inner.backend.tier(), %why, "warm pool warm-up failed");
+                            let _ = sb.destroy().await;
+                            {
+                                let mut st = inner.state();
+                                st.stats.create_failures += 1;
+                                st.stats.last_error = Some(why);
+                            }
+                            tokio::time::sleep(backoff).await;
+                            backoff = (backoff * 2).min(Duration::from_secs(5));
+                            continue;
+                        }
+                    }
                     let mut st = inner.state();
                     st.stats.created += 1;
                     st.ready.push_back(Ready {
