@@ -129,6 +129,7 @@ extern "C" {
     fn setresuid(r: u32, e: u32, s: u32) -> c_int;
     fn setresgid(r: u32, e: u32, s: u32) -> c_int;
     fn setsid() -> c_int;
+    fn setpgid(pid: c_int, pgid: c_int) -> c_int;
     fn setrlimit(res: c_int, lim: *const Rlimit) -> c_int;
     fn prctl(op: c_int, ...) -> c_int;
     fn socket(domain: c_int, ty: c_int, proto: c_int) -> c_int;
@@ -1155,7 +1156,10 @@ extern "C" fn child_main(arg: *mut c_void) -> c_int {
         }
         dup2(c.out, 1);
         dup2(c.err, 2);
-        setsid();
+        // A process group of its own, in the sandbox's session (the init's, made by
+        // `bootstrap`: no controlling terminal). Not a session per exec: `setsid` makes a
+        // scheduler autogroup each time, freed through RCU after the command exits.
+        setpgid(0, 0);
         let mut failed = false;
         for (r, l) in &c.rlimits {
             if setrlimit(*r, l) < 0 {
@@ -1446,6 +1450,12 @@ fn bootstrap() {
         boot.u64(SOURCE_HASH);
         boot.u8(if lo_up { BOOT_LO_UP } else { 0 });
         send(REP_BOOT, 0, &boot.0);
+        // The sandbox's own session, with no controlling terminal: nothing inside can reach
+        // the terminal of the library's session (`/dev/tty`, TIOCSTI). Every exec is a
+        // process group of it.
+        if setsid() < 0 {
+            die(84, "setsid");
+        }
         // Creating them needs only the capabilities we hold in the new user namespace, which
         // owns them (a new network namespace alone costs ~0.4 ms). A spare has them already.
         if !AHEAD.load(Ordering::Relaxed)

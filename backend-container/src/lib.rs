@@ -44,7 +44,7 @@
 //!  exec:   pipes (stdin/stdout/stderr) ─────────▶ the spare supervisor A forked ahead
 //!          (on the spare's own socket; else        (else one A forks on demand): a child
 //!           through A)                              subreaper; it starts the command with a
-//!                                                   vfork-style clone: setsid, rlimits,
+//!                                                   vfork-style clone: setpgid, rlimits,
 //!                                                   setuid(sandbox), chdir, execve
 //!          ◀──────────── EXITED(status, t) ──────── the supervisor (which then waits for the
 //!                                                   next exec, if this one left nothing);
@@ -106,6 +106,11 @@
 //! Each exec gets a *supervisor*, a fork of the init marked `PR_SET_CHILD_SUBREAPER`: every
 //! process the command starts stays its descendant (orphans are re-parented to it, even after
 //! `setsid` or a double fork), so a timeout kills the exec's whole tree by walking `/proc`.
+//! **Sessions**: the init makes the sandbox's own session (`setsid` right after `START`), which
+//! has no controlling terminal, so nothing inside reaches the terminal of the library's session
+//! (`/dev/tty`, `TIOCSTI`); each exec is a process group of that session (`setpgid`), not a
+//! session of its own, which would cost a scheduler autogroup per command (made by `setsid`,
+//! freed through RCU after the command exits).
 //! The init keeps one **spare supervisor** forked ahead of time (the first before the seal's
 //! reply, so it carries the seal) and hands the library a socket to it
 //! (`REP_SPARE`): the library sends the exec **straight to the spare**, whose replies

@@ -80,6 +80,37 @@ async fn kill_all_inside_leaves_the_sandbox_working() {
 }
 
 #[tokio::test]
+async fn execs_are_process_groups_of_the_sandbox_session() {
+    require_host!();
+    let sb = create(Language::Shell).await;
+    // Fields 5-7 of /proc/<pid>/stat: process group, session, controlling terminal.
+    let script = "read -r _ _ _ _ pg sid tty _ < /proc/$$/stat; echo $$ $pg $sid $tty";
+    let mut groups = Vec::new();
+    for _ in 0..2 {
+        let out = sh_ok(sb.as_ref(), script).await;
+        let f: Vec<i64> = out.split_whitespace().map(|v| v.parse().unwrap()).collect();
+        assert_eq!(f.len(), 4, "{out}");
+        // The session is the sandbox's: its leader, the init, is pid 1 inside. (The
+        // library's session would read 0 here, its leader being outside the namespace.)
+        assert_eq!(f[2], 1, "session of an exec: {out}");
+        // Each exec leads a process group of its own, with no controlling terminal.
+        assert_eq!(f[1], f[0], "process group of an exec: {out}");
+        assert_eq!(f[3], 0, "controlling terminal of an exec: {out}");
+        groups.push(f[1]);
+    }
+    assert_ne!(groups[0], groups[1]);
+    // A command may still make a session of its own.
+    assert_eq!(
+        sh_ok(
+            sb.as_ref(),
+            "setsid sh -c 'read -r _ _ _ _ _ sid _ < /proc/$$/stat; [ $sid = $$ ] && echo own'"
+        )
+        .await,
+        "own\n"
+    );
+}
+
+#[tokio::test]
 async fn closed_stdout_and_lingering_children() {
     require_host!();
     let sb = create(Language::Shell).await;
