@@ -56,6 +56,13 @@ cargo run --locked -q -p agent-sandbox -- install python-wasm
 step "cargo test"
 cargo test --workspace --locked -- --test-threads="${TEST_THREADS:-2}"
 
+step "examples (all but network_allowlist, which reaches PyPI through the egress proxy)"
+cargo build --locked -q -p agent-sandbox --examples
+for ex in quickstart dev_agent warm_pool untrusted_code js_transform data_science; do
+  echo "--- example $ex"
+  cargo run --locked -q -p agent-sandbox --example "$ex"
+done
+
 step "CLI smoke: probe and select answer"
 cargo run --locked -q -p agent-sandbox -- probe
 cargo run --locked -q -p agent-sandbox -- select --lang javascript --json >/dev/null
