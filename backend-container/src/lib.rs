@@ -167,9 +167,9 @@
 //! - `/dev`: a tmpfs with `null`, `zero`, `full`, `random`, `urandom`, `tty` bound from the
 //!   host (no `mknod` in a user namespace), a private `devpts` (`/dev/pts`, `/dev/ptmx`),
 //!   `/dev/shm` (tmpfs), and the `fd`/`stdin`/`stdout`/`stderr` links;
-//! - `/tmp` (tmpfs, `limits.disk_bytes / 4`, at least 16 MiB), `/var/tmp` → `/tmp`;
-//! - `/workspace`: a tmpfs capped at `limits.disk_bytes` owned by the sandbox user, or the
-//!   spec's host directory (read-only if asked);
+//! - `/tmp` (tmpfs), `/var/tmp` → `/tmp`;
+//! - `/workspace`: a tmpfs owned by the sandbox user, or the spec's host directory (read-only
+//!   if asked);
 //! - the spec's mounts, read-only unless `read_only: false`, never under a system directory.
 //!
 //! No `/sys`, `/home`, `/root`, `/var`, `/run` or host sockets.
@@ -214,8 +214,8 @@
 //!
 //! A root filesystem directory (a Debian tree made with `debootstrap`, an unpacked OCI image)
 //! replaces the host-tools view. It is the **lower layer of an overlay** and is never
-//! written: the upper and work directories live on a tmpfs of the sandbox's own (capped at
-//! `limits.disk_bytes`, charged to its memory cgroup), so changes vanish with the sandbox
+//! written: the upper and work directories live on a tmpfs of the sandbox's own (capped as
+//! below, charged to its memory cgroup), so changes vanish with the sandbox
 //! unless snapshotted. `/proc`, `/dev`, `/tmp`, `/workspace`, the spec's mounts, hostname,
 //! loopback, rlimits, cgroups, seccomp and Landlock are the same as in the host-tools view;
 //! the image keeps its own `/etc` except `hosts`, `hostname` and `resolv.conf`, which are
@@ -273,9 +273,25 @@
 //! `Pids` when it failed and `pids.events` `max` rose; `Output` when a stream passed
 //! `max(4 × output_bytes, output_bytes + 8 MiB)` (the command is killed; below that it is
 //! only truncated); `CpuTime` on `SIGXCPU` (`RLIMIT_CPU` = `cpu_time_ms`); `WallTime` when the
-//! call's timeout killed the tree; `Disk` when it failed with `/workspace` or `/tmp` full.
+//! call's timeout killed the tree; `Disk` when it failed with `/workspace`, `/tmp`,
+//! `/dev/shm` (or the overlay's upper layer) out of space or inodes.
 //! rlimits: `RLIMIT_NOFILE` = `open_files`, `RLIMIT_CORE` = 0, `RLIMIT_CPU`.
-//! `lifetime_ms` is checked on every call. tmpfs pages count against the memory limit.
+//! `lifetime_ms` is checked on every call.
+//!
+//! **Disk is memory.** The writable tmpfs mounts (`/workspace` unless it is a host directory,
+//! `/tmp`, `/dev/shm`, the overlay's upper layer) are charged to the sandbox's memory cgroup,
+//! pages and inodes alike (~1 KiB of kernel memory per file), and nothing can reclaim them.
+//! Were they sized by `limits.disk_bytes` alone, files could fill the memory limit: every
+//! later command would be OOM-killed, then the supervisor and the init, and the sandbox would
+//! be lost with its workspace (seen here: 60 MB of files in a 64 MiB sandbox killed it).
+//! So together they hold at most **5/8 of `limits.memory_bytes` in data and one inode per
+//! 8 KiB of it**, which leaves processes at least a quarter of the limit: `/tmp` and
+//! `/dev/shm` up to an eighth of that each (asked: a quarter of `disk_bytes`), the workspace
+//! (and the upper layer, sharing) the rest, at most `disk_bytes`. With the defaults (512 MiB
+//! of memory, 1 GiB of disk) the workspace holds 240 MiB and 49,152 files, `/tmp` and
+//! `/dev/shm` 40 MiB and 8,192 each; `df` inside shows them. A bigger workspace needs a
+//! bigger memory limit, or a host directory. A full one fails the write with `ENOSPC`
+//! (`limit: disk`) and the sandbox goes on (tested).
 //!
 //! The init keeps the default OOM score (0), like every process in the sandbox: the kernel
 //! kills the task using the most memory, which is never the ~1 MB init unless the sandbox is
@@ -702,7 +718,6 @@ impl ContainerBackend {
             .as_ref()
             .map(|(_, plan)| plan.resolv_conf.clone())
             .unwrap_or_else(|| network::DEFAULT_RESOLV_CONF.to_string());
-        let tmp_bytes = (spec.limits.disk_bytes / 4).max(16 << 20);
         // As root, a host-tools root without spec mounts or an egress link (whose
         // `resolv.conf` is the sandbox's own) starts from a template (see
         // `rootfs::template_ops`), built once per process for each set of `/etc` files.
@@ -736,7 +751,7 @@ impl ContainerBackend {
                 user,
                 hostname: &self.cfg.hostname,
                 resolv_conf: &resolv,
-                tmp_bytes,
+                caps: rootfs::TmpfsCaps::for_spec(spec),
                 landlock: if self.cfg.landlock {
                     self.landlock_abi
                 } else {

@@ -63,6 +63,76 @@ const ETC_FROM_HOST: &[&str] = &[
     "perl",
 ];
 
+/// Kernel memory one tmpfs inode costs, inode and dentry together (measured here: 100,000
+/// empty files in a sandbox's workspace raised its memory cgroup's usage by 91 MiB).
+const INODE_BYTES: u64 = 1024;
+
+/// Size and inode caps of one tmpfs mount.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TmpfsCap {
+    /// `size=`, bytes.
+    pub bytes: u64,
+    /// `nr_inodes=`.
+    pub inodes: u64,
+}
+
+impl TmpfsCap {
+    fn options(self) -> String {
+        format!("size={},nr_inodes={}", self.bytes, self.inodes)
+    }
+}
+
+/// Caps of the sandbox's writable tmpfs mounts: `/workspace` (unless it is a host
+/// directory), `/tmp`, `/dev/shm` and, in rootfs-directory mode, the overlay's upper layer.
+///
+/// Their pages and inodes are charged to the sandbox's memory cgroup and cannot be reclaimed
+/// (there is no swap to push them to), so files left there could fill the memory limit and
+/// leave every later command, then the sandbox's own supervisor and init, to the OOM killer:
+/// the sandbox and its workspace would be lost. Together they are therefore held to **5/8 of
+/// the memory limit in data and one inode per 8 KiB of it** (≈ 1/8 of the limit in kernel
+/// memory at [`INODE_BYTES`] each), which always leaves a quarter of the limit to processes.
+/// A write past a cap fails with `ENOSPC` (the exec reports `limit: disk`) and the sandbox
+/// stays usable. Within that budget `/tmp` and `/dev/shm` get up to an eighth of the data and
+/// of the inodes each (asked: a quarter of `limits.disk_bytes`), and the workspace and the
+/// upper layer share the rest (each asked: `limits.disk_bytes`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct TmpfsCaps {
+    /// `/workspace`, when it is a tmpfs.
+    pub workspace: TmpfsCap,
+    /// `/tmp`, and `/dev/shm` (each its own mount, each this cap).
+    pub tmp: TmpfsCap,
+    /// The overlay's upper layer (rootfs-directory mode).
+    pub upper: TmpfsCap,
+}
+
+impl TmpfsCaps {
+    /// The caps for `spec` (see the type's docs).
+    pub(crate) fn for_spec(spec: &SandboxSpec) -> TmpfsCaps {
+        const MIN_BYTES: u64 = 1 << 20;
+        const MIN_INODES: u64 = 256;
+        let l = &spec.limits;
+        let data = l.memory_bytes / 8 * 5;
+        let inodes = l.memory_bytes / (8 * INODE_BYTES);
+        let tmp = TmpfsCap {
+            bytes: (l.disk_bytes / 4).min(data / 8).max(MIN_BYTES),
+            inodes: (inodes / 8).max(MIN_INODES),
+        };
+        // The workspace and the upper layer share what `/tmp` and `/dev/shm` leave.
+        let sharers = u64::from(matches!(spec.workspace, Workspace::Empty))
+            + u64::from(spec.rootfs.is_some());
+        let share = |total: u64, taken: u64| total.saturating_sub(2 * taken) / sharers.max(1);
+        let big = TmpfsCap {
+            bytes: share(data, tmp.bytes).min(l.disk_bytes).max(MIN_BYTES),
+            inodes: share(inodes, tmp.inodes).max(MIN_INODES),
+        };
+        TmpfsCaps {
+            workspace: big,
+            tmp,
+            upper: big,
+        }
+    }
+}
+
 /// Inputs of the plan.
 #[derive(Debug, Clone)]
 pub(crate) struct Plan<'a> {
@@ -71,8 +141,8 @@ pub(crate) struct Plan<'a> {
     pub user: u32,
     pub hostname: &'a str,
     pub resolv_conf: &'a str,
-    /// Size cap of `/tmp` and `/dev/shm`, bytes.
-    pub tmp_bytes: u64,
+    /// Caps of the writable tmpfs mounts (see [`TmpfsCaps`]).
+    pub caps: TmpfsCaps,
     /// Landlock ABI to confine writes with (`None`: no Landlock).
     pub landlock: Option<u32>,
     /// [`host_ops`], cached by the backend.
@@ -388,8 +458,8 @@ fn skeleton(ops: &mut Vec<Op>, r: Roots<'_>, var: bool) {
 }
 
 /// What each sandbox mounts on its skeleton: a fresh `/proc` (this pid namespace only) with
-/// `/proc/sys` read-only, `/dev/pts` (a new instance), `/dev/shm` and `/tmp` capped at
-/// `tmp_bytes`, and the workspace (a tmpfs capped at the disk limit, or the host directory).
+/// `/proc/sys` read-only, `/dev/pts` (a new instance), `/dev/shm` and `/tmp`, and the
+/// workspace (a tmpfs, or the host directory); the tmpfs mounts capped by `p.caps`.
 /// `detached`: a host-directory workspace arrives as a detached mount (the setup message's
 /// first fd, see `Op::Lower`) instead of being bound from its host path.
 fn sandbox_mounts(ops: &mut Vec<Op>, r: Roots<'_>, p: &Plan<'_>, detached: bool) -> Result<()> {
@@ -417,7 +487,7 @@ fn sandbox_mounts(ops: &mut Vec<Op>, r: Roots<'_>, p: &Plan<'_>, detached: bool)
         flags: MS_NOSUID | MS_NOEXEC,
         data: "newinstance,ptmxmode=0666,mode=0620".into(),
     });
-    let tmp = format!("mode=1777,size={}", p.tmp_bytes);
+    let tmp = format!("mode=1777,{}", p.caps.tmp.options());
     ops.push(tmpfs(r.at("/dev/shm"), MS_NOSUID | MS_NODEV, tmp.clone()));
     ops.push(tmpfs(r.at("/tmp"), MS_NOSUID | MS_NODEV, tmp));
     match &p.spec.workspace {
@@ -425,8 +495,8 @@ fn sandbox_mounts(ops: &mut Vec<Op>, r: Roots<'_>, p: &Plan<'_>, detached: bool)
             r.at("/workspace"),
             MS_NOSUID | MS_NODEV,
             format!(
-                "mode=0755,size={},uid={u},gid={u}",
-                p.spec.limits.disk_bytes,
+                "mode=0755,{},uid={u},gid={u}",
+                p.caps.workspace.options(),
                 u = p.user
             ),
         )),
@@ -649,7 +719,7 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
     if let Some(root) = &rootfs {
         // Rootfs-directory mode: an overlay whose lower layer is the directory (idmapped
         // when the library could, see `Op::Lower`) and whose upper layer lives on a tmpfs
-        // capped at `disk_bytes`, so the directory is never written. Both sit in the scratch
+        // capped by `p.caps.upper`, so the directory is never written. Both sit in the scratch
         // root and are detached with it after `pivot_root`; the init keeps the upper
         // directory open for snapshots.
         ops.push(Op::Mkdir {
@@ -663,7 +733,7 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
         ops.push(tmpfs(
             "/ovl",
             MS_NOSUID | MS_NODEV,
-            format!("mode=0755,size={}", spec.limits.disk_bytes),
+            format!("mode=0755,{}", p.caps.upper.options()),
         ));
         ops.push(Op::Mkdir {
             path: "/ovl/upper".into(),
@@ -815,10 +885,74 @@ mod tests {
             user: 1000,
             hostname: "sandbox",
             resolv_conf: "",
-            tmp_bytes: 1 << 20,
+            caps: TmpfsCaps::for_spec(spec),
             loopback: true,
         })
         .map(Setup::all)
+    }
+
+    #[test]
+    fn tmpfs_caps_of_the_default_spec() {
+        let spec = SandboxSpec::new(Language::Python);
+        let c = TmpfsCaps::for_spec(&spec);
+        // 512 MiB of memory: 320 MiB of data, 65,536 inodes; /tmp and /dev/shm an eighth each.
+        assert_eq!(
+            c.tmp,
+            TmpfsCap {
+                bytes: 40 << 20,
+                inodes: 8192
+            }
+        );
+        assert_eq!(
+            c.workspace,
+            TmpfsCap {
+                bytes: 240 << 20,
+                inodes: 49_152
+            }
+        );
+        // A small disk is what it asks for.
+        let mut spec = SandboxSpec::new(Language::Python);
+        spec.limits.disk_bytes = 100 << 20;
+        let c = TmpfsCaps::for_spec(&spec);
+        assert_eq!((c.workspace.bytes, c.tmp.bytes), (100 << 20, 25 << 20));
+    }
+
+    #[test]
+    fn tmpfs_caps_never_fill_the_memory_limit() {
+        for mem_mib in [4u64, 16, 64, 100, 512, 4096, 65_536] {
+            for disk_mib in [1u64, 10, 256, 1024, 1 << 20] {
+                for (host_ws, rootfs) in
+                    [(false, false), (false, true), (true, false), (true, true)]
+                {
+                    let mut spec = SandboxSpec::new(Language::Shell);
+                    spec.limits.memory_bytes = mem_mib << 20;
+                    spec.limits.disk_bytes = disk_mib << 20;
+                    if host_ws {
+                        spec.workspace = Workspace::HostDir {
+                            path: "/srv".into(),
+                            read_only: false,
+                        };
+                    }
+                    if rootfs {
+                        spec.rootfs = Some("/srv/root".into());
+                    }
+                    let c = TmpfsCaps::for_spec(&spec);
+                    let big = u64::from(!host_ws) + u64::from(rootfs);
+                    let bytes = 2 * c.tmp.bytes + big * c.workspace.bytes;
+                    let inodes = 2 * c.tmp.inodes + big * c.workspace.inodes;
+                    let worst = bytes + inodes * INODE_BYTES;
+                    // At most 3/4 of the limit, but for the floors (1 MiB, 256 inodes a
+                    // mount) that the smallest limits reach.
+                    let floors = (2 + big) * ((1 << 20) + 256 * INODE_BYTES);
+                    assert!(
+                        worst <= (spec.limits.memory_bytes / 4 * 3).max(floors),
+                        "{mem_mib} MiB / {disk_mib} MiB / {host_ws} / {rootfs}: {c:?}"
+                    );
+                    assert!(c.workspace.bytes <= spec.limits.disk_bytes.max(1 << 20));
+                    assert!(c.tmp.bytes >= 1 << 20 && c.tmp.inodes >= 256);
+                }
+            }
+        }
     }
 
     #[test]
@@ -853,7 +987,7 @@ mod tests {
             user: 0,
             hostname: "sandbox",
             resolv_conf: "",
-            tmp_bytes: 1 << 20,
+            caps: TmpfsCaps::for_spec(&spec),
             loopback: true,
         })
         .unwrap();
@@ -940,7 +1074,7 @@ mod tests {
             user: 1000,
             hostname: "box",
             resolv_conf: "",
-            tmp_bytes: 1 << 20,
+            caps: TmpfsCaps::for_spec(&spec),
             loopback: true,
         };
         let setup = template_plan(&p, root).unwrap();
@@ -1032,7 +1166,7 @@ mod wire_tests {
             user: 1000,
             hostname: "sandbox",
             resolv_conf: "",
-            tmp_bytes: 1 << 20,
+            caps: TmpfsCaps::for_spec(&spec),
             loopback: true,
         })
         .unwrap()

@@ -350,6 +350,7 @@ impl Inner {
         let mut dirs = vec![
             format!("/proc/{}/root/workspace", self.pid),
             format!("/proc/{}/root/tmp", self.pid),
+            format!("/proc/{}/root/dev/shm", self.pid),
         ];
         if self.spec.rootfs.is_some() {
             dirs.push(format!("/proc/{}/fd/{}", self.pid, proto::UPPER_FD));
@@ -617,9 +618,11 @@ impl Inner {
         t.mark(Phase::Command);
         let (exit_code, signal) = status.map_or((None, None), wait_status_code);
         let failed = exit_code != Some(0);
-        let (oom, pids) = self.cgroup.as_ref().map_or((false, false), |c| {
-            (c.oom_kills() > oom0, c.pids_max_events() > pids0)
-        });
+        // Only a failed command is blamed on a limit: a success skips the counters.
+        let (oom, pids) = match &self.cgroup {
+            Some(c) if failed => (c.oom_kills() > oom0, c.pids_max_events() > pids0),
+            _ => (false, false),
+        };
         let limit = if failed && oom {
             Some(LimitKind::Memory)
         } else if failed && pids {

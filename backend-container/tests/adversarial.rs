@@ -110,6 +110,69 @@ async fn execs_are_process_groups_of_the_sandbox_session() {
     );
 }
 
+/// Files on the tmpfs mounts are charged to the sandbox's memory and cannot be reclaimed:
+/// filling them must end in `ENOSPC` (`limit: disk`), never in the OOM killer taking the
+/// sandbox down with its workspace.
+#[tokio::test]
+async fn full_disk_and_inodes_leave_the_sandbox_and_its_files() {
+    require_host!();
+    let mut spec = spec(Language::Shell);
+    spec.limits.memory_bytes = 64 << 20;
+    spec.limits.disk_bytes = 256 << 20;
+    let sb = backend()
+        .create(&spec, ResolvedSecrets::none())
+        .await
+        .unwrap();
+    // 64 MiB of memory: 40 MiB of data in all, /tmp and /dev/shm 5 MiB each.
+    let df = sh_ok(sb.as_ref(), "df -k /workspace /tmp /dev/shm | tail -n 3").await;
+    let sizes: Vec<u64> = df
+        .lines()
+        .map(|l| l.split_whitespace().nth(1).unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(sizes, vec![30 << 10, 5 << 10, 5 << 10], "{df}");
+    for (what, script) in [
+        ("workspace data", "head -c 200M /dev/zero > /workspace/big"),
+        ("/tmp data", "head -c 200M /dev/zero > /tmp/big"),
+        ("/dev/shm data", "head -c 200M /dev/zero > /dev/shm/big"),
+        (
+            "workspace inodes",
+            "mkdir /workspace/many && cd /workspace/many && i=0; while [ $i -lt 20000 ]; do : > f$i || exit 1; i=$((i+1)); done",
+        ),
+    ] {
+        let r = sh(sb.as_ref(), script).await;
+        assert_ne!(r.exit_code, Some(0), "{what}: {r:?}");
+        assert_eq!(r.limit, Some(LimitKind::Disk), "{what}: {r:?}");
+        assert!(r.stderr_str().contains("No space left"), "{what}: {}", r.stderr_str());
+    }
+    // Everything is full, and commands still have their memory: python runs, allocates.
+    let out = sh_ok(
+        sb.as_ref(),
+        "python3 -c 'x = bytearray(8 << 20); print(len(x))'; ls /workspace/many | wc -l; du -sk /workspace/big",
+    )
+    .await;
+    let mut lines = out.lines();
+    assert_eq!(lines.next(), Some("8388608"), "{out}");
+    let files: u64 = lines.next().unwrap().trim().parse().unwrap();
+    assert!(files > 1000, "{out}");
+    let kib: u64 = lines
+        .next()
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(kib > 10 << 10, "{out}");
+    // Freeing space makes writes work again.
+    sh_ok(
+        sb.as_ref(),
+        "rm -rf /workspace/many /workspace/big /tmp/big /dev/shm/big && head -c 1M /dev/zero > /workspace/ok",
+    )
+    .await;
+    sb.health_check().await.unwrap();
+    sb.destroy().await.unwrap();
+}
+
 #[tokio::test]
 async fn closed_stdout_and_lingering_children() {
     require_host!();

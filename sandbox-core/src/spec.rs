@@ -100,7 +100,9 @@ pub struct Limits {
     pub pids: u32,
     /// Captured output per stream per exec, bytes; the rest is dropped and `truncated` set.
     pub output_bytes: u64,
-    /// Writable disk (workspace + temp), bytes.
+    /// Writable disk (workspace + temp), bytes. A tier whose disk is memory (tmpfs in the
+    /// container tier) may hold it to a part of `memory_bytes`, so that files cannot fill the
+    /// memory limit; its docs say how.
     pub disk_bytes: u64,
     /// Open file descriptors per process.
     pub open_files: u32,
