@@ -10,7 +10,7 @@
 
 use std::path::{Path, PathBuf};
 
-use sandbox_core::{Error, Result, SandboxSpec, Workspace};
+use sandbox_core::{Error, Result, SandboxSpec, TmpfsCap, Workspace};
 
 use crate::landlock;
 use crate::proto::Op;
@@ -63,74 +63,33 @@ const ETC_FROM_HOST: &[&str] = &[
     "perl",
 ];
 
-/// Kernel memory one tmpfs inode costs, inode and dentry together (measured here: 100,000
-/// empty files in a sandbox's workspace raised its memory cgroup's usage by 91 MiB).
-const INODE_BYTES: u64 = 1024;
-
-/// Size and inode caps of one tmpfs mount.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct TmpfsCap {
-    /// `size=`, bytes.
-    pub bytes: u64,
-    /// `nr_inodes=`.
-    pub inodes: u64,
-}
-
-impl TmpfsCap {
-    fn options(self) -> String {
-        format!("size={},nr_inodes={}", self.bytes, self.inodes)
-    }
-}
-
-/// Caps of the sandbox's writable tmpfs mounts: `/workspace` (unless it is a host
-/// directory), `/tmp`, `/dev/shm` and, in rootfs-directory mode, the overlay's upper layer.
-///
-/// Their pages and inodes are charged to the sandbox's memory cgroup and cannot be reclaimed
-/// (there is no swap to push them to), so files left there could fill the memory limit and
-/// leave every later command, then the sandbox's own supervisor and init, to the OOM killer:
-/// the sandbox and its workspace would be lost. Together they are therefore held to **5/8 of
-/// the memory limit in data and one inode per 8 KiB of it** (≈ 1/8 of the limit in kernel
-/// memory at [`INODE_BYTES`] each), which always leaves a quarter of the limit to processes.
-/// A write past a cap fails with `ENOSPC` (the exec reports `limit: disk`) and the sandbox
-/// stays usable. Within that budget `/tmp` and `/dev/shm` get up to an eighth of the data and
-/// of the inodes each (asked: a quarter of `limits.disk_bytes`), and the workspace and the
-/// upper layer share the rest (each asked: `limits.disk_bytes`).
+/// Caps of the sandbox's writable tmpfs mounts, from [`Limits::tmpfs_caps`] with two scratch
+/// mounts (`/tmp`, `/dev/shm`) and up to two disk mounts (`/workspace` unless it is a host
+/// directory, and in rootfs-directory mode the overlay's upper layer).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct TmpfsCaps {
-    /// `/workspace`, when it is a tmpfs.
-    pub workspace: TmpfsCap,
+    /// `/workspace`, when it is a tmpfs, and the overlay's upper layer.
+    pub disk: TmpfsCap,
     /// `/tmp`, and `/dev/shm` (each its own mount, each this cap).
     pub tmp: TmpfsCap,
-    /// The overlay's upper layer (rootfs-directory mode).
-    pub upper: TmpfsCap,
 }
 
 impl TmpfsCaps {
-    /// The caps for `spec` (see the type's docs).
+    /// The caps for `spec`.
     pub(crate) fn for_spec(spec: &SandboxSpec) -> TmpfsCaps {
-        const MIN_BYTES: u64 = 1 << 20;
-        const MIN_INODES: u64 = 256;
-        let l = &spec.limits;
-        let data = l.memory_bytes / 8 * 5;
-        let inodes = l.memory_bytes / (8 * INODE_BYTES);
-        let tmp = TmpfsCap {
-            bytes: (l.disk_bytes / 4).min(data / 8).max(MIN_BYTES),
-            inodes: (inodes / 8).max(MIN_INODES),
-        };
-        // The workspace and the upper layer share what `/tmp` and `/dev/shm` leave.
-        let sharers = u64::from(matches!(spec.workspace, Workspace::Empty))
+        let disks = u64::from(matches!(spec.workspace, Workspace::Empty))
             + u64::from(spec.rootfs.is_some());
-        let share = |total: u64, taken: u64| total.saturating_sub(2 * taken) / sharers.max(1);
-        let big = TmpfsCap {
-            bytes: share(data, tmp.bytes).min(l.disk_bytes).max(MIN_BYTES),
-            inodes: share(inodes, tmp.inodes).max(MIN_INODES),
-        };
+        let c = spec.limits.tmpfs_caps(2, disks);
         TmpfsCaps {
-            workspace: big,
-            tmp,
-            upper: big,
+            disk: c.disk,
+            tmp: c.scratch,
         }
     }
+}
+
+/// tmpfs options for `cap`.
+fn cap_options(cap: TmpfsCap) -> String {
+    format!("size={},nr_inodes={}", cap.bytes, cap.inodes)
 }
 
 /// Inputs of the plan.
@@ -487,7 +446,7 @@ fn sandbox_mounts(ops: &mut Vec<Op>, r: Roots<'_>, p: &Plan<'_>, detached: bool)
         flags: MS_NOSUID | MS_NOEXEC,
         data: "newinstance,ptmxmode=0666,mode=0620".into(),
     });
-    let tmp = format!("mode=1777,{}", p.caps.tmp.options());
+    let tmp = format!("mode=1777,{}", cap_options(p.caps.tmp));
     ops.push(tmpfs(r.at("/dev/shm"), MS_NOSUID | MS_NODEV, tmp.clone()));
     ops.push(tmpfs(r.at("/tmp"), MS_NOSUID | MS_NODEV, tmp));
     match &p.spec.workspace {
@@ -496,7 +455,7 @@ fn sandbox_mounts(ops: &mut Vec<Op>, r: Roots<'_>, p: &Plan<'_>, detached: bool)
             MS_NOSUID | MS_NODEV,
             format!(
                 "mode=0755,{},uid={u},gid={u}",
-                p.caps.workspace.options(),
+                cap_options(p.caps.disk),
                 u = p.user
             ),
         )),
@@ -733,7 +692,7 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
         ops.push(tmpfs(
             "/ovl",
             MS_NOSUID | MS_NODEV,
-            format!("mode=0755,{}", p.caps.upper.options()),
+            format!("mode=0755,{}", cap_options(p.caps.disk)),
         ));
         ops.push(Op::Mkdir {
             path: "/ovl/upper".into(),
@@ -889,70 +848,6 @@ mod tests {
             loopback: true,
         })
         .map(Setup::all)
-    }
-
-    #[test]
-    fn tmpfs_caps_of_the_default_spec() {
-        let spec = SandboxSpec::new(Language::Python);
-        let c = TmpfsCaps::for_spec(&spec);
-        // 512 MiB of memory: 320 MiB of data, 65,536 inodes; /tmp and /dev/shm an eighth each.
-        assert_eq!(
-            c.tmp,
-            TmpfsCap {
-                bytes: 40 << 20,
-                inodes: 8192
-            }
-        );
-        assert_eq!(
-            c.workspace,
-            TmpfsCap {
-                bytes: 240 << 20,
-                inodes: 49_152
-            }
-        );
-        // A small disk is what it asks for.
-        let mut spec = SandboxSpec::new(Language::Python);
-        spec.limits.disk_bytes = 100 << 20;
-        let c = TmpfsCaps::for_spec(&spec);
-        assert_eq!((c.workspace.bytes, c.tmp.bytes), (100 << 20, 25 << 20));
-    }
-
-    #[test]
-    fn tmpfs_caps_never_fill_the_memory_limit() {
-        for mem_mib in [4u64, 16, 64, 100, 512, 4096, 65_536] {
-            for disk_mib in [1u64, 10, 256, 1024, 1 << 20] {
-                for (host_ws, rootfs) in
-                    [(false, false), (false, true), (true, false), (true, true)]
-                {
-                    let mut spec = SandboxSpec::new(Language::Shell);
-                    spec.limits.memory_bytes = mem_mib << 20;
-                    spec.limits.disk_bytes = disk_mib << 20;
-                    if host_ws {
-                        spec.workspace = Workspace::HostDir {
-                            path: "/srv".into(),
-                            read_only: false,
-                        };
-                    }
-                    if rootfs {
-                        spec.rootfs = Some("/srv/root".into());
-                    }
-                    let c = TmpfsCaps::for_spec(&spec);
-                    let big = u64::from(!host_ws) + u64::from(rootfs);
-                    let bytes = 2 * c.tmp.bytes + big * c.workspace.bytes;
-                    let inodes = 2 * c.tmp.inodes + big * c.workspace.inodes;
-                    let worst = bytes + inodes * INODE_BYTES;
-                    // At most 3/4 of the limit, but for the floors (1 MiB, 256 inodes a
-                    // mount) that the smallest limits reach.
-                    let floors = (2 + big) * ((1 << 20) + 256 * INODE_BYTES);
-                    assert!(
-                        worst <= (spec.limits.memory_bytes / 4 * 3).max(floors),
-                        "{mem_mib} MiB / {disk_mib} MiB / {host_ws} / {rootfs}: {c:?}"
-                    );
-                    assert!(c.workspace.bytes <= spec.limits.disk_bytes.max(1 << 20));
-                    assert!(c.tmp.bytes >= 1 << 20 && c.tmp.inodes >= 256);
-                }
-            }
-        }
     }
 
     #[test]

@@ -46,6 +46,6 @@ pub use selector::{IoProfile, KernelNeed, Question, Ranked, Selection, Selector,
 pub use snapshot::{
     ObjectSnapshotStore, SnapshotDraft, SnapshotError, SnapshotId, SnapshotManifest, SnapshotStore,
 };
-pub use spec::{Limits, Mount, SandboxSpec, SpecBuilder, Workspace};
+pub use spec::{Limits, Mount, SandboxSpec, SpecBuilder, TmpfsCap, TmpfsCaps, Workspace};
 pub use tier::{IsolationBoundary, Language, Tier};
 pub use timeline::{Phase, PhaseTiming, Timeline, TimelineRecorder};

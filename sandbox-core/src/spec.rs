@@ -129,7 +129,63 @@ impl Default for Limits {
     }
 }
 
+/// Size and inode caps of one memory-backed (tmpfs) mount; see [`Limits::tmpfs_caps`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TmpfsCap {
+    /// Data, bytes (tmpfs `size=`).
+    pub bytes: u64,
+    /// Files and directories (tmpfs `nr_inodes=`).
+    pub inodes: u64,
+}
+
+/// Caps of a sandbox's memory-backed mounts; see [`Limits::tmpfs_caps`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TmpfsCaps {
+    /// Each scratch mount (`/tmp`, `/dev/shm`).
+    pub scratch: TmpfsCap,
+    /// Each disk mount (the workspace, an overlay's upper layer).
+    pub disk: TmpfsCap,
+}
+
 impl Limits {
+    /// Kernel memory one tmpfs file costs, inode and dentry together (measured: 100,000
+    /// empty files in a container sandbox's workspace raised its memory cgroup's usage by
+    /// 91 MiB).
+    pub const TMPFS_INODE_BYTES: u64 = 1024;
+
+    /// Caps for a sandbox's memory-backed mounts: `scratch` mounts like `/tmp` (each asking
+    /// a quarter of [`disk_bytes`](Self::disk_bytes)) and `disk` mounts like a tmpfs
+    /// workspace (each asking `disk_bytes`).
+    ///
+    /// Files there are charged to the sandbox's memory limit, pages and inodes alike, and
+    /// nothing can reclaim them (there is no swap to push them to). Sized by `disk_bytes`
+    /// alone, they could fill the limit, and every later command, then the sandbox's own
+    /// processes, would meet the OOM killer: the sandbox would be lost with its files.
+    /// Together the mounts therefore hold at most **5/8 of [`memory_bytes`](Self::memory_bytes)
+    /// in data and one inode per 8 KiB of it** (≈ 1/8 of the limit at
+    /// [`TMPFS_INODE_BYTES`](Self::TMPFS_INODE_BYTES) each), which always leaves processes a
+    /// quarter of the limit; a full mount fails writes with `ENOSPC`. Each scratch mount gets
+    /// up to an eighth of the data and of the inodes; the disk mounts share the rest, each at
+    /// most `disk_bytes`. Every mount keeps at least 1 MiB and 256 inodes.
+    pub fn tmpfs_caps(&self, scratch: u64, disk: u64) -> TmpfsCaps {
+        const MIN_BYTES: u64 = 1 << 20;
+        const MIN_INODES: u64 = 256;
+        let data = self.memory_bytes / 8 * 5;
+        let inodes = self.memory_bytes / (8 * Self::TMPFS_INODE_BYTES);
+        let small = TmpfsCap {
+            bytes: (self.disk_bytes / 4).min(data / 8).max(MIN_BYTES),
+            inodes: (inodes / 8).max(MIN_INODES),
+        };
+        let share = |total: u64, taken: u64| total.saturating_sub(scratch * taken) / disk.max(1);
+        TmpfsCaps {
+            scratch: small,
+            disk: TmpfsCap {
+                bytes: share(data, small.bytes).min(self.disk_bytes).max(MIN_BYTES),
+                inodes: share(inodes, small.inodes).max(MIN_INODES),
+            },
+        }
+    }
+
     /// The per-exec wall limit as a duration.
     pub fn wall_time(&self) -> Duration {
         Duration::from_millis(self.wall_time_ms)
@@ -408,6 +464,61 @@ impl SpecBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tmpfs_caps_of_the_default_limits() {
+        // 512 MiB of memory: 320 MiB of data, 65,536 inodes; each scratch mount an eighth.
+        let c = Limits::default().tmpfs_caps(2, 1);
+        assert_eq!(
+            c.scratch,
+            TmpfsCap {
+                bytes: 40 << 20,
+                inodes: 8192
+            }
+        );
+        assert_eq!(
+            c.disk,
+            TmpfsCap {
+                bytes: 240 << 20,
+                inodes: 49_152
+            }
+        );
+        // A small disk is what it asks for.
+        let l = Limits {
+            disk_bytes: 100 << 20,
+            ..Limits::default()
+        };
+        let c = l.tmpfs_caps(2, 1);
+        assert_eq!((c.disk.bytes, c.scratch.bytes), (100 << 20, 25 << 20));
+    }
+
+    #[test]
+    fn tmpfs_caps_never_fill_the_memory_limit() {
+        for mem_mib in [4u64, 16, 64, 100, 512, 4096, 65_536] {
+            for disk_mib in [1u64, 10, 256, 1024, 1 << 20] {
+                for (scratch, disk) in [(1, 0), (1, 1), (2, 0), (2, 1), (2, 2)] {
+                    let l = Limits {
+                        memory_bytes: mem_mib << 20,
+                        disk_bytes: disk_mib << 20,
+                        ..Limits::default()
+                    };
+                    let c = l.tmpfs_caps(scratch, disk);
+                    let bytes = scratch * c.scratch.bytes + disk * c.disk.bytes;
+                    let inodes = scratch * c.scratch.inodes + disk * c.disk.inodes;
+                    let worst = bytes + inodes * Limits::TMPFS_INODE_BYTES;
+                    // At most 3/4 of the limit, but for the floors (1 MiB and 256 inodes a
+                    // mount) that the smallest limits reach.
+                    let floors = (scratch + disk) * ((1 << 20) + 256 * Limits::TMPFS_INODE_BYTES);
+                    assert!(
+                        worst <= (l.memory_bytes / 4 * 3).max(floors),
+                        "{mem_mib} MiB / {disk_mib} MiB / {scratch}+{disk}: {c:?}"
+                    );
+                    assert!(c.disk.bytes <= l.disk_bytes.max(1 << 20));
+                    assert!(c.scratch.bytes >= 1 << 20 && c.scratch.inodes >= 256);
+                }
+            }
+        }
+    }
 
     #[test]
     fn defaults_deny_everything() {
