@@ -32,10 +32,19 @@
 //!
 //! ## Limits
 //! Memory, pids and CPU quota go to OCI `linux.resources` (cgroups v1 or v2, created by runsc
-//! under `agent-sandbox-gvisor-<id>`); an OOM kill is reported as `limit: memory`. The
-//! workspace of an `Empty` spec is a host tmpfs capped at `limits.disk_bytes`; `/tmp` is a
-//! gVisor tmpfs capped the same way. Per-exec wall time, output bytes, open files and CPU
-//! seconds (`RLIMIT_CPU`) are enforced per exec.
+//! under `agent-sandbox-gvisor-<id>`); an OOM kill is reported as `limit: memory`. Per-exec
+//! wall time, output bytes, open files and CPU seconds (`RLIMIT_CPU`) are enforced per exec.
+//!
+//! **Disk is memory here too.** The workspace of an `Empty` spec is a host tmpfs, `/tmp` and
+//! `/dev/shm` are gVisor tmpfs mounts, and the Sentry holds all their files in its memory,
+//! charged to the sandbox's limit: unchecked, 100 MB written to any of them in a 64 MiB
+//! sandbox got the Sentry OOM-killed and the sandbox lost. They are capped by
+//! [`Limits::tmpfs_caps`](sandbox_core::Limits::tmpfs_caps) of what the Sentry leaves
+//! (the limit less 16 MiB; an idle Sentry takes 14 MiB), with file counts at their measured
+//! cost here (~6 KiB a workspace file, ~2 KiB one in `/tmp`): 100 MB written is now
+//! `ENOSPC` and the sandbox goes on (tested; `limit: disk` when the workspace is full).
+//! **Not solved**: a flood of *files* still costs the Sentry more than those estimates
+//! (16,000 empty files took ~150 MiB in one run) and can get the sandbox OOM-killed.
 //!
 //! ## Network
 //! Deny-all (the default): `--network=none`, the sandbox has only gVisor's own loopback.

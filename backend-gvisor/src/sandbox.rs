@@ -344,12 +344,20 @@ impl Inner {
         )
     }
 
+    /// Whether our tmpfs workspace is out of space or inodes (seen from the host; the
+    /// Sentry's own `/tmp` and `/dev/shm` cannot be seen from here).
+    fn workspace_full(&self) -> bool {
+        self.workspace_tmpfs
+            && nix::sys::statvfs::statvfs(&self.workspace)
+                .is_ok_and(|s| s.blocks_available() == 0 || s.files_available() == 0)
+    }
+
     fn mount_workspace(&self) -> Result<()> {
         use nix::mount::{mount, MsFlags};
-        let size = self.spec.limits.disk_bytes;
+        let cap = crate::bundle::tmpfs_caps(&self.spec).disk;
         let data = format!(
-            "size={size},mode=0755,uid={},gid={}",
-            self.who.uid, self.who.gid
+            "size={},nr_inodes={},mode=0755,uid={},gid={}",
+            cap.bytes, cap.inodes, self.who.uid, self.who.gid
         );
         mount(
             Some("agent-sandbox-ws"),
@@ -623,6 +631,8 @@ impl Inner {
                 if let Ok(mut d) = self.dead.lock() {
                     *d = Some(why.into());
                 }
+            } else if self.workspace_full() {
+                limit = Some(LimitKind::Disk);
             }
         }
         let truncated = out.truncated() || err.truncated();

@@ -298,6 +298,51 @@ async fn a_full_state_directory_fails_cleanly() {
     assert_eq!(leftovers, 0, "the failed sandbox removed its state");
 }
 
+/// The Sentry holds the files of `/tmp`, `/dev/shm` and the tmpfs workspace in its memory,
+/// charged to the sandbox: filling them must be `ENOSPC`, not the OOM killer ending the
+/// sandbox (100 MB in a 64 MiB sandbox did, before they were capped).
+#[tokio::test]
+async fn filling_the_disk_is_enospc_and_the_sandbox_goes_on() {
+    require_gvisor!();
+    let mut spec = SandboxSpec::new(Language::Shell);
+    spec.limits.memory_bytes = 64 << 20;
+    spec.limits.disk_bytes = 256 << 20;
+    let sb = common::sandbox(&spec).await;
+    for dir in ["/tmp", "/dev/shm", "/workspace"] {
+        let r = sb
+            .exec(ExecRequest::code(format!(
+                "head -c 100M /dev/zero > {dir}/big"
+            )))
+            .await
+            .unwrap();
+        assert_ne!(r.exit_code, Some(0), "{dir}: {r:?}");
+        assert!(
+            r.stderr_str().contains("No space left"),
+            "{dir}: {}",
+            r.stderr_str()
+        );
+        if dir == "/workspace" {
+            assert_eq!(r.limit, Some(LimitKind::Disk), "{r:?}");
+        }
+    }
+    // All three are full, and the sandbox still runs commands and keeps the files.
+    let r = sb
+        .exec(ExecRequest::code(
+            "python3 -c 'import os; print(sum(os.path.getsize(p) > 1 << 20 for p in (\"/tmp/big\", \"/dev/shm/big\", \"/workspace/big\")))'",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_str(), "3\n", "{r:?}");
+    let r = sb
+        .exec(ExecRequest::code(
+            "rm /tmp/big /dev/shm/big /workspace/big && head -c 1M /dev/zero > /workspace/ok && echo ok",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_str(), "ok\n", "{r:?}");
+    sb.destroy().await.unwrap();
+}
+
 #[tokio::test]
 async fn fork_bomb_is_contained() {
     require_gvisor!();
