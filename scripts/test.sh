@@ -11,15 +11,25 @@ export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 step() { printf '\n==> %s\n' "$*"; }
 
 # The cache only grows (cargo keeps every stale test binary and incremental session): once it
-# passes 30 GB, drop what no build touched for two days (it filled a disk once, at 65 GB).
-if [ -d "$CARGO_TARGET_DIR" ] && [ "$(du -sm "$CARGO_TARGET_DIR" 2>/dev/null | cut -f1)" -gt 30000 ]; then
-  step "prune $CARGO_TARGET_DIR (artifacts untouched for 2 days)"
+# passes 30 GB, drop what no build touched for two days (it filled a disk once, at 65 GB); when
+# the disk itself has under 10 GB free, drop what no build touched for six hours (a link step
+# died with SIGBUS on a full disk once).
+prune() { # minutes
+  step "prune $CARGO_TARGET_DIR (artifacts untouched for $(( $1 / 60 )) hours)"
   for profile in debug release; do
     d="$CARGO_TARGET_DIR/$profile"
     [ -d "$d" ] || continue
-    find "$d/incremental" -mindepth 1 -maxdepth 1 -mtime +1 -exec rm -rf {} + 2>/dev/null || true
-    find "$d/deps" "$d/examples" -maxdepth 1 -type f -mtime +1 -delete 2>/dev/null || true
+    find "$d/incremental" -mindepth 1 -maxdepth 1 -mmin +"$1" -exec rm -rf {} + 2>/dev/null || true
+    find "$d/deps" "$d/examples" -maxdepth 1 -type f -mmin +"$1" -delete 2>/dev/null || true
   done
+}
+if [ -d "$CARGO_TARGET_DIR" ]; then
+  if [ "$(du -sm "$CARGO_TARGET_DIR" 2>/dev/null | cut -f1)" -gt 30000 ]; then
+    prune 2880
+  fi
+  if [ "$(df -Pm "$CARGO_TARGET_DIR" | awk 'NR == 2 { print $4 }')" -lt 10000 ]; then
+    prune 360
+  fi
 fi
 
 # --- system packages -------------------------------------------------------

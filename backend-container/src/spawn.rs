@@ -832,19 +832,12 @@ struct MountAttr {
     userns_fd: u64,
 }
 
-/// A detached, read-only clone of the mount at `dir` (not recursive: a rootfs directory's
-/// submounts are not part of it), idmapped through the user namespace of `pid`: a file the
-/// host sees as owned by uid N appears inside that namespace as owned by N (host root's
-/// files belong to the sandbox's root), without changing anything on disk. Needs root (the
-/// host filesystem belongs to the initial user namespace) and a filesystem that supports
-/// idmapped mounts (ext4, xfs, btrfs, tmpfs, overlayfs...).
-/// A detached, recursive clone of the mount tree at `dir`, made in our own (current) mount
-/// namespace: how a host-directory workspace reaches a template-mode init, whose namespace
-/// descends from the zygote's copy (see [`fork_init`]).
-pub(crate) fn detached_tree(dir: &std::path::Path) -> io::Result<OwnedFd> {
+/// `open_tree(AT_FDCWD, dir, OPEN_TREE_CLONE | O_CLOEXEC | extra)`: a detached clone of the
+/// mount at `dir` (of the tree under it with `AT_RECURSIVE`), made in our current mount
+/// namespace.
+fn open_tree_clone(dir: &std::path::Path, extra: libc::c_uint) -> io::Result<OwnedFd> {
     use std::os::unix::ffi::OsStrExt;
     const OPEN_TREE_CLONE: libc::c_uint = 1;
-    const AT_RECURSIVE: libc::c_uint = 0x8000;
     let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
         .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
     // SAFETY: open_tree(AT_FDCWD, path, flags) with a NUL-terminated path.
@@ -853,7 +846,7 @@ pub(crate) fn detached_tree(dir: &std::path::Path) -> io::Result<OwnedFd> {
             libc::SYS_open_tree,
             libc::AT_FDCWD,
             c.as_ptr(),
-            OPEN_TREE_CLONE | AT_RECURSIVE | libc::O_CLOEXEC as libc::c_uint,
+            OPEN_TREE_CLONE | extra | libc::O_CLOEXEC as libc::c_uint,
         )
     };
     if fd < 0 {
@@ -863,29 +856,26 @@ pub(crate) fn detached_tree(dir: &std::path::Path) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
 }
 
+/// A detached, recursive clone of the mount tree at `dir`, made in our own (current) mount
+/// namespace: how a host-directory workspace reaches a template-mode init, whose namespace
+/// descends from the zygote's copy (see [`fork_init`]).
+pub(crate) fn detached_tree(dir: &std::path::Path) -> io::Result<OwnedFd> {
+    const AT_RECURSIVE: libc::c_uint = 0x8000;
+    open_tree_clone(dir, AT_RECURSIVE)
+}
+
+/// A detached, read-only clone of the mount at `dir` (not recursive: a rootfs directory's
+/// submounts are not part of it), idmapped through the user namespace of `pid`: a file the
+/// host sees as owned by uid N appears inside that namespace as owned by N (host root's
+/// files belong to the sandbox's root), without changing anything on disk. Needs root (the
+/// host filesystem belongs to the initial user namespace) and a filesystem that supports
+/// idmapped mounts (ext4, xfs, btrfs, tmpfs, overlayfs...).
 fn idmapped_tree(dir: &std::path::Path, pid: libc::pid_t) -> io::Result<OwnedFd> {
-    use std::os::unix::ffi::OsStrExt;
-    const OPEN_TREE_CLONE: libc::c_uint = 1;
     const MOUNT_ATTR_RDONLY: u64 = 0x1;
     const MOUNT_ATTR_NOSUID: u64 = 0x2;
     const MOUNT_ATTR_NODEV: u64 = 0x4;
     const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
-    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
-        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: open_tree(AT_FDCWD, path, flags) with a NUL-terminated path.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_open_tree,
-            libc::AT_FDCWD,
-            c.as_ptr(),
-            OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
-        )
-    };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: we own the new fd.
-    let tree = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+    let tree = open_tree_clone(dir, 0)?;
     let ns = std::fs::File::open(format!("/proc/{pid}/ns/user"))?;
     let attr = MountAttr {
         set: MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
