@@ -113,8 +113,13 @@
 //! configuration (default 1); `lifetime_ms` is the VM's wall-clock deadline; per-exec
 //! `wall_time_ms` (or the request's shorter timeout) is enforced by the agent, which kills the
 //! command's process group; `output_bytes` caps each stream. CPU time, pids, open files and
-//! disk are bounded by the VM as a whole (its vCPUs and RAM; `/workspace` is a tmpfs in guest
-//! RAM), not per command. There is no network device: only the deny-all policy is offered.
+//! disk are bounded by the VM as a whole (its vCPUs and RAM), not per command. `/workspace`,
+//! `/tmp` and `/dev/shm` are tmpfs mounts in guest RAM, which nothing can reclaim: the agent
+//! caps them together at 5/8 of the RAM the kernel and initramfs left, and one inode per
+//! 8 KiB of it (the policy of [`Limits::tmpfs_caps`](sandbox_core::Limits::tmpfs_caps);
+//! `limits.disk_bytes` does not reach the guest), so a full disk is `ENOSPC` and not the
+//! guest's OOM killer taking the agent (tested under QEMU). There is no network device: only
+//! the deny-all policy is offered.
 //! Host directories (`Workspace::HostDir`, `mounts`) and `rootfs` are not shared into the
 //! guest: such specs are refused with `Unsupported`.
 

@@ -258,6 +258,32 @@ fn debian_kernel_boots_our_initramfs_and_the_agent_serves() {
         );
     }
 
+    // The tmpfs mounts live in the guest's RAM: together they hold at most 5/8 of what the
+    // kernel and initramfs left (~200 of 256 MiB), so filling the workspace is ENOSPC and the
+    // guest and its agent go on.
+    let (code, out, err) = exec(
+        &c,
+        &[
+            "sh",
+            "-c",
+            "df -k /workspace /tmp /dev/shm | tail -n 3; dd if=/dev/zero of=/workspace/big bs=1M count=1024 2>&1; echo rc=$?",
+        ],
+        &[],
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let total_kib: u64 = out
+        .lines()
+        .take(3)
+        .map(|l| l.split_whitespace().nth(1).unwrap().parse::<u64>().unwrap())
+        .sum();
+    assert!(total_kib > 0 && total_kib <= (256 << 10) / 8 * 5, "{out}");
+    assert!(
+        out.contains("No space left") && out.ends_with("rc=1\n"),
+        "{out}"
+    );
+    let (code, out, err) = exec(&c, &["sh", "-c", "rm /workspace/big && echo alive"], &[]);
+    assert_eq!((code, out.as_str()), (Some(0), "alive\n"), "{err}");
+
     // Streaming and timeouts.
     let mut h = c
         .start_exec(&ExecRequest {

@@ -193,6 +193,57 @@ fn mount_fs(fstype: &str, dst: &str, flags: u64, data: &str) {
     }
 }
 
+/// `MemAvailable` of `/proc/meminfo`, KiB (0 when unreadable).
+fn mem_available_kib() -> u64 {
+    fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("MemAvailable:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// Caps of the guest's tmpfs mounts. Their files live in the guest's RAM and nothing can
+/// reclaim them: uncapped (each tmpfs defaults to half the RAM), files could fill it and
+/// leave every command, then this agent, to the guest's OOM killer, losing the sandbox. The
+/// same policy as `sandbox_core::Limits::tmpfs_caps` (this binary is std-only), taken from
+/// the RAM left after the kernel and the initramfs: together at most 5/8 of it in data and
+/// one inode per 8 KiB of it; `/tmp` and `/dev/shm` an eighth each, the workspace the rest.
+/// A full mount is `ENOSPC`.
+struct TmpfsCaps {
+    scratch: (u64, u64),
+    workspace: (u64, u64),
+}
+
+impl TmpfsCaps {
+    fn of_ram(avail_kib: u64) -> TmpfsCaps {
+        let ram = avail_kib.saturating_mul(1024);
+        let (data, inodes) = (ram / 8 * 5, ram / 8192);
+        let scratch = ((data / 8).max(1 << 20), (inodes / 8).max(256));
+        let workspace = (
+            data.saturating_sub(2 * scratch.0).max(1 << 20),
+            inodes.saturating_sub(2 * scratch.1).max(256),
+        );
+        TmpfsCaps { scratch, workspace }
+    }
+
+    fn scratch(&self, mode: &str) -> String {
+        format!(
+            "{mode},size={},nr_inodes={}",
+            self.scratch.0, self.scratch.1
+        )
+    }
+
+    fn workspace(&self, mode: &str) -> String {
+        format!(
+            "{mode},size={},nr_inodes={}",
+            self.workspace.0, self.workspace.1
+        )
+    }
+}
+
 fn system_setup() {
     mount_fs("proc", "/proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "");
     mount_fs("sysfs", "/sys", MS_NOSUID | MS_NODEV | MS_NOEXEC, "");
@@ -203,9 +254,25 @@ fn system_setup() {
         MS_NOSUID | MS_NOEXEC,
         "mode=0620,ptmxmode=0666",
     );
-    mount_fs("tmpfs", "/dev/shm", MS_NOSUID | MS_NODEV, "mode=1777");
-    mount_fs("tmpfs", "/tmp", MS_NOSUID | MS_NODEV, "mode=1777");
-    mount_fs("tmpfs", WORKSPACE, MS_NOSUID | MS_NODEV, "mode=0755");
+    let caps = TmpfsCaps::of_ram(mem_available_kib());
+    mount_fs(
+        "tmpfs",
+        "/dev/shm",
+        MS_NOSUID | MS_NODEV,
+        &caps.scratch("mode=1777"),
+    );
+    mount_fs(
+        "tmpfs",
+        "/tmp",
+        MS_NOSUID | MS_NODEV,
+        &caps.scratch("mode=1777"),
+    );
+    mount_fs(
+        "tmpfs",
+        WORKSPACE,
+        MS_NOSUID | MS_NODEV,
+        &caps.workspace("mode=0755"),
+    );
     // SAFETY: plain syscall wrapper with no pointers.
     unsafe { setpgid(0, 0) };
     load_modules(Path::new("/lib/modules"));
@@ -949,6 +1016,24 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
+
+    #[test]
+    fn tmpfs_caps_leave_processes_a_quarter_of_the_ram() {
+        // 200 MiB available: 125 MiB of data, 25,600 inodes; /tmp and /dev/shm an eighth.
+        let c = TmpfsCaps::of_ram(200 << 10);
+        assert_eq!(c.scratch, ((125 << 20) / 8, 3200));
+        assert_eq!(c.workspace, ((125 << 20) / 8 * 6, 19_200));
+        assert_eq!(
+            c.scratch("mode=1777"),
+            "mode=1777,size=16384000,nr_inodes=3200"
+        );
+        // Data plus ~1 KiB of kernel memory per inode stays within 3/4 of the RAM.
+        for mib in [16u64, 200, 4096] {
+            let c = TmpfsCaps::of_ram(mib << 10);
+            let worst = 2 * c.scratch.0 + c.workspace.0 + (2 * c.scratch.1 + c.workspace.1) * 1024;
+            assert!(worst <= (mib << 20) / 4 * 3, "{mib} MiB");
+        }
+    }
 
     #[test]
     fn workspace_paths_are_confined() {
