@@ -13,7 +13,8 @@
 //!   mount `/sys/fs/cgroup/unified` is hidden: the runtimes run from a thread that has its own
 //!   mount namespace with that mount detached (never the host's);
 //! - `ours: exec`: into a running sandbox;
-//! - `ours: pool checkout + first command`: a `WarmPool` checkout then `exec`.
+//! - `ours: pool checkout + first command`: a `WarmPool` checkout then `exec`; again with a
+//!   warm-up (`PoolConfig::warm_up`) of the same program, and of another (`sh -c :`).
 //!
 //! Then the idle sandbox's memory: the init's RSS and PSS.
 
@@ -280,6 +281,18 @@ fn container(c: &mut Criterion) {
     shared::bench_checkout_and_first_command(
         &mut g,
         "ours: pool (warm-up: /bin/true) checkout + first command (/bin/true)",
+        &rt,
+        pool,
+        2,
+        ExecRequest::argv(["/bin/true"]),
+    );
+    // A warm-up with another program than the one timed (the shell's no-op), so that what
+    // it warms is the sandbox's exec path, not the timed binary.
+    let warm = ExecRequest::argv(["/bin/sh", "-c", ":"]);
+    let pool = shared::ready_pool(&rt, Arc::new(backend.clone()), &spec, Some(warm));
+    shared::bench_checkout_and_first_command(
+        &mut g,
+        "ours: pool (warm-up: sh -c :) checkout + first command (/bin/true)",
         &rt,
         pool,
         2,
