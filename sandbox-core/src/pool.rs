@@ -254,6 +254,26 @@ impl Drop for WarmPool {
     }
 }
 
+/// A sandbox for the pool: created, then warmed up ([`PoolConfig::warm_up`]); one whose
+/// warm-up fails is destroyed. The error says why, for [`PoolStats::last_error`].
+async fn prepare(inner: &Inner) -> std::result::Result<Box<dyn Sandbox>, String> {
+    let sb = inner
+        .backend
+        .create(&inner.spec, inner.secrets.clone())
+        .await
+        .map_err(|e| e.to_string())?;
+    let Some(req) = &inner.config.warm_up else {
+        return Ok(sb);
+    };
+    let failed = match sb.exec(req.clone()).await {
+        Ok(r) if r.success() => return Ok(sb),
+        Ok(r) => format!("warm-up exited with {:?}", r.exit_code),
+        Err(e) => format!("warm-up failed: {e}"),
+    };
+    let _ = sb.destroy().await;
+    Err(failed)
+}
+
 async fn refill_loop(inner: Arc<Inner>) {
     let mut backoff = Duration::from_millis(10);
     let tick = (inner.config.max_idle / 2).clamp(Duration::from_millis(5), Duration::from_secs(1));
@@ -280,31 +300,8 @@ async fn refill_loop(inner: Arc<Inner>) {
                 tokio::time::sleep(inner.config.refill_delay).await;
             }
             woken = false;
-            match inner
-                .backend
-                .create(&inner.spec, inner.secrets.clone())
-                .await
-            {
+            match prepare(&inner).await {
                 Ok(sb) => {
-                    if let Some(req) = &inner.config.warm_up {
-                        let failed = match sb.exec(req.clone()).await {
-                            Ok(r) if r.success() => None,
-                            Ok(r) => Some(format!("warm-up exited with {:?}", r.exit_code)),
-                            Err(e) => Some(format!("warm-up failed: {e}")),
-                        };
-                        if let Some(why) = failed {
-                            tracing::warn!(tier = %inner.backend.tier(), %why, "warm pool warm-up failed");
-                            let _ = sb.destroy().await;
-                            {
-                                let mut st = inner.state();
-                                st.stats.create_failures += 1;
-                                st.stats.last_error = Some(why);
-                            }
-                            tokio::time::sleep(backoff).await;
-                            backoff = (backoff * 2).min(Duration::from_secs(5));
-                            continue;
-                        }
-                    }
                     let mut st = inner.state();
                     st.stats.created += 1;
                     st.ready.push_back(Ready {
@@ -314,12 +311,12 @@ async fn refill_loop(inner: Arc<Inner>) {
                     backoff = Duration::from_millis(10);
                     continue;
                 }
-                Err(e) => {
-                    tracing::warn!(tier = %inner.backend.tier(), error = %e, "warm pool refill failed");
+                Err(why) => {
+                    tracing::warn!(tier = %inner.backend.tier(), error = %why, "warm pool refill failed");
                     {
                         let mut st = inner.state();
                         st.stats.create_failures += 1;
-                        st.stats.last_error = Some(e.to_string());
+                        st.stats.last_error = Some(why);
                     }
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(Duration::from_secs(5));
