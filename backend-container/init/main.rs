@@ -1560,8 +1560,9 @@ fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
             tmpl_err = errno();
         }
     }
+    let templates_ok = tmpl_ns >= 0 && tmpl_err == 0;
     // Which namespace we are in: true for the templates'.
-    let mut in_tmpl = tmpl_ns >= 0 && tmpl_err == 0;
+    let mut in_tmpl = templates_ok;
     let mut enter = |tmpl: bool| -> bool {
         if tmpl_ns < 0 || tmpl == in_tmpl {
             return true;
@@ -1574,7 +1575,6 @@ fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
         in_tmpl = tmpl;
         true
     };
-    let templates_ok = tmpl_ns >= 0 && tmpl_err == 0;
     let mut buf = [0u8; 16];
     loop {
         let (n, fds) = match recv_on(0, &mut buf) {

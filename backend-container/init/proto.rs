@@ -72,7 +72,7 @@ pub const REP_EXITED: u32 = 103;
 /// `REP_EXITED` flag (a spare's exec only): the exec left nothing behind and its supervisor
 /// waits for another `MSG_EXEC` on the same socket.
 pub const EXITED_REUSABLE: u8 = 1;
-/// Bootstrap (id 0): the init is in its new user namespace; write its maps. Payload: u64
+/// Bootstrap (id 0): the init got `MSG_START` (its maps were written before it). Payload: u64
 /// [`SOURCE_HASH`], u8 flags ([`BOOT_LO_UP`]).
 pub const REP_BOOT: u32 = 104;
 /// `REP_BOOT` flag: the init (a spare, cloned with all its namespaces) has brought its `lo`

@@ -602,33 +602,21 @@ impl SandboxCgroup {
                 let n = pool.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let free = format!("asb-{}-free-{n}", std::process::id());
                 let mut set = Vec::new();
-                for (ctrl, dir) in &self.dirs {
+                for (i, (ctrl, dir)) in self.dirs.iter().enumerate() {
                     let to = dir.with_file_name(&free);
-                    match fs::rename(dir, &to) {
-                        Ok(()) => set.push((ctrl.clone(), to)),
-                        Err(_) => {
-                            // Remove what was renamed, and the rest where it is.
-                            drop(sets);
-                            let mut left = SandboxCgroup {
-                                version: self.version,
-                                dirs: set,
-                                events: [None, None],
-                                recycle: None,
-                            }
-                            .remove(patience);
-                            let rest = self.dirs.iter().filter(|(_, d)| d.exists());
-                            left.extend(
-                                SandboxCgroup {
-                                    version: self.version,
-                                    dirs: rest.cloned().collect(),
-                                    events: [None, None],
-                                    recycle: None,
-                                }
-                                .remove(patience),
-                            );
-                            return left;
+                    if fs::rename(dir, &to).is_err() {
+                        // Remove what was renamed, and the rest where it is.
+                        drop(sets);
+                        set.extend(self.dirs[i..].iter().cloned());
+                        return SandboxCgroup {
+                            version: self.version,
+                            dirs: set,
+                            events: [None, None],
+                            recycle: None,
                         }
+                        .remove(patience);
                     }
+                    set.push((ctrl.clone(), to));
                 }
                 sets.push(set);
                 // Kept sets go when the process exits normally (one that is killed leaves

@@ -751,7 +751,7 @@ impl ContainerBackend {
                 user,
                 hostname: &self.cfg.hostname,
                 resolv_conf: &resolv,
-                caps: rootfs::TmpfsCaps::for_spec(spec),
+                caps: rootfs::tmpfs_caps(spec),
                 landlock: if self.cfg.landlock {
                     self.landlock_abi
                 } else {

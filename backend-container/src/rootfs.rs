@@ -10,7 +10,7 @@
 
 use std::path::{Path, PathBuf};
 
-use sandbox_core::{Error, Result, SandboxSpec, TmpfsCap, Workspace};
+use sandbox_core::{Error, Result, SandboxSpec, TmpfsCap, TmpfsCaps, Workspace};
 
 use crate::landlock;
 use crate::proto::Op;
@@ -63,28 +63,15 @@ const ETC_FROM_HOST: &[&str] = &[
     "perl",
 ];
 
-/// Caps of the sandbox's writable tmpfs mounts, from [`Limits::tmpfs_caps`] with two scratch
+/// Caps of the sandbox's writable tmpfs mounts: [`Limits::tmpfs_caps`] with two scratch
 /// mounts (`/tmp`, `/dev/shm`) and up to two disk mounts (`/workspace` unless it is a host
 /// directory, and in rootfs-directory mode the overlay's upper layer).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct TmpfsCaps {
-    /// `/workspace`, when it is a tmpfs, and the overlay's upper layer.
-    pub disk: TmpfsCap,
-    /// `/tmp`, and `/dev/shm` (each its own mount, each this cap).
-    pub tmp: TmpfsCap,
-}
-
-impl TmpfsCaps {
-    /// The caps for `spec`.
-    pub(crate) fn for_spec(spec: &SandboxSpec) -> TmpfsCaps {
-        let disks = u64::from(matches!(spec.workspace, Workspace::Empty))
-            + u64::from(spec.rootfs.is_some());
-        let c = spec.limits.tmpfs_caps(2, disks);
-        TmpfsCaps {
-            disk: c.disk,
-            tmp: c.scratch,
-        }
-    }
+///
+/// [`Limits::tmpfs_caps`]: sandbox_core::Limits::tmpfs_caps
+pub(crate) fn tmpfs_caps(spec: &SandboxSpec) -> TmpfsCaps {
+    let disks =
+        u64::from(matches!(spec.workspace, Workspace::Empty)) + u64::from(spec.rootfs.is_some());
+    spec.limits.tmpfs_caps(2, disks)
 }
 
 /// tmpfs options for `cap`.
@@ -100,7 +87,7 @@ pub(crate) struct Plan<'a> {
     pub user: u32,
     pub hostname: &'a str,
     pub resolv_conf: &'a str,
-    /// Caps of the writable tmpfs mounts (see [`TmpfsCaps`]).
+    /// Caps of the writable tmpfs mounts (see [`tmpfs_caps`]).
     pub caps: TmpfsCaps,
     /// Landlock ABI to confine writes with (`None`: no Landlock).
     pub landlock: Option<u32>,
@@ -446,7 +433,7 @@ fn sandbox_mounts(ops: &mut Vec<Op>, r: Roots<'_>, p: &Plan<'_>, detached: bool)
         flags: MS_NOSUID | MS_NOEXEC,
         data: "newinstance,ptmxmode=0666,mode=0620".into(),
     });
-    let tmp = format!("mode=1777,{}", cap_options(p.caps.tmp));
+    let tmp = format!("mode=1777,{}", cap_options(p.caps.scratch));
     ops.push(tmpfs(r.at("/dev/shm"), MS_NOSUID | MS_NODEV, tmp.clone()));
     ops.push(tmpfs(r.at("/tmp"), MS_NOSUID | MS_NODEV, tmp));
     match &p.spec.workspace {
@@ -678,7 +665,7 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
     if let Some(root) = &rootfs {
         // Rootfs-directory mode: an overlay whose lower layer is the directory (idmapped
         // when the library could, see `Op::Lower`) and whose upper layer lives on a tmpfs
-        // capped by `p.caps.upper`, so the directory is never written. Both sit in the scratch
+        // capped by `p.caps.disk`, so the directory is never written. Both sit in the scratch
         // root and are detached with it after `pivot_root`; the init keeps the upper
         // directory open for snapshots.
         ops.push(Op::Mkdir {
@@ -844,7 +831,7 @@ mod tests {
             user: 1000,
             hostname: "sandbox",
             resolv_conf: "",
-            caps: TmpfsCaps::for_spec(spec),
+            caps: tmpfs_caps(spec),
             loopback: true,
         })
         .map(Setup::all)
@@ -882,7 +869,7 @@ mod tests {
             user: 0,
             hostname: "sandbox",
             resolv_conf: "",
-            caps: TmpfsCaps::for_spec(&spec),
+            caps: tmpfs_caps(&spec),
             loopback: true,
         })
         .unwrap();
@@ -969,7 +956,7 @@ mod tests {
             user: 1000,
             hostname: "box",
             resolv_conf: "",
-            caps: TmpfsCaps::for_spec(&spec),
+            caps: tmpfs_caps(&spec),
             loopback: true,
         };
         let setup = template_plan(&p, root).unwrap();
@@ -1061,7 +1048,7 @@ mod wire_tests {
             user: 1000,
             hostname: "sandbox",
             resolv_conf: "",
-            caps: TmpfsCaps::for_spec(&spec),
+            caps: tmpfs_caps(&spec),
             loopback: true,
         })
         .unwrap()
