@@ -14,7 +14,9 @@
 //!   mount namespace with that mount detached (never the host's);
 //! - `ours: exec`: into a running sandbox;
 //! - `ours: pool checkout + first command`: a `WarmPool` checkout then `exec`; again with a
-//!   warm-up (`PoolConfig::warm_up`) of the same program, and of another (`sh -c :`).
+//!   warm-up (`PoolConfig::warm_up`) of the same program, and of another (`sh -c :`);
+//! - `host: posix_spawn + wait`: no sandbox, the host running `/bin/true` itself, back to
+//!   back and after a 12 ms pause (what a pause costs a plain process start on this machine).
 //!
 //! Then the idle sandbox's memory: the init's RSS and PSS.
 
@@ -298,6 +300,29 @@ fn container(c: &mut Criterion) {
         2,
         ExecRequest::argv(["/bin/true"]),
     );
+    // The command's own cost, without any sandbox: the host starting `/bin/true` with
+    // `posix_spawn` (the leanest start it has; glibc's vfork-style clone) and waiting for it,
+    // back to back and after a pause like the one before each pool iteration (the refill's
+    // delay and creation). What a pause costs the host itself is the part of the pool rows
+    // that no sandbox design removes.
+    g.bench_function("host: posix_spawn + wait (/bin/true), back to back", |b| {
+        b.iter(host_true)
+    });
+    g.bench_function(
+        "host: posix_spawn + wait (/bin/true) after a 12 ms pause",
+        |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    std::thread::sleep(HOST_PAUSE);
+                    let t = Instant::now();
+                    host_true();
+                    total += t.elapsed();
+                }
+                total
+            })
+        },
+    );
     g.finish();
 
     // Idle footprint: the init (pid 1 of the sandbox) and its spare supervisor after a
@@ -320,6 +345,36 @@ fn container(c: &mut Criterion) {
         live.destroy().await.unwrap();
     });
 }
+
+/// Runs `/bin/true` on the host (no sandbox) with `posix_spawn` and an empty environment,
+/// and waits for it.
+fn host_true() {
+    let path = c"/bin/true";
+    let argv = [path.as_ptr().cast_mut(), std::ptr::null_mut()];
+    let envp = [std::ptr::null_mut()];
+    let mut pid: libc::pid_t = 0;
+    // SAFETY: NUL-terminated argv/envp arrays of NUL-terminated strings that outlive the
+    // call; no file actions or attributes.
+    let rc = unsafe {
+        libc::posix_spawn(
+            &mut pid,
+            path.as_ptr(),
+            std::ptr::null(),
+            std::ptr::null(),
+            argv.as_ptr(),
+            envp.as_ptr(),
+        )
+    };
+    assert_eq!(rc, 0, "posix_spawn /bin/true");
+    let mut status = 0;
+    // SAFETY: waits for our own child with a valid status pointer.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert_eq!(status, 0, "/bin/true failed");
+}
+
+/// The pause before each `host: ... after a pause` iteration: about what separates two pool
+/// iterations (the refill waits 10 ms after a checkout, then creates the replacement).
+const HOST_PAUSE: Duration = Duration::from_millis(12);
 
 fn nix_is_root() -> bool {
     std::fs::read_to_string("/proc/self/status")
