@@ -29,6 +29,20 @@
 //!    path must be traversable by unprivileged users (gVisor's sandbox process is one).
 //! 4. **destroy**: `runsc delete --force`, reaping the sandbox's runsc processes ([`reaper`]),
 //!    unmounting the workspace and removing the state directory.
+
+//! ## A process that dies without destroying its sandboxes
+//! runsc's sandbox and gofer processes are not tied to the process that started them: a
+//! program killed with its sandboxes alive leaves their Sentries running (untrusted code
+//! included), their cgroups, the workspace mounts and the state directories. Each sandbox's
+//! creator holds a shared `flock` on `<state dir>/<id>/owner` for the sandbox's life; the
+//! kernel releases it when that process dies, however it dies.
+//! [`GvisorBackend::cleanup_stale`] tears down every sandbox of the state directory whose
+//! lock nobody holds (`runsc delete --force`, then a kill of any process still naming it,
+//! the unmount and the removal), and the first `create` of each process runs it in the
+//! background. Tested by killing (`SIGKILL`) a process that owns a sandbox with a background
+//! command. Until such a sweep runs (the next program using the same state directory),
+//! the orphaned sandbox keeps running within its cgroup limits: its lifetime limit was
+//! enforced by the dead process.
 //!
 //! ## Limits
 //! Memory, pids and CPU quota go to OCI `linux.resources` (cgroups v1 or v2, created by runsc
@@ -77,6 +91,7 @@ pub mod bundle;
 pub mod reaper;
 pub mod runsc;
 mod sandbox;
+mod stale;
 mod urpc;
 
 use std::collections::BTreeMap;
@@ -173,6 +188,20 @@ impl GvisorBackend {
             config,
             resolved: Arc::new(OnceLock::new()),
         }
+    }
+
+    /// Tears down the sandboxes that processes which died without destroying them left in
+    /// the state directory (their Sentries keep running otherwise: `runsc run --detach`
+    /// does not tie them to us): `runsc delete --force`, any runsc process still naming the
+    /// sandbox is killed, its workspace unmounted and its directory removed. Returns how many.
+    ///
+    /// A sandbox counts as abandoned when nobody holds the lock its creator keeps on its
+    /// directory for its whole life (the kernel releases it when that process dies, however it
+    /// dies), so this never touches a live sandbox of any process. The first `create` of each
+    /// process runs this in the background for its state directory.
+    pub fn cleanup_stale(&self) -> Result<usize> {
+        let r = self.resolve()?;
+        Ok(stale::sweep(&r.state_dir, &r.info.path))
     }
 
     fn state_dir(&self) -> PathBuf {

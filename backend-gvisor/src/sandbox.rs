@@ -20,8 +20,8 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, RwLock};
 
 use crate::bundle::{self, Identity};
-use crate::reaper;
 use crate::runsc::{run_checked_async, run_detached, Runsc};
+use crate::{reaper, stale};
 use crate::{GvisorBackend, TIER};
 
 /// The default identity of the workload when the sandbox owns its workspace.
@@ -68,6 +68,8 @@ struct Inner {
     direct: AtomicBool,
     /// Paused with [`Sandbox::pause`]: no command can start until it is resumed.
     paused: AtomicBool,
+    /// Our lock on the sandbox directory (see [`stale`]).
+    _owner: stale::Owner,
 }
 
 impl std::fmt::Debug for GvisorSandbox {
@@ -116,10 +118,16 @@ impl GvisorSandbox {
             .await
             .map_err(|e| Error::backend(TIER, format!("probe task failed: {e}")))??;
         reaper::ensure_subreaper();
+        // What crashed processes left in this state directory (once per process).
+        stale::sweep_once_in_background(&r.state_dir, &r.info.path);
         let id = format!("as-{}", &uuid::Uuid::new_v4().simple().to_string()[..20]);
         let dir = r.state_dir.join(&id);
         let bundle_dir = dir.join("bundle");
         let runsc_root = dir.join("runsc");
+        std::fs::create_dir_all(&dir).map_err(io("create", &dir))?;
+        // Held until the sandbox is gone: if this process dies first, a later sweep knows
+        // the directory (and the runsc processes it names) have no owner left.
+        let owner = stale::Owner::claim(&dir).map_err(io("lock", &dir.join("owner")))?;
         std::fs::create_dir_all(&bundle_dir).map_err(io("create", &bundle_dir))?;
         std::fs::create_dir_all(&runsc_root).map_err(io("create", &runsc_root))?;
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o711))
@@ -194,6 +202,7 @@ impl GvisorSandbox {
             paused: AtomicBool::new(false),
             lifecycle: Arc::new(RwLock::new(())),
             egress,
+            _owner: owner,
         });
         t.mark(Phase::Allocation);
         // From here on, a failure tears down whatever was made.

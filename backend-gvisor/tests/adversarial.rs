@@ -434,3 +434,96 @@ async fn destroy_right_after_a_snapshot_leaves_nothing() {
         .join(&id)
         .exists());
 }
+
+/// Run in a child process by `sandboxes_of_a_killed_process_are_swept`: creates a sandbox
+/// in `AS_TEST_STATE`, leaves a background process running in it, prints `READY <id>` and
+/// waits to be killed.
+#[tokio::test]
+#[ignore = "helper: run in a child process by sandboxes_of_a_killed_process_are_swept"]
+async fn killed_owner_child_process() {
+    let state = std::env::var_os("AS_TEST_STATE").expect("AS_TEST_STATE");
+    let b = GvisorBackend::new(GvisorConfig::default().state_dir(state));
+    let sb = b
+        .create(&SandboxSpec::new(Language::Shell), ResolvedSecrets::none())
+        .await
+        .unwrap();
+    let r = sb
+        .exec(ExecRequest::argv([
+            "/bin/sh",
+            "-c",
+            "sleep 1000 >/dev/null 2>&1 &",
+        ]))
+        .await
+        .unwrap();
+    assert!(r.success(), "{}", r.stderr_str());
+    println!("READY {}", sb.id());
+    std::future::pending::<()>().await;
+}
+
+#[tokio::test]
+async fn sandboxes_of_a_killed_process_are_swept() {
+    use std::io::BufRead;
+    require_gvisor!();
+    let state = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(state.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "killed_owner_child_process",
+            "--ignored",
+            "--nocapture",
+        ])
+        .env("AS_TEST_STATE", state.path())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut id = None;
+    for line in std::io::BufReader::new(child.stdout.take().unwrap()).lines() {
+        let line = line.unwrap();
+        if let Some(rest) = line.strip_prefix("READY ") {
+            id = Some(rest.trim().to_string());
+            break;
+        }
+    }
+    let id = id.expect("the child process created no sandbox");
+    // The owner dies without destroying anything.
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let dir = state.path().join(&id);
+    let mounted = || {
+        std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap()
+            .contains(&dir.display().to_string())
+    };
+    // What that leaves: the Sentry still runs, the workspace is still mounted.
+    assert!(
+        common::host_processes_of(&id) > 0,
+        "no runsc process of {id} outlived its owner"
+    );
+    assert!(mounted(), "the workspace of {id} is not mounted");
+    assert!(!common::cgroups_of(&id).is_empty(), "no cgroup of {id}");
+
+    let b = GvisorBackend::new(GvisorConfig::default().state_dir(state.path()));
+    assert_eq!(b.cleanup_stale().unwrap(), 1);
+    assert_eq!(
+        common::host_processes_of(&id),
+        0,
+        "runsc processes of {id} left"
+    );
+    assert!(!mounted(), "the workspace of {id} is still mounted");
+    assert!(!dir.exists(), "{} left", dir.display());
+    assert!(
+        common::cgroups_of(&id).is_empty(),
+        "cgroups left: {:?}",
+        common::cgroups_of(&id)
+    );
+    // Nothing else to sweep, and a live sandbox of this process is never touched.
+    let live = b
+        .create(&SandboxSpec::new(Language::Shell), ResolvedSecrets::none())
+        .await
+        .unwrap();
+    assert_eq!(b.cleanup_stale().unwrap(), 0);
+    let r = live.exec(ExecRequest::argv(["/bin/true"])).await.unwrap();
+    assert!(r.success());
+    live.destroy().await.unwrap();
+}
