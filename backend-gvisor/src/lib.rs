@@ -32,18 +32,23 @@
 
 //! ## A process that dies without destroying its sandboxes
 //! runsc's sandbox and gofer processes are not tied to the process that started them: a
-//! program killed with its sandboxes alive leaves their Sentries running (untrusted code
-//! included), their cgroups, the workspace mounts and the state directories. Each sandbox's
-//! creator holds a shared `flock` on `<state dir>/<id>/owner` for the sandbox's life; the
-//! kernel releases it when that process dies, however it dies.
-//! [`GvisorBackend::cleanup_stale`] tears down every sandbox of the state directory whose
-//! lock nobody holds (`runsc delete --force`, then a kill of any process still naming it,
-//! the unmount and the removal), and the first `create` of each process runs it in the
-//! background. Tested by killing (`SIGKILL`) a process that owns a sandbox with a background
-//! command. Until such a sweep runs (the next program using the same state directory),
-//! the orphaned sandbox keeps running within its cgroup limits: its lifetime limit was
-//! enforced by the dead process.
+//! program killed with its sandboxes alive would leave their Sentries running (untrusted
+//! code included), their cgroups, the workspace mounts and the state directories. Each
+//! sandbox's creator holds a shared `flock` on `<state dir>/<id>/owner` for the sandbox's
+//! life; the kernel releases it when that process dies, however it dies. Two sweeps tear
+//! down the sandboxes whose lock nobody holds (`runsc delete --force`, the unmount, the
+//! removal; see the `stale` module):
+//! - **at once**: the first `create` of each process starts a watchdog (`/bin/sh` tagged
+//!   `asb-gvisor-watchdog`, reading a pipe only this process writes to, in a process group
+//!   of its own, ignoring terminal signals) that sweeps the state directory when the
+//!   process ends;
+//! - **at the next start**, for owners whose watchdog died with them (a whole process tree
+//!   or container killed): the first `create` of each process sweeps in the background, and
+//!   [`GvisorBackend::cleanup_stale`] does it on demand.
 //!
+//! Both are tested by `SIGKILL`ing a process that owns a sandbox running a background
+//! command (and, for the second, its watchdog first).
+
 //! ## Limits
 //! Memory, pids and CPU quota go to OCI `linux.resources` (cgroups v1 or v2, created by runsc
 //! under `agent-sandbox-gvisor-<id>`); an OOM kill is reported as `limit: memory`. Per-exec

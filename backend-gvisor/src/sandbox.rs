@@ -118,8 +118,9 @@ impl GvisorSandbox {
             .await
             .map_err(|e| Error::backend(TIER, format!("probe task failed: {e}")))??;
         reaper::ensure_subreaper();
-        // What crashed processes left in this state directory (once per process).
-        stale::sweep_once_in_background(&r.state_dir, &r.info.path);
+        // What crashed processes left in this state directory, and a watchdog for what
+        // this one might leave (once per process).
+        stale::guard_state_dir(&r.state_dir, &r.info.path);
         let id = format!("as-{}", &uuid::Uuid::new_v4().simple().to_string()[..20]);
         let dir = r.state_dir.join(&id);
         let bundle_dir = dir.join("bundle");
@@ -287,7 +288,7 @@ impl Inner {
         if self.spec.rootfs.is_none() {
             bundle::write_rootfs(&self.bundle, who)?;
         }
-        let cgroup = format!("agent-sandbox-gvisor-{}", self.id);
+        let cgroup = stale::cgroup_name(&self.id);
         let resolv = match &self.egress {
             Some((_, plan)) => {
                 let p = self.dir.join("resolv.conf");

@@ -10,9 +10,20 @@
 //! however it dies, and a reused pid cannot fake it. [`sweep`] takes the lock exclusively
 //! (which also keeps two sweepers apart): a directory whose lock it gets has no owner left,
 //! and is torn down like `destroy` would (`runsc delete --force`, then any runsc process that
-//! still names the directory is killed, the workspace unmounted, the directory removed).
+//! still names the directory is killed, its cgroups removed, the workspace unmounted, the
+//! directory removed).
 //! A directory without an `owner` file (made by an older version, or a create between its
 //! `mkdir` and the file) is left alone.
+//!
+//! Sweeps happen at two moments. **Right after the owner dies**: the first `create` of each
+//! process (per state directory) starts a small watchdog, `/bin/sh` blocked reading a pipe
+//! whose only writer is this process; when the process ends, however it ends, the read
+//! returns and the watchdog tears down, with `flock` and `runsc delete --force`, every
+//! directory whose lock is free. It sits in a process group of its own and ignores the
+//! terminal's signals, so a Ctrl-C of the program does not take it along; it needs
+//! util-linux's `flock` and `umount` (both in every Debian system). **And at the next
+//! start**: the same `create` sweeps the state directory in a background thread, for
+//! owners whose watchdog died with them (a whole process tree or container killed).
 
 use std::fs::File;
 use std::io::Write;
@@ -105,9 +116,41 @@ fn remove(dir: &Path, id: &str, runsc: &Path) {
         unsafe { libc::kill(pid, libc::SIGKILL) };
     }
     reaper::reap_while(&ours, Duration::from_secs(5), || true);
+    remove_cgroups(id);
     let _ = nix::mount::umount2(&dir.join("workspace"), nix::mount::MntFlags::MNT_DETACH);
     let _ = std::fs::remove_dir_all(dir);
 }
+
+/// The cgroup (relative to runsc's own, in every hierarchy) of sandbox `id`.
+pub(crate) fn cgroup_name(id: &str) -> String {
+    format!("agent-sandbox-gvisor-{id}")
+}
+
+/// Removes sandbox `id`'s cgroups where `runsc delete` did not: it gives up when a process
+/// of the sandbox stays a zombie (its parent, the nearest subreaper above the dead owner,
+/// may never reap it), and a zombie does not keep a cgroup from being removed.
+fn remove_cgroups(id: &str) {
+    fn walk(dir: &Path, name: &str, depth: usize) {
+        let Ok(rd) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in rd.flatten() {
+            if !e.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            if e.file_name().to_str() == Some(name) {
+                let _ = std::fs::remove_dir(e.path());
+            } else if depth < CGROUP_DEPTH {
+                walk(&e.path(), name, depth + 1);
+            }
+        }
+    }
+    walk(Path::new("/sys/fs/cgroup"), &cgroup_name(id), 0);
+}
+
+/// How deep below `/sys/fs/cgroup` a sandbox's cgroup is looked for: the controller (or
+/// the v2 root), then the creator's own cgroup path, usually a few levels.
+const CGROUP_DEPTH: usize = 6;
 
 /// Every process (not only our children) whose command line contains `needle`.
 pub(crate) fn processes_naming(needle: &str) -> Vec<i32> {
@@ -123,22 +166,79 @@ pub(crate) fn processes_naming(needle: &str) -> Vec<i32> {
         .collect()
 }
 
-/// State directories already swept by this process (once each).
-static SWEPT: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+/// The watchdog (see the module's docs): `$1` the state directory, `$2` runsc. Waits for
+/// end of file on its standard input (a pipe only the creator's process writes to), then
+/// tears down each sandbox directory whose owner lock it can take.
+const WATCHDOG: &str = r#"trap '' INT TERM HUP QUIT PIPE
+while read -r _; do :; done
+command -v flock >/dev/null 2>&1 || exit 0
+for d in "$1"/as-*; do
+  [ -f "$d/owner" ] || continue
+  flock -xn "$d/owner" sh -c '"$3" --root="$1/runsc" delete --force "$2" >/dev/null 2>&1
+    find /sys/fs/cgroup -maxdepth 7 -type d -name "agent-sandbox-gvisor-$2" \
+      -exec rmdir {} + 2>/dev/null
+    umount -l "$1/workspace" 2>/dev/null
+    rm -rf "$1"' _ "$d" "${d##*/}" "$2"
+done"#;
 
-/// Sweeps `state_dir` in a background thread, the first time this process asks for it.
-pub(crate) fn sweep_once_in_background(state_dir: &Path, runsc: &Path) {
-    let Ok(mut swept) = SWEPT.lock() else {
+/// The tag in the watchdog's command line (`$0` of its shell).
+pub(crate) const WATCHDOG_TAG: &str = "asb-gvisor-watchdog";
+
+/// What this process did once per state directory: the write ends of its watchdogs' pipes
+/// (kept open until the process ends) and the directories swept.
+static ONCE: std::sync::Mutex<Vec<(PathBuf, Option<std::os::fd::OwnedFd>)>> =
+    std::sync::Mutex::new(Vec::new());
+
+/// The first time this process asks for `state_dir`: starts its watchdog and sweeps it in a
+/// background thread.
+pub(crate) fn guard_state_dir(state_dir: &Path, runsc: &Path) {
+    let Ok(mut done) = ONCE.lock() else {
         return;
     };
-    if swept.iter().any(|d| d == state_dir) {
+    if done.iter().any(|(d, _)| d == state_dir) {
         return;
     }
-    swept.push(state_dir.to_path_buf());
+    let writer = match start_watchdog(state_dir, runsc) {
+        Ok(w) => Some(w),
+        Err(e) => {
+            tracing::warn!(error = %e, "no gVisor watchdog: sandboxes of this process will only be swept at the next start if it dies without destroying them");
+            None
+        }
+    };
+    done.push((state_dir.to_path_buf(), writer));
     let (dir, bin) = (state_dir.to_path_buf(), runsc.to_path_buf());
     let _ = std::thread::Builder::new()
         .name("gvisor-stale-sweep".into())
         .spawn(move || sweep(&dir, &bin));
+}
+
+/// Starts the watchdog of `state_dir`; returns the write end of its pipe.
+fn start_watchdog(state_dir: &Path, runsc: &Path) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    use std::os::unix::process::CommandExt;
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two new descriptors into a local array of two.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: both descriptors were just created and are owned by nothing else.
+    let (r, w) = unsafe {
+        (
+            std::os::fd::OwnedFd::from_raw_fd(fds[0]),
+            std::os::fd::OwnedFd::from_raw_fd(fds[1]),
+        )
+    };
+    Command::new("/bin/sh")
+        .args(["-c", WATCHDOG, WATCHDOG_TAG])
+        .arg(state_dir)
+        .arg(runsc)
+        .stdin(Stdio::from(r))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .current_dir("/")
+        .process_group(0)
+        .spawn()?;
+    Ok(w)
 }
 
 #[cfg(test)]

@@ -460,12 +460,10 @@ async fn killed_owner_child_process() {
     std::future::pending::<()>().await;
 }
 
-#[tokio::test]
-async fn sandboxes_of_a_killed_process_are_swept() {
+/// Starts [`killed_owner_child_process`] with state directory `state`; returns the child and
+/// its sandbox's id once it is ready.
+fn owner_child(state: &std::path::Path) -> (std::process::Child, String) {
     use std::io::BufRead;
-    require_gvisor!();
-    let state = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(state.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
@@ -473,50 +471,97 @@ async fn sandboxes_of_a_killed_process_are_swept() {
             "--ignored",
             "--nocapture",
         ])
-        .env("AS_TEST_STATE", state.path())
+        .env("AS_TEST_STATE", state)
         .stdout(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let mut id = None;
     for line in std::io::BufReader::new(child.stdout.take().unwrap()).lines() {
-        let line = line.unwrap();
-        if let Some(rest) = line.strip_prefix("READY ") {
-            id = Some(rest.trim().to_string());
-            break;
+        if let Some(id) = line.unwrap().strip_prefix("READY ") {
+            return (child, id.trim().to_string());
         }
     }
-    let id = id.expect("the child process created no sandbox");
-    // The owner dies without destroying anything.
+    let _ = child.kill();
+    let status = child.wait();
+    panic!("the child process created no sandbox ({status:?})");
+}
+
+/// Whether anything of sandbox `id` (state directory `state`) is left on the host: runsc
+/// processes, the workspace mount, the directory, cgroups. `None`: nothing.
+fn leftovers(state: &std::path::Path, id: &str) -> Option<String> {
+    let dir = state.join(id);
+    let mounted = std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .contains(&dir.display().to_string());
+    let procs = common::host_processes_of(id);
+    let cgroups = common::cgroups_of(id);
+    (procs > 0 || mounted || dir.exists() || !cgroups.is_empty()).then(|| {
+        format!(
+            "{procs} processes, mounted: {mounted}, directory: {}, cgroups: {cgroups:?}",
+            dir.exists()
+        )
+    })
+}
+
+#[tokio::test]
+async fn sandboxes_of_a_killed_process_are_torn_down() {
+    require_gvisor!();
+    let state = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(state.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    // The worst case, and what happens anyway when other tests of this process use the
+    // tier: we are a child subreaper, so the dead owner's runsc processes become our
+    // children, and we never reap what we did not start (their zombies then outlive
+    // `runsc delete`, which gives up before removing the cgroups).
+    assert!(backend_gvisor::reaper::ensure_subreaper());
+
+    // 1. The owner is SIGKILLed: its watchdog tears the sandbox down.
+    let (mut child, id) = owner_child(state.path());
+    assert!(leftovers(state.path(), &id).is_some());
     child.kill().unwrap();
     child.wait().unwrap();
-    let dir = state.path().join(&id);
-    let mounted = || {
-        std::fs::read_to_string("/proc/self/mountinfo")
-            .unwrap()
-            .contains(&dir.display().to_string())
-    };
-    // What that leaves: the Sentry still runs, the workspace is still mounted.
+    let died = std::time::Instant::now();
+    while let Some(left) = leftovers(state.path(), &id) {
+        assert!(
+            died.elapsed() < std::time::Duration::from_secs(30),
+            "30 s after its owner died, sandbox {id} left {left}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    eprintln!(
+        "sandbox {id} torn down {:?} after its owner died",
+        died.elapsed()
+    );
+
+    // 2. The owner and its watchdog are both killed (a whole tree or container going
+    // down): the Sentry runs on until the next sweep, here `cleanup_stale`.
+    let (mut child, id) = owner_child(state.path());
+    let pid = i32::try_from(child.id()).unwrap();
+    let watchdogs: Vec<i32> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|p| {
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<i32>().ok());
+            let cmd = std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default();
+            ppid == Some(pid) && String::from_utf8_lossy(&cmd).contains("asb-gvisor-watchdog")
+        })
+        .collect();
+    assert_eq!(watchdogs.len(), 1, "the owner's watchdog: {watchdogs:?}");
+    // SAFETY: kills the watchdog process found above (a child of our child).
+    unsafe { libc::kill(watchdogs[0], libc::SIGKILL) };
+    child.kill().unwrap();
+    child.wait().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(500));
     assert!(
         common::host_processes_of(&id) > 0,
-        "no runsc process of {id} outlived its owner"
+        "no runsc process of {id} outlived its owner and watchdog"
     );
-    assert!(mounted(), "the workspace of {id} is not mounted");
-    assert!(!common::cgroups_of(&id).is_empty(), "no cgroup of {id}");
 
     let b = GvisorBackend::new(GvisorConfig::default().state_dir(state.path()));
     assert_eq!(b.cleanup_stale().unwrap(), 1);
-    assert_eq!(
-        common::host_processes_of(&id),
-        0,
-        "runsc processes of {id} left"
-    );
-    assert!(!mounted(), "the workspace of {id} is still mounted");
-    assert!(!dir.exists(), "{} left", dir.display());
-    assert!(
-        common::cgroups_of(&id).is_empty(),
-        "cgroups left: {:?}",
-        common::cgroups_of(&id)
-    );
+    assert_eq!(leftovers(state.path(), &id), None);
     // Nothing else to sweep, and a live sandbox of this process is never touched.
     let live = b
         .create(&SandboxSpec::new(Language::Shell), ResolvedSecrets::none())
