@@ -44,11 +44,16 @@ pub(crate) struct Owner {
 }
 
 impl Owner {
-    /// Creates `dir/owner` (our pid, for people reading the directory) and locks it shared.
+    /// Creates `dir/owner` (our pid, for people reading the directory), locked shared.
+    /// The file is locked under a private name and renamed into place: a sweeper never sees
+    /// an `owner` that is not locked yet (and would then take the new sandbox for an
+    /// abandoned one).
     pub(crate) fn claim(dir: &Path) -> std::io::Result<Owner> {
-        let mut file = File::create(dir.join(OWNER))?;
+        let private = dir.join(format!(".{OWNER}-{}", std::process::id()));
+        let mut file = File::create(&private)?;
         file.lock_shared()?;
         writeln!(file, "{}", std::process::id())?;
+        std::fs::rename(&private, dir.join(OWNER))?;
         Ok(Owner { _file: file })
     }
 }
@@ -260,6 +265,37 @@ mod tests {
         // No owner file: not ours to judge.
         let bare = tempfile::tempdir().unwrap();
         assert!(abandoned(bare.path()).is_none());
+    }
+
+    #[test]
+    fn a_sweeper_never_sees_a_new_owner_file_unlocked() {
+        let state = tempfile::tempdir().unwrap();
+        let done = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let sweeper = s.spawn(|| {
+                let mut taken = 0;
+                while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                    for e in std::fs::read_dir(state.path()).unwrap().flatten() {
+                        taken += usize::from(abandoned(&e.path()).is_some());
+                    }
+                }
+                taken
+            });
+            // Every owner stays alive until the sweeper stops.
+            let mut owners = Vec::new();
+            for i in 0..2000 {
+                let d = state.path().join(format!("as-{i}"));
+                std::fs::create_dir(&d).unwrap();
+                owners.push(Owner::claim(&d).unwrap());
+            }
+            done.store(true, std::sync::atomic::Ordering::SeqCst);
+            assert_eq!(
+                sweeper.join().unwrap(),
+                0,
+                "a live sandbox looked abandoned"
+            );
+            drop(owners);
+        });
     }
 
     #[test]
