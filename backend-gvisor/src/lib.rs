@@ -90,7 +90,8 @@
 //! - The `systrap` platform does not exist in this build (ptrace is used); `kvm` hangs on
 //!   nested hosts, so it is used only when asked for.
 //! - Without a child subreaper, `delete` takes 1.3-2 s on hosts whose pid 1 reaps slowly:
-//!   the backend makes the process a subreaper and reaps exactly its runsc processes.
+//!   the backend makes the process a subreaper while `runsc run --detach` runs (so the
+//!   processes it leaves become ours) and reaps exactly those ([`reaper`]).
 
 pub mod bundle;
 pub mod reaper;

@@ -3,28 +3,98 @@
 //! `runsc create`/`run --detach` exit and leave the sandbox (`runsc-sandbox`) and gofer
 //! (`runsc-gofer`) processes behind, re-parented to the nearest *child subreaper* or to pid 1.
 //! `runsc delete` then waits until the sandbox process is gone, and a zombie still counts: on
-//! hosts whose pid 1 reaps slowly that takes 1.3-2 s. So the driver makes its own process a
-//! child subreaper and reaps **exactly** the runsc processes of its sandboxes: it records
-//! their pids (children of ours whose command line names the sandbox's state root) and, while
-//! `delete` runs, `waitpid`s those pids only. It never calls `waitpid(-1)`, which would steal
-//! the exit status of the embedding program's own children.
+//! hosts whose pid 1 reaps slowly that takes 1.3-2 s. So the driver has its own process
+//! **adopt** them: it is a child subreaper only while a `runsc run`/`restore --detach` runs
+//! ([`adopt`], a window shared by concurrent creates), then records their pids (children of
+//! ours whose command line names the sandbox's state root) and, while `delete` runs,
+//! `waitpid`s those pids only. It never calls `waitpid(-1)`, which would steal the exit
+//! status of the embedding program's own children; and it is no subreaper between creates,
+//! so the orphans of the embedding program's other children (a daemon a script left behind)
+//! are not adopted by a process that would never reap them. A process that was a subreaper
+//! before (or calls [`ensure_subreaper`]) stays one.
 
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::Pid;
 
-static SUBREAPER: OnceLock<bool> = OnceLock::new();
+/// The subreaper flag's owners: whether it is set for good (before us, or by
+/// [`ensure_subreaper`]), and how many adoption windows are open.
+struct Flag {
+    permanent: bool,
+    open: usize,
+}
 
-/// Makes this process a child subreaper (once). Returns whether it is one.
-pub fn ensure_subreaper() -> bool {
-    *SUBREAPER.get_or_init(|| {
-        // SAFETY: prctl(PR_SET_CHILD_SUBREAPER, 1) only sets a flag on the calling process;
-        // the extra arguments are ignored and passed as zero as the man page asks.
-        let rc = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-        rc == 0
+static FLAG: Mutex<Flag> = Mutex::new(Flag {
+    permanent: false,
+    open: 0,
+});
+
+static PRESET: OnceLock<bool> = OnceLock::new();
+
+fn set_subreaper(on: bool) -> bool {
+    // SAFETY: prctl(PR_SET_CHILD_SUBREAPER, 0|1) only sets a flag on the calling process;
+    // the extra arguments are ignored and passed as zero as the man page asks.
+    unsafe {
+        libc::prctl(
+            libc::PR_SET_CHILD_SUBREAPER,
+            libc::c_ulong::from(on),
+            0,
+            0,
+            0,
+        ) == 0
+    }
+}
+
+/// Whether the process was a subreaper before this module first looked.
+fn preset() -> bool {
+    *PRESET.get_or_init(|| {
+        let mut v: libc::c_int = 0;
+        // SAFETY: PR_GET_CHILD_SUBREAPER stores an int through the pointer, which is valid.
+        let rc = unsafe { libc::prctl(libc::PR_GET_CHILD_SUBREAPER, &mut v as *mut libc::c_int) };
+        rc == 0 && v != 0
     })
+}
+
+/// Makes this process a child subreaper for good. Returns whether it is one.
+pub fn ensure_subreaper() -> bool {
+    let _ = preset();
+    let Ok(mut f) = FLAG.lock() else {
+        return false;
+    };
+    f.permanent = true;
+    set_subreaper(true)
+}
+
+/// An open adoption window (see [`adopt`]); closing the last one clears the flag again.
+#[derive(Debug)]
+pub struct Adoption(());
+
+/// Makes this process a child subreaper until the returned guard is dropped (and every
+/// other open window is closed): processes orphaned meanwhile below us, such as the runsc
+/// processes a `run --detach` leaves, become our children.
+pub fn adopt() -> Adoption {
+    let preset = preset();
+    if let Ok(mut f) = FLAG.lock() {
+        f.permanent |= preset;
+        if f.open == 0 && !f.permanent {
+            set_subreaper(true);
+        }
+        f.open += 1;
+    }
+    Adoption(())
+}
+
+impl Drop for Adoption {
+    fn drop(&mut self) {
+        if let Ok(mut f) = FLAG.lock() {
+            f.open = f.open.saturating_sub(1);
+            if f.open == 0 && !f.permanent {
+                set_subreaper(false);
+            }
+        }
+    }
 }
 
 /// Our children whose command line contains `needle` (e.g. `--root=/state/<id>`).
@@ -87,5 +157,37 @@ pub fn reap_while(pids: &[i32], timeout: Duration, mut done: impl FnMut() -> boo
             return;
         }
         std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn is_subreaper() -> bool {
+        let mut v: libc::c_int = 0;
+        // SAFETY: PR_GET_CHILD_SUBREAPER stores an int through a valid pointer.
+        unsafe { libc::prctl(libc::PR_GET_CHILD_SUBREAPER, &mut v as *mut libc::c_int) };
+        v != 0
+    }
+
+    // One test: the flag is process-wide.
+    #[test]
+    fn adoption_windows_set_the_flag_only_while_open_and_ensure_is_for_good() {
+        let before = is_subreaper();
+        let a = adopt();
+        assert!(is_subreaper());
+        let b = adopt();
+        drop(a);
+        assert!(is_subreaper(), "closed while another window is open");
+        drop(b);
+        assert_eq!(
+            is_subreaper(),
+            before,
+            "the last window did not restore the flag"
+        );
+        assert!(ensure_subreaper());
+        drop(adopt());
+        assert!(is_subreaper(), "a window cleared a flag set for good");
     }
 }

@@ -281,9 +281,14 @@ pub async fn run_checked_async(mut cmd: tokio::process::Command, what: &str) -> 
     }
 }
 
+/// How long a `run`/`restore --detach` may take before it is killed and reported (a start
+/// takes ~0.2 s here, a restore of a few hundred MiB a few seconds).
+pub const DETACHED_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
 /// Runs a runsc command that leaves the sandbox running (`run --detach`, `restore --detach`).
 /// Its stdio goes to a log file of the sandbox's own: the sandbox inherits it and would hold a
-/// pipe of ours open forever.
+/// pipe of ours open forever. One that takes longer than [`DETACHED_TIMEOUT`] is killed and
+/// reported.
 pub async fn run_detached(mut cmd: tokio::process::Command, log: &Path, what: &str) -> Result<()> {
     let file = std::fs::OpenOptions::new()
         .create(true)
@@ -293,11 +298,21 @@ pub async fn run_detached(mut cmd: tokio::process::Command, log: &Path, what: &s
     let file2 = file
         .try_clone()
         .map_err(|e| Error::io_path("open", log, e))?;
-    cmd.stdout(file).stderr(file2);
-    let status = cmd
-        .status()
-        .await
-        .map_err(|e| Error::io(format!("runsc {what}"), e))?;
+    cmd.stdout(file).stderr(file2).kill_on_drop(true);
+    let status = match tokio::time::timeout(DETACHED_TIMEOUT, cmd.status()).await {
+        Ok(s) => s.map_err(|e| Error::io(format!("runsc {what}"), e))?,
+        Err(_) => {
+            let text = std::fs::read(log).unwrap_or_default();
+            return Err(Error::backend(
+                Tier::Gvisor,
+                format!(
+                    "runsc {what} did not finish in {} s (killed): {}",
+                    DETACHED_TIMEOUT.as_secs(),
+                    last_lines(&text)
+                ),
+            ));
+        }
+    };
     if status.success() {
         Ok(())
     } else {

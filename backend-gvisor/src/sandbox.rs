@@ -117,7 +117,6 @@ impl GvisorSandbox {
         let r = tokio::task::spawn_blocking(move || b.resolve())
             .await
             .map_err(|e| Error::backend(TIER, format!("probe task failed: {e}")))??;
-        reaper::ensure_subreaper();
         // What crashed processes left in this state directory, and a watchdog for what
         // this one might leave (once per process).
         stale::guard_state_dir(&r.state_dir, &r.info.path);
@@ -329,7 +328,11 @@ impl Inner {
                 .arg(&self.id),
         };
         let what = if restore.is_some() { "restore" } else { "run" };
-        run_detached(cmd, &self.dir.join("runsc.log"), what).await?;
+        // The sandbox and gofer processes it leaves become ours (see `reaper`).
+        let adoption = reaper::adopt();
+        let started = run_detached(cmd, &self.dir.join("runsc.log"), what).await;
+        drop(adoption);
+        started?;
         let boot = self.track_processes().await;
         self.attach_network(boot).await?;
         if self.egress.is_some() {
@@ -1023,7 +1026,9 @@ impl Inner {
             .arg("--image-path")
             .arg(image)
             .arg(&self.id);
+        let adoption = reaper::adopt();
         let resumed = run_detached(cmd, &self.dir.join("runsc.log"), "restore").await;
+        drop(adoption);
         self.track_processes().await;
         let _ = std::fs::remove_dir_all(image);
         if let Err(e) = resumed {
