@@ -406,6 +406,114 @@ async fn leftovers_of_a_dead_process_are_swept() {
     assert!(dirs.iter().all(|d| !d.exists()), "not swept: {dirs:?}");
 }
 
+/// The command line of the background command `killed_owner_child_process` leaves running.
+const ORPHAN_MARKER: &[u8] = b"sleep\x00987.654321\x00";
+
+/// Run in a child process by `sandboxes_of_a_killed_process_are_torn_down`: creates a
+/// sandbox with a background command, prints `READY <init pid>` and waits to be killed.
+#[tokio::test]
+#[ignore = "helper: run in a child process by sandboxes_of_a_killed_process_are_torn_down"]
+async fn killed_owner_child_process() {
+    let sb = backend_container::ContainerBackend::new()
+        .unwrap()
+        .create_container(&spec(Language::Shell))
+        .await
+        .unwrap();
+    sh_ok(&sb, "sleep 987.654321 >/dev/null 2>&1 &").await;
+    println!("READY {}", sb.init_pid());
+    std::future::pending::<()>().await;
+}
+
+/// Host processes whose command line is exactly [`ORPHAN_MARKER`]'s.
+fn orphan_markers() -> usize {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter(|e| std::fs::read(e.path().join("cmdline")).is_ok_and(|c| c == ORPHAN_MARKER))
+        .count()
+}
+
+/// Whether `pid` is gone (or a zombie waiting for its new parent to reap it).
+fn gone(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            s.rsplit_once(')')
+                .and_then(|(_, r)| r.split_whitespace().next())
+                .is_some_and(|st| st == "Z" || st == "X")
+        })
+        .unwrap_or(true)
+}
+
+#[tokio::test]
+async fn sandboxes_of_a_killed_process_are_torn_down() {
+    use std::io::BufRead;
+    require_host!();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "killed_owner_child_process",
+            "--ignored",
+            "--nocapture",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut init = None;
+    for line in std::io::BufReader::new(child.stdout.take().unwrap()).lines() {
+        if let Some(p) = line.unwrap().strip_prefix("READY ") {
+            init = p.trim().parse::<i32>().ok();
+            break;
+        }
+    }
+    let Some(init) = init else {
+        let _ = child.kill();
+        panic!("the child process created no sandbox ({:?})", child.wait());
+    };
+    let owner = child.id();
+    let cgroups = || -> Vec<std::path::PathBuf> {
+        common::own_cgroup_dirs()
+            .iter()
+            .filter_map(|d| std::fs::read_dir(d).ok())
+            .flat_map(|rd| rd.flatten())
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with(&format!("asb-{owner}-"))
+            })
+            .map(|e| e.path())
+            .collect()
+    };
+    assert!(!gone(init));
+    assert_eq!(orphan_markers(), 1, "the background command is not running");
+    let had_cgroups = !cgroups().is_empty();
+    eprintln!("the owner had cgroups: {had_cgroups}");
+    // The owner dies without destroying anything.
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let died = std::time::Instant::now();
+    while !(gone(init) && orphan_markers() == 0) {
+        assert!(
+            died.elapsed() < Duration::from_secs(10),
+            "10 s after its owner died: init gone {}, background commands {}",
+            gone(init),
+            orphan_markers()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    eprintln!(
+        "the sandbox's processes were gone {:?} after its owner died",
+        died.elapsed()
+    );
+    // Its cgroups stay until the next backend of any process sweeps them.
+    assert_eq!(!cgroups().is_empty(), had_cgroups);
+    let _ = backend();
+    assert_eq!(
+        cgroups(),
+        Vec::<std::path::PathBuf>::new(),
+        "cgroups not swept"
+    );
+}
+
 #[tokio::test]
 async fn a_killed_zygote_is_replaced_on_the_next_create() {
     require_host!();
