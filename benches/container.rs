@@ -52,8 +52,16 @@ fn oci_bundle(dir: &Path, name: &str, argv: &[&str]) -> PathBuf {
     let ws = dir.join(format!("{name}-ws"));
     std::fs::create_dir_all(&ws).unwrap();
     let spec = SandboxSpec::new(Language::Shell);
-    let mut cfg =
-        bundle::config(&spec, who, &ws, false, &format!("asb-bench-{name}"), None).unwrap();
+    let mut cfg = bundle::config(
+        &spec,
+        who,
+        &ws,
+        false,
+        None,
+        &format!("asb-bench-{name}"),
+        None,
+    )
+    .unwrap();
     let mut p = cfg.process().clone().unwrap();
     p.set_args(Some(argv.iter().map(|s| s.to_string()).collect()));
     cfg.set_process(Some(p));

@@ -38,8 +38,16 @@ fn baseline_bundle(dir: &std::path::Path) -> std::path::PathBuf {
     let ws = dir.join("ws");
     std::fs::create_dir_all(&ws).unwrap();
     let spec = SandboxSpec::new(Language::Shell);
-    let mut cfg =
-        bundle::config(&spec, who, &ws, false, "agent-sandbox-bench-baseline", None).unwrap();
+    let mut cfg = bundle::config(
+        &spec,
+        who,
+        &ws,
+        false,
+        None,
+        "agent-sandbox-bench-baseline",
+        None,
+    )
+    .unwrap();
     let mut p = cfg.process().clone().unwrap();
     p.set_args(Some(vec!["/bin/true".into()]));
     cfg.set_process(Some(p));

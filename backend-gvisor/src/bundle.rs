@@ -42,21 +42,21 @@ pub const HOST_TASKS_PER_PROCESS: i64 = 10;
 /// What an idle Sentry takes of the sandbox's memory limit (measured: 14 MiB).
 const SENTRY_BYTES: u64 = 16 << 20;
 
-/// Kernel and Sentry memory per file in the workspace (measured: 3,000 empty files took
-/// 14 MiB), against [`Limits::TMPFS_INODE_BYTES`] on a plain tmpfs.
+/// Kernel and Sentry memory per file on a host tmpfs the sandbox reaches through its gofer
+/// (the workspace, `/tmp`, `/dev/shm`; measured: 3,000 empty files took 14 MiB), against
+/// [`Limits::TMPFS_INODE_BYTES`] on a plain tmpfs.
 ///
 /// [`Limits::TMPFS_INODE_BYTES`]: sandbox_core::Limits::TMPFS_INODE_BYTES
-const WORKSPACE_FILE_BYTES: u64 = 6 << 10;
+const HOST_TMPFS_FILE_BYTES: u64 = 6 << 10;
 
-/// Sentry memory per file in its own tmpfs (measured: 3,000 empty files in `/tmp` took
-/// 2 MiB, in `/dev/shm` 6 MiB).
-const SCRATCH_FILE_BYTES: u64 = 2 << 10;
-
-/// Caps of the sandbox's memory-backed mounts: `/tmp` and `/dev/shm` (tmpfs in the Sentry)
-/// and, for an `Empty` workspace, the host tmpfs behind `/workspace`, whose pages the Sentry
-/// holds in its memory too. Unchecked, 100 MB written to either killed a 64 MiB sandbox (the
-/// Sentry itself is OOM-killed). [`Limits::tmpfs_caps`](sandbox_core::Limits::tmpfs_caps) of
-/// the memory the Sentry leaves, with the workspace's files counted at their measured cost.
+/// Caps of the sandbox's memory-backed mounts, all host tmpfs mounts the Sentry reaches
+/// through its gofer: the workspace of an `Empty` spec, and one scratch tmpfs whose `tmp/`
+/// and `shm/` are the sandbox's `/tmp` and `/dev/shm` (`scratch` below: the caps of both
+/// together). gVisor's own tmpfs ignores `nr_inodes`: there, a flood of empty files grew the
+/// Sentry (~2.5 KiB each) until it was OOM-killed and the sandbox lost; a host tmpfs says
+/// `ENOSPC` instead. Unchecked, 100 MB written to either killed a 64 MiB sandbox the same
+/// way. [`Limits::tmpfs_caps`](sandbox_core::Limits::tmpfs_caps) of the memory the Sentry
+/// leaves, with files counted at their measured cost.
 pub fn tmpfs_caps(spec: &SandboxSpec) -> TmpfsCaps {
     let mut limits = spec.limits.clone();
     limits.memory_bytes = limits
@@ -65,8 +65,10 @@ pub fn tmpfs_caps(spec: &SandboxSpec) -> TmpfsCaps {
         .max(4 << 20);
     let mut caps = limits.tmpfs_caps(2, u64::from(matches!(spec.workspace, Workspace::Empty)));
     let per = sandbox_core::Limits::TMPFS_INODE_BYTES;
-    caps.disk.inodes = (caps.disk.inodes * per / WORKSPACE_FILE_BYTES).max(256);
-    caps.scratch.inodes = (caps.scratch.inodes * per / SCRATCH_FILE_BYTES).max(256);
+    caps.disk.inodes = (caps.disk.inodes * per / HOST_TMPFS_FILE_BYTES).max(256);
+    // `/tmp` and `/dev/shm` share one mount: twice one scratch mount's share.
+    caps.scratch.bytes *= 2;
+    caps.scratch.inodes = (2 * caps.scratch.inodes * per / HOST_TMPFS_FILE_BYTES).max(256);
     caps
 }
 
@@ -209,12 +211,14 @@ pub fn process(
         .map_err(oci)
 }
 
-/// The whole `config.json`.
+/// The whole `config.json`. `scratch`: a host directory whose `tmp/` and `shm/` become
+/// `/tmp` and `/dev/shm` (see [`tmpfs_caps`]); `None` for tmpfs mounts of the runtime's own.
 pub fn config(
     spec: &SandboxSpec,
     who: Identity,
     workspace: &Path,
     workspace_read_only: bool,
+    scratch: Option<&Path>,
     cgroup: &str,
     resolv_conf: Option<&Path>,
 ) -> Result<Spec> {
@@ -234,12 +238,20 @@ pub fn config(
             }
         }
     }
-    // The Sentry keeps these files in its own memory, charged to the sandbox's limit (see
-    // `Limits::tmpfs_caps`; the workspace tmpfs is capped the same way).
+    // `/tmp` and `/dev/shm`: `scratch/tmp` and `scratch/shm` of a host tmpfs (see
+    // `tmpfs_caps`), or, without one (runtimes on the host's kernel, whose tmpfs enforces
+    // `nr_inodes`), tmpfs mounts with the same caps. A caller's rootfs without the mount
+    // point gets the tmpfs too: runsc would create a bind mount's point in that directory,
+    // which is never written (gVisor's tmpfs ignores `nr_inodes` though: see `tmpfs_caps`).
     let caps = tmpfs_caps(spec);
-    for dst in ["/tmp", "/dev/shm"] {
-        mounts.push(
-            MountBuilder::default()
+    for (dst, sub) in [("/tmp", "tmp"), ("/dev/shm", "shm")] {
+        let has_point = spec
+            .rootfs
+            .as_ref()
+            .is_none_or(|r| r.join(dst.trim_start_matches('/')).is_dir());
+        let m = match scratch.filter(|_| has_point) {
+            Some(dir) => bind(dst, &dir.join(sub), false)?,
+            None => MountBuilder::default()
                 .destination(dst)
                 .typ("tmpfs")
                 .source("tmpfs")
@@ -247,12 +259,13 @@ pub fn config(
                     "nosuid".to_string(),
                     "nodev".to_string(),
                     "mode=1777".to_string(),
-                    format!("size={}", caps.scratch.bytes),
-                    format!("nr_inodes={}", caps.scratch.inodes),
+                    format!("size={}", caps.scratch.bytes / 2),
+                    format!("nr_inodes={}", caps.scratch.inodes / 2),
                 ])
                 .build()
                 .map_err(oci)?,
-        );
+        };
+        mounts.push(m);
     }
     mounts.push(bind("/workspace", workspace, workspace_read_only)?);
     if let Some(r) = resolv_conf {

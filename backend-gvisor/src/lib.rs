@@ -54,17 +54,20 @@
 //! under `agent-sandbox-gvisor-<id>`); an OOM kill is reported as `limit: memory`. Per-exec
 //! wall time, output bytes, open files and CPU seconds (`RLIMIT_CPU`) are enforced per exec.
 //!
-//! **Disk is memory here too.** The workspace of an `Empty` spec is a host tmpfs, `/tmp` and
-//! `/dev/shm` are gVisor tmpfs mounts, and the Sentry holds all their files in its memory,
-//! charged to the sandbox's limit: unchecked, 100 MB written to any of them in a 64 MiB
-//! sandbox got the Sentry OOM-killed and the sandbox lost. They are capped by
-//! [`Limits::tmpfs_caps`](sandbox_core::Limits::tmpfs_caps) of what the Sentry leaves
-//! (the limit less 16 MiB; an idle Sentry takes 14 MiB), with file counts at their measured
-//! cost here (~6 KiB a workspace file, ~2 KiB one in `/tmp`): 100 MB written is now
-//! `ENOSPC` and the sandbox goes on (tested; `limit: disk` when the workspace is full).
-//! **Not solved**: a flood of *files* still costs the Sentry more than those estimates
-//! (16,000 empty files took ~150 MiB in one run) and can get the sandbox OOM-killed.
-//!
+//! **Disk is memory here too.** The workspace of an `Empty` spec and `/tmp` + `/dev/shm`
+//! (the `tmp/` and `shm/` of one scratch tmpfs) are host tmpfs mounts the Sentry reaches
+//! through its gofer, and it also keeps their files in its memory, charged to the sandbox's
+//! limit. They are capped by [`Limits::tmpfs_caps`](sandbox_core::Limits::tmpfs_caps) of
+//! what the Sentry leaves (the limit less 16 MiB; an idle Sentry takes 14 MiB), with file
+//! counts at their measured cost (~6 KiB a file). gVisor's own tmpfs, which these mounts
+//! replace for `/tmp` and `/dev/shm`, ignores `nr_inodes`: a flood of empty files there
+//! grew the Sentry until it was OOM-killed and the sandbox lost. Now 100 MB written, or
+//! 100,000 empty files created, in any of them is `ENOSPC` reported as `limit: disk`, and the
+//! sandbox goes on (tested). `/tmp` and `/dev/shm` share their cap, are saved with
+//! snapshots (`scratch.tar`) and restored with them. A caller's rootfs without a `/tmp` or
+//! `/dev/shm` directory gets gVisor's tmpfs there (a bind mount's point would be created in
+//! that directory, which is never written), and with it the unbounded file count.
+
 //! ## Network
 //! Deny-all (the default): `--network=none`, the sandbox has only gVisor's own loopback.
 //!

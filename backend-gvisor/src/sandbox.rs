@@ -46,6 +46,9 @@ struct Inner {
     workspace: PathBuf,
     /// We mounted a tmpfs on `workspace` (an `Empty` spec) and must unmount it.
     workspace_tmpfs: bool,
+    /// The host tmpfs whose `tmp/` and `shm/` are the sandbox's `/tmp` and `/dev/shm`
+    /// (see [`bundle::tmpfs_caps`]); mounted by `start`, unmounted by `cleanup`.
+    scratch: PathBuf,
     who: Identity,
     env: BTreeMap<String, String>,
     redactor: Redactor,
@@ -124,6 +127,7 @@ impl GvisorSandbox {
         let dir = r.state_dir.join(&id);
         let bundle_dir = dir.join("bundle");
         let runsc_root = dir.join("runsc");
+        let scratch_dir = dir.join("scratch");
         std::fs::create_dir_all(&dir).map_err(io("create", &dir))?;
         // Held until the sandbox is gone: if this process dies first, a later sweep knows
         // the directory (and the runsc processes it names) have no owner left.
@@ -189,6 +193,7 @@ impl GvisorSandbox {
             bundle: bundle_dir,
             workspace,
             workspace_tmpfs: tmpfs,
+            scratch: scratch_dir,
             who,
             env,
             redactor: secrets.redactor(),
@@ -253,6 +258,10 @@ impl GvisorSandbox {
             Workspace::Empty => Some(store.artifact(id, "workspace.tar").await?),
             Workspace::HostDir { .. } => None,
         };
+        let scratch = match m.artifacts.contains_key(SCRATCH_TAR) {
+            true => Some(store.artifact(id, SCRATCH_TAR).await?),
+            false => None,
+        };
         Self::create(
             backend,
             &m.spec,
@@ -260,6 +269,7 @@ impl GvisorSandbox {
             Some(Restore {
                 image: image.to_vec(),
                 workspace,
+                scratch,
                 who,
             }),
         )
@@ -267,10 +277,15 @@ impl GvisorSandbox {
     }
 }
 
+/// The snapshot artifact holding `/tmp` and `/dev/shm` (the scratch tmpfs).
+const SCRATCH_TAR: &str = "scratch.tar";
+
 /// What a restore brings into `create`.
 pub(crate) struct Restore {
     image: Vec<u8>,
     workspace: Option<bytes::Bytes>,
+    /// `/tmp` and `/dev/shm` (absent from snapshots older than host-backed scratch mounts).
+    scratch: Option<bytes::Bytes>,
     who: Identity,
 }
 
@@ -283,6 +298,7 @@ impl Inner {
         if self.workspace_tmpfs {
             self.mount_workspace()?;
         }
+        self.mount_scratch()?;
         let who = self.who;
         if self.spec.rootfs.is_none() {
             bundle::write_rootfs(&self.bundle, who)?;
@@ -301,6 +317,7 @@ impl Inner {
             who,
             &self.workspace,
             self.read_only(),
+            Some(&self.scratch),
             &cgroup,
             resolv.as_deref(),
         )?;
@@ -309,6 +326,9 @@ impl Inner {
         if let Some(r) = &restore {
             if let Some(ws) = &r.workspace {
                 fsnap::unpack_into(ws, &self.workspace)?;
+            }
+            if let Some(sc) = &r.scratch {
+                fsnap::unpack_into(sc, &self.scratch)?;
             }
             std::fs::create_dir_all(&image_dir).map_err(io("create", &image_dir))?;
             fsnap::unpack_into(&r.image, &image_dir)?;
@@ -357,12 +377,37 @@ impl Inner {
         )
     }
 
-    /// Whether our tmpfs workspace is out of space or inodes (seen from the host; the
-    /// Sentry's own `/tmp` and `/dev/shm` cannot be seen from here).
-    fn workspace_full(&self) -> bool {
-        self.workspace_tmpfs
-            && nix::sys::statvfs::statvfs(&self.workspace)
+    /// Whether our tmpfs workspace, or the scratch tmpfs behind `/tmp` and `/dev/shm`, is out
+    /// of space or inodes.
+    fn disk_full(&self) -> bool {
+        let full = |p: &Path| {
+            nix::sys::statvfs::statvfs(p)
                 .is_ok_and(|s| s.blocks_available() == 0 || s.files_available() == 0)
+        };
+        (self.workspace_tmpfs && full(&self.workspace)) || full(&self.scratch)
+    }
+
+    /// Mounts the scratch tmpfs and makes its `tmp/` and `shm/` (sticky, world-writable).
+    fn mount_scratch(&self) -> Result<()> {
+        use nix::mount::{mount, MsFlags};
+        let cap = crate::bundle::tmpfs_caps(&self.spec).scratch;
+        std::fs::create_dir_all(&self.scratch).map_err(io("create", &self.scratch))?;
+        let data = format!("size={},nr_inodes={},mode=0755", cap.bytes, cap.inodes);
+        mount(
+            Some("agent-sandbox-scratch"),
+            &self.scratch,
+            Some("tmpfs"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+            Some(data.as_str()),
+        )
+        .map_err(|e| Error::io_path("mount a scratch tmpfs on", &self.scratch, e.into()))?;
+        for sub in ["tmp", "shm"] {
+            let d = self.scratch.join(sub);
+            std::fs::create_dir(&d).map_err(io("create", &d))?;
+            std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o1777))
+                .map_err(io("chmod", &d))?;
+        }
+        Ok(())
     }
 
     fn mount_workspace(&self) -> Result<()> {
@@ -644,7 +689,7 @@ impl Inner {
                 if let Ok(mut d) = self.dead.lock() {
                     *d = Some(why.into());
                 }
-            } else if self.workspace_full() {
+            } else if self.disk_full() {
                 limit = Some(LimitKind::Disk);
             }
         }
@@ -932,6 +977,7 @@ impl Inner {
         if self.workspace_tmpfs {
             let _ = nix::mount::umount2(&self.workspace, nix::mount::MntFlags::MNT_DETACH);
         }
+        let _ = nix::mount::umount2(&self.scratch, nix::mount::MntFlags::MNT_DETACH);
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 
@@ -993,6 +1039,8 @@ impl Inner {
             Workspace::Empty => Some(fsnap::pack_dir(&self.workspace)),
             Workspace::HostDir { .. } => None,
         };
+        // `/tmp` and `/dev/shm` live on the host too: not in the checkpoint image.
+        let scratch = fsnap::pack_dir(&self.scratch);
         let me = Arc::clone(self);
         let resume_image = image.clone();
         tokio::spawn(async move {
@@ -1013,6 +1061,7 @@ impl Inner {
         if let Some(ws) = ws {
             draft = draft.artifact("workspace.tar", ws?);
         }
+        draft = draft.artifact(SCRATCH_TAR, scratch?);
         Ok(store.put(draft).await?)
     }
 

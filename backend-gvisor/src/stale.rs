@@ -10,8 +10,8 @@
 //! however it dies, and a reused pid cannot fake it. [`sweep`] takes the lock exclusively
 //! (which also keeps two sweepers apart): a directory whose lock it gets has no owner left,
 //! and is torn down like `destroy` would (`runsc delete --force`, then any runsc process that
-//! still names the directory is killed, its cgroups removed, the workspace unmounted, the
-//! directory removed).
+//! still names the directory is killed, its cgroups removed, the workspace and scratch
+//! tmpfs unmounted, the directory removed).
 //! A directory without an `owner` file (made by an older version, or a create between its
 //! `mkdir` and the file) is left alone.
 //!
@@ -122,7 +122,9 @@ fn remove(dir: &Path, id: &str, runsc: &Path) {
     }
     reaper::reap_while(&ours, Duration::from_secs(5), || true);
     remove_cgroups(id);
-    let _ = nix::mount::umount2(&dir.join("workspace"), nix::mount::MntFlags::MNT_DETACH);
+    for m in ["workspace", "scratch"] {
+        let _ = nix::mount::umount2(&dir.join(m), nix::mount::MntFlags::MNT_DETACH);
+    }
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -182,7 +184,7 @@ for d in "$1"/as-*; do
   flock -xn "$d/owner" sh -c '"$3" --root="$1/runsc" delete --force "$2" >/dev/null 2>&1
     find /sys/fs/cgroup -maxdepth 7 -type d -name "agent-sandbox-gvisor-$2" \
       -exec rmdir {} + 2>/dev/null
-    umount -l "$1/workspace" 2>/dev/null
+    umount -l "$1/workspace" 2>/dev/null; umount -l "$1/scratch" 2>/dev/null
     rm -rf "$1"' _ "$d" "${d##*/}" "$2"
 done"#;
 

@@ -321,18 +321,17 @@ async fn filling_the_disk_is_enospc_and_the_sandbox_goes_on() {
             "{dir}: {}",
             r.stderr_str()
         );
-        if dir == "/workspace" {
-            assert_eq!(r.limit, Some(LimitKind::Disk), "{r:?}");
-        }
+        assert_eq!(r.limit, Some(LimitKind::Disk), "{dir}: {r:?}");
     }
-    // All three are full, and the sandbox still runs commands and keeps the files.
+    // All are full (`/tmp` and `/dev/shm` share one tmpfs: what `/tmp` took, `/dev/shm` did
+    // not get), and the sandbox still runs commands and keeps the files.
     let r = sb
         .exec(ExecRequest::code(
-            "python3 -c 'import os; print(sum(os.path.getsize(p) > 1 << 20 for p in (\"/tmp/big\", \"/dev/shm/big\", \"/workspace/big\")))'",
+            "python3 -c 'import os; print(sum(os.path.getsize(p) > 1 << 20 for p in (\"/tmp/big\", \"/workspace/big\")), os.path.exists(\"/dev/shm/big\"))'",
         ))
         .await
         .unwrap();
-    assert_eq!(r.stdout_str(), "3\n", "{r:?}");
+    assert_eq!(r.stdout_str(), "2 True\n", "{r:?}");
     let r = sb
         .exec(ExecRequest::code(
             "rm /tmp/big /dev/shm/big /workspace/big && head -c 1M /dev/zero > /workspace/ok && echo ok",
@@ -340,6 +339,39 @@ async fn filling_the_disk_is_enospc_and_the_sandbox_goes_on() {
         .await
         .unwrap();
     assert_eq!(r.stdout_str(), "ok\n", "{r:?}");
+    sb.destroy().await.unwrap();
+}
+
+#[tokio::test]
+async fn a_flood_of_files_is_enospc_and_the_sandbox_goes_on() {
+    require_gvisor!();
+    let mut spec = SandboxSpec::new(Language::Shell);
+    spec.limits.memory_bytes = 64 << 20;
+    let sb = common::sandbox(&spec).await;
+    // Empty files cost the Sentry memory, not disk: in gVisor's own tmpfs (which ignores
+    // `nr_inodes`) enough of them got the sandbox OOM-killed. Far more than fit in 64 MiB.
+    for dir in ["/tmp", "/dev/shm", "/workspace"] {
+        let r = sb
+            .exec(ExecRequest::code(format!(
+                "python3 -c \"\nimport os\nos.makedirs('{dir}/flood')\nfor i in range(100000):\n    open(f'{dir}/flood/{{i}}', 'w').close()\n\""
+            )))
+            .await
+            .unwrap();
+        assert_ne!(r.exit_code, Some(0), "{dir}: {r:?}");
+        assert!(
+            r.stderr_str().contains("No space left"),
+            "{dir}: {}",
+            r.stderr_str()
+        );
+        assert_eq!(r.limit, Some(LimitKind::Disk), "{dir}: {r:?}");
+        let r = sb
+            .exec(ExecRequest::code(format!("rm -r {dir}/flood && echo ok")))
+            .await
+            .unwrap();
+        assert_eq!(r.stdout_str(), "ok\n", "{dir}: {r:?}");
+    }
+    let r = sb.exec(ExecRequest::code("echo alive")).await.unwrap();
+    assert_eq!(r.stdout_str(), "alive\n", "{r:?}");
     sb.destroy().await.unwrap();
 }
 

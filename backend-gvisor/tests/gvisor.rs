@@ -384,11 +384,23 @@ async fn checkpoint_restore_resumes_a_live_process_with_its_memory() {
         String::from_utf8(wait_for(sb.as_ref(), "pong-1").await).unwrap(),
         format!("1 {digest}")
     );
+    // `/tmp` and `/dev/shm` are host tmpfs directories, outside the checkpoint image.
+    let r = sb
+        .exec(ExecRequest::argv([
+            "/bin/sh",
+            "-c",
+            "echo t > /tmp/kept && echo s > /dev/shm/kept",
+        ]))
+        .await
+        .unwrap();
+    assert!(r.success(), "{r:?}");
 
     let id = sb.snapshot(&store).await.unwrap();
     let m = store.manifest(&id).await.unwrap();
     assert!(
-        m.artifacts.contains_key("checkpoint.tar") && m.artifacts.contains_key("workspace.tar")
+        m.artifacts.contains_key("checkpoint.tar")
+            && m.artifacts.contains_key("workspace.tar")
+            && m.artifacts.contains_key("scratch.tar")
     );
     // The original keeps running after the snapshot.
     sb.write_file("ping-2", b"").await.unwrap();
@@ -414,6 +426,11 @@ async fn checkpoint_restore_resumes_a_live_process_with_its_memory() {
         String::from_utf8(wait_for(restored.as_ref(), "pong-2").await).unwrap(),
         format!("2 {digest}")
     );
+    let r = restored
+        .exec(ExecRequest::argv(["cat", "/tmp/kept", "/dev/shm/kept"]))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_str(), "t\ns\n", "{r:?}");
     restored.destroy().await.unwrap();
 }
 
