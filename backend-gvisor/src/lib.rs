@@ -66,7 +66,10 @@
 //! sandbox goes on (tested). `/tmp` and `/dev/shm` share their cap, are saved with
 //! snapshots (`scratch.tar`) and restored with them. A caller's rootfs without a `/tmp` or
 //! `/dev/shm` directory gets gVisor's tmpfs there (a bind mount's point would be created in
-//! that directory, which is never written), and with it the unbounded file count.
+//! that directory, which is never written), and with it the unbounded file count. The cost:
+//! file operations in `/tmp` go through the gofer, like the workspace's (measured with 3,000
+//! small files on the ptrace platform: `stat` 87–113 µs against 40–53 µs in gVisor's tmpfs,
+//! create + write 502–508 µs against 326–517 µs, read 586–643 µs against 466–510 µs).
 
 //! ## Network
 //! Deny-all (the default): `--network=none`, the sandbox has only gVisor's own loopback.
