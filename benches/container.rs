@@ -33,41 +33,12 @@ use std::time::{Duration, Instant};
 
 use agent_sandbox::{Backend, ExecRequest, Language, ResolvedSecrets, Sandbox, SandboxSpec};
 use backend_container::ContainerBackend;
-use backend_gvisor::bundle::{self, Identity};
 use criterion::{criterion_group, Criterion};
 
 const COMMANDS: &[(&str, &[&str])] = &[
     ("/bin/true", &["/bin/true"]),
     ("python3 -c pass", &["/usr/bin/python3", "-c", "pass"]),
 ];
-
-fn oci_bundle(dir: &Path, name: &str, argv: &[&str]) -> PathBuf {
-    let b = dir.join(name);
-    std::fs::create_dir_all(&b).unwrap();
-    let who = Identity {
-        uid: 1000,
-        gid: 1000,
-    };
-    bundle::write_rootfs(&b, who).unwrap();
-    let ws = dir.join(format!("{name}-ws"));
-    std::fs::create_dir_all(&ws).unwrap();
-    let spec = SandboxSpec::new(Language::Shell);
-    let mut cfg = bundle::config(
-        &spec,
-        who,
-        &ws,
-        false,
-        None,
-        &format!("asb-bench-{name}"),
-        None,
-    )
-    .unwrap();
-    let mut p = cfg.process().clone().unwrap();
-    p.set_args(Some(argv.iter().map(|s| s.to_string()).collect()));
-    cfg.set_process(Some(p));
-    bundle::save(&cfg, &b).unwrap();
-    b
-}
 
 /// Set (to the runtime's path) when this binary runs as the OCI runtime driver.
 const RUNNER_ENV: &str = "ASB_BENCH_OCI_RUNNER";
@@ -234,7 +205,8 @@ fn container(c: &mut Criterion) {
             let Some(bin) = bin.as_ref().filter(|_| root) else {
                 continue;
             };
-            let bundle = oci_bundle(tmp.path(), &format!("{rt_name}-{}", label.len()), argv);
+            let name = format!("{rt_name}-{}", label.len());
+            let bundle = shared::oci_bundle(tmp.path(), &name, argv, &format!("asb-bench-{name}"));
             let state = tmp.path().join(format!("{rt_name}-state"));
             std::fs::create_dir_all(&state).unwrap();
             // One try first: a runtime that cannot run here is skipped, not fatal.

@@ -23,37 +23,8 @@ use std::time::{Duration, Instant};
 use agent_sandbox::{
     Backend, ExecRequest, Language, ObjectSnapshotStore, ResolvedSecrets, SandboxSpec,
 };
-use backend_gvisor::bundle::{self, Identity};
 use backend_gvisor::{GvisorBackend, GvisorConfig, RunscInfo};
 use criterion::{criterion_group, criterion_main, Criterion};
-
-fn baseline_bundle(dir: &std::path::Path) -> std::path::PathBuf {
-    let b = dir.join("bundle");
-    std::fs::create_dir_all(&b).unwrap();
-    let who = Identity {
-        uid: 1000,
-        gid: 1000,
-    };
-    bundle::write_rootfs(&b, who).unwrap();
-    let ws = dir.join("ws");
-    std::fs::create_dir_all(&ws).unwrap();
-    let spec = SandboxSpec::new(Language::Shell);
-    let mut cfg = bundle::config(
-        &spec,
-        who,
-        &ws,
-        false,
-        None,
-        "agent-sandbox-bench-baseline",
-        None,
-    )
-    .unwrap();
-    let mut p = cfg.process().clone().unwrap();
-    p.set_args(Some(vec!["/bin/true".into()]));
-    cfg.set_process(Some(p));
-    bundle::save(&cfg, &b).unwrap();
-    b
-}
 
 fn gvisor(c: &mut Criterion) {
     let backend = GvisorBackend::new(GvisorConfig::default());
@@ -74,7 +45,12 @@ fn gvisor(c: &mut Criterion) {
     let info = RunscInfo::discover(None).unwrap();
     let platform = info.default_platform();
     let tmp = tempfile::tempdir().unwrap();
-    let bundle_dir = baseline_bundle(tmp.path());
+    let bundle_dir = shared::oci_bundle(
+        tmp.path(),
+        "bundle",
+        &["/bin/true"],
+        "agent-sandbox-bench-baseline",
+    );
     let root = tmp.path().join("runsc-root");
     let spec = SandboxSpec::new(Language::Shell);
     let true_cmd = || ExecRequest::argv(["/bin/true"]);

@@ -301,6 +301,19 @@ async fn a_full_state_directory_fails_cleanly() {
 /// The Sentry holds the files of `/tmp`, `/dev/shm` and the tmpfs workspace in its memory,
 /// charged to the sandbox: filling them must be `ENOSPC`, not the OOM killer ending the
 /// sandbox (100 MB in a 64 MiB sandbox did, before they were capped).
+/// Runs shell `script`, which fills `dir`: it must fail with `ENOSPC`, reported as
+/// `limit: disk`.
+async fn assert_disk_full(sb: &dyn sandbox_core::Sandbox, dir: &str, script: String) {
+    let r = sb.exec(ExecRequest::code(script)).await.unwrap();
+    assert_ne!(r.exit_code, Some(0), "{dir}: {r:?}");
+    assert!(
+        r.stderr_str().contains("No space left"),
+        "{dir}: {}",
+        r.stderr_str()
+    );
+    assert_eq!(r.limit, Some(LimitKind::Disk), "{dir}: {r:?}");
+}
+
 #[tokio::test]
 async fn filling_the_disk_is_enospc_and_the_sandbox_goes_on() {
     require_gvisor!();
@@ -309,19 +322,12 @@ async fn filling_the_disk_is_enospc_and_the_sandbox_goes_on() {
     spec.limits.disk_bytes = 256 << 20;
     let sb = common::sandbox(&spec).await;
     for dir in ["/tmp", "/dev/shm", "/workspace"] {
-        let r = sb
-            .exec(ExecRequest::code(format!(
-                "head -c 100M /dev/zero > {dir}/big"
-            )))
-            .await
-            .unwrap();
-        assert_ne!(r.exit_code, Some(0), "{dir}: {r:?}");
-        assert!(
-            r.stderr_str().contains("No space left"),
-            "{dir}: {}",
-            r.stderr_str()
-        );
-        assert_eq!(r.limit, Some(LimitKind::Disk), "{dir}: {r:?}");
+        assert_disk_full(
+            sb.as_ref(),
+            dir,
+            format!("head -c 100M /dev/zero > {dir}/big"),
+        )
+        .await;
     }
     // All are full (`/tmp` and `/dev/shm` share one tmpfs: what `/tmp` took, `/dev/shm` did
     // not get), and the sandbox still runs commands and keeps the files.
@@ -351,19 +357,10 @@ async fn a_flood_of_files_is_enospc_and_the_sandbox_goes_on() {
     // Empty files cost the Sentry memory, not disk: in gVisor's own tmpfs (which ignores
     // `nr_inodes`) enough of them got the sandbox OOM-killed. Far more than fit in 64 MiB.
     for dir in ["/tmp", "/dev/shm", "/workspace"] {
-        let r = sb
-            .exec(ExecRequest::code(format!(
-                "python3 -c \"\nimport os\nos.makedirs('{dir}/flood')\nfor i in range(100000):\n    open(f'{dir}/flood/{{i}}', 'w').close()\n\""
-            )))
-            .await
-            .unwrap();
-        assert_ne!(r.exit_code, Some(0), "{dir}: {r:?}");
-        assert!(
-            r.stderr_str().contains("No space left"),
-            "{dir}: {}",
-            r.stderr_str()
+        let flood = format!(
+            "python3 -c \"\nimport os\nos.makedirs('{dir}/flood')\nfor i in range(100000):\n    open(f'{dir}/flood/{{i}}', 'w').close()\n\""
         );
-        assert_eq!(r.limit, Some(LimitKind::Disk), "{dir}: {r:?}");
+        assert_disk_full(sb.as_ref(), dir, flood).await;
         let r = sb
             .exec(ExecRequest::code(format!("rm -r {dir}/flood && echo ok")))
             .await

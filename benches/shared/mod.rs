@@ -1,5 +1,6 @@
 //! Pieces the side-by-side benches share.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -63,4 +64,27 @@ pub fn bench_checkout_and_first_command(
     });
     eprintln!("pool stats: {:?}", pool.stats());
     rt.block_on(pool.shutdown());
+}
+
+/// An OCI bundle `dir/name` running `argv` with the gVisor tier's host-tools view and limits
+/// (read-only `/usr` and `/etc` files, tmpfs `/tmp` and `/dev/shm` of the runtime's own,
+/// memory, pids and CPU cgroups under `cgroup`), for runtimes driven directly.
+pub fn oci_bundle(dir: &Path, name: &str, argv: &[&str], cgroup: &str) -> PathBuf {
+    use backend_gvisor::bundle::{self, Identity};
+    let b = dir.join(name);
+    std::fs::create_dir_all(&b).unwrap();
+    let who = Identity {
+        uid: 1000,
+        gid: 1000,
+    };
+    bundle::write_rootfs(&b, who).unwrap();
+    let ws = dir.join(format!("{name}-ws"));
+    std::fs::create_dir_all(&ws).unwrap();
+    let spec = SandboxSpec::new(agent_sandbox::Language::Shell);
+    let mut cfg = bundle::config(&spec, who, &ws, false, None, cgroup, None).unwrap();
+    let mut p = cfg.process().clone().unwrap();
+    p.set_args(Some(argv.iter().map(|s| s.to_string()).collect()));
+    cfg.set_process(Some(p));
+    bundle::save(&cfg, &b).unwrap();
+    b
 }
