@@ -277,6 +277,21 @@ impl GvisorSandbox {
     }
 }
 
+/// Mounts a tmpfs (`nosuid`, `nodev`) named `source` on `target`, capped by `cap`, with the
+/// extra mount options `opts`.
+fn mount_tmpfs(source: &str, target: &Path, cap: sandbox_core::TmpfsCap, opts: &str) -> Result<()> {
+    use nix::mount::{mount, MsFlags};
+    let data = format!("size={},nr_inodes={},{opts}", cap.bytes, cap.inodes);
+    mount(
+        Some(source),
+        target,
+        Some("tmpfs"),
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some(data.as_str()),
+    )
+    .map_err(|e| Error::io_path("mount a tmpfs on", target, e.into()))
+}
+
 /// The snapshot artifact holding `/tmp` and `/dev/shm` (the scratch tmpfs).
 const SCRATCH_TAR: &str = "scratch.tar";
 
@@ -389,18 +404,9 @@ impl Inner {
 
     /// Mounts the scratch tmpfs and makes its `tmp/` and `shm/` (sticky, world-writable).
     fn mount_scratch(&self) -> Result<()> {
-        use nix::mount::{mount, MsFlags};
         let cap = crate::bundle::tmpfs_caps(&self.spec).scratch;
         std::fs::create_dir_all(&self.scratch).map_err(io("create", &self.scratch))?;
-        let data = format!("size={},nr_inodes={},mode=0755", cap.bytes, cap.inodes);
-        mount(
-            Some("agent-sandbox-scratch"),
-            &self.scratch,
-            Some("tmpfs"),
-            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-            Some(data.as_str()),
-        )
-        .map_err(|e| Error::io_path("mount a scratch tmpfs on", &self.scratch, e.into()))?;
+        mount_tmpfs("agent-sandbox-scratch", &self.scratch, cap, "mode=0755")?;
         for sub in ["tmp", "shm"] {
             let d = self.scratch.join(sub);
             std::fs::create_dir(&d).map_err(io("create", &d))?;
@@ -411,20 +417,9 @@ impl Inner {
     }
 
     fn mount_workspace(&self) -> Result<()> {
-        use nix::mount::{mount, MsFlags};
         let cap = crate::bundle::tmpfs_caps(&self.spec).disk;
-        let data = format!(
-            "size={},nr_inodes={},mode=0755,uid={},gid={}",
-            cap.bytes, cap.inodes, self.who.uid, self.who.gid
-        );
-        mount(
-            Some("agent-sandbox-ws"),
-            &self.workspace,
-            Some("tmpfs"),
-            MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-            Some(data.as_str()),
-        )
-        .map_err(|e| Error::io_path("mount a tmpfs workspace on", &self.workspace, e.into()))
+        let owner = format!("mode=0755,uid={},gid={}", self.who.uid, self.who.gid);
+        mount_tmpfs("agent-sandbox-ws", &self.workspace, cap, &owner)
     }
 
     /// Connects the sandbox's namespace (that of its `boot` process) to the egress enforcer.
