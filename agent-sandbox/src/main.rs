@@ -49,6 +49,14 @@ enum Cmd {
     },
     /// Run one command (or code string) in a fresh sandbox, then destroy it.
     Run(RunArgs),
+    /// Remove what processes that died without destroying their sandboxes left on this host
+    /// (gVisor sandboxes still running, mounts, cgroups, state), per tier. Live sandboxes of
+    /// any process are never touched.
+    Cleanup {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Download and prepare an engine's artifacts.
     Install {
         /// What to install.
@@ -340,6 +348,32 @@ async fn async_main(cli: Cli) -> ExitCode {
             modules,
             dir,
         } => install_microvm_guest(kernel, modules, dir).await,
+        Cmd::Cleanup { json } => {
+            let mut rows = Vec::new();
+            for tier in Tier::PRODUCT {
+                if let Some(b) = runtime.backend(tier) {
+                    rows.push((tier, b.cleanup_stale().await));
+                }
+            }
+            if json {
+                let tiers: Vec<serde_json::Value> = rows
+                    .iter()
+                    .map(|(t, r)| match r {
+                        Ok(n) => json!({ "tier": t.name(), "removed": n }),
+                        Err(e) => json!({ "tier": t.name(), "error": e.to_string() }),
+                    })
+                    .collect();
+                print_json(&json!({ "tiers": tiers }));
+            } else {
+                for (t, r) in &rows {
+                    match r {
+                        Ok(n) => println!("{:<10} removed {n}", t.name()),
+                        Err(e) => println!("{:<10} not checked: {e}", t.name()),
+                    }
+                }
+            }
+            ExitCode::SUCCESS
+        }
         Cmd::Probe { json } => {
             let statuses = runtime.probe().await;
             if json {

@@ -413,3 +413,102 @@ fn run_with_allow_host_reaches_only_what_it_allows() {
         "{v}"
     );
 }
+
+/// The processes whose parent is `parent`, with their command lines.
+fn children_of(parent: u32) -> Vec<(i32, String)> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter_map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let ppid = stat
+                .rsplit_once(')')?
+                .1
+                .split_whitespace()
+                .nth(1)?
+                .parse::<u32>()
+                .ok()?;
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            (ppid == parent).then(|| (pid, String::from_utf8_lossy(&cmd).replace('\0', " ")))
+        })
+        .collect()
+}
+
+#[test]
+fn cleanup_removes_the_gvisor_sandbox_of_a_killed_run() {
+    let probe = json(&cli(&["probe", "--json"]));
+    let gvisor = probe["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tier"] == "gvisor")
+        .unwrap()
+        .clone();
+    if gvisor["available"] != true {
+        eprintln!("SKIP: gvisor tier unavailable: {}", gvisor["reason"]);
+        return;
+    }
+    let mut run = Command::new(env!("CARGO_BIN_EXE_agent-sandbox"))
+        .args([
+            "run", "--tier", "gvisor", "--lang", "shell", "--", "sleep", "60",
+        ])
+        .env_remove("AGENT_SANDBOX_LOG")
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // The run's sandbox (runsc processes it adopted) and its watchdog, once it is running.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let (root, watchdog) = loop {
+        let kids = children_of(run.id());
+        // The sandbox process (`runsc-sandbox ... boot`), adopted once `runsc run` is done.
+        let root = kids.iter().find_map(|(_, c)| {
+            let mut args = c.split_whitespace();
+            let r = args.clone().find(|a| a.starts_with("--root="))?;
+            args.any(|a| a == "boot")
+                .then(|| r.trim_start_matches("--root=").to_string())
+        });
+        let watchdog = kids
+            .iter()
+            .find(|(_, c)| c.contains("asb-gvisor-watchdog"))
+            .map(|(p, _)| *p);
+        if let (Some(r), Some(w)) = (root, watchdog) {
+            break (r, w);
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = run.kill();
+            panic!("no running gVisor sandbox after 60 s ({:?})", run.wait());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    // The run and its watchdog are killed (as when a whole process tree goes down).
+    // SAFETY: kills the watchdog process found above (a child of our child).
+    unsafe { libc::kill(watchdog, libc::SIGKILL) };
+    run.kill().unwrap();
+    run.wait().unwrap();
+    let named = || {
+        std::fs::read_dir("/proc")
+            .unwrap()
+            .flatten()
+            .filter(|e| {
+                std::fs::read(e.path().join("cmdline"))
+                    .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&root))
+            })
+            .count()
+    };
+    assert!(named() > 0, "the sandbox did not outlive its run");
+    let out = cli(&["cleanup", "--json"]);
+    assert!(out.status.success());
+    let v = json(&out);
+    let removed = v["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tier"] == "gvisor")
+        .and_then(|t| t["removed"].as_u64())
+        .unwrap();
+    assert!(removed >= 1, "{v}");
+    assert_eq!(named(), 0, "runsc processes of {root} left");
+    let dir = std::path::Path::new(&root).parent().unwrap();
+    assert!(!dir.exists(), "{} left", dir.display());
+}

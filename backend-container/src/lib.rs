@@ -1242,6 +1242,13 @@ impl Backend for ContainerBackend {
         sb.timeline.extend(&t.finish());
         Ok(Box::new(sb))
     }
+
+    /// The records of the state directory whose sandboxes are gone
+    /// ([`ContainerBackend::cleanup_stale`]), then the cgroups named after dead processes
+    /// (which building a backend also sweeps). Counts records and cgroup directories.
+    async fn cleanup_stale(&self) -> Result<usize> {
+        Ok(ContainerBackend::cleanup_stale(self) + self.host.sweep_orphans())
+    }
 }
 
 /// Unpacks a snapshot's `upper.tar` into the overlay upper layer the init keeps open (before

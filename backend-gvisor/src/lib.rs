@@ -352,6 +352,14 @@ impl Backend for GvisorBackend {
             GvisorSandbox::restore(self, store, id, secrets).await?,
         ))
     }
+
+    /// [`GvisorBackend::cleanup_stale`]: counts sandboxes.
+    async fn cleanup_stale(&self) -> Result<usize> {
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || GvisorBackend::cleanup_stale(&me))
+            .await
+            .map_err(|e| Error::backend(TIER, format!("cleanup task failed: {e}")))?
+    }
 }
 
 /// Shared handle type for the facade.

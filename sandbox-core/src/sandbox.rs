@@ -48,6 +48,15 @@ pub trait Backend: Send + Sync + 'static {
         let _ = (store, id, secrets);
         Err(Error::unsupported(self.tier(), "restore"))
     }
+
+    /// Removes what processes that died without destroying their sandboxes left on this
+    /// host for this backend (sandbox processes, mounts, cgroups, state directories), never
+    /// touching a live sandbox of any process. Returns how many leftovers were removed (what
+    /// one is depends on the tier: a gVisor sandbox, a container cgroup directory).
+    /// Backends whose sandboxes live inside the process leave nothing: the default is 0.
+    async fn cleanup_stale(&self) -> Result<usize> {
+        Ok(0)
+    }
 }
 
 /// A live sandbox. All methods take `&self`; implementations serialize what must be.
