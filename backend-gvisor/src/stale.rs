@@ -61,9 +61,13 @@ impl Owner {
 /// Whether `dir` is a sandbox directory that no live process owns. On `Some`, the returned
 /// file holds the directory's lock exclusively until it is dropped.
 fn abandoned(dir: &Path) -> Option<File> {
-    let file = File::open(dir.join(OWNER)).ok()?;
+    use std::os::unix::fs::MetadataExt;
+    let path = dir.join(OWNER);
+    let file = File::open(&path).ok()?;
     file.try_lock().ok()?;
-    Some(file)
+    // Still the directory's owner file, not one another sweeper removed meanwhile.
+    let (locked, now) = (file.metadata().ok()?, std::fs::metadata(&path).ok()?);
+    (locked.ino() == now.ino() && locked.dev() == now.dev()).then_some(file)
 }
 
 /// Tears down every sandbox under `state_dir` whose creator is gone; returns how many.
