@@ -241,8 +241,9 @@ pub fn config(
     // `/tmp` and `/dev/shm`: `scratch/tmp` and `scratch/shm` of a host tmpfs (see
     // `tmpfs_caps`), or, without one (runtimes on the host's kernel, whose tmpfs enforces
     // `nr_inodes`), tmpfs mounts with the same caps. A caller's rootfs without the mount
-    // point gets the tmpfs too: runsc would create a bind mount's point in that directory,
-    // which is never written (gVisor's tmpfs ignores `nr_inodes` though: see `tmpfs_caps`).
+    // point gets the tmpfs too (the sandbox passes an overlay view that has it where it
+    // can): runsc would create a bind mount's point in that directory, which is never
+    // written (gVisor's tmpfs ignores `nr_inodes` though: see `tmpfs_caps`).
     let caps = tmpfs_caps(spec);
     for (dst, sub) in [("/tmp", "tmp"), ("/dev/shm", "shm")] {
         let has_point = spec

@@ -64,9 +64,11 @@
 //! grew the Sentry until it was OOM-killed and the sandbox lost. Now 100 MB written, or
 //! 100,000 empty files created, in any of them is `ENOSPC` reported as `limit: disk`, and the
 //! sandbox goes on (tested). `/tmp` and `/dev/shm` share their cap, are saved with
-//! snapshots (`scratch.tar`) and restored with them. A caller's rootfs without a `/tmp` or
-//! `/dev/shm` directory gets gVisor's tmpfs there (a bind mount's point would be created in
-//! that directory, which is never written), and with it the unbounded file count. The cost:
+//! snapshots (`scratch.tar`) and restored with them. A caller's rootfs without a `tmp` or
+//! `dev/shm` directory is seen through a host overlay that has them (runsc would create a
+//! bind mount's point in the directory itself, which is never written); where that overlay
+//! cannot be made (a path overlayfs cannot name, a state directory overlayfs cannot use),
+//! those mounts fall back to gVisor's tmpfs and its unbounded file count. The cost:
 //! file operations in `/tmp` go through the gofer, like the workspace's (measured with 3,000
 //! small files on the ptrace platform: `stat` 87–113 µs against 40–53 µs in gVisor's tmpfs,
 //! create + write 502–508 µs against 326–517 µs, read 586–643 µs against 466–510 µs).

@@ -327,8 +327,18 @@ impl Inner {
             }
             None => None,
         };
+        // A caller's rootfs lacking the scratch mount points is seen through an overlay
+        // that has them (see `rootfs_view`).
+        let view = self.rootfs_view();
+        let spec = match &view {
+            Some(root) => std::borrow::Cow::Owned(SandboxSpec {
+                rootfs: Some(root.clone()),
+                ..self.spec.clone()
+            }),
+            None => std::borrow::Cow::Borrowed(&self.spec),
+        };
         let cfg = bundle::config(
-            &self.spec,
+            &spec,
             who,
             &self.workspace,
             self.read_only(),
@@ -400,6 +410,59 @@ impl Inner {
                 .is_ok_and(|s| s.blocks_available() == 0 || s.files_available() == 0)
         };
         (self.workspace_tmpfs && full(&self.workspace)) || full(&self.scratch)
+    }
+
+    /// For a caller's rootfs without a `tmp` or `dev/shm` directory: a host overlay of it
+    /// (`view/root` of the state directory; upper and work directories beside it) with those
+    /// directories made, so `/tmp` and `/dev/shm` can be bind mounts of the scratch tmpfs
+    /// (runsc would create a bind mount's point in the directory itself, which is never
+    /// written). runsc's in-memory overlay still takes every write of the sandbox. `None`
+    /// (and gVisor's own tmpfs there) when no view is needed or it cannot be made.
+    fn rootfs_view(&self) -> Option<PathBuf> {
+        let lower = self.spec.rootfs.as_ref()?;
+        if ["tmp", "dev/shm"].iter().all(|d| lower.join(d).is_dir()) {
+            return None;
+        }
+        let lower_s = lower.to_str()?;
+        let view = self.dir.join("view");
+        let (upper, work, root) = (view.join("upper"), view.join("work"), view.join("root"));
+        let made = (|| -> std::io::Result<()> {
+            for d in [&upper, &work, &root] {
+                std::fs::create_dir_all(d)?;
+            }
+            // `lowerdir` cannot express these characters; the state directory's path is ours.
+            if lower_s.contains([',', ':', '\\']) {
+                return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+            }
+            let data = format!(
+                "lowerdir={lower_s},upperdir={},workdir={}",
+                upper.display(),
+                work.display()
+            );
+            nix::mount::mount(
+                Some("agent-sandbox-rootfs"),
+                &root,
+                Some("overlay"),
+                nix::mount::MsFlags::empty(),
+                Some(data.as_str()),
+            )?;
+            for d in ["tmp", "dev/shm"] {
+                let p = root.join(d);
+                if !p.is_dir() {
+                    std::fs::create_dir_all(&p)?;
+                    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o1777))?;
+                }
+            }
+            Ok(())
+        })();
+        match made {
+            Ok(()) => Some(root),
+            Err(e) => {
+                tracing::warn!(sandbox = %self.id, error = %e, "no overlay view of the rootfs: /tmp or /dev/shm stays gVisor's tmpfs (no file-count cap)");
+                let _ = nix::mount::umount2(&root, nix::mount::MntFlags::MNT_DETACH);
+                None
+            }
+        }
     }
 
     /// Mounts the scratch tmpfs and makes its `tmp/` and `shm/` (sticky, world-writable).
@@ -972,7 +1035,9 @@ impl Inner {
         if self.workspace_tmpfs {
             let _ = nix::mount::umount2(&self.workspace, nix::mount::MntFlags::MNT_DETACH);
         }
-        let _ = nix::mount::umount2(&self.scratch, nix::mount::MntFlags::MNT_DETACH);
+        for m in [&self.scratch, &self.dir.join("view/root")] {
+            let _ = nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH);
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 

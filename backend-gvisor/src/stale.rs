@@ -126,7 +126,7 @@ fn remove(dir: &Path, id: &str, runsc: &Path) {
     }
     reaper::reap_while(&ours, Duration::from_secs(5), || true);
     remove_cgroups(id);
-    for m in ["workspace", "scratch"] {
+    for m in ["workspace", "scratch", "view/root"] {
         let _ = nix::mount::umount2(&dir.join(m), nix::mount::MntFlags::MNT_DETACH);
     }
     let _ = std::fs::remove_dir_all(dir);
@@ -188,7 +188,7 @@ for d in "$1"/as-*; do
   flock -xn "$d/owner" sh -c '"$3" --root="$1/runsc" delete --force "$2" >/dev/null 2>&1
     find /sys/fs/cgroup -maxdepth 7 -type d -name "agent-sandbox-gvisor-$2" \
       -exec rmdir {} + 2>/dev/null
-    umount -l "$1/workspace" 2>/dev/null; umount -l "$1/scratch" 2>/dev/null
+    for m in workspace scratch view/root; do umount -l "$1/$m" 2>/dev/null; done
     rm -rf "$1"' _ "$d" "${d##*/}" "$2"
 done"#;
 

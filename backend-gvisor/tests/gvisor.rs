@@ -554,6 +554,27 @@ async fn a_rootfs_directory_is_used_and_never_written() {
         !r.success(),
         "root-owned files stay read-only for the sandbox user"
     );
+    // This rootfs has no `dev/shm`: the sandbox still gets the capped scratch mount there
+    // (through an overlay view of the directory), so a flood of files ends in ENOSPC.
+    let r = sb
+        .exec(ExecRequest::code(
+            "i=0; while [ $i -lt 100000 ] && touch /dev/shm/f$i; do i=$((i+1)); done; echo $i",
+        ))
+        .await
+        .unwrap();
+    let made: u32 = r
+        .stdout_str()
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("{r:?} {}", r.stderr_str()));
+    assert!(made < 100_000, "{r:?}");
+    assert!(
+        r.stderr_str().contains("No space left"),
+        "{}",
+        r.stderr_str()
+    );
+    let r = sb.exec(ExecRequest::code("echo alive")).await.unwrap();
+    assert_eq!(r.stdout_str(), "alive\n");
     sb.destroy().await.unwrap();
     assert_eq!(
         sandbox_core::fsnap::pack_dir(&root).unwrap(),
