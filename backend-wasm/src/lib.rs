@@ -102,6 +102,12 @@
 //! ## What is isolated and what is not
 //! - Memory: each guest has its own linear memory (wasm) or heap (QuickJS), capped by
 //!   `limits.memory_bytes`; code cannot address host memory.
+//! - Disk: the sandbox's own folders (an `Empty` workspace and `/tmp`) are capped together
+//!   by `limits.disk_bytes` (and one file or directory per 8 KiB of it): a write or create
+//!   past the cap is `ENOSPC`, reported as `limit: disk`, and the sandbox goes on. Writes are
+//!   admitted against an estimate that is measured again near the cap, so rewriting a file
+//!   is not growth. Host folders the spec grants (a `HostDir` workspace, mounts) are the
+//!   caller's and are not capped. The file API's own writes are not admitted against it.
 //! - Files: only the preopened folders, enforced by wasmtime-wasi's capability-based
 //!   filesystem (`..`, absolute paths and symlinks cannot leave a preopen).
 //! - No sockets (no socket is ever granted, TCP/UDP/DNS are off), no processes, no host
@@ -109,14 +115,14 @@
 //!   env, plus `TMPDIR`, `HOME`, `PYTHONTZPATH` for Python).
 //! - Not isolated: guests share the host process, its address space (behind the VM's
 //!   checks) and its CPU. A bug in wasmtime or QuickJS is a bug in the host process.
-//!   `limits.disk_bytes` and `limits.pids` are not enforced (there are no processes; disk
-//!   writes to a writable workspace are not metered). Host tools run in the host with its
+//!   `limits.pids` is not enforced (there are no processes). Host tools run in the host with its
 //!   full authority, synchronously on the guest's thread, and are not interrupted by the
 //!   guest's deadline.
 //! - Snapshots capture workspace files only; live interpreter state is not snapshotted.
 
 #![forbid(unsafe_op_in_unsafe_fn)]
 
+mod disk;
 mod engine;
 mod host;
 pub mod install;

@@ -28,6 +28,8 @@ pub(crate) struct ModuleRun {
     pub(crate) limits: CallLimits,
     /// Keeps the sandbox folders alive (and unrecycled) while the run holds them.
     pub(crate) scratch: Arc<crate::scratch::Scratch>,
+    /// The cap of those folders (`limits.disk_bytes`).
+    pub(crate) disk_cap: u64,
     /// Where stdout/stderr also go as written (a streamed call).
     pub(crate) taps: Option<Taps>,
 }
@@ -112,6 +114,7 @@ pub(crate) fn run(r: ModuleRun) -> Result<ModuleOutcome> {
             memory_cap: r.memory_cap,
             open_files: r.open_files,
             tools: r.tools.clone(),
+            disk: crate::disk::DiskQuota::new(r.scratch.root().to_path_buf(), r.disk_cap),
         })?;
         store.data().stdin.set(r.stdin.clone());
         store.data().set_taps(r.taps.as_ref());
@@ -157,6 +160,8 @@ pub(crate) fn run(r: ModuleRun) -> Result<ModuleOutcome> {
             limit = Some(LimitKind::Memory);
         } else if h.open_files_hit {
             limit = Some(LimitKind::OpenFiles);
+        } else if h.disk.hit {
+            limit = Some(LimitKind::Disk);
         }
     }
     // The streams end here, not when the store is finally dropped.

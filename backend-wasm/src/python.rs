@@ -129,6 +129,8 @@ pub(crate) struct SessionSetup {
     pub(crate) output_cap: u64,
     pub(crate) open_files: u32,
     pub(crate) tools: Option<Arc<ToolBox>>,
+    /// The cap of the sandbox's private folders (`limits.disk_bytes`).
+    pub(crate) disk_cap: u64,
 }
 
 /// One live interpreter.
@@ -214,6 +216,7 @@ impl Session {
             memory_cap: s.memory_cap,
             open_files: s.open_files,
             tools: s.tools,
+            disk: crate::disk::DiskQuota::new(s.scratch.root().to_path_buf(), s.disk_cap),
         })?;
         let instance = rt.pre.instantiate(&mut store).map_err(|e| {
             let h = store.data();
@@ -301,6 +304,7 @@ impl Session {
         let h = self.store.data();
         let memory_denied = h.limiter.memory_denied;
         let files_hit = h.open_files_hit;
+        let disk_hit = h.disk.hit;
         let value = h.value.clone();
         let res = match r {
             Ok(v) if (0..=511).contains(&v) => {
@@ -310,6 +314,8 @@ impl Session {
                     Some(LimitKind::Memory)
                 } else if exit != 0 && files_hit {
                     Some(LimitKind::OpenFiles)
+                } else if exit != 0 && disk_hit {
+                    Some(LimitKind::Disk)
                 } else {
                     None
                 };

@@ -339,6 +339,7 @@ impl Inner {
             output_cap: self.spec.limits.output_bytes,
             open_files: self.spec.limits.open_files,
             tools: self.tools.clone(),
+            disk_cap: self.spec.limits.disk_bytes,
         };
         engine::on_guest_thread(move || {
             let rt = python::runtime(&src, flavor)?;
@@ -508,6 +509,7 @@ impl Inner {
             tools: self.tools.clone(),
             limits: self.limits(req),
             scratch: Arc::clone(self.scratch()?),
+            disk_cap: self.spec.limits.disk_bytes,
             taps: taps.clone(),
         };
         let o = engine::on_guest_thread(move || module::run(run)).await??;

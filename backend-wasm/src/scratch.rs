@@ -145,8 +145,7 @@ impl Scratch {
         }
     }
 
-    /// The root.
-    #[cfg(test)]
+    /// The root (what `limits.disk_bytes` caps: see `disk`).
     pub(crate) fn root(&self) -> &Path {
         &self.root
     }

@@ -239,3 +239,66 @@ async fn wasm_modules_cannot_escape() {
     .await;
     assert_eq!(r.exit_code, Some(126));
 }
+
+#[tokio::test]
+async fn filling_the_disk_is_enospc_and_the_sandbox_goes_on() {
+    let b = python_or_skip!();
+    let mut spec = py_spec();
+    spec.limits.disk_bytes = 8 << 20;
+    let sb = b.create(&spec, ResolvedSecrets::none()).await.unwrap();
+    let sb = sb.as_ref();
+    // Chunks into the workspace, then files into /tmp: both are the sandbox's own folders,
+    // under one 8 MiB cap (and one entry per 8 KiB of it: 1,024).
+    for code in [
+        "f = open('/workspace/big', 'wb')\nwhile True: f.write(b'x' * (1 << 20))",
+        "import os\nos.mkdir('/tmp/flood')\nfor i in range(100000): open(f'/tmp/flood/{i}', 'w').close()",
+    ] {
+        let r = attack_py(sb, code).await;
+        assert_eq!(r.exit_code, Some(1), "{r:?}");
+        assert!(
+            r.stderr_str().contains("No space left on device"),
+            "{}",
+            r.stderr_str()
+        );
+        assert_eq!(r.limit, Some(LimitKind::Disk), "{r:?}");
+    }
+    let r = common::run(
+        sb,
+        "import os\nprint(os.path.getsize('/workspace/big') >> 20, len(os.listdir('/tmp/flood')) < 2000)",
+    )
+    .await;
+    assert_eq!(r.stdout_str(), "7 True\n", "{r:?} {}", r.stderr_str());
+    // Space freed is space again; rewriting a file is not growth.
+    let r = common::run(
+        sb,
+        "import os, shutil\nos.remove('/workspace/big'); shutil.rmtree('/tmp/flood')\nfor _ in range(5):\n    with open('/workspace/f', 'wb') as f: f.write(b'y' * (6 << 20))\nprint('rewritten')",
+    )
+    .await;
+    assert_eq!(r.stdout_str(), "rewritten\n", "{r:?} {}", r.stderr_str());
+}
+
+#[tokio::test]
+async fn a_host_folder_workspace_is_the_callers_and_not_capped() {
+    let b = python_or_skip!();
+    let dir = tempfile::tempdir().unwrap();
+    let mut spec = py_spec();
+    spec.limits.disk_bytes = 1 << 20;
+    spec.workspace = sandbox_core::Workspace::HostDir {
+        path: dir.path().to_path_buf(),
+        read_only: false,
+    };
+    let sb = b.create(&spec, ResolvedSecrets::none()).await.unwrap();
+    let r = common::run(
+        sb.as_ref(),
+        "open('/workspace/f', 'wb').write(b'z' * (3 << 20))\nprint('ok')",
+    )
+    .await;
+    assert_eq!(r.stdout_str(), "ok\n", "{r:?} {}", r.stderr_str());
+    assert_eq!(
+        std::fs::metadata(dir.path().join("f")).unwrap().len(),
+        3 << 20
+    );
+    // Its own /tmp still is.
+    let r = common::run(sb.as_ref(), "open('/tmp/f', 'wb').write(b'z' * (3 << 20))").await;
+    assert_eq!(r.limit, Some(LimitKind::Disk), "{r:?}");
+}
