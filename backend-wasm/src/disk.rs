@@ -86,6 +86,13 @@ impl DiskQuota {
     }
 }
 
+/// Whether `bytes` more bytes and `entries` more entries fit a cap of `cap_bytes` on the
+/// folders under `root` as they are now (the file API's check: no estimate to keep).
+pub(crate) fn fits(root: &Path, cap_bytes: u64, bytes: u64, entries: u64) -> bool {
+    let mut q = DiskQuota::new(root.to_path_buf(), cap_bytes);
+    q.admit(bytes, entries)
+}
+
 /// What the folders under `root` take: bytes allocated (the apparent size where a
 /// filesystem reports no blocks) and entries. Symbolic links are not followed.
 fn usage(root: &Path) -> (u64, u64) {

@@ -738,6 +738,28 @@ impl Inner {
                 .map_err(|e| Error::io_path("create", parent, e))?;
         }
         let p = self.host_path(path)?;
+        // The sandbox's own workspace is capped for the file API too (see `disk`).
+        if self.host_workspace.is_none() {
+            let (old, new) = match tokio::fs::symlink_metadata(&p).await {
+                Ok(m) => (m.len(), 0),
+                Err(_) => (0, 1),
+            };
+            let extra = u64::try_from(data.len())
+                .unwrap_or(u64::MAX)
+                .saturating_sub(old);
+            if !crate::disk::fits(
+                self.scratch()?.root(),
+                self.spec.limits.disk_bytes,
+                extra,
+                new,
+            ) {
+                return Err(Error::io_path(
+                    "write",
+                    &p,
+                    std::io::Error::from_raw_os_error(28 /* ENOSPC */),
+                ));
+            }
+        }
         tokio::fs::write(&p, data)
             .await
             .map_err(|e| Error::io_path("write", &p, e))

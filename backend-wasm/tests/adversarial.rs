@@ -275,6 +275,14 @@ async fn filling_the_disk_is_enospc_and_the_sandbox_goes_on() {
     )
     .await;
     assert_eq!(r.stdout_str(), "rewritten\n", "{r:?} {}", r.stderr_str());
+    // The file API is held to the same cap (6 MiB are there already).
+    let e = sb
+        .write_file("more", &vec![0u8; 4 << 20])
+        .await
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("No space left"), "{e}");
+    sb.write_file("f", &vec![1u8; 7 << 20]).await.unwrap();
 }
 
 #[tokio::test]
