@@ -358,3 +358,32 @@ async fn components_are_refused_as_unsupported_by_name() {
     let r = common::run(sb.as_ref(), &hello()).await;
     assert_eq!(r.stdout_str(), "hello wasm\n");
 }
+
+#[tokio::test]
+async fn a_module_filling_the_workspace_gets_enospc() {
+    let b = WasmBackend::new();
+    let mut spec = SandboxSpec::new(Language::Wasm);
+    spec.limits.disk_bytes = 1 << 20;
+    let sb = wasm_sandbox(&b, spec).await;
+    // Creates /workspace/big, writes 64 KiB chunks until a write fails, exits with its errno.
+    let fill = module(
+        r#"(data (i32.const 64) "big")
+       (func (export "_start") (local $e i32)
+         (local.set $e (call $path_open (i32.const 3) (i32.const 1) (i32.const 64) (i32.const 3)
+           (i32.const 1) (i64.const 0x1fffffff) (i64.const 0x1fffffff) (i32.const 0) (i32.const 12)))
+         (if (local.get $e) (then (call $proc_exit (i32.const 200))))
+         (i32.store (i32.const 0) (i32.const 1024))
+         (i32.store (i32.const 4) (i32.const 65536))
+         (loop $l
+           (local.set $e (call $fd_write (i32.load (i32.const 12)) (i32.const 0) (i32.const 1) (i32.const 8)))
+           (br_if $l (i32.eqz (local.get $e))))
+         (call $proc_exit (local.get $e)))"#,
+    );
+    let r = common::run(sb.as_ref(), &fill).await;
+    assert_eq!(r.exit_code, Some(51), "WASI's ENOSPC: {r:?}");
+    assert_eq!(r.limit, Some(LimitKind::Disk), "{r:?}");
+    let size = sb.read_file("big").await.unwrap().len();
+    assert!((512 << 10..=1 << 20).contains(&size), "{size}");
+    let r = common::run(sb.as_ref(), &hello()).await;
+    assert_eq!(r.stdout_str(), "hello wasm\n", "{r:?}");
+}
