@@ -47,7 +47,10 @@
 //!   [`GvisorBackend::cleanup_stale`] does it on demand.
 //!
 //! Both are tested by `SIGKILL`ing a process that owns a sandbox running a background
-//! command (and, for the second, its watchdog first).
+//! command (and, for the second, its watchdog first). A sandbox directory without an
+//! `owner` file older than ten minutes (an older version's, or a state root that a late
+//! `runsc` call made again after a teardown, e.g. a resume cut short by the end of the
+//! program) is swept too.
 
 //! ## Limits
 //! Memory, pids and CPU quota go to OCI `linux.resources` (cgroups v1 or v2, created by runsc

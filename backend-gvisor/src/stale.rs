@@ -12,8 +12,10 @@
 //! and is torn down like `destroy` would (`runsc delete --force`, then any runsc process that
 //! still names the directory is killed, its cgroups removed, the workspace and scratch
 //! tmpfs unmounted, the directory removed).
-//! A directory without an `owner` file (made by an older version, or a create between its
-//! `mkdir` and the file) is left alone.
+//! A directory without an `owner` file is left alone while it is young (a create between
+//! its `mkdir` and the file); one older than ten minutes (made by an older version, or the
+//! state root a late `runsc` call made again after a teardown) is torn down too, under a
+//! lock on the directory itself.
 //!
 //! Sweeps happen at two moments. **Right after the owner dies**: the first `create` of each
 //! process (per state directory) starts a small watchdog, `/bin/sh` blocked reading a pipe
@@ -70,6 +72,29 @@ fn abandoned(dir: &Path) -> Option<File> {
     (locked.ino() == now.ino() && locked.dev() == now.dev()).then_some(file)
 }
 
+/// How old a sandbox directory without an `owner` file must be to count as abandoned.
+const OWNERLESS_AFTER: Duration = Duration::from_secs(600);
+
+/// Whether `dir` has no `owner` file and was last modified over [`OWNERLESS_AFTER`] ago. On
+/// `Some`, the returned handle holds an exclusive lock on the directory itself.
+fn ownerless(dir: &Path) -> Option<File> {
+    if dir.join(OWNER).exists() {
+        return None;
+    }
+    let age = std::fs::metadata(dir)
+        .ok()?
+        .modified()
+        .ok()?
+        .elapsed()
+        .ok()?;
+    if age < OWNERLESS_AFTER {
+        return None;
+    }
+    let handle = File::open(dir).ok()?;
+    handle.try_lock().ok()?;
+    Some(handle)
+}
+
 /// Tears down every sandbox under `state_dir` whose creator is gone; returns how many.
 /// `runsc`: the binary to `delete` them with.
 pub(crate) fn sweep(state_dir: &Path, runsc: &Path) -> usize {
@@ -83,7 +108,7 @@ pub(crate) fn sweep(state_dir: &Path, runsc: &Path) -> usize {
         if !name.starts_with("as-") || !dir.is_dir() {
             continue;
         }
-        let Some(_lock) = abandoned(&dir) else {
+        let Some(_lock) = abandoned(&dir).or_else(|| ownerless(&dir)) else {
             continue;
         };
         tracing::info!(sandbox = %name, "removing a gVisor sandbox whose process died without destroying it");
@@ -318,6 +343,22 @@ mod tests {
         // `false` stands in for runsc: nothing to delete here anyway.
         assert_eq!(sweep(state.path(), Path::new("/bin/false")), 0);
         assert!(live.exists() && bare.exists() && other.exists());
+    }
+
+    #[test]
+    fn an_old_directory_without_an_owner_file_is_swept_and_a_young_one_is_not() {
+        let state = tempfile::tempdir().unwrap();
+        let (old, young) = (state.path().join("as-old"), state.path().join("as-young"));
+        for d in [&old, &young] {
+            std::fs::create_dir_all(d.join("runsc")).unwrap();
+        }
+        let hour_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
+        File::open(&old)
+            .unwrap()
+            .set_times(std::fs::FileTimes::new().set_modified(hour_ago))
+            .unwrap();
+        assert_eq!(sweep(state.path(), Path::new("/bin/false")), 1);
+        assert!(!old.exists() && young.exists());
     }
 
     #[test]
