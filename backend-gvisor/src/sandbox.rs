@@ -73,6 +73,9 @@ struct Inner {
     paused: AtomicBool,
     /// Our lock on the sandbox directory (see [`stale`]).
     _owner: stale::Owner,
+    /// A snapshot's background resume is running; `resumed` is notified when it ends.
+    resuming: AtomicBool,
+    resumed: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for GvisorSandbox {
@@ -208,6 +211,8 @@ impl GvisorSandbox {
             lifecycle: Arc::new(RwLock::new(())),
             egress,
             _owner: owner,
+            resuming: AtomicBool::new(false),
+            resumed: tokio::sync::Notify::new(),
         });
         t.mark(Phase::Allocation);
         // From here on, a failure tears down whatever was made.
@@ -1103,9 +1108,12 @@ impl Inner {
         let scratch = fsnap::pack_dir(&self.scratch);
         let me = Arc::clone(self);
         let resume_image = image.clone();
+        self.resuming.store(true, Ordering::SeqCst);
         tokio::spawn(async move {
             let _exclusive = guard;
             me.resume_from(&resume_image).await;
+            me.resuming.store(false, Ordering::SeqCst);
+            me.resumed.notify_waiters();
         });
         let mut draft = SnapshotDraft::new(
             TIER,
@@ -1298,8 +1306,21 @@ impl Sandbox for GvisorSandbox {
 
     async fn destroy(&self) -> Result<()> {
         // Not waiting for execs: a running one is killed with the container. A resume in
-        // progress after a snapshot sees `gone` when it finishes and cleans up after itself.
+        // progress after a snapshot (~0.2 s) is waited for, so that nothing it makes comes
+        // after the teardown (if it outlasts the wait, it sees `gone` when it finishes and
+        // cleans up after itself).
         let inner = Arc::clone(&self.inner);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while inner.resuming.load(Ordering::SeqCst) {
+            let done = inner.resumed.notified();
+            tokio::pin!(done);
+            done.as_mut().enable();
+            if !inner.resuming.load(Ordering::SeqCst)
+                || tokio::time::timeout_at(deadline, done).await.is_err()
+            {
+                break;
+            }
+        }
         // Detach first and wait, so nothing of the link is left when this returns.
         if let Some((e, _)) = &inner.egress {
             if !inner.gone.load(Ordering::SeqCst) {

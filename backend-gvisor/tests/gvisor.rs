@@ -633,7 +633,13 @@ async fn a_snapshot_restores_in_another_process() {
     sb.write_file("ping-1", b"").await.unwrap();
     wait_for(sb.as_ref(), "pong-1").await;
     let id = sb.snapshot(&store).await.unwrap();
+    // Destroyed while it resumes from its checkpoint: nothing is left once destroy returns.
     sb.destroy().await.unwrap();
+    let state = std::env::temp_dir()
+        .join("agent-sandbox-gvisor")
+        .join(sb.id());
+    assert!(!state.exists(), "{} left", state.display());
+    assert_eq!(common::host_processes_of(sb.id()), 0);
     let out = std::process::Command::new(std::env::current_exe().unwrap())
         .args([
             "--exact",
