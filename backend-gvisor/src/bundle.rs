@@ -72,6 +72,10 @@ pub fn tmpfs_caps(spec: &SandboxSpec) -> TmpfsCaps {
     caps
 }
 
+/// The sandbox's scratch mounts: where each is seen inside, and the folder of the scratch
+/// tmpfs behind it (see [`tmpfs_caps`]).
+pub(crate) const SCRATCH_MOUNTS: [(&str, &str); 2] = [("/tmp", "tmp"), ("/dev/shm", "shm")];
+
 /// The host pids-cgroup limit for a spec. gVisor's guest processes are not host processes,
 /// so the workload's `pids` limit is applied to the host tasks they cost. (`RLIMIT_NPROC` is not
 /// used: runsc also applies it to the sentry's own stub processes, which then panics.)
@@ -245,7 +249,7 @@ pub fn config(
     // can): runsc would create a bind mount's point in that directory, which is never
     // written (gVisor's tmpfs ignores `nr_inodes` though: see `tmpfs_caps`).
     let caps = tmpfs_caps(spec);
-    for (dst, sub) in [("/tmp", "tmp"), ("/dev/shm", "shm")] {
+    for (dst, sub) in SCRATCH_MOUNTS {
         let has_point = spec
             .rootfs
             .as_ref()

@@ -47,14 +47,17 @@ fn set_subreaper(on: bool) -> bool {
     }
 }
 
+/// Whether the process is a child subreaper now.
+fn is_subreaper() -> bool {
+    let mut v: libc::c_int = 0;
+    // SAFETY: PR_GET_CHILD_SUBREAPER stores an int through the pointer, which is valid.
+    let rc = unsafe { libc::prctl(libc::PR_GET_CHILD_SUBREAPER, &mut v as *mut libc::c_int) };
+    rc == 0 && v != 0
+}
+
 /// Whether the process was a subreaper before this module first looked.
 fn preset() -> bool {
-    *PRESET.get_or_init(|| {
-        let mut v: libc::c_int = 0;
-        // SAFETY: PR_GET_CHILD_SUBREAPER stores an int through the pointer, which is valid.
-        let rc = unsafe { libc::prctl(libc::PR_GET_CHILD_SUBREAPER, &mut v as *mut libc::c_int) };
-        rc == 0 && v != 0
-    })
+    *PRESET.get_or_init(is_subreaper)
 }
 
 /// Makes this process a child subreaper for good. Returns whether it is one.
@@ -99,7 +102,17 @@ impl Drop for Adoption {
 
 /// Our children whose command line contains `needle` (e.g. `--root=/state/<id>`).
 pub fn children_matching(needle: &str) -> Vec<i32> {
-    let me = std::process::id();
+    matching(needle, Some(std::process::id()))
+}
+
+/// Every process (not only our children) whose command line contains `needle`.
+pub fn processes_matching(needle: &str) -> Vec<i32> {
+    matching(needle, None)
+}
+
+/// The processes whose command line contains `needle` and, with `Some`, whose parent is
+/// `parent`.
+fn matching(needle: &str, parent: Option<u32>) -> Vec<i32> {
     let mut out = Vec::new();
     let Ok(rd) = std::fs::read_dir("/proc") else {
         return out;
@@ -108,19 +121,18 @@ pub fn children_matching(needle: &str) -> Vec<i32> {
         let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
             continue;
         };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-            continue;
-        };
-        // Fields after the parenthesised comm: state, ppid, ...
-        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
-            continue;
-        };
-        let ppid = rest
-            .split_whitespace()
-            .nth(1)
-            .and_then(|p| p.parse::<u32>().ok());
-        if ppid != Some(me) {
-            continue;
+        if let Some(parent) = parent {
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            // Fields after the parenthesised comm: state, ppid, ...
+            let ppid = stat
+                .rsplit_once(')')
+                .and_then(|(_, r)| r.split_whitespace().nth(1))
+                .and_then(|p| p.parse::<u32>().ok());
+            if ppid != Some(parent) {
+                continue;
+            }
         }
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         if String::from_utf8_lossy(&cmdline).contains(needle) {
@@ -163,13 +175,6 @@ pub fn reap_while(pids: &[i32], timeout: Duration, mut done: impl FnMut() -> boo
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn is_subreaper() -> bool {
-        let mut v: libc::c_int = 0;
-        // SAFETY: PR_GET_CHILD_SUBREAPER stores an int through a valid pointer.
-        unsafe { libc::prctl(libc::PR_GET_CHILD_SUBREAPER, &mut v as *mut libc::c_int) };
-        v != 0
-    }
 
     // One test: the flag is process-wide.
     #[test]

@@ -287,8 +287,9 @@ pub const DETACHED_TIMEOUT: std::time::Duration = std::time::Duration::from_secs
 
 /// Runs a runsc command that leaves the sandbox running (`run --detach`, `restore --detach`).
 /// Its stdio goes to a log file of the sandbox's own: the sandbox inherits it and would hold a
-/// pipe of ours open forever. One that takes longer than [`DETACHED_TIMEOUT`] is killed and
-/// reported.
+/// pipe of ours open forever. The sandbox and gofer processes it leaves become ours while it
+/// runs ([`crate::reaper::adopt`]). One that takes longer than [`DETACHED_TIMEOUT`] is killed
+/// and reported.
 pub async fn run_detached(mut cmd: tokio::process::Command, log: &Path, what: &str) -> Result<()> {
     let file = std::fs::OpenOptions::new()
         .create(true)
@@ -299,7 +300,10 @@ pub async fn run_detached(mut cmd: tokio::process::Command, log: &Path, what: &s
         .try_clone()
         .map_err(|e| Error::io_path("open", log, e))?;
     cmd.stdout(file).stderr(file2).kill_on_drop(true);
-    let status = match tokio::time::timeout(DETACHED_TIMEOUT, cmd.status()).await {
+    let adoption = crate::reaper::adopt();
+    let ran = tokio::time::timeout(DETACHED_TIMEOUT, cmd.status()).await;
+    drop(adoption);
+    let status = match ran {
         Ok(s) => s.map_err(|e| Error::io(format!("runsc {what}"), e))?,
         Err(_) => {
             let text = std::fs::read(log).unwrap_or_default();

@@ -44,10 +44,11 @@ struct Inner {
     dir: PathBuf,
     bundle: PathBuf,
     workspace: PathBuf,
-    /// We mounted a tmpfs on `workspace` (an `Empty` spec) and must unmount it.
+    /// We mount a tmpfs on `workspace` (an `Empty` spec: `<dir>/workspace`).
     workspace_tmpfs: bool,
     /// The host tmpfs whose `tmp/` and `shm/` are the sandbox's `/tmp` and `/dev/shm`
-    /// (see [`bundle::tmpfs_caps`]); mounted by `start`, unmounted by `cleanup`.
+    /// (see [`bundle::tmpfs_caps`]; `<dir>/scratch`); mounted by `start`, unmounted with the
+    /// others by `cleanup` ([`stale::unmount_all`]).
     scratch: PathBuf,
     who: Identity,
     env: BTreeMap<String, String>,
@@ -378,11 +379,7 @@ impl Inner {
                 .arg(&self.id),
         };
         let what = if restore.is_some() { "restore" } else { "run" };
-        // The sandbox and gofer processes it leaves become ours (see `reaper`).
-        let adoption = reaper::adopt();
-        let started = run_detached(cmd, &self.dir.join("runsc.log"), what).await;
-        drop(adoption);
-        started?;
+        run_detached(cmd, &self.dir.join("runsc.log"), what).await?;
         let boot = self.track_processes().await;
         self.attach_network(boot).await?;
         if self.egress.is_some() {
@@ -425,7 +422,8 @@ impl Inner {
     /// (and gVisor's own tmpfs there) when no view is needed or it cannot be made.
     fn rootfs_view(&self) -> Option<PathBuf> {
         let lower = self.spec.rootfs.as_ref()?;
-        if ["tmp", "dev/shm"].iter().all(|d| lower.join(d).is_dir()) {
+        let points = bundle::SCRATCH_MOUNTS.map(|(dst, _)| dst.trim_start_matches('/'));
+        if points.iter().all(|d| lower.join(d).is_dir()) {
             return None;
         }
         let lower_s = lower.to_str()?;
@@ -451,7 +449,7 @@ impl Inner {
                 nix::mount::MsFlags::empty(),
                 Some(data.as_str()),
             )?;
-            for d in ["tmp", "dev/shm"] {
+            for d in points {
                 let p = root.join(d);
                 if !p.is_dir() {
                     std::fs::create_dir_all(&p)?;
@@ -475,7 +473,7 @@ impl Inner {
         let cap = crate::bundle::tmpfs_caps(&self.spec).scratch;
         std::fs::create_dir_all(&self.scratch).map_err(io("create", &self.scratch))?;
         mount_tmpfs("agent-sandbox-scratch", &self.scratch, cap, "mode=0755")?;
-        for sub in ["tmp", "shm"] {
+        for (_, sub) in bundle::SCRATCH_MOUNTS {
             let d = self.scratch.join(sub);
             std::fs::create_dir(&d).map_err(io("create", &d))?;
             std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o1777))
@@ -1037,12 +1035,7 @@ impl Inner {
             e.detach_in_background(&self.id);
         }
         self.delete_container();
-        if self.workspace_tmpfs {
-            let _ = nix::mount::umount2(&self.workspace, nix::mount::MntFlags::MNT_DETACH);
-        }
-        for m in [&self.scratch, &self.dir.join("view/root")] {
-            let _ = nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH);
-        }
+        stale::unmount_all(&self.dir);
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 
@@ -1143,9 +1136,7 @@ impl Inner {
             .arg("--image-path")
             .arg(image)
             .arg(&self.id);
-        let adoption = reaper::adopt();
         let resumed = run_detached(cmd, &self.dir.join("runsc.log"), "restore").await;
-        drop(adoption);
         self.track_processes().await;
         let _ = std::fs::remove_dir_all(image);
         if let Err(e) = resumed {

@@ -143,7 +143,7 @@ fn remove(dir: &Path, id: &str, runsc: &Path) {
         let _ = child.wait();
     }
     // `delete` failed or could not reach everything: what still names the state root goes.
-    let left = processes_naming(&needle);
+    let left = reaper::processes_matching(&needle);
     for &pid in &left {
         // SAFETY: kill(2) on a process whose command line names this sandbox's state root
         // (a runsc process of it); a pid that exited meanwhile is at worst ESRCH.
@@ -151,10 +151,20 @@ fn remove(dir: &Path, id: &str, runsc: &Path) {
     }
     reaper::reap_while(&ours, Duration::from_secs(5), || true);
     remove_cgroups(id);
-    for m in ["workspace", "scratch", "view/root"] {
+    unmount_all(dir);
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// The mounts a sandbox directory may hold, relative to it: the tmpfs of an `Empty`
+/// workspace, the scratch tmpfs behind `/tmp` and `/dev/shm`, the overlay view of a
+/// caller's rootfs. The watchdog's script names the same ones.
+const MOUNTS: [&str; 3] = ["workspace", "scratch", "view/root"];
+
+/// Detaches the mounts of sandbox directory `dir` (one it does not hold is skipped).
+pub(crate) fn unmount_all(dir: &Path) {
+    for m in MOUNTS {
         let _ = nix::mount::umount2(&dir.join(m), nix::mount::MntFlags::MNT_DETACH);
     }
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 /// The cgroup (relative to runsc's own, in every hierarchy) of sandbox `id`.
@@ -187,20 +197,6 @@ fn remove_cgroups(id: &str) {
 /// How deep below `/sys/fs/cgroup` a sandbox's cgroup is looked for: the controller (or
 /// the v2 root), then the creator's own cgroup path, usually a few levels.
 const CGROUP_DEPTH: usize = 6;
-
-/// Every process (not only our children) whose command line contains `needle`.
-pub(crate) fn processes_naming(needle: &str) -> Vec<i32> {
-    let Ok(rd) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    rd.flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(needle))
-        })
-        .collect()
-}
 
 /// The watchdog (see the module's docs): `$1` the state directory, `$2` runsc. Waits for
 /// end of file on its standard input (a pipe only the creator's process writes to), then
@@ -359,6 +355,13 @@ mod tests {
             .unwrap();
         assert_eq!(sweep(state.path(), Path::new("/bin/false")), 1);
         assert!(!old.exists() && young.exists());
+    }
+
+    #[test]
+    fn the_watchdog_unmounts_what_the_sweep_does() {
+        for m in MOUNTS {
+            assert!(WATCHDOG.contains(m), "{m}");
+        }
     }
 
     #[test]
