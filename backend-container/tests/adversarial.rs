@@ -484,6 +484,12 @@ async fn sandboxes_of_a_killed_process_are_torn_down() {
             .collect()
     };
     assert!(!gone(init));
+    // `sh` returns once it has forked the background command, which may not have reached
+    // its `execve` yet (its command line is still the shell's until then).
+    let started = std::time::Instant::now();
+    while orphan_markers() == 0 && started.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
     assert_eq!(orphan_markers(), 1, "the background command is not running");
     let had_cgroups = !cgroups().is_empty();
     eprintln!("the owner had cgroups: {had_cgroups}");
