@@ -265,9 +265,26 @@
 //! (`limit_in_bytes`, `memsw` when present, swappiness 0), `pids` (`pids.max` = limit + 2 for
 //! the init and its spare supervisor), `cpu` (CFS quota from `cpu_millis`), `freezer` (pause/resume). No cpuset child is
 //! made: the sandbox stays in the caller's cpuset. **v2**: the same limits in one directory
-//! (`memory.max`, `memory.swap.max`, `pids.max`, `cpu.max`, `cgroup.freeze`), used only when
-//! no v1 memory/pids hierarchy exists; it needs a delegated cgroup (the "no internal process"
-//! rule) and is **untested on this CI host**, which is v1.
+//! (`memory.max`, `memory.swap.max` = 0, `pids.max`, `cpu.max`; `cgroup.freeze`), used when
+//! no v1 memory/pids hierarchy exists and the caller's cgroup is offered `memory` and `pids`.
+//! cgroup v2 lets a cgroup other than the root either hold processes or enable controllers
+//! for its children (the "no internal processes" rule), and the caller's cgroup holds at
+//! least the caller. So at the first create (or probe) of a process: if the controllers
+//! are not enabled yet and enabling them fails with `EBUSY`, a process **alone in its
+//! cgroup moves into a leaf of its own**, `asb-self-<pid>` (still inside its cgroup, whose
+//! limits keep counting; its later children start there too), then enables `memory`,
+//! `pids` (and `cpu` where offered) for the cgroup's children, and sandbox cgroups are made
+//! beside the leaf. A cgroup that **holds other processes too** is left alone (they are not
+//! ours): creates fail with [`Error::Unavailable`] naming them and the remedy (start the
+//! process in a cgroup of its own: `systemd-run --scope -p Delegate=yes ...`), or run
+//! without cgroup limits under `require_cgroups(false)`. A dead process's empty leaf is
+//! removed by the next backend's sweep (never its processes: they are not sandboxes).
+//! Tested here: detection from `/proc` texts of v1, hybrid and unified hosts; the v2 limit
+//! files on a stand-in directory; the delegation on this host's real cgroup2 hierarchy
+//! (which is offered only `hugetlb`): a lone process moves into its leaf and the controller
+//! is enabled, one among others is refused with nothing moved, an empty cgroup is enabled
+//! in place. **Not testable on this CI host**: sandboxes under v2 `memory`/`pids` limits
+//! (those controllers are bound to its v1 hierarchies).
 //!
 //! Reported limits: `Memory` when the exec failed and the cgroup's `oom_kill` count rose;
 //! `Pids` when it failed and `pids.events` `max` rose; `Output` when a stream passed
@@ -589,13 +606,14 @@ impl ContainerBackend {
     }
 
     /// Whether we can make cgroups. Checked (`access(2)` on each controller's directory, ~15
-    /// µs apiece here) until it first holds; should the permission go later, each create's
-    /// cgroup job fails with the `mkdir` error instead.
+    /// µs apiece here; on v2 also the controllers for the caller's cgroup's children, see
+    /// `cgroup::delegate_v2`) until it first holds; should the permission go later, each
+    /// create's cgroup job fails with the `mkdir` error instead.
     fn cgroups_usable(&self) -> std::result::Result<(), String> {
         if self.cgroups_ok.load(Ordering::Relaxed) {
             return Ok(());
         }
-        let r = self.host.writable();
+        let r = self.host.usable().map(|_| ());
         if r.is_ok() {
             self.cgroups_ok.store(true, Ordering::Relaxed);
         }
@@ -636,8 +654,11 @@ impl ContainerBackend {
         let enforcer =
             sandbox_core::egress::enforcer_for(TIER, self.cfg.egress.as_ref(), &spec.network)?;
         rootfs::check_mounts(spec)?;
+        // Always asked, and before the first create starts this process's zygote: on v2
+        // it may move this process into a leaf cgroup, which must hold all of ours.
+        let cgroups = self.cgroups_usable();
         if self.cfg.require_cgroups {
-            self.cgroups_usable().map_err(|reason| Error::Unavailable {
+            cgroups.map_err(|reason| Error::Unavailable {
                 tier: TIER,
                 reason,
                 fix: "run as root, or delegate a cgroup to this user (chown its directory and cgroup.procs \
@@ -1042,11 +1063,17 @@ impl ContainerBackend {
         let max_userns = std::fs::read_to_string("/proc/sys/user/max_user_namespaces")
             .ok()
             .and_then(|s| s.trim().parse::<u64>().ok());
+        let cgroups = self.cgroups_usable();
         details.insert(
             "cgroup".into(),
             match self.host.version() {
                 Some(CgroupVersion::V1) => "v1".into(),
-                Some(CgroupVersion::V2) => "v2".into(),
+                Some(CgroupVersion::V2) => match self.host.delegation() {
+                    Some(cgroup::Delegation::MovedInto(leaf)) => {
+                        format!("v2 (this process moved into {})", leaf.display())
+                    }
+                    _ => "v2".into(),
+                },
                 None => "none".into(),
             },
         );
@@ -1080,15 +1107,13 @@ impl ContainerBackend {
                 "use a kernel built with CONFIG_SECCOMP_FILTER",
             ));
         }
-        if self.cfg.require_cgroups {
-            if let Err(reason) = self.cgroups_usable() {
-                return with(TierStatus::unavailable(
-                    TIER,
-                    reason,
-                    "run as root, or delegate a cgroup (v1: in each of memory, pids, cpu; v2: with memory and pids \
-                     controllers) to this user and start the process inside it",
-                ));
-            }
+        if let (Err(reason), true) = (cgroups, self.cfg.require_cgroups) {
+            return with(TierStatus::unavailable(
+                TIER,
+                reason,
+                "run as root, or delegate a cgroup (v1: in each of memory, pids, cpu; v2: with memory and pids \
+                 controllers) to this user and start the process inside it",
+            ));
         }
         // A real smoke test, bounded.
         let spec = SandboxSpec::new(Language::Shell);
