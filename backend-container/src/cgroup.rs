@@ -1048,6 +1048,31 @@ mod tests {
     }
 
     #[test]
+    fn the_sweep_removes_a_dead_processs_empty_leaf_and_nothing_else() {
+        let d = tempfile::tempdir().unwrap();
+        let mut dead = std::process::Command::new("true").spawn().unwrap();
+        let dead_pid = dead.id();
+        dead.wait().unwrap();
+        let me = std::process::id();
+        let leaf = |pid: u32| d.path().join(self_leaf_name(pid));
+        for pid in [dead_pid, me] {
+            fs::create_dir(leaf(pid)).unwrap();
+        }
+        // A dead process's leaf that is not empty (its other children live on) stays.
+        let busy_pid = dead_pid.wrapping_add(1_000_000);
+        fs::create_dir(leaf(busy_pid)).unwrap();
+        fs::write(leaf(busy_pid).join("cgroup.procs"), "12345\n").unwrap();
+        let host = CgroupHost {
+            v1: Vec::new(),
+            v2: Some(d.path().to_path_buf()),
+        };
+        assert_eq!(host.sweep_orphans(), 1);
+        assert!(!leaf(dead_pid).exists());
+        assert!(leaf(me).exists(), "our own leaf was swept");
+        assert!(leaf(busy_pid).exists(), "a populated leaf was swept");
+    }
+
+    #[test]
     fn v2_limits_are_written_and_a_missing_controller_is_an_error() {
         let d = tempfile::tempdir().unwrap();
         let l = Limits {
