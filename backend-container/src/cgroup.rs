@@ -776,9 +776,15 @@ impl SandboxCgroup {
                 let deadline = Instant::now() + Duration::from_secs(5);
                 let want = if frozen { "frozen 1" } else { "frozen 0" };
                 loop {
-                    let ev = fs::read_to_string(d.join("cgroup.events")).unwrap_or_default();
-                    if ev.lines().any(|l| l.trim() == want) || Instant::now() > deadline {
+                    let ev = fs::read_to_string(d.join("cgroup.events"))?;
+                    if ev.lines().any(|l| l.trim() == want) {
                         return Ok(());
+                    }
+                    if Instant::now() > deadline {
+                        return Err(io::Error::new(
+                            io::ErrorKind::TimedOut,
+                            format!("cgroup.events still not `{want}` after 5 s"),
+                        ));
                     }
                     std::thread::sleep(Duration::from_micros(200));
                 }
@@ -903,8 +909,16 @@ fn rmdir_patiently(dir: &Path, deadline: Instant) -> Result<(), PathBuf> {
     }
 }
 
-/// SIGKILLs every process listed in `dir/cgroup.procs` until it is empty (bounded).
+/// SIGKILLs every process listed in `dir/cgroup.procs` until it is empty (bounded). On v2
+/// (5.14+) `cgroup.kill` first kills the whole cgroup at once, forks in flight included.
 pub(crate) fn kill_procs(dir: &Path) -> bool {
+    if let Ok(mut f) = fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join("cgroup.kill"))
+    {
+        use std::io::Write;
+        let _ = f.write_all(b"1");
+    }
     for _ in 0..200 {
         let Ok(s) = fs::read_to_string(dir.join("cgroup.procs")) else {
             return true;
@@ -1207,6 +1221,48 @@ mod tests {
                 let _ = fs::write(self.mnt.join("cgroup.subtree_control"), format!("-{c}"));
             }
         }
+    }
+
+    #[test]
+    fn v2_freeze_thaw_kill_and_remove_on_the_real_unified_hierarchy() {
+        let (mnt, _) = match unified_root() {
+            Ok(x) => x,
+            Err(why) => {
+                eprintln!("SKIP: v2 freeze and kill on a real cgroup2 hierarchy: {why}");
+                return;
+            }
+        };
+        let dir = mnt.join(format!("asb-test-{}-freeze", std::process::id()));
+        fs::create_dir(&dir).unwrap();
+        let _scratch = Scratch {
+            mnt,
+            dirs: vec![dir.clone()],
+            enabled: None,
+        };
+        let mut child = std::process::Command::new("sh")
+            .args(["-c", "while :; do sleep 0.01; done"])
+            .spawn()
+            .unwrap();
+        fs::write(dir.join("cgroup.procs"), child.id().to_string()).unwrap();
+        let cg = SandboxCgroup {
+            version: CgroupVersion::V2,
+            dirs: vec![("unified".into(), dir.clone())],
+            events: [None, None],
+            recycle: None,
+        };
+        assert!(cg.can_freeze());
+        let events = || fs::read_to_string(dir.join("cgroup.events")).unwrap();
+        cg.freeze(true).unwrap();
+        assert!(events().contains("frozen 1"), "{}", events());
+        cg.freeze(false).unwrap();
+        assert!(events().contains("frozen 0"), "{}", events());
+        // The shell and whatever `sleep` it has running go at once.
+        assert!(kill_procs(&dir));
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(child.wait().unwrap().signal(), Some(libc::SIGKILL));
+        assert_eq!(fs::read_to_string(dir.join("cgroup.procs")).unwrap(), "");
+        assert_eq!(cg.remove(Duration::from_secs(2)), Vec::<PathBuf>::new());
+        assert!(!dir.exists());
     }
 
     #[test]

@@ -526,7 +526,7 @@ async fn a_killed_zygote_is_replaced_on_the_next_create() {
     let b = backend();
     let sb = create(Language::Shell).await;
     sb.destroy().await.unwrap();
-    let zygotes = common::children_named("asb-zygote");
+    let zygotes = common::zygotes();
     assert_eq!(zygotes.len(), 1, "one fork server per process: {zygotes:?}");
     // SAFETY: kills and reaps our own child.
     unsafe {
@@ -557,7 +557,7 @@ async fn a_killed_zygote_is_replaced_on_the_next_create() {
         assert_eq!(sh_ok(sb.as_ref(), "echo ok").await, "ok\n");
         sb.destroy().await.unwrap();
     }
-    let now = common::children_named("asb-zygote");
+    let now = common::zygotes();
     assert_eq!(now.len(), 1, "{now:?}");
     assert_ne!(now[0], zygotes[0]);
 }

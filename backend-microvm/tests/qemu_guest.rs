@@ -132,7 +132,14 @@ fn boot_once(dir: &Path, wait: Duration) -> Result<(Qemu, AgentClient), String> 
     let child = Command::new(QEMU)
         // A PIT and no timer checks: under TCG on a loaded host, timer calibration can
         // otherwise stall the boot ("tsc: Unable to calibrate against PIT").
-        .args(["-M", "microvm,acpi=on,rtc=on,pit=on", "-cpu", "max", "-m", "256"])
+        .args([
+            "-M",
+            "microvm,acpi=on,rtc=on,pit=on",
+            "-cpu",
+            "max",
+            "-m",
+            "256",
+        ])
         .args(["-smp", "1", "-nodefaults", "-no-reboot", "-display", "none"])
         .arg("-kernel")
         .arg(&vmlinux)

@@ -149,20 +149,41 @@ pub fn children() -> Vec<(i32, String)> {
         .collect()
 }
 
-/// How many [`children`] we have, not counting the library's spare init: an `asb-init`
-/// still running as our own uid (a sandbox's init runs as a host uid of its range) that the
+/// How many [`children`] we have, not counting the library's spare init: an init still
+/// running as our own uid (a sandbox's init runs as a host uid of its range) that the
 /// zygote cloned ahead of time and that may or may not exist at a given moment (it is asked
-/// for after commands and teardowns). At most one is allowed.
+/// for after commands and teardowns). At most one is allowed. In its first microseconds
+/// a spare still has the zygote's name: it is told from the zygote by its user namespace.
 pub fn count_children() -> usize {
     // SAFETY: geteuid has no preconditions.
     let me = unsafe { libc::geteuid() };
     let all = children();
     let spares = all
         .iter()
-        .filter(|(p, c)| c == "asb-init" && uid_of(*p) == Some(me))
+        .filter(|(p, c)| {
+            (c == "asb-init" || (c == "asb-zygote" && !in_our_user_ns(*p)))
+                && uid_of(*p) == Some(me)
+        })
         .count();
     assert!(spares <= 1, "{spares} spare inits: {all:?}");
     all.len() - spares
+}
+
+/// Whether process `pid` is in our user namespace (the zygote is; every init, even one
+/// just cloned and still bearing the zygote's name, has its own).
+pub fn in_our_user_ns(pid: i32) -> bool {
+    let ns = |p: &str| std::fs::read_link(format!("/proc/{p}/ns/user")).ok();
+    let theirs = ns(&pid.to_string());
+    theirs.is_some() && theirs == ns("self")
+}
+
+/// Our fork servers: children named `asb-zygote` in our user namespace (an init the zygote
+/// just cloned bears that name until its first instructions rename it).
+pub fn zygotes() -> Vec<i32> {
+    children_named("asb-zygote")
+        .into_iter()
+        .filter(|p| in_our_user_ns(*p))
+        .collect()
 }
 
 /// The real uid of process `pid` (as the host sees it).
