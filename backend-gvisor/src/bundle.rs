@@ -26,6 +26,18 @@ const HOST_ETC: &[&str] = &[
     "mime.types",
 ];
 
+/// The `statx` compatibility shim (`shim/statx_compat.rs`): a shared object every dynamically
+/// linked program of a host-tools sandbox preloads (`/etc/ld.so.preload`), so that
+/// coreutils' `ls` and `stat` work under this runsc (which refuses `AT_NO_AUTOMOUNT`).
+#[cfg(all(target_arch = "x86_64", target_os = "linux"))]
+const STATX_SHIM: Option<&[u8]> = Some(include_bytes!(env!("AGENT_SANDBOX_STATX_SHIM")));
+/// No shim off x86-64 Linux.
+#[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
+const STATX_SHIM: Option<&[u8]> = None;
+
+/// Where the `statx` shim is inside a host-tools sandbox.
+pub const STATX_SHIM_PATH: &str = "/etc/agent-sandbox/statx-compat.so";
+
 /// Top-level links of a merged-`/usr` system.
 const USR_LINKS: &[&str] = &["bin", "lib", "lib32", "lib64", "libx32", "sbin"];
 
@@ -133,6 +145,15 @@ pub fn write_rootfs(bundle: &Path, who: Identity) -> Result<PathBuf> {
     ];
     for (name, text) in files {
         fs::write(etc.join(name), text).map_err(ctx("write", &etc))?;
+    }
+    if let Some(shim) = STATX_SHIM {
+        let at = rootfs.join(STATX_SHIM_PATH.trim_start_matches('/'));
+        if let Some(dir) = at.parent() {
+            fs::create_dir_all(dir).map_err(ctx("create", dir))?;
+        }
+        fs::write(&at, shim).map_err(ctx("write", &at))?;
+        fs::write(etc.join("ld.so.preload"), format!("{STATX_SHIM_PATH}\n"))
+            .map_err(ctx("write", &etc))?;
     }
     for name in HOST_ETC {
         let host = Path::new("/etc").join(name);
@@ -348,4 +369,34 @@ pub fn config(
 pub fn save(spec: &Spec, bundle: &Path) -> Result<()> {
     spec.save(bundle.join("config.json"))
         .map_err(|e| Error::backend(Tier::Gvisor, format!("writing config.json: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rootfs_preloads_the_statx_shim_where_there_is_one() {
+        let d = tempfile::tempdir().unwrap();
+        let root = write_rootfs(
+            d.path(),
+            Identity {
+                uid: 1000,
+                gid: 1000,
+            },
+        )
+        .unwrap();
+        let preload = fs::read_to_string(root.join("etc/ld.so.preload"));
+        let Some(shim) = STATX_SHIM else {
+            assert!(preload.is_err(), "a preload without a shim");
+            return;
+        };
+        assert_eq!(preload.unwrap(), format!("{STATX_SHIM_PATH}\n"));
+        let file = fs::read(root.join(STATX_SHIM_PATH.trim_start_matches('/'))).unwrap();
+        assert_eq!(file, shim);
+        // A shared object that exports `statx` (ELF magic, type ET_DYN).
+        assert_eq!(&file[..4], b"\x7fELF");
+        assert_eq!(u16::from_le_bytes([file[16], file[17]]), 3);
+        assert!(file.windows(6).any(|w| w == b"statx\0"), "no statx symbol");
+    }
 }

@@ -93,8 +93,15 @@
 //! `AGENT_SANDBOX_RUNSC_DEBUG=/some/dir` makes every runsc call write its debug logs there.
 //!
 //! ## Known runsc quirks (Debian's 2022-12-19 build)
-//! - `statx` with `AT_NO_AUTOMOUNT` is rejected, so Debian's `ls PATH` and `stat` fail inside
-//!   ("Invalid argument"); python, busybox, `cat`, `cp`, `find`, `tar` work.
+//! - `statx` with `AT_NO_AUTOMOUNT` is rejected ("Invalid argument"), and coreutils' `ls DIR`,
+//!   `ls -l` and `stat` always pass it. The host-tools view therefore preloads a 4 KiB shim
+//!   (`/etc/ld.so.preload` names [`bundle::STATX_SHIM_PATH`], built from
+//!   `shim/statx_compat.rs`, no std) whose `statx` drops the flag, which means nothing in
+//!   gVisor (it has no automount points): `ls -la` and `stat` work (tested). Not covered: a
+//!   caller's rootfs directory (its `/etc` is not ours to change), static and musl
+//!   programs (they do not read `ld.so.preload`). An OCI seccomp rule cannot do it: this
+//!   runsc answers `EPERM` whatever `errnoRet` says, and glibc falls back to `fstatat` only
+//!   on `ENOSYS`.
 //! - Rootless `create` and `restore` are refused by this runsc: the tier needs root
 //!   (`probe()` says so).
 //! - `checkpoint --leave-running` hangs: snapshots checkpoint, delete and restore in place.

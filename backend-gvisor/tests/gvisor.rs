@@ -74,6 +74,44 @@ async fn gvisor_kernel_not_host_kernel() {
 }
 
 #[tokio::test]
+async fn coreutils_ls_and_stat_work() {
+    require_gvisor!();
+    let sb = common::sandbox(&SandboxSpec::new(Language::Shell)).await;
+    // Without the statx shim each of these failed with "Invalid argument" under this runsc.
+    let r = sb
+        .exec(ExecRequest::code(
+            "printf abc > f.txt && mkdir d && ls -la /workspace && ls d && ls -l f.txt \
+             && stat -c '%s %a %F' f.txt && stat -c '%s %F' /etc/hostname",
+        ))
+        .await
+        .unwrap();
+    assert!(r.success(), "{r:?}");
+    // No loader complaint on stderr either.
+    assert_eq!(r.stderr_str(), "");
+    let out = r.stdout_str();
+    assert!(
+        out.contains(" f.txt\n") && out.contains(" d\n") && out.contains(" ..\n"),
+        "{out}"
+    );
+    assert!(
+        out.ends_with("3 644 regular file\n8 regular file\n"),
+        "{out}"
+    );
+    // Any program calling the C library's statx with AT_NO_AUTOMOUNT gets an answer.
+    let r = sb
+        .exec(ExecRequest::argv([
+            "/usr/bin/python3",
+            "-c",
+            "import ctypes; c = ctypes.CDLL(None, use_errno=True); b = ctypes.create_string_buffer(256); \
+             print(c.statx(-100, b'f.txt', 0x800, 0xfff, b), ctypes.get_errno())",
+        ]))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_str(), "0 0\n", "{r:?}");
+    sb.destroy().await.unwrap();
+}
+
+#[tokio::test]
 async fn files_and_background_processes_persist_across_execs() {
     require_gvisor!();
     let sb = common::python().await;

@@ -1,6 +1,7 @@
 //! Shared by the backends' build scripts (`#[path]`-included, not part of the crate):
 //! compiles a std-only program with the same `rustc` and target as the build, statically
-//! linked when it can be, so the backend can embed it with `include_bytes!`.
+//! linked when it can be (or a `no_std` shared object), so the backend can embed it with
+//! `include_bytes!`.
 
 use std::env;
 use std::path::PathBuf;
@@ -10,6 +11,7 @@ use std::process::Command;
 /// and returns that path. Tries, in order: static non-PIE (no start-up relocations), static
 /// PIE, and, when `allow_dynamic`, a dynamically linked binary. Panics (failing the build)
 /// naming `what` when none links.
+#[allow(dead_code)]
 pub fn compile(
     src: &str,
     crate_name: &str,
@@ -67,4 +69,46 @@ pub fn compile(
         panic!("could not compile {what} ({src}) with {rustc}");
     }
     bin
+}
+
+/// Compiles `src` (a single-file `no_std` library) as a shared object `crate_name` into
+/// `OUT_DIR/out_name` and returns that path. Panics (failing the build) naming `what` when
+/// it does not link.
+#[allow(dead_code)]
+pub fn compile_cdylib(src: &str, crate_name: &str, out_name: &str, what: &str) -> PathBuf {
+    println!("cargo:rerun-if-changed={src}");
+    let rustc = env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let target = env::var("TARGET").unwrap_or_default();
+    let Ok(out) = env::var("OUT_DIR").map(PathBuf::from) else {
+        panic!("cargo did not set OUT_DIR");
+    };
+    let lib = out.join(out_name);
+    let mut c = Command::new(&rustc);
+    c.args([
+        "--edition",
+        "2021",
+        "--crate-type",
+        "cdylib",
+        "--crate-name",
+        crate_name,
+    ])
+    .args([
+        "-C",
+        "opt-level=s",
+        "-C",
+        "panic=abort",
+        "-C",
+        "debuginfo=0",
+    ])
+    .args(["-C", "strip=symbols", "--cap-lints", "warn"]);
+    if !target.is_empty() {
+        c.args(["--target", &target]);
+    }
+    c.arg("-o").arg(&lib).arg(src);
+    c.env_remove("CARGO_ENCODED_RUSTFLAGS")
+        .env_remove("RUSTFLAGS");
+    if !c.status().map(|s| s.success()).unwrap_or(false) {
+        panic!("could not compile {what} ({src}) with {rustc}");
+    }
+    lib
 }

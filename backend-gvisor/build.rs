@@ -1,0 +1,20 @@
+//! Compiles the `statx` compatibility shim (`shim/statx_compat.rs`, `no_std`) into a shared
+//! object the library embeds (x86-64 Linux only; see the shim's docs for why).
+
+#[path = "../sandbox-core/build-support/static_bin.rs"]
+mod static_bin;
+
+fn main() {
+    println!("cargo:rerun-if-changed=../sandbox-core/build-support/static_bin.rs");
+    let arch = std::env::var("CARGO_CFG_TARGET_ARCH").unwrap_or_default();
+    let os = std::env::var("CARGO_CFG_TARGET_OS").unwrap_or_default();
+    if arch == "x86_64" && os == "linux" {
+        let lib = static_bin::compile_cdylib(
+            "shim/statx_compat.rs",
+            "statx_compat",
+            "libstatx_compat.so",
+            "the statx compatibility shim",
+        );
+        println!("cargo:rustc-env=AGENT_SANDBOX_STATX_SHIM={}", lib.display());
+    }
+}
