@@ -1279,6 +1279,17 @@ mod tests {
                 let dir = std::env::temp_dir()
                     .join(format!("microvm-sandbox-unit-{}", std::process::id()));
                 std::fs::create_dir_all(&dir).unwrap();
+                // A static is never dropped: the directory goes when the process exits.
+                static DIR: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+                extern "C" fn remove_dir() {
+                    if let Some(d) = DIR.get() {
+                        let _ = std::fs::remove_dir_all(d);
+                    }
+                }
+                if DIR.set(dir.clone()).is_ok() {
+                    // SAFETY: registers a plain `extern "C"` function with atexit(3).
+                    unsafe { libc::atexit(remove_dir) };
+                }
                 let p = dir.join("agent");
                 let tmp = dir.join("agent.tmp");
                 std::fs::write(&tmp, AGENT_BINARY).unwrap();

@@ -3,6 +3,8 @@
 //! in its test mode (`AGENT_CHANNEL_FD`) over a socketpair, driven through
 //! `backend_microvm::agent_client`. Also: a hostile "agent" against the client.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
@@ -26,6 +28,7 @@ fn agent_path() -> &'static Path {
     P.get_or_init(|| {
         let dir = std::env::temp_dir().join(format!("microvm-agent-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
+        common::remove_at_exit(dir.clone());
         let p = dir.join("agent");
         let tmp = dir.join("agent.tmp");
         std::fs::write(&tmp, AGENT_BINARY).unwrap();

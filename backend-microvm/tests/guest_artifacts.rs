@@ -6,6 +6,8 @@
 //! Set `MICROVM_TEST_KERNEL_DEB=/path/linux-image-<ver>-amd64_*.deb` to use a local package
 //! instead of downloading one.
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
@@ -15,7 +17,6 @@ use backend_microvm::guest::kernel;
 use backend_microvm::guest::{GuestError, AGENT_BINARY};
 
 struct Fixture {
-    _dir: tempfile::TempDir,
     deb: PathBuf,
     artifacts: GuestArtifacts,
 }
@@ -24,27 +25,25 @@ struct Fixture {
 fn fixture() -> &'static Fixture {
     static F: OnceLock<Fixture> = OnceLock::new();
     F.get_or_init(|| {
-        let dir = tempfile::tempdir().unwrap();
+        // Kept for the whole run, removed at exit (a static is never dropped).
+        let dir = tempfile::tempdir().unwrap().keep();
+        common::remove_at_exit(dir.clone());
         let deb = match std::env::var_os("MICROVM_TEST_KERNEL_DEB") {
             Some(p) => PathBuf::from(p),
             None => {
-                let dl = dir.path().join("debs");
+                let dl = dir.join("debs");
                 std::fs::create_dir_all(&dl).unwrap();
                 install::download_debian_kernel(&dl).unwrap()
             }
         };
         let opts = InstallOptions {
-            dir: dir.path().join("cache"),
+            dir: dir.join("cache"),
             kernel: KernelSource::DebFile(deb.clone()),
             busybox: None,
             no_busybox: false,
         };
         let artifacts = install::install(&opts).unwrap();
-        Fixture {
-            _dir: dir,
-            deb,
-            artifacts,
-        }
+        Fixture { deb, artifacts }
     })
 }
 
