@@ -493,6 +493,8 @@ async fn sandboxes_of_a_killed_process_are_torn_down() {
     assert_eq!(orphan_markers(), 1, "the background command is not running");
     let had_cgroups = !cgroups().is_empty();
     eprintln!("the owner had cgroups: {had_cgroups}");
+    // As root the host always lets us make them: the sweep below is then really tested.
+    assert!(had_cgroups || !nix::unistd::geteuid().is_root());
     // The owner dies without destroying anything.
     child.kill().unwrap();
     child.wait().unwrap();
@@ -510,8 +512,9 @@ async fn sandboxes_of_a_killed_process_are_torn_down() {
         "the sandbox's processes were gone {:?} after its owner died",
         died.elapsed()
     );
-    // Its cgroups stay until the next backend of any process sweeps them.
-    assert_eq!(!cgroups().is_empty(), had_cgroups);
+    // Its cgroups stay until the next backend of any process sweeps them (another test of
+    // this binary may build one at any moment, so whether they are still there now is not
+    // asserted).
     let _ = backend();
     assert_eq!(
         cgroups(),
