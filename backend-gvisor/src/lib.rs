@@ -99,7 +99,8 @@
 //!   `shim/statx_compat.rs`, no std) whose `statx` drops the flag, which means nothing in
 //!   gVisor (it has no automount points): `ls -la` and `stat` work (tested). Not covered: a
 //!   caller's rootfs directory (its `/etc` is not ours to change), static and musl
-//!   programs (they do not read `ld.so.preload`). An OCI seccomp rule cannot do it: this
+//!   programs (they do not read `ld.so.preload`); a 32-bit program would get a loader
+//!   warning on stderr (the shim is 64-bit), which Debian's host tools never are. An OCI seccomp rule cannot do it: this
 //!   runsc answers `EPERM` whatever `errnoRet` says, and glibc falls back to `fstatat` only
 //!   on `ENOSYS`.
 //! - Rootless `create` and `restore` are refused by this runsc: the tier needs root
