@@ -26,6 +26,9 @@ pub(crate) struct CgroupHost {
     pub v1: Vec<(String, PathBuf)>,
     /// v2: the caller's cgroup directory, when the unified hierarchy has memory+pids.
     pub v2: Option<PathBuf>,
+    /// v2 without what we need: the caller's cgroup directory and the controllers it is
+    /// offered (for the error).
+    pub v2_lacking: Option<(PathBuf, String)>,
 }
 
 /// Emptied v1 cgroups of destroyed sandboxes, kept for the next ones: one list per process,
@@ -166,6 +169,9 @@ impl CgroupHost {
             let has = |c: &str| ctrls.split_whitespace().any(|x| x == c);
             if V2_REQUIRED.iter().all(|c| has(c)) {
                 host.v2 = Some(dir);
+            } else {
+                host.v2_lacking =
+                    Some((dir, ctrls.split_whitespace().collect::<Vec<_>>().join(" ")));
             }
         }
         host
@@ -190,7 +196,17 @@ impl CgroupHost {
         let dirs: Vec<&PathBuf> = match self.version() {
             Some(CgroupVersion::V1) => self.v1.iter().map(|(_, p)| p).collect(),
             Some(CgroupVersion::V2) => self.v2.iter().collect(),
-            None => return Err("no usable cgroup hierarchy (memory and pids controllers)".into()),
+            None => {
+                return Err(match &self.v2_lacking {
+                    Some((dir, offered)) if self.v1.is_empty() => format!(
+                        "no usable cgroup hierarchy: cgroup v2 offers {} only [{offered}], and \
+                         sandboxes need memory and pids (enable them in its parent's \
+                         cgroup.subtree_control)",
+                        dir.display()
+                    ),
+                    _ => "no usable cgroup hierarchy (memory and pids controllers)".into(),
+                })
+            }
         };
         for d in &dirs {
             let c = std::ffi::CString::new(d.as_os_str().as_encoded_bytes())
@@ -1027,13 +1043,16 @@ mod tests {
         assert_eq!(h.version(), Some(CgroupVersion::V2));
         assert_eq!(h.v2.as_ref(), Some(&dir));
         assert_eq!(asked.into_inner(), std::slice::from_ref(&dir));
-        // Without pids (or memory) there is nothing to limit a sandbox with.
+        // Without pids (or memory) there is nothing to limit a sandbox with; the error says
+        // what the cgroup is offered.
         let h = CgroupHost::from_proc(me, &mi, 7, |_| "cpu io memory\n".into());
         assert_eq!((h.version(), &h.v2), (None, &None));
-        assert!(h
-            .usable()
-            .unwrap_err()
-            .contains("no usable cgroup hierarchy"));
+        let e = h.usable().unwrap_err();
+        assert!(
+            e.contains("no usable cgroup hierarchy")
+                && e.contains("/sys/fs/cgroup/system.slice/agent.service only [cpu io memory]"),
+            "{e}"
+        );
         // Already in our own leaf (an earlier backend moved us): sandboxes go beside it.
         let leaf = "0::/system.slice/agent.service/asb-self-4242\n";
         let h = CgroupHost::from_proc(leaf, &mi, 4242, |_| "memory pids\n".into());
@@ -1077,8 +1096,8 @@ mod tests {
         fs::create_dir(leaf(busy_pid)).unwrap();
         fs::write(leaf(busy_pid).join("cgroup.procs"), "12345\n").unwrap();
         let host = CgroupHost {
-            v1: Vec::new(),
             v2: Some(d.path().to_path_buf()),
+            ..CgroupHost::default()
         };
         assert_eq!(host.sweep_orphans(), 1);
         assert!(!leaf(dead_pid).exists());
