@@ -1166,7 +1166,14 @@ mod tests {
         }
     }
 
-    /// Run in a child process by `delegate_v2_moves_a_lone_process_into_its_own_leaf`:
+    /// [`unified_root`], or `None` after printing why `what` is skipped.
+    fn unified_or_skip(what: &str) -> Option<(PathBuf, String)> {
+        unified_root()
+            .map_err(|why| eprintln!("SKIP: {what} on a real cgroup2 hierarchy: {why}"))
+            .ok()
+    }
+
+    /// Run in a child process by `delegate_v2_on_the_real_unified_hierarchy`:
     /// joins `AS_TEST_CG`, calls [`delegate_v2`] for controller `AS_TEST_CTRL` twice and
     /// prints both results and its unified cgroup.
     #[test]
@@ -1244,12 +1251,8 @@ mod tests {
 
     #[test]
     fn v2_freeze_thaw_kill_and_remove_on_the_real_unified_hierarchy() {
-        let (mnt, _) = match unified_root() {
-            Ok(x) => x,
-            Err(why) => {
-                eprintln!("SKIP: v2 freeze and kill on a real cgroup2 hierarchy: {why}");
-                return;
-            }
+        let Some((mnt, _)) = unified_or_skip("v2 freeze and kill") else {
+            return;
         };
         let dir = mnt.join(format!("asb-test-{}-freeze", std::process::id()));
         fs::create_dir(&dir).unwrap();
@@ -1286,12 +1289,8 @@ mod tests {
 
     #[test]
     fn delegate_v2_on_the_real_unified_hierarchy() {
-        let (mnt, ctrl) = match unified_root() {
-            Ok(x) => x,
-            Err(why) => {
-                eprintln!("SKIP: delegate_v2 on a real cgroup2 hierarchy: {why}");
-                return;
-            }
+        let Some((mnt, ctrl)) = unified_or_skip("delegate_v2") else {
+            return;
         };
         let mut scratch = Scratch {
             mnt: mnt.clone(),
