@@ -29,6 +29,9 @@ pub(crate) struct CgroupHost {
     /// v2 without what we need: the caller's cgroup directory and the controllers it is
     /// offered (for the error).
     pub v2_lacking: Option<(PathBuf, String)>,
+    /// v2 used without the memory and pids controllers (see
+    /// [`CgroupHost::allow_v2_without_limits`]): no memory or pids limit is written.
+    pub v2_without_limits: bool,
 }
 
 /// Emptied v1 cgroups of destroyed sandboxes, kept for the next ones: one list per process,
@@ -177,6 +180,19 @@ impl CgroupHost {
         host
     }
 
+    /// With `require_cgroups(false)`, on a host whose only hierarchy is a v2 one that does
+    /// not offer memory and pids: sandboxes still get a v2 cgroup (one group to freeze for
+    /// pause/resume and to kill at once, `cpu.max` where offered), without memory or pids
+    /// limits, rather than none at all.
+    pub fn allow_v2_without_limits(&mut self) {
+        if self.v1.is_empty() && self.v2.is_none() {
+            if let Some((dir, _)) = self.v2_lacking.take() {
+                self.v2 = Some(dir);
+                self.v2_without_limits = true;
+            }
+        }
+    }
+
     /// The version we use: v1 when its memory or pids controller exists, else v2.
     pub fn version(&self) -> Option<CgroupVersion> {
         if !self.v1.is_empty() {
@@ -228,7 +244,12 @@ impl CgroupHost {
                         return Ok(Some(how.clone()));
                     }
                 }
-                let how = delegate_v2(dir, V2_REQUIRED, V2_OPTIONAL, std::process::id())?;
+                let (required, optional) = if self.v2_without_limits {
+                    (&[][..], V2_ALL)
+                } else {
+                    (V2_REQUIRED, V2_OPTIONAL)
+                };
+                let how = delegate_v2(dir, required, optional, std::process::id())?;
                 if let Delegation::MovedInto(leaf) = &how {
                     tracing::info!(
                         leaf = %leaf.display(),
@@ -384,21 +405,23 @@ impl CgroupHost {
         let dir = parent.join(name);
         mkdir(&dir)?;
         cg.dirs.push(("unified".into(), dir.clone()));
-        limit_v2(&dir, l)
+        limit_v2(&dir, l, !self.v2_without_limits)
     }
 }
 
-/// Writes `l` to a v2 sandbox cgroup `dir`: `memory.max`, `pids.max` (both required: a
-/// missing file means the controller is not enabled for it, see [`delegate_v2`]), and
-/// where the host has them, `memory.swap.max` = 0 and the `cpu.max` quota.
-fn limit_v2(dir: &Path, l: &Limits) -> io::Result<()> {
+/// Writes `l` to a v2 sandbox cgroup `dir`: `memory.max`, `pids.max` (required when
+/// `mem_pids`: a missing file means the controller is not enabled for it, see
+/// [`delegate_v2`]; else written where present), and where the host has them,
+/// `memory.swap.max` = 0 and the `cpu.max` quota.
+fn limit_v2(dir: &Path, l: &Limits, mem_pids: bool) -> io::Result<()> {
     let d = DirFd::open(dir)?;
-    d.write("memory.max", &l.memory_bytes.to_string())?;
-    d.write("pids.max", &pids_max(l).to_string())?;
     let optional = |r: io::Result<()>| match r {
         Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
         _ => Ok(()),
     };
+    let required = |r: io::Result<()>| if mem_pids { r } else { optional(r) };
+    required(d.write("memory.max", &l.memory_bytes.to_string()))?;
+    required(d.write("pids.max", &pids_max(l).to_string()))?;
     // No swap controller (no swap accounting): nothing to keep out of swap through it.
     optional(d.write("memory.swap.max", "0"))?;
     let period = 100_000u64;
@@ -413,6 +436,8 @@ static DELEGATED: std::sync::Mutex<Option<(PathBuf, Delegation)>> = std::sync::M
 const V2_REQUIRED: &[&str] = &["memory", "pids"];
 /// Controllers a v2 sandbox cgroup gets where the host offers them.
 const V2_OPTIONAL: &[&str] = &["cpu"];
+/// Every controller we use, for a v2 cgroup without limits: those offered are enabled.
+const V2_ALL: &[&str] = &["memory", "pids", "cpu"];
 /// Name prefix of the leaf cgroup a process moves itself into on v2 ([`delegate_v2`]).
 const SELF_LEAF_PREFIX: &str = "asb-self-";
 
@@ -1118,7 +1143,7 @@ mod tests {
         for f in ["memory.max", "pids.max"] {
             fs::write(d.path().join(f), "").unwrap();
         }
-        limit_v2(d.path(), &l).unwrap();
+        limit_v2(d.path(), &l, true).unwrap();
         let read = |f: &str| fs::read_to_string(d.path().join(f)).unwrap();
         assert_eq!(read("memory.max"), (64u64 << 20).to_string());
         assert_eq!(
@@ -1131,14 +1156,27 @@ mod tests {
         for f in ["cpu.max", "memory.swap.max"] {
             fs::write(d.path().join(f), "").unwrap();
         }
-        limit_v2(d.path(), &l).unwrap();
+        limit_v2(d.path(), &l, true).unwrap();
         assert_eq!(read("cpu.max"), "50000 100000");
         assert_eq!(read("memory.swap.max"), "0");
         // No pids controller enabled for it: the error names the file.
         fs::remove_file(d.path().join("pids.max")).unwrap();
-        let e = limit_v2(d.path(), &l).unwrap_err();
+        let e = limit_v2(d.path(), &l, true).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::NotFound);
         assert!(e.to_string().contains("pids.max"), "{e}");
+        // Without limits (`allow_v2_without_limits`): what is there is still written.
+        fs::write(d.path().join("memory.max"), "").unwrap();
+        limit_v2(
+            d.path(),
+            &Limits {
+                memory_bytes: 1 << 30,
+                ..l
+            },
+            false,
+        )
+        .unwrap();
+        assert_eq!(read("memory.max"), (1u64 << 30).to_string());
+        assert!(!d.path().join("pids.max").exists());
     }
 
     /// The unified hierarchy's mount point, if this process sits at its root and we are

@@ -283,7 +283,11 @@
 //! files on a stand-in directory; the delegation on this host's real cgroup2 hierarchy
 //! (which is offered only `hugetlb`): a lone process moves into its leaf and the controller
 //! is enabled, one among others is refused with nothing moved, an empty cgroup is enabled
-//! in place. **Not testable on this CI host**: sandboxes under v2 `memory`/`pids` limits
+//! in place; and end to end in a mount namespace whose only cgroup mount is that hierarchy
+//! (`tests/cgroup_v2.rs`): creates refused by default with the reason, and with
+//! `require_cgroups(false)` real sandboxes in v2 cgroups (the init joins its own, the
+//! cgroup namespace is rooted there, pause/resume through `cgroup.freeze`, destroy removes
+//! it with every process). **Not testable on this CI host**: v2 `memory`/`pids` limits
 //! (those controllers are bound to its v1 hierarchies).
 //!
 //! Reported limits: `Memory` when the exec failed and the cgroup's `oom_kill` count rose;
@@ -441,7 +445,10 @@ pub struct ContainerConfig {
     pub uid_base: u32,
     /// Refuse to create sandboxes when cgroups are not usable (default `true`). With `false`
     /// and no usable cgroup, memory, pids and CPU-quota limits are **not enforced** (rlimits
-    /// still are) and pause/resume is unavailable.
+    /// still are) and pause/resume is unavailable; on a host whose only hierarchy is a
+    /// cgroup v2 one that does not offer memory and pids, sandboxes still get a v2 cgroup
+    /// (pause/resume, one group killed at once, `cpu.max` where offered) without those two
+    /// limits, and `probe()` says so.
     pub require_cgroups: bool,
     /// Install the seccomp filter (default `true`).
     pub seccomp: bool,
@@ -542,7 +549,10 @@ impl ContainerBuilder {
         if let Some(d) = &c.state_dir {
             std::fs::create_dir_all(d).map_err(|e| Error::io_path("create state dir", d, e))?;
         }
-        let host = cgroup::CgroupHost::detect();
+        let mut host = cgroup::CgroupHost::detect();
+        if !self.cfg.require_cgroups {
+            host.allow_v2_without_limits();
+        }
         host.sweep_orphans();
         Ok(ContainerBackend {
             cfg: Arc::new(self.cfg),
@@ -1068,12 +1078,18 @@ impl ContainerBackend {
             "cgroup".into(),
             match self.host.version() {
                 Some(CgroupVersion::V1) => "v1".into(),
-                Some(CgroupVersion::V2) => match self.host.delegation() {
-                    Some(cgroup::Delegation::MovedInto(leaf)) => {
-                        format!("v2 (this process moved into {})", leaf.display())
+                Some(CgroupVersion::V2) => {
+                    let mut v = match self.host.delegation() {
+                        Some(cgroup::Delegation::MovedInto(leaf)) => {
+                            format!("v2 (this process moved into {})", leaf.display())
+                        }
+                        _ => "v2".into(),
+                    };
+                    if self.host.v2_without_limits {
+                        v.push_str(", not offered memory and pids: those limits are not enforced");
                     }
-                    _ => "v2".into(),
-                },
+                    v
+                }
                 None => "none".into(),
             },
         );
