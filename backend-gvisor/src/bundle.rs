@@ -38,6 +38,78 @@ const STATX_SHIM: Option<&[u8]> = None;
 /// Where the `statx` shim is inside a host-tools sandbox.
 pub const STATX_SHIM_PATH: &str = "/etc/agent-sandbox/statx-compat.so";
 
+/// The `statx` shim of this build, if any.
+pub(crate) fn statx_shim() -> Option<&'static [u8]> {
+    STATX_SHIM
+}
+
+/// Where glibc's x86-64 dynamic loader sits in a root filesystem (any of them).
+const GLIBC_LOADERS: &[&str] = &[
+    "lib64/ld-linux-x86-64.so.2",
+    "lib/x86_64-linux-gnu/ld-linux-x86-64.so.2",
+    "usr/lib64/ld-linux-x86-64.so.2",
+    "usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2",
+];
+
+/// Whether a caller's root filesystem has programs the `statx` shim is for: glibc's loader
+/// is there (looked up without following links, which may point anywhere on the host).
+pub(crate) fn needs_statx_shim(rootfs: &Path) -> bool {
+    GLIBC_LOADERS.iter().any(|l| {
+        let mut p = rootfs.to_path_buf();
+        // Only the last component may be a link (the loader usually is); a linked
+        // directory (`lib64 -> usr/lib64` in a merged-/usr tree) is covered by its target's
+        // entry in the list.
+        for c in Path::new(l).components() {
+            p.push(c);
+        }
+        let parent_real = p
+            .parent()
+            .is_some_and(|d| fs::symlink_metadata(d).is_ok_and(|m| m.is_dir()));
+        parent_real && fs::symlink_metadata(&p).is_ok()
+    })
+}
+
+/// Puts the `statx` shim at [`STATX_SHIM_PATH`] under `root` and names it in
+/// `root/etc/ld.so.preload` (kept, if there is one, with ours appended). Refuses (an error)
+/// when `etc`, `etc/agent-sandbox` or `etc/ld.so.preload` is a symbolic link: in a
+/// caller's tree it could lead anywhere on the host.
+pub(crate) fn add_statx_shim(root: &Path, shim: &[u8]) -> std::io::Result<()> {
+    use std::io::{Error as IoError, ErrorKind};
+    let no_link = |p: &Path| match fs::symlink_metadata(p) {
+        Ok(m) if m.file_type().is_symlink() => Err(IoError::new(
+            ErrorKind::InvalidInput,
+            format!("{} is a symbolic link", p.display()),
+        )),
+        _ => Ok(()),
+    };
+    let etc = root.join("etc");
+    no_link(&etc)?;
+    fs::create_dir_all(&etc)?;
+    let at = root.join(STATX_SHIM_PATH.trim_start_matches('/'));
+    if let Some(dir) = at.parent() {
+        no_link(dir)?;
+        fs::create_dir_all(dir)?;
+    }
+    no_link(&at)?;
+    fs::write(&at, shim)?;
+    let preload = etc.join("ld.so.preload");
+    no_link(&preload)?;
+    let mut text = match fs::read_to_string(&preload) {
+        Ok(t) => t,
+        Err(e) if e.kind() == ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(e),
+    };
+    if !text.split_whitespace().any(|w| w == STATX_SHIM_PATH) {
+        if !text.is_empty() && !text.ends_with('\n') {
+            text.push('\n');
+        }
+        text.push_str(STATX_SHIM_PATH);
+        text.push('\n');
+        fs::write(&preload, text)?;
+    }
+    Ok(())
+}
+
 /// Top-level links of a merged-`/usr` system.
 const USR_LINKS: &[&str] = &["bin", "lib", "lib32", "lib64", "libx32", "sbin"];
 
@@ -147,13 +219,7 @@ pub fn write_rootfs(bundle: &Path, who: Identity) -> Result<PathBuf> {
         fs::write(etc.join(name), text).map_err(ctx("write", &etc))?;
     }
     if let Some(shim) = STATX_SHIM {
-        let at = rootfs.join(STATX_SHIM_PATH.trim_start_matches('/'));
-        if let Some(dir) = at.parent() {
-            fs::create_dir_all(dir).map_err(ctx("create", dir))?;
-        }
-        fs::write(&at, shim).map_err(ctx("write", &at))?;
-        fs::write(etc.join("ld.so.preload"), format!("{STATX_SHIM_PATH}\n"))
-            .map_err(ctx("write", &etc))?;
+        add_statx_shim(&rootfs, shim).map_err(ctx("add the statx shim to", &rootfs))?;
     }
     for name in HOST_ETC {
         let host = Path::new("/etc").join(name);
@@ -398,5 +464,61 @@ mod tests {
         assert_eq!(&file[..4], b"\x7fELF");
         assert_eq!(u16::from_le_bytes([file[16], file[17]]), 3);
         assert!(file.windows(6).any(|w| w == b"statx\0"), "no statx symbol");
+    }
+
+    #[test]
+    fn a_caller_rootfs_needs_the_shim_when_it_has_glibcs_loader() {
+        let d = tempfile::tempdir().unwrap();
+        let r = d.path();
+        assert!(!needs_statx_shim(r), "an empty tree");
+        // Merged /usr, as Debian has it: `lib64` a link, the loader a link in usr/lib64.
+        fs::create_dir_all(r.join("usr/lib64")).unwrap();
+        symlink("usr/lib64", r.join("lib64")).unwrap();
+        assert!(!needs_statx_shim(r));
+        symlink(
+            "/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2",
+            r.join("usr/lib64/ld-linux-x86-64.so.2"),
+        )
+        .unwrap();
+        assert!(needs_statx_shim(r));
+        // A loader reached only through a linked directory (which could point anywhere on
+        // the host) does not count.
+        let e = tempfile::tempdir().unwrap();
+        fs::create_dir_all(e.path().join("x")).unwrap();
+        fs::write(e.path().join("x/ld-linux-x86-64.so.2"), b"").unwrap();
+        symlink(e.path().join("x"), e.path().join("lib64")).unwrap();
+        assert!(!needs_statx_shim(e.path()));
+    }
+
+    #[test]
+    fn the_shim_joins_an_existing_preload_once_and_never_follows_links() {
+        let d = tempfile::tempdir().unwrap();
+        let r = d.path();
+        fs::create_dir_all(r.join("etc")).unwrap();
+        fs::write(r.join("etc/ld.so.preload"), "/usr/lib/libtheirs.so").unwrap();
+        add_statx_shim(r, b"shim").unwrap();
+        add_statx_shim(r, b"shim").unwrap();
+        assert_eq!(
+            fs::read_to_string(r.join("etc/ld.so.preload")).unwrap(),
+            format!("/usr/lib/libtheirs.so\n{STATX_SHIM_PATH}\n")
+        );
+        assert_eq!(
+            fs::read(r.join(STATX_SHIM_PATH.trim_start_matches('/'))).unwrap(),
+            b"shim"
+        );
+        // `etc` a link (to a directory of the "host"): refused, nothing written there.
+        let host = tempfile::tempdir().unwrap();
+        let t = tempfile::tempdir().unwrap();
+        symlink(host.path(), t.path().join("etc")).unwrap();
+        assert!(add_statx_shim(t.path(), b"shim").is_err());
+        assert_eq!(fs::read_dir(host.path()).unwrap().count(), 0);
+        // `etc/ld.so.preload` a link: refused, the link's target untouched.
+        let u = tempfile::tempdir().unwrap();
+        fs::create_dir_all(u.path().join("etc")).unwrap();
+        let target = host.path().join("preload");
+        fs::write(&target, "theirs\n").unwrap();
+        symlink(&target, u.path().join("etc/ld.so.preload")).unwrap();
+        assert!(add_statx_shim(u.path(), b"shim").is_err());
+        assert_eq!(fs::read_to_string(&target).unwrap(), "theirs\n");
     }
 }

@@ -97,10 +97,13 @@
 //!   `ls -l` and `stat` always pass it. The host-tools view therefore preloads a 4 KiB shim
 //!   (`/etc/ld.so.preload` names [`bundle::STATX_SHIM_PATH`], built from
 //!   `shim/statx_compat.rs`, no std) whose `statx` drops the flag, which means nothing in
-//!   gVisor (it has no automount points): `ls -la` and `stat` work (tested). Not covered: a
-//!   caller's rootfs directory (its `/etc` is not ours to change), static and musl
-//!   programs (they do not read `ld.so.preload`); a 32-bit program would get a loader
-//!   warning on stderr (the shim is 64-bit), which Debian's host tools never are. An OCI seccomp rule cannot do it: this
+//!   gVisor (it has no automount points): `ls -la` and `stat` work (tested). A caller's
+//!   rootfs directory with glibc's loader gets it too, through the host overlay view of the
+//!   directory (its `ld.so.preload` kept, ours appended in the overlay; the directory is
+//!   never written; tested with a tree of the host's own `sh`, `ls`, `stat`); where that
+//!   view cannot be made, or its `etc` is a symbolic link, it does not. Not covered: static
+//!   and musl programs (they do not read `ld.so.preload`); a 32-bit program would get a
+//!   loader warning on stderr (the shim is 64-bit). An OCI seccomp rule cannot do it: this
 //!   runsc answers `EPERM` whatever `errnoRet` says, and glibc falls back to `fstatat` only
 //!   on `ENOSYS`.
 //! - Rootless `create` and `restore` are refused by this runsc: the tier needs root

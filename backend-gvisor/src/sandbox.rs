@@ -414,16 +414,19 @@ impl Inner {
         (self.workspace_tmpfs && full(&self.workspace)) || full(&self.scratch)
     }
 
-    /// For a caller's rootfs without a `tmp` or `dev/shm` directory: a host overlay of it
-    /// (`view/root` of the state directory; upper and work directories beside it) with those
-    /// directories made, so `/tmp` and `/dev/shm` can be bind mounts of the scratch tmpfs
-    /// (runsc would create a bind mount's point in the directory itself, which is never
-    /// written). runsc's in-memory overlay still takes every write of the sandbox. `None`
-    /// (and gVisor's own tmpfs there) when no view is needed or it cannot be made.
+    /// For a caller's rootfs without a `tmp` or `dev/shm` directory, or with glibc's loader
+    /// (whose programs need the `statx` shim, see [`bundle::STATX_SHIM_PATH`]): a host
+    /// overlay of it (`view/root` of the state directory; upper and work directories beside
+    /// it) with those directories made and the shim added to its `/etc/ld.so.preload`, so
+    /// `/tmp` and `/dev/shm` can be bind mounts of the scratch tmpfs (runsc would create a
+    /// bind mount's point in the directory itself, which is never written). runsc's
+    /// in-memory overlay still takes every write of the sandbox. `None` (and gVisor's own
+    /// tmpfs there, no shim) when no view is needed or it cannot be made.
     fn rootfs_view(&self) -> Option<PathBuf> {
         let lower = self.spec.rootfs.as_ref()?;
         let points = bundle::SCRATCH_MOUNTS.map(|(dst, _)| dst.trim_start_matches('/'));
-        if points.iter().all(|d| lower.join(d).is_dir()) {
+        let shim = bundle::statx_shim().filter(|_| bundle::needs_statx_shim(lower));
+        if points.iter().all(|d| lower.join(d).is_dir()) && shim.is_none() {
             return None;
         }
         let lower_s = lower.to_str()?;
@@ -456,12 +459,19 @@ impl Inner {
                     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o1777))?;
                 }
             }
+            if let Some(shim) = shim {
+                // Without it `ls -l` and `stat` fail as they always did here; the view
+                // itself is still good.
+                if let Err(e) = bundle::add_statx_shim(&root, shim) {
+                    tracing::warn!(sandbox = %self.id, error = %e, "no statx shim in the rootfs view");
+                }
+            }
             Ok(())
         })();
         match made {
             Ok(()) => Some(root),
             Err(e) => {
-                tracing::warn!(sandbox = %self.id, error = %e, "no overlay view of the rootfs: /tmp or /dev/shm stays gVisor's tmpfs (no file-count cap)");
+                tracing::warn!(sandbox = %self.id, error = %e, "no overlay view of the rootfs: /tmp or /dev/shm stays gVisor's tmpfs (no file-count cap), no statx shim");
                 let _ = nix::mount::umount2(&root, nix::mount::MntFlags::MNT_DETACH);
                 None
             }

@@ -626,6 +626,76 @@ async fn a_rootfs_directory_is_used_and_never_written() {
     assert!(!root.join("srv/new").exists());
 }
 
+/// A root filesystem of the host's own glibc programs (`sh`, `ls`, `stat`, `cat`) and the
+/// libraries `ldd` names for them, with every directory the sandbox needs (so only the
+/// `statx` shim calls for an overlay view of it).
+fn glibc_rootfs(dir: &std::path::Path) {
+    for d in ["bin", "etc", "tmp", "dev/shm", "workspace", "proc"] {
+        std::fs::create_dir_all(dir.join(d)).unwrap();
+    }
+    for prog in ["/bin/sh", "/usr/bin/ls", "/usr/bin/stat", "/usr/bin/cat"] {
+        let name = std::path::Path::new(prog).file_name().unwrap();
+        std::fs::copy(prog, dir.join("bin").join(name)).unwrap();
+        let ldd = std::process::Command::new("ldd")
+            .arg(prog)
+            .output()
+            .unwrap();
+        for lib in String::from_utf8_lossy(&ldd.stdout)
+            .split_whitespace()
+            .filter(|w| w.starts_with('/'))
+        {
+            let to = dir.join(lib.trim_start_matches('/'));
+            std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+            std::fs::copy(lib, &to).unwrap();
+        }
+    }
+    std::fs::write(
+        dir.join("etc/passwd"),
+        "root:x:0:0::/:/bin/sh\nsandbox:x:1000:1000::/workspace:/bin/sh\n",
+    )
+    .unwrap();
+}
+
+#[tokio::test]
+async fn coreutils_work_in_a_glibc_rootfs_directory_which_stays_unchanged() {
+    require_gvisor!();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let root = dir.path().join("root");
+    glibc_rootfs(&root);
+    let before = sandbox_core::fsnap::pack_dir(&root).unwrap();
+    let spec = SandboxSpec::builder(Language::Shell)
+        .rootfs(&root)
+        .build()
+        .unwrap();
+    let sb = common::sandbox(&spec).await;
+    let r = sb
+        .exec(ExecRequest::code(
+            "ls -l /etc/passwd && stat -c '%s %F' /etc/passwd && ls -la /bin",
+        ))
+        .await
+        .unwrap();
+    assert!(r.success(), "{r:?}");
+    assert_eq!(r.stderr_str(), "");
+    let out = r.stdout_str();
+    let size = std::fs::metadata(root.join("etc/passwd")).unwrap().len();
+    assert!(out.starts_with("-rw-r--r-- 1 root "), "{out}");
+    assert!(
+        out.contains(&format!("\n{size} regular file\n")) && out.contains(" stat\n"),
+        "{out}"
+    );
+    sb.destroy().await.unwrap();
+    assert_eq!(
+        sandbox_core::fsnap::pack_dir(&root).unwrap(),
+        before,
+        "the rootfs directory is unchanged"
+    );
+}
+
 /// Child half of `a_snapshot_restores_in_another_process`: run only when the parent asks.
 #[tokio::test]
 #[ignore = "run by a_snapshot_restores_in_another_process in a child process"]
