@@ -517,6 +517,27 @@ async fn destroy_leaves_nothing_behind_and_is_final() {
     ));
 }
 
+/// A temporary directory and the `root` path in it for a root filesystem. gVisor's sandbox
+/// process runs as an unprivileged host user: the path must be traversable.
+fn rootfs_dir() -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let root = dir.path().join("root");
+    (dir, root)
+}
+
+/// A shell sandbox on the root filesystem `root`.
+fn rootfs_spec(root: &std::path::Path) -> SandboxSpec {
+    SandboxSpec::builder(Language::Shell)
+        .rootfs(root)
+        .build()
+        .unwrap()
+}
+
 /// A minimal root filesystem: busybox and its applet links.
 fn busybox_rootfs(dir: &std::path::Path) -> bool {
     let busybox = std::path::Path::new("/bin/busybox");
@@ -557,23 +578,13 @@ fn busybox_rootfs(dir: &std::path::Path) -> bool {
 #[tokio::test]
 async fn a_rootfs_directory_is_used_and_never_written() {
     require_gvisor!();
-    let dir = tempfile::tempdir().unwrap();
-    // gVisor's sandbox process runs as an unprivileged host user: the path must be traversable.
-    std::fs::set_permissions(
-        dir.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .unwrap();
-    let root = dir.path().join("root");
+    let (_dir, root) = rootfs_dir();
     if !busybox_rootfs(&root) {
         eprintln!("SKIP: /bin/busybox missing (apt-get install busybox-static)");
         return;
     }
     let before = sandbox_core::fsnap::pack_dir(&root).unwrap();
-    let spec = SandboxSpec::builder(Language::Shell)
-        .rootfs(&root)
-        .build()
-        .unwrap();
+    let spec = rootfs_spec(&root);
     let sb = common::sandbox(&spec).await;
     let r = sb
         .exec(ExecRequest::code("cat /etc/os-release; [ -e /usr/bin/python3 ] && echo host-usr; echo changed > /srv/data; echo new > /srv/new; cat /srv/data /srv/new"))
@@ -659,19 +670,10 @@ fn glibc_rootfs(dir: &std::path::Path) {
 #[tokio::test]
 async fn coreutils_work_in_a_glibc_rootfs_directory_which_stays_unchanged() {
     require_gvisor!();
-    let dir = tempfile::tempdir().unwrap();
-    std::fs::set_permissions(
-        dir.path(),
-        std::os::unix::fs::PermissionsExt::from_mode(0o755),
-    )
-    .unwrap();
-    let root = dir.path().join("root");
+    let (_dir, root) = rootfs_dir();
     glibc_rootfs(&root);
     let before = sandbox_core::fsnap::pack_dir(&root).unwrap();
-    let spec = SandboxSpec::builder(Language::Shell)
-        .rootfs(&root)
-        .build()
-        .unwrap();
+    let spec = rootfs_spec(&root);
     let sb = common::sandbox(&spec).await;
     let r = sb
         .exec(ExecRequest::code(
