@@ -244,12 +244,13 @@ impl CgroupHost {
                         return Ok(Some(how.clone()));
                     }
                 }
-                let (required, optional) = if self.v2_without_limits {
-                    (&[][..], V2_ALL)
+                // Without limits, what is required elsewhere is only enabled where offered.
+                let how = if self.v2_without_limits {
+                    let all = [V2_REQUIRED, V2_OPTIONAL].concat();
+                    delegate_v2(dir, &[], &all, std::process::id())?
                 } else {
-                    (V2_REQUIRED, V2_OPTIONAL)
+                    delegate_v2(dir, V2_REQUIRED, V2_OPTIONAL, std::process::id())?
                 };
-                let how = delegate_v2(dir, required, optional, std::process::id())?;
                 if let Delegation::MovedInto(leaf) = &how {
                     tracing::info!(
                         leaf = %leaf.display(),
@@ -281,6 +282,9 @@ impl CgroupHost {
             .map(|(_, p)| p)
             .chain(self.v2.iter())
             .collect();
+        // A process other than us that is gone.
+        let dead =
+            |pid: u32| pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists();
         let mut n = 0;
         for d in dirs {
             let Ok(rd) = fs::read_dir(d) else { continue };
@@ -292,10 +296,7 @@ impl CgroupHost {
                     .strip_prefix(SELF_LEAF_PREFIX)
                     .and_then(|p| p.parse::<u32>().ok())
                 {
-                    if pid != std::process::id()
-                        && !Path::new(&format!("/proc/{pid}")).exists()
-                        && fs::remove_dir(e.path()).is_ok()
-                    {
+                    if dead(pid) && fs::remove_dir(e.path()).is_ok() {
                         n += 1;
                     }
                     continue;
@@ -307,7 +308,7 @@ impl CgroupHost {
                 else {
                     continue;
                 };
-                if pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists() {
+                if !dead(pid) {
                     continue;
                 }
                 let dir = e.path();
@@ -436,8 +437,6 @@ static DELEGATED: std::sync::Mutex<Option<(PathBuf, Delegation)>> = std::sync::M
 const V2_REQUIRED: &[&str] = &["memory", "pids"];
 /// Controllers a v2 sandbox cgroup gets where the host offers them.
 const V2_OPTIONAL: &[&str] = &["cpu"];
-/// Every controller we use, for a v2 cgroup without limits: those offered are enabled.
-const V2_ALL: &[&str] = &["memory", "pids", "cpu"];
 /// Name prefix of the leaf cgroup a process moves itself into on v2 ([`delegate_v2`]).
 const SELF_LEAF_PREFIX: &str = "asb-self-";
 

@@ -55,13 +55,10 @@ const GLIBC_LOADERS: &[&str] = &[
 /// is there (looked up without following links, which may point anywhere on the host).
 pub(crate) fn needs_statx_shim(rootfs: &Path) -> bool {
     GLIBC_LOADERS.iter().any(|l| {
-        let mut p = rootfs.to_path_buf();
-        // Only the last component may be a link (the loader usually is); a linked
+        // The loader itself may be a link (it usually is), its directory not: a linked
         // directory (`lib64 -> usr/lib64` in a merged-/usr tree) is covered by its target's
         // entry in the list.
-        for c in Path::new(l).components() {
-            p.push(c);
-        }
+        let p = rootfs.join(l);
         let parent_real = p
             .parent()
             .is_some_and(|d| fs::symlink_metadata(d).is_ok_and(|m| m.is_dir()));
