@@ -652,8 +652,9 @@ impl ContainerBackend {
             .then(|| (md.uid(), md.gid()))
     }
 
-    /// Checks `spec` against this backend; returns the egress enforcer its network needs.
-    fn check_spec(&self, spec: &SandboxSpec) -> Result<Option<Arc<dyn EgressEnforcer>>> {
+    /// Checks `spec` against this backend; returns the egress enforcer its network needs and
+    /// whether sandboxes get cgroups (see `cgroups_usable`).
+    fn check_spec(&self, spec: &SandboxSpec) -> Result<(Option<Arc<dyn EgressEnforcer>>, bool)> {
         spec.validate()?;
         if spec.language == Language::Wasm {
             return Err(Error::unsupported(
@@ -668,7 +669,7 @@ impl ContainerBackend {
         // it may move this process into a leaf cgroup, which must hold all of ours.
         let cgroups = self.cgroups_usable();
         if self.cfg.require_cgroups {
-            cgroups.map_err(|reason| Error::Unavailable {
+            cgroups.clone().map_err(|reason| Error::Unavailable {
                 tier: TIER,
                 reason,
                 fix: "run as root, or delegate a cgroup to this user (chown its directory and cgroup.procs \
@@ -677,7 +678,7 @@ impl ContainerBackend {
                     .into(),
             })?;
         }
-        Ok(enforcer)
+        Ok((enforcer, cgroups.is_ok()))
     }
 
     /// Creates a sandbox and returns the concrete type (for [`ContainerSandbox::init_pid`]).
@@ -701,7 +702,7 @@ impl ContainerBackend {
         secrets: ResolvedSecrets,
         upper: Option<&[u8]>,
     ) -> Result<ContainerSandbox> {
-        let enforcer = self.check_spec(spec)?;
+        let (enforcer, with_cgroups) = self.check_spec(spec)?;
         let mut t = TimelineRecorder::start();
         let id = uuid::Uuid::new_v4().simple().to_string();
         let rootless = !is_root();
@@ -841,9 +842,8 @@ impl ContainerBackend {
         let cg_job = {
             let host = self.host.clone();
             let (name, limits) = (cgroup_name(&id), spec.limits.clone());
-            let want = self.cgroups_usable().is_ok();
             tokio::task::spawn_blocking(move || {
-                if !want {
+                if !with_cgroups {
                     return Ok(None);
                 }
                 let c = host
