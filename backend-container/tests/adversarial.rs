@@ -2,6 +2,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 mod common;
+#[path = "../../sandbox-core/test-support/ready_child.rs"]
+mod ready_child;
 
 use std::time::Duration;
 
@@ -446,29 +448,9 @@ fn gone(pid: i32) -> bool {
 
 #[tokio::test]
 async fn sandboxes_of_a_killed_process_are_torn_down() {
-    use std::io::BufRead;
     require_host!();
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "killed_owner_child_process",
-            "--ignored",
-            "--nocapture",
-        ])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut init = None;
-    for line in std::io::BufReader::new(child.stdout.take().unwrap()).lines() {
-        if let Some(p) = line.unwrap().strip_prefix("READY ") {
-            init = p.trim().parse::<i32>().ok();
-            break;
-        }
-    }
-    let Some(init) = init else {
-        let _ = child.kill();
-        panic!("the child process created no sandbox ({:?})", child.wait());
-    };
+    let (mut child, init) = ready_child::start("killed_owner_child_process", &[]);
+    let init: i32 = init.parse().unwrap();
     let owner = child.id();
     let cgroups = || -> Vec<std::path::PathBuf> {
         common::own_cgroup_dirs()

@@ -3,6 +3,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
+#[path = "../../sandbox-core/test-support/ready_child.rs"]
+mod ready_child;
 
 use std::os::unix::fs::PermissionsExt;
 
@@ -492,26 +494,7 @@ async fn killed_owner_child_process() {
 /// Starts [`killed_owner_child_process`] with state directory `state`; returns the child and
 /// its sandbox's id once it is ready.
 fn owner_child(state: &std::path::Path) -> (std::process::Child, String) {
-    use std::io::BufRead;
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "killed_owner_child_process",
-            "--ignored",
-            "--nocapture",
-        ])
-        .env("AS_TEST_STATE", state)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    for line in std::io::BufReader::new(child.stdout.take().unwrap()).lines() {
-        if let Some(id) = line.unwrap().strip_prefix("READY ") {
-            return (child, id.trim().to_string());
-        }
-    }
-    let _ = child.kill();
-    let status = child.wait();
-    panic!("the child process created no sandbox ({status:?})");
+    ready_child::start("killed_owner_child_process", &[("AS_TEST_STATE", state)])
 }
 
 /// Whether anything of sandbox `id` (state directory `state`) is left on the host: runsc
