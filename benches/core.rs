@@ -43,13 +43,10 @@ fn policy(c: &mut Criterion) {
 }
 
 fn selector(c: &mut Criterion) {
-    let q = Question {
-        language: Language::Python,
-        trust: Trust::Untrusted,
-        io: IoProfile::Compute,
-        kernel: KernelNeed::None,
-        allow_weaker_isolation: false,
-    };
+    let q = Question::new(Language::Python)
+        .trust(Trust::Untrusted)
+        .io(IoProfile::Compute)
+        .kernel(KernelNeed::None);
     c.bench_function("selector/rank", |b| b.iter(|| Selector.rank(&q)));
 }
 
@@ -101,12 +98,10 @@ fn pool(c: &mut Criterion) {
                 backend.clone(),
                 spec.clone(),
                 ResolvedSecrets::none(),
-                PoolConfig {
-                    size: 8,
-                    max_idle: Duration::from_secs(60),
-                    health_check: true,
-                    ..Default::default()
-                },
+                PoolConfig::default()
+                    .size(8)
+                    .max_idle(Duration::from_secs(60))
+                    .health_check(true),
             )?;
             p.wait_ready(8, Duration::from_secs(10)).await;
             Ok::<_, agent_sandbox::Error>(p)

@@ -88,12 +88,10 @@ fn wasm(c: &mut Criterion) {
                 Arc::new(backend.clone()),
                 py.clone(),
                 ResolvedSecrets::none(),
-                PoolConfig {
-                    size: 4,
-                    max_idle: Duration::from_secs(600),
-                    health_check: false,
-                    ..Default::default()
-                },
+                PoolConfig::default()
+                    .size(4)
+                    .max_idle(Duration::from_secs(600))
+                    .health_check(false),
             )?;
             p.wait_ready(4, Duration::from_secs(120)).await;
             Ok::<_, agent_sandbox::Error>(p)

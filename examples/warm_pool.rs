@@ -29,11 +29,9 @@ async fn main() -> agent_sandbox::Result<()> {
     let spec = SandboxSpec::builder(Language::Shell)
         .memory_mib(256)
         .build()?;
-    let config = PoolConfig {
-        size: 2,
-        warm_up: Some(ExecRequest::argv(["/bin/true"])),
-        ..Default::default()
-    };
+    let config = PoolConfig::default()
+        .size(2)
+        .warm_up(ExecRequest::argv(["/bin/true"]));
     let pool = WarmPool::start(backend, spec, ResolvedSecrets::none(), config)?;
     if !pool.wait_ready(2, Duration::from_secs(30)).await {
         eprintln!("the pool did not fill: {:?}", pool.stats());

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use agent_sandbox::{
     Cidr, DenyRule, Error, ExecRequest, HostRule, IoProfile, KernelNeed, Language, Mount,
-    NetworkPolicy, Question, Runtime, SandboxSpec, Tier, TierChoice, TierStatus, Trust, Workspace,
+    NetworkPolicy, Question, Runtime, SandboxSpec, Tier, TierChoice, TierStatus, Trust,
 };
 use clap::{Parser, Subcommand, ValueEnum};
 use serde_json::json;
@@ -123,19 +123,30 @@ enum KernelArg {
     Custom,
 }
 
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+/// `--tier`: `auto`, or a tier name parsed by [`Tier`]'s own `FromStr`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum TierArg {
     Auto,
-    Wasm,
-    Container,
-    Gvisor,
-    Microvm,
+    Tier(Tier),
+}
+
+fn parse_tier(s: &str) -> Result<TierArg, String> {
+    if s.eq_ignore_ascii_case("auto") {
+        return Ok(TierArg::Auto);
+    }
+    match s.parse::<Tier>().map_err(|e: Error| e.to_string())? {
+        // The test-only tier is never built into the CLI.
+        Tier::Unisolated => Err(format!(
+            "`{s}` is a test-only tier: expected auto or one of wasm, container, gvisor, microvm"
+        )),
+        t => Ok(TierArg::Tier(t)),
+    }
 }
 
 #[derive(clap::Args, Debug)]
 struct RunArgs {
-    /// The tier, or `auto` to let the selector choose.
-    #[arg(long, value_enum, default_value_t = TierArg::Auto)]
+    /// The tier (wasm, container, gvisor, microvm), or `auto` to let the selector choose.
+    #[arg(long, value_name = "TIER", value_parser = parse_tier, default_value = "auto")]
     tier: TierArg,
     #[command(flatten)]
     q: QuestionArgs,
@@ -206,10 +217,10 @@ fn parse_mount(s: &str) -> Result<Mount, String> {
             "`{s}`: SRC must be a host path and DST an absolute path"
         ));
     }
-    Ok(Mount {
-        source: PathBuf::from(src),
-        target: dst.to_string(),
-        read_only: !rw,
+    Ok(if rw {
+        Mount::read_write(src, dst)
+    } else {
+        Mount::read_only(src, dst)
     })
 }
 
@@ -225,22 +236,20 @@ fn parse_secs(s: &str) -> Result<Duration, String> {
 
 impl QuestionArgs {
     fn question(&self, default_lang: Language) -> Question {
-        Question {
-            language: self.lang.unwrap_or(default_lang),
-            trust: match self.trust {
+        Question::new(self.lang.unwrap_or(default_lang))
+            .trust(match self.trust {
                 TrustArg::Trusted => Trust::Trusted,
                 TrustArg::Untrusted => Trust::Untrusted,
-            },
-            io: match self.io {
+            })
+            .io(match self.io {
                 IoArg::Compute => IoProfile::Compute,
                 IoArg::SyscallHeavy => IoProfile::SyscallHeavy,
-            },
-            kernel: match self.kernel {
+            })
+            .kernel(match self.kernel {
                 KernelArg::None => KernelNeed::None,
                 KernelArg::Custom => KernelNeed::Custom,
-            },
-            allow_weaker_isolation: self.allow_weaker_isolation,
-        }
+            })
+            .allow_weaker_isolation(self.allow_weaker_isolation)
     }
 }
 
@@ -565,23 +574,23 @@ async fn run(runtime: &Runtime, args: RunArgs) -> ExitCode {
         }
     };
     let question = args.q.question(default_lang);
-    let mut spec = SandboxSpec::new(question.language);
-    spec.env = args.env.iter().cloned().collect();
-    spec.mounts = args.mount.clone();
+    let mut b = SandboxSpec::builder(question.language);
+    for (k, v) in &args.env {
+        b = b.env(k, v);
+    }
+    for m in &args.mount {
+        b = b.mount(m.clone());
+    }
     if let Some(dir) = &args.workspace {
-        spec.workspace = Workspace::HostDir {
-            path: dir.clone(),
-            read_only: false,
-        };
+        b = b.workspace_dir(dir, false);
     }
     if let Some(t) = args.timeout {
-        spec.limits.wall_time_ms = u64::try_from(t.as_millis()).unwrap_or(u64::MAX).max(1);
-        spec.limits.lifetime_ms = spec.limits.lifetime_ms.max(spec.limits.wall_time_ms);
+        b = b.wall_time(t.max(Duration::from_millis(1)));
     }
     if let Some(m) = args.memory {
-        spec.limits.memory_bytes = m << 20;
+        b = b.memory_mib(m);
     }
-    spec.network = if args.allow_internet {
+    b = b.network(if args.allow_internet {
         NetworkPolicy::AllowInternet {
             deny: Vec::<DenyRule>::new(),
             private: Vec::new(),
@@ -594,17 +603,17 @@ async fn run(runtime: &Runtime, args: RunArgs) -> ExitCode {
         }
     } else {
         NetworkPolicy::DenyAll
+    });
+    let spec = match b.build() {
+        Ok(spec) => spec,
+        Err(e) => {
+            eprintln!("agent-sandbox: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
     };
-    if let Err(e) = spec.validate() {
-        eprintln!("agent-sandbox: {e}");
-        return ExitCode::from(EXIT_USAGE);
-    }
     let choice = match args.tier {
         TierArg::Auto => TierChoice::Auto(question),
-        TierArg::Wasm => TierChoice::Tier(Tier::Wasm),
-        TierArg::Container => TierChoice::Tier(Tier::Container),
-        TierArg::Gvisor => TierChoice::Tier(Tier::Gvisor),
-        TierArg::Microvm => TierChoice::Tier(Tier::Microvm),
+        TierArg::Tier(t) => TierChoice::Tier(t),
     };
     match runtime.run_once(&spec, choice, req).await {
         Ok(out) => {
@@ -625,13 +634,7 @@ async fn run(runtime: &Runtime, args: RunArgs) -> ExitCode {
                 let _ = std::io::stdout().write_all(&r.stdout);
                 let _ = std::io::stderr().write_all(&r.stderr);
                 if let Some(l) = r.limit {
-                    eprintln!(
-                        "agent-sandbox: stopped by the {} limit",
-                        serde_json::to_value(l)
-                            .unwrap_or_default()
-                            .as_str()
-                            .unwrap_or("?")
-                    );
+                    eprintln!("agent-sandbox: stopped by the {l} limit");
                 }
                 if r.truncated {
                     eprintln!(

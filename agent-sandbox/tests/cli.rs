@@ -131,6 +131,7 @@ fn select_answers_the_seed_cases() {
 fn argument_errors_exit_2_with_a_clear_message() {
     let cases: &[(&[&str], &str)] = &[
         (&["run", "--tier", "docker", "-c", "x"], "docker"),
+        (&["run", "--tier", "unisolated", "-c", "x"], "test-only"),
         (&["run", "--env", "NOEQUALS", "-c", "x"], "KEY=VALUE"),
         (&["run", "--mount", "relative-only", "-c", "x"], "SRC:DST"),
         (

@@ -1132,12 +1132,8 @@ mod tests {
     #[test]
     fn v2_limits_are_written_and_a_missing_controller_is_an_error() {
         let d = tempfile::tempdir().unwrap();
-        let l = Limits {
-            memory_bytes: 64 << 20,
-            pids: 30,
-            cpu_millis: 500,
-            ..Limits::default()
-        };
+        let mut l = Limits::default();
+        (l.memory_bytes, l.pids, l.cpu_millis) = (64 << 20, 30, 500);
         // A cgroup with memory and pids but no cpu controller and no swap accounting.
         for f in ["memory.max", "pids.max"] {
             fs::write(d.path().join(f), "").unwrap();
@@ -1165,15 +1161,8 @@ mod tests {
         assert!(e.to_string().contains("pids.max"), "{e}");
         // Without limits (`allow_v2_without_limits`): what is there is still written.
         fs::write(d.path().join("memory.max"), "").unwrap();
-        limit_v2(
-            d.path(),
-            &Limits {
-                memory_bytes: 1 << 30,
-                ..l
-            },
-            false,
-        )
-        .unwrap();
+        l.memory_bytes = 1 << 30;
+        limit_v2(d.path(), &l, false).unwrap();
         assert_eq!(read("memory.max"), (1u64 << 30).to_string());
         assert!(!d.path().join("pids.max").exists());
     }

@@ -265,11 +265,11 @@ pub(crate) fn list(ws: RawFd, path: &str) -> Result<Vec<DirEntry>> {
         let Ok(st) = lstat_at(dir.as_raw_fd(), &n) else {
             continue;
         };
-        out.push(DirEntry {
-            name: String::from_utf8_lossy(n.to_bytes()).into_owned(),
-            kind: kind_of(st.st_mode),
-            size: u64::try_from(st.st_size).unwrap_or(0),
-        });
+        out.push(DirEntry::new(
+            String::from_utf8_lossy(n.to_bytes()),
+            kind_of(st.st_mode),
+            u64::try_from(st.st_size).unwrap_or(0),
+        ));
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(out)

@@ -395,7 +395,7 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use sandbox_core::{
-    Backend, Capabilities, EgressEnforcer, Error, IsolationBoundary, Language, NetworkMode, Phase,
+    Backend, Capabilities, EgressEnforcer, Error, Language, LimitKind, NetworkMode, Phase,
     ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotId, SnapshotKind, SnapshotStore, Tier,
     TierStatus, TimelineRecorder, Workspace,
 };
@@ -1211,23 +1211,39 @@ impl Backend for ContainerBackend {
             Some(CgroupVersion::V2) => true,
             None => false,
         };
-        Capabilities {
-            tier: TIER,
-            languages: vec![
-                Language::Python,
-                Language::Shell,
-                Language::Node,
-                Language::Javascript,
-                Language::C,
-            ],
-            argv: true,
-            boundary: IsolationBoundary::SharedKernel,
-            snapshots: vec![SnapshotKind::Filesystem],
-            network,
-            pause_resume: freezer && self.cgroups_usable().is_ok(),
-            streaming: true,
-            persistent_state: true,
+        let cgroups = self.cgroups_usable().is_ok();
+        // rlimits (CPU seconds, open files), the supervisor (wall time, output, lifetime) and
+        // the capped tmpfs mounts (disk) hold whatever the cgroups do.
+        let mut limits = vec![
+            LimitKind::WallTime,
+            LimitKind::CpuTime,
+            LimitKind::Output,
+            LimitKind::Disk,
+            LimitKind::OpenFiles,
+            LimitKind::Lifetime,
+        ];
+        // Memory, pids and the CPU quota are cgroup limits: not enforced without a usable
+        // cgroup (`require_cgroups(false)`), nor on a v2 host not offering those controllers.
+        if cgroups && !self.host.v2_without_limits {
+            limits.extend([LimitKind::Memory, LimitKind::Pids, LimitKind::CpuShare]);
         }
+        limits.sort();
+        let mut c = Capabilities::new(TIER);
+        c.languages = vec![
+            Language::Python,
+            Language::Shell,
+            Language::Node,
+            Language::Javascript,
+            Language::C,
+        ];
+        c.argv = true;
+        c.snapshots = vec![SnapshotKind::Filesystem];
+        c.network = network;
+        c.pause_resume = freezer && cgroups;
+        c.streaming = true;
+        c.persistent_state = true;
+        c.limits = limits;
+        c
     }
 
     async fn probe(&self) -> TierStatus {

@@ -467,6 +467,12 @@ fn sandbox_mounts(ops: &mut Vec<Op>, r: Roots<'_>, p: &Plan<'_>, detached: bool)
                 recursive: true,
             });
         }
+        other => {
+            return Err(Error::unsupported(
+                crate::sandbox::TIER,
+                format!("the workspace {other:?}"),
+            ))
+        }
     }
     Ok(())
 }

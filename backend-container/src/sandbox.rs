@@ -343,6 +343,7 @@ impl Inner {
                     }
                 }
             }
+            other => return Err(Error::unsupported(TIER, format!("the command {other:?}"))),
         })
     }
 
@@ -656,14 +657,16 @@ impl Inner {
         }
         let truncated = out.truncated() || err.truncated();
         crate::spawn::prefork();
-        Ok(ExecResult {
-            exit_code,
-            stdout: out.finish(&self.redactor),
-            stderr: err.finish(&self.redactor),
-            limit,
-            truncated,
-            value: None,
-            timeline: t.finish(),
+        Ok({
+            let mut r = ExecResult::new(
+                exit_code,
+                out.finish(&self.redactor),
+                err.finish(&self.redactor),
+            );
+            r.limit = limit;
+            r.truncated = truncated;
+            r.timeline = t.finish();
+            r
         })
     }
 

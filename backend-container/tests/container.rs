@@ -323,6 +323,7 @@ async fn streaming_output_arrives_in_order_and_ends_with_exit() {
                 assert!(r.stdout.is_empty());
                 exit = Some(r);
             }
+            other => panic!("unexpected event: {other:?}"),
         }
     }
     assert!(events >= 3);

@@ -171,13 +171,9 @@ async fn rootfs_upper_layer_is_capped_by_disk_bytes() {
     let tmp = tempfile::tempdir().unwrap();
     let root = tmp.path().join("rootfs");
     common::make_rootfs(&root);
-    let limits = sandbox_core::Limits {
-        disk_bytes: 4 << 20,
-        ..Default::default()
-    };
     let spec = SandboxSpec::builder(Language::Shell)
         .rootfs(&root)
-        .limits(limits)
+        .disk_bytes(4 << 20)
         .build()
         .unwrap();
     let sb = backend()

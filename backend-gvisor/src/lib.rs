@@ -128,7 +128,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use async_trait::async_trait;
 use sandbox_core::{
-    Backend, Capabilities, EgressEnforcer, Error, IsolationBoundary, Language, NetworkMode,
+    Backend, Capabilities, EgressEnforcer, Error, Language, LimitKind, NetworkMode,
     ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotId, SnapshotKind, SnapshotStore, Tier,
     TierStatus,
 };
@@ -299,30 +299,42 @@ impl Backend for GvisorBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            tier: TIER,
-            languages: vec![
-                Language::Python,
-                Language::Shell,
-                Language::Node,
-                Language::C,
-            ],
-            argv: true,
-            boundary: IsolationBoundary::UserSpaceKernel,
-            snapshots: vec![SnapshotKind::Filesystem, SnapshotKind::FullMemory],
-            network: if self.config.egress.is_some() {
-                vec![
-                    NetworkMode::DenyAll,
-                    NetworkMode::Allowlist,
-                    NetworkMode::Internet,
-                ]
-            } else {
-                vec![NetworkMode::DenyAll]
-            },
-            pause_resume: true,
-            streaming: true,
-            persistent_state: true,
-        }
+        let mut c = Capabilities::new(TIER);
+        c.languages = vec![
+            Language::Python,
+            Language::Shell,
+            Language::Node,
+            Language::C,
+        ];
+        c.argv = true;
+        c.snapshots = vec![SnapshotKind::Filesystem, SnapshotKind::FullMemory];
+        c.network = if self.config.egress.is_some() {
+            vec![
+                NetworkMode::DenyAll,
+                NetworkMode::Allowlist,
+                NetworkMode::Internet,
+            ]
+        } else {
+            vec![NetworkMode::DenyAll]
+        };
+        c.pause_resume = true;
+        c.streaming = true;
+        c.persistent_state = true;
+        // OCI `linux.resources` (memory, pids, CPU quota), rlimits (CPU seconds, open
+        // files), the exec driver (wall time, output), capped tmpfs mounts (disk), the
+        // lifetime timer. No instruction budget.
+        c.limits = vec![
+            LimitKind::WallTime,
+            LimitKind::CpuTime,
+            LimitKind::Memory,
+            LimitKind::Pids,
+            LimitKind::Output,
+            LimitKind::Disk,
+            LimitKind::OpenFiles,
+            LimitKind::Lifetime,
+            LimitKind::CpuShare,
+        ];
+        c
     }
 
     async fn probe(&self) -> TierStatus {

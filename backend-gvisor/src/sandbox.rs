@@ -158,6 +158,7 @@ impl GvisorSandbox {
                     false,
                 )
             }
+            other => return Err(Error::unsupported(TIER, format!("the workspace {other:?}"))),
         };
         let mut env = spec.base_env();
         for (k, v) in secrets.env() {
@@ -262,7 +263,7 @@ impl GvisorSandbox {
         let image = store.artifact(id, "checkpoint.tar").await?;
         let workspace = match m.spec.workspace {
             Workspace::Empty => Some(store.artifact(id, "workspace.tar").await?),
-            Workspace::HostDir { .. } => None,
+            _ => None,
         };
         let scratch = match m.artifacts.contains_key(SCRATCH_TAR) {
             true => Some(store.artifact(id, SCRATCH_TAR).await?),
@@ -337,9 +338,10 @@ impl Inner {
         // that has them (see `rootfs_view`).
         let view = self.rootfs_view();
         let spec = match &view {
-            Some(root) => std::borrow::Cow::Owned(SandboxSpec {
-                rootfs: Some(root.clone()),
-                ..self.spec.clone()
+            Some(root) => std::borrow::Cow::Owned({
+                let mut spec = self.spec.clone();
+                spec.rootfs = Some(root.clone());
+                spec
             }),
             None => std::borrow::Cow::Borrowed(&self.spec),
         };
@@ -600,7 +602,9 @@ impl Inner {
                     ]
                 }
                 Language::Wasm => return Err(Error::unsupported(TIER, "WebAssembly modules")),
+                other => return Err(Error::unsupported(TIER, format!("code strings in {other}"))),
             },
+            other => return Err(Error::unsupported(TIER, format!("the command {other:?}"))),
         };
         Ok((argv, extra))
     }
@@ -765,15 +769,15 @@ impl Inner {
             }
         }
         let truncated = out.truncated() || err.truncated();
-        ExecResult {
+        let mut r = ExecResult::new(
             exit_code,
-            stdout: out.finish(&self.redactor),
-            stderr: err.finish(&self.redactor),
-            limit,
-            truncated,
-            value: None,
-            timeline: t.finish(),
-        }
+            out.finish(&self.redactor),
+            err.finish(&self.redactor),
+        );
+        r.limit = limit;
+        r.truncated = truncated;
+        r.timeline = t.finish();
+        r
     }
 
     /// Feeds the command's stdin (if given) and pumps its output (capped, streamed to `sink`
@@ -1105,7 +1109,7 @@ impl Inner {
         let packed = fsnap::pack_dir(&image);
         let ws = match self.spec.workspace {
             Workspace::Empty => Some(fsnap::pack_dir(&self.workspace)),
-            Workspace::HostDir { .. } => None,
+            _ => None,
         };
         // `/tmp` and `/dev/shm` live on the host too: not in the checkpoint image.
         let scratch = fsnap::pack_dir(&self.scratch);

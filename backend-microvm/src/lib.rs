@@ -141,8 +141,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use sandbox_core::{
-    Backend, Capabilities, Error, IsolationBoundary, Language, NetworkMode, ResolvedSecrets,
-    Result, Sandbox, SandboxSpec, SnapshotId, SnapshotKind, SnapshotStore, Tier, TierStatus,
+    Backend, Capabilities, Error, Language, LimitKind, NetworkMode, ResolvedSecrets, Result,
+    Sandbox, SandboxSpec, SnapshotId, SnapshotKind, SnapshotStore, Tier, TierStatus,
 };
 
 pub use sandbox::MicrovmSandbox;
@@ -501,19 +501,26 @@ impl Backend for MicrovmBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            tier: TIER,
-            // The initramfs we build has busybox and our agent: shell, and any program given
-            // as argv. No Python, Node or compiler in the guest.
-            languages: vec![Language::Shell],
-            argv: true,
-            boundary: IsolationBoundary::GuestKernel,
-            snapshots: vec![SnapshotKind::FullMemory, SnapshotKind::Filesystem],
-            network: vec![NetworkMode::DenyAll],
-            pause_resume: true,
-            streaming: true,
-            persistent_state: true,
-        }
+        let mut c = Capabilities::new(TIER);
+        // The initramfs we build has busybox and our agent: shell, and any program given as
+        // argv. No Python, Node or compiler in the guest.
+        c.languages = vec![Language::Shell];
+        c.argv = true;
+        c.snapshots = vec![SnapshotKind::FullMemory, SnapshotKind::Filesystem];
+        c.network = vec![NetworkMode::DenyAll];
+        c.pause_resume = true;
+        c.streaming = true;
+        c.persistent_state = true;
+        // The guest's RAM is the memory limit; the agent enforces wall time and output, the
+        // VMM the lifetime. CPU time, pids, open files and disk (`disk_bytes`) are bounded by
+        // the VM as a whole (its vCPUs and RAM), not per command: not listed.
+        c.limits = vec![
+            LimitKind::WallTime,
+            LimitKind::Memory,
+            LimitKind::Output,
+            LimitKind::Lifetime,
+        ];
+        c
     }
 
     async fn probe(&self) -> TierStatus {

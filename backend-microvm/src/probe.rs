@@ -129,7 +129,7 @@ impl WriteAt for vm_memory::GuestMemoryMmap {
     fn write_slice_at(&self, data: &[u8], addr: u64) -> Result<(), VmmError> {
         use vm_memory::Bytes;
         self.write_slice(data, vm_memory::GuestAddress(addr))
-            .map_err(|e| VmmError::Memory(e.to_string()))
+            .map_err(|e| VmmError::memory(e.to_string()))
     }
 }
 

@@ -648,6 +648,7 @@ impl Inner {
                     format!("{other} code (the guest has busybox only)"),
                 )),
             },
+            other => Err(Error::unsupported(TIER, format!("the command {other:?}"))),
         }
     }
 
@@ -694,14 +695,16 @@ impl Inner {
             .or(exit.signal.map(|s| 128 + s))
             .or(exit.timed_out.then_some(137));
         let truncated = out.truncated() || err.truncated() || exit.truncated;
-        Ok(ExecResult {
-            exit_code,
-            stdout: out.finish(&self.redactor),
-            stderr: err.finish(&self.redactor),
-            limit,
-            truncated,
-            value: None,
-            timeline: t.finish(),
+        Ok({
+            let mut r = ExecResult::new(
+                exit_code,
+                out.finish(&self.redactor),
+                err.finish(&self.redactor),
+            );
+            r.limit = limit;
+            r.truncated = truncated;
+            r.timeline = t.finish();
+            r
         })
     }
 
@@ -934,11 +937,7 @@ impl Sandbox for MicrovmSandbox {
             .await?;
         Ok(entries
             .into_iter()
-            .map(|e| DirEntry {
-                name: e.name,
-                kind: entry_kind(e.kind),
-                size: e.size,
-            })
+            .map(|e| DirEntry::new(e.name, entry_kind(e.kind), e.size))
             .collect())
     }
 
@@ -1411,6 +1410,7 @@ mod tests {
                     ExecEvent::Stdout(b) => out.extend_from_slice(&b),
                     ExecEvent::Stderr(b) => err.extend_from_slice(&b),
                     ExecEvent::Exit(r) => exit = Some(r),
+                    other => panic!("unexpected event: {other:?}"),
                 }
             }
             assert_eq!(String::from_utf8(out).unwrap(), "[REDACTED:TOKEN]\n");

@@ -473,6 +473,7 @@ async fn secrets_are_in_the_environment_and_redacted_from_output() {
             ExecEvent::Stdout(b) => streamed.extend_from_slice(&b),
             ExecEvent::Stderr(_) => {}
             ExecEvent::Exit(r) => exit = Some(r),
+            other => panic!("unexpected event: {other:?}"),
         }
     }
     let streamed = String::from_utf8(streamed).unwrap();

@@ -22,10 +22,9 @@ use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use sandbox_core::{
     fsnap, pump_output, Backend, Capabilities, Command, DirEntry, Error, ExecEvent, ExecRequest,
-    ExecResult, ExecStream, IsolationBoundary, Language, LimitKind, OutputBuffer, Phase, Redactor,
-    ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotDraft, SnapshotId, SnapshotKind,
-    SnapshotStore, StreamKind, StreamSink, Tier, TierStatus, Timeline, TimelineRecorder,
-    WorkspacePath,
+    ExecResult, ExecStream, Language, LimitKind, OutputBuffer, Phase, Redactor, ResolvedSecrets,
+    Result, Sandbox, SandboxSpec, SnapshotDraft, SnapshotId, SnapshotKind, SnapshotStore,
+    StreamKind, StreamSink, Tier, TierStatus, Timeline, TimelineRecorder, WorkspacePath,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
@@ -53,22 +52,21 @@ impl Backend for UnisolatedBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            tier: TIER,
-            languages: vec![
-                Language::Python,
-                Language::Shell,
-                Language::Node,
-                Language::Javascript,
-            ],
-            argv: true,
-            boundary: IsolationBoundary::None,
-            snapshots: vec![SnapshotKind::Filesystem],
-            network: vec![sandbox_core::NetworkMode::DenyAll],
-            pause_resume: false,
-            streaming: true,
-            persistent_state: true,
-        }
+        let mut c = Capabilities::new(TIER);
+        c.languages = vec![
+            Language::Python,
+            Language::Shell,
+            Language::Node,
+            Language::Javascript,
+        ];
+        c.argv = true;
+        c.snapshots = vec![SnapshotKind::Filesystem];
+        c.network = vec![sandbox_core::NetworkMode::DenyAll];
+        c.streaming = true;
+        c.persistent_state = true;
+        // Host processes: only what the driver itself stops.
+        c.limits = vec![LimitKind::WallTime, LimitKind::Output, LimitKind::Lifetime];
+        c
     }
 
     async fn probe(&self) -> TierStatus {
@@ -216,6 +214,7 @@ impl Shared {
                     .chain([code.clone()])
                     .collect()
             }
+            other => return Err(Error::unsupported(TIER, format!("the command {other:?}"))),
         })
     }
 
@@ -282,15 +281,10 @@ impl Shared {
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Ok(ExecResult {
-                    exit_code: Some(127),
-                    stdout: vec![],
-                    stderr: format!("{}: command not found\n", argv[0]).into_bytes(),
-                    limit: None,
-                    truncated: false,
-                    value: None,
-                    timeline: t.finish(),
-                });
+                let msg = format!("{}: command not found\n", argv[0]);
+                let mut r = ExecResult::new(Some(127), vec![], msg.into_bytes());
+                r.timeline = t.finish();
+                return Ok(r);
             }
             Err(e) => return Err(Error::io(format!("spawn {}", argv[0]), e)),
         };
@@ -346,15 +340,15 @@ impl Shared {
         use std::os::unix::process::ExitStatusExt;
         let exit_code = status.code().or_else(|| status.signal().map(|s| 128 + s));
         let truncated = out.truncated() || err.truncated();
-        Ok(ExecResult {
+        let mut r = ExecResult::new(
             exit_code,
-            stdout: out.finish(&self.redactor),
-            stderr: err.finish(&self.redactor),
-            limit,
-            truncated,
-            value: None,
-            timeline: t.finish(),
-        })
+            out.finish(&self.redactor),
+            err.finish(&self.redactor),
+        );
+        r.limit = limit;
+        r.truncated = truncated;
+        r.timeline = t.finish();
+        Ok(r)
     }
 }
 

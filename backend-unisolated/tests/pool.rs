@@ -68,10 +68,7 @@ async fn fills_serves_hits_and_refills() {
         b.clone(),
         spec(),
         ResolvedSecrets::none(),
-        PoolConfig {
-            size: 3,
-            ..Default::default()
-        },
+        PoolConfig::default().size(3),
     )
     .unwrap();
     assert!(pool.wait_ready(3, Duration::from_secs(10)).await);
@@ -103,12 +100,10 @@ async fn fills_serves_hits_and_refills() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_sandboxes_are_evicted() {
     let b = counting(false);
-    let cfg = PoolConfig {
-        size: 2,
-        max_idle: Duration::from_millis(50),
-        health_check: true,
-        ..Default::default()
-    };
+    let cfg = PoolConfig::default()
+        .size(2)
+        .max_idle(Duration::from_millis(50))
+        .health_check(true);
     let pool = WarmPool::start(b.clone(), spec(), ResolvedSecrets::none(), cfg).unwrap();
     assert!(pool.wait_ready(2, Duration::from_secs(10)).await);
     tokio::time::sleep(Duration::from_millis(400)).await;
@@ -124,12 +119,10 @@ async fn idle_sandboxes_are_evicted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unhealthy_sandboxes_are_skipped_on_checkout() {
     let b = counting(false);
-    let cfg = PoolConfig {
-        size: 2,
-        max_idle: Duration::from_secs(60),
-        health_check: true,
-        ..Default::default()
-    };
+    let cfg = PoolConfig::default()
+        .size(2)
+        .max_idle(Duration::from_secs(60))
+        .health_check(true);
     let pool = WarmPool::start(b.clone(), spec(), ResolvedSecrets::none(), cfg).unwrap();
     assert!(pool.wait_ready(2, Duration::from_secs(10)).await);
     // Break the pooled sandboxes behind the pool's back: remove their workspaces.
@@ -179,11 +172,9 @@ async fn warm_up_runs_in_each_pooled_sandbox_and_a_failing_one_discards_it() {
         counting(false),
         spec(),
         ResolvedSecrets::none(),
-        PoolConfig {
-            size: 2,
-            warm_up: Some(ExecRequest::code("echo warm >> warmed")),
-            ..Default::default()
-        },
+        PoolConfig::default()
+            .size(2)
+            .warm_up(ExecRequest::code("echo warm >> warmed")),
     )
     .unwrap();
     assert!(pool.wait_ready(2, Duration::from_secs(10)).await);
@@ -200,11 +191,9 @@ async fn warm_up_runs_in_each_pooled_sandbox_and_a_failing_one_discards_it() {
         counting(false),
         spec(),
         ResolvedSecrets::none(),
-        PoolConfig {
-            size: 1,
-            warm_up: Some(ExecRequest::code("echo x >> warmed; exit 3")),
-            ..Default::default()
-        },
+        PoolConfig::default()
+            .size(1)
+            .warm_up(ExecRequest::code("echo x >> warmed; exit 3")),
     )
     .unwrap();
     assert!(!pool.wait_ready(1, Duration::from_millis(300)).await);

@@ -141,9 +141,8 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use sandbox_core::{
-    Backend, Capabilities, Error, IsolationBoundary, Language, NetworkMode, ResolvedSecrets,
-    Result, Sandbox, SandboxSpec, SnapshotId, SnapshotKind, SnapshotStore, Tier, TierStatus,
-    Workspace,
+    Backend, Capabilities, Error, Language, LimitKind, NetworkMode, ResolvedSecrets, Result,
+    Sandbox, SandboxSpec, SnapshotId, SnapshotKind, SnapshotStore, Tier, TierStatus, Workspace,
 };
 
 pub use crate::engine::WASMTIME_VERSION;
@@ -347,19 +346,28 @@ impl Backend for WasmBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            tier: TIER,
-            languages: vec![Language::Python, Language::Javascript, Language::Wasm],
-            // Only `.wasm` modules in the workspace: there is no userland to run programs.
-            argv: true,
-            boundary: IsolationBoundary::InProcessVm,
-            // Workspace files only: live interpreter state is not snapshotted.
-            snapshots: vec![SnapshotKind::Filesystem],
-            network: vec![NetworkMode::DenyAll],
-            pause_resume: false,
-            streaming: true,
-            persistent_state: true,
-        }
+        let mut c = Capabilities::new(TIER);
+        c.languages = vec![Language::Python, Language::Javascript, Language::Wasm];
+        // Only `.wasm` modules in the workspace: there is no userland to run programs.
+        c.argv = true;
+        // Workspace files only: live interpreter state is not snapshotted.
+        c.snapshots = vec![SnapshotKind::Filesystem];
+        c.network = vec![NetworkMode::DenyAll];
+        c.streaming = true;
+        c.persistent_state = true;
+        // No processes (so no pids limit) and no scheduler quota: guests run on the
+        // caller's threads, bounded by their deadlines and fuel instead.
+        c.limits = vec![
+            LimitKind::WallTime,
+            LimitKind::CpuTime,
+            LimitKind::Memory,
+            LimitKind::Output,
+            LimitKind::Disk,
+            LimitKind::OpenFiles,
+            LimitKind::Fuel,
+            LimitKind::Lifetime,
+        ];
+        c
     }
 
     async fn probe(&self) -> TierStatus {

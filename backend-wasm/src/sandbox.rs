@@ -228,6 +228,7 @@ impl Inner {
                 ),
                 !read_only,
             ),
+            other => return Err(Error::unsupported(TIER, format!("the workspace {other:?}"))),
         };
         let mounts = spec
             .mounts
@@ -414,15 +415,12 @@ impl Inner {
                 String::from_utf8_lossy(&self.redactor.redact(v.as_bytes())).into_owned()
             }
         });
-        ExecResult {
-            exit_code,
-            stdout: out.finish(&self.redactor),
-            stderr,
-            limit,
-            truncated,
-            value,
-            timeline: t.finish(),
-        }
+        let mut r = ExecResult::new(exit_code, out.finish(&self.redactor), stderr);
+        r.limit = limit;
+        r.truncated = truncated;
+        r.value = value;
+        r.timeline = t.finish();
+        r
     }
 
     async fn exec_module(
@@ -706,6 +704,7 @@ impl Inner {
                         .await
                 }
             },
+            other => Err(Error::unsupported(TIER, format!("the command {other:?}"))),
         }
     }
 

@@ -133,10 +133,7 @@ async fn warm_pool_hands_out_ready_sandboxes() {
         b,
         SandboxSpec::new(Language::Javascript),
         ResolvedSecrets::none(),
-        PoolConfig {
-            size: 2,
-            ..Default::default()
-        },
+        PoolConfig::default().size(2),
     )
     .unwrap();
     assert!(pool.wait_ready(2, Duration::from_secs(10)).await);

@@ -57,6 +57,7 @@ async fn rest(
                     r,
                 );
             }
+            other => panic!("unexpected event: {other:?}"),
         }
     }
     panic!("stream ended without an exit event");
@@ -69,6 +70,7 @@ fn split(events: Vec<ExecEvent>) -> (Vec<u8>, Vec<u8>) {
             ExecEvent::Stdout(b) => out.extend_from_slice(&b),
             ExecEvent::Stderr(b) => err.extend_from_slice(&b),
             ExecEvent::Exit(_) => {}
+            other => panic!("unexpected event: {other:?}"),
         }
     }
     (out, err)

@@ -17,18 +17,14 @@ pub fn ready_pool(
     warm_up: Option<ExecRequest>,
 ) -> WarmPool {
     rt.block_on(async {
-        let p = WarmPool::start(
-            backend,
-            spec.clone(),
-            ResolvedSecrets::none(),
-            PoolConfig {
-                size: 2,
-                max_idle: Duration::from_secs(600),
-                health_check: false,
-                warm_up,
-                ..Default::default()
-            },
-        )?;
+        let p = WarmPool::start(backend, spec.clone(), ResolvedSecrets::none(), {
+            let mut config = PoolConfig::default()
+                .size(2)
+                .max_idle(Duration::from_secs(600))
+                .health_check(false);
+            config.warm_up = warm_up;
+            config
+        })?;
         p.wait_ready(2, Duration::from_secs(30)).await;
         Ok::<_, agent_sandbox::Error>(p)
     })

@@ -2,11 +2,13 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::exec::LimitKind;
 use crate::tier::{IsolationBoundary, Language, Tier};
 
-/// What a snapshot captures.
+/// What a snapshot captures. `#[non_exhaustive]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum SnapshotKind {
     /// Workspace (and writable layer) files.
     Filesystem,
@@ -14,9 +16,10 @@ pub enum SnapshotKind {
     FullMemory,
 }
 
-/// Network modes a backend can enforce.
+/// Network modes a backend can enforce. `#[non_exhaustive]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum NetworkMode {
     /// No network at all.
     DenyAll,
@@ -27,7 +30,11 @@ pub enum NetworkMode {
 }
 
 /// A backend's honest list of what it does.
+///
+/// Backends start from [`Capabilities::new`] (nothing supported) and list what they do;
+/// `#[non_exhaustive]`: later versions add capabilities, which start out unsupported.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct Capabilities {
     /// The tier.
     pub tier: Tier,
@@ -47,9 +54,36 @@ pub struct Capabilities {
     pub streaming: bool,
     /// State (variables, processes, files) persists across `exec` calls.
     pub persistent_state: bool,
+    /// The [`Limits`](crate::Limits) this tier enforces, in [`LimitKind`] order. A limit
+    /// not listed is accepted in a spec but not enforced by this tier (the tier's
+    /// documentation says what bounds the resource instead).
+    pub limits: Vec<LimitKind>,
 }
 
 impl Capabilities {
+    /// A tier that supports nothing: no language, no argv, no snapshot, no network mode, no
+    /// pause/resume, no streaming, no persistent state, no limit enforced; the boundary is
+    /// the tier's own ([`Tier::boundary`]). Backends set what they do on top of it.
+    pub fn new(tier: Tier) -> Self {
+        Capabilities {
+            tier,
+            languages: Vec::new(),
+            argv: false,
+            boundary: tier.boundary(),
+            snapshots: Vec::new(),
+            network: Vec::new(),
+            pause_resume: false,
+            streaming: false,
+            persistent_state: false,
+            limits: Vec::new(),
+        }
+    }
+
+    /// Whether this tier enforces the limit `kind`.
+    pub fn enforces(&self, kind: LimitKind) -> bool {
+        self.limits.contains(&kind)
+    }
+
     /// Whether code strings in `lang` run here.
     pub fn supports_language(&self, lang: Language) -> bool {
         self.languages.contains(&lang)
@@ -68,5 +102,22 @@ impl Capabilities {
             crate::NetworkPolicy::AllowInternet { .. } => NetworkMode::Internet,
         };
         self.network.contains(&mode)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn new_supports_nothing() {
+        for tier in Tier::PRODUCT {
+            let c = Capabilities::new(tier);
+            assert_eq!(c.boundary, tier.boundary());
+            assert!(c.languages.is_empty() && !c.argv && c.snapshots.is_empty());
+            assert!(!c.pause_resume && !c.streaming && !c.persistent_state);
+            assert!(!c.supports_network(&crate::NetworkPolicy::DenyAll));
+            assert!(LimitKind::ALL.iter().all(|k| !c.enforces(*k)));
+        }
     }
 }

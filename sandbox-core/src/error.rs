@@ -75,6 +75,13 @@ pub enum Error {
         reason: String,
     },
 
+    /// The sandbox is paused: commands cannot run until it is resumed. Nothing was done.
+    #[error("sandbox {id} is paused: resume() it before running commands")]
+    SandboxPaused {
+        /// The sandbox id.
+        id: String,
+    },
+
     /// A snapshot could not be written or read.
     #[error("snapshot error: {0}")]
     Snapshot(#[from] crate::snapshot::SnapshotError),
@@ -106,13 +113,28 @@ pub enum Error {
     },
 
     /// The backend's engine failed in a way not covered above.
-    #[error("{tier} backend failed: {message}")]
+    ///
+    /// Like [`Error::Io`], its message includes the cause's text, so printing the error
+    /// alone says everything; the cause itself is kept as the [`source`](std::error::Error::source)
+    /// for code that needs its type (downcast it, e.g. to an `io::Error` for its errno).
+    #[error("{tier} backend failed: {message}{}", cause_suffix(.source.as_deref()))]
     Backend {
         /// The tier.
         tier: Tier,
-        /// What happened, with the fix when known.
+        /// What happened (or what was being done, when `source` says what failed), with the
+        /// fix when known.
         message: String,
+        /// The underlying error, when there is one.
+        #[source]
+        source: Option<BoxError>,
     },
+}
+
+/// A boxed error that can cross threads: the cause kept by [`Error::Backend`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+fn cause_suffix(source: Option<&(dyn std::error::Error + Send + Sync + 'static)>) -> String {
+    source.map(|s| format!(": {s}")).unwrap_or_default()
 }
 
 impl Error {
@@ -148,11 +170,25 @@ impl Error {
         }
     }
 
-    /// Builds [`Error::Backend`].
+    /// Builds [`Error::Backend`] without an underlying error.
     pub fn backend(tier: Tier, message: impl Into<String>) -> Self {
         Error::Backend {
             tier,
             message: message.into(),
+            source: None,
+        }
+    }
+
+    /// Builds [`Error::Backend`] from what was being done and the error that stopped it.
+    pub fn backend_caused(
+        tier: Tier,
+        doing: impl Into<String>,
+        source: impl Into<BoxError>,
+    ) -> Self {
+        Error::Backend {
+            tier,
+            message: doing.into(),
+            source: Some(source.into()),
         }
     }
 }
@@ -171,4 +207,33 @@ fn format_statuses(statuses: &[TierStatus]) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+
+    #[test]
+    fn backend_errors_keep_their_cause() {
+        let e = Error::backend_caused(
+            Tier::Microvm,
+            "mapping guest memory",
+            std::io::Error::from_raw_os_error(ENOMEM),
+        );
+        let text = e.to_string();
+        assert!(
+            text.starts_with("microvm backend failed: mapping guest memory: "),
+            "{text}"
+        );
+        let cause = e.source().and_then(|s| s.downcast_ref::<std::io::Error>());
+        assert_eq!(cause.and_then(|c| c.raw_os_error()), Some(ENOMEM));
+        let plain = Error::backend(Tier::Wasm, "engine broke");
+        assert_eq!(plain.to_string(), "wasm backend failed: engine broke");
+        assert!(plain.source().is_none());
+    }
+
+    /// `ENOMEM` on Linux.
+    const ENOMEM: i32 = 12;
 }

@@ -13,6 +13,7 @@ use crate::timeline::Timeline;
 /// What to run.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", content = "value", rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum Command {
     /// A program and its arguments (`argv[0]` is looked up on the sandbox's `PATH`).
     Argv(Vec<String>),
@@ -20,8 +21,10 @@ pub enum Command {
     Code(String),
 }
 
-/// One command to run in a sandbox.
+/// One command to run in a sandbox. Build it with [`ExecRequest::argv`] or
+/// [`ExecRequest::code`] and the setters; `#[non_exhaustive]`: later versions add options.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct ExecRequest {
     /// What to run.
     pub command: Command,
@@ -130,32 +133,98 @@ impl ExecRequest {
     }
 }
 
-/// The limit that stopped a command.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// A kind of limit: one field of [`Limits`](crate::Limits).
+///
+/// [`ExecResult::limit`] names the one that stopped a command;
+/// [`Capabilities::limits`](crate::Capabilities) lists the ones a tier enforces.
+/// `#[non_exhaustive]`: later versions add limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum LimitKind {
-    /// Per-exec wall time.
+    /// Per-exec wall time ([`Limits::wall_time_ms`](crate::Limits::wall_time_ms)).
     WallTime,
-    /// CPU time.
+    /// CPU time per exec ([`Limits::cpu_time_ms`](crate::Limits::cpu_time_ms)).
     CpuTime,
-    /// Memory.
+    /// Memory of the whole sandbox ([`Limits::memory_bytes`](crate::Limits::memory_bytes)).
     Memory,
-    /// Process count.
+    /// Processes and threads at once ([`Limits::pids`](crate::Limits::pids)).
     Pids,
-    /// Output bytes (the command was stopped, not only truncated).
+    /// Captured output ([`Limits::output_bytes`](crate::Limits::output_bytes)); as a stop
+    /// reason: the command was stopped, not only truncated.
     Output,
-    /// Disk bytes.
+    /// Writable disk ([`Limits::disk_bytes`](crate::Limits::disk_bytes)).
     Disk,
-    /// Open files.
+    /// Open files per process ([`Limits::open_files`](crate::Limits::open_files)).
     OpenFiles,
-    /// Instruction budget (wasm fuel).
+    /// Instruction budget per exec ([`Limits::fuel`](crate::Limits::fuel), wasm fuel).
     Fuel,
-    /// The sandbox's lifetime ran out.
+    /// The sandbox's lifetime ([`Limits::lifetime_ms`](crate::Limits::lifetime_ms)).
     Lifetime,
+    /// CPU share ([`Limits::cpu_millis`](crate::Limits::cpu_millis)): a scheduler quota
+    /// that slows a command down and never stops it, so it is never a stop reason.
+    CpuShare,
 }
 
-/// What a finished command produced.
+impl LimitKind {
+    /// Every kind, in declaration order.
+    pub const ALL: [LimitKind; 10] = [
+        LimitKind::WallTime,
+        LimitKind::CpuTime,
+        LimitKind::Memory,
+        LimitKind::Pids,
+        LimitKind::Output,
+        LimitKind::Disk,
+        LimitKind::OpenFiles,
+        LimitKind::Fuel,
+        LimitKind::Lifetime,
+        LimitKind::CpuShare,
+    ];
+
+    /// The kind's name, as in JSON (`wall-time`, `memory`...).
+    pub fn name(self) -> &'static str {
+        match self {
+            LimitKind::WallTime => "wall-time",
+            LimitKind::CpuTime => "cpu-time",
+            LimitKind::Memory => "memory",
+            LimitKind::Pids => "pids",
+            LimitKind::Output => "output",
+            LimitKind::Disk => "disk",
+            LimitKind::OpenFiles => "open-files",
+            LimitKind::Fuel => "fuel",
+            LimitKind::Lifetime => "lifetime",
+            LimitKind::CpuShare => "cpu-share",
+        }
+    }
+
+    /// The [`Limits`](crate::Limits) field it refers to, as named in
+    /// [`Error::InvalidSpec`](crate::Error::InvalidSpec) (`limits.memory_bytes`...).
+    pub fn field(self) -> &'static str {
+        match self {
+            LimitKind::WallTime => "limits.wall_time_ms",
+            LimitKind::CpuTime => "limits.cpu_time_ms",
+            LimitKind::Memory => "limits.memory_bytes",
+            LimitKind::Pids => "limits.pids",
+            LimitKind::Output => "limits.output_bytes",
+            LimitKind::Disk => "limits.disk_bytes",
+            LimitKind::OpenFiles => "limits.open_files",
+            LimitKind::Fuel => "limits.fuel",
+            LimitKind::Lifetime => "limits.lifetime_ms",
+            LimitKind::CpuShare => "limits.cpu_millis",
+        }
+    }
+}
+
+impl std::fmt::Display for LimitKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What a finished command produced. Backends make one with [`ExecResult::new`] and set the
+/// rest; `#[non_exhaustive]`: later versions add fields.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct ExecResult {
     /// Exit status (`128 + signal` for a killed process); `None` if it never exited normally.
     pub exit_code: Option<i32>,
@@ -178,6 +247,20 @@ pub struct ExecResult {
 }
 
 impl ExecResult {
+    /// A result with this exit status and output, no limit hit, nothing truncated, no value
+    /// and an empty timeline.
+    pub fn new(exit_code: Option<i32>, stdout: Vec<u8>, stderr: Vec<u8>) -> Self {
+        ExecResult {
+            exit_code,
+            stdout,
+            stderr,
+            limit: None,
+            truncated: false,
+            value: None,
+            timeline: Timeline::default(),
+        }
+    }
+
     /// `true` when the command exited 0 and no limit stopped it.
     pub fn success(&self) -> bool {
         self.exit_code == Some(0) && self.limit.is_none()
@@ -206,8 +289,9 @@ mod lossy_bytes {
     }
 }
 
-/// One event of a streaming exec.
+/// One event of a streaming exec. `#[non_exhaustive]`: later versions add events.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ExecEvent {
     /// A chunk of standard output.
     Stdout(Bytes),

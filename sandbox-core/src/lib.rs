@@ -14,6 +14,7 @@ pub mod egress;
 pub mod error;
 pub mod exec;
 pub mod fsnap;
+pub mod lifecycle;
 pub mod path;
 pub mod policy;
 pub mod pool;
@@ -33,6 +34,7 @@ pub use exec::{
     pump_output, Command, ExecEvent, ExecRequest, ExecResult, ExecStream, LimitKind, OutputBuffer,
     StreamKind, StreamSink,
 };
+pub use lifecycle::{Lifecycle, State as LifecycleState, Transition};
 pub use path::{DirEntry, EntryKind, WorkspacePath, WORKSPACE_MOUNT};
 pub use policy::{Cidr, Decision, DecisionRule, DenyRule, HostPattern, HostRule, NetworkPolicy};
 pub use pool::{PoolConfig, PoolStats, WarmPool};

@@ -124,6 +124,7 @@ pub enum EntryKind {
 
 /// One entry of [`Sandbox::list`](crate::Sandbox::list).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct DirEntry {
     /// File name.
     pub name: String,
@@ -131,6 +132,17 @@ pub struct DirEntry {
     pub kind: EntryKind,
     /// Size in bytes (files).
     pub size: u64,
+}
+
+impl DirEntry {
+    /// An entry named `name` of `kind` and `size` bytes.
+    pub fn new(name: impl Into<String>, kind: EntryKind, size: u64) -> Self {
+        DirEntry {
+            name: name.into(),
+            kind,
+            size,
+        }
+    }
 }
 
 /// Lists a host directory that backs (part of) a workspace, without following symlinks;

@@ -24,6 +24,7 @@ use crate::error::Error;
 /// Which destinations a sandbox may reach. The default is [`NetworkPolicy::DenyAll`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(tag = "mode", rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum NetworkPolicy {
     /// No network at all: the sandbox has only a loopback interface of its own.
     #[default]

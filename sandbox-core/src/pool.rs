@@ -16,8 +16,10 @@ use crate::sandbox::{DynBackend, Sandbox};
 use crate::secrets::ResolvedSecrets;
 use crate::spec::SandboxSpec;
 
-/// Pool settings.
+/// Pool settings: start from [`PoolConfig::default`] and use the setters;
+/// `#[non_exhaustive]`: later versions add settings.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct PoolConfig {
     /// Ready sandboxes to keep.
     pub size: usize,
@@ -67,6 +69,40 @@ impl Default for PoolConfig {
             refill_delay: default_refill_delay(),
             warm_up: None,
         }
+    }
+}
+
+impl PoolConfig {
+    /// Ready sandboxes to keep. Default: 2.
+    pub fn size(mut self, size: usize) -> Self {
+        self.size = size;
+        self
+    }
+
+    /// Idle time after which a ready sandbox is destroyed instead of handed out.
+    /// Default: 5 minutes.
+    pub fn max_idle(mut self, d: Duration) -> Self {
+        self.max_idle = d;
+        self
+    }
+
+    /// Whether checkout runs [`Sandbox::health_check`]. Default: `true`.
+    pub fn health_check(mut self, on: bool) -> Self {
+        self.health_check = on;
+        self
+    }
+
+    /// Pause between a checkout and the replacement's creation. Default: 10 ms.
+    pub fn refill_delay(mut self, d: Duration) -> Self {
+        self.refill_delay = d;
+        self
+    }
+
+    /// A command each pooled sandbox runs once before it is handed out (see the field).
+    /// Default: none.
+    pub fn warm_up(mut self, req: crate::exec::ExecRequest) -> Self {
+        self.warm_up = Some(req);
+        self
     }
 }
 

@@ -41,6 +41,7 @@ impl Drop for Secret {
 /// How a secret reaches the sandbox.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum SecretExposure {
     /// As this environment variable of every command.
     Env {

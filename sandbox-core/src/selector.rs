@@ -49,8 +49,10 @@ pub enum KernelNeed {
     Custom,
 }
 
-/// The selector's four questions (plus the opt-in for weaker isolation).
+/// The selector's four questions (plus the opt-in for weaker isolation). Start from
+/// [`Question::new`] and use the setters; `#[non_exhaustive]`: later versions may ask more.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct Question {
     /// The language.
     pub language: Language,
@@ -75,6 +77,30 @@ impl Question {
             kernel: KernelNeed::None,
             allow_weaker_isolation: false,
         }
+    }
+
+    /// Who wrote the code. Default: [`Trust::Untrusted`].
+    pub fn trust(mut self, trust: Trust) -> Self {
+        self.trust = trust;
+        self
+    }
+
+    /// What the code mostly does. Default: [`IoProfile::Compute`].
+    pub fn io(mut self, io: IoProfile) -> Self {
+        self.io = io;
+        self
+    }
+
+    /// Whether it needs a kernel of its own. Default: [`KernelNeed::None`].
+    pub fn kernel(mut self, kernel: KernelNeed) -> Self {
+        self.kernel = kernel;
+        self
+    }
+
+    /// Lets untrusted code fall back to the container tier (shared kernel). Default: `false`.
+    pub fn allow_weaker_isolation(mut self, allow: bool) -> Self {
+        self.allow_weaker_isolation = allow;
+        self
     }
 }
 

@@ -15,8 +15,13 @@ use crate::secrets::{SecretBinding, SecretExposure};
 use crate::tier::Language;
 
 /// Everything a backend needs to create a sandbox.
+///
+/// Build one with [`SandboxSpec::builder`] (validated) or [`SandboxSpec::new`] and field
+/// assignment, or deserialize one. The struct is `#[non_exhaustive]`: later versions add
+/// fields (with defaults), so it cannot be written as a struct literal outside this crate.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct SandboxSpec {
     /// The language code strings are written in (`exec` with [`Command::Code`](crate::Command::Code)).
     pub language: Language,
@@ -52,6 +57,7 @@ pub struct SandboxSpec {
 /// Where `/workspace` comes from.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(tag = "kind", rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum Workspace {
     /// A fresh, empty workspace owned by the sandbox (capped by `limits.disk_bytes`).
     #[default]
@@ -69,6 +75,7 @@ pub enum Workspace {
 /// An extra host path made visible inside the sandbox.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct Mount {
     /// Host path.
     pub source: PathBuf,
@@ -83,10 +90,35 @@ fn yes() -> bool {
     true
 }
 
+impl Mount {
+    /// `source` on the host, visible read-only at the absolute path `target` inside.
+    pub fn read_only(source: impl Into<PathBuf>, target: impl Into<String>) -> Self {
+        Mount {
+            source: source.into(),
+            target: target.into(),
+            read_only: true,
+        }
+    }
+
+    /// `source` on the host, visible read-write at the absolute path `target` inside.
+    pub fn read_write(source: impl Into<PathBuf>, target: impl Into<String>) -> Self {
+        Mount {
+            source: source.into(),
+            target: target.into(),
+            read_only: false,
+        }
+    }
+}
+
 /// Resource limits. Every field has a safe default; `None` where a limit can be absent means
 /// "the backend's own cap", never "unlimited host resources".
+///
+/// Which of them a tier enforces is listed in [`Capabilities::limits`](crate::Capabilities);
+/// set them through [`SpecBuilder`]'s setters (one per limit) or by assignment on
+/// [`Limits::default`]. `#[non_exhaustive]`: later versions add limits.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
 pub struct Limits {
     /// Memory for the whole sandbox, bytes.
     pub memory_bytes: u64,
@@ -347,14 +379,45 @@ impl SandboxSpec {
     }
 }
 
-/// Builder for [`SandboxSpec`]; `build()` validates.
+/// Builder for [`SandboxSpec`], in the style of a configuration builder: every setter takes
+/// `self` and returns it, says its default, and nothing is checked until
+/// [`build`](Self::build), which validates the whole spec at once.
+///
+/// ```
+/// use std::time::Duration;
+/// use sandbox_core::{Language, SandboxSpec};
+///
+/// let spec = SandboxSpec::builder(Language::Python)
+///     .memory_mib(256)
+///     .wall_time(Duration::from_secs(10))
+///     .pids(64)
+///     .env("MODE", "test")
+///     .build()?;
+/// assert_eq!(spec.limits.pids, 64);
+/// # Ok::<(), sandbox_core::Error>(())
+/// ```
 #[derive(Debug, Clone)]
 pub struct SpecBuilder {
     spec: SandboxSpec,
 }
 
+fn millis(d: Duration) -> u64 {
+    d.as_millis().try_into().unwrap_or(u64::MAX)
+}
+
 impl SpecBuilder {
-    /// Uses a host directory as `/workspace`.
+    /// Sets the language code strings are written in (the one given to
+    /// [`SandboxSpec::builder`]).
+    pub fn language(mut self, language: Language) -> Self {
+        self.spec.language = language;
+        self
+    }
+
+    /// Uses a host directory as `/workspace`. Default: an empty workspace the sandbox owns.
+    ///
+    /// # Errors
+    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`workspace`) when `path` is
+    /// not an existing directory.
     pub fn workspace_dir(mut self, path: impl Into<PathBuf>, read_only: bool) -> Self {
         self.spec.workspace = Workspace::HostDir {
             path: path.into(),
@@ -363,45 +426,77 @@ impl SpecBuilder {
         self
     }
 
-    /// Uses a root filesystem directory instead of the host-tools view.
+    /// Sets where `/workspace` comes from. Default: [`Workspace::Empty`].
+    ///
+    /// # Errors
+    /// As [`workspace_dir`](Self::workspace_dir).
+    pub fn workspace(mut self, workspace: Workspace) -> Self {
+        self.spec.workspace = workspace;
+        self
+    }
+
+    /// Uses a root filesystem directory instead of the host-tools view. Default: none.
+    ///
+    /// # Errors
+    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`rootfs`) when `dir` is not
+    /// an existing absolute directory.
     pub fn rootfs(mut self, dir: impl Into<PathBuf>) -> Self {
         self.spec.rootfs = Some(dir.into());
         self
     }
 
-    /// Mounts a host path read-only at `target`.
-    pub fn mount_ro(mut self, source: impl Into<PathBuf>, target: impl Into<String>) -> Self {
-        self.spec.mounts.push(Mount {
-            source: source.into(),
-            target: target.into(),
-            read_only: true,
-        });
+    /// Mounts a host path read-only at `target`. Default: no mounts.
+    ///
+    /// # Errors
+    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`mounts`) when `source`
+    /// does not exist or `target` is not absolute, contains `..`, or is `/` or `/workspace`.
+    pub fn mount_ro(self, source: impl Into<PathBuf>, target: impl Into<String>) -> Self {
+        self.mount(Mount::read_only(source, target))
+    }
+
+    /// Mounts a host path read-write at `target`. Default: no mounts.
+    ///
+    /// # Errors
+    /// As [`mount_ro`](Self::mount_ro).
+    pub fn mount_rw(self, source: impl Into<PathBuf>, target: impl Into<String>) -> Self {
+        self.mount(Mount::read_write(source, target))
+    }
+
+    /// Adds a mount. Default: no mounts.
+    ///
+    /// # Errors
+    /// As [`mount_ro`](Self::mount_ro).
+    pub fn mount(mut self, mount: Mount) -> Self {
+        self.spec.mounts.push(mount);
         self
     }
 
-    /// Mounts a host path read-write at `target`.
-    pub fn mount_rw(mut self, source: impl Into<PathBuf>, target: impl Into<String>) -> Self {
-        self.spec.mounts.push(Mount {
-            source: source.into(),
-            target: target.into(),
-            read_only: false,
-        });
-        self
-    }
-
-    /// Sets an environment variable.
+    /// Sets an environment variable for every command. Default: an empty environment.
+    ///
+    /// # Errors
+    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`env`) when `key` is not a
+    /// variable name (`[A-Za-z_][A-Za-z0-9_]*`) or `value` contains NUL.
     pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.spec.env.insert(key.into(), value.into());
         self
     }
 
-    /// Passes a host environment variable through by name.
+    /// Passes a host environment variable through by name (copied at create time; absent
+    /// variables are skipped). Default: none of the host's variables pass.
+    ///
+    /// # Errors
+    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`env`) when `key` is not a
+    /// variable name.
     pub fn pass_env(mut self, key: impl Into<String>) -> Self {
         self.spec.pass_env.push(key.into());
         self
     }
 
-    /// Exposes a secret as an environment variable.
+    /// Exposes a secret as the environment variable `var`. Default: no secrets.
+    ///
+    /// # Errors
+    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`secrets`) when `name` is
+    /// empty or `var` is not a variable name; resolving the secret happens at create time.
     pub fn secret_env(mut self, name: impl Into<String>, var: impl Into<String>) -> Self {
         self.spec.secrets.push(SecretBinding {
             name: name.into(),
@@ -410,7 +505,11 @@ impl SpecBuilder {
         self
     }
 
-    /// Makes a secret available to host-side tools only.
+    /// Makes a secret available to host-side tools only. Default: no secrets.
+    ///
+    /// # Errors
+    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`secrets`) when `name` is
+    /// empty.
     pub fn secret_host_only(mut self, name: impl Into<String>) -> Self {
         self.spec.secrets.push(SecretBinding {
             name: name.into(),
@@ -419,15 +518,44 @@ impl SpecBuilder {
         self
     }
 
-    /// Memory limit in MiB.
-    pub fn memory_mib(mut self, mib: u64) -> Self {
-        self.spec.limits.memory_bytes = mib.saturating_mul(1 << 20);
+    /// Memory for the whole sandbox, in MiB. Default: 512 MiB
+    /// ([`Limits::memory_bytes`]).
+    ///
+    /// # Errors
+    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`limits.memory_bytes`)
+    /// below 4 MiB or above 1 TiB.
+    pub fn memory_mib(self, mib: u64) -> Self {
+        self.memory_bytes(mib.saturating_mul(1 << 20))
+    }
+
+    /// Memory for the whole sandbox, in bytes. Default: 512 MiB.
+    ///
+    /// # Errors
+    /// As [`memory_mib`](Self::memory_mib).
+    pub fn memory_bytes(mut self, bytes: u64) -> Self {
+        self.spec.limits.memory_bytes = bytes;
         self
     }
 
-    /// Per-exec wall time.
+    /// CPU time per exec. Default: 60 s ([`Limits::cpu_time_ms`]), counted in whole
+    /// milliseconds.
+    ///
+    /// # Errors
+    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`limits.cpu_time_ms`) when
+    /// it is under a millisecond.
+    pub fn cpu_time(mut self, d: Duration) -> Self {
+        self.spec.limits.cpu_time_ms = millis(d);
+        self
+    }
+
+    /// Wall time per exec (a call's own timeout may lower it). Default: 30 s
+    /// ([`Limits::wall_time_ms`]). Raises the sandbox's lifetime to at least this.
+    ///
+    /// # Errors
+    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`limits.wall_time_ms`) when
+    /// it is under a millisecond.
     pub fn wall_time(mut self, d: Duration) -> Self {
-        self.spec.limits.wall_time_ms = d.as_millis().try_into().unwrap_or(u64::MAX);
+        self.spec.limits.wall_time_ms = millis(d);
         self.spec.limits.lifetime_ms = self
             .spec
             .limits
@@ -436,25 +564,105 @@ impl SpecBuilder {
         self
     }
 
-    /// Replaces all limits.
-    pub fn limits(mut self, limits: Limits) -> Self {
-        self.spec.limits = limits;
+    /// Wall time for the sandbox's whole life; then it is destroyed. Default: one hour
+    /// ([`Limits::lifetime_ms`]).
+    ///
+    /// # Errors
+    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`limits.lifetime_ms`) when
+    /// it is shorter than the per-exec wall time.
+    pub fn lifetime(mut self, d: Duration) -> Self {
+        self.spec.limits.lifetime_ms = millis(d);
         self
     }
 
-    /// Output cap per stream per exec.
+    /// Processes and threads at once. Default: 256 ([`Limits::pids`]).
+    ///
+    /// # Errors
+    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`limits.pids`) at 0.
+    pub fn pids(mut self, pids: u32) -> Self {
+        self.spec.limits.pids = pids;
+        self
+    }
+
+    /// Captured output per stream per exec, bytes; the rest is dropped and
+    /// [`ExecResult::truncated`](crate::ExecResult) set. Default: 1 MiB
+    /// ([`Limits::output_bytes`]).
+    ///
+    /// # Errors
+    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`limits.output_bytes`) at 0.
     pub fn output_bytes(mut self, bytes: u64) -> Self {
         self.spec.limits.output_bytes = bytes;
         self
     }
 
-    /// Sets the network policy.
+    /// Writable disk (workspace and temporary files), bytes. Default: 1 GiB
+    /// ([`Limits::disk_bytes`]; memory-backed tiers may hold it lower, see there).
+    ///
+    /// # Errors
+    /// None of its own: every value is accepted.
+    pub fn disk_bytes(mut self, bytes: u64) -> Self {
+        self.spec.limits.disk_bytes = bytes;
+        self
+    }
+
+    /// Open file descriptors per process. Default: 256 ([`Limits::open_files`]).
+    ///
+    /// # Errors
+    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`limits.open_files`) below
+    /// 16.
+    pub fn open_files(mut self, n: u32) -> Self {
+        self.spec.limits.open_files = n;
+        self
+    }
+
+    /// An instruction budget per exec (wasm fuel), or `None` for the tier's own cap.
+    /// Default: `None` ([`Limits::fuel`]).
+    ///
+    /// # Errors
+    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`limits.fuel`) for
+    /// `Some(0)`.
+    pub fn fuel(mut self, fuel: Option<u64>) -> Self {
+        self.spec.limits.fuel = fuel;
+        self
+    }
+
+    /// CPU share as a scheduler quota, in thousandths of a CPU (500 = half a CPU).
+    /// Default: 1000, one CPU ([`Limits::cpu_millis`]).
+    ///
+    /// # Errors
+    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`limits.cpu_millis`)
+    /// outside 10..=1024000.
+    pub fn cpu_millis(mut self, millis: u32) -> Self {
+        self.spec.limits.cpu_millis = millis;
+        self
+    }
+
+    /// Replaces all limits at once. Default: [`Limits::default`].
+    ///
+    /// # Errors
+    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] naming the first impossible
+    /// limit (see [`Limits::validate`]).
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.spec.limits = limits;
+        self
+    }
+
+    /// Sets the network egress policy. Default: [`NetworkPolicy::DenyAll`].
+    ///
+    /// # Errors
+    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] when the policy is malformed
+    /// (see [`NetworkPolicy::validate`]). Whether a tier can enforce it is checked at create
+    /// time ([`Error::Unsupported`]).
     pub fn network(mut self, policy: NetworkPolicy) -> Self {
         self.spec.network = policy;
         self
     }
 
     /// Validates and returns the spec.
+    ///
+    /// # Errors
+    /// [`Error::InvalidSpec`] naming the first bad field and what is accepted; see each
+    /// setter.
     pub fn build(self) -> Result<SandboxSpec> {
         self.spec.validate()?;
         Ok(self.spec)
@@ -464,6 +672,7 @@ impl SpecBuilder {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::exec::LimitKind;
 
     #[test]
     fn tmpfs_caps_of_the_default_limits() {
@@ -597,6 +806,60 @@ mod tests {
                 other => panic!("expected InvalidSpec({field}), got {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn every_limit_has_a_setter() {
+        let s = SandboxSpec::builder(Language::Shell)
+            .memory_bytes(64 << 20)
+            .cpu_time(Duration::from_secs(5))
+            .wall_time(Duration::from_secs(2))
+            .lifetime(Duration::from_secs(60))
+            .pids(32)
+            .output_bytes(4096)
+            .disk_bytes(8 << 20)
+            .open_files(64)
+            .fuel(Some(1_000_000))
+            .cpu_millis(250)
+            .build()
+            .unwrap();
+        let l = &s.limits;
+        assert_eq!(
+            (l.memory_bytes, l.cpu_time_ms, l.wall_time_ms, l.lifetime_ms),
+            (64 << 20, 5000, 2000, 60_000)
+        );
+        assert_eq!((l.pids, l.output_bytes, l.disk_bytes), (32, 4096, 8 << 20));
+        assert_eq!(
+            (l.open_files, l.fuel, l.cpu_millis),
+            (64, Some(1_000_000), 250)
+        );
+        // Each setter's impossible value is refused by `build`, naming its field.
+        let b = || SandboxSpec::builder(Language::Shell);
+        let bad = [
+            (b().memory_bytes(1), LimitKind::Memory),
+            (b().cpu_time(Duration::ZERO), LimitKind::CpuTime),
+            (b().wall_time(Duration::ZERO), LimitKind::WallTime),
+            (b().lifetime(Duration::from_millis(1)), LimitKind::Lifetime),
+            (b().pids(0), LimitKind::Pids),
+            (b().output_bytes(0), LimitKind::Output),
+            (b().open_files(1), LimitKind::OpenFiles),
+            (b().fuel(Some(0)), LimitKind::Fuel),
+            (b().cpu_millis(1), LimitKind::CpuShare),
+        ];
+        for (builder, kind) in bad {
+            match builder.build() {
+                Err(Error::InvalidSpec { field, .. }) => assert_eq!(field, kind.field()),
+                other => panic!("{kind}: expected InvalidSpec, got {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn limit_kinds_display_their_json_names() {
+        for k in LimitKind::ALL {
+            assert_eq!(serde_json::to_string(&k).unwrap(), format!("\"{k}\""));
+        }
+        assert_eq!(LimitKind::OpenFiles.to_string(), "open-files");
     }
 
     #[test]

@@ -13,8 +13,11 @@ use crate::error::Error;
 /// [`Tier::Unisolated`] exists only for tests of the shared machinery: it runs
 /// host processes with **no isolation at all**, and the [`Selector`](crate::Selector)
 /// never ranks it.
+///
+/// `#[non_exhaustive]`: a later version may add a tier; match with a wildcard arm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum Tier {
     /// Tier 1: WebAssembly (wasmtime) and JavaScript isolates, in-process.
     Wasm,
@@ -81,9 +84,10 @@ impl FromStr for Tier {
     }
 }
 
-/// What separates sandboxed code from the host.
+/// What separates sandboxed code from the host. `#[non_exhaustive]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum IsolationBoundary {
     /// A language VM inside the host process (WebAssembly, a JS isolate).
     InProcessVm,
@@ -97,9 +101,11 @@ pub enum IsolationBoundary {
     None,
 }
 
-/// The language or runtime a sandbox runs code in.
+/// The language or runtime a sandbox runs code in. `#[non_exhaustive]`: later versions add
+/// languages; match with a wildcard arm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum Language {
     /// Python 3 (CPython in WebAssembly on the wasm tier, the system `python3` elsewhere).
     Python,

@@ -5,9 +5,11 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-/// One phase of bringing code to its first result.
+/// One phase of bringing code to its first result. `#[non_exhaustive]`: later versions add
+/// phases (an image pull, for example).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum Phase {
     /// Resources reserved: process, VM, instance, cgroup.
     Allocation,

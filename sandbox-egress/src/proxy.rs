@@ -941,6 +941,8 @@ pub(crate) fn precheck_name(
             }
             Ok(())
         }
+        // A policy this version does not know: nothing is allowed.
+        _ => Err(DecisionRule::DenyAll),
     }
 }
 

@@ -95,7 +95,7 @@ fn segment(entry: u64, selector: u16) -> kvm_segment {
 
 fn write_u64(mem: &GuestMemoryMmap, addr: u64, v: u64) -> Result<()> {
     mem.write_obj(v, GuestAddress(addr))
-        .map_err(|e| VmmError::Memory(format!("writing boot structures at {addr:#x}: {e}")))
+        .map_err(|e| VmmError::memory(format!("writing boot structures at {addr:#x}: {e}")))
 }
 
 /// Writes the GDT (and for kernel mode the empty IDT) and returns the segments to load.
@@ -161,7 +161,7 @@ fn write_user_tss(mem: &GuestMemoryMmap) -> Result<()> {
         *last = 0xff;
     }
     mem.write_slice(&tss, GuestAddress(USER_TSS_ADDR))
-        .map_err(|e| VmmError::Memory(format!("writing the TSS: {e}")))
+        .map_err(|e| VmmError::memory(format!("writing the TSS: {e}")))
 }
 
 /// Identity-maps the first 4 GiB with 2 MiB pages: PML4, one PDPT and four PDs at
@@ -182,7 +182,7 @@ fn write_page_tables(mem: &GuestMemoryMmap, user: bool) -> Result<u64> {
             page[o..o + 8].copy_from_slice(&addr.to_le_bytes());
         }
         mem.write_slice(&page, GuestAddress(pd))
-            .map_err(|e| VmmError::Memory(format!("writing page tables: {e}")))?;
+            .map_err(|e| VmmError::memory(format!("writing page tables: {e}")))?;
     }
     Ok(pml4)
 }

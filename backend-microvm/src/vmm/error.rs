@@ -1,5 +1,7 @@
 //! The VMM's error type.
 
+use std::io;
+
 use sandbox_core::{Error as CoreError, Tier};
 
 /// Result alias for the VMM.
@@ -33,8 +35,14 @@ pub enum VmmError {
     #[error("invalid VM configuration: {0}")]
     InvalidConfig(String),
     /// Guest memory could not be created, mapped or accessed.
-    #[error("guest memory: {0}")]
-    Memory(String),
+    #[error("guest memory: {what}{}", .source.as_ref().map(|e| format!(": {e}")).unwrap_or_default())]
+    Memory {
+        /// What was being done.
+        what: String,
+        /// The host's error, when a system call failed (`ENOMEM`: the host is out of memory).
+        #[source]
+        source: Option<std::io::Error>,
+    },
     /// A guest image (ELF) is malformed or does not fit guest memory.
     #[error("invalid guest image: {0}")]
     InvalidImage(String),
@@ -73,6 +81,22 @@ impl VmmError {
         move |source| VmmError::Kvm { op, source }
     }
 
+    /// A guest-memory failure without a system call's error.
+    pub(crate) fn memory(what: impl Into<String>) -> VmmError {
+        VmmError::Memory {
+            what: what.into(),
+            source: None,
+        }
+    }
+
+    /// A guest-memory failure caused by a system call.
+    pub(crate) fn memory_io(what: impl Into<String>, source: std::io::Error) -> VmmError {
+        VmmError::Memory {
+            what: what.into(),
+            source: Some(source),
+        }
+    }
+
     /// Wraps a host I/O error with context.
     pub(crate) fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> VmmError {
         let context = context.into();
@@ -93,15 +117,42 @@ impl From<VmmError> for CoreError {
                 reason,
             },
             VmmError::Io { context, source } => CoreError::Io { context, source },
-            VmmError::Memory(ref m) if m.contains("Cannot allocate memory") => {
+            VmmError::Memory { ref source, .. }
+                if source.as_ref().and_then(io::Error::raw_os_error) == Some(libc::ENOMEM) =>
+            {
                 CoreError::ResourceExhausted {
-                    what: format!("guest memory: {m}"),
+                    what: e.to_string(),
                 }
             }
-            other => CoreError::Backend {
-                tier: Tier::Microvm,
-                message: other.to_string(),
-            },
+            other => CoreError::backend_caused(Tier::Microvm, "VMM error", other),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+
+    #[test]
+    fn host_out_of_memory_is_resource_exhausted_by_errno() {
+        let e = VmmError::memory_io(
+            "mmap of 1 bytes",
+            io::Error::from_raw_os_error(libc::ENOMEM),
+        );
+        assert!(matches!(
+            CoreError::from(e),
+            CoreError::ResourceExhausted { what } if what.contains("mmap of 1 bytes")
+        ));
+        // The same words without the errno are not mistaken for it.
+        let e = VmmError::memory("mmap: Cannot allocate memory");
+        let core = CoreError::from(e);
+        assert!(matches!(core, CoreError::Backend { .. }), "{core:?}");
+        // Other errors keep the VMM error as their cause.
+        let e = VmmError::memory_io("mmap", io::Error::from_raw_os_error(libc::EINVAL));
+        let core = CoreError::from(e);
+        let cause = core.source().and_then(|s| s.downcast_ref::<VmmError>());
+        assert!(matches!(cause, Some(VmmError::Memory { .. })), "{core:?}");
     }
 }

@@ -80,12 +80,12 @@ pub fn load_elf(mem: &GuestMemoryMmap, ram_size: u64, image: &[u8]) -> Result<u6
             .get(fstart..fend)
             .ok_or_else(|| bad("segment data beyond the end of the file"))?;
         mem.write_slice(data, GuestAddress(paddr))
-            .map_err(|e| VmmError::Memory(format!("loading a segment: {e}")))?;
+            .map_err(|e| VmmError::memory(format!("loading a segment: {e}")))?;
         let zeros = usize::try_from(memsz - filesz).map_err(|_| bad("memsz"))?;
         if zeros > 0 {
             let z = vec![0u8; zeros];
             mem.write_slice(&z, GuestAddress(paddr + filesz))
-                .map_err(|e| VmmError::Memory(format!("zeroing bss: {e}")))?;
+                .map_err(|e| VmmError::memory(format!("zeroing bss: {e}")))?;
         }
         if (paddr..end).contains(&entry) {
             entry_ok = true;

@@ -79,15 +79,15 @@ impl GuestRam {
         // checked and then owned by the File.
         let fd = unsafe { libc::memfd_create(c"microvm-ram".as_ptr(), libc::MFD_CLOEXEC) };
         if fd < 0 {
-            return Err(VmmError::Memory(format!(
-                "memfd_create: {}",
-                std::io::Error::last_os_error()
-            )));
+            return Err(VmmError::memory_io(
+                "memfd_create",
+                std::io::Error::last_os_error(),
+            ));
         }
         // SAFETY: fd is a fresh, valid descriptor that nothing else owns.
         let file = unsafe { File::from_raw_fd(fd) };
         file.set_len(size)
-            .map_err(|e| VmmError::Memory(format!("sizing the memfd to {size} bytes: {e}")))?;
+            .map_err(|e| VmmError::memory_io(format!("sizing the memfd to {size} bytes"), e))?;
         Self::map(Arc::new(file), size, libc::MAP_SHARED, Backing::Memfd)
     }
 
@@ -119,20 +119,25 @@ impl GuestRam {
         let mut regions = Vec::new();
         for (gpa, len, off) in ram_ranges(size) {
             let len_usize = usize::try_from(len)
-                .map_err(|_| VmmError::Memory("region too large for this host".into()))?;
+                .map_err(|_| VmmError::memory("region too large for this host"))?;
             let region = MmapRegion::build(
                 Some(FileOffset::from_arc(file.clone(), off)),
                 len_usize,
                 libc::PROT_READ | libc::PROT_WRITE,
                 share | libc::MAP_NORESERVE,
             )
-            .map_err(|e| VmmError::Memory(format!("mmap of {len} bytes: {e}")))?;
+            .map_err(|e| match e {
+                vm_memory::mmap::MmapRegionError::Mmap(io) => {
+                    VmmError::memory_io(format!("mmap of {len} bytes"), io)
+                }
+                other => VmmError::memory(format!("mmap of {len} bytes: {other}")),
+            })?;
             let r = GuestRegionMmap::new(region, GuestAddress(gpa))
-                .ok_or_else(|| VmmError::Memory("region wraps the address space".into()))?;
+                .ok_or_else(|| VmmError::memory("region wraps the address space"))?;
             regions.push(r);
         }
         let mem = GuestMemoryMmap::from_regions(regions)
-            .map_err(|e| VmmError::Memory(format!("building guest memory: {e}")))?;
+            .map_err(|e| VmmError::memory(format!("building guest memory: {e}")))?;
         Ok(GuestRam {
             mem,
             size,
@@ -162,7 +167,7 @@ impl GuestRam {
             let host = self
                 .mem
                 .get_host_address(region.start_addr())
-                .map_err(|e| VmmError::Memory(format!("host address of a region: {e}")))?;
+                .map_err(|e| VmmError::memory(format!("host address of a region: {e}")))?;
             let r = kvm_userspace_memory_region {
                 slot: slot as u32,
                 flags: 0,
@@ -198,7 +203,7 @@ impl GuestRam {
                     let chunk = &mut buf[..n];
                     self.mem
                         .read_slice(chunk, GuestAddress(gpa + (pos - off)))
-                        .map_err(|e| VmmError::Memory(format!("reading guest RAM: {e}")))?;
+                        .map_err(|e| VmmError::memory(format!("reading guest RAM: {e}")))?;
                     written += write_nonzero_pages(&out, chunk, pos)?;
                     pos += n as u64;
                 }

@@ -1088,6 +1088,6 @@ fn io_loop(shared: &Shared, transports: &[Arc<Mutex<MmioTransport>>], deadline: 
 pub fn read_guest(mem: &GuestMemoryMmap, addr: u64, len: usize) -> Result<Vec<u8>> {
     let mut v = vec![0u8; len];
     mem.read_slice(&mut v, GuestAddress(addr))
-        .map_err(|e| VmmError::Memory(format!("reading {len} bytes at {addr:#x}: {e}")))?;
+        .map_err(|e| VmmError::memory(format!("reading {len} bytes at {addr:#x}: {e}")))?;
     Ok(v)
 }
