@@ -395,9 +395,9 @@ use std::time::Instant;
 
 use async_trait::async_trait;
 use sandbox_core::{
-    Backend, Capabilities, EgressEnforcer, Error, Language, LimitKind, NetworkMode, Phase,
-    ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotId, SnapshotKind, SnapshotStore, Tier,
-    TierStatus, TimelineRecorder, Workspace,
+    Backend, Capabilities, EgressEnforcer, Error, Language, Lifecycle, LimitKind, NetworkMode,
+    Phase, ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotId, SnapshotKind, SnapshotStore,
+    Tier, TierStatus, TimelineRecorder, Workspace,
 };
 
 mod cgroup;
@@ -945,8 +945,7 @@ impl ContainerBackend {
             env,
             redactor: secrets.redactor(),
             born: Instant::now(),
-            gone: Default::default(),
-            gone_reason: Mutex::new(String::new()),
+            life: Lifecycle::new(id.clone()),
             pid,
             ctl,
             cgroup,
@@ -957,7 +956,6 @@ impl ContainerBackend {
             state_file,
             terminated: Mutex::new(false),
             timer: Mutex::new(None),
-            paused: Default::default(),
         });
         // From here on, dropping `sb` tears everything down.
         let mut sb = ContainerSandbox {

@@ -3,7 +3,6 @@
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -11,9 +10,9 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use sandbox_core::{
     Command, DirEntry, EgressEnforcer, Error, ExecEvent, ExecRequest, ExecResult, ExecStream,
-    Language, LimitKind, NetworkEvent, NetworkPolicy, OutputBuffer, Phase, Redactor, Result,
-    Sandbox, SandboxSpec, SnapshotDraft, SnapshotId, SnapshotKind, SnapshotStore, Tier, Timeline,
-    TimelineRecorder,
+    Language, Lifecycle, LimitKind, NetworkEvent, NetworkPolicy, OutputBuffer, Phase, Redactor,
+    Result, Sandbox, SandboxSpec, SnapshotDraft, SnapshotId, SnapshotKind, SnapshotStore, Tier,
+    Timeline, TimelineRecorder, Transition,
 };
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
@@ -40,8 +39,8 @@ pub(crate) struct Inner {
     pub env: BTreeMap<String, String>,
     pub redactor: Redactor,
     pub born: Instant,
-    pub gone: AtomicBool,
-    pub gone_reason: Mutex<String>,
+    /// Live, paused, or gone with the reason.
+    pub life: Lifecycle,
     /// Host pid of the init (our child until reaped in `terminate`).
     pub pid: libc::pid_t,
     pub ctl: Arc<Ctl>,
@@ -54,11 +53,10 @@ pub(crate) struct Inner {
     /// The egress enforcer this sandbox is attached to (policies other than deny-all).
     pub egress: Option<Arc<dyn EgressEnforcer>>,
     pub state_file: Option<PathBuf>,
+    /// Set by the first `terminate` once it starts tearing down (later calls wait for it).
     pub terminated: Mutex<bool>,
     /// The lifetime timer, aborted on terminate.
     pub timer: Mutex<Option<tokio::task::AbortHandle>>,
-    /// Frozen with [`Sandbox::pause`]: no command can start until it is resumed.
-    pub paused: AtomicBool,
 }
 
 impl std::fmt::Debug for Inner {
@@ -218,21 +216,11 @@ async fn pump(
 
 impl Inner {
     fn gone_err(&self) -> Error {
-        let reason = self
-            .gone_reason
-            .lock()
-            .map(|r| r.clone())
-            .unwrap_or_default();
-        Error::SandboxGone {
-            id: self.id.clone(),
-            reason,
-        }
+        self.life.gone_error()
     }
 
     pub(crate) fn alive(&self) -> Result<()> {
-        if self.gone.load(Ordering::SeqCst) {
-            return Err(self.gone_err());
-        }
+        self.life.check_not_gone()?;
         if self.born.elapsed() > self.spec.limits.lifetime() {
             self.terminate("lifetime limit reached");
             return Err(self.gone_err());
@@ -253,11 +241,7 @@ impl Inner {
             return;
         }
         *done = true;
-        if !self.gone.swap(true, Ordering::SeqCst) {
-            if let Ok(mut r) = self.gone_reason.lock() {
-                *r = reason.to_string();
-            }
-        }
+        self.life.end(reason);
         // The next create's init is cloned meanwhile (see `spawn::prefork`).
         crate::spawn::prefork();
         // The kernel then kills the whole pid namespace.
@@ -413,12 +397,7 @@ impl Inner {
     ) -> Result<ExecResult> {
         self.alive()?;
         req.validate()?;
-        if self.paused.load(Ordering::SeqCst) {
-            return Err(Error::backend(
-                TIER,
-                "the sandbox is paused: resume() it before running commands",
-            ));
-        }
+        self.life.check_running()?;
         let mut t = TimelineRecorder::start();
         let argv = self.argv(&req.command)?;
         if argv.iter().any(|a| a.contains('\0')) {
@@ -675,7 +654,7 @@ impl Inner {
     /// init's when the whole sandbox dies.
     async fn init_died(&self) -> bool {
         for _ in 0..20 {
-            if self.ctl.is_closed() || self.gone.load(Ordering::SeqCst) {
+            if self.ctl.is_closed() || self.life.is_gone() {
                 return true;
             }
             tokio::time::sleep(Duration::from_micros(500)).await;
@@ -801,9 +780,11 @@ impl Sandbox for ContainerSandbox {
         self.inner.alive()?;
         match &self.inner.cgroup {
             Some(c) if c.can_freeze() => {
-                c.freeze(true)
-                    .map_err(|e| Error::io("freeze the sandbox", e))?;
-                self.inner.paused.store(true, Ordering::SeqCst);
+                if self.inner.life.begin(Transition::Pause)? {
+                    c.freeze(true)
+                        .map_err(|e| Error::io("freeze the sandbox", e))?;
+                    self.inner.life.complete(Transition::Pause);
+                }
                 Ok(())
             }
             _ => Err(Error::unsupported(
@@ -817,9 +798,11 @@ impl Sandbox for ContainerSandbox {
         self.inner.alive()?;
         match &self.inner.cgroup {
             Some(c) if c.can_freeze() => {
-                c.freeze(false)
-                    .map_err(|e| Error::io("thaw the sandbox", e))?;
-                self.inner.paused.store(false, Ordering::SeqCst);
+                if self.inner.life.begin(Transition::Resume)? {
+                    c.freeze(false)
+                        .map_err(|e| Error::io("thaw the sandbox", e))?;
+                    self.inner.life.complete(Transition::Resume);
+                }
                 Ok(())
             }
             _ => Err(Error::unsupported(
@@ -873,7 +856,7 @@ impl Sandbox for ContainerSandbox {
 impl Drop for ContainerSandbox {
     fn drop(&mut self) {
         if let Some(c) = &self.inner.cgroup {
-            if c.can_freeze() && !self.inner.gone.load(Ordering::SeqCst) {
+            if c.can_freeze() && !self.inner.life.is_gone() {
                 let _ = c.freeze(false);
             }
         }

@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use sandbox_core::{
     fsnap, pump_output, Command, DirEntry, EgressEnforcer, EgressPlan, Error, ExecEvent,
-    ExecRequest, ExecResult, ExecStream, Language, LimitKind, NetworkEvent, NetworkPolicy, Phase,
-    Redactor, ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotDraft, SnapshotError,
-    SnapshotId, SnapshotKind, SnapshotStore, StreamKind, StreamSink, Tier, Timeline,
-    TimelineRecorder, Workspace, WorkspacePath,
+    ExecRequest, ExecResult, ExecStream, Language, Lifecycle, LimitKind, NetworkEvent,
+    NetworkPolicy, Phase, Redactor, ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotDraft,
+    SnapshotError, SnapshotId, SnapshotKind, SnapshotStore, StreamKind, StreamSink, Tier, Timeline,
+    TimelineRecorder, Transition, Workspace, WorkspacePath,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, RwLock};
@@ -58,9 +58,11 @@ struct Inner {
     /// The sandbox's cgroup paths (v1 memory and pids hierarchies), to read OOM kills and
     /// pids-limit hits from.
     cgroup: Mutex<(Option<String>, Option<String>)>,
-    gone: AtomicBool,
-    /// Why the sandbox died on its own (e.g. killed by the memory limit), if it did.
-    dead: Mutex<Option<String>>,
+    /// Live, paused, or gone with the reason (destroyed, lifetime, killed by a limit...).
+    life: Lifecycle,
+    /// Set by the first teardown (container deleted, state removed): a sandbox can be gone
+    /// (it died on its own) before it is torn down.
+    torn_down: AtomicBool,
     born: Instant,
     seq: AtomicU64,
     /// Execs hold it shared; a snapshot holds it exclusively until the sandbox is resumed.
@@ -70,8 +72,6 @@ struct Inner {
     /// Whether commands start through the sandbox's control socket ([`crate::urpc`]);
     /// cleared for good the first time that is not possible (then `runsc exec`).
     direct: AtomicBool,
-    /// Paused with [`Sandbox::pause`]: no command can start until it is resumed.
-    paused: AtomicBool,
     /// Our lock on the sandbox directory (see [`stale`]).
     _owner: stale::Owner,
     /// A snapshot's background resume is running; `resumed` is notified when it ends.
@@ -204,12 +204,11 @@ impl GvisorSandbox {
             redactor: secrets.redactor(),
             pids: Mutex::new(Vec::new()),
             cgroup: Mutex::new((None, None)),
-            gone: AtomicBool::new(false),
-            dead: Mutex::new(None),
+            life: Lifecycle::new(id.clone()),
+            torn_down: AtomicBool::new(false),
             born: Instant::now(),
             seq: AtomicU64::new(0),
             direct: AtomicBool::new(!backend.config.runsc_exec),
-            paused: AtomicBool::new(false),
             lifecycle: Arc::new(RwLock::new(())),
             egress,
             _owner: owner,
@@ -560,26 +559,12 @@ impl Inner {
     }
 
     fn alive(&self) -> Result<()> {
-        if self.gone.load(Ordering::SeqCst) {
-            return Err(Error::SandboxGone {
-                id: self.id.clone(),
-                reason: "destroyed".into(),
-            });
-        }
-        if let Some(reason) = self.dead.lock().ok().and_then(|d| d.clone()) {
-            return Err(Error::SandboxGone {
-                id: self.id.clone(),
-                reason,
-            });
-        }
-        if self.born.elapsed() > self.spec.limits.lifetime() {
+        if self.born.elapsed() > self.spec.limits.lifetime()
+            && self.life.end("lifetime limit reached")
+        {
             self.teardown();
-            return Err(Error::SandboxGone {
-                id: self.id.clone(),
-                reason: "lifetime limit reached".into(),
-            });
         }
-        Ok(())
+        self.life.check_not_gone()
     }
 
     fn argv(&self, cmd: &Command) -> Result<(Vec<String>, BTreeMap<String, String>)> {
@@ -618,12 +603,7 @@ impl Inner {
         req.validate()?;
         let _shared = self.lifecycle.read().await;
         self.alive()?;
-        if self.paused.load(Ordering::SeqCst) {
-            return Err(Error::backend(
-                TIER,
-                "the sandbox is paused: resume() it before running commands",
-            ));
-        }
+        self.life.check_running()?;
         let mut t = TimelineRecorder::start();
         let (argv, extra) = self.argv(&req.command)?;
         let cwd = match &req.cwd {
@@ -754,16 +734,12 @@ impl Inner {
             };
             if hit.is_none() && exit_code == Some(128) && !self.container_running().await {
                 // runsc could not wait for the process: the sandbox itself is gone.
-                if let Ok(mut d) = self.dead.lock() {
-                    *d = Some("the gVisor sandbox exited unexpectedly".into());
-                }
+                self.life.end("the gVisor sandbox exited unexpectedly");
             }
             if let Some((kind, why)) = hit {
                 limit = Some(kind);
                 exit_code = Some(137);
-                if let Ok(mut d) = self.dead.lock() {
-                    *d = Some(why.into());
-                }
+                self.life.end(why);
             } else if self.disk_full() {
                 limit = Some(LimitKind::Disk);
             }
@@ -899,9 +875,7 @@ impl Inner {
             Err(crate::urpc::CallError::Io(e)) => {
                 if !self.container_running().await {
                     let reason = "the gVisor sandbox exited unexpectedly".to_string();
-                    if let Ok(mut d) = self.dead.lock() {
-                        *d = Some(reason.clone());
-                    }
+                    self.life.end(reason.clone());
                     return Err(Error::SandboxGone {
                         id: self.id.clone(),
                         reason,
@@ -1037,7 +1011,7 @@ impl Inner {
 
     /// Deletes the container, reaps its processes, unmounts and removes the state. Idempotent.
     fn teardown(&self) {
-        if self.gone.swap(true, Ordering::SeqCst) {
+        if self.torn_down.swap(true, Ordering::SeqCst) {
             return;
         }
         self.cleanup();
@@ -1155,11 +1129,10 @@ impl Inner {
         let _ = std::fs::remove_dir_all(image);
         if let Err(e) = resumed {
             tracing::warn!(sandbox = %self.id, error = %e, "could not resume after a checkpoint");
-            if let Ok(mut d) = self.dead.lock() {
-                *d = Some(format!("could not resume after its snapshot: {e}"));
-            }
+            self.life
+                .end(format!("could not resume after its snapshot: {e}"));
         }
-        if self.gone.load(Ordering::SeqCst) {
+        if self.torn_down.load(Ordering::SeqCst) {
             // Destroyed while resuming: remove what the restore brought back.
             let me = Arc::clone(self);
             let _ = tokio::task::spawn_blocking(move || me.cleanup()).await;
@@ -1281,19 +1254,25 @@ impl Sandbox for GvisorSandbox {
 
     async fn pause(&self) -> Result<()> {
         self.inner.alive()?;
+        if !self.inner.life.begin(Transition::Pause)? {
+            return Ok(());
+        }
         let mut cmd = self.inner.runsc.async_command();
         cmd.args(["pause", &self.inner.id]);
         run_checked_async(cmd, "pause").await?;
-        self.inner.paused.store(true, Ordering::SeqCst);
+        self.inner.life.complete(Transition::Pause);
         Ok(())
     }
 
     async fn resume(&self) -> Result<()> {
         self.inner.alive()?;
+        if !self.inner.life.begin(Transition::Resume)? {
+            return Ok(());
+        }
         let mut cmd = self.inner.runsc.async_command();
         cmd.args(["resume", &self.inner.id]);
         run_checked_async(cmd, "resume").await?;
-        self.inner.paused.store(false, Ordering::SeqCst);
+        self.inner.life.complete(Transition::Resume);
         Ok(())
     }
 
@@ -1328,10 +1307,11 @@ impl Sandbox for GvisorSandbox {
         }
         // Detach first and wait, so nothing of the link is left when this returns.
         if let Some((e, _)) = &inner.egress {
-            if !inner.gone.load(Ordering::SeqCst) {
+            if !inner.torn_down.load(Ordering::SeqCst) {
                 e.detach(&inner.id).await;
             }
         }
+        inner.life.end("destroyed");
         tokio::task::spawn_blocking(move || inner.teardown())
             .await
             .map_err(|e| Error::backend(TIER, format!("teardown task failed: {e}")))

@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use sandbox_core::{
     Command, DirEntry, EntryKind, Error, ExecEvent, ExecRequest, ExecResult, ExecStream, Language,
-    LimitKind, NetworkPolicy, OutputBuffer, Phase, Redactor, ResolvedSecrets, Result, Sandbox,
-    SandboxSpec, SnapshotDraft, SnapshotError, SnapshotId, SnapshotKind, SnapshotStore,
-    StreamRedactor, Tier, Timeline, TimelineRecorder, Workspace, WorkspacePath,
+    Lifecycle, LimitKind, NetworkPolicy, OutputBuffer, Phase, Redactor, ResolvedSecrets, Result,
+    Sandbox, SandboxSpec, SnapshotDraft, SnapshotError, SnapshotId, SnapshotKind, SnapshotStore,
+    StreamRedactor, Tier, Timeline, TimelineRecorder, Transition, Workspace, WorkspacePath,
 };
 use tokio::sync::{mpsc, RwLock};
 
@@ -129,8 +129,8 @@ struct Inner {
     vcpus: u8,
     kernel_version: Option<String>,
     live: Mutex<Option<Live>>,
-    /// Why the sandbox is gone (destroyed, lifetime, the VM died); `None` while it lives.
-    gone: Mutex<Option<String>>,
+    /// Live, paused, or gone with the reason (destroyed, lifetime, the VM died).
+    life: Lifecycle,
     born: Instant,
     /// Agent calls hold it shared; a snapshot holds it exclusively.
     lifecycle: Arc<RwLock<()>>,
@@ -421,7 +421,7 @@ impl MicrovmSandbox {
         let id = format!("mvm-{}", &uuid::Uuid::new_v4().simple().to_string()[..20]);
         MicrovmSandbox {
             inner: Arc::new(Inner {
-                id,
+                id: id.clone(),
                 env: sandbox_env(&spec, secrets),
                 redactor: secrets.redactor(),
                 spec,
@@ -429,7 +429,7 @@ impl MicrovmSandbox {
                 vcpus,
                 kernel_version,
                 live: Mutex::new(Some(Live { agent, machine })),
-                gone: Mutex::new(None),
+                life: Lifecycle::new(id.clone()),
                 born: Instant::now(),
                 lifecycle: Arc::new(RwLock::new(())),
             }),
@@ -586,12 +586,7 @@ impl Inner {
 
     /// Ends the sandbox for `reason` (the first reason sticks) and kills the VM.
     fn teardown(&self, reason: &str) -> Option<Live> {
-        {
-            let mut g = lock(&self.gone);
-            if g.is_none() {
-                *g = Some(reason.to_string());
-            }
-        }
+        self.life.end(reason);
         let live = lock(&self.live).take();
         if let Some(l) = &live {
             l.machine.kill();
@@ -599,11 +594,16 @@ impl Inner {
         live
     }
 
-    /// The agent and machine of a live sandbox, or why there is none.
+    /// The agent and machine of a running sandbox (the agent cannot answer while the VM is
+    /// paused), or why there are none.
     fn handles(&self) -> Result<(AgentClient, Machine)> {
-        if let Some(r) = lock(&self.gone).clone() {
-            return Err(self.gone_error(r));
-        }
+        self.life.check_running()?;
+        self.machine_handles()
+    }
+
+    /// The agent and machine of a sandbox that exists, paused or not.
+    fn machine_handles(&self) -> Result<(AgentClient, Machine)> {
+        self.life.check_not_gone()?;
         let (agent, machine) = match lock(&self.live).as_ref() {
             Some(l) => (l.agent.clone(), l.machine.clone()),
             None => return Err(self.gone_error("destroyed".into())),
@@ -622,7 +622,7 @@ impl Inner {
     /// An agent failure: typed for the caller; a dead guest makes the sandbox gone, a broken
     /// channel ends it.
     fn fail(&self, e: AgentError, path: Option<&str>) -> Error {
-        if let Some(r) = lock(&self.gone).clone() {
+        if let Some(r) = self.life.gone_reason() {
             return self.gone_error(r);
         }
         let ended = lock(&self.live).as_ref().and_then(|l| l.machine.ended());
@@ -727,7 +727,7 @@ impl Inner {
 
     async fn snapshot(self: &Arc<Self>, store: &dyn SnapshotStore) -> Result<SnapshotId> {
         let exclusive = Arc::clone(&self.lifecycle).write_owned().await;
-        let (_agent, machine) = self.handles()?;
+        let (_agent, machine) = self.machine_handles()?;
         let vm = Arc::clone(machine.vm("snapshots")?);
         let saved = tokio::task::spawn_blocking(move || -> Result<(Vec<u8>, Vec<u8>)> {
             let _exclusive = exclusive;
@@ -773,8 +773,16 @@ impl Inner {
     }
 
     async fn pause_resume(self: &Arc<Self>, pause: bool) -> Result<()> {
-        let (_agent, machine) = self.handles()?;
+        let (_agent, machine) = self.machine_handles()?;
         let vm = Arc::clone(machine.vm("pause/resume")?);
+        let step = if pause {
+            Transition::Pause
+        } else {
+            Transition::Resume
+        };
+        if !self.life.begin(step)? {
+            return Ok(());
+        }
         let r = tokio::task::spawn_blocking(move || if pause { vm.pause() } else { vm.resume() })
             .await
             .map_err(join_err)?;
@@ -784,7 +792,9 @@ impl Inner {
                 self.gone_error(why)
             }
             None => e.into(),
-        })
+        })?;
+        self.life.complete(step);
+        Ok(())
     }
 }
 
@@ -963,10 +973,7 @@ impl Sandbox for MicrovmSandbox {
         // Ask the guest to power off, briefly; then kill the VM whatever it did. Dropping the
         // live parts joins the VM's threads and the agent client's reader.
         let live = {
-            let mut g = lock(&self.inner.gone);
-            if g.is_none() {
-                *g = Some("destroyed".into());
-            }
+            self.inner.life.end("destroyed");
             lock(&self.inner.live).take()
         };
         let Some(live) = live else {

@@ -13,7 +13,6 @@ use std::collections::BTreeMap;
 use std::collections::HashSet;
 use std::path::PathBuf;
 use std::process::Stdio;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -22,9 +21,10 @@ use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use sandbox_core::{
     fsnap, pump_output, Backend, Capabilities, Command, DirEntry, Error, ExecEvent, ExecRequest,
-    ExecResult, ExecStream, Language, LimitKind, OutputBuffer, Phase, Redactor, ResolvedSecrets,
-    Result, Sandbox, SandboxSpec, SnapshotDraft, SnapshotId, SnapshotKind, SnapshotStore,
-    StreamKind, StreamSink, Tier, TierStatus, Timeline, TimelineRecorder, WorkspacePath,
+    ExecResult, ExecStream, Language, Lifecycle, LimitKind, OutputBuffer, Phase, Redactor,
+    ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotDraft, SnapshotId, SnapshotKind,
+    SnapshotStore, StreamKind, StreamSink, Tier, TierStatus, Timeline, TimelineRecorder,
+    WorkspacePath,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
@@ -118,7 +118,7 @@ struct Shared {
     env: BTreeMap<String, String>,
     redactor: Redactor,
     born: Instant,
-    gone: AtomicBool,
+    life: Lifecycle,
     running: Mutex<HashSet<i32>>,
 }
 
@@ -157,13 +157,13 @@ impl UnisolatedSandbox {
         env.entry("LANG".into()).or_insert_with(|| "C.UTF-8".into());
         t.mark(Phase::Runtime);
         let shared = Arc::new(Shared {
-            id,
+            id: id.clone(),
             spec: spec.clone(),
             root: dir.path().to_path_buf(),
             env,
             redactor: secrets.redactor(),
             born: Instant::now(),
-            gone: AtomicBool::new(false),
+            life: Lifecycle::new(id.clone()),
             running: Mutex::new(HashSet::new()),
         });
         Ok(UnisolatedSandbox {
@@ -176,21 +176,13 @@ impl UnisolatedSandbox {
 
 impl Shared {
     fn alive(&self) -> Result<()> {
-        if self.gone.load(Ordering::SeqCst) {
-            return Err(Error::SandboxGone {
-                id: self.id.clone(),
-                reason: "destroyed".into(),
-            });
-        }
-        if self.born.elapsed() > self.spec.limits.lifetime() {
+        if self.born.elapsed() > self.spec.limits.lifetime()
+            && self.life.end("lifetime limit reached")
+        {
             self.kill_all();
-            self.gone.store(true, Ordering::SeqCst);
-            return Err(Error::SandboxGone {
-                id: self.id.clone(),
-                reason: "lifetime limit reached".into(),
-            });
         }
-        Ok(())
+        // No pause in this tier: running and existing are the same.
+        self.life.check_running()
     }
 
     fn host_path(&self, path: &str) -> Result<PathBuf> {
@@ -442,7 +434,9 @@ impl Sandbox for UnisolatedSandbox {
     }
 
     async fn destroy(&self) -> Result<()> {
-        if !self.shared.gone.swap(true, Ordering::SeqCst) {
+        // Idempotent: a second destroy (or one after the lifetime ran out) finds nothing left.
+        self.shared.life.end("destroyed");
+        {
             self.shared.kill_all();
             // Empty the workspace now; the directory itself goes when the sandbox is dropped.
             if let Ok(rd) = std::fs::read_dir(self.dir.path()) {

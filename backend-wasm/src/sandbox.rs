@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use sandbox_core::{
     fsnap, pump_output, Command, DirEntry, Error, ExecEvent, ExecRequest, ExecResult, ExecStream,
-    Language, LimitKind, NetworkPolicy, OutputBuffer, Phase, PhaseTiming, Redactor,
+    Language, Lifecycle, LimitKind, NetworkPolicy, OutputBuffer, Phase, PhaseTiming, Redactor,
     ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotDraft, SnapshotId, SnapshotKind,
     SnapshotStore, StreamKind, StreamSink, Tier, Timeline, TimelineRecorder, Workspace,
     WorkspacePath, WORKSPACE_MOUNT,
@@ -108,7 +108,10 @@ struct Inner {
     cfg: SandboxConfig,
     flavor: Flavor,
     born: Instant,
-    gone: AtomicBool,
+    life: Lifecycle,
+    /// Set by the first `destroy`, which releases the interpreter and the scratch folders
+    /// (a sandbox whose lifetime ran out is gone but still holds them until then).
+    released: AtomicBool,
     state: tokio::sync::Mutex<LangState>,
 }
 
@@ -248,7 +251,7 @@ impl Inner {
         });
         t.mark(Phase::Filesystem);
         let mut sb = Inner {
-            id,
+            id: id.clone(),
             spec: spec.clone(),
             timeline: Timeline::default(),
             scratch,
@@ -261,7 +264,8 @@ impl Inner {
             cfg,
             flavor,
             born: Instant::now(),
-            gone: AtomicBool::new(false),
+            life: Lifecycle::new(id.clone()),
+            released: AtomicBool::new(false),
             state: tokio::sync::Mutex::new(LangState::Wasm),
         };
         let mut extra = Vec::new();
@@ -351,20 +355,11 @@ impl Inner {
     }
 
     fn alive(&self) -> Result<()> {
-        if self.gone.load(Ordering::SeqCst) {
-            return Err(Error::SandboxGone {
-                id: self.id.clone(),
-                reason: "destroyed".into(),
-            });
-        }
         if self.born.elapsed() > self.spec.limits.lifetime() {
-            self.gone.store(true, Ordering::SeqCst);
-            return Err(Error::SandboxGone {
-                id: self.id.clone(),
-                reason: "lifetime limit reached".into(),
-            });
+            self.life.end("lifetime limit reached");
         }
-        Ok(())
+        // No pause in this tier: running and existing are the same.
+        self.life.check_running()
     }
 
     fn limits(&self, req: &ExecRequest) -> CallLimits {
@@ -800,7 +795,8 @@ impl Inner {
     }
 
     async fn destroy(&self) -> Result<()> {
-        if !self.gone.swap(true, Ordering::SeqCst) {
+        self.life.end("destroyed");
+        if !self.released.swap(true, Ordering::SeqCst) {
             if let Ok(mut g) = self.state.try_lock() {
                 engine::drop_later(std::mem::replace(&mut *g, LangState::Wasm));
             }

@@ -79,6 +79,11 @@ pub trait Sandbox: Send + Sync {
     fn timeline(&self) -> &Timeline;
 
     /// Runs one command to completion and returns its captured output.
+    ///
+    /// # Errors
+    /// [`Error::SandboxPaused`] while the sandbox is paused, [`Error::SandboxGone`] once it
+    /// ended (see [`lifecycle`](crate::lifecycle)); a failing command is not an error (its
+    /// exit code and the limit it hit are in the result).
     async fn exec(&self, req: ExecRequest) -> Result<ExecResult>;
 
     /// Runs one command, streaming output as it comes.
@@ -102,12 +107,19 @@ pub trait Sandbox: Send + Sync {
         Err(Error::unsupported(self.tier(), "snapshots"))
     }
 
-    /// Pauses every process of the sandbox.
+    /// Pauses every process of the sandbox. Pausing a paused sandbox does nothing.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] on tiers without `pause_resume` in their capabilities,
+    /// [`Error::SandboxGone`] once the sandbox ended.
     async fn pause(&self) -> Result<()> {
         Err(Error::unsupported(self.tier(), "pause/resume"))
     }
 
-    /// Resumes a paused sandbox.
+    /// Resumes a paused sandbox. Resuming a running sandbox does nothing.
+    ///
+    /// # Errors
+    /// As [`pause`](Self::pause).
     async fn resume(&self) -> Result<()> {
         Err(Error::unsupported(self.tier(), "pause/resume"))
     }
@@ -133,7 +145,9 @@ pub trait Sandbox: Send + Sync {
     /// A cheap liveness check used by warm pools before handing a sandbox out.
     async fn health_check(&self) -> Result<()>;
 
-    /// Destroys the sandbox and everything it holds on the host. Idempotent.
+    /// Destroys the sandbox and everything it holds on the host, paused or not. Idempotent:
+    /// destroying it again (or after it died) does nothing and succeeds; every other call
+    /// then fails with [`Error::SandboxGone`].
     async fn destroy(&self) -> Result<()>;
 }
 
