@@ -2,7 +2,9 @@
 //!
 //! Runs agent code (python, node, gcc, git, bash...) in a persistent Linux container built
 //! from namespaces, cgroups, seccomp and Landlock, with our own tiny init as pid 1. No OCI
-//! runtime, no daemon, no helper binary to install.
+//! runtime, no daemon, no helper binary to install: the init is built with this crate (by
+//! its build script, with the same `rustc`) and embedded in it. It shares the host's kernel:
+//! for hostile code that must not reach it, use the gVisor or microVM tiers.
 //!
 //! ```no_run
 //! # async fn demo() -> sandbox_core::Result<()> {
@@ -18,375 +20,41 @@
 //! # Ok(()) }
 //! ```
 //!
-//! ## Architecture
+//! ## Configuring
 //!
-//! ```text
-//!  library process (tokio)                       the init (static, from a sealed memfd)
-//!  ───────────────────────                       ────────────────────
-//!  create: take the spare init (or have the      A = pid 1 of new user + pid namespaces,
-//!          zygote clone one: CLONE_NEWUSER |       cloned by the zygote (CLONE_PARENT), waits
-//!          CLONE_NEWPID | CLONE_PARENT)            (a spare: cloned with NS|UTS|IPC|NET too,
-//!                                                   its lo up while it waits)
-//!          write uid_map/gid_map
-//!          START, MAPS ────────────────────────▶ A: BOOT, unshare(NS|UTS|IPC|NET) (not a
-//!          (meanwhile: plan the setup; make the     spare), setresuid(0)
-//!           cgroups, or rename kept ones, open
-//!           their `tasks` files)
-//!          check BOOT ◀──────────────────────── (source hash; spare: lo is up)
-//!          (rootfs dir: open_tree + idmap)
-//!          CGROUPS (the opened files) ─────────▶ A: writes "0" to each (moves itself in)
-//!          SETUP, SEAL (queued) ───────────────▶ A: as root, one recursive bind of the
-//!                                                    zygote's root-filesystem template, its
-//!                                                    own mounts on it (else the classic
-//!                                                    setup), pivot_root, hostname, lo up,
-//!                                                    Landlock; unshare(CGROUP), seccomp
-//!          network hook (netns of A)
-//!  exec:   pipes (stdin/stdout/stderr) ─────────▶ the spare supervisor A forked ahead
-//!          (on the spare's own socket; else        (else one A forks on demand): a child
-//!           through A)                              subreaper; it starts the command with a
-//!                                                   vfork-style clone: setpgid, rlimits,
-//!                                                   setuid(sandbox), chdir, execve
-//!          ◀──────────── EXITED(status, t) ──────── the supervisor (which then waits for the
-//!                                                   next exec, if this one left nothing);
-//!                                                   A reaps every orphan
-//!  destroy: SIGKILL A → the kernel kills the pid namespace; rmdir cgroups
-//! ```
+//! [`ContainerBackend::builder`] sets the backend-wide options ([`ContainerConfig`]): a
+//! state directory for [`ContainerBackend::cleanup_stale`], the host name, the uid range
+//! used as root, whether cgroups are required, seccomp and Landlock on or off, and the
+//! [`EgressEnforcer`] that allowlisted network policies need ([`network`]; without one only
+//! deny-all is accepted). Per sandbox, the [`SandboxSpec`] gives the language, workspace
+//! (a private tmpfs or a host directory), mounts, environment, secrets, [`Limits`](sandbox_core::Limits)
+//! and network policy; its [`rootfs`](SandboxSpec::rootfs) replaces the default view of the
+//! host's `/usr` ([`RootfsMode::HostTools`]) with a root filesystem directory (a Debian tree,
+//! an unpacked OCI image) under a throwaway overlay.
 //!
-//! **The init is a separate, embedded program** (`init/main.rs`, std only, compiled by
-//! `build.rs` with the same `rustc`, statically linked and non-PIE when possible, ~1.3 MB).
-//! The library writes it once per process into a sealed memfd and starts it from there once,
-//! with `std::process::Command` (glibc's `posix_spawn`: a vfork-style spawn), as the
-//! process's **zygote**: a small idle fork server. Every sandbox's init is a clone of it
-//! (`CLONE_PARENT`, so a child of the library), which skips an `execve` and libc's start-up
-//! per sandbox (~0.3-0.5 ms here: its CPUID probing traps to the hypervisor); a zygote that
-//! died is replaced on the next create. The zygote holds no sandbox's namespace, cgroup or
-//! file. It keeps **one init cloned ahead of time** (a *spare*, asked for after a command
-//! finishes and when a sandbox is torn down, moments that usually precede idleness): a
-//! process cloned with all of a sandbox's namespaces (user, pid, mount, UTS, IPC, network:
-//! empty, owned by its own user namespace, exactly what an init makes after `START`) that
-//! brings its `lo` up and then does nothing until a create sends it `START`. Nothing in it
-//! depends on the spec. A create then skips the zygote's wake-up and `clone` (~0.3 ms here)
-//! and the namespaces' creation (~0.5 ms, mostly the network namespace's). A spare that
-//! died is noticed (its socket hung up), reaped and replaced by an on-demand clone. As root
-//! the zygote also holds the **root-filesystem templates** (see below). The init
-//! reports a compile-time hash of its sources at start-up, and the library refuses an init
-//! built from other sources (a stale build-script output) with a clear error.
-//! **The library never forks itself**, for two reasons:
-//! 1. *Safety*: the library runs inside multi-threaded tokio programs. After `fork` only
-//!    async-signal-safe calls are allowed (no malloc, no locks), which rules out building a
-//!    root filesystem, parsing requests or serving execs in a forked child. `posix_spawn`
-//!    runs no code of ours in the child; everything else happens in the init, a fresh
-//!    single-threaded process.
-//! 2. *Cost and memory*: a fork copies the parent's page tables and `execve` then tears the
-//!    copy down again (together ~1 ms here for a small tokio program, more for a big one),
-//!    and a child kept without exec ends up owning a private copy of the parent's heap as the
-//!    parent writes to it. The idle init measures ~0.84 MB RSS, ~0.48 MB PSS. It has its own
-//!    C `main` (`#![no_main]`): std's runtime start-up would parse `/proc/self/maps`.
+//! ## Requirements
 //!
-//! The init is cloned as pid 1 of a new pid namespace, in a new user namespace (so pid 1 is
-//! a direct child of the library, which waits for it on destroy); the other namespaces come
-//! with a spare's `clone`, or are created from inside an init cloned on demand, right away
-//! (they need only the capabilities it holds in its user
-//! namespace, so their cost, ~0.5 ms with the network namespace, overlaps the library's map
-//! writing and the cgroup job). **On cgroup v1 it moves itself into the sandbox's cgroups**
-//! (writing `0` to the `tasks` files the library opened; the opener's credentials authorize
-//! it) before it starts anything: a single thread moving itself skips the global lock that
-//! moving another process takes, which waits for an RCU grace period: 10-20 ms on an idle
-//! host, measured here. (On v2, where `cgroup.procs` takes that lock either way, the library
-//! writes the init's pid.) The cgroup namespace is created last, once the init sits in the
-//! sandbox's cgroups, so it is rooted there.
+//! - Linux with user namespaces (`user.max_user_namespaces` > 0), `pivot_root` and
+//!   tmpfs/proc mounts inside them, and exec from a sealed memfd (`vm.memfd_noexec` = 0).
+//! - seccomp (`CONFIG_SECCOMP_FILTER`), unless the filter is turned off; Landlock is used
+//!   when the kernel has it.
+//! - cgroups for memory, pids and CPU limits and pause/resume: as root, nothing to do; rootless,
+//!   a cgroup delegated to the user (v1: `memory`, `pids`, `cpu`; v2: with the `memory` and
+//!   `pids` controllers) that the process starts in, or `require_cgroups(false)` to run
+//!   without those limits.
+//! - Root or not: as root each sandbox gets a private uid range and commands run as an
+//!   unprivileged user; rootless, the caller's uid is root inside with every capability
+//!   dropped.
 //!
-//! Why not re-exec `/proc/self/exe` with a magic argument? It needs a hook in the embedding
-//! program's `main` (or a pre-main constructor), and breaks when the library is loaded into
-//! another interpreter (e.g. a Python extension, whose `/proc/self/exe` is python).
+//! [`ContainerBackend::probe`](sandbox_core::Backend::probe) checks all of this with a real
+//! smoke test and says what to fix.
 //!
-//! **Exec enters the running sandbox through its init**: the init starts the command, which is
-//! therefore in every namespace, the same root filesystem and the sandbox's cgroups, under the
-//! same seccomp filter and Landlock domain (no `setns` needed: the init is already inside).
-//! Each exec gets a *supervisor*, a fork of the init marked `PR_SET_CHILD_SUBREAPER`: every
-//! process the command starts stays its descendant (orphans are re-parented to it, even after
-//! `setsid` or a double fork), so a timeout kills the exec's whole tree by walking `/proc`.
-//! **Sessions**: the init makes the sandbox's own session (`setsid` right after `START`), which
-//! has no controlling terminal, so nothing inside reaches the terminal of the library's session
-//! (`/dev/tty`, `TIOCSTI`); each exec is a process group of that session (`setpgid`), not a
-//! session of its own, which would cost a scheduler autogroup per command (made by `setsid`,
-//! freed through RCU after the command exits).
-//! The init keeps one **spare supervisor** forked ahead of time (the first before the seal's
-//! reply, so it carries the seal) and hands the library a socket to it
-//! (`REP_SPARE`): the library sends the exec **straight to the spare**, whose replies
-//! (`EXITED`, kill acknowledgements) and kill requests travel on that socket, so an exec's
-//! critical path has neither a `fork` nor a hop through the init or the control socket's
-//! reader task. Execs that find no spare at hand (concurrent ones, or a request too big for
-//! one packet) go through the init, which forks their supervisor on demand. **A spare serves
-//! exec after exec** as long as each leaves nothing behind: when the command has exited, no
-//! descendant is left (orphans are re-parented to the supervisor before the command's death
-//! is reported, so none then means none), no kill was asked for and the library still
-//! listens, `EXITED` says so and the supervisor waits for the next exec on the same socket;
-//! the library keeps it for the next one. An exec that leaves a process running keeps its
-//! supervisor (which leaves with the last of it) and the init forks the next spare once the
-//! reply is out (an exec that follows at once may find none and take the path above). No
-//! fork, and none of a fresh process's page faults, per exec: "until started" for
-//! `/bin/true` went from ~0.24 to ~0.10 ms. The supervisor keeps its copies of the command's
-//! stdout and stderr until its `EXITED` is out, so the command's exit wakes no reader: the
-//! library's two pipe readers were woken in turn (each preempting the exiting command on a
-//! busy CPU) before the report; it now reads what is left once `EXITED` comes. A spare takes
-//! a process slot (`pids.max` allows for it) and ~0.2-0.3 MiB PSS. The supervisor starts the command with `clone(CLONE_VM | CLONE_VFORK)`: the child shares
-//! the supervisor's memory until it execs (no page-table copy, no copy-on-write faults) and
-//! only makes system calls on data prepared before the clone (argv, env, the `PATH`
-//! candidates, rlimits); the capability bounding set was emptied once, when the sandbox was
-//! sealed. The command's start time travels in the final `EXITED` reply, so the library is
-//! not woken while the command runs. When the command itself exits the supervisor reports; what the command left running
-//! **persists** (files do too), still grouped under its supervisor, which leaves with the
-//! last of it. An exec that hit the memory or pids limit has its leftovers killed. An exec
-//! returns when its command exits; output written later by background children is not
-//! captured and does not block the call. (A per-exec cgroup would also work, but moving a
-//! task between v1 cgroups costs ~0.1-0.3 ms idle and waits for an RCU grace period, several
-//! ms on a busy host.)
+//! ## More
 //!
-//! ## Identity
-//!
-//! Every sandbox has a user namespace. **As root**, ids 0..65536 inside map to a private host
-//! range (`uid_base + slot * 65536`, default base 2^30): the init runs as uid 0 *inside*
-//! (an unprivileged host uid), commands run as `sandbox` (uid 1000 inside) with no
-//! capabilities. **Rootless**, only the caller's uid can be mapped: it becomes uid 0 inside and
-//! commands run as that uid with every capability dropped, the bounding set emptied and
-//! `SECBIT_NOROOT` locked, so exec cannot regain any. With a rootfs directory, commands run
-//! as uid 0 inside in both modes (see below).
-//!
-//! ## Root filesystem ("host tools" view)
-//!
-//! A fresh tmpfs root (read-only once built) holding:
-//! - `/usr` bound read-only (`nosuid,nodev`), `/bin`, `/sbin`, `/lib*` as the host's symlinks
-//!   (or read-only binds on a non-merged host);
-//! - `/etc`: generated `passwd`/`group` (with the sandbox user), `hosts`, `hostname`,
-//!   `resolv.conf`, `nsswitch.conf` (files only), `gitconfig` (a user name/email, so git
-//!   commits work), plus read-only binds of the host's `ld.so.cache`, `ld.so.conf*`, `ssl`,
-//!   `ca-certificates*`, `alternatives`, `localtime`, `protocols`, `services`, and a few more
-//!   (see `rootfs.rs`). Nothing else of the host's `/etc` (no `shadow`, no `ld.so.preload`);
-//! - a fresh `/proc` of the sandbox's pid namespace (`/proc/sys` read-only);
-//! - `/dev`: a tmpfs with `null`, `zero`, `full`, `random`, `urandom`, `tty` bound from the
-//!   host (no `mknod` in a user namespace), a private `devpts` (`/dev/pts`, `/dev/ptmx`),
-//!   `/dev/shm` (tmpfs), and the `fd`/`stdin`/`stdout`/`stderr` links;
-//! - `/tmp` (tmpfs), `/var/tmp` → `/tmp`;
-//! - `/workspace`: a tmpfs owned by the sandbox user, or the spec's host directory (read-only
-//!   if asked);
-//! - the spec's mounts, read-only unless `read_only: false`, never under a system directory.
-//!
-//! No `/sys`, `/home`, `/root`, `/var`, `/run` or host sockets.
-//!
-//! **As root, from a template.** Everything above that is the same for every sandbox with
-//! the same generated `/etc` files (the command user, the hostname, `resolv.conf`) — `/usr`
-//! and the links, `/etc`, the `/dev` tmpfs with its nodes and links, the mount points — is
-//! built **once per process** by the zygote, in a mount namespace of its own (a slave of the
-//! host's, so host mounts still arrive and ours never leave), as a read-only tmpfs under
-//! `/run/agent-sandbox-templates` (the directory is made on the host and stays empty there).
-//! Every init starts from a copy of that namespace: it clones the template with one recursive
-//! bind (the template's mounts arrive locked, so they stay read-only: a sandbox can neither
-//! write nor unmount them), mounts its own `/proc`, `/dev/pts`, `/dev/shm`, `/tmp` and
-//! workspace on it, `pivot_root`s into it and detaches the old root: ~20 mount operations
-//! instead of ~100 (the filesystem phase went from ~1.2 to ~0.5 ms). A template is used only
-//! under the host fingerprint it was built with (device, inode, size, mode and mtime of the
-//! `/etc` entries it copies or binds and of the `/usr` links, taken at most once a second):
-//! e.g. after an `ldconfig` renamed a new `ld.so.cache` into place, the next create builds a
-//! new template (a file bind would keep the old file). The template's files
-//! belong to host root, so inside they show as `nobody` (like `/usr` always did). A
-//! host-directory workspace reaches a template-mode init as a detached mount the library
-//! clones (`open_tree`) from its own current view, since the init's namespace descends from
-//! the zygote's copy, which may lag it. Specs with their own mounts (whose mount points would
-//! have to be made in the shared root), an egress link (its own `resolv.conf`) or a rootfs
-//! directory, and rootless mode, use the classic setup, from an init the zygote clones in the
-//! library's own mount namespace (so bind sources are the library's current view): the init builds the root in a scratch tmpfs (keeping the host root at `/oldroot`
-//! for bind sources, as bubblewrap does), `pivot_root`s into it and detaches the old root.
-//!
-//! `/proc/mounts` shows only the sandbox's own mounts (device names and mount points inside;
-//! bind sources appear as the device they live on, never as a host path). Not hidden:
-//! `/proc/self/mountinfo` shows a bind's path *within its filesystem* (e.g. a host workspace
-//! directory's path), and tmpfs options show the host uid the sandbox's root maps to.
-//!
-//! **Host-directory workspaces as root**: when the directory (writable spec) belongs to an
-//! unprivileged user, the sandbox user (uid 1000 inside) is mapped to that owner (an extra
-//! `uid_map` line), so commands and the file API create files the owner owns; the rest of the
-//! range stays private. A directory owned by root is never mapped that way (commands would
-//! own host root's files): it is writable only if its mode allows it. Rootless, the caller's
-//! own directories are writable. (Idmapped mounts would lift the root-owned case; not done.)
-//!
-//! ## Root filesystem from a directory ([`SandboxSpec::rootfs`])
-//!
-//! A root filesystem directory (a Debian tree made with `debootstrap`, an unpacked OCI image)
-//! replaces the host-tools view. It is the **lower layer of an overlay** and is never
-//! written: the upper and work directories live on a tmpfs of the sandbox's own (capped as
-//! below, charged to its memory cgroup), so changes vanish with the sandbox
-//! unless snapshotted. `/proc`, `/dev`, `/tmp`, `/workspace`, the spec's mounts, hostname,
-//! loopback, rlimits, cgroups, seccomp and Landlock are the same as in the host-tools view;
-//! the image keeps its own `/etc` except `hosts`, `hostname` and `resolv.conf`, which are
-//! written (into the upper layer) for the sandbox. Nothing of the host's `/usr` is visible.
-//!
-//! - **Ownership.** As root, the library clones the directory's mount with `open_tree`
-//!   (not recursive: submounts stay out) and **idmaps** it through the sandbox's user
-//!   namespace (`mount_setattr(MOUNT_ATTR_IDMAP)`), then hands the detached mount to the
-//!   init, which `move_mount`s it into place: a file owned by host uid N appears owned by N
-//!   inside (host root's files belong to the sandbox's root, not `nobody`), nothing on disk
-//!   changes, and copy-up keeps owners. Rootless (no idmapping without host privileges), the
-//!   directory is bound as it is: the caller's files look root-owned, other owners' files
-//!   look like `nobody` and cannot be copied up (modified). A filesystem without idmapped
-//!   mount support falls back to the same (with a warning).
-//! - **Identity.** Commands run as the image's root (uid 0 inside, like `docker run`), with
-//!   every capability dropped, the bounding set empty and `SECBIT_NOROOT` locked (as in
-//!   rootless mode); uid 0 inside is an unprivileged host uid of the sandbox's range. A
-//!   host-directory workspace is therefore not mapped to its owner in this mode.
-//! - **Writes.** Landlock grants writes beneath `/workspace`, `/tmp` and the image's
-//!   top-level directories (`/etc`, `/usr`, `/var`, `/root`, `/opt`...; not `/proc`, `/dev`,
-//!   `/sys`); new entries directly in `/` are refused.
-//! - **No host paths in `/proc/mounts`.** The init mounts the overlay from its scratch root
-//!   with *relative* layer paths (`lowerdir=lower,upperdir=ovl/upper,workdir=ovl/work`); the
-//!   layers' own mounts are detached with the scratch root after `pivot_root`. The init keeps
-//!   the upper directory open (fd 10, close-on-exec) so the library can reach it through
-//!   `/proc/<init>/fd/10`.
-//!
-//! [`RootfsMode`] is the backend-wide default view ([`RootfsMode::HostTools`]); a spec's
-//! `rootfs` overrides it for that sandbox.
-//!
-//! ## Resource limits
-//!
-//! cgroups, created under the caller's own cgroup as `asb-<our pid>-<sandbox id>` and removed
-//! on destroy; a process that dies without destroying its sandboxes leaves them empty, and
-//! the next [`ContainerBackend`] built on the host removes those whose process is gone.
-//! **On v1, a destroyed sandbox's emptied cgroups are kept for the next one** (renamed
-//! `asb-<our pid>-free-<n>`, at most two sets per process, removed at its normal exit (a
-//! killed process leaves them to the sweep above), only when no process or child
-//! cgroup is left, the freezer is thawed and at most 2 MiB of memory is still charged): the
-//! next create renames them and writes its own limits. Removing a v1 cgroup leaves the
-//! kernel deferred work (each controller's state killed, released and freed after RCU grace
-//! periods, the memory cgroup's per-CPU caches drained on every CPU) that lands on whatever
-//! runs next; a rename leaves none. Counters such as the OOM-kill count carry on, which
-//! changes nothing: each exec compares them before and after. cgroup2 cannot rename its
-//! directories, so v2 makes and removes them per sandbox.
-//! **v1** (detected from `/proc/self/cgroup` and `/proc/self/mountinfo`): `memory`
-//! (`limit_in_bytes`, `memsw` when present, swappiness 0), `pids` (`pids.max` = limit + 2 for
-//! the init and its spare supervisor), `cpu` (CFS quota from `cpu_millis`), `freezer` (pause/resume). No cpuset child is
-//! made: the sandbox stays in the caller's cpuset. **v2**: the same limits in one directory
-//! (`memory.max`, `memory.swap.max` = 0, `pids.max`, `cpu.max`; `cgroup.freeze`), used when
-//! no v1 memory/pids hierarchy exists and the caller's cgroup is offered `memory` and `pids`.
-//! cgroup v2 lets a cgroup other than the root either hold processes or enable controllers
-//! for its children (the "no internal processes" rule), and the caller's cgroup holds at
-//! least the caller. So at the first create (or probe) of a process: if the controllers
-//! are not enabled yet and enabling them fails with `EBUSY`, a process **alone in its
-//! cgroup moves into a leaf of its own**, `asb-self-<pid>` (still inside its cgroup, whose
-//! limits keep counting; its later children start there too), then enables `memory`,
-//! `pids` (and `cpu` where offered) for the cgroup's children, and sandbox cgroups are made
-//! beside the leaf. A cgroup that **holds other processes too** is left alone (they are not
-//! ours): creates fail with [`Error::Unavailable`] naming them and the remedy (start the
-//! process in a cgroup of its own: `systemd-run --scope -p Delegate=yes ...`), or run
-//! without cgroup limits under `require_cgroups(false)`. A dead process's empty leaf is
-//! removed by the next backend's sweep (never its processes: they are not sandboxes).
-//! Tested here: detection from `/proc` texts of v1, hybrid and unified hosts; the v2 limit
-//! files on a stand-in directory; the delegation on this host's real cgroup2 hierarchy
-//! (which is offered only `hugetlb`): a lone process moves into its leaf and the controller
-//! is enabled, one among others is refused with nothing moved, an empty cgroup is enabled
-//! in place; and end to end in a mount namespace whose only cgroup mount is that hierarchy
-//! (`tests/cgroup_v2.rs`): creates refused by default with the reason, and with
-//! `require_cgroups(false)` real sandboxes in v2 cgroups (the init joins its own, the
-//! cgroup namespace is rooted there, pause/resume through `cgroup.freeze`, destroy removes
-//! it with every process). **Not testable on this CI host**: v2 `memory`/`pids` limits
-//! (those controllers are bound to its v1 hierarchies).
-//!
-//! Reported limits: `Memory` when the exec failed and the cgroup's `oom_kill` count rose;
-//! `Pids` when it failed and `pids.events` `max` rose; `Output` when a stream passed
-//! `max(4 × output_bytes, output_bytes + 8 MiB)` (the command is killed; below that it is
-//! only truncated); `CpuTime` on `SIGXCPU` (`RLIMIT_CPU` = `cpu_time_ms`); `WallTime` when the
-//! call's timeout killed the tree; `Disk` when it failed with `/workspace`, `/tmp`,
-//! `/dev/shm` (or the overlay's upper layer) out of space or inodes.
-//! rlimits: `RLIMIT_NOFILE` = `open_files`, `RLIMIT_CORE` = 0, `RLIMIT_CPU`.
-//! `lifetime_ms` is checked on every call.
-//!
-//! **Disk is memory.** The writable tmpfs mounts (`/workspace` unless it is a host directory,
-//! `/tmp`, `/dev/shm`, the overlay's upper layer) are charged to the sandbox's memory cgroup,
-//! pages and inodes alike (~1 KiB of kernel memory per file), and nothing can reclaim them.
-//! Were they sized by `limits.disk_bytes` alone, files could fill the memory limit: every
-//! later command would be OOM-killed, then the supervisor and the init, and the sandbox would
-//! be lost with its workspace (seen here: 60 MB of files in a 64 MiB sandbox killed it).
-//! So together they hold at most **5/8 of `limits.memory_bytes` in data and one inode per
-//! 8 KiB of it**, which leaves processes at least a quarter of the limit: `/tmp` and
-//! `/dev/shm` up to an eighth of that each (asked: a quarter of `disk_bytes`), the workspace
-//! (and the upper layer, sharing) the rest, at most `disk_bytes`. With the defaults (512 MiB
-//! of memory, 1 GiB of disk) the workspace holds 240 MiB and 49,152 files, `/tmp` and
-//! `/dev/shm` 40 MiB and 8,192 each; `df` inside shows them. A bigger workspace needs a
-//! bigger memory limit, or a host directory. A full one fails the write with `ENOSPC`
-//! (`limit: disk`) and the sandbox goes on (tested).
-//!
-//! The init keeps the default OOM score (0), like every process in the sandbox: the kernel
-//! kills the task using the most memory, which is never the ~1 MB init unless the sandbox is
-//! nothing but smaller processes (then the sandbox dies and says so). A negative score would
-//! be inherited by every command, and a command cannot raise its own back (the init is not
-//! dumpable, so its `/proc` files belong to the host's root): the memory limit would then
-//! find nothing to kill. Moving the init out of the sandbox's memory cgroup would shield it
-//! without that; not done yet.
-//!
-//! ## Hardening
-//!
-//! Commands run with no capabilities (bounding, ambient, inheritable, permitted and effective
-//! sets empty), `no_new_privs`, under a seccomp filter and a Landlock domain, both installed
-//! on the init after setup so every exec inherits them.
-//!
-//! **The seccomp filter** (`seccomp.rs`) is a deny-list, because agents need a general Linux
-//! (compilers, package managers, runtimes). It kills any syscall of a foreign architecture,
-//! returns `ENOSYS` for the x32 ABI range, and refuses:
-//!
-//! | syscalls | why |
-//! |---|---|
-//! | `kexec_load`, `kexec_file_load`, `reboot`, `init_module`, `finit_module`, `delete_module` | replacing or extending the kernel |
-//! | `bpf`, `perf_event_open`, `userfaultfd`, `io_uring_*` (`ENOSYS`) | large, frequently exploited kernel surfaces; `userfaultfd` makes kernel races easy to win |
-//! | `keyctl`, `add_key`, `request_key` | the kernel keyring is not namespaced |
-//! | `mount`, `umount2`, `pivot_root`, `chroot`, `move_mount`, `open_tree`, `fsopen`, `fsconfig`, `fsmount`, `fspick`, `mount_setattr` | the filesystem view is fixed after setup |
-//! | `setns`; `unshare` and `clone` with any `CLONE_NEW*` flag; `clone3` (`ENOSYS`, so libc falls back to `clone`, whose flags BPF can read) | a new user namespace regains a full capability set and reopens the kernel surface namespaces guard |
-//! | `ptrace`, `process_vm_readv`, `process_vm_writev`, `pidfd_getfd`, `kcmp` | reading or steering other processes (and the init) |
-//! | `open_by_handle_at`, `name_to_handle_at` | file handles bypass path lookup (the "shocker" escape) |
-//! | `swapon`, `swapoff`, `syslog`, `acct`, `settimeofday`, `clock_settime`, `clock_adjtime`, `adjtimex`, `quotactl`, `vhangup`, `fanotify_init`, `lookup_dcookie`, NUMA policy calls (`mbind`, `set_mempolicy`, `migrate_pages`, `move_pages`) | host-global state |
-//! | `iopl`, `ioperm`, `uselib`, `nfsservctl` (x86_64) | legacy hardware and ABI surfaces |
-//! | `ioctl(TIOCSTI)`, `ioctl(TIOCLINUX)` | typing into a terminal outside the sandbox |
-//!
-//! Most of these would fail anyway without capabilities; the filter removes the kernel code
-//! paths from reach (defence in depth, as Firecracker does for its own process).
-//!
-//! **Landlock** (ABI 1–7, best available) handles every write right (write, truncate, remove,
-//! make dir/file/link/socket/FIFO/device, refer) and grants them only under `/workspace`
-//! (unless mounted read-only), `/tmp`, `/dev/shm`, `/dev/pts`, writable spec mounts, and
-//! `write`/`truncate` on `/dev/null`, `/dev/zero`, `/dev/full`, `/dev/tty`. Reads are confined
-//! by the mount namespace.
-//!
-//! ## Network
-//!
-//! An empty network namespace with `lo` up: no route out (see [`network`]).
-//! [`NetworkPolicy::DenyAll`](sandbox_core::NetworkPolicy) is enforced by that alone; other
-//! policies need an [`EgressEnforcer`] ([`ContainerBuilder::egress`]) and are refused with
-//! `Error::Unsupported` without one.
-//!
-//! ## Files and snapshots
-//!
-//! The file API works from the host on the sandbox's own mount of `/workspace` (through
-//! `/proc/<init>/root`) with `openat2(RESOLVE_BENEATH | RESOLVE_NO_MAGICLINKS)`: `..` and
-//! symlinks leaving the workspace fail with `PathEscape`. Snapshots pack the workspace into a
-//! tar (one `O_NOFOLLOW` name at a time, the sandbox frozen meanwhile when a freezer exists)
-//! and restore unpacks it into a new sandbox's empty workspace. With a rootfs directory the
-//! snapshot also packs the overlay's **upper layer** (`upper.tar`: the changes made to the
-//! root, with whiteouts of deleted files as 0/0 character devices and opaque directories as a
-//! PAX `user.overlay.opaque` record); restore unpacks it into the new sandbox's empty upper
-//! layer *before* the overlay is mounted (the setup is split in two for that), as the
-//! sandbox's root (owners inside are not preserved). The directory itself must still exist.
-//! Only the filesystem is captured: CRIU cannot checkpoint processes on this kernel.
-//!
-//! ## What is *not* isolated
-//!
-//! - The kernel is shared: a kernel bug reachable through the allowed syscalls is an escape.
-//!   Use the gVisor or microVM tiers for hostile code that must not reach the host kernel.
-//! - `/usr` and the listed `/etc` files of the host are readable (they are what makes the
-//!   tools work): nothing secret should live there.
-//! - CPU caches, memory bandwidth, disk I/O bandwidth (no blkio limits), the page cache and
-//!   kernel-global tables (e.g. inotify or keyring quotas) are shared with the host.
-//! - Time: a time namespace is created, with zero offsets; `/proc/uptime`-style side channels
-//!   remain. The host's CPU model, kernel version and memory size are visible in `/proc`.
-//! - The network is isolated by the empty namespace, not by the seccomp filter; a hook that
-//!   adds interfaces is responsible for what it opens.
+//! `docs/container.md` in the repository is the design: how the init, its zygote and execs
+//! work, the root filesystem, the cgroup v1/v2 handling and delegation, how each limit is
+//! enforced, rootless vs root, the seccomp filter and Landlock rules, and the threat model
+//! with its gaps. `docs/network.md` covers the egress path.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
