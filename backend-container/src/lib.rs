@@ -285,7 +285,7 @@ impl ContainerBackend {
 
     /// Whether we can make cgroups. Checked (`access(2)` on each controller's directory, ~15
     /// µs apiece here; on v2 also the controllers for the caller's cgroup's children, see
-    /// `cgroup::delegate_v2`) until it first holds; should the permission go later, each
+    /// `cgroup::delegation::delegate_v2`) until it first holds; should the permission go later, each
     /// create's cgroup job fails with the `mkdir` error instead.
     fn cgroups_usable(&self) -> std::result::Result<(), String> {
         if self.cgroups_ok.load(Ordering::Relaxed) {
@@ -753,7 +753,7 @@ impl ContainerBackend {
                         }
                         _ => "v2".into(),
                     };
-                    if self.host.v2_without_limits {
+                    if self.host.v2_without_limits() {
                         v.push_str(", not offered memory and pids: those limits are not enforced");
                     }
                     v
@@ -875,7 +875,7 @@ impl Backend for ContainerBackend {
             network.extend([NetworkMode::Allowlist, NetworkMode::Internet]);
         }
         let freezer = match self.host.version() {
-            Some(CgroupVersion::V1) => self.host.v1.iter().any(|(c, _)| c == "freezer"),
+            Some(CgroupVersion::V1) => self.host.v1().iter().any(|(c, _)| c == "freezer"),
             Some(CgroupVersion::V2) => true,
             None => false,
         };
