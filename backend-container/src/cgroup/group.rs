@@ -95,9 +95,9 @@ impl SandboxCgroup {
     }
 
     /// At destroy, once the sandbox's processes are gone: gives the directories back for
-    /// the next sandbox (see [`Recycled`]) when they are v1, empty (no process, no child
-    /// cgroup), thawed, with at most [`RECYCLE_MAX_CHARGE`] of memory still charged, and
-    /// fewer than [`RECYCLE_MAX`] sets are kept; else removes them ([`Self::remove`]).
+    /// the next sandbox (see [`v1::Recycled`]) when they are v1, empty (no process, no child
+    /// cgroup), thawed, with at most [`v1::RECYCLE_MAX_CHARGE`] of memory still charged, and
+    /// fewer than [`v1::RECYCLE_MAX`] sets are kept; else removes them ([`Self::remove`]).
     /// Returns the directories that could not be removed.
     pub fn release(&self, patience: Duration) -> Vec<PathBuf> {
         match self.recycle {

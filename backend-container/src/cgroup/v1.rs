@@ -16,10 +16,10 @@ use super::{mkdir, pids_max, write, CgroupVersion, DirFd, SandboxCgroup};
 static RECYCLED: std::sync::LazyLock<Recycled> = std::sync::LazyLock::new(Recycled::default);
 
 /// How many emptied sets of v1 cgroup directories a process keeps for reuse.
-const RECYCLE_MAX: usize = 2;
+pub(super) const RECYCLE_MAX: usize = 2;
 /// The most memory still charged to an emptied memory cgroup that may be reused (page cache
 /// of host files a sandbox read first; kernel objects freed after a grace period).
-const RECYCLE_MAX_CHARGE: u64 = 2 << 20;
+pub(super) const RECYCLE_MAX_CHARGE: u64 = 2 << 20;
 
 /// Emptied v1 cgroup directory sets (`asb-<pid>-free-<n>`, one directory per controller)
 /// that the next sandboxes take instead of making new ones.
