@@ -1,6 +1,6 @@
 //! The root filesystem plan: a list of [`Op`]s the init runs in its new mount namespace.
 //!
-//! Layout (see the crate docs): a fresh tmpfs root, read-only binds of `/usr` and the
+//! Layout (see `docs/container.md`): a fresh tmpfs root, read-only binds of `/usr` and the
 //! `bin`/`lib*`/`sbin` links, a handful of `/etc` files, fresh `/proc`, minimal `/dev`,
 //! tmpfs `/tmp`, the workspace, the spec's mounts, then `pivot_root` and the old root detached.
 //!

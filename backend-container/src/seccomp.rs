@@ -1,4 +1,4 @@
-//! The seccomp filter every sandboxed process runs under (see the crate docs for the list
+//! The seccomp filter every sandboxed process runs under (see `docs/container.md` for the list
 //! and the reasons). A deny-list: agents need a general-purpose Linux (compilers, package
 //! managers, language runtimes), so everything is allowed except what no agent workload needs
 //! and what widens the kernel attack surface or breaks out of the namespaces.

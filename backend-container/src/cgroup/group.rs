@@ -1,0 +1,182 @@
+//! One sandbox's cgroup ([`SandboxCgroup`]): the files its init joins through, the event
+//! counters every exec reads, freezing, and removal (or, on v1, keeping for the next one).
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use super::{kill_procs, v1, v2, CgroupVersion};
+
+/// One sandbox's cgroup directories.
+#[derive(Debug)]
+pub(crate) struct SandboxCgroup {
+    pub version: CgroupVersion,
+    /// (controller or "unified", directory).
+    pub(super) dirs: Vec<(String, PathBuf)>,
+    /// The OOM-kill and `pids.max` event files, kept open: every exec reads them, and a
+    /// `pread` on an open cgroup file is several times cheaper than opening it again.
+    pub(super) events: [Option<fs::File>; 2],
+    /// Where [`SandboxCgroup::release`] may give the directories back (v1).
+    pub(super) recycle: Option<&'static v1::Recycled>,
+}
+
+impl SandboxCgroup {
+    /// The directory of controller `ctrl` (`"unified"` on v2).
+    fn dir(&self, ctrl: &str) -> Option<&PathBuf> {
+        self.dirs.iter().find(|(c, _)| c == ctrl).map(|(_, p)| p)
+    }
+
+    /// The directories, for bookkeeping.
+    pub fn dirs(&self) -> impl Iterator<Item = &PathBuf> {
+        self.dirs.iter().map(|(_, d)| d)
+    }
+
+    /// The files the (single-threaded) init writes `0` to in order to join the sandbox's
+    /// cgroups itself (v1: `tasks`, v2: `cgroup.procs`). We open them, so our credentials
+    /// authorize the write (cgroup checks the opener's).
+    pub fn join_files(&self) -> Vec<PathBuf> {
+        let f = match self.version {
+            CgroupVersion::V1 => "tasks",
+            CgroupVersion::V2 => "cgroup.procs",
+        };
+        self.dirs.iter().map(|(_, d)| d.join(f)).collect()
+    }
+
+    /// `oom_kill` events so far (memory exhaustion kills).
+    pub fn oom_kills(&self) -> u64 {
+        self.events[0]
+            .as_ref()
+            .map_or(0, |f| read_key_at(f, "oom_kill"))
+    }
+
+    /// Times a fork failed on `pids.max`.
+    pub fn pids_max_events(&self) -> u64 {
+        self.events[1].as_ref().map_or(0, |f| read_key_at(f, "max"))
+    }
+
+    /// Paths of the OOM-kill and `pids.max` event files.
+    fn event_files(&self) -> (Option<PathBuf>, Option<PathBuf>) {
+        match self.version {
+            CgroupVersion::V1 => (
+                self.dir("memory").map(|d| d.join("memory.oom_control")),
+                self.dir("pids").map(|d| d.join("pids.events")),
+            ),
+            CgroupVersion::V2 => (
+                self.dir("unified").map(|d| d.join("memory.events")),
+                self.dir("unified").map(|d| d.join("pids.events")),
+            ),
+        }
+    }
+
+    /// Whether pause/resume works (v1 freezer or v2 `cgroup.freeze`).
+    pub fn can_freeze(&self) -> bool {
+        match self.version {
+            CgroupVersion::V1 => self.dir("freezer").is_some(),
+            CgroupVersion::V2 => self
+                .dir("unified")
+                .is_some_and(|d| d.join("cgroup.freeze").exists()),
+        }
+    }
+
+    /// Freezes (or thaws) every process of the sandbox and waits until it is done.
+    pub fn freeze(&self, frozen: bool) -> io::Result<()> {
+        let unsupported = || io::Error::from(io::ErrorKind::Unsupported);
+        match self.version {
+            CgroupVersion::V1 => v1::freeze(self.dir("freezer").ok_or_else(unsupported)?, frozen),
+            CgroupVersion::V2 => v2::freeze(self.dir("unified").ok_or_else(unsupported)?, frozen),
+        }
+    }
+
+    /// Opens the event files (see [`SandboxCgroup::oom_kills`]).
+    pub(super) fn open_events(&mut self) {
+        let (oom, pids) = self.event_files();
+        self.events = [oom, pids].map(|p| p.and_then(|p| fs::File::open(p).ok()));
+    }
+
+    /// At destroy, once the sandbox's processes are gone: gives the directories back for
+    /// the next sandbox (see [`v1::Recycled`]) when they are v1, empty (no process, no child
+    /// cgroup), thawed, with at most [`v1::RECYCLE_MAX_CHARGE`] of memory still charged, and
+    /// fewer than [`v1::RECYCLE_MAX`] sets are kept; else removes them ([`Self::remove`]).
+    /// Returns the directories that could not be removed.
+    pub fn release(&self, patience: Duration) -> Vec<PathBuf> {
+        match self.recycle {
+            Some(pool) if v1::reusable(self) => v1::keep(self, pool, patience),
+            _ => self.remove(patience),
+        }
+    }
+
+    /// Removes the sandbox's directories (leaves first), retrying while they drain.
+    /// Returns the directories that could not be removed.
+    pub fn remove(&self, patience: Duration) -> Vec<PathBuf> {
+        let deadline = Instant::now() + patience;
+        let mut left = Vec::new();
+        for (_, dir) in &self.dirs {
+            if let Ok(rd) = fs::read_dir(dir) {
+                for e in rd.flatten() {
+                    if e.file_type().is_ok_and(|t| t.is_dir()) {
+                        if let Err(p) = rmdir_patiently(&e.path(), deadline) {
+                            left.push(p);
+                        }
+                    }
+                }
+            }
+            if let Err(p) = rmdir_patiently(dir, deadline) {
+                left.push(p);
+            }
+        }
+        left
+    }
+}
+
+/// Removes `dir`, killing what is still in it, until `deadline`; `Err` names it if it
+/// stayed.
+fn rmdir_patiently(dir: &Path, deadline: Instant) -> Result<(), PathBuf> {
+    loop {
+        match fs::remove_dir(dir) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(_) if Instant::now() < deadline => {
+                // Tasks still leaving: kill stragglers, then retry.
+                kill_procs(dir);
+                std::thread::sleep(Duration::from_micros(500));
+            }
+            Err(_) => return Err(dir.to_path_buf()),
+        }
+    }
+}
+
+/// The value of `key` in a flat-keyed cgroup file (`key value` lines), 0 if absent.
+fn parse_key(text: &str, key: &str) -> u64 {
+    text.lines()
+        .find_map(|l| {
+            let (k, v) = l.split_once(' ')?;
+            (k == key).then(|| v.trim().parse().ok()).flatten()
+        })
+        .unwrap_or(0)
+}
+
+/// [`parse_key`] of an open cgroup file, read from its start.
+fn read_key_at(f: &fs::File, key: &str) -> u64 {
+    use std::os::unix::fs::FileExt;
+    let mut buf = [0u8; 512];
+    let n = f.read_at(&mut buf, 0).unwrap_or(0);
+    std::str::from_utf8(&buf[..n]).map_or(0, |t| parse_key(t, key))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn read_key_parses_flat_keyed_files() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("f");
+        fs::write(&p, "oom_kill_disable 0\nunder_oom 0\noom_kill 3\n").unwrap();
+        let f = fs::File::open(&p).unwrap();
+        assert_eq!(read_key_at(&f, "oom_kill"), 3);
+        assert_eq!(read_key_at(&f, "missing"), 0);
+        // Read again from the start, not from where the last read stopped.
+        assert_eq!(read_key_at(&f, "oom_kill"), 3);
+    }
+}
