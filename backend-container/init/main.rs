@@ -19,10 +19,10 @@
 //! Between requests it reaps every zombie of the pid namespace. If the library goes away
 //! (socket closed), the init exits and the kernel kills the whole pid namespace.
 
-#![allow(clippy::all)]
 // Our own C `main`: skips std's runtime start-up (its main-thread stack guard parses
 // /proc/self/maps, ~0.2 ms); std itself still works (args come from glibc's init_array).
-#![no_main]
+// Unit tests (`cargo test -p container-init`) run under libtest's own `main` instead.
+#![cfg_attr(not(test), no_main)]
 
 #[path = "proto.rs"]
 mod proto;
@@ -43,7 +43,7 @@ type c_long = i64;
 #[allow(non_camel_case_types)]
 type c_ulong = u64;
 #[allow(non_camel_case_types)]
-type c_char = i8;
+type c_char = std::ffi::c_char;
 #[allow(non_camel_case_types)]
 type c_void = u8;
 
@@ -383,6 +383,7 @@ fn run_op(op: &Op, fds: &mut Vec<OwnedFd>) -> io::Result<()> {
             std::fs::OpenOptions::new()
                 .write(true)
                 .create(true)
+                .truncate(false)
                 .mode(0o644)
                 .open(path)
                 .map(|_| ())
@@ -607,7 +608,7 @@ fn landlock(handled: u64, rules: &[(String, u64)]) -> io::Result<()> {
 
 /// Installs the seccomp filter on this process (inherited by every exec).
 fn seccomp(bpf: &[u8]) -> io::Result<()> {
-    if bpf.len() % 8 != 0 || bpf.is_empty() || bpf.len() / 8 > 4096 {
+    if !bpf.len().is_multiple_of(8) || bpf.is_empty() || bpf.len() / 8 > 4096 {
         return Err(io::Error::from_raw_os_error(22));
     }
     let prog: Vec<u64> = bpf
@@ -1135,7 +1136,7 @@ struct Child {
     started: u64,
 }
 
-const SH: &[u8] = b"/bin/sh\0";
+const SH: &std::ffi::CStr = c"/bin/sh";
 const ENOENT: c_int = 2;
 const EACCES: c_int = 13;
 const ENOEXEC: c_int = 8;
@@ -1184,11 +1185,7 @@ extern "C" fn child_main(arg: *mut c_void) -> c_int {
             match errno() {
                 ENOEXEC => {
                     c.sh_argv[1] = p.as_ptr();
-                    execve(
-                        SH.as_ptr() as *const c_char,
-                        c.sh_argv.as_ptr(),
-                        c.envp.as_ptr(),
-                    );
+                    execve(SH.as_ptr(), c.sh_argv.as_ptr(), c.envp.as_ptr());
                     seen = errno();
                     break;
                 }
@@ -1276,7 +1273,7 @@ fn spawn(
             .chain([std::ptr::null()])
             .collect::<Vec<_>>()
     };
-    let mut sh_argv = vec![SH.as_ptr() as *const c_char, std::ptr::null()];
+    let mut sh_argv = vec![SH.as_ptr(), std::ptr::null()];
     sh_argv.extend(argv.iter().skip(1).map(|c| c.as_ptr()));
     sh_argv.push(std::ptr::null());
     let mut job = Child {
@@ -1440,7 +1437,8 @@ fn bootstrap() {
         let mut buf = [0u8; 64];
         // A spare (cloned ahead of time, with all its namespaces) brings its `lo` up while
         // it waits; if that fails, the library does it and reports the error.
-        let lo_up = AHEAD.load(Ordering::Relaxed) && run_op(&Op::LoopbackUp, &mut Vec::new()).is_ok();
+        let lo_up =
+            AHEAD.load(Ordering::Relaxed) && run_op(&Op::LoopbackUp, &mut Vec::new()).is_ok();
         // Nothing happens before the library asks (we may have been cloned ahead of time).
         match recv(&mut buf) {
             Ok(Some((n, _))) if n >= 12 && Dec::new(&buf[..n]).u32() == Ok(MSG_START) => {}
@@ -1510,13 +1508,7 @@ fn bootstrap() {
 fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
     // SAFETY: prctl/close_range on our own process.
     unsafe {
-        prctl(
-            PR_SET_NAME,
-            b"asb-zygote\0".as_ptr() as u64,
-            0u64,
-            0u64,
-            0u64,
-        );
+        prctl(PR_SET_NAME, c"asb-zygote".as_ptr() as u64, 0u64, 0u64, 0u64);
         syscall(NR_CLOSE_RANGE, 3u32, u32::MAX, 0u32);
     }
     // Errno of the template set-up (0: ready); templates are refused with it otherwise.
@@ -1527,23 +1519,18 @@ fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
     if let Some(dir) = templates {
         let ns_fd = || {
             // SAFETY: open(2) of a NUL-terminated path.
-            unsafe {
-                libc_open(
-                    b"/proc/self/ns/mnt\0".as_ptr() as *const c_char,
-                    O_CLOEXEC,
-                )
-            }
+            unsafe { libc_open(c"/proc/self/ns/mnt".as_ptr(), O_CLOEXEC) }
         };
         host_ns = ns_fd();
         // SAFETY: unshare/mount with NUL-terminated paths, on our own single-threaded process.
         tmpl_err = unsafe {
-            let tmpfs = b"tmpfs\0".as_ptr() as *const c_char;
-            let opts = b"mode=0711,size=64k\0".as_ptr() as *const c_void;
+            let tmpfs = c"tmpfs".as_ptr();
+            let opts = c"mode=0711,size=64k".as_ptr() as *const c_void;
             if host_ns < 0
                 || unshare(CLONE_NEWNS) < 0
                 || mount(
                     std::ptr::null(),
-                    b"/\0".as_ptr() as *const c_char,
+                    c"/".as_ptr(),
                     std::ptr::null(),
                     MS_REC | MS_SLAVE,
                     std::ptr::null(),
@@ -1607,7 +1594,10 @@ fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
             } else {
                 Err(io::Error::last_os_error())
             };
-            raw_write(0, &zygote_reply(r.map_err(|e| e.raw_os_error().unwrap_or(5))));
+            raw_write(
+                0,
+                &zygote_reply(r.map_err(|e| e.raw_os_error().unwrap_or(5))),
+            );
             continue;
         }
         // `F`: an init in the library's namespace; `P`: one in the templates'.
@@ -1676,7 +1666,13 @@ fn socket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
     let mut sv = [0 as c_int; 2];
     // SAFETY: socketpair into a valid array; the fds are ours.
     unsafe {
-        if socketpair(1 /* AF_UNIX */, 5 /* SOCK_SEQPACKET */ | O_CLOEXEC, 0, sv.as_mut_ptr()) < 0 {
+        if socketpair(
+            1, /* AF_UNIX */
+            5 /* SOCK_SEQPACKET */ | O_CLOEXEC,
+            0,
+            sv.as_mut_ptr(),
+        ) < 0
+        {
             return Err(io::Error::last_os_error());
         }
         Ok((OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])))
@@ -1718,7 +1714,8 @@ fn build_template(tmpl_err: i32, mut fds: Vec<OwnedFd>) -> io::Result<()> {
     Ok(())
 }
 
-#[no_mangle]
+// Not the symbol `main` in unit tests: libtest's entry point is.
+#[cfg_attr(not(test), no_mangle)]
 extern "C" fn main(argc: c_int, argv: *const *const c_char) -> c_int {
     if argc > 1 {
         // SAFETY: glibc passes argc valid, NUL-terminated strings.
@@ -1738,13 +1735,10 @@ extern "C" fn main(argc: c_int, argv: *const *const c_char) -> c_int {
 fn init_main() -> ! {
     // SAFETY: fd/signal plumbing on our own process at startup.
     let sfd = unsafe {
-        prctl(PR_SET_NAME, b"asb-init\0".as_ptr() as u64, 0u64, 0u64, 0u64);
+        prctl(PR_SET_NAME, c"asb-init".as_ptr() as u64, 0u64, 0u64, 0u64);
         // The library hands us the control socket as stdin: move it to fd 3.
         dup2(0, CTL);
-        let null = libc_open(
-            b"/dev/null\0".as_ptr() as *const c_char,
-            2, /* O_RDWR */
-        );
+        let null = libc_open(c"/dev/null".as_ptr(), 2 /* O_RDWR */);
         if null >= 0 {
             dup2(null, 0);
             dup2(null, 1);
@@ -1804,7 +1798,8 @@ fn init_main() -> ! {
             let mut info = [0u8; 128];
             // SAFETY: reads whole signalfd_siginfo records into a local buffer.
             while unsafe { read(sfd, info.as_mut_ptr(), info.len()) } == 128 {
-                let field = |o: usize| u32::from_ne_bytes([info[o], info[o + 1], info[o + 2], info[o + 3]]);
+                let field =
+                    |o: usize| u32::from_ne_bytes([info[o], info[o + 1], info[o + 2], info[o + 3]]);
                 // ssi_signo, ssi_code, ssi_pid: the spare's command is done (see
                 // `fork_spare`). SI_USER (0): a kill(2), whose pid the kernel fills in (a
                 // queued signal's pid is the sender's to choose).
