@@ -51,7 +51,7 @@ pub const FLAG_BIG: u32 = 0x8000_0000;
 // library -> init
 /// Build the root filesystem and lock the init down: payload = [`Op`] list.
 pub const MSG_SETUP: u32 = 1;
-/// Run a command: payload = [`ExecSpec`]; fds: stdout, stderr, [stdin].
+/// Run a command: payload = [`ExecSpec`]; fds: stdout, stderr, then stdin if [`EXEC_STDIN`].
 pub const MSG_EXEC: u32 = 3;
 /// Kill the whole process tree of exec `id` (its supervisor does it).
 pub const MSG_KILL: u32 = 4;
