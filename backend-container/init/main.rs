@@ -18,6 +18,10 @@
 //!
 //! Between requests it reaps every zombie of the pid namespace. If the library goes away
 //! (socket closed), the init exits and the kernel kills the whole pid namespace.
+//!
+//! The same sources are the `container-init` workspace package, so that cargo lints them with
+//! the workspace's rules and runs their unit tests (`cargo test -p container-init`); the
+//! binary cargo builds from it is not the one the library embeds.
 
 // Our own C `main`: skips std's runtime start-up (its main-thread stack guard parses
 // /proc/self/maps, ~0.2 ms); std itself still works (args come from glibc's init_array).
