@@ -18,11 +18,15 @@
 //!
 //! Between requests it reaps every zombie of the pid namespace. If the library goes away
 //! (socket closed), the init exits and the kernel kills the whole pid namespace.
+//!
+//! The same sources are the `container-init` workspace package, so that cargo lints them with
+//! the workspace's rules and runs their unit tests (`cargo test -p container-init`); the
+//! binary cargo builds from it is not the one the library embeds.
 
-#![allow(clippy::all)]
 // Our own C `main`: skips std's runtime start-up (its main-thread stack guard parses
 // /proc/self/maps, ~0.2 ms); std itself still works (args come from glibc's init_array).
-#![no_main]
+// Unit tests (`cargo test -p container-init`) run under libtest's own `main` instead.
+#![cfg_attr(not(test), no_main)]
 
 #[path = "proto.rs"]
 mod proto;
@@ -43,7 +47,7 @@ type c_long = i64;
 #[allow(non_camel_case_types)]
 type c_ulong = u64;
 #[allow(non_camel_case_types)]
-type c_char = i8;
+type c_char = std::ffi::c_char;
 #[allow(non_camel_case_types)]
 type c_void = u8;
 
@@ -251,18 +255,22 @@ const IFF_UP: i16 = 1;
 
 const CTL: RawFd = 3;
 
+/// The calling thread's `errno`.
 fn errno() -> i32 {
     io::Error::last_os_error().raw_os_error().unwrap_or(0)
 }
 
+/// `s` as a C string; an interior NUL is `EINVAL`.
 fn cstr(s: &str) -> io::Result<CString> {
     CString::new(s).map_err(|_| io::Error::from_raw_os_error(22))
 }
 
+/// The string's pointer, or NULL for `None`.
 fn opt_ptr(c: &Option<CString>) -> *const c_char {
     c.as_ref().map_or(std::ptr::null(), |c| c.as_ptr())
 }
 
+/// A C call's result: negative means failed, with `errno` set.
 fn check(r: c_int) -> io::Result<()> {
     if r < 0 {
         Err(io::Error::last_os_error())
@@ -275,6 +283,8 @@ fn check(r: c_int) -> io::Result<()> {
 /// library handed it directly, see [`fork_spare`]) that exec's own socket.
 static REPLY_FD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(CTL);
 
+/// Sends a reply (`kind`, `id`, `payload`) to the library; failures are ignored (the
+/// library is gone).
 fn send(kind: u32, id: u64, payload: &[u8]) {
     let mut e = Enc::header(kind, id);
     e.0.extend_from_slice(payload);
@@ -290,14 +300,22 @@ fn send(kind: u32, id: u64, payload: &[u8]) {
     }
 }
 
+/// Reports that request `id` failed at op `index` (`u32::MAX`: the request itself).
 fn send_err(id: u64, index: u32, err: &io::Error, what: &str) {
+    send(REP_ERR, id, &err_payload(index, err, what));
+}
+
+/// A `REP_ERR` payload: u32 op index, i32 errno (0 if none), message (`what: err`).
+fn err_payload(index: u32, err: &io::Error, what: &str) -> Vec<u8> {
     let mut e = Enc::default();
     e.u32(index);
     e.i32(err.raw_os_error().unwrap_or(0));
     e.str(&format!("{what}: {err}"));
-    send(REP_ERR, id, &e.0);
+    e.0
 }
 
+/// Runs one setup op; `fds` are the request's remaining file descriptors ([`Op::Lower`]
+/// takes the first).
 fn run_op(op: &Op, fds: &mut Vec<OwnedFd>) -> io::Result<()> {
     match op {
         Op::Mount {
@@ -383,6 +401,7 @@ fn run_op(op: &Op, fds: &mut Vec<OwnedFd>) -> io::Result<()> {
             std::fs::OpenOptions::new()
                 .write(true)
                 .create(true)
+                .truncate(false)
                 .mode(0o644)
                 .open(path)
                 .map(|_| ())
@@ -535,6 +554,8 @@ fn lower(src: &str, dst: &str, fds: &mut Vec<OwnedFd>) -> io::Result<()> {
     } as c_int)
 }
 
+/// `prctl(PR_SET_NO_NEW_PRIVS)`: no exec may gain privileges (set-id bits, file
+/// capabilities); required before an unprivileged Landlock or seccomp restriction.
 fn no_new_privs() -> io::Result<()> {
     // SAFETY: prctl with integer arguments.
     check(unsafe { prctl(PR_SET_NO_NEW_PRIVS, 1u64, 0u64, 0u64, 0u64) })
@@ -607,17 +628,7 @@ fn landlock(handled: u64, rules: &[(String, u64)]) -> io::Result<()> {
 
 /// Installs the seccomp filter on this process (inherited by every exec).
 fn seccomp(bpf: &[u8]) -> io::Result<()> {
-    if bpf.len() % 8 != 0 || bpf.is_empty() || bpf.len() / 8 > 4096 {
-        return Err(io::Error::from_raw_os_error(22));
-    }
-    let prog: Vec<u64> = bpf
-        .chunks_exact(8)
-        .map(|c| {
-            let mut a = [0u8; 8];
-            a.copy_from_slice(c);
-            u64::from_ne_bytes(a)
-        })
-        .collect();
+    let prog = bpf_program(bpf)?;
     let fprog = SockFprog {
         len: prog.len() as u16,
         filter: prog.as_ptr(),
@@ -634,6 +645,27 @@ fn seccomp(bpf: &[u8]) -> io::Result<()> {
     } as c_int)
 }
 
+/// The largest classic BPF program the kernel takes (`BPF_MAXINSNS`).
+const BPF_MAXINSNS: usize = 4096;
+
+/// A seccomp filter's `struct sock_filter` array, as the library sent it (8 bytes per
+/// instruction, native endian), in 8-byte-aligned memory: `EINVAL` unless it holds 1 to
+/// [`BPF_MAXINSNS`] whole instructions.
+fn bpf_program(bpf: &[u8]) -> io::Result<Vec<u64>> {
+    if !bpf.len().is_multiple_of(8) || bpf.is_empty() || bpf.len() / 8 > BPF_MAXINSNS {
+        return Err(io::Error::from_raw_os_error(22));
+    }
+    Ok(bpf
+        .chunks_exact(8)
+        .map(|c| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(c);
+            u64::from_ne_bytes(a)
+        })
+        .collect())
+}
+
+/// What an op does, for the error report of a failed setup.
 fn describe(op: &Op) -> String {
     match op {
         Op::Mount { dst, fstype, .. } => format!("mount {fstype} on {dst}"),
@@ -683,6 +715,7 @@ fn setup(id: u64, payload: &[u8], mut fds: Vec<OwnedFd>) -> Option<bool> {
     Some(ops.iter().any(|op| matches!(op, Op::DropBoundingSet)))
 }
 
+/// Writes `msg` to `fd` (best effort: a message for a reader that may be gone).
 fn raw_write(fd: RawFd, msg: &[u8]) {
     // SAFETY: writes a live buffer to an fd.
     unsafe {
@@ -756,6 +789,7 @@ fn drop_privileges(spec_flags: u32, uid: u32, gid: u32) -> io::Result<()> {
     Ok(())
 }
 
+/// The init's view of the execs it runs.
 struct Running {
     /// Supervisor pid -> exec id.
     sups: HashMap<i32, u64>,
@@ -893,12 +927,21 @@ fn exited(id: u64, status: i32, spawned: bool, started: u64) {
 
 /// [`exited`] with `flags` ([`EXITED_REUSABLE`]).
 fn exited_with(id: u64, status: i32, spawned: bool, started: u64, flags: u8) {
+    send(
+        REP_EXITED,
+        id,
+        &exited_payload(status, spawned, started, flags),
+    );
+}
+
+/// A `REP_EXITED` payload: i32 wait status, u8 spawned, u64 start time, u8 flags.
+fn exited_payload(status: i32, spawned: bool, started: u64, flags: u8) -> Vec<u8> {
     let mut e = Enc::default();
     e.i32(status);
     e.u8(u8::from(spawned));
     e.u64(started);
     e.u8(flags);
-    send(REP_EXITED, id, &e.0);
+    e.0
 }
 
 /// Starts exec `id`: forks a supervisor that is a child subreaper, so every process of the
@@ -1070,31 +1113,12 @@ fn kill_descendants() {
                 let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
                     continue;
                 };
-                let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
-                    continue;
-                };
-                let mut f = rest.split_whitespace();
-                let state = f.next().unwrap_or("");
-                let ppid = f.next().and_then(|p| p.parse::<i32>().ok()).unwrap_or(0);
-                if state != "Z" && state != "X" {
+                if let Some(ppid) = live_parent(&stat) {
                     parent.insert(pid, ppid);
                 }
             }
         }
-        let mut victims = Vec::new();
-        for &pid in parent.keys() {
-            let mut p = pid;
-            for _ in 0..4096 {
-                match parent.get(&p) {
-                    Some(&pp) if pp == me => {
-                        victims.push(pid);
-                        break;
-                    }
-                    Some(&pp) if pp > 1 => p = pp,
-                    _ => break,
-                }
-            }
-        }
+        let victims = descendants(&parent, me);
         if victims.is_empty() {
             return;
         }
@@ -1104,6 +1128,37 @@ fn kill_descendants() {
         }
         std::thread::sleep(std::time::Duration::from_micros(200));
     }
+}
+
+/// The parent pid in a `/proc/<pid>/stat` line, or `None` for a process that is gone (a
+/// zombie or dead) or a line without the `(comm)` field. The command name may hold spaces
+/// and parentheses: the fields that follow start after its *last* `)`.
+fn live_parent(stat: &str) -> Option<i32> {
+    let rest = stat.rfind(')').and_then(|i| stat.get(i + 1..))?;
+    let mut f = rest.split_whitespace();
+    let state = f.next().unwrap_or("");
+    let ppid = f.next().and_then(|p| p.parse::<i32>().ok()).unwrap_or(0);
+    (state != "Z" && state != "X").then_some(ppid)
+}
+
+/// The pids in `parent` (pid -> parent pid) that descend from `me`, following at most 4096
+/// links up (a cycle, possible in a snapshot of a changing `/proc`, ends the walk).
+fn descendants(parent: &HashMap<i32, i32>, me: i32) -> Vec<i32> {
+    let mut victims = Vec::new();
+    for &pid in parent.keys() {
+        let mut p = pid;
+        for _ in 0..4096 {
+            match parent.get(&p) {
+                Some(&pp) if pp == me => {
+                    victims.push(pid);
+                    break;
+                }
+                Some(&pp) if pp > 1 => p = pp,
+                _ => break,
+            }
+        }
+    }
+    victims
 }
 
 /// Everything the command's child needs, prepared before the clone: the child shares the
@@ -1135,7 +1190,7 @@ struct Child {
     started: u64,
 }
 
-const SH: &[u8] = b"/bin/sh\0";
+const SH: &std::ffi::CStr = c"/bin/sh";
 const ENOENT: c_int = 2;
 const EACCES: c_int = 13;
 const ENOEXEC: c_int = 8;
@@ -1144,6 +1199,8 @@ const CLONE_VM: c_int = 0x100;
 const CLONE_VFORK: c_int = 0x4000;
 const SIG_SETMASK: c_int = 2;
 
+/// The command's child (see [`Child`]): stdio, process group, rlimits, privileges, working
+/// directory, then `execve` of each candidate path in turn.
 extern "C" fn child_main(arg: *mut c_void) -> c_int {
     // SAFETY: `arg` is the supervisor's `Child`, alive and not touched by the supervisor
     // until we exec or exit (CLONE_VFORK). Only system calls below, no allocation.
@@ -1184,11 +1241,7 @@ extern "C" fn child_main(arg: *mut c_void) -> c_int {
             match errno() {
                 ENOEXEC => {
                     c.sh_argv[1] = p.as_ptr();
-                    execve(
-                        SH.as_ptr() as *const c_char,
-                        c.sh_argv.as_ptr(),
-                        c.envp.as_ptr(),
-                    );
+                    execve(SH.as_ptr(), c.sh_argv.as_ptr(), c.envp.as_ptr());
                     seen = errno();
                     break;
                 }
@@ -1276,7 +1329,7 @@ fn spawn(
             .chain([std::ptr::null()])
             .collect::<Vec<_>>()
     };
-    let mut sh_argv = vec![SH.as_ptr() as *const c_char, std::ptr::null()];
+    let mut sh_argv = vec![SH.as_ptr(), std::ptr::null()];
     sh_argv.extend(argv.iter().skip(1).map(|c| c.as_ptr()));
     sh_argv.push(std::ptr::null());
     let mut job = Child {
@@ -1335,6 +1388,8 @@ fn spawn(
     }
 }
 
+/// Reaps every child that has exited: a spare that died, a supervisor whose exec is over
+/// (acknowledging a pending kill; reporting one that was killed itself).
 fn reap(run: &mut Running) {
     loop {
         let mut status: c_int = 0;
@@ -1440,7 +1495,8 @@ fn bootstrap() {
         let mut buf = [0u8; 64];
         // A spare (cloned ahead of time, with all its namespaces) brings its `lo` up while
         // it waits; if that fails, the library does it and reports the error.
-        let lo_up = AHEAD.load(Ordering::Relaxed) && run_op(&Op::LoopbackUp, &mut Vec::new()).is_ok();
+        let lo_up =
+            AHEAD.load(Ordering::Relaxed) && run_op(&Op::LoopbackUp, &mut Vec::new()).is_ok();
         // Nothing happens before the library asks (we may have been cloned ahead of time).
         match recv(&mut buf) {
             Ok(Some((n, _))) if n >= 12 && Dec::new(&buf[..n]).u32() == Ok(MSG_START) => {}
@@ -1510,13 +1566,7 @@ fn bootstrap() {
 fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
     // SAFETY: prctl/close_range on our own process.
     unsafe {
-        prctl(
-            PR_SET_NAME,
-            b"asb-zygote\0".as_ptr() as u64,
-            0u64,
-            0u64,
-            0u64,
-        );
+        prctl(PR_SET_NAME, c"asb-zygote".as_ptr() as u64, 0u64, 0u64, 0u64);
         syscall(NR_CLOSE_RANGE, 3u32, u32::MAX, 0u32);
     }
     // Errno of the template set-up (0: ready); templates are refused with it otherwise.
@@ -1527,23 +1577,18 @@ fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
     if let Some(dir) = templates {
         let ns_fd = || {
             // SAFETY: open(2) of a NUL-terminated path.
-            unsafe {
-                libc_open(
-                    b"/proc/self/ns/mnt\0".as_ptr() as *const c_char,
-                    O_CLOEXEC,
-                )
-            }
+            unsafe { libc_open(c"/proc/self/ns/mnt".as_ptr(), O_CLOEXEC) }
         };
         host_ns = ns_fd();
         // SAFETY: unshare/mount with NUL-terminated paths, on our own single-threaded process.
         tmpl_err = unsafe {
-            let tmpfs = b"tmpfs\0".as_ptr() as *const c_char;
-            let opts = b"mode=0711,size=64k\0".as_ptr() as *const c_void;
+            let tmpfs = c"tmpfs".as_ptr();
+            let opts = c"mode=0711,size=64k".as_ptr() as *const c_void;
             if host_ns < 0
                 || unshare(CLONE_NEWNS) < 0
                 || mount(
                     std::ptr::null(),
-                    b"/\0".as_ptr() as *const c_char,
+                    c"/".as_ptr(),
                     std::ptr::null(),
                     MS_REC | MS_SLAVE,
                     std::ptr::null(),
@@ -1607,7 +1652,10 @@ fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
             } else {
                 Err(io::Error::last_os_error())
             };
-            raw_write(0, &zygote_reply(r.map_err(|e| e.raw_os_error().unwrap_or(5))));
+            raw_write(
+                0,
+                &zygote_reply(r.map_err(|e| e.raw_os_error().unwrap_or(5))),
+            );
             continue;
         }
         // `F`: an init in the library's namespace; `P`: one in the templates'.
@@ -1676,7 +1724,13 @@ fn socket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
     let mut sv = [0 as c_int; 2];
     // SAFETY: socketpair into a valid array; the fds are ours.
     unsafe {
-        if socketpair(1 /* AF_UNIX */, 5 /* SOCK_SEQPACKET */ | O_CLOEXEC, 0, sv.as_mut_ptr()) < 0 {
+        if socketpair(
+            1, /* AF_UNIX */
+            5 /* SOCK_SEQPACKET */ | O_CLOEXEC,
+            0,
+            sv.as_mut_ptr(),
+        ) < 0
+        {
             return Err(io::Error::last_os_error());
         }
         Ok((OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])))
@@ -1718,7 +1772,8 @@ fn build_template(tmpl_err: i32, mut fds: Vec<OwnedFd>) -> io::Result<()> {
     Ok(())
 }
 
-#[no_mangle]
+// Not the symbol `main` in unit tests: libtest's entry point is.
+#[cfg_attr(not(test), no_mangle)]
 extern "C" fn main(argc: c_int, argv: *const *const c_char) -> c_int {
     if argc > 1 {
         // SAFETY: glibc passes argc valid, NUL-terminated strings.
@@ -1738,13 +1793,10 @@ extern "C" fn main(argc: c_int, argv: *const *const c_char) -> c_int {
 fn init_main() -> ! {
     // SAFETY: fd/signal plumbing on our own process at startup.
     let sfd = unsafe {
-        prctl(PR_SET_NAME, b"asb-init\0".as_ptr() as u64, 0u64, 0u64, 0u64);
+        prctl(PR_SET_NAME, c"asb-init".as_ptr() as u64, 0u64, 0u64, 0u64);
         // The library hands us the control socket as stdin: move it to fd 3.
         dup2(0, CTL);
-        let null = libc_open(
-            b"/dev/null\0".as_ptr() as *const c_char,
-            2, /* O_RDWR */
-        );
+        let null = libc_open(c"/dev/null".as_ptr(), 2 /* O_RDWR */);
         if null >= 0 {
             dup2(null, 0);
             dup2(null, 1);
@@ -1804,7 +1856,8 @@ fn init_main() -> ! {
             let mut info = [0u8; 128];
             // SAFETY: reads whole signalfd_siginfo records into a local buffer.
             while unsafe { read(sfd, info.as_mut_ptr(), info.len()) } == 128 {
-                let field = |o: usize| u32::from_ne_bytes([info[o], info[o + 1], info[o + 2], info[o + 3]]);
+                let field =
+                    |o: usize| u32::from_ne_bytes([info[o], info[o + 1], info[o + 2], info[o + 3]]);
                 // ssi_signo, ssi_code, ssi_pid: the spare's command is done (see
                 // `fork_spare`). SI_USER (0): a kill(2), whose pid the kernel fills in (a
                 // queued signal's pid is the sender's to choose).
@@ -1882,5 +1935,477 @@ fn init_main() -> ! {
         } else if pfd[0].revents & (POLLHUP | POLLERR) != 0 {
             std::process::exit(0);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+    use std::fs;
+    use std::path::{Path, PathBuf};
+    use std::process::Command;
+    use std::sync::atomic::AtomicU32;
+
+    /// A fresh directory under the system's temporary directory, removed on drop.
+    struct TempDir(PathBuf);
+
+    impl TempDir {
+        fn new(tag: &str) -> TempDir {
+            static N: AtomicU32 = AtomicU32::new(0);
+            let p = std::env::temp_dir().join(format!(
+                "container-init-{tag}-{}-{}",
+                std::process::id(),
+                N.fetch_add(1, Ordering::Relaxed)
+            ));
+            fs::create_dir(&p).unwrap();
+            TempDir(p)
+        }
+
+        fn join(&self, p: &str) -> PathBuf {
+            self.0.join(p)
+        }
+
+        fn at(&self, p: &str) -> String {
+            self.join(p).to_str().unwrap().to_string()
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn commands_with_a_slash_are_run_as_given() {
+        let path = vec!["PATH=/nowhere".to_string()];
+        assert_eq!(candidates("/bin/sh", &path), ["/bin/sh"]);
+        assert_eq!(candidates("./run.sh", &path), ["./run.sh"]);
+        assert_eq!(candidates("a/b", &[]), ["a/b"]);
+    }
+
+    #[test]
+    fn commands_are_looked_up_in_the_commands_own_path() {
+        // No PATH: the default one.
+        assert_eq!(
+            candidates("ls", &["HOME=/x".to_string(), "PATHX=/y".to_string()]),
+            ["/usr/local/bin/ls", "/usr/bin/ls", "/bin/ls"]
+        );
+        // Trailing slashes go; an empty entry is the working directory; the first PATH
+        // of the environment counts.
+        let env = [
+            "A=1".to_string(),
+            "PATH=/a/::rel:/c//".to_string(),
+            "PATH=/other".to_string(),
+        ];
+        assert_eq!(candidates("ls", &env), ["/a/ls", "ls", "rel/ls", "/c/ls"]);
+        assert_eq!(candidates("ls", &["PATH=".to_string()]), ["ls"]);
+    }
+
+    #[test]
+    fn zygote_replies_are_a_value_or_an_errno() {
+        let reply = |r| {
+            let b = zygote_reply(r);
+            let mut d = Dec::new(&b);
+            let v = (d.u32().unwrap(), d.i32().unwrap());
+            assert!(d.rest().is_empty());
+            v
+        };
+        assert_eq!(reply(Ok(4242)), (4242, 0));
+        assert_eq!(reply(Ok(1)), (1, 0));
+        assert_eq!(reply(Err(13)), (0, 13));
+    }
+
+    #[test]
+    fn error_replies_carry_the_op_the_errno_and_a_message() {
+        let b = err_payload(3, &io::Error::from_raw_os_error(2), "mkdir /x");
+        let mut d = Dec::new(&b);
+        assert_eq!(d.u32(), Ok(3));
+        assert_eq!(d.i32(), Ok(2));
+        let msg = d.str().unwrap();
+        assert!(msg.starts_with("mkdir /x: "), "{msg}");
+        assert!(msg.contains("os error 2"), "{msg}");
+        assert!(d.rest().is_empty());
+        // An error without an errno reports 0.
+        let b = err_payload(u32::MAX, &io::Error::other("bad"), "setup");
+        let mut d = Dec::new(&b);
+        assert_eq!((d.u32(), d.i32()), (Ok(u32::MAX), Ok(0)));
+        assert_eq!(d.str(), Ok("setup: bad".to_string()));
+    }
+
+    #[test]
+    fn exit_replies_have_the_documented_layout() {
+        let b = exited_payload(-9, true, 1 << 40, EXITED_REUSABLE);
+        let mut d = Dec::new(&b);
+        assert_eq!(d.i32(), Ok(-9));
+        assert_eq!(d.u8(), Ok(1));
+        assert_eq!(d.u64(), Ok(1 << 40));
+        assert_eq!(d.u8(), Ok(EXITED_REUSABLE));
+        assert!(d.rest().is_empty());
+        assert_eq!(exited_payload(127 << 8, false, 0, 0)[4], 0);
+    }
+
+    #[test]
+    fn seccomp_programs_are_whole_instructions_within_the_kernels_limit() {
+        let insn = 0x0102_0304_0506_0708u64.to_ne_bytes();
+        assert_eq!(bpf_program(&insn).unwrap(), [0x0102_0304_0506_0708u64]);
+        let full = insn.repeat(BPF_MAXINSNS);
+        assert_eq!(bpf_program(&full).unwrap().len(), BPF_MAXINSNS);
+        for bad in [
+            Vec::new(),
+            insn[..7].to_vec(),
+            insn.repeat(2)[..9].to_vec(),
+            insn.repeat(BPF_MAXINSNS + 1),
+        ] {
+            let e = bpf_program(&bad).unwrap_err();
+            assert_eq!(e.raw_os_error(), Some(22), "{} bytes", bad.len());
+        }
+    }
+
+    #[test]
+    fn stat_lines_give_the_parent_of_live_processes() {
+        assert_eq!(live_parent("123 (sh) S 1 123 123 0 -1"), Some(1));
+        // The command name may hold spaces and parentheses.
+        assert_eq!(live_parent("5 (a) b) (c) R 42 5 5 0"), Some(42));
+        assert_eq!(live_parent("7 (z) Z 3 7 7"), None);
+        assert_eq!(live_parent("7 (z) X 3 7 7"), None);
+        assert_eq!(live_parent("no command name"), None);
+        assert_eq!(live_parent(""), None);
+        // Missing or unparsable fields: a live process whose parent is unknown (0).
+        assert_eq!(live_parent("8 (x)"), Some(0));
+        assert_eq!(live_parent("8 (x) S ?"), Some(0));
+    }
+
+    #[test]
+    fn descendants_are_found_through_any_depth_and_cycles_end() {
+        let parent: HashMap<i32, i32> = [
+            (101, 100),
+            (102, 101),
+            (103, 102),
+            (104, 100),
+            (200, 1),
+            (201, 200),
+            // A cycle (a stale snapshot of /proc) and a self-parent.
+            (300, 301),
+            (301, 300),
+            (400, 400),
+            (500, 0),
+        ]
+        .into_iter()
+        .collect();
+        let mut d = descendants(&parent, 100);
+        d.sort_unstable();
+        assert_eq!(d, [101, 102, 103, 104]);
+        assert_eq!(descendants(&parent, 103), Vec::<i32>::new());
+        let mut d = descendants(&parent, 200);
+        d.sort_unstable();
+        assert_eq!(d, [201]);
+    }
+
+    #[test]
+    fn packets_and_fds_travel_over_a_socketpair() {
+        let (a, b) = socket_pair().unwrap();
+        let (p, q) = socket_pair().unwrap();
+        let null: OwnedFd = File::open("/dev/null").unwrap().into();
+        send_with_fds(a.as_raw_fd(), b"hello", &[null, q]).unwrap();
+        let mut buf = [0u8; 64];
+        let (n, fds) = recv_on(b.as_raw_fd(), &mut buf).unwrap().unwrap();
+        assert_eq!(&buf[..n], b"hello");
+        assert_eq!(fds.len(), 2);
+        // Received close-on-exec (F_GETFD = 1, FD_CLOEXEC = 1).
+        for fd in &fds {
+            // SAFETY: fcntl(F_GETFD) on a descriptor we own.
+            assert_eq!(unsafe { fcntl(fd.as_raw_fd(), 1) } & 1, 1);
+        }
+        // The second is `q`: what goes into `p` comes out of it.
+        send_with_fds(p.as_raw_fd(), b"through", &[]).unwrap();
+        let (n, none) = recv_on(fds[1].as_raw_fd(), &mut buf).unwrap().unwrap();
+        assert_eq!((&buf[..n], none.len()), (&b"through"[..], 0));
+        // At most four descriptors per packet.
+        let five: Vec<OwnedFd> = (0..5)
+            .map(|_| File::open("/dev/null").unwrap().into())
+            .collect();
+        let e = send_with_fds(a.as_raw_fd(), b"x", &five).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(7));
+        // A packet larger than the buffer is an error, not a silent truncation.
+        send_with_fds(a.as_raw_fd(), &[1; 100], &[]).unwrap();
+        let e = recv_on(b.as_raw_fd(), &mut buf[..10]).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(90));
+        // The peer hung up.
+        drop(a);
+        assert!(recv_on(b.as_raw_fd(), &mut buf).unwrap().is_none());
+    }
+
+    /// A file holding `bytes`, open for reading (as the library's memfd).
+    fn payload_fd(dir: &TempDir, bytes: &[u8]) -> OwnedFd {
+        let p = dir.join("payload");
+        fs::write(&p, bytes).unwrap();
+        File::open(&p).unwrap().into()
+    }
+
+    fn encoded(ops: &[Op]) -> Vec<u8> {
+        let mut e = Enc::default();
+        e.ops(ops);
+        e.0
+    }
+
+    #[test]
+    fn templates_run_file_ops_only() {
+        let dir = TempDir::new("template");
+        let errno = |r: io::Result<()>| r.unwrap_err().raw_os_error();
+        // The zygote's set-up failed: every template is refused with its errno.
+        assert_eq!(errno(build_template(95, Vec::new())), Some(95));
+        // No payload, or a malformed one.
+        assert_eq!(errno(build_template(0, Vec::new())), Some(22));
+        let junk = payload_fd(&dir, b"\x05\0\0\0\xff");
+        assert_eq!(errno(build_template(0, vec![junk])), Some(22));
+        // Ops that are not about files are refused, after the file ops before them ran.
+        let ops = [
+            Op::Mkdir {
+                path: dir.at("before"),
+                mode: 0o755,
+            },
+            Op::Hostname { name: "x".into() },
+            Op::Mkdir {
+                path: dir.at("after"),
+                mode: 0o755,
+            },
+        ];
+        let fd = payload_fd(&dir, &encoded(&ops));
+        assert_eq!(errno(build_template(0, vec![fd])), Some(1));
+        assert!(dir.join("before").is_dir());
+        assert!(!dir.join("after").exists());
+        for op in [
+            Op::LoopbackUp,
+            Op::Chdir { path: "/".into() },
+            Op::Landlock {
+                handled: 2,
+                rules: Vec::new(),
+            },
+            Op::DropBoundingSet,
+        ] {
+            let fd = payload_fd(&dir, &encoded(&[op]));
+            assert_eq!(errno(build_template(0, vec![fd])), Some(1));
+        }
+    }
+
+    #[test]
+    fn file_ops_build_a_tree() {
+        let dir = TempDir::new("ops");
+        fs::create_dir(dir.join("t")).unwrap();
+        fs::write(dir.join("t/kept"), "old").unwrap();
+        let ops = [
+            Op::Mkdir {
+                path: dir.at("t/a/b/c"),
+                mode: 0o700,
+            },
+            // Existing directories are fine.
+            Op::Mkdir {
+                path: dir.at("t/a/b"),
+                mode: 0o755,
+            },
+            Op::WriteFile {
+                path: dir.at("t/a/f"),
+                mode: 0o600,
+                data: b"first, longer".to_vec(),
+            },
+            // Rewriting truncates.
+            Op::WriteFile {
+                path: dir.at("t/a/f"),
+                mode: 0o600,
+                data: b"second".to_vec(),
+            },
+            // Touch creates a missing file and leaves an existing one as it is.
+            Op::Touch {
+                path: dir.at("t/new"),
+            },
+            Op::Touch {
+                path: dir.at("t/kept"),
+            },
+            Op::Symlink {
+                target: "a/f".into(),
+                path: dir.at("t/link"),
+            },
+        ];
+        let fd = payload_fd(&dir, &encoded(&ops));
+        build_template(0, vec![fd]).unwrap();
+        assert!(dir.join("t/a/b/c").is_dir());
+        assert_eq!(fs::read_to_string(dir.join("t/a/f")).unwrap(), "second");
+        assert_eq!(fs::read(dir.join("t/new")).unwrap(), b"");
+        assert_eq!(fs::read_to_string(dir.join("t/kept")).unwrap(), "old");
+        assert_eq!(fs::read_link(dir.join("t/link")).unwrap(), Path::new("a/f"));
+        assert_eq!(fs::read_to_string(dir.join("t/link")).unwrap(), "second");
+        // A symlink over an existing path fails, and names the op.
+        let op = Op::Symlink {
+            target: "x".into(),
+            path: dir.at("t/link"),
+        };
+        assert_eq!(
+            run_op(&op, &mut Vec::new()).unwrap_err().kind(),
+            io::ErrorKind::AlreadyExists
+        );
+        assert!(describe(&op).contains("t/link"));
+        // A NUL byte in a path is EINVAL, not a panic.
+        let op = Op::Bind {
+            src: "a\0b".into(),
+            dst: dir.at("t"),
+        };
+        assert_eq!(
+            run_op(&op, &mut Vec::new()).unwrap_err().raw_os_error(),
+            Some(22)
+        );
+    }
+
+    // Landlock, as the library asks for it on each ABI (see backend-container's
+    // `src/landlock.rs`): every write-side filesystem right.
+    const LL_WRITE_FILE: u64 = 1 << 1;
+    const LL_ABI1_WRITES: u64 = LL_WRITE_FILE | 0x1ff0; // remove dir/file, make *
+    const LL_REFER: u64 = 1 << 13;
+    const LL_TRUNCATE: u64 = 1 << 14;
+
+    /// The running kernel's Landlock ABI, if any.
+    fn landlock_abi() -> Option<i64> {
+        // SAFETY: landlock_create_ruleset(NULL, 0, LANDLOCK_CREATE_RULESET_VERSION) only
+        // returns a number.
+        let v = unsafe {
+            syscall(
+                NR_LANDLOCK_CREATE_RULESET,
+                std::ptr::null::<u8>(),
+                0usize,
+                1u32,
+            )
+        };
+        (v > 0).then_some(v)
+    }
+
+    fn landlock_write_rights(abi: i64) -> u64 {
+        let mut r = LL_ABI1_WRITES;
+        if abi >= 2 {
+            r |= LL_REFER;
+        }
+        if abi >= 3 {
+            r |= LL_TRUNCATE;
+        }
+        r
+    }
+
+    const LANDLOCK_DIR: &str = "CONTAINER_INIT_LANDLOCK_TEST_DIR";
+
+    #[test]
+    fn landlock_refuses_bad_rules_before_restricting() {
+        if landlock_abi().is_none() {
+            eprintln!("Landlock is unavailable: skipped");
+            return;
+        }
+        let rules = [("a\0b".to_string(), LL_WRITE_FILE)];
+        let e = landlock(LL_WRITE_FILE, &rules).unwrap_err();
+        assert_eq!(e.raw_os_error(), Some(22));
+        // Still unrestricted (this is the test process itself).
+        let dir = TempDir::new("unrestricted");
+        fs::write(dir.join("f"), "x").unwrap();
+    }
+
+    /// The init's `landlock` installs a domain that confines writes to the rules' paths
+    /// (checked in a child process: a domain cannot be left).
+    #[test]
+    fn landlock_confines_writes_to_the_rules() {
+        let Some(abi) = landlock_abi() else {
+            eprintln!("Landlock is unavailable: skipped");
+            return;
+        };
+        let dir = TempDir::new("landlock");
+        fs::create_dir(dir.join("allowed")).unwrap();
+        fs::create_dir(dir.join("denied")).unwrap();
+        fs::write(dir.join("denied/existing"), "old").unwrap();
+        fs::write(dir.join("file"), "old").unwrap();
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args(["tests::landlock_child", "--exact", "--ignored"])
+            .args(["--nocapture", "--test-threads=1"])
+            .env(LANDLOCK_DIR, &dir.0)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && stdout.contains("landlock child: confined (ABI "),
+            "ABI {abi}: {stdout}\n{stderr}"
+        );
+        assert_eq!(
+            fs::read_to_string(dir.join("denied/existing")).unwrap(),
+            "old"
+        );
+        assert_eq!(fs::read_to_string(dir.join("file")).unwrap(), "new");
+        assert!(!dir.join("denied/new").exists());
+    }
+
+    #[test]
+    #[ignore = "run in a child process by landlock_confines_writes_to_the_rules"]
+    fn landlock_child() {
+        extern "C" {
+            fn truncate(path: *const c_char, len: i64) -> c_int;
+        }
+        let Some(dir) = std::env::var_os(LANDLOCK_DIR).map(PathBuf::from) else {
+            return;
+        };
+        let abi = landlock_abi().expect("Landlock went away");
+        let all = landlock_write_rights(abi);
+        let at = |p: &str| dir.join(p).to_str().unwrap().to_string();
+        landlock(
+            all,
+            &[
+                (at("allowed"), all),
+                (at("file"), all & (LL_WRITE_FILE | LL_TRUNCATE)),
+                // Missing paths are skipped.
+                (at("missing"), all),
+            ],
+        )
+        .unwrap();
+        let denied = |what: &str, r: io::Result<()>| match r {
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => {}
+            other => panic!("{what}: {other:?}"),
+        };
+        // Beneath a directory rule: every write.
+        fs::write(dir.join("allowed/new"), "new").unwrap();
+        fs::create_dir(dir.join("allowed/sub")).unwrap();
+        std::os::unix::fs::symlink("new", dir.join("allowed/link")).unwrap();
+        fs::rename(dir.join("allowed/new"), dir.join("allowed/sub/new")).unwrap();
+        fs::remove_file(dir.join("allowed/link")).unwrap();
+        fs::remove_file(dir.join("allowed/sub/new")).unwrap();
+        fs::remove_dir(dir.join("allowed/sub")).unwrap();
+        // A file rule: that file, written and truncated (`O_TRUNC`).
+        fs::write(dir.join("file"), "new").unwrap();
+        // Anywhere else: no write of any kind.
+        denied("create", fs::write(dir.join("denied/new"), "x"));
+        denied("mkdir", fs::create_dir(dir.join("denied/sub")));
+        denied(
+            "open for writing",
+            fs::OpenOptions::new()
+                .append(true)
+                .open(dir.join("denied/existing"))
+                .map(drop),
+        );
+        denied("unlink", fs::remove_file(dir.join("denied/existing")));
+        denied(
+            "symlink",
+            std::os::unix::fs::symlink("x", dir.join("denied/link")),
+        );
+        denied(
+            "create beside a file rule",
+            fs::write(dir.join("file2"), "x"),
+        );
+        if abi >= 3 {
+            let p = CString::new(at("denied/existing")).unwrap();
+            // SAFETY: truncate(2) of a NUL-terminated path.
+            let r = unsafe { truncate(p.as_ptr(), 0) };
+            denied("truncate", check(r));
+        }
+        // Reads are not handled.
+        assert_eq!(
+            fs::read_to_string(dir.join("denied/existing")).unwrap(),
+            "old"
+        );
+        println!("landlock child: confined (ABI {abi})");
     }
 }

@@ -1,7 +1,9 @@
 //! Wire format between the library and the sandbox init (`init/main.rs`).
 //!
-//! This file is compiled twice: into the library (`#[path]` module) and into the init
-//! program, which build.rs compiles with plain `rustc` (std only). Keep it std-only.
+//! This file is compiled three times: into the library (`#[path]` module), into the init
+//! program, which build.rs compiles with plain `rustc` (std only), and into the
+//! `container-init` workspace package (lints and unit tests). Keep it std-only and
+//! panic-free: a malformed message decodes to [`Malformed`], never a panic.
 //!
 //! Bootstrap: the library's zygote clones the init (pid 1 of new user and pid namespaces, a
 //! child of the library through `CLONE_PARENT`) with the socket as stdin, on request or ahead
@@ -17,6 +19,8 @@
 //! Payloads larger than [`INLINE_MAX`] travel in a memfd passed as the *last* fd and
 //! flagged with [`FLAG_BIG`] in `kind`'s high bit.
 
+// Each side uses its half (the library encodes ops and decodes replies, the init the
+// reverse): whatever one of them leaves unused is the other's.
 #![allow(dead_code)]
 
 /// FNV-1a of the init's sources (this file and `main.rs`), computed at compile time in both
@@ -47,7 +51,7 @@ pub const FLAG_BIG: u32 = 0x8000_0000;
 // library -> init
 /// Build the root filesystem and lock the init down: payload = [`Op`] list.
 pub const MSG_SETUP: u32 = 1;
-/// Run a command: payload = [`ExecSpec`]; fds: stdout, stderr, [stdin].
+/// Run a command: payload = [`ExecSpec`]; fds: stdout, stderr, then stdin if [`EXEC_STDIN`].
 pub const MSG_EXEC: u32 = 3;
 /// Kill the whole process tree of exec `id` (its supervisor does it).
 pub const MSG_KILL: u32 = 4;
@@ -185,31 +189,39 @@ pub struct ExecSpec {
 pub struct Enc(pub Vec<u8>);
 
 impl Enc {
+    /// A message's start: `kind` then `id`; the payload is appended after it.
     pub fn header(kind: u32, id: u64) -> Enc {
         let mut e = Enc(Vec::with_capacity(64));
         e.u32(kind);
         e.u64(id);
         e
     }
+    /// Appends a byte.
     pub fn u8(&mut self, v: u8) {
         self.0.push(v);
     }
+    /// Appends a `u32`.
     pub fn u32(&mut self, v: u32) {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
+    /// Appends an `i32`.
     pub fn i32(&mut self, v: i32) {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
+    /// Appends a `u64`.
     pub fn u64(&mut self, v: u64) {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
+    /// Appends a byte string: `u32` length, then the bytes.
     pub fn bytes(&mut self, b: &[u8]) {
         self.u32(b.len() as u32);
         self.0.extend_from_slice(b);
     }
+    /// Appends a UTF-8 string (as [`Enc::bytes`]).
     pub fn str(&mut self, s: &str) {
         self.bytes(s.as_bytes());
     }
+    /// Appends a string list: `u32` count, then each string.
     pub fn strs(&mut self, v: &[String]) {
         self.u32(v.len() as u32);
         for s in v {
@@ -217,6 +229,7 @@ impl Enc {
         }
     }
 
+    /// Appends one op: a `u8` tag, then its fields in declaration order.
     pub fn op(&mut self, op: &Op) {
         match op {
             Op::Mount {
@@ -336,6 +349,7 @@ impl Enc {
         }
     }
 
+    /// Appends an op list: `u32` count, then each op (a `MSG_SETUP` payload).
     pub fn ops(&mut self, ops: &[Op]) {
         self.u32(ops.len() as u32);
         for op in ops {
@@ -343,6 +357,7 @@ impl Enc {
         }
     }
 
+    /// Appends an [`ExecSpec`] (a `MSG_EXEC` payload).
     pub fn exec(&mut self, x: &ExecSpec) {
         self.u32(x.flags);
         self.u32(x.uid);
@@ -371,9 +386,11 @@ pub struct Dec<'a> {
 pub struct Malformed;
 
 impl<'a> Dec<'a> {
+    /// A decoder at the start of `buf`.
     pub fn new(buf: &'a [u8]) -> Self {
         Dec { buf, pos: 0 }
     }
+    /// What is left after the values read so far.
     pub fn rest(&self) -> &'a [u8] {
         &self.buf[self.pos.min(self.buf.len())..]
     }
@@ -383,31 +400,38 @@ impl<'a> Dec<'a> {
         self.pos = end;
         Ok(s)
     }
+    /// Reads a byte.
     pub fn u8(&mut self) -> Result<u8, Malformed> {
         Ok(self.take(1)?[0])
     }
+    /// Reads a `u32`.
     pub fn u32(&mut self) -> Result<u32, Malformed> {
         let mut a = [0u8; 4];
         a.copy_from_slice(self.take(4)?);
         Ok(u32::from_le_bytes(a))
     }
+    /// Reads an `i32`.
     pub fn i32(&mut self) -> Result<i32, Malformed> {
         let mut a = [0u8; 4];
         a.copy_from_slice(self.take(4)?);
         Ok(i32::from_le_bytes(a))
     }
+    /// Reads a `u64`.
     pub fn u64(&mut self) -> Result<u64, Malformed> {
         let mut a = [0u8; 8];
         a.copy_from_slice(self.take(8)?);
         Ok(u64::from_le_bytes(a))
     }
+    /// Reads a byte string written by [`Enc::bytes`] (borrowed from the buffer).
     pub fn bytes(&mut self) -> Result<&'a [u8], Malformed> {
         let n = self.u32()? as usize;
         self.take(n)
     }
+    /// Reads a string; invalid UTF-8 is malformed.
     pub fn str(&mut self) -> Result<String, Malformed> {
         String::from_utf8(self.bytes()?.to_vec()).map_err(|_| Malformed)
     }
+    /// Reads a string list (the count alone reserves at most 4096 slots).
     pub fn strs(&mut self) -> Result<Vec<String>, Malformed> {
         let n = self.u32()? as usize;
         let mut v = Vec::with_capacity(n.min(4096));
@@ -417,6 +441,7 @@ impl<'a> Dec<'a> {
         Ok(v)
     }
 
+    /// Reads one op; an unknown tag is malformed.
     pub fn op(&mut self) -> Result<Op, Malformed> {
         Ok(match self.u8()? {
             1 => Op::Mount {
@@ -499,6 +524,7 @@ impl<'a> Dec<'a> {
         })
     }
 
+    /// Reads an op list.
     pub fn ops(&mut self) -> Result<Vec<Op>, Malformed> {
         let n = self.u32()? as usize;
         let mut v = Vec::with_capacity(n.min(1024));
@@ -508,6 +534,7 @@ impl<'a> Dec<'a> {
         Ok(v)
     }
 
+    /// Reads an [`ExecSpec`].
     pub fn exec(&mut self) -> Result<ExecSpec, Malformed> {
         let flags = self.u32()?;
         let uid = self.u32()?;
@@ -530,4 +557,315 @@ impl<'a> Dec<'a> {
             rlimits,
         })
     }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    /// One of every op, with values that differ field by field (a swapped pair of fields
+    /// in the encoder or decoder would not round-trip).
+    fn every_op() -> Vec<Op> {
+        vec![
+            Op::Mount {
+                src: "overlay".into(),
+                dst: "/new".into(),
+                fstype: "overlay".into(),
+                flags: 0x0102_0304_0506_0708,
+                data: "lowerdir=/l,upperdir=/u".into(),
+            },
+            Op::Bind {
+                src: "/host/ws".into(),
+                dst: "/new/workspace".into(),
+            },
+            Op::SetAttr {
+                path: "/new".into(),
+                set: 1,
+                clear: 2,
+                recursive: true,
+            },
+            Op::SetAttr {
+                path: "/new/x".into(),
+                set: 3,
+                clear: u64::MAX,
+                recursive: false,
+            },
+            Op::Mkdir {
+                path: "/new/tmp".into(),
+                mode: 0o1777,
+            },
+            Op::WriteFile {
+                path: "/new/etc/hostname".into(),
+                mode: 0o644,
+                data: vec![0, 1, 2, 255, b'\n'],
+            },
+            Op::Touch {
+                path: "/new/dev/null".into(),
+            },
+            Op::Symlink {
+                target: "/proc/self/fd".into(),
+                path: "/new/dev/fd".into(),
+            },
+            Op::Chown {
+                path: "/new/workspace".into(),
+                uid: 1000,
+                gid: 1001,
+            },
+            Op::Pivot {
+                newroot: "/new".into(),
+            },
+            Op::Hostname {
+                name: "sandbox".into(),
+            },
+            Op::LoopbackUp,
+            Op::Unshare {
+                flags: 0x0200_0000,
+                optional: true,
+            },
+            Op::Unshare {
+                flags: 0x0002_0000,
+                optional: false,
+            },
+            Op::Chdir {
+                path: "/workspace".into(),
+            },
+            Op::Rlimit {
+                resource: 4,
+                soft: 7,
+                hard: 9,
+            },
+            Op::PivotOld {
+                newroot: "/new".into(),
+                put_old: "/new/.old".into(),
+            },
+            Op::Landlock {
+                handled: 0x7ff2,
+                rules: vec![("/tmp".into(), 0x7ff2), ("/dev/null".into(), 0x4002)],
+            },
+            Op::Landlock {
+                handled: 0,
+                rules: Vec::new(),
+            },
+            Op::Seccomp {
+                bpf: (0..64).collect(),
+            },
+            Op::Lower {
+                src: "/rootfs".into(),
+                dst: "/new/lower".into(),
+            },
+            Op::KeepDir {
+                path: "/upper".into(),
+                fd: UPPER_FD,
+            },
+            Op::DropBoundingSet,
+            // Empty and non-ASCII strings.
+            Op::Mount {
+                src: String::new(),
+                dst: "/ñ/ü".into(),
+                fstype: String::new(),
+                flags: 0,
+                data: String::new(),
+            },
+        ]
+    }
+
+    fn exec_spec() -> ExecSpec {
+        ExecSpec {
+            flags: EXEC_STDIN | EXEC_STAY_ROOT,
+            uid: 1000,
+            gid: 1001,
+            cwd: "/workspace".into(),
+            argv: vec!["sh".into(), "-c".into(), "echo hi".into(), String::new()],
+            env: vec!["PATH=/usr/bin:/bin".into(), "HOME=/workspace".into()],
+            rlimits: vec![(7, 1024, 4096), (1, u64::MAX, u64::MAX)],
+        }
+    }
+
+    fn encoded_op(op: &Op) -> Vec<u8> {
+        let mut e = Enc::default();
+        e.op(op);
+        e.0
+    }
+
+    #[test]
+    fn every_op_round_trips() {
+        for op in every_op() {
+            let b = encoded_op(&op);
+            let mut d = Dec::new(&b);
+            assert_eq!(d.op(), Ok(op.clone()));
+            assert!(d.rest().is_empty(), "{op:?} left bytes behind");
+        }
+    }
+
+    #[test]
+    fn op_lists_round_trip() {
+        let ops = every_op();
+        let mut e = Enc::default();
+        e.ops(&ops);
+        let mut d = Dec::new(&e.0);
+        assert_eq!(d.ops(), Ok(ops));
+        assert!(d.rest().is_empty());
+        let mut e = Enc::default();
+        e.ops(&[]);
+        assert_eq!(Dec::new(&e.0).ops(), Ok(Vec::new()));
+    }
+
+    #[test]
+    fn exec_specs_round_trip() {
+        for x in [exec_spec(), ExecSpec::default()] {
+            let mut e = Enc::default();
+            e.exec(&x);
+            let mut d = Dec::new(&e.0);
+            assert_eq!(d.exec(), Ok(x));
+            assert!(d.rest().is_empty());
+        }
+    }
+
+    #[test]
+    fn headers_and_scalars_round_trip() {
+        let mut e = Enc::header(MSG_EXEC | FLAG_BIG, u64::MAX - 1);
+        e.u8(0xab);
+        e.i32(-2);
+        e.u32(u32::MAX);
+        e.u64(1 << 40);
+        e.bytes(b"\0raw\xff");
+        e.str("text");
+        e.strs(&["a".into(), String::new()]);
+        e.0.extend_from_slice(b"tail");
+        let mut d = Dec::new(&e.0);
+        assert_eq!(d.u32(), Ok(MSG_EXEC | FLAG_BIG));
+        assert_eq!(d.u64(), Ok(u64::MAX - 1));
+        assert_eq!(d.u8(), Ok(0xab));
+        assert_eq!(d.i32(), Ok(-2));
+        assert_eq!(d.u32(), Ok(u32::MAX));
+        assert_eq!(d.u64(), Ok(1 << 40));
+        assert_eq!(d.bytes(), Ok(&b"\0raw\xff"[..]));
+        assert_eq!(d.str(), Ok("text".to_string()));
+        assert_eq!(d.strs(), Ok(vec!["a".to_string(), String::new()]));
+        assert_eq!(d.rest(), b"tail");
+        // Little endian, as documented: `[u32 kind][u64 id]`.
+        assert_eq!(
+            Enc::header(0x0102_0304, 5).0,
+            [4, 3, 2, 1, 5, 0, 0, 0, 0, 0, 0, 0]
+        );
+    }
+
+    #[test]
+    fn truncated_input_is_malformed() {
+        // Every strict prefix of an encoding fails to decode, for every op, an op list and
+        // an exec spec: no field is read past the end, and nothing panics.
+        type Decodes = fn(&mut Dec<'_>) -> bool;
+        let mut messages: Vec<(Vec<u8>, Decodes)> = Vec::new();
+        for op in every_op() {
+            messages.push((encoded_op(&op), |d| d.op().is_ok()));
+        }
+        let mut e = Enc::default();
+        e.ops(&every_op());
+        messages.push((e.0, |d| d.ops().is_ok()));
+        let mut e = Enc::default();
+        e.exec(&exec_spec());
+        messages.push((e.0, |d| d.exec().is_ok()));
+        for (bytes, decodes) in messages {
+            assert!(decodes(&mut Dec::new(&bytes)));
+            for cut in 0..bytes.len() {
+                assert!(
+                    !decodes(&mut Dec::new(&bytes[..cut])),
+                    "a {cut}-byte prefix of {bytes:?} decoded"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn scalars_past_the_end_are_malformed() {
+        let mut d = Dec::new(&[1, 2, 3]);
+        assert_eq!(d.u32(), Err(Malformed));
+        assert_eq!(d.u64(), Err(Malformed));
+        assert_eq!(d.i32(), Err(Malformed));
+        // A failed read consumes nothing.
+        assert_eq!(d.rest(), [1, 2, 3]);
+        assert_eq!(d.u8(), Ok(1));
+        assert_eq!(Dec::new(&[]).u8(), Err(Malformed));
+        assert!(Dec::new(&[]).rest().is_empty());
+    }
+
+    #[test]
+    fn unknown_op_tags_are_malformed() {
+        let known: Vec<u8> = every_op().iter().map(|op| encoded_op(op)[0]).collect();
+        for tag in 0..=u8::MAX {
+            if !known.contains(&tag) {
+                // Followed by plenty of bytes: the tag alone decides.
+                let mut b = vec![tag];
+                b.extend_from_slice(&[0; 64]);
+                assert_eq!(Dec::new(&b).op(), Err(Malformed), "tag {tag}");
+            }
+        }
+    }
+
+    #[test]
+    fn invalid_utf8_is_malformed() {
+        let mut e = Enc::default();
+        e.u8(6); // Touch
+        e.bytes(b"/bad\xff");
+        assert_eq!(Dec::new(&e.0).op(), Err(Malformed));
+        let mut e = Enc::default();
+        e.bytes(&[0xc3]);
+        assert_eq!(Dec::new(&e.0).str(), Err(Malformed));
+    }
+
+    #[test]
+    fn huge_lengths_and_counts_are_malformed_without_huge_allocations() {
+        // A length or count of u32::MAX in a short message fails on the first missing
+        // byte; the decoders reserve a bounded number of slots, whatever the count says.
+        let max = u32::MAX.to_le_bytes();
+        assert_eq!(Dec::new(&max).bytes(), Err(Malformed));
+        assert_eq!(Dec::new(&max).str(), Err(Malformed));
+        assert_eq!(Dec::new(&max).strs(), Err(Malformed));
+        assert_eq!(Dec::new(&max).ops(), Err(Malformed));
+        let mut landlock = vec![16];
+        landlock.extend_from_slice(&0u64.to_le_bytes());
+        landlock.extend_from_slice(&max);
+        assert_eq!(Dec::new(&landlock).op(), Err(Malformed));
+        let mut e = Enc::default();
+        e.exec(&ExecSpec::default());
+        let n = e.0.len();
+        e.0[n - 4..].copy_from_slice(&max); // the rlimit count
+        assert_eq!(Dec::new(&e.0).exec(), Err(Malformed));
+    }
+
+    #[test]
+    fn source_hash_is_fnv1a_of_both_sources() {
+        // FNV-1a 64 reference values.
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(fnv1a(b"foobar"), 0x8594_4171_f739_67e8);
+        assert_eq!(
+            SOURCE_HASH,
+            fnv1a(include_bytes!("proto.rs")) ^ fnv1a(include_bytes!("main.rs"))
+        );
+    }
+
+    #[test]
+    fn wire_constants_are_distinct() {
+        let requests = [
+            MSG_SETUP,
+            MSG_EXEC,
+            MSG_KILL,
+            MSG_PING,
+            MSG_MAPS,
+            MSG_CGROUPS,
+            MSG_START,
+        ];
+        let replies = [REP_OK, REP_ERR, REP_EXITED, REP_BOOT, REP_INIT, REP_SPARE];
+        let all: Vec<u32> = requests.iter().chain(&replies).copied().collect();
+        for (i, a) in all.iter().enumerate() {
+            assert_eq!(a & FLAG_BIG, 0, "kind {a} collides with FLAG_BIG");
+            assert!(!all[i + 1..].contains(a), "kind {a} used twice");
+        }
+    }
+
+    // A packet holds the header and the largest inline payload.
+    const _: () = assert!(PACKET_MAX >= INLINE_MAX + 12);
 }

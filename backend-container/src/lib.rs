@@ -75,7 +75,6 @@ mod files;
 mod landlock;
 pub mod network;
 #[path = "../init/proto.rs"]
-#[allow(missing_docs, clippy::all)]
 mod proto;
 mod rootfs;
 mod sandbox;
