@@ -385,10 +385,18 @@ async fn async_main(cli: Cli) -> ExitCode {
         }
         Cmd::Probe { json } => {
             let statuses = runtime.probe().await;
+            // What each built-in tier can do, including the limits it enforces.
+            let caps = |t: Tier| runtime.backend(t).map(|b| b.capabilities());
             if json {
-                print_json(
-                    &json!({ "tiers": statuses.iter().map(status_json).collect::<Vec<_>>() }),
-                );
+                let tiers: Vec<_> = statuses
+                    .iter()
+                    .map(|s| {
+                        let mut v = status_json(s);
+                        v["capabilities"] = json!(caps(s.tier));
+                        v
+                    })
+                    .collect();
+                print_json(&json!({ "tiers": tiers }));
             } else {
                 for s in &statuses {
                     let mark = if s.available {
@@ -402,6 +410,10 @@ async fn async_main(cli: Cli) -> ExitCode {
                     }
                     for (k, v) in &s.details {
                         println!("{:<10} {:<11}  {k}: {v}", "", "");
+                    }
+                    if let Some(c) = caps(s.tier) {
+                        let limits: Vec<&str> = c.limits.iter().map(|l| l.name()).collect();
+                        println!("{:<10} {:<11}  enforces: {}", "", "", limits.join(", "));
                     }
                 }
             }

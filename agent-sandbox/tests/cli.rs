@@ -41,6 +41,35 @@ fn probe_lists_every_tier_with_reason_and_fix() {
     assert!(String::from_utf8_lossy(&text.stdout).contains("microvm"));
 }
 
+#[test]
+fn probe_says_which_limits_each_tier_enforces() {
+    let v = json(&cli(&["probe", "--json"]));
+    let limits = |tier: &str| -> Vec<String> {
+        let t = v["tiers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["tier"] == tier)
+            .unwrap();
+        t["capabilities"]["limits"]
+            .as_array()
+            .unwrap_or_else(|| panic!("{tier}: no capabilities.limits in {t}"))
+            .iter()
+            .map(|l| l.as_str().unwrap().to_string())
+            .collect()
+    };
+    // Fuel is an instruction budget: only WebAssembly has one; processes only exist outside it.
+    assert!(limits("wasm").contains(&"fuel".to_string()));
+    assert!(!limits("wasm").contains(&"pids".to_string()));
+    for tier in ["container", "gvisor", "microvm"] {
+        let l = limits(tier);
+        assert!(!l.contains(&"fuel".to_string()), "{tier}: {l:?}");
+        assert!(l.contains(&"wall-time".to_string()), "{tier}: {l:?}");
+    }
+    let text = String::from_utf8_lossy(&cli(&["probe"]).stdout).into_owned();
+    assert!(text.contains("enforces: wall-time"), "{text}");
+}
+
 fn select(lang: &str, trust: &str, io: &str, kernel: &str) -> Value {
     let out = cli(&[
         "select", "--lang", lang, "--trust", trust, "--io", io, "--kernel", kernel, "--json",
