@@ -634,19 +634,10 @@ impl Inner {
                 self.ctl.give_back(j);
             }
         }
-        let truncated = out.truncated() || err.truncated();
         crate::spawn::prefork();
-        Ok({
-            let mut r = ExecResult::new(
-                exit_code,
-                out.finish(&self.redactor),
-                err.finish(&self.redactor),
-            );
-            r.limit = limit;
-            r.truncated = truncated;
-            r.timeline = t.finish();
-            r
-        })
+        Ok(ExecResult::from_output(exit_code, out, err, &self.redactor)
+            .with_limit(limit)
+            .with_timeline(t.finish()))
     }
 
     /// Whether the init is gone (or the sandbox torn down), allowing the control socket's

@@ -744,16 +744,9 @@ impl Inner {
                 limit = Some(LimitKind::Disk);
             }
         }
-        let truncated = out.truncated() || err.truncated();
-        let mut r = ExecResult::new(
-            exit_code,
-            out.finish(&self.redactor),
-            err.finish(&self.redactor),
-        );
-        r.limit = limit;
-        r.truncated = truncated;
-        r.timeline = t.finish();
-        r
+        ExecResult::from_output(exit_code, out, err, &self.redactor)
+            .with_limit(limit)
+            .with_timeline(t.finish())
     }
 
     /// Feeds the command's stdin (if given) and pumps its output (capped, streamed to `sink`

@@ -694,18 +694,12 @@ impl Inner {
             .code
             .or(exit.signal.map(|s| 128 + s))
             .or(exit.timed_out.then_some(137));
-        let truncated = out.truncated() || err.truncated() || exit.truncated;
-        Ok({
-            let mut r = ExecResult::new(
-                exit_code,
-                out.finish(&self.redactor),
-                err.finish(&self.redactor),
-            );
-            r.limit = limit;
-            r.truncated = truncated;
-            r.timeline = t.finish();
-            r
-        })
+        let mut r = ExecResult::from_output(exit_code, out, err, &self.redactor)
+            .with_limit(limit)
+            .with_timeline(t.finish());
+        // The agent's own caps may have dropped output before it reached us.
+        r.truncated |= exit.truncated;
+        Ok(r)
     }
 
     /// Runs a blocking agent call under the shared lifecycle lock.

@@ -331,16 +331,9 @@ impl Shared {
         t.mark(Phase::Command);
         use std::os::unix::process::ExitStatusExt;
         let exit_code = status.code().or_else(|| status.signal().map(|s| 128 + s));
-        let truncated = out.truncated() || err.truncated();
-        let mut r = ExecResult::new(
-            exit_code,
-            out.finish(&self.redactor),
-            err.finish(&self.redactor),
-        );
-        r.limit = limit;
-        r.truncated = truncated;
-        r.timeline = t.finish();
-        Ok(r)
+        Ok(ExecResult::from_output(exit_code, out, err, &self.redactor)
+            .with_limit(limit)
+            .with_timeline(t.finish()))
     }
 }
 

@@ -261,6 +261,33 @@ impl ExecResult {
         }
     }
 
+    /// A result from a command's two capture buffers: their output redacted with `redactor`,
+    /// `truncated` when either dropped bytes; no limit hit and an empty timeline.
+    pub fn from_output(
+        exit_code: Option<i32>,
+        stdout: OutputBuffer,
+        stderr: OutputBuffer,
+        redactor: &Redactor,
+    ) -> Self {
+        let mut r = ExecResult::new(exit_code, Vec::new(), Vec::new());
+        r.truncated = stdout.truncated() || stderr.truncated();
+        r.stdout = stdout.finish(redactor);
+        r.stderr = stderr.finish(redactor);
+        r
+    }
+
+    /// Sets the limit that stopped the command.
+    pub fn with_limit(mut self, limit: Option<LimitKind>) -> Self {
+        self.limit = limit;
+        self
+    }
+
+    /// Sets the call's timeline.
+    pub fn with_timeline(mut self, timeline: Timeline) -> Self {
+        self.timeline = timeline;
+        self
+    }
+
     /// `true` when the command exited 0 and no limit stopped it.
     pub fn success(&self) -> bool {
         self.exit_code == Some(0) && self.limit.is_none()
