@@ -1,0 +1,457 @@
+//! Running commands: the argv of a code string, the direct path through the sandbox's
+//! control socket and the `runsc exec` fallback, output pumping, and what stopped a command
+//! (a limit counted by the cgroups, the disk, the sandbox's own death).
+
+use super::*;
+
+impl Inner {
+    /// `(oom kills, pids-limit hits)` of the sandbox's cgroups, where readable.
+    pub(super) fn limit_counters(&self) -> (Option<u64>, Option<u64>) {
+        let (mem, pids) = self.cgroup.lock().map(|c| c.clone()).unwrap_or_default();
+        let read = |rel: Option<String>, ctrl: &str, file: &str, key: &str| -> Option<u64> {
+            let rel = rel?;
+            let p = Path::new("/sys/fs/cgroup")
+                .join(ctrl)
+                .join(rel.trim_start_matches('/'))
+                .join(file);
+            let text = std::fs::read_to_string(p).ok()?;
+            text.lines()
+                .find_map(|l| l.strip_prefix(key)?.trim().parse().ok())
+        };
+        (
+            read(mem, "memory", "memory.oom_control", "oom_kill "),
+            read(pids, "pids", "pids.events", "max "),
+        )
+    }
+
+    pub(super) fn argv(&self, cmd: &Command) -> Result<(Vec<String>, BTreeMap<String, String>)> {
+        let mut extra = BTreeMap::new();
+        let argv = match cmd {
+            Command::Argv(a) => a.clone(),
+            Command::Code(code) => match self.spec.language {
+                Language::Python => vec!["/usr/bin/python3".into(), "-c".into(), code.clone()],
+                Language::Shell => vec!["/bin/sh".into(), "-c".into(), code.clone()],
+                Language::Node | Language::Javascript => {
+                    vec!["node".into(), "-e".into(), code.clone()]
+                }
+                Language::C => {
+                    // The source travels in the environment (not on a command line).
+                    extra.insert("AGENT_SANDBOX_C_SOURCE".to_string(), code.clone());
+                    vec![
+                        "/bin/sh".into(),
+                        "-c".into(),
+                        "d=$(mktemp -d) && printf '%s' \"$AGENT_SANDBOX_C_SOURCE\" > \"$d/main.c\" && unset AGENT_SANDBOX_C_SOURCE && cc -O1 -o \"$d/main\" \"$d/main.c\" && exec \"$d/main\"".into(),
+                    ]
+                }
+                Language::Wasm => return Err(Error::unsupported(TIER, "WebAssembly modules")),
+                other => return Err(Error::unsupported(TIER, format!("code strings in {other}"))),
+            },
+            other => return Err(Error::unsupported(TIER, format!("the command {other:?}"))),
+        };
+        Ok((argv, extra))
+    }
+
+    pub(super) async fn run(
+        &self,
+        req: ExecRequest,
+        sink: Option<mpsc::Sender<Result<ExecEvent>>>,
+    ) -> Result<ExecResult> {
+        self.alive()?;
+        req.validate()?;
+        let _shared = self.lifecycle.read().await;
+        self.alive()?;
+        self.life.check_running()?;
+        let mut t = TimelineRecorder::start();
+        let (argv, extra) = self.argv(&req.command)?;
+        let cwd = match &req.cwd {
+            None => "/workspace".to_string(),
+            Some(c) if c.starts_with('/') => c.clone(),
+            Some(c) => WorkspacePath::parse(c)?.in_sandbox(),
+        };
+        let mut env = self.env.clone();
+        env.extend(extra);
+        env.extend(req.env.clone());
+        let env: Vec<String> = env.into_iter().map(|(k, v)| format!("{k}={v}")).collect();
+        if self.direct.load(Ordering::SeqCst) {
+            match self
+                .run_direct(&argv, &env, &cwd, &req, &sink, &mut t)
+                .await?
+            {
+                Some(r) => return Ok(r),
+                None => self.direct.store(false, Ordering::SeqCst),
+            }
+        }
+        let process = bundle::process(argv, env, &cwd, self.who, &self.spec)?;
+        let n = self.seq.fetch_add(1, Ordering::SeqCst);
+        let pfile = self.dir.join(format!("exec-{n}.json"));
+        let pidfile = self.dir.join(format!("exec-{n}.pid"));
+        write_private(
+            &pfile,
+            &serde_json::to_vec(&process).map_err(|e| Error::backend(TIER, e.to_string()))?,
+        )?;
+        let before = self.limit_counters();
+        let mut cmd = self.runsc.async_command();
+        cmd.arg("exec")
+            .arg("--process")
+            .arg(&pfile)
+            .arg("--internal-pid-file")
+            .arg(&pidfile)
+            .arg(&self.id)
+            .stdin(if req.stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let spawned = cmd.spawn();
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = std::fs::remove_file(&pfile);
+                return Err(Error::io("spawn runsc exec", e));
+            }
+        };
+        t.mark(Phase::Allocation);
+        let stdin = child.stdin.take();
+        let (out, err) = self.start_io(
+            req.stdin.clone().zip(stdin),
+            child.stdout.take(),
+            child.stderr.take(),
+            &sink,
+        );
+        let timeout = req.effective_timeout(self.spec.limits.wall_time());
+        let (status, limit) = match tokio::time::timeout(timeout, child.wait()).await {
+            Ok(s) => (s.map_err(|e| Error::io("wait for runsc exec", e))?, None),
+            Err(_) => {
+                if let Some(pid) = std::fs::read_to_string(&pidfile)
+                    .ok()
+                    .and_then(|s| s.trim().parse::<i32>().ok())
+                {
+                    self.kill_exec(pid).await;
+                }
+                let s = match tokio::time::timeout(Duration::from_secs(10), child.wait()).await {
+                    Ok(s) => s.map_err(|e| Error::io("reap runsc exec", e))?,
+                    Err(_) => {
+                        let _ = child.start_kill();
+                        child
+                            .wait()
+                            .await
+                            .map_err(|e| Error::io("reap runsc exec", e))?
+                    }
+                };
+                (s, Some(LimitKind::WallTime))
+            }
+        };
+        let _ = std::fs::remove_file(&pfile);
+        let _ = std::fs::remove_file(&pidfile);
+        let join = |r: std::result::Result<sandbox_core::OutputBuffer, tokio::task::JoinError>| {
+            r.unwrap_or_else(|_| sandbox_core::OutputBuffer::new(0))
+        };
+        let (out, err) = (join(out.await), join(err.await));
+        t.mark(Phase::Command);
+        use std::os::unix::process::ExitStatusExt;
+        let mut exit_code = status.code().or_else(|| status.signal().map(|s| 128 + s));
+        if exit_code == Some(128) {
+            // runsc exec's own failure to start the program: 127 when it does not exist,
+            // as the control-socket path (and a shell) reports it.
+            let text = String::from_utf8_lossy(err.peek());
+            if text.contains("failed to load") && text.contains("no such file or directory") {
+                exit_code = Some(127);
+            }
+        }
+        Ok(self.conclude(exit_code, limit, before, out, err, t).await)
+    }
+
+    /// The result of an exec whose command has ended: a non-zero end is checked against the
+    /// sandbox's cgroup counters (`before`: taken when it started) and its liveness.
+    pub(super) async fn conclude(
+        &self,
+        mut exit_code: Option<i32>,
+        mut limit: Option<LimitKind>,
+        before: (Option<u64>, Option<u64>),
+        out: sandbox_core::OutputBuffer,
+        err: sandbox_core::OutputBuffer,
+        t: TimelineRecorder,
+    ) -> ExecResult {
+        if limit.is_none() && exit_code != Some(0) {
+            let after = self.limit_counters();
+            let grew =
+                |a: Option<u64>, b: Option<u64>| matches!((a, b), (Some(a), Some(b)) if b > a);
+            // The host's OOM killer, or a pids limit that stops the sentry from creating its
+            // stubs, ends the whole sandbox (it is one host process tree): report the limit,
+            // and the sandbox as gone from now on.
+            let hit = if grew(before.0, after.0) {
+                Some((LimitKind::Memory, "killed by its memory limit"))
+            } else if grew(before.1, after.1) && !self.container_running().await {
+                Some((LimitKind::Pids, "ended by its process limit"))
+            } else {
+                None
+            };
+            if hit.is_none() && exit_code == Some(128) && !self.container_running().await {
+                // runsc could not wait for the process: the sandbox itself is gone.
+                self.life.end("the gVisor sandbox exited unexpectedly");
+            }
+            if let Some((kind, why)) = hit {
+                limit = Some(kind);
+                exit_code = Some(137);
+                self.life.end(why);
+            } else if self.disk_full() {
+                limit = Some(LimitKind::Disk);
+            }
+        }
+        ExecResult::from_output(exit_code, out, err, &self.redactor)
+            .with_limit(limit)
+            .with_timeline(t.finish())
+    }
+
+    /// Feeds the command's stdin (if given) and pumps its output (capped, streamed to `sink`
+    /// when there is one), each on a task of its own.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn start_io<W, O, E>(
+        &self,
+        stdin: Option<(Vec<u8>, W)>,
+        out: Option<O>,
+        err: Option<E>,
+        sink: &Option<mpsc::Sender<Result<ExecEvent>>>,
+    ) -> (
+        tokio::task::JoinHandle<sandbox_core::OutputBuffer>,
+        tokio::task::JoinHandle<sandbox_core::OutputBuffer>,
+    )
+    where
+        W: tokio::io::AsyncWrite + Unpin + Send + 'static,
+        O: tokio::io::AsyncRead + Unpin + Send + 'static,
+        E: tokio::io::AsyncRead + Unpin + Send + 'static,
+    {
+        if let Some((data, mut w)) = stdin {
+            tokio::spawn(async move {
+                let _ = w.write_all(&data).await;
+            });
+        }
+        let cap = self.spec.limits.output_bytes;
+        let mk = |k| {
+            sink.as_ref()
+                .map(|tx| StreamSink::new(tx.clone(), &self.redactor, k))
+        };
+        (
+            tokio::spawn(pump_output(out, cap, mk(StreamKind::Stdout))),
+            tokio::spawn(pump_output(err, cap, mk(StreamKind::Stderr))),
+        )
+    }
+
+    /// Runs a command through the sandbox's control socket ([`crate::urpc`]): what
+    /// `runsc exec` does, without a runsc process. `Ok(None)`: that interface is not
+    /// available (nothing was started); the caller uses `runsc exec`.
+    pub(super) async fn run_direct(
+        &self,
+        argv: &[String],
+        env: &[String],
+        cwd: &str,
+        req: &ExecRequest,
+        sink: &Option<mpsc::Sender<Result<ExecEvent>>>,
+        t: &mut TimelineRecorder,
+    ) -> Result<Option<ExecResult>> {
+        let io = |what: &'static str| move |e: nix::Error| Error::io(what, e.into());
+        let cloexec = nix::fcntl::OFlag::O_CLOEXEC;
+        let (out_r, out_w) = nix::unistd::pipe2(cloexec).map_err(io("create a pipe"))?;
+        let (err_r, err_w) = nix::unistd::pipe2(cloexec).map_err(io("create a pipe"))?;
+        let (stdin_r, stdin_w) = match &req.stdin {
+            Some(_) => {
+                let (r, w) = nix::unistd::pipe2(cloexec).map_err(io("create a pipe"))?;
+                (r, Some(w))
+            }
+            None => (
+                std::fs::File::open("/dev/null")
+                    .map_err(|e| Error::io("open /dev/null", e))?
+                    .into(),
+                None,
+            ),
+        };
+        let before = self.limit_counters();
+        let (id, who, ns) = (self.id.clone(), self.who, self.runsc.netns.clone());
+        let (a, e, c) = (argv.to_vec(), env.to_vec(), cwd.to_string());
+        // Connecting, sending and the sandbox creating the process block briefly.
+        let started = tokio::task::spawn_blocking(move || {
+            use std::os::fd::AsRawFd;
+            let r = crate::urpc::execute(
+                &id,
+                ns.as_deref(),
+                &crate::urpc::Exec {
+                    argv: &a,
+                    env: &e,
+                    cwd: &c,
+                    uid: who.uid,
+                    gid: who.gid,
+                    stdio: [stdin_r.as_raw_fd(), out_w.as_raw_fd(), err_w.as_raw_fd()],
+                },
+            );
+            // The sandbox holds its own copies now: the pipes end when the command's do.
+            drop((stdin_r, out_w, err_w));
+            r
+        })
+        .await
+        .map_err(|e| Error::backend(TIER, format!("exec task failed: {e}")))?;
+        let pid = match started {
+            Ok(pid) => pid,
+            Err(crate::urpc::CallError::Unavailable(why)) => {
+                tracing::debug!(sandbox = %self.id, %why, "starting commands with runsc exec");
+                return Ok(None);
+            }
+            Err(crate::urpc::CallError::Remote(why)) => {
+                // The sandbox refused to start it (e.g. no such executable): a result, like
+                // the message and status `runsc exec` gives.
+                let cap = self.spec.limits.output_bytes;
+                let mut err = sandbox_core::OutputBuffer::new(cap);
+                err.push(format!("agent-sandbox: {}: {why}\n", argv[0]).as_bytes());
+                let code = if why.contains("no such file") || why.contains("not found") {
+                    127
+                } else {
+                    126
+                };
+                t.mark(Phase::Command);
+                let r = self
+                    .conclude(
+                        Some(code),
+                        None,
+                        before,
+                        sandbox_core::OutputBuffer::new(cap),
+                        err,
+                        std::mem::take(t),
+                    )
+                    .await;
+                return Ok(Some(r));
+            }
+            Err(crate::urpc::CallError::Io(e)) => {
+                if !self.container_running().await {
+                    let reason = "the gVisor sandbox exited unexpectedly".to_string();
+                    self.life.end(reason.clone());
+                    return Err(Error::SandboxGone {
+                        id: self.id.clone(),
+                        reason,
+                    });
+                }
+                return Err(Error::io("start a command in the gVisor sandbox", e));
+            }
+        };
+        t.mark(Phase::Allocation);
+        let reader = |fd: std::os::fd::OwnedFd| {
+            let _ = nix::fcntl::fcntl(
+                &fd,
+                nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+            );
+            tokio::net::unix::pipe::Receiver::from_owned_fd(fd).ok()
+        };
+        let stdin = stdin_w.and_then(|w| {
+            let _ = nix::fcntl::fcntl(
+                &w,
+                nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+            );
+            tokio::net::unix::pipe::Sender::from_owned_fd(w).ok()
+        });
+        let (out, err) = self.start_io(
+            req.stdin.clone().zip(stdin),
+            reader(out_r),
+            reader(err_r),
+            sink,
+        );
+        let (id, ns) = (self.id.clone(), self.runsc.netns.clone());
+        let mut wait =
+            tokio::spawn(async move { crate::urpc::wait_pid(&id, ns.as_deref(), pid).await });
+        let timeout = req.effective_timeout(self.spec.limits.wall_time());
+        let (status, limit) = match tokio::time::timeout(timeout, &mut wait).await {
+            Ok(s) => (s, None),
+            Err(_) => {
+                self.kill_exec(pid).await;
+                match tokio::time::timeout(Duration::from_secs(10), &mut wait).await {
+                    Ok(s) => (s, Some(LimitKind::WallTime)),
+                    Err(_) => {
+                        wait.abort();
+                        return Err(Error::backend(
+                            TIER,
+                            "a timed-out command did not end after SIGKILL",
+                        ));
+                    }
+                }
+            }
+        };
+        let join = |r: std::result::Result<sandbox_core::OutputBuffer, tokio::task::JoinError>| {
+            r.unwrap_or_else(|_| sandbox_core::OutputBuffer::new(0))
+        };
+        let (out, err) = (join(out.await), join(err.await));
+        t.mark(Phase::Command);
+        // A raw wait status; 128 (like `runsc exec`) when the wait itself failed.
+        let exit_code = match status {
+            Ok(Ok(ws)) if ws & 0x7f == 0 => (ws >> 8) & 0xff,
+            Ok(Ok(ws)) => 128 + (ws & 0x7f),
+            _ => 128,
+        };
+        Ok(Some(
+            self.conclude(Some(exit_code), limit, before, out, err, std::mem::take(t))
+                .await,
+        ))
+    }
+
+    pub(super) async fn container_running(&self) -> bool {
+        let mut cmd = self.runsc.async_command();
+        cmd.args(["state", &self.id]).stdout(Stdio::piped());
+        match cmd.output().await {
+            Ok(out) => serde_json::from_slice::<serde_json::Value>(&out.stdout)
+                .map(|v| v["status"] == "running")
+                .unwrap_or(false),
+            Err(_) => false,
+        }
+    }
+
+    /// Kills a timed-out exec's whole process group inside the sandbox.
+    pub(super) async fn kill_exec(&self, pid: i32) {
+        let script = format!("kill -9 -{pid} 2>/dev/null; kill -9 {pid} 2>/dev/null; true");
+        let env = vec!["PATH=/usr/bin:/bin".to_string()];
+        if self.direct.load(Ordering::SeqCst) {
+            let (id, who, script) = (self.id.clone(), self.who, script.clone());
+            let ns = self.runsc.netns.clone();
+            let killed = tokio::task::spawn_blocking(move || {
+                let null = std::fs::File::open("/dev/null").ok()?;
+                use std::os::fd::AsRawFd;
+                let fd = null.as_raw_fd();
+                let argv = ["/bin/sh".to_string(), "-c".to_string(), script];
+                let env = ["PATH=/usr/bin:/bin".to_string()];
+                let x = crate::urpc::Exec {
+                    argv: &argv,
+                    env: &env,
+                    cwd: "/",
+                    uid: who.uid,
+                    gid: who.gid,
+                    stdio: [fd, fd, fd],
+                };
+                crate::urpc::execute(&id, ns.as_deref(), &x).ok()
+            });
+            if let Ok(Some(pid)) = killed.await {
+                let (id, ns) = (&self.id, self.runsc.netns.as_deref());
+                let waited = crate::urpc::wait_pid(id, ns, pid);
+                if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(10), waited).await {
+                    return;
+                }
+            }
+        }
+        let Ok(process) = bundle::process(
+            vec!["/bin/sh".into(), "-c".into(), script],
+            env,
+            "/",
+            self.who,
+            &self.spec,
+        ) else {
+            return;
+        };
+        let n = self.seq.fetch_add(1, Ordering::SeqCst);
+        let pfile = self.dir.join(format!("kill-{n}.json"));
+        if let Ok(bytes) = serde_json::to_vec(&process) {
+            if write_private(&pfile, &bytes).is_ok() {
+                let mut cmd = self.runsc.async_command();
+                cmd.arg("exec").arg("--process").arg(&pfile).arg(&self.id);
+                let _ = tokio::time::timeout(Duration::from_secs(10), cmd.status()).await;
+                let _ = std::fs::remove_file(&pfile);
+            }
+        }
+    }
+}

@@ -1,0 +1,103 @@
+//! Snapshots: a checkpoint of every process's memory plus the workspace and scratch files,
+//! and the background resume from the same image.
+
+use super::*;
+
+impl Inner {
+    /// Checkpoints the whole sandbox (every process's memory) plus the workspace into `store`.
+    ///
+    /// `runsc checkpoint` stops the container; it is brought back from the same image in the
+    /// background (delete, then restore under the same id), holding the lifecycle lock so
+    /// the next exec waits for it. The call returns once the snapshot is stored.
+    pub(super) async fn snapshot(
+        self: &Arc<Self>,
+        store: &dyn SnapshotStore,
+    ) -> Result<SnapshotId> {
+        self.alive()?;
+        if self.egress.is_some() {
+            // runsc: "checkpoint not supported when using hostinet".
+            return Err(Error::unsupported(
+                TIER,
+                "snapshots of a sandbox with network access (gVisor cannot checkpoint a sandbox \
+                 using the host network stack, which the egress path needs); snapshot a \
+                 deny-all sandbox instead",
+            ));
+        }
+        let guard = Arc::clone(&self.lifecycle).write_owned().await;
+        self.alive()?;
+        let image = self.dir.join(format!(
+            "checkpoint-{}",
+            self.seq.fetch_add(1, Ordering::SeqCst)
+        ));
+        std::fs::create_dir_all(&image).map_err(io("create", &image))?;
+        let mut cmd = self.runsc.async_command();
+        cmd.arg("checkpoint")
+            .arg("--image-path")
+            .arg(&image)
+            .arg(&self.id);
+        if let Err(e) = run_checked_async(cmd, "checkpoint").await {
+            // Nothing consistent to resume from: the sandbox is gone.
+            let me = Arc::clone(self);
+            drop(guard);
+            let _ = tokio::task::spawn_blocking(move || me.teardown()).await;
+            return Err(e);
+        }
+        let packed = fsnap::pack_dir(&image);
+        let ws = match self.spec.workspace {
+            Workspace::Empty => Some(fsnap::pack_dir(&self.workspace)),
+            _ => None,
+        };
+        // `/tmp` and `/dev/shm` live on the host too: not in the checkpoint image.
+        let scratch = fsnap::pack_dir(&self.scratch);
+        let me = Arc::clone(self);
+        let resume_image = image.clone();
+        self.resuming.store(true, Ordering::SeqCst);
+        tokio::spawn(async move {
+            let _exclusive = guard;
+            me.resume_from(&resume_image).await;
+            me.resuming.store(false, Ordering::SeqCst);
+            me.resumed.notify_waiters();
+        });
+        let mut draft = SnapshotDraft::new(
+            TIER,
+            self.engine.clone(),
+            vec![SnapshotKind::Filesystem, SnapshotKind::FullMemory],
+            self.spec.clone(),
+        )
+        .artifact("checkpoint.tar", packed?)
+        .meta("uid", self.who.uid.to_string())
+        .meta("gid", self.who.gid.to_string())
+        .meta("platform", self.runsc.platform.name())
+        .meta("sandbox_id", self.id.clone());
+        if let Some(ws) = ws {
+            draft = draft.artifact("workspace.tar", ws?);
+        }
+        draft = draft.artifact(SCRATCH_TAR, scratch?);
+        Ok(store.put(draft).await?)
+    }
+
+    /// Brings a checkpointed (stopped) container back from its image under the same id.
+    pub(super) async fn resume_from(self: &Arc<Self>, image: &Path) {
+        let me = Arc::clone(self);
+        let _ = tokio::task::spawn_blocking(move || me.delete_container()).await;
+        let mut cmd = self.runsc.async_command();
+        cmd.args(["restore", "--detach", "--bundle"])
+            .arg(&self.bundle)
+            .arg("--image-path")
+            .arg(image)
+            .arg(&self.id);
+        let resumed = run_detached(cmd, &self.dir.join("runsc.log"), "restore").await;
+        self.track_processes().await;
+        let _ = std::fs::remove_dir_all(image);
+        if let Err(e) = resumed {
+            tracing::warn!(sandbox = %self.id, error = %e, "could not resume after a checkpoint");
+            self.life
+                .end(format!("could not resume after its snapshot: {e}"));
+        }
+        if self.torn_down.load(Ordering::SeqCst) {
+            // Destroyed while resuming: remove what the restore brought back.
+            let me = Arc::clone(self);
+            let _ = tokio::task::spawn_blocking(move || me.cleanup()).await;
+        }
+    }
+}
