@@ -92,9 +92,9 @@ impl ContainerBackend {
         // it may move this process into a leaf cgroup, which must hold all of ours.
         let cgroups = self.cgroups_usable();
         if self.cfg.require_cgroups {
-            cgroups.clone().map_err(|reason| Error::Unavailable {
+            cgroups.as_ref().map_err(|reason| Error::Unavailable {
                 tier: TIER,
-                reason,
+                reason: reason.to_string(),
                 fix: "run as root, or delegate a cgroup to this user (chown its directory and cgroup.procs \
                       in each controller and start the process inside it), or build the backend with \
                       require_cgroups(false) to run without memory/pids limits"
@@ -226,7 +226,7 @@ impl ContainerBackend {
         // its setup.
         let starting = spawn::start_init(true, template.is_some(), &ids)
             .await
-            .map_err(|e| Error::backend(TIER, e))?;
+            .map_err(|e| Error::backend_caused(TIER, "starting the sandbox init", e))?;
         let planned = (|| {
             let plan = rootfs::Plan {
                 spec,
@@ -298,14 +298,14 @@ impl ContainerBackend {
                 }
                 let c = host
                     .create(&name, &limits)
-                    .map_err(|e| format!("create the sandbox cgroup: {e}"))?;
+                    .map_err(spawn::SpawnError::CreateCgroup)?;
                 let mut files = Vec::new();
                 for p in c.join_files() {
                     match std::fs::OpenOptions::new().write(true).open(&p) {
                         Ok(f) => files.push(std::os::fd::OwnedFd::from(f)),
-                        Err(e) => {
+                        Err(source) => {
                             c.remove(std::time::Duration::from_millis(500));
-                            return Err(format!("open {}: {e}", p.display()));
+                            return Err(spawn::SpawnError::OpenCgroupFile { path: p, source });
                         }
                     }
                 }
@@ -316,7 +316,7 @@ impl ContainerBackend {
         let spawned =
             spawn::spawn_init(starting, &ids, &requests, lower.as_deref(), ws_tree, cg_job)
                 .await
-                .map_err(|e| Error::backend(TIER, e))?;
+                .map_err(|e| Error::backend_caused(TIER, "bootstrapping the sandbox init", e))?;
         let pid = spawned.pid;
         let lo = (!rootless && !spawned.lo_up).then(|| network::loopback_up(pid));
         if lower.is_some() && !spawned.idmapped {

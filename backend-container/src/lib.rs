@@ -286,7 +286,7 @@ impl ContainerBackend {
     /// µs apiece here; on v2 also the controllers for the caller's cgroup's children, see
     /// `cgroup::delegation::delegate_v2`) until it first holds; should the permission go later, each
     /// create's cgroup job fails with the `mkdir` error instead.
-    fn cgroups_usable(&self) -> std::result::Result<(), String> {
+    fn cgroups_usable(&self) -> std::result::Result<(), cgroup::CgroupError> {
         if self.cgroups_ok.load(Ordering::Relaxed) {
             return Ok(());
         }
@@ -407,7 +407,7 @@ impl ContainerBackend {
         if let Err(e) = spawn::image() {
             return with(TierStatus::unavailable(
                 TIER,
-                e,
+                e.to_string(),
                 "check that memfd_create and exec from memfd are allowed (vm.memfd_noexec = 0)",
             ));
         }
@@ -421,7 +421,7 @@ impl ContainerBackend {
         if let (Err(reason), true) = (cgroups, self.cfg.require_cgroups) {
             return with(TierStatus::unavailable(
                 TIER,
-                reason,
+                reason.to_string(),
                 "run as root, or delegate a cgroup (v1: in each of memory, pids, cpu; v2: with memory and pids \
                  controllers) to this user and start the process inside it",
             ));

@@ -18,16 +18,104 @@ pub(crate) struct InitImage {
     fd: OwnedFd,
 }
 
-static IMAGE: OnceLock<Result<InitImage, String>> = OnceLock::new();
+/// Why a sandbox's init could not be started ([`start_init`], [`spawn_init`]).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum SpawnError {
+    /// The init image could not be put in a memfd (kept for the process: shared).
+    #[error("load the sandbox init into a memfd: {0}")]
+    Image(#[source] std::sync::Arc<io::Error>),
+    /// A thread panicked holding the zygote.
+    #[error("the sandbox zygote's lock is poisoned")]
+    ZygotePoisoned,
+    /// The zygote could not be started.
+    #[error("start the sandbox zygote: {0}")]
+    StartZygote(#[source] io::Error),
+    /// A restarted zygote could not rebuild the root-filesystem templates.
+    #[error("rebuild the root-filesystem templates: {0}")]
+    RebuildTemplates(#[source] io::Error),
+    /// The zygote failed to fork an init (it is restarted).
+    #[error("{0}")]
+    Zygote(#[source] io::Error),
+    /// The zygote failed on both attempts; the last failure, if any.
+    #[error(
+        "the sandbox zygote failed twice: {}",
+        .0.as_ref().map(ToString::to_string).unwrap_or_default()
+    )]
+    ZygoteFailedTwice(#[source] Option<Box<SpawnError>>),
+    /// The control socket pair could not be made.
+    #[error("socketpair: {0}")]
+    Socketpair(#[source] io::Error),
+    /// The kernel refused the init's fork (e.g. no pids left).
+    #[error("fork the sandbox init: {0}")]
+    Fork(#[source] io::Error),
+    /// The init's uid/gid maps could not be written.
+    #[error("write uid/gid maps: {0}")]
+    WriteMaps(#[source] io::Error),
+    /// The control socket could not be set up.
+    #[error("control socket: {0}")]
+    ControlSocket(#[source] io::Error),
+    /// The start messages could not be sent.
+    #[error("start the sandbox init: {0}")]
+    Start(#[source] io::Error),
+    /// [`spawn_init`] was given a [`Starting`] already used.
+    #[error("the sandbox init was already taken")]
+    AlreadyTaken,
+    /// The init died before it was ready.
+    #[error("the init exited during start-up")]
+    InitExited,
+    /// The init reported a failure (`REP_ERR`): its message and errno, if any.
+    #[error("sandbox init start-up failed: {message}")]
+    InitFailed {
+        /// The init's message.
+        message: String,
+        /// The errno it reported, if not 0.
+        #[source]
+        errno: Option<io::Error>,
+    },
+    /// The embedded init was built from other sources than this library.
+    #[error(
+        "the embedded sandbox init was built from other sources than this \
+         library (a stale build-script output, e.g. another checkout sharing the \
+         target directory): `touch backend-container/init/main.rs` and rebuild"
+    )]
+    StaleInit,
+    /// The cgroup job was already awaited.
+    #[error("cgroup task already taken")]
+    CgroupTaskTaken,
+    /// The cgroup job panicked or was cancelled.
+    #[error("cgroup task failed: {0}")]
+    CgroupTask(#[source] tokio::task::JoinError),
+    /// The sandbox's cgroup could not be made.
+    #[error("create the sandbox cgroup: {0}")]
+    CreateCgroup(#[source] io::Error),
+    /// A cgroup file the init joins by could not be opened.
+    #[error("open {}: {source}", path.display())]
+    OpenCgroupFile {
+        /// The file.
+        path: std::path::PathBuf,
+        /// The `open` failure.
+        #[source]
+        source: io::Error,
+    },
+    /// The init could not be moved into its cgroup (v2).
+    #[error("move the sandbox init into its cgroup: {0}")]
+    JoinCgroup(#[source] io::Error),
+    /// The bootstrap messages could not be sent.
+    #[error("bootstrap: {0}")]
+    Bootstrap(#[source] io::Error),
+    /// The setup requests could not be sent.
+    #[error("send the setup: {0}")]
+    SendSetup(#[source] io::Error),
+}
+
+static IMAGE: OnceLock<Result<InitImage, std::sync::Arc<io::Error>>> = OnceLock::new();
 
 /// The init image, created on first use.
-pub(crate) fn image() -> Result<&'static InitImage, String> {
+pub(crate) fn image() -> Result<&'static InitImage, SpawnError> {
     IMAGE
-        .get_or_init(|| {
-            load_image().map_err(|e| format!("load the sandbox init into a memfd: {e}"))
-        })
+        .get_or_init(|| load_image().map_err(std::sync::Arc::new))
         .as_ref()
-        .map_err(Clone::clone)
+        .map_err(|e| SpawnError::Image(e.clone()))
 }
 
 fn load_image() -> io::Result<InitImage> {
@@ -408,19 +496,17 @@ fn fork_init(
     img: &InitImage,
     use_spare: bool,
     template: bool,
-) -> Result<(libc::pid_t, OwnedFd, bool), String> {
-    let mut f = FORKS
-        .lock()
-        .map_err(|_| "the sandbox zygote's lock is poisoned".to_string())?;
+) -> Result<(libc::pid_t, OwnedFd, bool), SpawnError> {
+    let mut f = FORKS.lock().map_err(|_| SpawnError::ZygotePoisoned)?;
     let f = &mut *f;
-    let mut last = String::new();
+    let mut last = None;
     for _ in 0..2 {
         if f.zygote.is_none() {
-            let mut z = Zygote::start(img).map_err(|e| format!("start the sandbox zygote: {e}"))?;
+            let mut z = Zygote::start(img).map_err(SpawnError::StartZygote)?;
             if f.templates_ok {
                 if let Err(e) = z.build(&f.templates) {
                     f.templates_ok = false;
-                    last = format!("rebuild the root-filesystem templates: {e}");
+                    last = Some(Box::new(SpawnError::RebuildTemplates(e)));
                 }
             }
             f.zygote = Some(z);
@@ -433,15 +519,13 @@ fn fork_init(
         }
         // A fresh socket each attempt: should a dying zygote have forked an init for the
         // last one, that init finds its socket closed and exits.
-        let (ours, theirs) = seqpacket_pair().map_err(|e| format!("socketpair: {e}"))?;
+        let (ours, theirs) = seqpacket_pair().map_err(SpawnError::Socketpair)?;
         match f.zygote.as_mut().map(|zy| zy.fork(&theirs, template)) {
             Some(Ok(pid)) => return Ok((pid, ours, false)),
             // A fork the kernel refused (e.g. no pids left) is not the zygote's fault.
-            Some(Err((false, e))) if e.raw_os_error().is_some() => {
-                return Err(format!("fork the sandbox init: {e}"))
-            }
+            Some(Err((false, e))) if e.raw_os_error().is_some() => return Err(SpawnError::Fork(e)),
             Some(Err((_, e))) => {
-                last = e.to_string();
+                last = Some(Box::new(SpawnError::Zygote(e)));
                 if let Some(old) = f.zygote.take() {
                     old.kill();
                 }
@@ -449,7 +533,7 @@ fn fork_init(
             None => {}
         }
     }
-    Err(format!("the sandbox zygote failed twice: {last}"))
+    Err(SpawnError::ZygoteFailedTwice(last))
 }
 
 fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
@@ -544,8 +628,9 @@ pub(crate) struct Spawned {
 /// measured here, against ~0.1 ms in a tight loop. A single-threaded process writing `0`
 /// (itself) to a v1 `tasks` file is the one case the kernel migrates without that lock. (On
 /// v2, `cgroup.procs` always takes it, so there [`spawn_init`] writes the init's pid itself.)
-pub(crate) type CgroupJob =
-    tokio::task::JoinHandle<Result<Option<(crate::cgroup::SandboxCgroup, Vec<OwnedFd>)>, String>>;
+pub(crate) type CgroupJob = tokio::task::JoinHandle<
+    Result<Option<(crate::cgroup::SandboxCgroup, Vec<OwnedFd>)>, SpawnError>,
+>;
 
 /// An init told to start ([`start_init`]), not yet bootstrapped ([`spawn_init`]). Dropped
 /// unused (e.g. a create future cancelled meanwhile), it kills and reaps the init.
@@ -585,7 +670,7 @@ pub(crate) async fn start_init(
     use_spare: bool,
     template: bool,
     ids: &IdMap,
-) -> Result<Starting, String> {
+) -> Result<Starting, SpawnError> {
     let img = image()?;
     let mut use_spare = use_spare;
     let (first, ours, spare) = loop {
@@ -599,7 +684,7 @@ pub(crate) async fn start_init(
             }
             Err(e) => {
                 reap(first, true);
-                return Err(format!("write uid/gid maps: {e}"));
+                return Err(SpawnError::WriteMaps(e));
             }
         }
     };
@@ -607,7 +692,7 @@ pub(crate) async fn start_init(
         Ok(c) => c,
         Err(e) => {
             reap(first, true);
-            return Err(format!("control socket: {e}"));
+            return Err(SpawnError::ControlSocket(e));
         }
     };
     let rx = ctl.register_fixed(0);
@@ -616,7 +701,7 @@ pub(crate) async fn start_init(
         if let Err(e) = ctl.send(msg, 0, &[], &[]).await {
             if !spare {
                 reap(first, true);
-                return Err(format!("start the sandbox init: {e}"));
+                return Err(SpawnError::Start(e));
             }
             // A dead spare: `spawn_init` sees its socket closed and clones another.
             break;
@@ -660,7 +745,7 @@ pub(crate) async fn spawn_init(
     lower: Option<&std::path::Path>,
     workspace: Option<OwnedFd>,
     cgroup_job: CgroupJob,
-) -> Result<Spawned, String> {
+) -> Result<Spawned, SpawnError> {
     let mut starting = starting;
     let (first, ctl, mut rx, boot) = loop {
         let Some(StartingInit {
@@ -671,7 +756,7 @@ pub(crate) async fn spawn_init(
             template,
         }) = starting.inner.take()
         else {
-            return Err("the sandbox init was already taken".into());
+            return Err(SpawnError::AlreadyTaken);
         };
         match rx.recv().await {
             Some(b) => break (first, ctl, rx, b),
@@ -694,7 +779,7 @@ pub(crate) async fn spawn_init(
                 if let Ok(Ok(Some((c, _)))) = cgroup_job.await {
                     c.remove(std::time::Duration::from_millis(500));
                 }
-                return Err("the init exited during start-up".into());
+                return Err(SpawnError::InitExited);
             }
         }
     };
@@ -709,12 +794,7 @@ pub(crate) async fn spawn_init(
         }
         let mut dec = proto::Dec::new(&boot.payload);
         if dec.u64() != Ok(proto::SOURCE_HASH) {
-            return Err(
-                "the embedded sandbox init was built from other sources than this \
-                        library (a stale build-script output, e.g. another checkout sharing the \
-                        target directory): `touch backend-container/init/main.rs` and rebuild"
-                    .to_string(),
-            );
+            return Err(SpawnError::StaleInit);
         }
         lo_up = dec.u8().is_ok_and(|f| f & proto::BOOT_LO_UP != 0);
         // A template-mode setup's host-directory workspace, as a detached mount (`Op::Lower`).
@@ -733,11 +813,9 @@ pub(crate) async fn spawn_init(
             }
         }
         let Some(job) = cgroup_job.take() else {
-            return Err("cgroup task already taken".to_string());
+            return Err(SpawnError::CgroupTaskTaken);
         };
-        let joined = job
-            .await
-            .map_err(|e| format!("cgroup task failed: {e}"))??;
+        let joined = job.await.map_err(SpawnError::CgroupTask)??;
         let files = match joined {
             // cgroup v2: `cgroup.procs` takes the global lock either way, and kernels before
             // 5.16 check the writer's credentials rather than the opener's: we move the init
@@ -748,7 +826,7 @@ pub(crate) async fn spawn_init(
                     use std::io::Write;
                     std::fs::File::from(f)
                         .write_all(pid.as_bytes())
-                        .map_err(|e| format!("move the sandbox init into its cgroup: {e}"))?;
+                        .map_err(SpawnError::JoinCgroup)?;
                 }
                 cgroup = Some(c);
                 Vec::new()
@@ -762,7 +840,7 @@ pub(crate) async fn spawn_init(
         let fds: Vec<_> = files.iter().map(std::os::fd::AsFd::as_fd).collect();
         ctl.send(proto::MSG_CGROUPS, 0, &[], &fds)
             .await
-            .map_err(|e| format!("bootstrap: {e}"))?;
+            .map_err(SpawnError::Bootstrap)?;
         for (i, ((id, _), payload)) in queued.iter().zip(requests).enumerate() {
             let fds: Vec<_> = if i == 0 {
                 lower_fd.iter().map(std::os::fd::AsFd::as_fd).collect()
@@ -771,9 +849,9 @@ pub(crate) async fn spawn_init(
             };
             ctl.send(proto::MSG_SETUP, *id, payload, &fds)
                 .await
-                .map_err(|e| format!("send the setup: {e}"))?;
+                .map_err(SpawnError::SendSetup)?;
         }
-        let init = rx.recv().await.ok_or("the init exited during start-up")?;
+        let init = rx.recv().await.ok_or(SpawnError::InitExited)?;
         if init.kind != proto::REP_INIT {
             return Err(describe_err(&init));
         }
@@ -900,13 +978,15 @@ fn idmapped_tree(dir: &std::path::Path, pid: libc::pid_t) -> io::Result<OwnedFd>
     Ok(tree)
 }
 
-fn describe_err(r: &crate::ctl::Reply) -> String {
+/// The init's `REP_ERR` (u32 op index, i32 errno or 0, message) as an error.
+fn describe_err(r: &crate::ctl::Reply) -> SpawnError {
     let mut d = proto::Dec::new(&r.payload);
-    let _ = (d.u32(), d.i32());
-    format!(
-        "sandbox init start-up failed: {}",
-        d.str().unwrap_or_default()
-    )
+    let _ = d.u32();
+    let errno = d.i32().ok().filter(|&e| e != 0);
+    SpawnError::InitFailed {
+        message: d.str().unwrap_or_default(),
+        errno: errno.map(io::Error::from_raw_os_error),
+    }
 }
 
 fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {

@@ -80,23 +80,26 @@ fn build(extra: &[i64], kvm_ioctls: bool) -> Result<BpfProgram> {
 }
 
 fn cached(
-    cell: &'static OnceLock<std::result::Result<BpfProgram, String>>,
+    cell: &'static OnceLock<Cached>,
     f: impl FnOnce() -> Result<BpfProgram>,
 ) -> Result<BpfProgram> {
-    cell.get_or_init(|| f().map_err(|e| e.to_string()))
+    cell.get_or_init(|| f().map_err(std::sync::Arc::new))
         .clone()
-        .map_err(VmmError::Seccomp)
+        .map_err(VmmError::Cached)
 }
+
+/// A filter built once per process, or why it could not be (shared by every caller).
+type Cached = std::result::Result<BpfProgram, std::sync::Arc<VmmError>>;
 
 /// The filter for vCPU threads.
 pub fn vcpu_filter() -> Result<BpfProgram> {
-    static F: OnceLock<std::result::Result<BpfProgram, String>> = OnceLock::new();
+    static F: OnceLock<Cached> = OnceLock::new();
     cached(&F, || build(&[], true))
 }
 
 /// The filter for the I/O thread.
 pub fn io_filter() -> Result<BpfProgram> {
-    static F: OnceLock<std::result::Result<BpfProgram, String>> = OnceLock::new();
+    static F: OnceLock<Cached> = OnceLock::new();
     cached(&F, || {
         build(
             &[

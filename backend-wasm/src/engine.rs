@@ -124,17 +124,46 @@ pub(crate) fn pool_exhausted(e: &wasmtime::Error) -> bool {
     })
 }
 
-struct Engines {
-    plain: Engine,
-    fuel: OnceLock<std::result::Result<Engine, String>>,
-    pooled: OnceLock<std::result::Result<Engine, String>>,
+/// A wasmtime failure kept by a process-wide cache (an engine or a linker that could not
+/// be built): every later caller gets the same error, so it is shared.
+///
+/// Its message is the whole chain (`{:#}`), as before; its source is the wasmtime error,
+/// so code that needs a cause's type can walk the chain.
+#[derive(Debug, Clone)]
+pub(crate) struct CachedError(Arc<wasmtime::Error>);
+
+impl CachedError {
+    fn new(e: wasmtime::Error) -> Self {
+        CachedError(Arc::new(e))
+    }
 }
 
-static ENGINES: OnceLock<std::result::Result<Engines, String>> = OnceLock::new();
+impl std::fmt::Display for CachedError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:#}", self.0)
+    }
+}
+
+impl std::error::Error for CachedError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        let inner: &(dyn std::error::Error + 'static) = (*self.0).as_ref();
+        inner.source()
+    }
+}
+
+type Cached<T> = std::result::Result<T, CachedError>;
+
+struct Engines {
+    plain: Engine,
+    fuel: OnceLock<Cached<Engine>>,
+    pooled: OnceLock<Cached<Engine>>,
+}
+
+static ENGINES: OnceLock<Cached<Engines>> = OnceLock::new();
 
 fn engines() -> Result<&'static Engines> {
     let e = ENGINES.get_or_init(|| {
-        let plain = Engine::new(&config(Flavor::Plain)).map_err(|e| format!("{e:#}"))?;
+        let plain = Engine::new(&config(Flavor::Plain)).map_err(CachedError::new)?;
         start_ticker();
         Ok(Engines {
             plain,
@@ -142,9 +171,10 @@ fn engines() -> Result<&'static Engines> {
             pooled: OnceLock::new(),
         })
     });
-    e.as_ref().map_err(|msg| Error::Unavailable {
+    // `Unavailable` has no source: the cause's text is its reason.
+    e.as_ref().map_err(|cause| Error::Unavailable {
         tier: TIER,
-        reason: format!("wasmtime engine could not be created: {msg}"),
+        reason: format!("wasmtime engine could not be created: {cause}"),
         fix: "run on x86_64 or aarch64 Linux with virtual memory for wasm guard pages".into(),
     })
 }
@@ -156,14 +186,14 @@ pub(crate) fn engine(flavor: Flavor) -> Result<&'static Engine> {
         Flavor::Plain => Ok(&es.plain),
         Flavor::Fuel => es
             .fuel
-            .get_or_init(|| Engine::new(&config(Flavor::Fuel)).map_err(|e| format!("{e:#}")))
+            .get_or_init(|| Engine::new(&config(Flavor::Fuel)).map_err(CachedError::new))
             .as_ref()
-            .map_err(|msg| Error::backend(TIER, format!("fuel engine: {msg}"))),
+            .map_err(|cause| Error::backend_caused(TIER, "fuel engine", cause.clone())),
         Flavor::Pooled => es
             .pooled
-            .get_or_init(|| Engine::new(&config(Flavor::Pooled)).map_err(|e| format!("{e:#}")))
+            .get_or_init(|| Engine::new(&config(Flavor::Pooled)).map_err(CachedError::new))
             .as_ref()
-            .map_err(|msg| Error::backend(TIER, format!("pooled engine: {msg}"))),
+            .map_err(|cause| Error::backend_caused(TIER, "pooled engine", cause.clone())),
     }
 }
 
@@ -539,7 +569,7 @@ pub(crate) fn user_module(
     Ok(Ok(pre))
 }
 
-type LinkerCell = OnceLock<std::result::Result<Linker<Host>, String>>;
+type LinkerCell = OnceLock<Cached<Linker<Host>>>;
 
 fn linker_cell(
     cell: &'static LinkerCell,
@@ -547,9 +577,9 @@ fn linker_cell(
     build: fn(&Engine) -> wasmtime::Result<Linker<Host>>,
 ) -> Result<&'static Linker<Host>> {
     let engine = engine(flavor)?;
-    cell.get_or_init(|| build(engine).map_err(|e| format!("{e:#}")))
+    cell.get_or_init(|| build(engine).map_err(CachedError::new))
         .as_ref()
-        .map_err(|m| Error::backend(TIER, format!("linker: {m}")))
+        .map_err(|cause| Error::backend_caused(TIER, "linker", cause.clone()))
 }
 
 /// The shared (shadowed) linker per flavour, built by `build` once.

@@ -368,20 +368,57 @@ fn read_marker(dir: &Path) -> Result<Marker> {
     Ok(m)
 }
 
+/// Why an installed file does not match its marker entry.
+#[derive(Debug, thiserror::Error)]
+enum IncompleteFile {
+    /// The file is a symbolic link (never written by the installer).
+    #[error("{name} is a symlink")]
+    Symlink {
+        /// The file, relative to the install.
+        name: String,
+    },
+    /// The file's size is not the one recorded.
+    #[error("{name} has {actual} bytes, expected {expected}")]
+    WrongSize {
+        /// The file, relative to the install.
+        name: String,
+        /// Its size now.
+        actual: u64,
+        /// Its size at install.
+        expected: u64,
+    },
+    /// The file cannot be looked at (missing, permissions...).
+    #[error("{name}: {source}")]
+    Unreadable {
+        /// The file, relative to the install.
+        name: String,
+        /// The `lstat` failure.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
 /// Checks every file of the marker exists with its size (cheap).
-fn check_sizes(dir: &Path, m: &Marker) -> std::result::Result<(), String> {
+fn check_sizes(dir: &Path, m: &Marker) -> std::result::Result<(), IncompleteFile> {
     for (name, e) in &m.files {
         match fs::symlink_metadata(dir.join(name)) {
             Ok(md) if md.is_file() && md.len() == e.size => {}
-            Ok(md) if md.file_type().is_symlink() => return Err(format!("{name} is a symlink")),
-            Ok(md) => {
-                return Err(format!(
-                    "{name} has {} bytes, expected {}",
-                    md.len(),
-                    e.size
-                ))
+            Ok(md) if md.file_type().is_symlink() => {
+                return Err(IncompleteFile::Symlink { name: name.clone() })
             }
-            Err(err) => return Err(format!("{name}: {err}")),
+            Ok(md) => {
+                return Err(IncompleteFile::WrongSize {
+                    name: name.clone(),
+                    actual: md.len(),
+                    expected: e.size,
+                })
+            }
+            Err(source) => {
+                return Err(IncompleteFile::Unreadable {
+                    name: name.clone(),
+                    source,
+                })
+            }
         }
     }
     Ok(())

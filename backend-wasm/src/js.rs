@@ -227,7 +227,7 @@ impl JsSession {
             .store(cpu_now.saturating_add(cpu_ns), Ordering::Relaxed);
         self.ctl.hit.store(0, Ordering::Relaxed);
 
-        let (mut exit_code, mut value, mut failure) = (Some(0), None, None::<(bool, String)>);
+        let (mut exit_code, mut value, mut failure) = (Some(0), None, None::<(Uncaught, String)>);
         self.ctx.with(|ctx| {
             let mut opts = rquickjs::context::EvalOptions::default();
             opts.global = true;
@@ -246,8 +246,7 @@ impl JsSession {
                 }
                 Err(e) => {
                     exit_code = Some(1);
-                    let (null, text) = describe(&e);
-                    failure = Some((null, text));
+                    failure = Some(describe(&e));
                 }
             }
         });
@@ -273,10 +272,10 @@ impl JsSession {
         let mut limit = None;
         let mut note = None;
         let mut reset = false;
-        if let Some((null, text)) = failure {
+        if let Some((kind, text)) = failure {
             let hit = self.ctl.hit.load(Ordering::Relaxed);
             let usage = self.rt.memory_usage();
-            let near_cap = null || text.contains("out of memory");
+            let near_cap = kind == Uncaught::OutOfMemory;
             if hit == 1 || hit == 2 {
                 limit = Some(if hit == 1 {
                     LimitKind::WallTime
@@ -400,30 +399,62 @@ fn settle(v: Value<'_>) -> rquickjs::Result<Value<'_>> {
     }
 }
 
-/// The uncaught error as text, and whether it is the bare `null` QuickJS throws on
-/// out-of-memory.
-fn describe(e: &CaughtError<'_>) -> (bool, String) {
+/// What an uncaught error was, as far as the memory limit is concerned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Uncaught {
+    /// QuickJS ran out of memory (the runtime's limit was hit).
+    OutOfMemory,
+    /// Anything else the code threw.
+    Other,
+}
+
+/// The uncaught error as text, and whether it is QuickJS running out of memory.
+///
+/// QuickJS gives no typed out-of-memory signal: `JS_ThrowOutOfMemory` throws a plain
+/// `InternalError` whose message is "out of memory" (or "out of memory in regexp
+/// execution"; a regexp that runs out while compiling is a `SyntaxError` "out of memory"),
+/// and when even that cannot be allocated, a bare `null`. So the exception's
+/// class name and the start of its message are the only signal; they are read from the
+/// exception object itself (not from the formatted text, which user code controls through
+/// the stack or a custom message). rquickjs's own allocation failures are typed
+/// ([`rquickjs::Error::Allocation`]).
+fn describe(e: &CaughtError<'_>) -> (Uncaught, String) {
     match e {
         CaughtError::Exception(ex) => {
             let name = ex
                 .get::<_, String>("name")
                 .unwrap_or_else(|_| "Error".into());
-            let mut s = format!("Uncaught {name}: {}", ex.message().unwrap_or_default());
+            let message = ex.message().unwrap_or_default();
+            let kind = if matches!(name.as_str(), "InternalError" | "SyntaxError")
+                && message.starts_with("out of memory")
+            {
+                Uncaught::OutOfMemory
+            } else {
+                Uncaught::Other
+            };
+            let mut s = format!("Uncaught {name}: {message}");
             if let Some(stack) = ex.stack().filter(|s| !s.is_empty()) {
                 if !s.contains(stack.trim()) {
                     s.push('\n');
                     s.push_str(stack.trim_end());
                 }
             }
-            (false, s)
+            (kind, s)
         }
         CaughtError::Value(v) => {
             if v.is_null() {
-                return (true, "Uncaught null".into());
+                return (Uncaught::OutOfMemory, "Uncaught null".into());
             }
             let ctx = v.ctx().clone();
-            (false, format!("Uncaught {}", show(&ctx, v.clone())))
+            (
+                Uncaught::Other,
+                format!("Uncaught {}", show(&ctx, v.clone())),
+            )
         }
-        CaughtError::Error(e) => (false, format!("Uncaught {e}")),
+        CaughtError::Error(rquickjs::Error::Allocation) => (
+            Uncaught::OutOfMemory,
+            format!("Uncaught {}", rquickjs::Error::Allocation),
+        ),
+        CaughtError::Error(e) => (Uncaught::Other, format!("Uncaught {e}")),
     }
 }

@@ -580,18 +580,22 @@ async fn detach(inner: Arc<Inner>, id: String) {
 /// shared by every backend of the process: see [`shared`].
 #[derive(Debug, Default)]
 pub struct LazyEnforcer {
-    cell: std::sync::OnceLock<std::result::Result<VethEnforcer, String>>,
+    /// The enforcer, or why it could not be built (kept typed and shared: every later
+    /// caller gets the same cause).
+    cell: std::sync::OnceLock<std::result::Result<VethEnforcer, Arc<Error>>>,
 }
 
 impl LazyEnforcer {
     fn get(&self) -> Result<&VethEnforcer> {
-        let built = self.cell.get_or_init(|| {
-            VethEnforcer::builder().build().map_err(|e| match e {
+        let built = self
+            .cell
+            .get_or_init(|| VethEnforcer::builder().build().map_err(Arc::new));
+        built.as_ref().map_err(|cause| {
+            // `InvalidSpec` carries no source: the cause's text is part of the reason.
+            let why = match &**cause {
                 Error::Unavailable { reason, fix, .. } => format!("{reason} (fix: {fix})"),
                 other => other.to_string(),
-            })
-        });
-        built.as_ref().map_err(|why| {
+            };
             Error::invalid(
                 "network",
                 format!("this host cannot enforce network policies other than deny-all: {why}"),

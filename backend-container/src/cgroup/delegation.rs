@@ -27,8 +27,8 @@ pub(super) fn self_leaf_name(pid: u32) -> String {
 /// directory ([`delegate_v2`]: this may move the process into a leaf cgroup of its own);
 /// `limits`: the memory and pids controllers are required (else only enabled where
 /// offered). Returns what was done.
-pub(super) fn delegate_once(dir: &PathBuf, limits: bool) -> Result<Delegation, String> {
-    let mut done = DELEGATED.lock().map_err(|_| "cgroup v2 set-up panicked")?;
+pub(super) fn delegate_once(dir: &PathBuf, limits: bool) -> Result<Delegation, DelegationError> {
+    let mut done = DELEGATED.lock().map_err(|_| DelegationError::Poisoned)?;
     if let Some((d, how)) = done.as_ref() {
         if d == dir {
             return Ok(how.clone());
@@ -74,6 +74,103 @@ pub(crate) enum Delegation {
     MovedInto(PathBuf),
 }
 
+/// Why [`delegate_v2`] could not ready a v2 cgroup for sandbox cgroups.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum DelegationError {
+    /// An earlier set-up panicked while holding the once-per-process record.
+    #[error("cgroup v2 set-up panicked")]
+    Poisoned,
+    /// A cgroup file could not be read.
+    #[error("read {}: {source}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The read's failure.
+        #[source]
+        source: io::Error,
+    },
+    /// The cgroup is not offered controllers that are required.
+    #[error(
+        "cgroup v2: {} is not offered the {} controller(s) (its cgroup.controllers: {offered:?}); \
+         enable them in its parent's cgroup.subtree_control",
+        dir.display(),
+        missing.join(", ")
+    )]
+    NotOffered {
+        /// The cgroup.
+        dir: PathBuf,
+        /// The required controllers it lacks.
+        missing: Vec<String>,
+        /// Its `cgroup.controllers`, space-separated.
+        offered: String,
+    },
+    /// Writing `cgroup.subtree_control` failed (not because the cgroup holds processes).
+    #[error("cgroup v2: enable {line} in {}: {source}", path.display())]
+    Enable {
+        /// What was written (`+memory +pids ...`).
+        line: String,
+        /// The `cgroup.subtree_control` file.
+        path: PathBuf,
+        /// The write's failure.
+        #[source]
+        source: io::Error,
+    },
+    /// The cgroup holds processes other than this one, so nothing was moved.
+    #[error(
+        "cgroup v2: {} holds {} other process(es) (pids {}), and a v2 cgroup that holds \
+         processes cannot enable controllers for sandbox cgroups under it ({source}); start \
+         this process in a cgroup of its own, e.g. `systemd-run --scope -p Delegate=yes \
+         <command>` (rootless: `systemd-run --user --scope -p Delegate=yes <command>`)",
+        dir.display(),
+        others.len(),
+        others.iter().take(5).cloned().collect::<Vec<_>>().join(", ")
+    )]
+    Occupied {
+        /// The cgroup.
+        dir: PathBuf,
+        /// The other processes' pids.
+        others: Vec<String>,
+        /// The `EBUSY` enabling the controllers got.
+        #[source]
+        source: io::Error,
+    },
+    /// The process's own leaf cgroup could not be made.
+    #[error("cgroup v2: mkdir {}: {source}", leaf.display())]
+    MakeLeaf {
+        /// The leaf.
+        leaf: PathBuf,
+        /// The `mkdir` failure.
+        #[source]
+        source: io::Error,
+    },
+    /// The process could not move into its own leaf.
+    #[error("cgroup v2: move this process into {}: {source}", leaf.display())]
+    MoveInto {
+        /// The leaf.
+        leaf: PathBuf,
+        /// The write's failure.
+        #[source]
+        source: io::Error,
+    },
+    /// Enabling the controllers failed after the process moved into its leaf.
+    #[error(
+        "cgroup v2: enable {line} in {} (this process now in {}): {source}",
+        path.display(),
+        leaf.display()
+    )]
+    EnableAfterMove {
+        /// What was written.
+        line: String,
+        /// The `cgroup.subtree_control` file.
+        path: PathBuf,
+        /// The leaf the process is in now.
+        leaf: PathBuf,
+        /// The write's failure.
+        #[source]
+        source: io::Error,
+    },
+}
+
 /// Makes v2 cgroup `dir` (process `me`'s own, or its parent when `me` already sits in its
 /// `asb-self-<pid>` leaf) able to have children with the `required` controllers (and those
 /// of `optional` that `dir` is offered), by writing them to its `cgroup.subtree_control`.
@@ -89,9 +186,12 @@ pub(crate) fn delegate_v2(
     required: &[&str],
     optional: &[&str],
     me: u32,
-) -> Result<Delegation, String> {
+) -> Result<Delegation, DelegationError> {
     let read = |f: &str| {
-        fs::read_to_string(dir.join(f)).map_err(|e| format!("read {}: {e}", dir.join(f).display()))
+        fs::read_to_string(dir.join(f)).map_err(|source| DelegationError::Read {
+            path: dir.join(f),
+            source,
+        })
     };
     let offered = read("cgroup.controllers")?;
     let offered: Vec<&str> = offered.split_whitespace().collect();
@@ -101,13 +201,11 @@ pub(crate) fn delegate_v2(
         .copied()
         .collect();
     if !missing.is_empty() {
-        return Err(format!(
-            "cgroup v2: {} is not offered the {} controller(s) (its cgroup.controllers: {:?}); \
-             enable them in its parent's cgroup.subtree_control",
-            dir.display(),
-            missing.join(", "),
-            offered.join(" ")
-        ));
+        return Err(DelegationError::NotOffered {
+            dir: dir.to_path_buf(),
+            missing: missing.iter().map(|c| c.to_string()).collect(),
+            offered: offered.join(" "),
+        });
     }
     let want: Vec<&str> = required
         .iter()
@@ -130,11 +228,12 @@ pub(crate) fn delegate_v2(
     let busy = match enable() {
         Ok(()) => return Ok(Delegation::Enabled),
         Err(e) if e.raw_os_error() == Some(libc::EBUSY) => e,
-        Err(e) => {
-            return Err(format!(
-                "cgroup v2: enable {line} in {}: {e}",
-                dir.join("cgroup.subtree_control").display()
-            ))
+        Err(source) => {
+            return Err(DelegationError::Enable {
+                line,
+                path: dir.join("cgroup.subtree_control"),
+                source,
+            })
         }
     };
     let procs = read("cgroup.procs")?;
@@ -143,41 +242,30 @@ pub(crate) fn delegate_v2(
         .filter(|p| p.parse::<u32>().ok() != Some(me))
         .collect();
     if !others.is_empty() {
-        return Err(format!(
-            "cgroup v2: {} holds {} other process(es) (pids {}), and a v2 cgroup that holds \
-             processes cannot enable controllers for sandbox cgroups under it ({busy}); start \
-             this process in a cgroup of its own, e.g. `systemd-run --scope -p Delegate=yes \
-             <command>` (rootless: `systemd-run --user --scope -p Delegate=yes <command>`)",
-            dir.display(),
-            others.len(),
-            others
-                .iter()
-                .take(5)
-                .copied()
-                .collect::<Vec<_>>()
-                .join(", ")
-        ));
+        return Err(DelegationError::Occupied {
+            dir: dir.to_path_buf(),
+            others: others.iter().map(|p| p.to_string()).collect(),
+            source: busy,
+        });
     }
     let leaf = dir.join(self_leaf_name(me));
     match fs::create_dir(&leaf) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-        Err(e) => return Err(format!("cgroup v2: mkdir {}: {e}", leaf.display())),
+        Err(source) => return Err(DelegationError::MakeLeaf { leaf, source }),
     }
-    if let Err(e) = fs::write(leaf.join("cgroup.procs"), me.to_string()) {
+    if let Err(source) = fs::write(leaf.join("cgroup.procs"), me.to_string()) {
         let _ = fs::remove_dir(&leaf);
-        return Err(format!(
-            "cgroup v2: move this process into {}: {e}",
-            leaf.display()
-        ));
+        return Err(DelegationError::MoveInto { leaf, source });
     }
-    enable().map_err(|e| {
-        format!(
-            "cgroup v2: enable {line} in {} (this process now in {}): {e}",
-            dir.join("cgroup.subtree_control").display(),
-            leaf.display()
-        )
-    })?;
+    if let Err(source) = enable() {
+        return Err(DelegationError::EnableAfterMove {
+            path: dir.join("cgroup.subtree_control"),
+            line,
+            leaf,
+            source,
+        });
+    }
     Ok(Delegation::MovedInto(leaf))
 }
 
@@ -199,7 +287,7 @@ mod tests {
         for round in ["FIRST", "SECOND"] {
             println!(
                 "{round} {:?}",
-                delegate_v2(&dir, &[&ctrl], &["no-such"], me)
+                delegate_v2(&dir, &[&ctrl], &["no-such"], me).map_err(|e| e.to_string())
             );
         }
         let cg = fs::read_to_string("/proc/self/cgroup").unwrap();
@@ -330,11 +418,16 @@ mod tests {
         //    naming it, nothing written.
         let empty = mk(&mut scratch, "empty");
         assert_eq!(
-            delegate_v2(&empty, &[&ctrl], &[], 1),
+            delegate_v2(&empty, &[&ctrl], &[], 1).map_err(|e| e.to_string()),
             Ok(Delegation::Enabled)
         );
-        assert_eq!(delegate_v2(&empty, &[&ctrl], &[], 1), Ok(Delegation::Ready));
-        let e = delegate_v2(&empty, &["no-such"], &[], 1).unwrap_err();
+        assert_eq!(
+            delegate_v2(&empty, &[&ctrl], &[], 1).map_err(|e| e.to_string()),
+            Ok(Delegation::Ready)
+        );
+        let e = delegate_v2(&empty, &["no-such"], &[], 1)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("not offered the no-such controller"), "{e}");
     }
 }

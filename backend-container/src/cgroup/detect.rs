@@ -289,7 +289,7 @@ mod tests {
         // what the cgroup is offered.
         let h = CgroupHost::from_proc(me, &mi, 7, |_| "cpu io memory\n".into());
         assert_eq!((h.version(), h.v2()), (None, None));
-        let e = h.usable().unwrap_err();
+        let e = h.usable().unwrap_err().to_string();
         assert!(
             e.contains("no usable cgroup hierarchy")
                 && e.contains("/sys/fs/cgroup/system.slice/agent.service only [cpu io memory]"),

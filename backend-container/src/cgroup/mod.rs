@@ -31,9 +31,46 @@ mod testing;
 mod v1;
 mod v2;
 
-pub(crate) use delegation::Delegation;
+pub(crate) use delegation::{Delegation, DelegationError};
 pub(crate) use detect::Layout;
 pub(crate) use group::SandboxCgroup;
+
+/// Why sandboxes cannot have cgroups on this host ([`CgroupHost::usable`]).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CgroupError {
+    /// cgroup v2 is mounted, but the caller's cgroup is not offered memory and pids.
+    #[error(
+        "no usable cgroup hierarchy: cgroup v2 offers {} only [{offered}], and sandboxes \
+         need memory and pids (enable them in its parent's cgroup.subtree_control)",
+        dir.display()
+    )]
+    V2Lacking {
+        /// The caller's v2 cgroup.
+        dir: PathBuf,
+        /// The controllers it is offered.
+        offered: String,
+    },
+    /// No cgroup hierarchy with the memory and pids controllers.
+    #[error("no usable cgroup hierarchy (memory and pids controllers)")]
+    NoHierarchy,
+    /// A cgroup directory's path holds a NUL byte.
+    #[error(transparent)]
+    BadPath(#[from] std::ffi::NulError),
+    /// The caller cannot create cgroups in one of its cgroup directories.
+    #[error("cgroup directory {} is not writable by uid {uid}", dir.display())]
+    NotWritable {
+        /// The directory.
+        dir: PathBuf,
+        /// The effective uid.
+        uid: nix::unistd::Uid,
+        /// The `access(2)` failure (its errno).
+        #[source]
+        source: io::Error,
+    },
+    /// Readying the caller's v2 cgroup failed.
+    #[error(transparent)]
+    Delegation(#[from] DelegationError),
+}
 
 /// Which cgroup layout the host has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,36 +93,33 @@ impl CgroupHost {
     /// v2, its cgroup can have children with the controllers we need
     /// ([`delegation::delegate_v2`], done once per process; this may move the process into
     /// a leaf cgroup of its own). Returns what was done on v2.
-    pub fn usable(&self) -> Result<Option<Delegation>, String> {
+    pub fn usable(&self) -> Result<Option<Delegation>, CgroupError> {
         let dirs: Vec<&PathBuf> = match &self.layout {
             Layout::V1 { controllers, .. } => controllers.iter().map(|(_, p)| p).collect(),
             Layout::V2 { dir, .. } => vec![dir],
             Layout::None { v2_lacking } => {
                 return Err(match v2_lacking {
-                    Some((dir, offered)) => format!(
-                        "no usable cgroup hierarchy: cgroup v2 offers {} only [{offered}], and \
-                         sandboxes need memory and pids (enable them in its parent's \
-                         cgroup.subtree_control)",
-                        dir.display()
-                    ),
-                    None => "no usable cgroup hierarchy (memory and pids controllers)".into(),
+                    Some((dir, offered)) => CgroupError::V2Lacking {
+                        dir: dir.clone(),
+                        offered: offered.clone(),
+                    },
+                    None => CgroupError::NoHierarchy,
                 })
             }
         };
         for d in &dirs {
-            let c = std::ffi::CString::new(d.as_os_str().as_encoded_bytes())
-                .map_err(|e| e.to_string())?;
+            let c = std::ffi::CString::new(d.as_os_str().as_encoded_bytes())?;
             // SAFETY: access(2) on a NUL-terminated path.
             if unsafe { libc::access(c.as_ptr(), libc::W_OK) } != 0 {
-                return Err(format!(
-                    "cgroup directory {} is not writable by uid {}",
-                    d.display(),
-                    nix::unistd::geteuid()
-                ));
+                return Err(CgroupError::NotWritable {
+                    source: io::Error::last_os_error(),
+                    dir: d.to_path_buf(),
+                    uid: nix::unistd::geteuid(),
+                });
             }
         }
         match &self.layout {
-            Layout::V2 { dir, limits } => delegation::delegate_once(dir, *limits).map(Some),
+            Layout::V2 { dir, limits } => Ok(Some(delegation::delegate_once(dir, *limits)?)),
             _ => Ok(None),
         }
     }

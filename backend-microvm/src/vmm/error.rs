@@ -70,6 +70,13 @@ pub enum VmmError {
     /// The seccomp filter could not be built or installed.
     #[error("seccomp: {0}")]
     Seccomp(String),
+    /// A process-wide set-up (a seccomp filter, the kick signal) that failed earlier: the
+    /// same error, shared by every caller.
+    #[error(transparent)]
+    Cached(std::sync::Arc<VmmError>),
+    /// Saving a vCPU's state for a snapshot failed.
+    #[error("VM is in the wrong state: saving a vCPU: {0}")]
+    SaveVcpu(#[source] Box<VmmError>),
     /// A VMM thread could not be created.
     #[error("could not start a VMM thread: {0}")]
     Thread(std::io::Error),

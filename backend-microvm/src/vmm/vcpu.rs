@@ -210,15 +210,21 @@ extern "C" fn kick_handler(_: libc::c_int, _: *mut libc::siginfo_t, _: *mut libc
 
 /// The kick signal (a real-time signal), its handler installed once per process.
 pub fn kick_signal() -> Result<libc::c_int> {
-    static SIG: OnceLock<std::result::Result<libc::c_int, String>> = OnceLock::new();
+    static SIG: OnceLock<std::result::Result<libc::c_int, std::sync::Arc<VmmError>>> =
+        OnceLock::new();
     SIG.get_or_init(|| {
         let sig = vmm_sys_util::signal::SIGRTMIN() + 4;
         vmm_sys_util::signal::register_signal_handler(sig, kick_handler)
             .map(|()| sig)
-            .map_err(|e| format!("installing the vCPU kick signal handler: {e}"))
+            .map_err(|e| {
+                std::sync::Arc::new(VmmError::Io {
+                    context: "installing the vCPU kick signal handler".into(),
+                    source: std::io::Error::from_raw_os_error(e.errno()),
+                })
+            })
     })
     .clone()
-    .map_err(VmmError::State)
+    .map_err(VmmError::Cached)
 }
 
 /// A handle to send kicks to one vCPU thread, valid only while the thread lives.
@@ -262,7 +268,7 @@ pub(crate) struct Ctl {
     pub exit: Option<VmExit>,
     pub paused: usize,
     pub alive: usize,
-    pub states: Vec<Option<std::result::Result<VcpuState, String>>>,
+    pub states: Vec<Option<Result<VcpuState>>>,
 }
 
 /// Shared between all threads of one VM.
@@ -360,7 +366,10 @@ fn flush_pending_io(vcpu: &mut VcpuFd) {
 /// The vCPU thread body, once it has its vCPU. `seccomp` is how installing the thread's
 /// filter went (done earlier, while the VM was being built): an error ends the VM before
 /// the guest runs.
-pub(crate) fn vcpu_thread(mut ctx: VcpuContext, seccomp: std::result::Result<(), String>) {
+pub(crate) fn vcpu_thread(
+    mut ctx: VcpuContext,
+    seccomp: std::result::Result<(), seccompiler::Error>,
+) {
     // SAFETY: pthread_self has no preconditions.
     let me = unsafe { libc::pthread_self() };
     let idx = usize::from(ctx.id);
@@ -452,10 +461,7 @@ fn control(ctx: &mut VcpuContext, incomplete: bool) -> bool {
         if c.want_state {
             if let Some(slot) = c.states.get_mut(usize::from(ctx.id)) {
                 if slot.is_none() {
-                    *slot = Some(
-                        save_state(&ctx.kvm, &ctx.vcpu, ctx.id, ctx.has_irqchip)
-                            .map_err(|e| e.to_string()),
-                    );
+                    *slot = Some(save_state(&ctx.kvm, &ctx.vcpu, ctx.id, ctx.has_irqchip));
                     changed = true;
                 }
             }

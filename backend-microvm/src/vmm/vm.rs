@@ -729,14 +729,10 @@ impl Vm {
         result
     }
 
-    fn write_snapshot(
-        &self,
-        dir: &Path,
-        states: Vec<std::result::Result<VcpuState, String>>,
-    ) -> Result<SnapshotInfo> {
+    fn write_snapshot(&self, dir: &Path, states: Vec<Result<VcpuState>>) -> Result<SnapshotInfo> {
         let mut vcpus = Vec::new();
         for s in states {
-            vcpus.push(s.map_err(|e| VmmError::State(format!("saving a vCPU: {e}")))?);
+            vcpus.push(s.map_err(|e| VmmError::SaveVcpu(Box::new(e)))?);
         }
         let irqchip = if self.has_irqchip {
             let chip = |id: u32| -> Result<kvm_irqchip> {
@@ -907,9 +903,11 @@ struct Threads {
 }
 
 /// Installs `prog` on the calling thread, if there is one.
-fn install_filter(prog: Option<&seccompiler::BpfProgram>) -> std::result::Result<(), String> {
+fn install_filter(
+    prog: Option<&seccompiler::BpfProgram>,
+) -> std::result::Result<(), seccompiler::Error> {
     match prog {
-        Some(p) => seccompiler::apply_filter(p).map_err(|e| e.to_string()),
+        Some(p) => seccompiler::apply_filter(p),
         None => Ok(()),
     }
 }
@@ -994,7 +992,7 @@ impl Drop for Vm {
 
 /// The I/O thread: virtio queue processing (on notify or host socket readiness) and the
 /// wall-clock deadline.
-fn io_thread(job: IoJob, seccomp: std::result::Result<(), String>) {
+fn io_thread(job: IoJob, seccomp: std::result::Result<(), seccompiler::Error>) {
     let IoJob {
         shared,
         transports,
