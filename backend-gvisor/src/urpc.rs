@@ -188,6 +188,8 @@ fn result_of(method: &str, reply: Value) -> Result<Value, CallError> {
         return Ok(reply["result"].clone());
     }
     let err = reply["err"].as_str().unwrap_or("").to_string();
+    // urpc reports errors as text only; "unknown method" is how it says a method does not
+    // exist in this runsc version (no code or field says so).
     if err.is_empty() || err.contains("unknown method") {
         return Err(CallError::Unavailable(format!("{method}: {reply}")));
     }

@@ -155,7 +155,9 @@ impl Inner {
         let mut exit_code = status.code().or_else(|| status.signal().map(|s| 128 + s));
         if exit_code == Some(128) {
             // runsc exec's own failure to start the program: 127 when it does not exist,
-            // as the control-socket path (and a shell) reports it.
+            // as the control-socket path (and a shell) reports it. runsc is another process
+            // whose only report is this text on stderr (its exit status is 128 for every
+            // start failure): the words are the signal.
             let text = String::from_utf8_lossy(err.peek());
             if text.contains("failed to load") && text.contains("no such file or directory") {
                 exit_code = Some(127);
@@ -300,7 +302,8 @@ impl Inner {
             }
             Err(crate::urpc::CallError::Remote(why)) => {
                 // The sandbox refused to start it (e.g. no such executable): a result, like
-                // the message and status `runsc exec` gives.
+                // the message and status `runsc exec` gives. The urpc reply carries the
+                // Sentry's error as text only (no errno field): the words are the signal.
                 let cap = self.spec.limits.output_bytes;
                 let mut err = sandbox_core::OutputBuffer::new(cap);
                 err.push(format!("agent-sandbox: {}: {why}\n", argv[0]).as_bytes());
