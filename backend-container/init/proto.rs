@@ -23,12 +23,22 @@
 // reverse): whatever one of them leaves unused is the other's.
 #![allow(dead_code)]
 
-/// FNV-1a of the init's sources (this file and `main.rs`), computed at compile time in both
-/// the library and the init: the init reports its value in `REP_BOOT`, so a library that
-/// embeds an init built from other sources (a stale build-script output, e.g. when another
-/// checkout shares the target directory) fails clearly instead of speaking a different
-/// protocol.
-pub const SOURCE_HASH: u64 = fnv1a(include_bytes!("proto.rs")) ^ fnv1a(include_bytes!("main.rs"));
+/// FNV-1a of the init's sources (every `.rs` file of `init/`: this file, `main.rs` and its
+/// modules, XORed; a test in `main.rs` checks that none is missing), computed at compile time
+/// in both the library and the init: the init reports its value in `REP_BOOT`, so a library
+/// that embeds an init built from other sources (a stale build-script output, e.g. when
+/// another checkout shares the target directory) fails clearly instead of speaking a
+/// different protocol.
+pub const SOURCE_HASH: u64 = fnv1a(include_bytes!("proto.rs"))
+    ^ fnv1a(include_bytes!("main.rs"))
+    ^ fnv1a(include_bytes!("channel.rs"))
+    ^ fnv1a(include_bytes!("harden.rs"))
+    ^ fnv1a(include_bytes!("setup.rs"))
+    ^ fnv1a(include_bytes!("spawn.rs"))
+    ^ fnv1a(include_bytes!("supervise.rs"))
+    ^ fnv1a(include_bytes!("sys.rs"))
+    ^ fnv1a(include_bytes!("test_util.rs"))
+    ^ fnv1a(include_bytes!("zygote.rs"));
 
 const fn fnv1a(b: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -841,10 +851,19 @@ mod tests {
         assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
         assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
         assert_eq!(fnv1a(b"foobar"), 0x8594_4171_f739_67e8);
-        assert_eq!(
-            SOURCE_HASH,
-            fnv1a(include_bytes!("proto.rs")) ^ fnv1a(include_bytes!("main.rs"))
-        );
+        let sources: [&[u8]; 10] = [
+            include_bytes!("proto.rs"),
+            include_bytes!("main.rs"),
+            include_bytes!("channel.rs"),
+            include_bytes!("harden.rs"),
+            include_bytes!("setup.rs"),
+            include_bytes!("spawn.rs"),
+            include_bytes!("supervise.rs"),
+            include_bytes!("sys.rs"),
+            include_bytes!("test_util.rs"),
+            include_bytes!("zygote.rs"),
+        ];
+        assert_eq!(SOURCE_HASH, sources.iter().fold(0, |h, s| h ^ fnv1a(s)));
     }
 
     #[test]

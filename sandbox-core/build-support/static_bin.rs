@@ -41,10 +41,11 @@ fn ok(mut c: Command) -> bool {
     c.status().map(|s| s.success()).unwrap_or(false)
 }
 
-/// Compiles `src` (a single-file, std-only program) as `crate_name` into `OUT_DIR/out_name`
-/// and returns that path. Tries, in order: static non-PIE (no start-up relocations), static
-/// PIE, and, when `allow_dynamic`, a dynamically linked binary. Panics (failing the build)
-/// naming `what` when none links.
+/// Compiles `src` (the crate root of a std-only program; the caller tells cargo about any
+/// module files it declares) as `crate_name` into `OUT_DIR/out_name` and returns that path.
+/// Tries, in order: static non-PIE (no start-up relocations), static PIE, and, when
+/// `allow_dynamic`, a dynamically linked binary. Panics (failing the build) naming `what`
+/// when none links.
 #[allow(dead_code)]
 pub fn compile(
     src: &str,
