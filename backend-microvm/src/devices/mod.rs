@@ -2,3 +2,29 @@
 
 pub mod serial;
 pub mod virtio;
+
+/// A device's saved state that cannot be restored (a snapshot from elsewhere, or damaged).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StateError {
+    /// The serial port refused its registers (e.g. an input buffer longer than its FIFO).
+    #[error("serial state: {0}")]
+    Serial(#[source] vm_superio::serial::Error<std::io::Error>),
+    /// A device's state does not parse.
+    #[error("{device} state: {source}")]
+    Malformed {
+        /// The device.
+        device: &'static str,
+        /// Why it does not parse.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The snapshot has another number of queues than the device.
+    #[error("virtio device has {device} queues, the snapshot {snapshot}")]
+    QueueCount {
+        /// Queues of the device.
+        device: usize,
+        /// Queues in the snapshot.
+        snapshot: usize,
+    },
+}

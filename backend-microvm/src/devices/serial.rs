@@ -150,7 +150,7 @@ impl SerialDevice {
         s: &SerialSnapshot,
         irq: Option<EventFd>,
         out: SharedOutput,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, super::StateError> {
         let state = SerialState {
             baud_divisor_low: s.baud_divisor_low,
             baud_divisor_high: s.baud_divisor_high,
@@ -164,7 +164,7 @@ impl SerialDevice {
             in_buffer: s.in_buffer.clone(),
         };
         let serial = Serial::from_state(&state, IrqTrigger(irq), NoEvents, OutputWriter(out))
-            .map_err(|e| format!("serial state: {e:?}"))?;
+            .map_err(super::StateError::Serial)?;
         Ok(SerialDevice { serial })
     }
 

@@ -64,6 +64,9 @@ pub enum VmmError {
     /// A snapshot is malformed.
     #[error("snapshot is corrupt: {0}")]
     SnapshotCorrupt(String),
+    /// A device's saved state cannot be restored.
+    #[error("snapshot is corrupt: {0}")]
+    DeviceState(#[from] crate::devices::StateError),
     /// A snapshot was taken by another format version or for a differently sized VM.
     #[error("snapshot is incompatible: {0}")]
     SnapshotIncompatible(String),

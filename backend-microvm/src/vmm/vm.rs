@@ -323,8 +323,7 @@ impl Vm {
         )));
         let serial_irq = irqfd(layout::SERIAL_IRQ)?;
         let serial = match serial_state {
-            Some(s) => SerialDevice::from_snapshot(s, serial_irq, serial_out.clone())
-                .map_err(VmmError::SnapshotCorrupt)?,
+            Some(s) => SerialDevice::from_snapshot(s, serial_irq, serial_out.clone())?,
             None => SerialDevice::new(serial_irq, serial_out.clone()),
         };
         let serial = Arc::new(Mutex::new(serial));
@@ -829,8 +828,7 @@ impl Vm {
         for (t, s) in vm.virtio.iter().zip(&st.virtio) {
             t.lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .restore(s)
-                .map_err(VmmError::SnapshotCorrupt)?;
+                .restore(s)?;
         }
         for (v, s) in vm.pending_vcpus.iter().zip(&st.vcpus) {
             vcpu::restore_state(v, s, vm.has_irqchip)?;

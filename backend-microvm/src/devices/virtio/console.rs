@@ -12,6 +12,7 @@ use vm_memory::GuestMemoryMmap;
 
 use super::mmio::VirtioDevice;
 use super::queue::{Queue, QueueError};
+use crate::devices::StateError;
 
 /// Virtio device ID of a console.
 pub const DEVICE_ID_CONSOLE: u32 = 3;
@@ -198,12 +199,15 @@ impl VirtioDevice for Console {
         .unwrap_or(serde_json::Value::Null)
     }
 
-    fn restore(&mut self, v: &serde_json::Value) -> Result<(), String> {
+    fn restore(&mut self, v: &serde_json::Value) -> Result<(), StateError> {
         if v.is_null() {
             return Ok(());
         }
         let s: ConsoleState =
-            serde_json::from_value(v.clone()).map_err(|e| format!("console state: {e}"))?;
+            serde_json::from_value(v.clone()).map_err(|source| StateError::Malformed {
+                device: "console",
+                source,
+            })?;
         self.tx_pending = s.tx_pending;
         self.rx_pending = s.rx_pending;
         Ok(())

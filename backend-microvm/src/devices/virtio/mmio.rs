@@ -8,6 +8,7 @@ use std::os::fd::RawFd;
 
 use serde::{Deserialize, Serialize};
 use vm_memory::GuestMemoryMmap;
+use crate::devices::StateError;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::queue::{Queue, QueueError};
@@ -60,7 +61,7 @@ pub trait VirtioDevice: Send {
     /// Device-specific state for a snapshot.
     fn save(&self) -> serde_json::Value;
     /// Restores device-specific state.
-    fn restore(&mut self, v: &serde_json::Value) -> Result<(), String>;
+    fn restore(&mut self, v: &serde_json::Value) -> Result<(), StateError>;
 }
 
 /// Transport registers and queues, as saved in a snapshot.
@@ -219,13 +220,12 @@ impl MmioTransport {
     }
 
     /// Restores registers, queues and device state.
-    pub fn restore(&mut self, s: &TransportState) -> Result<(), String> {
+    pub fn restore(&mut self, s: &TransportState) -> Result<(), StateError> {
         if s.queues.len() != self.st.queues.len() {
-            return Err(format!(
-                "virtio device has {} queues, the snapshot {}",
-                self.st.queues.len(),
-                s.queues.len()
-            ));
+            return Err(StateError::QueueCount {
+                device: self.st.queues.len(),
+                snapshot: s.queues.len(),
+            });
         }
         self.device.restore(&s.device)?;
         self.st = s.clone();
