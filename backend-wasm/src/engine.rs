@@ -141,7 +141,8 @@ fn calibration_wat() -> String {
 
 const CALIBRATION_FUNCS: usize = 64;
 
-/// Thread CPU time of compiling [`calibration_wat`] serially with the optimising settings
+/// Thread CPU time of compiling a small generated module (64 functions of loops, arithmetic,
+/// memory traffic and branch tables) serially with the optimising settings
 /// (what tells an unoptimised wasmtime build apart; `None` if it could not be measured).
 pub fn calibration_cpu_time() -> Option<Duration> {
     let wat = calibration_wat();
