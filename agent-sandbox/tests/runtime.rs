@@ -99,3 +99,97 @@ async fn missing_secret_and_unsupported_language_are_typed_errors() {
         .unwrap();
     assert!(matches!(e, agent_sandbox::Error::Unsupported { .. }), "{e}");
 }
+
+/// A backend on `tier` that probes available and then either cannot create a sandbox
+/// (`Error::Unavailable`, like a wasm tier that could not install Python) or hands the
+/// request to the unisolated test backend.
+struct Standin {
+    tier: Tier,
+    works: bool,
+}
+
+#[async_trait::async_trait]
+impl agent_sandbox::Backend for Standin {
+    fn tier(&self) -> Tier {
+        self.tier
+    }
+
+    fn capabilities(&self) -> agent_sandbox::Capabilities {
+        let mut c = UnisolatedBackend::new_without_isolation().capabilities();
+        c.tier = self.tier;
+        c
+    }
+
+    async fn probe(&self) -> agent_sandbox::TierStatus {
+        agent_sandbox::TierStatus::available(self.tier, "a test stand-in")
+    }
+
+    async fn create(
+        &self,
+        spec: &SandboxSpec,
+        secrets: agent_sandbox::ResolvedSecrets,
+    ) -> agent_sandbox::Result<Box<dyn agent_sandbox::Sandbox>> {
+        if self.works {
+            UnisolatedBackend::new_without_isolation()
+                .create(spec, secrets)
+                .await
+        } else {
+            Err(agent_sandbox::Error::Unavailable {
+                tier: self.tier,
+                reason: format!("the {} stand-in cannot create sandboxes", self.tier),
+                fix: "nothing to do: a test".into(),
+            })
+        }
+    }
+}
+
+fn standins(gvisor_works: bool, microvm_works: bool) -> Runtime {
+    Runtime::builder()
+        .backend(Arc::new(Standin {
+            tier: Tier::Gvisor,
+            works: gvisor_works,
+        }))
+        .backend(Arc::new(Standin {
+            tier: Tier::Microvm,
+            works: microvm_works,
+        }))
+        .build()
+}
+
+#[tokio::test]
+async fn auto_moves_on_when_the_chosen_tier_cannot_create() {
+    // Untrusted compute-bound shell ranks gVisor, then the microVM.
+    let spec = SandboxSpec::new(Language::Shell);
+    let q = Question::new(Language::Shell);
+    let sb = standins(false, true)
+        .create(&spec, TierChoice::Auto(q))
+        .await
+        .unwrap();
+    let out = sb.exec(ExecRequest::code("echo moved on")).await.unwrap();
+    assert_eq!(out.stdout_str(), "moved on\n");
+    sb.destroy().await.unwrap();
+
+    // Every tier fails: the first (preferred) tier's error, with its fix.
+    let Err(err) = standins(false, false)
+        .create(&spec, TierChoice::Auto(q))
+        .await
+    else {
+        panic!("created a sandbox on a stand-in that cannot");
+    };
+    match err {
+        agent_sandbox::Error::Unavailable { tier, .. } => assert_eq!(tier, Tier::Gvisor),
+        other => panic!("{other}"),
+    }
+
+    // An explicit tier never falls back.
+    let Err(err) = standins(false, true)
+        .create(&spec, TierChoice::Tier(Tier::Gvisor))
+        .await
+    else {
+        panic!("an explicit tier fell back");
+    };
+    assert!(
+        matches!(err, agent_sandbox::Error::Unavailable { .. }),
+        "{err}"
+    );
+}

@@ -89,6 +89,72 @@ pub(crate) fn settings_fingerprint(flavor: Flavor) -> String {
     )
 }
 
+/// Whether this process's Cranelift is an unoptimised build (a debug build of the
+/// program that links us, without an opt-level override for dependencies), which compiles
+/// CPython about ten times slower. Measured once: the thread CPU time of compiling a small
+/// generated module ([`calibration_cpu_time`]).
+pub(crate) fn compiler_is_unoptimised() -> bool {
+    static SLOW: OnceLock<bool> = OnceLock::new();
+    *SLOW.get_or_init(|| {
+        let cpu = calibration_cpu_time();
+        let slow = cpu.is_some_and(|t| t > CALIBRATION_SLOW);
+        tracing::debug!(?cpu, slow, "wasmtime compiler speed calibration");
+        slow
+    })
+}
+
+/// Calibration CPU time above which Cranelift counts as unoptimised. Measured on a 2-core
+/// x86_64 host: ~20 ms with wasmtime at opt-level 2, ~250 ms at opt-level 0 (a debug
+/// build); the threshold sits between them with room for slower and faster machines.
+const CALIBRATION_SLOW: Duration = Duration::from_millis(70);
+
+/// The module the calibration compiles: functions with loops, arithmetic, calls, memory
+/// traffic and a branch table, like compiled C.
+fn calibration_wat() -> String {
+    let mut w = String::from("(module (memory 1)\n");
+    for i in 0..CALIBRATION_FUNCS {
+        w.push_str(&format!(
+            "(func $f{i} (export \"f{i}\") (param i32 i32) (result i32) (local i32 i64)
+  (loop $l
+    (local.set 2 (i32.add (local.get 2) (i32.mul (local.get 0) (i32.const {i}))))
+    (local.set 3 (i64.add (local.get 3) (i64.extend_i32_u (local.get 2))))
+    (i32.store (i32.and (local.get 2) (i32.const 0xfffc)) (local.get 1))
+    (local.set 1 (i32.xor (local.get 1) (i32.load offset=8 (i32.and (local.get 1) (i32.const 0xfff0)))))
+    (block $a (block $b (block $c
+      (br_table $a $b $c (i32.and (local.get 1) (i32.const 3))))
+      (local.set 0 (i32.sub (local.get 0) (i32.const 1))))
+      (local.set 0 (i32.shr_u (local.get 0) (i32.const 1))))
+    (local.set 0 (i32.sub (local.get 0) (i32.const 1)))
+    (br_if $l (i32.gt_s (local.get 0) (i32.const 0))))
+  (i32.add (local.get 2) (i32.wrap_i64 (local.get 3)))
+  {call})\n",
+            call = if i > 0 {
+                format!("(drop (call $f{} (local.get 1) (local.get 2)))", i - 1)
+            } else {
+                String::new()
+            }
+        ));
+    }
+    w.push(')');
+    w
+}
+
+const CALIBRATION_FUNCS: usize = 64;
+
+/// Thread CPU time of compiling a small generated module (64 functions of loops, arithmetic,
+/// memory traffic and branch tables) serially with the optimising settings
+/// (what tells an unoptimised wasmtime build apart; `None` if it could not be measured).
+pub fn calibration_cpu_time() -> Option<Duration> {
+    let wat = calibration_wat();
+    let bytes = wat::parse_str(&wat).ok()?;
+    let mut c = config(Flavor::Plain);
+    c.parallel_compilation(false);
+    let engine = Engine::new(&c).ok()?;
+    let start = thread_cpu_time();
+    engine.precompile_module(&bytes).ok()?;
+    Some(thread_cpu_time().saturating_sub(start))
+}
+
 fn config(flavor: Flavor) -> Config {
     let mut c = Config::new();
     // python.wasm uses the exception-handling proposal (needs the `gc` cargo feature).
@@ -644,5 +710,14 @@ mod tests {
     fn fingerprint_names_flavor_and_cow() {
         assert!(settings_fingerprint(Flavor::Fuel).contains("fuel=1"));
         assert!(settings_fingerprint(Flavor::Plain).contains("cow=1"));
+    }
+
+    #[test]
+    fn calibration_compiles() {
+        let t = calibration_cpu_time().unwrap();
+        eprintln!(
+            "calibration: {t:?}, unoptimised: {}",
+            compiler_is_unoptimised()
+        );
     }
 }

