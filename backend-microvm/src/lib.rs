@@ -152,8 +152,25 @@ use crate::guest::GuestError;
 
 const TIER: Tier = Tier::Microvm;
 
-/// The fix offered when the guest artifacts are missing.
+/// The command that installs the guest artifacts, named (with the Rust call that does the
+/// same, [`guest::install::install`]) by every fix for a missing or unusable guest.
 pub const INSTALL_FIX: &str = "agent-sandbox install microvm-guest";
+
+/// The fix for a guest missing from `dir` (`None`: the default cache), for library users and
+/// for the command line alike.
+fn install_fix(dir: Option<&std::path::Path>) -> String {
+    match dir {
+        None => format!(
+            "from Rust, call backend_microvm::guest::install::install(&InstallOptions::debian()); \
+             from a shell, run `{INSTALL_FIX}`"
+        ),
+        Some(d) => format!(
+            "from Rust, call backend_microvm::guest::install::install with InstallOptions {{ dir: \
+             {d:?}.into(), ..InstallOptions::debian() }}; from a shell, run `{INSTALL_FIX} --dir {}`",
+            d.display()
+        ),
+    }
+}
 /// Default time from starting the kernel to the agent's `Ready`.
 pub const DEFAULT_BOOT_TIMEOUT: Duration = Duration::from_secs(20);
 /// The smallest guest RAM a Linux guest is given (the spec's `limits.memory_bytes` must be at
@@ -372,15 +389,20 @@ impl MicrovmBackend {
                     tier: TIER,
                     reason: format!("the microVM guest (kernel + initramfs) is not installed: {e}"),
                     fix: if *dir == install::default_cache_dir() {
-                        INSTALL_FIX.to_string()
+                        install_fix(None)
                     } else {
-                        format!("{INSTALL_FIX} --dir {}", dir.display())
+                        install_fix(Some(dir))
                     },
                 }),
                 Err(e) => Err(Error::Unavailable {
                     tier: TIER,
                     reason: format!("the microVM guest in {} is unusable: {e}", dir.display()),
-                    fix: format!("{INSTALL_FIX} (to prepare it again)"),
+                    fix: format!(
+                        "prepare it again: {}",
+                        install_fix(
+                            (*dir != install::default_cache_dir()).then_some(dir.as_path())
+                        )
+                    ),
                 }),
             },
             GuestSource::Files { kernel, initramfs } => {
@@ -390,7 +412,8 @@ impl MicrovmBackend {
                             tier: TIER,
                             reason: format!("the configured guest {what} {} does not exist", p.display()),
                             fix: format!(
-                                "point the backend at an existing {what}, or use the installed guest ({INSTALL_FIX})"
+                                "point the backend at an existing {what} (MicrovmBuilder::kernel, ::initramfs), or use the installed guest ({})",
+                                install_fix(None)
                             ),
                         });
                     }

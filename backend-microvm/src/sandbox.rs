@@ -300,7 +300,8 @@ fn build_vm(
             tier: TIER,
             reason: format!("the initramfs {}: {e}", guest.initramfs.display()),
             fix: "build it with backend_microvm::guest::initramfs::build, or use the installed \
-                  guest (agent-sandbox install microvm-guest)"
+                  guest (backend_microvm::guest::install::install, or `agent-sandbox install \
+                  microvm-guest` from a shell)"
                 .into(),
         })?;
     }

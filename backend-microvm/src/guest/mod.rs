@@ -40,7 +40,7 @@ pub enum GuestError {
     BadInitramfs(String),
     /// A cached artifact does not match its recorded checksum or size (partial or corrupt
     /// download/extraction).
-    #[error("cached guest artifact {path} is corrupt ({reason}); run `agent-sandbox install microvm-guest` again")]
+    #[error("cached guest artifact {path} is corrupt ({reason}); install it again (backend_microvm::guest::install::install, or `agent-sandbox install microvm-guest`)")]
     Corrupt {
         /// The artifact.
         path: std::path::PathBuf,
@@ -48,7 +48,7 @@ pub enum GuestError {
         reason: String,
     },
     /// The guest artifacts have not been prepared.
-    #[error("guest artifacts not installed in {dir}: run `agent-sandbox install microvm-guest`")]
+    #[error("guest artifacts not installed in {dir}: install them (backend_microvm::guest::install::install, or `agent-sandbox install microvm-guest`)")]
     NotInstalled {
         /// The cache directory that was looked at.
         dir: std::path::PathBuf,

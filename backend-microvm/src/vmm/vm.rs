@@ -826,9 +826,7 @@ impl Vm {
             ));
         }
         for (t, s) in vm.virtio.iter().zip(&st.virtio) {
-            t.lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .restore(s)?;
+            t.lock().unwrap_or_else(|p| p.into_inner()).restore(s)?;
         }
         for (v, s) in vm.pending_vcpus.iter().zip(&st.vcpus) {
             vcpu::restore_state(v, s, vm.has_irqchip)?;

@@ -6,9 +6,9 @@
 
 use std::os::fd::RawFd;
 
+use crate::devices::StateError;
 use serde::{Deserialize, Serialize};
 use vm_memory::GuestMemoryMmap;
-use crate::devices::StateError;
 use vmm_sys_util::eventfd::EventFd;
 
 use super::queue::{Queue, QueueError};
