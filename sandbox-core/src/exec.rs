@@ -49,7 +49,7 @@ mod opt_millis {
 
     pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
         match d {
-            Some(d) => s.serialize_some(&u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            Some(d) => s.serialize_some(&crate::spec::millis(*d)),
             None => s.serialize_none(),
         }
     }

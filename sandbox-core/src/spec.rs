@@ -401,7 +401,9 @@ pub struct SpecBuilder {
     spec: SandboxSpec,
 }
 
-fn millis(d: Duration) -> u64 {
+/// `d` in whole milliseconds, saturating at `u64::MAX` (what every millisecond field of this
+/// crate, in specs and on the wire, holds).
+pub(crate) fn millis(d: Duration) -> u64 {
     d.as_millis().try_into().unwrap_or(u64::MAX)
 }
 
