@@ -1,0 +1,380 @@
+//! Creating a sandbox: what this tier refuses in a spec, the guest's memory and environment,
+//! building and booting the VM, and waiting for its agent.
+
+use super::*;
+
+/// Default `PATH` in the guest (busybox applets live in `/bin`).
+const GUEST_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// Serial output kept per VM (kernel log; its tail goes into boot errors).
+const SERIAL_CAP: usize = 256 << 10;
+/// Serial bytes quoted in a boot error.
+const SERIAL_TAIL: usize = 3000;
+
+/// Refuses what this tier cannot do, before anything is started.
+pub(crate) fn check_spec(spec: &SandboxSpec) -> Result<()> {
+    spec.validate()?;
+    if !matches!(spec.network, NetworkPolicy::DenyAll) {
+        return Err(Error::unsupported(
+            TIER,
+            "network access (the microVM has no network device; only the deny-all policy is \
+             offered)",
+        ));
+    }
+    if spec.rootfs.is_some() {
+        return Err(Error::unsupported(
+            TIER,
+            "a custom rootfs (the guest's root filesystem is its initramfs)",
+        ));
+    }
+    if let Workspace::HostDir { .. } = spec.workspace {
+        return Err(Error::unsupported(
+            TIER,
+            "a host directory as the workspace (the guest's /workspace is a tmpfs in guest \
+             memory; copy files in with write_file)",
+        ));
+    }
+    if !spec.mounts.is_empty() {
+        return Err(Error::unsupported(
+            TIER,
+            "host mounts (no host files are shared into the guest)",
+        ));
+    }
+    if spec.language != Language::Shell {
+        return Err(Error::unsupported(
+            TIER,
+            format!(
+                "the {} language (the guest has busybox only: use shell code or argv commands)",
+                spec.language
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Guest RAM for a spec: `limits.memory_bytes`, rounded up to whole pages.
+pub(crate) fn guest_memory(spec: &SandboxSpec) -> Result<u64> {
+    let m = spec.limits.memory_bytes;
+    if m < MIN_GUEST_MEMORY {
+        return Err(Error::invalid(
+            "limits.memory_bytes",
+            format!(
+                "the microvm tier needs at least {} MiB for the guest kernel",
+                MIN_GUEST_MEMORY >> 20
+            ),
+        ));
+    }
+    m.checked_add(4095)
+        .map(|v| v & !4095)
+        .ok_or_else(|| Error::invalid("limits.memory_bytes", "too large"))
+}
+
+pub(super) fn vm_config(mem_size: u64, vcpus: u8, lifetime: Duration) -> VmConfig {
+    VmConfig {
+        mem_size,
+        vcpus,
+        serial_cap: SERIAL_CAP,
+        virtio_console: true,
+        deadline: Some(lifetime),
+        ..VmConfig::default()
+    }
+}
+
+/// The environment every command gets: exactly the spec's, its secrets, and defaults.
+fn sandbox_env(spec: &SandboxSpec, secrets: &ResolvedSecrets) -> BTreeMap<String, String> {
+    let mut env = spec.base_env();
+    for (k, v) in secrets.env() {
+        env.insert(k.to_string(), v.to_string());
+    }
+    env.entry("PATH".into())
+        .or_insert_with(|| GUEST_PATH.into());
+    env.entry("HOME".into())
+        .or_insert_with(|| "/workspace".into());
+    env.entry("LANG".into()).or_insert_with(|| "C.UTF-8".into());
+    env
+}
+
+fn serial_tail(vm: &Vm) -> String {
+    let out = vm.serial_output();
+    let start = out.len().saturating_sub(SERIAL_TAIL);
+    String::from_utf8_lossy(out.get(start..).unwrap_or_default()).into_owned()
+}
+
+/// A boot or restore failure: the VM is killed, the error carries the console's tail.
+pub(super) fn boot_failure(vm: &Vm, what: &str, why: &str) -> Error {
+    vm.kill();
+    let tail = serial_tail(vm);
+    let tail = if tail.trim().is_empty() {
+        "(no serial output)".to_string()
+    } else {
+        tail
+    };
+    Error::backend(
+        TIER,
+        format!("{what}: {why}\n--- guest serial console (last lines) ---\n{tail}"),
+    )
+}
+
+/// Waits for the agent's `Ready` while watching the VM (a guest that dies during boot is
+/// reported at once, not after the whole timeout).
+fn wait_agent(
+    vm: &Vm,
+    agent: &AgentClient,
+    timeout: Duration,
+) -> std::result::Result<(), AgentError> {
+    let end = Instant::now() + timeout;
+    loop {
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(AgentError::Timeout(timeout));
+        }
+        match agent.wait_ready(left.min(Duration::from_millis(100))) {
+            Ok(()) => return Ok(()),
+            Err(AgentError::Timeout(_)) => {
+                if let Some(e) = vm.exit() {
+                    return Err(AgentError::Closed(format!(
+                        "the VM ended while booting: {e}"
+                    )));
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Creates the VM and loads kernel, initramfs, boot params and ACPI tables into it.
+fn build_vm(
+    guest: &GuestFiles,
+    cmdline: &str,
+    cfg: VmConfig,
+    t: &mut TimelineRecorder,
+) -> Result<Vm> {
+    let initrd =
+        std::fs::read(&guest.initramfs).map_err(|e| Error::io_path("read", &guest.initramfs, e))?;
+    if !guest.installed {
+        // Explicit files (the installed ones are checked by the install manifest).
+        crate::guest::initramfs::check(&initrd).map_err(|e| Error::Unavailable {
+            tier: TIER,
+            reason: format!("the initramfs {}: {e}", guest.initramfs.display()),
+            fix: "build it with backend_microvm::guest::initramfs::build, or use the installed \
+                  guest (backend_microvm::guest::install::install, or `agent-sandbox install \
+                  microvm-guest` from a shell)"
+                .into(),
+        })?;
+    }
+    let mut kernel =
+        std::fs::File::open(&guest.kernel).map_err(|e| Error::io_path("open", &guest.kernel, e))?;
+    let vcpus = cfg.vcpus;
+    let mut vm = Vm::new(cfg)?;
+    t.mark(Phase::Allocation);
+    let devices: Vec<VirtioMmioDesc> = vm
+        .virtio_devices()
+        .iter()
+        .map(|d| VirtioMmioDesc {
+            base: d.base,
+            size: d.size,
+            irq: d.irq,
+        })
+        .collect();
+    let b = boot::load_linux(
+        vm.memory(),
+        &mut kernel,
+        &BootConfig {
+            cmdline,
+            initrd: &initrd,
+            mem_size: vm.mem_size(),
+            vcpus,
+            devices: &devices,
+        },
+    )
+    .map_err(|e| match e {
+        boot::BootError::Kernel(m) => Error::Unavailable {
+            tier: TIER,
+            reason: format!(
+                "the guest kernel {} cannot be loaded: {m}",
+                guest.kernel.display()
+            ),
+            fix: format!("{} (to prepare it again)", crate::INSTALL_FIX),
+        },
+        other => Error::backend(TIER, format!("loading the guest: {other}")),
+    })?;
+    t.mark(Phase::Filesystem);
+    vm.start(Entry::kernel(b.entry.0))?;
+    Ok(vm)
+}
+
+/// Boots a VM: build it, start the kernel, wait for the agent (bounded by `boot_timeout`; a
+/// guest that does not come up is killed and the error quotes its serial console).
+fn boot_guest(
+    guest: &GuestFiles,
+    cmdline: &str,
+    boot_timeout: Duration,
+    vcfg: VmConfig,
+    mut t: TimelineRecorder,
+) -> Result<(Vm, AgentClient, TimelineRecorder)> {
+    let mut vm = build_vm(guest, cmdline, vcfg, &mut t)?;
+    let console = vm
+        .take_console()
+        .ok_or_else(|| Error::backend(TIER, "the VM has no virtio console"))?;
+    let agent = AgentClient::new(console)
+        .map_err(|e| boot_failure(&vm, "starting the agent client", &e.to_string()))?;
+    match wait_agent(&vm, &agent, boot_timeout) {
+        Ok(()) => Ok((vm, agent, t)),
+        Err(e @ AgentError::VersionMismatch { .. }) => {
+            vm.kill();
+            Err(map_agent_error(e, None))
+        }
+        Err(e) => Err(boot_failure(&vm, "booting the guest", &e.to_string())),
+    }
+}
+
+impl MicrovmSandbox {
+    pub(crate) async fn create(
+        backend: &MicrovmBackend,
+        spec: &SandboxSpec,
+        secrets: ResolvedSecrets,
+    ) -> Result<Self> {
+        check_spec(spec)?;
+        let mem_size = guest_memory(spec)?;
+        let t = TimelineRecorder::start();
+        let be = backend.clone();
+        let guest = tokio::task::spawn_blocking(move || {
+            MicrovmBackend::check_kvm()?;
+            be.guest_files()
+        })
+        .await
+        .map_err(join_err)??;
+        let cfg = backend.config.clone();
+        let vcfg = vm_config(mem_size, cfg.vcpus, spec.limits.lifetime());
+        let g = guest.clone();
+        let (vm, agent, mut t) = tokio::task::spawn_blocking(move || {
+            boot_guest(&g, &cfg.cmdline, cfg.boot_timeout, vcfg, t)
+        })
+        .await
+        .map_err(join_err)??;
+        t.mark(Phase::Runtime);
+        Ok(Self::assemble(
+            spec.clone(),
+            &secrets,
+            mem_size,
+            backend.config.vcpus,
+            guest.kernel_version,
+            agent,
+            Machine::Vm(Arc::new(vm)),
+            t,
+        ))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn assemble(
+        spec: SandboxSpec,
+        secrets: &ResolvedSecrets,
+        mem_size: u64,
+        vcpus: u8,
+        kernel_version: Option<String>,
+        agent: AgentClient,
+        machine: Machine,
+        t: TimelineRecorder,
+    ) -> Self {
+        let id = format!("mvm-{}", &uuid::Uuid::new_v4().simple().to_string()[..20]);
+        MicrovmSandbox {
+            inner: Arc::new(Inner {
+                id: id.clone(),
+                env: sandbox_env(&spec, secrets),
+                redactor: secrets.redactor(),
+                spec,
+                mem_size,
+                vcpus,
+                kernel_version,
+                live: Mutex::new(Some(Live { agent, machine })),
+                life: Lifecycle::new(id.clone()),
+                born: Instant::now(),
+                lifecycle: Arc::new(RwLock::new(())),
+            }),
+            timeline: t.finish(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    #[test]
+    fn specs_this_tier_cannot_honour_are_refused() {
+        let ok = SandboxSpec::new(Language::Shell);
+        check_spec(&ok).unwrap();
+        assert_eq!(guest_memory(&ok).unwrap(), 512 << 20);
+        let mut small = ok.clone();
+        small.limits.memory_bytes = 16 << 20;
+        assert!(matches!(
+            guest_memory(&small),
+            Err(Error::InvalidSpec { .. })
+        ));
+        let py = SandboxSpec::new(Language::Python);
+        assert!(matches!(check_spec(&py), Err(Error::Unsupported { .. })));
+    }
+
+    /// A "kernel" that prints to the serial port and spins: never an agent. Needs only
+    /// `/dev/kvm` (kernel mode may be emulated: the guest runs a few instructions).
+    #[test]
+    fn a_guest_whose_agent_never_comes_is_killed_with_its_console_tail() {
+        let kvm = crate::probe::probe_kvm();
+        if !kvm.present {
+            eprintln!("SKIP: {}", kvm.reason);
+            return;
+        }
+        // mov dx, 0x3f8; mov al, 'h'; out dx, al; mov al, 'i'; out dx, al; jmp $
+        let code = [
+            0x66, 0xba, 0xf8, 0x03, 0xb0, b'h', 0xee, 0xb0, b'i', 0xee, 0xeb, 0xfe,
+        ];
+        let e = crate::guest::kernel::tests_support::elf_with(&code, code.len() as u64, 0x100_0000);
+        let dir = tempfile::tempdir().unwrap();
+        let kernel = dir.path().join("vmlinux");
+        std::fs::write(&kernel, &e).unwrap();
+        let initramfs = dir.path().join("initrd");
+        let cpio = crate::guest::initramfs::build(&crate::guest::initramfs::InitramfsContents {
+            agent: crate::guest::AGENT_BINARY,
+            busybox: None,
+            applets: vec![],
+            modules: vec![],
+        })
+        .unwrap();
+        std::fs::write(&initramfs, cpio).unwrap();
+        let guest = GuestFiles {
+            kernel,
+            initramfs,
+            kernel_version: None,
+            installed: false,
+        };
+        let r = boot_guest(
+            &guest,
+            crate::boot::DEFAULT_CMDLINE,
+            Duration::from_millis(1500),
+            vm_config(64 << 20, 1, Duration::from_secs(60)),
+            TimelineRecorder::start(),
+        );
+        match r {
+            Err(Error::Backend { message, .. }) => {
+                assert!(message.contains("booting the guest"), "{message}");
+                assert!(message.contains("serial console"), "{message}");
+                assert!(message.contains("hi"), "{message}");
+            }
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("an agent answered"),
+        }
+        // An initramfs without the agent is refused before a VM is made.
+        let mut w = crate::guest::initramfs::CpioWriter::new();
+        w.file("bin/sh", 0o755, b"\x7fELF").unwrap();
+        std::fs::write(&guest.initramfs, w.finish()).unwrap();
+        let r = boot_guest(
+            &guest,
+            crate::boot::DEFAULT_CMDLINE,
+            Duration::from_millis(100),
+            vm_config(64 << 20, 1, Duration::from_secs(60)),
+            TimelineRecorder::start(),
+        );
+        assert!(matches!(r, Err(Error::Unavailable { .. })), "{:?}", r.err());
+    }
+}
