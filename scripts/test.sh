@@ -36,7 +36,7 @@ fi
 # Debian packages the tests use. Installed only when missing.
 # qemu-system-x86: the microVM guest (Debian kernel + our initramfs + agent) is booted under
 # QEMU's software emulation, since this host's nested KVM cannot boot Linux.
-APT_PACKAGES=(python3 util-linux procps iproute2 nftables runsc busybox-static acpica-tools qemu-system-x86)
+APT_PACKAGES=(python3 util-linux procps iproute2 nftables runsc busybox-static acpica-tools qemu-system-x86 docker-registry skopeo)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -14,6 +14,7 @@ pub mod egress;
 pub mod error;
 pub mod exec;
 pub mod fsnap;
+pub mod image;
 pub mod lifecycle;
 pub mod path;
 pub mod policy;
@@ -34,6 +35,7 @@ pub use exec::{
     pump_output, Command, ExecEvent, ExecRequest, ExecResult, ExecStream, LimitKind, OutputBuffer,
     StreamKind, StreamSink,
 };
+pub use image::ImageRef;
 pub use lifecycle::{Lifecycle, State as LifecycleState, Transition};
 pub use path::{DirEntry, EntryKind, WorkspacePath, WORKSPACE_MOUNT};
 pub use policy::{Cidr, Decision, DecisionRule, DenyRule, HostPattern, HostRule, NetworkPolicy};

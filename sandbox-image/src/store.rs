@@ -1,0 +1,962 @@
+//! The image cache: content-addressed blobs, unpacked layers shared read-only by every
+//! sandbox, image records and the references that name them.
+//!
+//! ```text
+//! <root>/
+//!   blobs/sha256/<hex>        layer blobs as downloaded (verified)
+//!   layers/<diff-id hex>/     unpacked layers (overlay lower directories), never written again
+//!   layers/<diff-id hex>.size their size in bytes
+//!   images/<manifest hex>.json one record per image: config, layers
+//!   refs.json                 reference -> manifest digest
+//!   locks/                    flock files (store, refs, one per blob and layer being made)
+//!   tmp/                      downloads and unpacks in progress; renamed into place when done
+//! ```
+//!
+//! Concurrency: pulls hold the store lock shared, `rm`/`prune` exclusive; a blob or layer is
+//! made under its own lock, so two processes pulling the same image do the work once. A
+//! sandbox holds its image's record shared-locked (its [`Image`] value) for as long as it
+//! lives, and `rm`/`prune` leave such images alone.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nix::fcntl::{Flock, FlockArg};
+use oci_client::client::{ClientConfig, ClientProtocol};
+use oci_client::secrets::RegistryAuth;
+use sandbox_core::ImageRef;
+use serde::{Deserialize, Serialize};
+
+use crate::auth::{self, Credentials};
+use crate::config::{self, ImageConfig};
+use crate::error::{ImageError, Result};
+use crate::source::{LayerDesc, Source};
+use crate::unpack::{self, Compression, LayerSpec};
+
+/// The default size cap of the cache (override with `AGENT_SANDBOX_IMAGE_CACHE_MAX`, in bytes
+/// or with a `K`/`M`/`G` suffix, or [`StoreBuilder::max_bytes`]).
+pub const DEFAULT_MAX_BYTES: u64 = 20 << 30;
+
+/// Settings of an [`ImageStore`]; build one with [`ImageStore::builder`].
+#[derive(Debug, Clone)]
+struct StoreConfig {
+    max_bytes: u64,
+    insecure: Vec<String>,
+    ca_pem: Vec<Vec<u8>>,
+    credentials: BTreeMap<String, Credentials>,
+    docker_config: Option<PathBuf>,
+    connect_timeout: Duration,
+    read_timeout: Duration,
+}
+
+/// Builds an [`ImageStore`].
+#[derive(Debug, Clone)]
+pub struct StoreBuilder {
+    root: PathBuf,
+    cfg: StoreConfig,
+}
+
+impl StoreBuilder {
+    /// The cache's size cap in bytes (blobs plus unpacked layers). Default
+    /// [`DEFAULT_MAX_BYTES`], or `AGENT_SANDBOX_IMAGE_CACHE_MAX`. A pull that would pass it
+    /// fails with [`ImageError::CacheFull`] and keeps nothing.
+    pub fn max_bytes(mut self, bytes: u64) -> Self {
+        self.cfg.max_bytes = bytes;
+        self
+    }
+
+    /// Reaches `registry` (`host[:port]`) over plain HTTP, as Docker's `insecure-registries`.
+    /// Loopback registries (`localhost`, `127.0.0.0/8`, `[::1]`) need no listing: they are
+    /// tried over HTTPS first and then over HTTP, as Docker does. No other registry is ever
+    /// reached without TLS.
+    pub fn insecure_registry(mut self, registry: impl Into<String>) -> Self {
+        self.cfg.insecure.push(registry.into());
+        self
+    }
+
+    /// Trusts this PEM certificate authority too (a private registry's CA), on top of the
+    /// system's roots.
+    pub fn ca_certificate_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.cfg.ca_pem.push(pem.into());
+        self
+    }
+
+    /// Uses these credentials for `registry` (`host[:port]`, `docker.io` for Docker Hub),
+    /// before any in the Docker config.
+    pub fn credentials(mut self, registry: impl Into<String>, credentials: Credentials) -> Self {
+        self.cfg.credentials.insert(registry.into(), credentials);
+        self
+    }
+
+    /// Reads `docker login` credentials from this file instead of `$DOCKER_CONFIG/config.json`
+    /// or `~/.docker/config.json`.
+    pub fn docker_config(mut self, path: impl Into<PathBuf>) -> Self {
+        self.cfg.docker_config = Some(path.into());
+        self
+    }
+
+    /// Gives up on a registry that does not accept the connection within `connect`, or that
+    /// stalls for `read` in the middle of a response. Defaults: 15 s and 60 s.
+    pub fn timeouts(mut self, connect: Duration, read: Duration) -> Self {
+        self.cfg.connect_timeout = connect;
+        self.cfg.read_timeout = read;
+        self
+    }
+
+    /// Opens (creating) the store.
+    ///
+    /// # Errors
+    /// [`ImageError::Io`] when the directories cannot be made.
+    pub fn build(self) -> Result<ImageStore> {
+        for d in ["blobs/sha256", "layers", "images", "locks", "tmp"] {
+            let p = self.root.join(d);
+            fs::create_dir_all(&p)
+                .map_err(|e| ImageError::io("create the image cache directory", &p, e))?;
+        }
+        use std::os::unix::fs::PermissionsExt;
+        // The cache holds other people's images: only we read it.
+        let _ = fs::set_permissions(&self.root, fs::Permissions::from_mode(0o700));
+        Ok(ImageStore {
+            inner: Arc::new(Inner {
+                root: self.root,
+                cfg: self.cfg,
+                clients: Mutex::new(BTreeMap::new()),
+            }),
+        })
+    }
+}
+
+/// Parses `20G`, `512M`, `1024`.
+fn parse_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().last()? {
+        (i, 'K' | 'k') => (&s[..i], 1u64 << 10),
+        (i, 'M' | 'm') => (&s[..i], 1 << 20),
+        (i, 'G' | 'g') => (&s[..i], 1 << 30),
+        (i, 'T' | 't') => (&s[..i], 1 << 40),
+        _ => (s, 1),
+    };
+    num.trim().parse::<u64>().ok()?.checked_mul(mult)
+}
+
+/// A cache of images. Cheap to clone (shared).
+#[derive(Debug, Clone)]
+pub struct ImageStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    root: PathBuf,
+    cfg: StoreConfig,
+    /// `oci-client` clients by the registry they may reach over plain HTTP (`""`: HTTPS only).
+    clients: Mutex<BTreeMap<String, Arc<oci_client::Client>>>,
+}
+
+impl std::fmt::Debug for Inner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ImageStore")
+            .field("root", &self.root)
+            .field("max_bytes", &self.cfg.max_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+/// An image ready to use: its layers unpacked in the cache, lowest first. While a value (or
+/// a clone) lives, `rm` and `prune` leave the image alone.
+#[derive(Debug, Clone)]
+pub struct Image {
+    reference: String,
+    digest: String,
+    config: ImageConfig,
+    layers: Vec<PathBuf>,
+    bytes: u64,
+    _lease: Arc<Flock<fs::File>>,
+}
+
+impl Image {
+    /// The reference it was asked for, normalised.
+    pub fn reference(&self) -> &str {
+        &self.reference
+    }
+
+    /// The manifest digest: the image's identity.
+    pub fn digest(&self) -> &str {
+        &self.digest
+    }
+
+    /// Its config (env, working directory, user, entrypoint and command).
+    pub fn config(&self) -> &ImageConfig {
+        &self.config
+    }
+
+    /// The unpacked layer directories, lowest first. Read-only: they are shared by every
+    /// sandbox of every image that has them (use them as overlay lower layers).
+    pub fn layers(&self) -> &[PathBuf] {
+        &self.layers
+    }
+
+    /// Bytes its unpacked layers take in the cache.
+    pub fn unpacked_bytes(&self) -> u64 {
+        self.bytes
+    }
+}
+
+/// One image in the cache, as [`ImageStore::list`] reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct ImageInfo {
+    /// References naming it (none: only `prune` will remove it).
+    pub references: Vec<String>,
+    /// The manifest digest.
+    pub digest: String,
+    /// Number of layers.
+    pub layers: usize,
+    /// Bytes of its blobs plus its unpacked layers (layers shared with other images are
+    /// counted in each).
+    pub bytes: u64,
+    /// Whether a sandbox uses it now.
+    pub in_use: bool,
+}
+
+/// What [`ImageStore::prune`] or [`ImageStore::remove`] freed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct PruneReport {
+    /// Image records removed.
+    pub images: usize,
+    /// Blobs removed.
+    pub blobs: usize,
+    /// Unpacked layers removed.
+    pub layers: usize,
+    /// Bytes freed.
+    pub bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Record {
+    digest: String,
+    source: String,
+    config: ImageConfig,
+    layers: Vec<LayerRecord>,
+    /// For a `docker save` archive: its size and mtime when read (re-read when they change).
+    #[serde(default)]
+    source_stamp: Option<(u64, i64)>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct LayerRecord {
+    digest: String,
+    diff_id: String,
+    media_type: String,
+    size: Option<u64>,
+}
+
+fn hex_of(d: &str) -> Result<&str> {
+    crate::digest::sha256_hex(d)
+}
+
+impl ImageStore {
+    /// Where the cache lives by default: `$AGENT_SANDBOX_IMAGE_CACHE`, else
+    /// `$XDG_CACHE_HOME/agent-sandbox/images`, else `~/.cache/agent-sandbox/images`.
+    pub fn default_dir() -> PathBuf {
+        if let Some(d) = std::env::var_os("AGENT_SANDBOX_IMAGE_CACHE") {
+            return PathBuf::from(d);
+        }
+        let base = std::env::var_os("XDG_CACHE_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache")))
+            .unwrap_or_else(|| PathBuf::from("/var/tmp"));
+        base.join("agent-sandbox/images")
+    }
+
+    /// A builder for a store at `root`.
+    pub fn builder(root: impl Into<PathBuf>) -> StoreBuilder {
+        let max_bytes = std::env::var("AGENT_SANDBOX_IMAGE_CACHE_MAX")
+            .ok()
+            .and_then(|s| parse_size(&s))
+            .unwrap_or(DEFAULT_MAX_BYTES);
+        StoreBuilder {
+            root: root.into(),
+            cfg: StoreConfig {
+                max_bytes,
+                insecure: Vec::new(),
+                ca_pem: Vec::new(),
+                credentials: BTreeMap::new(),
+                docker_config: None,
+                connect_timeout: Duration::from_secs(15),
+                read_timeout: Duration::from_secs(60),
+            },
+        }
+    }
+
+    /// The store at [`default_dir`](Self::default_dir), with default settings.
+    ///
+    /// # Errors
+    /// As [`StoreBuilder::build`].
+    pub fn open_default() -> Result<Self> {
+        Self::builder(Self::default_dir()).build()
+    }
+
+    /// The cache directory.
+    pub fn root(&self) -> &Path {
+        &self.inner.root
+    }
+
+    /// The size cap in bytes.
+    pub fn max_bytes(&self) -> u64 {
+        self.inner.cfg.max_bytes
+    }
+
+    fn p(&self, rel: impl AsRef<Path>) -> PathBuf {
+        self.inner.root.join(rel)
+    }
+
+    /// The image, from the cache when this reference was pulled before (no network), else
+    /// pulled. What a sandbox's create calls.
+    ///
+    /// # Errors
+    /// As [`pull`](Self::pull).
+    pub async fn ensure(&self, r: &ImageRef) -> Result<Image> {
+        if let Some(img) = self.cached(r)? {
+            return Ok(img);
+        }
+        self.pull(r).await
+    }
+
+    /// The image if the cache has it; never pulls.
+    ///
+    /// # Errors
+    /// [`ImageError::Io`] reading the cache.
+    pub fn get(&self, r: &ImageRef) -> Result<Option<Image>> {
+        self.cached(r)
+    }
+
+    fn cached(&self, r: &ImageRef) -> Result<Option<Image>> {
+        let key = r.to_string();
+        let digest = match r {
+            ImageRef::Registry {
+                digest: Some(d), ..
+            } => Some(d.clone()),
+            ImageRef::OciLayout { .. } => None,
+            _ => self.refs()?.get(&key).cloned(),
+        };
+        let Some(digest) = digest else {
+            return Ok(None);
+        };
+        let Some(rec) = self.record(&digest)? else {
+            return Ok(None);
+        };
+        if let (ImageRef::DockerArchive { path }, Some(stamp)) = (r, rec.source_stamp) {
+            if stamp_of(path) != Some(stamp) {
+                return Ok(None);
+            }
+        }
+        self.image_of(&key, &rec)
+    }
+
+    /// An [`Image`] for a record whose layers are all unpacked (else `None`).
+    fn image_of(&self, reference: &str, rec: &Record) -> Result<Option<Image>> {
+        let mut layers = Vec::new();
+        let mut bytes = 0;
+        for l in &rec.layers {
+            let hex = hex_of(&l.diff_id)?;
+            let dir = self.p(format!("layers/{hex}"));
+            if !dir.is_dir() {
+                return Ok(None);
+            }
+            bytes += read_size(&self.p(format!("layers/{hex}.size")));
+            layers.push(dir);
+        }
+        let path = self.p(format!("images/{}.json", hex_of(&rec.digest)?));
+        let f = fs::File::open(&path).map_err(|e| ImageError::io("open", &path, e))?;
+        let lease = Flock::lock(f, FlockArg::LockSharedNonblock)
+            .or_else(|(f, _)| Flock::lock(f, FlockArg::LockShared))
+            .map_err(|(_, e)| ImageError::io("lock", &path, io::Error::from(e)))?;
+        Ok(Some(Image {
+            reference: reference.to_owned(),
+            digest: rec.digest.clone(),
+            config: rec.config.clone(),
+            layers,
+            bytes,
+            _lease: Arc::new(lease),
+        }))
+    }
+
+    fn record(&self, digest: &str) -> Result<Option<Record>> {
+        let path = self.p(format!("images/{}.json", hex_of(digest)?));
+        match fs::read(&path) {
+            Ok(b) => Ok(serde_json::from_slice(&b).ok()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(ImageError::io("read", &path, e)),
+        }
+    }
+
+    fn refs(&self) -> Result<BTreeMap<String, String>> {
+        let path = self.p("refs.json");
+        match fs::read(&path) {
+            Ok(b) => Ok(serde_json::from_slice(&b).unwrap_or_default()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(BTreeMap::new()),
+            Err(e) => Err(ImageError::io("read", &path, e)),
+        }
+    }
+
+    /// Changes `refs.json` under its lock, atomically.
+    fn update_refs(&self, f: impl FnOnce(&mut BTreeMap<String, String>)) -> Result<()> {
+        let _l = self.lock_blocking("refs", true)?;
+        let mut refs = self.refs()?;
+        f(&mut refs);
+        let bytes = serde_json::to_vec_pretty(&refs).unwrap_or_default();
+        self.write_atomic(&self.p("refs.json"), &bytes)
+    }
+
+    fn write_atomic(&self, path: &Path, bytes: &[u8]) -> Result<()> {
+        let tmp = self.p(format!("tmp/w-{}", uuid::Uuid::new_v4().simple()));
+        fs::write(&tmp, bytes).map_err(|e| ImageError::io("write", &tmp, e))?;
+        fs::rename(&tmp, path).map_err(|e| {
+            let _ = fs::remove_file(&tmp);
+            ImageError::io("write", path, e)
+        })
+    }
+
+    fn lock_path(&self, name: &str) -> Result<fs::File> {
+        let path = self.p(format!("locks/{name}"));
+        fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| ImageError::io("open the lock", &path, e))
+    }
+
+    fn lock_blocking(&self, name: &str, exclusive: bool) -> Result<Flock<fs::File>> {
+        let f = self.lock_path(name)?;
+        let arg = if exclusive {
+            FlockArg::LockExclusive
+        } else {
+            FlockArg::LockShared
+        };
+        Flock::lock(f, arg).map_err(|(_, e)| {
+            ImageError::io("lock", self.p(format!("locks/{name}")), io::Error::from(e))
+        })
+    }
+
+    async fn lock(&self, name: String, exclusive: bool) -> Result<Flock<fs::File>> {
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || me.lock_blocking(&name, exclusive))
+            .await
+            .map_err(|e| ImageError::io("lock", self.p("locks"), io::Error::other(e)))?
+    }
+
+    /// Bytes the cache holds: blobs plus unpacked layers.
+    ///
+    /// # Errors
+    /// [`ImageError::Io`] listing the cache.
+    pub fn usage(&self) -> Result<u64> {
+        let mut total = 0;
+        for (dir, suffix) in [("blobs/sha256", None), ("layers", Some(".size"))] {
+            let d = self.p(dir);
+            let rd = fs::read_dir(&d).map_err(|e| ImageError::io("list", &d, e))?;
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                match suffix {
+                    None => total += e.metadata().map(|m| m.len()).unwrap_or(0),
+                    Some(s) if name.ends_with(s) => total += read_size(&e.path()),
+                    Some(_) => {}
+                }
+            }
+        }
+        Ok(total)
+    }
+
+    fn source_for(&self, r: &ImageRef) -> Result<Box<dyn Source>> {
+        Ok(match r {
+            ImageRef::Registry {
+                registry,
+                repository,
+                tag,
+                digest,
+            } => {
+                let reference = match (tag, digest) {
+                    (Some(t), Some(d)) => oci_client::Reference::with_tag_and_digest(
+                        registry.clone(),
+                        repository.clone(),
+                        t.clone(),
+                        d.clone(),
+                    ),
+                    (None, Some(d)) => oci_client::Reference::with_digest(
+                        registry.clone(),
+                        repository.clone(),
+                        d.clone(),
+                    ),
+                    (t, None) => oci_client::Reference::with_tag(
+                        registry.clone(),
+                        repository.clone(),
+                        t.clone().unwrap_or_else(|| "latest".into()),
+                    ),
+                };
+                let listed = self.inner.cfg.insecure.iter().any(|i| i == registry);
+                let http =
+                    (listed || r.is_loopback_registry()).then(|| self.client(Some(registry)));
+                Box::new(crate::registry::Registry::new(
+                    reference,
+                    r.to_string(),
+                    self.auth_for(registry),
+                    self.client(None),
+                    http,
+                    listed,
+                ))
+            }
+            ImageRef::OciLayout { path, tag } => Box::new(crate::offline::OciLayout {
+                dir: path.clone(),
+                tag: tag.clone(),
+            }),
+            ImageRef::DockerArchive { path } => Box::new(crate::offline::DockerArchive::new(
+                path.clone(),
+                self.p("tmp"),
+            )),
+            other => return Err(ImageError::Unsupported(format!("image source `{other}`"))),
+        })
+    }
+
+    fn auth_for(&self, registry: &str) -> RegistryAuth {
+        let creds = self
+            .inner
+            .cfg
+            .credentials
+            .get(registry)
+            .cloned()
+            .or_else(|| {
+                let path = self
+                    .inner
+                    .cfg
+                    .docker_config
+                    .clone()
+                    .or_else(auth::docker_config_path)?;
+                auth::from_docker_config(&path, registry)
+            });
+        match creds {
+            Some(c) => RegistryAuth::Basic(c.username, c.password),
+            None => RegistryAuth::Anonymous,
+        }
+    }
+
+    /// The HTTPS client, or one that reaches `plain` over HTTP.
+    fn client(&self, plain: Option<&str>) -> Arc<oci_client::Client> {
+        let key = plain.unwrap_or("").to_owned();
+        let mut clients = match self.inner.clients.lock() {
+            Ok(c) => c,
+            Err(p) => p.into_inner(),
+        };
+        if let Some(c) = clients.get(&key) {
+            return c.clone();
+        }
+        // reqwest is built without a default crypto provider: ring, as the rest of the
+        // workspace uses (an error only means one is installed already).
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let cfg = &self.inner.cfg;
+        let config = ClientConfig {
+            protocol: match plain {
+                Some(r) => ClientProtocol::HttpsExcept(vec![r.to_owned()]),
+                None => ClientProtocol::Https,
+            },
+            extra_root_certificates: cfg
+                .ca_pem
+                .iter()
+                .map(|pem| oci_client::client::Certificate {
+                    encoding: oci_client::client::CertificateEncoding::Pem,
+                    data: pem.clone(),
+                })
+                .collect(),
+            platform_resolver: Some(Box::new(oci_client::client::linux_amd64_resolver)),
+            connect_timeout: Some(cfg.connect_timeout),
+            read_timeout: Some(cfg.read_timeout),
+            ..Default::default()
+        };
+        let c = Arc::new(oci_client::Client::new(config));
+        clients.insert(key, c.clone());
+        c
+    }
+
+    /// Pulls the image from its source (always asking the source, as `docker pull` does),
+    /// verifying every digest, unpacking what the cache lacks, and records it under its
+    /// reference.
+    ///
+    /// # Errors
+    /// [`ImageError::NotFound`], [`ImageError::Unauthorized`], [`ImageError::Registry`]
+    /// (unreachable, stalled past the timeout), [`ImageError::DigestMismatch`],
+    /// [`ImageError::MaliciousLayer`], [`ImageError::CacheFull`], [`ImageError::Io`]
+    /// (a full disk says so). Nothing half-made is ever used.
+    pub async fn pull(&self, r: &ImageRef) -> Result<Image> {
+        let source = self.source_for(r)?;
+        let _store = self.lock("store".into(), false).await?;
+        let resolved = source.resolve().await?;
+        let name = source.describe();
+        let (config, _) = config::parse(&resolved.config, &name)?;
+
+        // The cap, checked before anything is downloaded (blob sizes are known up front).
+        let used = self.usage()?;
+        let cap = self.inner.cfg.max_bytes;
+        let missing: u64 = resolved
+            .layers
+            .iter()
+            .filter(|l| hex_of(&l.diff_id).is_ok_and(|h| !self.p(format!("layers/{h}")).is_dir()))
+            .map(|l| l.size.unwrap_or(0))
+            .sum();
+        if used.saturating_add(missing) > cap {
+            return Err(ImageError::CacheFull {
+                needed: missing,
+                cap,
+                used,
+            });
+        }
+
+        let work = resolved
+            .layers
+            .iter()
+            .map(|l| self.ensure_layer(source.as_ref(), l));
+        futures::future::try_join_all(work).await?;
+
+        let record = Record {
+            digest: resolved.manifest_digest.clone(),
+            source: name,
+            config,
+            layers: resolved
+                .layers
+                .iter()
+                .map(|l| LayerRecord {
+                    digest: l.digest.clone(),
+                    diff_id: l.diff_id.clone(),
+                    media_type: l.media_type.clone(),
+                    size: l.size,
+                })
+                .collect(),
+            source_stamp: match r {
+                ImageRef::DockerArchive { path } => stamp_of(path),
+                _ => None,
+            },
+        };
+        let rec_path = self.p(format!("images/{}.json", hex_of(&record.digest)?));
+        let bytes = serde_json::to_vec_pretty(&record).unwrap_or_default();
+        self.write_atomic(&rec_path, &bytes)?;
+        let key = r.to_string();
+        let digest = record.digest.clone();
+        self.update_refs(|refs| {
+            refs.insert(key.clone(), digest);
+        })?;
+        self.image_of(&key, &record)?.ok_or_else(|| {
+            ImageError::io(
+                "find the unpacked layers of",
+                rec_path,
+                io::Error::new(io::ErrorKind::NotFound, "removed while pulling"),
+            )
+        })
+    }
+
+    /// Makes `layers/<diff-id>` if missing: the blob (downloaded once, under its lock), then
+    /// the unpack into `tmp/`, renamed into place when complete and verified.
+    async fn ensure_layer(&self, source: &dyn Source, l: &LayerDesc) -> Result<()> {
+        let hex = hex_of(&l.diff_id)?.to_owned();
+        let dir = self.p(format!("layers/{hex}"));
+        if dir.is_dir() {
+            return Ok(());
+        }
+        let _layer_lock = self.lock(format!("layer-{hex}"), true).await?;
+        if dir.is_dir() {
+            return Ok(());
+        }
+        let bhex = hex_of(&l.digest)?.to_owned();
+        let blob = self.p(format!("blobs/sha256/{bhex}"));
+        let cap = self.inner.cfg.max_bytes;
+        if !blob.is_file() {
+            let _blob_lock = self.lock(format!("blob-{bhex}"), true).await?;
+            if !blob.is_file() {
+                let room = cap.saturating_sub(self.usage()?);
+                let tmp = self.p(format!("tmp/blob-{}", uuid::Uuid::new_v4().simple()));
+                let fetched = source.fetch(l, &tmp, room).await;
+                if let Err(e) = fetched {
+                    let _ = fs::remove_file(&tmp);
+                    return Err(match e {
+                        ImageError::CacheFull { needed, .. } => ImageError::CacheFull {
+                            needed,
+                            cap,
+                            used: cap - room,
+                        },
+                        e => e,
+                    });
+                }
+                fs::rename(&tmp, &blob).map_err(|e| {
+                    let _ = fs::remove_file(&tmp);
+                    ImageError::io("store the blob", &blob, e)
+                })?;
+            }
+        }
+        let room = cap.saturating_sub(self.usage()?);
+        let tmp = self.p(format!("tmp/layer-{}", uuid::Uuid::new_v4().simple()));
+        fs::create_dir(&tmp).map_err(|e| ImageError::io("create", &tmp, e))?;
+        let spec_owned = (
+            l.digest.clone(),
+            l.diff_id.clone(),
+            Compression::from_media_type(&l.media_type)?,
+        );
+        let (blob2, tmp2) = (blob.clone(), tmp.clone());
+        let unpacked = tokio::task::spawn_blocking(move || {
+            let (digest, diff_id, compression) = spec_owned;
+            let spec = LayerSpec {
+                blob_digest: Some(&digest),
+                diff_id: &diff_id,
+                compression,
+            };
+            let r = unpack::unpack(&blob2, &spec, &tmp2, room);
+            if r.is_ok() {
+                // Durable before it is named: a crash never leaves a half layer in place.
+                if let Ok(d) = fs::File::open(&tmp2) {
+                    let _ = nix::unistd::syncfs(&d);
+                }
+            }
+            r
+        })
+        .await
+        .map_err(|e| ImageError::io("unpack a layer into", &tmp, io::Error::other(e)))?;
+        let stats = match unpacked {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = fs::remove_dir_all(&tmp);
+                return Err(match e {
+                    ImageError::CacheFull { needed, .. } => ImageError::CacheFull {
+                        needed,
+                        cap,
+                        used: cap - room,
+                    },
+                    // A blob that fails its digest check is dropped: the next pull fetches
+                    // it again.
+                    e @ ImageError::DigestMismatch { .. } => {
+                        let _ = fs::remove_file(&blob);
+                        e
+                    }
+                    e => e,
+                });
+            }
+        };
+        let size_path = self.p(format!("layers/{hex}.size"));
+        fs::write(&size_path, stats.bytes.to_string())
+            .map_err(|e| ImageError::io("write", &size_path, e))?;
+        fs::rename(&tmp, &dir).map_err(|e| {
+            let _ = fs::remove_dir_all(&tmp);
+            ImageError::io("store the layer", &dir, e)
+        })?;
+        tracing::debug!(layer = %l.diff_id, bytes = stats.bytes, entries = stats.entries, "layer unpacked");
+        Ok(())
+    }
+
+    /// Every image in the cache.
+    ///
+    /// # Errors
+    /// [`ImageError::Io`] reading the cache.
+    pub fn list(&self) -> Result<Vec<ImageInfo>> {
+        let refs = self.refs()?;
+        let mut by_digest: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (r, d) in refs {
+            by_digest.entry(d).or_default().push(r);
+        }
+        let mut out = Vec::new();
+        for rec in self.records()? {
+            let mut bytes = 0;
+            for l in &rec.layers {
+                if let (Ok(b), Ok(d)) = (hex_of(&l.digest), hex_of(&l.diff_id)) {
+                    bytes += fs::metadata(self.p(format!("blobs/sha256/{b}")))
+                        .map(|m| m.len())
+                        .unwrap_or(0);
+                    bytes += read_size(&self.p(format!("layers/{d}.size")));
+                }
+            }
+            out.push(ImageInfo {
+                references: by_digest.remove(&rec.digest).unwrap_or_default(),
+                digest: rec.digest.clone(),
+                layers: rec.layers.len(),
+                bytes,
+                in_use: self.in_use(&rec.digest),
+            });
+        }
+        Ok(out)
+    }
+
+    fn records(&self) -> Result<Vec<Record>> {
+        let d = self.p("images");
+        let rd = fs::read_dir(&d).map_err(|e| ImageError::io("list", &d, e))?;
+        let mut v = Vec::new();
+        for e in rd.flatten() {
+            if e.file_name().to_string_lossy().ends_with(".json") {
+                if let Ok(b) = fs::read(e.path()) {
+                    if let Ok(r) = serde_json::from_slice::<Record>(&b) {
+                        v.push(r);
+                    }
+                }
+            }
+        }
+        Ok(v)
+    }
+
+    fn in_use(&self, digest: &str) -> bool {
+        let Ok(hex) = hex_of(digest) else {
+            return false;
+        };
+        let Ok(f) = fs::File::open(self.p(format!("images/{hex}.json"))) else {
+            return false;
+        };
+        Flock::lock(f, FlockArg::LockExclusiveNonblock).is_err()
+    }
+
+    /// Removes the reference `name` (as written to `pull`, or a manifest digest, which
+    /// removes every reference to it), then everything no image needs any more. An image a
+    /// sandbox uses keeps its files until the next `prune` after it ends.
+    ///
+    /// # Errors
+    /// [`ImageError::NotCached`] when nothing has that name; [`ImageError::Io`].
+    pub fn remove(&self, name: &str) -> Result<PruneReport> {
+        let key = if name.starts_with("sha256:") {
+            name.to_owned()
+        } else {
+            ImageRef::parse(name)
+                .map(|r| r.to_string())
+                .unwrap_or_else(|_| name.to_owned())
+        };
+        let mut found = false;
+        self.update_refs(|refs| {
+            let before = refs.len();
+            refs.retain(|r, d| r != &key && d != &key);
+            found = refs.len() != before;
+        })?;
+        if !found && self.record(&key).ok().flatten().is_none() {
+            return Err(ImageError::NotCached(name.to_owned()));
+        }
+        self.prune()
+    }
+
+    /// Removes images no reference names (unless in use), then every blob and layer no
+    /// image needs, and leftovers of interrupted pulls.
+    ///
+    /// # Errors
+    /// [`ImageError::Io`].
+    pub fn prune(&self) -> Result<PruneReport> {
+        let _store = self.lock_blocking("store", true)?;
+        let mut report = PruneReport::default();
+        let named: BTreeSet<String> = self.refs()?.into_values().collect();
+        let mut keep_blobs = BTreeSet::new();
+        let mut keep_layers = BTreeSet::new();
+        for rec in self.records()? {
+            if !named.contains(&rec.digest) && !self.in_use(&rec.digest) {
+                if let Ok(hex) = hex_of(&rec.digest) {
+                    let p = self.p(format!("images/{hex}.json"));
+                    report.bytes += fs::metadata(&p).map(|m| m.len()).unwrap_or(0);
+                    fs::remove_file(&p).map_err(|e| ImageError::io("remove", &p, e))?;
+                    report.images += 1;
+                }
+                continue;
+            }
+            for l in &rec.layers {
+                keep_blobs.insert(hex_of(&l.digest)?.to_owned());
+                keep_layers.insert(hex_of(&l.diff_id)?.to_owned());
+            }
+        }
+        let blobs = self.p("blobs/sha256");
+        for e in fs::read_dir(&blobs)
+            .map_err(|e| ImageError::io("list", &blobs, e))?
+            .flatten()
+        {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if !keep_blobs.contains(&name) {
+                report.bytes += e.metadata().map(|m| m.len()).unwrap_or(0);
+                fs::remove_file(e.path()).map_err(|err| ImageError::io("remove", e.path(), err))?;
+                report.blobs += 1;
+            }
+        }
+        let layers = self.p("layers");
+        for e in fs::read_dir(&layers)
+            .map_err(|e| ImageError::io("list", &layers, e))?
+            .flatten()
+        {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let hex = name.trim_end_matches(".size");
+            if keep_layers.contains(hex) {
+                continue;
+            }
+            if name.ends_with(".size") {
+                report.bytes += read_size(&e.path());
+                let _ = fs::remove_file(e.path());
+            } else {
+                remove_tree(&e.path())?;
+                report.layers += 1;
+            }
+        }
+        // Leftovers of pulls that were killed (no pull runs now: we hold the store lock).
+        let tmp = self.p("tmp");
+        for e in fs::read_dir(&tmp)
+            .map_err(|e| ImageError::io("list", &tmp, e))?
+            .flatten()
+        {
+            let _ = remove_tree(&e.path());
+        }
+        Ok(report)
+    }
+}
+
+/// Removes a tree that may hold read-only directories (an unpacked layer keeps its modes).
+fn remove_tree(path: &Path) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    if fs::symlink_metadata(path).is_ok_and(|m| !m.is_dir()) {
+        return fs::remove_file(path).map_err(|e| ImageError::io("remove", path, e));
+    }
+    if fs::remove_dir_all(path).is_ok() || !path.exists() {
+        return Ok(());
+    }
+    for e in walk_dirs(path) {
+        let _ = fs::set_permissions(&e, fs::Permissions::from_mode(0o700));
+    }
+    fs::remove_dir_all(path).map_err(|e| ImageError::io("remove", path, e))
+}
+
+fn walk_dirs(root: &Path) -> Vec<PathBuf> {
+    let mut out = vec![root.to_path_buf()];
+    let mut i = 0;
+    while i < out.len() {
+        if let Ok(rd) = fs::read_dir(&out[i]) {
+            for e in rd.flatten() {
+                if e.file_type().is_ok_and(|t| t.is_dir()) {
+                    out.push(e.path());
+                }
+            }
+        }
+        i += 1;
+    }
+    out
+}
+
+fn read_size(path: &Path) -> u64 {
+    fs::read_to_string(path)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn stamp_of(path: &Path) -> Option<(u64, i64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = fs::metadata(path).ok()?;
+    Some((m.len(), m.mtime()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_suffixes() {
+        assert_eq!(parse_size("1024"), Some(1024));
+        assert_eq!(parse_size("2G"), Some(2 << 30));
+        assert_eq!(parse_size("512m"), Some(512 << 20));
+        assert_eq!(parse_size("x"), None);
+        assert_eq!(parse_size(""), None);
+    }
+}

@@ -1,0 +1,552 @@
+//! Safe layer unpacking: a layer tar into a fresh directory that overlayfs can use as a lower
+//! layer, verifying both the blob's digest and the layer's diff-id on the way.
+//!
+//! # The rules (see `docs/images.md`)
+//! - **Nothing lands outside the layer directory.** Entry paths and hard-link targets are
+//!   made relative (a leading `/` or `./` is dropped, as `tar` does) and any `..` component
+//!   refuses the layer. No path is ever resolved through a symlink: every parent directory is
+//!   checked with `lstat` before use and one that is a symlink (or not a directory) refuses
+//!   the layer; the last component is created with `O_NOFOLLOW`/`O_EXCL` after removing what
+//!   was there. Symlink *targets* are written as they are: they are resolved inside the
+//!   sandbox, never by us.
+//! - **Whiteouts** become overlayfs whiteouts: `.wh.NAME` a `0/0` character device (as root;
+//!   otherwise an empty file with `user.overlay.whiteout`, the kernel's "xwhiteout"), and
+//!   `.wh..wh..opq` the `overlay.opaque` xattr (both `trusted.` and `user.` forms, for a root
+//!   host mount and for a sandbox's user-namespace mount). A whiteout naming `.`, `..` or
+//!   nothing refuses the layer.
+//! - **Hard links** must point at a non-directory already unpacked in the same layer.
+//! - **Device nodes are skipped** (a sandbox gets its own `/dev`); FIFOs are kept.
+//! - **set-uid/set-gid bits are cleared**: sandboxes run with `no_new_privs`, where they would
+//!   do nothing, and a set-uid-root file in the host's cache is a liability. The sticky bit
+//!   stays (`/tmp`).
+//! - **Ownership** is kept when we run as root (the tiers idmap the layers); otherwise files
+//!   belong to the caller, which is who the sandbox's root maps to in rootless mode.
+//! - Extended attributes other than overlay's are dropped (file capabilities would do nothing
+//!   in a sandbox without capabilities).
+
+use std::ffi::{OsStr, OsString};
+use std::fs;
+use std::io::{self, Read, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use crate::digest::HashingReader;
+use crate::error::{ImageError, Result};
+
+/// How a layer blob is compressed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Compression {
+    /// A plain tar.
+    None,
+    /// gzip (one or more members).
+    Gzip,
+    /// zstd.
+    Zstd,
+}
+
+impl Compression {
+    /// From a layer descriptor's media type (OCI or Docker schema 2).
+    ///
+    /// # Errors
+    /// [`ImageError::Unsupported`] for a media type that is not a layer we can unpack.
+    pub(crate) fn from_media_type(mt: &str) -> Result<Self> {
+        Ok(match mt {
+            "application/vnd.oci.image.layer.v1.tar"
+            | "application/vnd.docker.image.rootfs.diff.tar" => Compression::None,
+            "application/vnd.oci.image.layer.v1.tar+gzip"
+            | "application/vnd.docker.image.rootfs.diff.tar.gzip"
+            | "application/vnd.oci.image.layer.nondistributable.v1.tar+gzip" => Compression::Gzip,
+            "application/vnd.oci.image.layer.v1.tar+zstd"
+            | "application/vnd.docker.image.rootfs.diff.tar.zstd" => Compression::Zstd,
+            other => {
+                return Err(ImageError::Unsupported(format!(
+                    "layer media type `{other}` (gzip, zstd and plain tar layers are supported)"
+                )))
+            }
+        })
+    }
+
+    /// From a blob's first bytes (sources that do not say, like `docker save`).
+    pub(crate) fn sniff(head: &[u8]) -> Self {
+        if head.starts_with(&[0x1f, 0x8b]) {
+            Compression::Gzip
+        } else if head.starts_with(&[0x28, 0xb5, 0x2f, 0xfd]) {
+            Compression::Zstd
+        } else {
+            Compression::None
+        }
+    }
+}
+
+/// What to expect of a layer.
+#[derive(Debug, Clone)]
+pub(crate) struct LayerSpec<'a> {
+    /// The blob's digest, when the source states one (verified over the compressed bytes).
+    pub blob_digest: Option<&'a str>,
+    /// The layer's diff-id (verified over the uncompressed tar).
+    pub diff_id: &'a str,
+    /// How the blob is compressed.
+    pub compression: Compression,
+}
+
+/// What an unpack produced.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Unpacked {
+    /// Bytes the layer takes in the cache, approximately (file contents plus 512 bytes per
+    /// entry).
+    pub bytes: u64,
+    /// Entries written.
+    pub entries: u64,
+    /// Device nodes skipped.
+    pub skipped_devices: u64,
+}
+
+/// Bytes counted per entry on top of its contents (an inode, a directory slot).
+const ENTRY_COST: u64 = 512;
+
+/// Unpacks `blob` into `dest` (an existing, empty directory), refusing it if it would take
+/// more than `budget` bytes, and verifying the digests of `layer` before returning.
+///
+/// On error `dest` holds a partial layer: the caller discards it (it lives in the store's
+/// `tmp/`).
+pub(crate) fn unpack(
+    blob: &Path,
+    layer: &LayerSpec<'_>,
+    dest: &Path,
+    budget: u64,
+) -> Result<Unpacked> {
+    let file = fs::File::open(blob).map_err(|e| ImageError::io("open the layer blob", blob, e))?;
+    let mut compressed = HashingReader::new(io::BufReader::with_capacity(1 << 20, file));
+    let mut u = Unpacker {
+        dest,
+        layer: layer.diff_id,
+        budget,
+        stats: Unpacked::default(),
+        dirs: Vec::new(),
+        root: nix::unistd::geteuid().is_root(),
+    };
+    let diff_id = {
+        let decoder: Box<dyn Read + '_> = match layer.compression {
+            Compression::None => Box::new(&mut compressed),
+            Compression::Gzip => Box::new(flate2::read::MultiGzDecoder::new(&mut compressed)),
+            Compression::Zstd => Box::new(
+                zstd::stream::read::Decoder::new(&mut compressed)
+                    .map_err(|e| ImageError::io("start zstd decoding of", blob, e))?,
+            ),
+        };
+        let mut tar_stream = HashingReader::new(decoder);
+        {
+            let mut archive = tar::Archive::new(&mut tar_stream);
+            let entries = archive.entries().map_err(|e| u.read_error(e))?;
+            for entry in entries {
+                let entry = entry.map_err(|e| u.read_error(e))?;
+                u.apply(entry)?;
+            }
+        }
+        tar_stream.drain().map_err(|e| u.read_error(e))?;
+        tar_stream.finish()
+    };
+    compressed
+        .drain()
+        .map_err(|e| ImageError::io("read the layer blob", blob, e))?;
+    let blob_digest = compressed.finish();
+    if let Some(expected) = layer.blob_digest {
+        if blob_digest != expected {
+            return Err(ImageError::DigestMismatch {
+                what: format!("layer blob {expected}"),
+                expected: expected.to_owned(),
+                actual: blob_digest,
+            });
+        }
+    }
+    if diff_id != layer.diff_id {
+        return Err(ImageError::DigestMismatch {
+            what: format!("uncompressed layer (diff-id) {}", layer.diff_id),
+            expected: layer.diff_id.to_owned(),
+            actual: diff_id,
+        });
+    }
+    u.finish_dirs()?;
+    Ok(u.stats)
+}
+
+struct Unpacker<'a> {
+    dest: &'a Path,
+    layer: &'a str,
+    budget: u64,
+    stats: Unpacked,
+    /// Directories whose mode and times are set last (writing into a directory changes its
+    /// mtime; a read-only mode would stop a non-root unpack).
+    dirs: Vec<(PathBuf, u32, u64)>,
+    root: bool,
+}
+
+/// A relative path made of plain components.
+struct Rel(Vec<OsString>);
+
+impl Rel {
+    fn join(&self, base: &Path) -> PathBuf {
+        let mut p = base.to_path_buf();
+        p.extend(&self.0);
+        p
+    }
+}
+
+impl Unpacker<'_> {
+    fn bad(&self, entry: &[u8], why: impl Into<String>) -> ImageError {
+        ImageError::MaliciousLayer {
+            layer: self.layer.to_owned(),
+            entry: String::from_utf8_lossy(entry).into_owned(),
+            why: why.into(),
+        }
+    }
+
+    fn read_error(&self, e: io::Error) -> ImageError {
+        ImageError::malformed(
+            format!("layer {}", self.layer),
+            format!("the layer is not a readable tar stream: {e}"),
+        )
+    }
+
+    fn io(&self, action: &'static str, path: &Path, e: io::Error) -> ImageError {
+        ImageError::io(action, path, e)
+    }
+
+    /// `raw` as a relative path of plain components; `..` anywhere refuses the layer.
+    fn clean(&self, raw: &[u8]) -> Result<Rel> {
+        let mut parts = Vec::new();
+        for c in raw.split(|b| *b == b'/') {
+            match c {
+                b"" | b"." => {}
+                b".." => {
+                    return Err(self.bad(raw, "has a `..` component (it would leave the layer)"))
+                }
+                c => parts.push(OsStr::from_bytes(c).to_os_string()),
+            }
+        }
+        Ok(Rel(parts))
+    }
+
+    fn charge(&mut self, raw: &[u8], bytes: u64) -> Result<()> {
+        self.stats.bytes = self
+            .stats
+            .bytes
+            .saturating_add(bytes.saturating_add(ENTRY_COST));
+        if self.stats.bytes > self.budget {
+            tracing::debug!(entry = %String::from_utf8_lossy(raw), "layer over budget");
+            return Err(ImageError::CacheFull {
+                needed: self.stats.bytes,
+                cap: self.budget,
+                used: 0,
+            });
+        }
+        Ok(())
+    }
+
+    /// Makes the parents of `rel` (mode 0755 where missing) without following any symlink.
+    fn parents(&self, raw: &[u8], rel: &Rel) -> Result<PathBuf> {
+        let mut p = self.dest.to_path_buf();
+        let n = rel.0.len().saturating_sub(1);
+        for c in &rel.0[..n] {
+            p.push(c);
+            match fs::symlink_metadata(&p) {
+                Ok(m) if m.file_type().is_dir() => {}
+                Ok(m) if m.file_type().is_symlink() => {
+                    return Err(self.bad(
+                        raw,
+                        format!(
+                            "goes through the symlink `{}` (unpacking never follows links)",
+                            p.strip_prefix(self.dest).unwrap_or(&p).display()
+                        ),
+                    ))
+                }
+                Ok(_) => {
+                    return Err(self.bad(
+                        raw,
+                        format!(
+                            "goes through `{}`, which is not a directory",
+                            p.strip_prefix(self.dest).unwrap_or(&p).display()
+                        ),
+                    ))
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                    fs::DirBuilder::new()
+                        .mode(0o755)
+                        .create(&p)
+                        .map_err(|e| self.io("create directory", &p, e))?;
+                }
+                Err(e) => return Err(self.io("inspect", &p, e)),
+            }
+        }
+        Ok(rel.join(self.dest))
+    }
+
+    /// Removes whatever is at `path` (never following it), except a directory when `keep_dir`.
+    fn clear(&self, path: &Path, keep_dir: bool) -> Result<bool> {
+        match fs::symlink_metadata(path) {
+            Ok(m) if m.file_type().is_dir() => {
+                if keep_dir {
+                    return Ok(true);
+                }
+                fs::remove_dir_all(path).map_err(|e| self.io("replace directory", path, e))?;
+            }
+            Ok(_) => fs::remove_file(path).map_err(|e| self.io("replace", path, e))?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(self.io("inspect", path, e)),
+        }
+        Ok(false)
+    }
+
+    fn owner(&self, path: &Path, header: &tar::Header) -> Result<()> {
+        if !self.root {
+            return Ok(());
+        }
+        let id = |v: io::Result<u64>| v.ok().and_then(|v| u32::try_from(v).ok()).unwrap_or(0);
+        std::os::unix::fs::lchown(path, Some(id(header.uid())), Some(id(header.gid())))
+            .map_err(|e| self.io("set the owner of", path, e))
+    }
+
+    fn times(&self, path: &Path, mtime: u64) -> Result<()> {
+        let t = filetime::FileTime::from_unix_time(i64::try_from(mtime).unwrap_or(0), 0);
+        filetime::set_symlink_file_times(path, t, t)
+            .map_err(|e| self.io("set the times of", path, e))
+    }
+
+    fn apply<R: Read>(&mut self, mut entry: tar::Entry<'_, R>) -> Result<()> {
+        let raw = entry.path_bytes().into_owned();
+        let rel = self.clean(&raw)?;
+        let kind = entry.header().entry_type();
+        if matches!(
+            kind,
+            tar::EntryType::XGlobalHeader
+                | tar::EntryType::XHeader
+                | tar::EntryType::GNULongName
+                | tar::EntryType::GNULongLink
+        ) {
+            return Ok(());
+        }
+        let Some(name) = rel.0.last().cloned() else {
+            // The layer's root itself (`./`): nothing to make.
+            return Ok(());
+        };
+        let mode = entry.header().mode().unwrap_or(0o644);
+        let mtime = entry.header().mtime().unwrap_or(0);
+        self.charge(&raw, 0)?;
+
+        if let Some(target) = name.as_bytes().strip_prefix(b".wh.") {
+            return self.whiteout(&raw, &rel, target);
+        }
+        let path = self.parents(&raw, &rel)?;
+        match kind {
+            tar::EntryType::Directory => {
+                self.clear(&path, true)?;
+                match fs::DirBuilder::new().mode(0o755).create(&path) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                    Err(e) => return Err(self.io("create directory", &path, e)),
+                }
+                self.owner(&path, entry.header())?;
+                self.dirs.push((path, mode & 0o1777, mtime));
+            }
+            tar::EntryType::Regular | tar::EntryType::Continuous => {
+                let size = entry.header().size().unwrap_or(0);
+                self.charge(&raw, size)?;
+                self.clear(&path, false)?;
+                let mut f = fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .mode(0o600)
+                    .custom_flags(libc::O_NOFOLLOW)
+                    .open(&path)
+                    .map_err(|e| self.io("create", &path, e))?;
+                let copied = io::copy(&mut (&mut entry).take(size), &mut f)
+                    .map_err(|e| self.read_error(e))?;
+                if copied != size {
+                    return Err(self.read_error(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        format!("`{}` is truncated", String::from_utf8_lossy(&raw)),
+                    )));
+                }
+                f.flush().map_err(|e| self.io("write", &path, e))?;
+                f.set_permissions(fs::Permissions::from_mode(mode & 0o1777))
+                    .map_err(|e| self.io("set the mode of", &path, e))?;
+                drop(f);
+                self.owner(&path, entry.header())?;
+                self.times(&path, mtime)?;
+            }
+            tar::EntryType::Symlink => {
+                let Some(target) = entry.link_name_bytes().map(|c| c.into_owned()) else {
+                    return Err(self.bad(&raw, "is a symlink without a target"));
+                };
+                if target.is_empty() || target.contains(&0) {
+                    return Err(self.bad(&raw, "is a symlink with an empty target"));
+                }
+                self.clear(&path, false)?;
+                std::os::unix::fs::symlink(OsStr::from_bytes(&target), &path)
+                    .map_err(|e| self.io("create symlink", &path, e))?;
+                self.owner(&path, entry.header())?;
+                self.times(&path, mtime)?;
+            }
+            tar::EntryType::Link => {
+                let Some(target) = entry.link_name_bytes().map(|c| c.into_owned()) else {
+                    return Err(self.bad(&raw, "is a hard link without a target"));
+                };
+                let trel = self.clean(&target).map_err(|_| {
+                    self.bad(
+                        &raw,
+                        format!(
+                            "is a hard link to `{}`, outside the layer",
+                            String::from_utf8_lossy(&target)
+                        ),
+                    )
+                })?;
+                if trel.0.is_empty() {
+                    return Err(self.bad(&raw, "is a hard link to the layer's root"));
+                }
+                // The target must already be in this layer, reached without any symlink.
+                self.parents_exist(&raw, &trel, &target)?;
+                let tpath = trel.join(self.dest);
+                match fs::symlink_metadata(&tpath) {
+                    Ok(m) if !m.file_type().is_dir() => {}
+                    _ => {
+                        return Err(self.bad(
+                            &raw,
+                            format!(
+                                "is a hard link to `{}`, which is not a file earlier in this layer",
+                                String::from_utf8_lossy(&target)
+                            ),
+                        ))
+                    }
+                }
+                if tpath == path {
+                    return Ok(());
+                }
+                self.clear(&path, false)?;
+                fs::hard_link(&tpath, &path).map_err(|e| self.io("create hard link", &path, e))?;
+            }
+            tar::EntryType::Fifo => {
+                self.clear(&path, false)?;
+                nix::unistd::mkfifo(
+                    &path,
+                    nix::sys::stat::Mode::from_bits_truncate(mode & 0o777),
+                )
+                .map_err(|e| self.io("create fifo", &path, io::Error::from(e)))?;
+                self.owner(&path, entry.header())?;
+            }
+            tar::EntryType::Char | tar::EntryType::Block => {
+                self.stats.skipped_devices += 1;
+                tracing::debug!(entry = %String::from_utf8_lossy(&raw), "device node skipped");
+                return Ok(());
+            }
+            other => {
+                tracing::debug!(entry = %String::from_utf8_lossy(&raw), kind = ?other, "entry type skipped");
+                return Ok(());
+            }
+        }
+        self.stats.entries += 1;
+        Ok(())
+    }
+
+    /// Checks that every parent of `rel` exists as a real directory (no symlink).
+    fn parents_exist(&self, raw: &[u8], rel: &Rel, target: &[u8]) -> Result<()> {
+        let mut p = self.dest.to_path_buf();
+        for c in &rel.0[..rel.0.len().saturating_sub(1)] {
+            p.push(c);
+            match fs::symlink_metadata(&p) {
+                Ok(m) if m.file_type().is_dir() => {}
+                Ok(m) if m.file_type().is_symlink() => {
+                    return Err(self.bad(
+                        raw,
+                        "is a hard link through a symlink (its target must be reached without a symlink)",
+                    ))
+                }
+                _ => {
+                    return Err(self.bad(
+                        raw,
+                        format!(
+                            "is a hard link to `{}`, which is not a file earlier in this layer",
+                            String::from_utf8_lossy(target)
+                        ),
+                    ))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn whiteout(&mut self, raw: &[u8], rel: &Rel, target: &[u8]) -> Result<()> {
+        if target == b".wh..opq" {
+            // An opaque directory: its parent hides everything below it in lower layers.
+            // (`.wh..wh..opq` at the layer's root means nothing for a lower layer: ignored,
+            // as Docker does.)
+            if rel.0.len() < 2 {
+                return Ok(());
+            }
+            self.parents(raw, rel)?;
+            let dir = Rel(rel.0[..rel.0.len() - 1].to_vec()).join(self.dest);
+            self.set_xattr(&dir, "overlay.opaque", b"y")?;
+            self.stats.entries += 1;
+            return Ok(());
+        }
+        if target.is_empty() || target == b"." || target == b".." || target.starts_with(b".wh.") {
+            return Err(self.bad(raw, "is a whiteout that names no file of the directory"));
+        }
+        let mut hidden = rel.0[..rel.0.len() - 1].to_vec();
+        hidden.push(OsStr::from_bytes(target).to_os_string());
+        let hidden = Rel(hidden);
+        let path = self.parents(raw, &hidden)?;
+        self.clear(&path, false)?;
+        if self.root {
+            nix::sys::stat::mknod(
+                &path,
+                nix::sys::stat::SFlag::S_IFCHR,
+                nix::sys::stat::Mode::empty(),
+                0,
+            )
+            .map_err(|e| self.io("create whiteout", &path, io::Error::from(e)))?;
+        } else {
+            // No mknod without privilege: the kernel's xattr whiteout (Linux 6.7+), an empty
+            // file marked so, in a directory marked as holding such files.
+            fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&path)
+                .map_err(|e| self.io("create whiteout", &path, e))?;
+            xattr::set(&path, "user.overlay.whiteout", b"y")
+                .map_err(|e| self.io("mark whiteout", &path, e))?;
+            if let Some(parent) = path.parent() {
+                xattr::set(parent, "user.overlay.opaque", b"x")
+                    .map_err(|e| self.io("mark whiteout directory", parent, e))?;
+            }
+        }
+        self.stats.entries += 1;
+        Ok(())
+    }
+
+    fn set_xattr(&self, path: &Path, name: &str, value: &[u8]) -> Result<()> {
+        if self.root {
+            xattr::set(path, format!("trusted.{name}"), value)
+                .map_err(|e| self.io("set an overlay attribute on", path, e))?;
+        }
+        xattr::set(path, format!("user.{name}"), value)
+            .map_err(|e| self.io("set an overlay attribute on", path, e))
+    }
+
+    fn finish_dirs(&mut self) -> Result<()> {
+        // Deepest first, so setting a parent's times is not undone by its children.
+        let mut dirs = std::mem::take(&mut self.dirs);
+        dirs.sort_by_key(|(p, _, _)| std::cmp::Reverse(p.components().count()));
+        for (path, mode, mtime) in dirs {
+            fs::set_permissions(&path, fs::Permissions::from_mode(mode))
+                .map_err(|e| self.io("set the mode of", &path, e))?;
+            self.times(&path, mtime)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;
