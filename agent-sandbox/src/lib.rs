@@ -41,6 +41,9 @@ pub use sandbox_core::*;
 #[cfg(feature = "wasm")]
 pub use backend_wasm as wasm;
 
+/// OCI images: the cache that pulls, verifies and unpacks them (`agent-sandbox image ...`).
+pub use sandbox_image as image;
+
 /// The microVM tier's crate (the VMM, guest installer, probe), when built in.
 #[cfg(feature = "microvm")]
 pub use backend_microvm as microvm;
@@ -290,6 +293,11 @@ impl Runtime {
             let Some(backend) = self.backend(r.tier) else {
                 continue;
             };
+            // An image needs a Linux userland: tiers that cannot start one are passed over.
+            if spec.image.is_some() && !backend.capabilities().images {
+                tracing::debug!(tier = %r.tier, "auto: this tier does not start images; trying the next");
+                continue;
+            }
             match self.create_on(backend, spec).await {
                 Err(e @ Error::Unavailable { .. }) => {
                     tracing::warn!(tier = %r.tier, error = %e, "auto: this tier cannot create the sandbox; trying the next");
@@ -322,6 +330,13 @@ impl Runtime {
             return Err(Error::unsupported(
                 backend.tier(),
                 format!("the {} language", spec.language),
+            ));
+        }
+        if spec.image.is_some() && !caps.images {
+            return Err(Error::unsupported(
+                backend.tier(),
+                "starting from an OCI image (capabilities().images is false; the container tier \
+                 starts from images)",
             ));
         }
         if !caps.supports_network(&spec.network) {

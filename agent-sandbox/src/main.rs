@@ -11,6 +11,8 @@ use agent_sandbox::{
     NetworkPolicy, Question, Runtime, SandboxSpec, Tier, TierChoice, TierStatus, Trust,
 };
 use clap::{Parser, Subcommand, ValueEnum};
+
+mod image_cmd;
 use serde_json::json;
 
 /// Exit status when the sandbox itself failed (as `docker run` and `env` do).
@@ -49,6 +51,9 @@ enum Cmd {
     },
     /// Run one command (or code string) in a fresh sandbox, then destroy it.
     Run(RunArgs),
+    /// Pull, list and remove OCI images in the local cache.
+    #[command(subcommand)]
+    Image(image_cmd::ImageCmd),
     /// Remove what processes that died without destroying their sandboxes left on this host
     /// (gVisor sandboxes still running, mounts, cgroups, state), per tier. Live sandboxes of
     /// any process are never touched.
@@ -171,6 +176,11 @@ struct RunArgs {
     /// Wall-time limit for the command, seconds.
     #[arg(long, value_name = "SECS", value_parser = parse_secs)]
     timeout: Option<Duration>,
+    /// Start from this OCI image (`python:3.12-slim`, `REGISTRY/REPO:TAG`, `name@sha256:...`,
+    /// `oci:DIR[:TAG]`, `docker-archive:FILE`): pulled on first use, then cached. Without a
+    /// command, the image's own entrypoint and command run.
+    #[arg(long, value_name = "REF", value_parser = image_cmd::parse_reference)]
+    image: Option<agent_sandbox::ImageRef>,
     /// Memory limit, MiB.
     #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(4..))]
     memory: Option<u64>,
@@ -429,6 +439,7 @@ async fn async_main(cli: Cli) -> ExitCode {
             ExitCode::SUCCESS
         }
         Cmd::Run(args) => run(&runtime, args).await,
+        Cmd::Image(cmd) => image_cmd::run(cmd).await,
     }
 }
 
@@ -544,10 +555,34 @@ async fn install_microvm_guest(
 }
 
 async fn run(runtime: &Runtime, args: RunArgs) -> ExitCode {
-    let (req, default_lang) = match (&args.code, args.argv.is_empty()) {
-        (Some(code), _) => (ExecRequest::code(code.clone()), Language::Python),
-        (None, false) => (ExecRequest::argv(args.argv.clone()), Language::Shell),
-        (None, true) => {
+    let (req, default_lang) = match (&args.code, args.argv.is_empty(), &args.image) {
+        (Some(code), _, _) => (ExecRequest::code(code.clone()), Language::Python),
+        (None, false, _) => (ExecRequest::argv(args.argv.clone()), Language::Shell),
+        // No command: the image's entrypoint and command, as `docker run IMAGE` does.
+        (None, true, Some(r)) => {
+            let store = match agent_sandbox::image::ImageStore::open_default() {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("agent-sandbox: {e}");
+                    return ExitCode::from(EXIT_SANDBOX_FAILED);
+                }
+            };
+            let argv = match store.ensure(r).await {
+                Ok(img) => img.config().default_command(),
+                Err(e) => {
+                    eprintln!("agent-sandbox: {e}");
+                    return ExitCode::from(EXIT_SANDBOX_FAILED);
+                }
+            };
+            if argv.is_empty() {
+                eprintln!(
+                    "agent-sandbox: nothing to run: the image has no entrypoint or command; give -c CODE or -- CMD ARGS..."
+                );
+                return ExitCode::from(EXIT_USAGE);
+            }
+            (ExecRequest::argv(argv), Language::Shell)
+        }
+        (None, true, None) => {
             eprintln!("agent-sandbox: nothing to run: give -c CODE or -- CMD ARGS...");
             return ExitCode::from(EXIT_USAGE);
         }
@@ -562,6 +597,9 @@ async fn run(runtime: &Runtime, args: RunArgs) -> ExitCode {
     }
     if let Some(dir) = &args.workspace {
         b = b.workspace_dir(dir, false);
+    }
+    if let Some(r) = &args.image {
+        b = b.image(r.to_string());
     }
     if let Some(t) = args.timeout {
         b = b.wall_time(t.max(Duration::from_millis(1)));

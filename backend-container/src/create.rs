@@ -1,4 +1,5 @@
 //! Creating a container sandbox, one function per phase of the timeline it records:
+//! **image** (for a spec with an image: found in the cache, or pulled and unpacked),
 //! **allocation** (ids, the egress link prepared, the init started with its setup queued,
 //! its cgroups made and joined), **filesystem** (the init's setup done: root filesystem,
 //! workspace, loopback; then the sandbox's handle and state record), **network** (the
@@ -7,6 +8,7 @@
 //! records no dependencies or first-command phase at create. The lifetime timer is armed
 //! after the phases.
 
+use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -28,6 +30,18 @@ use crate::{
 /// The egress enforcer of a sandbox whose policy needs one, with the link it prepared.
 type Egress = Option<(Arc<dyn EgressEnforcer>, EgressPlan)>;
 
+/// The root filesystem a spec asks for, resolved before anything is allocated.
+#[derive(Debug, Default)]
+pub(crate) struct Root {
+    /// Lower layers, lowest first, canonical: the `rootfs` directory, or the image's
+    /// unpacked layers. Empty: the host-tools root.
+    pub layers: Vec<PathBuf>,
+    /// The image (its value keeps it from being pruned while the sandbox lives).
+    pub image: Option<sandbox_image::Image>,
+    /// The uid and gid the image's `User` names (else 0).
+    pub user: Option<(u32, u32)>,
+}
+
 /// What the allocation phase hands on: the sandbox's id and identities, its prepared egress
 /// link, and its init, started with its setup queued, in the sandbox's cgroups.
 struct Allocation {
@@ -37,6 +51,10 @@ struct Allocation {
     user: u32,
     /// Commands keep uid 0 inside (with no capabilities): rootless, or a rootfs directory.
     stay_root: bool,
+    /// The gid inside that runs commands.
+    group: u32,
+    /// The image, if the spec names one.
+    image: Option<sandbox_image::Image>,
     egress: Egress,
     /// Gives the prepared egress link back if the create fails before the sandbox owns it.
     release: EgressRelease,
@@ -129,7 +147,13 @@ impl ContainerBackend {
     ) -> Result<ContainerSandbox> {
         let (enforcer, with_cgroups) = self.check_spec(spec)?;
         let mut t = TimelineRecorder::start();
-        let a = self.allocate(spec, enforcer, with_cgroups, upper).await?;
+        let root = self.root_of(spec).await?;
+        if root.image.is_some() {
+            t.mark(Phase::Image);
+        }
+        let a = self
+            .allocate(spec, enforcer, with_cgroups, upper, root)
+            .await?;
         t.mark(Phase::Allocation);
         let (mut sb, egress, release) = self.filesystem(spec, secrets, upper, a).await?;
         t.mark(Phase::Filesystem);
@@ -144,6 +168,56 @@ impl ContainerBackend {
         Ok(sb)
     }
 
+    /// The image store: the configured one, else the default, opened once.
+    pub(crate) fn image_store(&self) -> Result<sandbox_image::ImageStore> {
+        if let Some(s) = &self.cfg.images {
+            return Ok(s.clone());
+        }
+        if let Some(s) = self.images.get() {
+            return Ok(s.clone());
+        }
+        let s = sandbox_image::ImageStore::open_default().map_err(|e| e.into_core(TIER))?;
+        Ok(self.images.get_or_init(|| s).clone())
+    }
+
+    /// Image phase: the spec's root resolved — its `rootfs` directory, or its image found in
+    /// the cache or pulled (with the user its config names).
+    async fn root_of(&self, spec: &SandboxSpec) -> Result<Root> {
+        if let Some(dir) = &spec.rootfs {
+            let dir = dir
+                .canonicalize()
+                .map_err(|e| Error::io_path("resolve the rootfs directory", dir, e))?;
+            return Ok(Root {
+                layers: vec![dir],
+                ..Root::default()
+            });
+        }
+        let Some(r) = &spec.image else {
+            return Ok(Root::default());
+        };
+        let image = self
+            .image_store()?
+            .ensure(r)
+            .await
+            .map_err(|e| e.into_core(TIER))?;
+        let user = image.user_ids().map_err(|e| e.into_core(TIER))?;
+        if user != (0, 0) && !is_root() {
+            return Err(Error::unsupported(
+                TIER,
+                format!(
+                    "running the image's user `{}` rootless (only uid 0 is mapped into a \
+                     rootless sandbox; run as root, or use an image without `User`)",
+                    image.config().user.as_deref().unwrap_or("")
+                ),
+            ));
+        }
+        Ok(Root {
+            layers: image.layers().to_vec(),
+            user: Some(user),
+            image: Some(image),
+        })
+    }
+
     /// Allocation phase: the sandbox's id and uid/gid mapping, its egress link prepared,
     /// its init started (a spare, or cloned by the zygote) with its setup planned and
     /// queued, and its cgroups made (in parallel) and joined.
@@ -153,6 +227,7 @@ impl ContainerBackend {
         enforcer: Option<Arc<dyn EgressEnforcer>>,
         with_cgroups: bool,
         upper: Option<&[u8]>,
+        root: Root,
     ) -> Result<Allocation> {
         let id = uuid::Uuid::new_v4().simple().to_string();
         let rootless = !is_root();
@@ -174,7 +249,7 @@ impl ContainerBackend {
                 rootless: false,
                 // Rootfs mode runs commands as root inside: a host-directory workspace is
                 // not mapped to its owner then.
-                user_override: if spec.rootfs.is_some() {
+                user_override: if crate::own_root(spec) {
                     None
                 } else {
                     self.workspace_owner(spec)
@@ -183,8 +258,16 @@ impl ContainerBackend {
         };
         // A rootfs directory is an image: commands run as its root (uid 0 inside, with no
         // capabilities, like rootless mode), which owns its files through the idmapping.
-        let stay_root = rootless || spec.rootfs.is_some();
-        let user = if stay_root { 0 } else { spawn::SANDBOX_USER };
+        // An image's `User` (a non-root one) runs commands as that user instead.
+        let (image_uid, image_gid) = root.user.unwrap_or((0, 0));
+        let stay_root = rootless || (crate::own_root(spec) && image_uid == 0);
+        let (user, group) = if stay_root {
+            (0, 0)
+        } else if crate::own_root(spec) {
+            (image_uid, image_gid)
+        } else {
+            (spawn::SANDBOX_USER, spawn::SANDBOX_USER)
+        };
         // The plan and the seal are ready before the init starts: both are queued behind the
         // bootstrap, and the init runs them in order, stopping at the first failure.
         let egress = match enforcer {
@@ -239,7 +322,7 @@ impl ContainerBackend {
                 } else {
                     None
                 },
-                host: if spec.rootfs.is_some() {
+                host: if crate::own_root(spec) {
                     &[]
                 } else {
                     self.host_ops.get_or_init(rootfs::host_ops)
@@ -247,6 +330,7 @@ impl ContainerBackend {
                 // As root the library brings `lo` up meanwhile (see `network::loopback_up`),
                 // unless the init (a spare) did so while it waited.
                 loopback: rootless,
+                layers: &root.layers,
             };
             let ops = match &template {
                 Some(root) => rootfs::template_plan(&plan, root)?,
@@ -263,28 +347,26 @@ impl ContainerBackend {
             // Queued behind the bootstrap: everything, or (restoring an upper layer) only the
             // preparation; the rest follows once the upper layer is filled.
             let (queued, later): (Vec<Vec<u8>>, Vec<Vec<u8>>) = match upper {
-                Some(_) if spec.rootfs.is_some() => {
+                Some(_) if crate::own_root(spec) => {
                     (vec![enc(&ops.prep)], vec![enc(&ops.main), seal])
                 }
                 _ => (vec![enc(&ops.all()), seal], Vec::new()),
             };
-            let lower = match (&spec.rootfs, rootless) {
-                (Some(r), false) => Some(
-                    r.canonicalize()
-                        .map_err(|e| Error::io_path("resolve the rootfs directory", r, e))?,
-                ),
-                _ => None,
+            // As root the layers go over idmapped (see `spawn::spawn_init`).
+            let lower: Vec<PathBuf> = if rootless {
+                Vec::new()
+            } else {
+                root.layers.clone()
             };
             Ok((queued, later, lower))
         })();
-        let (queued, later, lower): (Vec<Vec<u8>>, Vec<Vec<u8>>, Option<std::path::PathBuf>) =
-            match planned {
-                Ok(p) => p,
-                Err(e) => {
-                    spawn::abandon(starting);
-                    return Err(e);
-                }
-            };
+        let (queued, later, lower): (Vec<Vec<u8>>, Vec<Vec<u8>>, Vec<PathBuf>) = match planned {
+            Ok(p) => p,
+            Err(e) => {
+                spawn::abandon(starting);
+                return Err(e);
+            }
+        };
         // The cgroups are made in parallel with the init's start-up (the job is ~0.3 ms),
         // started once the setup is planned so the init gets a CPU first (on 2 CPUs a third
         // busy thread delayed its start). The init joins them itself (see `spawn::CgroupJob`
@@ -313,20 +395,21 @@ impl ContainerBackend {
             })
         };
         let requests: Vec<&[u8]> = queued.iter().map(Vec::as_slice).collect();
-        let spawned =
-            spawn::spawn_init(starting, &ids, &requests, lower.as_deref(), ws_tree, cg_job)
-                .await
-                .map_err(|e| Error::backend_caused(TIER, "bootstrapping the sandbox init", e))?;
+        let spawned = spawn::spawn_init(starting, &ids, &requests, &lower, ws_tree, cg_job)
+            .await
+            .map_err(|e| Error::backend_caused(TIER, "bootstrapping the sandbox init", e))?;
         let pid = spawned.pid;
         let lo = (!rootless && !spawned.lo_up).then(|| network::loopback_up(pid));
-        if lower.is_some() && !spawned.idmapped {
-            tracing::warn!(sandbox = %id, "rootfs directory used without idmapping");
+        if !lower.is_empty() && !spawned.idmapped {
+            tracing::warn!(sandbox = %id, "root filesystem layers used without idmapping");
         }
         Ok(Allocation {
             id,
             ids,
             user,
             stay_root,
+            group,
+            image: root.image,
             egress,
             release,
             pid,
@@ -420,6 +503,8 @@ impl ContainerBackend {
             ids,
             user,
             stay_root,
+            group,
+            image,
             egress,
             release,
             pid,
@@ -427,7 +512,17 @@ impl ContainerBackend {
             cgroup,
             ..
         } = a;
-        let mut env = spec.base_env();
+        // The image's `Env` first: the spec's own variables override it.
+        let mut env: std::collections::BTreeMap<String, String> = image
+            .as_ref()
+            .map(|i| i.config().env.iter().cloned().collect())
+            .unwrap_or_default();
+        env.extend(spec.base_env());
+        let cwd = image
+            .as_ref()
+            .and_then(|i| i.config().working_dir.clone())
+            .filter(|w| w.starts_with('/'))
+            .unwrap_or_else(|| "/workspace".into());
         for (k, v) in secrets.env() {
             env.insert(k.to_string(), v.to_string());
         }
@@ -458,7 +553,10 @@ impl ContainerBackend {
             cgroup,
             ids,
             user,
+            group,
             stay_root,
+            cwd,
+            image,
             egress: egress.as_ref().map(|(e, _)| e.clone()),
             state_file,
             terminated: Mutex::new(false),

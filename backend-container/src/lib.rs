@@ -83,6 +83,7 @@ mod spawn;
 
 pub use cgroup::CgroupVersion;
 pub use sandbox::ContainerSandbox;
+pub use sandbox_image::ImageStore;
 
 use crate::sandbox::{ENGINE, TIER};
 
@@ -123,6 +124,9 @@ pub struct ContainerConfig {
     pub landlock: bool,
     /// The egress enforcer for policies other than deny-all, if any (see [`network`]).
     pub egress: Option<Arc<dyn EgressEnforcer>>,
+    /// Where images named by [`SandboxSpec::image`] are pulled and cached. `None`: the
+    /// default store ([`ImageStore::open_default`]), opened on the first image.
+    pub images: Option<ImageStore>,
 }
 
 impl Default for ContainerConfig {
@@ -136,6 +140,7 @@ impl Default for ContainerConfig {
             seccomp: true,
             landlock: true,
             egress: None,
+            images: None,
         }
     }
 }
@@ -195,6 +200,12 @@ impl ContainerBuilder {
         self
     }
 
+    /// Pulls and caches images in `store` (default: [`ImageStore::open_default`]).
+    pub fn image_store(mut self, store: ImageStore) -> Self {
+        self.cfg.images = Some(store);
+        self
+    }
+
     /// Builds the backend.
     pub fn build(self) -> Result<ContainerBackend> {
         let c = &self.cfg;
@@ -229,6 +240,7 @@ impl ContainerBuilder {
             slot: Arc::new(AtomicU64::new(0)),
             host_ops: Arc::new(std::sync::OnceLock::new()),
             cgroups_ok: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            images: Arc::new(std::sync::OnceLock::new()),
         })
     }
 }
@@ -244,6 +256,14 @@ pub struct ContainerBackend {
     host_ops: Arc<std::sync::OnceLock<Vec<proto::Op>>>,
     /// Set once the cgroup directories were found writable (see `cgroups_usable`).
     cgroups_ok: Arc<std::sync::atomic::AtomicBool>,
+    /// The image store in use, once an image was asked for.
+    images: Arc<std::sync::OnceLock<ImageStore>>,
+}
+
+/// Whether a spec brings its own root filesystem (a directory or an image) instead of the
+/// host-tools view: its root is an overlay whose upper layer is the sandbox's.
+pub(crate) fn own_root(spec: &SandboxSpec) -> bool {
+    spec.rootfs.is_some() || spec.image.is_some()
 }
 
 /// The cgroup (and state record) name of sandbox `id`: tagged with our pid, so leftovers of a
@@ -515,6 +535,7 @@ impl Backend for ContainerBackend {
         c.pause_resume = freezer && cgroups;
         c.streaming = true;
         c.persistent_state = true;
+        c.images = true;
         c.limits = limits;
         c
     }
@@ -559,7 +580,7 @@ impl Backend for ContainerBackend {
         if matches!(spec.workspace, Workspace::HostDir { .. }) {
             spec.workspace = Workspace::Empty;
         }
-        let upper = if spec.rootfs.is_some() {
+        let upper = if own_root(&spec) {
             Some(store.artifact(id, "upper.tar").await?)
         } else {
             None

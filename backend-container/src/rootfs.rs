@@ -70,7 +70,7 @@ const ETC_FROM_HOST: &[&str] = &[
 /// [`Limits::tmpfs_caps`]: sandbox_core::Limits::tmpfs_caps
 pub(crate) fn tmpfs_caps(spec: &SandboxSpec) -> TmpfsCaps {
     let disks =
-        u64::from(matches!(spec.workspace, Workspace::Empty)) + u64::from(spec.rootfs.is_some());
+        u64::from(matches!(spec.workspace, Workspace::Empty)) + u64::from(crate::own_root(spec));
     spec.limits.tmpfs_caps(2, disks)
 }
 
@@ -96,6 +96,9 @@ pub(crate) struct Plan<'a> {
     /// Whether the init brings `lo` up (else the library does, see
     /// [`crate::network::loopback_up`]).
     pub loopback: bool,
+    /// The root's lower layers, lowest first, canonical: the spec's `rootfs` directory, or
+    /// its image's unpacked layers. Empty: the host-tools root.
+    pub layers: &'a [PathBuf],
 }
 
 /// A tmpfs mounted at `dst` with these flags and options.
@@ -478,9 +481,9 @@ fn sandbox_mounts(ops: &mut Vec<Op>, r: Roots<'_>, p: &Plan<'_>, detached: bool)
 }
 
 /// The last steps of every plan: the hostname, loopback up, `pivot_root` into `newroot`,
-/// the workspace as working directory, no core dumps, and Landlock (`rootfs`: the lower
-/// layer whose top-level directories are writable too).
-fn finish(ops: &mut Vec<Op>, p: &Plan<'_>, newroot: &str, rootfs: Option<&Path>) {
+/// the workspace as working directory, no core dumps, and Landlock (`layers`: the lower
+/// layers, whose top-level directories are writable too).
+fn finish(ops: &mut Vec<Op>, p: &Plan<'_>, newroot: &str, layers: &[PathBuf]) {
     ops.push(Op::Hostname {
         name: p.hostname.to_string(),
     });
@@ -502,9 +505,7 @@ fn finish(ops: &mut Vec<Op>, p: &Plan<'_>, newroot: &str, rootfs: Option<&Path>)
     // Lock the init down; every exec inherits both.
     if let Some(abi) = p.landlock {
         let mut paths = writable_paths(p.spec);
-        if let Some(root) = rootfs {
-            paths.extend(rootfs_writable_dirs(root).into_iter().map(|d| (d, true)));
-        }
+        paths.extend(rootfs_writable_dirs(layers).into_iter().map(|d| (d, true)));
         let rules = paths
             .into_iter()
             .map(|(path, dir)| {
@@ -541,29 +542,36 @@ impl Setup {
     }
 }
 
-/// The lower layer's top-level directories that commands may write beneath (Landlock), for
-/// a rootfs directory: its real directories except the kernel and sandbox-managed ones.
-fn rootfs_writable_dirs(root: &Path) -> Vec<String> {
-    let mut v = Vec::new();
-    if let Ok(rd) = std::fs::read_dir(root) {
-        for e in rd.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if ["proc", "dev", "sys", "tmp", "workspace"].contains(&name.as_str()) {
-                continue;
-            }
-            if e.file_type().is_ok_and(|t| t.is_dir()) {
-                v.push(format!("/{name}"));
+/// The lower layers' top-level directories that commands may write beneath (Landlock): their
+/// real directories except the kernel and sandbox-managed ones.
+fn rootfs_writable_dirs(layers: &[PathBuf]) -> Vec<String> {
+    let mut v = std::collections::BTreeSet::new();
+    for root in layers {
+        if let Ok(rd) = std::fs::read_dir(root) {
+            for e in rd.flatten() {
+                let name = e.file_name().to_string_lossy().into_owned();
+                if ["proc", "dev", "sys", "tmp", "workspace"].contains(&name.as_str()) {
+                    continue;
+                }
+                if e.file_type().is_ok_and(|t| t.is_dir()) {
+                    v.insert(format!("/{name}"));
+                }
             }
         }
     }
-    v.sort();
-    v
+    v.into_iter().collect()
 }
 
-/// The mount options of the overlay root: paths relative to the scratch root (the init's
-/// working directory when it mounts it), so `/proc/mounts` shows no host path.
-pub(crate) const OVERLAY_DATA: &str =
-    "lowerdir=lower,upperdir=ovl/upper,workdir=ovl/work,userxattr";
+/// The mount options of the overlay root over `n` lower layers (`lower/0` the lowest):
+/// paths relative to the scratch root (the init's working directory when it mounts it), so
+/// `/proc/mounts` shows no host path.
+pub(crate) fn overlay_data(n: usize) -> String {
+    let lower: Vec<String> = (0..n).rev().map(|i| format!("lower/{i}")).collect();
+    format!(
+        "lowerdir={},upperdir=ovl/upper,workdir=ovl/work,userxattr",
+        lower.join(":")
+    )
+}
 
 /// The options of a host-tools root's tmpfs (small: it holds directories, links and the
 /// generated `/etc` files).
@@ -576,7 +584,7 @@ const ROOT_TMPFS: &str = "mode=0755,size=4m,nr_inodes=4096";
 /// detached mount the library made from its current view ([`template_plan`] expects it as
 /// the setup message's first fd).
 pub(crate) fn template_fits(spec: &SandboxSpec) -> bool {
-    spec.rootfs.is_none() && spec.mounts.is_empty()
+    !crate::own_root(spec) && spec.mounts.is_empty()
 }
 
 /// A root-filesystem template at `root` (built once by the zygote, as root, in its own mount
@@ -635,7 +643,7 @@ pub(crate) fn template_plan(p: &Plan<'_>, root: &str) -> Result<Setup> {
         dst: root.into(),
     });
     sandbox_mounts(&mut ops, r, p, true)?;
-    finish(&mut ops, p, root, None);
+    finish(&mut ops, p, root, &[]);
     Ok(Setup {
         prep: Vec::new(),
         main: ops,
@@ -646,10 +654,7 @@ pub(crate) fn template_plan(p: &Plan<'_>, root: &str) -> Result<Setup> {
 pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
     let spec = p.spec;
     check_mounts(spec)?;
-    let rootfs = match &spec.rootfs {
-        Some(r) => Some(canonical(r, "rootfs")?),
-        None => None,
-    };
+    let layers = p.layers;
     let r = CLASSIC;
     let mut ops = first_ops();
     ops.extend([
@@ -668,12 +673,12 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
         },
     ]);
     let mut prep = Vec::new();
-    if let Some(root) = &rootfs {
-        // Rootfs-directory mode: an overlay whose lower layer is the directory (idmapped
-        // when the library could, see `Op::Lower`) and whose upper layer lives on a tmpfs
-        // capped by `p.caps.disk`, so the directory is never written. Both sit in the scratch
-        // root and are detached with it after `pivot_root`; the init keeps the upper
-        // directory open for snapshots.
+    if !layers.is_empty() {
+        // Own-root mode (a rootfs directory or an image): an overlay whose lower layers are
+        // the directory or the image's layers (idmapped when the library could, see
+        // `Op::Lower`) and whose upper layer lives on a tmpfs capped by `p.caps.disk`, so no
+        // layer is ever written. All sit in the scratch root and are detached with it after
+        // `pivot_root`; the init keeps the upper directory open for snapshots.
         ops.push(Op::Mkdir {
             path: "/lower".into(),
             mode: 0o755,
@@ -699,17 +704,23 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
             path: "/ovl/upper".into(),
             fd: crate::proto::UPPER_FD,
         });
-        ops.push(Op::Lower {
-            src: r.old(root),
-            dst: "/lower".into(),
-        });
+        for (i, layer) in layers.iter().enumerate() {
+            ops.push(Op::Mkdir {
+                path: format!("/lower/{i}"),
+                mode: 0o755,
+            });
+            ops.push(Op::Lower {
+                src: r.old(layer),
+                dst: format!("/lower/{i}"),
+            });
+        }
         prep = std::mem::take(&mut ops);
         ops.push(Op::Mount {
             src: "overlay".into(),
             dst: NEW.into(),
             fstype: "overlay".into(),
             flags: MS_NOSUID | MS_NODEV,
-            data: OVERLAY_DATA.into(),
+            data: overlay_data(layers.len()),
         });
         // The image keeps its own /etc, except the files that describe this sandbox.
         ops.push(Op::Mkdir {
@@ -728,7 +739,7 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
         ops.extend_from_slice(p.host);
         write_etc(&mut ops, r, etc_files(p.user, p.hostname, p.resolv_conf));
     }
-    skeleton(&mut ops, r, rootfs.is_none());
+    skeleton(&mut ops, r, layers.is_empty());
     sandbox_mounts(&mut ops, r, p, false)?;
 
     // The spec's mounts (read-only unless asked otherwise).
@@ -764,7 +775,7 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
 
     // Freeze the layout: the root tmpfs itself becomes read-only (its submounts keep theirs).
     // A rootfs directory's overlay stays writable: writes land in its upper layer.
-    if rootfs.is_none() {
+    if layers.is_empty() {
         ops.push(Op::SetAttr {
             path: NEW.into(),
             set: ATTR_RDONLY,
@@ -772,7 +783,7 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
             recursive: false,
         });
     }
-    finish(&mut ops, p, NEW, rootfs.as_deref());
+    finish(&mut ops, p, NEW, layers);
     Ok(Setup { prep, main: ops })
 }
 
@@ -839,6 +850,7 @@ mod tests {
             resolv_conf: "",
             caps: tmpfs_caps(spec),
             loopback: true,
+            layers: &[],
         })
         .map(Setup::all)
     }
@@ -868,6 +880,11 @@ mod tests {
             .rootfs(dir.path())
             .build()
             .unwrap();
+        // Two layers, as an image has them (the directory twice will do).
+        let layers = vec![
+            dir.path().canonicalize().unwrap(),
+            dir.path().canonicalize().unwrap(),
+        ];
         let setup = plan(&Plan {
             spec: &spec,
             landlock: Some(3),
@@ -877,6 +894,7 @@ mod tests {
             resolv_conf: "",
             caps: tmpfs_caps(&spec),
             loopback: true,
+            layers: &layers,
         })
         .unwrap();
         // The preparation ends with the layers in place; the overlay comes first after it.
@@ -890,7 +908,11 @@ mod tests {
                 fstype, data, dst, ..
             }) => {
                 assert_eq!((fstype.as_str(), dst.as_str()), ("overlay", NEW));
-                assert_eq!(data, OVERLAY_DATA);
+                // The topmost layer first, as overlayfs wants them.
+                assert_eq!(
+                    data,
+                    "lowerdir=lower/1:lower/0,upperdir=ovl/upper,workdir=ovl/work,userxattr"
+                );
                 assert!(!data.contains("=/"), "{data}");
             }
             other => panic!("{other:?}"),
@@ -964,6 +986,7 @@ mod tests {
             resolv_conf: "",
             caps: tmpfs_caps(&spec),
             loopback: true,
+            layers: &[],
         };
         let setup = template_plan(&p, root).unwrap();
         assert!(setup.prep.is_empty());
@@ -1056,6 +1079,7 @@ mod wire_tests {
             resolv_conf: "",
             caps: tmpfs_caps(&spec),
             loopback: true,
+            layers: &[],
         })
         .unwrap()
         .all();

@@ -46,8 +46,15 @@ pub(crate) struct Inner {
     pub ctl: Arc<Ctl>,
     pub cgroup: Option<SandboxCgroup>,
     pub ids: IdMap,
-    /// uid/gid inside that runs commands.
+    /// uid inside that runs commands.
     pub user: u32,
+    /// gid inside that runs commands.
+    pub group: u32,
+    /// The working directory of commands that name none: the image's `WorkingDir`, else
+    /// `/workspace`.
+    pub cwd: String,
+    /// The sandbox's image, if any (held: the cache keeps it while the sandbox lives).
+    pub image: Option<sandbox_image::Image>,
     /// Commands keep uid 0 inside (with no capabilities): rootless, or a rootfs directory.
     pub stay_root: bool,
     /// The egress enforcer this sandbox is attached to (policies other than deny-all).
@@ -312,6 +319,8 @@ impl Inner {
                         .collect::<Vec<_>>()
                 };
                 match self.spec.language {
+                    // An image's own interpreter, found on its `PATH`.
+                    Language::Python if self.image.is_some() => v(&["python3", "-c"]),
                     Language::Python => v(&["/usr/bin/python3", "-c"]),
                     Language::Shell => v(&["/bin/sh", "-c"]),
                     Language::Node | Language::Javascript => v(&["node", "-e"]),
@@ -337,7 +346,7 @@ impl Inner {
             format!("/proc/{}/root/tmp", self.pid),
             format!("/proc/{}/root/dev/shm", self.pid),
         ];
-        if self.spec.rootfs.is_some() {
+        if crate::own_root(&self.spec) {
             dirs.push(format!("/proc/{}/fd/{}", self.pid, proto::UPPER_FD));
         }
         dirs.iter().any(|d| {
@@ -404,7 +413,7 @@ impl Inner {
             return Err(Error::invalid("command", "code cannot contain NUL"));
         }
         let cwd = match &req.cwd {
-            None => "/workspace".to_string(),
+            None => self.cwd.clone(),
             Some(c) if c.starts_with('/') => c.clone(),
             Some(c) => format!("/workspace/{c}"),
         };
@@ -426,7 +435,7 @@ impl Inner {
         let mut x = ExecSpec {
             flags: 0,
             uid: self.user,
-            gid: self.user,
+            gid: self.group,
             cwd,
             argv,
             env: env.iter().map(|(k, v)| format!("{k}={v}")).collect(),
@@ -738,7 +747,7 @@ impl Sandbox for ContainerSandbox {
             .is_some_and(|c| c.can_freeze() && c.freeze(true).is_ok());
         let tar = files::pack(ws.as_raw_fd());
         // Rootfs-directory mode: the changes made to the root too (the overlay's upper layer).
-        let upper = if self.inner.spec.rootfs.is_some() {
+        let upper = if crate::own_root(&self.inner.spec) {
             Some(
                 self.inner
                     .upper_fd()
@@ -753,12 +762,15 @@ impl Sandbox for ContainerSandbox {
             }
         }
         let tar = tar?;
-        let mut draft = SnapshotDraft::new(
-            TIER,
-            ENGINE,
-            vec![SnapshotKind::Filesystem],
-            self.inner.spec.clone(),
-        )
+        let mut draft = SnapshotDraft::new(TIER, ENGINE, vec![SnapshotKind::Filesystem], {
+            // Pinned to the image's digest: the restore gets this very image, pulled
+            // again if it left the cache.
+            let mut spec = self.inner.spec.clone();
+            if let (Some(r), Some(img)) = (&spec.image, &self.inner.image) {
+                spec.image = Some(r.pinned(img.digest()));
+            }
+            spec
+        })
         .artifact("workspace.tar", tar)
         .meta("sandbox_id", self.inner.id.clone());
         if let Some(u) = upper {

@@ -735,14 +735,14 @@ pub(crate) fn abandon(starting: Starting) {
 /// starts anything, so all it starts inherits them.
 ///
 /// `requests` (`MSG_SETUP` payloads) are queued right behind the bootstrap messages, so the
-/// init finds them waiting. With `lower` (a rootfs directory, as root), the first one
-/// carries a detached, idmapped mount of it (see [`idmapped_tree`]); if the filesystem cannot
-/// be idmapped, none (the init then binds the directory as it is).
+/// init finds them waiting. With `lower` (the root's layers, as root), the first one carries
+/// a detached, idmapped mount of each, in order (see [`idmapped_tree`]); if any cannot be
+/// idmapped, none (the init then binds the layers as they are).
 pub(crate) async fn spawn_init(
     starting: Starting,
     ids: &IdMap,
     requests: &[&[u8]],
-    lower: Option<&std::path::Path>,
+    lower: &[std::path::PathBuf],
     workspace: Option<OwnedFd>,
     cgroup_job: CgroupJob,
 ) -> Result<Spawned, SpawnError> {
@@ -799,18 +799,22 @@ pub(crate) async fn spawn_init(
         lo_up = dec.u8().is_ok_and(|f| f & proto::BOOT_LO_UP != 0);
         // A template-mode setup's host-directory workspace, as a detached mount (`Op::Lower`).
         let mut lower_fd: Vec<OwnedFd> = workspace.into_iter().collect();
-        if let Some(dir) = lower {
-            match idmapped_tree(dir, first) {
-                Ok(fd) => {
-                    lower_fd.push(fd);
-                    idmapped = true;
-                }
-                Err(e) => tracing::warn!(
-                    dir = %dir.display(),
-                    "cannot idmap the rootfs directory ({e}); its files keep their host owners \
-                     (unmapped ones show as nobody)"
-                ),
+        // All or nothing: the init takes one tree per `Op::Lower`, in order.
+        let trees: std::result::Result<Vec<OwnedFd>, _> = lower
+            .iter()
+            .map(|dir| idmapped_tree(dir, first).map_err(|e| (dir, e)))
+            .collect();
+        match trees {
+            Ok(t) if !t.is_empty() => {
+                lower_fd.extend(t);
+                idmapped = true;
             }
+            Ok(_) => {}
+            Err((dir, e)) => tracing::warn!(
+                dir = %dir.display(),
+                "cannot idmap a root filesystem layer ({e}); its files keep their host owners \
+                 (unmapped ones show as nobody)"
+            ),
         }
         let Some(job) = cgroup_job.take() else {
             return Err(SpawnError::CgroupTaskTaken);

@@ -133,10 +133,10 @@ impl std::fmt::Debug for UnisolatedSandbox {
 impl UnisolatedSandbox {
     fn create(spec: &SandboxSpec, secrets: ResolvedSecrets) -> Result<Self> {
         spec.validate()?;
-        if spec.rootfs.is_some() {
+        if spec.rootfs.is_some() || spec.image.is_some() {
             return Err(Error::unsupported(
                 TIER,
-                "a rootfs directory (host processes see the host's /)",
+                "a rootfs directory or an image (host processes see the host's /)",
             ));
         }
         let mut t = TimelineRecorder::start();

@@ -141,6 +141,13 @@ fn micros(d: Duration) -> u64 {
 
 fn check_spec(spec: &SandboxSpec) -> Result<()> {
     spec.validate()?;
+    if spec.image.is_some() || spec.rootfs.is_some() {
+        return Err(Error::unsupported(
+            TIER,
+            "an OCI image or rootfs directory (WebAssembly guests have no Linux userland to run \
+             one: its binaries need a Linux kernel's system calls; use the container tier)",
+        ));
+    }
     if spec.network != NetworkPolicy::DenyAll {
         return Err(Error::unsupported(
             TIER,

@@ -54,6 +54,8 @@ pub struct Capabilities {
     pub streaming: bool,
     /// State (variables, processes, files) persists across `exec` calls.
     pub persistent_state: bool,
+    /// Sandboxes start from OCI images ([`SandboxSpec::image`](crate::SandboxSpec::image)).
+    pub images: bool,
     /// The [`Limits`](crate::Limits) this tier enforces, in [`LimitKind`] order. A limit
     /// not listed is accepted in a spec but not enforced by this tier (the tier's
     /// documentation says what bounds the resource instead).
@@ -62,7 +64,7 @@ pub struct Capabilities {
 
 impl Capabilities {
     /// A tier that supports nothing: no language, no argv, no snapshot, no network mode, no
-    /// pause/resume, no streaming, no persistent state, no limit enforced; the boundary is
+    /// pause/resume, no streaming, no persistent state, no images, no limit enforced; the boundary is
     /// the tier's own ([`Tier::boundary`]). Backends set what they do on top of it.
     pub fn new(tier: Tier) -> Self {
         Capabilities {
@@ -75,6 +77,7 @@ impl Capabilities {
             pause_resume: false,
             streaming: false,
             persistent_state: false,
+            images: false,
             limits: Vec::new(),
         }
     }

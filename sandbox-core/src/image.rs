@@ -139,6 +139,26 @@ impl ImageRef {
         })
     }
 
+    /// This reference pinned to the manifest `digest` it resolved to (a registry reference
+    /// keeps its tag as a label); offline sources are returned as they are. Snapshots store
+    /// pinned references, so a restore gets the very image the sandbox had.
+    pub fn pinned(&self, digest: &str) -> ImageRef {
+        match self {
+            ImageRef::Registry {
+                registry,
+                repository,
+                tag,
+                ..
+            } => ImageRef::Registry {
+                registry: registry.clone(),
+                repository: repository.clone(),
+                tag: tag.clone(),
+                digest: Some(digest.to_owned()),
+            },
+            other => other.clone(),
+        }
+    }
+
     /// Whether this image comes from a registry (so pulling it needs the network).
     pub fn is_registry(&self) -> bool {
         matches!(self, ImageRef::Registry { .. })

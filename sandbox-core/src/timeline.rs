@@ -11,6 +11,8 @@ use serde::{Deserialize, Serialize};
 #[serde(rename_all = "kebab-case")]
 #[non_exhaustive]
 pub enum Phase {
+    /// The sandbox's image found in the cache, or pulled and unpacked into it.
+    Image,
     /// Resources reserved: process, VM, instance, cgroup.
     Allocation,
     /// Root filesystem and workspace ready.
@@ -32,6 +34,7 @@ pub enum Phase {
 impl fmt::Display for Phase {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let s = match self {
+            Phase::Image => "image",
             Phase::Allocation => "allocation",
             Phase::Filesystem => "filesystem",
             Phase::Runtime => "runtime",

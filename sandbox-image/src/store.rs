@@ -202,6 +202,72 @@ impl Image {
     pub fn unpacked_bytes(&self) -> u64 {
         self.bytes
     }
+
+    /// The uid and gid its config's `User` means (`uid`, `uid:gid`, `name`, `name:group`),
+    /// names looked up in the image's own `/etc/passwd` and `/etc/group`; `(0, 0)` when it
+    /// names none. A numeric uid without a `passwd` entry gets gid 0, as runc does.
+    ///
+    /// # Errors
+    /// [`ImageError::Unsupported`] naming a user or group the image does not define.
+    pub fn user_ids(&self) -> Result<(u32, u32)> {
+        let Some(user) = self.config.user.as_deref() else {
+            return Ok((0, 0));
+        };
+        let (u, g) = match user.split_once(':') {
+            Some((u, g)) => (u, Some(g)),
+            None => (user, None),
+        };
+        let passwd = self.etc_file("passwd");
+        // name:x:uid:gid:...
+        let entry = passwd
+            .lines()
+            .map(|l| l.split(':').collect::<Vec<_>>())
+            .find(|f| f.len() >= 4 && (f[0] == u || (u.parse::<u32>().is_ok() && f[2] == u)));
+        let uid = match (u.parse::<u32>(), &entry) {
+            (Ok(n), _) => n,
+            (Err(_), Some(f)) => f[2].parse().unwrap_or(0),
+            (Err(_), None) => {
+                return Err(ImageError::Unsupported(format!(
+                    "the image's user `{u}`, which its /etc/passwd does not define"
+                )))
+            }
+        };
+        let gid = match g {
+            Some(g) => match g.parse::<u32>() {
+                Ok(n) => n,
+                Err(_) => self
+                    .etc_file("group")
+                    .lines()
+                    .map(|l| l.split(':').collect::<Vec<_>>())
+                    .find(|f| f.len() >= 3 && f[0] == g)
+                    .and_then(|f| f[2].parse().ok())
+                    .ok_or_else(|| {
+                        ImageError::Unsupported(format!(
+                            "the image's group `{g}`, which its /etc/group does not define"
+                        ))
+                    })?,
+            },
+            None => entry.and_then(|f| f[3].parse().ok()).unwrap_or(0),
+        };
+        Ok((uid, gid))
+    }
+
+    /// `/etc/NAME` as the image's topmost layer holding it has it (a regular file, never
+    /// followed through a link); empty when none does.
+    fn etc_file(&self, name: &str) -> String {
+        for layer in self.layers.iter().rev() {
+            let p = layer.join("etc").join(name);
+            match fs::symlink_metadata(&p) {
+                Ok(m) if m.is_file() && m.len() < (1 << 20) => {
+                    return fs::read_to_string(&p).unwrap_or_default()
+                }
+                // A whiteout or anything else hides lower layers' copies.
+                Ok(_) => return String::new(),
+                Err(_) => {}
+            }
+        }
+        String::new()
+    }
 }
 
 /// One image in the cache, as [`ImageStore::list`] reports it.

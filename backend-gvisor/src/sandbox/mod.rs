@@ -114,6 +114,12 @@ impl GvisorSandbox {
         restore: Option<Restore>,
     ) -> Result<Self> {
         spec.validate()?;
+        if spec.image.is_some() {
+            return Err(Error::unsupported(
+                TIER,
+                "starting from an OCI image yet (the container tier does; gVisor follows)",
+            ));
+        }
         let enforcer = sandbox_core::egress::enforcer_for(
             TIER,
             backend.config.egress.as_ref(),

@@ -26,6 +26,13 @@ pub(crate) fn check_spec(spec: &SandboxSpec) -> Result<()> {
             "a custom rootfs (the guest's root filesystem is its initramfs)",
         ));
     }
+    if spec.image.is_some() {
+        return Err(Error::unsupported(
+            TIER,
+            "starting from an OCI image yet (the guest's root filesystem is its initramfs; \
+             the container tier starts from images)",
+        ));
+    }
     if let Workspace::HostDir { .. } = spec.workspace {
         return Err(Error::unsupported(
             TIER,
