@@ -176,8 +176,19 @@ impl Runtime {
 
     /// A builder with every built-in backend registered.
     pub fn builder_with_defaults() -> RuntimeBuilder {
+        Self::defaults(None)
+    }
+
+    /// A builder with every built-in backend registered, pulling and caching images in
+    /// `store` instead of the default one ([`image::ImageStore::open_default`]).
+    pub fn builder_with_image_store(store: image::ImageStore) -> RuntimeBuilder {
+        Self::defaults(Some(store))
+    }
+
+    fn defaults(images: Option<image::ImageStore>) -> RuntimeBuilder {
         #[allow(unused_mut)]
         let mut b = Self::builder();
+        let _ = &images;
         #[cfg(feature = "wasm")]
         {
             b = b.backend(Arc::new(backend_wasm::WasmBackend::new()));
@@ -185,10 +196,12 @@ impl Runtime {
         #[cfg(feature = "container")]
         {
             // The default configuration is always valid; a failure here is a bug worth a log line.
-            match backend_container::ContainerBackend::builder()
-                .egress(sandbox_egress::shared_enforcer())
-                .build()
-            {
+            let mut c = backend_container::ContainerBackend::builder()
+                .egress(sandbox_egress::shared_enforcer());
+            if let Some(s) = &images {
+                c = c.image_store(s.clone());
+            }
+            match c.build() {
                 Ok(c) => b = b.backend(Arc::new(c)),
                 Err(e) => {
                     tracing::error!(error = %e, "container backend: default configuration refused")
@@ -197,9 +210,12 @@ impl Runtime {
         }
         #[cfg(feature = "gvisor")]
         {
-            b = b.backend(Arc::new(backend_gvisor::GvisorBackend::new(
-                backend_gvisor::GvisorConfig::default().egress(sandbox_egress::shared_enforcer()),
-            )));
+            let mut g =
+                backend_gvisor::GvisorConfig::default().egress(sandbox_egress::shared_enforcer());
+            if let Some(s) = &images {
+                g = g.image_store(s.clone());
+            }
+            b = b.backend(Arc::new(backend_gvisor::GvisorBackend::new(g)));
         }
         #[cfg(feature = "microvm")]
         {

@@ -135,6 +135,7 @@ use sandbox_core::{
 
 pub use runsc::{Platform, RunscInfo};
 pub use sandbox::GvisorSandbox;
+pub use sandbox_image::ImageStore;
 
 const TIER: Tier = Tier::Gvisor;
 
@@ -153,6 +154,9 @@ pub struct GvisorConfig {
     /// control socket (~30 ms instead of ~5 ms a command; for a runsc whose control
     /// interface is in doubt, and to test that path).
     pub runsc_exec: bool,
+    /// Where images named by [`SandboxSpec::image`](sandbox_core::SandboxSpec::image) are
+    /// pulled and cached (default: [`ImageStore::open_default`], opened on the first image).
+    pub images: Option<ImageStore>,
 }
 
 impl GvisorConfig {
@@ -185,6 +189,12 @@ impl GvisorConfig {
         self.runsc_exec = yes;
         self
     }
+
+    /// Pulls and caches images in `store` (default: [`ImageStore::open_default`]).
+    pub fn image_store(mut self, store: ImageStore) -> Self {
+        self.images = Some(store);
+        self
+    }
 }
 
 /// The gVisor backend.
@@ -193,6 +203,8 @@ pub struct GvisorBackend {
     config: GvisorConfig,
     /// The runsc facts, found once (a successful discovery is cached; failures are retried).
     resolved: Arc<OnceLock<Resolved>>,
+    /// The default image store, once an image was asked for (without a configured one).
+    images: Arc<OnceLock<ImageStore>>,
 }
 
 impl Default for GvisorBackend {
@@ -215,7 +227,20 @@ impl GvisorBackend {
         GvisorBackend {
             config,
             resolved: Arc::new(OnceLock::new()),
+            images: Arc::new(OnceLock::new()),
         }
+    }
+
+    /// The image store: the configured one, else the default, opened once.
+    pub(crate) fn image_store(&self) -> Result<ImageStore> {
+        if let Some(s) = &self.config.images {
+            return Ok(s.clone());
+        }
+        if let Some(s) = self.images.get() {
+            return Ok(s.clone());
+        }
+        let s = ImageStore::open_default().map_err(|e| e.into_core(Tier::Gvisor))?;
+        Ok(self.images.get_or_init(|| s).clone())
     }
 
     /// Tears down the sandboxes that processes which died without destroying them left in
@@ -320,6 +345,7 @@ impl Backend for GvisorBackend {
         c.pause_resume = true;
         c.streaming = true;
         c.persistent_state = true;
+        c.images = true;
         // OCI `linux.resources` (memory, pids, CPU quota), rlimits (CPU seconds, open
         // files), the exec driver (wall time, output), capped tmpfs mounts (disk), the
         // lifetime timer. No instruction budget.

@@ -353,3 +353,44 @@ async fn concurrent_pulls_of_one_image_do_the_work_once() {
     );
     assert!(common::files_under(&a.root().join("tmp")).is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_cache_disk_is_a_clear_error_and_leaves_nothing_half_made() {
+    if !common::have_tools() {
+        return;
+    }
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("SKIP: mounting a small tmpfs as the cache disk needs root");
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    // 3 MB of incompressible data: the blob fits a 2 MB disk, its unpacked layer does not.
+    let data: Vec<u8> = (0..750_000u32)
+        .flat_map(|i| (i.wrapping_mul(2_654_435_761) ^ (i >> 3)).to_le_bytes())
+        .collect();
+    let (reg, _) = one_image(tmp.path(), common::layer(&[Entry::File("data", &data)]));
+    let disk = tmp.path().join("disk");
+    std::fs::create_dir(&disk).unwrap();
+    let st = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=2m", "tmpfs"])
+        .arg(&disk)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let s = ImageStore::builder(disk.join("cache")).build().unwrap();
+    let e = s
+        .pull(&r(&format!("{}/test/app:v1", reg.addr)))
+        .await
+        .unwrap_err();
+    let msg = e.to_string();
+    for d in ["layers", "images", "tmp"] {
+        let left = common::files_under(&s.root().join(d));
+        assert!(left.is_empty(), "{d} holds {left:?}");
+    }
+    let _ = std::process::Command::new("umount").arg(&disk).status();
+    assert!(matches!(e, ImageError::Io { .. }), "{e}");
+    assert!(
+        msg.contains("disk holding the image cache is full"),
+        "{msg}"
+    );
+}

@@ -29,6 +29,10 @@ impl Inner {
         let argv = match cmd {
             Command::Argv(a) => a.clone(),
             Command::Code(code) => match self.spec.language {
+                // An image's own interpreter, found on its `PATH`.
+                Language::Python if self.image.is_some() => {
+                    vec!["python3".into(), "-c".into(), code.clone()]
+                }
                 Language::Python => vec!["/usr/bin/python3".into(), "-c".into(), code.clone()],
                 Language::Shell => vec!["/bin/sh".into(), "-c".into(), code.clone()],
                 Language::Node | Language::Javascript => {
@@ -64,7 +68,7 @@ impl Inner {
         let mut t = TimelineRecorder::start();
         let (argv, extra) = self.argv(&req.command)?;
         let cwd = match &req.cwd {
-            None => "/workspace".to_string(),
+            None => self.cwd.clone(),
             Some(c) if c.starts_with('/') => c.clone(),
             Some(c) => WorkspacePath::parse(c)?.in_sandbox(),
         };

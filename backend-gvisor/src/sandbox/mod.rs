@@ -58,6 +58,14 @@ struct Inner {
     scratch: PathBuf,
     who: Identity,
     env: BTreeMap<String, String>,
+    /// The working directory of commands that name none: the image's `WorkingDir`, else
+    /// `/workspace`.
+    cwd: String,
+    /// The root's lower layers, lowest first: the spec's `rootfs` directory, or its image's
+    /// layers. Empty: the host-tools root.
+    lower: Vec<PathBuf>,
+    /// The sandbox's image, if any (held: the cache keeps it while the sandbox lives).
+    image: Option<sandbox_image::Image>,
     redactor: Redactor,
     /// runsc processes (sandbox, gofer) re-parented to us, to reap on delete.
     pids: Mutex<Vec<i32>>,
@@ -114,12 +122,6 @@ impl GvisorSandbox {
         restore: Option<Restore>,
     ) -> Result<Self> {
         spec.validate()?;
-        if spec.image.is_some() {
-            return Err(Error::unsupported(
-                TIER,
-                "starting from an OCI image yet (the container tier does; gVisor follows)",
-            ));
-        }
         let enforcer = sandbox_core::egress::enforcer_for(
             TIER,
             backend.config.egress.as_ref(),
@@ -132,6 +134,28 @@ impl GvisorSandbox {
             ));
         }
         let mut t = TimelineRecorder::start();
+        // The image (found in the cache, or pulled): its layers are the root's lower layers.
+        let image = match &spec.image {
+            Some(r) => {
+                let image = backend
+                    .image_store()?
+                    .ensure(r)
+                    .await
+                    .map_err(|e| e.into_core(TIER))?;
+                t.mark(Phase::Image);
+                Some(image)
+            }
+            None => None,
+        };
+        let image_user = match &image {
+            Some(i) => Some(i.user_ids().map_err(|e| e.into_core(TIER))?),
+            None => None,
+        };
+        let lower: Vec<PathBuf> = match (&spec.rootfs, &image) {
+            (Some(dir), _) => vec![dir.clone()],
+            (None, Some(i)) => i.layers().to_vec(),
+            (None, None) => Vec::new(),
+        };
         let b = backend.clone();
         let r = tokio::task::spawn_blocking(move || b.resolve())
             .await
@@ -156,7 +180,11 @@ impl GvisorSandbox {
             Workspace::Empty => {
                 let ws = dir.join("workspace");
                 std::fs::create_dir_all(&ws).map_err(io("create", &ws))?;
-                (ws, restore.as_ref().map_or(SANDBOX_ID, |r| r.who), true)
+                // An image runs as its own user (root unless its config names one).
+                let fresh = image_user
+                    .map(|(uid, gid)| Identity { uid, gid })
+                    .unwrap_or(SANDBOX_ID);
+                (ws, restore.as_ref().map_or(fresh, |r| r.who), true)
             }
             Workspace::HostDir { path, .. } => {
                 use std::os::unix::fs::MetadataExt;
@@ -172,7 +200,12 @@ impl GvisorSandbox {
             }
             other => return Err(Error::unsupported(TIER, format!("the workspace {other:?}"))),
         };
-        let mut env = spec.base_env();
+        // The image's `Env` first: the spec's own variables override it.
+        let mut env: BTreeMap<String, String> = image
+            .as_ref()
+            .map(|i| i.config().env.iter().cloned().collect())
+            .unwrap_or_default();
+        env.extend(spec.base_env());
         for (k, v) in secrets.env() {
             env.insert(k.to_string(), v.to_string());
         }
@@ -202,7 +235,7 @@ impl GvisorSandbox {
                 bin: r.info.path.clone(),
                 root: runsc_root,
                 platform: r.platform,
-                overlay_root: spec.rootfs.is_some(),
+                overlay_root: !lower.is_empty(),
                 netns,
             },
             engine: r.info.version.clone(),
@@ -213,6 +246,13 @@ impl GvisorSandbox {
             scratch: scratch_dir,
             who,
             env,
+            cwd: image
+                .as_ref()
+                .and_then(|i| i.config().working_dir.clone())
+                .filter(|w| w.starts_with('/'))
+                .unwrap_or_else(|| "/workspace".into()),
+            lower,
+            image,
             redactor: secrets.redactor(),
             pids: Mutex::new(Vec::new()),
             cgroup: Mutex::new((None, None)),
@@ -333,7 +373,7 @@ impl Inner {
         }
         self.mount_scratch()?;
         let who = self.who;
-        if self.spec.rootfs.is_none() {
+        if self.lower.is_empty() {
             bundle::write_rootfs(&self.bundle, who)?;
         }
         let cgroup = stale::cgroup_name(&self.id);
@@ -348,10 +388,25 @@ impl Inner {
         // A caller's rootfs lacking the scratch mount points is seen through an overlay
         // that has them (see `rootfs_view`).
         let view = self.rootfs_view();
+        if view.is_none() && self.lower.len() > 1 {
+            return Err(Error::backend(
+                TIER,
+                "could not merge the image's layers into an overlay view (see the log line \
+                 before this one)",
+            ));
+        }
         let spec = match &view {
             Some(root) => std::borrow::Cow::Owned({
                 let mut spec = self.spec.clone();
                 spec.rootfs = Some(root.clone());
+                spec.image = None;
+                spec
+            }),
+            None if self.spec.image.is_some() => std::borrow::Cow::Owned({
+                // A one-layer image whose layer needs no view: that layer is the root.
+                let mut spec = self.spec.clone();
+                spec.rootfs = self.lower.first().cloned();
+                spec.image = None;
                 spec
             }),
             None => std::borrow::Cow::Borrowed(&self.spec),
@@ -436,13 +491,20 @@ impl Inner {
     /// in-memory overlay still takes every write of the sandbox. `None` (and gVisor's own
     /// tmpfs there, no shim) when no view is needed or it cannot be made.
     fn rootfs_view(&self) -> Option<PathBuf> {
-        let lower = self.spec.rootfs.as_ref()?;
-        let points = bundle::SCRATCH_MOUNTS.map(|(dst, _)| dst.trim_start_matches('/'));
-        let shim = bundle::statx_shim().filter(|_| bundle::needs_statx_shim(lower));
-        if points.iter().all(|d| lower.join(d).is_dir()) && shim.is_none() {
+        // The topmost layer first, as overlayfs wants them; an image of several layers
+        // always needs the view (it is what merges them).
+        if self.lower.is_empty() {
             return None;
         }
-        let lower_s = lower.to_str()?;
+        let points = bundle::SCRATCH_MOUNTS.map(|(dst, _)| dst.trim_start_matches('/'));
+        let has = |rel: &str| self.lower.iter().any(|l| l.join(rel).is_dir());
+        let shim =
+            bundle::statx_shim().filter(|_| self.lower.iter().any(|l| bundle::needs_statx_shim(l)));
+        if self.lower.len() == 1 && points.iter().all(|d| has(d)) && shim.is_none() {
+            return None;
+        }
+        let layers: Option<Vec<&str>> = self.lower.iter().rev().map(|l| l.to_str()).collect();
+        let lower_s = layers?.join(":");
         let view = self.dir.join("view");
         let (upper, work, root) = (view.join("upper"), view.join("work"), view.join("root"));
         let made = (|| -> std::io::Result<()> {
@@ -450,7 +512,11 @@ impl Inner {
                 std::fs::create_dir_all(d)?;
             }
             // `lowerdir` cannot express these characters; the state directory's path is ours.
-            if lower_s.contains([',', ':', '\\']) {
+            if self
+                .lower
+                .iter()
+                .any(|l| l.to_string_lossy().contains([',', ':', '\\']))
+            {
                 return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
             }
             let data = format!(

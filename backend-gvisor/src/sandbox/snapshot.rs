@@ -62,7 +62,14 @@ impl Inner {
             TIER,
             self.engine.clone(),
             vec![SnapshotKind::Filesystem, SnapshotKind::FullMemory],
-            self.spec.clone(),
+            {
+                // Pinned to the image's digest: the restore gets this very image.
+                let mut spec = self.spec.clone();
+                if let (Some(r), Some(img)) = (&spec.image, &self.image) {
+                    spec.image = Some(r.pinned(img.digest()));
+                }
+                spec
+            },
         )
         .artifact("checkpoint.tar", packed?)
         .meta("uid", self.who.uid.to_string())
