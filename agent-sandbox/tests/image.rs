@@ -18,7 +18,7 @@ fn test_image() -> Result<PathBuf, String> {
     let dir = std::env::var_os("AGENT_SANDBOX_TEST_IMAGES")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("/var/tmp/agent-sandbox-images"))
-        .join("trixie-python3");
+        .join("trixie-numpy");
     if dir.join("index.json").is_file() {
         Ok(dir)
     } else {
