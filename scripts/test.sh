@@ -36,7 +36,9 @@ fi
 # Debian packages the tests use. Installed only when missing.
 # qemu-system-x86: the microVM guest (Debian kernel + our initramfs + agent) is booted under
 # QEMU's software emulation, since this host's nested KVM cannot boot Linux.
-APT_PACKAGES=(python3 util-linux procps iproute2 nftables runsc busybox-static acpica-tools qemu-system-x86 docker-registry skopeo)
+# docker-registry (the CNCF distribution server) and skopeo: the image tests pull from a real
+# registry on loopback, with images pushed by skopeo; mmdebstrap builds their Debian userland.
+APT_PACKAGES=(python3 util-linux procps iproute2 nftables runsc busybox-static acpica-tools qemu-system-x86 docker-registry skopeo mmdebstrap)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -63,6 +65,9 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
 step "install CPython-in-WebAssembly for the wasm tier (verified; cached in ~/.cache/agent-sandbox)"
 cargo run --locked -q -p agent-sandbox -- install python-wasm
 
+step "the image tests' Debian userland (mmdebstrap; built once into /var/tmp/agent-sandbox-images)"
+test_image="$(scripts/test-image.sh)"
+
 step "cargo test"
 cargo test --workspace --locked -- --test-threads="${TEST_THREADS:-2}"
 
@@ -72,6 +77,8 @@ for ex in quickstart dev_agent warm_pool untrusted_code js_transform data_scienc
   echo "--- example $ex"
   cargo run --locked -q -p agent-sandbox --example "$ex"
 done
+echo "--- example image_python (the Debian image built above; Docker Hub is not reachable here)"
+cargo run --locked -q -p agent-sandbox --example image_python -- "oci:$test_image:python3"
 
 step "README quick start in a fresh crate (debug profile, empty cache: downloads and compiles Python)"
 scripts/quickstart.sh
