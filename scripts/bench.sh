@@ -6,7 +6,14 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/tmp/agent-sandbox-target}"
 benches=("$@")
-if [ ${#benches[@]} -eq 0 ]; then benches=(core wasm gvisor container egress); fi
+if [ ${#benches[@]} -eq 0 ]; then benches=(core wasm gvisor container egress image); fi
+# The image bench needs the Debian test image, a registry and skopeo.
+if [[ " ${benches[*]} " == *" image "* ]]; then
+  for p in docker-registry skopeo mmdebstrap; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || apt-get install -y -qq "$p"
+  done
+  scripts/test-image.sh >/dev/null
+fi
 # The container bench runs bwrap, crun and runc side by side.
 if [[ " ${benches[*]} " == *" container "* ]]; then
   for p in bubblewrap crun runc; do

@@ -207,6 +207,17 @@ impl Registry {
     /// Starts one; `extra` is appended to the `http:` section's YAML (TLS), `auth` is a
     /// top-level `auth:` section.
     pub fn start(tls: Option<(&Path, &Path)>, htpasswd: Option<&Path>) -> Registry {
+        let auth = htpasswd.map(|h| {
+            format!(
+                "auth:\n  htpasswd:\n    realm: test\n    path: {}\n",
+                h.display()
+            )
+        });
+        Self::start_with_auth(tls, auth.as_deref())
+    }
+
+    /// Starts one with this top-level `auth:` YAML section.
+    pub fn start_with_auth(tls: Option<(&Path, &Path)>, auth: Option<&str>) -> Registry {
         let dir = tempfile::tempdir().unwrap();
         let storage = dir.path().join("storage");
         let port = free_port();
@@ -222,11 +233,8 @@ impl Registry {
                 key.display()
             ));
         }
-        if let Some(h) = htpasswd {
-            yaml.push_str(&format!(
-                "auth:\n  htpasswd:\n    realm: test\n    path: {}\n",
-                h.display()
-            ));
+        if let Some(a) = auth {
+            yaml.push_str(a);
         }
         let cfg = dir.path().join("config.yml");
         std::fs::write(&cfg, yaml).unwrap();
