@@ -16,9 +16,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
+use agent_sandbox::image::testing::LocalRegistry;
 use agent_sandbox::image::ImageStore;
 use agent_sandbox::{Backend, ExecRequest, Language, ResolvedSecrets, SandboxSpec};
 use backend_container::ContainerBackend;
@@ -78,63 +79,18 @@ fn create_and_true(
     });
 }
 
-/// A `docker-registry` on loopback holding the image as `bench/python:1`; killed on drop.
-struct Registry {
-    child: std::process::Child,
-    addr: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn registry(layout: &Path) -> Option<Registry> {
-    if !Path::new("/usr/bin/docker-registry").exists() || !Path::new("/usr/bin/skopeo").exists() {
-        eprintln!("SKIP pull bench: docker-registry and skopeo are needed");
+/// The CNCF registry on loopback holding the image as `bench/python:1` (its directory
+/// dropped with it).
+fn registry(layout: &Path) -> Option<(LocalRegistry, tempfile::TempDir)> {
+    if let Some(why) = LocalRegistry::unavailable() {
+        eprintln!("SKIP pull bench: {why}");
         return None;
     }
     let dir = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
-    let cfg = dir.path().join("config.yml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: {addr}\n",
-            dir.path().join("storage").display()
-        ),
-    )
-    .unwrap();
-    let child = Command::new("/usr/bin/docker-registry")
-        .arg("serve")
-        .arg(&cfg)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    while std::net::TcpStream::connect(&addr).is_err() {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let st = Command::new("/usr/bin/skopeo")
-        .args(["copy", "--quiet", "--dest-tls-verify=false"])
-        .arg(format!("oci:{}:python3", layout.display()))
-        .arg(format!("docker://{addr}/bench/python:1"))
-        .status()
-        .unwrap();
-    assert!(st.success());
-    Some(Registry {
-        child,
-        addr,
-        _dir: dir,
-    })
+    let reg = LocalRegistry::start(dir.path()).unwrap();
+    // Pushed as tag `python3`, the layout's tag.
+    reg.push(layout, "python3", "bench/python", &[]).unwrap();
+    Some((reg, dir))
 }
 
 fn du(path: &Path) -> u64 {
@@ -208,8 +164,8 @@ fn images(c: &mut Criterion) {
         g.finish();
     }
 
-    if let Some(reg) = registry(&layout) {
-        let reference = format!("{}/bench/python:1", reg.addr);
+    if let Some((reg, _dir)) = registry(&layout) {
+        let reference = format!("{}/bench/python:python3", reg.addr());
         let mut g = c.benchmark_group("image/pull");
         g.sample_size(10).measurement_time(Duration::from_secs(30));
         g.bench_function("ours: pull + unpack (empty cache)", |b| {

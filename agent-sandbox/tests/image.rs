@@ -111,61 +111,29 @@ async fn the_image_python_runs_in_every_linux_tier() {
     }
 }
 
-/// A `docker-registry` on a loopback port (`addr`), killed on drop; its storage in `_dir`.
+/// The CNCF registry on loopback holding the test image as `trixie/python3:13`, in a
+/// temporary directory (dropped with it).
 struct Registry {
-    child: std::process::Child,
-    addr: String,
+    inner: agent_sandbox::image::testing::LocalRegistry,
+    reference: String,
     _dir: tempfile::TempDir,
 }
 
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn registry() -> Option<Registry> {
-    for t in ["/usr/bin/docker-registry", "/usr/bin/skopeo"] {
-        if !std::path::Path::new(t).exists() {
-            eprintln!("SKIP: {t} is not installed (apt-get install docker-registry skopeo)");
-            return None;
-        }
+fn registry(layout: &std::path::Path) -> Option<Registry> {
+    use agent_sandbox::image::testing::LocalRegistry;
+    if let Some(why) = LocalRegistry::unavailable() {
+        eprintln!("SKIP: {why}");
+        return None;
     }
     let dir = tempfile::tempdir().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr = format!("127.0.0.1:{port}");
-    let cfg = dir.path().join("config.yml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: {addr}\n",
-            dir.path().join("storage").display()
-        ),
-    )
-    .unwrap();
-    let child = Command::new("/usr/bin/docker-registry")
-        .arg("serve")
-        .arg(&cfg)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
+    let inner = LocalRegistry::start(dir.path()).unwrap();
+    inner
+        .push(layout, "python3", "trixie/python3", &[])
         .unwrap();
-    let start = Instant::now();
-    while std::net::TcpStream::connect(&addr).is_err() {
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "registry did not start"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let reference = format!("{}/trixie/python3:python3", inner.addr());
     Some(Registry {
-        child,
-        addr,
+        inner,
+        reference,
         _dir: dir,
     })
 }
@@ -187,20 +155,9 @@ fn the_cli_runs_an_image_from_a_plain_http_loopback_registry() {
             return;
         }
     };
-    let Some(reg) = registry() else { return };
-    let push = Command::new("/usr/bin/skopeo")
-        .args(["copy", "--quiet", "--dest-tls-verify=false"])
-        .arg(format!("oci:{}:python3", layout.display()))
-        .arg(format!("docker://{}/trixie/python3:13", reg.addr))
-        .output()
-        .unwrap();
-    assert!(
-        push.status.success(),
-        "{}",
-        String::from_utf8_lossy(&push.stderr)
-    );
+    let Some(reg) = registry(&layout) else { return };
     let cache = tempfile::tempdir().unwrap();
-    let reference = format!("{}/trixie/python3:13", reg.addr);
+    let reference = reg.reference.clone();
 
     // `docker run`-like: no flag for the plain-HTTP loopback registry.
     let out = cli(
@@ -252,7 +209,7 @@ fn the_cli_runs_an_image_from_a_plain_http_loopback_registry() {
         &[
             "image",
             "pull",
-            &format!("{}/trixie/python3:nope", reg.addr),
+            &format!("{}/trixie/python3:nope", reg.inner.addr()),
         ],
         cache.path(),
     );
@@ -269,20 +226,9 @@ fn a_pull_killed_halfway_leaves_nothing_in_use_and_runs_again() {
             return;
         }
     };
-    let Some(reg) = registry() else { return };
-    let push = Command::new("/usr/bin/skopeo")
-        .args(["copy", "--quiet", "--dest-tls-verify=false"])
-        .arg(format!("oci:{}:python3", layout.display()))
-        .arg(format!("docker://{}/trixie/python3:13", reg.addr))
-        .output()
-        .unwrap();
-    assert!(
-        push.status.success(),
-        "{}",
-        String::from_utf8_lossy(&push.stderr)
-    );
+    let Some(reg) = registry(&layout) else { return };
     let cache = tempfile::tempdir().unwrap();
-    let reference = format!("{}/trixie/python3:13", reg.addr);
+    let reference = reg.reference.clone();
     let mut child = Command::new(env!("CARGO_BIN_EXE_agent-sandbox"))
         .args(["image", "pull", &reference])
         .env("AGENT_SANDBOX_IMAGE_CACHE", cache.path())

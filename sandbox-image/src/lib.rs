@@ -36,6 +36,7 @@ mod offline;
 mod registry;
 mod source;
 mod store;
+pub mod testing;
 mod unpack;
 
 pub use auth::{docker_config_path, from_docker_config, Credentials};

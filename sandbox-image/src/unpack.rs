@@ -171,6 +171,17 @@ pub(crate) fn unpack(
     Ok(u.stats)
 }
 
+/// A new file at `path` (mode 0600 until the entry's mode is set): never an existing one,
+/// never through a symlink.
+fn create_new(path: &Path) -> io::Result<fs::File> {
+    fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)
+}
+
 struct Unpacker<'a> {
     dest: &'a Path,
     layer: &'a str,
@@ -353,13 +364,7 @@ impl Unpacker<'_> {
                 let size = entry.header().size().unwrap_or(0);
                 self.charge(&raw, size)?;
                 self.clear(&path, false)?;
-                let mut f = fs::OpenOptions::new()
-                    .write(true)
-                    .create_new(true)
-                    .mode(0o600)
-                    .custom_flags(libc::O_NOFOLLOW)
-                    .open(&path)
-                    .map_err(|e| self.io("create", &path, e))?;
+                let mut f = create_new(&path).map_err(|e| self.io("create", &path, e))?;
                 let copied = io::copy(&mut (&mut entry).take(size), &mut f)
                     .map_err(|e| self.read_error(e))?;
                 if copied != size {
@@ -508,13 +513,7 @@ impl Unpacker<'_> {
         } else {
             // No mknod without privilege: the kernel's xattr whiteout (Linux 6.7+), an empty
             // file marked so, in a directory marked as holding such files.
-            fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .custom_flags(libc::O_NOFOLLOW)
-                .open(&path)
-                .map_err(|e| self.io("create whiteout", &path, e))?;
+            create_new(&path).map_err(|e| self.io("create whiteout", &path, e))?;
             xattr::set(&path, "user.overlay.whiteout", b"y")
                 .map_err(|e| self.io("mark whiteout", &path, e))?;
             if let Some(parent) = path.parent() {

@@ -3,25 +3,21 @@
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::Write;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 
-pub const REGISTRY: &str = "/usr/bin/docker-registry";
-pub const SKOPEO: &str = "/usr/bin/skopeo";
+pub const SKOPEO: &str = sandbox_image::testing::SKOPEO_BIN;
 
 /// Whether the real parts are installed (`scripts/test.sh` installs them); prints why not.
 pub fn have_tools() -> bool {
-    for t in [REGISTRY, SKOPEO] {
-        if !Path::new(t).exists() {
-            eprintln!("SKIP: {t} is not installed (apt-get install docker-registry skopeo)");
-            return false;
+    match sandbox_image::testing::LocalRegistry::unavailable() {
+        Some(why) => {
+            eprintln!("SKIP: {why}");
+            false
         }
+        None => true,
     }
-    true
 }
 
 pub fn sha(b: &[u8]) -> String {
@@ -187,25 +183,16 @@ impl Layout {
     }
 }
 
-/// A running `docker-registry` on 127.0.0.1, killed on drop.
+/// A running `docker-registry` on 127.0.0.1 (see `sandbox_image::testing`), in a temporary
+/// directory, killed on drop.
 pub struct Registry {
-    child: Child,
+    inner: sandbox_image::testing::LocalRegistry,
     pub addr: String,
-    pub storage: PathBuf,
     _dir: tempfile::TempDir,
 }
 
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 impl Registry {
-    /// Starts one; `extra` is appended to the `http:` section's YAML (TLS), `auth` is a
-    /// top-level `auth:` section.
+    /// Starts one, with TLS and/or htpasswd auth when given.
     pub fn start(tls: Option<(&Path, &Path)>, htpasswd: Option<&Path>) -> Registry {
         let auth = htpasswd.map(|h| {
             format!(
@@ -219,79 +206,23 @@ impl Registry {
     /// Starts one with this top-level `auth:` YAML section.
     pub fn start_with_auth(tls: Option<(&Path, &Path)>, auth: Option<&str>) -> Registry {
         let dir = tempfile::tempdir().unwrap();
-        let storage = dir.path().join("storage");
-        let port = free_port();
-        let addr = format!("127.0.0.1:{port}");
-        let mut yaml = format!(
-            "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\n  delete:\n    enabled: true\nhttp:\n  addr: {addr}\n",
-            storage.display()
-        );
-        if let Some((cert, key)) = tls {
-            yaml.push_str(&format!(
-                "  tls:\n    certificate: {}\n    key: {}\n",
-                cert.display(),
-                key.display()
-            ));
-        }
-        if let Some(a) = auth {
-            yaml.push_str(a);
-        }
-        let cfg = dir.path().join("config.yml");
-        std::fs::write(&cfg, yaml).unwrap();
-        let child = Command::new(REGISTRY)
-            .arg("serve")
-            .arg(&cfg)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let start = Instant::now();
-        while std::net::TcpStream::connect(&addr).is_err() {
-            assert!(
-                start.elapsed() < Duration::from_secs(30),
-                "registry did not start"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        let inner =
+            sandbox_image::testing::LocalRegistry::start_with(dir.path(), tls, auth).unwrap();
         Registry {
-            child,
-            addr,
-            storage,
+            addr: inner.addr().to_owned(),
+            inner,
             _dir: dir,
         }
     }
 
-    /// Pushes `oci:LAYOUT:TAG` to `REPO:TAG` here with skopeo (plain HTTP or our test CA).
+    /// Pushes `oci:LAYOUT:TAG` to `REPO:TAG` here with skopeo.
     pub fn push(&self, layout: &Path, tag: &str, repo: &str, extra: &[&str]) {
-        let out = Command::new(SKOPEO)
-            .args(["copy", "--quiet", "--dest-tls-verify=false"])
-            .args(extra)
-            .arg(format!("oci:{}:{tag}", layout.display()))
-            .arg(format!("docker://{}/{repo}:{tag}", self.addr))
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "skopeo push failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        self.inner.push(layout, tag, repo, extra).unwrap();
     }
 
     /// The file holding blob `digest` in the registry's storage.
     pub fn blob_file(&self, digest: &str) -> PathBuf {
-        let hex = &digest[7..];
-        self.storage
-            .join("docker/registry/v2/blobs/sha256")
-            .join(&hex[..2])
-            .join(hex)
-            .join("data")
-    }
-}
-
-impl Drop for Registry {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.inner.blob_file(digest)
     }
 }
 
