@@ -401,6 +401,9 @@ impl ImageStore {
     }
 
     fn cached(&self, r: &ImageRef) -> Result<Option<Image>> {
+        // Shared with pulls, exclusive with `prune`: a record is never leased while a prune
+        // decides to remove it.
+        let _store = self.lock_blocking("store", false)?;
         let key = r.to_string();
         let digest = match r {
             ImageRef::Registry {
@@ -866,13 +869,14 @@ impl ImageStore {
     }
 
     fn in_use(&self, digest: &str) -> bool {
-        let Ok(hex) = hex_of(digest) else {
-            return false;
-        };
-        let Ok(f) = fs::File::open(self.p(format!("images/{hex}.json"))) else {
-            return false;
-        };
-        Flock::lock(f, FlockArg::LockExclusiveNonblock).is_err()
+        self.unused(digest).is_none()
+    }
+
+    /// The image's record locked exclusively, when no sandbox holds it.
+    fn unused(&self, digest: &str) -> Option<Flock<fs::File>> {
+        let hex = hex_of(digest).ok()?;
+        let f = fs::File::open(self.p(format!("images/{hex}.json"))).ok()?;
+        Flock::lock(f, FlockArg::LockExclusiveNonblock).ok()
     }
 
     /// Removes the reference `name` (as written to `pull`, or a manifest digest, which
@@ -913,14 +917,15 @@ impl ImageStore {
         let mut keep_blobs = BTreeSet::new();
         let mut keep_layers = BTreeSet::new();
         for rec in self.records()? {
-            if !named.contains(&rec.digest) && !self.in_use(&rec.digest) {
-                if let Ok(hex) = hex_of(&rec.digest) {
-                    let p = self.p(format!("images/{hex}.json"));
+            if !named.contains(&rec.digest) {
+                // Removed only while we hold it exclusively: no sandbox leases it.
+                if let Some(_held) = self.unused(&rec.digest) {
+                    let p = self.p(format!("images/{}.json", hex_of(&rec.digest)?));
                     report.bytes += fs::metadata(&p).map(|m| m.len()).unwrap_or(0);
                     fs::remove_file(&p).map_err(|e| ImageError::io("remove", &p, e))?;
                     report.images += 1;
+                    continue;
                 }
-                continue;
             }
             for l in &rec.layers {
                 keep_blobs.insert(hex_of(&l.digest)?.to_owned());
