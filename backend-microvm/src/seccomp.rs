@@ -109,6 +109,8 @@ pub fn io_filter() -> Result<BpfProgram> {
                 libc::SYS_recvfrom,
                 libc::SYS_sendmsg,
                 libc::SYS_recvmsg,
+                // The block device reads its backing file.
+                libc::SYS_pread64,
             ],
             false,
         )

@@ -1,6 +1,6 @@
 //! Tiny guests (freestanding x86-64 code at CPL 3, built with gcc by the harness) exercising
 //! the VMM for real: VM and memory set-up, the run loop and its exits, the serial port, the
-//! virtio-mmio console, snapshot/restore, seccomp and teardown.
+//! virtio-mmio console and read-only block device, snapshot/restore, seccomp and teardown.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -257,4 +257,151 @@ fn back_to_back_snapshots_each_capture_the_vcpus() {
     assert_eq!(restored.wait(), VmExit::GuestExit { code: 11 });
     set_go(&vm);
     assert_eq!(vm.wait(), VmExit::GuestExit { code: 11 });
+}
+
+/// The bytes of the block device's backing file: 16 sectors and a partial 17th, which the
+/// guest does not see.
+fn blk_image() -> Vec<u8> {
+    (0..16 * 512 + 100)
+        .map(|i: usize| (i.wrapping_mul(31) ^ (i >> 9).wrapping_mul(7)) as u8)
+        .collect()
+}
+
+/// A backing file holding `data`.
+fn blk_file(data: &[u8]) -> tempfile::NamedTempFile {
+    use std::io::Write;
+    let mut f = tempfile::NamedTempFile::new().unwrap();
+    f.write_all(data).unwrap();
+    f.flush().unwrap();
+    f
+}
+
+/// A config with the console (device 0, unused) and the block device (device 1).
+fn blk_cfg(path: &std::path::Path) -> backend_microvm::vmm::VmConfig {
+    let mut c = cfg();
+    c.virtio_console = true;
+    c.block = Some(backend_microvm::vmm::BlockConfig {
+        path: path.to_path_buf(),
+        id: "tiny-disk".into(),
+    });
+    c
+}
+
+/// FNV-1a (64-bit), as the tiny guest hashes what it read.
+fn fnv1a(data: &[u8]) -> u64 {
+    data.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// What the guest prints for its 2-sector read from sector 1.
+fn blk_in_lines(image: &[u8]) -> String {
+    format!(
+        "in status 0x0000000000000000 len 0x0000000000000401\nhash {:#018x}\n",
+        fnv1a(&image[512..1536])
+    )
+}
+
+/// What the guest prints for its configuration check.
+const BLK_CONFIG_LINE: &str =
+    "ro 0x0000000000000001 capacity 0x0000000000000010 seg_max 0x00000000000000fe\n";
+
+/// What the guest prints after its reads: GET_ID, the refused OUT, the IN past the end.
+const BLK_TAIL: &str = "id status 0x0000000000000000 len 0x0000000000000015\n\
+                        id tiny-disk\n\
+                        out status 0x0000000000000002 len 0x0000000000000001\n\
+                        past end status 0x0000000000000001 len 0x0000000000000001\n";
+
+/// The guest's exit code: the device status register, DRIVER_OK and no NEEDS_RESET.
+const BLK_EXIT: u32 = 1 | 2 | 4 | 8;
+
+#[test]
+fn block_device_serves_reads_id_and_refuses_writes() {
+    skip_without_kvm!();
+    let image = blk_image();
+    let f = blk_file(&image);
+    let (vm, exit) = run(blk_cfg(f.path()), t::BLK_READ);
+    let out = serial_string(&vm);
+    assert_eq!(exit, VmExit::GuestExit { code: BLK_EXIT }, "{out}");
+    assert_eq!(
+        out,
+        format!("{BLK_CONFIG_LINE}{}{BLK_TAIL}", blk_in_lines(&image))
+    );
+    assert_eq!(vm.virtio_errors(), vec![None, None]);
+    let devs = vm.virtio_devices();
+    assert_eq!(devs.len(), 2);
+    assert_eq!((devs[0].device_type, devs[0].base), (3, 0xd000_0000));
+    assert_eq!(
+        (devs[1].device_type, devs[1].base, devs[1].irq),
+        (2, 0xd000_1000, 6)
+    );
+    // Read-only by construction: the file is as it was.
+    assert_eq!(std::fs::read(f.path()).unwrap(), image);
+}
+
+#[test]
+fn block_device_config_errors_are_typed() {
+    skip_without_kvm!();
+    use backend_microvm::vmm::{Vm, VmmError};
+    let dir = tempfile::tempdir().unwrap();
+    let e = Vm::new(blk_cfg(&dir.path().join("missing"))).unwrap_err();
+    assert!(matches!(e, VmmError::Io { .. }), "{e}");
+    let f = blk_file(&blk_image());
+    let mut c = blk_cfg(f.path());
+    if let Some(b) = c.block.as_mut() {
+        b.id = "x".repeat(21);
+    }
+    let e = Vm::new(c).unwrap_err();
+    assert!(matches!(e, VmmError::InvalidConfig(_)), "{e}");
+}
+
+#[test]
+fn snapshot_with_a_block_device_restores_and_keeps_reading() {
+    skip_without_kvm!();
+    use backend_microvm::vmm::{Vm, VmmError};
+    let image = blk_image();
+    let f = blk_file(&image);
+    let (mut vm, entry) = vm_with_guest(blk_cfg(f.path()));
+    vm.start(backend_microvm::vmm::Entry {
+        arg: t::BLK_READ_WAIT,
+        ..backend_microvm::vmm::Entry::user(entry)
+    })
+    .unwrap();
+    assert!(wait_serial(&vm, "WAIT\n"), "{}", serial_string(&vm));
+    let dir = tempfile::tempdir().unwrap();
+    vm.snapshot(dir.path()).unwrap();
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("vm-state.json")).unwrap()).unwrap();
+    let types: Vec<_> = state["virtio"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["device_type"].as_u64().unwrap())
+        .collect();
+    assert_eq!(types, vec![3, 2]);
+
+    // Without the block device, or with a disk of another size: refused.
+    let e = Vm::restore(dir.path(), cfg()).unwrap_err();
+    assert!(matches!(e, VmmError::SnapshotIncompatible(_)), "{e}");
+    let small = blk_file(&image[..8 * 512]);
+    let e = Vm::restore(dir.path(), blk_cfg(small.path())).unwrap_err();
+    assert!(matches!(e, VmmError::SnapshotIncompatible(_)), "{e}");
+
+    // With it: the guest reads again after the restore, then finishes.
+    let restored = Vm::restore(dir.path(), blk_cfg(f.path())).unwrap();
+    set_go(&restored);
+    let exit = restored.wait();
+    let out = serial_string(&restored);
+    assert_eq!(exit, VmExit::GuestExit { code: BLK_EXIT }, "{out}");
+    assert_eq!(out, format!("{}{BLK_TAIL}", blk_in_lines(&image)));
+    assert_eq!(restored.virtio_errors(), vec![None, None]);
+
+    // The original goes on too.
+    set_go(&vm);
+    assert_eq!(vm.wait(), VmExit::GuestExit { code: BLK_EXIT });
+    let in_lines = blk_in_lines(&image);
+    assert_eq!(
+        serial_string(&vm),
+        format!("{BLK_CONFIG_LINE}{in_lines}WAIT\n{in_lines}{BLK_TAIL}")
+    );
 }

@@ -19,6 +19,15 @@ pub enum StateError {
         #[source]
         source: serde_json::Error,
     },
+    /// The saved state is well-formed but does not fit the device it is restored into (another
+    /// device type, or a block device of another capacity).
+    #[error("{device} state does not fit the device: {what}")]
+    Incompatible {
+        /// The device.
+        device: &'static str,
+        /// What differs.
+        what: String,
+    },
     /// The snapshot has another number of queues than the device.
     #[error("virtio device has {device} queues, the snapshot {snapshot}")]
     QueueCount {

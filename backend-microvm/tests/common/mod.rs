@@ -30,6 +30,8 @@ pub mod t {
     pub const TWO_VCPUS: u64 = 10;
     pub const WAIT_GO: u64 = 11;
     pub const REP_OUTSB: u64 = 12;
+    pub const BLK_READ: u64 = 13;
+    pub const BLK_READ_WAIT: u64 = 14;
 }
 
 /// Why KVM tests must skip here, if they must (only when /dev/kvm is unusable).

@@ -74,8 +74,10 @@ static struct queue q[2] __attribute__((aligned(4096)));
 static char rxbuf[256];
 static const char ping[] = "ping from the guest";
 
-static inline unsigned int vr(unsigned long off) { return *(volatile unsigned int *)(VIRTIO + off); }
-static inline void vw(unsigned long off, unsigned int v) { *(volatile unsigned int *)(VIRTIO + off) = v; }
+/* The virtio-mmio window vr/vw talk to: the console (device 0) unless a test picks another. */
+static unsigned long vbase = VIRTIO;
+static inline unsigned int vr(unsigned long off) { return *(volatile unsigned int *)(vbase + off); }
+static inline void vw(unsigned long off, unsigned int v) { *(volatile unsigned int *)(vbase + off) = v; }
 
 static int setup_queue(int i, unsigned long desc, unsigned long avail, unsigned long used) {
     vw(0x30, i);
@@ -91,20 +93,25 @@ static int setup_queue(int i, unsigned long desc, unsigned long avail, unsigned 
     return 1;
 }
 
-static int virtio_init(void) {
-    if (vr(0x00) != 0x74726976 || vr(0x04) != 2 || vr(0x08) != 3) return 0;
+/* Resets and negotiates device `id` at vbase: VERSION_1 plus the low feature bits `feat`,
+ * which the device must offer. */
+static int virtio_init_dev(unsigned int id, unsigned int feat) {
+    if (vr(0x00) != 0x74726976 || vr(0x04) != 2 || vr(0x08) != id) return 0;
     vw(0x70, 0);
     vw(0x70, 1 | 2);
     vw(0x14, 1);
     if (!(vr(0x10) & 1)) return 0; /* VERSION_1 */
+    vw(0x14, 0);
+    if ((vr(0x10) & feat) != feat) return 0;
     vw(0x24, 1);
     vw(0x20, 1);
     vw(0x24, 0);
-    vw(0x20, 0);
+    vw(0x20, feat);
     vw(0x70, 1 | 2 | 8);
     if (!(vr(0x70) & 8)) return 0;
     return 1;
 }
+static int virtio_init(void) { return virtio_init_dev(3, 0); }
 
 static unsigned int console_echo(void) {
     if (!virtio_init()) return 101;
@@ -166,6 +173,121 @@ static unsigned int virtio_garbage_ring(unsigned long ram) {
     return vr(0x70);
 }
 
+/* ---- virtio-blk (read-only) at the second virtio-mmio slot ---- */
+#define BLK_RO (1u << 5)
+#define BLK_SEG_MAX (1u << 2)
+static struct {
+    unsigned int type, reserved;
+    unsigned long sector;
+} blk_hdr;
+static unsigned char blk_data[1024];
+static char blk_id[20];
+static volatile unsigned char blk_status;
+static unsigned short blk_idx;
+
+/* Publishes the chain at descriptor 0 and waits for the device to use it. Returns the used
+ * length. */
+static unsigned int blk_submit(void) {
+    q[0].avail[2 + blk_idx % QSZ] = 0;
+    barrier();
+    blk_idx++;
+    q[0].avail[1] = blk_idx;
+    vw(0x50, 0);
+    while ((unsigned short)(q[0].used[0] >> 16) != blk_idx) {}
+    barrier();
+    return q[0].used[2 + 2 * ((blk_idx - 1) % QSZ)];
+}
+
+static void blk_desc(int i, void *addr, unsigned int len, unsigned short flags) {
+    q[0].d[i].addr = (unsigned long)addr;
+    q[0].d[i].len = len;
+    q[0].d[i].flags = flags;
+    q[0].d[i].next = i + 1;
+}
+
+static void blk_request(unsigned int type, unsigned long sector) {
+    blk_hdr.type = type;
+    blk_hdr.reserved = 0;
+    blk_hdr.sector = sector;
+    blk_status = 0xff;
+    blk_desc(0, &blk_hdr, sizeof(blk_hdr), 1 /* NEXT */);
+}
+
+static void blk_report(const char *what, unsigned int len) {
+    puts_(what);
+    puts_(" status ");
+    puthex(blk_status);
+    puts_(" len ");
+    puthex(len);
+    puts_("\n");
+}
+
+/* Reads 2 sectors from sector 1 over three data descriptors and prints an FNV-1a hash of
+ * them. */
+static void blk_in(void) {
+    for (int i = 0; i < 1024; i++) blk_data[i] = 0x5a ^ (unsigned char)i;
+    blk_request(0, 1);
+    blk_desc(1, blk_data, 100, 1 | 2);
+    blk_desc(2, blk_data + 100, 700, 1 | 2);
+    blk_desc(3, blk_data + 800, 224, 1 | 2);
+    blk_desc(4, (void *)&blk_status, 1, 2);
+    unsigned int len = blk_submit();
+    unsigned long h = 0xcbf29ce484222325UL;
+    for (int i = 0; i < 1024; i++) {
+        h ^= blk_data[i];
+        h *= 0x100000001b3UL;
+    }
+    blk_report("in", len);
+    puts_("hash ");
+    puthex(h);
+    puts_("\n");
+}
+
+static unsigned int blk_read(int wait) {
+    vbase = VIRTIO + 0x1000;
+    if (vr(0x08) != 2) return 201;
+    vw(0x14, 0);
+    unsigned int feat = vr(0x10);
+    if (!virtio_init_dev(2, BLK_RO | BLK_SEG_MAX)) return 202;
+    if (!setup_queue(0, (unsigned long)q[0].d, (unsigned long)q[0].avail, (unsigned long)q[0].used))
+        return 203;
+    vw(0x70, 1 | 2 | 8 | 4);
+    unsigned long cap = vr(0x100) | ((unsigned long)vr(0x104) << 32);
+    puts_("ro ");
+    puthex((feat & BLK_RO) != 0);
+    puts_(" capacity ");
+    puthex(cap);
+    puts_(" seg_max ");
+    puthex(vr(0x10c));
+    puts_("\n");
+    blk_in();
+    if (wait) {
+        puts_("WAIT\n");
+        while (*GO_FLAG == 0) {}
+        blk_in();
+    }
+    /* GET_ID */
+    for (int i = 0; i < 20; i++) blk_id[i] = '#';
+    blk_request(8, 0);
+    blk_desc(1, blk_id, 20, 1 | 2);
+    blk_desc(2, (void *)&blk_status, 1, 2);
+    blk_report("id", blk_submit());
+    puts_("id ");
+    for (int i = 0; i < 20 && blk_id[i]; i++) outb(SERIAL, blk_id[i]);
+    puts_("\n");
+    /* OUT: refused */
+    blk_request(1, 0);
+    blk_desc(1, blk_data, 512, 1);
+    blk_desc(2, (void *)&blk_status, 1, 2);
+    blk_report("out", blk_submit());
+    /* IN past the end: IOERR */
+    blk_request(0, cap);
+    blk_desc(1, blk_data, 512, 1 | 2);
+    blk_desc(2, (void *)&blk_status, 1, 2);
+    blk_report("past end", blk_submit());
+    return vr(0x70);
+}
+
 unsigned int cmain(unsigned long cpu, unsigned long test, unsigned long ram) {
     switch (test) {
     case 0: /* hello */
@@ -216,6 +338,10 @@ unsigned int cmain(unsigned long cpu, unsigned long test, unsigned long ram) {
         __asm__ volatile("rep outsb" : "+S"(src), "+c"(n) : "d"((unsigned short)SERIAL) : "memory");
         return 12;
     }
+    case 13:
+        return blk_read(0);
+    case 14: /* blk_read that waits for GO_FLAG after the first read (snapshot test) */
+        return blk_read(1);
     default:
         return 0xdead;
     }

@@ -43,7 +43,7 @@ const INT_CONFIG: u32 = 2;
 
 /// What a device model implements behind the transport.
 pub trait VirtioDevice: Send {
-    /// The virtio device ID (3 = console).
+    /// The virtio device ID (2 = block, 3 = console).
     fn device_type(&self) -> u32;
     /// Maximum size of each queue (the queue count is this slice's length).
     fn queue_max_sizes(&self) -> Vec<u16>;
@@ -87,6 +87,16 @@ pub struct TransportState {
     pub broken: Option<String>,
     /// Device-specific state.
     pub device: serde_json::Value,
+    /// The virtio device type (set by [`MmioTransport::save`]; a restore into another type
+    /// of device is refused). Snapshots from before it was recorded held only consoles.
+    #[serde(default = "legacy_device_type")]
+    pub device_type: u32,
+}
+
+/// The device type of a snapshot that does not record one: the console, the only virtio
+/// device there was.
+fn legacy_device_type() -> u32 {
+    super::console::DEVICE_ID_CONSOLE
 }
 
 /// A virtio-mmio device: registers + queues + a device model.
@@ -216,11 +226,23 @@ impl MmioTransport {
     pub fn save(&self) -> TransportState {
         let mut s = self.st.clone();
         s.device = self.device.save();
+        s.device_type = self.device.device_type();
         s
     }
 
-    /// Restores registers, queues and device state.
+    /// Restores registers, queues and device state. The state must come from a device of
+    /// the same type.
     pub fn restore(&mut self, s: &TransportState) -> Result<(), StateError> {
+        if s.device_type != self.device.device_type() {
+            return Err(StateError::Incompatible {
+                device: "virtio",
+                what: format!(
+                    "saved from device type {}, restored into type {}",
+                    s.device_type,
+                    self.device.device_type()
+                ),
+            });
+        }
         if s.queues.len() != self.st.queues.len() {
             return Err(StateError::QueueCount {
                 device: self.st.queues.len(),
@@ -230,6 +252,7 @@ impl MmioTransport {
         self.device.restore(&s.device)?;
         self.st = s.clone();
         self.st.device = serde_json::Value::Null;
+        self.st.device_type = 0;
         Ok(())
     }
 
@@ -372,7 +395,7 @@ impl BusDevice for MmioTransport {
 
     fn write(&mut self, offset: u64, data: &[u8]) {
         if offset >= 0x100 {
-            return; // config space is read-only for the console
+            return; // config space is read-only for the console and the block device
         }
         if let (Ok(b), true) = (<[u8; 4]>::try_from(data), offset.is_multiple_of(4)) {
             self.write_reg(offset, u32::from_le_bytes(b));

@@ -267,6 +267,37 @@ impl Queue {
         Ok(done)
     }
 
+    /// Splits a chain's device-writable region into its data part and its final byte (where
+    /// a block request's status goes): returns a chain of the writable buffers less that
+    /// byte, and the byte's address. `None` when the chain has no writable byte.
+    pub fn split_status(chain: &Chain) -> Option<(Chain, GuestAddress)> {
+        let last = chain
+            .buffers
+            .iter()
+            .rposition(|b| b.writable && b.len > 0)?;
+        let lb = *chain.buffers.get(last)?;
+        // In range: `walk` checked that the buffer lies inside guest memory.
+        let status = GuestAddress(lb.addr.0.checked_add(u64::from(lb.len - 1))?);
+        let mut buffers: Vec<Buffer> = chain.buffers[..last]
+            .iter()
+            .filter(|b| b.writable)
+            .copied()
+            .collect();
+        if lb.len > 1 {
+            buffers.push(Buffer {
+                len: lb.len - 1,
+                ..lb
+            });
+        }
+        Some((
+            Chain {
+                head: chain.head,
+                buffers,
+            },
+            status,
+        ))
+    }
+
     /// Total device-writable capacity of a chain.
     pub fn writable_len(chain: &Chain) -> usize {
         chain
@@ -330,6 +361,42 @@ mod tests {
         q.add_used(&m, c.head, 8).unwrap();
         assert_eq!(m.read_obj::<u16>(GuestAddress(0x3002)).unwrap(), 1);
         assert_eq!(q.pop(&m).unwrap(), None);
+    }
+
+    #[test]
+    fn split_status_takes_the_last_writable_byte() {
+        let b = |addr: u64, len: u32, writable: bool| Buffer {
+            addr: GuestAddress(addr),
+            len,
+            writable,
+        };
+        let c = Chain {
+            head: 3,
+            buffers: vec![
+                b(0x100, 16, false),
+                b(0x200, 8, true),
+                b(0x300, 4, true),
+                b(0x400, 0, true),
+            ],
+        };
+        let (data, status) = Queue::split_status(&c).unwrap();
+        assert_eq!(status, GuestAddress(0x303));
+        assert_eq!(data.head, 3);
+        assert_eq!(data.buffers, vec![b(0x200, 8, true), b(0x300, 3, true)]);
+        // A one-byte status buffer disappears from the data.
+        let c = Chain {
+            head: 0,
+            buffers: vec![b(0x100, 16, false), b(0x200, 8, true), b(0x300, 1, true)],
+        };
+        let (data, status) = Queue::split_status(&c).unwrap();
+        assert_eq!(status, GuestAddress(0x300));
+        assert_eq!(data.buffers, vec![b(0x200, 8, true)]);
+        // Nothing writable: no status byte.
+        let c = Chain {
+            head: 0,
+            buffers: vec![b(0x100, 16, false), b(0x200, 0, true)],
+        };
+        assert_eq!(Queue::split_status(&c), None);
     }
 
     #[test]

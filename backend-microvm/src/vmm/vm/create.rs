@@ -1,5 +1,6 @@
 //! Creating a VM: the process's `/dev/kvm` handle, then the VM itself (memory slots, the
-//! in-kernel irqchip and PIT, the serial port, the virtio-console, the vCPUs).
+//! in-kernel irqchip and PIT, the serial port, the virtio-console, the read-only virtio-blk
+//! device, the vCPUs).
 
 use super::*;
 
@@ -145,6 +146,40 @@ impl Vm {
                 device_type: crate::devices::virtio::console::DEVICE_ID_CONSOLE,
             });
             console_host = Some(host);
+        }
+        if let Some(b) = &cfg.block {
+            let block = Block::open(&b.path, &b.id).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::InvalidInput {
+                    VmmError::InvalidConfig(e.to_string())
+                } else {
+                    VmmError::Io {
+                        context: format!("opening the block device file {}", b.path.display()),
+                        source: e,
+                    }
+                }
+            })?;
+            // After the console, so that the console stays device 0.
+            let n = u32::try_from(virtio.len())
+                .map_err(|_| VmmError::InvalidConfig("too many virtio devices".into()))?;
+            let base = layout::VIRTIO_MMIO_BASE + u64::from(n) * layout::VIRTIO_MMIO_SIZE;
+            let irq = layout::VIRTIO_IRQ_BASE + n;
+            let notify = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
+                .map_err(VmmError::io("eventfd"))?;
+            let t = Arc::new(Mutex::new(MmioTransport::new(
+                Box::new(block),
+                ram.memory().clone(),
+                irqfd(irq)?,
+                notify,
+            )));
+            let dev: SharedDevice = t.clone();
+            mmio.insert(base, layout::VIRTIO_MMIO_SIZE, dev);
+            virtio.push(t);
+            virtio_info.push(VirtioMmioInfo {
+                base,
+                size: layout::VIRTIO_MMIO_SIZE,
+                irq,
+                device_type: crate::devices::virtio::blk::DEVICE_ID_BLOCK,
+            });
         }
 
         let mut pending_vcpus = Vec::new();

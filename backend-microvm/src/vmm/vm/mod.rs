@@ -30,6 +30,7 @@ use vmm_sys_util::eventfd::EventFd;
 use crate::devices::serial::{
     OutputCallback, SerialDevice, SerialOutput, SerialSnapshot, SharedOutput,
 };
+use crate::devices::virtio::blk::Block;
 use crate::devices::virtio::console::Console;
 use crate::devices::virtio::mmio::{MmioTransport, TransportState};
 use crate::layout;
@@ -66,6 +67,9 @@ pub struct VmConfig {
     /// Attach a virtio-console (virtio-mmio device 0); its host end is
     /// [`Vm::take_console`].
     pub virtio_console: bool,
+    /// Attach a read-only virtio-blk device backed by this file (the virtio-mmio device
+    /// after the console, if any).
+    pub block: Option<BlockConfig>,
     /// Wall-clock limit from [`Vm::start`] (or restore): the VM is then killed with
     /// [`VmExit::DeadlineExceeded`].
     pub deadline: Option<Duration>,
@@ -86,6 +90,7 @@ impl std::fmt::Debug for VmConfig {
             .field("vcpus", &self.vcpus)
             .field("serial_cap", &self.serial_cap)
             .field("virtio_console", &self.virtio_console)
+            .field("block", &self.block)
             .field("deadline", &self.deadline)
             .field("seccomp", &self.seccomp)
             .field("irqchip", &self.irqchip)
@@ -101,10 +106,36 @@ impl Default for VmConfig {
             serial_cap: 1 << 20,
             serial_callback: None,
             virtio_console: false,
+            block: None,
             deadline: None,
             seccomp: true,
             irqchip: true,
         }
+    }
+}
+
+/// A read-only virtio-blk device (see [`crate::devices::virtio::blk`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockConfig {
+    /// The backing file (or block device), opened read-only when the VM is built; its size
+    /// in whole 512-byte sectors is the disk's capacity.
+    pub path: PathBuf,
+    /// The device id the guest reads with `GET_ID` (at most 20 bytes; Linux shows it as
+    /// `/sys/block/vdX/serial`).
+    pub id: String,
+}
+
+impl VmConfig {
+    /// The virtio device types this configuration attaches, in virtio-mmio slot order.
+    fn virtio_device_types(&self) -> Vec<u32> {
+        let mut t = Vec::new();
+        if self.virtio_console {
+            t.push(crate::devices::virtio::console::DEVICE_ID_CONSOLE);
+        }
+        if self.block.is_some() {
+            t.push(crate::devices::virtio::blk::DEVICE_ID_BLOCK);
+        }
+        t
     }
 }
 

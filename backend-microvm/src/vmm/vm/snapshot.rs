@@ -140,7 +140,11 @@ impl Vm {
     /// Memory is mapped copy-on-write from the snapshot's memory file, which must stay in
     /// place while the VM lives. `cfg.mem_size` and `cfg.vcpus` must match the snapshot
     /// (else [`VmmError::SnapshotIncompatible`]); `cfg.virtio_console` is taken from the
-    /// snapshot; the deadline, serial cap/callback and seccomp come from `cfg`.
+    /// snapshot; the deadline, serial cap/callback and seccomp come from `cfg`. The block
+    /// device's backing file comes from `cfg.block`, which must be set exactly when the
+    /// snapshot has a block device, to a file of the same capacity (else
+    /// [`VmmError::SnapshotIncompatible`]); the device is read-only, so the guest's view
+    /// stays consistent only if the file's contents are the same too (not checked).
     pub fn restore(dir: &Path, cfg: VmConfig) -> Result<Vm> {
         let raw = std::fs::read(dir.join(SNAPSHOT_STATE_FILE))
             .map_err(VmmError::io(format!("reading {}", dir.display())))?;
@@ -159,7 +163,18 @@ impl Vm {
         }
         let ram = GuestRam::open_private(&dir.join(SNAPSHOT_MEMORY_FILE), st.mem_size)?;
         let mut cfg = cfg;
-        cfg.virtio_console = !st.virtio.is_empty();
+        cfg.virtio_console = st
+            .virtio
+            .iter()
+            .any(|t| t.device_type == crate::devices::virtio::console::DEVICE_ID_CONSOLE);
+        let saved: Vec<u32> = st.virtio.iter().map(|t| t.device_type).collect();
+        let configured = cfg.virtio_device_types();
+        if saved != configured {
+            return Err(VmmError::SnapshotIncompatible(format!(
+                "the snapshot has virtio devices of types {saved:?}, the VM is configured for \
+                 {configured:?} (is the block device set as when it was taken?)"
+            )));
+        }
         let mut vm = Self::build(
             cfg,
             ram,
@@ -174,7 +189,13 @@ impl Vm {
             ));
         }
         for (t, s) in vm.virtio.iter().zip(&st.virtio) {
-            t.lock().unwrap_or_else(|p| p.into_inner()).restore(s)?;
+            match t.lock().unwrap_or_else(|p| p.into_inner()).restore(s) {
+                Ok(()) => {}
+                Err(e @ crate::devices::StateError::Incompatible { .. }) => {
+                    return Err(VmmError::SnapshotIncompatible(e.to_string()))
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
         for (v, s) in vm.pending_vcpus.iter().zip(&st.vcpus) {
             vcpu::restore_state(v, s, vm.has_irqchip)?;

@@ -67,7 +67,7 @@ impl Threads {
             t.vcpu_jobs.push(tx);
             t.handles.push(h);
         }
-        if cfg.virtio_console || cfg.deadline.is_some() {
+        if cfg.virtio_console || cfg.block.is_some() || cfg.deadline.is_some() {
             let (tx, rx) = mpsc::channel::<IoJob>();
             let h = std::thread::Builder::new()
                 .name("microvm-io".into())
