@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::fs;
 use std::io::{self, Read};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use serde::Deserialize;
@@ -48,22 +48,9 @@ impl OciLayout {
         Ok(bytes)
     }
 
-    fn parse(&self, bytes: &[u8], what: &str) -> Result<ManifestOrIndex> {
-        serde_json::from_slice(bytes)
-            .map_err(|e| ImageError::malformed(self.describe(), format!("{what}: {e}")))
-    }
-}
-
-#[async_trait]
-impl Source for OciLayout {
-    fn describe(&self) -> String {
-        match &self.tag {
-            Some(t) => format!("oci:{}:{t}", self.dir.display()),
-            None => format!("oci:{}", self.dir.display()),
-        }
-    }
-
-    async fn resolve(&self) -> Result<Resolved> {
+    /// The manifest the reference names (an index resolved to linux/amd64), verified, with
+    /// its digest: a few small reads, so a cached image is found without reading more.
+    pub(crate) fn manifest(&self) -> Result<(String, ManifestOrIndex)> {
         let name = self.describe();
         if !self.dir.join("oci-layout").is_file() {
             return Err(ImageError::malformed(
@@ -104,25 +91,45 @@ impl Source for OciLayout {
         for _ in 0..4 {
             let bytes = self.blob(&desc.digest)?;
             let m = self.parse(&bytes, &desc.digest)?;
-            if let Some(list) = m.manifests {
-                desc = source::pick_platform(&list, &name)?.clone();
-                continue;
+            match &m.manifests {
+                Some(list) => desc = source::pick_platform(list, &name)?.clone(),
+                None => return Ok((desc.digest, m)),
             }
-            let (Some(config), Some(layers)) = (m.config, m.layers) else {
-                return Err(ImageError::malformed(
-                    &name,
-                    format!("{} is not an image manifest", desc.digest),
-                ));
-            };
-            let config_bytes = self.blob(&config.digest)?;
-            let (_, diff_ids) = crate::config::parse(&config_bytes, &name)?;
-            return Ok(Resolved {
-                manifest_digest: desc.digest,
-                config: config_bytes,
-                layers: source::layers_of(&layers, &diff_ids, &name)?,
-            });
         }
         Err(ImageError::malformed(&name, "indexes nested too deeply"))
+    }
+
+    fn parse(&self, bytes: &[u8], what: &str) -> Result<ManifestOrIndex> {
+        serde_json::from_slice(bytes)
+            .map_err(|e| ImageError::malformed(self.describe(), format!("{what}: {e}")))
+    }
+}
+
+#[async_trait]
+impl Source for OciLayout {
+    fn describe(&self) -> String {
+        match &self.tag {
+            Some(t) => format!("oci:{}:{t}", self.dir.display()),
+            None => format!("oci:{}", self.dir.display()),
+        }
+    }
+
+    async fn resolve(&self) -> Result<Resolved> {
+        let name = self.describe();
+        let (digest, m) = self.manifest()?;
+        let (Some(config), Some(layers)) = (m.config, m.layers) else {
+            return Err(ImageError::malformed(
+                &name,
+                format!("{digest} is not an image manifest"),
+            ));
+        };
+        let config_bytes = self.blob(&config.digest)?;
+        let (_, diff_ids) = crate::config::parse(&config_bytes, &name)?;
+        Ok(Resolved {
+            manifest_digest: digest,
+            config: config_bytes,
+            layers: source::layers_of(&layers, &diff_ids, &name)?,
+        })
     }
 
     async fn fetch(&self, layer: &LayerDesc, dest: &Path, max_bytes: u64) -> Result<()> {
@@ -164,12 +171,26 @@ fn copy_verified(src: &Path, dest: &Path, expected: &str, max_bytes: u64) -> Res
 
 /// A `docker save` tarball: `manifest.json` naming the config and the layer files inside.
 /// The first image of the archive is used.
+#[derive(Clone)]
 pub(crate) struct DockerArchive {
     pub path: PathBuf,
     /// Where extracted layers wait (the store's `tmp/`).
     pub scratch: PathBuf,
     /// Layer blobs extracted by `resolve`, by their computed digest.
-    extracted: Mutex<HashMap<String, PathBuf>>,
+    extracted: Arc<Extracted>,
+}
+
+/// Extracted layer files not yet moved into the cache; removed when the source goes.
+struct Extracted(Mutex<HashMap<String, PathBuf>>);
+
+impl Drop for Extracted {
+    fn drop(&mut self) {
+        if let Ok(map) = self.0.lock() {
+            for p in map.values() {
+                let _ = fs::remove_file(p);
+            }
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -184,7 +205,7 @@ impl DockerArchive {
         DockerArchive {
             path,
             scratch,
-            extracted: Mutex::new(HashMap::new()),
+            extracted: Arc::new(Extracted(Mutex::new(HashMap::new()))),
         }
     }
 
@@ -263,7 +284,7 @@ impl DockerArchive {
             io::copy(&mut r, &mut out).map_err(|e| self.bad_tar(e))?;
             let size = r.count();
             let d = r.finish();
-            if let Ok(mut map) = self.extracted.lock() {
+            if let Ok(mut map) = self.extracted.0.lock() {
                 map.insert(d.clone(), tmp);
             }
             by_path.insert(p, (d, size));
@@ -275,6 +296,7 @@ impl DockerArchive {
                 .ok_or_else(|| ImageError::malformed(&name, format!("layer {p} is missing")))?;
             let head = self
                 .extracted
+                .0
                 .lock()
                 .ok()
                 .and_then(|m| m.get(d).cloned())
@@ -312,16 +334,6 @@ impl DockerArchive {
     }
 }
 
-impl Drop for DockerArchive {
-    fn drop(&mut self) {
-        if let Ok(map) = self.extracted.lock() {
-            for p in map.values() {
-                let _ = fs::remove_file(p);
-            }
-        }
-    }
-}
-
 #[async_trait]
 impl Source for DockerArchive {
     fn describe(&self) -> String {
@@ -329,12 +341,18 @@ impl Source for DockerArchive {
     }
 
     async fn resolve(&self) -> Result<Resolved> {
-        tokio::task::block_in_place(|| self.resolve_blocking())
+        // Reading and hashing the whole archive: off the async threads (which may be a
+        // single-threaded runtime's only one).
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || me.resolve_blocking())
+            .await
+            .map_err(|e| ImageError::io("read", self.path.clone(), io::Error::other(e)))?
     }
 
     async fn fetch(&self, layer: &LayerDesc, dest: &Path, max_bytes: u64) -> Result<()> {
         let src = self
             .extracted
+            .0
             .lock()
             .ok()
             .and_then(|mut m| m.remove(&layer.digest))

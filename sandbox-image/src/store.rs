@@ -409,7 +409,15 @@ impl ImageStore {
             ImageRef::Registry {
                 digest: Some(d), ..
             } => Some(d.clone()),
-            ImageRef::OciLayout { .. } => None,
+            // A layout's content may change under its tag: its manifest decides (a few small
+            // reads).
+            ImageRef::OciLayout { path, tag } => crate::offline::OciLayout {
+                dir: path.clone(),
+                tag: tag.clone(),
+            }
+            .manifest()
+            .ok()
+            .map(|(d, _)| d),
             _ => self.refs()?.get(&key).cloned(),
         };
         let Some(digest) = digest else {
