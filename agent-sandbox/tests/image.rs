@@ -306,3 +306,57 @@ fn a_pull_killed_halfway_leaves_nothing_in_use_and_runs_again() {
     assert!(cli(&["image", "prune"], cache.path()).status.success());
     assert_eq!(std::fs::read_dir(&tmp).unwrap().count(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_of_image_sandboxes_restore_on_every_linux_tier() {
+    let layout = match test_image() {
+        Ok(l) => l,
+        Err(why) => {
+            eprintln!("SKIP: {why}");
+            return;
+        }
+    };
+    let cache = tempfile::tempdir().unwrap();
+    let store = ImageStore::builder(cache.path()).build().unwrap();
+    let rt = Runtime::builder_with_image_store(store).build();
+    let spec = SandboxSpec::builder(Language::Shell)
+        .image(format!("oci:{}:python3", layout.display()))
+        .wall_time(Duration::from_secs(60))
+        .build()
+        .unwrap();
+    for status in rt.probe().await {
+        let tier = status.tier;
+        let Some(caps) = rt.backend(tier).map(|b| b.capabilities()) else {
+            continue;
+        };
+        if !caps.images || caps.snapshots.is_empty() {
+            continue;
+        }
+        if !status.available {
+            eprintln!("SKIP {tier}: {}", status.reason);
+            continue;
+        }
+        let snaps = tempfile::tempdir().unwrap();
+        let snaps = agent_sandbox::ObjectSnapshotStore::local(snaps.path()).unwrap();
+        let sb = rt.create(&spec, TierChoice::Tier(tier)).await.unwrap();
+        let r = sb
+            .exec(ExecRequest::code(
+                "echo in-root > /etc/marker && echo in-ws > /workspace/w && echo ok",
+            ))
+            .await
+            .unwrap();
+        assert!(r.success(), "{tier}: {r:?}");
+        let id = sb.snapshot(&snaps).await.unwrap();
+        sb.destroy().await.unwrap();
+        let back = rt.restore(&snaps, &id).await.unwrap();
+        let r = back
+            .exec(ExecRequest::code(
+                "cat /etc/marker /workspace/w; python3 -c 'import sys; print(sys.version_info[1])'",
+            ))
+            .await
+            .unwrap();
+        assert!(r.success(), "{tier}: {r:?}");
+        assert_eq!(r.stdout_str(), "in-root\nin-ws\n13\n", "{tier}");
+        back.destroy().await.unwrap();
+    }
+}

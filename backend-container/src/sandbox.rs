@@ -312,6 +312,16 @@ impl Inner {
         Ok(match cmd {
             Command::Argv(a) => a.clone(),
             Command::Code(code) => {
+                // Code runs the image's own interpreter: say so if it has none.
+                if let Some(img) = &self.image {
+                    let program = match self.spec.language {
+                        Language::Python => "python3",
+                        Language::Node | Language::Javascript => "node",
+                        _ => "sh",
+                    };
+                    img.require_program(program)
+                        .map_err(|e| e.into_core(TIER))?;
+                }
                 let v = |p: &[&str]| {
                     p.iter()
                         .map(|s| s.to_string())

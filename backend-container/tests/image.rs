@@ -281,3 +281,39 @@ async fn snapshots_carry_the_upper_layer_and_find_the_image_again() {
     assert_eq!(out, "kept\nws\nimage-os 7\n");
     back.destroy().await.unwrap();
 }
+
+#[tokio::test]
+async fn code_in_a_language_the_image_lacks_is_a_clear_error() {
+    if let Some(why) = common::rootfs_skip_reason().await {
+        eprintln!("SKIP: {why}");
+        return;
+    }
+    let f = fixture();
+    // The busybox image has `sh` but no python3.
+    let spec = SandboxSpec::builder(Language::Python)
+        .image(format!("oci:{}:v1", f.tmp.path().join("layout").display()))
+        .build()
+        .unwrap();
+    let sb = f
+        .backend
+        .create(&spec, ResolvedSecrets::none())
+        .await
+        .unwrap();
+    match sb.exec(sandbox_core::ExecRequest::code("print(1)")).await {
+        Err(sandbox_core::Error::InvalidSpec { field, reason }) => {
+            assert_eq!(field, "image");
+            assert!(
+                reason.contains("no `python3` on its PATH (/bin)"),
+                "{reason}"
+            );
+        }
+        other => panic!("expected a clear refusal, got {other:?}"),
+    }
+    // Commands as argv still run.
+    let r = sb
+        .exec(sandbox_core::ExecRequest::argv(["echo", "argv works"]))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_str(), "argv works\n");
+    sb.destroy().await.unwrap();
+}

@@ -95,6 +95,20 @@ pub enum ImageError {
         used: u64,
     },
 
+    /// Code in a language was asked of an image without its interpreter.
+    #[error(
+        "image `{image}` has no `{program}` on its PATH ({path}): code strings run the image's \
+         own interpreter; use an image that has it, or run commands as argv"
+    )]
+    MissingProgram {
+        /// The image reference.
+        image: String,
+        /// The interpreter looked for.
+        program: String,
+        /// The `PATH` searched.
+        path: String,
+    },
+
     /// The image is not in the cache (for operations that never pull).
     #[error("image `{0}` is not in the cache; pull it first (`agent-sandbox image pull {0}`)")]
     NotCached(String),
@@ -156,6 +170,7 @@ impl ImageError {
             | ImageError::MaliciousLayer { .. }
             | ImageError::DigestMismatch { .. }
             | ImageError::NotCached(_)
+            | ImageError::MissingProgram { .. }
             | ImageError::Unsupported(_) => sandbox_core::Error::invalid("image", self.to_string()),
             _ => sandbox_core::Error::backend_caused(tier, "preparing the image", self),
         }

@@ -252,6 +252,45 @@ impl Image {
         Ok((uid, gid))
     }
 
+    /// Where `program` is on the image's `PATH` (its config's, else the usual one), as the
+    /// sandbox will see it: the topmost layer holding an entry at a `PATH` directory decides
+    /// (a whiteout hides lower ones). `None`: the image has no such program, so code strings
+    /// needing that interpreter cannot run (tiers say so before trying).
+    pub fn find_program(&self, program: &str) -> Option<String> {
+        let path = self
+            .config
+            .path()
+            .unwrap_or("/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin");
+        path.split(':')
+            .filter(|d| d.starts_with('/'))
+            .find_map(|dir| {
+                let inside = format!("{}/{program}", dir.trim_end_matches('/'));
+                let rel = inside.trim_start_matches('/');
+                for layer in self.layers.iter().rev() {
+                    if let Ok(m) = fs::symlink_metadata(layer.join(rel)) {
+                        use std::os::unix::fs::FileTypeExt;
+                        let whiteout = m.file_type().is_char_device() && m.len() == 0;
+                        return (!whiteout).then(|| inside.clone());
+                    }
+                }
+                None
+            })
+    }
+
+    /// [`find_program`](Self::find_program), or an error naming the image, the program and
+    /// the `PATH` searched.
+    ///
+    /// # Errors
+    /// [`ImageError::MissingProgram`].
+    pub fn require_program(&self, program: &str) -> Result<String> {
+        self.find_program(program)
+            .ok_or_else(|| ImageError::MissingProgram {
+                image: self.reference.clone(),
+                program: program.to_owned(),
+                path: self.config.path().unwrap_or("the default PATH").to_owned(),
+            })
+    }
+
     /// `/etc/NAME` as the image's topmost layer holding it has it (a regular file, never
     /// followed through a link); empty when none does.
     fn etc_file(&self, name: &str) -> String {

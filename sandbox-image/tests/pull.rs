@@ -267,3 +267,29 @@ fn unknown_schemes_and_paths_fail_cleanly() {
     assert!(e.to_string().contains("not an OCI image layout"), "{e}");
     let _ = Path::new("/");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn docker_schema_2_manifests_pull_like_oci_ones() {
+    if !common::have_tools() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut layout = Layout::new(&tmp.path().join("layout"));
+    two_layers(&mut layout, Comp::Gzip, "v1");
+    let reg = Registry::start(None, None);
+    // skopeo converts to Docker's schema 2 (manifest and layer media types) on the way.
+    reg.push(&layout.dir, "v1", "test/docker", &["--format", "v2s2"]);
+    let store = ImageStore::builder(tmp.path().join("cache"))
+        .build()
+        .unwrap();
+    let image = store
+        .pull(&r(&format!("{}/test/docker:v1", reg.addr)))
+        .await
+        .unwrap();
+    assert_eq!(image.layers().len(), 2);
+    assert_eq!(
+        std::fs::read(image.layers()[0].join("etc/os")).unwrap(),
+        b"test-os 1\n"
+    );
+    assert_eq!(image.config().working_dir.as_deref(), Some("/work"));
+}

@@ -26,6 +26,16 @@ impl Inner {
 
     pub(super) fn argv(&self, cmd: &Command) -> Result<(Vec<String>, BTreeMap<String, String>)> {
         let mut extra = BTreeMap::new();
+        if let (Command::Code(_), Some(img)) = (cmd, &self.image) {
+            // Code runs the image's own interpreter: say so if it has none.
+            let program = match self.spec.language {
+                Language::Python => "python3",
+                Language::Node | Language::Javascript => "node",
+                _ => "sh",
+            };
+            img.require_program(program)
+                .map_err(|e| e.into_core(TIER))?;
+        }
         let argv = match cmd {
             Command::Argv(a) => a.clone(),
             Command::Code(code) => match self.spec.language {
