@@ -305,9 +305,20 @@ impl ContainerBackend {
         if template.is_none() {
             ws_tree = None;
         }
+        // An own root whose layers go over as idmapped mounts (fds: see `spawn::spawn_init`)
+        // needs no view of the host's paths beyond `/dev`: such a create may take the
+        // zygote's spare init (cloned in its template namespace) as host-tools creates do,
+        // once this backend has seen layers idmapped here. Spec mounts and host-directory
+        // workspaces keep the library's own namespace.
+        let spare_ns = !rootless
+            && egress.is_none()
+            && !root.layers.is_empty()
+            && spec.mounts.is_empty()
+            && matches!(spec.workspace, Workspace::Empty)
+            && self.layers_idmap.load(Ordering::Relaxed);
         // The init makes its namespaces (~0.5 ms; a spare has them already) while we plan
         // its setup.
-        let starting = spawn::start_init(true, template.is_some(), &ids)
+        let starting = spawn::start_init(true, template.is_some() || spare_ns, &ids)
             .await
             .map_err(|e| Error::backend_caused(TIER, "starting the sandbox init", e))?;
         let planned = (|| {
@@ -400,8 +411,14 @@ impl ContainerBackend {
             .map_err(|e| Error::backend_caused(TIER, "bootstrapping the sandbox init", e))?;
         let pid = spawned.pid;
         let lo = (!rootless && !spawned.lo_up).then(|| network::loopback_up(pid));
-        if !lower.is_empty() && !spawned.idmapped {
-            tracing::warn!(sandbox = %id, "root filesystem layers used without idmapping");
+        if !lower.is_empty() {
+            if spawned.idmapped {
+                self.layers_idmap.store(true, Ordering::Relaxed);
+            } else {
+                // Layers then go over as paths: the library's own namespace sees them best.
+                self.layers_idmap.store(false, Ordering::Relaxed);
+                tracing::warn!(sandbox = %id, "root filesystem layers used without idmapping");
+            }
         }
         Ok(Allocation {
             id,

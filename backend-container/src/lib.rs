@@ -241,6 +241,7 @@ impl ContainerBuilder {
             host_ops: Arc::new(std::sync::OnceLock::new()),
             cgroups_ok: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             images: Arc::new(std::sync::OnceLock::new()),
+            layers_idmap: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         })
     }
 }
@@ -258,6 +259,9 @@ pub struct ContainerBackend {
     cgroups_ok: Arc<std::sync::atomic::AtomicBool>,
     /// The image store in use, once an image was asked for.
     images: Arc<std::sync::OnceLock<ImageStore>>,
+    /// Set once root-filesystem layers were idmapped here (then own-root creates may use
+    /// the zygote's spare inits, see `create::allocate`).
+    layers_idmap: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Whether a spec brings its own root filesystem (a directory or an image) instead of the
