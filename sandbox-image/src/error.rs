@@ -110,7 +110,10 @@ pub enum ImageError {
     },
 
     /// The image is not in the cache (for operations that never pull).
-    #[error("image `{0}` is not in the cache; pull it first (`agent-sandbox image pull {0}`)")]
+    #[error(
+        "image `{0}` is not in the cache (`agent-sandbox image ls` lists what is; \
+         `agent-sandbox image pull {0}` fetches it)"
+    )]
     NotCached(String),
 
     /// A file-system operation on the cache (or a source file) failed.
