@@ -29,6 +29,11 @@ fn test_image() -> Result<PathBuf, String> {
     }
 }
 
+/// [`test_image`], or `None` after printing why the test skips.
+fn test_image_or_skip() -> Option<PathBuf> {
+    test_image().map_err(|why| eprintln!("SKIP: {why}")).ok()
+}
+
 fn python_spec(image: &str) -> SandboxSpec {
     SandboxSpec::builder(Language::Python)
         .image(image)
@@ -44,12 +49,8 @@ const PROBE: &str = "import sys, pathlib\n\
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_image_python_runs_in_every_linux_tier() {
-    let layout = match test_image() {
-        Ok(l) => l,
-        Err(why) => {
-            eprintln!("SKIP: {why}");
-            return;
-        }
+    let Some(layout) = test_image_or_skip() else {
+        return;
     };
     let cache = tempfile::tempdir().unwrap();
     let store = ImageStore::builder(cache.path()).build().unwrap();
@@ -148,12 +149,8 @@ fn cli(args: &[&str], cache: &std::path::Path) -> std::process::Output {
 
 #[test]
 fn the_cli_runs_an_image_from_a_plain_http_loopback_registry() {
-    let layout = match test_image() {
-        Ok(l) => l,
-        Err(why) => {
-            eprintln!("SKIP: {why}");
-            return;
-        }
+    let Some(layout) = test_image_or_skip() else {
+        return;
     };
     let Some(reg) = registry(&layout) else { return };
     let cache = tempfile::tempdir().unwrap();
@@ -219,12 +216,8 @@ fn the_cli_runs_an_image_from_a_plain_http_loopback_registry() {
 
 #[test]
 fn a_pull_killed_halfway_leaves_nothing_in_use_and_runs_again() {
-    let layout = match test_image() {
-        Ok(l) => l,
-        Err(why) => {
-            eprintln!("SKIP: {why}");
-            return;
-        }
+    let Some(layout) = test_image_or_skip() else {
+        return;
     };
     let Some(reg) = registry(&layout) else { return };
     let cache = tempfile::tempdir().unwrap();
@@ -309,12 +302,8 @@ fn a_pull_killed_halfway_leaves_nothing_in_use_and_runs_again() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshots_of_image_sandboxes_restore_on_every_linux_tier() {
-    let layout = match test_image() {
-        Ok(l) => l,
-        Err(why) => {
-            eprintln!("SKIP: {why}");
-            return;
-        }
+    let Some(layout) = test_image_or_skip() else {
+        return;
     };
     let cache = tempfile::tempdir().unwrap();
     let store = ImageStore::builder(cache.path()).build().unwrap();
