@@ -109,6 +109,33 @@ pub enum ImageError {
         path: String,
     },
 
+    /// `mkfs.ext4` (e2fsprogs), which builds filesystem images for the microVM tier
+    /// ([`ImageStore::rootfs_image`](crate::ImageStore::rootfs_image)), is not installed.
+    #[error(
+        "cannot build a filesystem image: `{program}` was not found; install e2fsprogs \
+         (`apt install e2fsprogs`, `dnf install e2fsprogs`) or name it with StoreBuilder::mkfs_ext4"
+    )]
+    MissingMkfs {
+        /// What was looked for (a path, or `mkfs.ext4` searched in `/usr/sbin`, `/sbin` and
+        /// `PATH`).
+        program: String,
+    },
+
+    /// `mkfs.ext4` failed to build an image's filesystem image (or could not be run).
+    /// Nothing was kept.
+    #[error(
+        "building the filesystem image of {image} failed: {detail}{}",
+        stderr_tail(stderr)
+    )]
+    FsImage {
+        /// The image's manifest digest.
+        image: String,
+        /// What failed.
+        detail: String,
+        /// What `mkfs.ext4` wrote on its standard error (empty when it did not run).
+        stderr: String,
+    },
+
     /// The image is not in the cache (for operations that never pull).
     #[error(
         "image `{0}` is not in the cache (`agent-sandbox image ls` lists what is; \
@@ -127,6 +154,15 @@ pub enum ImageError {
         #[source]
         source: std::io::Error,
     },
+}
+
+fn stderr_tail(stderr: &str) -> String {
+    let s = stderr.trim();
+    if s.is_empty() {
+        String::new()
+    } else {
+        format!(": {s}")
+    }
 }
 
 fn disk_hint(e: &std::io::Error) -> &'static str {

@@ -24,6 +24,9 @@
 //! - **Unpacking** (see the `unpack` module's rules): whiteouts as overlayfs expects them; no
 //!   entry, link or hard link lands outside the layer; device nodes skipped; set-id bits
 //!   cleared. A hostile layer is refused with the entry named.
+//! - **Filesystem images** ([`ImageStore::rootfs_image`]): an image's layers merged into a
+//!   read-only ext4 file (`mkfs.ext4 -d`), built once per image, for the microVM tier's
+//!   virtio-blk root device.
 //!
 //! Backends ask [`ImageStore::ensure`] for an [`Image`] and mount its [`Image::layers`] as
 //! overlay lower layers; none of them parses a registry.
@@ -32,6 +35,7 @@ mod auth;
 mod config;
 mod digest;
 mod error;
+mod fsimage;
 mod offline;
 mod registry;
 mod source;
@@ -42,5 +46,6 @@ mod unpack;
 pub use auth::{docker_config_path, from_docker_config, Credentials};
 pub use config::ImageConfig;
 pub use error::{ImageError, Result};
+pub use fsimage::FsImage;
 pub use sandbox_core::ImageRef;
 pub use store::{Image, ImageInfo, ImageStore, PruneReport, StoreBuilder, DEFAULT_MAX_BYTES};

@@ -7,8 +7,9 @@
 //!   layers/<diff-id hex>/     unpacked layers (overlay lower directories), never written again
 //!   layers/<diff-id hex>.size their size in bytes
 //!   images/<manifest hex>.json one record per image: config, layers
+//!   fsimages/<manifest hex>.ext4 read-only ext4 image of the merged layers (microVM), on demand
 //!   refs.json                 reference -> manifest digest
-//!   locks/                    flock files (store, refs, one per blob and layer being made)
+//!   locks/                    flock files (store, refs, one per blob, layer and fs image made)
 //!   tmp/                      downloads and unpacks in progress; renamed into place when done
 //! ```
 //!
@@ -50,6 +51,7 @@ struct StoreConfig {
     docker_config: Option<PathBuf>,
     connect_timeout: Duration,
     read_timeout: Duration,
+    mkfs_ext4: Option<PathBuf>,
 }
 
 /// Builds an [`ImageStore`].
@@ -106,12 +108,26 @@ impl StoreBuilder {
         self
     }
 
+    /// Runs this `mkfs.ext4` to build filesystem images ([`ImageStore::rootfs_image`])
+    /// instead of looking for it in `/usr/sbin`, `/sbin` and then `PATH`.
+    pub fn mkfs_ext4(mut self, program: impl Into<PathBuf>) -> Self {
+        self.cfg.mkfs_ext4 = Some(program.into());
+        self
+    }
+
     /// Opens (creating) the store.
     ///
     /// # Errors
     /// [`ImageError::Io`] when the directories cannot be made.
     pub fn build(self) -> Result<ImageStore> {
-        for d in ["blobs/sha256", "layers", "images", "locks", "tmp"] {
+        for d in [
+            "blobs/sha256",
+            "layers",
+            "images",
+            "fsimages",
+            "locks",
+            "tmp",
+        ] {
             let p = self.root.join(d);
             fs::create_dir_all(&p)
                 .map_err(|e| ImageError::io("create the image cache directory", &p, e))?;
@@ -173,7 +189,8 @@ pub struct Image {
     config: ImageConfig,
     layers: Vec<PathBuf>,
     bytes: u64,
-    _lease: Arc<Flock<fs::File>>,
+    /// The image's record, locked shared: `rm`/`prune` spare it while a clone lives.
+    pub(crate) lease: Arc<Flock<fs::File>>,
 }
 
 impl Image {
@@ -320,7 +337,8 @@ pub struct ImageInfo {
     /// Number of layers.
     pub layers: usize,
     /// Bytes of its blobs plus its unpacked layers (layers shared with other images are
-    /// counted in each).
+    /// counted in each), plus its filesystem image when one was built (the disk space it
+    /// takes: the file is sparse).
     pub bytes: u64,
     /// Whether a sandbox uses it now.
     pub in_use: bool,
@@ -336,6 +354,8 @@ pub struct PruneReport {
     pub blobs: usize,
     /// Unpacked layers removed.
     pub layers: usize,
+    /// Filesystem images ([`ImageStore::rootfs_image`]) removed.
+    pub fs_images: usize,
     /// Bytes freed.
     pub bytes: u64,
 }
@@ -359,7 +379,7 @@ struct LayerRecord {
     size: Option<u64>,
 }
 
-fn hex_of(d: &str) -> Result<&str> {
+pub(crate) fn hex_of(d: &str) -> Result<&str> {
     crate::digest::sha256_hex(d)
 }
 
@@ -391,6 +411,7 @@ impl ImageStore {
                 ca_pem: Vec::new(),
                 credentials: BTreeMap::new(),
                 docker_config: None,
+                mkfs_ext4: None,
                 connect_timeout: Duration::from_secs(15),
                 read_timeout: Duration::from_secs(60),
             },
@@ -415,7 +436,7 @@ impl ImageStore {
         self.inner.cfg.max_bytes
     }
 
-    fn p(&self, rel: impl AsRef<Path>) -> PathBuf {
+    pub(crate) fn p(&self, rel: impl AsRef<Path>) -> PathBuf {
         self.inner.root.join(rel)
     }
 
@@ -497,7 +518,7 @@ impl ImageStore {
             config: rec.config.clone(),
             layers,
             bytes,
-            _lease: Arc::new(lease),
+            lease: Arc::new(lease),
         }))
     }
 
@@ -547,7 +568,7 @@ impl ImageStore {
             .map_err(|e| ImageError::io("open the lock", &path, e))
     }
 
-    fn lock_blocking(&self, name: &str, exclusive: bool) -> Result<Flock<fs::File>> {
+    pub(crate) fn lock_blocking(&self, name: &str, exclusive: bool) -> Result<Flock<fs::File>> {
         let f = self.lock_path(name)?;
         let arg = if exclusive {
             FlockArg::LockExclusive
@@ -566,12 +587,27 @@ impl ImageStore {
             .map_err(|e| ImageError::io("lock", self.p("locks"), io::Error::other(e)))?
     }
 
-    /// Bytes the cache holds: blobs plus unpacked layers.
+    /// The `mkfs.ext4` set with [`StoreBuilder::mkfs_ext4`], if any.
+    pub(crate) fn mkfs_ext4_setting(&self) -> Option<&Path> {
+        self.inner.cfg.mkfs_ext4.as_deref()
+    }
+
+    /// Bytes the cache holds: blobs, unpacked layers and filesystem images (the disk space
+    /// they take: they are sparse).
     ///
     /// # Errors
     /// [`ImageError::Io`] listing the cache.
     pub fn usage(&self) -> Result<u64> {
-        let mut total = 0;
+        let fsimages = self.p("fsimages");
+        let mut total = match fs::read_dir(&fsimages) {
+            Ok(rd) => rd
+                .flatten()
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| disk_bytes(&m))
+                .sum(),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => 0,
+            Err(e) => return Err(ImageError::io("list", &fsimages, e)),
+        };
         for (dir, suffix) in [("blobs/sha256", None), ("layers", Some(".size"))] {
             let d = self.p(dir);
             let rd = fs::read_dir(&d).map_err(|e| ImageError::io("list", &d, e))?;
@@ -888,6 +924,11 @@ impl ImageStore {
                     bytes += read_size(&self.p(format!("layers/{d}.size")));
                 }
             }
+            if let Ok(h) = hex_of(&rec.digest) {
+                bytes += fs::symlink_metadata(self.p(format!("fsimages/{h}.ext4")))
+                    .map(|m| disk_bytes(&m))
+                    .unwrap_or(0);
+            }
             out.push(ImageInfo {
                 references: by_digest.remove(&rec.digest).unwrap_or_default(),
                 digest: rec.digest.clone(),
@@ -952,8 +993,8 @@ impl ImageStore {
         self.prune()
     }
 
-    /// Removes images no reference names (unless in use), then every blob and layer no
-    /// image needs, and leftovers of interrupted pulls.
+    /// Removes images no reference names (unless in use), then every blob, layer and
+    /// filesystem image no image needs, and leftovers of interrupted pulls and builds.
     ///
     /// # Errors
     /// [`ImageError::Io`].
@@ -963,6 +1004,7 @@ impl ImageStore {
         let named: BTreeSet<String> = self.refs()?.into_values().collect();
         let mut keep_blobs = BTreeSet::new();
         let mut keep_layers = BTreeSet::new();
+        let mut keep_fs = BTreeSet::new();
         for rec in self.records()? {
             if !named.contains(&rec.digest) {
                 // Removed only while we hold it exclusively: no sandbox leases it.
@@ -974,6 +1016,7 @@ impl ImageStore {
                     continue;
                 }
             }
+            keep_fs.insert(format!("{}.ext4", hex_of(&rec.digest)?));
             for l in &rec.layers {
                 keep_blobs.insert(hex_of(&l.digest)?.to_owned());
                 keep_layers.insert(hex_of(&l.diff_id)?.to_owned());
@@ -1009,7 +1052,25 @@ impl ImageStore {
                 report.layers += 1;
             }
         }
-        // Leftovers of pulls that were killed (no pull runs now: we hold the store lock).
+        // Filesystem images of removed images, and anything else there (none is being
+        // renamed into place now: builds hold the store lock shared).
+        let fsimages = self.p("fsimages");
+        match fs::read_dir(&fsimages) {
+            Ok(rd) => {
+                for e in rd.flatten() {
+                    if keep_fs.contains(e.file_name().to_string_lossy().as_ref()) {
+                        continue;
+                    }
+                    report.bytes += e.metadata().map(|m| disk_bytes(&m)).unwrap_or(0);
+                    remove_tree(&e.path())?;
+                    report.fs_images += 1;
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(ImageError::io("list", &fsimages, e)),
+        }
+        // Leftovers of pulls and builds that were killed (none runs now: we hold the store
+        // lock).
         let tmp = self.p("tmp");
         for e in fs::read_dir(&tmp)
             .map_err(|e| ImageError::io("list", &tmp, e))?
@@ -1021,8 +1082,16 @@ impl ImageStore {
     }
 }
 
+/// The disk space a file takes (less than its length when it is sparse).
+fn disk_bytes(m: &fs::Metadata) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    m.len().min(m.blocks().saturating_mul(512))
+}
+
 /// Removes a tree that may hold read-only directories (an unpacked layer keeps its modes).
-fn remove_tree(path: &Path) -> Result<()> {
+/// Only directories' modes are ever changed, never files' (a staged filesystem image
+/// hard-links the layers' files).
+pub(crate) fn remove_tree(path: &Path) -> Result<()> {
     use std::os::unix::fs::PermissionsExt;
     if fs::symlink_metadata(path).is_ok_and(|m| !m.is_dir()) {
         return fs::remove_file(path).map_err(|e| ImageError::io("remove", path, e));
