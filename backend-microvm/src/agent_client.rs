@@ -73,6 +73,11 @@ pub enum AgentError {
     /// The request cannot be framed (stdin or a path too large).
     #[error("request too large: {0}")]
     TooLarge(String),
+    /// The guest could not set itself up as its kernel command line asked (an image root
+    /// that would not mount: no such disk, an initramfs without the modules...). The agent
+    /// announced this before `Ready`; it still serves, from its initramfs, for diagnosis.
+    #[error("the guest failed to set up: {0}")]
+    GuestSetup(String),
 }
 
 /// One event of a running exec.
@@ -107,6 +112,8 @@ struct Shared {
     broken: Mutex<Option<AgentError>>,
     /// The last `Ready` announcement (source hash), signalled on `ready_cv`.
     ready: Mutex<Option<u64>>,
+    /// A set-up failure the agent announced before `Ready` (an unattributed `Error`).
+    setup_error: Mutex<Option<String>>,
     ready_cv: Condvar,
 }
 
@@ -203,6 +210,15 @@ fn reader_loop(mut stream: UnixStream, shared: Arc<Shared>) {
             continue;
         }
         if hdr.id == 0 {
+            if let Response::Error { message, .. } = &resp {
+                let ready = lock(&shared.ready);
+                if ready.is_none() {
+                    // Before `Ready`: the agent's set-up failed (it sends nothing else then).
+                    lock(&shared.setup_error).get_or_insert_with(|| message.clone());
+                    shared.ready_cv.notify_all();
+                    continue;
+                }
+            }
             // An error about a frame the agent could not attribute: nobody waits for it.
             tracing::warn!(?resp, "guest agent message without a request");
             continue;
@@ -291,6 +307,7 @@ impl AgentClient {
             pending: Mutex::new(HashMap::new()),
             broken: Mutex::new(None),
             ready: Mutex::new(None),
+            setup_error: Mutex::new(None),
             ready_cv: Condvar::new(),
         });
         let s2 = shared.clone();
@@ -320,11 +337,16 @@ impl AgentClient {
 
     /// Waits for the agent's `Ready` announcement (sent once when it starts serving) and
     /// checks that the agent was built from this library's sources.
+    /// A set-up failure the agent announced first (an image root that would not mount) is
+    /// [`AgentError::GuestSetup`].
     pub fn wait_ready(&self, timeout: Duration) -> Result<(), AgentError> {
         let deadline = Instant::now() + timeout;
         let shared = &self.inner.shared;
         let mut g = lock(&shared.ready);
         loop {
+            if let Some(m) = lock(&shared.setup_error).clone() {
+                return Err(AgentError::GuestSetup(m));
+            }
             if let Some(h) = *g {
                 return Self::check_hash(h);
             }

@@ -475,3 +475,44 @@ fn client_survives_a_hostile_agent() {
     drop(theirs);
     assert!(matches!(t.join().unwrap(), Err(AgentError::Closed(_))));
 }
+
+/// A guest whose set-up failed (an image root that would not mount) says so before `Ready`:
+/// `wait_ready` returns it at once, typed, and the agent goes on serving.
+#[test]
+fn a_set_up_failure_before_ready_is_a_typed_error() {
+    let (ours, mut theirs) = UnixStream::pair().unwrap();
+    let c = AgentClient::new(ours).unwrap();
+    let failure = Response::Error {
+        kind: ErrorKind::Io,
+        message: "image root: /dev/vda did not appear within 10s".into(),
+    };
+    theirs.write_all(&failure.encode(0)).unwrap();
+    theirs
+        .write_all(
+            &Response::Ready {
+                source_hash: backend_microvm::agent_client::SOURCE_HASH,
+            }
+            .encode(0),
+        )
+        .unwrap();
+    match c.wait_ready(T) {
+        Err(e @ AgentError::GuestSetup(_)) => {
+            assert!(e.to_string().contains("/dev/vda did not appear"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+    let c2 = c.clone();
+    let t = std::thread::spawn(move || c2.ping(T));
+    let (h, _) = proto::read_frame(&mut theirs, proto::MAX_PAYLOAD)
+        .unwrap()
+        .unwrap();
+    theirs
+        .write_all(
+            &Response::Pong {
+                source_hash: backend_microvm::agent_client::SOURCE_HASH,
+            }
+            .encode(h.id),
+        )
+        .unwrap();
+    t.join().unwrap().unwrap();
+}

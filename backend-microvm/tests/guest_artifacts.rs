@@ -158,6 +158,32 @@ fn initramfs_has_agent_busybox_and_virtio_modules() {
         names,
         ["virtio", "virtio_console", "virtio_mmio", "virtio_ring"]
     );
+
+    // The image-root modules, apart (loaded only for `agent.root=`), each dependency listed
+    // either with them or among the boot modules.
+    let root_dep = String::from_utf8(get("lib/modules/root-modules.dep").data.clone()).unwrap();
+    let mut root_names = Vec::new();
+    for line in root_dep.lines() {
+        let (path, deps) = line.split_once(':').unwrap();
+        let info = initramfs::module_info(&get(&format!("lib/modules/{path}")).data).unwrap();
+        for d in &info.depends {
+            assert!(
+                deps.split_whitespace()
+                    .any(|p| p.ends_with(&format!("/{d}.ko"))),
+                "{line}: {d}"
+            );
+        }
+        root_names.push(info.name);
+    }
+    root_names.sort();
+    let mut expected = initramfs::ROOT_MODULES.to_vec();
+    expected.sort();
+    assert_eq!(root_names, expected);
+    let m = &fixture().artifacts.manifest;
+    assert!(m
+        .modules
+        .iter()
+        .all(|r| r.root == initramfs::ROOT_MODULES.contains(&r.name.as_str())));
 }
 
 #[test]

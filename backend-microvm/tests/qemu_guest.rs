@@ -7,7 +7,9 @@
 //! What this shows on this host: the kernel finds the virtio-mmio device through ACPI, the
 //! agent loads `virtio_mmio`/`virtio_console` from the initramfs, opens `/dev/hvc0` raw and
 //! serves exec (env, cwd, stdin, exit codes, timeouts, streaming), files (and refuses escapes)
-//! and shutdown. What it does not show: our VMM's own devices and ACPI tables under a Linux
+//! and shutdown; and, given a read-only ext4 disk and `agent.root=/dev/vda`, the agent mounts
+//! it under a writable overlay and switches to it as the root (the guest side of sandboxes
+//! from OCI images). What it does not show: our VMM's own devices and ACPI tables under a Linux
 //! guest (that needs hardware KVM: `tests/linux_guest.rs`).
 //!
 //! Needs `qemu-system-x86_64` (`apt-get install --no-install-recommends qemu-system-x86`;
@@ -102,29 +104,56 @@ fn host_tsc_khz() -> u64 {
     (c1.wrapping_sub(c0) as f64 / t0.elapsed().as_secs_f64() / 1000.0) as u64
 }
 
+/// What a boot adds to the default machine: kernel parameters and QEMU arguments.
+#[derive(Default)]
+struct Extra {
+    append: String,
+    args: Vec<String>,
+}
+
 /// Boots the guest; a boot that stalled before the kernel's clock ever ticked (see
 /// [`stalled_before_the_clock_ticked`]: the emulator's fault, not the guest's) is killed
 /// and tried once more, saying so. Any other failure fails the test.
-fn boot(dir: &Path) -> (Qemu, AgentClient) {
+fn boot(dir: &Path, extra: &Extra) -> (Qemu, AgentClient) {
     let first = Duration::from_secs(60);
-    match boot_once(dir, first) {
+    match boot_once(dir, first, extra) {
         Ok(booted) => booted,
-        Err(log) if stalled_before_the_clock_ticked(&log) => {
+        Err(f) if stalled_before_the_clock_ticked(&f.log) => {
             eprintln!(
                 "QEMU's guest stalled in early boot with its clock stopped at 0 \
                  (an emulator timer flake under load); booting it once more"
             );
-            boot_once(dir, BOOT).unwrap_or_else(|log| {
-                panic!("the agent did not come up (second boot)\n--- serial ---\n{log}")
+            boot_once(dir, BOOT, extra).unwrap_or_else(|f| {
+                panic!(
+                    "the agent did not come up (second boot): {}\n--- serial ---\n{}",
+                    f.error, f.log
+                )
             })
         }
-        Err(log) => panic!("the agent did not come up\n--- serial ---\n{log}"),
+        Err(f) => panic!(
+            "the agent did not come up: {}\n--- serial ---\n{}",
+            f.error, f.log
+        ),
     }
 }
 
-/// One boot: QEMU running and the agent ready within `wait`, or the serial log (prefixed
-/// with the error) after killing QEMU.
-fn boot_once(dir: &Path, wait: Duration) -> Result<(Qemu, AgentClient), String> {
+/// A boot whose agent did not come up ready.
+struct BootFailure {
+    /// What `wait_ready` said.
+    error: AgentError,
+    /// The serial log.
+    log: String,
+    /// QEMU, still running, and the client, for a guest that serves after a set-up failure.
+    guest: Option<(Qemu, AgentClient)>,
+}
+
+/// One boot: QEMU running and the agent ready within `wait`, or why not with the serial log
+/// (QEMU killed, unless the agent announced a set-up failure and still serves).
+fn boot_once(
+    dir: &Path,
+    wait: Duration,
+    extra: &Extra,
+) -> Result<(Qemu, AgentClient), BootFailure> {
     let (vmlinux, initramfs) = guest_files(dir);
     let sock = dir.join("agent.sock");
     let serial = dir.join("serial.log");
@@ -148,8 +177,9 @@ fn boot_once(dir: &Path, wait: Duration) -> Result<(Qemu, AgentClient), String> 
         .arg("-append")
         .arg(format!(
             "console=ttyS0 reboot=k panic=1 pci=off rdinit=/init no_timer_check tsc=unstable \
-             lpj=2000000 tsc_early_khz={}",
-            host_tsc_khz()
+             lpj=2000000 tsc_early_khz={} {}",
+            host_tsc_khz(),
+            extra.append
         ))
         .arg("-serial")
         .arg(format!("file:{}", serial.display()))
@@ -161,6 +191,7 @@ fn boot_once(dir: &Path, wait: Duration) -> Result<(Qemu, AgentClient), String> 
             sock.display()
         ))
         .args(["-device", "virtconsole,chardev=agent"])
+        .args(&extra.args)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -178,10 +209,15 @@ fn boot_once(dir: &Path, wait: Duration) -> Result<(Qemu, AgentClient), String> 
         }
     };
     let client = AgentClient::new(stream).unwrap();
-    if let Err(e) = client.wait_ready(wait) {
-        drop(qemu);
+    if let Err(error) = client.wait_ready(wait) {
+        let guest = if matches!(error, AgentError::GuestSetup(_)) {
+            Some((qemu, client))
+        } else {
+            drop(qemu);
+            None
+        };
         let log = std::fs::read_to_string(&serial).unwrap_or_default();
-        return Err(format!("{e}\n{log}"));
+        return Err(BootFailure { error, log, guest });
     }
     Ok((qemu, client))
 }
@@ -214,7 +250,7 @@ fn debian_kernel_boots_our_initramfs_and_the_agent_serves() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let (mut qemu, c) = boot(dir.path());
+    let (mut qemu, c) = boot(dir.path(), &Extra::default());
 
     // The guest is the kernel we installed, with our agent as pid 1.
     let (code, out, err) = exec(&c, &["sh", "-c", "uname -sm; cat /proc/1/comm"], &[]);
@@ -339,6 +375,10 @@ fn debian_kernel_boots_our_initramfs_and_the_agent_serves() {
     assert!(exit.timed_out, "{exit:?}");
 
     // Shutdown powers the guest off: QEMU exits by itself.
+    shut_down(&mut qemu, &c);
+}
+
+fn shut_down(qemu: &mut Qemu, c: &AgentClient) {
     c.shutdown(CALL).unwrap();
     let start = Instant::now();
     loop {
@@ -363,4 +403,275 @@ fn a_stall_before_the_clock_ticked_is_told_apart() {
     let later = "no answer\n[    0.000000] Linux version\n[    0.412345] Unpacking initramfs...\n";
     assert!(!stalled_before_the_clock_ticked(later));
     assert!(!stalled_before_the_clock_ticked("no answer\n"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// image root
+
+const MARKER: &str = "from the image's ext4 filesystem\n";
+
+/// Copies a host file to the same path under `tree` (following symlinks).
+fn copy_host_file(tree: &Path, host: &Path) {
+    let dst = tree.join(host.strip_prefix("/").unwrap());
+    std::fs::create_dir_all(dst.parent().unwrap()).unwrap();
+    std::fs::copy(host, &dst).unwrap();
+}
+
+/// Copies a host directory tree to the same path under `tree` (symlinks kept as such).
+fn copy_host_dir(tree: &Path, host: &Path) {
+    let dst = tree.join(host.strip_prefix("/").unwrap());
+    std::fs::create_dir_all(&dst).unwrap();
+    for e in std::fs::read_dir(host).unwrap() {
+        let e = e.unwrap();
+        let (src, ty) = (e.path(), e.file_type().unwrap());
+        if ty.is_dir() {
+            copy_host_dir(tree, &src);
+        } else if ty.is_symlink() {
+            let target = std::fs::read_link(&src).unwrap();
+            std::os::unix::fs::symlink(target, dst.join(e.file_name())).unwrap();
+        } else if ty.is_file() {
+            std::fs::copy(&src, dst.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+/// The host's Python (`/usr/bin/python3` and its standard library, `/usr/lib/python3.X`) and
+/// the shared libraries `ldd` names for it, if it has one: a dynamically linked program for
+/// the image.
+fn host_python() -> Option<(PathBuf, PathBuf, Vec<PathBuf>)> {
+    let exe = std::fs::canonicalize("/usr/bin/python3").ok()?;
+    let name = exe.file_name()?.to_str()?.to_string();
+    let lib = Path::new("/usr/lib").join(&name);
+    if !name.starts_with("python3.") || !lib.join("os.py").is_file() {
+        return None;
+    }
+    let out = Command::new("ldd").arg(&exe).output().ok()?;
+    let libs = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().find(|w| w.starts_with('/')))
+        .map(PathBuf::from)
+        .collect::<Vec<_>>();
+    (out.status.success() && !libs.is_empty()).then_some((exe, lib, libs))
+}
+
+/// A small root filesystem tree: the host's static busybox with a few applet links, a marker
+/// file, and the host's Python when there is one. Returns whether Python is in it.
+fn image_tree(tree: &Path) -> bool {
+    for d in ["bin", "etc", "usr/bin", "tmp", "workspace"] {
+        std::fs::create_dir_all(tree.join(d)).unwrap();
+    }
+    std::fs::copy("/bin/busybox", tree.join("bin/busybox")).expect(
+        "the host's static busybox (/bin/busybox, Debian's busybox-static) for the test image",
+    );
+    for a in [
+        "sh", "cat", "echo", "grep", "ls", "test", "mount", "touch", "rm",
+    ] {
+        std::os::unix::fs::symlink("busybox", tree.join("bin").join(a)).unwrap();
+    }
+    std::fs::write(tree.join("etc/image-marker"), MARKER).unwrap();
+    match host_python() {
+        Some((exe, lib, libs)) => {
+            copy_host_file(tree, &exe);
+            let name = exe.file_name().unwrap();
+            std::os::unix::fs::symlink(name, tree.join("usr/bin/python3")).unwrap();
+            for l in libs {
+                copy_host_file(tree, &l);
+            }
+            copy_host_dir(tree, &lib);
+            true
+        }
+        None => {
+            eprintln!("no host Python (/usr/bin/python3): the image has only busybox");
+            false
+        }
+    }
+}
+
+fn tree_bytes(p: &Path) -> u64 {
+    let m = std::fs::symlink_metadata(p).unwrap();
+    if m.is_dir() {
+        std::fs::read_dir(p)
+            .unwrap()
+            .map(|e| tree_bytes(&e.unwrap().path()))
+            .sum::<u64>()
+            + 4096
+    } else {
+        m.len().next_multiple_of(4096)
+    }
+}
+
+/// `mkfs.ext4 -d`: the tree as a filesystem image, as `sandbox_image` builds them (no journal,
+/// no metadata checksums).
+fn make_ext4(tree: &Path, image: &Path) {
+    let mkfs = ["/usr/sbin/mkfs.ext4", "/sbin/mkfs.ext4"]
+        .into_iter()
+        .find(|p| Path::new(p).is_file())
+        .unwrap_or("mkfs.ext4");
+    let kib = (tree_bytes(tree) / 1024) * 5 / 4 + 16 * 1024;
+    let out = Command::new(mkfs)
+        .args(["-q", "-F", "-d"])
+        .arg(tree)
+        .args(["-O", "^has_journal,^metadata_csum", "-m", "0", "-b", "4096"])
+        .arg(image)
+        .arg(format!("{kib}k"))
+        .output()
+        .expect("mkfs.ext4 (e2fsprogs) to build the test image");
+    assert!(
+        out.status.success(),
+        "mkfs.ext4: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn sha256(path: &Path) -> String {
+    use sha2::Digest;
+    let d = sha2::Sha256::digest(std::fs::read(path).unwrap());
+    d.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The guest side of a sandbox from an OCI image: a read-only ext4 disk becomes the root,
+/// with a writable overlay in the guest's RAM; the agent serves from it as before.
+#[test]
+fn an_ext4_disk_becomes_the_root_under_a_writable_overlay() {
+    if let Some(why) = qemu_missing() {
+        eprintln!("SKIP: {why}");
+        return;
+    }
+    let t0 = Instant::now();
+    let dir = tempfile::tempdir().unwrap();
+    let tree = dir.path().join("tree");
+    let with_python = image_tree(&tree);
+    let image = dir.path().join("rootfs.ext4");
+    make_ext4(&tree, &image);
+    std::fs::remove_dir_all(&tree).unwrap();
+    let before = sha256(&image);
+    let extra = Extra {
+        append: "agent.root=/dev/vda".into(),
+        args: vec![
+            "-drive".into(),
+            format!(
+                "file={},if=none,id=d0,format=raw,readonly=on",
+                image.display()
+            ),
+            "-device".into(),
+            "virtio-blk-device,drive=d0".into(),
+        ],
+    };
+    let (mut qemu, c) = boot(dir.path(), &extra);
+    eprintln!("image built and guest booted in {:?}", t0.elapsed());
+
+    // The image's file, through the image's own busybox.
+    let (code, out, err) = exec(&c, &["cat", "/etc/image-marker"], &[]);
+    assert_eq!((code, out.as_str()), (Some(0), MARKER), "{err}");
+    // The root is the overlay (the image under a tmpfs layer), not the initramfs, and the
+    // system mounts came along.
+    let (code, out, err) = exec(
+        &c,
+        &[
+            "sh",
+            "-c",
+            "cat /proc/mounts; test -e /init && echo initramfs-visible; ls /lib/modules 2>&1",
+        ],
+        &[],
+    );
+    assert_eq!(code, Some(1), "{out}{err}");
+    let root = out
+        .lines()
+        .find(|l| l.split_whitespace().nth(1) == Some("/"))
+        .unwrap_or_else(|| panic!("no root in /proc/mounts:\n{out}"));
+    assert!(root.starts_with("overlay / overlay rw"), "{root}");
+    assert!(root.contains("lowerdir=/run/lower"), "{root}");
+    for m in ["/proc", "/sys", "/dev", "/dev/pts", "/tmp", "/workspace"] {
+        assert!(
+            out.lines().any(|l| l.split_whitespace().nth(1) == Some(m)),
+            "{m} not mounted:\n{out}"
+        );
+    }
+    assert!(!out.contains("initramfs-visible"), "{out}");
+    assert!(out.contains("No such file"), "{out}");
+
+    // The root is writable (in the layer), the image's files can be replaced.
+    let (code, out, err) = exec(
+        &c,
+        &[
+            "sh",
+            "-c",
+            "echo written > /etc/new && cat /etc/new && echo changed > /etc/image-marker \
+             && cat /etc/image-marker && rm /bin/ls && test ! -e /bin/ls && echo removed",
+        ],
+        &[],
+    );
+    assert_eq!(
+        (code, out.as_str()),
+        (Some(0), "written\nchanged\nremoved\n"),
+        "{err}"
+    );
+    // The workspace and the agent's file calls work as before.
+    c.write_file("note.txt", b"in the workspace", 0o644, CALL)
+        .unwrap();
+    assert_eq!(
+        c.read_file("/workspace/note.txt", 1 << 20, CALL).unwrap(),
+        b"in the workspace"
+    );
+    let (code, out, err) = exec(&c, &["cat", "/workspace/note.txt"], &[]);
+    assert_eq!((code, out.as_str()), (Some(0), "in the workspace"), "{err}");
+    // A dynamically linked program of the image, with its own loader and libraries.
+    if with_python {
+        let (code, out, err) = exec(&c, &["python3", "-c", "print(6*7)"], &[]);
+        assert_eq!((code, out.as_str()), (Some(0), "42\n"), "{err}");
+    }
+
+    shut_down(&mut qemu, &c);
+    drop(qemu);
+    // The disk was never written.
+    assert_eq!(sha256(&image), before);
+    // The initramfs's files were deleted before the switch (their RAM freed).
+    let log = std::fs::read_to_string(dir.path().join("serial.log")).unwrap();
+    let freed = log
+        .lines()
+        .find(|l| l.contains("agent: image root: freed"))
+        .unwrap_or_else(|| panic!("no `freed` line on the console:\n{log}"));
+    eprintln!("{freed}");
+    assert!(!freed.contains("freed 0 KiB"), "{freed}");
+    eprintln!("image-root test took {:?}", t0.elapsed());
+}
+
+/// Asked for an image root it cannot mount (no disk), the agent says why at once instead of
+/// hanging, and still serves from the initramfs.
+#[test]
+fn an_image_root_without_its_disk_is_a_typed_error() {
+    if let Some(why) = qemu_missing() {
+        eprintln!("SKIP: {why}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let extra = Extra {
+        append: "agent.root=/dev/vda agent.root_wait=2".into(),
+        args: vec![],
+    };
+    let mut failure = None;
+    for attempt in 0..2 {
+        match boot_once(dir.path(), BOOT, &extra) {
+            Ok(_) => panic!("the agent came up with an image root and no disk"),
+            Err(f) if attempt == 0 && stalled_before_the_clock_ticked(&f.log) => {
+                eprintln!("QEMU's guest stalled in early boot; booting it once more");
+            }
+            Err(f) => {
+                failure = Some(f);
+                break;
+            }
+        }
+    }
+    let f = failure.unwrap();
+    let msg = f.error.to_string();
+    assert!(
+        matches!(f.error, AgentError::GuestSetup(_)) && msg.contains("/dev/vda did not appear"),
+        "{msg}\n--- serial ---\n{}",
+        f.log
+    );
+    let (mut qemu, c) = f.guest.unwrap();
+    let (code, out, err) = exec(&c, &["cat", "/proc/mounts"], &[]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(!out.contains("overlay"), "{out}");
+    shut_down(&mut qemu, &c);
 }

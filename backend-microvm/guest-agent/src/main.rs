@@ -12,6 +12,25 @@
 //! workspace, ping, kill and shutdown (`reboot`: the VMM sees the reset and ends the VM). A
 //! reaper thread collects every child, including orphans re-parented to pid 1.
 //!
+//! Image root: when the kernel command line has `agent.root=<device>` (a block device under
+//! `/dev`, normally `/dev/vda`: a read-only ext4 image of an OCI image's filesystem), the
+//! agent loads the image-root modules (`/lib/modules/root-modules.dep`: virtio-blk, ext4,
+//! overlayfs), waits for the device, mounts it read-only (ext4) on `/run/lower`, a tmpfs on
+//! `/run/rw` (`upper/`, `work/`), their overlay on `/run/root`, moves `/proc`, `/sys`, `/dev`,
+//! `/tmp` and `/workspace` into it and makes it the root the way `switch_root` does (the
+//! initramfs cannot be `pivot_root`ed): the image's programs then run as commands, the image
+//! is never written, and its changes live in the guest's RAM. Parameters:
+//!
+//! - `agent.root=/dev/vda`: the device (absent: no image root; the boot is unchanged).
+//! - `agent.root_size=<n>[k|m|g|%]`: the writable layer's tmpfs size (default: an eighth of
+//!   the tmpfs budget, like `/tmp`, taken from the workspace's share).
+//! - `agent.root_wait=<seconds>`: how long to wait for the device to appear (default 10).
+//!
+//! If that fails (a bad parameter, an initramfs without those modules, no device, a mount
+//! refused), the agent says why on the console and, before `Ready`, in an `Error` frame with
+//! request id 0 (the host's `AgentClient::wait_ready` returns it), then serves from the
+//! initramfs for diagnosis.
+//!
 //! Test mode: started as an ordinary process (not pid 1) with `AGENT_CHANNEL_FD=<fd>`, it
 //! skips the system set-up and serves on that inherited file descriptor, with the workspace
 //! at `AGENT_WORKSPACE` (default `/workspace`); `Shutdown` then just ends the process. The
@@ -62,6 +81,7 @@ extern "C" {
     fn setpgid(pid: c_int, pgid: c_int) -> c_int;
     fn dup2(old: c_int, new: c_int) -> c_int;
     fn chdir(path: *const c_char) -> c_int;
+    fn chroot(path: *const c_char) -> c_int;
     fn pipe2(fds: *mut c_int, flags: c_int) -> c_int;
     fn write(fd: c_int, buf: *const u8, n: usize) -> isize;
     fn _exit(code: c_int) -> !;
@@ -92,9 +112,11 @@ const SIG_DFL: usize = 0;
 const ECHILD: i32 = 10;
 const EINTR: i32 = 4;
 const EEXIST: i32 = 17;
+const MS_RDONLY: u64 = 1;
 const MS_NOSUID: u64 = 2;
 const MS_NODEV: u64 = 4;
 const MS_NOEXEC: u64 = 8;
+const MS_MOVE: u64 = 8192;
 const RB_AUTOBOOT: c_int = 0x0123_4567;
 #[cfg(target_arch = "x86_64")]
 const NR_FINIT_MODULE: i64 = 313;
@@ -119,15 +141,23 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 fn main() {
     // SAFETY: getpid has no preconditions.
     let pid1 = unsafe { getpid() } == 1;
+    let mut setup_error = None;
     let chan = if pid1 {
-        system_setup();
-        match open_console() {
+        let root = system_setup();
+        let chan = match open_console() {
             Ok(f) => f,
             Err(e) => {
                 log(&format!("no agent channel: {e}"));
                 power_off();
             }
+        };
+        // After the console: a failure is then told to the host too.
+        if let Err(e) = root.and_then(|r| r.map_or(Ok(()), |r| image_root(&r))) {
+            let msg = format!("image root: {e}");
+            log(&msg);
+            setup_error = Some(msg);
         }
+        chan
     } else {
         let fd = std::env::var("AGENT_CHANNEL_FD")
             .ok()
@@ -155,7 +185,7 @@ fn main() {
             .map(PathBuf::from)
             .unwrap_or_else(|| PathBuf::from(WORKSPACE))
     };
-    let code = serve(chan, workspace, pid1);
+    let code = serve(chan, workspace, pid1, setup_error);
     if pid1 {
         power_off();
     }
@@ -212,19 +242,28 @@ fn mem_available_kib() -> u64 {
 /// the RAM left after the kernel and the initramfs: together at most 5/8 of it in data and
 /// one inode per 8 KiB of it; `/tmp` and `/dev/shm` an eighth each, the workspace the rest.
 /// A full mount is `ENOSPC`.
+///
+/// With an image root, its writable layer (`/run/rw`) is a third tmpfs of the scratch size,
+/// taken from the workspace's share, so the total stays the same.
 struct TmpfsCaps {
     scratch: (u64, u64),
     workspace: (u64, u64),
 }
 
 impl TmpfsCaps {
+    #[cfg(test)]
     fn of_ram(avail_kib: u64) -> TmpfsCaps {
+        Self::of_ram_with(avail_kib, false)
+    }
+
+    fn of_ram_with(avail_kib: u64, image_root: bool) -> TmpfsCaps {
         let ram = avail_kib.saturating_mul(1024);
         let (data, inodes) = (ram / 8 * 5, ram / 8192);
         let scratch = ((data / 8).max(1 << 20), (inodes / 8).max(256));
+        let n = if image_root { 3 } else { 2 };
         let workspace = (
-            data.saturating_sub(2 * scratch.0).max(1 << 20),
-            inodes.saturating_sub(2 * scratch.1).max(256),
+            data.saturating_sub(n * scratch.0).max(1 << 20),
+            inodes.saturating_sub(n * scratch.1).max(256),
         );
         TmpfsCaps { scratch, workspace }
     }
@@ -244,9 +283,14 @@ impl TmpfsCaps {
     }
 }
 
-fn system_setup() {
+/// Mounts the system filesystems and loads the boot modules; returns what the kernel command
+/// line asks for an image root (read once `/proc` is there), sized from the same budget.
+fn system_setup() -> Result<Option<RootConfig>, RootError> {
     mount_fs("proc", "/proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, "");
     mount_fs("sysfs", "/sys", MS_NOSUID | MS_NODEV | MS_NOEXEC, "");
+    let root = fs::read_to_string("/proc/cmdline")
+        .map_err(|e| RootError::Config(format!("/proc/cmdline: {e}")))
+        .and_then(|c| root_config(&c));
     mount_fs("devtmpfs", "/dev", MS_NOSUID, "mode=0755");
     mount_fs(
         "devpts",
@@ -254,7 +298,14 @@ fn system_setup() {
         MS_NOSUID | MS_NOEXEC,
         "mode=0620,ptmxmode=0666",
     );
-    let caps = TmpfsCaps::of_ram(mem_available_kib());
+    let caps = TmpfsCaps::of_ram_with(mem_available_kib(), matches!(root, Ok(Some(_))));
+    let root = root.map(|r| {
+        r.map(|mut r| {
+            let size = r.size.clone().unwrap_or_else(|| caps.scratch.0.to_string());
+            r.layer_opts = format!("mode=0755,size={size},nr_inodes={}", caps.scratch.1);
+            r
+        })
+    });
     mount_fs(
         "tmpfs",
         "/dev/shm",
@@ -275,15 +326,20 @@ fn system_setup() {
     );
     // SAFETY: plain syscall wrapper with no pointers.
     unsafe { setpgid(0, 0) };
-    load_modules(Path::new("/lib/modules"));
+    if let Ok(text) = fs::read_to_string(Path::new(MODULES).join("modules.dep")) {
+        for e in load_modules(Path::new(MODULES), &text) {
+            log(&e);
+        }
+    }
+    root
 }
 
-/// Loads every module of `<dir>/modules.dep` (format `path: dep dep...`, paths relative to
-/// `dir`), each after its dependencies.
-fn load_modules(dir: &Path) {
-    let Ok(text) = fs::read_to_string(dir.join("modules.dep")) else {
-        return;
-    };
+const MODULES: &str = "/lib/modules";
+
+/// Loads every module of a `modules.dep`-format list (`path: dep dep...`, paths relative to
+/// `dir`), each after its dependencies; returns the failures (an already loaded module is
+/// not one).
+fn load_modules(dir: &Path, text: &str) -> Vec<String> {
     let mut deps: HashMap<String, Vec<String>> = HashMap::new();
     let mut order = Vec::new();
     for line in text.lines() {
@@ -295,9 +351,11 @@ fn load_modules(dir: &Path) {
         deps.insert(m, d.split_whitespace().map(str::to_string).collect());
     }
     let mut done = HashSet::new();
+    let mut failed = Vec::new();
     for m in order {
-        load_module(dir, &m, &deps, &mut done, 0);
+        load_module(dir, &m, &deps, &mut done, 0, &mut failed);
     }
+    failed
 }
 
 fn load_module(
@@ -306,6 +364,7 @@ fn load_module(
     deps: &HashMap<String, Vec<String>>,
     done: &mut HashSet<String>,
     depth: usize,
+    failed: &mut Vec<String>,
 ) {
     if depth > 32 || !done.insert(m.to_string()) {
         return;
@@ -313,14 +372,14 @@ fn load_module(
     // modules.dep lists the deepest dependency last: load from the end.
     if let Some(ds) = deps.get(m) {
         for d in ds.iter().rev() {
-            load_module(dir, d, deps, done, depth + 1);
+            load_module(dir, d, deps, done, depth + 1, failed);
         }
     }
     let path = dir.join(m);
     let f = match File::open(&path) {
         Ok(f) => f,
         Err(e) => {
-            log(&format!("module {}: {e}", path.display()));
+            failed.push(format!("module {}: {e}", path.display()));
             return;
         }
     };
@@ -328,12 +387,324 @@ fn load_module(
     // SAFETY: finit_module(fd, params, flags) with a valid open fd and a NUL-terminated string.
     let r = unsafe { syscall(NR_FINIT_MODULE, f.as_raw_fd(), empty.as_ptr(), 0) };
     if r != 0 && errno() != EEXIST {
-        log(&format!(
+        failed.push(format!(
             "load {}: {}",
             path.display(),
             io::Error::last_os_error()
         ));
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// image root
+
+/// The list of the image-root modules in the initramfs (see `initramfs::ROOT_MODULES_DEP`).
+const ROOT_MODULES_DEP: &str = "root-modules.dep";
+const ROOT_LOWER: &str = "/run/lower";
+const ROOT_LAYER: &str = "/run/rw";
+const NEW_ROOT: &str = "/run/root";
+/// What [`system_setup`] mounted, moved into the new root (submounts go along).
+const MOVED_MOUNTS: [&str; 5] = ["/proc", "/sys", "/dev", "/tmp", WORKSPACE];
+const DEFAULT_ROOT_WAIT_S: u64 = 10;
+
+/// An image root asked for on the kernel command line.
+#[derive(Debug, PartialEq, Eq)]
+struct RootConfig {
+    /// `agent.root=`: the block device holding the image's ext4 filesystem.
+    device: String,
+    /// `agent.root_size=`: the writable layer's tmpfs `size=` (a number with an optional
+    /// `k`/`m`/`g`/`%` suffix), `None` for the default.
+    size: Option<String>,
+    /// The writable layer's tmpfs options (set from `size` and the tmpfs budget).
+    layer_opts: String,
+    /// `agent.root_wait=`: how long to wait for the device.
+    wait: Duration,
+}
+
+/// Why the image root could not be set up.
+#[derive(Debug)]
+enum RootError {
+    /// A bad `agent.root*` parameter (or an unreadable command line).
+    Config(String),
+    /// The initramfs has no image-root modules (it predates image roots).
+    NoModules(String),
+    /// Modules that would not load.
+    Modules(Vec<String>),
+    /// The device did not appear in time.
+    NoDevice { device: String, waited: Duration },
+    /// A mount, mkdir or root switch failed.
+    Step { what: String, err: io::Error },
+}
+
+impl std::fmt::Display for RootError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RootError::Config(m) => write!(f, "bad kernel command line: {m}"),
+            RootError::NoModules(m) => write!(
+                f,
+                "this initramfs has no image-root modules ({m}): it was built by an older \
+                 version; install the guest again"
+            ),
+            RootError::Modules(v) => write!(f, "kernel modules failed: {}", v.join("; ")),
+            RootError::NoDevice { device, waited } => write!(
+                f,
+                "{device} did not appear within {}s (is the disk attached?)",
+                waited.as_secs()
+            ),
+            RootError::Step { what, err } => write!(f, "{what}: {err}"),
+        }
+    }
+}
+
+/// Reads the `agent.root*` parameters of a kernel command line.
+fn root_config(cmdline: &str) -> Result<Option<RootConfig>, RootError> {
+    let (mut device, mut size, mut wait) = (None, None, None);
+    for word in cmdline.split_whitespace() {
+        let Some((k, v)) = word.split_once('=') else {
+            continue;
+        };
+        match k {
+            "agent.root" => device = Some(v),
+            "agent.root_size" => size = Some(v),
+            "agent.root_wait" => wait = Some(v),
+            _ => {}
+        }
+    }
+    let Some(device) = device else {
+        if size.is_some() || wait.is_some() {
+            return Err(RootError::Config(
+                "agent.root_size/agent.root_wait without agent.root".into(),
+            ));
+        }
+        return Ok(None);
+    };
+    let dev_ok = device.strip_prefix("/dev/").is_some_and(|n| {
+        !n.is_empty()
+            && Path::new(n)
+                .components()
+                .all(|c| matches!(c, Component::Normal(_)))
+    });
+    if !dev_ok {
+        return Err(RootError::Config(format!(
+            "agent.root={device}: not a device under /dev"
+        )));
+    }
+    if let Some(s) = size {
+        let digits = s.trim_end_matches(['k', 'K', 'm', 'M', 'g', 'G', '%']);
+        let suffix = s.len() - digits.len();
+        if digits.is_empty() || suffix > 1 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(RootError::Config(format!(
+                "agent.root_size={s}: expected a number with an optional k, m, g or % suffix"
+            )));
+        }
+    }
+    let wait = match wait {
+        None => DEFAULT_ROOT_WAIT_S,
+        Some(w) => match w.parse::<u64>() {
+            Ok(n) if (1..=600).contains(&n) => n,
+            _ => {
+                return Err(RootError::Config(format!(
+                    "agent.root_wait={w}: expected whole seconds, 1 to 600"
+                )))
+            }
+        },
+    };
+    Ok(Some(RootConfig {
+        device: device.to_string(),
+        size: size.map(str::to_string),
+        layer_opts: String::new(),
+        wait: Duration::from_secs(wait),
+    }))
+}
+
+/// The image-root modules' list, or why there is none.
+fn root_modules_list(dir: &Path) -> Result<String, RootError> {
+    let path = dir.join(ROOT_MODULES_DEP);
+    fs::read_to_string(&path).map_err(|e| RootError::NoModules(format!("{}: {e}", path.display())))
+}
+
+fn step(what: impl Into<String>) -> impl FnOnce(io::Error) -> RootError {
+    let what = what.into();
+    move |err| RootError::Step { what, err }
+}
+
+fn mkdir_p(path: &str) -> Result<(), RootError> {
+    fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(path)
+        .map_err(step(format!("mkdir {path}")))
+}
+
+/// `mount(2)`, the error named after `what`.
+fn mount_at(
+    src: &str,
+    dst: &str,
+    fstype: Option<&str>,
+    flags: u64,
+    data: Option<&str>,
+) -> Result<(), RootError> {
+    let what = format!(
+        "mount {src} on {dst}{}",
+        fstype.map(|t| format!(" ({t})")).unwrap_or_default()
+    );
+    let (src_c, dst_c) = (cstr(src), cstr(dst));
+    let ty = fstype.map(cstr);
+    let data_c = data.map(cstr);
+    // SAFETY: valid NUL-terminated strings (or null where mount(2) allows it) that outlive
+    // the call.
+    let r = unsafe {
+        mount(
+            src_c.as_ptr(),
+            dst_c.as_ptr(),
+            ty.as_ref().map_or(std::ptr::null(), |t| t.as_ptr()),
+            flags,
+            data_c
+                .as_ref()
+                .map_or(std::ptr::null(), |d| d.as_ptr().cast()),
+        )
+    };
+    if r != 0 {
+        return Err(step(what)(io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// Whether `path` is a mount point (another device than its parent's).
+fn is_mount_point(path: &str) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let parent = Path::new(path).parent().unwrap_or(Path::new("/"));
+    match (fs::metadata(path), fs::metadata(parent)) {
+        (Ok(a), Ok(b)) => a.dev() != b.dev(),
+        _ => false,
+    }
+}
+
+/// Deletes what is under `dir` on `dir`'s own filesystem, never crossing into another mount
+/// (a directory on another device is left alone, with its contents); `dir` itself stays.
+/// Returns the bytes of the regular files deleted. Errors are skipped: this only frees memory.
+fn delete_on_device(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(top) = fs::symlink_metadata(dir) else {
+        return 0;
+    };
+    let mut freed = 0;
+    let mut stack = vec![(dir.to_path_buf(), false)];
+    // Depth first; a directory is visited again (`true`) once its contents are gone.
+    while let Some((d, emptied)) = stack.pop() {
+        if emptied {
+            if d != dir {
+                let _ = fs::remove_dir(&d);
+            }
+            continue;
+        }
+        stack.push((d.clone(), true));
+        let Ok(rd) = fs::read_dir(&d) else {
+            continue;
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            let Ok(m) = fs::symlink_metadata(&p) else {
+                continue;
+            };
+            if m.dev() != top.dev() {
+                continue;
+            }
+            if m.is_dir() {
+                stack.push((p, false));
+            } else if fs::remove_file(&p).is_ok() && m.is_file() {
+                freed += m.len();
+            }
+        }
+    }
+    freed
+}
+
+/// Mounts the image root and switches to it (see the module documentation).
+fn image_root(cfg: &RootConfig) -> Result<(), RootError> {
+    use std::os::unix::fs::FileTypeExt;
+    let list = root_modules_list(Path::new(MODULES))?;
+    let failed = load_modules(Path::new(MODULES), &list);
+    if !failed.is_empty() {
+        return Err(RootError::Modules(failed));
+    }
+    let start = std::time::Instant::now();
+    loop {
+        match fs::metadata(&cfg.device) {
+            Ok(m) if m.file_type().is_block_device() => break,
+            Ok(_) => {
+                return Err(RootError::Config(format!(
+                    "agent.root={}: not a block device",
+                    cfg.device
+                )))
+            }
+            Err(_) if start.elapsed() < cfg.wait => thread::sleep(Duration::from_millis(10)),
+            Err(_) => {
+                return Err(RootError::NoDevice {
+                    device: cfg.device.clone(),
+                    waited: cfg.wait,
+                })
+            }
+        }
+    }
+    for d in [ROOT_LOWER, ROOT_LAYER, NEW_ROOT] {
+        mkdir_p(d)?;
+    }
+    mount_at(&cfg.device, ROOT_LOWER, Some("ext4"), MS_RDONLY, None)?;
+    mount_at("tmpfs", ROOT_LAYER, Some("tmpfs"), 0, Some(&cfg.layer_opts))?;
+    let (upper, work) = (format!("{ROOT_LAYER}/upper"), format!("{ROOT_LAYER}/work"));
+    mkdir_p(&upper)?;
+    mkdir_p(&work)?;
+    mount_at(
+        "overlay",
+        NEW_ROOT,
+        Some("overlay"),
+        0,
+        Some(&format!(
+            "lowerdir={ROOT_LOWER},upperdir={upper},workdir={work}"
+        )),
+    )?;
+    for m in MOVED_MOUNTS {
+        if !is_mount_point(m) {
+            continue;
+        }
+        let dst = format!("{NEW_ROOT}{m}");
+        // The image's own directory (made in the writable layer when it has none); never a
+        // symlink, which would resolve in the initramfs.
+        match fs::symlink_metadata(&dst) {
+            Ok(md) if md.is_dir() => {}
+            Ok(_) => {
+                return Err(RootError::Config(format!(
+                    "the image's {m} is not a directory"
+                )))
+            }
+            Err(_) => mkdir_p(&dst)?,
+        }
+        mount_at(m, &dst, None, MS_MOVE, None)?;
+    }
+    // The initramfs's files stay in RAM until deleted, and nothing reaches them once the new
+    // root is over them: delete them first, as switch_root does (not the mounts under /run).
+    let freed = delete_on_device(Path::new("/"));
+    log(&format!(
+        "image root: freed {} KiB of initramfs",
+        freed >> 10
+    ));
+    // switch_root: the new root over the initramfs's, then chroot into it.
+    let (new_root, dot, slash) = (cstr(NEW_ROOT), cstr("."), cstr("/"));
+    // SAFETY: NUL-terminated strings that outlive the calls.
+    if unsafe { chdir(new_root.as_ptr()) } != 0 {
+        return Err(step(format!("chdir {NEW_ROOT}"))(io::Error::last_os_error()));
+    }
+    mount_at(".", "/", None, MS_MOVE, None)?;
+    // SAFETY: as above.
+    if unsafe { chroot(dot.as_ptr()) } != 0 {
+        return Err(step("chroot .")(io::Error::last_os_error()));
+    }
+    // SAFETY: as above.
+    if unsafe { chdir(slash.as_ptr()) } != 0 {
+        return Err(step("chdir /")(io::Error::last_os_error()));
+    }
+    Ok(())
 }
 
 /// Waits for `/dev/hvc0` (the virtio-console driver registers it asynchronously) and opens it
@@ -424,7 +795,7 @@ struct State {
     running: Arc<Mutex<HashMap<u32, i32>>>,
 }
 
-fn serve(chan: File, workspace: PathBuf, pid1: bool) -> i32 {
+fn serve(chan: File, workspace: PathBuf, pid1: bool, setup_error: Option<String>) -> i32 {
     let mut reader = match chan.try_clone() {
         Ok(r) => r,
         Err(e) => {
@@ -440,6 +811,11 @@ fn serve(chan: File, workspace: PathBuf, pid1: bool) -> i32 {
     });
     let procs = st.procs.clone();
     thread::spawn(move || reaper(&procs));
+    // A set-up failure goes first, unattributed (id 0): the host reads it as the reason the
+    // guest is not as asked. The agent still serves (from the initramfs) for diagnosis.
+    if let Some(message) = setup_error {
+        st.chan.error(0, ErrorKind::Io, message);
+    }
     st.chan.send(
         0,
         &Response::Ready {
@@ -1033,6 +1409,103 @@ mod tests {
             let worst = 2 * c.scratch.0 + c.workspace.0 + (2 * c.scratch.1 + c.workspace.1) * 1024;
             assert!(worst <= (mib << 20) / 4 * 3, "{mib} MiB");
         }
+    }
+
+    #[test]
+    fn an_image_root_layer_comes_out_of_the_workspace_share() {
+        let plain = TmpfsCaps::of_ram_with(200 << 10, false);
+        let root = TmpfsCaps::of_ram_with(200 << 10, true);
+        assert_eq!(root.scratch, plain.scratch);
+        assert_eq!(root.workspace.0, plain.workspace.0 - plain.scratch.0);
+        assert_eq!(root.workspace.1, plain.workspace.1 - plain.scratch.1);
+        // Three scratch-sized mounts and the workspace: still 5/8 of the RAM at most.
+        assert!(3 * root.scratch.0 + root.workspace.0 <= (200 << 20) / 8 * 5);
+    }
+
+    #[test]
+    fn image_root_parameters() {
+        let plain = "console=ttyS0 reboot=k panic=1 rdinit=/init";
+        assert_eq!(root_config(plain).unwrap(), None);
+        let c = root_config("console=ttyS0 agent.root=/dev/vda quiet")
+            .unwrap()
+            .unwrap();
+        assert_eq!(c.device, "/dev/vda");
+        assert_eq!(c.size, None);
+        assert_eq!(c.wait, Duration::from_secs(DEFAULT_ROOT_WAIT_S));
+        let c = root_config("agent.root=/dev/vdb agent.root_size=64m agent.root_wait=3")
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (c.device.as_str(), c.size.as_deref(), c.wait),
+            ("/dev/vdb", Some("64m"), Duration::from_secs(3))
+        );
+        assert_eq!(
+            root_config("agent.root=/dev/vda agent.root_size=25%")
+                .unwrap()
+                .unwrap()
+                .size
+                .as_deref(),
+            Some("25%")
+        );
+        for bad in [
+            "agent.root=vda",
+            "agent.root=/dev/",
+            "agent.root=/dev/../etc/x",
+            "agent.root=/tmp/img",
+            "agent.root=/dev/vda agent.root_size=lots",
+            "agent.root=/dev/vda agent.root_size=64mm",
+            "agent.root=/dev/vda agent.root_size=1,nr_inodes=1",
+            "agent.root=/dev/vda agent.root_wait=0",
+            "agent.root=/dev/vda agent.root_wait=1h",
+            "agent.root_size=64m",
+        ] {
+            let e = root_config(bad).unwrap_err();
+            assert!(matches!(e, RootError::Config(_)), "{bad}: {e}");
+            assert!(e.to_string().starts_with("bad kernel command line"), "{e}");
+        }
+    }
+
+    #[test]
+    fn an_initramfs_without_image_root_modules_is_named_as_such() {
+        let dir = std::env::temp_dir().join(format!("agent-root-mods-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let e = root_modules_list(&dir).unwrap_err().to_string();
+        assert!(
+            e.contains("no image-root modules") && e.contains("install the guest again"),
+            "{e}"
+        );
+        fs::write(
+            dir.join(ROOT_MODULES_DEP),
+            "kernel/ext4.ko: kernel/jbd2.ko\n",
+        )
+        .unwrap();
+        assert_eq!(
+            root_modules_list(&dir).unwrap(),
+            "kernel/ext4.ko: kernel/jbd2.ko\n"
+        );
+        // Missing module files are reported, dependencies first, and nothing panics.
+        let failed = load_modules(&dir, "kernel/ext4.ko: kernel/jbd2.ko\n");
+        assert_eq!(failed.len(), 2, "{failed:?}");
+        assert!(failed[0].contains("jbd2.ko"), "{failed:?}");
+        let e = RootError::Modules(failed).to_string();
+        assert!(e.contains("ext4.ko"), "{e}");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn deleting_the_initramfs_keeps_to_its_filesystem() {
+        let dir = std::env::temp_dir().join(format!("agent-delete-{}", std::process::id()));
+        fs::create_dir_all(dir.join("a/b")).unwrap();
+        fs::write(dir.join("a/b/f"), [0u8; 100]).unwrap();
+        fs::write(dir.join("top"), [0u8; 10]).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", dir.join("a/link")).unwrap();
+        assert_eq!(delete_on_device(&dir), 110);
+        assert_eq!(fs::read_dir(&dir).unwrap().count(), 0);
+        // Symlinks are deleted, never followed. (Mounts under it are left alone: the QEMU
+        // test's image root, whose mounts sit under the deleted initramfs, shows that.)
+        assert!(fs::metadata("/etc/passwd").is_ok());
+        assert_eq!(delete_on_device(Path::new("/nonexistent")), 0);
+        fs::remove_dir(&dir).unwrap();
     }
 
     #[test]

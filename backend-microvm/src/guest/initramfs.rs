@@ -1,7 +1,8 @@
 //! The guest's initramfs: a cpio "newc" archive (the format the kernel unpacks into its
 //! rootfs) holding the guest agent as `/init`, busybox with its applet links in `/bin`, the
-//! kernel modules the agent needs (virtio transport and console) with a `modules.dep`, and a
-//! minimal `/etc`.
+//! kernel modules the agent needs (virtio transport and console) with a `modules.dep`, the
+//! optional modules for an image root ([`ROOT_MODULES`], listed in [`ROOT_MODULES_DEP`] and
+//! loaded only when the kernel command line asks for one), and a minimal `/etc`.
 //!
 //! [`CpioWriter`] writes the archive, [`read_cpio`] reads one back (tests, and checking a
 //! cached or user-given initramfs), [`module_info`] reads a kernel module's `.modinfo`
@@ -15,6 +16,26 @@ use super::GuestError;
 /// Modules the agent needs in the guest (their dependencies are added): the virtio-mmio
 /// transport (devices described by ACPI) and virtio-console (`/dev/hvc0`, the agent channel).
 pub const GUEST_MODULES: &[&str] = &["virtio_mmio", "virtio_console"];
+
+/// Modules the agent loads only when the kernel command line asks for an image root
+/// (`agent.root=/dev/vda`): the virtio block driver, ext4 (the read-only image) and overlayfs
+/// (its writable layer). They are listed with all of their dependencies (no extra pass over
+/// the kernel package is needed), plus `crc32c_generic`, which ext4 and jbd2 ask the crypto
+/// layer for (a soft dependency) when a filesystem has metadata checksums.
+pub const ROOT_MODULES: &[&str] = &[
+    "virtio_blk",
+    "crc16",
+    "mbcache",
+    "jbd2",
+    "crc32c_generic",
+    "ext4",
+    "overlay",
+];
+
+/// The `modules.dep`-format list of the image-root modules, in [`MODULES_DIR`]. Always written
+/// (empty when the kernel has them built in); an initramfs without it predates image roots,
+/// and the agent refuses an image root with a clear error instead of trying.
+pub const ROOT_MODULES_DEP: &str = "root-modules.dep";
 
 /// Where modules live in the initramfs; `modules.dep` paths are relative to it.
 pub const MODULES_DIR: &str = "lib/modules";
@@ -445,8 +466,11 @@ pub struct InitramfsContents<'a> {
     pub busybox: Option<&'a [u8]>,
     /// Applets to link to busybox in `/bin` (empty: a built-in list of common ones).
     pub applets: Vec<String>,
-    /// Kernel modules (with their dependencies) for `/lib/modules`.
+    /// Kernel modules (with their dependencies) for `/lib/modules`, loaded at every boot.
     pub modules: Vec<KernelModule>,
+    /// Kernel modules loaded only for an image root ([`ROOT_MODULES`] with those of their
+    /// dependencies that are not in `modules`), listed in [`ROOT_MODULES_DEP`].
+    pub root_modules: Vec<KernelModule>,
 }
 
 /// Builds the initramfs (an uncompressed cpio newc archive).
@@ -500,11 +524,34 @@ pub fn build(c: &InitramfsContents<'_>) -> Result<Vec<u8>, GuestError> {
             w.symlink("usr/bin/env", "../../bin/busybox")?;
         }
     }
-    let dep = modules_dep(&c.modules)?;
-    for m in &c.modules {
+    // One dependency computation over both sets (a root module may need a boot module), its
+    // lines split between the two lists: one line per module, in order.
+    let all: Vec<KernelModule> = c.modules.iter().chain(&c.root_modules).cloned().collect();
+    let dep = modules_dep(&all)?;
+    let mut boot_dep = String::new();
+    let mut root_dep = String::new();
+    for (i, line) in dep.lines().enumerate() {
+        let out = if i < c.modules.len() {
+            &mut boot_dep
+        } else {
+            &mut root_dep
+        };
+        out.push_str(line);
+        out.push('\n');
+    }
+    for m in &all {
         w.file(&format!("{MODULES_DIR}/{}", m.path), 0o644, &m.data)?;
     }
-    w.file(&format!("{MODULES_DIR}/modules.dep"), 0o644, dep.as_bytes())?;
+    w.file(
+        &format!("{MODULES_DIR}/modules.dep"),
+        0o644,
+        boot_dep.as_bytes(),
+    )?;
+    w.file(
+        &format!("{MODULES_DIR}/{ROOT_MODULES_DEP}"),
+        0o644,
+        root_dep.as_bytes(),
+    )?;
     Ok(w.finish())
 }
 
@@ -643,6 +690,11 @@ mod tests {
                 "sh".into(),
             ],
             modules: vec![module("virtio", &[]), module("virtio_mmio", &["virtio"])],
+            root_modules: vec![
+                module("virtio_blk", &["virtio"]),
+                module("ext4", &["jbd2"]),
+                module("jbd2", &[]),
+            ],
         })
         .unwrap();
         let e = check(&data).unwrap();
@@ -668,6 +720,26 @@ mod tests {
             b"virtio_mmio"
         );
         assert_eq!(e.iter().filter(|x| x.name == "bin/sh").count(), 1);
+        // The image-root modules are in their own list (their dependencies on boot modules
+        // named there too), not loaded at boot.
+        assert_eq!(
+            get("lib/modules/root-modules.dep").data,
+            b"kernel/virtio_blk.ko: kernel/virtio.ko\nkernel/ext4.ko: kernel/jbd2.ko\n\
+              kernel/jbd2.ko:\n"
+        );
+        assert_eq!(get("lib/modules/kernel/ext4.ko").data, b"ext4");
+        // Without image-root modules the list is there, empty.
+        let data = build(&InitramfsContents {
+            agent: &agent,
+            ..Default::default()
+        })
+        .unwrap();
+        let e = check(&data).unwrap();
+        let dep = e
+            .iter()
+            .find(|x| x.name == "lib/modules/root-modules.dep")
+            .unwrap();
+        assert!(dep.data.is_empty());
 
         // An initramfs without the agent is refused.
         let mut w = CpioWriter::new();

@@ -12,6 +12,11 @@
 //! or corrupt artifacts with a typed error. The initramfs file is named after the agent's
 //! source hash, so a library with another agent rebuilds it (from the cached modules and
 //! busybox) instead of booting a stale one.
+//!
+//! Format 2 of the manifest added the image-root modules ([`ROOT_MODULES`]: virtio-blk,
+//! ext4, overlayfs), kept apart from the boot modules ([`ModuleRecord::root`]). A cache of an
+//! older format lacks them: [`load`] refuses it ([`GuestError::Corrupt`], saying to install
+//! again) rather than boot a guest that cannot mount an image root.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
@@ -21,14 +26,14 @@ use std::process::Command;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::initramfs::{self, InitramfsContents, KernelModule, GUEST_MODULES};
+use super::initramfs::{self, InitramfsContents, KernelModule, GUEST_MODULES, ROOT_MODULES};
 use super::{kernel, GuestError, AGENT_BINARY};
 use crate::agent_client::SOURCE_HASH;
 
 /// The Debian meta-package whose dependency is the current kernel package.
 pub const DEBIAN_KERNEL_PACKAGE: &str = "linux-image-amd64";
-/// Version of the manifest format.
-const MANIFEST_FORMAT: u32 = 1;
+/// Version of the manifest format (2: the image-root modules).
+const MANIFEST_FORMAT: u32 = 2;
 const MANIFEST: &str = "manifest.json";
 
 /// The default cache directory: `$XDG_CACHE_HOME/agent-sandbox/microvm`, else
@@ -110,6 +115,10 @@ pub struct ModuleRecord {
     pub path: String,
     /// Names of the modules it needs.
     pub depends: Vec<String>,
+    /// Loaded only for an image root ([`ROOT_MODULES`] and the dependencies they do not share
+    /// with the boot modules), not at every boot.
+    #[serde(default)]
+    pub root: bool,
     /// The cached `.ko`.
     pub record: FileRecord,
 }
@@ -255,17 +264,37 @@ fn read_manifest(dir: &Path) -> Result<Manifest, GuestError> {
         }
         Err(e) => return Err(GuestError::io("read", &path, e)),
     };
-    let m: Manifest = serde_json::from_slice(&text).map_err(|e| GuestError::Corrupt {
+    // The format first, so that an older manifest is named as such whatever its fields.
+    #[derive(Deserialize)]
+    struct Format {
+        format: u32,
+    }
+    let corrupt = |e: serde_json::Error| GuestError::Corrupt {
         path: path.clone(),
         reason: e.to_string(),
-    })?;
-    if m.format != MANIFEST_FORMAT {
+    };
+    let f: Format = serde_json::from_slice(&text).map_err(corrupt)?;
+    if f.format < MANIFEST_FORMAT {
         return Err(GuestError::Corrupt {
             path,
-            reason: format!("manifest format {} (expected {MANIFEST_FORMAT})", m.format),
+            reason: format!(
+                "manifest format {} (expected {MANIFEST_FORMAT}): installed by an older version, \
+                 without the kernel modules for an image root (virtio-blk, ext4, overlay); \
+                 install the guest again",
+                f.format
+            ),
         });
     }
-    Ok(m)
+    if f.format != MANIFEST_FORMAT {
+        return Err(GuestError::Corrupt {
+            path,
+            reason: format!(
+                "manifest format {} (expected {MANIFEST_FORMAT}): installed by a newer version",
+                f.format
+            ),
+        });
+    }
+    serde_json::from_slice(&text).map_err(corrupt)
 }
 
 fn agent_hash_hex() -> String {
@@ -283,20 +312,27 @@ fn build_initramfs(dir: &Path, m: &Manifest, verify: Verify) -> Result<FileRecor
         None => None,
     };
     let mut modules = Vec::new();
+    let mut root_modules = Vec::new();
     for mr in &m.modules {
         let p = check_record(dir, &mr.record, verify)?;
-        modules.push(KernelModule {
+        let km = KernelModule {
             name: mr.name.clone(),
             path: mr.path.clone(),
             depends: mr.depends.clone(),
             data: std::fs::read(&p).map_err(|e| GuestError::io("read", &p, e))?,
-        });
+        };
+        if mr.root {
+            root_modules.push(km);
+        } else {
+            modules.push(km);
+        }
     }
     let cpio = initramfs::build(&InitramfsContents {
         agent: AGENT_BINARY,
         busybox: busybox.as_deref(),
         applets: m.applets.clone(),
         modules,
+        root_modules,
     })?;
     write_atomic(dir, &format!("initramfs-{}.cpio", agent_hash_hex()), &cpio)
 }
@@ -644,8 +680,29 @@ fn busybox_applets(path: &Path) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// Names of the modules loaded at every boot: [`GUEST_MODULES`] and their dependencies among
+/// `modules`. The others are the image-root modules.
+pub fn boot_module_names(modules: &[KernelModule]) -> BTreeSet<String> {
+    let by_name: BTreeMap<&str, &KernelModule> =
+        modules.iter().map(|m| (m.name.as_str(), m)).collect();
+    let mut queue: Vec<&str> = GUEST_MODULES.to_vec();
+    let mut boot = BTreeSet::new();
+    while let Some(n) = queue.pop() {
+        if let Some(m) = by_name.get(n) {
+            if boot.insert(n.to_string()) {
+                queue.extend(m.depends.iter().map(String::as_str));
+            }
+        }
+    }
+    boot
+}
+
+fn wanted_modules() -> Vec<&'static str> {
+    GUEST_MODULES.iter().chain(ROOT_MODULES).copied().collect()
+}
+
 fn modules_from_dir(dir: &Path) -> Result<Vec<KernelModule>, GuestError> {
-    // Index every .ko under dir by name, then take the closure of GUEST_MODULES.
+    // Index every .ko under dir by name, then take the closure of the wanted modules.
     let mut index: BTreeMap<String, PathBuf> = BTreeMap::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
@@ -660,7 +717,7 @@ fn modules_from_dir(dir: &Path) -> Result<Vec<KernelModule>, GuestError> {
         }
     }
     let mut out: BTreeMap<String, KernelModule> = BTreeMap::new();
-    let mut queue: Vec<String> = GUEST_MODULES.iter().map(|s| s.to_string()).collect();
+    let mut queue: Vec<String> = wanted_modules().iter().map(|s| s.to_string()).collect();
     while let Some(n) = queue.pop() {
         if out.contains_key(&n) {
             continue;
@@ -714,7 +771,7 @@ pub fn install(opts: &InstallOptions) -> Result<GuestArtifacts, GuestError> {
                 _ => download_debian_kernel(work.path())?,
             };
             let deb = std::fs::read(&deb_path).map_err(|e| GuestError::io("read", &deb_path, e))?;
-            let pkg = scan_kernel_deb(&deb, &deb_path, GUEST_MODULES)?;
+            let pkg = scan_kernel_deb(&deb, &deb_path, &wanted_modules())?;
             let source = deb_path
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
@@ -765,7 +822,8 @@ pub fn install(opts: &InstallOptions) -> Result<GuestArtifacts, GuestError> {
         None => (None, Vec::new()),
     };
 
-    // Modules.
+    // Modules: those the boot needs, and the rest (for an image root).
+    let boot = boot_module_names(&modules);
     let mut records = Vec::new();
     for m in &modules {
         let file = format!("modules/{}", m.path);
@@ -779,6 +837,7 @@ pub fn install(opts: &InstallOptions) -> Result<GuestArtifacts, GuestError> {
             name: m.name.clone(),
             path: m.path.clone(),
             depends: m.depends.clone(),
+            root: !boot.contains(&m.name),
             record: write_atomic(dir, &file, &m.data)?,
         });
     }
@@ -847,6 +906,34 @@ mod tests {
         let mut forged = a.clone();
         forged[8 + 48..8 + 58].copy_from_slice(b"9999999999");
         assert!(ar_members(&forged).is_err());
+    }
+
+    #[test]
+    fn boot_and_image_root_modules_are_told_apart() {
+        let m = |name: &str, deps: &[&str]| KernelModule {
+            name: name.into(),
+            path: format!("kernel/{name}.ko"),
+            depends: deps.iter().map(|s| s.to_string()).collect(),
+            data: Vec::new(),
+        };
+        let mods = [
+            m("virtio_mmio", &["virtio", "virtio_ring"]),
+            m("virtio_console", &["virtio", "virtio_ring"]),
+            m("virtio", &[]),
+            m("virtio_ring", &[]),
+            m("virtio_blk", &["virtio", "virtio_ring"]),
+            m("ext4", &["jbd2"]),
+            m("jbd2", &[]),
+        ];
+        let boot: Vec<String> = boot_module_names(&mods).into_iter().collect();
+        assert_eq!(
+            boot,
+            ["virtio", "virtio_console", "virtio_mmio", "virtio_ring"]
+        );
+        // Everything an image root needs is asked for up front (one pass over the package).
+        for n in ["virtio_blk", "ext4", "jbd2", "mbcache", "crc16", "overlay"] {
+            assert!(wanted_modules().contains(&n), "{n}");
+        }
     }
 
     #[test]
@@ -927,6 +1014,18 @@ mod tests {
             load(&opts.dir, Verify::Sizes),
             Err(GuestError::Corrupt { .. })
         ));
+        // A cache of the first format (no image-root modules) is refused, saying why.
+        let good = std::fs::read(opts.dir.join(MANIFEST)).unwrap();
+        let mut old: serde_json::Value = serde_json::from_slice(&good).unwrap();
+        old["format"] = 1.into();
+        old.as_object_mut().unwrap().remove("agent_hash");
+        std::fs::write(opts.dir.join(MANIFEST), serde_json::to_vec(&old).unwrap()).unwrap();
+        let err = load(&opts.dir, Verify::Sizes).unwrap_err().to_string();
+        assert!(
+            err.contains("older version") && err.contains("install the guest again"),
+            "{err}"
+        );
+        std::fs::write(opts.dir.join(MANIFEST), &good).unwrap();
         // A stale initramfs (another agent) is rebuilt.
         let mut m = read_manifest(&opts.dir).unwrap();
         m.agent_hash = "0".into();

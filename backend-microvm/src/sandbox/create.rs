@@ -346,6 +346,7 @@ mod tests {
             busybox: None,
             applets: vec![],
             modules: vec![],
+            root_modules: vec![],
         })
         .unwrap();
         std::fs::write(&initramfs, cpio).unwrap();
