@@ -8,7 +8,8 @@ mod static_bin;
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=../sandbox-core/build-support/static_bin.rs");
-    println!("cargo:rerun-if-changed=guest-agent/src/proto.rs");
+    // Every module of the agent (main.rs, proto.rs, root.rs, ...).
+    println!("cargo:rerun-if-changed=guest-agent/src");
     // The guest has no C library: the agent must be static.
     let bin = static_bin::compile(
         "guest-agent/src/main.rs",
