@@ -314,12 +314,7 @@ impl Inner {
             Command::Code(code) => {
                 // Code runs the image's own interpreter: say so if it has none.
                 if let Some(img) = &self.image {
-                    let program = match self.spec.language {
-                        Language::Python => "python3",
-                        Language::Node | Language::Javascript => "node",
-                        _ => "sh",
-                    };
-                    img.require_program(program)
+                    img.require_interpreter(self.spec.language)
                         .map_err(|e| e.into_core(TIER))?;
                 }
                 let v = |p: &[&str]| {

@@ -308,6 +308,21 @@ impl Image {
             })
     }
 
+    /// The interpreter code strings in `language` run with in a Linux userland (`python3`,
+    /// `node`, `sh` for shell and C), found on the image's `PATH` as
+    /// [`require_program`](Self::require_program) finds it.
+    ///
+    /// # Errors
+    /// [`ImageError::MissingProgram`].
+    pub fn require_interpreter(&self, language: sandbox_core::Language) -> Result<String> {
+        use sandbox_core::Language;
+        self.require_program(match language {
+            Language::Python => "python3",
+            Language::Node | Language::Javascript => "node",
+            _ => "sh",
+        })
+    }
+
     /// `/etc/NAME` as the image's topmost layer holding it has it (a regular file, never
     /// followed through a link); empty when none does.
     fn etc_file(&self, name: &str) -> String {

@@ -28,12 +28,7 @@ impl Inner {
         let mut extra = BTreeMap::new();
         if let (Command::Code(_), Some(img)) = (cmd, &self.image) {
             // Code runs the image's own interpreter: say so if it has none.
-            let program = match self.spec.language {
-                Language::Python => "python3",
-                Language::Node | Language::Javascript => "node",
-                _ => "sh",
-            };
-            img.require_program(program)
+            img.require_interpreter(self.spec.language)
                 .map_err(|e| e.into_core(TIER))?;
         }
         let argv = match cmd {
