@@ -181,10 +181,11 @@ fn report(
                 print_json(&json!(rep));
             } else {
                 println!(
-                    "removed {} images, {} blobs, {} layers; freed {}",
+                    "removed {} images, {} blobs, {} layers, {} filesystem images; freed {}",
                     rep.images,
                     rep.blobs,
                     rep.layers,
+                    rep.fs_images,
                     mib(rep.bytes)
                 );
             }
