@@ -26,7 +26,7 @@ async fn rootfs_create_destroy_cycles_leave_nothing_behind() {
     let b = backend();
     // Warm up (lazily created process-wide state: the init image, the runtime's threads;
     // after the first create has idmapped the layer, later ones take the zygote's spare
-    // init, whose socket is then part of the steady state).
+    // init).
     for _ in 0..2 {
         let sb = b
             .create(&rootfs_spec(&root), ResolvedSecrets::none())
@@ -48,7 +48,14 @@ async fn rootfs_create_destroy_cycles_leave_nothing_behind() {
         sh_ok(sb.as_ref(), "echo x > /etc/x; sleep 100 >/dev/null 2>&1 &").await;
         sb.destroy().await.unwrap();
     }
-    assert_eq!(common::fds_settled_at(fds).await, fds, "fds leaked");
+    // The zygote's spare init (its control socket, received lazily) may or may not be held
+    // at either count, so the count may end a couple lower; a leak of even one fd per cycle
+    // would end it 30 higher.
+    let left = common::fds_settled_at(fds).await;
+    assert!(
+        left <= fds,
+        "fds leaked: {left} after 30 cycles, {fds} before"
+    );
     assert_eq!(common::count_mounts(), mounts, "mounts leaked");
     assert_eq!(common::count_children(), children, "processes leaked");
     assert_eq!(common::count_sandbox_cgroups(), cgroups, "cgroups leaked");
