@@ -180,7 +180,7 @@ impl Runtime {
     }
 
     /// A builder with every built-in backend registered, pulling and caching images in
-    /// `store` instead of the default one ([`image::ImageStore::open_default`]).
+    /// `store` instead of the default one ([`image::ImageStore::shared_default`]).
     pub fn builder_with_image_store(store: image::ImageStore) -> RuntimeBuilder {
         Self::defaults(Some(store))
     }

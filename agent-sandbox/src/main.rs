@@ -560,7 +560,7 @@ async fn run(runtime: &Runtime, args: RunArgs) -> ExitCode {
         (None, false, _) => (ExecRequest::argv(args.argv.clone()), Language::Shell),
         // No command: the image's entrypoint and command, as `docker run IMAGE` does.
         (None, true, Some(r)) => {
-            let store = match agent_sandbox::image::ImageStore::open_default() {
+            let store = match agent_sandbox::image::ImageStore::shared_default() {
                 Ok(s) => s,
                 Err(e) => {
                     eprintln!("agent-sandbox: {e}");

@@ -170,14 +170,10 @@ impl ContainerBackend {
 
     /// The image store: the configured one, else the default, opened once.
     pub(crate) fn image_store(&self) -> Result<sandbox_image::ImageStore> {
-        if let Some(s) = &self.cfg.images {
-            return Ok(s.clone());
+        match &self.cfg.images {
+            Some(s) => Ok(s.clone()),
+            None => sandbox_image::ImageStore::shared_default().map_err(|e| e.into_core(TIER)),
         }
-        if let Some(s) = self.images.get() {
-            return Ok(s.clone());
-        }
-        let s = sandbox_image::ImageStore::open_default().map_err(|e| e.into_core(TIER))?;
-        Ok(self.images.get_or_init(|| s).clone())
     }
 
     /// Image phase: the spec's root resolved — its `rootfs` directory, or its image found in
@@ -530,16 +526,15 @@ impl ContainerBackend {
             ..
         } = a;
         // The image's `Env` first: the spec's own variables override it.
-        let mut env: std::collections::BTreeMap<String, String> = image
-            .as_ref()
-            .map(|i| i.config().env.iter().cloned().collect())
-            .unwrap_or_default();
-        env.extend(spec.base_env());
+        let mut env = match &image {
+            Some(i) => i.config().environment(spec.base_env()),
+            None => spec.base_env(),
+        };
         let cwd = image
             .as_ref()
-            .and_then(|i| i.config().working_dir.clone())
-            .filter(|w| w.starts_with('/'))
-            .unwrap_or_else(|| "/workspace".into());
+            .and_then(|i| i.config().default_cwd())
+            .unwrap_or("/workspace")
+            .to_owned();
         for (k, v) in secrets.env() {
             env.insert(k.to_string(), v.to_string());
         }

@@ -125,7 +125,7 @@ pub struct ContainerConfig {
     /// The egress enforcer for policies other than deny-all, if any (see [`network`]).
     pub egress: Option<Arc<dyn EgressEnforcer>>,
     /// Where images named by [`SandboxSpec::image`] are pulled and cached. `None`: the
-    /// default store ([`ImageStore::open_default`]), opened on the first image.
+    /// process's default store ([`ImageStore::shared_default`]), opened on the first image.
     pub images: Option<ImageStore>,
 }
 
@@ -200,7 +200,7 @@ impl ContainerBuilder {
         self
     }
 
-    /// Pulls and caches images in `store` (default: [`ImageStore::open_default`]).
+    /// Pulls and caches images in `store` (default: [`ImageStore::shared_default`]).
     pub fn image_store(mut self, store: ImageStore) -> Self {
         self.cfg.images = Some(store);
         self
@@ -240,7 +240,6 @@ impl ContainerBuilder {
             slot: Arc::new(AtomicU64::new(0)),
             host_ops: Arc::new(std::sync::OnceLock::new()),
             cgroups_ok: Arc::new(std::sync::atomic::AtomicBool::new(false)),
-            images: Arc::new(std::sync::OnceLock::new()),
             layers_idmap: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         })
     }
@@ -257,8 +256,6 @@ pub struct ContainerBackend {
     host_ops: Arc<std::sync::OnceLock<Vec<proto::Op>>>,
     /// Set once the cgroup directories were found writable (see `cgroups_usable`).
     cgroups_ok: Arc<std::sync::atomic::AtomicBool>,
-    /// The image store in use, once an image was asked for.
-    images: Arc<std::sync::OnceLock<ImageStore>>,
     /// Set once root-filesystem layers were idmapped here (then own-root creates may use
     /// the zygote's spare inits, see `create::allocate`).
     layers_idmap: Arc<std::sync::atomic::AtomicBool>,

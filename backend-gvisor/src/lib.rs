@@ -155,7 +155,7 @@ pub struct GvisorConfig {
     /// interface is in doubt, and to test that path).
     pub runsc_exec: bool,
     /// Where images named by [`SandboxSpec::image`](sandbox_core::SandboxSpec::image) are
-    /// pulled and cached (default: [`ImageStore::open_default`], opened on the first image).
+    /// pulled and cached (default: [`ImageStore::shared_default`], opened on the first image).
     pub images: Option<ImageStore>,
 }
 
@@ -190,7 +190,7 @@ impl GvisorConfig {
         self
     }
 
-    /// Pulls and caches images in `store` (default: [`ImageStore::open_default`]).
+    /// Pulls and caches images in `store` (default: [`ImageStore::shared_default`]).
     pub fn image_store(mut self, store: ImageStore) -> Self {
         self.images = Some(store);
         self
@@ -203,8 +203,6 @@ pub struct GvisorBackend {
     config: GvisorConfig,
     /// The runsc facts, found once (a successful discovery is cached; failures are retried).
     resolved: Arc<OnceLock<Resolved>>,
-    /// The default image store, once an image was asked for (without a configured one).
-    images: Arc<OnceLock<ImageStore>>,
 }
 
 impl Default for GvisorBackend {
@@ -227,20 +225,15 @@ impl GvisorBackend {
         GvisorBackend {
             config,
             resolved: Arc::new(OnceLock::new()),
-            images: Arc::new(OnceLock::new()),
         }
     }
 
     /// The image store: the configured one, else the default, opened once.
     pub(crate) fn image_store(&self) -> Result<ImageStore> {
-        if let Some(s) = &self.config.images {
-            return Ok(s.clone());
+        match &self.config.images {
+            Some(s) => Ok(s.clone()),
+            None => ImageStore::shared_default().map_err(|e| e.into_core(Tier::Gvisor)),
         }
-        if let Some(s) = self.images.get() {
-            return Ok(s.clone());
-        }
-        let s = ImageStore::open_default().map_err(|e| e.into_core(Tier::Gvisor))?;
-        Ok(self.images.get_or_init(|| s).clone())
     }
 
     /// Tears down the sandboxes that processes which died without destroying them left in

@@ -42,6 +42,24 @@ impl ImageConfig {
             .map(|(_, v)| v.as_str())
     }
 
+    /// The environment of a command: the image's `Env`, then `over` (the spec's own
+    /// variables), which wins where both set one.
+    pub fn environment(
+        &self,
+        over: impl IntoIterator<Item = (String, String)>,
+    ) -> std::collections::BTreeMap<String, String> {
+        let mut env: std::collections::BTreeMap<String, String> =
+            self.env.iter().cloned().collect();
+        env.extend(over);
+        env
+    }
+
+    /// `WorkingDir` when it is an absolute path: the working directory of commands that name
+    /// none.
+    pub fn default_cwd(&self) -> Option<&str> {
+        self.working_dir.as_deref().filter(|w| w.starts_with('/'))
+    }
+
     /// The command the image runs when the caller names none: `Entrypoint` + `Cmd`.
     pub fn default_command(&self) -> Vec<String> {
         self.entrypoint
@@ -156,6 +174,19 @@ mod tests {
         assert_eq!(c.working_dir.as_deref(), Some("/app"));
         assert_eq!(c.user.as_deref(), Some("1000:1000"));
         assert_eq!(c.default_command(), vec!["python3".to_owned()]);
+        assert_eq!(c.default_cwd(), Some("/app"));
+        // The spec's variables win over the image's; the rest of the image's stay.
+        let env = c.environment([("LANG".to_owned(), "spec".to_owned())]);
+        assert_eq!(env.get("LANG").map(String::as_str), Some("spec"));
+        assert_eq!(
+            env.get("PATH").map(String::as_str),
+            Some("/usr/local/bin:/usr/bin")
+        );
+        let relative = ImageConfig {
+            working_dir: Some("app".into()),
+            ..ImageConfig::default()
+        };
+        assert_eq!(relative.default_cwd(), None);
     }
 
     #[test]

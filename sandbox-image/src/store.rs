@@ -441,6 +441,21 @@ impl ImageStore {
         Self::builder(Self::default_dir()).build()
     }
 
+    /// The process's one default store ([`open_default`](Self::open_default), opened on
+    /// first use and shared after): what backends use when none is configured. A failure is
+    /// not remembered; the next call tries again.
+    ///
+    /// # Errors
+    /// As [`StoreBuilder::build`].
+    pub fn shared_default() -> Result<Self> {
+        static SHARED: std::sync::OnceLock<ImageStore> = std::sync::OnceLock::new();
+        if let Some(s) = SHARED.get() {
+            return Ok(s.clone());
+        }
+        let s = Self::open_default()?;
+        Ok(SHARED.get_or_init(|| s).clone())
+    }
+
     /// The cache directory.
     pub fn root(&self) -> &Path {
         &self.inner.root

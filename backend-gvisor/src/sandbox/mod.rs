@@ -201,11 +201,10 @@ impl GvisorSandbox {
             other => return Err(Error::unsupported(TIER, format!("the workspace {other:?}"))),
         };
         // The image's `Env` first: the spec's own variables override it.
-        let mut env: BTreeMap<String, String> = image
-            .as_ref()
-            .map(|i| i.config().env.iter().cloned().collect())
-            .unwrap_or_default();
-        env.extend(spec.base_env());
+        let mut env = match &image {
+            Some(i) => i.config().environment(spec.base_env()),
+            None => spec.base_env(),
+        };
         for (k, v) in secrets.env() {
             env.insert(k.to_string(), v.to_string());
         }
@@ -248,9 +247,9 @@ impl GvisorSandbox {
             env,
             cwd: image
                 .as_ref()
-                .and_then(|i| i.config().working_dir.clone())
-                .filter(|w| w.starts_with('/'))
-                .unwrap_or_else(|| "/workspace".into()),
+                .and_then(|i| i.config().default_cwd())
+                .unwrap_or("/workspace")
+                .to_owned(),
             lower,
             image,
             redactor: secrets.redactor(),
