@@ -221,7 +221,16 @@ impl Runtime {
         {
             // Probed like every tier: where KVM cannot boot Linux guests (or the guest is not
             // installed) it reports unavailable, so `auto` never picks it there.
-            b = b.backend(Arc::new(backend_microvm::MicrovmBackend::new()));
+            let mut m = backend_microvm::MicrovmBackend::builder();
+            if let Some(s) = &images {
+                m = m.image_store(s.clone());
+            }
+            match m.build() {
+                Ok(m) => b = b.backend(Arc::new(m)),
+                Err(e) => {
+                    tracing::error!(error = %e, "microVM backend: default configuration refused")
+                }
+            }
         }
         b
     }
@@ -342,7 +351,7 @@ impl Runtime {
         spec: &SandboxSpec,
     ) -> Result<Box<dyn Sandbox>> {
         let caps = backend.capabilities();
-        if !caps.supports_language(spec.language) {
+        if !caps.runs_language(spec.language, spec.image.is_some() && caps.images) {
             return Err(Error::unsupported(
                 backend.tier(),
                 format!("the {} language", spec.language),
@@ -351,8 +360,8 @@ impl Runtime {
         if spec.image.is_some() && !caps.images {
             return Err(Error::unsupported(
                 backend.tier(),
-                "starting from an OCI image (capabilities().images is false; the container tier \
-                 starts from images)",
+                "starting from an OCI image (capabilities().images is false; the container, \
+                 gVisor and microVM tiers start from images)",
             ));
         }
         if !caps.supports_network(&spec.network) {

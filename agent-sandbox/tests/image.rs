@@ -104,7 +104,7 @@ async fn the_image_python_runs_in_every_linux_tier() {
             .await
             .unwrap();
         assert!(
-            matches!(sb.tier(), Tier::Container | Tier::Gvisor),
+            matches!(sb.tier(), Tier::Container | Tier::Gvisor | Tier::Microvm),
             "{}",
             sb.tier()
         );

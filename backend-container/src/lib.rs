@@ -537,6 +537,8 @@ impl Backend for ContainerBackend {
         c.streaming = true;
         c.persistent_state = true;
         c.images = true;
+        // An image brings its own interpreters; the same languages run from it.
+        c.image_languages = c.languages.clone();
         c.limits = limits;
         c
     }

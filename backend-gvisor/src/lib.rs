@@ -339,6 +339,8 @@ impl Backend for GvisorBackend {
         c.streaming = true;
         c.persistent_state = true;
         c.images = true;
+        // An image brings its own interpreters; the same languages run from it.
+        c.image_languages = c.languages.clone();
         // OCI `linux.resources` (memory, pids, CPU quota), rlimits (CPU seconds, open
         // files), the exec driver (wall time, output), capped tmpfs mounts (disk), the
         // lifetime timer. No instruction budget.

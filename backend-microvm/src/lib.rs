@@ -13,8 +13,8 @@
 //!
 //! - [`vmm`]: the monitor on the rust-vmm crates (`kvm-ioctls`, `vm-memory`, `linux-loader`,
 //!   `vm-superio`): memfd-backed guest RAM, vCPU threads, an 8250 serial console, a virtio-mmio
-//!   transport with a virtio-console device and a read-only virtio-blk device (not yet used by
-//!   sandboxes), KVM's in-kernel irqchip and PIT, snapshot/restore.
+//!   transport with a virtio-console device and a read-only virtio-blk device (an image's
+//!   root disk), KVM's in-kernel irqchip and PIT, snapshot/restore.
 //! - [`boot`] + [`acpi`]: the Linux 64-bit boot protocol (vmlinux ELF, `boot_params`, e820,
 //!   command line, initrd) and the ACPI tables (RSDP, XSDT, FADT, MADT, DSDT) that describe
 //!   the virtio-mmio devices: Debian's kernel has no `virtio_mmio.device=` command-line
@@ -121,8 +121,20 @@
 //! `limits.disk_bytes` does not reach the guest), so a full disk is `ENOSPC` and not the
 //! guest's OOM killer taking the agent (tested under QEMU). There is no network device: only
 //! the deny-all policy is offered.
-//! Host directories (`Workspace::HostDir`, `mounts`) and `rootfs` are not shared into the
-//! guest: such specs are refused with `Unsupported`.
+//! Host directories (`Workspace::HostDir`, `mounts`, a `rootfs` directory) are not shared
+//! into the guest: such specs are refused with `Unsupported`.
+//!
+//! ## Images
+//! A spec with an [`image`](sandbox_core::SandboxSpec::image) boots with that image as the
+//! guest's root: [`ImageStore::ensure`] finds or pulls it (the store from
+//! [`MicrovmBuilder::image_store`], else [`ImageStore::shared_default`]),
+//! [`ImageStore::rootfs_image`] makes its layers into a read-only ext4 file once per image,
+//! the VM serves that file with its read-only virtio-blk device, and the kernel command line
+//! gets `agent.root=/dev/vda` (and `agent.user=<uid>:<gid>` for an image whose `User` is not
+//! root): the agent mounts the disk under a writable overlay in guest RAM and switches to it.
+//! Commands get the image's `Env` under the spec's, its `WorkingDir`, and its own `python3`
+//! or `node` for code strings ([`Capabilities::image_languages`]). Snapshots pin the image's
+//! digest and the disk's identity. See `docs/images.md`.
 
 mod sandbox;
 
@@ -147,6 +159,7 @@ use sandbox_core::{
 };
 
 pub use sandbox::MicrovmSandbox;
+pub use sandbox_image::ImageStore;
 
 use crate::guest::install::{self, Verify};
 use crate::guest::GuestError;
@@ -229,6 +242,7 @@ pub struct MicrovmBuilder {
     kernel: Option<PathBuf>,
     initramfs: Option<PathBuf>,
     dir: Option<PathBuf>,
+    images: Option<ImageStore>,
 }
 
 impl MicrovmBuilder {
@@ -270,6 +284,13 @@ impl MicrovmBuilder {
         self
     }
 
+    /// Pulls and caches images in `store` (default: [`ImageStore::shared_default`], opened on
+    /// the first sandbox with an image).
+    pub fn image_store(mut self, store: ImageStore) -> Self {
+        self.images = Some(store);
+        self
+    }
+
     /// Checks the settings and builds the backend (nothing on the host is touched).
     pub fn build(self) -> Result<MicrovmBackend> {
         let mut config = self.config;
@@ -304,6 +325,7 @@ impl MicrovmBuilder {
         }
         Ok(MicrovmBackend {
             config: Arc::new(config),
+            images: self.images,
         })
     }
 }
@@ -312,6 +334,7 @@ impl MicrovmBuilder {
 #[derive(Debug, Clone)]
 pub struct MicrovmBackend {
     config: Arc<MicrovmConfig>,
+    images: Option<ImageStore>,
 }
 
 impl Default for MicrovmBackend {
@@ -337,6 +360,7 @@ impl MicrovmBackend {
     pub fn new() -> Self {
         MicrovmBackend {
             config: Arc::new(MicrovmConfig::default()),
+            images: None,
         }
     }
 
@@ -348,6 +372,14 @@ impl MicrovmBackend {
     /// The settings.
     pub fn config(&self) -> &MicrovmConfig {
         &self.config
+    }
+
+    /// The image store: the configured one, else the process's default.
+    pub(crate) fn image_store(&self) -> Result<ImageStore> {
+        match &self.images {
+            Some(s) => Ok(s.clone()),
+            None => ImageStore::shared_default().map_err(|e| e.into_core(TIER)),
+        }
     }
 
     /// The engine string recorded in snapshots: the VMM version and its snapshot format.
@@ -527,9 +559,18 @@ impl Backend for MicrovmBackend {
     fn capabilities(&self) -> Capabilities {
         let mut c = Capabilities::new(TIER);
         // The initramfs we build has busybox and our agent: shell, and any program given as
-        // argv. No Python, Node or compiler in the guest.
+        // argv. No Python, Node or compiler in the guest unless an image brings them.
         c.languages = vec![Language::Shell];
         c.argv = true;
+        // An image becomes the guest's root (a read-only ext4 disk under a writable overlay):
+        // its own interpreters run code.
+        c.images = true;
+        c.image_languages = vec![
+            Language::Python,
+            Language::Shell,
+            Language::Node,
+            Language::Javascript,
+        ];
         c.snapshots = vec![SnapshotKind::FullMemory, SnapshotKind::Filesystem];
         c.network = vec![NetworkMode::DenyAll];
         c.pause_resume = true;
@@ -579,5 +620,6 @@ impl Backend for MicrovmBackend {
 pub fn backend(config: MicrovmConfig) -> Arc<dyn Backend> {
     Arc::new(MicrovmBackend {
         config: Arc::new(config),
+        images: None,
     })
 }

@@ -124,6 +124,58 @@ async fn create_where_linux_guests_cannot_run_is_unavailable_at_once() {
     }
 }
 
+/// An image is pulled only where the tier can run: on a host that cannot boot Linux guests,
+/// `create` with an image is `Unavailable` without touching the (here unreachable) registry.
+#[tokio::test]
+async fn an_image_is_not_pulled_where_the_tier_cannot_run() {
+    let kvm = probe_kvm();
+    if kvm.linux_guests_supported() {
+        eprintln!("SKIP: this host runs Linux guests; the full-path tests cover images");
+        return;
+    }
+    let cache = tempfile::tempdir().unwrap();
+    let store = backend_microvm::ImageStore::builder(cache.path())
+        .build()
+        .unwrap();
+    let spec = SandboxSpec::builder(Language::Python)
+        .image("127.0.0.1:9/nowhere:1")
+        .memory_mib(256)
+        .build()
+        .unwrap();
+    let b = MicrovmBackend::builder()
+        .image_store(store)
+        .build()
+        .unwrap();
+    match tokio::time::timeout(HANG, b.create(&spec, ResolvedSecrets::none()))
+        .await
+        .expect("create must not hang")
+    {
+        Err(Error::Unavailable { reason, .. }) => assert_eq!(reason, kvm.reason),
+        Err(e) => panic!("expected Unavailable, got {e}"),
+        Ok(_) => panic!("created a microVM on a host whose probe says it cannot"),
+    }
+    // Nothing was fetched or cached: no blob, layer or image record.
+    fn files(p: &std::path::Path) -> Vec<PathBuf> {
+        let Ok(rd) = std::fs::read_dir(p) else {
+            return vec![];
+        };
+        rd.flat_map(|e| {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                files(&p)
+            } else {
+                vec![p]
+            }
+        })
+        .collect()
+    }
+    for d in ["blobs", "layers", "images", "fsimages"] {
+        let f = files(&cache.path().join(d));
+        assert!(f.is_empty(), "the cache was written: {f:?}");
+    }
+    assert!(!cache.path().join("refs.json").exists());
+}
+
 #[tokio::test]
 async fn specs_this_tier_cannot_honour_are_refused_before_anything_starts() {
     let b = MicrovmBackend::new();
@@ -169,7 +221,12 @@ async fn specs_this_tier_cannot_honour_are_refused_before_anything_starts() {
         .unwrap();
     assert!(unsupported(s).await.contains("mounts"));
     let s = SandboxSpec::builder(Language::Python).build().unwrap();
-    assert!(unsupported(s).await.contains("python"));
+    assert!(unsupported(s).await.contains("without an image"));
+    let s = SandboxSpec::builder(Language::C)
+        .image("python:3.12-slim")
+        .build()
+        .unwrap();
+    assert!(unsupported(s).await.contains("from an image"));
     // Too little memory for a Linux guest: an invalid spec, naming the field.
     let s = SandboxSpec::builder(Language::Shell)
         .memory_mib(16)
@@ -188,6 +245,12 @@ fn capabilities_are_honest() {
     assert_eq!(c.tier, Tier::Microvm);
     // Our initramfs has busybox and the agent: shell code and argv, nothing else.
     assert_eq!(c.languages, vec![Language::Shell]);
+    // An image becomes the root disk: its interpreters run Python and JavaScript.
+    assert!(c.images);
+    assert!(c.runs_language(Language::Python, true));
+    assert!(c.runs_language(Language::Javascript, true));
+    assert!(!c.runs_language(Language::Python, false));
+    assert!(!c.runs_language(Language::C, true));
     assert!(c.argv);
     assert_eq!(c.boundary, IsolationBoundary::GuestKernel);
     assert!(c.supports_snapshot(SnapshotKind::FullMemory));
@@ -602,6 +665,78 @@ async fn snapshot_and_restore_continue_where_they_were() {
     let first = read(r.read_file("counter").await.unwrap());
     r.exec(ExecRequest::argv(["sleep", "0.5"])).await.unwrap();
     assert!(read(r.read_file("counter").await.unwrap()) > first);
+    r.destroy().await.unwrap();
+}
+
+/// The Debian 13 image with python3 3.13 and numpy that `scripts/test-image.sh` builds.
+fn test_image() -> Option<PathBuf> {
+    let dir = std::env::var_os("AGENT_SANDBOX_TEST_IMAGES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/tmp/agent-sandbox-images"))
+        .join("trixie-numpy");
+    dir.join("index.json").is_file().then_some(dir)
+}
+
+/// The whole path from an OCI image: pulled into a store, made into an ext4 disk, served by
+/// the VM's virtio-blk device and made the guest's root; the image's own Python runs code,
+/// its `Env` and `WorkingDir` apply, a snapshot pins the image and restores onto the same
+/// disk.
+#[tokio::test]
+async fn a_sandbox_from_an_image_runs_the_images_python() {
+    let _one = linux_vm_or_skip!();
+    let Some(layout) = test_image() else {
+        panic!("no test image: run scripts/test-image.sh (scripts/test.sh does)");
+    };
+    let cache = tempfile::tempdir().unwrap();
+    let store = backend_microvm::ImageStore::builder(cache.path())
+        .build()
+        .unwrap();
+    let b = MicrovmBackend::builder()
+        .guest_dir(guest_dir())
+        .image_store(store)
+        .build()
+        .unwrap();
+    let spec = SandboxSpec::builder(Language::Python)
+        .image(format!("oci:{}:python3", layout.display()))
+        .memory_mib(512)
+        .env("FROM_SPEC", "1")
+        .build()
+        .unwrap();
+    let s = b.create(&spec, ResolvedSecrets::none()).await.unwrap();
+    let phases: Vec<_> = s.timeline().phases.iter().map(|p| p.phase).collect();
+    assert!(phases.contains(&sandbox_core::Phase::Image), "{phases:?}");
+    let r = s
+        .exec(ExecRequest::code(
+            "import sys, numpy; print(sys.version_info[:2], numpy.arange(4).sum())",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_str(), "(3, 13) 6\n", "{r:?}");
+    let r = s
+        .exec(ExecRequest::code(
+            "import os; print(os.environ['FROM_SPEC'], os.environ['PATH'] != '', os.getcwd())",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_str(), "1 True /workspace\n", "{r:?}");
+    s.write_file("data.txt", b"kept").await.unwrap();
+
+    let snaps = tempfile::tempdir().unwrap();
+    let snap_store = ObjectSnapshotStore::local(snaps.path()).unwrap();
+    let id = s.snapshot(&snap_store).await.unwrap();
+    let m = snap_store.manifest(&id).await.unwrap();
+    assert!(m.metadata.contains_key("image_digest"), "{:?}", m.metadata);
+    s.destroy().await.unwrap();
+    let r = b
+        .restore(&snap_store, &id, ResolvedSecrets::none())
+        .await
+        .unwrap();
+    assert_eq!(r.read_file("data.txt").await.unwrap(), b"kept");
+    let out = r
+        .exec(ExecRequest::code("print(open('data.txt').read())"))
+        .await
+        .unwrap();
+    assert_eq!(out.stdout_str(), "kept\n", "{out:?}");
     r.destroy().await.unwrap();
 }
 

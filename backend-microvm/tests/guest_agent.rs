@@ -45,6 +45,10 @@ struct Agent {
 }
 
 fn spawn_raw() -> (Child, UnixStream, tempfile::TempDir) {
+    spawn_raw_with(&[])
+}
+
+fn spawn_raw_with(env: &[(&str, &str)]) -> (Child, UnixStream, tempfile::TempDir) {
     let ws = tempfile::tempdir().unwrap();
     let (ours, theirs) = UnixStream::pair().unwrap();
     let fd = theirs.as_raw_fd();
@@ -52,6 +56,7 @@ fn spawn_raw() -> (Child, UnixStream, tempfile::TempDir) {
     cmd.env_clear()
         .env("AGENT_CHANNEL_FD", "3")
         .env("AGENT_WORKSPACE", ws.path())
+        .envs(env.iter().copied())
         .stdin(Stdio::null());
     // SAFETY: dup2 is async-signal-safe; it puts the channel at fd 3 without close-on-exec.
     unsafe {
@@ -86,6 +91,58 @@ fn req(argv: &[&str]) -> ExecRequest {
         argv: argv.iter().map(|s| s.to_string()).collect(),
         ..ExecRequest::default()
     }
+}
+
+/// An image's `User` (`agent.user=` in the guest; `AGENT_USER` in test mode): commands run
+/// as it with no supplementary groups, and it owns the workspace and what the agent writes.
+#[test]
+fn commands_run_as_the_configured_user() {
+    use std::os::unix::fs::MetadataExt;
+    if !nix_is_root() {
+        eprintln!("SKIP: switching users needs root");
+        return;
+    }
+    let (child, ours, ws) = spawn_raw_with(&[("AGENT_USER", "1234:2345")]);
+    let client = AgentClient::new(ours).unwrap();
+    client.wait_ready(T).unwrap();
+    let a = Agent { child, client, ws };
+    let c = &a.client;
+    let out = c
+        .exec(&req(&[
+            "sh",
+            "-c",
+            "id -u; id -g; id -G; touch made-by-command",
+        ]))
+        .unwrap();
+    assert_eq!(
+        (out.exit.code, String::from_utf8_lossy(&out.stdout).as_ref()),
+        (Some(0), "1234\n2345\n2345\n"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    c.write_file("sub/dir/note.txt", b"x", 0o644, T).unwrap();
+    for p in ["", "made-by-command", "sub", "sub/dir", "sub/dir/note.txt"] {
+        let m = std::fs::metadata(a.ws.path().join(p)).unwrap();
+        assert_eq!((m.uid(), m.gid()), (1234, 2345), "{p:?}");
+    }
+    // The user cannot take root back.
+    let out = c
+        .exec(&req(&[
+            "sh",
+            "-c",
+            "cat /proc/self/status | grep -i '^uid'",
+        ]))
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("1234\t1234\t1234\t1234"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+fn nix_is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
 }
 
 #[test]

@@ -675,3 +675,129 @@ fn an_image_root_without_its_disk_is_a_typed_error() {
     assert!(!out.contains("overlay"), "{out}");
     shut_down(&mut qemu, &c);
 }
+
+/// The Debian 13 image (python3 3.13, numpy) that `scripts/test-image.sh` builds, as an OCI
+/// layout, or why there is none.
+fn test_image() -> Result<PathBuf, String> {
+    let dir = std::env::var_os("AGENT_SANDBOX_TEST_IMAGES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/tmp/agent-sandbox-images"))
+        .join("trixie-numpy");
+    if dir.join("index.json").is_file() {
+        Ok(dir)
+    } else {
+        Err(format!(
+            "no test image at {} (scripts/test-image.sh builds it; scripts/test.sh runs that)",
+            dir.display()
+        ))
+    }
+}
+
+/// The guest side of the microVM tier's images, end to end with the real parts: a Debian
+/// image (not the host's files) pulled into an image store, made into its ext4 disk by
+/// `ImageStore::rootfs_image` exactly as the backend does, attached read-only, and booted with
+/// the command line the backend writes for an image whose `User` is 1000:1000. The image's
+/// own Python runs (3.13, where the host has 3.11), with its numpy; commands run as that user,
+/// who owns the workspace and the files the agent writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oci_image_from_the_store_is_the_root_and_its_python_runs() {
+    if let Some(why) = qemu_missing() {
+        eprintln!("SKIP: {why}");
+        return;
+    }
+    let layout = match test_image() {
+        Ok(l) => l,
+        Err(why) => {
+            eprintln!("SKIP: {why}");
+            return;
+        }
+    };
+    let t0 = Instant::now();
+    let dir = tempfile::tempdir().unwrap();
+    let store = backend_microvm::ImageStore::builder(dir.path().join("images"))
+        .build()
+        .unwrap();
+    let r = sandbox_core::ImageRef::parse(&format!("oci:{}:python3", layout.display())).unwrap();
+    let image = store.ensure(&r).await.unwrap();
+    let s2 = store.clone();
+    let i2 = image.clone();
+    let disk = tokio::task::spawn_blocking(move || s2.rootfs_image(&i2))
+        .await
+        .unwrap()
+        .unwrap();
+    eprintln!(
+        "image unpacked and its {} MiB disk built in {:?}",
+        disk.size() >> 20,
+        t0.elapsed()
+    );
+    let before = sha256(disk.path());
+    let extra = Extra {
+        append: "agent.root=/dev/vda agent.user=1000:1000".into(),
+        args: vec![
+            "-drive".into(),
+            format!(
+                "file={},if=none,id=d0,format=raw,readonly=on",
+                disk.path().display()
+            ),
+            "-device".into(),
+            "virtio-blk-device,drive=d0".into(),
+        ],
+    };
+    let (mut qemu, c) = tokio::task::block_in_place(|| boot(dir.path(), &extra));
+    eprintln!("guest booted from the image in {:?}", t0.elapsed());
+    let path = image.config().path().unwrap_or("/usr/bin:/bin").to_string();
+    let env = [("PATH", path.as_str())];
+    let (code, out, err) = exec(
+        &c,
+        &[
+            "python3",
+            "-c",
+            "import sys, numpy; print(sys.version_info[:2], numpy.arange(4).sum())",
+        ],
+        &env,
+    );
+    assert_eq!((code, out.as_str()), (Some(0), "(3, 13) 6\n"), "{err}");
+    // Debian 13's own userland, not the initramfs's busybox.
+    let (code, out, err) = exec(&c, &["cat", "/etc/debian_version"], &env);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.starts_with("13"), "{out}");
+    // The image's user runs commands and owns what is written in the workspace.
+    let (code, out, err) = exec(
+        &c,
+        &[
+            "sh",
+            "-c",
+            "id -u; id -g; touch /workspace/made && stat -c %u /workspace/made",
+        ],
+        &env,
+    );
+    assert_eq!(
+        (code, out.as_str()),
+        (Some(0), "1000\n1000\n1000\n"),
+        "{err}"
+    );
+    c.write_file("sub/note.txt", b"from the host", 0o644, CALL)
+        .unwrap();
+    let (code, out, err) = exec(
+        &c,
+        &[
+            "sh",
+            "-c",
+            "stat -c %u:%g /workspace/sub /workspace/sub/note.txt && echo more >> /workspace/sub/note.txt",
+        ],
+        &env,
+    );
+    assert_eq!(
+        (code, out.as_str()),
+        (Some(0), "1000:1000\n1000:1000\n"),
+        "{err}"
+    );
+    // Not root: the image's root-owned files stay out of reach.
+    let (code, _, _) = exec(&c, &["sh", "-c", "echo x > /etc/written-by-user"], &env);
+    assert_ne!(code, Some(0));
+    shut_down(&mut qemu, &c);
+    drop(qemu);
+    // The disk the store made was never written.
+    assert_eq!(sha256(disk.path()), before);
+    eprintln!("image test took {:?}", t0.elapsed());
+}

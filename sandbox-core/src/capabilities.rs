@@ -56,6 +56,11 @@ pub struct Capabilities {
     pub persistent_state: bool,
     /// Sandboxes start from OCI images ([`SandboxSpec::image`](crate::SandboxSpec::image)).
     pub images: bool,
+    /// Languages `exec` accepts as code strings in a sandbox started from an image, run with
+    /// the image's own interpreter (`python3`, `node`, `sh`; an image without it gets a clear
+    /// error). A tier whose own userland has fewer interpreters than an image can bring
+    /// lists more here than in [`languages`](Self::languages).
+    pub image_languages: Vec<Language>,
     /// The [`Limits`](crate::Limits) this tier enforces, in [`LimitKind`] order. A limit
     /// not listed is accepted in a spec but not enforced by this tier (the tier's
     /// documentation says what bounds the resource instead).
@@ -78,6 +83,7 @@ impl Capabilities {
             streaming: false,
             persistent_state: false,
             images: false,
+            image_languages: Vec::new(),
             limits: Vec::new(),
         }
     }
@@ -90,6 +96,17 @@ impl Capabilities {
     /// Whether code strings in `lang` run here.
     pub fn supports_language(&self, lang: Language) -> bool {
         self.languages.contains(&lang)
+    }
+
+    /// Whether code strings in `lang` run here in a sandbox started from an image
+    /// (`from_image`) or not: [`image_languages`](Self::image_languages) or
+    /// [`languages`](Self::languages).
+    pub fn runs_language(&self, lang: Language, from_image: bool) -> bool {
+        if from_image {
+            self.images && self.image_languages.contains(&lang)
+        } else {
+            self.supports_language(lang)
+        }
     }
 
     /// Whether this snapshot kind is available.

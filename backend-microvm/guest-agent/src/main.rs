@@ -26,6 +26,10 @@
 //!   the tmpfs budget, like `/tmp`, taken from the workspace's share).
 //! - `agent.root_wait=<seconds>`: how long to wait for the device to appear (default 10).
 //!
+//! - `agent.user=<uid>:<gid>`: run every command as this user (an image's `User`), with no
+//!   supplementary groups; the workspace and the files written into it through the agent
+//!   belong to it (absent: commands run as root, the guest's only user that matters).
+//!
 //! If that fails (a bad parameter, an initramfs without those modules, no device, a mount
 //! refused), the agent says why on the console and, before `Ready`, in an `Error` frame with
 //! request id 0 (the host's `AgentClient::wait_ready` returns it), then serves from the
@@ -85,6 +89,9 @@ extern "C" {
     fn dup2(old: c_int, new: c_int) -> c_int;
     fn chdir(path: *const c_char) -> c_int;
     fn chroot(path: *const c_char) -> c_int;
+    fn setgroups(n: usize, groups: *const u32) -> c_int;
+    fn setgid(gid: u32) -> c_int;
+    fn setuid(uid: u32) -> c_int;
     fn pipe2(fds: *mut c_int, flags: c_int) -> c_int;
     fn write(fd: c_int, buf: *const u8, n: usize) -> isize;
     fn _exit(code: c_int) -> !;
@@ -145,6 +152,7 @@ fn main() {
     // SAFETY: getpid has no preconditions.
     let pid1 = unsafe { getpid() } == 1;
     let mut setup_error = None;
+    let mut user = None;
     let chan = if pid1 {
         let root = system_setup();
         let chan = match open_console() {
@@ -159,6 +167,15 @@ fn main() {
             let msg = format!("image root: {e}");
             log(&msg);
             setup_error = Some(msg);
+        }
+        let cmdline = fs::read_to_string("/proc/cmdline").unwrap_or_default();
+        match user_config(&cmdline) {
+            Ok(u) => user = u,
+            Err(e) => {
+                let msg = format!("user: {e}");
+                log(&msg);
+                setup_error.get_or_insert(msg);
+            }
         }
         chan
     } else {
@@ -178,6 +195,16 @@ fn main() {
             ));
             std::process::exit(2);
         }
+        // Test mode's stand-in for `agent.user=`.
+        if let Ok(u) = std::env::var("AGENT_USER") {
+            match user_config(&format!("agent.user={u}")) {
+                Ok(u) => user = u,
+                Err(e) => {
+                    log(&format!("AGENT_USER: {e}"));
+                    std::process::exit(2);
+                }
+            }
+        }
         // SAFETY: the fd is inherited from our parent for us to own (checked valid above).
         unsafe { File::from_raw_fd(fd) }
     };
@@ -188,7 +215,15 @@ fn main() {
             .map(PathBuf::from)
             .unwrap_or_else(|| PathBuf::from(WORKSPACE))
     };
-    let code = serve(chan, workspace, pid1, setup_error);
+    // The commands' user owns the workspace (its root; what is made in it is theirs anyway).
+    if let Some((uid, gid)) = user {
+        if let Err(e) = std::os::unix::fs::chown(&workspace, Some(uid), Some(gid)) {
+            let msg = format!("user: chown {} to {uid}:{gid}: {e}", workspace.display());
+            log(&msg);
+            setup_error.get_or_insert(msg);
+        }
+    }
+    let code = serve(chan, workspace, user, pid1, setup_error);
     if pid1 {
         power_off();
     }
@@ -481,12 +516,20 @@ struct Procs {
 struct State {
     chan: Chan,
     workspace: PathBuf,
+    /// `agent.user=`: who commands run as and who owns what the agent writes (`None`: root).
+    user: Option<(u32, u32)>,
     procs: Arc<(Mutex<Procs>, Condvar)>,
     /// Running execs: request id -> process group id.
     running: Arc<Mutex<HashMap<u32, i32>>>,
 }
 
-fn serve(chan: File, workspace: PathBuf, pid1: bool, setup_error: Option<String>) -> i32 {
+fn serve(
+    chan: File,
+    workspace: PathBuf,
+    user: Option<(u32, u32)>,
+    pid1: bool,
+    setup_error: Option<String>,
+) -> i32 {
     let mut reader = match chan.try_clone() {
         Ok(r) => r,
         Err(e) => {
@@ -497,6 +540,7 @@ fn serve(chan: File, workspace: PathBuf, pid1: bool, setup_error: Option<String>
     let st = Arc::new(State {
         chan: Chan(Arc::new(Mutex::new(chan))),
         workspace,
+        user,
         procs: Arc::new((Mutex::new(Procs::default()), Condvar::new())),
         running: Arc::new(Mutex::new(HashMap::new())),
     });
@@ -560,7 +604,7 @@ fn serve(chan: File, workspace: PathBuf, pid1: bool, setup_error: Option<String>
                 mode,
                 append,
                 data,
-            } => match write_file(&st.workspace, &path, mode, append, &data) {
+            } => match write_file(&st.workspace, st.user, &path, mode, append, &data) {
                 Ok(()) => st.chan.send(id, &Response::Ok),
                 Err((k, m)) => st.chan.error(id, k, m),
             },
@@ -795,6 +839,7 @@ fn exec(st: &State, id: u32, x: ExecRequest) {
         Ok(p) => p,
         Err(e) => return chan.error(id, ErrorKind::Io, format!("pipe: {e}")),
     };
+    let user = st.user;
     let (tx, rx) = mpsc::channel();
     let (m, cv) = &*st.procs;
     let pid = {
@@ -813,7 +858,14 @@ fn exec(st: &State, id: u32, x: ExecRequest) {
                 dup2(out_w.as_raw_fd(), 1);
                 dup2(err_w.as_raw_fd(), 2);
                 signal(SIGPIPE, SIG_DFL);
-                if chdir(cwd_c.as_ptr()) == 0 {
+                // The image's user: groups, then gid, then uid (after which none can change).
+                let dropped = match user {
+                    None => true,
+                    Some((uid, gid)) => {
+                        setgroups(0, std::ptr::null()) == 0 && setgid(gid) == 0 && setuid(uid) == 0
+                    }
+                };
+                if dropped && chdir(cwd_c.as_ptr()) == 0 {
                     execve(exe_c.as_ptr(), argv_p.as_ptr(), env_p.as_ptr());
                 }
                 let e = (*__errno_location()).to_le_bytes();
@@ -977,6 +1029,7 @@ fn check_inside(ws: &Path, full: &Path, shown: &str) -> Result<(), FileError> {
 
 fn write_file(
     ws: &Path,
+    user: Option<(u32, u32)>,
     path: &str,
     mode: u32,
     append: bool,
@@ -990,6 +1043,15 @@ fn write_file(
     if let Some(parent) = full.parent() {
         fs::create_dir_all(parent).map_err(|e| io_err("create", path, &e))?;
         check_inside(ws, &full, path)?;
+        // The directories between the workspace and the file belong to the commands' user.
+        if let (Some((uid, gid)), Ok(rel)) = (user, parent.strip_prefix(ws)) {
+            let mut d = ws.to_path_buf();
+            for c in rel.components() {
+                d.push(c);
+                std::os::unix::fs::lchown(&d, Some(uid), Some(gid))
+                    .map_err(|e| io_err("chown", path, &e))?;
+            }
+        }
     }
     let mode = if mode & 0o7777 == 0 {
         0o644
@@ -1005,6 +1067,10 @@ fn write_file(
         .custom_flags(0o400000 /* O_NOFOLLOW */)
         .open(&full)
         .map_err(|e| io_err("write", path, &e))?;
+    if let Some((uid, gid)) = user {
+        std::os::unix::fs::fchown(&f, Some(uid), Some(gid))
+            .map_err(|e| io_err("chown", path, &e))?;
+    }
     f.write_all(data).map_err(|e| io_err("write", path, &e))
 }
 
@@ -1111,6 +1177,25 @@ mod tests {
         assert_eq!(root.workspace.1, plain.workspace.1 - plain.scratch.1);
         // Three scratch-sized mounts and the workspace: still 5/8 of the RAM at most.
         assert!(3 * root.scratch.0 + root.workspace.0 <= (200 << 20) / 8 * 5);
+    }
+
+    #[test]
+    fn user_parameter() {
+        assert_eq!(user_config("console=ttyS0 quiet").unwrap(), None);
+        assert_eq!(
+            user_config("agent.root=/dev/vda agent.user=1000:100").unwrap(),
+            Some((1000, 100))
+        );
+        // Root is no user switch at all.
+        assert_eq!(user_config("agent.user=0:0").unwrap(), None);
+        for bad in [
+            "agent.user=1000",
+            "agent.user=me:me",
+            "agent.user=-1:0",
+            "agent.user=",
+        ] {
+            assert!(user_config(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

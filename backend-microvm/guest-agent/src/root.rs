@@ -63,6 +63,27 @@ impl std::fmt::Display for RootError {
 }
 
 /// Reads the `agent.root*` parameters of a kernel command line.
+/// `agent.user=<uid>:<gid>` on the kernel command line: who commands run as (`None`: root).
+pub(crate) fn user_config(cmdline: &str) -> Result<Option<(u32, u32)>, RootError> {
+    let Some(v) = cmdline
+        .split_whitespace()
+        .filter_map(|w| w.strip_prefix("agent.user="))
+        .last()
+    else {
+        return Ok(None);
+    };
+    let parsed = v
+        .split_once(':')
+        .and_then(|(u, g)| Some((u.parse::<u32>().ok()?, g.parse::<u32>().ok()?)));
+    match parsed {
+        Some((0, 0)) => Ok(None),
+        Some(ids) => Ok(Some(ids)),
+        None => Err(RootError::Config(format!(
+            "agent.user={v}: expected <uid>:<gid> (numbers)"
+        ))),
+    }
+}
+
 pub(crate) fn root_config(cmdline: &str) -> Result<Option<RootConfig>, RootError> {
     let (mut device, mut size, mut wait) = (None, None, None);
     for word in cmdline.split_whitespace() {

@@ -23,14 +23,8 @@ pub(crate) fn check_spec(spec: &SandboxSpec) -> Result<()> {
     if spec.rootfs.is_some() {
         return Err(Error::unsupported(
             TIER,
-            "a custom rootfs (the guest's root filesystem is its initramfs)",
-        ));
-    }
-    if spec.image.is_some() {
-        return Err(Error::unsupported(
-            TIER,
-            "starting from an OCI image yet (the guest's root filesystem is its initramfs; \
-             the container tier starts from images)",
+            "a custom rootfs directory (the guest cannot mount host directories; start from an \
+             OCI image instead: it becomes the guest's root disk)",
         ));
     }
     if let Workspace::HostDir { .. } = spec.workspace {
@@ -46,16 +40,41 @@ pub(crate) fn check_spec(spec: &SandboxSpec) -> Result<()> {
             "host mounts (no host files are shared into the guest)",
         ));
     }
-    if spec.language != Language::Shell {
-        return Err(Error::unsupported(
-            TIER,
-            format!(
-                "the {} language (the guest has busybox only: use shell code or argv commands)",
-                spec.language
-            ),
-        ));
+    match (spec.language, spec.image.is_some()) {
+        (Language::Shell, _) => {}
+        (Language::Python | Language::Node | Language::Javascript, true) => {}
+        (other, true) => {
+            return Err(Error::unsupported(
+                TIER,
+                format!(
+                    "the {other} language (from an image, this tier runs Python, JavaScript \
+                     and shell code with the image's own interpreter, and any argv command)"
+                ),
+            ))
+        }
+        (other, false) => {
+            return Err(Error::unsupported(
+                TIER,
+                format!(
+                    "the {other} language without an image (the default guest has busybox \
+                     only: use shell code or argv commands, or start from an image that has \
+                     the interpreter)"
+                ),
+            ))
+        }
     }
     Ok(())
+}
+
+/// The kernel command line of a sandbox: the backend's, plus, for a sandbox from an image
+/// (`image_user`: the uid and gid its `User` means), the image root (the disk the VM's
+/// virtio-blk device serves) and that user.
+pub(crate) fn sandbox_cmdline(base: &str, image_user: Option<(u32, u32)>) -> String {
+    match image_user {
+        None => base.to_string(),
+        Some((0, 0)) => format!("{base} agent.root=/dev/vda"),
+        Some((uid, gid)) => format!("{base} agent.root=/dev/vda agent.user={uid}:{gid}"),
+    }
 }
 
 /// Guest RAM for a spec: `limits.memory_bytes`, rounded up to whole pages.
@@ -75,20 +94,37 @@ pub(crate) fn guest_memory(spec: &SandboxSpec) -> Result<u64> {
         .ok_or_else(|| Error::invalid("limits.memory_bytes", "too large"))
 }
 
-pub(super) fn vm_config(mem_size: u64, vcpus: u8, lifetime: Duration) -> VmConfig {
+pub(super) fn vm_config(
+    mem_size: u64,
+    vcpus: u8,
+    lifetime: Duration,
+    image: Option<&ImageRoot>,
+) -> VmConfig {
     VmConfig {
         mem_size,
         vcpus,
         serial_cap: SERIAL_CAP,
         virtio_console: true,
         deadline: Some(lifetime),
+        block: image.map(|i| BlockConfig {
+            path: i.disk.path().to_path_buf(),
+            id: "agent-sandbox-root".into(),
+        }),
         ..VmConfig::default()
     }
 }
 
-/// The environment every command gets: exactly the spec's, its secrets, and defaults.
-fn sandbox_env(spec: &SandboxSpec, secrets: &ResolvedSecrets) -> BTreeMap<String, String> {
-    let mut env = spec.base_env();
+/// The environment every command gets: the image's `Env` under exactly the spec's, its
+/// secrets, and defaults.
+fn sandbox_env(
+    spec: &SandboxSpec,
+    secrets: &ResolvedSecrets,
+    image: Option<&ImageRoot>,
+) -> BTreeMap<String, String> {
+    let mut env = match image {
+        Some(i) => i.image.config().environment(spec.base_env()),
+        None => spec.base_env(),
+    };
     for (k, v) in secrets.env() {
         env.insert(k.to_string(), v.to_string());
     }
@@ -230,6 +266,18 @@ fn boot_guest(
             vm.kill();
             Err(map_agent_error(e, None))
         }
+        // The image root would not come up (the agent said why before `Ready`).
+        Err(AgentError::GuestSetup(m)) if m.contains("install the guest again") => {
+            vm.kill();
+            Err(Error::Unavailable {
+                tier: TIER,
+                reason: format!("the installed guest cannot start from images: {m}"),
+                fix: format!("{} (rebuilds the initramfs)", crate::INSTALL_FIX),
+            })
+        }
+        Err(AgentError::GuestSetup(m)) => {
+            Err(boot_failure(&vm, "starting the guest from the image", &m))
+        }
         Err(e) => Err(boot_failure(&vm, "booting the guest", &e.to_string())),
     }
 }
@@ -242,19 +290,29 @@ impl MicrovmSandbox {
     ) -> Result<Self> {
         check_spec(spec)?;
         let mem_size = guest_memory(spec)?;
-        let t = TimelineRecorder::start();
+        let mut t = TimelineRecorder::start();
         let be = backend.clone();
+        // KVM and the guest first: a host that cannot run the tier says so before any pull.
         let guest = tokio::task::spawn_blocking(move || {
             MicrovmBackend::check_kvm()?;
             be.guest_files()
         })
         .await
         .map_err(join_err)??;
+        let image = match &spec.image {
+            Some(r) => {
+                let root = ImageRoot::prepare(backend, r, spec.language).await?;
+                t.mark(Phase::Image);
+                Some(root)
+            }
+            None => None,
+        };
         let cfg = backend.config.clone();
-        let vcfg = vm_config(mem_size, cfg.vcpus, spec.limits.lifetime());
+        let vcfg = vm_config(mem_size, cfg.vcpus, spec.limits.lifetime(), image.as_ref());
+        let cmdline = sandbox_cmdline(&cfg.cmdline, image.as_ref().map(|i| i.user));
         let g = guest.clone();
         let (vm, agent, mut t) = tokio::task::spawn_blocking(move || {
-            boot_guest(&g, &cfg.cmdline, cfg.boot_timeout, vcfg, t)
+            boot_guest(&g, &cmdline, cfg.boot_timeout, vcfg, t)
         })
         .await
         .map_err(join_err)??;
@@ -262,36 +320,43 @@ impl MicrovmSandbox {
         Ok(Self::assemble(
             spec.clone(),
             &secrets,
-            mem_size,
-            backend.config.vcpus,
-            guest.kernel_version,
+            Boot {
+                mem_size,
+                vcpus: backend.config.vcpus,
+                kernel_version: guest.kernel_version,
+                image,
+            },
             agent,
             Machine::Vm(Arc::new(vm)),
             t,
         ))
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn assemble(
         spec: SandboxSpec,
         secrets: &ResolvedSecrets,
-        mem_size: u64,
-        vcpus: u8,
-        kernel_version: Option<String>,
+        boot: Boot,
         agent: AgentClient,
         machine: Machine,
         t: TimelineRecorder,
     ) -> Self {
         let id = format!("mvm-{}", &uuid::Uuid::new_v4().simple().to_string()[..20]);
+        let Boot {
+            mem_size,
+            vcpus,
+            kernel_version,
+            image,
+        } = boot;
         MicrovmSandbox {
             inner: Arc::new(Inner {
                 id: id.clone(),
-                env: sandbox_env(&spec, secrets),
+                env: sandbox_env(&spec, secrets, image.as_ref()),
                 redactor: secrets.redactor(),
                 spec,
                 mem_size,
                 vcpus,
                 kernel_version,
+                image,
                 live: Mutex::new(Some(Live { agent, machine })),
                 life: Lifecycle::new(id.clone()),
                 born: Instant::now(),
@@ -321,6 +386,41 @@ mod tests {
         ));
         let py = SandboxSpec::new(Language::Python);
         assert!(matches!(check_spec(&py), Err(Error::Unsupported { .. })));
+        // From an image, its interpreters run code; C is still refused.
+        let image = || Some(sandbox_core::ImageRef::parse("python:3.12-slim").unwrap());
+        for (lang, ok) in [
+            (Language::Python, true),
+            (Language::Javascript, true),
+            (Language::Node, true),
+            (Language::Shell, true),
+            (Language::C, false),
+            (Language::Wasm, false),
+        ] {
+            let mut s = SandboxSpec::new(lang);
+            s.image = image();
+            assert_eq!(check_spec(&s).is_ok(), ok, "{lang}: {:?}", check_spec(&s));
+        }
+        // A rootfs directory cannot reach the guest: the error points at images.
+        let mut dir = ok.clone();
+        dir.rootfs = Some(std::env::temp_dir());
+        match check_spec(&dir) {
+            Err(Error::Unsupported { what, .. }) => assert!(what.contains("OCI image"), "{what}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_image_adds_its_root_disk_and_user_to_the_command_line() {
+        let base = crate::boot::DEFAULT_CMDLINE;
+        assert_eq!(sandbox_cmdline(base, None), base);
+        assert_eq!(
+            sandbox_cmdline(base, Some((0, 0))),
+            format!("{base} agent.root=/dev/vda")
+        );
+        assert_eq!(
+            sandbox_cmdline(base, Some((1000, 100))),
+            format!("{base} agent.root=/dev/vda agent.user=1000:100")
+        );
     }
 
     /// A "kernel" that prints to the serial port and spins: never an agent. Needs only
@@ -360,7 +460,7 @@ mod tests {
             &guest,
             crate::boot::DEFAULT_CMDLINE,
             Duration::from_millis(1500),
-            vm_config(64 << 20, 1, Duration::from_secs(60)),
+            vm_config(64 << 20, 1, Duration::from_secs(60), None),
             TimelineRecorder::start(),
         );
         match r {
@@ -380,7 +480,7 @@ mod tests {
             &guest,
             crate::boot::DEFAULT_CMDLINE,
             Duration::from_millis(100),
-            vm_config(64 << 20, 1, Duration::from_secs(60)),
+            vm_config(64 << 20, 1, Duration::from_secs(60), None),
             TimelineRecorder::start(),
         );
         assert!(matches!(r, Err(Error::Unavailable { .. })), "{:?}", r.err());

@@ -9,13 +9,33 @@ impl Inner {
     fn argv(&self, cmd: &Command) -> Result<Vec<String>> {
         match cmd {
             Command::Argv(a) => Ok(a.clone()),
-            Command::Code(code) => match self.spec.language {
-                Language::Shell => Ok(vec!["/bin/sh".into(), "-c".into(), code.clone()]),
-                other => Err(Error::unsupported(
-                    TIER,
-                    format!("{other} code (the guest has busybox only)"),
-                )),
-            },
+            Command::Code(code) => {
+                // From an image, code runs the image's own interpreter (found on its `PATH`);
+                // say so if it has none.
+                if let Some(i) = &self.image {
+                    i.image
+                        .require_interpreter(self.spec.language)
+                        .map_err(|e| e.into_core(TIER))?;
+                }
+                let with = |p: &[&str]| {
+                    p.iter()
+                        .map(|s| s.to_string())
+                        .chain([code.clone()])
+                        .collect::<Vec<_>>()
+                };
+                match (self.spec.language, self.image.is_some()) {
+                    (Language::Shell, _) => Ok(with(&["/bin/sh", "-c"])),
+                    (Language::Python, true) => Ok(with(&["python3", "-c"])),
+                    (Language::Node | Language::Javascript, true) => Ok(with(&["node", "-e"])),
+                    (other, _) => Err(Error::unsupported(
+                        TIER,
+                        format!(
+                            "{other} code (the default guest has busybox only; start from an \
+                             image with the interpreter)"
+                        ),
+                    )),
+                }
+            }
             other => Err(Error::unsupported(TIER, format!("the command {other:?}"))),
         }
     }
@@ -33,7 +53,13 @@ impl Inner {
         let mut t = TimelineRecorder::start();
         let argv = self.argv(&req.command)?;
         let cwd = match &req.cwd {
-            None => String::new(),
+            // The image's `WorkingDir`, else the workspace.
+            None => self
+                .image
+                .as_ref()
+                .and_then(|i| i.image.config().default_cwd())
+                .unwrap_or_default()
+                .to_string(),
             Some(c) if c.starts_with('/') => c.clone(),
             Some(c) => WorkspacePath::parse(c)?.in_sandbox(),
         };

@@ -10,6 +10,7 @@
 
 mod create;
 mod exec;
+mod image;
 pub(crate) mod memfile;
 mod snapshot;
 
@@ -29,8 +30,9 @@ use tokio::sync::{mpsc, RwLock};
 use crate::acpi::VirtioMmioDesc;
 use crate::agent_client::{self, AgentClient, AgentError, ErrorKind, ExitInfo, SOURCE_HASH};
 use crate::boot::{self, BootConfig};
-use crate::vmm::{Entry, Vm, VmConfig, VmExit, VmmError};
+use crate::vmm::{BlockConfig, Entry, Vm, VmConfig, VmExit, VmmError};
 use crate::{GuestFiles, MicrovmBackend, MIN_GUEST_MEMORY, TIER};
+use image::{Boot, ImageRoot};
 
 /// How long one file call (or one chunk of it) may take.
 const FILE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -125,6 +127,8 @@ struct Inner {
     mem_size: u64,
     vcpus: u8,
     kernel_version: Option<String>,
+    /// The image the guest's root comes from, if any.
+    image: Option<ImageRoot>,
     live: Mutex<Option<Live>>,
     /// Live, paused, or gone with the reason (destroyed, lifetime, the VM died).
     life: Lifecycle,
@@ -497,9 +501,12 @@ mod tests {
             let s = MicrovmSandbox::assemble(
                 spec,
                 &secrets,
-                64 << 20,
-                1,
-                None,
+                Boot {
+                    mem_size: 64 << 20,
+                    vcpus: 1,
+                    kernel_version: None,
+                    image: None,
+                },
                 agent,
                 Machine::Process(Arc::new(Mutex::new(child))),
                 TimelineRecorder::start(),

@@ -2,7 +2,11 @@
 //! artifacts of a [`SnapshotStore`], and a sandbox brought back from them.
 
 use super::create::{boot_failure, check_spec, vm_config};
+use super::image::{META_DISK_MTIME, META_DISK_SIZE};
 use super::*;
+
+/// Snapshot metadata: the manifest digest of the image the guest's root came from.
+const META_IMAGE_DIGEST: &str = "image_digest";
 
 /// Snapshot artifact: the VMM's versioned state file.
 pub(crate) const STATE_ARTIFACT: &str = "vm-state.json";
@@ -11,7 +15,7 @@ pub(crate) const MEMORY_ARTIFACT: &str = "memory.extents";
 
 impl MicrovmSandbox {
     pub(crate) async fn restore(
-        _backend: &MicrovmBackend,
+        backend: &MicrovmBackend,
         store: &dyn SnapshotStore,
         id: &SnapshotId,
         secrets: ResolvedSecrets,
@@ -47,6 +51,42 @@ impl MicrovmSandbox {
         tokio::task::spawn_blocking(MicrovmBackend::check_kvm)
             .await
             .map_err(join_err)??;
+        // The very disk the guest had: its kernel's page cache and ext4 state refer to it.
+        let image = match &m.spec.image {
+            Some(r) => {
+                let root = ImageRoot::prepare(backend, r, m.spec.language).await?;
+                let want = (
+                    m.metadata.get(META_IMAGE_DIGEST),
+                    m.metadata.get(META_DISK_SIZE),
+                    m.metadata.get(META_DISK_MTIME),
+                );
+                let (size, mtime) = root.disk_identity()?;
+                let (size, mtime) = (size.to_string(), mtime.to_string());
+                let have = (
+                    Some(&root.image.digest().to_string()),
+                    Some(&size),
+                    Some(&mtime),
+                );
+                if want != have {
+                    return Err(SnapshotError::Incompatible {
+                        id: id.clone(),
+                        reason: format!(
+                            "the guest's root disk changed since the snapshot (image {:?}, \
+                             disk {:?} bytes, modified {:?} ns; now {} with {size} bytes, \
+                             modified {mtime} ns): the filesystem image was rebuilt, or the \
+                             image moved",
+                            want.0,
+                            want.1,
+                            want.2,
+                            root.image.digest()
+                        ),
+                    }
+                    .into());
+                }
+                Some(root)
+            }
+            None => None,
+        };
         let state = store.artifact(id, STATE_ARTIFACT).await?;
         let memory = store.artifact(id, MEMORY_ARTIFACT).await?;
         let snap_id = id.clone();
@@ -71,7 +111,7 @@ impl MicrovmSandbox {
         .await
         .map_err(join_err)??;
         t.mark(Phase::Filesystem);
-        let vcfg = vm_config(mem_size, vcpus, m.spec.limits.lifetime());
+        let vcfg = vm_config(mem_size, vcpus, m.spec.limits.lifetime(), image.as_ref());
         let snap_id = id.clone();
         let (vm, agent) = tokio::task::spawn_blocking(move || -> Result<(Vm, AgentClient)> {
             let restored = Vm::restore(dir.path(), vcfg);
@@ -107,9 +147,12 @@ impl MicrovmSandbox {
         Ok(Self::assemble(
             m.spec.clone(),
             &secrets,
-            mem_size,
-            vcpus,
-            m.metadata.get("kernel_version").cloned(),
+            Boot {
+                mem_size,
+                vcpus,
+                kernel_version: m.metadata.get("kernel_version").cloned(),
+                image,
+            },
             agent,
             Machine::Vm(Arc::new(vm)),
             t,
@@ -150,11 +193,16 @@ impl Inner {
                 return Err(e);
             }
         };
+        // Pinned to the image's digest: the restore gets this very image.
+        let mut spec = self.spec.clone();
+        if let (Some(r), Some(i)) = (&spec.image, &self.image) {
+            spec.image = Some(r.pinned(i.image.digest()));
+        }
         let mut draft = SnapshotDraft::new(
             TIER,
             MicrovmBackend::engine(),
             vec![SnapshotKind::FullMemory, SnapshotKind::Filesystem],
-            self.spec.clone(),
+            spec,
         )
         .artifact(STATE_ARTIFACT, state)
         .artifact(MEMORY_ARTIFACT, memory)
@@ -164,6 +212,13 @@ impl Inner {
         .meta("sandbox_id", self.id.clone());
         if let Some(v) = &self.kernel_version {
             draft = draft.meta("kernel_version", v.clone());
+        }
+        if let Some(i) = &self.image {
+            let (size, mtime) = i.disk_identity()?;
+            draft = draft
+                .meta(META_IMAGE_DIGEST, i.image.digest())
+                .meta(META_DISK_SIZE, size.to_string())
+                .meta(META_DISK_MTIME, mtime.to_string());
         }
         Ok(store.put(draft).await?)
     }
