@@ -102,6 +102,7 @@ pub mod net;
 #[cfg(target_os = "linux")]
 pub mod netns;
 mod proxy;
+pub mod secrets;
 #[cfg(target_os = "linux")]
 mod splice;
 pub mod tls;
