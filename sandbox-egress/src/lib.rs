@@ -98,6 +98,7 @@ pub mod dns;
 #[cfg(target_os = "linux")]
 pub mod enforcer;
 mod http;
+pub mod intercept;
 pub mod net;
 #[cfg(target_os = "linux")]
 pub mod netns;
