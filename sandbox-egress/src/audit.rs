@@ -53,6 +53,21 @@ pub enum AuditRule {
     Unresolvable(String),
     /// The TLS ClientHello offered Encrypted Client Hello: the real name is hidden.
     EchRefused,
+    /// A proxy-held secret's placeholder was replaced by its value (allowed entries only).
+    SecretSubstituted {
+        /// The secret's name (never its value).
+        secret: String,
+        /// Where in the request (`header authorization`, `request target`, `body`, ...).
+        place: String,
+    },
+    /// A placeholder was on its way to a host its secret is not bound to: refused, and a
+    /// sign that something in the sandbox tried to send the credential elsewhere.
+    SecretLeakAttempt {
+        /// The secret's name.
+        secret: String,
+        /// Where in the request.
+        place: String,
+    },
 }
 
 impl fmt::Display for AuditRule {
@@ -64,6 +79,14 @@ impl fmt::Display for AuditRule {
             AuditRule::EchRefused => {
                 f.write_str("encrypted ClientHello hides the destination: refused")
             }
+            AuditRule::SecretSubstituted { secret, place } => {
+                write!(f, "secret {secret} substituted in the {place}")
+            }
+            AuditRule::SecretLeakAttempt { secret, place } => write!(
+                f,
+                "leak attempt: the placeholder of secret {secret} in the {place}, to a host it \
+                 is not bound to"
+            ),
         }
     }
 }

@@ -14,7 +14,8 @@
 //!   `Host` header must agree with the URI), sent upstream in origin form with
 //!   `Connection: close` and proxy headers removed;
 //! - **`CONNECT host:port`**: decided by the CONNECT target, then a blind byte tunnel (no TLS
-//!   interception: HTTPS keeps end-to-end certificates);
+//!   interception: HTTPS keeps end-to-end certificates), except to a host that a proxy-held
+//!   secret is bound to (below);
 //! - **transparent** (redirected TCP, [`ListenOptions::transparent_port`] or
 //!   [`EgressProxy::serve_stream`] with [`StreamMode::Transparent`]): the first bytes are
 //!   sniffed — an HTTP request's `Host`, or a TLS ClientHello's SNI ([`tls`], a bounded
@@ -34,6 +35,15 @@
 //! A tiny [`dns`] responder (UDP, [`ListenOptions::dns_port`]) answers A/AAAA only for names
 //! the policy could allow, with only the allowed addresses; NXDOMAIN otherwise (REFUSED under
 //! deny-all).
+//!
+//! **Proxy-held secrets** ([`secrets`], [`EgressProxy::set_secrets`]): the sandbox holds a
+//! random placeholder instead of a credential; for requests to the hosts the secret is bound
+//! to, the proxy puts the real value in (request target, headers, Basic credentials, bodies
+//! up to [`ProxyConfig::max_substituted_body`]) and puts the placeholder back over the value
+//! in responses. TLS to those hosts only is terminated with a leaf minted by a per-process CA
+//! ([`intercept`]; the sandbox trusts [`EgressProxy::interception_ca_pem`]) and re-opened to
+//! the real server with full verification; HTTP/1.1 with keep-alive. A placeholder on its way
+//! to any other host is refused (403) and audited as a leak attempt.
 //!
 //! Every decision becomes an [`AuditEntry`]: a structured `tracing` event (target
 //! `sandbox_egress::audit`; `info` allowed, `warn` denied) and an entry in the sandbox's

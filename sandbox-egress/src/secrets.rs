@@ -409,8 +409,11 @@ impl SecretSet {
 }
 
 /// Replaces each secret's value by its placeholder in a response, chunk by chunk; a value
-/// split across chunks is still found (up to the longest value minus one byte is held back
-/// until the next chunk or [`finish`](Self::finish)).
+/// split across chunks is still found. Only a chunk's tail that could still become a value
+/// (a proper prefix of one) is held back, until the next chunk, [`flush`](Self::flush) or
+/// [`finish`](Self::finish); everything else is passed on at once.
+///
+/// It masks whole values only: a server that echoes part of a value reveals that part.
 #[derive(Debug)]
 pub struct ResponseMasker {
     pairs: Vec<(Vec<u8>, Vec<u8>)>,
@@ -467,7 +470,15 @@ impl ResponseMasker {
             self.masked += 1;
             i = at + len;
         }
-        let keep = self.hold.min(buf.len() - i);
+        // Held back: only a tail that could still become a value (a proper prefix of one).
+        let rest = &buf[i..];
+        let keep = (1..=self.hold.min(rest.len()))
+            .rev()
+            .find(|k| {
+                let tail = &rest[rest.len() - k..];
+                self.pairs.iter().any(|(v, _)| v.starts_with(tail))
+            })
+            .unwrap_or(0);
         let end = buf.len() - keep;
         out.extend_from_slice(&buf[i..end]);
         self.carry = buf[end..].to_vec();
@@ -476,6 +487,17 @@ impl ResponseMasker {
 
     /// The end of the response: what was held back.
     pub fn finish(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.carry)
+    }
+
+    /// Whether bytes are held back, waiting to see if a value follows.
+    pub fn holding(&self) -> bool {
+        !self.carry.is_empty()
+    }
+
+    /// Gives up waiting (no more bytes came for a while): what was held back, as it is. It
+    /// is a proper prefix of a value at most, never a whole one.
+    pub fn flush(&mut self) -> Vec<u8> {
         std::mem::take(&mut self.carry)
     }
 }
@@ -739,6 +761,14 @@ mod tests {
         }
         out.extend(m.finish());
         assert_eq!(String::from_utf8(out).unwrap(), want);
+        // Text that cannot begin a value is never held back.
+        let mut m = s.masker("api.github.com", 443);
+        assert_eq!(m.push(b"plain text, ends here"), b"plain text, ends here");
+        assert!(!m.holding());
+        // A tail that could: held, then given up on.
+        assert_eq!(m.push(b"then ghp_re"), b"then ");
+        assert!(m.holding());
+        assert_eq!(m.flush(), b"ghp_re");
         // Another host's response is not touched (its secrets are not bound there).
         let mut m = s.masker("other.example", 443);
         assert!(!m.is_active());

@@ -3,6 +3,7 @@
 //! the relay between the sandbox and upstream.
 
 use super::decide::{open, refusal_response, refuse, refuse_malformed};
+use super::intercept;
 use super::*;
 
 pub(super) async fn accept_loop(
@@ -129,7 +130,40 @@ where
             reply_and_close(&mut client, &refusal_response(&r)).await;
             return;
         };
+        let secrets = sb.secrets();
+        // The CONNECT request goes to us, never upstream: a placeholder in it is a leak
+        // attempt whatever the target.
+        if let Some(name) = secrets.find_placeholder(&buf[..head.len.min(buf.len())]) {
+            let l = crate::secrets::LeakAttempt {
+                secret: name.to_owned(),
+                place: crate::secrets::Place::Header("CONNECT request".into()),
+                host: format!("{}:{port}", dest.name().unwrap_or("?")),
+            };
+            let resp = intercept::leak(sb, Via::Connect, &l, port);
+            reply_and_close(&mut client, &resp).await;
+            return;
+        }
+        let bound = dest
+            .name()
+            .filter(|n| secrets.binds_any(n, port))
+            .map(str::to_owned);
         match open(inner, sb, Via::Connect, &dest, port).await {
+            Ok(up) if bound.is_some() => {
+                if client
+                    .write_all(b"HTTP/1.1 200 Connection Established\r\n\r\n")
+                    .await
+                    .is_err()
+                {
+                    return;
+                }
+                let host = bound.unwrap_or_default();
+                let client = intercept::Prefixed {
+                    prefix: body_start,
+                    at: 0,
+                    inner: client,
+                };
+                intercept::serve_tls(inner, sb, client, up, Via::Connect, &host, port).await;
+            }
             Ok(mut up) => {
                 if client
                     .write_all(b"HTTP/1.1 200 Connection Established\r\n\r\n")
@@ -172,7 +206,31 @@ where
         reply_and_close(&mut client, &refusal_response(&r)).await;
         return;
     }
+    let secrets = sb.secrets();
+    let bound = dest
+        .name()
+        .filter(|n| secrets.binds_any(n, port))
+        .map(str::to_owned);
+    if bound.is_none() {
+        if let Some(l) = leak_in(&secrets, &dest, port, &buf) {
+            let resp = intercept::leak(sb, Via::Http, &l, port);
+            reply_and_close(&mut client, &resp).await;
+            return;
+        }
+    }
     match open(inner, sb, Via::Http, &dest, port).await {
+        Ok(up) if bound.is_some() => {
+            // Plain HTTP to a bound host: its requests are rewritten like intercepted ones.
+            let mut first = head.upstream_head(&path, &dest, port);
+            first.extend_from_slice(&body_start);
+            let client = intercept::Prefixed {
+                prefix: first,
+                at: 0,
+                inner: client,
+            };
+            let host = bound.unwrap_or_default();
+            intercept::serve_http(inner, sb, client, up, Via::Http, &host, port).await;
+        }
         Ok(mut up) => {
             let mut first = head.upstream_head(&path, &dest, port);
             first.extend_from_slice(&body_start);
@@ -185,6 +243,25 @@ where
             reply_and_close(&mut client, &refusal_response(&r)).await;
         }
     }
+}
+
+/// A placeholder in the cleartext bytes of a request to an unbound destination.
+fn leak_in(
+    secrets: &crate::secrets::SecretSet,
+    dest: &Dest,
+    port: u16,
+    data: &[u8],
+) -> Option<crate::secrets::LeakAttempt> {
+    let name = secrets.find_placeholder(data)?;
+    Some(crate::secrets::LeakAttempt {
+        secret: name.to_owned(),
+        place: crate::secrets::Place::Header("request".into()),
+        host: format!(
+            "{}:{port}",
+            dest.name()
+                .map_or_else(|| format!("{dest:?}"), str::to_owned)
+        ),
+    })
 }
 
 /// What the first bytes of a redirected connection said.
@@ -301,7 +378,32 @@ async fn handle_transparent<S>(
             }
         },
     };
+    let secrets = sb.secrets();
+    let bound = dest
+        .name()
+        .filter(|n| secrets.binds_any(n, port))
+        .map(str::to_owned);
+    if bound.is_none() && via == Via::TransparentHttp {
+        if let Some(l) = leak_in(&secrets, &dest, port, &buf) {
+            let resp = intercept::leak(sb, via, &l, port);
+            reply_and_close(&mut client, &resp).await;
+            return;
+        }
+    }
     match open(inner, sb, via, &dest, port).await {
+        Ok(up) if bound.is_some() && matches!(via, Via::TransparentTls | Via::TransparentHttp) => {
+            let host = bound.unwrap_or_default();
+            let client = intercept::Prefixed {
+                prefix: buf,
+                at: 0,
+                inner: client,
+            };
+            if via == Via::TransparentTls {
+                intercept::serve_tls(inner, sb, client, up, via, &host, port).await;
+            } else {
+                intercept::serve_http(inner, sb, client, up, via, &host, port).await;
+            }
+        }
         Ok(mut up) => {
             if up.write_all(&buf).await.is_err() {
                 return;

@@ -31,7 +31,10 @@ pub(super) fn refuse(
     rule: AuditRule,
 ) -> Refused {
     let (status, reason) = match &rule {
-        AuditRule::Policy(_) | AuditRule::EchRefused => (403, "Forbidden"),
+        AuditRule::Policy(_) | AuditRule::EchRefused | AuditRule::SecretLeakAttempt { .. } => {
+            (403, "Forbidden")
+        }
+        AuditRule::SecretSubstituted { .. } => (500, "Internal Server Error"),
         AuditRule::Malformed(_) => (400, "Bad Request"),
         AuditRule::Unresolvable(_) => (502, "Bad Gateway"),
     };

@@ -7,11 +7,12 @@
 mod conn;
 mod decide;
 mod dns_responder;
+mod intercept;
 
 use std::collections::HashMap;
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::time::{Duration, SystemTime};
 
 use sandbox_core::{DecisionRule, Error, NetworkPolicy};
@@ -23,7 +24,9 @@ use tokio::task::JoinHandle;
 use crate::audit::{AuditEntry, AuditRing, AuditRule, Via};
 use crate::dns::{self, Rcode};
 use crate::http::{self, Dest, HeadParse};
+use crate::intercept::{InterceptCa, InterceptError};
 use crate::net::{Dialer, Resolver, SystemResolver, TcpDialer, UpstreamStream};
+use crate::secrets::SecretSet;
 use crate::tls::{self, ClientHelloSniff};
 
 use conn::{accept_loop, guarded};
@@ -54,6 +57,12 @@ pub struct ProxyConfig {
     pub refuse_ech: bool,
     /// TTL of the DNS responder's answers, in seconds.
     pub dns_ttl: u32,
+    /// Request bodies up to this size, to a host with a proxy-held secret, are buffered and
+    /// have placeholders replaced; larger ones stream through unchanged. Default 1 MiB.
+    pub max_substituted_body: usize,
+    /// Roots trusted for the real servers of intercepted connections, besides the host's
+    /// store (a private CA; tests' CAs).
+    pub upstream_roots: Vec<rustls::pki_types::CertificateDer<'static>>,
 }
 
 impl Default for ProxyConfig {
@@ -69,6 +78,8 @@ impl Default for ProxyConfig {
             max_connections_per_sandbox: 256,
             refuse_ech: true,
             dns_ttl: 5,
+            max_substituted_body: 1 << 20,
+            upstream_roots: Vec::new(),
         }
     }
 }
@@ -159,6 +170,8 @@ impl EgressProxyBuilder {
                 dialer: self.dialer.unwrap_or_else(|| Arc::new(TcpDialer)),
                 original_dst: self.original_dst.unwrap_or_else(|| Arc::new(NoOriginalDst)),
                 sandboxes: Mutex::new(HashMap::new()),
+                ca: OnceLock::new(),
+                upstream_tls: OnceLock::new(),
             }),
         }
     }
@@ -179,12 +192,45 @@ struct Inner {
     dialer: Arc<dyn Dialer>,
     original_dst: Arc<dyn OriginalDst>,
     sandboxes: Mutex<HashMap<String, Arc<SandboxState>>>,
+    /// The interception CA, made the first time a sandbox has proxy-held secrets.
+    ca: OnceLock<Arc<InterceptCa>>,
+    /// The TLS client configuration for intercepted connections' real servers.
+    upstream_tls: OnceLock<Arc<rustls::ClientConfig>>,
+}
+
+impl Inner {
+    fn ca(&self) -> Result<Arc<InterceptCa>, InterceptError> {
+        if let Some(ca) = self.ca.get() {
+            return Ok(ca.clone());
+        }
+        let ca = Arc::new(InterceptCa::new()?);
+        Ok(self.ca.get_or_init(|| ca).clone())
+    }
+
+    /// The server configuration presented to the sandbox and the client configuration for the
+    /// real server, for an intercepted connection to `host`.
+    fn tls_configs(
+        &self,
+        host: &str,
+    ) -> Result<(Arc<rustls::ServerConfig>, Arc<rustls::ClientConfig>), InterceptError> {
+        let server = self.ca()?.server_config(host)?;
+        let client = match self.upstream_tls.get() {
+            Some(c) => c.clone(),
+            None => {
+                let c = crate::intercept::upstream_client_config(&self.config.upstream_roots)?;
+                self.upstream_tls.get_or_init(|| c).clone()
+            }
+        };
+        Ok((server, client))
+    }
 }
 
 #[derive(Debug)]
 struct SandboxState {
     id: String,
     policy: RwLock<Arc<NetworkPolicy>>,
+    /// Proxy-held secrets ([`EgressProxy::set_secrets`]).
+    secrets: RwLock<Arc<SecretSet>>,
     audit: AuditRing,
     shutdown: watch::Sender<bool>,
     slots: Arc<Semaphore>,
@@ -194,6 +240,13 @@ struct SandboxState {
 impl SandboxState {
     fn policy(&self) -> Arc<NetworkPolicy> {
         self.policy
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn secrets(&self) -> Arc<SecretSet> {
+        self.secrets
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .clone()
@@ -350,6 +403,7 @@ impl EgressProxy {
         let state = Arc::new(SandboxState {
             id: sandbox_id.to_string(),
             policy: RwLock::new(Arc::new(policy)),
+            secrets: RwLock::new(Arc::new(SecretSet::default())),
             audit: AuditRing::new(self.inner.config.audit_capacity),
             shutdown,
             slots: Arc::new(Semaphore::new(
@@ -396,6 +450,33 @@ impl EgressProxy {
         tracing::info!(target: "sandbox_egress", sandbox = sandbox_id, proxy = %reg.proxy_addr,
             transparent = ?reg.transparent_addr, dns = ?reg.dns_addr, "egress registered");
         Ok(reg)
+    }
+
+    /// Replaces a sandbox's proxy-held secrets ([`crate::secrets`]). The next request uses
+    /// them: a binding removed here is no longer substituted (its placeholder is then refused
+    /// as a leak attempt), a binding added is. TLS to a host with a bound secret is
+    /// terminated by the proxy (the sandbox must trust [`interception_ca_pem`]); every other
+    /// TLS connection stays spliced end to end.
+    ///
+    /// [`interception_ca_pem`]: Self::interception_ca_pem
+    pub fn set_secrets(&self, sandbox_id: &str, secrets: SecretSet) -> Result<(), Error> {
+        let sb = self.sandbox(sandbox_id).ok_or_else(|| gone(sandbox_id))?;
+        *sb.secrets.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(secrets);
+        Ok(())
+    }
+
+    /// The certificate (PEM) of this proxy's interception CA, made on first use: what a
+    /// sandbox with proxy-held secrets must trust. Its key never leaves this process.
+    pub fn interception_ca_pem(&self) -> Result<String, Error> {
+        self.inner
+            .ca()
+            .map(|ca| ca.certificate_pem().to_owned())
+            .map_err(|e| {
+                Error::io(
+                    "egress proxy: interception CA",
+                    std::io::Error::other(e.to_string()),
+                )
+            })
     }
 
     /// Replaces a sandbox's policy. Connections (and DNS queries) decided after this call use

@@ -86,9 +86,13 @@ impl Harness {
     }
 
     pub fn with_config(config: ProxyConfig) -> Self {
+        Self::with_config_and_resolver(config, test_resolver())
+    }
+
+    pub fn with_config_and_resolver(config: ProxyConfig, names: StaticResolver) -> Self {
         let dialer = Arc::new(GuardDialer::default());
         let resolver = Arc::new(CountingResolver {
-            inner: test_resolver(),
+            inner: names,
             lookups: Mutex::new(Vec::new()),
         });
         let proxy = EgressProxy::builder()

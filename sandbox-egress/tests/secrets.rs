@@ -1,0 +1,415 @@
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+//! Proxy-held secrets through the real proxy, with `curl` as the client (through the explicit
+//! proxy, trusting the interception CA as a sandbox would) and HTTPS servers on loopback
+//! behind a test CA: the server receives the real value, the client only ever sees the
+//! placeholder, placeholders to other hosts are refused, bad upstream certificates and
+//! pinning clients fail closed, and revoking a secret takes effect on the next request.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+
+use common::*;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use sandbox_core::Secret;
+use sandbox_egress::secrets::{ProxySecret, SecretSet};
+use sandbox_egress::{AuditRule, ProxyConfig, StaticResolver};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+const VALUE: &str = "sk-live-REALVALUE-0123456789abcdef";
+
+/// A test CA and an HTTPS server for `names` signed by it (or self-signed when `ca` is
+/// `None`) that answers every request with the head it received (keep-alive), recording it.
+struct EchoServer {
+    port: u16,
+    heads: Arc<Mutex<Vec<String>>>,
+}
+
+struct TestCa {
+    issuer: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
+}
+
+impl TestCa {
+    fn new() -> Self {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        // Distinct subjects: OpenSSL takes a leaf whose subject equals its issuer's for a
+        // self-signed certificate.
+        p.distinguished_name = rcgen::DistinguishedName::new();
+        p.distinguished_name
+            .push(rcgen::DnType::CommonName, "test upstream CA");
+        TestCa {
+            issuer: rcgen::CertifiedIssuer::self_signed(p, key).unwrap(),
+        }
+    }
+
+    fn der(&self) -> CertificateDer<'static> {
+        self.issuer.der().clone()
+    }
+
+    fn pem(&self) -> String {
+        self.issuer.pem()
+    }
+}
+
+async fn echo_server(ca: &TestCa, names: &[&str]) -> EchoServer {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut params =
+        rcgen::CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())
+            .unwrap();
+    params.distinguished_name = rcgen::DistinguishedName::new();
+    params
+        .distinguished_name
+        .push(rcgen::DnType::CommonName, names[0]);
+    let cert = params.signed_by(&key, &ca.issuer).unwrap();
+    let der_key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
+    let cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(vec![cert.der().clone()], der_key)
+    .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    let heads = Arc::new(Mutex::new(Vec::new()));
+    let h = heads.clone();
+    tokio::spawn(async move {
+        loop {
+            let (s, _) = l.accept().await.unwrap();
+            let (acceptor, h) = (acceptor.clone(), h.clone());
+            tokio::spawn(async move {
+                let Ok(mut t) = acceptor.accept(s).await else {
+                    return;
+                };
+                let mut buf = Vec::new();
+                loop {
+                    let end = loop {
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        let mut chunk = [0u8; 4096];
+                        match t.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+                    buf.drain(..end);
+                    h.lock().unwrap().push(head.clone());
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n{head}",
+                        head.len()
+                    );
+                    if t.write_all(resp.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    EchoServer { port, heads }
+}
+
+struct Setup {
+    h: Harness,
+    proxy: SocketAddr,
+    placeholder: String,
+    dir: tempfile::TempDir,
+}
+
+impl Setup {
+    /// The interception CA's certificate, as a sandbox gets it.
+    fn ca_file(&self) -> String {
+        let p = self.dir.path().join("intercept-ca.pem");
+        std::fs::write(&p, self.h.proxy.interception_ca_pem().unwrap()).unwrap();
+        p.display().to_string()
+    }
+
+    fn file(&self, name: &str, pem: &str) -> String {
+        let p = self.dir.path().join(name);
+        std::fs::write(&p, pem).unwrap();
+        p.display().to_string()
+    }
+}
+
+async fn setup(upstream_ca: &TestCa) -> Setup {
+    let resolver = StaticResolver::new()
+        .with("api.test", &[ip("127.0.0.1")])
+        .with("other.test", &[ip("127.0.0.1")])
+        .with("bad.test", &[ip("127.0.0.1")]);
+    let cfg = ProxyConfig {
+        upstream_roots: vec![upstream_ca.der()],
+        ..ProxyConfig::default()
+    };
+    let h = Harness::with_config_and_resolver(cfg, resolver);
+    let reg = h
+        .proxy
+        .register("sb", policy(&["api.test", "other.test", "bad.test"]))
+        .await
+        .unwrap();
+    let secret = ProxySecret::new(
+        "API_TOKEN",
+        Secret::new(VALUE),
+        vec!["api.test".parse().unwrap(), "bad.test".parse().unwrap()],
+    )
+    .unwrap();
+    let placeholder = secret.placeholder().to_string();
+    h.proxy
+        .set_secrets("sb", SecretSet::new(vec![secret]))
+        .unwrap();
+    Setup {
+        h,
+        proxy: reg.proxy_addr,
+        placeholder,
+        dir: tempfile::tempdir().unwrap(),
+    }
+}
+
+/// Runs curl (blocking, off the runtime): exit code, stdout, stderr.
+async fn curl(args: Vec<String>) -> (i32, String, String) {
+    let out = guard(tokio::task::spawn_blocking(move || {
+        Command::new("curl")
+            .args(["-sS", "--max-time", "20"])
+            .args(&args)
+            .env_remove("http_proxy")
+            .env_remove("https_proxy")
+            .env_remove("HTTPS_PROXY")
+            .env_remove("ALL_PROXY")
+            .output()
+            .unwrap()
+    }))
+    .await
+    .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn curl_missing() -> bool {
+    let missing = Command::new("curl").arg("--version").output().is_err();
+    if missing {
+        eprintln!("SKIP: curl is not installed");
+    }
+    missing
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_server_gets_the_value_and_the_client_only_the_placeholder() {
+    if curl_missing() {
+        return;
+    }
+    let ca = TestCa::new();
+    let server = echo_server(&ca, &["api.test"]).await;
+    let s = setup(&ca).await;
+    let ph = s.placeholder.clone();
+    assert_eq!(ph.len(), VALUE.len());
+    let url = |q: &str| format!("https://api.test:{}/echo?{q}", server.port);
+    // Two requests on one kept-alive connection, a bearer header, a query string, Basic
+    // credentials and a cookie.
+    let (code, out, err) = curl(vec![
+        "--proxy".into(),
+        format!("http://{}", s.proxy),
+        "--cacert".into(),
+        s.ca_file(),
+        "-H".into(),
+        format!("Authorization: Bearer {ph}"),
+        "-H".into(),
+        format!("Cookie: session={ph}"),
+        url(&format!("token={ph}")),
+        url("second=1"),
+    ])
+    .await;
+    assert_eq!(code, 0, "{err}");
+    let heads = server.heads.lock().unwrap().clone();
+    assert_eq!(heads.len(), 2, "{heads:?}");
+    assert!(
+        heads[0].contains(&format!("GET /echo?token={VALUE} ")),
+        "{}",
+        heads[0]
+    );
+    assert!(
+        heads[0].contains(&format!("Authorization: Bearer {VALUE}\r\n")),
+        "{}",
+        heads[0]
+    );
+    assert!(
+        heads[0].contains(&format!("Cookie: session={VALUE}\r\n")),
+        "{}",
+        heads[0]
+    );
+    assert!(
+        heads[0].contains("Accept-Encoding: identity\r\n"),
+        "{}",
+        heads[0]
+    );
+    assert!(
+        heads[1].contains(&format!("Authorization: Bearer {VALUE}\r\n")),
+        "{}",
+        heads[1]
+    );
+    assert!(!heads.iter().any(|h| h.contains(&ph)), "{heads:?}");
+    // The echo came back with the placeholder, never the value.
+    assert!(!out.contains(VALUE), "{out}");
+    assert_eq!(out.matches(&ph).count(), 5, "{out}");
+    // Audited by secret name and place.
+    let audit = s.h.proxy.audit("sb").unwrap();
+    let places: Vec<String> = audit
+        .iter()
+        .filter_map(|e| match &e.rule {
+            AuditRule::SecretSubstituted { secret, place } => {
+                assert_eq!(secret, "API_TOKEN");
+                Some(place.clone())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        places,
+        [
+            "request target",
+            "header authorization",
+            "header cookie",
+            "header authorization",
+            "header cookie"
+        ]
+    );
+    assert!(!format!("{audit:?}").contains(VALUE));
+
+    // Basic credentials, as `git clone https://x-access-token:$TOKEN@host/...` sends them.
+    let (code, _, err) = curl(vec![
+        "--proxy".into(),
+        format!("http://{}", s.proxy),
+        "--cacert".into(),
+        s.ca_file(),
+        "-u".into(),
+        format!("x-access-token:{ph}"),
+        url("basic=1"),
+    ])
+    .await;
+    assert_eq!(code, 0, "{err}");
+    use base64::Engine as _;
+    let want = base64::engine::general_purpose::STANDARD.encode(format!("x-access-token:{VALUE}"));
+    let last = server.heads.lock().unwrap().last().cloned().unwrap();
+    assert!(
+        last.contains(&format!("Authorization: Basic {want}\r\n")),
+        "{last}"
+    );
+
+    // Revoked: the next request is not intercepted any more (spliced to the real server,
+    // which the client now must trust itself), and the placeholder arrives as it is.
+    s.h.proxy.set_secrets("sb", SecretSet::default()).unwrap();
+    let (code, _, err) = curl(vec![
+        "--proxy".into(),
+        format!("http://{}", s.proxy),
+        "--cacert".into(),
+        s.file("upstream-ca.pem", &ca.pem()),
+        "-H".into(),
+        format!("Authorization: Bearer {ph}"),
+        url("revoked=1"),
+    ])
+    .await;
+    assert_eq!(code, 0, "{err}");
+    let last = server.heads.lock().unwrap().last().cloned().unwrap();
+    assert!(
+        last.contains(&format!("Authorization: Bearer {ph}\r\n")),
+        "{last}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn placeholders_to_other_hosts_and_bad_certificates_fail_closed() {
+    if curl_missing() {
+        return;
+    }
+    let ca = TestCa::new();
+    let s = setup(&ca).await;
+    let ph = s.placeholder.clone();
+    // Plain HTTP to an allowed host the secret is not bound to: refused, audited.
+    let port = http_server().await;
+    let (code, out, err) = curl(vec![
+        "-i".into(),
+        "--proxy".into(),
+        format!("http://{}", s.proxy),
+        "-H".into(),
+        format!("X-Exfil: {ph}"),
+        format!("http://other.test:{port}/"),
+    ])
+    .await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("HTTP/1.1 403"), "{out}");
+    assert!(out.contains("secret-leak-refused"), "{out}");
+    let leak =
+        s.h.proxy
+            .audit("sb")
+            .unwrap()
+            .into_iter()
+            .find(|e| matches!(e.rule, AuditRule::SecretLeakAttempt { .. }))
+            .expect("a leak attempt in the audit log");
+    assert!(!leak.allowed);
+    assert_eq!(leak.host.as_deref(), Some("other.test"));
+
+    // A bound host whose certificate does not verify (self-signed, not a trusted root):
+    // nothing is sent to it, the client gets a 502.
+    let rogue = TestCa::new();
+    let bad = echo_server(&rogue, &["bad.test"]).await;
+    let (code, out, err) = curl(vec![
+        "-i".into(),
+        "--proxy".into(),
+        format!("http://{}", s.proxy),
+        "--cacert".into(),
+        s.ca_file(),
+        "-H".into(),
+        format!("Authorization: Bearer {ph}"),
+        format!("https://bad.test:{}/", bad.port),
+    ])
+    .await;
+    assert_eq!(code, 0, "{err}");
+    // (curl -i shows the proxy's answer to CONNECT first.)
+    assert!(out.contains("\r\n\r\nHTTP/1.1 502"), "{out}");
+    assert!(bad.heads.lock().unwrap().is_empty());
+    assert!(s
+        .h
+        .proxy
+        .audit("sb")
+        .unwrap()
+        .iter()
+        .any(|e| e.rule.to_string().contains("did not verify")));
+
+    // A client that trusts only its own roots (pinning, in effect) refuses the leaf.
+    let server = echo_server(&ca, &["api.test"]).await;
+    let (code, _, _) = curl(vec![
+        "--proxy".into(),
+        format!("http://{}", s.proxy),
+        "--cacert".into(),
+        s.file("upstream-ca.pem", &ca.pem()),
+        format!("https://api.test:{}/", server.port),
+    ])
+    .await;
+    assert_eq!(code, 60, "curl's certificate-verification failure");
+    assert!(server.heads.lock().unwrap().is_empty());
+
+    // The inner Host must be the host the connection was decided for.
+    let (code, out, err) = curl(vec![
+        "-i".into(),
+        "--proxy".into(),
+        format!("http://{}", s.proxy),
+        "--cacert".into(),
+        s.ca_file(),
+        "-H".into(),
+        "Host: other.test".into(),
+        format!("https://api.test:{}/", server.port),
+    ])
+    .await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("\r\n\r\nHTTP/1.1 421"), "{out}");
+    assert!(server.heads.lock().unwrap().is_empty());
+}
