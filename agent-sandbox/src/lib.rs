@@ -323,6 +323,10 @@ impl Runtime {
                 tracing::debug!(tier = %r.tier, "auto: this tier does not start images; trying the next");
                 continue;
             }
+            if has_proxied_secrets(spec) && !backend.capabilities().proxy_secrets {
+                tracing::debug!(tier = %r.tier, "auto: this tier cannot hold proxy secrets; trying the next");
+                continue;
+            }
             match self.create_on(backend, spec).await {
                 Err(e @ Error::Unavailable { .. }) => {
                     tracing::warn!(tier = %r.tier, error = %e, "auto: this tier cannot create the sandbox; trying the next");
@@ -362,6 +366,13 @@ impl Runtime {
                 backend.tier(),
                 "starting from an OCI image (capabilities().images is false; the container, \
                  gVisor and microVM tiers start from images)",
+            ));
+        }
+        if has_proxied_secrets(spec) && !caps.proxy_secrets {
+            return Err(Error::unsupported(
+                backend.tier(),
+                "proxy-held secrets (SecretExposure::Proxy; capabilities().proxy_secrets is \
+                 false; the container tier with an egress enforcer holds them)",
             ));
         }
         if !caps.supports_network(&spec.network) {
@@ -457,4 +468,11 @@ pub struct RunOutput {
     pub result: ExecResult,
     /// The egress decisions about the sandbox's traffic (empty under deny-all).
     pub network: Vec<sandbox_core::NetworkEvent>,
+}
+
+/// Whether the spec has a secret the egress proxy is to hold.
+fn has_proxied_secrets(spec: &SandboxSpec) -> bool {
+    spec.secrets
+        .iter()
+        .any(|s| matches!(s.exposure, sandbox_core::SecretExposure::Proxy { .. }))
 }

@@ -56,6 +56,8 @@ struct Allocation {
     /// The image, if the spec names one.
     image: Option<sandbox_image::Image>,
     egress: Egress,
+    /// Placeholders and the interception CA of the spec's proxy-held secrets, if any.
+    secret_plan: Option<sandbox_core::SecretPlan>,
     /// Gives the prepared egress link back if the create fails before the sandbox owns it.
     release: EgressRelease,
     /// Host pid of the init.
@@ -152,7 +154,7 @@ impl ContainerBackend {
             t.mark(Phase::Image);
         }
         let a = self
-            .allocate(spec, enforcer, with_cgroups, upper, root)
+            .allocate(spec, enforcer, with_cgroups, upper, root, &secrets)
             .await?;
         t.mark(Phase::Allocation);
         let (mut sb, egress, release) = self.filesystem(spec, secrets, upper, a).await?;
@@ -224,6 +226,7 @@ impl ContainerBackend {
         with_cgroups: bool,
         upper: Option<&[u8]>,
         root: Root,
+        secrets: &ResolvedSecrets,
     ) -> Result<Allocation> {
         let id = uuid::Uuid::new_v4().simple().to_string();
         let rootless = !is_root();
@@ -275,6 +278,23 @@ impl ContainerBackend {
         };
         // From here on, a failed create must give the prepared link back.
         let release = EgressRelease(egress.as_ref().map(|(e, _)| (e.clone(), id.clone())));
+        // Proxy-held secrets: placeholders for the environment, and the interception CA
+        // added to the certificates the sandbox trusts (`/etc/agent-sandbox-ca.crt`).
+        let proxied = secrets.proxied();
+        let secret_plan = match (&egress, proxied.is_empty()) {
+            (_, true) => None,
+            (Some((e, _)), false) => Some(e.bind_secrets(&id, &proxied)?),
+            (None, false) => {
+                return Err(Error::unsupported(
+                    TIER,
+                    "proxy-held secrets without an egress enforcer (plug one in with \
+                     ContainerBackendBuilder::egress)",
+                ))
+            }
+        };
+        let ca_bundle = secret_plan
+            .as_ref()
+            .map(|p| network::ca_bundle(&root.layers, &p.ca_pem));
         let resolv = egress
             .as_ref()
             .map(|(_, plan)| plan.resolv_conf.clone())
@@ -323,6 +343,7 @@ impl ContainerBackend {
                 user,
                 hostname: &self.cfg.hostname,
                 resolv_conf: &resolv,
+                ca_bundle: ca_bundle.as_deref(),
                 caps: rootfs::tmpfs_caps(spec),
                 landlock: if self.cfg.landlock {
                     self.landlock_abi
@@ -424,6 +445,7 @@ impl ContainerBackend {
             group,
             image: root.image,
             egress,
+            secret_plan,
             release,
             pid,
             ctl: spawned.ctl,
@@ -519,6 +541,7 @@ impl ContainerBackend {
             group,
             image,
             egress,
+            secret_plan,
             release,
             pid,
             ctl,
@@ -546,6 +569,14 @@ impl ContainerBackend {
         if let Some((_, plan)) = &egress {
             for (k, v) in &plan.env {
                 env.insert(k.clone(), v.clone());
+            }
+        }
+        if let Some(p) = &secret_plan {
+            for (var, placeholder) in &p.env {
+                env.insert(var.clone(), placeholder.clone());
+            }
+            for var in network::CA_BUNDLE_VARS {
+                env.insert(var.to_string(), format!("/etc/{}", rootfs::CA_BUNDLE_NAME));
             }
         }
         let state_file = self

@@ -539,6 +539,8 @@ impl Backend for ContainerBackend {
         c.images = true;
         // An image brings its own interpreters; the same languages run from it.
         c.image_languages = c.languages.clone();
+        // The egress enforcer's proxy holds secrets; the sandbox gets placeholders.
+        c.proxy_secrets = self.cfg.egress.is_some();
         c.limits = limits;
         c
     }

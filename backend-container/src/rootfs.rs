@@ -87,6 +87,10 @@ pub(crate) struct Plan<'a> {
     pub user: u32,
     pub hostname: &'a str,
     pub resolv_conf: &'a str,
+    /// The certificates the sandbox's programs trust when proxy-held secrets are bound (the
+    /// system bundle plus the egress proxy's interception CA), written to
+    /// `/etc/agent-sandbox-ca.crt`.
+    pub ca_bundle: Option<&'a str>,
     /// Caps of the writable tmpfs mounts (see [`tmpfs_caps`]).
     pub caps: TmpfsCaps,
     /// Landlock ABI to confine writes with (`None`: no Landlock).
@@ -225,6 +229,9 @@ fn host_entry(ops: &mut Vec<Op>, r: Roots<'_>, host: &str) {
         bind_ro(ops, r, p, host, false);
     }
 }
+
+/// The file under `/etc` holding [`Plan::ca_bundle`].
+pub(crate) const CA_BUNDLE_NAME: &str = "agent-sandbox-ca.crt";
 
 /// The generated `/etc` files of a host-tools root (name, content): they depend only on the
 /// command user, the hostname and `resolv.conf`, which makes them a template's key.
@@ -727,17 +734,20 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
             path: r.at("/etc"),
             mode: 0o755,
         });
-        let own = etc_files(p.user, p.hostname, p.resolv_conf)
+        let mut own: Vec<_> = etc_files(p.user, p.hostname, p.resolv_conf)
             .into_iter()
             .filter(|(name, _)| matches!(*name, "hostname" | "hosts" | "resolv.conf"))
             .collect();
+        own.extend(p.ca_bundle.map(|b| (CA_BUNDLE_NAME, b.to_owned())));
         write_etc(&mut ops, r, own);
     } else {
         ops.push(tmpfs(NEW, MS_NOSUID | MS_NODEV, ROOT_TMPFS));
         // /usr, the merged-/usr links and the host's /etc files: the same for every sandbox
         // of this host, computed once per backend.
         ops.extend_from_slice(p.host);
-        write_etc(&mut ops, r, etc_files(p.user, p.hostname, p.resolv_conf));
+        let mut files = etc_files(p.user, p.hostname, p.resolv_conf);
+        files.extend(p.ca_bundle.map(|b| (CA_BUNDLE_NAME, b.to_owned())));
+        write_etc(&mut ops, r, files);
     }
     skeleton(&mut ops, r, layers.is_empty());
     sandbox_mounts(&mut ops, r, p, false)?;
@@ -848,6 +858,7 @@ mod tests {
             user: 1000,
             hostname: "sandbox",
             resolv_conf: "",
+            ca_bundle: None,
             caps: tmpfs_caps(spec),
             loopback: true,
             layers: &[],
@@ -892,6 +903,7 @@ mod tests {
             user: 0,
             hostname: "sandbox",
             resolv_conf: "",
+            ca_bundle: None,
             caps: tmpfs_caps(&spec),
             loopback: true,
             layers: &layers,
@@ -984,6 +996,7 @@ mod tests {
             user: 1000,
             hostname: "box",
             resolv_conf: "",
+            ca_bundle: None,
             caps: tmpfs_caps(&spec),
             loopback: true,
             layers: &[],
@@ -1077,6 +1090,7 @@ mod wire_tests {
             user: 1000,
             hostname: "sandbox",
             resolv_conf: "",
+            ca_bundle: None,
             caps: tmpfs_caps(&spec),
             loopback: true,
             layers: &[],

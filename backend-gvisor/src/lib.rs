@@ -386,6 +386,7 @@ impl Backend for GvisorBackend {
         spec: &SandboxSpec,
         secrets: ResolvedSecrets,
     ) -> Result<Box<dyn Sandbox>> {
+        secrets.refuse_proxied(TIER)?;
         Ok(Box::new(
             GvisorSandbox::create(self, spec, secrets, None).await?,
         ))

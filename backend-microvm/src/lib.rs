@@ -601,6 +601,7 @@ impl Backend for MicrovmBackend {
         spec: &SandboxSpec,
         secrets: ResolvedSecrets,
     ) -> Result<Box<dyn Sandbox>> {
+        secrets.refuse_proxied(TIER)?;
         Ok(Box::new(MicrovmSandbox::create(self, spec, secrets).await?))
     }
 

@@ -78,6 +78,7 @@ impl Backend for UnisolatedBackend {
         spec: &SandboxSpec,
         secrets: ResolvedSecrets,
     ) -> Result<Box<dyn Sandbox>> {
+        secrets.refuse_proxied(self.tier())?;
         Ok(Box::new(UnisolatedSandbox::create(spec, secrets)?))
     }
 

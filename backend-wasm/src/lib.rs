@@ -336,6 +336,7 @@ impl WasmBackend {
         spec: &SandboxSpec,
         secrets: ResolvedSecrets,
     ) -> Result<WasmSandbox> {
+        secrets.refuse_proxied(Tier::Wasm)?;
         WasmSandbox::create(self.cfg.clone(), spec, secrets).await
     }
 

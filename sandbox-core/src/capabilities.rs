@@ -61,6 +61,10 @@ pub struct Capabilities {
     /// error). A tier whose own userland has fewer interpreters than an image can bring
     /// lists more here than in [`languages`](Self::languages).
     pub image_languages: Vec<Language>,
+    /// Secrets held by the egress proxy
+    /// ([`SecretExposure::Proxy`](crate::SecretExposure::Proxy)): the sandbox gets a
+    /// placeholder and trusts the proxy's CA.
+    pub proxy_secrets: bool,
     /// The [`Limits`](crate::Limits) this tier enforces, in [`LimitKind`] order. A limit
     /// not listed is accepted in a spec but not enforced by this tier (the tier's
     /// documentation says what bounds the resource instead).
@@ -84,6 +88,7 @@ impl Capabilities {
             persistent_state: false,
             images: false,
             image_languages: Vec::new(),
+            proxy_secrets: false,
             limits: Vec::new(),
         }
     }

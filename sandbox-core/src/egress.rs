@@ -39,6 +39,32 @@ pub struct EgressPlan {
     pub resolv_conf: String,
 }
 
+/// What an enforcer set up for a sandbox's proxy-held secrets
+/// ([`EgressEnforcer::bind_secrets`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SecretPlan {
+    /// `(variable, placeholder)` pairs for the sandbox's environment.
+    pub env: Vec<(String, String)>,
+    /// The certificate (PEM) of the CA the proxy intercepts TLS with: what the sandbox's
+    /// programs must trust for the bound hosts.
+    pub ca_pem: String,
+}
+
+impl SecretPlan {
+    fn default_empty() -> Self {
+        SecretPlan {
+            env: Vec::new(),
+            ca_pem: String::new(),
+        }
+    }
+
+    /// A plan of these parts.
+    pub fn new(env: Vec<(String, String)>, ca_pem: String) -> Self {
+        SecretPlan { env, ca_pem }
+    }
+}
+
 /// One decision of an egress enforcer, as a sandbox's caller sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NetworkEvent {
@@ -96,6 +122,27 @@ pub trait EgressEnforcer: Send + Sync + fmt::Debug {
 
     /// Replaces the policy of an attached sandbox; the next connection is decided by it.
     fn update(&self, sandbox_id: &str, policy: &NetworkPolicy) -> Result<()>;
+
+    /// Has the proxy hold `secrets` for a prepared (or attached) sandbox, replacing any it
+    /// held before: each gets a fresh placeholder, substituted on the way to its hosts only
+    /// ([`SecretExposure::Proxy`](crate::SecretExposure::Proxy)). An empty list revokes
+    /// them all. The default refuses: an enforcer without a proxy cannot hold secrets.
+    fn bind_secrets(
+        &self,
+        sandbox_id: &str,
+        secrets: &[crate::secrets::ProxiedSecret<'_>],
+    ) -> Result<SecretPlan> {
+        let _ = sandbox_id;
+        match secrets.first() {
+            None => Ok(SecretPlan::default_empty()),
+            Some(s) => Err(Error::Secret {
+                name: s.name.to_owned(),
+                reason: "this egress enforcer cannot hold secrets for the sandbox (it has no \
+                         proxy that substitutes them)"
+                    .into(),
+            }),
+        }
+    }
 
     /// The latest decisions about an attached sandbox's traffic, oldest first.
     fn events(&self, sandbox_id: &str) -> Result<Vec<NetworkEvent>>;

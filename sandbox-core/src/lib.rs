@@ -29,7 +29,7 @@ pub mod tier;
 pub mod timeline;
 
 pub use capabilities::{Capabilities, NetworkMode, SnapshotKind};
-pub use egress::{EgressEnforcer, EgressPlan, NetworkEvent};
+pub use egress::{EgressEnforcer, EgressPlan, NetworkEvent, SecretPlan};
 pub use error::{Error, Result};
 pub use exec::{
     pump_output, Command, ExecEvent, ExecRequest, ExecResult, ExecStream, LimitKind, OutputBuffer,
@@ -43,8 +43,8 @@ pub use pool::{PoolConfig, PoolStats, WarmPool};
 pub use probe::TierStatus;
 pub use sandbox::{Backend, DynBackend, Sandbox};
 pub use secrets::{
-    EnvSecretSource, MapSecretSource, Redactor, ResolvedSecrets, Secret, SecretBinding,
-    SecretExposure, SecretSource, StreamRedactor,
+    EnvSecretSource, MapSecretSource, ProxiedSecret, Redactor, ResolvedSecrets, Secret,
+    SecretBinding, SecretExposure, SecretSource, StreamRedactor,
 };
 pub use selector::{IoProfile, KernelNeed, Question, Ranked, Selection, Selector, Trust};
 pub use snapshot::{

@@ -116,6 +116,31 @@ const SPECIAL_V4: &[(&str, [u8; 4], u8)] = &[
 ];
 
 impl NetworkPolicy {
+    /// Whether every destination `rule` names could be allowed by this policy's host rules:
+    /// an allowlist must hold a rule covering it (the same name, or a wildcard over it, on
+    /// its port or any port); the internet policy allows any name its deny list does not
+    /// name; deny-all allows none. (Addresses are still decided one by one at connect time.)
+    pub fn allows_host_rule(&self, rule: &HostRule) -> bool {
+        let covers = |p: &HostPattern, q: &HostPattern| match (p, q) {
+            (HostPattern::Exact(a), HostPattern::Exact(b)) => a == b,
+            (HostPattern::Suffix(_), HostPattern::Exact(b)) => p.matches(b),
+            (HostPattern::Suffix(a), HostPattern::Suffix(b)) => {
+                b == a || b.ends_with(&format!(".{a}"))
+            }
+            (HostPattern::Exact(_), HostPattern::Suffix(_)) => false,
+        };
+        match self {
+            NetworkPolicy::DenyAll => false,
+            NetworkPolicy::Allow { hosts, .. } => hosts.iter().any(|h| {
+                covers(&h.pattern, &rule.pattern) && (h.port.is_none() || h.port == rule.port)
+            }),
+            NetworkPolicy::AllowInternet { deny, .. } => !deny.iter().any(|d| match d {
+                DenyRule::Host(h) => covers(h, &rule.pattern),
+                DenyRule::Cidr(_) => false,
+            }),
+        }
+    }
+
     /// The allowlist policy for exact hosts / patterns (any port).
     pub fn allow_hosts<I, S>(hosts: I) -> Result<Self, Error>
     where

@@ -50,6 +50,19 @@ pub enum SecretExposure {
     },
     /// Never inside the sandbox: only host-side tools (host functions, the egress proxy) see it.
     HostOnly,
+    /// Held by the egress proxy: the environment variable `var` holds a random placeholder
+    /// (unique per sandbox, as long as the value), which the proxy replaces by the value in
+    /// requests to `hosts` only (headers, Basic credentials, query strings, bodies up to a
+    /// bound), and puts back over the value in their responses. TLS to those hosts is
+    /// terminated by the proxy, whose per-process CA the sandbox trusts. `hosts` use the
+    /// patterns of [`NetworkPolicy`](crate::NetworkPolicy) and must be allowed by the spec's
+    /// policy. See `docs/network.md`, "Secrets the sandbox never holds".
+    Proxy {
+        /// The variable holding the placeholder.
+        var: String,
+        /// Where the value goes (names, `*.suffix` wildcards, optional `:port`).
+        hosts: Vec<crate::HostRule>,
+    },
 }
 
 /// A secret named by the spec. Only the name is stored: the value is resolved at create time.
@@ -148,8 +161,41 @@ impl ResolvedSecrets {
     pub fn env(&self) -> impl Iterator<Item = (&str, &str)> {
         self.entries.iter().filter_map(|(b, v)| match &b.exposure {
             SecretExposure::Env { var } => Some((var.as_str(), v.expose())),
-            SecretExposure::HostOnly => None,
+            SecretExposure::HostOnly | SecretExposure::Proxy { .. } => None,
         })
+    }
+
+    /// `Unsupported` on `tier` when any secret is to be held by the egress proxy: for tiers
+    /// that cannot give the sandbox a placeholder and the proxy's CA (yet).
+    pub fn refuse_proxied(&self, tier: crate::Tier) -> Result<()> {
+        match self.proxied().first() {
+            None => Ok(()),
+            Some(s) => Err(Error::unsupported(
+                tier,
+                format!(
+                    "proxy-held secrets (`{}`: SecretExposure::Proxy); the container tier \
+                     holds them",
+                    s.name
+                ),
+            )),
+        }
+    }
+
+    /// The secrets the egress proxy holds ([`SecretExposure::Proxy`]): name, variable, hosts
+    /// and value, for the tier to hand to its egress enforcer.
+    pub fn proxied(&self) -> Vec<ProxiedSecret<'_>> {
+        self.entries
+            .iter()
+            .filter_map(|(b, v)| match &b.exposure {
+                SecretExposure::Proxy { var, hosts } => Some(ProxiedSecret {
+                    name: &b.name,
+                    var,
+                    hosts,
+                    value: v,
+                }),
+                _ => None,
+            })
+            .collect()
     }
 
     /// A host-only (or any) secret's value by name, for host-side tools.
@@ -168,6 +214,19 @@ impl ResolvedSecrets {
                 .map(|(b, v)| (b.name.clone(), v.expose().to_string())),
         )
     }
+}
+
+/// A secret the egress proxy holds for a sandbox ([`ResolvedSecrets::proxied`]).
+#[derive(Debug, Clone, Copy)]
+pub struct ProxiedSecret<'a> {
+    /// Its name.
+    pub name: &'a str,
+    /// The variable that gets the placeholder.
+    pub var: &'a str,
+    /// The hosts the value goes to.
+    pub hosts: &'a [crate::HostRule],
+    /// The value.
+    pub value: &'a Secret,
 }
 
 /// Replaces every occurrence of a secret value in captured output by `[REDACTED:name]`.

@@ -303,6 +303,7 @@ impl SandboxSpec {
         SpecBuilder {
             spec: SandboxSpec::new(language),
             image_error: None,
+            secret_error: None,
         }
     }
 
@@ -327,13 +328,34 @@ impl SandboxSpec {
             if s.name.is_empty() {
                 return Err(Error::invalid("secrets", "a secret needs a name"));
             }
-            if let SecretExposure::Env { var } = &s.exposure {
-                if !valid_env_name(var) {
+            match &s.exposure {
+                SecretExposure::Env { var } | SecretExposure::Proxy { var, .. }
+                    if !valid_env_name(var) =>
+                {
                     return Err(Error::invalid(
                         "secrets",
                         format!("`{var}` is not a variable name"),
                     ));
                 }
+                SecretExposure::Proxy { hosts, .. } => {
+                    if hosts.is_empty() {
+                        return Err(Error::invalid(
+                            "secrets",
+                            format!("the proxy-held secret `{}` is bound to no host", s.name),
+                        ));
+                    }
+                    if let Some(h) = hosts.iter().find(|h| !self.network.allows_host_rule(h)) {
+                        return Err(Error::invalid(
+                            "secrets",
+                            format!(
+                                "the proxy-held secret `{}` is bound to {}, which the network \
+                                 policy does not allow (allow the host too)",
+                                s.name, h.pattern
+                            ),
+                        ));
+                    }
+                }
+                _ => {}
             }
         }
         if self.image.is_some() && self.rootfs.is_some() {
@@ -438,6 +460,8 @@ pub struct SpecBuilder {
     spec: SandboxSpec,
     /// Why the last [`image`](Self::image) did not parse (reported by `build`).
     image_error: Option<(String, String)>,
+    /// Why a secret's host did not parse (reported by `build`).
+    secret_error: Option<(String, String)>,
 }
 
 /// `d` in whole milliseconds, saturating at `u64::MAX` (what every millisecond field of this
@@ -562,6 +586,47 @@ impl SpecBuilder {
         self.spec.secrets.push(SecretBinding {
             name: name.into(),
             exposure: SecretExposure::Env { var: var.into() },
+        });
+        self
+    }
+
+    /// Has the egress proxy hold a secret: the sandbox's variable `var` gets a placeholder,
+    /// which the proxy replaces by the value in requests to `hosts` only
+    /// ([`SecretExposure::Proxy`]). Default: no secrets.
+    ///
+    /// # Errors
+    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`secrets`) when `name` is
+    /// empty, `var` is not a variable name, a host does not parse, there is no host, or the
+    /// network policy does not allow a host.
+    pub fn secret_via_proxy<I, S>(
+        mut self,
+        name: impl Into<String>,
+        var: impl Into<String>,
+        hosts: I,
+    ) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let name = name.into();
+        let mut rules = Vec::new();
+        for h in hosts {
+            match h.as_ref().parse::<crate::HostRule>() {
+                Ok(r) => rules.push(r),
+                Err(e) => {
+                    self.secret_error.get_or_insert((
+                        "secrets".into(),
+                        format!("the proxy-held secret `{name}`: {e}"),
+                    ));
+                }
+            }
+        }
+        self.spec.secrets.push(SecretBinding {
+            name,
+            exposure: SecretExposure::Proxy {
+                var: var.into(),
+                hosts: rules,
+            },
         });
         self
     }
@@ -725,7 +790,7 @@ impl SpecBuilder {
     /// [`Error::InvalidSpec`] naming the first bad field and what is accepted; see each
     /// setter.
     pub fn build(self) -> Result<SandboxSpec> {
-        if let Some((field, reason)) = self.image_error {
+        if let Some((field, reason)) = self.image_error.or(self.secret_error) {
             return Err(Error::InvalidSpec { field, reason });
         }
         self.spec.validate()?;
@@ -737,6 +802,66 @@ impl SpecBuilder {
 mod tests {
     use super::*;
     use crate::exec::LimitKind;
+
+    #[test]
+    fn proxy_held_secrets_must_be_bound_to_allowed_hosts() {
+        let ok = SandboxSpec::builder(Language::Shell)
+            .network(NetworkPolicy::allow_hosts(["api.github.com", "*.example.com"]).unwrap())
+            .secret_via_proxy(
+                "GH",
+                "GITHUB_TOKEN",
+                ["api.github.com", "a.example.com:443"],
+            )
+            .build()
+            .unwrap();
+        match &ok.secrets[0].exposure {
+            SecretExposure::Proxy { var, hosts } => {
+                assert_eq!(var, "GITHUB_TOKEN");
+                assert_eq!(hosts.len(), 2);
+            }
+            other => panic!("{other:?}"),
+        }
+        // Round trip through JSON, as the CLI and a server carry specs.
+        let json = serde_json::to_string(&ok).unwrap();
+        assert!(json.contains(r#""kind":"proxy""#), "{json}");
+        assert_eq!(serde_json::from_str::<SandboxSpec>(&json).unwrap(), ok);
+        let err = |b: SpecBuilder| match b.build() {
+            Err(Error::InvalidSpec { field, reason }) => {
+                assert_eq!(field, "secrets");
+                reason
+            }
+            other => panic!("{other:?}"),
+        };
+        // Deny-all allows no host; a host outside the allowlist; a wildcard wider than it.
+        let r = err(SandboxSpec::builder(Language::Shell).secret_via_proxy("GH", "T", ["x.com"]));
+        assert!(r.contains("does not allow"), "{r}");
+        let allow = || NetworkPolicy::allow_hosts(["api.github.com", "*.example.com"]).unwrap();
+        let r = err(SandboxSpec::builder(Language::Shell)
+            .network(allow())
+            .secret_via_proxy("GH", "T", ["github.com"]));
+        assert!(r.contains("github.com"), "{r}");
+        err(SandboxSpec::builder(Language::Shell)
+            .network(allow())
+            .secret_via_proxy("GH", "T", ["*.github.com"]));
+        err(SandboxSpec::builder(Language::Shell)
+            .network(allow())
+            .secret_via_proxy("GH", "T", Vec::<String>::new()));
+        err(SandboxSpec::builder(Language::Shell)
+            .network(allow())
+            .secret_via_proxy("GH", "NOT A VAR", ["api.github.com"]));
+        err(SandboxSpec::builder(Language::Shell)
+            .network(allow())
+            .secret_via_proxy("GH", "T", ["bad host!"]));
+        // The internet policy allows any name its deny list does not name.
+        SandboxSpec::builder(Language::Shell)
+            .network(NetworkPolicy::AllowInternet {
+                deny: vec![],
+                private: vec![],
+            })
+            .secret_via_proxy("GH", "T", ["api.github.com"])
+            .build()
+            .unwrap();
+    }
 
     #[test]
     fn image_is_parsed_by_the_builder_and_exclusive_with_rootfs() {

@@ -28,7 +28,10 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
-use sandbox_core::{EgressEnforcer, EgressPlan, Error, NetworkEvent, NetworkPolicy, Result};
+use sandbox_core::{
+    EgressEnforcer, EgressPlan, Error, NetworkEvent, NetworkPolicy, ProxiedSecret, Result,
+    SecretPlan,
+};
 use tokio::runtime::Runtime;
 
 use crate::net::{Dialer, Resolver};
@@ -255,6 +258,9 @@ struct Entry {
     veth: VethConfig,
     slot: u32,
     policy: NetworkPolicy,
+    /// Proxy-held secrets ([`EgressEnforcer::bind_secrets`]), handed to the proxy once
+    /// registered.
+    secrets: crate::secrets::SecretSet,
     /// Registered with the proxy (its listeners are open).
     registered: bool,
 }
@@ -424,6 +430,7 @@ impl EgressEnforcer for VethEnforcer {
                     veth: veth.clone(),
                     slot,
                     policy: policy.clone(),
+                    secrets: crate::secrets::SecretSet::default(),
                     registered: false,
                 },
             );
@@ -468,6 +475,38 @@ impl EgressEnforcer for VethEnforcer {
             self.inner.proxy.update_policy(sandbox_id, policy.clone())?;
         }
         Ok(())
+    }
+
+    fn bind_secrets(&self, sandbox_id: &str, secrets: &[ProxiedSecret<'_>]) -> Result<SecretPlan> {
+        let mut held = Vec::with_capacity(secrets.len());
+        let mut env = Vec::with_capacity(secrets.len());
+        for s in secrets {
+            let p = crate::secrets::ProxySecret::new(s.name, s.value.clone(), s.hosts.to_vec())
+                .map_err(|e| Error::Secret {
+                    name: s.name.to_owned(),
+                    reason: e.to_string(),
+                })?;
+            env.push((s.var.to_owned(), p.placeholder().to_owned()));
+            held.push(p);
+        }
+        let ca_pem = if held.is_empty() {
+            String::new()
+        } else {
+            self.inner.proxy.interception_ca_pem()?
+        };
+        let set = crate::secrets::SecretSet::new(held);
+        let mut st = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(e) = st.sandboxes.get_mut(sandbox_id) else {
+            return Err(Error::SandboxGone {
+                id: sandbox_id.to_string(),
+                reason: "not prepared with the egress enforcer".into(),
+            });
+        };
+        e.secrets = set.clone();
+        if e.registered {
+            self.inner.proxy.set_secrets(sandbox_id, set)?;
+        }
+        Ok(SecretPlan::new(env, ca_pem))
     }
 
     fn events(&self, sandbox_id: &str) -> Result<Vec<NetworkEvent>> {
@@ -546,7 +585,13 @@ async fn attach(inner: Arc<Inner>, id: String, netns_pid: i32) -> Result<()> {
         let mut st = inner.state.lock().unwrap_or_else(|p| p.into_inner());
         st.sandboxes
             .get_mut(&id)
-            .map(|e| e.registered = true)
+            .map(|e| {
+                e.registered = true;
+                // Secrets bound before the listeners existed.
+                if !e.secrets.is_empty() {
+                    let _ = inner.proxy.set_secrets(&id, e.secrets.clone());
+                }
+            })
             .is_some()
     };
     if !still_there {
@@ -620,6 +665,10 @@ impl EgressEnforcer for LazyEnforcer {
 
     fn update(&self, sandbox_id: &str, policy: &NetworkPolicy) -> Result<()> {
         self.get()?.update(sandbox_id, policy)
+    }
+
+    fn bind_secrets(&self, sandbox_id: &str, secrets: &[ProxiedSecret<'_>]) -> Result<SecretPlan> {
+        self.get()?.bind_secrets(sandbox_id, secrets)
     }
 
     fn events(&self, sandbox_id: &str) -> Result<Vec<NetworkEvent>> {

@@ -68,7 +68,7 @@ pub(crate) fn user_config(cmdline: &str) -> Result<Option<(u32, u32)>, RootError
     let Some(v) = cmdline
         .split_whitespace()
         .filter_map(|w| w.strip_prefix("agent.user="))
-        .last()
+        .next_back()
     else {
         return Ok(None);
     };
