@@ -311,8 +311,18 @@ fn cli_runtime() -> Runtime {
     Runtime::new()
 }
 
+/// The runtime of `run`: one sandbox, then the process ends. With `--tier` only that tier's
+/// backend is set up (the others are never built, probed or swept), and no backend prepares
+/// for a later sandbox (see `agent_sandbox::one_shot_process`).
+fn run_runtime(tier: TierArg) -> Runtime {
+    agent_sandbox::one_shot_process();
+    match tier {
+        TierArg::Auto => cli_runtime(),
+        TierArg::Tier(t) => Runtime::builder_with_tiers(&[t]).build(),
+    }
+}
+
 async fn async_main(cli: Cli) -> ExitCode {
-    let runtime = cli_runtime();
     match cli.command {
         Cmd::Install {
             what: InstallWhat::PythonWasm,
@@ -335,6 +345,7 @@ async fn async_main(cli: Cli) -> ExitCode {
             dir,
         } => install_microvm_guest(kernel, modules, dir).await,
         Cmd::Cleanup { json } => {
+            let runtime = cli_runtime();
             let mut rows = Vec::new();
             for tier in Tier::PRODUCT {
                 if let Some(b) = runtime.backend(tier) {
@@ -361,6 +372,7 @@ async fn async_main(cli: Cli) -> ExitCode {
             ExitCode::SUCCESS
         }
         Cmd::Probe { json } => {
+            let runtime = cli_runtime();
             let statuses = runtime.probe().await;
             // What each built-in tier can do, including the limits it enforces.
             let caps = |t: Tier| runtime.backend(t).map(|b| b.capabilities());
@@ -403,7 +415,7 @@ async fn async_main(cli: Cli) -> ExitCode {
                 );
                 return ExitCode::from(EXIT_USAGE);
             };
-            let sel = runtime.select(&q.question(lang)).await;
+            let sel = cli_runtime().select(&q.question(lang)).await;
             if json {
                 let reasons: BTreeMap<&str, &str> = sel
                     .ranking
@@ -438,7 +450,7 @@ async fn async_main(cli: Cli) -> ExitCode {
             }
             ExitCode::SUCCESS
         }
-        Cmd::Run(args) => run(&runtime, args).await,
+        Cmd::Run(args) => run(&run_runtime(args.tier), args).await,
         Cmd::Image(cmd) => image_cmd::run(cmd).await,
     }
 }

@@ -649,6 +649,11 @@ impl Inner {
 
     fn delete_container(&self) {
         let pids = self.pids.lock().map(|p| p.clone()).unwrap_or_default();
+        // The sandbox and gofer processes go first, killed and reaped here: `delete` then
+        // finds them gone instead of polling for them every 100 ms (see
+        // `reaper::kill_children`); it still removes the cgroups and runsc's state. Bounded:
+        // whatever is left is `delete`'s to kill, as before.
+        let pids = reaper::kill_children(&pids, Duration::from_secs(2));
         let mut cmd = self.runsc.command();
         cmd.args(["delete", "--force", &self.id])
             .stderr(Stdio::null());
