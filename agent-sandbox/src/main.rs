@@ -285,10 +285,14 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    // `run` drives one sandbox: on this thread alone, its replies wake the waiting create or
+    // command directly instead of through worker threads (each hand-off is a wake-up, and
+    // on a busy host a wait for a CPU). Blocking work still goes to tokio's blocking pool.
+    let builder = match cli.command {
+        Cmd::Run(_) => tokio::runtime::Builder::new_current_thread(),
+        _ => tokio::runtime::Builder::new_multi_thread(),
+    };
+    let rt = match { builder }.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("agent-sandbox: cannot start the async runtime: {e}");
