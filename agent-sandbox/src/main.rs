@@ -469,7 +469,7 @@ async fn install_python_wasm() -> ExitCode {
         .await;
         match r {
             Ok(Ok(installed)) => {
-                println!("python-wasm installed: {installed:?}");
+                println!("python-wasm installed: {installed}");
                 ExitCode::SUCCESS
             }
             Ok(Err(e)) => {

@@ -588,10 +588,8 @@ fn mounts_naming(needle: &str) -> Vec<String> {
 /// `one_shot_run_leaves_nothing_behind`) so that adopting orphans touches no other test.
 fn leftovers_of_one_shot(tier: &str) -> Vec<String> {
     // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) has no memory effects.
-    assert_eq!(
-        unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) },
-        0
-    );
+    let rc = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    assert_eq!(rc, 0);
     // A state directory of this run's own (gVisor keeps its sandboxes under $TMPDIR).
     let tmp = tempfile::tempdir().unwrap();
     let state = tmp.path().join("agent-sandbox-gvisor");
@@ -712,5 +710,35 @@ fn one_shot_run_leaves_nothing_behind() {
     }
     if checked == 0 {
         eprintln!("SKIP: neither the container nor the gvisor tier is available here");
+    }
+}
+
+#[test]
+fn install_python_wasm_speaks_in_sentences() {
+    // Only where Python is installed already (else this would download ~98 MB): the install
+    // then checks what is there and says so, progress lines included, without Rust syntax.
+    let v = json(&cli(&["probe", "--json"]));
+    let installed = v["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|t| t["tier"] == "wasm" && t["details"]["python_installed"] == "true");
+    if !installed {
+        eprintln!("SKIP: Python is not installed for the wasm tier here");
+        return;
+    }
+    let out = cli(&["install", "python-wasm"]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.starts_with("python-wasm installed: "), "{stdout}");
+    for line in stdout.lines().chain(stderr.lines()) {
+        assert!(
+            !line.contains('{') && !line.contains("Some(") && !line.contains("file:"),
+            "not a sentence: {line}"
+        );
+        assert!(line.trim_end().ends_with('.'), "not a sentence: {line}");
     }
 }
