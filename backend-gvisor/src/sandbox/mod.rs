@@ -703,17 +703,23 @@ impl Inner {
         if ours.is_empty() {
             return false;
         }
-        let Ok(roots) = std::fs::read_dir("/sys/fs/cgroup") else {
+        let base = Path::new("/sys/fs/cgroup");
+        let Ok(entries) = std::fs::read_dir(base) else {
             return false;
         };
+        // The v2 root itself (a pure v2 host), and each hierarchy's mount under it (v1, and
+        // hybrid's `unified`). Co-mounted controllers appear twice (`cpu` -> `cpu,cpuacct`):
+        // real directories only.
+        let roots = std::iter::once(base.to_path_buf()).chain(
+            entries
+                .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path()),
+        );
         let mut removed = 0;
-        for root in roots.flatten() {
-            // Co-mounted controllers appear twice (`cpu` -> `cpu,cpuacct`): real dirs only.
-            if !root.file_type().is_ok_and(|t| t.is_dir()) {
-                continue;
-            }
+        for root in roots {
             for p in &ours {
-                let dir = root.path().join(p.trim_start_matches('/'));
+                let dir = root.join(p.trim_start_matches('/'));
                 match std::fs::remove_dir(&dir) {
                     Ok(()) => removed += 1,
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
