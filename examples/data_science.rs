@@ -16,7 +16,7 @@ async fn main() -> agent_sandbox::Result<()> {
     // The wasm tier installs Python on first use, reporting progress.
     let wasm = WasmBackend::builder()
         .auto_install_python(true)
-        .progress(Arc::new(|ev: &InstallEvent| eprintln!("install: {ev:?}")))
+        .progress(Arc::new(|ev: &InstallEvent| eprintln!("install: {ev}")))
         .build()?;
     let rt = Runtime::builder_with_defaults()
         .backend(Arc::new(wasm))

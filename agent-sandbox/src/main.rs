@@ -285,10 +285,14 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    // `run` drives one sandbox: on this thread alone, its replies wake the waiting create or
+    // command directly instead of through worker threads (each hand-off is a wake-up, and
+    // on a busy host a wait for a CPU). Blocking work still goes to tokio's blocking pool.
+    let builder = match cli.command {
+        Cmd::Run(_) => tokio::runtime::Builder::new_current_thread(),
+        _ => tokio::runtime::Builder::new_multi_thread(),
+    };
+    let rt = match { builder }.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("agent-sandbox: cannot start the async runtime: {e}");
@@ -311,8 +315,18 @@ fn cli_runtime() -> Runtime {
     Runtime::new()
 }
 
+/// The runtime of `run`: one sandbox, then the process ends. With `--tier` only that tier's
+/// backend is set up (the others are never built, probed or swept), and no backend prepares
+/// for a later sandbox (see `agent_sandbox::one_shot_process`).
+fn run_runtime(tier: TierArg) -> Runtime {
+    agent_sandbox::one_shot_process();
+    match tier {
+        TierArg::Auto => cli_runtime(),
+        TierArg::Tier(t) => Runtime::builder_with_tiers(&[t]).build(),
+    }
+}
+
 async fn async_main(cli: Cli) -> ExitCode {
-    let runtime = cli_runtime();
     match cli.command {
         Cmd::Install {
             what: InstallWhat::PythonWasm,
@@ -335,6 +349,7 @@ async fn async_main(cli: Cli) -> ExitCode {
             dir,
         } => install_microvm_guest(kernel, modules, dir).await,
         Cmd::Cleanup { json } => {
+            let runtime = cli_runtime();
             let mut rows = Vec::new();
             for tier in Tier::PRODUCT {
                 if let Some(b) = runtime.backend(tier) {
@@ -361,6 +376,7 @@ async fn async_main(cli: Cli) -> ExitCode {
             ExitCode::SUCCESS
         }
         Cmd::Probe { json } => {
+            let runtime = cli_runtime();
             let statuses = runtime.probe().await;
             // What each built-in tier can do, including the limits it enforces.
             let caps = |t: Tier| runtime.backend(t).map(|b| b.capabilities());
@@ -403,7 +419,7 @@ async fn async_main(cli: Cli) -> ExitCode {
                 );
                 return ExitCode::from(EXIT_USAGE);
             };
-            let sel = runtime.select(&q.question(lang)).await;
+            let sel = cli_runtime().select(&q.question(lang)).await;
             if json {
                 let reasons: BTreeMap<&str, &str> = sel
                     .ranking
@@ -438,7 +454,7 @@ async fn async_main(cli: Cli) -> ExitCode {
             }
             ExitCode::SUCCESS
         }
-        Cmd::Run(args) => run(&runtime, args).await,
+        Cmd::Run(args) => run(&run_runtime(args.tier), args).await,
         Cmd::Image(cmd) => image_cmd::run(cmd).await,
     }
 }
@@ -453,7 +469,7 @@ async fn install_python_wasm() -> ExitCode {
         .await;
         match r {
             Ok(Ok(installed)) => {
-                println!("python-wasm installed: {installed:?}");
+                println!("python-wasm installed: {installed}");
                 ExitCode::SUCCESS
             }
             Ok(Err(e)) => {

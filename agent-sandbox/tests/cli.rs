@@ -542,3 +542,203 @@ fn cleanup_removes_the_gvisor_sandbox_of_a_killed_run() {
     let dir = std::path::Path::new(&root).parent().unwrap();
     assert!(!dir.exists(), "{} left", dir.display());
 }
+
+/// The cgroup directories (any hierarchy, nested up to a few levels) whose name contains one
+/// of `needles`.
+fn cgroups_named(needles: &[String]) -> Vec<std::path::PathBuf> {
+    fn walk(
+        dir: &std::path::Path,
+        depth: usize,
+        needles: &[String],
+        out: &mut Vec<std::path::PathBuf>,
+    ) {
+        let Ok(rd) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in rd.flatten() {
+            if !e.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            let name = e.file_name().to_string_lossy().into_owned();
+            if needles.iter().any(|n| name.contains(n.as_str())) {
+                out.push(e.path());
+            } else if depth > 0 {
+                walk(&e.path(), depth - 1, needles, out);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(std::path::Path::new("/sys/fs/cgroup"), 6, needles, &mut out);
+    out
+}
+
+/// The mounts of this process's namespace whose mount point or source contains `needle`.
+fn mounts_naming(needle: &str) -> Vec<String> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains(needle))
+        .map(str::to_string)
+        .collect()
+}
+
+/// What one `agent-sandbox run --tier TIER -- /bin/true` leaves behind once it has exited:
+/// processes (its orphans, adopted by this process, a child subreaper), cgroup directories
+/// and mounts. Runs in a process of its own (this test binary again, see
+/// `one_shot_run_leaves_nothing_behind`) so that adopting orphans touches no other test.
+fn leftovers_of_one_shot(tier: &str) -> Vec<String> {
+    // SAFETY: prctl(PR_SET_CHILD_SUBREAPER) has no memory effects.
+    let rc = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    assert_eq!(rc, 0);
+    // A state directory of this run's own (gVisor keeps its sandboxes under $TMPDIR).
+    let tmp = tempfile::tempdir().unwrap();
+    let state = tmp.path().join("agent-sandbox-gvisor");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_agent-sandbox"))
+        .args(["run", "--tier", tier, "--", "/bin/true"])
+        .env_remove("AGENT_SANDBOX_LOG")
+        .env("TMPDIR", tmp.path())
+        .spawn()
+        .unwrap();
+    let cli_pid = child.id();
+    // The gVisor sandbox ids, seen while it runs (its cgroups are named after them).
+    let mut ids = std::collections::BTreeSet::new();
+    let status = loop {
+        if let Ok(rd) = std::fs::read_dir(&state) {
+            ids.extend(
+                rd.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|n| n.starts_with("as-")),
+            );
+        }
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    };
+    assert!(status.success(), "{tier}: run failed: {status}");
+    let mut left = Vec::new();
+    // Processes: whatever the run started is now ours; each must exit on its own (the
+    // container zygote on its socket's end, the gVisor watchdog once nothing is left to
+    // sweep). Reaped as they go; no timing is asserted, only that they all end.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    loop {
+        // SAFETY: waitpid(-1, WNOHANG) on our own children, with no status pointer.
+        while unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) } > 0 {}
+        let kids = children_of(std::process::id());
+        if kids.is_empty() {
+            break;
+        }
+        if std::time::Instant::now() > deadline {
+            left.extend(kids.iter().map(|(p, c)| format!("process {p}: {c}")));
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // Cgroups: the container tier names its cgroups `asb-<pid>-...`; gVisor's are named after
+    // the sandbox id.
+    let mut needles = vec![format!("asb-{cli_pid}-")];
+    needles.extend(ids.iter().cloned());
+    left.extend(
+        cgroups_named(&needles)
+            .into_iter()
+            .map(|p| format!("cgroup {}", p.display())),
+    );
+    // Mounts: nothing under this run's state directory, nor of a sandbox (the container
+    // tier's templates live in its zygote's mount namespace only).
+    left.extend(
+        mounts_naming(&tmp.path().to_string_lossy())
+            .into_iter()
+            .map(|m| format!("mount {m}")),
+    );
+    left.extend(
+        mounts_naming("agent-sandbox-templates")
+            .into_iter()
+            .filter(|m| m.contains("tmpfs") && !m.contains(" shared:"))
+            .map(|m| format!("mount {m}")),
+    );
+    // State: no sandbox directory left.
+    if let Ok(rd) = std::fs::read_dir(&state) {
+        left.extend(
+            rd.flatten()
+                .filter(|e| e.file_name().to_string_lossy().starts_with("as-"))
+                .map(|e| format!("state {}", e.path().display())),
+        );
+    }
+    left
+}
+
+#[test]
+fn one_shot_run_leaves_nothing_behind() {
+    // The child role: report leftovers as lines on stdout.
+    if let Ok(tier) = std::env::var("AGENT_SANDBOX_TEST_LEAK_CHILD") {
+        for l in leftovers_of_one_shot(&tier) {
+            // Own lines: the test harness prints the test's name before its output.
+            println!("\nLEFT {l}");
+        }
+        println!("\nCHECKED {tier}");
+        return;
+    }
+    let mut checked = 0;
+    for tier in ["container", "gvisor"] {
+        if !tier_available(tier) {
+            eprintln!("SKIP {tier}: unavailable on this host (see `agent-sandbox probe`)");
+            continue;
+        }
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "one_shot_run_leaves_nothing_behind",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("AGENT_SANDBOX_TEST_LEAK_CHILD", tier)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{tier}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            text.lines().any(|l| l == format!("CHECKED {tier}")),
+            "{tier}: the check did not run: {text}"
+        );
+        let left: Vec<&str> = text.lines().filter(|l| l.starts_with("LEFT ")).collect();
+        assert!(left.is_empty(), "{tier}: a one-shot run left {left:#?}");
+        checked += 1;
+    }
+    if checked == 0 {
+        eprintln!("SKIP: neither the container nor the gvisor tier is available here");
+    }
+}
+
+#[test]
+fn install_python_wasm_speaks_in_sentences() {
+    // Only where Python is installed already (else this would download ~98 MB): the install
+    // then checks what is there and says so, progress lines included, without Rust syntax.
+    let v = json(&cli(&["probe", "--json"]));
+    let installed = v["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|t| t["tier"] == "wasm" && t["details"]["python_installed"] == "true");
+    if !installed {
+        eprintln!("SKIP: Python is not installed for the wasm tier here");
+        return;
+    }
+    let out = cli(&["install", "python-wasm"]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.starts_with("python-wasm installed: "), "{stdout}");
+    for line in stdout.lines().chain(stderr.lines()) {
+        assert!(
+            !line.contains('{') && !line.contains("Some(") && !line.contains("file:"),
+            "not a sentence: {line}"
+        );
+        assert!(line.trim_end().ends_with('.'), "not a sentence: {line}");
+    }
+}

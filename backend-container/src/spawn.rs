@@ -473,11 +473,22 @@ pub(crate) fn template_root(key: TemplateKey) -> Option<String> {
     None
 }
 
+/// Whether [`prefork`] asks for spares (see [`crate::spare_inits`]).
+static SPARES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Turns spare inits on or off for the process (see [`crate::spare_inits`]).
+pub(crate) fn set_spares(on: bool) {
+    SPARES.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Has the zygote clone the next init ahead of time (see [`Zygote::spare`]) unless one is
 /// there or coming. Called when a command has finished and when a sandbox is torn down,
 /// moments that usually precede idleness (an agent thinking) rather than a create: asking at
 /// the end of a create made the clone compete with that sandbox's first command.
 pub(crate) fn prefork() {
+    if !SPARES.load(std::sync::atomic::Ordering::Relaxed) {
+        return;
+    }
     if let Ok(mut f) = FORKS.lock() {
         if let Some(z) = f.zygote.as_mut() {
             z.ask_spare();

@@ -139,6 +139,9 @@ pub use sandbox_image::ImageStore;
 
 const TIER: Tier = Tier::Gvisor;
 
+/// The file in the state directory that remembers what runsc said about itself.
+const RUNSC_INFO_CACHE: &str = "runsc-info";
+
 /// Settings of the gVisor backend.
 #[derive(Debug, Clone, Default)]
 pub struct GvisorConfig {
@@ -267,14 +270,24 @@ impl GvisorBackend {
 
     fn discover(&self) -> Result<Resolved> {
         // runsc's facts are the same for every backend using the same binary: ask it once
-        // per process (two runsc calls, ~40 ms).
+        // per process (two runsc calls, ~50 ms), and remember the answer in the state
+        // directory for the next processes (a one-shot `agent-sandbox run` among them) as
+        // long as the binary is the same file (see `RunscInfo::discover_cached`).
         static FOUND: Mutex<BTreeMap<Option<PathBuf>, RunscInfo>> = Mutex::new(BTreeMap::new());
         let key = self.config.runsc.clone();
         let cached = FOUND.lock().ok().and_then(|m| m.get(&key).cloned());
         let info = match cached {
             Some(info) => info,
             None => {
-                let info = RunscInfo::discover(key.as_deref())?;
+                let state_dir = self.state_dir();
+                // Only root runs this tier; its state directory is made here if need be.
+                let info = if nix::unistd::geteuid().is_root()
+                    && std::fs::create_dir_all(&state_dir).is_ok()
+                {
+                    RunscInfo::discover_cached(key.as_deref(), &state_dir.join(RUNSC_INFO_CACHE))?
+                } else {
+                    RunscInfo::discover(key.as_deref())?
+                };
                 if let Ok(mut m) = FOUND.lock() {
                     m.insert(key, info.clone());
                 }

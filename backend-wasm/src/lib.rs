@@ -23,7 +23,7 @@
 //!     })
 //!     .build()?;
 //! if !backend.python_status().installed {
-//!     backend.install_python(&|ev: &backend_wasm::InstallEvent| eprintln!("{ev:?}"))?;
+//!     backend.install_python(&|ev: &backend_wasm::InstallEvent| eprintln!("{ev}"))?;
 //! }
 //! let sb = backend.create(&SandboxSpec::new(Language::Python), ResolvedSecrets::none()).await?;
 //! sb.exec(ExecRequest::code("import pandas as pd\nfrom host import tools")).await?;

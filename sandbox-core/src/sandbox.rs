@@ -30,6 +30,15 @@ pub trait Backend: Send + Sync + 'static {
     /// Must not hang: a probe that needs to measure does so with a bound.
     async fn probe(&self) -> TierStatus;
 
+    /// The checks made before creating a sandbox on this tier when it was chosen by name
+    /// (no selection): whether the host can run it, with the reason and the fix when not.
+    /// By default the full [`probe`](Backend::probe). A backend whose probe also runs a
+    /// smoke test (a whole sandbox) answers from its other checks here, and the create
+    /// itself is the test: if that create then fails, the caller probes fully to say why.
+    async fn preflight(&self) -> TierStatus {
+        self.probe().await
+    }
+
     /// Creates a sandbox. The spec is validated first; secrets are already resolved.
     async fn create(
         &self,

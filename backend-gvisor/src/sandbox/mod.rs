@@ -72,6 +72,9 @@ struct Inner {
     /// The sandbox's cgroup paths (v1 memory and pids hierarchies), to read OOM kills and
     /// pids-limit hits from.
     cgroup: Mutex<(Option<String>, Option<String>)>,
+    /// The sandbox process's cgroup paths in every hierarchy (`/proc/PID/cgroup`), read
+    /// while it runs: its teardown removes those named after the sandbox itself.
+    cgroup_paths: Mutex<Vec<String>>,
     /// Live, paused, or gone with the reason (destroyed, lifetime, killed by a limit...).
     life: Lifecycle,
     /// Set by the first teardown (container deleted, state removed): a sandbox can be gone
@@ -255,6 +258,7 @@ impl GvisorSandbox {
             redactor: secrets.redactor(),
             pids: Mutex::new(Vec::new()),
             cgroup: Mutex::new((None, None)),
+            cgroup_paths: Mutex::new(Vec::new()),
             life: Lifecycle::new(id.clone()),
             torn_down: AtomicBool::new(false),
             born: Instant::now(),
@@ -613,6 +617,9 @@ impl Inner {
         if let Ok(mut m) = self.cgroup.lock() {
             *m = cg;
         }
+        if let (Some(pid), Ok(mut m)) = (boot, self.cgroup_paths.lock()) {
+            *m = cgroup_paths(pid);
+        }
         boot
     }
 
@@ -649,6 +656,18 @@ impl Inner {
 
     fn delete_container(&self) {
         let pids = self.pids.lock().map(|p| p.clone()).unwrap_or_default();
+        // The sandbox and gofer processes go first, killed and reaped here: `delete` then
+        // finds them gone instead of polling for them every 100 ms (see
+        // `reaper::kill_children`); it still removes the cgroups and runsc's state. Bounded:
+        // whatever is left is `delete`'s to kill, as before.
+        let pids = reaper::kill_children(&pids, Duration::from_secs(2));
+        // With them gone, what `delete` would still do is remove the sandbox's cgroups and
+        // runsc's state (under `self.dir`, removed with it): done here when every cgroup
+        // directory named after the sandbox goes at once (~20 ms of a runsc start saved);
+        // anything else (a process left, a directory that will not go) is `delete`'s.
+        if pids.is_empty() && self.remove_cgroups() {
+            return;
+        }
         let mut cmd = self.runsc.command();
         cmd.args(["delete", "--force", &self.id])
             .stderr(Stdio::null());
@@ -664,6 +683,70 @@ impl Inner {
             }
         }
     }
+}
+
+impl Inner {
+    /// Removes the sandbox's cgroup directories (those of the recorded paths, in every
+    /// hierarchy under `/sys/fs/cgroup`, whose name is the sandbox's cgroup name: nothing
+    /// else is ever removed). `true` when at least one was found and all of them went.
+    fn remove_cgroups(&self) -> bool {
+        let paths = self
+            .cgroup_paths
+            .lock()
+            .map(|p| p.clone())
+            .unwrap_or_default();
+        let name = stale::cgroup_name(&self.id);
+        let ours: Vec<&String> = paths
+            .iter()
+            .filter(|p| Path::new(p).file_name().is_some_and(|f| *f == *name))
+            .collect();
+        if ours.is_empty() {
+            return false;
+        }
+        let base = Path::new("/sys/fs/cgroup");
+        let Ok(entries) = std::fs::read_dir(base) else {
+            return false;
+        };
+        // The v2 root itself (a pure v2 host), and each hierarchy's mount under it (v1, and
+        // hybrid's `unified`). Co-mounted controllers appear twice (`cpu` -> `cpu,cpuacct`):
+        // real directories only.
+        let roots = std::iter::once(base.to_path_buf()).chain(
+            entries
+                .flatten()
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path()),
+        );
+        let mut removed = 0;
+        for root in roots {
+            for p in &ours {
+                let dir = root.join(p.trim_start_matches('/'));
+                match std::fs::remove_dir(&dir) {
+                    Ok(()) => removed += 1,
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => {
+                        tracing::debug!(sandbox = %self.id, dir = %dir.display(), error = %e, "cgroup not removed here; runsc delete will");
+                        return false;
+                    }
+                }
+            }
+        }
+        removed > 0
+    }
+}
+
+/// Every cgroup path of `pid` (one per hierarchy), from `/proc/PID/cgroup`.
+fn cgroup_paths(pid: i32) -> Vec<String> {
+    let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/cgroup")) else {
+        return Vec::new();
+    };
+    let mut out: Vec<String> = text
+        .lines()
+        .filter_map(|l| l.splitn(3, ':').nth(2))
+        .map(str::to_string)
+        .collect();
+    out.sort();
+    out.dedup();
+    out
 }
 
 fn write_private(path: &Path, data: &[u8]) -> Result<()> {

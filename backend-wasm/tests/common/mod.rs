@@ -29,7 +29,7 @@ pub fn python_backend() -> Result<WasmBackend, String> {
             ));
         }
         let opts = InstallOptions { source: WheelSource::File(LOCAL_WHEEL.into()), ..Default::default() };
-        backend_wasm::install_python(&opts, &|e: &backend_wasm::InstallEvent| eprintln!("install: {e:?}"))
+        backend_wasm::install_python(&opts, &|e: &backend_wasm::InstallEvent| eprintln!("install: {e}"))
             .map(|_| ())
             .map_err(|e| format!("install from {LOCAL_WHEEL} failed: {e}"))
     });
