@@ -75,6 +75,11 @@ impl CappedPipe {
         }
     }
 
+    /// Whether the call's output is a flood to stop (the `output` limit).
+    fn flooded(&self) -> bool {
+        self.state().buf.flooded()
+    }
+
     /// Takes what was written so far and starts a fresh buffer with cap `cap`.
     pub(crate) fn take(&self, cap: u64) -> OutputBuffer {
         std::mem::replace(&mut self.state().buf, OutputBuffer::new(cap))
@@ -345,6 +350,8 @@ pub struct Host {
     stdio_moved: bool,
     /// Writes and creates under the sandbox's private folders are admitted here.
     pub(crate) disk: crate::disk::DiskQuota,
+    /// Descriptors of the virtual `/dev` files.
+    devices: crate::devices::Devices,
     mono_base: Instant,
     flavor: Flavor,
 }
@@ -400,7 +407,28 @@ pub(crate) fn new_store(setup: StoreSetup) -> Result<Store<Host>> {
             )
         })?;
     }
-    let open = 3 + u32::try_from(setup.preopens.len()).unwrap_or(u32::MAX);
+    // `/dev/null`, `/dev/zero`, `/dev/urandom`: virtual files (see `devices`), in a folder
+    // preopened after the others, unless the spec mounts something there.
+    let mut devices = crate::devices::Devices::default();
+    if !setup
+        .preopens
+        .iter()
+        .any(|p| p.guest.trim_end_matches('/') == crate::devices::GUEST_DIR)
+    {
+        let dir = crate::devices::host_dir()?;
+        b.preopened_dir(dir, crate::devices::GUEST_DIR, FsPerms::ReadOnly)
+            .map_err(|e| {
+                sandbox_core::Error::io_path(
+                    "preopen",
+                    dir,
+                    std::io::Error::other(format!("{e:#}")),
+                )
+            })?;
+        devices.dir_fd = Some(3 + u32::try_from(setup.preopens.len()).unwrap_or(u32::MAX));
+    }
+    let open = 3
+        + u32::try_from(setup.preopens.len()).unwrap_or(u32::MAX)
+        + u32::from(devices.dir_fd.is_some());
     // Preopened folders are descriptors 3, 4, ... in order.
     let mut disk = setup.disk;
     for (fd, p) in (3u32..).zip(&setup.preopens) {
@@ -418,6 +446,7 @@ pub(crate) fn new_store(setup: StoreSetup) -> Result<Store<Host>> {
         stderr,
         stdin,
         tools: setup.tools,
+        devices,
         value: None,
         open_files: open,
         max_open_files: setup.open_files.max(open),
@@ -512,7 +541,7 @@ pub(crate) fn classify(err: &wasmtime::Error, host: &Host) -> Stop {
         return Stop::Crash(format!("wasm trap: {trap}"));
     }
     if let Some(kind) = host.ctl.hit {
-        return Stop::Limit(kind, "limit reached".into());
+        return Stop::Limit(kind, format!("{kind} limit reached"));
     }
     if host.limiter.memory_denied {
         return Stop::Limit(LimitKind::Memory, "memory limit reached".into());
@@ -561,6 +590,29 @@ fn build_linker(engine: &Engine) -> wasmtime::Result<Linker<Host>> {
                 }
                 metered
             };
+            // A virtual device is opened read-only (see `devices`) and marked.
+            let (mut device, mut rights_base, mut oflags, mut fdflags) =
+                (None, rights_base, oflags, fdflags);
+            if c.data().devices.dir_fd == Some(fd as u32) {
+                let name = memory(&mut c)
+                    .and_then(|m| read_bytes(&c, m, path as u32, path_len as u32 as usize))
+                    .and_then(|b| String::from_utf8(b).ok())
+                    .unwrap_or_default();
+                match crate::devices::open_request(
+                    &c.data().devices,
+                    fd as u32,
+                    &name,
+                    rights_base,
+                    oflags,
+                    fdflags,
+                ) {
+                    Some(Ok((d, r, o, f))) => {
+                        (device, rights_base, oflags, fdflags) = (Some(d), r, o, f)
+                    }
+                    Some(Err(errno)) => return Ok(errno),
+                    None => {}
+                }
+            }
             let r = call_p1(&mut c, |ctx, mem| {
                 in_tokio(snapshot1::path_open(
                     ctx,
@@ -582,6 +634,7 @@ fn build_linker(engine: &Engine) -> wasmtime::Result<Linker<Host>> {
                 h.open_files += 1;
                 if let Some(new_fd) = opened {
                     h.disk.track(new_fd, metered);
+                    h.devices.track(new_fd, device);
                 }
             }
             Ok(r)
@@ -599,6 +652,7 @@ fn build_linker(engine: &Engine) -> wasmtime::Result<Linker<Host>> {
                 h.open_files = h.open_files.saturating_sub(1);
                 h.stdio_moved |= fd == 1 || fd == 2;
                 h.disk.track(fd as u32, false);
+                h.devices.track(fd as u32, None);
             }
             Ok(r)
         },
@@ -617,11 +671,49 @@ fn build_linker(engine: &Engine) -> wasmtime::Result<Linker<Host>> {
                 let metered = h.disk.metered(from as u32);
                 h.disk.track(to as u32, metered);
                 h.disk.track(from as u32, false);
+                h.devices.renumber(from as u32, to as u32);
             }
             Ok(r)
         },
     )?;
     l.func_wrap(P1, "fd_write", fd_write)?;
+    l.func_wrap(
+        P1,
+        "fd_read",
+        |mut c: Caller<'_, Host>,
+         fd: i32,
+         iovs: i32,
+         iovs_len: i32,
+         nread: i32|
+         -> wasmtime::Result<i32> {
+            if let Some(errno) = device_io(&mut c, fd, false, iovs, iovs_len, nread) {
+                return Ok(errno);
+            }
+            call_p1(&mut c, |ctx, mem| {
+                in_tokio(snapshot1::fd_read(ctx, mem, fd, iovs, iovs_len, nread))
+            })
+        },
+    )?;
+    l.func_wrap(
+        P1,
+        "fd_pread",
+        |mut c: Caller<'_, Host>,
+         fd: i32,
+         iovs: i32,
+         iovs_len: i32,
+         offset: i64,
+         nread: i32|
+         -> wasmtime::Result<i32> {
+            if let Some(errno) = device_io(&mut c, fd, false, iovs, iovs_len, nread) {
+                return Ok(errno);
+            }
+            call_p1(&mut c, |ctx, mem| {
+                in_tokio(snapshot1::fd_pread(
+                    ctx, mem, fd, iovs, iovs_len, offset, nread,
+                ))
+            })
+        },
+    )?;
     l.func_wrap(
         P1,
         "fd_pwrite",
@@ -632,6 +724,9 @@ fn build_linker(engine: &Engine) -> wasmtime::Result<Linker<Host>> {
          offset: i64,
          nwritten: i32|
          -> wasmtime::Result<i32> {
+            if let Some(errno) = device_io(&mut c, fd, true, iovs, iovs_len, nwritten) {
+                return Ok(errno);
+            }
             if let Some(errno) = admit_write(&mut c, fd, iovs, iovs_len) {
                 return Ok(errno);
             }
@@ -730,6 +825,9 @@ fn fd_write(
     nwritten: i32,
 ) -> wasmtime::Result<i32> {
     if !((fd == 1 || fd == 2) && !c.data().stdio_moved) {
+        if let Some(errno) = device_io(&mut c, fd, true, iovs, iovs_len, nwritten) {
+            return Ok(errno);
+        }
         if let Some(errno) = admit_write(&mut c, fd, iovs, iovs_len) {
             return Ok(errno);
         }
@@ -762,12 +860,42 @@ fn fd_write(
         };
         total = t;
     }
+    if pipe.flooded() {
+        // Far past the cap: the command is stopped, not only truncated (as in every tier).
+        h.ctl.hit = Some(LimitKind::Output);
+        return Err(wasmtime::Error::msg("output limit reached"));
+    }
     let at = nwritten as u32 as usize;
     match at.checked_add(4).and_then(|end| data.get_mut(at..end)) {
         Some(dst) => dst.copy_from_slice(&total.to_le_bytes()),
         None => return Ok(ERRNO_FAULT),
     }
     Ok(0)
+}
+
+/// For a read or write of a virtual device's descriptor: `Some(errno)`, the call answered
+/// (see `devices`); `None` when `fd` is not a device.
+fn device_io(
+    c: &mut Caller<'_, Host>,
+    fd: i32,
+    write: bool,
+    iovs: i32,
+    iovs_len: i32,
+    out: i32,
+) -> Option<i32> {
+    let device = c.data().devices.get(fd as u32)?;
+    let Some(mem) = memory(c) else {
+        return Some(ERRNO_FAULT);
+    };
+    let data = mem.data_mut(c.as_context_mut());
+    Some(crate::devices::io(
+        data,
+        device,
+        write,
+        iovs as u32,
+        iovs_len as u32,
+        out as u32,
+    ))
 }
 
 /// For a write of the iovecs at `iovs` to `fd`: `Some(errno)` when `fd` is under the

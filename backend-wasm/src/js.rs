@@ -111,6 +111,30 @@ fn show<'js>(ctx: &Ctx<'js>, v: Value<'js>) -> String {
         .unwrap_or_else(|_| "[value]".into())
 }
 
+/// How a final value is echoed on stdout: a string in single quotes (as Python's `repr`
+/// and Node's REPL show one), anything else as its JSON text; one line.
+fn echo(json: &str) -> String {
+    match serde_json::from_str::<serde_json::Value>(json) {
+        Ok(serde_json::Value::String(s)) => {
+            let mut line = String::with_capacity(s.len() + 3);
+            line.push('\'');
+            for c in s.chars() {
+                match c {
+                    '\\' => line.push_str("\\\\"),
+                    '\'' => line.push_str("\\'"),
+                    '\n' => line.push_str("\\n"),
+                    '\r' => line.push_str("\\r"),
+                    '\t' => line.push_str("\\t"),
+                    c => line.push(c),
+                }
+            }
+            line.push_str("'\n");
+            line
+        }
+        _ => format!("{json}\n"),
+    }
+}
+
 fn js_to_json<'js>(ctx: &Ctx<'js>, v: Value<'js>) -> serde_json::Value {
     if v.is_undefined() {
         return serde_json::Value::Null;
@@ -261,6 +285,15 @@ impl JsSession {
         let (mut out, mut err) = match self.io.lock() {
             Ok(mut g) => (
                 {
+                    // The final value is echoed to stdout, as Python's is (its
+                    // displayhook); one larger than the cap is dropped below instead.
+                    if let Some(v) = value.as_deref().filter(|v| v.len() as u64 <= output_cap) {
+                        let line = echo(v);
+                        g.out.push(line.as_bytes());
+                        if let Some(t) = &g.taps {
+                            t.out.push(line.as_bytes());
+                        }
+                    }
                     // The streams end with the call.
                     drop(g.taps.take());
                     std::mem::replace(&mut g.out, OutputBuffer::new(0))
