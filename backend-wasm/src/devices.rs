@@ -17,6 +17,11 @@ use std::path::Path;
 use std::sync::OnceLock;
 
 use sandbox_core::{Error, Result};
+use wasmtime::{AsContextMut, Caller, Linker};
+use wasmtime_wasi::p1::wasi_snapshot_preview1 as snapshot1;
+use wasmtime_wasi::runtime::in_tokio;
+
+use crate::host::{Host, P1};
 
 use crate::TIER;
 
@@ -214,6 +219,93 @@ pub(crate) fn io(
         }
         None => ERRNO_FAULT,
     }
+}
+
+/// Preopens the device folder at [`GUEST_DIR`], after the others (so its descriptor is the
+/// next one), unless one of `preopens` is already there (a mount at `/dev`).
+pub(crate) fn preopen(
+    b: &mut wasmtime_wasi::WasiCtxBuilder,
+    preopens: &[crate::host::Preopen],
+) -> Result<Devices> {
+    let mut devices = Devices::default();
+    if preopens
+        .iter()
+        .any(|p| p.guest.trim_end_matches('/') == GUEST_DIR)
+    {
+        return Ok(devices);
+    }
+    let dir = host_dir()?;
+    b.preopened_dir(dir, GUEST_DIR, wasmtime_wasi::FsPerms::ReadOnly)
+        .map_err(|e| Error::io_path("preopen", dir, std::io::Error::other(format!("{e:#}"))))?;
+    devices.dir_fd = Some(3 + u32::try_from(preopens.len()).unwrap_or(u32::MAX));
+    Ok(devices)
+}
+
+/// Registers the `fd_read` and `fd_pread` shadows (devices first, then wasmtime-wasi's).
+pub(crate) fn add_shadows(l: &mut Linker<Host>) -> wasmtime::Result<()> {
+    l.func_wrap(
+        P1,
+        "fd_read",
+        |mut c: Caller<'_, Host>,
+         fd: i32,
+         iovs: i32,
+         iovs_len: i32,
+         nread: i32|
+         -> wasmtime::Result<i32> {
+            if let Some(errno) = device_io(&mut c, fd, false, iovs, iovs_len, nread) {
+                return Ok(errno);
+            }
+            crate::host::call_p1(&mut c, |ctx, mem| {
+                in_tokio(snapshot1::fd_read(ctx, mem, fd, iovs, iovs_len, nread))
+            })
+        },
+    )?;
+    l.func_wrap(
+        P1,
+        "fd_pread",
+        |mut c: Caller<'_, Host>,
+         fd: i32,
+         iovs: i32,
+         iovs_len: i32,
+         offset: i64,
+         nread: i32|
+         -> wasmtime::Result<i32> {
+            if let Some(errno) = device_io(&mut c, fd, false, iovs, iovs_len, nread) {
+                return Ok(errno);
+            }
+            crate::host::call_p1(&mut c, |ctx, mem| {
+                in_tokio(snapshot1::fd_pread(
+                    ctx, mem, fd, iovs, iovs_len, offset, nread,
+                ))
+            })
+        },
+    )?;
+    Ok(())
+}
+
+/// For a read or write of a virtual device's descriptor: `Some(errno)`, the call answered
+/// (see `devices`); `None` when `fd` is not a device.
+pub(crate) fn device_io(
+    c: &mut Caller<'_, Host>,
+    fd: i32,
+    write: bool,
+    iovs: i32,
+    iovs_len: i32,
+    out: i32,
+) -> Option<i32> {
+    let device = c.data().devices.get(fd as u32)?;
+    let Some(mem) = crate::host::memory(c) else {
+        return Some(ERRNO_FAULT);
+    };
+    let data = mem.data_mut(c.as_context_mut());
+    Some(crate::devices::io(
+        data,
+        device,
+        write,
+        iovs as u32,
+        iovs_len as u32,
+        out as u32,
+    ))
 }
 
 #[cfg(test)]

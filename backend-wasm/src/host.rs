@@ -24,7 +24,7 @@ use crate::engine::{self, Flavor, TickerGuard};
 use crate::stream::{Tap, Taps};
 use crate::tools::{DoorAnswer, ToolBox};
 
-const P1: &str = "wasi_snapshot_preview1";
+pub(crate) const P1: &str = "wasi_snapshot_preview1";
 const ERRNO_FAULT: i32 = 21;
 const ERRNO_INVAL: i32 = 28;
 const ERRNO_MFILE: i32 = 33;
@@ -351,7 +351,7 @@ pub struct Host {
     /// Writes and creates under the sandbox's private folders are admitted here.
     pub(crate) disk: crate::disk::DiskQuota,
     /// Descriptors of the virtual `/dev` files.
-    devices: crate::devices::Devices,
+    pub(crate) devices: crate::devices::Devices,
     mono_base: Instant,
     flavor: Flavor,
 }
@@ -407,25 +407,8 @@ pub(crate) fn new_store(setup: StoreSetup) -> Result<Store<Host>> {
             )
         })?;
     }
-    // `/dev/null`, `/dev/zero`, `/dev/urandom`: virtual files (see `devices`), in a folder
-    // preopened after the others, unless the spec mounts something there.
-    let mut devices = crate::devices::Devices::default();
-    if !setup
-        .preopens
-        .iter()
-        .any(|p| p.guest.trim_end_matches('/') == crate::devices::GUEST_DIR)
-    {
-        let dir = crate::devices::host_dir()?;
-        b.preopened_dir(dir, crate::devices::GUEST_DIR, FsPerms::ReadOnly)
-            .map_err(|e| {
-                sandbox_core::Error::io_path(
-                    "preopen",
-                    dir,
-                    std::io::Error::other(format!("{e:#}")),
-                )
-            })?;
-        devices.dir_fd = Some(3 + u32::try_from(setup.preopens.len()).unwrap_or(u32::MAX));
-    }
+    // `/dev/null`, `/dev/zero`, `/dev/urandom`: virtual files (see `devices`).
+    let devices = crate::devices::preopen(&mut b, &setup.preopens)?;
     let open = 3
         + u32::try_from(setup.preopens.len()).unwrap_or(u32::MAX)
         + u32::from(devices.dir_fd.is_some());
@@ -677,43 +660,7 @@ fn build_linker(engine: &Engine) -> wasmtime::Result<Linker<Host>> {
         },
     )?;
     l.func_wrap(P1, "fd_write", fd_write)?;
-    l.func_wrap(
-        P1,
-        "fd_read",
-        |mut c: Caller<'_, Host>,
-         fd: i32,
-         iovs: i32,
-         iovs_len: i32,
-         nread: i32|
-         -> wasmtime::Result<i32> {
-            if let Some(errno) = device_io(&mut c, fd, false, iovs, iovs_len, nread) {
-                return Ok(errno);
-            }
-            call_p1(&mut c, |ctx, mem| {
-                in_tokio(snapshot1::fd_read(ctx, mem, fd, iovs, iovs_len, nread))
-            })
-        },
-    )?;
-    l.func_wrap(
-        P1,
-        "fd_pread",
-        |mut c: Caller<'_, Host>,
-         fd: i32,
-         iovs: i32,
-         iovs_len: i32,
-         offset: i64,
-         nread: i32|
-         -> wasmtime::Result<i32> {
-            if let Some(errno) = device_io(&mut c, fd, false, iovs, iovs_len, nread) {
-                return Ok(errno);
-            }
-            call_p1(&mut c, |ctx, mem| {
-                in_tokio(snapshot1::fd_pread(
-                    ctx, mem, fd, iovs, iovs_len, offset, nread,
-                ))
-            })
-        },
-    )?;
+    crate::devices::add_shadows(&mut l)?;
     l.func_wrap(
         P1,
         "fd_pwrite",
@@ -724,7 +671,9 @@ fn build_linker(engine: &Engine) -> wasmtime::Result<Linker<Host>> {
          offset: i64,
          nwritten: i32|
          -> wasmtime::Result<i32> {
-            if let Some(errno) = device_io(&mut c, fd, true, iovs, iovs_len, nwritten) {
+            if let Some(errno) =
+                crate::devices::device_io(&mut c, fd, true, iovs, iovs_len, nwritten)
+            {
                 return Ok(errno);
             }
             if let Some(errno) = admit_write(&mut c, fd, iovs, iovs_len) {
@@ -770,7 +719,7 @@ fn build_linker(engine: &Engine) -> wasmtime::Result<Linker<Host>> {
 
 /// Calls one of wasmtime-wasi's own preview-1 functions from a shadow, the way its linker
 /// glue does (memory export, hostcall fuel).
-fn call_p1<R>(
+pub(crate) fn call_p1<R>(
     c: &mut Caller<'_, Host>,
     f: impl FnOnce(&mut WasiP1Ctx, &mut wiggle::GuestMemory<'_>) -> wasmtime::Result<R>,
 ) -> wasmtime::Result<R> {
@@ -786,7 +735,7 @@ fn call_p1<R>(
     f(ctx, &mut gm)
 }
 
-fn memory(c: &mut Caller<'_, Host>) -> Option<Memory> {
+pub(crate) fn memory(c: &mut Caller<'_, Host>) -> Option<Memory> {
     match c.get_export("memory") {
         Some(Extern::Memory(m)) => Some(m),
         _ => None,
@@ -825,7 +774,7 @@ fn fd_write(
     nwritten: i32,
 ) -> wasmtime::Result<i32> {
     if !((fd == 1 || fd == 2) && !c.data().stdio_moved) {
-        if let Some(errno) = device_io(&mut c, fd, true, iovs, iovs_len, nwritten) {
+        if let Some(errno) = crate::devices::device_io(&mut c, fd, true, iovs, iovs_len, nwritten) {
             return Ok(errno);
         }
         if let Some(errno) = admit_write(&mut c, fd, iovs, iovs_len) {
@@ -871,31 +820,6 @@ fn fd_write(
         None => return Ok(ERRNO_FAULT),
     }
     Ok(0)
-}
-
-/// For a read or write of a virtual device's descriptor: `Some(errno)`, the call answered
-/// (see `devices`); `None` when `fd` is not a device.
-fn device_io(
-    c: &mut Caller<'_, Host>,
-    fd: i32,
-    write: bool,
-    iovs: i32,
-    iovs_len: i32,
-    out: i32,
-) -> Option<i32> {
-    let device = c.data().devices.get(fd as u32)?;
-    let Some(mem) = memory(c) else {
-        return Some(ERRNO_FAULT);
-    };
-    let data = mem.data_mut(c.as_context_mut());
-    Some(crate::devices::io(
-        data,
-        device,
-        write,
-        iovs as u32,
-        iovs_len as u32,
-        out as u32,
-    ))
 }
 
 /// For a write of the iovecs at `iovs` to `fd`: `Some(errno)` when `fd` is under the

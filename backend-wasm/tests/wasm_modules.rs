@@ -218,19 +218,30 @@ async fn limits_wall_fuel_memory_output_files() {
     assert_eq!(r.limit, Some(LimitKind::WallTime), "{r:?}");
     let nap = sleep.replace("100000000000", "1000000");
     assert!(common::run(sb.as_ref(), &nap).await.success());
-    // Output: capped while written, flagged truncated.
-    let flood = module(
+    // Output: capped while written, flagged truncated (100 writes of 64 KiB)...
+    let many = module(
         r#"(func (export "_start") (local $i i32)
         (loop $l
           (call $write (i32.const 1) (i32.const 1024) (i32.const 65536))
           (local.set $i (i32.add (local.get $i) (i32.const 1)))
-          (br_if $l (i32.lt_u (local.get $i) (i32.const 2000)))))"#,
+          (br_if $l (i32.lt_u (local.get $i) (i32.const 100)))))"#,
     );
-    let r = common::run(sb.as_ref(), &flood).await;
+    let r = common::run(sb.as_ref(), &many).await;
     assert!(
         r.truncated && r.stdout.len() == 1000 && r.success(),
         "{:?}",
         (r.truncated, r.stdout.len(), r.exit_code)
+    );
+    // ... and a flood (2000 of them, past `flood_threshold`) is stopped: the output limit.
+    let r = common::run(
+        sb.as_ref(),
+        &many.replace("(i32.const 100)", "(i32.const 2000)"),
+    )
+    .await;
+    assert_eq!(
+        (r.exit_code, r.limit, r.stdout.len()),
+        (Some(137), Some(LimitKind::Output), 1000),
+        "{r:?}"
     );
     // Memory: growth past the cap is refused.
     let grow = module(
