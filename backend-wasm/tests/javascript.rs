@@ -150,6 +150,13 @@ async fn limits() {
     )
     .await;
     assert!(r.truncated && r.stdout.len() == 100 && r.success(), "{r:?}");
+    // A flood (past `sandbox_core::flood_threshold`) is stopped: the output limit.
+    let r = common::run(sb.as_ref(), "for (;;) console.log('y'.repeat(1000))").await;
+    assert_eq!(
+        (r.exit_code, r.limit, r.stdout.len()),
+        (Some(137), Some(LimitKind::Output), 100),
+        "{r:?}"
+    );
     let r = common::run(sb.as_ref(), "function f(n) { return f(n + 1) } f(0)").await;
     assert_eq!(r.exit_code, Some(1));
     assert!(r.stderr_str().contains("stack"), "{}", r.stderr_str());
