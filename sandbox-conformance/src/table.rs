@@ -82,7 +82,7 @@ impl Table {
     }
 
     /// The markdown table, rows in case order (rows of cases no longer in the table are
-    /// dropped), between [`BEGIN`] and [`END`].
+    /// dropped), then the list of known failures, between [`BEGIN`] and [`END`].
     pub fn render(&self) -> String {
         let mut s = String::new();
         s.push_str(BEGIN);
@@ -101,6 +101,12 @@ impl Table {
                 s.push_str(&format!(" {} |", escape(self.cell(c.id, t).unwrap_or(""))));
             }
             s.push('\n');
+        }
+        s.push_str(
+            "\nKnown failures (`sandbox_conformance::KNOWN_FAILURES`), each with its fix:\n\n",
+        );
+        for k in crate::KNOWN_FAILURES {
+            s.push_str(&format!("- {} `{}`: {}\n", k.tier, k.case, escape(k.why)));
         }
         s.push_str(END);
         s
