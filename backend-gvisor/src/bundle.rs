@@ -318,10 +318,13 @@ const NS_FLAGS: [u64; 8] = [
 /// flag, and `setns`, fail with `EPERM`; everything else is gVisor's to decide. (A user
 /// namespace would give the code a root of its own to attack gVisor's kernel with.)
 ///
-/// Known gap: this runsc (2022-12-19) applies the profile to the container's init and what
-/// it starts only, not to processes started by `runsc exec` or the control socket, which is
-/// how this backend runs every command; those can still create namespaces inside gVisor.
-/// `docs/conformance.md` lists it (`isolation.no-userns`) until commands start filtered.
+/// This runsc (2022-12-19) applies the profile to the container's init and what it starts
+/// only, not to processes started by `runsc exec` or the control socket, which is how this
+/// backend runs every command. The statx shim (preloaded in every dynamically linked
+/// program of a host-tools sandbox, `shim/statx_compat.rs`) therefore installs the same
+/// filter in its constructor; a static program started directly as argv, or a rootfs
+/// without glibc's loader, is not covered (the conformance case `isolation.no-userns`
+/// checks the shell, Python and argv paths).
 pub fn seccomp() -> Result<LinuxSeccomp> {
     let deny = |names: &[&str], args: Option<Vec<oci_spec::runtime::LinuxSeccompArg>>| {
         let mut b = LinuxSyscallBuilder::default()

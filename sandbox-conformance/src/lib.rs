@@ -244,15 +244,6 @@ pub struct KnownFailure {
 /// Cases tiers are known to fail (the table's "known fail" cells). Keep it short and true.
 pub const KNOWN_FAILURES: &[KnownFailure] = &[
     KnownFailure {
-        tier: Tier::Gvisor,
-        case: "isolation.no-userns",
-        why: "runsc (2022-12-19) applies the bundle's seccomp profile (`--oci-seccomp`, no new \
-              namespaces) to the container's init only; the commands this backend starts with \
-              `runsc exec` or the control socket run unfiltered (`unshare -U` succeeds there, \
-              EPERM in the init). Fix: start commands through a filtered launcher (or the \
-              init) inside the sandbox",
-    },
-    KnownFailure {
         tier: Tier::Unisolated,
         case: "cwd.default",
         why: "host processes have no /workspace: commands start in the sandbox's host \

@@ -198,6 +198,18 @@ echo refused
             r.success() && !r.stdout_str().contains("allowed"),
             "creating a user namespace refused",
             &r,
+        )?;
+        // The same program started directly (argv), not from a shell: refused, or absent.
+        let r = run(
+            sb.as_ref(),
+            "unshare as argv",
+            ExecRequest::argv(["unshare", "-r", "true"]),
+        )
+        .await?;
+        expect(
+            r.exit_code != Some(0),
+            "`unshare -r true` as argv refused",
+            &r,
         )
     }
     .await;

@@ -175,8 +175,8 @@ static CASES: &[Case] = &[
     ),
     case!(
         "isolation.no-userns",
-        "sandboxed code cannot create user namespaces",
-        [Shell, ProcessIsolation],
+        "sandboxed code cannot create namespaces (shell, Python, argv)",
+        [Shell, Argv, ProcessIsolation],
         limits::no_userns
     ),
     case!(
