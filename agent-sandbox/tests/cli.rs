@@ -742,3 +742,34 @@ fn install_python_wasm_speaks_in_sentences() {
         assert!(line.trim_end().ends_with('.'), "not a sentence: {line}");
     }
 }
+
+/// A final expression is printed the same way in Python and JavaScript on the wasm tier
+/// (Python's displayhook; the JavaScript completion value echoed alike).
+#[test]
+fn final_values_print_alike_in_python_and_javascript() {
+    let v = json(&cli(&["probe", "--json"]));
+    let wasm_ok = v["tiers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|t| t["tier"] == "wasm" && t["available"] == true);
+    if !wasm_ok {
+        eprintln!("SKIP: the wasm tier is unavailable here");
+        return;
+    }
+    for (lang, code) in [
+        ("javascript", r#""abc".toUpperCase()"#),
+        ("python", "'abc'.upper()"),
+    ] {
+        let out = cli(&["run", "--tier", "wasm", "--lang", lang, "-c", code]);
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "'ABC'\n",
+            "{lang}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(out.status.code(), Some(0), "{lang}");
+    }
+    let out = cli(&["run", "--tier", "wasm", "--lang", "javascript", "-c", "2+2"]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "4\n");
+}

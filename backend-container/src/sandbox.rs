@@ -831,6 +831,7 @@ impl Sandbox for ContainerSandbox {
     }
 
     async fn network_events(&self) -> Result<Vec<NetworkEvent>> {
+        self.inner.life.check_not_gone()?;
         match &self.inner.egress {
             Some(e) => e.events(&self.inner.id),
             None => Ok(Vec::new()),

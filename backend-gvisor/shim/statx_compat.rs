@@ -9,6 +9,13 @@
 //! and this `statx` drops it before making the system call. (An OCI seccomp rule cannot
 //! help: this runsc returns `EPERM` whatever `errnoRet` says, and glibc falls back to
 //! `fstatat` only on `ENOSYS`.)
+//!
+//! It also carries the rule for untrusted code that the container tier applies: no new
+//! namespaces. runsc applies the bundle's OCI seccomp profile to the container's init only,
+//! not to the commands the backend starts with `runsc exec` or the control socket; this
+//! shim's constructor installs the same filter in every dynamically linked program it is
+//! loaded into (inherited by what they start). Static programs started directly are not
+//! covered.
 #![no_std]
 
 use core::arch::asm;
@@ -61,6 +68,113 @@ pub unsafe extern "C" fn statx(
     }
     r as i32
 }
+
+/// A classic BPF instruction (`struct sock_filter`).
+#[repr(C)]
+struct SockFilter {
+    code: u16,
+    jt: u8,
+    jf: u8,
+    k: u32,
+}
+
+/// `struct sock_fprog`.
+#[repr(C)]
+struct SockFprog {
+    len: u16,
+    filter: *const SockFilter,
+}
+
+const fn insn(code: u16, jt: u8, jf: u8, k: u32) -> SockFilter {
+    SockFilter { code, jt, jf, k }
+}
+
+/// `BPF_LD|BPF_W|BPF_ABS`, `BPF_JMP|BPF_JEQ|BPF_K`, `BPF_JMP|BPF_JSET|BPF_K`, `BPF_RET|BPF_K`.
+const LD: u16 = 0x20;
+const JEQ: u16 = 0x15;
+const JSET: u16 = 0x45;
+const RET: u16 = 0x06;
+const ALLOW: u32 = 0x7fff_0000;
+/// `SECCOMP_RET_ERRNO | EPERM`.
+const DENY: u32 = 0x0005_0001;
+/// Every `CLONE_NEW*` flag (user, mount, pid, net, uts, ipc, cgroup, time).
+const NS_FLAGS: u32 =
+    0x1000_0000 | 0x0002_0000 | 0x2000_0000 | 0x4000_0000 | 0x0400_0000 | 0x0800_0000
+        | 0x0200_0000 | 0x80;
+
+/// The container tier's rule for untrusted code: no new namespaces. `clone` and `unshare`
+/// with any `CLONE_NEW*` flag, and `setns`, fail with `EPERM`; everything else is allowed.
+/// (`seccomp_data`: `nr` at 0, `arch` at 4, `args[0]`'s low half at 16.)
+static FILTER: [SockFilter; 11] = [
+    insn(LD, 0, 0, 4),
+    insn(JEQ, 0, 4, 0xc000_003e), // not x86-64: allow
+    insn(LD, 0, 0, 0),
+    insn(JEQ, 3, 0, 56),  // clone: check the flags
+    insn(JEQ, 2, 0, 272), // unshare: check the flags
+    insn(JEQ, 4, 0, 308), // setns: deny
+    insn(RET, 0, 0, ALLOW),
+    insn(LD, 0, 0, 16),
+    insn(JSET, 1, 0, NS_FLAGS),
+    insn(RET, 0, 0, ALLOW),
+    insn(RET, 0, 0, DENY),
+];
+
+/// A raw system call with up to three arguments.
+///
+/// # Safety
+/// The system call's own contract for `nr` and its arguments.
+unsafe fn syscall3(nr: isize, a: isize, b: isize, c: isize) -> isize {
+    let r: isize;
+    // SAFETY: the caller's; `syscall` clobbers rcx and r11.
+    unsafe {
+        asm!(
+            "syscall",
+            inlateout("rax") nr => r,
+            in("rdi") a,
+            in("rsi") b,
+            in("rdx") c,
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack),
+        );
+    }
+    r
+}
+
+/// Runs when the shim is loaded, before the program's `main`: installs [`FILTER`] unless
+/// the process already runs under a filter (inherited from the parent that loaded the shim),
+/// so that commands started in the sandbox by `runsc exec`, which runsc's OCI seccomp profile
+/// does not reach, cannot create namespaces, nor can anything they start.
+extern "C" fn no_new_namespaces() {
+    const PR_GET_SECCOMP: isize = 21;
+    const PR_SET_NO_NEW_PRIVS: isize = 38;
+    const SYS_PRCTL: isize = 157;
+    const SYS_SECCOMP: isize = 317;
+    const SECCOMP_SET_MODE_FILTER: isize = 1;
+    let prog = SockFprog {
+        len: FILTER.len() as u16,
+        filter: FILTER.as_ptr(),
+    };
+    // SAFETY: prctl and seccomp with valid arguments; `prog` points at a static program and
+    // lives across the call. Failures leave the process as it was (best effort: the OCI
+    // profile still covers the container's init).
+    unsafe {
+        if syscall3(SYS_PRCTL, PR_GET_SECCOMP, 0, 0) == 2 {
+            return;
+        }
+        let _ = syscall3(SYS_PRCTL, PR_SET_NO_NEW_PRIVS, 1, 0);
+        let _ = syscall3(
+            SYS_SECCOMP,
+            SECCOMP_SET_MODE_FILTER,
+            0,
+            &prog as *const SockFprog as isize,
+        );
+    }
+}
+
+#[used]
+#[link_section = ".init_array"]
+static INIT: extern "C" fn() = no_new_namespaces;
 
 #[panic_handler]
 fn panic(_: &core::panic::PanicInfo) -> ! {

@@ -8,9 +8,11 @@ use std::path::{Path, PathBuf};
 
 use oci_spec::runtime::{
     Capabilities, LinuxBuilder, LinuxCapabilitiesBuilder, LinuxCpuBuilder, LinuxMemoryBuilder,
-    LinuxNamespaceBuilder, LinuxNamespaceType, LinuxPidsBuilder, LinuxResourcesBuilder, Mount,
-    MountBuilder, PosixRlimitBuilder, PosixRlimitType, Process, ProcessBuilder, RootBuilder, Spec,
-    SpecBuilder, UserBuilder,
+    LinuxNamespaceBuilder, LinuxNamespaceType, LinuxPidsBuilder, LinuxResourcesBuilder,
+    LinuxSeccomp, LinuxSeccompAction, LinuxSeccompArgBuilder, LinuxSeccompBuilder,
+    LinuxSeccompOperator, LinuxSyscall, LinuxSyscallBuilder, Mount, MountBuilder,
+    PosixRlimitBuilder, PosixRlimitType, Process, ProcessBuilder, RootBuilder, Spec, SpecBuilder,
+    UserBuilder,
 };
 use sandbox_core::{Error, Result, SandboxSpec, Tier, TmpfsCaps, Workspace};
 
@@ -299,6 +301,59 @@ pub fn process(
         .map_err(oci)
 }
 
+/// Every `CLONE_NEW*` flag: the namespaces sandboxed code may not create.
+const NS_FLAGS: [u64; 8] = [
+    0x1000_0000, // CLONE_NEWUSER
+    0x0002_0000, // CLONE_NEWNS
+    0x2000_0000, // CLONE_NEWPID
+    0x4000_0000, // CLONE_NEWNET
+    0x0400_0000, // CLONE_NEWUTS
+    0x0800_0000, // CLONE_NEWIPC
+    0x0200_0000, // CLONE_NEWCGROUP
+    0x0000_0080, // CLONE_NEWTIME
+];
+
+/// The sandbox's seccomp profile (applied by runsc's `--oci-seccomp`), the container tier's
+/// rule for untrusted code: no new namespaces. `clone` and `unshare` with any `CLONE_NEW*`
+/// flag, and `setns`, fail with `EPERM`; everything else is gVisor's to decide. (A user
+/// namespace would give the code a root of its own to attack gVisor's kernel with.)
+///
+/// This runsc (2022-12-19) applies the profile to the container's init and what it starts
+/// only, not to processes started by `runsc exec` or the control socket, which is how this
+/// backend runs every command. The statx shim (preloaded in every dynamically linked
+/// program of a host-tools sandbox, `shim/statx_compat.rs`) therefore installs the same
+/// filter in its constructor; a static program started directly as argv, or a rootfs
+/// without glibc's loader, is not covered (the conformance case `isolation.no-userns`
+/// checks the shell, Python and argv paths).
+pub fn seccomp() -> Result<LinuxSeccomp> {
+    let deny = |names: &[&str], args: Option<Vec<oci_spec::runtime::LinuxSeccompArg>>| {
+        let mut b = LinuxSyscallBuilder::default()
+            .names(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+            .action(LinuxSeccompAction::ScmpActErrno)
+            .errno_ret(libc::EPERM as u32);
+        if let Some(a) = args {
+            b = b.args(a);
+        }
+        b.build().map_err(oci)
+    };
+    let mut rules: Vec<LinuxSyscall> = vec![deny(&["setns"], None)?];
+    for flag in NS_FLAGS {
+        let arg = LinuxSeccompArgBuilder::default()
+            .index(0usize)
+            .value(flag)
+            .value_two(flag)
+            .op(LinuxSeccompOperator::ScmpCmpMaskedEq)
+            .build()
+            .map_err(oci)?;
+        rules.push(deny(&["clone", "unshare"], Some(vec![arg]))?);
+    }
+    LinuxSeccompBuilder::default()
+        .default_action(LinuxSeccompAction::ScmpActAllow)
+        .syscalls(rules)
+        .build()
+        .map_err(oci)
+}
+
 /// The whole `config.json`. `scratch`: a host directory whose `tmp/` and `shm/` become
 /// `/tmp` and `/dev/shm` (see [`tmpfs_caps`]); `None` for tmpfs mounts of the runtime's own.
 pub fn config(
@@ -400,6 +455,7 @@ pub fn config(
     let linux = LinuxBuilder::default()
         .namespaces(namespaces)
         .resources(resources)
+        .seccomp(seccomp()?)
         .cgroups_path(PathBuf::from(cgroup))
         .build()
         .map_err(oci)?;

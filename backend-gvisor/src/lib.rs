@@ -106,6 +106,13 @@
 //!   loader warning on stderr (the shim is 64-bit). An OCI seccomp rule cannot do it: this
 //!   runsc answers `EPERM` whatever `errnoRet` says, and glibc falls back to `fstatat` only
 //!   on `ENOSYS`.
+//! - The bundle's OCI seccomp profile (`--oci-seccomp`; [`bundle::seccomp`]: no new
+//!   namespaces, the container tier's rule for untrusted code) reaches the container's init
+//!   only, not the commands started by `runsc exec` or the control socket. The same shim
+//!   installs that filter in its constructor, so every dynamically linked program (and all
+//!   it starts) runs under it: `unshare -r true` fails with `EPERM` from the shell, Python
+//!   and argv (the conformance case `isolation.no-userns`). Not covered: a static program
+//!   started directly as argv, and rootfs directories that do not get the shim.
 //! - Rootless `create` and `restore` are refused by this runsc: the tier needs root
 //!   (`probe()` says so).
 //! - `checkpoint --leave-running` hangs: snapshots checkpoint, delete and restore in place.

@@ -302,7 +302,9 @@ impl Runsc {
         let net = if self.netns.is_some() { "host" } else { "none" };
         c.arg(format!("--root={}", self.root.display()))
             .arg(format!("--network={net}"))
-            .arg(format!("--platform={}", self.platform.name()));
+            .arg(format!("--platform={}", self.platform.name()))
+            // The bundle's seccomp profile (no new namespaces: `bundle::seccomp`).
+            .arg("--oci-seccomp");
         if self.overlay_root {
             c.arg("--overlay2=root:memory");
         }

@@ -326,15 +326,27 @@ async fn output_flood_is_capped() {
         .build()
         .unwrap();
     let sb = common::sandbox(&spec).await;
+    // Past the cap but short of a flood: truncated, and the command runs to its end.
     let r = sb
         .exec(ExecRequest::code(
-            "import sys\nsys.stdout.write('x' * 50_000_000)\nprint('end', file=sys.stderr)",
+            "import sys\nsys.stdout.write('x' * 5_000_000)\nprint('end', file=sys.stderr)",
         ))
         .await
         .unwrap();
     assert_eq!(r.stdout.len(), 4096);
     assert!(r.truncated);
     assert_eq!(r.stderr_str(), "end\n");
+    assert_eq!(r.limit, None);
+    // A flood (past `sandbox_core::flood_threshold`) is stopped: the output limit.
+    let r = sb
+        .exec(ExecRequest::code(
+            "import sys\nsys.stdout.write('x' * 50_000_000)\nprint('end', file=sys.stderr)",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(r.limit, Some(sandbox_core::LimitKind::Output), "{r:?}");
+    assert_eq!(r.stdout.len(), 4096);
+    assert!(r.truncated);
 }
 
 #[tokio::test]

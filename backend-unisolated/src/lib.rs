@@ -20,11 +20,11 @@ use async_trait::async_trait;
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use sandbox_core::{
-    fsnap, pump_output, Backend, Capabilities, Command, DirEntry, Error, ExecEvent, ExecRequest,
-    ExecResult, ExecStream, Language, Lifecycle, LimitKind, OutputBuffer, Phase, Redactor,
-    ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotDraft, SnapshotId, SnapshotKind,
-    SnapshotStore, StreamKind, StreamSink, Tier, TierStatus, Timeline, TimelineRecorder,
-    WorkspacePath,
+    flood_threshold, fsnap, pump_output, Backend, Capabilities, Command, DirEntry, Error,
+    ExecEvent, ExecRequest, ExecResult, ExecStream, FloodReader, Language, Lifecycle, LimitKind,
+    OutputBuffer, Phase, Redactor, ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotDraft,
+    SnapshotId, SnapshotKind, SnapshotStore, StreamKind, StreamSink, Tier, TierStatus, Timeline,
+    TimelineRecorder, Workspace, WorkspacePath,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::sync::mpsc;
@@ -79,6 +79,21 @@ impl Backend for UnisolatedBackend {
         secrets: ResolvedSecrets,
     ) -> Result<Box<dyn Sandbox>> {
         secrets.refuse_proxied(self.tier())?;
+        // Called directly (not through the facade), a backend still refuses what its
+        // capabilities do not list.
+        let caps = self.capabilities();
+        if !caps.supports_language(spec.language) {
+            return Err(Error::unsupported(
+                TIER,
+                format!("the {} language", spec.language),
+            ));
+        }
+        if !caps.supports_network(&spec.network) {
+            return Err(Error::unsupported(
+                TIER,
+                "network policies other than deny-all (there is no egress enforcer here)",
+            ));
+        }
         Ok(Box::new(UnisolatedSandbox::create(spec, secrets)?))
     }
 
@@ -97,8 +112,11 @@ impl Backend for UnisolatedBackend {
             .into());
         }
         let tar = store.artifact(id, "workspace.tar").await?;
-        let sb = UnisolatedSandbox::create(&m.spec, secrets)?;
-        fsnap::unpack_into(&tar, sb.dir.path())?;
+        // The snapshot's files come back in a workspace of the restored sandbox's own.
+        let mut spec = m.spec.clone();
+        spec.workspace = Workspace::Empty;
+        let sb = UnisolatedSandbox::create(&spec, secrets)?;
+        fsnap::unpack_into(&tar, &sb.shared.root)?;
         Ok(Box::new(sb))
     }
 }
@@ -140,6 +158,18 @@ impl UnisolatedSandbox {
                 "a rootfs directory or an image (host processes see the host's /)",
             ));
         }
+        let host_dir = match &spec.workspace {
+            Workspace::HostDir {
+                read_only: true, ..
+            } => {
+                return Err(Error::unsupported(
+                    TIER,
+                    "a read-only host workspace (host processes can write it)",
+                ))
+            }
+            Workspace::HostDir { path, .. } => Some(path.clone()),
+            _ => None,
+        };
         let mut t = TimelineRecorder::start();
         let id = uuid::Uuid::new_v4().simple().to_string();
         t.mark(Phase::Allocation);
@@ -160,7 +190,8 @@ impl UnisolatedSandbox {
         let shared = Arc::new(Shared {
             id: id.clone(),
             spec: spec.clone(),
-            root: dir.path().to_path_buf(),
+            // A host folder as the workspace is used in place (and never emptied).
+            root: host_dir.unwrap_or_else(|| dir.path().to_path_buf()),
             env,
             redactor: secrets.redactor(),
             born: Instant::now(),
@@ -279,6 +310,16 @@ impl Shared {
                 r.timeline = t.finish();
                 return Ok(r);
             }
+            // Not executable (no permission, not a program): 126, as a shell reports it.
+            Err(e)
+                if e.kind() == std::io::ErrorKind::PermissionDenied
+                    || e.raw_os_error() == Some(libc_enoexec()) =>
+            {
+                let msg = format!("{}: {e}\n", argv[0]);
+                let mut r = ExecResult::new(Some(126), vec![], msg.into_bytes());
+                r.timeline = t.finish();
+                return Ok(r);
+            }
             Err(e) => return Err(Error::io(format!("spawn {}", argv[0]), e)),
         };
         let pgid = child.id().and_then(|p| i32::try_from(p).ok());
@@ -292,20 +333,37 @@ impl Shared {
             });
         }
         let cap = self.spec.limits.output_bytes;
+        // A command writing far past the cap is stopped (as the other tiers do), not only
+        // truncated: the `output` limit.
+        let flood = Arc::new(tokio::sync::Notify::new());
+        let flood_at = flood_threshold(cap);
         let out = tokio::spawn(pump_output(
-            child.stdout.take(),
+            child
+                .stdout
+                .take()
+                .map(|r| FloodReader::new(r, flood_at, Arc::clone(&flood))),
             cap,
             self.sink(&sink, StreamKind::Stdout),
         ));
         let err = tokio::spawn(pump_output(
-            child.stderr.take(),
+            child
+                .stderr
+                .take()
+                .map(|r| FloodReader::new(r, flood_at, Arc::clone(&flood))),
             cap,
             self.sink(&sink, StreamKind::Stderr),
         ));
         let timeout = req.effective_timeout(self.spec.limits.wall_time());
-        let (status, limit) = match tokio::time::timeout(timeout, child.wait()).await {
-            Ok(s) => (s.map_err(|e| Error::io("wait for command", e))?, None),
-            Err(_) => {
+        let stopped = tokio::select! {
+            s = tokio::time::timeout(timeout, child.wait()) => match s {
+                Ok(s) => Ok(s.map_err(|e| Error::io("wait for command", e))?),
+                Err(_) => Err(LimitKind::WallTime),
+            },
+            () = flood.notified() => Err(LimitKind::Output),
+        };
+        let (status, limit) = match stopped {
+            Ok(s) => (s, None),
+            Err(kind) => {
                 if let Some(pg) = pgid {
                     let _ = killpg(Pid::from_raw(pg), Signal::SIGKILL);
                 }
@@ -314,7 +372,7 @@ impl Shared {
                         .wait()
                         .await
                         .map_err(|e| Error::io("reap command", e))?,
-                    Some(LimitKind::WallTime),
+                    Some(kind),
                 )
             }
         };
@@ -403,7 +461,7 @@ impl Sandbox for UnisolatedSandbox {
 
     async fn snapshot(&self, store: &dyn SnapshotStore) -> Result<SnapshotId> {
         self.shared.alive()?;
-        let tar = fsnap::pack_dir(self.dir.path())?;
+        let tar = fsnap::pack_dir(&self.shared.root)?;
         let draft = SnapshotDraft::new(
             TIER,
             ENGINE,
@@ -415,9 +473,15 @@ impl Sandbox for UnisolatedSandbox {
         Ok(store.put(draft).await?)
     }
 
+    async fn network_events(&self) -> Result<Vec<sandbox_core::NetworkEvent>> {
+        // Deny-all only: nothing is ever asked. Gone answers as every other call.
+        self.shared.life.check_not_gone()?;
+        Ok(Vec::new())
+    }
+
     async fn health_check(&self) -> Result<()> {
         self.shared.alive()?;
-        if self.dir.path().is_dir() {
+        if self.shared.root.is_dir() {
             Ok(())
         } else {
             Err(Error::SandboxGone {
@@ -453,4 +517,9 @@ impl Drop for UnisolatedSandbox {
         self.shared.kill_all();
         // `TempDir` removes the directory.
     }
+}
+
+/// `ENOEXEC` (not an executable format).
+fn libc_enoexec() -> i32 {
+    nix::errno::Errno::ENOEXEC as i32
 }

@@ -103,9 +103,10 @@ async fn output_flood_is_capped_and_drained() {
         .create(&spec, ResolvedSecrets::none())
         .await
         .unwrap();
+    // Past the cap but short of a flood: truncated, and the command runs to its end.
     let r = sb
         .exec(ExecRequest::code(
-            "head -c 50000000 /dev/zero | tr '\\0' x; echo done >&2",
+            "head -c 5000000 /dev/zero | tr '\\0' x; echo done >&2",
         ))
         .await
         .unwrap();
@@ -113,6 +114,18 @@ async fn output_flood_is_capped_and_drained() {
     assert!(r.truncated);
     assert_eq!(r.stderr_str(), "done\n");
     assert_eq!(r.exit_code, Some(0));
+    assert_eq!(r.limit, None);
+    // A flood (past `flood_threshold`) is stopped: the output limit, as in every tier.
+    let r = sb
+        .exec(ExecRequest::code(
+            "head -c 50000000 /dev/zero | tr '\\0' x; echo done >&2",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(r.limit, Some(sandbox_core::LimitKind::Output), "{r:?}");
+    assert_eq!(r.stdout.len(), 1000);
+    assert!(r.truncated);
+    assert_eq!(r.exit_code, Some(137));
 }
 
 #[tokio::test]

@@ -24,7 +24,7 @@ use crate::engine::{self, Flavor, TickerGuard};
 use crate::stream::{Tap, Taps};
 use crate::tools::{DoorAnswer, ToolBox};
 
-const P1: &str = "wasi_snapshot_preview1";
+pub(crate) const P1: &str = "wasi_snapshot_preview1";
 const ERRNO_FAULT: i32 = 21;
 const ERRNO_INVAL: i32 = 28;
 const ERRNO_MFILE: i32 = 33;
@@ -73,6 +73,11 @@ impl CappedPipe {
         if let Some(t) = &g.tap {
             t.push(b);
         }
+    }
+
+    /// Whether the call's output is a flood to stop (the `output` limit).
+    fn flooded(&self) -> bool {
+        self.state().buf.flooded()
     }
 
     /// Takes what was written so far and starts a fresh buffer with cap `cap`.
@@ -345,6 +350,8 @@ pub struct Host {
     stdio_moved: bool,
     /// Writes and creates under the sandbox's private folders are admitted here.
     pub(crate) disk: crate::disk::DiskQuota,
+    /// Descriptors of the virtual `/dev` files.
+    pub(crate) devices: crate::devices::Devices,
     mono_base: Instant,
     flavor: Flavor,
 }
@@ -400,7 +407,11 @@ pub(crate) fn new_store(setup: StoreSetup) -> Result<Store<Host>> {
             )
         })?;
     }
-    let open = 3 + u32::try_from(setup.preopens.len()).unwrap_or(u32::MAX);
+    // `/dev/null`, `/dev/zero`, `/dev/urandom`: virtual files (see `devices`).
+    let devices = crate::devices::preopen(&mut b, &setup.preopens)?;
+    let open = 3
+        + u32::try_from(setup.preopens.len()).unwrap_or(u32::MAX)
+        + u32::from(devices.dir_fd.is_some());
     // Preopened folders are descriptors 3, 4, ... in order.
     let mut disk = setup.disk;
     for (fd, p) in (3u32..).zip(&setup.preopens) {
@@ -418,6 +429,7 @@ pub(crate) fn new_store(setup: StoreSetup) -> Result<Store<Host>> {
         stderr,
         stdin,
         tools: setup.tools,
+        devices,
         value: None,
         open_files: open,
         max_open_files: setup.open_files.max(open),
@@ -512,7 +524,7 @@ pub(crate) fn classify(err: &wasmtime::Error, host: &Host) -> Stop {
         return Stop::Crash(format!("wasm trap: {trap}"));
     }
     if let Some(kind) = host.ctl.hit {
-        return Stop::Limit(kind, "limit reached".into());
+        return Stop::Limit(kind, format!("{kind} limit reached"));
     }
     if host.limiter.memory_denied {
         return Stop::Limit(LimitKind::Memory, "memory limit reached".into());
@@ -561,6 +573,29 @@ fn build_linker(engine: &Engine) -> wasmtime::Result<Linker<Host>> {
                 }
                 metered
             };
+            // A virtual device is opened read-only (see `devices`) and marked.
+            let (mut device, mut rights_base, mut oflags, mut fdflags) =
+                (None, rights_base, oflags, fdflags);
+            if c.data().devices.dir_fd == Some(fd as u32) {
+                let name = memory(&mut c)
+                    .and_then(|m| read_bytes(&c, m, path as u32, path_len as u32 as usize))
+                    .and_then(|b| String::from_utf8(b).ok())
+                    .unwrap_or_default();
+                match crate::devices::open_request(
+                    &c.data().devices,
+                    fd as u32,
+                    &name,
+                    rights_base,
+                    oflags,
+                    fdflags,
+                ) {
+                    Some(Ok((d, r, o, f))) => {
+                        (device, rights_base, oflags, fdflags) = (Some(d), r, o, f)
+                    }
+                    Some(Err(errno)) => return Ok(errno),
+                    None => {}
+                }
+            }
             let r = call_p1(&mut c, |ctx, mem| {
                 in_tokio(snapshot1::path_open(
                     ctx,
@@ -582,6 +617,7 @@ fn build_linker(engine: &Engine) -> wasmtime::Result<Linker<Host>> {
                 h.open_files += 1;
                 if let Some(new_fd) = opened {
                     h.disk.track(new_fd, metered);
+                    h.devices.track(new_fd, device);
                 }
             }
             Ok(r)
@@ -599,6 +635,7 @@ fn build_linker(engine: &Engine) -> wasmtime::Result<Linker<Host>> {
                 h.open_files = h.open_files.saturating_sub(1);
                 h.stdio_moved |= fd == 1 || fd == 2;
                 h.disk.track(fd as u32, false);
+                h.devices.track(fd as u32, None);
             }
             Ok(r)
         },
@@ -617,11 +654,13 @@ fn build_linker(engine: &Engine) -> wasmtime::Result<Linker<Host>> {
                 let metered = h.disk.metered(from as u32);
                 h.disk.track(to as u32, metered);
                 h.disk.track(from as u32, false);
+                h.devices.renumber(from as u32, to as u32);
             }
             Ok(r)
         },
     )?;
     l.func_wrap(P1, "fd_write", fd_write)?;
+    crate::devices::add_shadows(&mut l)?;
     l.func_wrap(
         P1,
         "fd_pwrite",
@@ -632,6 +671,11 @@ fn build_linker(engine: &Engine) -> wasmtime::Result<Linker<Host>> {
          offset: i64,
          nwritten: i32|
          -> wasmtime::Result<i32> {
+            if let Some(errno) =
+                crate::devices::device_io(&mut c, fd, true, iovs, iovs_len, nwritten)
+            {
+                return Ok(errno);
+            }
             if let Some(errno) = admit_write(&mut c, fd, iovs, iovs_len) {
                 return Ok(errno);
             }
@@ -675,7 +719,7 @@ fn build_linker(engine: &Engine) -> wasmtime::Result<Linker<Host>> {
 
 /// Calls one of wasmtime-wasi's own preview-1 functions from a shadow, the way its linker
 /// glue does (memory export, hostcall fuel).
-fn call_p1<R>(
+pub(crate) fn call_p1<R>(
     c: &mut Caller<'_, Host>,
     f: impl FnOnce(&mut WasiP1Ctx, &mut wiggle::GuestMemory<'_>) -> wasmtime::Result<R>,
 ) -> wasmtime::Result<R> {
@@ -691,7 +735,7 @@ fn call_p1<R>(
     f(ctx, &mut gm)
 }
 
-fn memory(c: &mut Caller<'_, Host>) -> Option<Memory> {
+pub(crate) fn memory(c: &mut Caller<'_, Host>) -> Option<Memory> {
     match c.get_export("memory") {
         Some(Extern::Memory(m)) => Some(m),
         _ => None,
@@ -730,6 +774,9 @@ fn fd_write(
     nwritten: i32,
 ) -> wasmtime::Result<i32> {
     if !((fd == 1 || fd == 2) && !c.data().stdio_moved) {
+        if let Some(errno) = crate::devices::device_io(&mut c, fd, true, iovs, iovs_len, nwritten) {
+            return Ok(errno);
+        }
         if let Some(errno) = admit_write(&mut c, fd, iovs, iovs_len) {
             return Ok(errno);
         }
@@ -761,6 +808,11 @@ fn fd_write(
             return Ok(ERRNO_INVAL);
         };
         total = t;
+    }
+    if pipe.flooded() {
+        // Far past the cap: the command is stopped, not only truncated (as in every tier).
+        h.ctl.hit = Some(LimitKind::Output);
+        return Err(wasmtime::Error::msg("output limit reached"));
     }
     let at = nwritten as u32 as usize;
     match at.checked_add(4).and_then(|end| data.get_mut(at..end)) {

@@ -25,13 +25,16 @@ struct Ctl {
     deadline_ns: AtomicU64,
     /// Thread-CPU deadline in nanoseconds; `u64::MAX` when none.
     cpu_deadline_ns: AtomicU64,
-    /// 0: none, 1: wall, 2: cpu.
+    /// 0: none, 1: wall, 2: cpu, 3: output (a flood, flagged by `console`).
     hit: AtomicU32,
     calls: AtomicU32,
 }
 
 impl Ctl {
     fn interrupt(&self) -> bool {
+        if self.hit.load(Ordering::Relaxed) == 3 {
+            return true;
+        }
         let now = u64::try_from(self.base.elapsed().as_nanos()).unwrap_or(u64::MAX);
         if now >= self.deadline_ns.load(Ordering::Relaxed) {
             self.hit.store(1, Ordering::Relaxed);
@@ -109,6 +112,30 @@ fn show<'js>(ctx: &Ctx<'js>, v: Value<'js>) -> String {
         .get::<_, Function>("String")
         .and_then(|f| f.call::<_, String>((v,)))
         .unwrap_or_else(|_| "[value]".into())
+}
+
+/// How a final value is echoed on stdout: a string in single quotes (as Python's `repr`
+/// and Node's REPL show one), anything else as its JSON text; one line.
+fn echo(json: &str) -> String {
+    match serde_json::from_str::<serde_json::Value>(json) {
+        Ok(serde_json::Value::String(s)) => {
+            let mut line = String::with_capacity(s.len() + 3);
+            line.push('\'');
+            for c in s.chars() {
+                match c {
+                    '\\' => line.push_str("\\\\"),
+                    '\'' => line.push_str("\\'"),
+                    '\n' => line.push_str("\\n"),
+                    '\r' => line.push_str("\\r"),
+                    '\t' => line.push_str("\\t"),
+                    c => line.push(c),
+                }
+            }
+            line.push_str("'\n");
+            line
+        }
+        _ => format!("{json}\n"),
+    }
 }
 
 fn js_to_json<'js>(ctx: &Ctx<'js>, v: Value<'js>) -> serde_json::Value {
@@ -195,7 +222,7 @@ impl JsSession {
             err: OutputBuffer::new(output_cap),
             taps: None,
         }));
-        ctx.with(|ctx| install_globals(&ctx, &io, tools))
+        ctx.with(|ctx| install_globals(&ctx, &io, &ctl, tools))
             .map_err(js_err)?;
         Ok(JsSession { rt, ctx, io, ctl })
     }
@@ -261,6 +288,15 @@ impl JsSession {
         let (mut out, mut err) = match self.io.lock() {
             Ok(mut g) => (
                 {
+                    // The final value is echoed to stdout, as Python's is (its
+                    // displayhook); one larger than the cap is dropped below instead.
+                    if let Some(v) = value.as_deref().filter(|v| v.len() as u64 <= output_cap) {
+                        let line = echo(v);
+                        g.out.push(line.as_bytes());
+                        if let Some(t) = &g.taps {
+                            t.out.push(line.as_bytes());
+                        }
+                    }
                     // The streams end with the call.
                     drop(g.taps.take());
                     std::mem::replace(&mut g.out, OutputBuffer::new(0))
@@ -276,17 +312,17 @@ impl JsSession {
             let hit = self.ctl.hit.load(Ordering::Relaxed);
             let usage = self.rt.memory_usage();
             let near_cap = kind == Uncaught::OutOfMemory;
-            if hit == 1 || hit == 2 {
-                limit = Some(if hit == 1 {
-                    LimitKind::WallTime
-                } else {
-                    LimitKind::CpuTime
-                });
+            if (1..=3).contains(&hit) {
+                let (kind, what) = match hit {
+                    1 => (LimitKind::WallTime, "wall time"),
+                    2 => (LimitKind::CpuTime, "CPU time"),
+                    _ => (LimitKind::Output, "output (a flood)"),
+                };
+                limit = Some(kind);
                 exit_code = None;
                 reset = true;
                 note = Some(format!(
-                    "{} limit reached; the JavaScript context was reset (its globals are lost)",
-                    if hit == 1 { "wall time" } else { "CPU time" }
+                    "{what} limit reached; the JavaScript context was reset (its globals are lost)"
                 ));
             } else if near_cap {
                 limit = Some(LimitKind::Memory);
@@ -323,6 +359,7 @@ impl JsSession {
 fn install_globals<'js>(
     ctx: &Ctx<'js>,
     io: &Arc<Mutex<Io>>,
+    ctl: &Arc<Ctl>,
     tools: Option<Arc<ToolBox>>,
 ) -> rquickjs::Result<()> {
     let console = Object::new(ctx.clone())?;
@@ -334,6 +371,7 @@ fn install_globals<'js>(
         ("error", true),
     ] {
         let io = Arc::clone(io);
+        let ctl = Arc::clone(ctl);
         let f = Function::new(ctx.clone(), move |ctx: Ctx<'js>, args: Rest<Value<'js>>| {
             let mut line = args
                 .0
@@ -352,6 +390,11 @@ fn install_globals<'js>(
                 b.push(line.as_bytes());
                 if let Some(t) = tap {
                     t.push(line.as_bytes());
+                }
+                if b.flooded() {
+                    // Far past the cap: the interrupt handler stops the script (the output
+                    // limit), as every tier stops a flood.
+                    ctl.hit.store(3, Ordering::Relaxed);
                 }
             }
         })?;

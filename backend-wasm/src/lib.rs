@@ -129,6 +129,7 @@
 
 #![forbid(unsafe_op_in_unsafe_fn)]
 
+mod devices;
 mod disk;
 mod engine;
 mod host;

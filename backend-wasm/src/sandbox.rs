@@ -417,6 +417,12 @@ impl Inner {
                 String::from_utf8_lossy(&self.redactor.redact(v.as_bytes())).into_owned()
             }
         });
+        // A call the host stopped for a limit ends as a killed process does in every tier:
+        // 137 (128 + SIGKILL), not without an exit code.
+        let exit_code = match (exit_code, limit) {
+            (None, Some(_)) => Some(137),
+            (code, _) => code,
+        };
         let mut r = ExecResult::new(exit_code, out.finish(&self.redactor), stderr);
         r.limit = limit;
         r.truncated = truncated;
@@ -434,18 +440,26 @@ impl Inner {
     ) -> Result<ExecResult> {
         let cap = self.spec.limits.output_bytes;
         let program = &argv[0];
-        if !program.ends_with(".wasm") {
-            return Err(Error::unsupported(
-                TIER,
-                format!("running `{program}`: argv[0] must name a .wasm module in the workspace"),
-            ));
-        }
-        let path = self.host_path(program)?;
-        let bytes = match tokio::fs::read(&path).await {
+        // Only `.wasm` modules of the workspace run here: any other program is not found
+        // (exit 127, as in every tier), whatever its name.
+        let found = if program.ends_with(".wasm") {
+            match tokio::fs::read(self.host_path(program)?).await {
+                Ok(b) => Ok(b),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                    Err(format!("{program}: no such module in the workspace\n"))
+                }
+                Err(e) => return Err(Error::io_path("read", self.host_path(program)?, e)),
+            }
+        } else {
+            Err(format!(
+                "{program}: command not found (the wasm tier runs only .wasm modules of the \
+                 workspace)\n"
+            ))
+        };
+        let bytes = match found {
             Ok(b) => b,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            Err(msg) => {
                 let mut err = OutputBuffer::new(cap);
-                let msg = format!("{program}: no such module in the workspace\n");
                 err.push(msg.as_bytes());
                 if let Some(t) = &taps {
                     t.err.push(msg.as_bytes());
@@ -463,7 +477,6 @@ impl Inner {
                     taps,
                 ));
             }
-            Err(e) => return Err(Error::io_path("read", &path, e)),
         };
         t.mark(Phase::Filesystem);
         self.run_module(bytes, argv, req, t, taps).await
@@ -881,6 +894,12 @@ impl Sandbox for WasmSandbox {
 
     async fn health_check(&self) -> Result<()> {
         self.inner.health_check().await
+    }
+
+    async fn network_events(&self) -> Result<Vec<sandbox_core::NetworkEvent>> {
+        // Deny-all only: nothing is ever asked. Gone answers as every other call.
+        self.inner.life.check_not_gone()?;
+        Ok(Vec::new())
     }
 
     async fn destroy(&self) -> Result<()> {

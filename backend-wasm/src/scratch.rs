@@ -16,7 +16,7 @@ use sandbox_core::{Error, Result};
 const MAX_SPARE: usize = 64;
 
 /// Folder names: `agent-sandbox-wasm-<pid of the owner>-<random>`.
-const PREFIX: &str = "agent-sandbox-wasm-";
+pub(crate) const PREFIX: &str = "agent-sandbox-wasm-";
 
 static SWEEP: OnceLock<()> = OnceLock::new();
 

@@ -15,6 +15,13 @@ async fn console_value_and_session() {
     let r = common::run(sb.as_ref(), r#""abc".toUpperCase()"#).await;
     assert_eq!(r.value.as_deref(), Some(r#""ABC""#), "{r:?}");
     assert!(r.success());
+    // The final value is echoed on stdout, as Python's is: a string quoted as Python's
+    // `repr` shows one, anything else as JSON.
+    assert_eq!(r.stdout_str(), "'ABC'\n");
+    let r = common::run(sb.as_ref(), r#"["it's", 2]; 'a\'b\n'"#).await;
+    assert_eq!(r.stdout_str(), "'a\\'b\\n'\n", "{r:?}");
+    let r = common::run(sb.as_ref(), "({a: [1, 2]})").await;
+    assert_eq!(r.stdout_str(), "{\"a\":[1,2]}\n");
     let r = common::run(
         sb.as_ref(),
         "console.log('hi', 1, {a: [1, 2]}, null, undefined); console.error('oops'); var x = 41;",
@@ -119,7 +126,7 @@ async fn limits() {
     let r = common::run(sb.as_ref(), "var keep = 1; while (true) {}").await;
     assert_eq!(
         (r.exit_code, r.limit),
-        (None, Some(LimitKind::WallTime)),
+        (Some(137), Some(LimitKind::WallTime)),
         "{r:?}"
     );
     assert!(r.stderr_str().contains("reset"));
@@ -143,6 +150,13 @@ async fn limits() {
     )
     .await;
     assert!(r.truncated && r.stdout.len() == 100 && r.success(), "{r:?}");
+    // A flood (past `sandbox_core::flood_threshold`) is stopped: the output limit.
+    let r = common::run(sb.as_ref(), "for (;;) console.log('y'.repeat(1000))").await;
+    assert_eq!(
+        (r.exit_code, r.limit, r.stdout.len()),
+        (Some(137), Some(LimitKind::Output), 100),
+        "{r:?}"
+    );
     let r = common::run(sb.as_ref(), "function f(n) { return f(n + 1) } f(0)").await;
     assert_eq!(r.exit_code, Some(1));
     assert!(r.stderr_str().contains("stack"), "{}", r.stderr_str());

@@ -258,7 +258,7 @@ async fn limits_wall_memory_output() {
     let r = common::run(sb.as_ref(), "while True: pass").await;
     assert_eq!(
         (r.exit_code, r.limit),
-        (None, Some(LimitKind::WallTime)),
+        (Some(137), Some(LimitKind::WallTime)),
         "{r:?}"
     );
     assert!(r.stderr_str().contains("reset"));

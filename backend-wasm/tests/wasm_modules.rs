@@ -68,11 +68,12 @@ async fn hello_from_code_and_from_workspace_file() {
         .await
         .unwrap();
     assert!(r.success());
-    // A missing module is exit 127, a non-wasm program is unsupported.
+    // A missing module is exit 127, and so is any other program (as in every tier).
     let r = sb.exec(ExecRequest::argv(["nope.wasm"])).await.unwrap();
     assert_eq!(r.exit_code, Some(127));
-    let e = sb.exec(ExecRequest::argv(["ls", "-l"])).await.unwrap_err();
-    assert!(matches!(e, sandbox_core::Error::Unsupported { .. }), "{e}");
+    let r = sb.exec(ExecRequest::argv(["ls", "-l"])).await.unwrap();
+    assert_eq!(r.exit_code, Some(127), "{r:?}");
+    assert!(r.stderr_str().contains("command not found"), "{r:?}");
     // Any sandbox can run modules, e.g. a JavaScript one.
     let jsb = wasm_sandbox(&b, SandboxSpec::new(Language::Javascript)).await;
     jsb.write_file("hello.wasm", &common::wasm(&hello()))
@@ -200,7 +201,8 @@ async fn limits_wall_fuel_memory_output_files() {
     let spin = module(r#"(func (export "_start") (loop $l (br $l)))"#);
     let r = common::run(sb.as_ref(), &spin).await;
     assert_eq!(r.limit, Some(LimitKind::WallTime), "{r:?}");
-    assert_eq!(r.exit_code, None);
+    // Stopped by the host: 137, as a killed process in every tier.
+    assert_eq!(r.exit_code, Some(137));
     // A long sleep is cut at the deadline too (poll_oneoff is the host's).
     let sleep = module(
         r#"(func (export "_start")
@@ -216,19 +218,30 @@ async fn limits_wall_fuel_memory_output_files() {
     assert_eq!(r.limit, Some(LimitKind::WallTime), "{r:?}");
     let nap = sleep.replace("100000000000", "1000000");
     assert!(common::run(sb.as_ref(), &nap).await.success());
-    // Output: capped while written, flagged truncated.
-    let flood = module(
+    // Output: capped while written, flagged truncated (100 writes of 64 KiB)...
+    let many = module(
         r#"(func (export "_start") (local $i i32)
         (loop $l
           (call $write (i32.const 1) (i32.const 1024) (i32.const 65536))
           (local.set $i (i32.add (local.get $i) (i32.const 1)))
-          (br_if $l (i32.lt_u (local.get $i) (i32.const 2000)))))"#,
+          (br_if $l (i32.lt_u (local.get $i) (i32.const 100)))))"#,
     );
-    let r = common::run(sb.as_ref(), &flood).await;
+    let r = common::run(sb.as_ref(), &many).await;
     assert!(
         r.truncated && r.stdout.len() == 1000 && r.success(),
         "{:?}",
         (r.truncated, r.stdout.len(), r.exit_code)
+    );
+    // ... and a flood (2000 of them, past `flood_threshold`) is stopped: the output limit.
+    let r = common::run(
+        sb.as_ref(),
+        &many.replace("(i32.const 100)", "(i32.const 2000)"),
+    )
+    .await;
+    assert_eq!(
+        (r.exit_code, r.limit, r.stdout.len()),
+        (Some(137), Some(LimitKind::Output), 1000),
+        "{r:?}"
     );
     // Memory: growth past the cap is refused.
     let grow = module(

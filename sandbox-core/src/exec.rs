@@ -393,6 +393,53 @@ impl ExecStream {
     }
 }
 
+/// Where a command's output becomes a flood that is stopped (the [`LimitKind::Output`]
+/// stop reason) rather than only truncated: 4 times the cap, and at least 8 MiB past it.
+pub fn flood_threshold(cap: u64) -> u64 {
+    cap.saturating_mul(4).max(cap.saturating_add(8 << 20))
+}
+
+/// A reader that counts the bytes passing through it and wakes `flood` once when they pass
+/// `at` (see [`flood_threshold`]); backends wrap a command's output pipes in it and stop the
+/// command when woken. Several readers may share one `Notify`.
+#[derive(Debug)]
+pub struct FloodReader<R> {
+    inner: R,
+    seen: u64,
+    at: u64,
+    flood: std::sync::Arc<tokio::sync::Notify>,
+}
+
+impl<R> FloodReader<R> {
+    /// Wraps `inner`; `flood` is notified (a permit kept if nobody waits yet) past `at` bytes.
+    pub fn new(inner: R, at: u64, flood: std::sync::Arc<tokio::sync::Notify>) -> Self {
+        FloodReader {
+            inner,
+            seen: 0,
+            at,
+            flood,
+        }
+    }
+}
+
+impl<R: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for FloodReader<R> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let r = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
+        let n = u64::try_from(buf.filled().len().saturating_sub(before)).unwrap_or(u64::MAX);
+        let was = self.seen;
+        self.seen = was.saturating_add(n);
+        if was <= self.at && self.seen > self.at {
+            self.flood.notify_one();
+        }
+        r
+    }
+}
+
 /// A capped output buffer that redacts secrets. Backends push raw bytes; the first `cap`
 /// bytes are kept, the rest counted and dropped.
 #[derive(Debug)]
@@ -425,6 +472,16 @@ impl OutputBuffer {
     /// Whether anything was dropped.
     pub fn truncated(&self) -> bool {
         self.dropped > 0
+    }
+
+    /// Every byte pushed so far, kept or dropped.
+    pub fn seen(&self) -> u64 {
+        (self.data.len() as u64).saturating_add(self.dropped)
+    }
+
+    /// Whether what was pushed is a flood to stop (past [`flood_threshold`] of the cap).
+    pub fn flooded(&self) -> bool {
+        self.seen() > flood_threshold(self.cap as u64)
     }
 
     /// The kept bytes as captured, **not redacted**: for a backend to inspect (e.g. an
@@ -530,6 +587,26 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_flood_reader_wakes_once_past_its_threshold() {
+        use tokio::io::AsyncReadExt;
+        assert_eq!(flood_threshold(1000), 1000 + (8 << 20));
+        assert_eq!(flood_threshold(64 << 20), 256 << 20);
+        let flood = std::sync::Arc::new(tokio::sync::Notify::new());
+        let data = [b'y'; 100];
+        let mut r = FloodReader::new(&data[..], 60, std::sync::Arc::clone(&flood));
+        let mut buf = [0u8; 50];
+        assert_eq!(r.read(&mut buf).await.unwrap(), 50);
+        // 50 bytes: not a flood yet (no permit stored).
+        let early = tokio::time::timeout(Duration::ZERO, flood.notified()).await;
+        assert!(early.is_err());
+        let mut rest = Vec::new();
+        r.read_to_end(&mut rest).await.unwrap();
+        assert_eq!(rest.len(), 50);
+        // Past 60: the permit waits for whoever asks.
+        flood.notified().await;
+    }
 
     #[test]
     fn output_buffer_caps_and_redacts() {

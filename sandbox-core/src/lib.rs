@@ -32,8 +32,8 @@ pub use capabilities::{Capabilities, NetworkMode, SnapshotKind};
 pub use egress::{EgressEnforcer, EgressPlan, NetworkEvent, SecretPlan};
 pub use error::{Error, Result};
 pub use exec::{
-    pump_output, Command, ExecEvent, ExecRequest, ExecResult, ExecStream, LimitKind, OutputBuffer,
-    StreamKind, StreamSink,
+    flood_threshold, pump_output, Command, ExecEvent, ExecRequest, ExecResult, ExecStream,
+    FloodReader, LimitKind, OutputBuffer, StreamKind, StreamSink,
 };
 pub use image::ImageRef;
 pub use lifecycle::{Lifecycle, State as LifecycleState, Transition};

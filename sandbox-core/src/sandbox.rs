@@ -147,6 +147,10 @@ pub trait Sandbox: Send + Sync {
 
     /// The egress decisions about this sandbox's traffic so far, oldest first (bounded).
     /// Empty for a `DenyAll` sandbox: its packets have no route, nothing is asked.
+    ///
+    /// # Errors
+    /// [`Error::SandboxGone`] once the sandbox ended, as every call (read them before
+    /// `destroy`). Backends override this default, which cannot see their lifecycle.
     async fn network_events(&self) -> Result<Vec<NetworkEvent>> {
         Ok(Vec::new())
     }

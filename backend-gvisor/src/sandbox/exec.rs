@@ -124,16 +124,23 @@ impl Inner {
         };
         t.mark(Phase::Allocation);
         let stdin = child.stdin.take();
-        let (out, err) = self.start_io(
+        let (out, err, flood) = self.start_io(
             req.stdin.clone().zip(stdin),
             child.stdout.take(),
             child.stderr.take(),
             &sink,
         );
         let timeout = req.effective_timeout(self.spec.limits.wall_time());
-        let (status, limit) = match tokio::time::timeout(timeout, child.wait()).await {
-            Ok(s) => (s.map_err(|e| Error::io("wait for runsc exec", e))?, None),
-            Err(_) => {
+        let stopped = tokio::select! {
+            s = tokio::time::timeout(timeout, child.wait()) => match s {
+                Ok(s) => Ok(s.map_err(|e| Error::io("wait for runsc exec", e))?),
+                Err(_) => Err(LimitKind::WallTime),
+            },
+            () = flood.notified() => Err(LimitKind::Output),
+        };
+        let (status, limit) = match stopped {
+            Ok(s) => (s, None),
+            Err(kind) => {
                 if let Some(pid) = std::fs::read_to_string(&pidfile)
                     .ok()
                     .and_then(|s| s.trim().parse::<i32>().ok())
@@ -150,7 +157,7 @@ impl Inner {
                             .map_err(|e| Error::io("reap runsc exec", e))?
                     }
                 };
-                (s, Some(LimitKind::WallTime))
+                (s, Some(kind))
             }
         };
         let _ = std::fs::remove_file(&pfile);
@@ -218,7 +225,9 @@ impl Inner {
     }
 
     /// Feeds the command's stdin (if given) and pumps its output (capped, streamed to `sink`
-    /// when there is one), each on a task of its own.
+    /// when there is one), each on a task of its own. The `Notify` wakes once the output
+    /// passes [`sandbox_core::flood_threshold`]: the caller stops the command (the `output`
+    /// limit).
     #[allow(clippy::type_complexity)]
     pub(super) fn start_io<W, O, E>(
         &self,
@@ -229,6 +238,7 @@ impl Inner {
     ) -> (
         tokio::task::JoinHandle<sandbox_core::OutputBuffer>,
         tokio::task::JoinHandle<sandbox_core::OutputBuffer>,
+        Arc<tokio::sync::Notify>,
     )
     where
         W: tokio::io::AsyncWrite + Unpin + Send + 'static,
@@ -245,9 +255,16 @@ impl Inner {
             sink.as_ref()
                 .map(|tx| StreamSink::new(tx.clone(), &self.redactor, k))
         };
+        let flood = Arc::new(tokio::sync::Notify::new());
+        let at = sandbox_core::flood_threshold(cap);
+        let watch = |r| sandbox_core::FloodReader::new(r, at, Arc::clone(&flood));
+        let out = out.map(watch);
+        let watch = |r| sandbox_core::FloodReader::new(r, at, Arc::clone(&flood));
+        let err = err.map(watch);
         (
             tokio::spawn(pump_output(out, cap, mk(StreamKind::Stdout))),
             tokio::spawn(pump_output(err, cap, mk(StreamKind::Stderr))),
+            flood,
         )
     }
 
@@ -361,7 +378,7 @@ impl Inner {
             );
             tokio::net::unix::pipe::Sender::from_owned_fd(w).ok()
         });
-        let (out, err) = self.start_io(
+        let (out, err, flood) = self.start_io(
             req.stdin.clone().zip(stdin),
             reader(out_r),
             reader(err_r),
@@ -371,12 +388,16 @@ impl Inner {
         let mut wait =
             tokio::spawn(async move { crate::urpc::wait_pid(&id, ns.as_deref(), pid).await });
         let timeout = req.effective_timeout(self.spec.limits.wall_time());
-        let (status, limit) = match tokio::time::timeout(timeout, &mut wait).await {
+        let stopped = tokio::select! {
+            s = tokio::time::timeout(timeout, &mut wait) => s.map_err(|_| LimitKind::WallTime),
+            () = flood.notified() => Err(LimitKind::Output),
+        };
+        let (status, limit) = match stopped {
             Ok(s) => (s, None),
-            Err(_) => {
+            Err(kind) => {
                 self.kill_exec(pid).await;
                 match tokio::time::timeout(Duration::from_secs(10), &mut wait).await {
-                    Ok(s) => (s, Some(LimitKind::WallTime)),
+                    Ok(s) => (s, Some(kind)),
                     Err(_) => {
                         wait.abort();
                         return Err(Error::backend(

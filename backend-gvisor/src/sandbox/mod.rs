@@ -136,6 +136,14 @@ impl GvisorSandbox {
                 "WebAssembly modules (use the wasm tier)",
             ));
         }
+        // Called directly (not through the facade), the backend still refuses a language
+        // its capabilities do not list (JavaScript snippets: the wasm tier's QuickJS).
+        if !sandbox_core::Backend::capabilities(backend).supports_language(spec.language) {
+            return Err(Error::unsupported(
+                TIER,
+                format!("the {} language", spec.language),
+            ));
+        }
         let mut t = TimelineRecorder::start();
         // The image (found in the cache, or pulled): its layers are the root's lower layers.
         let image = match &spec.image {
@@ -937,6 +945,7 @@ impl Sandbox for GvisorSandbox {
     }
 
     async fn network_events(&self) -> Result<Vec<NetworkEvent>> {
+        self.inner.life.check_not_gone()?;
         match &self.inner.egress {
             Some((e, _)) => e.events(&self.inner.id),
             None => Ok(Vec::new()),

@@ -392,6 +392,12 @@ impl Sandbox for MicrovmSandbox {
             .await
     }
 
+    async fn network_events(&self) -> Result<Vec<sandbox_core::NetworkEvent>> {
+        // Deny-all only: nothing is ever asked. Gone answers as every other call.
+        self.inner.life.check_not_gone()?;
+        Ok(Vec::new())
+    }
+
     async fn destroy(&self) -> Result<()> {
         // Ask the guest to power off, briefly; then kill the VM whatever it did. Dropping the
         // live parts joins the VM's threads and the agent client's reader.

@@ -1,0 +1,324 @@
+//! Lifecycle and the truth of `capabilities()`: what a tier claims works, what it does not
+//! claim is `Unsupported`.
+
+use sandbox_core::{
+    Error, ExecEvent, ExecRequest, Language, NetworkMode, NetworkPolicy, ObjectSnapshotStore,
+    Sandbox, SandboxSpec,
+};
+
+use super::{expect, run};
+use crate::{variant, Checked, Ctx, Need};
+
+/// A WASI command that prints `hello`.
+pub(crate) const HELLO_WAT: &str = r#"(module
+  (import "wasi_snapshot_preview1" "fd_write" (func $w (param i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 16) "hello\n")
+  (func (export "_start")
+    (i32.store (i32.const 0) (i32.const 16))
+    (i32.store (i32.const 4) (i32.const 6))
+    (drop (call $w (i32.const 1) (i32.const 0) (i32.const 1) (i32.const 8)))))"#;
+
+/// Hello world in each language, as a code string.
+fn hello(lang: Language) -> Option<&'static str> {
+    Some(match lang {
+        Language::Python => "print('hello')",
+        Language::Javascript | Language::Node => "console.log('hello')",
+        Language::Shell => "echo hello",
+        Language::C => "#include <stdio.h>\nint main(void) { puts(\"hello\"); return 0; }\n",
+        Language::Wasm => HELLO_WAT,
+        _ => return None,
+    })
+}
+
+fn unsupported<T>(what: &str, r: Result<T, Error>) -> Checked {
+    match r {
+        Err(Error::Unsupported { .. }) => Ok(()),
+        Err(e) => Err(format!("{what}: {} ({e}), not Unsupported", variant(&e))),
+        Ok(_) => Err(format!("{what} succeeded though not claimed")),
+    }
+}
+
+fn gone<T>(what: &str, r: Result<T, Error>) -> Checked {
+    match r {
+        Err(Error::SandboxGone { .. }) => Ok(()),
+        Err(e) => Err(format!(
+            "{what} after destroy: {} ({e}), not SandboxGone",
+            variant(&e)
+        )),
+        Ok(_) => Err(format!("{what} after destroy succeeded")),
+    }
+}
+
+pub(super) async fn destroy_twice(cx: &Ctx<'_>) -> Checked {
+    let sb = cx.create(cx.spec()).await?;
+    sb.write_file("x", b"x").await.map_err(|e| e.to_string())?;
+    sb.destroy()
+        .await
+        .map_err(|e| format!("first destroy: {e}"))?;
+    sb.destroy()
+        .await
+        .map_err(|e| format!("second destroy: {e}"))?;
+    sb.destroy()
+        .await
+        .map_err(|e| format!("third destroy: {e}"))
+}
+
+pub(super) async fn gone_after_destroy(cx: &Ctx<'_>) -> Checked {
+    let sb = cx.create(cx.spec()).await?;
+    sb.destroy().await.map_err(|e| format!("destroy: {e}"))?;
+    let code = cx.code("echo hi", "print('hi')");
+    gone("exec", sb.exec(ExecRequest::code(&code)).await)?;
+    gone("exec argv", sb.exec(ExecRequest::argv(["true"])).await)?;
+    if cx.caps.streaming {
+        match sb.exec_stream(ExecRequest::code(&code)).await {
+            Ok(mut s) => gone(
+                "exec_stream's first event",
+                s.next()
+                    .await
+                    .unwrap_or(Ok(ExecEvent::Stdout(Default::default()))),
+            )?,
+            Err(e) => gone("exec_stream", Err::<(), _>(e))?,
+        }
+    }
+    gone("write_file", sb.write_file("x", b"x").await)?;
+    gone("read_file", sb.read_file("x").await)?;
+    gone("list", sb.list("").await)?;
+    gone("health_check", sb.health_check().await)?;
+    gone("network_events", sb.network_events().await)?;
+    if !cx.caps.snapshots.is_empty() {
+        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let store = ObjectSnapshotStore::local(dir.path()).map_err(|e| e.to_string())?;
+        gone("snapshot", sb.snapshot(&store).await)?;
+    }
+    if cx.caps.pause_resume {
+        gone("pause", sb.pause().await)?;
+        gone("resume", sb.resume().await)?;
+    }
+    sb.destroy()
+        .await
+        .map_err(|e| format!("destroy again: {e}"))
+}
+
+pub(super) async fn languages(cx: &Ctx<'_>) -> Checked {
+    for lang in Language::ALL {
+        let Some(code) = hello(lang) else { continue };
+        let spec = SandboxSpec::builder(lang)
+            .build()
+            .map_err(|e| e.to_string())?;
+        if !cx.caps.supports_language(lang) {
+            match cx
+                .backend
+                .create(&spec, sandbox_core::ResolvedSecrets::none())
+                .await
+            {
+                Err(Error::Unsupported { .. }) => {}
+                Err(e) => {
+                    return Err(format!(
+                        "create in {lang} (not claimed): {} ({e}), not Unsupported",
+                        variant(&e)
+                    ))
+                }
+                Ok(sb) => {
+                    let _ = sb.destroy().await;
+                    return Err(format!("create in {lang} succeeded though not claimed"));
+                }
+            }
+            continue;
+        }
+        let sb = cx
+            .create_spec(&spec)
+            .await
+            .map_err(|e| format!("{lang}: {e}"))?;
+        let r = async {
+            let r = run(sb.as_ref(), lang.name(), ExecRequest::code(code)).await?;
+            expect(
+                r.success() && r.stdout_str() == "hello\n",
+                &format!("hello world in {lang}"),
+                &r,
+            )
+        }
+        .await;
+        cx.finish(sb, r).await?;
+    }
+    Ok(())
+}
+
+/// Runs `hello` through argv: `echo` in a userland, a module in the workspace elsewhere.
+async fn argv_hello(cx: &Ctx<'_>, sb: &dyn Sandbox) -> Checked {
+    let req = if cx.caps.supports_language(Language::Shell) {
+        ExecRequest::argv(["echo", "hello"])
+    } else {
+        let module = wat::parse_str(HELLO_WAT).map_err(|e| format!("wat: {e}"))?;
+        sb.write_file("hello.wasm", &module)
+            .await
+            .map_err(|e| format!("write_file hello.wasm: {e}"))?;
+        ExecRequest::argv(["hello.wasm"])
+    };
+    let r = run(sb, "argv", req).await?;
+    expect(r.success() && r.stdout_str() == "hello\n", "argv hello", &r)
+}
+
+pub(super) async fn argv(cx: &Ctx<'_>) -> Checked {
+    let sb = cx.create(cx.spec()).await?;
+    let r = if cx.caps.argv {
+        argv_hello(cx, sb.as_ref()).await
+    } else {
+        unsupported("argv", sb.exec(ExecRequest::argv(["echo", "hello"])).await)
+    };
+    cx.finish(sb, r).await
+}
+
+pub(super) async fn streaming(cx: &Ctx<'_>) -> Checked {
+    let sb = cx.create(cx.spec()).await?;
+    let code = cx.code(
+        "echo one; echo err >&2; echo two",
+        "import sys\nprint('one', flush=True)\nprint('err', file=sys.stderr, flush=True)\nprint('two')",
+    );
+    let r = async {
+        if !cx.caps.streaming {
+            return unsupported(
+                "exec_stream",
+                sb.exec_stream(ExecRequest::code(&code)).await,
+            );
+        }
+        let mut s = sb
+            .exec_stream(ExecRequest::code(&code))
+            .await
+            .map_err(|e| format!("exec_stream: {e}"))?;
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        loop {
+            match s.next().await {
+                Some(Ok(ExecEvent::Stdout(b))) => out.extend_from_slice(&b),
+                Some(Ok(ExecEvent::Stderr(b))) => err.extend_from_slice(&b),
+                Some(Ok(ExecEvent::Exit(r))) => {
+                    if r.exit_code != Some(0) || !r.stdout.is_empty() {
+                        return Err(format!("exit event {r:?}"));
+                    }
+                    break;
+                }
+                Some(Ok(other)) => return Err(format!("unexpected event {other:?}")),
+                Some(Err(e)) => return Err(format!("stream error: {e}")),
+                None => return Err("the stream ended without an exit event".into()),
+            }
+        }
+        if out == b"one\ntwo\n" && err == b"err\n" {
+            Ok(())
+        } else {
+            Err(format!(
+                "streamed stdout {:?}, stderr {:?}",
+                String::from_utf8_lossy(&out),
+                String::from_utf8_lossy(&err)
+            ))
+        }
+    }
+    .await;
+    cx.finish(sb, r).await
+}
+
+pub(super) async fn pause_resume(cx: &Ctx<'_>) -> Checked {
+    let sb = cx.create(cx.spec()).await?;
+    let code = cx.code("echo ok", "print('ok')");
+    let r = async {
+        if !cx.caps.pause_resume {
+            unsupported("pause", sb.pause().await)?;
+            return unsupported("resume", sb.resume().await);
+        }
+        sb.pause().await.map_err(|e| format!("pause: {e}"))?;
+        match sb.exec(ExecRequest::code(&code)).await {
+            Err(Error::SandboxPaused { .. }) => {}
+            other => return Err(format!("exec while paused: {other:?}")),
+        }
+        sb.resume().await.map_err(|e| format!("resume: {e}"))?;
+        let r = run(sb.as_ref(), "after resume", ExecRequest::code(&code)).await?;
+        expect(
+            r.success() && r.stdout_str() == "ok\n",
+            "exec after resume",
+            &r,
+        )
+    }
+    .await;
+    cx.finish(sb, r).await
+}
+
+pub(super) async fn snapshots(cx: &Ctx<'_>) -> Checked {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let store = ObjectSnapshotStore::local(dir.path()).map_err(|e| e.to_string())?;
+    let sb = cx.create(cx.spec()).await?;
+    let r = if Need::Snapshot.missing(&cx.caps).is_some() {
+        unsupported("snapshot", sb.snapshot(&store).await)
+    } else {
+        sb.snapshot(&store)
+            .await
+            .map(|_| ())
+            .map_err(|e| format!("snapshot (claimed): {e}"))
+    };
+    cx.finish(sb, r).await
+}
+
+pub(super) async fn network(cx: &Ctx<'_>) -> Checked {
+    let allow = NetworkPolicy::Allow {
+        hosts: vec!["example.invalid".parse().map_err(|e| format!("{e}"))?],
+        cidrs: Vec::new(),
+        ports: Vec::new(),
+    };
+    let internet = NetworkPolicy::AllowInternet {
+        deny: Vec::new(),
+        private: Vec::new(),
+    };
+    for (mode, policy) in [
+        (NetworkMode::Allowlist, allow),
+        (NetworkMode::Internet, internet),
+    ] {
+        if cx.caps.network.contains(&mode) {
+            continue;
+        }
+        let spec = cx
+            .spec()
+            .network(policy)
+            .build()
+            .map_err(|e| e.to_string())?;
+        match cx
+            .backend
+            .create(&spec, sandbox_core::ResolvedSecrets::none())
+            .await
+        {
+            Err(Error::Unsupported { .. }) => {}
+            Err(e) => {
+                return Err(format!(
+                    "{mode:?} (not claimed): {} ({e}), not Unsupported",
+                    variant(&e)
+                ))
+            }
+            Ok(sb) => {
+                let _ = sb.destroy().await;
+                return Err(format!("{mode:?} (not claimed) was accepted"));
+            }
+        }
+    }
+    Ok(())
+}
+
+pub(super) async fn images(cx: &Ctx<'_>) -> Checked {
+    let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+    let spec = cx
+        .spec()
+        .image(format!("oci:{}", dir.path().display()))
+        .build()
+        .map_err(|e| e.to_string())?;
+    match cx
+        .backend
+        .create(&spec, sandbox_core::ResolvedSecrets::none())
+        .await
+    {
+        Err(Error::Unsupported { .. }) => Ok(()),
+        Err(e) => Err(format!(
+            "an image (not claimed): {} ({e}), not Unsupported",
+            variant(&e)
+        )),
+        Ok(sb) => {
+            let _ = sb.destroy().await;
+            Err("an image (not claimed) was accepted".into())
+        }
+    }
+}
