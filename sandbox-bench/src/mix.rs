@@ -223,11 +223,15 @@ pub fn turn(kind: TurnKind, index: u32, userland: Userland) -> Turn {
         ),
         TurnKind::JsTransform => {
             let (n, s) = js_expected();
+            // A block of its own: the session's JS state persists, so a second run of the
+            // same `const`s at top level would be a redeclaration.
             let code = format!(
-                "const rows = Array.from({{length: {JS_RECORDS}}}, (_, i) => ({{id: i, v: (i * 7) % 13}}));\n\
+                "{{\n\
+                 const rows = Array.from({{length: {JS_RECORDS}}}, (_, i) => ({{id: i, v: (i * 7) % 13}}));\n\
                  const out = rows.filter(r => r.v > 6).map(r => ({{id: r.id, v: r.v, w: r.v * 2}}));\n\
                  const s = out.reduce((a, r) => a + r.w, 0);\n\
-                 console.log('js-ok ' + JSON.stringify({{n: out.length, s: s}}));"
+                 console.log('js-ok ' + JSON.stringify({{n: out.length, s: s}}));\n\
+                 }}"
             );
             (Op::Js(code), format!("js-ok {{\"n\":{n},\"s\":{s}}}"))
         }

@@ -211,7 +211,7 @@ impl Report {
             s,
             "\n### Latency, throughput, CPU and memory per target × N\n"
         );
-        let _ = writeln!(s, "| target | N | opened | turns | skipped | errors | p50 ms | p95 ms | p99 ms | max ms | turns/s | CPU ms/turn | create p50 ms | CPU ms/create | first useful p50 / p95 ms | idle MiB/session | busy MiB/session |");
+        let _ = writeln!(s, "| target | N | opened | turns | skipped | errors | p50 ms | p95 ms | p99 ms | max ms | turns/s | CPU ms/turn | create p50 ms | CPU ms/create | first useful p50 / p95 ms | idle PSS MiB/session | busy PSS MiB/session | idle host MiB/session |");
         let _ = writeln!(
             s,
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
@@ -220,18 +220,18 @@ impl Report {
             for r in &t.scales {
                 let _ = writeln!(
                     s,
-                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} / {} | {:.1} | {:.1} |",
+                    "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {:.1} | {} | {} | {} | {} / {} | {:.1} | {:.1} | {:.1} |",
                     t.name, r.sessions, r.opened, r.turns_run, r.turns_skipped, r.errors,
                     ms(r.latency.p50), ms(r.latency.p95), ms(r.latency.p99), ms(r.latency.max),
                     r.turns_per_s, ms(r.cpu_ms_per_turn), ms(r.open_ms.p50), ms(r.cpu_ms_per_open),
                     ms(r.first_useful_ms.p50), ms(r.first_useful_ms.p95),
-                    r.idle_mib_per_session, r.busy_mib_per_session
+                    r.idle_mib_per_session, r.busy_mib_per_session, r.idle_host_mib_per_session
                 );
             }
             for (n, why) in &t.skipped_scales {
                 let _ = writeln!(
                     s,
-                    "| {} | {} | not run: {} |||||||||||||||",
+                    "| {} | {} | not run: {} ||||||||||||||||",
                     t.name,
                     n,
                     cell(why)
@@ -270,8 +270,8 @@ impl Report {
         if self.targets.iter().all(|t| t.density.is_none()) {
             let _ = writeln!(s, "Not run (`--density`).");
         } else {
-            let _ = writeln!(s, "| target | held | limit | MiB/sandbox | create p50 / p95 ms | MemAvailable after, MiB | seconds | destroy errors |");
-            let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
+            let _ = writeln!(s, "| target | held | limit | PSS MiB/sandbox | host MiB/sandbox | create p50 / p95 ms | MemAvailable after, MiB | seconds | destroy errors |");
+            let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|");
             for t in &ran {
                 match &t.density {
                     Some(Ok(d)) => {
@@ -290,7 +290,7 @@ impl Report {
                         );
                     }
                     Some(Err(e)) => {
-                        let _ = writeln!(s, "| {} | – | {} ||||||", t.name, cell(e));
+                        let _ = writeln!(s, "| {} | – | {} |||||||", t.name, cell(e));
                     }
                     None => {}
                 }

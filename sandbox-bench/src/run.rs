@@ -38,6 +38,12 @@ pub struct Config {
     pub reserve_mib: u64,
     /// Sessions opened at once (the create phase's concurrency).
     pub open_concurrency: usize,
+    /// Largest N the reference engines run (`None`: every N), to keep a run's wall time
+    /// in bounds; larger N are reported as not run with this reason.
+    pub reference_max_sessions: Option<usize>,
+    /// Largest N per target name (`wasm`, `ref:runsc`, ...), to keep a run's wall time in
+    /// bounds; larger N are reported as not run with this reason.
+    pub max_sessions: BTreeMap<String, usize>,
 }
 
 impl Default for Config {
@@ -53,6 +59,8 @@ impl Default for Config {
             density_seconds: 90,
             reserve_mib: 2048,
             open_concurrency: 8,
+            reference_max_sessions: None,
+            max_sessions: BTreeMap::new(),
         }
     }
 }
@@ -102,6 +110,10 @@ pub struct ScaleResult {
     pub first_useful_ms: Percentiles,
     /// PSS of the tree per live idle session (after open, before any turn), MiB.
     pub idle_mib_per_session: f64,
+    /// Drop of the host's `MemAvailable` per live idle session over the open phase, MiB:
+    /// includes kernel memory (namespaces, cgroups, page tables, tmpfs, page cache) that PSS
+    /// leaves out, and whatever other tenants of the machine did meanwhile.
+    pub idle_host_mib_per_session: f64,
     /// Peak PSS of the tree per live session during the turn phase, MiB.
     pub busy_mib_per_session: f64,
     /// Most processes in the tree seen during the turn phase.
@@ -134,6 +146,9 @@ pub struct Density {
     pub limit: String,
     /// PSS of the tree per live sandbox, MiB.
     pub mib_per_sandbox: f64,
+    /// Drop of the host's `MemAvailable` per live sandbox, MiB (kernel memory included;
+    /// other tenants' activity too).
+    pub host_mib_per_sandbox: f64,
     /// Create latency, ms.
     pub open_ms: Percentiles,
     /// `MemAvailable` at the end, MiB.
@@ -163,6 +178,9 @@ pub struct TargetReport {
     pub density: Option<Result<Density, String>>,
 }
 
+/// An open session: its index, the session, how long it took to open.
+type Live = (usize, Arc<Box<dyn Session>>, Duration);
+
 /// Drives one target at concurrency `n`.
 async fn run_scale(
     name: &str,
@@ -185,6 +203,7 @@ async fn run_scale(
         .await
         .unwrap_or(0);
     let cpu0 = metrics::tree_cpu_ms();
+    let avail0 = metrics::meminfo_kib("MemAvailable").unwrap_or(0);
 
     // Open phase: every session created, `open_concurrency` at a time.
     let sem = Arc::new(Semaphore::new(cfg.open_concurrency.max(1)));
@@ -199,7 +218,7 @@ async fn run_scale(
             (i, r, start.elapsed())
         });
     }
-    let mut sessions: Vec<(usize, Arc<Box<dyn Session>>, Duration)> = Vec::new();
+    let mut sessions: Vec<Live> = Vec::new();
     let mut open_lat = Latency::new();
     while let Some(j) = opens.join_next().await {
         match j {
@@ -217,6 +236,7 @@ async fn run_scale(
     let idle_pss = tokio::task::spawn_blocking(metrics::tree_pss_kib)
         .await
         .unwrap_or(0);
+    let avail1 = metrics::meminfo_kib("MemAvailable").unwrap_or(0);
 
     // Turn phase, with a PSS sampler once a second.
     let (stop_tx, mut stop_rx) = watch::channel(false);
@@ -327,6 +347,11 @@ async fn run_scale(
         open_ms: open_lat.percentiles(),
         first_useful_ms: first_useful.percentiles(),
         idle_mib_per_session: per(idle_pss),
+        idle_host_mib_per_session: if opened == 0 {
+            0.0
+        } else {
+            avail0.saturating_sub(avail1) as f64 / 1024.0 / opened as f64
+        },
         busy_mib_per_session: per(peak_pss.max(idle_pss)),
         peak_processes: peak_procs,
         latency_samples_us: all.samples().to_vec(),
@@ -397,6 +422,7 @@ async fn density(target: &DynTarget, cfg: &Config, nofile: u64) -> Result<Densit
     let base = tokio::task::spawn_blocking(metrics::tree_pss_kib)
         .await
         .unwrap_or(0);
+    let avail0 = metrics::meminfo_kib("MemAvailable").unwrap_or(0);
     let start = Instant::now();
     let mut held: Vec<Box<dyn Session>> = Vec::new();
     let mut lat = Latency::new();
@@ -444,7 +470,13 @@ async fn density(target: &DynTarget, cfg: &Config, nofile: u64) -> Result<Densit
         .await
         .unwrap_or(0);
     let n = held.len();
-    let avail = metrics::meminfo_kib("MemAvailable").unwrap_or(0) / 1024;
+    let avail_kib = metrics::meminfo_kib("MemAvailable").unwrap_or(0);
+    let avail = avail_kib / 1024;
+    let host_mib = if n == 0 {
+        0.0
+    } else {
+        avail0.saturating_sub(avail_kib) as f64 / 1024.0 / n as f64
+    };
     let sem = Arc::new(Semaphore::new(cfg.open_concurrency.max(1)));
     let mut closes = JoinSet::new();
     for s in held {
@@ -462,6 +494,7 @@ async fn density(target: &DynTarget, cfg: &Config, nofile: u64) -> Result<Densit
     }
     Ok(Density {
         close_errors,
+        host_mib_per_sandbox: host_mib,
         held: n,
         limit,
         mib_per_sandbox: if n == 0 {
@@ -505,6 +538,20 @@ pub async fn run_all(
         }
         let mut per_session_mib: Option<f64> = None;
         for &n in &cfg.sessions {
+            if let (TargetKind::Reference, Some(max)) = (rep.kind, cfg.reference_max_sessions) {
+                if n > max {
+                    let why = format!("references run up to N={max} (--reference-max-sessions)");
+                    progress(&format!("SKIP {name} N={n}: {why}"));
+                    rep.skipped_scales.push((n, why));
+                    continue;
+                }
+            }
+            if let Some(max) = cfg.max_sessions.get(&name).filter(|m| n > **m) {
+                let why = format!("{name} runs up to N={max} in this run (--max-sessions)");
+                progress(&format!("SKIP {name} N={n}: {why}"));
+                rep.skipped_scales.push((n, why));
+                continue;
+            }
             let avail_mib = metrics::meminfo_kib("MemAvailable").unwrap_or(0) / 1024;
             if let Some(m) = per_session_mib {
                 let need = m * n as f64;

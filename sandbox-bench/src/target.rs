@@ -273,9 +273,7 @@ impl Target for SandboxTarget {
                     Ok(())
                 }
                 TurnKind::JsTransform => {
-                    if caps.supports_language(Language::Javascript) {
-                        Ok(())
-                    } else if has("node") {
+                    if caps.supports_language(Language::Javascript) || has("node") {
                         Ok(())
                     } else if shell {
                         Err(
