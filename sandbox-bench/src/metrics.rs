@@ -37,6 +37,33 @@ pub fn tree_pss_kib() -> u64 {
     descendants(me, &procs).into_iter().map(pss_kib).sum()
 }
 
+/// Waits (at most `max`) until the tree's PSS stops falling: memory that the previous phase
+/// freed is handed back lazily (background janitors, the allocator), and a baseline taken
+/// before that would make the next phase's growth look smaller. Returns the settled PSS.
+pub async fn settled_pss_kib(max: std::time::Duration) -> u64 {
+    let start = std::time::Instant::now();
+    let mut last = u64::MAX;
+    loop {
+        trim_allocator();
+        let now = tokio::task::spawn_blocking(tree_pss_kib).await.unwrap_or(0);
+        // Settled: changed by less than 2 MiB in half a second.
+        if last.abs_diff(now) < 2048 || start.elapsed() >= max {
+            return now;
+        }
+        last = now;
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+}
+
+/// Hands this process's free heap back to the kernel (glibc), so PSS counts live memory.
+fn trim_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only releases free memory of the allocator; no pointer is touched.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
 /// Number of processes in the tree (this one included).
 pub fn tree_processes() -> usize {
     let me = std::process::id() as i32;

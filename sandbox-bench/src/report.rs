@@ -214,7 +214,7 @@ impl Report {
         let _ = writeln!(s, "| target | N | opened | turns | skipped | errors | p50 ms | p95 ms | p99 ms | max ms | turns/s | CPU ms/turn | create p50 ms | CPU ms/create | first useful p50 / p95 ms | idle PSS MiB/session | busy PSS MiB/session | idle host MiB/session |");
         let _ = writeln!(
             s,
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
         );
         for t in &ran {
             for r in &t.scales {
@@ -277,11 +277,12 @@ impl Report {
                     Some(Ok(d)) => {
                         let _ = writeln!(
                             s,
-                            "| {} | {} | {} | {:.1} | {} / {} | {} | {:.0} | {} |",
+                            "| {} | {} | {} | {:.1} | {:.1} | {} / {} | {} | {:.0} | {} |",
                             t.name,
                             d.held,
                             cell(&d.limit),
                             d.mib_per_sandbox,
+                            d.host_mib_per_sandbox,
                             ms(d.open_ms.p50),
                             ms(d.open_ms.p95),
                             d.mem_available_mib,

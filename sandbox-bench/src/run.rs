@@ -199,9 +199,7 @@ async fn run_scale(
             message,
         })
     };
-    let base_pss = tokio::task::spawn_blocking(metrics::tree_pss_kib)
-        .await
-        .unwrap_or(0);
+    let base_pss = metrics::settled_pss_kib(Duration::from_secs(15)).await;
     let cpu0 = metrics::tree_cpu_ms();
     let avail0 = metrics::meminfo_kib("MemAvailable").unwrap_or(0);
 
@@ -419,9 +417,7 @@ async fn drive(
 
 /// Opens idle sandboxes one at a time until a limit.
 async fn density(target: &DynTarget, cfg: &Config, nofile: u64) -> Result<Density, String> {
-    let base = tokio::task::spawn_blocking(metrics::tree_pss_kib)
-        .await
-        .unwrap_or(0);
+    let base = metrics::settled_pss_kib(Duration::from_secs(15)).await;
     let avail0 = metrics::meminfo_kib("MemAvailable").unwrap_or(0);
     let start = Instant::now();
     let mut held: Vec<Box<dyn Session>> = Vec::new();
