@@ -12,6 +12,7 @@ use agent_sandbox::{
 };
 use clap::{Parser, Subcommand, ValueEnum};
 
+mod bench_cmd;
 mod image_cmd;
 use serde_json::json;
 
@@ -62,6 +63,9 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Benchmarks: `bench workload` runs concurrent agent sessions on every tier.
+    #[command(subcommand)]
+    Bench(bench_cmd::BenchCmd),
     /// Download and prepare an engine's artifacts.
     Install {
         /// What to install.
@@ -456,6 +460,7 @@ async fn async_main(cli: Cli) -> ExitCode {
         }
         Cmd::Run(args) => run(&run_runtime(args.tier), args).await,
         Cmd::Image(cmd) => image_cmd::run(cmd).await,
+        Cmd::Bench(cmd) => bench_cmd::run(&cli_runtime(), cmd).await,
     }
 }
 
