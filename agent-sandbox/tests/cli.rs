@@ -542,3 +542,52 @@ fn cleanup_removes_the_gvisor_sandbox_of_a_killed_run() {
     let dir = std::path::Path::new(&root).parent().unwrap();
     assert!(!dir.exists(), "{} left", dir.display());
 }
+
+/// `run --workspace DIR` in a directory owned by an unprivileged user (uid 1234), on every
+/// tier that runs shell commands here: the command writes it, and what it writes belongs to
+/// that user on the host (see "Identity" in docs/container.md). As root only (it chowns).
+#[test]
+fn run_with_a_workspace_writes_files_its_owner_owns() {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIP: needs root (a directory of another owner)");
+        return;
+    }
+    let mut ran = 0;
+    for tier in ["container", "gvisor"] {
+        if !tier_available(tier) {
+            eprintln!("SKIP {tier}: unavailable on this host (see `agent-sandbox probe`)");
+            continue;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        std::os::unix::fs::chown(dir.path(), Some(1234), Some(1234)).unwrap();
+        let ws = dir.path().to_str().unwrap();
+        let out = cli(&[
+            "run",
+            "--tier",
+            tier,
+            "--workspace",
+            ws,
+            "--",
+            "sh",
+            "-c",
+            "touch x && mkdir d && echo hi > d/y && cat d/y",
+        ]);
+        assert!(
+            out.status.success(),
+            "{tier}: {:?} {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "hi\n", "{tier}");
+        for f in ["x", "d", "d/y"] {
+            let md = std::fs::symlink_metadata(dir.path().join(f)).unwrap();
+            assert_eq!((md.uid(), md.gid()), (1234, 1234), "{tier}: {f}");
+        }
+        ran += 1;
+    }
+    if ran == 0 {
+        eprintln!("SKIP: neither the container nor the gvisor tier is available");
+    }
+}
