@@ -202,7 +202,16 @@ fn clone_init(ctl: OwnedFd, ahead: bool) -> i64 {
 /// errno set).
 fn hold_userns(hold: OwnedFd) -> i64 {
     // SAFETY: single-threaded; the child only moves its fd into place and waits.
-    let pid = unsafe { syscall(NR_CLONE, (CLONE_PARENT | CLONE_NEWUSER) as u64, 0u64, 0u64, 0u64, 0u64) };
+    let pid = unsafe {
+        syscall(
+            NR_CLONE,
+            (CLONE_PARENT | CLONE_NEWUSER) as u64,
+            0u64,
+            0u64,
+            0u64,
+            0u64,
+        )
+    };
     if pid == 0 {
         // SAFETY: fd plumbing and a poll on our own process.
         unsafe {

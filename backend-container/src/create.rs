@@ -42,10 +42,18 @@ pub(crate) struct Root {
     pub user: Option<(u32, u32)>,
 }
 
-/// How a host-directory workspace reaches the init (see `ContainerBackend::workspace_mount`):
-/// the detached mount handed over, if any, and the host ids the sandbox user maps to
-/// instead of its own (the fallback where the mount cannot be idmapped).
-type WorkspaceMount = (Option<std::os::fd::OwnedFd>, Option<(u32, u32)>);
+/// How a host-directory workspace reaches the init (see `ContainerBackend::workspace_mount`).
+#[derive(Debug, Default)]
+struct WorkspaceMount {
+    /// The detached mount handed over, if any.
+    tree: Option<std::os::fd::OwnedFd>,
+    /// The host ids the sandbox user maps to instead of its own (the fallback where the
+    /// mount cannot be idmapped).
+    user_override: Option<(u32, u32)>,
+    /// The workspace is writable and belongs to host root (uid or gid 0) through its
+    /// idmapping: the seccomp filter gets the set-id guard (`seccomp::program_with`).
+    setid_guard: bool,
+}
 
 /// What the allocation phase hands on: the sandbox's id and identities, its prepared egress
 /// link, and its init, started with its setup queued, in the sandbox's cgroups.
@@ -95,10 +103,10 @@ impl ContainerBackend {
     ) -> Result<WorkspaceMount> {
         use std::os::unix::fs::MetadataExt;
         let Workspace::HostDir { path, read_only } = &spec.workspace else {
-            return Ok((None, None));
+            return Ok(WorkspaceMount::default());
         };
         if ids.rootless {
-            return Ok((None, None));
+            return Ok(WorkspaceMount::default());
         }
         let dir = path
             .canonicalize()
@@ -111,7 +119,13 @@ impl ContainerBackend {
             user: (ids.host_uid(user), ids.host_gid(group)),
         };
         let why = match spawn::workspace_tree(&dir, mapped, *read_only) {
-            Ok(tree) => return Ok((Some(tree), None)),
+            Ok(tree) => {
+                return Ok(WorkspaceMount {
+                    tree: Some(tree),
+                    user_override: None,
+                    setid_guard: !*read_only && (owner.0 == 0 || owner.1 == 0),
+                })
+            }
             Err(e) => e,
         };
         // A plain detached clone still serves a template-mode init (else the classic setup
@@ -123,7 +137,10 @@ impl ContainerBackend {
                 "cannot idmap the read-only workspace ({why}); it is mounted as it is (its \
                  owner's files show as nobody inside)"
             );
-            return Ok((plain(), None));
+            return Ok(WorkspaceMount {
+                tree: plain(),
+                ..WorkspaceMount::default()
+            });
         }
         let (lo, hi) = (
             u64::from(self.cfg.uid_base),
@@ -139,7 +156,11 @@ impl ContainerBackend {
                 owner.0,
                 owner.1
             );
-            return Ok((plain(), Some(owner)));
+            return Ok(WorkspaceMount {
+                tree: plain(),
+                user_override: Some(owner),
+                setid_guard: false,
+            });
         }
         Err(Error::unsupported(
             TIER,
@@ -325,8 +346,17 @@ impl ContainerBackend {
         // A host-directory workspace: an idmapped mount owned by the command user (or a
         // fallback, see `workspace_mount`), made before the init starts (a fallback may
         // change its maps).
-        let (ws_tree, user_override) = self.workspace_mount(spec, &ids, (user, group))?;
+        let WorkspaceMount {
+            tree: ws_tree,
+            user_override,
+            setid_guard,
+        } = self.workspace_mount(spec, &ids, (user, group))?;
         ids.user_override = user_override;
+        let bpf = if setid_guard {
+            &self.bpf_setid_guard
+        } else {
+            &self.bpf
+        };
         // The plan and the seal are ready before the init starts: both are queued behind the
         // bootstrap, and the init runs them in order, stopping at the first failure.
         let egress = match enforcer {
@@ -407,7 +437,7 @@ impl ContainerBackend {
                 e.0
             };
             let seal = enc(&rootfs::seal_ops(
-                self.cfg.seccomp.then_some(self.bpf.as_slice()),
+                self.cfg.seccomp.then_some(bpf.as_slice()),
             ));
             // Queued behind the bootstrap: everything, or (restoring an upper layer) only the
             // preparation; the rest follows once the upper layer is filled.

@@ -186,8 +186,36 @@ async fn a_root_owned_directory_is_written_as_its_owner_root() {
     // Only the workspace is the owner's: host root's other files stay out of reach.
     let r = sh(sb.as_ref(), "touch /etc/x").await;
     assert_ne!(r.exit_code, Some(0));
+    // No set-id program can be planted for the host: setting the bits is refused, whichever
+    // call tries (plain modes still work).
+    sh_ok(
+        sb.as_ref(),
+        "touch s && chmod 0755 s && mkdir sd && chmod 1777 sd",
+    )
+    .await;
+    for cmd in [
+        "chmod u+s s",
+        "chmod g+s s",
+        "chmod 2775 sd",
+        "/usr/bin/python3 -c \"import os; os.open('t', os.O_CREAT | os.O_WRONLY, 0o4755)\"",
+        "/usr/bin/python3 -c \"import os; os.mknod('u', 0o104755)\"",
+    ] {
+        let r = sh(sb.as_ref(), cmd).await;
+        assert_ne!(r.exit_code, Some(0), "`{cmd}` set a set-id bit");
+        assert!(
+            r.stderr_str().contains("Operation not permitted"),
+            "`{cmd}`: {}",
+            r.stderr_str()
+        );
+    }
     sb.destroy().await.unwrap();
     assert_all_owned_by(dir.path(), 0, 0);
+    let setid: Vec<_> = owners(dir.path())
+        .into_iter()
+        .filter(|(p, _, _)| std::fs::symlink_metadata(p).unwrap().mode() & 0o6000 != 0)
+        .collect();
+    assert!(setid.is_empty(), "set-id entries on the host: {setid:?}");
+    assert!(!dir.path().join("t").exists() && !dir.path().join("u").exists());
 }
 
 #[tokio::test]
