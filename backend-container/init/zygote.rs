@@ -27,6 +27,9 @@ use crate::sys::*;
 /// where a template is one recursive bind away; the others (`F`) in the library's own, so
 /// their bind sources (workspaces, spec mounts, rootfs directories) are the library's
 /// current view, whatever was mounted since.
+///
+/// A `U` request (with one socket) clones a process that only holds a new user namespace
+/// for an idmapped host-directory workspace (see [`hold_userns`]); the reply is its pid.
 pub(crate) fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
     // SAFETY: prctl/close_range on our own process.
     unsafe {
