@@ -543,9 +543,10 @@ fn cleanup_removes_the_gvisor_sandbox_of_a_killed_run() {
     assert!(!dir.exists(), "{} left", dir.display());
 }
 
-/// `run --workspace DIR` in a directory owned by an unprivileged user (uid 1234), on every
-/// tier that runs shell commands here: the command writes it, and what it writes belongs to
-/// that user on the host (see "Identity" in docs/container.md). As root only (it chowns).
+/// `run --workspace DIR` in a directory owned by an unprivileged user (uid 1234), and in one
+/// of root's own, on every tier that runs shell commands here: the command writes it, and
+/// what it writes belongs to the directory's owner on the host (see "Identity" in
+/// docs/container.md). As root only (it chowns).
 #[test]
 fn run_with_a_workspace_writes_files_its_owner_owns() {
     use std::os::unix::fs::MetadataExt;
@@ -585,6 +586,29 @@ fn run_with_a_workspace_writes_files_its_owner_owns() {
             let md = std::fs::symlink_metadata(dir.path().join(f)).unwrap();
             assert_eq!((md.uid(), md.gid()), (1234, 1234), "{tier}: {f}");
         }
+        // A new user's case: root runs the CLI on a directory of its own. The command
+        // writes it (as the sandbox's user), and the files are root's, the owner's.
+        let mine = tempfile::tempdir().unwrap();
+        let out = cli(&[
+            "run",
+            "--tier",
+            tier,
+            "--workspace",
+            mine.path().to_str().unwrap(),
+            "--",
+            "sh",
+            "-c",
+            "mkdir -p src && echo 'print(1)' > src/main.py && cat src/main.py",
+        ]);
+        assert!(
+            out.status.success(),
+            "{tier}: {:?} {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "print(1)\n", "{tier}");
+        let md = std::fs::symlink_metadata(mine.path().join("src/main.py")).unwrap();
+        assert_eq!((md.uid(), md.gid()), (0, 0), "{tier}");
         ran += 1;
     }
     if ran == 0 {
