@@ -773,3 +773,76 @@ fn final_values_print_alike_in_python_and_javascript() {
     let out = cli(&["run", "--tier", "wasm", "--lang", "javascript", "-c", "2+2"]);
     assert_eq!(String::from_utf8_lossy(&out.stdout), "4\n");
 }
+
+/// `run --workspace DIR` in a directory owned by an unprivileged user (uid 1234), and in one
+/// of root's own, on every tier that runs shell commands here: the command writes it, and
+/// what it writes belongs to the directory's owner on the host (see "Identity" in
+/// docs/container.md). As root only (it chowns).
+#[test]
+fn run_with_a_workspace_writes_files_its_owner_owns() {
+    use std::os::unix::fs::MetadataExt;
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIP: needs root (a directory of another owner)");
+        return;
+    }
+    let mut ran = 0;
+    for tier in ["container", "gvisor"] {
+        if !tier_available(tier) {
+            eprintln!("SKIP {tier}: unavailable on this host (see `agent-sandbox probe`)");
+            continue;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        std::os::unix::fs::chown(dir.path(), Some(1234), Some(1234)).unwrap();
+        let ws = dir.path().to_str().unwrap();
+        let out = cli(&[
+            "run",
+            "--tier",
+            tier,
+            "--workspace",
+            ws,
+            "--",
+            "sh",
+            "-c",
+            "touch x && mkdir d && echo hi > d/y && cat d/y",
+        ]);
+        assert!(
+            out.status.success(),
+            "{tier}: {:?} {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "hi\n", "{tier}");
+        for f in ["x", "d", "d/y"] {
+            let md = std::fs::symlink_metadata(dir.path().join(f)).unwrap();
+            assert_eq!((md.uid(), md.gid()), (1234, 1234), "{tier}: {f}");
+        }
+        // A new user's case: root runs the CLI on a directory of its own. The command
+        // writes it (as the sandbox's user), and the files are root's, the owner's.
+        let mine = tempfile::tempdir().unwrap();
+        let out = cli(&[
+            "run",
+            "--tier",
+            tier,
+            "--workspace",
+            mine.path().to_str().unwrap(),
+            "--",
+            "sh",
+            "-c",
+            "mkdir -p src && echo 'print(1)' > src/main.py && cat src/main.py",
+        ]);
+        assert!(
+            out.status.success(),
+            "{tier}: {:?} {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(String::from_utf8_lossy(&out.stdout), "print(1)\n", "{tier}");
+        let md = std::fs::symlink_metadata(mine.path().join("src/main.py")).unwrap();
+        assert_eq!((md.uid(), md.gid()), (0, 0), "{tier}");
+        ran += 1;
+    }
+    if ran == 0 {
+        eprintln!("SKIP: neither the container nor the gvisor tier is available");
+    }
+}

@@ -27,6 +27,9 @@ use crate::sys::*;
 /// where a template is one recursive bind away; the others (`F`) in the library's own, so
 /// their bind sources (workspaces, spec mounts, rootfs directories) are the library's
 /// current view, whatever was mounted since.
+///
+/// A `U` request (with one socket) clones a process that only holds a new user namespace
+/// for an idmapped host-directory workspace (see [`hold_userns`]); the reply is its pid.
 pub(crate) fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
     // SAFETY: prctl/close_range on our own process.
     unsafe {
@@ -122,6 +125,17 @@ pub(crate) fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
             );
             continue;
         }
+        if n == 1 && buf[0] == b'U' {
+            // A bare user namespace for an idmapped mount (see `hold_userns`).
+            for fd in fds {
+                let r = match hold_userns(fd) {
+                    pid if pid < 0 => Err(errno()),
+                    pid => Ok(pid as u32),
+                };
+                raw_write(0, &zygote_reply(r));
+            }
+            continue;
+        }
         // `F`: an init in the library's namespace; `P`: one in the templates'.
         let tmpl = n >= 1 && buf[0] == b'P' && templates_ok;
         for fd in fds {
@@ -179,6 +193,44 @@ fn clone_init(ctl: OwnedFd, ahead: bool) -> i64 {
         std::mem::forget(ctl);
         AHEAD.store(ahead, Ordering::Relaxed);
         crate::init_main();
+    }
+    pid
+}
+
+/// Clones a process in a new user namespace (the library's child, `CLONE_PARENT`) that does
+/// nothing but hold it: the library writes its id maps, opens `/proc/<pid>/ns/user` for
+/// `mount_setattr(MOUNT_ATTR_IDMAP)` (an idmapped host-directory workspace), then kills and
+/// reaps it. It keeps `hold` (the library's socket) as fd 0 and exits when the other end
+/// hangs up, so it never outlives a library that died meanwhile. Returns its pid (or -1,
+/// errno set).
+fn hold_userns(hold: OwnedFd) -> i64 {
+    // SAFETY: single-threaded; the child only moves its fd into place and waits.
+    let pid = unsafe {
+        syscall(
+            NR_CLONE,
+            (CLONE_PARENT | CLONE_NEWUSER) as u64,
+            0u64,
+            0u64,
+            0u64,
+            0u64,
+        )
+    };
+    if pid == 0 {
+        // SAFETY: fd plumbing and a poll on our own process.
+        unsafe {
+            dup2(hold.as_raw_fd(), 0);
+            syscall(NR_CLOSE_RANGE, 3u32, u32::MAX, 0u32);
+            loop {
+                let mut p = PollFd {
+                    fd: 0,
+                    events: 0,
+                    revents: 0,
+                };
+                if poll(&mut p, 1, -1) > 0 && p.revents != 0 {
+                    _exit(0);
+                }
+            }
+        }
     }
     pid
 }

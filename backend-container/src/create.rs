@@ -42,6 +42,19 @@ pub(crate) struct Root {
     pub user: Option<(u32, u32)>,
 }
 
+/// How a host-directory workspace reaches the init (see `ContainerBackend::workspace_mount`).
+#[derive(Debug, Default)]
+struct WorkspaceMount {
+    /// The detached mount handed over, if any.
+    tree: Option<std::os::fd::OwnedFd>,
+    /// The host ids the sandbox user maps to instead of its own (the fallback where the
+    /// mount cannot be idmapped).
+    user_override: Option<(u32, u32)>,
+    /// The workspace is writable and belongs to host root (uid or gid 0) through its
+    /// idmapping: the seccomp filter gets the set-id guard (`seccomp::program_with`).
+    setid_guard: bool,
+}
+
 /// What the allocation phase hands on: the sandbox's id and identities, its prepared egress
 /// link, and its init, started with its setup queued, in the sandbox's cgroups.
 struct Allocation {
@@ -73,26 +86,98 @@ struct Allocation {
 }
 
 impl ContainerBackend {
-    /// As root, a writable host-directory workspace owned by an unprivileged user (outside
-    /// our uid ranges): the sandbox user becomes that user, so it can write its workspace.
-    /// (A root-owned directory is never mapped: commands would own host root's files.)
-    fn workspace_owner(&self, spec: &SandboxSpec) -> Option<(u32, u32)> {
+    /// As root, how a host-directory workspace reaches the init (see "Identity" in
+    /// `docs/container.md`): a detached mount of it, **idmapped** so that its owner on the host
+    /// appears inside as the command user (`user`/`group` inside, host ids from `ids`), which
+    /// then owns it, and what that user creates there is stored as the owner's. Where the
+    /// kernel cannot idmap it (a filesystem without idmapped mounts), the fallbacks: a
+    /// read-only one is mounted as it is (its owner's files show as `nobody`); a writable one
+    /// of an unprivileged owner (uid and gid not 0, outside our ranges) in the host-tools view
+    /// is mounted as it is with the sandbox user mapped to that owner in the sandbox's own
+    /// `uid_map` (the second value); anything else is refused (`Unsupported`) rather than
+    /// leave the workspace unwritable or written by a foreign uid. Rootless: nothing (the
+    /// caller, root inside, owns its own directories; the classic setup binds it).
+    fn workspace_mount(
+        &self,
+        spec: &SandboxSpec,
+        ids: &IdMap,
+        (user, group): (u32, u32),
+    ) -> Result<WorkspaceMount> {
         use std::os::unix::fs::MetadataExt;
-        let Workspace::HostDir {
-            path,
-            read_only: false,
-        } = &spec.workspace
-        else {
-            return None;
+        let Workspace::HostDir { path, read_only } = &spec.workspace else {
+            return Ok(WorkspaceMount::default());
         };
-        let md = std::fs::metadata(path).ok()?;
+        if ids.rootless {
+            return Ok(WorkspaceMount::default());
+        }
+        let dir = path
+            .canonicalize()
+            .map_err(|e| Error::io_path("resolve the workspace directory", path, e))?;
+        let md =
+            std::fs::metadata(&dir).map_err(|e| Error::io_path("stat the workspace", &dir, e))?;
+        let owner = (md.uid(), md.gid());
+        let mapped = spawn::WorkspaceIds {
+            owner,
+            user: (ids.host_uid(user), ids.host_gid(group)),
+        };
+        let why = match spawn::workspace_tree(&dir, mapped, *read_only) {
+            Ok(tree) => {
+                return Ok(WorkspaceMount {
+                    tree: Some(tree),
+                    user_override: None,
+                    setid_guard: !*read_only && (owner.0 == 0 || owner.1 == 0),
+                })
+            }
+            Err(e) => e,
+        };
+        // A plain detached clone still serves a template-mode init (else the classic setup
+        // binds the directory from its path).
+        let plain = || spawn::detached_tree(&dir).ok();
+        if *read_only {
+            tracing::warn!(
+                dir = %dir.display(),
+                "cannot idmap the read-only workspace ({why}); it is mounted as it is (its \
+                 owner's files show as nobody inside)"
+            );
+            return Ok(WorkspaceMount {
+                tree: plain(),
+                ..WorkspaceMount::default()
+            });
+        }
         let (lo, hi) = (
             u64::from(self.cfg.uid_base),
             u64::from(self.cfg.uid_base) + 4096 * 65536,
         );
         let ours = |id: u32| (lo..hi).contains(&u64::from(id));
-        (md.uid() != 0 && md.gid() != 0 && !ours(md.uid()) && !ours(md.gid()))
-            .then(|| (md.uid(), md.gid()))
+        let unprivileged = owner.0 != 0 && owner.1 != 0 && !ours(owner.0) && !ours(owner.1);
+        if unprivileged && user == spawn::SANDBOX_USER && !crate::own_root(spec) {
+            tracing::warn!(
+                dir = %dir.display(),
+                "cannot idmap the workspace ({why}); the sandbox user is mapped to its owner \
+                 {}:{} instead",
+                owner.0,
+                owner.1
+            );
+            return Ok(WorkspaceMount {
+                tree: plain(),
+                user_override: Some(owner),
+                setid_guard: false,
+            });
+        }
+        Err(Error::unsupported(
+            TIER,
+            format!(
+                "a writable host-directory workspace whose mount cannot be idmapped ({}, \
+                 owned by {}:{}: {why}); without an idmapped mount the sandbox's user could \
+                 not write it, or would write it as a foreign uid. Use a directory on a \
+                 filesystem with idmapped mounts (ext4, xfs, btrfs, tmpfs), or one owned by \
+                 an unprivileged user (uid and gid not 0) in the host-tools view, or mount \
+                 it read-only",
+                dir.display(),
+                owner.0,
+                owner.1
+            ),
+        ))
     }
 
     /// Checks `spec` against this backend; returns the egress enforcer its network needs and
@@ -230,7 +315,19 @@ impl ContainerBackend {
     ) -> Result<Allocation> {
         let id = uuid::Uuid::new_v4().simple().to_string();
         let rootless = !is_root();
-        let ids = if rootless {
+        // A rootfs directory is an image: commands run as its root (uid 0 inside, with no
+        // capabilities, like rootless mode), which owns its files through the idmapping.
+        // An image's `User` (a non-root one) runs commands as that user instead.
+        let (image_uid, image_gid) = root.user.unwrap_or((0, 0));
+        let stay_root = rootless || (crate::own_root(spec) && image_uid == 0);
+        let (user, group) = if stay_root {
+            (0, 0)
+        } else if crate::own_root(spec) {
+            (image_uid, image_gid)
+        } else {
+            (spawn::SANDBOX_USER, spawn::SANDBOX_USER)
+        };
+        let mut ids = if rootless {
             IdMap {
                 host_root: nix::unistd::geteuid().as_raw(),
                 host_root_gid: nix::unistd::getegid().as_raw(),
@@ -246,26 +343,22 @@ impl ContainerBackend {
                 host_root_gid: base,
                 count: 65536,
                 rootless: false,
-                // Rootfs mode runs commands as root inside: a host-directory workspace is
-                // not mapped to its owner then.
-                user_override: if crate::own_root(spec) {
-                    None
-                } else {
-                    self.workspace_owner(spec)
-                },
+                user_override: None,
             }
         };
-        // A rootfs directory is an image: commands run as its root (uid 0 inside, with no
-        // capabilities, like rootless mode), which owns its files through the idmapping.
-        // An image's `User` (a non-root one) runs commands as that user instead.
-        let (image_uid, image_gid) = root.user.unwrap_or((0, 0));
-        let stay_root = rootless || (crate::own_root(spec) && image_uid == 0);
-        let (user, group) = if stay_root {
-            (0, 0)
-        } else if crate::own_root(spec) {
-            (image_uid, image_gid)
+        // A host-directory workspace: an idmapped mount owned by the command user (or a
+        // fallback, see `workspace_mount`), made before the init starts (a fallback may
+        // change its maps).
+        let WorkspaceMount {
+            tree: ws_tree,
+            user_override,
+            setid_guard,
+        } = self.workspace_mount(spec, &ids, (user, group))?;
+        ids.user_override = user_override;
+        let bpf = if setid_guard {
+            &self.bpf_setid_guard
         } else {
-            (spawn::SANDBOX_USER, spawn::SANDBOX_USER)
+            &self.bpf
         };
         // The plan and the seal are ready before the init starts: both are queued behind the
         // bootstrap, and the init runs them in order, stopping at the first failure.
@@ -302,25 +395,19 @@ impl ContainerBackend {
         // As root, a host-tools root without spec mounts or an egress link (whose
         // `resolv.conf` is the sandbox's own) starts from a template (see
         // `rootfs::template_ops`), built once per process for each set of `/etc` files.
-        // A host-directory workspace reaches a template-mode init as a detached mount made
-        // here, from our current view (see `rootfs::template_fits`); if we cannot make one,
-        // the classic setup binds the directory instead.
-        let mut ws_tree = None;
-        let mut fits = !rootless && egress.is_none() && rootfs::template_fits(spec);
-        if let (true, Workspace::HostDir { path, .. }) = (fits, &spec.workspace) {
-            match path.canonicalize().and_then(|p| spawn::detached_tree(&p)) {
-                Ok(t) => ws_tree = Some(t),
-                Err(_) => fits = false,
-            }
-        }
+        // A host-directory workspace reaches a template-mode init as the detached mount
+        // made above, from our current view (see `rootfs::template_fits`); without one, the
+        // classic setup binds the directory instead.
+        let fits = !rootless
+            && egress.is_none()
+            && rootfs::template_fits(spec)
+            && (ws_tree.is_some() || matches!(spec.workspace, Workspace::Empty));
         let template = if fits {
             spawn::template_root(rootfs::etc_files(user, &self.cfg.hostname, &resolv))
         } else {
             None
         };
-        if template.is_none() {
-            ws_tree = None;
-        }
+        let workspace_fd = ws_tree.is_some();
         // An own root whose layers go over as idmapped mounts (fds: see `spawn::spawn_init`)
         // needs no view of the host's paths beyond `/dev`: such a create may take the
         // zygote's spare init (cloned in its template namespace) as host-tools creates do,
@@ -359,6 +446,7 @@ impl ContainerBackend {
                 // unless the init (a spare) did so while it waited.
                 loopback: rootless,
                 layers: &root.layers,
+                workspace_fd,
             };
             let ops = match &template {
                 Some(root) => rootfs::template_plan(&plan, root)?,
@@ -370,7 +458,7 @@ impl ContainerBackend {
                 e.0
             };
             let seal = enc(&rootfs::seal_ops(
-                self.cfg.seccomp.then_some(self.bpf.as_slice()),
+                self.cfg.seccomp.then_some(bpf.as_slice()),
             ));
             // Queued behind the bootstrap: everything, or (restoring an upper layer) only the
             // preparation; the rest follows once the upper layer is filled.

@@ -237,6 +237,7 @@ impl ContainerBuilder {
             host,
             landlock_abi: landlock::abi(),
             bpf: Arc::new(seccomp::program_bytes()),
+            bpf_setid_guard: Arc::new(seccomp::program_bytes_with(true)),
             slot: Arc::new(AtomicU64::new(0)),
             host_ops: Arc::new(std::sync::OnceLock::new()),
             cgroups_ok: Arc::new(std::sync::atomic::AtomicBool::new(false)),
@@ -252,6 +253,9 @@ pub struct ContainerBackend {
     host: cgroup::CgroupHost,
     landlock_abi: Option<u32>,
     bpf: Arc<Vec<u8>>,
+    /// The filter with the set-id guard, for sandboxes whose writable workspace belongs to
+    /// host root (see `seccomp::program_with`).
+    bpf_setid_guard: Arc<Vec<u8>>,
     slot: Arc<AtomicU64>,
     host_ops: Arc<std::sync::OnceLock<Vec<proto::Op>>>,
     /// Set once the cgroup directories were found writable (see `cgroups_usable`).

@@ -103,7 +103,15 @@ pub(crate) struct Plan<'a> {
     /// The root's lower layers, lowest first, canonical: the spec's `rootfs` directory, or
     /// its image's unpacked layers. Empty: the host-tools root.
     pub layers: &'a [PathBuf],
+    /// A host-directory workspace arrives as a detached (idmapped) mount, the setup
+    /// message's first fd (see `Op::Lower`), instead of being bound from its host path.
+    pub workspace_fd: bool,
 }
+
+/// Where the classic setup puts a host-directory workspace that arrives as a detached
+/// mount, in the scratch root (detached with it after `pivot_root`), before anything else
+/// takes an fd: it is then bound to `/workspace` (binds keep the idmapping).
+const WS_MOUNT: &str = "/ws";
 
 /// A tmpfs mounted at `dst` with these flags and options.
 fn tmpfs(dst: impl Into<String>, flags: u64, data: impl Into<String>) -> Op {
@@ -417,8 +425,15 @@ fn skeleton(ops: &mut Vec<Op>, r: Roots<'_>, var: bool) {
 /// `/proc/sys` read-only, `/dev/pts` (a new instance), `/dev/shm` and `/tmp`, and the
 /// workspace (a tmpfs, or the host directory); the tmpfs mounts capped by `p.caps`.
 /// `detached`: a host-directory workspace arrives as a detached mount (the setup message's
-/// first fd, see `Op::Lower`) instead of being bound from its host path.
-fn sandbox_mounts(ops: &mut Vec<Op>, r: Roots<'_>, p: &Plan<'_>, detached: bool) -> Result<()> {
+/// first fd, see `Op::Lower`) instead of being bound from its host path; `staged`: the
+/// classic setup moved it to [`WS_MOUNT`] already (see [`plan`]).
+fn sandbox_mounts(
+    ops: &mut Vec<Op>,
+    r: Roots<'_>,
+    p: &Plan<'_>,
+    detached: bool,
+    staged: bool,
+) -> Result<()> {
     ops.push(Op::Mount {
         src: "proc".into(),
         dst: r.at("/proc"),
@@ -458,7 +473,12 @@ fn sandbox_mounts(ops: &mut Vec<Op>, r: Roots<'_>, p: &Plan<'_>, detached: bool)
         )),
         Workspace::HostDir { path, read_only } => {
             let src = canonical(path, "workspace")?;
-            ops.push(if detached {
+            ops.push(if staged {
+                Op::Bind {
+                    src: WS_MOUNT.into(),
+                    dst: r.at("/workspace"),
+                }
+            } else if detached {
                 Op::Lower {
                     src: r.old(&src),
                     dst: r.at("/workspace"),
@@ -649,7 +669,7 @@ pub(crate) fn template_plan(p: &Plan<'_>, root: &str) -> Result<Setup> {
         src: root.into(),
         dst: root.into(),
     });
-    sandbox_mounts(&mut ops, r, p, true)?;
+    sandbox_mounts(&mut ops, r, p, true, false)?;
     finish(&mut ops, p, root, &[]);
     Ok(Setup {
         prep: Vec::new(),
@@ -679,6 +699,20 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
             put_old: format!("/tmp{OLD}"),
         },
     ]);
+    // A host-directory workspace that arrives as a detached mount takes the message's first
+    // fd: it is staged in the scratch root before the layers take theirs.
+    let staged = p.workspace_fd && matches!(spec.workspace, Workspace::HostDir { .. });
+    if let (true, Workspace::HostDir { path, .. }) = (staged, &spec.workspace) {
+        let src = canonical(path, "workspace")?;
+        ops.push(Op::Mkdir {
+            path: WS_MOUNT.into(),
+            mode: 0o755,
+        });
+        ops.push(Op::Lower {
+            src: r.old(&src),
+            dst: WS_MOUNT.into(),
+        });
+    }
     let mut prep = Vec::new();
     if !layers.is_empty() {
         // Own-root mode (a rootfs directory or an image): an overlay whose lower layers are
@@ -750,7 +784,7 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
         write_etc(&mut ops, r, files);
     }
     skeleton(&mut ops, r, layers.is_empty());
-    sandbox_mounts(&mut ops, r, p, false)?;
+    sandbox_mounts(&mut ops, r, p, staged, staged)?;
 
     // The spec's mounts (read-only unless asked otherwise).
     for m in &spec.mounts {
@@ -862,6 +896,7 @@ mod tests {
             caps: tmpfs_caps(spec),
             loopback: true,
             layers: &[],
+            workspace_fd: false,
         })
         .map(Setup::all)
     }
@@ -907,6 +942,7 @@ mod tests {
             caps: tmpfs_caps(&spec),
             loopback: true,
             layers: &layers,
+            workspace_fd: false,
         })
         .unwrap();
         // The preparation ends with the layers in place; the overlay comes first after it.
@@ -1000,6 +1036,7 @@ mod tests {
             caps: tmpfs_caps(&spec),
             loopback: true,
             layers: &[],
+            workspace_fd: false,
         };
         let setup = template_plan(&p, root).unwrap();
         assert!(setup.prep.is_empty());
@@ -1094,6 +1131,7 @@ mod wire_tests {
             caps: tmpfs_caps(&spec),
             loopback: true,
             layers: &[],
+            workspace_fd: false,
         })
         .unwrap()
         .all();

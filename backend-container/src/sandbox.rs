@@ -293,17 +293,16 @@ impl Inner {
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
-    /// Whose ids the file API creates files with: the sandbox user's, except rootless (we
-    /// are that user already) and on a host-directory workspace not mapped to its owner (the
-    /// caller's own files, created as the caller).
+    /// Whose ids the file API creates files with: the command user's, as commands do (on a
+    /// host-directory workspace its idmapped mount stores them as the directory's owner),
+    /// except rootless (we are that user already).
     pub(crate) fn owner(&self) -> Option<Owner> {
-        let host_dir = !matches!(self.spec.workspace, sandbox_core::Workspace::Empty);
-        if self.ids.rootless || (host_dir && self.ids.user_override.is_none()) {
+        if self.ids.rootless {
             None
         } else {
             Some(Owner {
                 uid: self.ids.host_uid(self.user),
-                gid: self.ids.host_gid(self.user),
+                gid: self.ids.host_gid(self.group),
             })
         }
     }

@@ -140,8 +140,43 @@ enum Label {
     NsFlags,
     /// The `ioctl` request check.
     Ioctl,
+    /// An `open` that may create a file: its flags (argument `flags`) checked for
+    /// [`CREATE_FLAGS`], then its mode (argument `mode`) as [`Label::Mode`] does.
+    Create { flags: u32, mode: u32 },
+    /// The mode in argument `n` checked for the set-id bits ([`SETID_BITS`]).
+    Mode(u32),
     /// `return errno(e)`.
     Errno(i32),
+}
+
+/// `fchmodat2` (Linux 6.6; the same number on every architecture, not in every libc).
+const SYS_FCHMODAT2: i64 = 452;
+
+/// The set-user-ID and set-group-ID mode bits.
+const SETID_BITS: u32 = 0o6000;
+/// The `open` flags with which it creates a file (and takes a mode): `O_CREAT`, and the
+/// bit of `O_TMPFILE` that is its own (`__O_TMPFILE`).
+const CREATE_FLAGS: u32 = libc::O_CREAT as u32 | 0o2000_0000;
+
+/// The syscalls that set a file's mode, with the argument holding it ([`Label::Mode`]), or
+/// its flags and mode ([`Label::Create`]); refused by the set-id guard (see
+/// [`program_with`]) when the mode carries [`SETID_BITS`].
+fn mode_setters() -> Vec<(i64, Label)> {
+    let mut v = vec![
+        (libc::SYS_fchmod, Label::Mode(1)),
+        (libc::SYS_fchmodat, Label::Mode(2)),
+        (SYS_FCHMODAT2, Label::Mode(2)),
+        (libc::SYS_mknodat, Label::Mode(2)),
+        (libc::SYS_openat, Label::Create { flags: 2, mode: 3 }),
+    ];
+    #[cfg(target_arch = "x86_64")]
+    v.extend([
+        (libc::SYS_chmod, Label::Mode(1)),
+        (libc::SYS_creat, Label::Mode(1)),
+        (libc::SYS_mknod, Label::Mode(1)),
+        (libc::SYS_open, Label::Create { flags: 1, mode: 2 }),
+    ]);
+    v
 }
 
 /// An instruction whose true branch jumps to a label (the false branch falls through).
@@ -159,6 +194,17 @@ enum Item {
 /// instructions ~90 µs, 82 ~110 µs, 132 ~230 µs); one shared return per errno instead of
 /// one after each comparison halves the program.
 pub fn program() -> Vec<Insn> {
+    program_with(false)
+}
+
+/// [`program`], plus, with `setid_guard`, the **set-id guard**: setting the setuid or setgid
+/// bit is refused with `EPERM` (`chmod`, `fchmod`, `fchmodat`, `fchmodat2`, `mknod`,
+/// `mknodat`, and `open`, `openat`, `creat` that create a file with those bits), and
+/// `openat2`, whose mode lives in memory seccomp cannot read, answers `ENOSYS` (callers
+/// fall back to `openat`). For sandboxes whose writable workspace belongs to host root
+/// through its idmapped mount: there, a set-id file would be a set-id-root program on the
+/// host (see "Identity" in `docs/container.md`).
+pub fn program_with(setid_guard: bool) -> Vec<Insn> {
     let jeq = |k: u32, to: Label| Item::Jump {
         code: BPF_JEQ_K,
         k,
@@ -187,6 +233,17 @@ pub fn program() -> Vec<Insn> {
     items.push(jeq(libc::SYS_clone as u32, Label::NsFlags));
     items.push(jeq(libc::SYS_unshare as u32, Label::NsFlags));
     items.push(jeq(libc::SYS_ioctl as u32, Label::Ioctl));
+    let setters = if setid_guard {
+        mode_setters()
+    } else {
+        Vec::new()
+    };
+    for (nr, label) in &setters {
+        items.push(jeq(*nr as u32, *label));
+    }
+    if setid_guard {
+        items.push(jeq(libc::SYS_openat2 as u32, Label::Errno(libc::ENOSYS)));
+    }
     for d in denied().iter().chain(arch_denied()) {
         items.push(jeq(d.nr as u32, Label::Errno(d.errno)));
     }
@@ -215,6 +272,54 @@ pub fn program() -> Vec<Insn> {
             ],
         ),
     ];
+    // The set-id guard's blocks: the flag checks first (they jump forward to the mode
+    // checks), one block per distinct label.
+    let mut creates: Vec<Label> = Vec::new();
+    let mut modes: Vec<Label> = Vec::new();
+    for (_, label) in &setters {
+        let (list, mode) = match *label {
+            Label::Create { mode, .. } => (&mut creates, Label::Mode(mode)),
+            l => (&mut modes, l),
+        };
+        if !list.contains(label) {
+            list.push(*label);
+        }
+        if !modes.contains(&mode) {
+            modes.push(mode);
+        }
+    }
+    for label in creates {
+        if let Label::Create { flags, mode } = label {
+            blocks.push((
+                label,
+                vec![
+                    Item::Plain(ld(off_arg_lo(flags))),
+                    Item::Jump {
+                        code: BPF_JSET_K,
+                        k: CREATE_FLAGS,
+                        to: Label::Mode(mode),
+                    },
+                    Item::Plain(ret(RET_ALLOW)),
+                ],
+            ));
+        }
+    }
+    for label in modes {
+        if let Label::Mode(n) = label {
+            blocks.push((
+                label,
+                vec![
+                    Item::Plain(ld(off_arg_lo(n))),
+                    Item::Jump {
+                        code: BPF_JSET_K,
+                        k: SETID_BITS,
+                        to: Label::Errno(libc::EPERM),
+                    },
+                    Item::Plain(ret(RET_ALLOW)),
+                ],
+            ));
+        }
+    }
     let mut errnos: Vec<i32> = denied()
         .iter()
         .chain(arch_denied())
@@ -252,8 +357,13 @@ pub fn program() -> Vec<Insn> {
 
 /// The program as the bytes of a `struct sock_filter` array (native endian).
 pub fn program_bytes() -> Vec<u8> {
+    program_bytes_with(false)
+}
+
+/// [`program_with`] as the bytes of a `struct sock_filter` array (native endian).
+pub fn program_bytes_with(setid_guard: bool) -> Vec<u8> {
     let mut out = Vec::new();
-    for i in program() {
+    for i in program_with(setid_guard) {
         out.extend_from_slice(&i.code.to_ne_bytes());
         out.push(i.jt);
         out.push(i.jf);
@@ -387,5 +497,70 @@ mod tests {
             errno(libc::ENOSYS)
         );
         assert_eq!(program_bytes().len(), p.len() * 8);
+        // Without the set-id guard, modes are nobody's business.
+        let suid = [0, 0, 0o4755, 0, 0, 0];
+        assert_eq!(run(&p, a, libc::SYS_fchmodat as u32, suid), RET_ALLOW);
+    }
+
+    #[test]
+    #[allow(clippy::unnecessary_cast)] // the libc types differ between targets
+    fn the_setid_guard_refuses_setuid_and_setgid_modes_only() {
+        let p = program_with(true);
+        assert!(p.len() < 130, "{}", p.len());
+        let a = AUDIT_ARCH;
+        let eperm = errno(libc::EPERM);
+        let creat = (libc::O_CREAT | libc::O_WRONLY) as u64;
+        let tmpfile = (libc::O_TMPFILE | libc::O_WRONLY) as u64;
+        let cases: Vec<(i64, [u64; 6], u32)> = vec![
+            (libc::SYS_fchmod, [3, 0o4755, 0, 0, 0, 0], eperm),
+            (libc::SYS_fchmod, [3, 0o2755, 0, 0, 0, 0], eperm),
+            (libc::SYS_fchmod, [3, 0o1777, 0, 0, 0, 0], RET_ALLOW),
+            (libc::SYS_fchmodat, [0, 0, 0o6755, 0, 0, 0], eperm),
+            (libc::SYS_fchmodat, [0, 0, 0o755, 0, 0, 0], RET_ALLOW),
+            (SYS_FCHMODAT2, [0, 0, 0o4700, 0, 0, 0], eperm),
+            (libc::SYS_mknodat, [0, 0, 0o104755, 0, 0, 0], eperm),
+            (libc::SYS_openat, [0, 0, creat, 0o4755, 0, 0], eperm),
+            (libc::SYS_openat, [0, 0, tmpfile, 0o2755, 0, 0], eperm),
+            (libc::SYS_openat, [0, 0, creat, 0o644, 0, 0], RET_ALLOW),
+            // Without O_CREAT the mode argument means nothing.
+            (libc::SYS_openat, [0, 0, 0, 0o4755, 0, 0], RET_ALLOW),
+            (libc::SYS_openat2, [0; 6], errno(libc::ENOSYS)),
+            (
+                libc::SYS_write,
+                [1, 0o4755, 0o4755, 0o4755, 0, 0],
+                RET_ALLOW,
+            ),
+        ];
+        for (nr, args, want) in cases {
+            assert_eq!(run(&p, a, nr as u32, args), want, "{nr} {args:?}");
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            assert_eq!(
+                run(&p, a, libc::SYS_chmod as u32, [0, 0o4755, 0, 0, 0, 0]),
+                eperm
+            );
+            assert_eq!(
+                run(&p, a, libc::SYS_creat as u32, [0, 0o2755, 0, 0, 0, 0]),
+                eperm
+            );
+            assert_eq!(
+                run(&p, a, libc::SYS_open as u32, [0, creat, 0o4755, 0, 0, 0]),
+                eperm
+            );
+            assert_eq!(
+                run(&p, a, libc::SYS_open as u32, [0, creat, 0o755, 0, 0, 0]),
+                RET_ALLOW
+            );
+        }
+        // Everything else decides as without the guard.
+        let plain = program();
+        for d in denied().iter().chain(arch_denied()) {
+            assert_eq!(
+                run(&p, a, d.nr as u32, [0; 6]),
+                run(&plain, a, d.nr as u32, [0; 6])
+            );
+        }
+        assert_eq!(program_bytes_with(true).len(), p.len() * 8);
     }
 }

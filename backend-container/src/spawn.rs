@@ -106,6 +106,13 @@ pub(crate) enum SpawnError {
     /// The setup requests could not be sent.
     #[error("send the setup: {0}")]
     SendSetup(#[source] io::Error),
+    /// The user namespace of a workspace's idmapping could not be made.
+    #[error("make the workspace's idmapping: {0}")]
+    IdmapNamespace(#[source] io::Error),
+    /// The kernel refused to idmap the workspace's mount (e.g. its filesystem does not
+    /// support idmapped mounts).
+    #[error("idmap the workspace's mount: {0}")]
+    IdmapMount(#[source] io::Error),
 }
 
 static IMAGE: OnceLock<Result<InitImage, std::sync::Arc<io::Error>>> = OnceLock::new();
@@ -512,15 +519,8 @@ fn fork_init(
     let f = &mut *f;
     let mut last = None;
     for _ in 0..2 {
-        if f.zygote.is_none() {
-            let mut z = Zygote::start(img).map_err(SpawnError::StartZygote)?;
-            if f.templates_ok {
-                if let Err(e) = z.build(&f.templates) {
-                    f.templates_ok = false;
-                    last = Some(Box::new(SpawnError::RebuildTemplates(e)));
-                }
-            }
-            f.zygote = Some(z);
+        if let Some(e) = f.ensure_zygote(img)? {
+            last = Some(e);
         }
         // Without templates (rootless) there is one namespace, and spares serve everyone.
         if use_spare && (template || template_base().is_none()) {
@@ -546,6 +546,133 @@ fn fork_init(
     }
     Err(SpawnError::ZygoteFailedTwice(last))
 }
+
+impl Forks {
+    /// Starts the zygote if there is none (a new one first builds the templates the old one
+    /// had). Returns a template rebuild's failure, if any (templates are off from then on).
+    fn ensure_zygote(&mut self, img: &InitImage) -> Result<Option<Box<SpawnError>>, SpawnError> {
+        if self.zygote.is_some() {
+            return Ok(None);
+        }
+        let mut z = Zygote::start(img).map_err(SpawnError::StartZygote)?;
+        let mut failed = None;
+        if self.templates_ok {
+            if let Err(e) = z.build(&self.templates) {
+                self.templates_ok = false;
+                failed = Some(Box::new(SpawnError::RebuildTemplates(e)));
+            }
+        }
+        self.zygote = Some(z);
+        Ok(failed)
+    }
+}
+
+/// A process (our child) holding a new user namespace whose maps are not written yet, from
+/// the zygote (see the init's `hold_userns`), with our end of the socket it watches.
+fn hold_userns() -> Result<(libc::pid_t, OwnedFd), SpawnError> {
+    let img = image()?;
+    let mut f = FORKS.lock().map_err(|_| SpawnError::ZygotePoisoned)?;
+    let f = &mut *f;
+    let mut last = None;
+    for _ in 0..2 {
+        if let Some(e) = f.ensure_zygote(img)? {
+            last = Some(e);
+        }
+        let (ours, theirs) = seqpacket_pair().map_err(SpawnError::Socketpair)?;
+        match f
+            .zygote
+            .as_mut()
+            .map(|z| z.ask(b"U", &[theirs.as_raw_fd()]))
+        {
+            Some(Ok(pid)) => return Ok((pid as libc::pid_t, ours)),
+            Some(Err((false, e))) if e.raw_os_error().is_some() => {
+                return Err(SpawnError::IdmapNamespace(e))
+            }
+            Some(Err((_, e))) => {
+                last = Some(Box::new(SpawnError::Zygote(e)));
+                if let Some(old) = f.zygote.take() {
+                    old.kill();
+                }
+            }
+            None => {}
+        }
+    }
+    Err(SpawnError::ZygoteFailedTwice(last))
+}
+
+/// How a host-directory workspace's owner appears inside: the idmapping of its mount.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct WorkspaceIds {
+    /// The directory's owner on the host (uid, gid): the ids on disk.
+    pub owner: (u32, u32),
+    /// The host ids (uid, gid) of the sandbox's command user (its slot in the sandbox's
+    /// range): what the owner appears as through the mount, so the command user owns it.
+    pub user: (u32, u32),
+}
+
+impl WorkspaceIds {
+    /// The `uid_map` and `gid_map` texts of the mount's user namespace: one id each, the
+    /// owner's (on disk) to the command user's (host id). Every other id on disk is unmapped
+    /// (it shows as `nobody` and cannot be written as).
+    fn maps(&self) -> (String, String) {
+        (
+            format!("{} {} 1\n", self.owner.0, self.user.0),
+            format!("{} {} 1\n", self.owner.1, self.user.1),
+        )
+    }
+}
+
+/// A detached, recursive clone of the mount tree at `dir` (a host-directory workspace),
+/// idmapped (every mount in it) so that its owner's files appear as the sandbox's command
+/// user's and what that user creates is stored as the owner's (see [`WorkspaceIds`]);
+/// `nosuid`, `nodev`, and read-only if asked. Needs root and filesystems that support
+/// idmapped mounts; the caller falls back (or refuses) otherwise.
+pub(crate) fn workspace_tree(
+    dir: &std::path::Path,
+    ids: WorkspaceIds,
+    read_only: bool,
+) -> Result<OwnedFd, SpawnError> {
+    const AT_RECURSIVE: libc::c_uint = 0x8000;
+    let tree = open_tree_clone(dir, AT_RECURSIVE).map_err(SpawnError::IdmapMount)?;
+    let (pid, hold) = hold_userns()?;
+    let (uid_map, gid_map) = ids.maps();
+    let ns = std::fs::write(format!("/proc/{pid}/uid_map"), uid_map)
+        .and_then(|()| std::fs::write(format!("/proc/{pid}/gid_map"), gid_map))
+        .and_then(|()| std::fs::File::open(format!("/proc/{pid}/ns/user")));
+    drop(hold);
+    reap(pid, true);
+    let ns = ns.map_err(SpawnError::IdmapNamespace)?;
+    let attr = MountAttr {
+        set: MOUNT_ATTR_IDMAP
+            | MOUNT_ATTR_NOSUID
+            | MOUNT_ATTR_NODEV
+            | if read_only { MOUNT_ATTR_RDONLY } else { 0 },
+        clr: 0,
+        propagation: 0,
+        userns_fd: ns.as_raw_fd() as u64,
+    };
+    // SAFETY: mount_setattr(fd, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr, size) with a valid
+    // struct.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            tree.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH as libc::c_uint | AT_RECURSIVE,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    };
+    if r < 0 {
+        return Err(SpawnError::IdmapMount(io::Error::last_os_error()));
+    }
+    Ok(tree)
+}
+
+const MOUNT_ATTR_RDONLY: u64 = 0x1;
+const MOUNT_ATTR_NOSUID: u64 = 0x2;
+const MOUNT_ATTR_NODEV: u64 = 0x4;
+const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
 
 fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
     let mut sv = [0 as RawFd; 2];
@@ -964,10 +1091,6 @@ pub(crate) fn detached_tree(dir: &std::path::Path) -> io::Result<OwnedFd> {
 /// host filesystem belongs to the initial user namespace) and a filesystem that supports
 /// idmapped mounts (ext4, xfs, btrfs, tmpfs, overlayfs...).
 fn idmapped_tree(dir: &std::path::Path, pid: libc::pid_t) -> io::Result<OwnedFd> {
-    const MOUNT_ATTR_RDONLY: u64 = 0x1;
-    const MOUNT_ATTR_NOSUID: u64 = 0x2;
-    const MOUNT_ATTR_NODEV: u64 = 0x4;
-    const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
     let tree = open_tree_clone(dir, 0)?;
     let ns = std::fs::File::open(format!("/proc/{pid}/ns/user"))?;
     let attr = MountAttr {

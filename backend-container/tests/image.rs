@@ -247,6 +247,45 @@ async fn the_image_user_runs_commands() {
 }
 
 #[tokio::test]
+async fn the_image_user_owns_a_host_directory_workspace() {
+    if let Some(why) = common::rootfs_skip_reason().await {
+        eprintln!("SKIP: {why}");
+        return;
+    }
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("SKIP: a non-root image user needs a mapped uid range (root)");
+        return;
+    }
+    use std::os::unix::fs::MetadataExt;
+    // The image's `User` (app, 1000) runs commands; a workspace owned by uid 1234 on the
+    // host is idmapped to it, and what it writes there is 1234's on the host.
+    let f = fixture();
+    let ws = tempfile::tempdir().unwrap();
+    std::os::unix::fs::chown(ws.path(), Some(1234), Some(1234)).unwrap();
+    let mut spec = f.spec("app");
+    spec.workspace = sandbox_core::Workspace::HostDir {
+        path: ws.path().to_path_buf(),
+        read_only: false,
+    };
+    let sb = f
+        .backend
+        .create(&spec, ResolvedSecrets::none())
+        .await
+        .unwrap();
+    let out = sh_ok(
+        sb.as_ref(),
+        "id -u; stat -c %u:%g /workspace; mkdir /workspace/d && touch /workspace/d/x && echo ok",
+    )
+    .await;
+    assert_eq!(out, "1000\n1000:1000\nok\n");
+    sb.destroy().await.unwrap();
+    for p in ["d", "d/x"] {
+        let md = std::fs::symlink_metadata(ws.path().join(p)).unwrap();
+        assert_eq!((md.uid(), md.gid()), (1234, 1234), "{p}");
+    }
+}
+
+#[tokio::test]
 async fn snapshots_carry_the_upper_layer_and_find_the_image_again() {
     if let Some(why) = common::rootfs_skip_reason().await {
         eprintln!("SKIP: {why}");

@@ -201,7 +201,7 @@ pub fn write_rootfs(bundle: &Path, who: Identity) -> Result<PathBuf> {
         "root:x:0:0:root:/root:/bin/sh\nsandbox:x:{uid}:{gid}:sandbox:/workspace:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
     );
     let group = format!("root:x:0:\nsandbox:x:{gid}:\nnogroup:x:65534:\n");
-    let files: [(&str, &str); 5] = [
+    let files: [(&str, &str); 6] = [
         ("passwd", &passwd),
         ("group", &group),
         (
@@ -212,6 +212,12 @@ pub fn write_rootfs(bundle: &Path, who: Identity) -> Result<PathBuf> {
         (
             "resolv.conf",
             "# no network unless the egress policy allows it\nnameserver 127.0.0.1\n",
+        ),
+        // A commit identity, so git works in the workspace (as in the container tier).
+        (
+            "gitconfig",
+            "[user]\n\tname = sandbox\n\temail = sandbox@localhost\n[safe]\n\tdirectory = *\n\
+             [init]\n\tdefaultBranch = main\n",
         ),
     ];
     for (name, text) in files {

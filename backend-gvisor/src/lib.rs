@@ -12,7 +12,9 @@
 //!    directly (`containerManager.ExecuteAsync` with the stdio pipes attached, then
 //!    `WaitPID`; see the `urpc` module): ~4.6 ms instead of ~30 ms for a `runsc exec`
 //!    process. Exactly the spec's environment (never on a command line, where `ps` would
-//!    show secrets), no capabilities, the sandbox's uid/gid and rlimits; output is captured
+//!    show secrets), no capabilities, the sandbox's uid/gid (a `HostDir` workspace's owner's:
+//!    runsc's gofer gives new files the process's ids, so they are the owner's on the host,
+//!    see "Identity" in `docs/container.md`) and rlimits; output is captured
 //!    with caps and secret redaction. A wall timeout kills the exec's whole process group
 //!    inside the sandbox. (The socket is abstract, so per network namespace: for a sandbox
 //!    in a namespace of its own, for egress, a short-lived thread joins it to connect.)

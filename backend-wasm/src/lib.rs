@@ -112,7 +112,8 @@
 //!   past the cap is `ENOSPC`, reported as `limit: disk`, and the sandbox goes on. Writes are
 //!   admitted against an estimate that is measured again near the cap, so rewriting a file
 //!   is not growth. Host folders the spec grants (a `HostDir` workspace, mounts) are the
-//!   caller's and are not capped. The file API's writes to the workspace are held to the same
+//!   caller's and are not capped; the guest's files there are written by this process, so
+//!   they belong to the caller (see "Identity" in `docs/container.md`). The file API's writes to the workspace are held to the same
 //!   cap (an `io` error with `ENOSPC`); each one measures the folders (a walk of their
 //!   entries) first.
 //! - Files: only the preopened folders, enforced by wasmtime-wasi's capability-based

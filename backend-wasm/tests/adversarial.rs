@@ -313,10 +313,18 @@ async fn a_host_folder_workspace_is_the_callers_and_not_capped() {
     )
     .await;
     assert_eq!(r.stdout_str(), "ok\n", "{r:?} {}", r.stderr_str());
-    assert_eq!(
-        std::fs::metadata(dir.path().join("f")).unwrap().len(),
-        3 << 20
-    );
+    let md = std::fs::metadata(dir.path().join("f")).unwrap();
+    assert_eq!(md.len(), 3 << 20);
+    // Written by this process: the caller owns the file (see "Identity" in
+    // docs/container.md), as it owns the folder here.
+    {
+        use std::os::unix::fs::MetadataExt;
+        let dir_md = std::fs::metadata(dir.path()).unwrap();
+        // SAFETY: geteuid/getegid have no preconditions.
+        let me = unsafe { (libc::geteuid(), libc::getegid()) };
+        assert_eq!((md.uid(), md.gid()), me);
+        assert_eq!((dir_md.uid(), dir_md.gid()), me);
+    }
     // Its own /tmp still is.
     let r = common::run(sb.as_ref(), "open('/tmp/f', 'wb').write(b'z' * (3 << 20))").await;
     assert_eq!(r.limit, Some(LimitKind::Disk), "{r:?}");

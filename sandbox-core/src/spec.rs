@@ -70,11 +70,28 @@ pub enum Workspace {
     /// A fresh, empty workspace owned by the sandbox (capped by `limits.disk_bytes`).
     #[default]
     Empty,
-    /// A host directory.
+    /// A host directory, read-write unless `read_only`.
+    ///
+    /// **Identity** (one model for every tier; see "Host-directory workspaces: identity" in
+    /// `docs/container.md`): commands run unprivileged (no capabilities) as the sandbox's
+    /// command user, which owns the workspace inside; what they create there belongs to the
+    /// directory's owner on the host, never to another uid.
+    /// - container, as root: commands run as `sandbox` (uid 1000; an image's `User` or root
+    ///   in image sandboxes) and the directory is an idmapped mount mapping its owner to that
+    ///   user. Where the filesystem cannot be idmapped, a directory of an unprivileged owner
+    ///   maps the sandbox user to the owner instead, a read-only one is mounted as it is, and
+    ///   anything else is refused with [`Error::Unsupported`]. A
+    ///   root-owned writable directory refuses setting setuid/setgid bits (`EPERM`).
+    ///   Rootless: commands run as the caller.
+    /// - gvisor: commands run as the directory owner's uid and gid.
+    /// - wasm: files are written by the library's own process (the caller).
+    /// - microvm: not supported.
+    ///
+    /// Read-only, every write fails with `EROFS`.
     HostDir {
         /// The host path (must exist and be a directory).
         path: PathBuf,
-        /// Whether the sandbox may only read it.
+        /// Whether the sandbox may only read it (writes fail with `EROFS`).
         #[serde(default)]
         read_only: bool,
     },
@@ -479,6 +496,7 @@ impl SpecBuilder {
     }
 
     /// Uses a host directory as `/workspace`. Default: an empty workspace the sandbox owns.
+    /// Who writes it, and as whom: see [`Workspace::HostDir`].
     ///
     /// # Errors
     /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`workspace`) when `path` is
