@@ -24,8 +24,9 @@
 //! backend asks the enforcer to `bind_secrets` right after `prepare`; each secret's variable
 //! gets its placeholder, and the certificates the sandbox trusts (its root's system bundle,
 //! the image's or the host's `/etc/ssl/certs/ca-certificates.crt`, plus the proxy's
-//! interception CA) are written to `/etc/agent-sandbox-ca.crt`, which [`CA_BUNDLE_VARS`]
-//! name for OpenSSL, Python, curl, pip, git and Node.
+//! interception CA) are written to `/etc/agent-sandbox-ca.crt`, which `SSL_CERT_FILE`,
+//! `REQUESTS_CA_BUNDLE`, `CURL_CA_BUNDLE`, `PIP_CERT`, `GIT_SSL_CAINFO` and
+//! `NODE_EXTRA_CA_CERTS` name for OpenSSL, Python, curl, pip, git and Node.
 
 /// The variables that point TLS clients at the sandbox's certificate bundle when proxy-held
 /// secrets are bound.
