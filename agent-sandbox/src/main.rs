@@ -171,6 +171,16 @@ struct RunArgs {
     /// Set an environment variable inside. Repeatable. Nothing of the host's passes otherwise.
     #[arg(long = "env", value_name = "K=V", value_parser = parse_env)]
     env: Vec<(String, String)>,
+    /// A secret the sandbox never holds: inside, VAR holds a placeholder that the egress proxy
+    /// replaces by the value only on requests to HOSTS (which --allow-host or
+    /// --allow-internet must allow). The value is the host's environment variable NAME, or
+    /// the file given with --secret-file (never an argument). Repeatable.
+    #[arg(long = "secret", value_name = "NAME=VAR@HOST[,HOST]", value_parser = parse_secret)]
+    secret: Vec<SecretArg>,
+    /// Read secret NAME's value from this file (a trailing newline is dropped) instead of
+    /// the host's environment. Repeatable.
+    #[arg(long = "secret-file", value_name = "NAME=PATH", value_parser = parse_env)]
+    secret_file: Vec<(String, String)>,
     /// Mount a host path inside, read-only unless `:rw`. Repeatable.
     #[arg(long = "mount", value_name = "SRC:DST[:rw]", value_parser = parse_mount)]
     mount: Vec<Mount>,
@@ -216,6 +226,55 @@ fn parse_env(s: &str) -> Result<(String, String), String> {
         Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
         _ => Err(format!("`{s}`: expected KEY=VALUE")),
     }
+}
+
+/// `--secret NAME=VAR@HOST[,HOST]`.
+#[derive(Debug, Clone)]
+struct SecretArg {
+    name: String,
+    var: String,
+    hosts: Vec<String>,
+}
+
+fn parse_secret(s: &str) -> Result<SecretArg, String> {
+    let bad = || {
+        format!("`{s}`: expected NAME=VAR@HOST[,HOST] (the value comes from the host's environment variable NAME or --secret-file)")
+    };
+    let (name, rest) = s.split_once('=').ok_or_else(bad)?;
+    let (var, hosts) = rest.split_once('@').ok_or_else(bad)?;
+    let hosts: Vec<String> = hosts
+        .split(',')
+        .filter(|h| !h.is_empty())
+        .map(str::to_string)
+        .collect();
+    if name.is_empty() || var.is_empty() || hosts.is_empty() {
+        return Err(bad());
+    }
+    Ok(SecretArg {
+        name: name.to_string(),
+        var: var.to_string(),
+        hosts,
+    })
+}
+
+/// The values of `--secret`s: each from its `--secret-file`, else the host's environment.
+fn secret_values(args: &RunArgs) -> Result<agent_sandbox::MapSecretSource, String> {
+    let mut source = agent_sandbox::MapSecretSource::new();
+    for s in &args.secret {
+        let value = match args.secret_file.iter().rev().find(|(n, _)| *n == s.name) {
+            Some((_, path)) => std::fs::read_to_string(path)
+                .map(|v| v.strip_suffix('\n').unwrap_or(&v).to_string())
+                .map_err(|e| format!("secret {}: reading {path}: {e}", s.name))?,
+            None => std::env::var(&s.name).map_err(|_| {
+                format!(
+                    "secret {}: set the host's environment variable {} or give --secret-file {}=PATH",
+                    s.name, s.name, s.name
+                )
+            })?,
+        };
+        source = source.with(s.name.clone(), value);
+    }
+    Ok(source)
 }
 
 fn parse_mount(s: &str) -> Result<Mount, String> {
@@ -322,12 +381,13 @@ fn cli_runtime() -> Runtime {
 /// The runtime of `run`: one sandbox, then the process ends. With `--tier` only that tier's
 /// backend is set up (the others are never built, probed or swept), and no backend prepares
 /// for a later sandbox (see `agent_sandbox::one_shot_process`).
-fn run_runtime(tier: TierArg) -> Runtime {
+fn run_runtime(tier: TierArg, secrets: agent_sandbox::MapSecretSource) -> Runtime {
     agent_sandbox::one_shot_process();
-    match tier {
-        TierArg::Auto => cli_runtime(),
-        TierArg::Tier(t) => Runtime::builder_with_tiers(&[t]).build(),
-    }
+    let b = match tier {
+        TierArg::Auto => Runtime::builder_with_defaults(),
+        TierArg::Tier(t) => Runtime::builder_with_tiers(&[t]),
+    };
+    b.secret_source(std::sync::Arc::new(secrets)).build()
 }
 
 async fn async_main(cli: Cli) -> ExitCode {
@@ -458,7 +518,13 @@ async fn async_main(cli: Cli) -> ExitCode {
             }
             ExitCode::SUCCESS
         }
-        Cmd::Run(args) => run(&run_runtime(args.tier), args).await,
+        Cmd::Run(args) => match secret_values(&args) {
+            Ok(secrets) => run(&run_runtime(args.tier, secrets), args).await,
+            Err(e) => {
+                eprintln!("agent-sandbox: {e}");
+                ExitCode::from(EXIT_USAGE)
+            }
+        },
         Cmd::Image(cmd) => image_cmd::run(cmd).await,
         Cmd::Bench(cmd) => bench_cmd::run(&cli_runtime(), cmd).await,
     }
@@ -615,6 +681,9 @@ async fn run(runtime: &Runtime, args: RunArgs) -> ExitCode {
     }
     for m in &args.mount {
         b = b.mount(m.clone());
+    }
+    for s in &args.secret {
+        b = b.secret_via_proxy(&s.name, &s.var, &s.hosts);
     }
     if let Some(dir) = &args.workspace {
         b = b.workspace_dir(dir, false);

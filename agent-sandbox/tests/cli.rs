@@ -846,3 +846,79 @@ fn run_with_a_workspace_writes_files_its_owner_owns() {
         eprintln!("SKIP: neither the container nor the gvisor tier is available");
     }
 }
+
+/// `run --secret NAME=VAR@HOST`: the value comes from the host's environment (or
+/// `--secret-file`), never from an argument, and the sandbox's VAR holds a placeholder of the
+/// same length, never the value; a bound host the policy does not allow, or a missing value,
+/// is a usage error naming the fix. Nothing is sent anywhere.
+#[test]
+fn run_secret_puts_a_placeholder_inside() {
+    let v = json(&cli(&["probe", "--json"]));
+    let container = v["tiers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|t| t["tier"] == "container" && t["available"] == true);
+    // SAFETY: geteuid has no preconditions.
+    if !container || unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIP: needs the container tier and root (the egress enforcer)");
+        return;
+    }
+    const VALUE: &str = "cli-secret-value-0123456789";
+    let run = |extra: &[&str], env_value: Option<&str>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_agent-sandbox"));
+        c.args(["run", "--tier", "container"])
+            .args(extra)
+            .args(["--", "sh", "-c", "printf %s \"$TOKEN\""])
+            .env_remove("AGENT_SANDBOX_LOG")
+            .env_remove("CLI_TEST_TOKEN");
+        if let Some(v) = env_value {
+            c.env("CLI_TEST_TOKEN", v);
+        }
+        c.output().unwrap()
+    };
+    let allowed = ["--allow-host", "api.example.com"];
+    let secret = ["--secret", "CLI_TEST_TOKEN=TOKEN@api.example.com"];
+    let out = run(&[&allowed[..], &secret[..]].concat(), Some(VALUE));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let inside = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(inside.len(), VALUE.len(), "{inside}");
+    assert_ne!(inside, VALUE);
+    // From a file instead of the environment.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("token");
+    std::fs::write(&file, format!("{VALUE}\n")).unwrap();
+    let from_file = format!("CLI_TEST_TOKEN={}", file.display());
+    let out = run(
+        &[
+            &allowed[..],
+            &secret[..],
+            &["--secret-file", &from_file][..],
+        ]
+        .concat(),
+        None,
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.stdout.len(), VALUE.len());
+    assert_ne!(String::from_utf8_lossy(&out.stdout), VALUE);
+    // No value: a usage error with the fix.
+    let out = run(&[&allowed[..], &secret[..]].concat(), None);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--secret-file"));
+    // A bound host the policy does not allow.
+    let out = run(&secret, Some(VALUE));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("does not allow"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
