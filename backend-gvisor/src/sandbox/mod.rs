@@ -663,6 +663,18 @@ impl Inner {
     }
 
     fn delete_container(&self) {
+        self.delete_container_with(true)
+    }
+
+    /// [`delete_container`](Self::delete_container) for a container that comes back under
+    /// the same id (resume after a checkpoint): runsc's own state for the id must go, so
+    /// `runsc delete` always runs (the fast path leaves that state to the removal of the
+    /// sandbox's directory, which a resume keeps).
+    pub(super) fn delete_container_for_resume(&self) {
+        self.delete_container_with(false)
+    }
+
+    fn delete_container_with(&self, fast: bool) {
         let pids = self.pids.lock().map(|p| p.clone()).unwrap_or_default();
         // The sandbox and gofer processes go first, killed and reaped here: `delete` then
         // finds them gone instead of polling for them every 100 ms (see
@@ -673,7 +685,7 @@ impl Inner {
         // runsc's state (under `self.dir`, removed with it): done here when every cgroup
         // directory named after the sandbox goes at once (~20 ms of a runsc start saved);
         // anything else (a process left, a directory that will not go) is `delete`'s.
-        if pids.is_empty() && self.remove_cgroups() {
+        if fast && pids.is_empty() && self.remove_cgroups() {
             return;
         }
         let mut cmd = self.runsc.command();

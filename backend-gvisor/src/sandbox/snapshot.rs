@@ -86,7 +86,7 @@ impl Inner {
     /// Brings a checkpointed (stopped) container back from its image under the same id.
     pub(super) async fn resume_from(self: &Arc<Self>, image: &Path) {
         let me = Arc::clone(self);
-        let _ = tokio::task::spawn_blocking(move || me.delete_container()).await;
+        let _ = tokio::task::spawn_blocking(move || me.delete_container_for_resume()).await;
         let mut cmd = self.runsc.async_command();
         cmd.args(["restore", "--detach", "--bundle"])
             .arg(&self.bundle)
