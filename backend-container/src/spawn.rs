@@ -461,8 +461,11 @@ pub(crate) fn template_root(key: TemplateKey) -> Option<String> {
         match z.build(templates) {
             Ok(()) => return Some(format!("{TEMPLATE_BASE}/{idx}")),
             // A zygote that died (it is restarted on the next fork anyway): once more with a
-            // new one, which builds every template again.
-            Err(_) if attempt == 0 && z.child.try_wait().ok().flatten().is_some() => {
+            // new one, which builds every template again. Its socket closes before its exit
+            // status can be waited for, so a failure is not asked whether it has died yet:
+            // the first one always gets a new zygote, and only a new one failing too gives
+            // templates up.
+            Err(_) if attempt == 0 => {
                 if let Some(old) = f.zygote.take() {
                     old.kill();
                 }
