@@ -255,12 +255,20 @@ async fn container_clients_use_a_secret_they_never_hold() {
     assert!(r.stdout_str().starts_with("HTTP/1.1 403"), "{r:?}");
     assert!(plain_got.lock().unwrap().is_empty());
     let events = sb.network_events().await.unwrap();
+    let leak = events
+        .iter()
+        .find(|e| e.is_leak_attempt())
+        .unwrap_or_else(|| panic!("no leak attempt in {events:?}"));
+    assert!(!leak.allowed);
+    assert_eq!(leak.host.as_deref(), Some("other.test"));
     assert!(
-        events
-            .iter()
-            .any(|e| !e.allowed && e.rule.contains("leak attempt")),
-        "{events:?}"
+        matches!(&leak.secret, Some(SecretUse::LeakAttempt { secret, place })
+            if secret == "API_TOKEN" && place == "request target"),
+        "{leak:?}"
     );
+    // And the substitutions before it, by name and place.
+    assert!(events.iter().any(|e| matches!(&e.secret,
+        Some(SecretUse::Substituted { place, .. }) if place == "header authorization")));
     assert!(!format!("{events:?}").contains(VALUE));
     sb.destroy().await.unwrap();
 }

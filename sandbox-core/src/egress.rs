@@ -65,8 +65,33 @@ impl SecretPlan {
     }
 }
 
+/// What a [`NetworkEvent`] had to do with a proxy-held secret
+/// ([`SecretExposure::Proxy`](crate::SecretExposure::Proxy)). Names and places only, never a
+/// value.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case")]
+#[non_exhaustive]
+pub enum SecretUse {
+    /// The placeholder was replaced by the value on the way to a host the secret is bound to.
+    Substituted {
+        /// The secret's name.
+        secret: String,
+        /// Where in the request (`header authorization`, `request target`, `body`, ...).
+        place: String,
+    },
+    /// The placeholder was on its way to a host the secret is not bound to: the request was
+    /// refused, and something in the sandbox tried to send the credential elsewhere.
+    LeakAttempt {
+        /// The secret's name.
+        secret: String,
+        /// Where in the request.
+        place: String,
+    },
+}
+
 /// One decision of an egress enforcer, as a sandbox's caller sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct NetworkEvent {
     /// When it was decided.
     pub time: SystemTime,
@@ -84,6 +109,38 @@ pub struct NetworkEvent {
     pub rule: String,
     /// For an allowed destination that could not be reached: why.
     pub error: Option<String>,
+    /// A proxy-held secret substituted in the request, or a leak attempt refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret: Option<SecretUse>,
+}
+
+impl NetworkEvent {
+    /// An event with no host, address, error or secret (set those fields as they apply).
+    pub fn new(
+        time: SystemTime,
+        via: impl Into<String>,
+        port: u16,
+        allowed: bool,
+        rule: impl Into<String>,
+    ) -> Self {
+        NetworkEvent {
+            time,
+            via: via.into(),
+            host: None,
+            ip: None,
+            port,
+            allowed,
+            rule: rule.into(),
+            error: None,
+            secret: None,
+        }
+    }
+
+    /// Whether the sandbox tried to send a proxy-held secret's placeholder to a host the
+    /// secret is not bound to.
+    pub fn is_leak_attempt(&self) -> bool {
+        matches!(self.secret, Some(SecretUse::LeakAttempt { .. }))
+    }
 }
 
 impl fmt::Display for NetworkEvent {

@@ -29,7 +29,7 @@ pub mod tier;
 pub mod timeline;
 
 pub use capabilities::{Capabilities, NetworkMode, SnapshotKind};
-pub use egress::{EgressEnforcer, EgressPlan, NetworkEvent, SecretPlan};
+pub use egress::{EgressEnforcer, EgressPlan, NetworkEvent, SecretPlan, SecretUse};
 pub use error::{Error, Result};
 pub use exec::{
     flood_threshold, pump_output, Command, ExecEvent, ExecRequest, ExecResult, ExecStream,

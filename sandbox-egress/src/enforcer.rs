@@ -30,14 +30,14 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use sandbox_core::{
     EgressEnforcer, EgressPlan, Error, NetworkEvent, NetworkPolicy, ProxiedSecret, Result,
-    SecretPlan,
+    SecretPlan, SecretUse,
 };
 use tokio::runtime::Runtime;
 
 use crate::net::{Dialer, Resolver};
 use crate::netns::{shared_host_ruleset, Netns, SoOriginalDst, VethConfig};
 use crate::proxy::{EgressProxy, ProxyConfig, Sockets};
-use crate::AuditEntry;
+use crate::{AuditEntry, AuditRule};
 
 /// Port of the explicit HTTP/CONNECT proxy on each link's host address.
 pub const PROXY_PORT: u16 = 3128;
@@ -389,16 +389,22 @@ impl VethEnforcer {
 
 /// An audit entry as the caller sees it.
 pub fn network_event(e: &AuditEntry) -> NetworkEvent {
-    NetworkEvent {
-        time: e.time,
-        via: e.via.name().to_string(),
-        host: e.host.clone(),
-        ip: e.ip,
-        port: e.port,
-        allowed: e.allowed,
-        rule: e.rule.to_string(),
-        error: e.error.clone(),
-    }
+    let mut ev = NetworkEvent::new(e.time, e.via.name(), e.port, e.allowed, e.rule.to_string());
+    ev.host = e.host.clone();
+    ev.ip = e.ip;
+    ev.error = e.error.clone();
+    ev.secret = match &e.rule {
+        AuditRule::SecretSubstituted { secret, place } => Some(SecretUse::Substituted {
+            secret: secret.clone(),
+            place: place.clone(),
+        }),
+        AuditRule::SecretLeakAttempt { secret, place } => Some(SecretUse::LeakAttempt {
+            secret: secret.clone(),
+            place: place.clone(),
+        }),
+        _ => None,
+    };
+    ev
 }
 
 #[async_trait]

