@@ -19,12 +19,12 @@ use sandbox_core::{
     DynBackend, Error, ExecRequest, Language, MapSecretSource, NetworkPolicy, ResolvedSecrets,
     SandboxSpec,
 };
+use sandbox_egress::testing::{EchoServer, TestCa};
 use sandbox_egress::{
     Dialer, ProxyConfig, StaticResolver, TcpDialer, UpstreamStream, VethEnforcer,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
-use tokio_rustls::rustls::{self, pki_types::CertificateDer};
 
 const VALUE: &str = "ghp_REALVALUEofTheToken0123456789abcdefgh";
 
@@ -39,67 +39,6 @@ impl Dialer for GuardDialer {
         }
         TcpDialer.dial(addr).await
     }
-}
-
-/// An HTTPS server for `allowed.test` behind a fresh test CA, answering each request with the
-/// head it received (and recording it); plus that CA.
-async fn echo_server() -> (u16, CertificateDer<'static>, Arc<Mutex<Vec<String>>>) {
-    use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
-    let ca_key = rcgen::KeyPair::generate().unwrap();
-    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, "agent-sandbox test upstream CA");
-    let ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key).unwrap();
-    let key = rcgen::KeyPair::generate().unwrap();
-    let mut leaf = rcgen::CertificateParams::new(vec!["allowed.test".to_string()]).unwrap();
-    leaf.distinguished_name
-        .push(rcgen::DnType::CommonName, "allowed.test");
-    let leaf = leaf.signed_by(&key, &ca).unwrap();
-    let cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_no_client_auth()
-    .with_single_cert(
-        vec![leaf.der().clone()],
-        PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
-    )
-    .unwrap();
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = l.local_addr().unwrap().port();
-    let heads = Arc::new(Mutex::new(Vec::new()));
-    let h = heads.clone();
-    tokio::spawn(async move {
-        while let Ok((s, _)) = l.accept().await {
-            let (acceptor, h) = (acceptor.clone(), h.clone());
-            tokio::spawn(async move {
-                let Ok(mut t) = acceptor.accept(s).await else {
-                    return;
-                };
-                let mut buf = Vec::new();
-                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                    let mut c = [0u8; 4096];
-                    match t.read(&mut c).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&c[..n]),
-                    }
-                }
-                let head = String::from_utf8_lossy(&buf).into_owned();
-                h.lock().unwrap().push(head.clone());
-                let resp = format!(
-                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{head}",
-                    head.len()
-                );
-                let _ = t.write_all(resp.as_bytes()).await;
-                let _ = t.shutdown().await;
-            });
-        }
-    });
-    (port, ca.der().clone(), heads)
 }
 
 /// A plain HTTP server on loopback that records what it got.
@@ -156,11 +95,15 @@ async fn container_clients_use_a_secret_they_never_hold() {
         eprintln!("SKIP: the egress enforcer needs root");
         return;
     }
-    let (port, upstream_ca, heads) = echo_server().await;
+    let upstream_ca = TestCa::new("agent-sandbox test upstream CA").unwrap();
+    let server = EchoServer::start(&upstream_ca, &["allowed.test"])
+        .await
+        .unwrap();
+    let port = server.port;
     let (plain_port, plain_got) = http_server().await;
     let e = VethEnforcer::builder()
         .config(ProxyConfig {
-            upstream_roots: vec![upstream_ca],
+            upstream_roots: vec![upstream_ca.der()],
             ..ProxyConfig::default()
         })
         .resolver(Arc::new(
@@ -216,7 +159,7 @@ async fn container_clients_use_a_secret_they_never_hold() {
     ))
     .await;
     assert_eq!(r2.exit_code, Some(0), "{r2:?}");
-    let got = heads.lock().unwrap().clone();
+    let got = server.heads();
     assert_eq!(got.len(), 2, "{got:?}");
     assert!(
         got[0].contains(&format!("GET /curl?token={VALUE} ")),
@@ -270,6 +213,29 @@ async fn container_clients_use_a_secret_they_never_hold() {
     assert!(events.iter().any(|e| matches!(&e.secret,
         Some(SecretUse::Substituted { place, .. }) if place == "header authorization")));
     assert!(!format!("{events:?}").contains(VALUE));
+
+    // A policy update applies to the next request: without the bound host, the credential
+    // goes nowhere; with it again, it is substituted again.
+    let bound_request = format!(
+        "curl -sS -o /dev/null -w '%{{http_code}}' -H \"Authorization: Bearer $API_TOKEN\" \
+         https://allowed.test:{port}/after-update"
+    );
+    let seen = server.heads().len();
+    sb.set_network_policy(NetworkPolicy::Allow {
+        hosts: vec!["other.test".parse().unwrap()],
+        cidrs: vec![],
+        ports: vec![],
+    })
+    .await
+    .unwrap();
+    let r = run(bound_request.clone()).await;
+    assert_ne!(r.stdout_str(), "200", "{r:?}");
+    assert_eq!(server.heads().len(), seen, "nothing reached the bound host");
+    sb.set_network_policy(spec.network.clone()).await.unwrap();
+    let r = run(bound_request).await;
+    assert_eq!(r.stdout_str(), "200", "{r:?}");
+    let got = server.heads().last().cloned().unwrap_or_default();
+    assert!(got.contains(&format!("Bearer {VALUE}")), "{got}");
     sb.destroy().await.unwrap();
 }
 

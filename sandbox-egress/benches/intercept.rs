@@ -11,9 +11,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
+use rustls::pki_types::{CertificateDer, ServerName};
 use sandbox_core::{NetworkPolicy, Secret};
 use sandbox_egress::secrets::{ProxySecret, SecretSet};
+use sandbox_egress::testing::TestCa;
 use sandbox_egress::{EgressProxy, ProxyConfig, StaticResolver};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -28,28 +29,8 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 /// A test CA, and an HTTPS server for `api.test` behind it: `GET /small` answers 2 bytes,
 /// `GET /big` 256 MiB; one request per connection.
 async fn server() -> (u16, CertificateDer<'static>) {
-    let ca_key = rcgen::KeyPair::generate().unwrap();
-    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, "bench upstream CA");
-    let ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key).unwrap();
-    let key = rcgen::KeyPair::generate().unwrap();
-    let mut leaf = rcgen::CertificateParams::new(vec!["api.test".to_string()]).unwrap();
-    leaf.distinguished_name
-        .push(rcgen::DnType::CommonName, "api.test");
-    let cert = leaf.signed_by(&key, &ca).unwrap();
-    let cfg = rustls::ServerConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_no_client_auth()
-        .with_single_cert(
-            vec![cert.der().clone()],
-            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
-        )
-        .unwrap();
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
+    let ca = TestCa::new("bench upstream CA").unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(ca.server_config(&["api.test"]).unwrap());
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = l.local_addr().unwrap().port();
     tokio::spawn(async move {
@@ -91,7 +72,7 @@ async fn server() -> (u16, CertificateDer<'static>) {
             });
         }
     });
-    (port, ca.der().clone())
+    (port, ca.der())
 }
 
 struct Setup {

@@ -116,6 +116,7 @@ mod proxy;
 pub mod secrets;
 #[cfg(target_os = "linux")]
 mod splice;
+pub mod testing;
 pub mod tls;
 
 pub use audit::{AuditEntry, AuditRule, Via};

@@ -9,120 +9,17 @@ mod common;
 
 use std::net::SocketAddr;
 use std::process::Command;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use common::*;
-use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use rustls::pki_types::CertificateDer;
 use sandbox_core::Secret;
 use sandbox_egress::secrets::{ProxySecret, SecretSet};
+use sandbox_egress::testing::{EchoServer, TestCa};
 use sandbox_egress::{AuditRule, ProxyConfig, StaticResolver};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
 
 const VALUE: &str = "sk-live-REALVALUE-0123456789abcdef";
-
-/// A test CA and an HTTPS server for `names` signed by it (or self-signed when `ca` is
-/// `None`) that answers every request with the head it received (keep-alive), recording it.
-struct EchoServer {
-    port: u16,
-    heads: Arc<Mutex<Vec<String>>>,
-}
-
-struct TestCa {
-    issuer: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,
-}
-
-impl TestCa {
-    fn new() -> Self {
-        let key = rcgen::KeyPair::generate().unwrap();
-        let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        // Distinct subjects: OpenSSL takes a leaf whose subject equals its issuer's for a
-        // self-signed certificate.
-        p.distinguished_name = rcgen::DistinguishedName::new();
-        p.distinguished_name
-            .push(rcgen::DnType::CommonName, "test upstream CA");
-        TestCa {
-            issuer: rcgen::CertifiedIssuer::self_signed(p, key).unwrap(),
-        }
-    }
-
-    fn der(&self) -> CertificateDer<'static> {
-        self.issuer.der().clone()
-    }
-
-    fn pem(&self) -> String {
-        self.issuer.pem()
-    }
-}
-
-async fn echo_server(ca: &TestCa, names: &[&str]) -> EchoServer {
-    let key = rcgen::KeyPair::generate().unwrap();
-    let mut params =
-        rcgen::CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())
-            .unwrap();
-    params.distinguished_name = rcgen::DistinguishedName::new();
-    params
-        .distinguished_name
-        .push(rcgen::DnType::CommonName, names[0]);
-    let cert = params.signed_by(&key, &ca.issuer).unwrap();
-    let der_key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
-    let cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_no_client_auth()
-    .with_single_cert(vec![cert.der().clone()], der_key)
-    .unwrap();
-    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(cfg));
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = l.local_addr().unwrap().port();
-    let heads = Arc::new(Mutex::new(Vec::new()));
-    let h = heads.clone();
-    tokio::spawn(async move {
-        loop {
-            let (s, _) = l.accept().await.unwrap();
-            let (acceptor, h) = (acceptor.clone(), h.clone());
-            tokio::spawn(async move {
-                let Ok(mut t) = acceptor.accept(s).await else {
-                    return;
-                };
-                let mut buf = Vec::new();
-                loop {
-                    let end = loop {
-                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                            break i + 4;
-                        }
-                        let mut chunk = [0u8; 4096];
-                        match t.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
-                    };
-                    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
-                    buf.drain(..end);
-                    h.lock().unwrap().push(head.clone());
-                    let resp = format!(
-                        "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\n\r\n{head}",
-                        head.len()
-                    );
-                    if t.write_all(resp.as_bytes()).await.is_err() {
-                        return;
-                    }
-                    if head
-                        .to_ascii_lowercase()
-                        .contains("\r\nconnection: close\r\n")
-                    {
-                        let _ = t.shutdown().await;
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    EchoServer { port, heads }
-}
 
 struct Setup {
     h: Harness,
@@ -214,8 +111,8 @@ async fn the_server_gets_the_value_and_the_client_only_the_placeholder() {
     if curl_missing() {
         return;
     }
-    let ca = TestCa::new();
-    let server = echo_server(&ca, &["api.test"]).await;
+    let ca = TestCa::new("test upstream CA").unwrap();
+    let server = EchoServer::start(&ca, &["api.test"]).await.unwrap();
     let s = setup(&ca).await;
     let ph = s.placeholder.clone();
     assert_eq!(ph.len(), VALUE.len());
@@ -236,7 +133,7 @@ async fn the_server_gets_the_value_and_the_client_only_the_placeholder() {
     ])
     .await;
     assert_eq!(code, 0, "{err}");
-    let heads = server.heads.lock().unwrap().clone();
+    let heads = server.heads();
     assert_eq!(heads.len(), 2, "{heads:?}");
     assert!(
         heads[0].contains(&format!("GET /echo?token={VALUE} ")),
@@ -305,7 +202,7 @@ async fn the_server_gets_the_value_and_the_client_only_the_placeholder() {
     assert_eq!(code, 0, "{err}");
     use base64::Engine as _;
     let want = base64::engine::general_purpose::STANDARD.encode(format!("x-access-token:{VALUE}"));
-    let last = server.heads.lock().unwrap().last().cloned().unwrap();
+    let last = server.heads().last().cloned().unwrap();
     assert!(
         last.contains(&format!("Authorization: Basic {want}\r\n")),
         "{last}"
@@ -325,7 +222,7 @@ async fn the_server_gets_the_value_and_the_client_only_the_placeholder() {
     ])
     .await;
     assert_eq!(code, 0, "{err}");
-    let last = server.heads.lock().unwrap().last().cloned().unwrap();
+    let last = server.heads().last().cloned().unwrap();
     assert!(
         last.contains(&format!("Authorization: Bearer {ph}\r\n")),
         "{last}"
@@ -337,7 +234,7 @@ async fn placeholders_to_other_hosts_and_bad_certificates_fail_closed() {
     if curl_missing() {
         return;
     }
-    let ca = TestCa::new();
+    let ca = TestCa::new("test upstream CA").unwrap();
     let s = setup(&ca).await;
     let ph = s.placeholder.clone();
     // Plain HTTP to an allowed host the secret is not bound to: refused, audited.
@@ -366,8 +263,8 @@ async fn placeholders_to_other_hosts_and_bad_certificates_fail_closed() {
 
     // A bound host whose certificate does not verify (self-signed, not a trusted root):
     // nothing is sent to it, the client gets a 502.
-    let rogue = TestCa::new();
-    let bad = echo_server(&rogue, &["bad.test"]).await;
+    let rogue = TestCa::new("test upstream CA").unwrap();
+    let bad = EchoServer::start(&rogue, &["bad.test"]).await.unwrap();
     let (code, out, err) = curl(vec![
         "-i".into(),
         "--proxy".into(),
@@ -382,7 +279,7 @@ async fn placeholders_to_other_hosts_and_bad_certificates_fail_closed() {
     assert_eq!(code, 0, "{err}");
     // (curl -i shows the proxy's answer to CONNECT first.)
     assert!(out.contains("\r\n\r\nHTTP/1.1 502"), "{out}");
-    assert!(bad.heads.lock().unwrap().is_empty());
+    assert!(bad.heads().is_empty());
     assert!(s
         .h
         .proxy
@@ -392,7 +289,7 @@ async fn placeholders_to_other_hosts_and_bad_certificates_fail_closed() {
         .any(|e| e.rule.to_string().contains("did not verify")));
 
     // A client that trusts only its own roots (pinning, in effect) refuses the leaf.
-    let server = echo_server(&ca, &["api.test"]).await;
+    let server = EchoServer::start(&ca, &["api.test"]).await.unwrap();
     let (code, _, _) = curl(vec![
         "--proxy".into(),
         format!("http://{}", s.proxy),
@@ -402,7 +299,7 @@ async fn placeholders_to_other_hosts_and_bad_certificates_fail_closed() {
     ])
     .await;
     assert_eq!(code, 60, "curl's certificate-verification failure");
-    assert!(server.heads.lock().unwrap().is_empty());
+    assert!(server.heads().is_empty());
 
     // The inner Host must be the host the connection was decided for.
     let (code, out, err) = curl(vec![
@@ -418,7 +315,7 @@ async fn placeholders_to_other_hosts_and_bad_certificates_fail_closed() {
     .await;
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("\r\n\r\nHTTP/1.1 421"), "{out}");
-    assert!(server.heads.lock().unwrap().is_empty());
+    assert!(server.heads().is_empty());
 }
 
 /// A TLS client of the proxy's interception, through a CONNECT tunnel to `target`, trusting
@@ -460,8 +357,8 @@ async fn until_closed<S: tokio::io::AsyncRead + Unpin>(s: &mut S) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_requests_are_refused_and_hold_nothing() {
-    let ca = TestCa::new();
-    let server = echo_server(&ca, &["api.test"]).await;
+    let ca = TestCa::new("test upstream CA").unwrap();
+    let server = EchoServer::start(&ca, &["api.test"]).await.unwrap();
     let mut s = setup(&ca).await;
     let ph = s.placeholder.clone();
     let api = format!("api.test:{}", server.port);
@@ -523,7 +420,7 @@ async fn hostile_requests_are_refused_and_hold_nothing() {
                 "want {status}: {reply}"
             );
         }
-        assert!(server.heads.lock().unwrap().is_empty());
+        assert!(server.heads().is_empty());
     })
     .await;
 
@@ -585,7 +482,7 @@ async fn hostile_requests_are_refused_and_hold_nothing() {
         assert!(!reply.contains(VALUE));
     })
     .await;
-    let heads = server.heads.lock().unwrap().clone();
+    let heads = server.heads();
     assert_eq!(heads.len(), 1, "{heads:?}");
     assert!(heads[0].contains(&format!("Bearer {VALUE}")));
 }

@@ -227,13 +227,8 @@ pub async fn connect(proxy: SocketAddr, target: &str) -> (String, TcpStream) {
 
 pub mod tls {
     use super::*;
-    use tokio_rustls::rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
-    use tokio_rustls::rustls::{self, ClientConfig, RootCertStore, ServerConfig};
+    use tokio_rustls::rustls::pki_types::ServerName;
     use tokio_rustls::{TlsAcceptor, TlsConnector};
-
-    fn provider() -> Arc<rustls::crypto::CryptoProvider> {
-        Arc::new(rustls::crypto::ring::default_provider())
-    }
 
     /// A test CA and a loopback TLS server for `allowed.test` that answers `tls-ok:<line>`.
     pub struct TlsServer {
@@ -242,30 +237,9 @@ pub mod tls {
     }
 
     pub async fn server() -> TlsServer {
-        let ca_key = rcgen::KeyPair::generate().unwrap();
-        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        let ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key).unwrap();
-        let leaf_key = rcgen::KeyPair::generate().unwrap();
-        let leaf = rcgen::CertificateParams::new(vec!["allowed.test".to_string()])
-            .unwrap()
-            .signed_by(&leaf_key, &ca)
-            .unwrap();
-        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf_key.serialize_der()));
-        let server = ServerConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(vec![leaf.der().clone(), ca.der().clone()], key)
-            .unwrap();
-        let acceptor = TlsAcceptor::from(Arc::new(server));
-        let mut roots = RootCertStore::empty();
-        roots.add(ca.der().clone()).unwrap();
-        let client = ClientConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_no_client_auth();
+        let ca = sandbox_egress::testing::TestCa::new("test CA").unwrap();
+        let acceptor = TlsAcceptor::from(ca.server_config(&["allowed.test"]).unwrap());
+        let client = ca.client_config().unwrap();
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = l.local_addr().unwrap().port();
         tokio::spawn(async move {
@@ -287,7 +261,7 @@ pub mod tls {
         });
         TlsServer {
             port,
-            connector: TlsConnector::from(Arc::new(client)),
+            connector: TlsConnector::from(client),
         }
     }
 
