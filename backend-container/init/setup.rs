@@ -71,41 +71,39 @@ pub(crate) fn run_op(op: &Op, fds: &mut Vec<OwnedFd>) -> io::Result<()> {
             };
             check(r as c_int)
         }
-        Op::Mkdir { path, mode } => {
-            use std::os::unix::fs::DirBuilderExt;
-            match std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(*mode)
-                .create(path)
-            {
-                Ok(()) => Ok(()),
-                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
-                Err(e) => Err(e),
-            }
-        }
-        Op::WriteFile { path, mode, data } => {
+        Op::Mkdir { path, mode } => mkdir_all(path, *mode),
+        Op::WriteFile { path, mode, data } => in_new_root(path, |name| {
             use std::io::Write;
             use std::os::unix::fs::OpenOptionsExt;
+            // Ours replaces whatever the image had there, a symbolic link included.
+            unlink_symlink(name)?;
             let mut f = std::fs::OpenOptions::new()
                 .write(true)
                 .create(true)
                 .truncate(true)
                 .mode(*mode)
-                .open(path)?;
+                .custom_flags(O_NOFOLLOW)
+                .open(name)?;
             f.write_all(data)
-        }
-        Op::Touch { path } => {
+        }),
+        Op::Touch { path } => in_new_root(path, |name| {
             use std::os::unix::fs::OpenOptionsExt;
+            unlink_symlink(name)?;
             std::fs::OpenOptions::new()
                 .write(true)
                 .create(true)
                 .truncate(false)
                 .mode(0o644)
-                .open(path)
+                .custom_flags(O_NOFOLLOW)
+                .open(name)
                 .map(|_| ())
+        }),
+        Op::Symlink { target, path } => {
+            in_new_root(path, |name| std::os::unix::fs::symlink(target, name))
         }
-        Op::Symlink { target, path } => std::os::unix::fs::symlink(target, path),
-        Op::Chown { path, uid, gid } => std::os::unix::fs::lchown(path, Some(*uid), Some(*gid)),
+        Op::Chown { path, uid, gid } => in_new_root(path, |name| {
+            std::os::unix::fs::lchown(name, Some(*uid), Some(*gid))
+        }),
         Op::Pivot { newroot } => {
             let nr_ = cstr(newroot)?;
             let dot = cstr(".")?;
@@ -463,4 +461,136 @@ mod tests {
             Some(22)
         );
     }
+}
+
+/// Where the plan builds the new root before `pivot_root` (the library's `rootfs::NEW`).
+const NEW_ROOT: &str = "/newroot";
+
+/// Runs `f` on the last component of `path` with the working directory at its parent. A
+/// path in the new root (`/newroot/...`) has its parent resolved *inside* it, as if it were
+/// `/` (`openat2` with `RESOLVE_IN_ROOT`): an image's symbolic links (`/etc/hostname ->
+/// /oldroot/tmp/x`, `/etc -> /oldroot/etc`) lead nowhere outside, so a setup write never
+/// lands on the host. Other paths (the scratch root's, a template's: ours alone) are used
+/// as they are. The working directory is `/` again afterwards.
+fn in_new_root<T>(path: &str, f: impl FnOnce(&str) -> io::Result<T>) -> io::Result<T> {
+    let Some(rel) = path
+        .strip_prefix(NEW_ROOT)
+        .and_then(|r| r.strip_prefix('/'))
+    else {
+        return f(path);
+    };
+    let rel = rel.trim_end_matches('/');
+    let (parent, name) = match rel.rsplit_once('/') {
+        Some((p, n)) => (p, n),
+        None => ("", rel),
+    };
+    if name.is_empty() || name == "." || name == ".." {
+        return Err(io::Error::from_raw_os_error(22));
+    }
+    let dir = open_in_root(parent)?;
+    // SAFETY: fchdir on a directory fd we own; the init runs one op at a time, one thread.
+    check(unsafe { fchdir(dir.as_raw_fd()) })?;
+    let r = f(name);
+    let slash = cstr("/")?;
+    // SAFETY: chdir with a NUL-terminated path.
+    check(unsafe { chdir(slash.as_ptr()) })?;
+    r
+}
+
+/// The directory `rel` of the new root, resolved inside it (see [`in_new_root`]).
+fn open_in_root(rel: &str) -> io::Result<OwnedFd> {
+    let root = cstr(NEW_ROOT)?;
+    // SAFETY: open of a NUL-terminated path; the fd is owned below.
+    let rfd = unsafe { libc_open(root.as_ptr(), O_PATH | O_DIRECTORY | O_CLOEXEC) };
+    check(rfd)?;
+    // SAFETY: a fresh fd we own.
+    let rootfd = unsafe { OwnedFd::from_raw_fd(rfd) };
+    let at = cstr(if rel.is_empty() { "." } else { rel })?;
+    let how = OpenHow {
+        flags: (O_PATH | O_DIRECTORY | O_CLOEXEC) as u64,
+        mode: 0,
+        resolve: RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS,
+    };
+    // SAFETY: openat2(dirfd, path, &how, size) with a valid struct and NUL-terminated path.
+    let fd = unsafe {
+        syscall(
+            NR_OPENAT2,
+            rootfd.as_raw_fd(),
+            at.as_ptr(),
+            &how as *const OpenHow,
+            std::mem::size_of::<OpenHow>(),
+        )
+    };
+    check(fd as c_int)?;
+    // SAFETY: a fresh fd we own.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as c_int) })
+}
+
+/// Removes `name` (in the working directory) if it is a symbolic link.
+fn unlink_symlink(name: &str) -> io::Result<()> {
+    match std::fs::symlink_metadata(name) {
+        Ok(m) if m.file_type().is_symlink() => std::fs::remove_file(name),
+        _ => Ok(()),
+    }
+}
+
+/// `mkdir -p`. In the new root each component is made in its parent as resolved inside the
+/// new root, and a component that is an image's symbolic link stays one only if it is
+/// relative, has no `..` and leads to a directory inside: such a link means the same from
+/// the scratch root, where mounts onto the path resolve it (merged-`/usr` links such as
+/// `lib -> usr/lib` stay). Any other link (absolute, climbing, dangling, or out of the root:
+/// `tmp -> /oldroot/tmp`) is replaced by a directory, so neither a write nor a mount of the
+/// setup follows it.
+fn mkdir_all(path: &str, mode: u32) -> io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    let mkdir = |p: &str| match std::fs::DirBuilder::new().mode(mode).create(p) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        Err(e) => Err(e),
+    };
+    let Some(rel) = path
+        .strip_prefix(NEW_ROOT)
+        .and_then(|r| r.strip_prefix('/'))
+    else {
+        if path == NEW_ROOT {
+            return mkdir(path);
+        }
+        return match std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(mode)
+            .create(path)
+        {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+            Err(e) => Err(e),
+        };
+    };
+    let mut prefix = String::new();
+    for comp in rel.split('/').filter(|c| !c.is_empty() && *c != ".") {
+        if comp == ".." {
+            return Err(io::Error::from_raw_os_error(22));
+        }
+        if !prefix.is_empty() {
+            prefix.push('/');
+        }
+        prefix.push_str(comp);
+        in_new_root(
+            &format!("{NEW_ROOT}/{prefix}"),
+            |name| match std::fs::read_link(name) {
+                Ok(target) => {
+                    let plain = target.is_relative()
+                        && !target
+                            .components()
+                            .any(|c| matches!(c, std::path::Component::ParentDir));
+                    if plain && open_in_root(&prefix).is_ok() {
+                        return Ok(());
+                    }
+                    std::fs::remove_file(name)?;
+                    mkdir(name)
+                }
+                Err(_) => mkdir(name),
+            },
+        )?;
+    }
+    Ok(())
 }

@@ -119,6 +119,7 @@ extern "C" {
     pub(crate) fn fcntl(fd: c_int, cmd: c_int, ...) -> c_int;
     pub(crate) fn unshare(flags: c_int) -> c_int;
     pub(crate) fn chdir(path: *const c_char) -> c_int;
+    pub(crate) fn fchdir(fd: c_int) -> c_int;
     pub(crate) fn _exit(code: c_int) -> !;
     pub(crate) fn fork() -> c_int;
     pub(crate) fn clone(
@@ -161,6 +162,21 @@ pub(crate) mod nr {
     pub const CAPSET: i64 = 91;
 }
 pub(crate) const NR_CLOSE_RANGE: i64 = 436;
+/// `openat2(2)` (the same number on every architecture).
+pub(crate) const NR_OPENAT2: i64 = 437;
+/// `openat2`'s `RESOLVE_NO_MAGICLINKS`.
+pub(crate) const RESOLVE_NO_MAGICLINKS: u64 = 0x02;
+/// `openat2`'s `RESOLVE_IN_ROOT`: the directory fd is `/` for the whole lookup, `..` and
+/// absolute symbolic links included.
+pub(crate) const RESOLVE_IN_ROOT: u64 = 0x10;
+
+/// `struct open_how` of `openat2(2)`.
+#[repr(C)]
+pub(crate) struct OpenHow {
+    pub flags: u64,
+    pub mode: u64,
+    pub resolve: u64,
+}
 pub(crate) const CLONE_NEWUSER: c_int = 0x1000_0000;
 pub(crate) const CLONE_NEWNS: c_int = 0x0002_0000;
 pub(crate) const CLONE_NEWUTS: c_int = 0x0400_0000;

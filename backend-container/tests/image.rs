@@ -61,9 +61,14 @@ fn upper_layer() -> Vec<u8> {
 
 /// Writes an OCI layout at `dir` with one image per `(tag, user)`.
 fn write_layout(dir: &Path, tags: &[(&str, Option<&str>)]) {
+    write_layout_with(dir, tags, upper_layer());
+}
+
+/// [`write_layout`] with another upper layer.
+fn write_layout_with(dir: &Path, tags: &[(&str, Option<&str>)], upper: Vec<u8>) {
     let base = tempfile::tempdir().unwrap();
     common::make_rootfs(base.path());
-    let layers = [tar_dir(base.path()), upper_layer()];
+    let layers = [tar_dir(base.path()), upper];
     std::fs::create_dir_all(dir.join("blobs/sha256")).unwrap();
     std::fs::write(dir.join("oci-layout"), r#"{"imageLayoutVersion":"1.0.0"}"#).unwrap();
     let blob = |b: &[u8]| {
@@ -355,4 +360,80 @@ async fn code_in_a_language_the_image_lacks_is_a_clear_error() {
         .unwrap();
     assert_eq!(r.stdout_str(), "argv works\n");
     sb.destroy().await.unwrap();
+}
+
+/// A hostile image whose files the setup writes (`/etc/hostname`, `/etc/hosts`,
+/// `/etc/resolv.conf`) and a directory it mounts on (`/tmp`) are symbolic links to the
+/// host's paths (through the old root's mount point and directly): the sandbox still gets
+/// its own files and a working `/tmp`, and nothing is created or changed on the host.
+#[tokio::test]
+async fn an_image_of_symbolic_links_cannot_lead_the_setup_out_of_its_root() {
+    if let Some(why) = common::rootfs_skip_reason().await {
+        eprintln!("SKIP: {why}");
+        return;
+    }
+    let host = tempfile::tempdir_in("/tmp").unwrap();
+    let victim = host.path().join("victim");
+    std::fs::write(&victim, "host data\n").unwrap();
+    // World-writable, as /tmp is: the sandbox's ids could write there if led to it.
+    std::fs::set_permissions(
+        host.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o1777),
+    )
+    .unwrap();
+    std::fs::set_permissions(&victim, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap();
+    let h = host.path().display().to_string();
+    let mut b = tar::Builder::new(Vec::new());
+    let mut link = |path: &str, target: &str| {
+        let mut hd = tar::Header::new_gnu();
+        hd.set_entry_type(tar::EntryType::Symlink);
+        hd.set_mode(0o777);
+        hd.set_size(0);
+        b.append_link(&mut hd, path, target).unwrap();
+    };
+    link("etc/hostname", &format!("/oldroot{h}/victim"));
+    link("etc/hosts", &format!("{h}/victim"));
+    link("etc/resolv.conf", &format!("/oldroot{h}/created"));
+    link("tmp", &format!("/oldroot{h}"));
+    // The config's working directory.
+    let mut hd = tar::Header::new_gnu();
+    hd.set_entry_type(tar::EntryType::Directory);
+    hd.set_mode(0o755);
+    hd.set_size(0);
+    b.append_data(&mut hd, "home/app", std::io::empty()).unwrap();
+    let upper = b.into_inner().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    write_layout_with(&tmp.path().join("layout"), &[("evil", None)], upper);
+    let store = ImageStore::builder(tmp.path().join("cache"))
+        .build()
+        .unwrap();
+    let backend = ContainerBackend::builder()
+        .image_store(store)
+        .hostname("inside")
+        .build()
+        .unwrap();
+    let spec = SandboxSpec::builder(Language::Shell)
+        .image(format!("oci:{}:evil", tmp.path().join("layout").display()))
+        .wall_time(Duration::from_secs(20))
+        .build()
+        .unwrap();
+    match backend.create(&spec, ResolvedSecrets::none()).await {
+        Ok(sb) => {
+            // Its own files, in its own root.
+            assert_eq!(sh_ok(sb.as_ref(), "cat /etc/hostname").await, "inside\n");
+            assert!(sh_ok(sb.as_ref(), "cat /etc/hosts")
+                .await
+                .contains("inside"));
+            sh_ok(sb.as_ref(), "echo x > /tmp/written-inside").await;
+            sb.destroy().await.unwrap();
+        }
+        Err(e) => panic!("the image's links are replaced, not followed: {e}"),
+    }
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "host data\n");
+    let mut left: Vec<_> = std::fs::read_dir(host.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["victim"], "the setup wrote on the host");
 }
