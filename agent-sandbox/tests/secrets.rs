@@ -214,6 +214,14 @@ async fn container_clients_use_a_secret_they_never_hold() {
         Some(SecretUse::Substituted { place, .. }) if place == "header authorization")));
     assert!(!format!("{events:?}").contains(VALUE));
 
+    // Programs that ignore the variables trust the system bundle, which holds the CA too.
+    let r = run(format!(
+        "env -u SSL_CERT_FILE -u CURL_CA_BUNDLE curl -sS -o /dev/null -w '%{{http_code}}' \
+         https://allowed.test:{port}/system-bundle"
+    ))
+    .await;
+    assert_eq!(r.stdout_str(), "200", "{r:?}");
+
     // A policy update applies to the next request: without the bound host, the credential
     // goes nowhere; with it again, it is substituted again.
     let bound_request = format!(
@@ -265,4 +273,95 @@ async fn other_tiers_refuse_proxy_held_secrets() {
         matches!(denied, Err(Error::InvalidSpec { .. })),
         "{denied:?}"
     );
+}
+
+/// A sandbox from an OCI image (the Debian 13 test image that `scripts/test-image.sh`
+/// builds) gets the CA in the image's own trust: its Python 3.13 reaches the bound host, and
+/// the image's system bundle path holds the CA.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_trusts_the_interception_ca() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIP: the egress enforcer needs root");
+        return;
+    }
+    let layout = std::env::var_os("AGENT_SANDBOX_TEST_IMAGES")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from("/var/tmp/agent-sandbox-images"))
+        .join("trixie-numpy");
+    if !layout.join("index.json").is_file() {
+        eprintln!(
+            "SKIP: no test image at {} (scripts/test-image.sh builds it)",
+            layout.display()
+        );
+        return;
+    }
+    let upstream_ca = TestCa::new("agent-sandbox test upstream CA").unwrap();
+    let server = EchoServer::start(&upstream_ca, &["allowed.test"])
+        .await
+        .unwrap();
+    let e = VethEnforcer::builder()
+        .config(ProxyConfig {
+            upstream_roots: vec![upstream_ca.der()],
+            ..ProxyConfig::default()
+        })
+        .resolver(Arc::new(
+            StaticResolver::new().with("allowed.test", &["127.0.0.1".parse().unwrap()]),
+        ))
+        .dialer(Arc::new(GuardDialer))
+        .build()
+        .unwrap();
+    let e_pem = e.proxy().interception_ca_pem().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let b: DynBackend = Arc::new(
+        backend_container::ContainerBackend::builder()
+            .egress(Arc::new(e))
+            .image_store(
+                backend_container::ImageStore::builder(cache.path())
+                    .build()
+                    .unwrap(),
+            )
+            .build()
+            .unwrap(),
+    );
+    let status = b.probe().await;
+    if !status.available {
+        eprintln!("SKIP: container tier unavailable: {}", status.reason);
+        return;
+    }
+    let spec = SandboxSpec::builder(Language::Shell)
+        .image(format!("oci:{}:python3", layout.display()))
+        .network(NetworkPolicy::Allow {
+            hosts: vec!["allowed.test".parse().unwrap()],
+            cidrs: vec![],
+            ports: vec![],
+        })
+        .secret_via_proxy("API_TOKEN", "API_TOKEN", ["allowed.test"])
+        .build()
+        .unwrap();
+    let sb = b.create(&spec, secrets(&spec)).await.unwrap();
+    let port = server.port;
+    let mut r = ExecRequest::code(format!(
+        "python3 -c \"import os, sys, urllib.request as u; \
+         q = u.Request('https://allowed.test:{port}/image', \
+         headers={{'Authorization': 'Bearer ' + os.environ['API_TOKEN']}}); \
+         print('%d.%d' % sys.version_info[:2], u.urlopen(q, timeout=30).status)\""
+    ));
+    r.timeout = Some(Duration::from_secs(60));
+    let r = sb.exec(r).await.unwrap();
+    assert_eq!(r.stdout_str(), "3.13 200\n", "{r:?}");
+    let got = server.heads().last().cloned().unwrap_or_default();
+    assert!(got.contains("GET /image "), "{got}");
+    assert!(got.contains(&format!("Bearer {VALUE}\r\n")), "{got}");
+    // The image's system bundle path holds the CA as well (this image has no
+    // ca-certificates, so that is all it trusts), and the image's own layer is untouched.
+    let ca = e_pem.trim().lines().nth(1).unwrap().to_string();
+    let r = sb
+        .exec(ExecRequest::code(
+            "cat /etc/ssl/certs/ca-certificates.crt".to_string(),
+        ))
+        .await
+        .unwrap();
+    assert!(r.stdout_str().contains(&ca), "{r:?}");
+    sb.destroy().await.unwrap();
 }

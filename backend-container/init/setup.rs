@@ -335,134 +335,6 @@ pub(crate) fn build_template(tmpl_err: i32, mut fds: Vec<OwnedFd>) -> io::Result
     Ok(())
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::test_util::TempDir;
-    use std::fs;
-    use std::path::Path;
-
-    /// A file holding `bytes`, open for reading (as the library's memfd).
-    fn payload_fd(dir: &TempDir, bytes: &[u8]) -> OwnedFd {
-        let p = dir.join("payload");
-        fs::write(&p, bytes).unwrap();
-        File::open(&p).unwrap().into()
-    }
-
-    fn encoded(ops: &[Op]) -> Vec<u8> {
-        let mut e = Enc::default();
-        e.ops(ops);
-        e.0
-    }
-
-    #[test]
-    fn templates_run_file_ops_only() {
-        let dir = TempDir::new("template");
-        let errno = |r: io::Result<()>| r.unwrap_err().raw_os_error();
-        // The zygote's set-up failed: every template is refused with its errno.
-        assert_eq!(errno(build_template(95, Vec::new())), Some(95));
-        // No payload, or a malformed one.
-        assert_eq!(errno(build_template(0, Vec::new())), Some(22));
-        let junk = payload_fd(&dir, b"\x05\0\0\0\xff");
-        assert_eq!(errno(build_template(0, vec![junk])), Some(22));
-        // Ops that are not about files are refused, after the file ops before them ran.
-        let ops = [
-            Op::Mkdir {
-                path: dir.at("before"),
-                mode: 0o755,
-            },
-            Op::Hostname { name: "x".into() },
-            Op::Mkdir {
-                path: dir.at("after"),
-                mode: 0o755,
-            },
-        ];
-        let fd = payload_fd(&dir, &encoded(&ops));
-        assert_eq!(errno(build_template(0, vec![fd])), Some(1));
-        assert!(dir.join("before").is_dir());
-        assert!(!dir.join("after").exists());
-        for op in [
-            Op::LoopbackUp,
-            Op::Chdir { path: "/".into() },
-            Op::Landlock {
-                handled: 2,
-                rules: Vec::new(),
-            },
-            Op::DropBoundingSet,
-        ] {
-            let fd = payload_fd(&dir, &encoded(&[op]));
-            assert_eq!(errno(build_template(0, vec![fd])), Some(1));
-        }
-    }
-
-    #[test]
-    fn file_ops_build_a_tree() {
-        let dir = TempDir::new("ops");
-        fs::create_dir(dir.join("t")).unwrap();
-        fs::write(dir.join("t/kept"), "old").unwrap();
-        let ops = [
-            Op::Mkdir {
-                path: dir.at("t/a/b/c"),
-                mode: 0o700,
-            },
-            // Existing directories are fine.
-            Op::Mkdir {
-                path: dir.at("t/a/b"),
-                mode: 0o755,
-            },
-            Op::WriteFile {
-                path: dir.at("t/a/f"),
-                mode: 0o600,
-                data: b"first, longer".to_vec(),
-            },
-            // Rewriting truncates.
-            Op::WriteFile {
-                path: dir.at("t/a/f"),
-                mode: 0o600,
-                data: b"second".to_vec(),
-            },
-            // Touch creates a missing file and leaves an existing one as it is.
-            Op::Touch {
-                path: dir.at("t/new"),
-            },
-            Op::Touch {
-                path: dir.at("t/kept"),
-            },
-            Op::Symlink {
-                target: "a/f".into(),
-                path: dir.at("t/link"),
-            },
-        ];
-        let fd = payload_fd(&dir, &encoded(&ops));
-        build_template(0, vec![fd]).unwrap();
-        assert!(dir.join("t/a/b/c").is_dir());
-        assert_eq!(fs::read_to_string(dir.join("t/a/f")).unwrap(), "second");
-        assert_eq!(fs::read(dir.join("t/new")).unwrap(), b"");
-        assert_eq!(fs::read_to_string(dir.join("t/kept")).unwrap(), "old");
-        assert_eq!(fs::read_link(dir.join("t/link")).unwrap(), Path::new("a/f"));
-        assert_eq!(fs::read_to_string(dir.join("t/link")).unwrap(), "second");
-        // A symlink over an existing path fails, and names the op.
-        let op = Op::Symlink {
-            target: "x".into(),
-            path: dir.at("t/link"),
-        };
-        assert_eq!(
-            run_op(&op, &mut Vec::new()).unwrap_err().kind(),
-            io::ErrorKind::AlreadyExists
-        );
-        assert!(describe(&op).contains("t/link"));
-        // A NUL byte in a path is EINVAL, not a panic.
-        let op = Op::Bind {
-            src: "a\0b".into(),
-            dst: dir.at("t"),
-        };
-        assert_eq!(
-            run_op(&op, &mut Vec::new()).unwrap_err().raw_os_error(),
-            Some(22)
-        );
-    }
-}
-
 /// Where the plan builds the new root before `pivot_root` (the library's `rootfs::NEW`).
 const NEW_ROOT: &str = "/newroot";
 
@@ -593,4 +465,132 @@ fn mkdir_all(path: &str, mode: u32) -> io::Result<()> {
         )?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::test_util::TempDir;
+    use std::fs;
+    use std::path::Path;
+
+    /// A file holding `bytes`, open for reading (as the library's memfd).
+    fn payload_fd(dir: &TempDir, bytes: &[u8]) -> OwnedFd {
+        let p = dir.join("payload");
+        fs::write(&p, bytes).unwrap();
+        File::open(&p).unwrap().into()
+    }
+
+    fn encoded(ops: &[Op]) -> Vec<u8> {
+        let mut e = Enc::default();
+        e.ops(ops);
+        e.0
+    }
+
+    #[test]
+    fn templates_run_file_ops_only() {
+        let dir = TempDir::new("template");
+        let errno = |r: io::Result<()>| r.unwrap_err().raw_os_error();
+        // The zygote's set-up failed: every template is refused with its errno.
+        assert_eq!(errno(build_template(95, Vec::new())), Some(95));
+        // No payload, or a malformed one.
+        assert_eq!(errno(build_template(0, Vec::new())), Some(22));
+        let junk = payload_fd(&dir, b"\x05\0\0\0\xff");
+        assert_eq!(errno(build_template(0, vec![junk])), Some(22));
+        // Ops that are not about files are refused, after the file ops before them ran.
+        let ops = [
+            Op::Mkdir {
+                path: dir.at("before"),
+                mode: 0o755,
+            },
+            Op::Hostname { name: "x".into() },
+            Op::Mkdir {
+                path: dir.at("after"),
+                mode: 0o755,
+            },
+        ];
+        let fd = payload_fd(&dir, &encoded(&ops));
+        assert_eq!(errno(build_template(0, vec![fd])), Some(1));
+        assert!(dir.join("before").is_dir());
+        assert!(!dir.join("after").exists());
+        for op in [
+            Op::LoopbackUp,
+            Op::Chdir { path: "/".into() },
+            Op::Landlock {
+                handled: 2,
+                rules: Vec::new(),
+            },
+            Op::DropBoundingSet,
+        ] {
+            let fd = payload_fd(&dir, &encoded(&[op]));
+            assert_eq!(errno(build_template(0, vec![fd])), Some(1));
+        }
+    }
+
+    #[test]
+    fn file_ops_build_a_tree() {
+        let dir = TempDir::new("ops");
+        fs::create_dir(dir.join("t")).unwrap();
+        fs::write(dir.join("t/kept"), "old").unwrap();
+        let ops = [
+            Op::Mkdir {
+                path: dir.at("t/a/b/c"),
+                mode: 0o700,
+            },
+            // Existing directories are fine.
+            Op::Mkdir {
+                path: dir.at("t/a/b"),
+                mode: 0o755,
+            },
+            Op::WriteFile {
+                path: dir.at("t/a/f"),
+                mode: 0o600,
+                data: b"first, longer".to_vec(),
+            },
+            // Rewriting truncates.
+            Op::WriteFile {
+                path: dir.at("t/a/f"),
+                mode: 0o600,
+                data: b"second".to_vec(),
+            },
+            // Touch creates a missing file and leaves an existing one as it is.
+            Op::Touch {
+                path: dir.at("t/new"),
+            },
+            Op::Touch {
+                path: dir.at("t/kept"),
+            },
+            Op::Symlink {
+                target: "a/f".into(),
+                path: dir.at("t/link"),
+            },
+        ];
+        let fd = payload_fd(&dir, &encoded(&ops));
+        build_template(0, vec![fd]).unwrap();
+        assert!(dir.join("t/a/b/c").is_dir());
+        assert_eq!(fs::read_to_string(dir.join("t/a/f")).unwrap(), "second");
+        assert_eq!(fs::read(dir.join("t/new")).unwrap(), b"");
+        assert_eq!(fs::read_to_string(dir.join("t/kept")).unwrap(), "old");
+        assert_eq!(fs::read_link(dir.join("t/link")).unwrap(), Path::new("a/f"));
+        assert_eq!(fs::read_to_string(dir.join("t/link")).unwrap(), "second");
+        // A symlink over an existing path fails, and names the op.
+        let op = Op::Symlink {
+            target: "x".into(),
+            path: dir.at("t/link"),
+        };
+        assert_eq!(
+            run_op(&op, &mut Vec::new()).unwrap_err().kind(),
+            io::ErrorKind::AlreadyExists
+        );
+        assert!(describe(&op).contains("t/link"));
+        // A NUL byte in a path is EINVAL, not a panic.
+        let op = Op::Bind {
+            src: "a\0b".into(),
+            dst: dir.at("t"),
+        };
+        assert_eq!(
+            run_op(&op, &mut Vec::new()).unwrap_err().raw_os_error(),
+            Some(22)
+        );
+    }
 }

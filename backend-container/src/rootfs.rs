@@ -241,6 +241,10 @@ fn host_entry(ops: &mut Vec<Op>, r: Roots<'_>, host: &str) {
 /// The file under `/etc` holding [`Plan::ca_bundle`].
 pub(crate) const CA_BUNDLE_NAME: &str = "agent-sandbox-ca.crt";
 
+/// Debian's (and OpenSSL's default) system trust bundle: with a proxy-held secret, the
+/// sandbox sees [`Plan::ca_bundle`] there as well.
+const SYSTEM_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
+
 /// The generated `/etc` files of a host-tools root (name, content): they depend only on the
 /// command user, the hostname and `resolv.conf`, which makes them a template's key.
 pub(crate) fn etc_files(
@@ -774,6 +778,19 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
             .collect();
         own.extend(p.ca_bundle.map(|b| (CA_BUNDLE_NAME, b.to_owned())));
         write_etc(&mut ops, r, own);
+        if let Some(bundle) = p.ca_bundle {
+            // The image's system bundle too (in the sandbox's upper layer), for programs
+            // that read it without looking at the variables.
+            ops.push(Op::Mkdir {
+                path: r.at("/etc/ssl/certs"),
+                mode: 0o755,
+            });
+            ops.push(Op::WriteFile {
+                path: r.at(SYSTEM_BUNDLE),
+                mode: 0o644,
+                data: bundle.as_bytes().to_vec(),
+            });
+        }
     } else {
         ops.push(tmpfs(NEW, MS_NOSUID | MS_NODEV, ROOT_TMPFS));
         // /usr, the merged-/usr links and the host's /etc files: the same for every sandbox
@@ -782,6 +799,24 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
         let mut files = etc_files(p.user, p.hostname, p.resolv_conf);
         files.extend(p.ca_bundle.map(|b| (CA_BUNDLE_NAME, b.to_owned())));
         write_etc(&mut ops, r, files);
+        // The host's system bundle (bound read-only with `/etc/ssl`) is covered by ours, for
+        // programs that read it without looking at the variables: a file bind over it, where
+        // the host has it as a plain file.
+        let host_bundle = Path::new(SYSTEM_BUNDLE)
+            .symlink_metadata()
+            .is_ok_and(|m| m.is_file());
+        if p.ca_bundle.is_some() && host_bundle {
+            ops.push(Op::Bind {
+                src: r.at(&format!("/etc/{CA_BUNDLE_NAME}")),
+                dst: r.at(SYSTEM_BUNDLE),
+            });
+            ops.push(Op::SetAttr {
+                path: r.at(SYSTEM_BUNDLE),
+                set: ATTR_RDONLY | ATTR_NOSUID | ATTR_NODEV,
+                clear: 0,
+                recursive: false,
+            });
+        }
     }
     skeleton(&mut ops, r, layers.is_empty());
     sandbox_mounts(&mut ops, r, p, staged, staged)?;
