@@ -17,4 +17,13 @@ fn main() {
         "the sandbox init",
     );
     println!("cargo:rustc-env=AGENT_SANDBOX_INIT={}", bin.display());
+    // The image's identity (FNV-1a 64 of its bytes): the name of its cached copy on disk
+    // (see `src/init_image.rs`), so that another build never runs this one's copy.
+    let Ok(bytes) = std::fs::read(&bin) else {
+        panic!("read the built sandbox init {}", bin.display());
+    };
+    let hash = bytes.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, &c| {
+        (h ^ u64::from(c)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    println!("cargo:rustc-env=AGENT_SANDBOX_INIT_HASH={hash:016x}");
 }

@@ -117,11 +117,12 @@ fn unavailable(s: TierStatus) -> Error {
 
 /// Declares that this process creates one sandbox, runs it and exits (as the CLI's `run`
 /// does): the built-in backends skip work that only pays off for a later sandbox (the
-/// container tier's spare init, cloned ahead of the next create). Process-wide; nothing
-/// else changes, and the sandbox is torn down as fully as ever.
+/// container tier's spare init, cloned ahead of the next create, and its root-filesystem
+/// templates). Process-wide; nothing else changes, and the sandbox is torn down as fully as
+/// ever.
 pub fn one_shot_process() {
     #[cfg(feature = "container")]
-    backend_container::spare_inits(false);
+    backend_container::one_shot_process();
 }
 
 /// The entry point: registered backends, the secret source, probing, selection, creation.

@@ -315,6 +315,7 @@ impl ContainerBackend {
     ) -> Result<Allocation> {
         let id = uuid::Uuid::new_v4().simple().to_string();
         let rootless = !is_root();
+        let one_shot = spawn::one_shot();
         // A rootfs directory is an image: commands run as its root (uid 0 inside, with no
         // capabilities, like rootless mode), which owns its files through the idmapping.
         // An image's `User` (a non-root one) runs commands as that user instead.
@@ -443,8 +444,10 @@ impl ContainerBackend {
                     self.host_ops.get_or_init(rootfs::host_ops)
                 },
                 // As root the library brings `lo` up meanwhile (see `network::loopback_up`),
-                // unless the init (a spare) did so while it waited.
-                loopback: rootless,
+                // unless the init (a spare) did so while it waited. A one-shot process
+                // leaves it to the init's setup: a thread of its own for one sandbox costs
+                // more (its start, `setns`, a wake-up) than it overlaps.
+                loopback: rootless || one_shot,
                 layers: &root.layers,
                 workspace_fd,
             };
@@ -490,7 +493,7 @@ impl ContainerBackend {
         let cg_job = {
             let host = self.host.clone();
             let (name, limits) = (cgroup_name(&id), spec.limits.clone());
-            tokio::task::spawn_blocking(move || {
+            let job = move || {
                 if !with_cgroups {
                     return Ok(None);
                 }
@@ -508,14 +511,23 @@ impl ContainerBackend {
                     }
                 }
                 Ok(Some((c, files)))
-            })
+            };
+            // A one-shot process makes them right here (the init starts up meanwhile in a
+            // process of its own): a blocking-pool thread for one job costs its start and
+            // two wake-ups, which on a busy host each wait for a CPU.
+            if one_shot {
+                let r = job();
+                tokio::spawn(async move { r })
+            } else {
+                tokio::task::spawn_blocking(job)
+            }
         };
         let requests: Vec<&[u8]> = queued.iter().map(Vec::as_slice).collect();
         let spawned = spawn::spawn_init(starting, &ids, &requests, &lower, ws_tree, cg_job)
             .await
             .map_err(|e| Error::backend_caused(TIER, "bootstrapping the sandbox init", e))?;
         let pid = spawned.pid;
-        let lo = (!rootless && !spawned.lo_up).then(|| network::loopback_up(pid));
+        let lo = (!rootless && !one_shot && !spawned.lo_up).then(|| network::loopback_up(pid));
         if !lower.is_empty() {
             if spawned.idmapped {
                 self.layers_idmap.store(true, Ordering::Relaxed);

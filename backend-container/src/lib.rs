@@ -72,6 +72,7 @@ mod cgroup;
 mod create;
 mod ctl;
 mod files;
+mod init_image;
 mod landlock;
 pub mod network;
 #[path = "../init/proto.rs"]
@@ -271,6 +272,17 @@ pub struct ContainerBackend {
 /// (the CLI's `run`) turns it off: the spare would be cloned, then killed, for nobody.
 pub fn spare_inits(on: bool) {
     spawn::set_spares(on);
+}
+
+/// Declares that this process creates one sandbox, runs it and exits (the CLI's `run`):
+/// nothing is prepared for a later sandbox. No spare init is cloned (as with
+/// `spare_inits(false)`) and no root-filesystem template is built: the sandbox's init builds
+/// its root itself (the classic setup, as for specs with their own mounts), which for a single
+/// sandbox costs less than building a template and then cloning it. Process-wide and for
+/// the rest of the process; isolation, limits and teardown are unchanged. Call it before the
+/// first create.
+pub fn one_shot_process() {
+    spawn::set_one_shot();
 }
 
 /// Whether a spec brings its own root filesystem (a directory or an image) instead of the

@@ -854,6 +854,12 @@ impl Sandbox for ContainerSandbox {
         if let Some(e) = &inner.egress {
             e.detach(&inner.id).await;
         }
+        // A one-shot process has nothing else to run meanwhile: it tears down right here
+        // rather than handing the work to a blocking-pool thread and waiting to be woken.
+        if crate::spawn::one_shot() {
+            inner.terminate("destroyed");
+            return Ok(());
+        }
         tokio::task::spawn_blocking(move || inner.terminate("destroyed"))
             .await
             .map_err(|e| Error::backend(TIER, format!("destroy task failed: {e}")))?;

@@ -2,21 +2,14 @@
 //! process's zygote (itself started once with `posix_spawn`), and brought into its
 //! namespaces by a short bootstrap over its socket.
 
-use std::io::{self, Write};
+use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use crate::ctl::Ctl;
 use crate::proto;
 use std::sync::OnceLock;
 
-/// The init binary built by build.rs.
-static INIT_IMAGE: &[u8] = include_bytes!(env!("AGENT_SANDBOX_INIT"));
-
-/// A read-only fd of the sealed init image, shared by every sandbox of the process.
-#[derive(Debug)]
-pub(crate) struct InitImage {
-    fd: OwnedFd,
-}
+pub(crate) use crate::init_image::InitImage;
 
 /// Why a sandbox's init could not be started ([`start_init`], [`spawn_init`]).
 #[derive(Debug, thiserror::Error)]
@@ -126,39 +119,7 @@ pub(crate) fn image() -> Result<&'static InitImage, SpawnError> {
 }
 
 fn load_image() -> io::Result<InitImage> {
-    const MFD_EXEC: libc::c_uint = 0x10;
-    let name = c"agent-sandbox-init";
-    let base = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
-    // SAFETY: memfd_create with a NUL-terminated name.
-    let mut fd = unsafe { libc::memfd_create(name.as_ptr(), base | MFD_EXEC) };
-    if fd < 0 {
-        // SAFETY: as above, without MFD_EXEC (kernels before 6.3).
-        fd = unsafe { libc::memfd_create(name.as_ptr(), base) };
-    }
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: we own the new fd.
-    let rw = unsafe { OwnedFd::from_raw_fd(fd) };
-    let mut f = std::fs::File::from(rw);
-    f.write_all(INIT_IMAGE)?;
-    let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
-    // SAFETY: fcntl on our fd.
-    if unsafe { libc::fcntl(f.as_raw_fd(), libc::F_ADD_SEALS, seals) } < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // Re-open read-only: exec refuses a file open for writing (ETXTBSY).
-    let path = std::ffi::CString::new(format!("/proc/self/fd/{}", f.as_raw_fd()))
-        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-    // SAFETY: open(2) with a NUL-terminated path.
-    let ro = unsafe { libc::open(path.as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC) };
-    if ro < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    drop(f);
-    // SAFETY: we own the new fd.
-    let fd = unsafe { OwnedFd::from_raw_fd(ro) };
-    Ok(InitImage { fd })
+    crate::init_image::load()
 }
 
 /// The fork server: the init image started once with `--zygote`. It forks a fresh init for
@@ -212,8 +173,13 @@ static FORKS: std::sync::Mutex<Forks> = std::sync::Mutex::new(Forks {
 });
 
 /// The template directory to start from, if the host has one: as root, an existing
-/// directory that others may traverse (never changed if it is there), or one we make.
+/// directory that others may traverse (never changed if it is there), or one we make. None
+/// in a one-shot process (see [`set_one_shot`]): a template pays off from a process's second
+/// sandbox on, and building one for a single sandbox costs more than the classic setup.
 fn template_base() -> Option<&'static str> {
+    if ONE_SHOT.load(std::sync::atomic::Ordering::Relaxed) {
+        return None;
+    }
     static BASE: OnceLock<bool> = OnceLock::new();
     let ok = *BASE.get_or_init(|| {
         use std::os::unix::fs::{DirBuilderExt, MetadataExt};
@@ -231,7 +197,7 @@ fn template_base() -> Option<&'static str> {
 impl Zygote {
     fn start(img: &InitImage) -> io::Result<Zygote> {
         let (ours, theirs) = seqpacket_pair()?;
-        let mut cmd = std::process::Command::new(format!("/proc/self/fd/{}", img.fd.as_raw_fd()));
+        let mut cmd = std::process::Command::new(format!("/proc/self/fd/{}", img.raw_fd()));
         cmd.arg("--zygote");
         if let Some(base) = template_base() {
             cmd.arg(base);
@@ -489,6 +455,22 @@ static SPARES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::ne
 /// Turns spare inits on or off for the process (see [`crate::spare_inits`]).
 pub(crate) fn set_spares(on: bool) {
     SPARES.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether the process declared that it creates one sandbox and exits (see
+/// [`crate::one_shot_process`]).
+static ONE_SHOT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether the process declared itself one-shot (see [`set_one_shot`]).
+pub(crate) fn one_shot() -> bool {
+    ONE_SHOT.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Declares the process one-shot (see [`crate::one_shot_process`]): no spare inits and no
+/// root-filesystem templates from then on.
+pub(crate) fn set_one_shot() {
+    ONE_SHOT.store(true, std::sync::atomic::Ordering::Relaxed);
+    set_spares(false);
 }
 
 /// Has the zygote clone the next init ahead of time (see [`Zygote::spare`]) unless one is
