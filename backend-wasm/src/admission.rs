@@ -186,9 +186,9 @@ mod tests {
         let order = Arc::new(std::sync::Mutex::new(Vec::new()));
         let mut waiters = Vec::new();
         for i in 0..4 {
-            let (a, order) = (a.clone(), Arc::clone(&order));
+            let (adm, order) = (a.clone(), Arc::clone(&order));
             waiters.push(tokio::spawn(async move {
-                let t = a.admit().await.unwrap();
+                let t = adm.admit().await.unwrap();
                 order.lock().unwrap().push(i);
                 tokio::task::yield_now().await;
                 drop(t);
