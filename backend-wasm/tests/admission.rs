@@ -1,5 +1,6 @@
 //! Admission control: a bounded number of guests run at once, the rest wait in a queue that
 //! their limits do not count.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
 
