@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 use sandbox_core::{Error, Result, Tier};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-/// The environment variable that sets the default limit of [`Admission`] (a number; `0`
-/// for no limit). [`WasmBackendBuilder::max_running_guests`](crate::WasmBackendBuilder::max_running_guests)
+/// The environment variable that sets the default limit on guests running at once (a
+/// number; `0` for no limit). [`WasmBackendBuilder::max_running_guests`](crate::WasmBackendBuilder::max_running_guests)
 /// overrides it.
 pub const MAX_RUNNING_ENV: &str = "AGENT_SANDBOX_WASM_MAX_RUNNING";
 
