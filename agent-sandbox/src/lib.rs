@@ -482,7 +482,8 @@ impl Runtime {
     }
 
     /// Creates a sandbox, runs one command, destroys the sandbox. The result's timeline holds
-    /// the create phases followed by the command as [`Phase::FirstCommand`].
+    /// the create phases followed by the command as [`Phase::FirstCommand`] (after its
+    /// [`Phase::Queue`], when the backend made it wait for admission).
     pub async fn run_once(
         &self,
         spec: &SandboxSpec,
@@ -498,9 +499,18 @@ impl Runtime {
         let mut result = result?;
         destroyed?;
         let mut timeline = created;
+        // A wait for admission stays its own phase; the rest is the command.
+        let queued = result.timeline.get(Phase::Queue).unwrap_or_default();
+        if !queued.is_zero() {
+            timeline.phases.push(PhaseTiming {
+                phase: Phase::Queue,
+                micros: u64::try_from(queued.as_micros()).unwrap_or(u64::MAX),
+            });
+        }
+        let command = result.timeline.total().saturating_sub(queued);
         timeline.phases.push(PhaseTiming {
             phase: Phase::FirstCommand,
-            micros: u64::try_from(result.timeline.total().as_micros()).unwrap_or(u64::MAX),
+            micros: u64::try_from(command.as_micros()).unwrap_or(u64::MAX),
         });
         result.timeline = timeline;
         Ok(RunOutput {

@@ -399,13 +399,8 @@ pub(crate) fn new_store(setup: StoreSetup) -> Result<Store<Host>> {
         } else {
             FsPerms::ReadOnly
         };
-        b.preopened_dir(&p.host, &p.guest, perms).map_err(|e| {
-            sandbox_core::Error::io_path(
-                "preopen",
-                &p.host,
-                std::io::Error::other(format!("{e:#}")),
-            )
-        })?;
+        b.preopened_dir(&p.host, &p.guest, perms)
+            .map_err(|e| preopen_error(&p.host, &e))?;
     }
     // `/dev/null`, `/dev/zero`, `/dev/urandom`: virtual files (see `devices`).
     let devices = crate::devices::preopen(&mut b, &setup.preopens)?;
@@ -480,6 +475,28 @@ pub(crate) fn disarm(store: &mut Store<Host>) {
     if store.data().flavor == Flavor::Fuel {
         let _ = store.set_fuel(u64::MAX);
     }
+}
+
+/// Why a folder could not be preopened. Out of file descriptors is
+/// [`sandbox_core::Error::ResourceExhausted`] with the fix: every live sandbox holds its
+/// preopened folders open, so many sandboxes at once can reach `RLIMIT_NOFILE`.
+fn preopen_error(host: &std::path::Path, e: &wasmtime::Error) -> sandbox_core::Error {
+    let out_of_fds = e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .and_then(std::io::Error::raw_os_error)
+            .is_some_and(|n| n == libc::EMFILE || n == libc::ENFILE)
+    });
+    if out_of_fds {
+        return sandbox_core::Error::ResourceExhausted {
+            what: format!(
+                "file descriptors (preopening {}: {e:#}); each live wasm sandbox holds its \
+                 preopened folders open: raise the process's open-file limit (`ulimit -n`) or \
+                 destroy idle sandboxes",
+                host.display()
+            ),
+        };
+    }
+    sandbox_core::Error::io_path("preopen", host, std::io::Error::other(format!("{e:#}")))
 }
 
 pub(crate) fn wt_err(e: wasmtime::Error) -> sandbox_core::Error {

@@ -57,6 +57,31 @@
 //! hold (two memories, a huge table) compiles for the plain engine instead, and so does a
 //! run that finds all 128 slots busy.
 //!
+//! ## Admission: a bounded number of guests run at once
+//! Guests share this process's CPUs. A backend admits at most
+//! [`WasmBackendBuilder::max_running_guests`] guest calls at once (a Python turn, a
+//! JavaScript evaluation, a module run, the start of a Python interpreter); the others wait
+//! in a first-in, first-out queue. Default: the `AGENT_SANDBOX_WASM_MAX_RUNNING`
+//! environment variable when set (`0`: no limit), else 2 × the available parallelism (at
+//! least 2). Without it, N sessions that each need seconds of CPU at once (200 agents
+//! importing pandas on 2 vCPUs) all slow down N-fold together and their wall limits stop
+//! them all; with it, the machine finishes work at its own pace and nothing fails.
+//! - A call's wall deadline, CPU budget and fuel are armed on the guest thread when the
+//!   guest starts, so the queue is not charged; the wait is the result timeline's
+//!   [`Phase::Queue`](sandbox_core::Phase::Queue) (a Python create's too).
+//! - The sandbox's `lifetime` keeps counting while a call waits (it is the sandbox's age).
+//! - A caller that stops waiting (drops the call's future: its own deadline, a
+//!   cancellation) leaves the queue at once; an admitted call holds its slot until its
+//!   guest job ends, even when its caller is gone.
+//! - A guest keeps its slot while it sleeps or runs a host tool: raise the limit for
+//!   workloads that mostly wait.
+//! - [`WasmBackend::admission_stats`] reports running and queued calls, the peak, the waits.
+//! - What else bounds a crowd of sandboxes: guest threads exist only for admitted calls (plus
+//!   Python creates' setup, also admitted), each with a 16 MiB stack (reserved, touched as
+//!   used); a Python interpreter costs ~8 MB resident, ~42 MB after `import pandas`, capped by
+//!   `limits.memory_bytes`; a sandbox holds a few directory descriptors (its preopens) while it
+//!   lives. A thread the host refuses is [`Error::ResourceExhausted`] naming it.
+//!
 //! ## Components
 //! WebAssembly components (the component model, WASI 0.2) are refused with
 //! [`sandbox_core::Error::Unsupported`] naming them: every limit of this tier on a module
@@ -130,6 +155,7 @@
 
 #![forbid(unsafe_op_in_unsafe_fn)]
 
+mod admission;
 mod devices;
 mod disk;
 mod engine;
@@ -152,6 +178,7 @@ use sandbox_core::{
     Sandbox, SandboxSpec, SnapshotId, SnapshotKind, SnapshotStore, Tier, TierStatus, Workspace,
 };
 
+pub use crate::admission::{default_max_running, AdmissionStats, MAX_RUNNING_ENV, RUNNING_PER_CPU};
 pub use crate::engine::{calibration_cpu_time, WASMTIME_VERSION};
 pub use crate::install::{
     install_python, no_progress, python_status, stderr_progress, InstallEvent, InstallOptions,
@@ -160,6 +187,7 @@ pub use crate::install::{
 pub use crate::sandbox::WasmSandbox;
 pub use crate::tools::{HostTools, ToolCall, ToolError};
 
+use crate::admission::Admission;
 use crate::python::PythonSource;
 use crate::sandbox::{SandboxConfig, SNAPSHOT_FORMAT};
 
@@ -179,6 +207,7 @@ impl std::fmt::Debug for WasmBackend {
             .field("cache_dir", &self.cfg.python.cache_dir)
             .field("python_dir", &self.cfg.python.explicit)
             .field("tools", &self.cfg.tools)
+            .field("max_running_guests", &self.cfg.admission.limit())
             .finish()
     }
 }
@@ -193,6 +222,7 @@ impl Default for WasmBackend {
 pub struct WasmBackendBuilder {
     python: PythonSource,
     tools: HostTools,
+    max_running: Option<Option<usize>>,
     error: Option<Error>,
 }
 
@@ -228,6 +258,25 @@ impl WasmBackendBuilder {
     /// whatever the sink.
     pub fn progress(mut self, p: Arc<dyn Progress>) -> Self {
         self.python.progress = Some(p);
+        self
+    }
+
+    /// At most `n` guest calls of this backend's sandboxes run at once (Python turns,
+    /// JavaScript evaluations, WASI module runs, and the start of a Python interpreter); the
+    /// others wait in a first-in, first-out queue. `0`: no limit.
+    ///
+    /// Default: the `AGENT_SANDBOX_WASM_MAX_RUNNING` environment variable ([`MAX_RUNNING_ENV`])
+    /// when set, else [`RUNNING_PER_CPU`] (2) × the available parallelism (at least 2): see
+    /// [`default_max_running`].
+    ///
+    /// A call's limits (wall time, CPU time, fuel) start when it is admitted, so a queued
+    /// call is not charged for its wait; the wait is its timeline's
+    /// [`Phase::Queue`](sandbox_core::Phase::Queue). A caller that stops waiting (drops the
+    /// call, e.g. on its own deadline) leaves the queue. A guest holds its slot while it
+    /// sleeps or is inside a host tool: raise the limit for guests that mostly wait.
+    /// Clones of the backend (and [`WasmBackend::with_tools`]) share the slots.
+    pub fn max_running_guests(mut self, n: usize) -> Self {
+        self.max_running = Some((n > 0).then_some(n));
         self
     }
 
@@ -270,10 +319,12 @@ impl WasmBackendBuilder {
         if let Some(e) = self.error {
             return Err(e);
         }
+        let limit = self.max_running.unwrap_or_else(default_max_running);
         Ok(WasmBackend {
             cfg: SandboxConfig {
                 python: self.python,
                 tools: self.tools,
+                admission: Admission::new(limit),
             },
         })
     }
@@ -287,6 +338,7 @@ impl WasmBackend {
             cfg: SandboxConfig {
                 python: PythonSource::default(),
                 tools: HostTools::new(),
+                admission: Admission::new(default_max_running()),
             },
         }
     }
@@ -296,6 +348,7 @@ impl WasmBackend {
         WasmBackendBuilder {
             python: PythonSource::default(),
             tools: HostTools::new(),
+            max_running: None,
             error: None,
         }
     }
@@ -306,8 +359,20 @@ impl WasmBackend {
             cfg: SandboxConfig {
                 python: self.cfg.python.clone(),
                 tools,
+                admission: self.cfg.admission.clone(),
             },
         }
+    }
+
+    /// The limit on guests running at once (`None`: none; see
+    /// [`WasmBackendBuilder::max_running_guests`]).
+    pub fn max_running_guests(&self) -> Option<usize> {
+        self.cfg.admission.limit()
+    }
+
+    /// What admission control has done so far: running and queued calls, the peak, waits.
+    pub fn admission_stats(&self) -> AdmissionStats {
+        self.cfg.admission.stats()
     }
 
     /// The host tools sandboxes of this backend get.

@@ -16,6 +16,7 @@ use sandbox_core::{
 };
 use tokio::sync::mpsc;
 
+use crate::admission::{Admission, Ticket};
 use crate::engine::{self, Flavor};
 use crate::host::{CallLimits, Preopen};
 use crate::js::JsSession;
@@ -35,6 +36,8 @@ pub(crate) const SNAPSHOT_FORMAT: &str = "workspace-tar-v1";
 pub(crate) struct SandboxConfig {
     pub(crate) python: PythonSource,
     pub(crate) tools: HostTools,
+    /// The backend's limit on guests running at once (shared by its sandboxes).
+    pub(crate) admission: Admission,
 }
 
 /// A call's outcome before redaction.
@@ -278,8 +281,16 @@ impl Inner {
         let mut extra = Vec::new();
         let state = match spec.language {
             Language::Python => {
+                // Starting an interpreter runs Python (its setup turn): it is admitted
+                // like any other guest call.
+                let queued = Instant::now();
+                let ticket = sb.cfg.admission.admit().await?;
+                extra.push(PhaseTiming {
+                    phase: Phase::Queue,
+                    micros: micros(queued.elapsed()),
+                });
                 let started = Instant::now();
-                let (s, loaded) = sb.start_python().await?;
+                let (s, loaded) = sb.start_python(ticket).await?;
                 extra.push(PhaseTiming {
                     phase: Phase::Dependencies,
                     micros: micros(loaded - started),
@@ -337,8 +348,9 @@ impl Inner {
         Ok(g)
     }
 
-    /// Starts an interpreter; also returns when the shared runtime was ready.
-    async fn start_python(&self) -> Result<(Session, Instant)> {
+    /// Starts an interpreter under an admitted call's `ticket`; also returns when the shared
+    /// runtime was ready.
+    async fn start_python(&self, ticket: Arc<Ticket>) -> Result<(Session, Instant)> {
         let src = self.cfg.python.clone();
         let flavor = self.flavor;
         let setup = SessionSetup {
@@ -354,6 +366,7 @@ impl Inner {
             disk_cap: self.spec.limits.disk_bytes,
         };
         engine::on_guest_thread(move || {
+            let _slot = ticket;
             let rt = python::runtime(&src, flavor)?;
             let loaded = Instant::now();
             Session::start(&rt, setup).map(|s| (s, loaded))
@@ -509,6 +522,10 @@ impl Inner {
         });
         let mut env = self.env.clone();
         env.extend(req.env.iter().map(|(k, v)| (k.clone(), v.clone())));
+        // The limits are computed (and armed, on the guest thread) after admission: a
+        // queued call is not charged for its wait.
+        let ticket = self.cfg.admission.admit().await?;
+        t.mark(Phase::Queue);
         let run = ModuleRun {
             flavor: self.flavor,
             bytes,
@@ -525,7 +542,11 @@ impl Inner {
             disk_cap: self.spec.limits.disk_bytes,
             taps: taps.clone(),
         };
-        let o = engine::on_guest_thread(move || module::run(run)).await??;
+        let o = engine::on_guest_thread(move || {
+            let _slot = ticket;
+            module::run(run)
+        })
+        .await??;
         t.mark(Phase::Command);
         Ok(self.finish(
             Raw {
@@ -556,10 +577,12 @@ impl Inner {
         let LangState::Python(slot) = &mut *guard else {
             return Err(Error::backend(TIER, "not a Python sandbox"));
         };
+        let ticket = self.cfg.admission.admit().await?;
+        t.mark(Phase::Queue);
         let sess = match slot.take() {
             Some(s) => s,
             None => {
-                let (s, _) = self.start_python().await?;
+                let (s, _) = self.start_python(Arc::clone(&ticket)).await?;
                 t.mark(Phase::Runtime);
                 s
             }
@@ -570,6 +593,7 @@ impl Inner {
         let stdin = req.stdin.clone().unwrap_or_default();
         let guest_taps = taps.clone();
         let (sess, r, out, err) = engine::on_guest_thread(move || {
+            let _slot = ticket;
             let mut sess = sess;
             // Every turn of this call streams (the host's own turns print nothing unless
             // they fail, and then their output is the call's output).
@@ -642,6 +666,8 @@ impl Inner {
         let LangState::Js(slot) = &mut *guard else {
             return Err(Error::backend(TIER, "not a JavaScript sandbox"));
         };
+        let ticket = self.cfg.admission.admit().await?;
+        t.mark(Phase::Queue);
         let sess = match slot.take() {
             Some(s) => s,
             None => {
@@ -658,6 +684,7 @@ impl Inner {
         let cap = self.spec.limits.output_bytes;
         let guest_taps = taps.clone();
         let (sess, o) = engine::on_guest_thread(move || {
+            let _slot = ticket;
             let mut sess = sess;
             let o = sess.eval(&code, limits.wall, limits.cpu, cap, guest_taps);
             (sess, o)

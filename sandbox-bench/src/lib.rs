@@ -44,7 +44,7 @@ pub use report::{Machine, Report};
 pub use run::{Config, Density, ErrorRecord, ScaleResult, TargetReport};
 pub use target::{
     workload_spec, DynTarget, Plan, SandboxTarget, Session, Target, TargetKind, Unavailable,
-    TURN_WALL,
+    TURN_GUARD, TURN_WALL,
 };
 
 /// What can go wrong writing a report.

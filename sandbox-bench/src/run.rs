@@ -12,7 +12,7 @@ use tokio::task::JoinSet;
 
 use crate::metrics::{self, Latency, Percentiles};
 use crate::mix::{self, TurnKind};
-use crate::target::{DynTarget, Plan, Session, TargetKind, TURN_WALL};
+use crate::target::{DynTarget, Plan, Session, TargetKind, TURN_GUARD};
 
 /// What to run.
 #[derive(Debug, Clone, Serialize)]
@@ -211,7 +211,7 @@ async fn run_scale(
         opens.spawn(async move {
             let _permit = sem.acquire_owned().await;
             let start = Instant::now();
-            let r = tokio::time::timeout(TURN_WALL, t.open(&p)).await;
+            let r = tokio::time::timeout(TURN_GUARD, t.open(&p)).await;
             let r = r.unwrap_or_else(|_| Err("open timed out".into()));
             (i, r, start.elapsed())
         });
@@ -391,7 +391,7 @@ async fn drive(
         }
         let t = mix::turn(*kind, idx as u32, plan.userland);
         let start = Instant::now();
-        let r = tokio::time::timeout(TURN_WALL + Duration::from_secs(5), s.run(&t.op)).await;
+        let r = tokio::time::timeout(TURN_GUARD, s.run(&t.op)).await;
         let d = start.elapsed();
         o.turns.push((*kind, d));
         let r = r.unwrap_or_else(|_| Err("turn timed out".into()));
@@ -447,7 +447,7 @@ async fn density(target: &DynTarget, cfg: &Config, nofile: u64) -> Result<Densit
             break format!("pids: {pcur} of {pmax}");
         }
         let t = Instant::now();
-        match tokio::time::timeout(TURN_WALL, target.open_idle()).await {
+        match tokio::time::timeout(TURN_GUARD, target.open_idle()).await {
             Ok(Ok(Some(s))) => {
                 lat.record(t.elapsed());
                 held.push(s);

@@ -90,6 +90,13 @@ pub trait Session: Send + Sync {
 /// on 2 CPUs queue.
 pub const TURN_WALL: Duration = Duration::from_secs(180);
 
+/// How long the harness waits for one turn (or one open) before it counts it as failed,
+/// queueing included. A backend with admission control (the wasm tier) queues turns beyond
+/// its limit on running guests and starts a turn's [`TURN_WALL`] only when the turn runs,
+/// so at large N a turn's latency may exceed [`TURN_WALL`] without anything being wrong;
+/// this guard only catches turns that never finish.
+pub const TURN_GUARD: Duration = Duration::from_secs(900);
+
 /// The spec of a workload sandbox: Python, 1 GiB of memory, [`TURN_WALL`], optionally from
 /// an OCI image.
 ///

@@ -29,6 +29,10 @@ pub enum Phase {
     Command,
     /// A snapshot was loaded.
     Restore,
+    /// Waiting to run: the backend admits a bounded number of guests at once and this call
+    /// (or create) waited for a slot, and for the sandbox's own earlier call. Limits on the
+    /// command (its wall time, CPU, fuel) start after this phase.
+    Queue,
 }
 
 impl fmt::Display for Phase {
@@ -43,6 +47,7 @@ impl fmt::Display for Phase {
             Phase::FirstCommand => "first-command",
             Phase::Command => "command",
             Phase::Restore => "restore",
+            Phase::Queue => "queue",
         };
         f.write_str(s)
     }
