@@ -17,7 +17,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use sandbox_core::{
     DynBackend, Error, ExecRequest, Language, MapSecretSource, NetworkPolicy, ResolvedSecrets,
-    SandboxSpec,
+    SandboxSpec, SecretUse,
 };
 use sandbox_egress::testing::{EchoServer, TestCa};
 use sandbox_egress::{

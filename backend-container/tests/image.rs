@@ -400,7 +400,8 @@ async fn an_image_of_symbolic_links_cannot_lead_the_setup_out_of_its_root() {
     hd.set_entry_type(tar::EntryType::Directory);
     hd.set_mode(0o755);
     hd.set_size(0);
-    b.append_data(&mut hd, "home/app", std::io::empty()).unwrap();
+    b.append_data(&mut hd, "home/app", std::io::empty())
+        .unwrap();
     let upper = b.into_inner().unwrap();
     let tmp = tempfile::tempdir().unwrap();
     write_layout_with(&tmp.path().join("layout"), &[("evil", None)], upper);
