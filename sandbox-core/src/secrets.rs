@@ -173,8 +173,8 @@ impl ResolvedSecrets {
             Some(s) => Err(Error::unsupported(
                 tier,
                 format!(
-                    "proxy-held secrets (`{}`: SecretExposure::Proxy); the container tier \
-                     holds them",
+                    "proxy-held secrets (`{}`: SecretExposure::Proxy); the container and \
+                     gVisor tiers hold them",
                     s.name
                 ),
             )),
