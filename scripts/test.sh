@@ -38,7 +38,9 @@ fi
 # QEMU's software emulation, since this host's nested KVM cannot boot Linux.
 # docker-registry (the CNCF distribution server) and skopeo: the image tests pull from a real
 # registry on loopback, with images pushed by skopeo; mmdebstrap builds their Debian userland.
-APT_PACKAGES=(python3 git util-linux procps iproute2 nftables runsc busybox-static acpica-tools qemu-system-x86 docker-registry skopeo mmdebstrap)
+# python3-requests, python3-pip, curl: clients the proxy-held secrets tests run in sandboxes
+# (agent-sandbox/tests/secret_clients.rs; git too, with the host's git-http-backend).
+APT_PACKAGES=(python3 python3-requests python3-pip curl git util-linux procps iproute2 nftables runsc busybox-static acpica-tools qemu-system-x86 docker-registry skopeo mmdebstrap)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

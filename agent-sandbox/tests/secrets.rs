@@ -1,10 +1,12 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-//! Proxy-held secrets end to end in the container tier, with real clients inside the sandbox
-//! (`curl`, Python's `urllib`) and an HTTPS server on loopback behind a test CA, through the
-//! real egress enforcer (`VethEnforcer`): the server receives the real value, the sandbox only
-//! ever holds the placeholder (its environment, its files, its processes' environments), an
-//! echo comes back masked, and the placeholder sent to another allowed host is refused and
-//! recorded as a leak attempt. Tiers that cannot hold such secrets refuse the spec.
+//! Proxy-held secrets end to end in the container and gVisor tiers, with real clients inside
+//! the sandbox (`curl`, Python's `urllib`) and an HTTPS server on loopback behind a test CA,
+//! through the real egress enforcer (`VethEnforcer`): the server receives the real value, the
+//! sandbox only ever holds the placeholder (its environment, its files, its processes'
+//! environments), an echo comes back masked, and the placeholder sent to another allowed host
+//! is refused and recorded as a leak attempt. Tiers that cannot hold such secrets refuse the
+//! spec (gVisor without an egress enforcer too). More clients (`requests`, git, pip) and a
+//! scan of the sandbox's memory: `secret_clients.rs`.
 //!
 //! Traffic stays on this machine: the test resolver maps `allowed.test` and `other.test` to
 //! 127.0.0.1 and the dialer refuses every other address.
@@ -90,6 +92,31 @@ fn secrets(spec: &SandboxSpec) -> ResolvedSecrets {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn container_clients_use_a_secret_they_never_hold() {
+    clients_use_a_secret_they_never_hold(|e| {
+        Arc::new(
+            backend_container::ContainerBackend::builder()
+                .egress(e)
+                .build()
+                .unwrap(),
+        )
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gvisor_clients_use_a_secret_they_never_hold() {
+    clients_use_a_secret_they_never_hold(|e| {
+        Arc::new(backend_gvisor::GvisorBackend::new(
+            backend_gvisor::GvisorConfig::default().egress(e),
+        ))
+    })
+    .await;
+}
+
+/// The checks, on the backend `make` builds around the enforcer.
+async fn clients_use_a_secret_they_never_hold(
+    make: impl FnOnce(Arc<dyn sandbox_core::EgressEnforcer>) -> DynBackend,
+) {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("SKIP: the egress enforcer needs root");
@@ -114,15 +141,10 @@ async fn container_clients_use_a_secret_they_never_hold() {
         .dialer(Arc::new(GuardDialer))
         .build()
         .unwrap();
-    let b: DynBackend = Arc::new(
-        backend_container::ContainerBackend::builder()
-            .egress(Arc::new(e.clone()))
-            .build()
-            .unwrap(),
-    );
+    let b = make(Arc::new(e.clone()));
     let status = b.probe().await;
     if !status.available {
-        eprintln!("SKIP: container tier unavailable: {}", status.reason);
+        eprintln!("SKIP: {} tier unavailable: {}", b.tier(), status.reason);
         return;
     }
     assert!(b.capabilities().proxy_secrets);
@@ -253,8 +275,7 @@ async fn container_clients_use_a_secret_they_never_hold() {
 async fn other_tiers_refuse_proxy_held_secrets() {
     let spec = spec("allowed.test");
     for b in [
-        Arc::new(backend_gvisor::GvisorBackend::default()) as DynBackend,
-        Arc::new(backend_wasm::WasmBackend::new()),
+        Arc::new(backend_wasm::WasmBackend::new()) as DynBackend,
         Arc::new(backend_microvm::MicrovmBackend::new()),
     ] {
         assert!(!b.capabilities().proxy_secrets, "{}", b.tier());
@@ -265,6 +286,20 @@ async fn other_tiers_refuse_proxy_held_secrets() {
             Err(e) => panic!("{}: expected Unsupported, got {e}", b.tier()),
             Ok(_) => panic!("{}: accepted a proxy-held secret", b.tier()),
         }
+    }
+    // gVisor holds them only through an egress enforcer, and says how to plug one in.
+    let g: DynBackend = Arc::new(backend_gvisor::GvisorBackend::default());
+    assert!(!g.capabilities().proxy_secrets);
+    match g.create(&spec, secrets(&spec)).await {
+        Err(Error::Unsupported { what, tier }) => {
+            assert_eq!(tier, sandbox_core::Tier::Gvisor);
+            assert!(
+                what.contains("proxy-held secrets") && what.contains("GvisorConfig::egress"),
+                "{what}"
+            );
+        }
+        Err(e) => panic!("gvisor: expected Unsupported, got {e}"),
+        Ok(_) => panic!("gvisor: accepted a proxy-held secret without an enforcer"),
     }
     let denied = SandboxSpec::builder(Language::Shell)
         .secret_via_proxy("API_TOKEN", "API_TOKEN", ["allowed.test"])

@@ -386,9 +386,7 @@ impl ContainerBackend {
                 ))
             }
         };
-        let ca_bundle = secret_plan
-            .as_ref()
-            .map(|p| network::ca_bundle(&root.layers, &p.ca_pem));
+        let ca_bundle = secret_plan.as_ref().map(|p| p.ca_bundle(&root.layers));
         let resolv = egress
             .as_ref()
             .map(|(_, plan)| plan.resolv_conf.clone())
@@ -675,8 +673,8 @@ impl ContainerBackend {
             for (var, placeholder) in &p.env {
                 env.insert(var.clone(), placeholder.clone());
             }
-            for var in network::CA_BUNDLE_VARS {
-                env.insert(var.to_string(), format!("/etc/{}", rootfs::CA_BUNDLE_NAME));
+            for var in sandbox_core::egress::CA_BUNDLE_VARS {
+                env.insert(var.to_string(), sandbox_core::egress::CA_BUNDLE_PATH.into());
             }
         }
         let state_file = self

@@ -22,45 +22,13 @@
 //!
 //! Proxy-held secrets ([`SecretExposure::Proxy`](sandbox_core::SecretExposure::Proxy)): the
 //! backend asks the enforcer to `bind_secrets` right after `prepare`; each secret's variable
-//! gets its placeholder, and the certificates the sandbox trusts (its root's system bundle,
-//! the image's or the host's `/etc/ssl/certs/ca-certificates.crt`, plus the proxy's
+//! gets its placeholder, and the certificates the sandbox trusts
+//! ([`SecretPlan::ca_bundle`](sandbox_core::SecretPlan::ca_bundle): its root's system
+//! bundle, the image's or the host's `/etc/ssl/certs/ca-certificates.crt`, plus the proxy's
 //! interception CA) are written to `/etc/agent-sandbox-ca.crt`, which `SSL_CERT_FILE`,
 //! `REQUESTS_CA_BUNDLE`, `CURL_CA_BUNDLE`, `PIP_CERT`, `GIT_SSL_CAINFO` and
-//! `NODE_EXTRA_CA_CERTS` name for OpenSSL, Python, curl, pip, git and Node.
-
-/// The variables that point TLS clients at the sandbox's certificate bundle when proxy-held
-/// secrets are bound.
-pub(crate) const CA_BUNDLE_VARS: [&str; 6] = [
-    "SSL_CERT_FILE",
-    "REQUESTS_CA_BUNDLE",
-    "CURL_CA_BUNDLE",
-    "PIP_CERT",
-    "GIT_SSL_CAINFO",
-    "NODE_EXTRA_CA_CERTS",
-];
-
-/// The system bundle the sandbox's root has (the topmost image layer holding
-/// `etc/ssl/certs/ca-certificates.crt` as a regular file, else the host's for a host-tools
-/// root), with `ca_pem` appended.
-pub(crate) fn ca_bundle(layers: &[std::path::PathBuf], ca_pem: &str) -> String {
-    const BUNDLE: &str = "etc/ssl/certs/ca-certificates.crt";
-    let read = |p: &std::path::Path| match std::fs::symlink_metadata(p) {
-        Ok(m) if m.is_file() && m.len() < (16 << 20) => std::fs::read_to_string(p).ok(),
-        _ => None,
-    };
-    let system = if layers.is_empty() {
-        read(&std::path::Path::new("/").join(BUNDLE))
-    } else {
-        layers.iter().rev().find_map(|l| read(&l.join(BUNDLE)))
-    };
-    let mut out = system.unwrap_or_default();
-    if !out.is_empty() && !out.ends_with('\n') {
-        out.push('\n');
-    }
-    out.push_str("# agent-sandbox: the egress proxy's interception CA (proxy-held secrets)\n");
-    out.push_str(ca_pem);
-    out
-}
+//! `NODE_EXTRA_CA_CERTS` name for OpenSSL, Python, curl, pip, git and Node
+//! ([`CA_BUNDLE_VARS`](sandbox_core::egress::CA_BUNDLE_VARS)).
 
 /// `/etc/resolv.conf` of a sandbox without network.
 pub(crate) const DEFAULT_RESOLV_CONF: &str =

@@ -238,7 +238,8 @@ fn host_entry(ops: &mut Vec<Op>, r: Roots<'_>, host: &str) {
     }
 }
 
-/// The file under `/etc` holding [`Plan::ca_bundle`].
+/// The file under `/etc` holding [`Plan::ca_bundle`]
+/// ([`CA_BUNDLE_PATH`](sandbox_core::egress::CA_BUNDLE_PATH)).
 pub(crate) const CA_BUNDLE_NAME: &str = "agent-sandbox-ca.crt";
 
 /// Debian's (and OpenSSL's default) system trust bundle: with a proxy-held secret, the

@@ -3,7 +3,7 @@
 //! workspace. Nothing of `/root`, `/home`, `/var`, host sockets or the host's `/proc`.
 
 use std::fs;
-use std::os::unix::fs::symlink;
+use std::os::unix::fs::{symlink, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use oci_spec::runtime::{
@@ -184,6 +184,58 @@ fn oci(e: oci_spec::OciSpecError) -> Error {
     Error::backend(Tier::Gvisor, format!("building the OCI spec: {e}"))
 }
 
+/// Puts the certificate bundle `text` of a sandbox with proxy-held secrets into `root` (the
+/// overlay view of an image or a caller's rootfs, never a layer itself) at
+/// [`CA_BUNDLE_PATH`](sandbox_core::egress::CA_BUNDLE_PATH), and over the root's system
+/// bundle ([`SYSTEM_CA_BUNDLE`](sandbox_core::egress::SYSTEM_CA_BUNDLE)) where the root has
+/// that as a regular file. Links are never followed (in a caller's tree they could lead
+/// anywhere on the host): a linked `etc` or a linked bundle file is an error, a link on the
+/// way to the system bundle leaves that path alone.
+pub(crate) fn write_ca_bundle(root: &Path, text: &str) -> std::io::Result<()> {
+    use std::io::{Error as IoError, ErrorKind, Write};
+    use std::os::unix::fs::OpenOptionsExt;
+    let write = |p: &Path| -> std::io::Result<()> {
+        let mut f = fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o644)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(p)
+            .map_err(|e| IoError::new(e.kind(), format!("{}: {e}", p.display())))?;
+        f.write_all(text.as_bytes())?;
+        fs::set_permissions(p, fs::Permissions::from_mode(0o644))
+    };
+    let etc = root.join("etc");
+    match fs::symlink_metadata(&etc) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            return Err(IoError::new(
+                ErrorKind::InvalidInput,
+                format!("{} is not a directory", etc.display()),
+            ))
+        }
+        Err(e) if e.kind() == ErrorKind::NotFound => {
+            fs::create_dir(&etc)?;
+            fs::set_permissions(&etc, fs::Permissions::from_mode(0o755))?;
+        }
+        Err(e) => return Err(e),
+    }
+    let ours = sandbox_core::egress::CA_BUNDLE_PATH.trim_start_matches('/');
+    write(&root.join(ours))?;
+    let mut p = root.to_path_buf();
+    let mut parts = sandbox_core::egress::SYSTEM_CA_BUNDLE.split('/').peekable();
+    while let Some(part) = parts.next() {
+        p.push(part);
+        match fs::symlink_metadata(&p) {
+            Ok(m) if parts.peek().is_none() && m.is_file() => return write(&p),
+            Ok(m) if m.is_dir() => continue,
+            _ => break,
+        }
+    }
+    Ok(())
+}
+
 /// Writes `rootfs/` (mount points, links, generated `/etc` files) under `bundle`.
 pub fn write_rootfs(bundle: &Path, who: Identity) -> Result<PathBuf> {
     let rootfs = bundle.join("rootfs");
@@ -362,6 +414,9 @@ pub fn seccomp() -> Result<LinuxSeccomp> {
 
 /// The whole `config.json`. `scratch`: a host directory whose `tmp/` and `shm/` become
 /// `/tmp` and `/dev/shm` (see [`tmpfs_caps`]); `None` for tmpfs mounts of the runtime's own.
+/// `files`: host files bound read-only over the root's (destination, source), after the
+/// root's own mounts (so `/etc/resolv.conf`, or `/etc/ssl/certs/ca-certificates.crt` inside
+/// the host's bound `/etc/ssl`); each destination must exist in the root.
 pub fn config(
     spec: &SandboxSpec,
     who: Identity,
@@ -369,7 +424,7 @@ pub fn config(
     workspace_read_only: bool,
     scratch: Option<&Path>,
     cgroup: &str,
-    resolv_conf: Option<&Path>,
+    files: &[(&str, &Path)],
 ) -> Result<Spec> {
     let mut mounts = vec![MountBuilder::default()
         .destination("/proc")
@@ -418,8 +473,8 @@ pub fn config(
         mounts.push(m);
     }
     mounts.push(bind("/workspace", workspace, workspace_read_only)?);
-    if let Some(r) = resolv_conf {
-        mounts.push(bind("/etc/resolv.conf", r, true)?);
+    for (dst, src) in files {
+        mounts.push(bind(dst, src, true)?);
     }
     for m in &spec.mounts {
         mounts.push(bind(&m.target, &m.source, m.read_only)?);

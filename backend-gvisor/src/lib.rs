@@ -91,6 +91,22 @@
 //! far side of the link. Such sandboxes cannot be snapshotted: runsc refuses to checkpoint
 //! a sandbox that uses host networking (`Unsupported` says so).
 //!
+//! **Proxy-held secrets** ([`SecretExposure::Proxy`](sandbox_core::SecretExposure::Proxy);
+//! design: `docs/network.md`, "Secrets the sandbox never holds") ride on that path: the
+//! backend asks the enforcer to `bind_secrets` right after `prepare`, each secret's variable
+//! gets its placeholder, and the certificates the sandbox trusts
+//! ([`SecretPlan::ca_bundle`](sandbox_core::SecretPlan::ca_bundle): the root's system bundle
+//! plus the proxy's interception CA) are at `/etc/agent-sandbox-ca.crt`, named by
+//! [`CA_BUNDLE_VARS`](sandbox_core::egress::CA_BUNDLE_VARS) (`SSL_CERT_FILE`,
+//! `REQUESTS_CA_BUNDLE`, `CURL_CA_BUNDLE`, `PIP_CERT`, `GIT_SSL_CAINFO`,
+//! `NODE_EXTRA_CA_CERTS`), and also **over the root's system bundle**
+//! (`/etc/ssl/certs/ca-certificates.crt`), so clients that read only that path trust it too:
+//! in the host-tools view both are read-only binds of one file of the state directory; an
+//! image's (or a caller's rootfs's) root gets them written into its overlay view (the layers
+//! are never written; the system path only where the root has that file). Without an
+//! enforcer such a spec is refused (`Unsupported`), and
+//! [`Capabilities::proxy_secrets`](sandbox_core::Capabilities::proxy_secrets) is false.
+//!
 //! ## Troubleshooting
 //! `AGENT_SANDBOX_RUNSC_DEBUG=/some/dir` makes every runsc call write its debug logs there.
 //!
@@ -357,6 +373,8 @@ impl Backend for GvisorBackend {
         } else {
             vec![NetworkMode::DenyAll]
         };
+        // Proxy-held secrets need the egress proxy (see "Secrets" in the crate docs).
+        c.proxy_secrets = self.config.egress.is_some();
         c.pause_resume = true;
         c.streaming = true;
         c.persistent_state = true;
@@ -408,7 +426,6 @@ impl Backend for GvisorBackend {
         spec: &SandboxSpec,
         secrets: ResolvedSecrets,
     ) -> Result<Box<dyn Sandbox>> {
-        secrets.refuse_proxied(TIER)?;
         Ok(Box::new(
             GvisorSandbox::create(self, spec, secrets, None).await?,
         ))

@@ -77,7 +77,7 @@ pub fn oci_bundle(dir: &Path, name: &str, argv: &[&str], cgroup: &str) -> PathBu
     let ws = dir.join(format!("{name}-ws"));
     std::fs::create_dir_all(&ws).unwrap();
     let spec = SandboxSpec::new(agent_sandbox::Language::Shell);
-    let mut cfg = bundle::config(&spec, who, &ws, false, None, cgroup, None).unwrap();
+    let mut cfg = bundle::config(&spec, who, &ws, false, None, cgroup, &[]).unwrap();
     let mut p = cfg.process().clone().unwrap();
     p.set_args(Some(argv.iter().map(|s| s.to_string()).collect()));
     cfg.set_process(Some(p));

@@ -17,6 +17,7 @@
 
 use std::fmt;
 use std::net::IpAddr;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::SystemTime;
 
@@ -63,6 +64,71 @@ impl SecretPlan {
     pub fn new(env: Vec<(String, String)>, ca_pem: String) -> Self {
         SecretPlan { env, ca_pem }
     }
+
+    /// The certificates a sandbox whose root is made of `layers` (lowest first; empty: the
+    /// host-tools root) trusts with this plan: its root's system bundle
+    /// ([`root_ca_bundle`]) with [`ca_pem`](Self::ca_pem) appended. What the backend puts at
+    /// [`CA_BUNDLE_PATH`] (and over the system bundle, where the root has one).
+    pub fn ca_bundle(&self, layers: &[PathBuf]) -> String {
+        let mut out = root_ca_bundle(layers).unwrap_or_default();
+        if !out.is_empty() && !out.ends_with('\n') {
+            out.push('\n');
+        }
+        out.push_str("# agent-sandbox: the egress proxy's interception CA (proxy-held secrets)\n");
+        out.push_str(&self.ca_pem);
+        out
+    }
+}
+
+/// Where a sandbox with proxy-held secrets finds the certificates it trusts (its root's
+/// system bundle plus the proxy's interception CA); [`CA_BUNDLE_VARS`] name it.
+pub const CA_BUNDLE_PATH: &str = "/etc/agent-sandbox-ca.crt";
+
+/// The system bundle of Debian-family roots (and the host's), relative to the root: OpenSSL's,
+/// and so Python's and curl's, default `CAfile` there.
+pub const SYSTEM_CA_BUNDLE: &str = "etc/ssl/certs/ca-certificates.crt";
+
+/// The variables that point TLS clients at [`CA_BUNDLE_PATH`] when proxy-held secrets are
+/// bound: OpenSSL (and Python's `ssl`), `requests`, curl, pip, git, Node.
+pub const CA_BUNDLE_VARS: [&str; 6] = [
+    "SSL_CERT_FILE",
+    "REQUESTS_CA_BUNDLE",
+    "CURL_CA_BUNDLE",
+    "PIP_CERT",
+    "GIT_SSL_CAINFO",
+    "NODE_EXTRA_CA_CERTS",
+];
+
+/// The system bundle ([`SYSTEM_CA_BUNDLE`]) of a root made of `layers` (lowest first): the
+/// topmost layer's that has it as a regular file; the host's for a host-tools root (empty
+/// `layers`). A layer where the path meets a symbolic link or something other than a
+/// directory (a whiteout) hides the layers below: `None`, as for a root without one. Links
+/// are never followed (in a layer, they could name any file of the host); bundles of 16 MiB
+/// or more are not read.
+pub fn root_ca_bundle(layers: &[PathBuf]) -> Option<String> {
+    let read = |p: &Path| match std::fs::symlink_metadata(p) {
+        Ok(m) if m.is_file() && m.len() < (16 << 20) => std::fs::read_to_string(p).ok(),
+        _ => None,
+    };
+    if layers.is_empty() {
+        return read(&Path::new("/").join(SYSTEM_CA_BUNDLE));
+    }
+    for layer in layers.iter().rev() {
+        let mut p = layer.clone();
+        let mut parts = SYSTEM_CA_BUNDLE.split('/').peekable();
+        while let Some(part) = parts.next() {
+            p.push(part);
+            match std::fs::symlink_metadata(&p) {
+                // Not in this layer: the ones below may have it.
+                Err(_) => break,
+                Ok(m) if parts.peek().is_none() => return read(&p).filter(|_| m.is_file()),
+                Ok(m) if m.is_dir() => continue,
+                // A link or a whiteout hides what lies below.
+                Ok(_) => return None,
+            }
+        }
+    }
+    None
 }
 
 /// What a [`NetworkEvent`] had to do with a proxy-held secret
@@ -248,5 +314,64 @@ pub fn update_policy(
             "changing the network policy of a sandbox created with deny-all (it has no path \
              out to open; create it with an allowlist, even an empty one)",
         )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layer(root: &Path, name: &str, bundle: Option<&str>) -> PathBuf {
+        let l = root.join(name);
+        let certs = l.join("etc/ssl/certs");
+        std::fs::create_dir_all(&certs).unwrap();
+        if let Some(b) = bundle {
+            std::fs::write(certs.join("ca-certificates.crt"), b).unwrap();
+        }
+        l
+    }
+
+    #[test]
+    fn the_topmost_layer_with_a_bundle_gives_it_and_the_ca_follows() {
+        let d = tempfile::tempdir().unwrap();
+        let low = layer(d.path(), "0", Some("LOW"));
+        let mid = layer(d.path(), "1", Some("MID"));
+        let top = layer(d.path(), "2", None);
+        assert_eq!(
+            root_ca_bundle(&[low.clone(), mid.clone(), top.clone()]).as_deref(),
+            Some("MID")
+        );
+        let plan = SecretPlan::new(Vec::new(), "CA PEM\n".into());
+        let b = plan.ca_bundle(&[low, mid, top]);
+        assert!(b.starts_with("MID\n# agent-sandbox"), "{b}");
+        assert!(b.ends_with("CA PEM\n"), "{b}");
+        // No bundle anywhere: the CA alone.
+        let bare = d.path().join("bare");
+        std::fs::create_dir_all(&bare).unwrap();
+        assert_eq!(root_ca_bundle(std::slice::from_ref(&bare)), None);
+        assert!(plan.ca_bundle(&[bare]).starts_with("# agent-sandbox"));
+    }
+
+    #[test]
+    fn links_in_a_layer_are_never_followed() {
+        let d = tempfile::tempdir().unwrap();
+        let outside = d.path().join("host/ssl/certs");
+        std::fs::create_dir_all(&outside).unwrap();
+        std::fs::write(outside.join("ca-certificates.crt"), "HOST FILE").unwrap();
+        let low = layer(d.path(), "0", Some("LOW"));
+        // The top layer's `etc` points outside: it hides the lower layer and is not read.
+        let top = d.path().join("1");
+        std::fs::create_dir_all(&top).unwrap();
+        std::os::unix::fs::symlink(d.path().join("host"), top.join("etc")).unwrap();
+        assert_eq!(root_ca_bundle(&[low.clone(), top]), None);
+        // A linked bundle file is not read either.
+        let top2 = d.path().join("2");
+        std::fs::create_dir_all(top2.join("etc/ssl/certs")).unwrap();
+        std::os::unix::fs::symlink(
+            outside.join("ca-certificates.crt"),
+            top2.join("etc/ssl/certs/ca-certificates.crt"),
+        )
+        .unwrap();
+        assert_eq!(root_ca_bundle(&[low, top2]), None);
     }
 }

@@ -86,6 +86,10 @@ struct Inner {
     lifecycle: Arc<RwLock<()>>,
     /// The egress enforcer and this sandbox's plan (policies other than deny-all).
     egress: Option<(Arc<dyn EgressEnforcer>, EgressPlan)>,
+    /// With proxy-held secrets: the certificates the sandbox trusts
+    /// ([`SecretPlan::ca_bundle`](sandbox_core::SecretPlan::ca_bundle)), put at
+    /// `/etc/agent-sandbox-ca.crt` and over the root's system bundle by `start`.
+    ca_bundle: Option<String>,
     /// Whether commands start through the sandbox's control socket ([`crate::urpc`]);
     /// cleared for good the first time that is not possible (then `runsc exec`).
     direct: AtomicBool,
@@ -125,6 +129,15 @@ impl GvisorSandbox {
         restore: Option<Restore>,
     ) -> Result<Self> {
         spec.validate()?;
+        // Proxy-held secrets: placeholders and the interception CA, from the egress proxy.
+        let proxied = secrets.proxied();
+        if !proxied.is_empty() && backend.config.egress.is_none() {
+            return Err(Error::unsupported(
+                TIER,
+                "proxy-held secrets without an egress enforcer (plug one in with \
+                 GvisorConfig::egress; the facade's Runtime does)",
+            ));
+        }
         let enforcer = sandbox_core::egress::enforcer_for(
             TIER,
             backend.config.egress.as_ref(),
@@ -238,6 +251,35 @@ impl GvisorSandbox {
             }
             None => None,
         };
+        // The placeholders in the environment, and the certificates the sandbox trusts (put
+        // in place by `start`).
+        let ca_bundle = match (&egress, proxied.is_empty()) {
+            (_, true) => None,
+            (Some((e, _)), false) => {
+                let plan = match e.bind_secrets(&id, &proxied) {
+                    Ok(p) => p,
+                    Err(err) => {
+                        e.detach(&id).await;
+                        return Err(err);
+                    }
+                };
+                for (var, placeholder) in &plan.env {
+                    env.insert(var.clone(), placeholder.clone());
+                }
+                for var in sandbox_core::egress::CA_BUNDLE_VARS {
+                    env.insert(var.into(), sandbox_core::egress::CA_BUNDLE_PATH.into());
+                }
+                Some(plan.ca_bundle(&lower))
+            }
+            // `validate` refuses proxy-held secrets under deny-all, the only policy without
+            // an enforcer.
+            (None, false) => {
+                return Err(Error::unsupported(
+                    TIER,
+                    "proxy-held secrets under a deny-all policy (allow the bound hosts)",
+                ))
+            }
+        };
         let inner = Arc::new(Inner {
             id: id.clone(),
             spec: spec.clone(),
@@ -274,6 +316,7 @@ impl GvisorSandbox {
             direct: AtomicBool::new(!backend.config.runsc_exec),
             lifecycle: Arc::new(RwLock::new(())),
             egress,
+            ca_bundle,
             _owner: owner,
             resuming: AtomicBool::new(false),
             resumed: tokio::sync::Notify::new(),
@@ -406,6 +449,43 @@ impl Inner {
                  before this one)",
             ));
         }
+        let mut files: Vec<(&str, &Path)> = Vec::new();
+        if let Some(p) = &resolv {
+            files.push(("/etc/resolv.conf", p));
+        }
+        // Proxy-held secrets: the certificates the sandbox trusts, at our path and over the
+        // root's system bundle. The host-tools root binds one file of ours at both (its
+        // `/etc/ssl` is the host's, bound read-only); an image's or a caller's root gets
+        // them written into its overlay view (never into a layer).
+        let ca_file = self.dir.join("ca-bundle.crt");
+        if let Some(text) = &self.ca_bundle {
+            match (&view, self.lower.is_empty()) {
+                (_, true) => {
+                    std::fs::write(&ca_file, text).map_err(io("write", &ca_file))?;
+                    std::fs::set_permissions(&ca_file, std::fs::Permissions::from_mode(0o644))
+                        .map_err(io("chmod", &ca_file))?;
+                    let point = self
+                        .bundle
+                        .join("rootfs")
+                        .join(sandbox_core::egress::CA_BUNDLE_PATH.trim_start_matches('/'));
+                    std::fs::write(&point, b"").map_err(io("create", &point))?;
+                    files.push((sandbox_core::egress::CA_BUNDLE_PATH, &ca_file));
+                    let system = Path::new("/").join(sandbox_core::egress::SYSTEM_CA_BUNDLE);
+                    if std::fs::symlink_metadata(&system).is_ok_and(|m| m.is_file()) {
+                        files.push(("/etc/ssl/certs/ca-certificates.crt", &ca_file));
+                    }
+                }
+                (Some(root), false) => bundle::write_ca_bundle(root, text)
+                    .map_err(|e| Error::io_path("put the CA bundle into", root, e))?,
+                (None, false) => {
+                    return Err(Error::backend(
+                        TIER,
+                        "could not make the overlay view of the root that the certificates \
+                         of proxy-held secrets go into (see the log line before this one)",
+                    ))
+                }
+            }
+        }
         let spec = match &view {
             Some(root) => std::borrow::Cow::Owned({
                 let mut spec = self.spec.clone();
@@ -429,7 +509,7 @@ impl Inner {
             self.read_only(),
             Some(&self.scratch),
             &cgroup,
-            resolv.as_deref(),
+            &files,
         )?;
         bundle::save(&cfg, &self.bundle)?;
         let image_dir = self.dir.join("restore-image");
@@ -511,7 +591,12 @@ impl Inner {
         let has = |rel: &str| self.lower.iter().any(|l| l.join(rel).is_dir());
         let shim =
             bundle::statx_shim().filter(|_| self.lower.iter().any(|l| bundle::needs_statx_shim(l)));
-        if self.lower.len() == 1 && points.iter().all(|d| has(d)) && shim.is_none() {
+        // Proxy-held secrets' certificates go into the view (see `start`).
+        if self.lower.len() == 1
+            && points.iter().all(|d| has(d))
+            && shim.is_none()
+            && self.ca_bundle.is_none()
+        {
             return None;
         }
         let layers: Option<Vec<&str>> = self.lower.iter().rev().map(|l| l.to_str()).collect();
