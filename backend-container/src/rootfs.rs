@@ -242,10 +242,6 @@ fn host_entry(ops: &mut Vec<Op>, r: Roots<'_>, host: &str) {
 /// ([`CA_BUNDLE_PATH`](sandbox_core::egress::CA_BUNDLE_PATH)).
 pub(crate) const CA_BUNDLE_NAME: &str = "agent-sandbox-ca.crt";
 
-/// Debian's (and OpenSSL's default) system trust bundle: with a proxy-held secret, the
-/// sandbox sees [`Plan::ca_bundle`] there as well.
-const SYSTEM_BUNDLE: &str = "/etc/ssl/certs/ca-certificates.crt";
-
 /// The generated `/etc` files of a host-tools root (name, content): they depend only on the
 /// command user, the hostname and `resolv.conf`, which makes them a template's key.
 pub(crate) fn etc_files(
@@ -787,7 +783,7 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
                 mode: 0o755,
             });
             ops.push(Op::WriteFile {
-                path: r.at(SYSTEM_BUNDLE),
+                path: r.at(&format!("/{}", sandbox_core::egress::SYSTEM_CA_BUNDLE)),
                 mode: 0o644,
                 data: bundle.as_bytes().to_vec(),
             });
@@ -803,16 +799,17 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
         // The host's system bundle (bound read-only with `/etc/ssl`) is covered by ours, for
         // programs that read it without looking at the variables: a file bind over it, where
         // the host has it as a plain file.
-        let host_bundle = Path::new(SYSTEM_BUNDLE)
+        let host_bundle = Path::new("/")
+            .join(sandbox_core::egress::SYSTEM_CA_BUNDLE)
             .symlink_metadata()
             .is_ok_and(|m| m.is_file());
         if p.ca_bundle.is_some() && host_bundle {
             ops.push(Op::Bind {
                 src: r.at(&format!("/etc/{CA_BUNDLE_NAME}")),
-                dst: r.at(SYSTEM_BUNDLE),
+                dst: r.at(&format!("/{}", sandbox_core::egress::SYSTEM_CA_BUNDLE)),
             });
             ops.push(Op::SetAttr {
-                path: r.at(SYSTEM_BUNDLE),
+                path: r.at(&format!("/{}", sandbox_core::egress::SYSTEM_CA_BUNDLE)),
                 set: ATTR_RDONLY | ATTR_NOSUID | ATTR_NODEV,
                 clear: 0,
                 recursive: false,
