@@ -145,11 +145,8 @@ async fn check_clients(b: DynBackend, e: VethEnforcer, s: Servers) {
          cmp /etc/agent-sandbox-ca.crt /etc/ssl/certs/ca-certificates.crt && echo same",
     )
     .await;
-    let mut want = "/etc/agent-sandbox-ca.crt\n".repeat(4);
-    // gVisor also puts the bundle over the root's system bundle.
-    if tier == sandbox_core::Tier::Gvisor {
-        want.push_str("same\n");
-    }
+    // Both tiers also put the bundle at the root's system bundle path.
+    let want = format!("{}same\n", "/etc/agent-sandbox-ca.crt\n".repeat(4));
     assert_eq!(r.stdout_str(), want, "{tier}: {r:?}");
     outputs.push(r);
 
@@ -412,8 +409,11 @@ async fn refused(
     let mut outputs = Vec::new();
     for (client, code) in leaks {
         let r = run(sb, code).await;
+        // pip reports a refused index page only as "no matching distribution"; that it was
+        // refused (and not sent) is checked below, by the leak events and what the other
+        // host got.
         assert!(
-            r.stdout_str().contains("403"),
+            r.stdout_str().contains("403") || *client == "pip",
             "{client}: the leak was not refused with 403: {}\n{}\nthe other host got: {:#?}",
             r.stdout_str(),
             r.stderr_str(),

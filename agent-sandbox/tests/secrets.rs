@@ -11,37 +11,20 @@
 //! Traffic stays on this machine: the test resolver maps `allowed.test` and `other.test` to
 //! 127.0.0.1 and the dialer refuses every other address.
 
-use std::io;
-use std::net::SocketAddr;
+mod common;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use sandbox_core::{
     DynBackend, Error, ExecRequest, Language, MapSecretSource, NetworkPolicy, ResolvedSecrets,
     SandboxSpec, SecretUse,
 };
 use sandbox_egress::testing::{EchoServer, TestCa};
-use sandbox_egress::{
-    Dialer, ProxyConfig, StaticResolver, TcpDialer, UpstreamStream, VethEnforcer,
-};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
 const VALUE: &str = "ghp_REALVALUEofTheToken0123456789abcdefgh";
-
-#[derive(Debug, Default)]
-struct GuardDialer;
-
-#[async_trait]
-impl Dialer for GuardDialer {
-    async fn dial(&self, addr: SocketAddr) -> io::Result<Box<dyn UpstreamStream>> {
-        if !addr.ip().is_loopback() {
-            return Err(io::Error::other(format!("test dialer refuses {addr}")));
-        }
-        TcpDialer.dial(addr).await
-    }
-}
 
 /// A plain HTTP server on loopback that records what it got.
 async fn http_server() -> (u16, Arc<Mutex<Vec<String>>>) {
@@ -128,19 +111,7 @@ async fn clients_use_a_secret_they_never_hold(
         .unwrap();
     let port = server.port;
     let (plain_port, plain_got) = http_server().await;
-    let e = VethEnforcer::builder()
-        .config(ProxyConfig {
-            upstream_roots: vec![upstream_ca.der()],
-            ..ProxyConfig::default()
-        })
-        .resolver(Arc::new(
-            StaticResolver::new()
-                .with("allowed.test", &["127.0.0.1".parse().unwrap()])
-                .with("other.test", &["127.0.0.1".parse().unwrap()]),
-        ))
-        .dialer(Arc::new(GuardDialer))
-        .build()
-        .unwrap();
+    let e = common::enforcer(upstream_ca.der(), &["allowed.test", "other.test"]);
     let b = make(Arc::new(e.clone()));
     let status = b.probe().await;
     if !status.available {
@@ -335,17 +306,7 @@ async fn an_image_trusts_the_interception_ca() {
     let server = EchoServer::start(&upstream_ca, &["allowed.test"])
         .await
         .unwrap();
-    let e = VethEnforcer::builder()
-        .config(ProxyConfig {
-            upstream_roots: vec![upstream_ca.der()],
-            ..ProxyConfig::default()
-        })
-        .resolver(Arc::new(
-            StaticResolver::new().with("allowed.test", &["127.0.0.1".parse().unwrap()]),
-        ))
-        .dialer(Arc::new(GuardDialer))
-        .build()
-        .unwrap();
+    let e = common::enforcer(upstream_ca.der(), &["allowed.test"]);
     let e_pem = e.proxy().interception_ca_pem().unwrap();
     let cache = tempfile::tempdir().unwrap();
     let b: DynBackend = Arc::new(

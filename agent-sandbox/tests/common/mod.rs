@@ -45,34 +45,10 @@ pub struct TestPki {
 
 impl TestPki {
     pub fn new(names: &[&str]) -> TestPki {
-        use rustls::pki_types::{PrivateKeyDer, PrivatePkcs8KeyDer};
-        let ca_key = rcgen::KeyPair::generate().unwrap();
-        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
-        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        ca_params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, "agent-sandbox test upstream CA");
-        let ca = rcgen::CertifiedIssuer::self_signed(ca_params, ca_key).unwrap();
-        let key = rcgen::KeyPair::generate().unwrap();
-        let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
-        let mut leaf = rcgen::CertificateParams::new(names.clone()).unwrap();
-        leaf.distinguished_name
-            .push(rcgen::DnType::CommonName, names[0].clone());
-        let leaf = leaf.signed_by(&key, &ca).unwrap();
-        let cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_no_client_auth()
-        .with_single_cert(
-            vec![leaf.der().clone()],
-            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
-        )
-        .unwrap();
+        let ca = sandbox_egress::testing::TestCa::new("agent-sandbox test upstream CA").unwrap();
         TestPki {
-            ca: ca.der().clone(),
-            acceptor: tokio_rustls::TlsAcceptor::from(Arc::new(cfg)),
+            ca: ca.der(),
+            acceptor: tokio_rustls::TlsAcceptor::from(ca.server_config(names).unwrap()),
         }
     }
 }
