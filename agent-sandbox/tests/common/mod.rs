@@ -21,7 +21,7 @@ use sandbox_egress::{
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpListener;
-use tokio_rustls::rustls::{self, pki_types::CertificateDer};
+use tokio_rustls::rustls::pki_types::CertificateDer;
 
 /// Dials loopback only.
 #[derive(Debug, Default)]
