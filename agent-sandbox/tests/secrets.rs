@@ -329,7 +329,8 @@ async fn an_image_trusts_the_interception_ca() {
         .image(format!("oci:{}:python3", layout.display()))
         .network(NetworkPolicy::Allow {
             hosts: vec!["allowed.test".parse().unwrap()],
-            cidrs: vec![],
+            // The test server is on loopback, which an allowlist reaches only when named.
+            cidrs: vec!["127.0.0.1/32".parse().unwrap()],
             ports: vec![],
         })
         .secret_via_proxy("API_TOKEN", "API_TOKEN", ["allowed.test"])
