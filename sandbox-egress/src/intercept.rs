@@ -262,16 +262,8 @@ mod tests {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     fn client_trusting(ca: &InterceptCa) -> tokio_rustls::TlsConnector {
-        let mut roots = rustls::RootCertStore::empty();
-        roots.add(ca.certificate_der()).unwrap();
-        let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
-            rustls::crypto::ring::default_provider(),
-        ))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-        tokio_rustls::TlsConnector::from(Arc::new(cfg))
+        let der = ca.certificate_der();
+        tokio_rustls::TlsConnector::from(crate::testing::client_config_trusting(der).unwrap())
     }
 
     /// A client trusting the CA reaches "api.example.test" (and an IP) through the minted

@@ -95,15 +95,26 @@ impl TestCa {
     /// # Errors
     /// When the certificate is refused as a root.
     pub fn client_config(&self) -> io::Result<Arc<rustls::ClientConfig>> {
-        let mut roots = rustls::RootCertStore::empty();
-        roots.add(self.der()).map_err(other)?;
-        let cfg = rustls::ClientConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .map_err(other)?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        Ok(Arc::new(cfg))
+        client_config_trusting(self.der())
     }
+}
+
+/// A TLS client configuration that trusts `root` only (a [`TestCa`]'s, or the proxy's
+/// interception CA as a sandbox gets it).
+///
+/// # Errors
+/// When the certificate is refused as a root.
+pub fn client_config_trusting(
+    root: CertificateDer<'static>,
+) -> io::Result<Arc<rustls::ClientConfig>> {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add(root).map_err(other)?;
+    let cfg = rustls::ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(other)?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(Arc::new(cfg))
 }
 
 /// An HTTPS server on loopback that answers every request with the head it received (as a

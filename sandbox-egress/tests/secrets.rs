@@ -9,7 +9,6 @@ mod common;
 
 use std::net::SocketAddr;
 use std::process::Command;
-use std::sync::Arc;
 
 use common::*;
 use rustls::pki_types::CertificateDer;
@@ -328,21 +327,14 @@ async fn intercepted(
     let (head, tcp) = connect(s.proxy, target).await;
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
     let pem = s.h.proxy.interception_ca_pem().unwrap();
-    let mut roots = rustls::RootCertStore::empty();
-    roots
-        .add(CertificateDer::from_pem_slice(pem.as_bytes()).unwrap())
-        .unwrap();
-    let cfg = rustls::ClientConfig::builder_with_provider(Arc::new(
-        rustls::crypto::ring::default_provider(),
-    ))
-    .with_safe_default_protocol_versions()
-    .unwrap()
-    .with_root_certificates(roots)
-    .with_no_client_auth();
+    let cfg = sandbox_egress::testing::client_config_trusting(
+        CertificateDer::from_pem_slice(pem.as_bytes()).unwrap(),
+    )
+    .unwrap();
     let name =
         rustls::pki_types::ServerName::try_from(target.rsplit_once(':').unwrap().0.to_string())
             .unwrap();
-    tokio_rustls::TlsConnector::from(Arc::new(cfg))
+    tokio_rustls::TlsConnector::from(cfg)
         .connect(name, tcp)
         .await
         .unwrap()
