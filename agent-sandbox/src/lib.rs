@@ -490,8 +490,34 @@ impl Runtime {
         choice: TierChoice,
         req: ExecRequest,
     ) -> Result<RunOutput> {
+        self.run_once_with(spec, choice, req, &RunOptions::default())
+            .await
+    }
+
+    /// [`run_once`](Self::run_once) with options: ports published while the command runs
+    /// (each reported through [`RunOptions::on_published`] before it starts).
+    pub async fn run_once_with(
+        &self,
+        spec: &SandboxSpec,
+        choice: TierChoice,
+        req: ExecRequest,
+        opts: &RunOptions,
+    ) -> Result<RunOutput> {
         let sandbox = self.create(spec, choice).await?;
         let tier = sandbox.tier();
+        for &(port, host) in &opts.publish {
+            match sandbox.publish(port, host).await {
+                Ok(at) => {
+                    if let Some(f) = &opts.on_published {
+                        f(port, at);
+                    }
+                }
+                Err(e) => {
+                    let _ = sandbox.destroy().await;
+                    return Err(e);
+                }
+            }
+        }
         let result = sandbox.exec(req).await;
         let network = sandbox.network_events().await.unwrap_or_default();
         let created = sandbox.timeline().clone();
@@ -518,6 +544,47 @@ impl Runtime {
             result,
             network,
         })
+    }
+}
+
+/// A callback told of each port [`Runtime::run_once_with`] published: (sandbox port,
+/// host address).
+pub type PublishedFn = Arc<dyn Fn(u16, std::net::SocketAddr) + Send + Sync>;
+
+/// Options of [`Runtime::run_once_with`]. `#[non_exhaustive]`: build it with
+/// [`RunOptions::default`] and the setters.
+#[derive(Clone, Default)]
+#[non_exhaustive]
+pub struct RunOptions {
+    /// Ports to publish while the command runs: (sandbox port, host address; port 0 picks
+    /// one).
+    pub publish: Vec<(u16, std::net::SocketAddr)>,
+    /// Told of each published port before the command starts.
+    pub on_published: Option<PublishedFn>,
+}
+
+impl std::fmt::Debug for RunOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunOptions")
+            .field("publish", &self.publish)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RunOptions {
+    /// Publishes `sandbox_port` on `host` while the command runs.
+    pub fn publish(mut self, sandbox_port: u16, host: std::net::SocketAddr) -> Self {
+        self.publish.push((sandbox_port, host));
+        self
+    }
+
+    /// Calls `f(sandbox_port, host_address)` for each published port.
+    pub fn on_published(
+        mut self,
+        f: impl Fn(u16, std::net::SocketAddr) + Send + Sync + 'static,
+    ) -> Self {
+        self.on_published = Some(Arc::new(f));
+        self
     }
 }
 

@@ -198,6 +198,11 @@ struct RunArgs {
     /// Memory limit, MiB.
     #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(4..))]
     memory: Option<u64>,
+    /// Publish sandbox port SPORT on the host while the command runs: `SPORT` (a port the
+    /// OS picks on 127.0.0.1), `HPORT:SPORT` (127.0.0.1:HPORT) or `ADDR:HPORT:SPORT`.
+    /// Inbound only: works under the default deny-all policy. Repeatable.
+    #[arg(long = "publish", short = 'p', value_name = "[[ADDR:]HPORT:]SPORT", value_parser = parse_publish)]
+    publish: Vec<(u16, std::net::SocketAddr)>,
     /// Print one JSON object instead of the raw output.
     #[arg(long)]
     json: bool,
@@ -207,6 +212,39 @@ struct RunArgs {
     /// The command and its arguments (after `--`).
     #[arg(last = true, value_name = "CMD")]
     argv: Vec<String>,
+}
+
+/// `SPORT`, `HPORT:SPORT` or `ADDR:HPORT:SPORT` (an IPv6 address in brackets).
+fn parse_publish(s: &str) -> Result<(u16, std::net::SocketAddr), String> {
+    let port = |p: &str, what: &str| {
+        p.parse::<u16>()
+            .map_err(|_| format!("`{p}` is not a {what} port (0-65535)"))
+    };
+    let (host, sport) = match s.rsplit_once(':') {
+        None => (None, s),
+        Some((h, sp)) => (Some(h), sp),
+    };
+    let sport = port(sport, "sandbox")?;
+    if sport == 0 {
+        return Err(
+            "sandbox port 0 is not a port; name the port the server inside listens on".into(),
+        );
+    }
+    let host = match host {
+        None => std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        Some(h) => match h.rsplit_once(':') {
+            None => std::net::SocketAddr::from(([127, 0, 0, 1], port(h, "host")?)),
+            Some((addr, hp)) => {
+                let ip: std::net::IpAddr = addr
+                    .trim_start_matches('[')
+                    .trim_end_matches(']')
+                    .parse()
+                    .map_err(|_| format!("`{addr}` is not an IP address"))?;
+                std::net::SocketAddr::new(ip, port(hp, "host")?)
+            }
+        },
+    };
+    Ok((sport, host))
 }
 
 fn parse_lang(s: &str) -> Result<Language, String> {
@@ -722,7 +760,13 @@ async fn run(runtime: &Runtime, args: RunArgs) -> ExitCode {
         TierArg::Auto => TierChoice::Auto(question),
         TierArg::Tier(t) => TierChoice::Tier(t),
     };
-    match runtime.run_once(&spec, choice, req).await {
+    let mut opts = agent_sandbox::RunOptions::default().on_published(|port, at| {
+        eprintln!("agent-sandbox: sandbox port {port} published on {at}");
+    });
+    for &(port, host) in &args.publish {
+        opts = opts.publish(port, host);
+    }
+    match runtime.run_once_with(&spec, choice, req, &opts).await {
         Ok(out) => {
             let (tier, r) = (out.tier, out.result);
             if args.json {

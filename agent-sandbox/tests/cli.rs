@@ -193,6 +193,12 @@ fn argument_errors_exit_2_with_a_clear_message() {
             "sometimes",
         ),
         (&["frobnicate"], "frobnicate"),
+        (&["run", "-p", "0", "-c", "x"], "sandbox port 0"),
+        (&["run", "-p", "70000", "-c", "x"], "70000"),
+        (
+            &["run", "-p", "nothere:1:80", "-c", "x"],
+            "not an IP address",
+        ),
     ];
     for (args, needle) in cases {
         let out = cli(args);
@@ -920,5 +926,62 @@ fn run_secret_puts_a_placeholder_inside() {
         String::from_utf8_lossy(&out.stderr).contains("does not allow"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn run_publish_serves_the_host_while_the_command_runs() {
+    if !tier_available("container") {
+        eprintln!("SKIP: the container tier is not available here (see `agent-sandbox probe`)");
+        return;
+    }
+    use std::io::{BufRead, BufReader, Read, Write};
+    // A server inside that answers one request, then exits: the run ends with it.
+    let server = r#"import http.server as h
+class H(h.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b'published-ok')
+h.HTTPServer(('127.0.0.1', 8123), H).handle_request()
+print('served')"#;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_agent-sandbox"))
+        .args(["run", "--tier", "container", "-p", "8123", "-c", server])
+        .env_remove("AGENT_SANDBOX_LOG")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    err.read_line(&mut line).unwrap();
+    let at: std::net::SocketAddr = line
+        .trim()
+        .rsplit(' ')
+        .next()
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no published address in {line:?}"));
+    assert!(
+        line.contains("sandbox port 8123 published on 127.0.0.1:"),
+        "{line}"
+    );
+    // The server needs a moment to listen: retry until it answers.
+    let mut answer = String::new();
+    for _ in 0..200 {
+        if let Ok(mut c) = std::net::TcpStream::connect(at) {
+            c.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+            answer.clear();
+            let _ = c.read_to_string(&mut answer);
+            if answer.contains("published-ok") {
+                break;
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(answer.starts_with("HTTP/1.0 200"), "{answer}");
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "served\n");
+    assert!(
+        std::net::TcpStream::connect(at).is_err(),
+        "{at} still accepts after the run ended"
     );
 }

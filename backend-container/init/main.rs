@@ -14,7 +14,8 @@
 //!    a child subreaper) that starts the command with a
 //!    vfork-style clone; the command's child drops every capability, switches to the sandbox
 //!    user, applies rlimits and execs; the supervisor reports EXITED and, on `KILL`, kills
-//!    every descendant.
+//!    every descendant; on `SIGNAL` (the exec's own socket) signals the command's group.
+//! 3. `SOCKET`: a TCP socket of the sandbox's network namespace for a published port.
 //!
 //! Between requests it reaps every zombie of the pid namespace. If the library goes away
 //! (socket closed), the init exits and the kernel kills the whole pid namespace.
@@ -60,10 +61,10 @@ mod zygote;
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, Read};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::atomic::Ordering;
 
-use channel::{recv, send, send_err, CTL};
+use channel::{recv, send, send_err, send_with_fds, CTL};
 use proto::*;
 use setup::{run_op, setup};
 use supervise::{exec, fork_spare, reap, Running};
@@ -74,6 +75,29 @@ use zygote::{zygote, AHEAD};
 /// user namespace (one process, no extra `clone` for pid 1); the mount, UTS, IPC and network
 /// namespaces are made here (a spare has them) while the library makes the cgroups. The
 /// library wrote our id maps before `START`, and `MAPS` follows it at once.
+/// `MSG_SOCKET`: a TCP socket of the sandbox's network namespace, for the library to connect
+/// to a published port with (it cannot enter the namespace itself when rootless).
+fn tcp_socket(id: u64, payload: &[u8]) {
+    const AF_INET: c_int = 2;
+    const AF_INET6: c_int = 10;
+    const SOCK_STREAM_CLOEXEC: c_int = 1 | 0o2000000;
+    let family = match payload.first() {
+        Some(6) => AF_INET6,
+        _ => AF_INET,
+    };
+    // SAFETY: socket(2) with constant arguments; the fd is owned right away.
+    let fd = unsafe { socket(family, SOCK_STREAM_CLOEXEC, 0) };
+    if fd < 0 {
+        return send_err(id, 0, &io::Error::last_os_error(), "socket");
+    }
+    // SAFETY: a fresh fd nobody else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let e = Enc::header(REP_OK, id);
+    if let Err(err) = send_with_fds(CTL, &e.0, &[fd]) {
+        send_err(id, 0, &err, "send socket");
+    }
+}
+
 fn bootstrap() {
     let die = |code: i32, what: &str| -> ! {
         send_err(0, 0, &io::Error::last_os_error(), what);
@@ -292,6 +316,7 @@ fn init_main() -> ! {
                             }
                         }
                         MSG_PING => send(REP_OK, id, &[]),
+                        MSG_SOCKET => tcp_socket(id, payload),
                         _ => send_err(id, 0, &io::Error::from_raw_os_error(22), "unknown request"),
                     }
                 }

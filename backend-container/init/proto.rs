@@ -71,6 +71,12 @@ pub const MSG_PING: u32 = 5;
 pub const MSG_MAPS: u32 = 6;
 /// Bootstrap (id 0): the sandbox's cgroup files to join (as fds).
 pub const MSG_CGROUPS: u32 = 7;
+/// Send signal `i32` to exec `id`'s process group: on the exec's own socket (a spare's, or
+/// one given with [`EXEC_JOB`]), handled by its supervisor while the command's leader lives.
+pub const MSG_SIGNAL: u32 = 9;
+/// Create a TCP socket in the sandbox's network namespace (payload: u8 family, 4 or 6) for
+/// the library to connect to a published port: `REP_OK` with the socket attached.
+pub const MSG_SOCKET: u32 = 10;
 /// Bootstrap (id 0): the first message: a sandbox is wanted. Until then a freshly cloned
 /// init (perhaps cloned ahead of time, see the zygote) only waits.
 pub const MSG_START: u32 = 8;
@@ -106,6 +112,10 @@ pub const UPPER_FD: u32 = 10;
 pub const EXEC_STDIN: u32 = 1;
 /// Exec flag: keep uid 0 inside but drop every capability (rootless mode).
 pub const EXEC_STAY_ROOT: u32 = 4;
+/// Exec flag: the last fd (after the stdio ones) is the exec's own socket: its replies and
+/// its `MSG_KILL`/`MSG_SIGNAL` requests travel there, as with a spare (a background process,
+/// which must not hold the spare that serves short execs).
+pub const EXEC_JOB: u32 = 8;
 
 /// One root-filesystem setup step, run in order by the init.
 #[derive(Debug, Clone, PartialEq, Eq)]

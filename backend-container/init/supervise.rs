@@ -63,7 +63,7 @@ pub(crate) fn fork_spare(run: &mut Running, sfd: RawFd) {
                     let mut d = Dec::new(&buf[..n]);
                     match (d.u32(), d.u64(), d.exec()) {
                         (Ok(MSG_EXEC), Ok(id), Ok(spec)) => {
-                            supervise(id, spec, fds, sfd, Some(&ours), &mut stack)
+                            supervise(id, spec, fds, sfd, Some(&ours), true, &mut stack)
                         }
                         // Anything else (a late kill request after a reusable `EXITED`): the
                         // library will not hand us another exec.
@@ -132,7 +132,10 @@ pub(crate) fn exec(id: u64, payload: &[u8], fds: Vec<OwnedFd>, run: &mut Running
         return exited(id, 126 << 8, false, 0);
     }
     if pid == 0 {
-        supervise(id, spec, fds, sfd, None, &mut child_stack());
+        let mut fds = fds;
+        // The exec's own socket, if the library gave one (after the stdio fds).
+        let job = (spec.flags & EXEC_JOB != 0).then(|| fds.pop()).flatten();
+        supervise(id, spec, fds, sfd, job.as_ref(), false, &mut child_stack());
         std::process::exit(0);
     }
     drop(fds);
@@ -155,7 +158,8 @@ fn child_stack() -> Vec<u8> {
 }
 
 /// Runs exec `id` as its supervisor (a child subreaper). `job`: the exec's own socket to the
-/// library (a spare's), which then carries the replies and kill requests.
+/// library (a spare's, or one given with `EXEC_JOB`), which then carries the replies and the
+/// kill and signal requests; `spare`: whether we may serve another exec afterwards.
 ///
 /// Returns (a spare's supervisor only) when the exec is over and left nothing behind: its
 /// command exited, no descendant is left, no kill was asked for and the library still
@@ -168,6 +172,7 @@ fn supervise(
     fds: Vec<OwnedFd>,
     sfd: RawFd,
     job: Option<&OwnedFd>,
+    spare: bool,
     stack: &mut [u8],
 ) {
     // SAFETY: prctl with integer arguments.
@@ -214,8 +219,15 @@ fn supervise(
             let mut buf = [0u8; 64];
             match recv_on(job_fd, &mut buf) {
                 Ok(Some((n, _))) => {
-                    if Dec::new(&buf[..n]).u32() == Ok(MSG_KILL) {
-                        kill_tree = true;
+                    let mut d = Dec::new(&buf[..n]);
+                    match (d.u32(), d.u64(), d.i32()) {
+                        (Ok(MSG_KILL), _, _) => kill_tree = true,
+                        // Only while the leader lives: its group id is then its own.
+                        (Ok(MSG_SIGNAL), Ok(_), Ok(sig)) if !leader_done && sig > 0 && sig < 65 => {
+                            // SAFETY: kill(2) of the command's process group.
+                            unsafe { kill(-leader, sig) };
+                        }
+                        _ => {}
                     }
                 }
                 Err(e) if e.raw_os_error() == Some(4) => {}
@@ -245,13 +257,13 @@ fn supervise(
                 // reported: none now means none at all (ECHILD).
                 // SAFETY: waitpid with a null status pointer, not blocking.
                 let alone = unsafe { waitpid(-1, std::ptr::null_mut(), WNOHANG) } < 0;
-                if job_fd >= 0 && alone && !killed {
+                if spare && job_fd >= 0 && alone && !killed {
                     exited_with(id, status, true, started, EXITED_REUSABLE);
                     return;
                 }
                 exited(id, status, true, started);
                 drop(outputs.take());
-                if job.is_some() {
+                if spare {
                     // A spare served this exec and cannot take another: the init forks the
                     // next one now, after the reply (forking while the command ran competed
                     // with it for the CPUs).

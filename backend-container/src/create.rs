@@ -702,6 +702,8 @@ impl ContainerBackend {
             state_file,
             terminated: Mutex::new(false),
             timer: Mutex::new(None),
+            procs: Default::default(),
+            ports: Default::default(),
         });
         // From here on, dropping `sb` tears everything down.
         let sb = ContainerSandbox {

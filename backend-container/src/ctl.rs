@@ -11,13 +11,17 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::sync::mpsc;
 
-use crate::proto::{Dec, Enc, FLAG_BIG, INLINE_MAX, MSG_EXEC, MSG_KILL, PACKET_MAX, REP_SPARE};
+use crate::proto::{
+    Dec, Enc, FLAG_BIG, INLINE_MAX, MSG_EXEC, MSG_KILL, MSG_SIGNAL, PACKET_MAX, REP_SPARE,
+};
 
 /// One reply from the init.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) struct Reply {
     pub kind: u32,
     pub payload: Vec<u8>,
+    /// The fd attached, if any (`MSG_SOCKET`'s socket).
+    pub fd: Option<OwnedFd>,
 }
 
 type Waiters = Mutex<HashMap<u64, mpsc::UnboundedSender<Reply>>>;
@@ -100,6 +104,7 @@ impl Ctl {
         let reply = Reply {
             kind,
             payload: d.rest().to_vec(),
+            fd,
         };
         if let Ok(w) = self.waiters.lock() {
             if let Some(tx) = w.get(&id) {
@@ -281,6 +286,19 @@ impl Job {
         })
     }
 
+    /// A socket pair for an exec started through the init with `EXEC_JOB`: the `Job` (our
+    /// end) and the end to send along with the exec.
+    pub fn pair() -> io::Result<(Job, OwnedFd)> {
+        let (ours, theirs) = nix::sys::socket::socketpair(
+            nix::sys::socket::AddressFamily::Unix,
+            nix::sys::socket::SockType::SeqPacket,
+            None,
+            nix::sys::socket::SockFlag::SOCK_CLOEXEC,
+        )
+        .map_err(io::Error::from)?;
+        Ok((Job::new(ours)?, theirs))
+    }
+
     /// Sends exec `id` (`payload`, at most [`INLINE_MAX`] bytes, and its stdio `fds`) to the
     /// spare. Fails if the spare is gone: the exec is then not started.
     pub fn start(&self, id: u64, payload: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
@@ -332,21 +350,33 @@ impl Job {
                     return Some(Reply {
                         kind,
                         payload: d.rest().to_vec(),
+                        fd: None,
                     });
                 }
             }
         }
     }
 
+    /// Asks the supervisor to signal the command's process group (while its leader lives).
+    pub fn signal(&self, id: u64, signo: i32) {
+        let mut head = Enc::header(MSG_SIGNAL, id);
+        head.i32(signo);
+        self.send_small(&head.0);
+    }
+
     /// Asks the supervisor to kill the exec's whole tree (acknowledged with `REP_OK`).
     pub fn kill(&self, id: u64) {
         let head = Enc::header(MSG_KILL, id);
+        self.send_small(&head.0);
+    }
+
+    fn send_small(&self, msg: &[u8]) {
         // SAFETY: send of a buffer we own; a hung-up peer is not an error here.
         unsafe {
             libc::send(
                 self.fd.get_ref().as_raw_fd(),
-                head.0.as_ptr().cast(),
-                head.0.len(),
+                msg.as_ptr().cast(),
+                msg.len(),
                 libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
             );
         }

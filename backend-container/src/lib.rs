@@ -75,6 +75,7 @@ mod files;
 mod init_image;
 mod landlock;
 pub mod network;
+mod process;
 #[path = "../init/proto.rs"]
 mod proto;
 mod rootfs;
@@ -573,6 +574,8 @@ impl Backend for ContainerBackend {
         // The egress enforcer's proxy holds secrets; the sandbox gets placeholders.
         c.proxy_secrets = self.cfg.egress.is_some();
         c.limits = limits;
+        c.processes = true;
+        c.publish = true;
         c
     }
 

@@ -10,9 +10,10 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use sandbox_core::{
     Command, DirEntry, EgressEnforcer, Error, ExecEvent, ExecRequest, ExecResult, ExecStream,
-    Language, Lifecycle, LimitKind, NetworkEvent, NetworkPolicy, OutputBuffer, Phase, Redactor,
-    Result, Sandbox, SandboxSpec, SnapshotDraft, SnapshotId, SnapshotKind, SnapshotStore, Tier,
-    Timeline, TimelineRecorder, Transition,
+    Language, Lifecycle, LimitKind, NetworkEvent, NetworkPolicy, OutputBuffer, Phase, Ports,
+    Process, ProcessId, ProcessInfo, PublishedPort, Redactor, Result, Sandbox, SandboxSpec, Signal,
+    SnapshotDraft, SnapshotId, SnapshotKind, SnapshotStore, StreamRedactor, Tier, Timeline,
+    TimelineRecorder, Transition,
 };
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
@@ -64,6 +65,10 @@ pub(crate) struct Inner {
     pub terminated: Mutex<bool>,
     /// The lifetime timer, aborted on terminate.
     pub timer: Mutex<Option<tokio::task::AbortHandle>>,
+    /// Background processes.
+    pub procs: sandbox_core::ProcessTable,
+    /// Published ports (closed on terminate).
+    pub ports: Ports,
 }
 
 impl std::fmt::Debug for Inner {
@@ -89,7 +94,7 @@ impl ContainerSandbox {
     }
 }
 
-fn wait_status_code(status: i32) -> (Option<i32>, Option<i32>) {
+pub(crate) fn wait_status_code(status: i32) -> (Option<i32>, Option<i32>) {
     if libc::WIFEXITED(status) {
         (Some(libc::WEXITSTATUS(status)), None)
     } else if libc::WIFSIGNALED(status) {
@@ -100,7 +105,7 @@ fn wait_status_code(status: i32) -> (Option<i32>, Option<i32>) {
     }
 }
 
-fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
+pub(crate) fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
     let mut p = [0 as RawFd; 2];
     // SAFETY: pipe2 with a valid out array.
     if unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
@@ -110,7 +115,7 @@ fn pipe() -> std::io::Result<(OwnedFd, OwnedFd)> {
     Ok(unsafe { (OwnedFd::from_raw_fd(p[0]), OwnedFd::from_raw_fd(p[1])) })
 }
 
-fn set_nonblocking(fd: RawFd) {
+pub(crate) fn set_nonblocking(fd: RawFd) {
     // SAFETY: fcntl on an fd we own.
     unsafe {
         let fl = libc::fcntl(fd, libc::F_GETFL);
@@ -135,13 +140,33 @@ fn instant_of(ns: u64) -> Option<Instant> {
     now.checked_sub(Duration::from_nanos(now_ns.checked_sub(ns)?))
 }
 
-/// Reads a pipe until EOF or until told to stop (then drains what is already there).
+/// Where a pump streams its pipe's chunks: redacted (also a secret split across chunks),
+/// the first `cap` bytes (an exec's output cap; a background process's output is not capped
+/// here: its bounded channel holds the process back instead).
+pub(crate) struct PumpSink {
+    pub tx: mpsc::Sender<Result<ExecEvent>>,
+    pub redactor: StreamRedactor,
+    pub cap: u64,
+}
+
+impl PumpSink {
+    pub(crate) fn new(tx: mpsc::Sender<Result<ExecEvent>>, redactor: &Redactor, cap: u64) -> Self {
+        PumpSink {
+            tx,
+            redactor: StreamRedactor::new(redactor.clone()),
+            cap,
+        }
+    }
+}
+
+/// Reads a pipe until EOF or until told to stop (then drains what is already there), keeping
+/// the first `cap` bytes and streaming to `sink`; past `flood_at` bytes, `flood` is notified.
 #[allow(clippy::too_many_arguments)]
-async fn pump(
+pub(crate) async fn pump(
     fd: OwnedFd,
     cap: u64,
     flood_at: u64,
-    sink: Option<mpsc::Sender<Result<ExecEvent>>>,
+    mut sink: Option<PumpSink>,
     stdout: bool,
     mut stop: watch::Receiver<bool>,
     flood: Arc<Notify>,
@@ -155,6 +180,14 @@ async fn pump(
     let mut chunk = vec![0u8; 16 * 1024];
     let (mut seen, mut streamed) = (0u64, 0u64);
     let mut flooded = false;
+    let event = move |b: Vec<u8>| {
+        let b = Bytes::from(b);
+        if stdout {
+            ExecEvent::Stdout(b)
+        } else {
+            ExecEvent::Stderr(b)
+        }
+    };
     let raw_read = |fd: RawFd, chunk: &mut [u8]| {
         // SAFETY: read into a buffer we own.
         let n = unsafe { libc::read(fd, chunk.as_mut_ptr().cast(), chunk.len()) };
@@ -169,18 +202,16 @@ async fn pump(
             let n = $n;
             seen += n as u64;
             buf.push(&chunk[..n]);
-            if let Some(tx) = &sink {
-                let room = cap.saturating_sub(streamed);
+            if let Some(s) = &mut sink {
+                let room = s.cap.saturating_sub(streamed);
                 let take = usize::try_from(room).unwrap_or(usize::MAX).min(n);
                 if take > 0 {
                     streamed += take as u64;
-                    let b = Bytes::copy_from_slice(&chunk[..take]);
-                    let ev = if stdout {
-                        ExecEvent::Stdout(b)
-                    } else {
-                        ExecEvent::Stderr(b)
-                    };
-                    let _ = tx.send(Ok(ev)).await;
+                    let out = s.redactor.push(&chunk[..take]);
+                    if !out.is_empty() {
+                        // A dropped receiver only means nobody listens any more.
+                        let _ = s.tx.send(Ok(event(out))).await;
+                    }
                 }
             }
             if seen > flood_at && !flooded {
@@ -218,11 +249,17 @@ async fn pump(
             }
         }
     }
+    if let Some(s) = &mut sink {
+        let rest = s.redactor.finish(streamed >= s.cap && seen > streamed);
+        if !rest.is_empty() {
+            let _ = s.tx.send(Ok(event(rest))).await;
+        }
+    }
     buf
 }
 
 impl Inner {
-    fn gone_err(&self) -> Error {
+    pub(crate) fn gone_err(&self) -> Error {
         self.life.gone_error()
     }
 
@@ -249,6 +286,7 @@ impl Inner {
         }
         *done = true;
         self.life.end(reason);
+        self.ports.clear();
         // The next create's init is cloned meanwhile (see `spawn::prefork`).
         crate::spawn::prefork();
         // The kernel then kills the whole pid namespace.
@@ -402,16 +440,9 @@ impl Inner {
         }
     }
 
+    /// The init's exec request for `req`: argv, cwd, env, user and rlimits.
     #[allow(clippy::unnecessary_cast)] // RLIMIT_* types differ between libcs
-    pub(crate) async fn run(
-        &self,
-        req: ExecRequest,
-        sink: Option<mpsc::Sender<Result<ExecEvent>>>,
-    ) -> Result<ExecResult> {
-        self.alive()?;
-        req.validate()?;
-        self.life.check_running()?;
-        let mut t = TimelineRecorder::start();
+    pub(crate) fn exec_spec(&self, req: &ExecRequest) -> Result<ExecSpec> {
         let argv = self.argv(&req.command)?;
         if argv.iter().any(|a| a.contains('\0')) {
             return Err(Error::invalid("command", "code cannot contain NUL"));
@@ -456,6 +487,20 @@ impl Inner {
         if self.stay_root {
             x.flags |= proto::EXEC_STAY_ROOT;
         }
+        Ok(x)
+    }
+
+    pub(crate) async fn run(
+        &self,
+        req: ExecRequest,
+        sink: Option<mpsc::Sender<Result<ExecEvent>>>,
+    ) -> Result<ExecResult> {
+        self.alive()?;
+        req.validate()?;
+        self.life.check_running()?;
+        let mut t = TimelineRecorder::start();
+        let mut x = self.exec_spec(&req)?;
+        let l = &self.spec.limits;
         let io = |what: &str| {
             let what = what.to_string();
             move |e: std::io::Error| Error::io(what, e)
@@ -520,7 +565,8 @@ impl Inner {
             out_r,
             cap,
             flood_at,
-            sink.clone(),
+            sink.clone()
+                .map(|tx| PumpSink::new(tx, &self.redactor, cap)),
             true,
             stop_rx.clone(),
             Arc::clone(&flood),
@@ -529,7 +575,7 @@ impl Inner {
             err_r,
             cap,
             flood_at,
-            sink,
+            sink.map(|tx| PumpSink::new(tx, &self.redactor, cap)),
             false,
             stop_rx,
             Arc::clone(&flood),
@@ -548,7 +594,7 @@ impl Inner {
             let grace_at = grace.unwrap_or(deadline + Duration::from_secs(3600));
             tokio::select! {
                 r = replies.recv() => match r {
-                    Some(Reply { kind: proto::REP_EXITED, payload }) => {
+                    Some(Reply { kind: proto::REP_EXITED, payload, .. }) => {
                         let mut d = Dec::new(&payload);
                         status = d.i32().ok();
                         let started = d.u8().and_then(|_| d.u64()).unwrap_or(0);
@@ -558,7 +604,7 @@ impl Inner {
                         reusable = d.u8().is_ok_and(|f| f & proto::EXITED_REUSABLE != 0);
                         break;
                     }
-                    Some(Reply { kind: proto::REP_ERR, payload }) => {
+                    Some(Reply { kind: proto::REP_ERR, payload, .. }) => {
                         let mut d = Dec::new(&payload);
                         let _ = (d.u32(), d.i32());
                         failure = Some(Error::backend(TIER, format!("sandbox init refused the exec: {}", d.str().unwrap_or_default())));
@@ -719,6 +765,40 @@ impl Sandbox for ContainerSandbox {
         Ok(ExecStream::spawn(move |tx| async move {
             inner.run(req, Some(tx)).await
         }))
+    }
+
+    async fn spawn(&self, req: ExecRequest) -> Result<Process> {
+        self.inner.spawn(req).await
+    }
+
+    async fn processes(&self) -> Result<Vec<ProcessInfo>> {
+        self.inner.alive()?;
+        Ok(self.inner.procs.list())
+    }
+
+    async fn signal(&self, id: ProcessId, signal: Signal) -> Result<()> {
+        self.inner.alive()?;
+        self.inner.procs.signal(id, signal).await
+    }
+
+    async fn publish(
+        &self,
+        sandbox_port: u16,
+        host: std::net::SocketAddr,
+    ) -> Result<std::net::SocketAddr> {
+        self.inner.alive()?;
+        let dialer = Arc::new(crate::process::InitDialer(Arc::clone(&self.inner.ctl)));
+        self.inner.ports.publish(sandbox_port, host, dialer).await
+    }
+
+    async fn unpublish(&self, host: std::net::SocketAddr) -> Result<()> {
+        self.inner.alive()?;
+        self.inner.ports.unpublish(host)
+    }
+
+    async fn published(&self) -> Result<Vec<PublishedPort>> {
+        self.inner.alive()?;
+        Ok(self.inner.ports.list())
     }
 
     async fn write_file(&self, path: &str, data: &[u8]) -> Result<()> {

@@ -56,6 +56,10 @@ pub enum Need {
     Shell,
     /// Argv commands.
     Argv,
+    /// Streaming exec.
+    Streaming,
+    /// Background processes.
+    Processes,
     /// The tier enforces this limit.
     Limit(LimitKind),
     /// The tier enforces this network mode.
@@ -79,6 +83,11 @@ impl Need {
             Need::Shell => (!caps.supports_language(Language::Shell))
                 .then(|| "no shell code strings (capabilities().languages)".into()),
             Need::Argv => (!caps.argv).then(|| "no argv commands (capabilities().argv)".into()),
+            Need::Processes => (!caps.processes)
+                .then(|| "no background processes (capabilities().processes)".into()),
+            Need::Streaming => {
+                (!caps.streaming).then(|| "no streaming exec (capabilities().streaming)".into())
+            }
             Need::Limit(k) => (!caps.enforces(k))
                 .then(|| format!("does not enforce the {k} limit (capabilities().limits)")),
             Need::Network(m) => (!caps.network.contains(&m)).then(|| {

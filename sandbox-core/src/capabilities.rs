@@ -69,11 +69,18 @@ pub struct Capabilities {
     /// not listed is accepted in a spec but not enforced by this tier (the tier's
     /// documentation says what bounds the resource instead).
     pub limits: Vec<LimitKind>,
+    /// Background processes: [`Sandbox::spawn`](crate::Sandbox::spawn),
+    /// [`processes`](crate::Sandbox::processes) and [`signal`](crate::Sandbox::signal).
+    pub processes: bool,
+    /// Published ports: [`Sandbox::publish`](crate::Sandbox::publish) and
+    /// [`unpublish`](crate::Sandbox::unpublish).
+    pub publish: bool,
 }
 
 impl Capabilities {
     /// A tier that supports nothing: no language, no argv, no snapshot, no network mode, no
-    /// pause/resume, no streaming, no persistent state, no images, no limit enforced; the boundary is
+    /// pause/resume, no streaming, no persistent state, no images, no limit enforced, no
+    /// background processes, no published ports; the boundary is
     /// the tier's own ([`Tier::boundary`]). Backends set what they do on top of it.
     pub fn new(tier: Tier) -> Self {
         Capabilities {
@@ -90,6 +97,8 @@ impl Capabilities {
             image_languages: Vec::new(),
             proxy_secrets: false,
             limits: Vec::new(),
+            processes: false,
+            publish: false,
         }
     }
 
@@ -141,6 +150,7 @@ mod tests {
             assert_eq!(c.boundary, tier.boundary());
             assert!(c.languages.is_empty() && !c.argv && c.snapshots.is_empty());
             assert!(!c.pause_resume && !c.streaming && !c.persistent_state);
+            assert!(!c.processes && !c.publish);
             assert!(!c.supports_network(&crate::NetworkPolicy::DenyAll));
             assert!(LimitKind::ALL.iter().all(|k| !c.enforces(*k)));
         }

@@ -105,6 +105,23 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// A wait ran out of time; what was waited for goes on (wait again, or stop it).
+    #[error("{what} timed out after {after:?}; it goes on: wait again or signal it")]
+    Timeout {
+        /// What was being waited for.
+        what: String,
+        /// The bound that passed.
+        after: std::time::Duration,
+    },
+
+    /// A background process has exited (or its stdin was closed): it cannot take input or
+    /// signals any more. Its exit status is in [`Process::wait`](crate::Process::wait).
+    #[error("process {id} has exited (or its stdin is closed); start a new one")]
+    ProcessExited {
+        /// The process's id in its sandbox.
+        id: u64,
+    },
+
     /// A host resource is exhausted (disk full, too many sandboxes...).
     #[error("host resource exhausted: {what}; free some or lower the limits")]
     ResourceExhausted {

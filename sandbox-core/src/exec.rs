@@ -584,6 +584,28 @@ where
     buf
 }
 
+/// Streams all of `src` to `sink`, redacted, keeping nothing: a background process's output
+/// (see [`Process`](crate::Process)). A sink that is not read holds the reader back (the
+/// channel is bounded), so the writer blocks instead of our memory growing.
+pub async fn stream_output<R>(mut src: R, mut sink: StreamSink)
+where
+    R: tokio::io::AsyncRead + Unpin,
+{
+    use tokio::io::AsyncReadExt;
+    let mut chunk = vec![0u8; 16 * 1024];
+    loop {
+        match src.read(&mut chunk).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                let out = sink.redactor.push(&chunk[..n]);
+                sink.send(out).await;
+            }
+        }
+    }
+    let rest = sink.redactor.finish(false);
+    sink.send(rest).await;
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -20,6 +20,8 @@ pub mod path;
 pub mod policy;
 pub mod pool;
 pub mod probe;
+pub mod process;
+pub mod publish;
 pub mod sandbox;
 pub mod secrets;
 pub mod selector;
@@ -32,8 +34,8 @@ pub use capabilities::{Capabilities, NetworkMode, SnapshotKind};
 pub use egress::{EgressEnforcer, EgressPlan, NetworkEvent, SecretPlan, SecretUse};
 pub use error::{Error, Result};
 pub use exec::{
-    flood_threshold, pump_output, Command, ExecEvent, ExecRequest, ExecResult, ExecStream,
-    FloodReader, LimitKind, OutputBuffer, StreamKind, StreamSink,
+    flood_threshold, pump_output, stream_output, Command, ExecEvent, ExecRequest, ExecResult,
+    ExecStream, FloodReader, LimitKind, OutputBuffer, StreamKind, StreamSink,
 };
 pub use image::ImageRef;
 pub use lifecycle::{Lifecycle, State as LifecycleState, Transition};
@@ -41,6 +43,10 @@ pub use path::{DirEntry, EntryKind, WorkspacePath, WORKSPACE_MOUNT};
 pub use policy::{Cidr, Decision, DecisionRule, DenyRule, HostPattern, HostRule, NetworkPolicy};
 pub use pool::{PoolConfig, PoolStats, WarmPool};
 pub use probe::TierStatus;
+pub use process::{
+    Process, ProcessControl, ProcessId, ProcessInfo, ProcessState, ProcessTable, Signal,
+};
+pub use publish::{Dialer, Ports, PublishedPort};
 pub use sandbox::{Backend, DynBackend, Sandbox};
 pub use secrets::{
     EnvSecretSource, MapSecretSource, ProxiedSecret, Redactor, ResolvedSecrets, Secret,

@@ -1,5 +1,6 @@
 //! The two traits every backend implements.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -11,6 +12,8 @@ use crate::exec::{ExecRequest, ExecResult, ExecStream};
 use crate::path::DirEntry;
 use crate::policy::NetworkPolicy;
 use crate::probe::TierStatus;
+use crate::process::{Process, ProcessId, ProcessInfo, Signal};
+use crate::publish::PublishedPort;
 use crate::secrets::ResolvedSecrets;
 use crate::snapshot::{SnapshotId, SnapshotStore};
 use crate::spec::SandboxSpec;
@@ -99,6 +102,61 @@ pub trait Sandbox: Send + Sync {
     async fn exec_stream(&self, req: ExecRequest) -> Result<ExecStream> {
         let _ = req;
         Err(Error::unsupported(self.tier(), "streaming exec"))
+    }
+
+    /// Starts a command in the background and returns at once (see [`process`](crate::process)):
+    /// write to its stdin, read its output as it comes, signal it, wait for it. It keeps
+    /// running across later calls, counts against the sandbox's limits and ends with the
+    /// sandbox. `req.stdin` is written first (the pipe stays open); `req.timeout`, when set,
+    /// bounds its wall time (the spec's `wall_time_ms` bounds each `exec`, not processes).
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] on tiers without `processes` in their capabilities; as
+    /// [`exec`](Self::exec) otherwise.
+    async fn spawn(&self, req: ExecRequest) -> Result<Process> {
+        let _ = req;
+        Err(Error::unsupported(self.tier(), "background processes"))
+    }
+
+    /// The sandbox's background processes: those running and the last ones that ended.
+    async fn processes(&self) -> Result<Vec<ProcessInfo>> {
+        Err(Error::unsupported(self.tier(), "background processes"))
+    }
+
+    /// Sends `signal` to background process `id`'s process group.
+    ///
+    /// # Errors
+    /// [`Error::NotFound`] for an id this sandbox never gave, [`Error::ProcessExited`] once
+    /// it ended.
+    async fn signal(&self, id: ProcessId, signal: Signal) -> Result<()> {
+        let _ = (id, signal);
+        Err(Error::unsupported(self.tier(), "background processes"))
+    }
+
+    /// Publishes TCP port `sandbox_port` of the sandbox on `host` (port 0: the OS picks
+    /// one): connections there are forwarded inside. Inbound only: it works under `DenyAll`
+    /// and opens no way out. Returns the address listened on. Published ports close on
+    /// [`destroy`](Self::destroy).
+    ///
+    /// # Errors
+    /// [`Error::InvalidSpec`] for port 0 or an address published already, [`Error::Io`] for
+    /// an address in use or not this host's, [`Error::Unsupported`] on tiers without
+    /// `publish` in their capabilities.
+    async fn publish(&self, sandbox_port: u16, host: SocketAddr) -> Result<SocketAddr> {
+        let _ = (sandbox_port, host);
+        Err(Error::unsupported(self.tier(), "published ports"))
+    }
+
+    /// Stops publishing on `host` (the address [`publish`](Self::publish) returned) and
+    /// closes its connections. [`Error::NotFound`] if nothing is published there.
+    async fn unpublish(&self, host: SocketAddr) -> Result<()> {
+        let _ = host;
+        Err(Error::unsupported(self.tier(), "published ports"))
+    }
+
+    /// What is published from this sandbox.
+    async fn published(&self) -> Result<Vec<PublishedPort>> {
+        Err(Error::unsupported(self.tier(), "published ports"))
     }
 
     /// Writes a file in the workspace (creating parent directories).

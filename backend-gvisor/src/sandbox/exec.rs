@@ -24,6 +24,21 @@ impl Inner {
         )
     }
 
+    /// What runs for `req`: its argv, environment (`K=V`) and working directory.
+    pub(super) fn command(&self, req: &ExecRequest) -> Result<(Vec<String>, Vec<String>, String)> {
+        let (argv, extra) = self.argv(&req.command)?;
+        let cwd = match &req.cwd {
+            None => self.cwd.clone(),
+            Some(c) if c.starts_with('/') => c.clone(),
+            Some(c) => WorkspacePath::parse(c)?.in_sandbox(),
+        };
+        let mut env = self.env.clone();
+        env.extend(extra);
+        env.extend(req.env.clone());
+        let env = env.into_iter().map(|(k, v)| format!("{k}={v}")).collect();
+        Ok((argv, env, cwd))
+    }
+
     pub(super) fn argv(&self, cmd: &Command) -> Result<(Vec<String>, BTreeMap<String, String>)> {
         let mut extra = BTreeMap::new();
         if let (Command::Code(_), Some(img)) = (cmd, &self.image) {
@@ -71,16 +86,7 @@ impl Inner {
         self.alive()?;
         self.life.check_running()?;
         let mut t = TimelineRecorder::start();
-        let (argv, extra) = self.argv(&req.command)?;
-        let cwd = match &req.cwd {
-            None => self.cwd.clone(),
-            Some(c) if c.starts_with('/') => c.clone(),
-            Some(c) => WorkspacePath::parse(c)?.in_sandbox(),
-        };
-        let mut env = self.env.clone();
-        env.extend(extra);
-        env.extend(req.env.clone());
-        let env: Vec<String> = env.into_iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let (argv, env, cwd) = self.command(&req)?;
         if self.direct.load(Ordering::SeqCst) {
             match self
                 .run_direct(&argv, &env, &cwd, &req, &sink, &mut t)
@@ -438,7 +444,14 @@ impl Inner {
 
     /// Kills a timed-out exec's whole process group inside the sandbox.
     pub(super) async fn kill_exec(&self, pid: i32) {
-        let script = format!("kill -9 -{pid} 2>/dev/null; kill -9 {pid} 2>/dev/null; true");
+        self.signal_exec(pid, 9).await;
+    }
+
+    /// Sends signal `signo` to the process group of the command whose pid (inside) is `pid`,
+    /// or to the command alone when it leads no group: a `kill` run inside the sandbox.
+    pub(super) async fn signal_exec(&self, pid: i32, signo: i32) {
+        let script =
+            format!("kill -{signo} -{pid} 2>/dev/null || kill -{signo} {pid} 2>/dev/null; true");
         let env = vec!["PATH=/usr/bin:/bin".to_string()];
         if self.direct.load(Ordering::SeqCst) {
             let (id, who, script) = (self.id.clone(), self.who, script.clone());

@@ -4,6 +4,7 @@
 //! [`snapshot`] checkpoints them.
 
 mod exec;
+mod process;
 mod snapshot;
 
 use std::collections::BTreeMap;
@@ -98,6 +99,8 @@ struct Inner {
     /// A snapshot's background resume is running; `resumed` is notified when it ends.
     resuming: AtomicBool,
     resumed: tokio::sync::Notify,
+    /// Background processes.
+    procs: sandbox_core::ProcessTable,
 }
 
 impl std::fmt::Debug for GvisorSandbox {
@@ -320,6 +323,7 @@ impl GvisorSandbox {
             _owner: owner,
             resuming: AtomicBool::new(false),
             resumed: tokio::sync::Notify::new(),
+            procs: Default::default(),
         });
         t.mark(Phase::Allocation);
         // From here on, a failure tears down whatever was made.
@@ -904,6 +908,24 @@ impl Sandbox for GvisorSandbox {
 
     async fn exec(&self, req: ExecRequest) -> Result<ExecResult> {
         self.inner.run(req, None).await
+    }
+
+    async fn spawn(&self, req: ExecRequest) -> Result<sandbox_core::Process> {
+        self.inner.spawn(req).await
+    }
+
+    async fn processes(&self) -> Result<Vec<sandbox_core::ProcessInfo>> {
+        self.inner.alive()?;
+        Ok(self.inner.procs.list())
+    }
+
+    async fn signal(
+        &self,
+        id: sandbox_core::ProcessId,
+        signal: sandbox_core::Signal,
+    ) -> Result<()> {
+        self.inner.alive()?;
+        self.inner.procs.signal(id, signal).await
     }
 
     async fn exec_stream(&self, req: ExecRequest) -> Result<ExecStream> {

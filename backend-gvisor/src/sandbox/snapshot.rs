@@ -25,6 +25,25 @@ impl Inner {
         }
         let guard = Arc::clone(&self.lifecycle).write_owned().await;
         self.alive()?;
+        // A background process's stdio are host pipes: runsc checkpoints them but cannot
+        // restore them, so the sandbox would not come back. Refuse, losing nothing.
+        let running: Vec<String> = self
+            .procs
+            .list()
+            .into_iter()
+            .filter(|p| p.state == sandbox_core::ProcessState::Running)
+            .map(|p| format!("{} (`{}`)", p.id, p.command))
+            .collect();
+        if !running.is_empty() {
+            return Err(Error::unsupported(
+                TIER,
+                format!(
+                    "snapshots while background processes run (gVisor cannot restore their \
+                     host pipes): stop process {} first",
+                    running.join(", ")
+                ),
+            ));
+        }
         let image = self.dir.join(format!(
             "checkpoint-{}",
             self.seq.fetch_add(1, Ordering::SeqCst)

@@ -1,9 +1,11 @@
 //! Lifecycle and the truth of `capabilities()`: what a tier claims works, what it does not
 //! claim is `Unsupported`.
 
+use std::time::Duration;
+
 use sandbox_core::{
     Error, ExecEvent, ExecRequest, Language, NetworkMode, NetworkPolicy, ObjectSnapshotStore,
-    Sandbox, SandboxSpec,
+    ProcessState, Sandbox, SandboxSpec, Signal,
 };
 
 use super::{expect, run};
@@ -321,4 +323,172 @@ pub(super) async fn images(cx: &Ctx<'_>) -> Checked {
             Err("an image (not claimed) was accepted".into())
         }
     }
+}
+
+pub(super) async fn processes(cx: &Ctx<'_>) -> Checked {
+    let sb = cx.create(cx.spec()).await?;
+    let r = async {
+        let long = cx.code(
+            "echo started; exec sleep 1000",
+            "import time\nprint('started', flush=True)\ntime.sleep(1000)",
+        );
+        if !cx.caps.processes {
+            unsupported("spawn", sb.spawn(ExecRequest::code(&long)).await)?;
+            unsupported("processes", sb.processes().await)?;
+            return unsupported("signal", sb.signal(1, Signal::Kill).await);
+        }
+        let mut p = sb
+            .spawn(ExecRequest::code(&long))
+            .await
+            .map_err(|e| format!("spawn: {e}"))?;
+        match p.next().await {
+            Some(Ok(ExecEvent::Stdout(b))) if &b[..] == b"started\n" => {}
+            other => return Err(format!("first event {other:?}, not `started`")),
+        }
+        // An exec runs while it does.
+        let r = run(
+            sb.as_ref(),
+            "an exec beside it",
+            ExecRequest::code(cx.code("echo beside", "print('beside')")),
+        )
+        .await?;
+        expect(r.stdout_str() == "beside\n", "an exec beside a process", &r)?;
+        let list = sb
+            .processes()
+            .await
+            .map_err(|e| format!("processes: {e}"))?;
+        if !list
+            .iter()
+            .any(|i| i.id == p.id() && i.state == ProcessState::Running)
+        {
+            return Err(format!(
+                "processes() does not list {} running: {list:?}",
+                p.id()
+            ));
+        }
+        sb.signal(p.id(), Signal::Kill)
+            .await
+            .map_err(|e| format!("signal: {e}"))?;
+        let r = p
+            .wait(Some(Duration::from_secs(60)))
+            .await
+            .map_err(|e| format!("wait: {e}"))?;
+        expect(
+            r.exit_code == Some(128 + 9),
+            "SIGKILL's exit code (137)",
+            &r,
+        )?;
+        match p.write_stdin(&b"late"[..]).await {
+            Err(Error::ProcessExited { .. }) => Ok(()),
+            other => Err(format!("stdin after exit: {other:?}, not ProcessExited")),
+        }
+    }
+    .await;
+    cx.finish(sb, r).await
+}
+
+pub(super) async fn publish(cx: &Ctx<'_>) -> Checked {
+    let sb = cx.create(cx.spec()).await?;
+    let r = async {
+        let any: std::net::SocketAddr = ([127, 0, 0, 1], 0).into();
+        if !cx.caps.publish {
+            unsupported("publish", sb.publish(8000, any).await)?;
+            return unsupported("published", sb.published().await);
+        }
+        let at = sb
+            .publish(8000, any)
+            .await
+            .map_err(|e| format!("publish: {e}"))?;
+        if !at.ip().is_loopback() || at.port() == 0 {
+            return Err(format!("published on {at}, not a loopback port"));
+        }
+        match sb.publish(0, any).await {
+            Err(Error::InvalidSpec { .. }) => {}
+            other => return Err(format!("publishing port 0: {other:?}, not InvalidSpec")),
+        }
+        sb.unpublish(at)
+            .await
+            .map_err(|e| format!("unpublish: {e}"))?;
+        match sb.unpublish(at).await {
+            Err(Error::NotFound { .. }) => Ok(()),
+            other => Err(format!("unpublishing twice: {other:?}, not NotFound")),
+        }
+    }
+    .await;
+    cx.finish(sb, r).await
+}
+
+/// The next output chunk of `p`, as text (an exit or an error is a failure).
+async fn next_chunk(p: &mut sandbox_core::Process, what: &str) -> Result<String, String> {
+    match tokio::time::timeout(Duration::from_secs(60), p.next()).await {
+        Ok(Some(Ok(ExecEvent::Stdout(b) | ExecEvent::Stderr(b)))) => {
+            Ok(String::from_utf8_lossy(&b).into_owned())
+        }
+        Ok(other) => Err(format!("{what}: {other:?}")),
+        Err(_) => Err(format!("{what}: nothing within 60 s")),
+    }
+}
+
+pub(super) async fn process_io_signals(cx: &Ctx<'_>) -> Checked {
+    let sb = cx.create(cx.spec()).await?;
+    let r = async {
+        let echo = cx.code(
+            "while read l; do echo got:$l; done; exit 4",
+            "import sys\nfor l in sys.stdin:\n    print('got:' + l.strip(), flush=True)\nsys.exit(4)",
+        );
+        let mut p = sb
+            .spawn(ExecRequest::code(&echo).stdin(b"one\n".to_vec()))
+            .await
+            .map_err(|e| format!("spawn: {e}"))?;
+        let mut out = next_chunk(&mut p, "the first line").await?;
+        p.write_stdin(&b"two\n"[..])
+            .await
+            .map_err(|e| format!("write_stdin: {e}"))?;
+        while !out.contains("got:two") {
+            out.push_str(&next_chunk(&mut p, "the second line").await?);
+        }
+        if out != "got:one\ngot:two\n" {
+            return Err(format!("output {out:?}, not the two lines in order"));
+        }
+        p.close_stdin().await.map_err(|e| format!("close_stdin: {e}"))?;
+        let r = p
+            .wait(Some(Duration::from_secs(60)))
+            .await
+            .map_err(|e| format!("wait: {e}"))?;
+        expect(r.exit_code == Some(4), "exit 4 after stdin closed", &r)?;
+
+        let trap = cx.code(
+            "trap 'echo caught; exit 7' INT; echo ready; while :; do sleep 0.05; done",
+            "import signal, sys, time\n\
+             def h(*a):\n    print('caught', flush=True)\n    sys.exit(7)\n\
+             signal.signal(signal.SIGINT, h)\nprint('ready', flush=True)\n\
+             while True:\n    time.sleep(0.05)",
+        );
+        let mut p = sb
+            .spawn(ExecRequest::code(&trap))
+            .await
+            .map_err(|e| format!("spawn: {e}"))?;
+        let ready = next_chunk(&mut p, "ready").await?;
+        if ready != "ready\n" {
+            return Err(format!("first output {ready:?}, not `ready`"));
+        }
+        match p.wait(Some(Duration::from_millis(100))).await {
+            Err(Error::Timeout { .. }) => {}
+            other => return Err(format!("wait on a running process: {other:?}, not Timeout")),
+        }
+        p.signal(Signal::Interrupt)
+            .await
+            .map_err(|e| format!("signal: {e}"))?;
+        let r = p
+            .wait(Some(Duration::from_secs(60)))
+            .await
+            .map_err(|e| format!("wait: {e}"))?;
+        expect(
+            r.exit_code == Some(7) && r.stdout_str() == "caught\n",
+            "SIGINT handled (`caught`, exit 7)",
+            &r,
+        )
+    }
+    .await;
+    cx.finish(sb, r).await
 }

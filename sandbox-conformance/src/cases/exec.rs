@@ -1,6 +1,6 @@
 //! Exit codes, standard streams, devices, environment and working directory.
 
-use sandbox_core::{ExecRequest, Language};
+use sandbox_core::{ExecEvent, ExecRequest, Language};
 
 use super::{expect, run};
 use crate::{Checked, Ctx, SECRET_NAME, SECRET_VALUE};
@@ -223,6 +223,48 @@ pub(super) async fn secret_redacted(cx: &Ctx<'_>) -> Checked {
             "the secret redacted in both streams",
             &r,
         )
+    }
+    .await;
+    cx.finish(sb, r).await
+}
+
+pub(super) async fn secret_redacted_stream(cx: &Ctx<'_>) -> Checked {
+    // The value in two writes with a pause between: two chunks, the secret split across.
+    let code = cx.code(
+        "v=\"$CONF_TOKEN\"; printf %s \"${v%????}\"; sleep 0.2; printf '%s\\n' \"${v#${v%????}}\"; \
+         printf '%s\\n' \"$v\" >&2",
+        "import os, sys, time\nv = os.environ.get('CONF_TOKEN', '')\n\
+         sys.stdout.write(v[:-4]); sys.stdout.flush(); time.sleep(0.2)\n\
+         print(v[-4:], flush=True)\nprint(v, file=sys.stderr, flush=True)",
+    );
+    let sb = cx
+        .create(cx.spec().secret_env(SECRET_NAME, "CONF_TOKEN"))
+        .await?;
+    let r = async {
+        let mut s = sb
+            .exec_stream(ExecRequest::code(&code))
+            .await
+            .map_err(|e| format!("exec_stream: {e}"))?;
+        let mut all = Vec::new();
+        while let Some(ev) = s.next().await {
+            match ev.map_err(|e| format!("stream error: {e}"))? {
+                ExecEvent::Stdout(b) | ExecEvent::Stderr(b) => all.extend_from_slice(&b),
+                _ => {}
+            }
+        }
+        let all = String::from_utf8_lossy(&all);
+        if all.contains(SECRET_VALUE) || all.contains(&SECRET_VALUE[..SECRET_VALUE.len() - 4]) {
+            return Err(format!(
+                "the secret's value (or its start) was streamed: {all:?}"
+            ));
+        }
+        if all.matches("[REDACTED").count() == 2 {
+            Ok(())
+        } else {
+            Err(format!(
+                "streamed {all:?}, not the secret redacted in both streams"
+            ))
+        }
     }
     .await;
     cx.finish(sb, r).await

@@ -90,6 +90,12 @@ static CASES: &[Case] = &[
         exec::secret_redacted
     ),
     case!(
+        "env.secret-redacted-stream",
+        "a secret exposed as env never reaches streamed output either",
+        [Code, Streaming],
+        exec::secret_redacted_stream
+    ),
+    case!(
         "cwd.default",
         "commands start in /workspace",
         [Code],
@@ -214,6 +220,24 @@ static CASES: &[Case] = &[
         "streaming is claimed and streams, or is Unsupported",
         [],
         caps::streaming
+    ),
+    case!(
+        "caps.processes",
+        "background processes are claimed and run beside execs, or are Unsupported",
+        [Code],
+        caps::processes
+    ),
+    case!(
+        "process.io-signals",
+        "a process reads stdin as it is written, streams its output, and SIGINT reaches its handler",
+        [Code, Processes],
+        caps::process_io_signals
+    ),
+    case!(
+        "caps.publish",
+        "published ports are claimed and open and close, or are Unsupported",
+        [],
+        caps::publish
     ),
     case!(
         "caps.pause-resume",

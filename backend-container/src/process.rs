@@ -1,0 +1,303 @@
+//! Background processes ([`Sandbox::spawn`](sandbox_core::Sandbox::spawn)) and published
+//! ports of a container sandbox.
+//!
+//! A process is an exec sent through the init with `EXEC_JOB`: its supervisor is forked on
+//! demand (the spare stays for short execs) and gets its own socket, which carries its exit
+//! report and our kill and signal requests. Its stdin is a pipe we keep open; its output is
+//! pumped into the [`Process`]'s bounded channel, redacted, with no cap and no flood kill (a
+//! reader that does not keep up holds the process back, as a full pipe does). It lives in
+//! the sandbox's cgroup and pid namespace, so it counts against the limits, is frozen with
+//! the sandbox, and dies with the init.
+//!
+//! A published port's connections are made by the init: it creates a TCP socket in the
+//! sandbox's network namespace (`MSG_SOCKET`) and we connect it to the sandbox's loopback,
+//! which needs no privilege over the namespace (the rootless case) and no route out.
+
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use sandbox_core::process::command_line;
+use sandbox_core::{
+    Dialer, Error, ExecEvent, ExecRequest, ExecResult, LimitKind, Process, ProcessControl,
+    ProcessId, Result, Signal,
+};
+use tokio::io::AsyncWriteExt;
+use tokio::net::unix::pipe;
+use tokio::sync::{watch, Notify};
+
+use crate::ctl::{Ctl, Job, Reply};
+use crate::proto::{self, Dec, Enc};
+use crate::sandbox::{pipe, pump, set_nonblocking, wait_status_code, Inner, PumpSink, TIER};
+
+/// Chunks a process may have in flight to its reader before it is held back (each at most
+/// 16 KiB: our memory per process stays under ~1 MiB).
+const QUEUE: usize = 64;
+
+/// What a [`Process`] handle drives: the process's stdin pipe and its supervisor's socket.
+#[derive(Debug)]
+struct Control {
+    id: ProcessId,
+    exec: u64,
+    job: Arc<Job>,
+    stdin: Arc<tokio::sync::Mutex<Option<pipe::Sender>>>,
+    ended: AtomicBool,
+}
+
+#[async_trait]
+impl ProcessControl for Control {
+    async fn write_stdin(&self, data: Bytes) -> Result<()> {
+        let exited = Error::ProcessExited { id: self.id };
+        if self.ended.load(Ordering::SeqCst) {
+            return Err(exited);
+        }
+        let mut g = self.stdin.lock().await;
+        let Some(tx) = g.as_mut() else {
+            return Err(exited);
+        };
+        match tx.write_all(&data).await {
+            Ok(()) => Ok(()),
+            // The process closed its stdin or exited: nothing will read this any more.
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                *g = None;
+                Err(exited)
+            }
+            Err(e) => Err(Error::io(
+                format!("write to process {}'s stdin", self.id),
+                e,
+            )),
+        }
+    }
+
+    async fn close_stdin(&self) -> Result<()> {
+        self.stdin.lock().await.take();
+        Ok(())
+    }
+
+    async fn signal(&self, signal: Signal) -> Result<()> {
+        if self.ended.load(Ordering::SeqCst) {
+            return Err(Error::ProcessExited { id: self.id });
+        }
+        self.job.signal(self.exec, signal.number());
+        Ok(())
+    }
+}
+
+impl Inner {
+    /// Starts `req` in the background (see the module docs).
+    pub(crate) async fn spawn(self: &Arc<Self>, req: ExecRequest) -> Result<Process> {
+        self.alive()?;
+        req.validate()?;
+        self.life.check_running()?;
+        let mut x = self.exec_spec(&req)?;
+        x.flags |= proto::EXEC_STDIN | proto::EXEC_JOB;
+        let io = |what: &'static str| move |e: std::io::Error| Error::io(what, e);
+        let (out_r, out_w) = pipe().map_err(io("create stdout pipe"))?;
+        let (err_r, err_w) = pipe().map_err(io("create stderr pipe"))?;
+        let (in_r, in_w) = pipe().map_err(io("create stdin pipe"))?;
+        let (job, theirs) = Job::pair().map_err(io("create the process's socket"))?;
+        let mut payload = Enc::default();
+        payload.exec(&x);
+        // Replies before its supervisor takes over (a fork failure, a malformed request)
+        // come on the control socket.
+        let (exec, mut early) = self.ctl.register();
+        let fds: [BorrowedFd<'_>; 4] = [out_w.as_fd(), err_w.as_fd(), in_r.as_fd(), theirs.as_fd()];
+        if let Err(e) = self.ctl.send(proto::MSG_EXEC, exec, &payload.0, &fds).await {
+            self.ctl.unregister(exec);
+            if self.ctl.is_closed() {
+                return Err(self.gone_err());
+            }
+            return Err(Error::io("send the process to the sandbox init", e));
+        }
+        drop((out_w, err_w, in_r, theirs));
+        set_nonblocking(in_w.as_raw_fd());
+        let stdin = pipe::Sender::from_owned_fd(in_w).map_err(io("register the stdin pipe"))?;
+        let stdin = Arc::new(tokio::sync::Mutex::new(Some(stdin)));
+        // The request's stdin goes first: held before anyone else can write.
+        let first = Arc::clone(&stdin).try_lock_owned().ok();
+        let id = self.procs.start(command_line(&req.command));
+        let job = Arc::new(job);
+        let control = Arc::new(Control {
+            id,
+            exec,
+            job: Arc::clone(&job),
+            stdin: Arc::clone(&stdin),
+            ended: AtomicBool::new(false),
+        });
+        self.procs
+            .attach(id, Arc::clone(&control) as Arc<dyn ProcessControl>);
+        if let (Some(mut g), Some(data)) = (first, req.stdin.clone()) {
+            tokio::spawn(async move {
+                if let Some(tx) = g.as_mut() {
+                    let _ = tx.write_all(&data).await;
+                }
+            });
+        }
+        let (tx, rx) = tokio::sync::mpsc::channel(QUEUE);
+        let me = Arc::clone(self);
+        let timeout = req.timeout;
+        let handle = Arc::clone(&control);
+        tokio::spawn(async move {
+            let last = me
+                .watch(exec, &job, &mut early, out_r, err_r, tx.clone(), timeout)
+                .await;
+            me.ctl.unregister(exec);
+            control.ended.store(true, Ordering::SeqCst);
+            control.stdin.lock().await.take();
+            me.procs
+                .exited(id, last.as_ref().ok().and_then(|r| r.exit_code));
+            let _ = tx.send(last.map(ExecEvent::Exit)).await;
+        });
+        Ok(Process::new(
+            id,
+            rx,
+            handle as Arc<dyn ProcessControl>,
+            self.spec.limits.output_bytes,
+        ))
+    }
+
+    /// Pumps a process's output until it exits; its result (output already streamed).
+    #[allow(clippy::too_many_arguments)]
+    async fn watch(
+        &self,
+        exec: u64,
+        job: &Job,
+        early: &mut tokio::sync::mpsc::UnboundedReceiver<Reply>,
+        out_r: std::os::fd::OwnedFd,
+        err_r: std::os::fd::OwnedFd,
+        tx: tokio::sync::mpsc::Sender<Result<ExecEvent>>,
+        timeout: Option<Duration>,
+    ) -> Result<ExecResult> {
+        let (oom0, pids0) = self
+            .cgroup
+            .as_ref()
+            .map_or((0, 0), |c| (c.oom_kills(), c.pids_max_events()));
+        let (stop_tx, stop_rx) = watch::channel(false);
+        let never = Arc::new(Notify::new());
+        let sink = |tx| Some(PumpSink::new(tx, &self.redactor, u64::MAX));
+        let out_pump = pump(
+            out_r,
+            0,
+            u64::MAX,
+            sink(tx.clone()),
+            true,
+            stop_rx.clone(),
+            Arc::clone(&never),
+        );
+        let err_pump = pump(err_r, 0, u64::MAX, sink(tx), false, stop_rx, never);
+        tokio::pin!(out_pump, err_pump);
+        let (mut out_done, mut err_done) = (false, false);
+        let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
+        let mut timed_out = false;
+        let status = loop {
+            tokio::select! {
+                r = job.recv() => match r {
+                    Some(Reply { kind: proto::REP_EXITED, payload, .. }) => break Dec::new(&payload).i32().ok(),
+                    Some(_) => {}
+                    None if self.ctl.is_closed() || self.life.is_gone() => return Err(self.gone_err()),
+                    None => {
+                        // The supervisor hung up without a report: let the init's reader see
+                        // whether the whole sandbox went.
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        if self.ctl.is_closed() || self.life.is_gone() {
+                            return Err(self.gone_err());
+                        }
+                        return Err(Error::backend(TIER, "the process's supervisor died before reporting (killed from outside?)"));
+                    }
+                },
+                r = early.recv() => match r {
+                    Some(Reply { kind: proto::REP_EXITED, payload, .. }) => break Dec::new(&payload).i32().ok(),
+                    Some(Reply { kind: proto::REP_ERR, payload, .. }) => {
+                        let mut d = Dec::new(&payload);
+                        let _ = (d.u32(), d.i32());
+                        return Err(Error::backend(TIER, format!("sandbox init refused the process: {}", d.str().unwrap_or_default())));
+                    }
+                    Some(_) => {}
+                    None => return Err(self.gone_err()),
+                },
+                _ = sleep_until(deadline), if !timed_out => {
+                    timed_out = true;
+                    job.kill(exec);
+                }
+                _ = &mut out_pump, if !out_done => out_done = true,
+                _ = &mut err_pump, if !err_done => err_done = true,
+            }
+        };
+        let _ = stop_tx.send(true);
+        if !out_done {
+            out_pump.await;
+        }
+        if !err_done {
+            err_pump.await;
+        }
+        let (exit_code, signal) = status.map_or((None, None), wait_status_code);
+        let failed = exit_code != Some(0);
+        let (oom, pids) = match &self.cgroup {
+            Some(c) if failed => (c.oom_kills() > oom0, c.pids_max_events() > pids0),
+            _ => (false, false),
+        };
+        let limit = if failed && oom {
+            Some(LimitKind::Memory)
+        } else if failed && pids {
+            Some(LimitKind::Pids)
+        } else if signal == Some(libc::SIGXCPU) {
+            Some(LimitKind::CpuTime)
+        } else if timed_out {
+            Some(LimitKind::WallTime)
+        } else {
+            None
+        };
+        Ok(ExecResult::new(exit_code, Vec::new(), Vec::new()).with_limit(limit))
+    }
+
+    /// A TCP stream to `port` on the sandbox's loopback, from a socket the init made in the
+    /// sandbox's network namespace: IPv4 first, then IPv6 (a server bound to `::1` only).
+    pub(crate) async fn dial(ctl: &Ctl, port: u16) -> std::io::Result<tokio::net::TcpStream> {
+        let mut last = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+        for (family, addr) in [
+            (4u8, SocketAddr::from((Ipv4Addr::LOCALHOST, port))),
+            (6u8, SocketAddr::from((Ipv6Addr::LOCALHOST, port))),
+        ] {
+            let r = ctl.call(proto::MSG_SOCKET, &[family], &[]).await?;
+            let fd = match r {
+                Reply {
+                    kind: proto::REP_OK,
+                    fd: Some(fd),
+                    ..
+                } => fd,
+                _ => {
+                    last = std::io::Error::other("the sandbox init could not make a socket");
+                    continue;
+                }
+            };
+            set_nonblocking(fd.as_raw_fd());
+            let sock = tokio::net::TcpSocket::from_std_stream(std::net::TcpStream::from(fd));
+            match sock.connect(addr).await {
+                Ok(s) => return Ok(s),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
+    }
+}
+
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The container tier's way into a sandbox's network, for published ports.
+pub(crate) struct InitDialer(pub Arc<Ctl>);
+
+#[async_trait]
+impl Dialer for InitDialer {
+    async fn dial(&self, port: u16) -> std::io::Result<tokio::net::TcpStream> {
+        Inner::dial(&self.0, port).await
+    }
+}

@@ -1,0 +1,206 @@
+//! Background processes ([`Sandbox::spawn`](sandbox_core::Sandbox::spawn)): a `runsc exec`
+//! child per process, its stdin kept open and its output streamed (redacted, uncapped, held
+//! back by the [`Process`]'s bounded channel when nobody reads). Signals are sent by a `kill`
+//! run inside the sandbox, to the pid runsc reports (`--internal-pid-file`). The process lives
+//! in the sandbox, so it shares its limits, is stopped with a checkpoint's pause, and ends
+//! with it.
+
+use std::sync::Weak;
+
+use bytes::Bytes;
+use sandbox_core::process::command_line;
+use sandbox_core::{stream_output, Process, ProcessControl, ProcessId, Signal};
+
+use super::*;
+
+/// Chunks in flight to a process's reader before it is held back.
+const QUEUE: usize = 64;
+
+/// What a [`Process`] handle drives.
+struct Control {
+    id: ProcessId,
+    inner: Weak<Inner>,
+    pidfile: PathBuf,
+    stdin: tokio::sync::Mutex<Option<tokio::process::ChildStdin>>,
+    ended: AtomicBool,
+}
+
+impl Control {
+    /// The process's pid inside the sandbox, once runsc has written it (it does when the
+    /// process starts).
+    async fn pid(&self) -> Option<i32> {
+        for _ in 0..200 {
+            if let Some(pid) = std::fs::read_to_string(&self.pidfile)
+                .ok()
+                .and_then(|s| s.trim().parse::<i32>().ok())
+            {
+                return Some(pid);
+            }
+            if self.ended.load(Ordering::SeqCst) {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        None
+    }
+}
+
+#[async_trait]
+impl ProcessControl for Control {
+    async fn write_stdin(&self, data: Bytes) -> Result<()> {
+        let exited = Error::ProcessExited { id: self.id };
+        if self.ended.load(Ordering::SeqCst) {
+            return Err(exited);
+        }
+        let mut g = self.stdin.lock().await;
+        let Some(w) = g.as_mut() else {
+            return Err(exited);
+        };
+        match w.write_all(&data).await {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+                *g = None;
+                Err(exited)
+            }
+            Err(e) => Err(Error::io(
+                format!("write to process {}'s stdin", self.id),
+                e,
+            )),
+        }
+    }
+
+    async fn close_stdin(&self) -> Result<()> {
+        self.stdin.lock().await.take();
+        Ok(())
+    }
+
+    async fn signal(&self, signal: Signal) -> Result<()> {
+        let exited = Error::ProcessExited { id: self.id };
+        if self.ended.load(Ordering::SeqCst) {
+            return Err(exited);
+        }
+        let (Some(inner), Some(pid)) = (self.inner.upgrade(), self.pid().await) else {
+            return Err(exited);
+        };
+        inner.alive()?;
+        inner.signal_exec(pid, signal.number()).await;
+        Ok(())
+    }
+}
+
+impl Inner {
+    /// Starts `req` in the background (see the module docs).
+    pub(super) async fn spawn(self: &Arc<Self>, req: ExecRequest) -> Result<Process> {
+        self.alive()?;
+        req.validate()?;
+        let shared = self.lifecycle.read().await;
+        self.alive()?;
+        self.life.check_running()?;
+        let (argv, env, cwd) = self.command(&req)?;
+        let process = bundle::process(argv, env, &cwd, self.who, &self.spec)?;
+        let n = self.seq.fetch_add(1, Ordering::SeqCst);
+        let pfile = self.dir.join(format!("proc-{n}.json"));
+        let pidfile = self.dir.join(format!("proc-{n}.pid"));
+        write_private(
+            &pfile,
+            &serde_json::to_vec(&process).map_err(|e| Error::backend(TIER, e.to_string()))?,
+        )?;
+        let mut cmd = self.runsc.async_command();
+        cmd.arg("exec")
+            .arg("--process")
+            .arg(&pfile)
+            .arg("--internal-pid-file")
+            .arg(&pidfile)
+            .arg(&self.id)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                let _ = std::fs::remove_file(&pfile);
+                return Err(Error::io("spawn runsc exec", e));
+            }
+        };
+        drop(shared);
+        let id = self.procs.start(command_line(&req.command));
+        let control = Arc::new(Control {
+            id,
+            inner: Arc::downgrade(self),
+            pidfile: pidfile.clone(),
+            stdin: tokio::sync::Mutex::new(child.stdin.take()),
+            ended: AtomicBool::new(false),
+        });
+        // The request's stdin goes first: written before the handle is returned.
+        if let Some(data) = &req.stdin {
+            let mut g = control.stdin.lock().await;
+            if let Some(w) = g.as_mut() {
+                let _ = w.write_all(data).await;
+            }
+        }
+        self.procs
+            .attach(id, Arc::clone(&control) as Arc<dyn ProcessControl>);
+        let (tx, rx) = mpsc::channel(QUEUE);
+        let sink = |k| StreamSink::new(tx.clone(), &self.redactor, k);
+        let out = child
+            .stdout
+            .take()
+            .map(|o| tokio::spawn(stream_output(o, sink(StreamKind::Stdout))));
+        let err = child
+            .stderr
+            .take()
+            .map(|e| tokio::spawn(stream_output(e, sink(StreamKind::Stderr))));
+        let me = Arc::clone(self);
+        let handle = Arc::clone(&control);
+        tokio::spawn(async move {
+            let before = me.limit_counters();
+            let timeout = req.timeout;
+            let waited = match timeout {
+                Some(t) => tokio::time::timeout(t, child.wait()).await.ok(),
+                None => Some(child.wait().await),
+            };
+            let (status, limit) = match waited {
+                Some(s) => (s, None),
+                None => {
+                    if let Some(pid) = control.pid().await {
+                        me.kill_exec(pid).await;
+                    }
+                    let _ = child.start_kill();
+                    (child.wait().await, Some(LimitKind::WallTime))
+                }
+            };
+            for pump in [out, err].into_iter().flatten() {
+                let _ = pump.await;
+            }
+            control.ended.store(true, Ordering::SeqCst);
+            control.stdin.lock().await.take();
+            let _ = std::fs::remove_file(&pfile);
+            let _ = std::fs::remove_file(&pidfile);
+            use std::os::unix::process::ExitStatusExt;
+            let code = status
+                .ok()
+                .and_then(|s| s.code().or_else(|| s.signal().map(|n| 128 + n)));
+            let last = if !me.torn_down.load(Ordering::SeqCst) && me.alive().is_ok() {
+                let empty = || sandbox_core::OutputBuffer::new(0);
+                let t = TimelineRecorder::start();
+                let r = me.conclude(code, limit, before, empty(), empty(), t).await;
+                me.procs.exited(id, r.exit_code);
+                Ok(r)
+            } else {
+                me.procs.exited(id, None);
+                Err(Error::SandboxGone {
+                    id: me.id.clone(),
+                    reason: "the sandbox ended while the process ran".into(),
+                })
+            };
+            let _ = tx.send(last.map(ExecEvent::Exit)).await;
+        });
+        Ok(Process::new(
+            id,
+            rx,
+            handle as Arc<dyn ProcessControl>,
+            self.spec.limits.output_bytes,
+        ))
+    }
+}
