@@ -14,6 +14,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 mod bench_cmd;
 mod image_cmd;
+mod shell_cmd;
 use serde_json::json;
 
 /// Exit status when the sandbox itself failed (as `docker run` and `env` do).
@@ -52,6 +53,9 @@ enum Cmd {
     },
     /// Run one command (or code string) in a fresh sandbox, then destroy it.
     Run(RunArgs),
+    /// An interactive shell (or CMD) on a terminal in a fresh sandbox, like `docker run -it`:
+    /// keys and window size go to the sandbox, the exit code is the shell's.
+    Shell(shell_cmd::ShellArgs),
     /// Pull, list and remove OCI images in the local cache.
     #[command(subcommand)]
     Image(image_cmd::ImageCmd),
@@ -564,6 +568,7 @@ async fn async_main(cli: Cli) -> ExitCode {
             }
         },
         Cmd::Image(cmd) => image_cmd::run(cmd).await,
+        Cmd::Shell(args) => shell_cmd::run(args).await,
         Cmd::Bench(cmd) => bench_cmd::run(&cli_runtime(), cmd).await,
     }
 }

@@ -105,6 +105,10 @@ pub const REP_INIT: u32 = 105;
 /// `MSG_KILL` requests then travel on this socket instead of the control socket.
 pub const REP_SPARE: u32 = 106;
 
+/// (exec id) The command runs on a terminal ([`EXEC_TTY`]): the attached fd is its
+/// pseudo-terminal's master, sent by the supervisor before anything else about the exec.
+pub const REP_PTY: u32 = 107;
+
 /// Where the init keeps the overlay's upper directory open (rootfs-directory mode).
 pub const UPPER_FD: u32 = 10;
 
@@ -116,6 +120,10 @@ pub const EXEC_STAY_ROOT: u32 = 4;
 /// its `MSG_KILL`/`MSG_SIGNAL` requests travel there, as with a spare (a background process,
 /// which must not hold the spare that serves short execs).
 pub const EXEC_JOB: u32 = 8;
+/// Exec flag: run the command on a new pseudo-terminal of `ExecSpec::tty`'s size (its
+/// session leader, stdin/stdout/stderr on the terminal); the master goes to the library
+/// in [`REP_PTY`].
+pub const EXEC_TTY: u32 = 16;
 
 /// One root-filesystem setup step, run in order by the init.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -202,6 +210,8 @@ pub struct ExecSpec {
     pub env: Vec<String>,
     /// (resource, soft, hard).
     pub rlimits: Vec<(u32, u64, u64)>,
+    /// The terminal's (rows, cols), with [`EXEC_TTY`].
+    pub tty: (u16, u16),
 }
 
 /// Appends little-endian values.
@@ -391,6 +401,7 @@ impl Enc {
             self.u64(*s);
             self.u64(*h);
         }
+        self.u32(u32::from(x.tty.0) << 16 | u32::from(x.tty.1));
     }
 }
 
@@ -567,6 +578,7 @@ impl<'a> Dec<'a> {
         for _ in 0..n {
             rlimits.push((self.u32()?, self.u64()?, self.u64()?));
         }
+        let tty = self.u32()?;
         Ok(ExecSpec {
             flags,
             uid,
@@ -575,6 +587,7 @@ impl<'a> Dec<'a> {
             argv,
             env,
             rlimits,
+            tty: ((tty >> 16) as u16, tty as u16),
         })
     }
 }
@@ -700,6 +713,7 @@ mod tests {
             argv: vec!["sh".into(), "-c".into(), "echo hi".into(), String::new()],
             env: vec!["PATH=/usr/bin:/bin".into(), "HOME=/workspace".into()],
             rlimits: vec![(7, 1024, 4096), (1, u64::MAX, u64::MAX)],
+            tty: (24, 80),
         }
     }
 

@@ -3,9 +3,9 @@
 
 use std::ffi::CString;
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
-use crate::channel::{raw_write, send_err};
+use crate::channel::{raw_write, send_err, send_with_fds, REPLY_FD};
 use crate::harden::drop_privileges;
 use crate::proto::*;
 use crate::supervise::exited;
@@ -28,6 +28,8 @@ struct Child {
     stdin: RawFd,
     out: RawFd,
     err: RawFd,
+    /// The terminal's slave side (`EXEC_TTY`), else -1: then stdin, stdout and stderr.
+    tty: RawFd,
     rlimits: Vec<(c_int, Rlimit)>,
     flags: u32,
     uid: u32,
@@ -58,15 +60,24 @@ extern "C" fn child_main(arg: *mut c_void) -> c_int {
         let c = &mut *(arg as *mut Child);
         let empty = SigSet([0; 16]);
         sigprocmask(SIG_SETMASK, &empty, std::ptr::null_mut());
-        if c.stdin >= 0 {
-            dup2(c.stdin, 0);
+        if c.tty >= 0 {
+            // A terminal's command leads its own session, the terminal its controlling one.
+            setsid();
+            ioctl(c.tty, TIOCSCTTY, 0u64);
+            dup2(c.tty, 0);
+            dup2(c.tty, 1);
+            dup2(c.tty, 2);
+        } else {
+            if c.stdin >= 0 {
+                dup2(c.stdin, 0);
+            }
+            dup2(c.out, 1);
+            dup2(c.err, 2);
+            // A process group of its own, in the sandbox's session (the init's, made by
+            // `bootstrap`: no controlling terminal). Not a session per exec: `setsid` makes
+            // a scheduler autogroup each time, freed through RCU after the command exits.
+            setpgid(0, 0);
         }
-        dup2(c.out, 1);
-        dup2(c.err, 2);
-        // A process group of its own, in the sandbox's session (the init's, made by
-        // `bootstrap`: no controlling terminal). Not a session per exec: `setsid` makes a
-        // scheduler autogroup each time, freed through RCU after the command exits.
-        setpgid(0, 0);
         let mut failed = false;
         for (r, l) in &c.rlimits {
             if setrlimit(*r, l) < 0 {
@@ -107,6 +118,37 @@ extern "C" fn child_main(arg: *mut c_void) -> c_int {
         c.errno = seen;
         _exit(127)
     }
+}
+
+/// A new pseudo-terminal of the sandbox's `devpts` of `(rows, cols)`: (master, slave), the
+/// slave owned by the command's user (`ttyname`, `mesg` and the like look at it).
+fn open_pty(size: (u16, u16), uid: u32, gid: u32) -> io::Result<(OwnedFd, OwnedFd)> {
+    const O_RDWR_NOCTTY_CLOEXEC: c_int = 2 | 0o400 | 0o2000000;
+    // SAFETY: open(2) of a constant path; the fd is owned at once.
+    let m = unsafe { libc_open(c"/dev/ptmx".as_ptr(), O_RDWR_NOCTTY_CLOEXEC) };
+    if m < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh fd nobody else owns.
+    let master = unsafe { OwnedFd::from_raw_fd(m) };
+    let unlock: c_int = 0;
+    let ws = [size.0, size.1, 0u16, 0u16];
+    // SAFETY: ioctls on our own master with pointers to locals that outlive the calls.
+    let s = unsafe {
+        if ioctl(m, TIOCSPTLCK, &unlock as *const c_int) < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        ioctl(m, TIOCSWINSZ, ws.as_ptr());
+        ioctl(m, TIOCGPTPEER, O_RDWR_NOCTTY_CLOEXEC as c_ulong)
+    };
+    if s < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: a fresh fd nobody else owns.
+    let slave = unsafe { OwnedFd::from_raw_fd(s) };
+    // SAFETY: fchown of our own fd; failing (no CAP_CHOWN) leaves it usable through the fd.
+    unsafe { fchown(s, uid, gid) };
+    Ok((master, slave))
 }
 
 /// Where to look for `cmd`: itself if it has a `/`, else each directory of the command's own
@@ -179,6 +221,14 @@ pub(crate) fn spawn(
             .chain([std::ptr::null()])
             .collect::<Vec<_>>()
     };
+    let (master, slave) = if spec.flags & EXEC_TTY != 0 {
+        match open_pty(spec.tty, spec.uid, spec.gid) {
+            Ok(p) => (Some(p.0), Some(p.1)),
+            Err(e) => return fail(126, format!("agent-sandbox: cannot open a terminal: {e}\n")),
+        }
+    } else {
+        (None, None)
+    };
     let mut sh_argv = vec![SH.as_ptr(), std::ptr::null()];
     sh_argv.extend(argv.iter().skip(1).map(|c| c.as_ptr()));
     sh_argv.push(std::ptr::null());
@@ -191,6 +241,7 @@ pub(crate) fn spawn(
         stdin: stdin.as_ref().map_or(-1, |f| f.as_raw_fd()),
         out: out.as_raw_fd(),
         err: err.as_raw_fd(),
+        tty: slave.as_ref().map_or(-1, |f| f.as_raw_fd()),
         rlimits: spec
             .rlimits
             .iter()
@@ -220,6 +271,12 @@ pub(crate) fn spawn(
         return fail(126, format!("agent-sandbox: {a0}: {e}\n"));
     }
     if job.stage == 0 {
+        drop(slave);
+        if let Some(m) = master {
+            // The library reads and writes the terminal from here on (before `EXITED`).
+            let fd = REPLY_FD.load(std::sync::atomic::Ordering::Relaxed);
+            let _ = send_with_fds(fd, &Enc::header(REP_PTY, id).0, &[m]);
+        }
         return Some((pid, job.started, [out, err]));
     }
     // It exited without exec'ing: reap it and say why.

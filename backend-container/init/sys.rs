@@ -10,7 +10,7 @@ pub(crate) type c_int = i32;
 #[allow(non_camel_case_types)]
 type c_long = i64;
 #[allow(non_camel_case_types)]
-type c_ulong = u64;
+pub(crate) type c_ulong = u64;
 #[allow(non_camel_case_types)]
 pub(crate) type c_char = std::ffi::c_char;
 #[allow(non_camel_case_types)]
@@ -135,6 +135,7 @@ extern "C" {
         envp: *const *const c_char,
     ) -> c_int;
     pub(crate) fn dup2(old: c_int, new: c_int) -> c_int;
+    pub(crate) fn fchown(fd: c_int, uid: u32, gid: u32) -> c_int;
     pub(crate) fn dup3(old: c_int, new: c_int, flags: c_int) -> c_int;
     #[link_name = "open"]
     pub(crate) fn libc_open(path: *const c_char, flags: c_int, ...) -> c_int;
@@ -209,6 +210,11 @@ pub(crate) const MS_SLAVE: u64 = 1 << 19;
 pub(crate) const MS_NOSUID: u64 = 2;
 pub(crate) const MS_NODEV: u64 = 4;
 pub(crate) const MNT_DETACH: c_int = 2;
+// Terminal ioctls (the same on x86-64 and arm64).
+pub(crate) const TIOCSCTTY: c_ulong = 0x540E;
+pub(crate) const TIOCSWINSZ: c_ulong = 0x5414;
+pub(crate) const TIOCGPTPEER: c_ulong = 0x5441;
+pub(crate) const TIOCSPTLCK: c_ulong = 0x4004_5431;
 pub(crate) const SIGCHLD: c_int = 17;
 pub(crate) const SIGKILL: c_int = 9;
 pub(crate) const SIGTERM: c_int = 15;

@@ -328,21 +328,13 @@ impl Job {
         let mut buf = [0u8; 256];
         loop {
             let mut g = self.fd.readable().await.ok()?;
-            let r = g.try_io(|fd| {
-                // SAFETY: recv into a buffer we own.
-                let n =
-                    unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-                if n < 0 {
-                    Err(io::Error::last_os_error())
-                } else {
-                    Ok(n as usize)
-                }
-            });
+            // A terminal's master comes with `REP_PTY`: take fds too.
+            let r = g.try_io(|fd| recv_with_fd(fd.as_raw_fd(), &mut buf));
             match r {
                 Err(_would_block) => continue,
                 Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Ok(Ok(0)) | Ok(Err(_)) => return None,
-                Ok(Ok(n)) => {
+                Ok(Ok((0, _))) | Ok(Err(_)) => return None,
+                Ok(Ok((n, fd))) => {
                     let mut d = Dec::new(&buf[..n]);
                     let (Ok(kind), Ok(_id)) = (d.u32(), d.u64()) else {
                         continue;
@@ -350,7 +342,7 @@ impl Job {
                     return Some(Reply {
                         kind,
                         payload: d.rest().to_vec(),
-                        fd: None,
+                        fd,
                     });
                 }
             }

@@ -576,6 +576,7 @@ impl Backend for ContainerBackend {
         c.limits = limits;
         c.processes = true;
         c.publish = true;
+        c.tty = true;
         c
     }
 

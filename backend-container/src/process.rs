@@ -14,7 +14,7 @@
 //! which needs no privilege over the namespace (the rootless case) and no route out.
 
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,9 +24,11 @@ use bytes::Bytes;
 use sandbox_core::process::command_line;
 use sandbox_core::{
     Dialer, Error, ExecEvent, ExecRequest, ExecResult, LimitKind, Process, ProcessControl,
-    ProcessId, Result, Signal,
+    ProcessId, Result, Signal, Tty,
 };
+use tokio::io::unix::AsyncFd;
 use tokio::io::AsyncWriteExt;
+use tokio::io::Interest;
 use tokio::net::unix::pipe;
 use tokio::sync::{watch, Notify};
 
@@ -38,13 +40,57 @@ use crate::sandbox::{pipe, pump, set_nonblocking, wait_status_code, Inner, PumpS
 /// 16 KiB: our memory per process stays under ~1 MiB).
 const QUEUE: usize = 64;
 
-/// What a [`Process`] handle drives: the process's stdin pipe and its supervisor's socket.
+/// Where a process's input goes: its stdin pipe, or its terminal's master.
+#[derive(Debug)]
+enum Input {
+    Pipe(pipe::Sender),
+    Pty(AsyncFd<OwnedFd>),
+}
+
+impl Input {
+    async fn write_all(&mut self, data: &[u8]) -> std::io::Result<()> {
+        match self {
+            Input::Pipe(p) => p.write_all(data).await,
+            Input::Pty(m) => {
+                let mut rest = data;
+                while !rest.is_empty() {
+                    let mut g = m.writable().await?;
+                    match g.try_io(|fd| {
+                        // SAFETY: write(2) from a buffer we own to the master we own.
+                        let n = unsafe {
+                            libc::write(fd.as_raw_fd(), rest.as_ptr().cast(), rest.len())
+                        };
+                        if n < 0 {
+                            Err(std::io::Error::last_os_error())
+                        } else {
+                            Ok(n as usize)
+                        }
+                    }) {
+                        Ok(Ok(n)) => rest = &rest[n..],
+                        Ok(Err(e)) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                        // EIO: the terminal's side is closed (the session ended).
+                        Ok(Err(e)) if e.raw_os_error() == Some(libc::EIO) => {
+                            return Err(std::io::ErrorKind::BrokenPipe.into())
+                        }
+                        Ok(Err(e)) => return Err(e),
+                        Err(_would_block) => {}
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+/// What a [`Process`] handle drives: its input, its supervisor's socket, its terminal.
 #[derive(Debug)]
 struct Control {
     id: ProcessId,
     exec: u64,
     job: Arc<Job>,
-    stdin: Arc<tokio::sync::Mutex<Option<pipe::Sender>>>,
+    stdin: Arc<tokio::sync::Mutex<Option<Input>>>,
+    /// The terminal's master (a copy), for resizes.
+    tty: Option<OwnedFd>,
     ended: AtomicBool,
 }
 
@@ -74,7 +120,46 @@ impl ProcessControl for Control {
     }
 
     async fn close_stdin(&self) -> Result<()> {
-        self.stdin.lock().await.take();
+        let mut g = self.stdin.lock().await;
+        if let Some(Input::Pty(_)) = g.as_mut() {
+            // A terminal has no end of input of its own: the line discipline's EOF
+            // character (Ctrl-D) is what a reader in canonical mode takes as one.
+            if let Some(input) = g.as_mut() {
+                let _ = input.write_all(b"\x04").await;
+            }
+            return Ok(());
+        }
+        g.take();
+        Ok(())
+    }
+
+    async fn resize(&self, tty: Tty) -> Result<()> {
+        let Some(m) = &self.tty else {
+            return Err(Error::invalid(
+                "tty",
+                format!(
+                    "process {} has no terminal to resize (spawn it with ExecRequest::tty)",
+                    self.id
+                ),
+            ));
+        };
+        if self.ended.load(Ordering::SeqCst) {
+            return Err(Error::ProcessExited { id: self.id });
+        }
+        let ws = libc::winsize {
+            ws_row: tty.rows,
+            ws_col: tty.cols,
+            ws_xpixel: 0,
+            ws_ypixel: 0,
+        };
+        // SAFETY: TIOCSWINSZ on our master with a pointer to a local; the kernel sends the
+        // terminal's foreground group SIGWINCH.
+        if unsafe { libc::ioctl(m.as_raw_fd(), libc::TIOCSWINSZ, &ws) } < 0 {
+            return Err(Error::io(
+                "resize the terminal",
+                std::io::Error::last_os_error(),
+            ));
+        }
         Ok(())
     }
 
@@ -94,7 +179,12 @@ impl Inner {
         req.validate()?;
         self.life.check_running()?;
         let mut x = self.exec_spec(&req)?;
-        x.flags |= proto::EXEC_STDIN | proto::EXEC_JOB;
+        x.flags |= proto::EXEC_JOB;
+        x.flags |= if req.tty.is_some() {
+            proto::EXEC_TTY
+        } else {
+            proto::EXEC_STDIN
+        };
         let io = |what: &'static str| move |e: std::io::Error| Error::io(what, e);
         let (out_r, out_w) = pipe().map_err(io("create stdout pipe"))?;
         let (err_r, err_w) = pipe().map_err(io("create stderr pipe"))?;
@@ -105,7 +195,11 @@ impl Inner {
         // Replies before its supervisor takes over (a fork failure, a malformed request)
         // come on the control socket.
         let (exec, mut early) = self.ctl.register();
-        let fds: [BorrowedFd<'_>; 4] = [out_w.as_fd(), err_w.as_fd(), in_r.as_fd(), theirs.as_fd()];
+        let mut fds: Vec<BorrowedFd<'_>> = vec![out_w.as_fd(), err_w.as_fd()];
+        if req.tty.is_none() {
+            fds.push(in_r.as_fd());
+        }
+        fds.push(theirs.as_fd());
         if let Err(e) = self.ctl.send(proto::MSG_EXEC, exec, &payload.0, &fds).await {
             self.ctl.unregister(exec);
             if self.ctl.is_closed() {
@@ -113,10 +207,43 @@ impl Inner {
             }
             return Err(Error::io("send the process to the sandbox init", e));
         }
+        drop(fds);
         drop((out_w, err_w, in_r, theirs));
-        set_nonblocking(in_w.as_raw_fd());
-        let stdin = pipe::Sender::from_owned_fd(in_w).map_err(io("register the stdin pipe"))?;
-        let stdin = Arc::new(tokio::sync::Mutex::new(Some(stdin)));
+        // A terminal's master comes first (unless the command could not start: then its
+        // exit report, handled by the watcher like any other).
+        let (mut master, mut first_reply) = (None, None);
+        if req.tty.is_some() {
+            let r = tokio::select! {
+                r = job.recv() => r,
+                r = early.recv() => r,
+            };
+            match r {
+                Some(Reply {
+                    kind: proto::REP_PTY,
+                    fd: Some(fd),
+                    ..
+                }) => master = Some(fd),
+                other => first_reply = other,
+            }
+        }
+        let (input, tty, tty_r) = match master {
+            Some(m) => {
+                set_nonblocking(m.as_raw_fd());
+                let w = m.try_clone().map_err(io("copy the terminal's master"))?;
+                let r = m.try_clone().map_err(io("copy the terminal's master"))?;
+                // SAFETY: `w` is an open terminal master owned by the AsyncFd for its life.
+                let w = unsafe { AsyncFd::register_with_interest(w, Interest::WRITABLE) }
+                    .map_err(|e| Error::io("register the terminal", e.into()))?;
+                (Some(Input::Pty(w)), Some(m), Some(r))
+            }
+            None if req.tty.is_some() => (None, None, None),
+            None => {
+                set_nonblocking(in_w.as_raw_fd());
+                let p = pipe::Sender::from_owned_fd(in_w).map_err(io("register the stdin pipe"))?;
+                (Some(Input::Pipe(p)), None, None)
+            }
+        };
+        let stdin = Arc::new(tokio::sync::Mutex::new(input));
         // The request's stdin goes first: held before anyone else can write.
         let first = Arc::clone(&stdin).try_lock_owned().ok();
         let id = self.procs.start(command_line(&req.command));
@@ -126,6 +253,7 @@ impl Inner {
             exec,
             job: Arc::clone(&job),
             stdin: Arc::clone(&stdin),
+            tty,
             ended: AtomicBool::new(false),
         });
         self.procs
@@ -142,8 +270,21 @@ impl Inner {
         let timeout = req.timeout;
         let handle = Arc::clone(&control);
         tokio::spawn(async move {
+            let pipes = Pipes {
+                out_r,
+                err_r,
+                tty_r,
+            };
             let last = me
-                .watch(exec, &job, &mut early, out_r, err_r, tx.clone(), timeout)
+                .watch(
+                    exec,
+                    &job,
+                    &mut early,
+                    first_reply,
+                    pipes,
+                    tx.clone(),
+                    timeout,
+                )
                 .await;
             me.ctl.unregister(exec);
             control.ended.store(true, Ordering::SeqCst);
@@ -167,11 +308,16 @@ impl Inner {
         exec: u64,
         job: &Job,
         early: &mut tokio::sync::mpsc::UnboundedReceiver<Reply>,
-        out_r: std::os::fd::OwnedFd,
-        err_r: std::os::fd::OwnedFd,
+        mut first: Option<Reply>,
+        pipes: Pipes,
         tx: tokio::sync::mpsc::Sender<Result<ExecEvent>>,
         timeout: Option<Duration>,
     ) -> Result<ExecResult> {
+        let Pipes {
+            out_r,
+            err_r,
+            tty_r,
+        } = pipes;
         let (oom0, pids0) = self
             .cgroup
             .as_ref()
@@ -188,13 +334,38 @@ impl Inner {
             stop_rx.clone(),
             Arc::clone(&never),
         );
-        let err_pump = pump(err_r, 0, u64::MAX, sink(tx), false, stop_rx, never);
-        tokio::pin!(out_pump, err_pump);
-        let (mut out_done, mut err_done) = (false, false);
+        let err_pump = pump(
+            err_r,
+            0,
+            u64::MAX,
+            sink(tx.clone()),
+            false,
+            stop_rx.clone(),
+            Arc::clone(&never),
+        );
+        // A terminal's output (stdout and stderr merged) is stdout.
+        let tty_pump = async {
+            match tty_r {
+                Some(fd) => pump(fd, 0, u64::MAX, sink(tx), true, stop_rx, never).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(out_pump, err_pump, tty_pump);
+        let (mut out_done, mut err_done, mut tty_done) = (false, false, false);
         let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
         let mut timed_out = false;
         let status = loop {
+            let first = first.take();
             tokio::select! {
+                r = async { first }, if first.is_some() => match r {
+                    Some(Reply { kind: proto::REP_EXITED, payload, .. }) => break Dec::new(&payload).i32().ok(),
+                    Some(Reply { kind: proto::REP_ERR, payload, .. }) => {
+                        let mut d = Dec::new(&payload);
+                        let _ = (d.u32(), d.i32());
+                        return Err(Error::backend(TIER, format!("sandbox init refused the process: {}", d.str().unwrap_or_default())));
+                    }
+                    _ => return Err(self.gone_err()),
+                },
                 r = job.recv() => match r {
                     Some(Reply { kind: proto::REP_EXITED, payload, .. }) => break Dec::new(&payload).i32().ok(),
                     Some(_) => {}
@@ -225,6 +396,7 @@ impl Inner {
                 }
                 _ = &mut out_pump, if !out_done => out_done = true,
                 _ = &mut err_pump, if !err_done => err_done = true,
+                _ = &mut tty_pump, if !tty_done => tty_done = true,
             }
         };
         let _ = stop_tx.send(true);
@@ -233,6 +405,10 @@ impl Inner {
         }
         if !err_done {
             err_pump.await;
+        }
+        if !tty_done {
+            // Drains what the terminal holds (bounded), or stays pending without one.
+            let _ = tokio::time::timeout(Duration::from_secs(1), tty_pump).await;
         }
         let (exit_code, signal) = status.map_or((None, None), wait_status_code);
         let failed = exit_code != Some(0);
@@ -283,6 +459,14 @@ impl Inner {
         }
         Err(last)
     }
+}
+
+/// The read ends of a process's output.
+struct Pipes {
+    out_r: OwnedFd,
+    err_r: OwnedFd,
+    /// The terminal's master, with a terminal.
+    tty_r: Option<OwnedFd>,
 }
 
 async fn sleep_until(at: Option<tokio::time::Instant>) {

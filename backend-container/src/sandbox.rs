@@ -483,6 +483,7 @@ impl Inner {
                 (libc::RLIMIT_CORE as u32, 0, 0),
                 (libc::RLIMIT_CPU as u32, cpu_s, cpu_s + 1),
             ],
+            tty: req.tty.map_or((0, 0), |t| (t.rows, t.cols)),
         };
         if self.stay_root {
             x.flags |= proto::EXEC_STAY_ROOT;
@@ -497,6 +498,7 @@ impl Inner {
     ) -> Result<ExecResult> {
         self.alive()?;
         req.validate()?;
+        req.refuse_tty(TIER)?;
         self.life.check_running()?;
         let mut t = TimelineRecorder::start();
         let mut x = self.exec_spec(&req)?;
@@ -761,6 +763,7 @@ impl Sandbox for ContainerSandbox {
     async fn exec_stream(&self, req: ExecRequest) -> Result<ExecStream> {
         self.inner.alive()?;
         req.validate()?;
+        req.refuse_tty(TIER)?;
         let inner = Arc::clone(&self.inner);
         Ok(ExecStream::spawn(move |tx| async move {
             inner.run(req, Some(tx)).await

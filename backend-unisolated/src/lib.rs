@@ -269,6 +269,7 @@ impl Shared {
     ) -> Result<ExecResult> {
         self.alive()?;
         req.validate()?;
+        req.refuse_tty(TIER)?;
         let mut t = TimelineRecorder::start();
         let argv = self.argv(&req.command)?;
         let cwd = match &req.cwd {

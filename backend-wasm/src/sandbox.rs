@@ -718,6 +718,7 @@ impl Inner {
     ) -> Result<ExecResult> {
         self.alive()?;
         req.validate()?;
+        req.refuse_tty(TIER)?;
         let Some(tx) = stream else {
             return self.dispatch(&req, None).await;
         };
@@ -897,6 +898,7 @@ impl Sandbox for WasmSandbox {
     async fn exec_stream(&self, req: ExecRequest) -> Result<ExecStream> {
         self.inner.alive()?;
         req.validate()?;
+        req.refuse_tty(TIER)?;
         let inner = Arc::clone(&self.inner);
         Ok(ExecStream::spawn(move |tx| async move {
             inner.run(req, Some(tx)).await

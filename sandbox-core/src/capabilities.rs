@@ -75,6 +75,9 @@ pub struct Capabilities {
     /// Published ports: [`Sandbox::publish`](crate::Sandbox::publish) and
     /// [`unpublish`](crate::Sandbox::unpublish).
     pub publish: bool,
+    /// Terminals: a [`spawn`](crate::Sandbox::spawn) with
+    /// [`ExecRequest::tty`](crate::ExecRequest::tty), resizable.
+    pub tty: bool,
 }
 
 impl Capabilities {
@@ -99,6 +102,7 @@ impl Capabilities {
             limits: Vec::new(),
             processes: false,
             publish: false,
+            tty: false,
         }
     }
 
@@ -150,7 +154,7 @@ mod tests {
             assert_eq!(c.boundary, tier.boundary());
             assert!(c.languages.is_empty() && !c.argv && c.snapshots.is_empty());
             assert!(!c.pause_resume && !c.streaming && !c.persistent_state);
-            assert!(!c.processes && !c.publish);
+            assert!(!c.processes && !c.publish && !c.tty);
             assert!(!c.supports_network(&crate::NetworkPolicy::DenyAll));
             assert!(LimitKind::ALL.iter().all(|k| !c.enforces(*k)));
         }

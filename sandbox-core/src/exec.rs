@@ -40,6 +40,40 @@ pub struct ExecRequest {
     /// Wall timeout for this call; capped by the spec's `limits.wall_time_ms`.
     #[serde(default, with = "opt_millis")]
     pub timeout: Option<Duration>,
+    /// Run on a pseudo-terminal of this size (only with
+    /// [`Sandbox::spawn`](crate::Sandbox::spawn), on tiers with
+    /// [`Capabilities::tty`](crate::Capabilities::tty)): raw bytes both ways through the
+    /// [`Process`](crate::Process), stdout and stderr merged, resizable.
+    #[serde(default)]
+    pub tty: Option<Tty>,
+}
+
+/// A terminal's size, in character cells. `#[non_exhaustive]`: build it with [`Tty::new`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct Tty {
+    /// Rows.
+    pub rows: u16,
+    /// Columns.
+    pub cols: u16,
+}
+
+impl Tty {
+    /// A terminal of `rows` x `cols` cells.
+    pub fn new(rows: u16, cols: u16) -> Self {
+        Tty { rows, cols }
+    }
+
+    /// Both sides at least 1.
+    pub fn validate(self) -> crate::Result<()> {
+        if self.rows == 0 || self.cols == 0 {
+            return Err(crate::Error::invalid(
+                "tty",
+                format!("a {}x{} terminal has no cells", self.rows, self.cols),
+            ));
+        }
+        Ok(())
+    }
 }
 
 mod opt_millis {
@@ -81,6 +115,25 @@ impl ExecRequest {
             env: BTreeMap::new(),
             cwd: None,
             timeout: None,
+            tty: None,
+        }
+    }
+
+    /// Runs on a pseudo-terminal of `rows` x `cols` (with [`Sandbox::spawn`](crate::Sandbox::spawn)).
+    pub fn tty(mut self, rows: u16, cols: u16) -> Self {
+        self.tty = Some(Tty::new(rows, cols));
+        self
+    }
+
+    /// [`Error::Unsupported`](crate::Error::Unsupported) from `tier` when this request asks
+    /// for a terminal: for backends (or calls) without one.
+    pub fn refuse_tty(&self, tier: crate::Tier) -> crate::Result<()> {
+        match self.tty {
+            Some(_) => Err(crate::Error::unsupported(
+                tier,
+                "terminals (ExecRequest::tty)",
+            )),
+            None => Ok(()),
         }
     }
 
@@ -128,6 +181,9 @@ impl ExecRequest {
         }
         if self.timeout == Some(Duration::ZERO) {
             return Err(crate::Error::invalid("timeout", "must be positive"));
+        }
+        if let Some(t) = self.tty {
+            t.validate()?;
         }
         Ok(())
     }

@@ -35,7 +35,7 @@ pub use egress::{EgressEnforcer, EgressPlan, NetworkEvent, SecretPlan, SecretUse
 pub use error::{Error, Result};
 pub use exec::{
     flood_threshold, pump_output, stream_output, Command, ExecEvent, ExecRequest, ExecResult,
-    ExecStream, FloodReader, LimitKind, OutputBuffer, StreamKind, StreamSink,
+    ExecStream, FloodReader, LimitKind, OutputBuffer, StreamKind, StreamSink, Tty,
 };
 pub use image::ImageRef;
 pub use lifecycle::{Lifecycle, State as LifecycleState, Transition};

@@ -156,6 +156,15 @@ pub trait ProcessControl: Send + Sync + 'static {
 
     /// Sends `signal` to the process's group. [`Error::ProcessExited`] once it ended.
     async fn signal(&self, signal: Signal) -> Result<()>;
+
+    /// Resizes the process's terminal. The default: [`Error::InvalidSpec`] (it has none).
+    async fn resize(&self, tty: crate::Tty) -> Result<()> {
+        let _ = tty;
+        Err(Error::invalid(
+            "tty",
+            "this process has no terminal to resize (spawn it with ExecRequest::tty)",
+        ))
+    }
 }
 
 /// A running command of a sandbox (see the [module docs](self)).
@@ -221,6 +230,14 @@ impl Process {
     /// Sends `signal` to its process group. [`Error::ProcessExited`] once it ended.
     pub async fn signal(&self, signal: Signal) -> Result<()> {
         self.control.signal(signal).await
+    }
+
+    /// Resizes its terminal (it gets `SIGWINCH`). [`Error::InvalidSpec`] for a process
+    /// without one, [`Error::ProcessExited`] once it ended.
+    pub async fn resize(&self, rows: u16, cols: u16) -> Result<()> {
+        let tty = crate::Tty::new(rows, cols);
+        tty.validate()?;
+        self.control.resize(tty).await
     }
 
     /// The next output chunk, or the final [`ExecEvent::Exit`]; `None` after that. An error

@@ -82,6 +82,7 @@ impl Inner {
     ) -> Result<ExecResult> {
         self.alive()?;
         req.validate()?;
+        req.refuse_tty(TIER)?;
         let _shared = self.lifecycle.read().await;
         self.alive()?;
         self.life.check_running()?;

@@ -93,6 +93,7 @@ impl Inner {
     pub(super) async fn spawn(self: &Arc<Self>, req: ExecRequest) -> Result<Process> {
         self.alive()?;
         req.validate()?;
+        req.refuse_tty(TIER)?;
         let shared = self.lifecycle.read().await;
         self.alive()?;
         self.life.check_running()?;

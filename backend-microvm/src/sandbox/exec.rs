@@ -46,6 +46,7 @@ impl Inner {
         tx: Option<Sender>,
     ) -> Result<ExecResult> {
         req.validate()?;
+        req.refuse_tty(TIER)?;
         let shared = Arc::clone(&self.lifecycle).read_owned().await;
         // Only the agent is held during the call: destroy drops the VM, which closes the
         // channel and wakes the call at once.

@@ -333,6 +333,7 @@ impl Sandbox for MicrovmSandbox {
 
     async fn exec_stream(&self, req: ExecRequest) -> Result<ExecStream> {
         req.validate()?;
+        req.refuse_tty(TIER)?;
         self.inner.handles()?;
         let inner = Arc::clone(&self.inner);
         Ok(ExecStream::spawn(move |tx| async move {

@@ -492,3 +492,35 @@ pub(super) async fn process_io_signals(cx: &Ctx<'_>) -> Checked {
     .await;
     cx.finish(sb, r).await
 }
+
+pub(super) async fn tty(cx: &Ctx<'_>) -> Checked {
+    let sb = cx.create(cx.spec()).await?;
+    let r = async {
+        let req =
+            ExecRequest::code("stty size; test -t 0 && test -t 1 && echo on-a-tty").tty(7, 33);
+        if !(cx.caps.tty && cx.caps.processes) {
+            return unsupported("spawn with a terminal", sb.spawn(req).await);
+        }
+        // A terminal is for spawn: exec refuses it.
+        unsupported(
+            "exec with a terminal",
+            sb.exec(ExecRequest::code("true").tty(7, 33)).await,
+        )?;
+        let mut p = sb.spawn(req).await.map_err(|e| format!("spawn: {e}"))?;
+        let mut out = String::new();
+        while !out.contains("on-a-tty") {
+            out.push_str(&next_chunk(&mut p, "the terminal's output").await?);
+        }
+        let r = p
+            .wait(Some(Duration::from_secs(60)))
+            .await
+            .map_err(|e| format!("wait: {e}"))?;
+        // A terminal turns `\n` into `\r\n`.
+        if out.replace('\r', "") != "7 33\non-a-tty\n" || r.exit_code != Some(0) {
+            return Err(format!("output {out:?}, exit {:?}", r.exit_code));
+        }
+        Ok(())
+    }
+    .await;
+    cx.finish(sb, r).await
+}

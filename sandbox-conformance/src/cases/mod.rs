@@ -234,6 +234,12 @@ static CASES: &[Case] = &[
         caps::process_io_signals
     ),
     case!(
+        "caps.tty",
+        "terminals are claimed and have the asked size, or are Unsupported",
+        [Shell],
+        caps::tty
+    ),
+    case!(
         "caps.publish",
         "published ports are claimed and open and close, or are Unsupported",
         [],

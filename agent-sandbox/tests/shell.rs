@@ -1,0 +1,124 @@
+//! `agent-sandbox shell` driven as a person would: in a `tmux` terminal, keys typed into it,
+//! the screen read back.
+
+// In tests a panic is a failed assertion.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+fn tmux(args: &[&str]) -> String {
+    let out = Command::new("tmux").args(args).output().expect("run tmux");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The session's screen, once `needle` shows on it (60 s at most).
+fn screen_with(session: &str, needle: &str) -> String {
+    let mut screen = String::new();
+    for _ in 0..600 {
+        screen = tmux(&["capture-pane", "-p", "-t", session]);
+        if screen.contains(needle) {
+            return screen;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("{needle:?} never showed; the screen:\n{screen}");
+}
+
+fn keys(session: &str, keys: &[&str]) {
+    let mut args = vec!["send-keys", "-t", session];
+    args.extend_from_slice(keys);
+    tmux(&args);
+}
+
+fn container_available() -> bool {
+    let out = Command::new(env!("CARGO_BIN_EXE_agent-sandbox"))
+        .args(["probe", "--json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|t| t["tier"] == "container" && t["available"] == true)
+}
+
+#[test]
+fn a_shell_in_tmux_runs_python_resizes_and_exits_with_its_code() {
+    if Command::new("tmux").arg("-V").output().is_err() {
+        eprintln!("SKIP: tmux is not installed (scripts/test.sh installs it)");
+        return;
+    }
+    if !container_available() {
+        eprintln!("SKIP: the container tier is not available here (see `agent-sandbox probe`)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = |name: &str| dir.path().join(name).display().to_string();
+    let session = format!("asb-shell-{}", std::process::id());
+    // The terminal's modes (`stty -g`) before and after, and the CLI's exit code.
+    let script = format!(
+        "stty -g > {before}; {bin} shell --tier container; echo $? > {code}; stty -g > {after}; sleep 600",
+        before = file("before"),
+        after = file("after"),
+        code = file("code"),
+        bin = env!("CARGO_BIN_EXE_agent-sandbox"),
+    );
+    tmux(&[
+        "-f",
+        "/dev/null",
+        "new-session",
+        "-d",
+        "-s",
+        &session,
+        "-x",
+        "100",
+        "-y",
+        "30",
+        &script,
+    ]);
+    tmux(&["set-option", "-t", &session, "status", "off"]);
+    let s = session.as_str();
+    // The prompt (`$ `; capture-pane trims the space).
+    screen_with(s, "$");
+    keys(s, &["stty size; tty", "Enter"]);
+    let screen = screen_with(s, "/dev/pts/");
+    assert!(screen.contains("30 100"), "{screen}");
+
+    keys(s, &["python3", "Enter"]);
+    screen_with(s, ">>>");
+    keys(s, &["print(6*7)", "Enter"]);
+    screen_with(s, "\n42\n");
+    keys(s, &["C-d"]);
+    keys(s, &["clear", "Enter"]);
+
+    tmux(&["resize-window", "-t", s, "-x", "120", "-y", "40"]);
+    keys(s, &["stty size", "Enter"]);
+    screen_with(s, "40 120");
+
+    // Ctrl-C goes to the sandbox's foreground job, not to the CLI.
+    keys(s, &["sleep 1000", "Enter"]);
+    std::thread::sleep(Duration::from_millis(300));
+    keys(s, &["C-c"]);
+    keys(s, &["echo still-$((6*7))", "Enter"]);
+    screen_with(s, "still-42");
+
+    keys(s, &["exit 3", "Enter"]);
+    let code = Path::new(&file("code")).to_path_buf();
+    for _ in 0..600 {
+        if std::fs::read_to_string(&code).is_ok_and(|c| !c.is_empty()) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let after = std::fs::read_to_string(file("after"));
+    tmux(&["kill-session", "-t", s]);
+    assert_eq!(std::fs::read_to_string(&code).unwrap().trim(), "3");
+    assert_eq!(
+        std::fs::read_to_string(file("before")).unwrap(),
+        after.unwrap(),
+        "the terminal's modes are restored"
+    );
+}
