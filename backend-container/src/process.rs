@@ -23,8 +23,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use sandbox_core::process::command_line;
 use sandbox_core::{
-    Dialer, Error, ExecEvent, ExecRequest, ExecResult, LimitKind, Process, ProcessControl,
-    ProcessId, Result, Signal, Tty,
+    Dialer, Error, ExecEvent, ExecRequest, ExecResult, Process, ProcessControl, ProcessId, Result,
+    Signal, Tty,
 };
 use tokio::io::unix::AsyncFd;
 use tokio::io::AsyncWriteExt;
@@ -47,38 +47,53 @@ enum Input {
     Pty(AsyncFd<OwnedFd>),
 }
 
-impl Input {
-    async fn write_all(&mut self, data: &[u8]) -> std::io::Result<()> {
-        match self {
-            Input::Pipe(p) => p.write_all(data).await,
-            Input::Pty(m) => {
-                let mut rest = data;
-                while !rest.is_empty() {
-                    let mut g = m.writable().await?;
-                    match g.try_io(|fd| {
-                        // SAFETY: write(2) from a buffer we own to the master we own.
-                        let n = unsafe {
-                            libc::write(fd.as_raw_fd(), rest.as_ptr().cast(), rest.len())
-                        };
-                        if n < 0 {
-                            Err(std::io::Error::last_os_error())
-                        } else {
-                            Ok(n as usize)
-                        }
-                    }) {
-                        Ok(Ok(n)) => rest = &rest[n..],
-                        Ok(Err(e)) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                        // EIO: the terminal's side is closed (the session ended).
-                        Ok(Err(e)) if e.raw_os_error() == Some(libc::EIO) => {
-                            return Err(std::io::ErrorKind::BrokenPipe.into())
-                        }
-                        Ok(Err(e)) => return Err(e),
-                        Err(_would_block) => {}
+impl tokio::io::AsyncWrite for Input {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        use std::task::Poll;
+        match self.get_mut() {
+            Input::Pipe(p) => std::pin::Pin::new(p).poll_write(cx, buf),
+            Input::Pty(m) => loop {
+                let mut g = match m.poll_write_ready(cx) {
+                    Poll::Ready(Ok(g)) => g,
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                    Poll::Pending => return Poll::Pending,
+                };
+                match g.try_io(|fd| {
+                    // SAFETY: write(2) from the caller's buffer to the master we own.
+                    let n = unsafe { libc::write(fd.as_raw_fd(), buf.as_ptr().cast(), buf.len()) };
+                    if n < 0 {
+                        Err(std::io::Error::last_os_error())
+                    } else {
+                        Ok(n as usize)
                     }
+                }) {
+                    // EIO: the terminal's other side is closed (the session ended).
+                    Ok(Err(e)) if e.raw_os_error() == Some(libc::EIO) => {
+                        return Poll::Ready(Err(std::io::ErrorKind::BrokenPipe.into()))
+                    }
+                    Ok(r) => return Poll::Ready(r),
+                    Err(_would_block) => {}
                 }
-                Ok(())
-            }
+            },
         }
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
     }
 }
 
@@ -97,26 +112,8 @@ struct Control {
 #[async_trait]
 impl ProcessControl for Control {
     async fn write_stdin(&self, data: Bytes) -> Result<()> {
-        let exited = Error::ProcessExited { id: self.id };
-        if self.ended.load(Ordering::SeqCst) {
-            return Err(exited);
-        }
-        let mut g = self.stdin.lock().await;
-        let Some(tx) = g.as_mut() else {
-            return Err(exited);
-        };
-        match tx.write_all(&data).await {
-            Ok(()) => Ok(()),
-            // The process closed its stdin or exited: nothing will read this any more.
-            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
-                *g = None;
-                Err(exited)
-            }
-            Err(e) => Err(Error::io(
-                format!("write to process {}'s stdin", self.id),
-                e,
-            )),
-        }
+        let ended = self.ended.load(Ordering::SeqCst);
+        sandbox_core::process::write_input(self.id, ended, &self.stdin, &data).await
     }
 
     async fn close_stdin(&self) -> Result<()> {
@@ -411,22 +408,7 @@ impl Inner {
             let _ = tokio::time::timeout(Duration::from_secs(1), tty_pump).await;
         }
         let (exit_code, signal) = status.map_or((None, None), wait_status_code);
-        let failed = exit_code != Some(0);
-        let (oom, pids) = match &self.cgroup {
-            Some(c) if failed => (c.oom_kills() > oom0, c.pids_max_events() > pids0),
-            _ => (false, false),
-        };
-        let limit = if failed && oom {
-            Some(LimitKind::Memory)
-        } else if failed && pids {
-            Some(LimitKind::Pids)
-        } else if signal == Some(libc::SIGXCPU) {
-            Some(LimitKind::CpuTime)
-        } else if timed_out {
-            Some(LimitKind::WallTime)
-        } else {
-            None
-        };
+        let limit = self.blame(exit_code, signal, (oom0, pids0), false, timed_out);
         Ok(ExecResult::new(exit_code, Vec::new(), Vec::new()).with_limit(limit))
     }
 

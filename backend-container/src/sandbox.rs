@@ -658,27 +658,7 @@ impl Inner {
         }
         t.mark(Phase::Command);
         let (exit_code, signal) = status.map_or((None, None), wait_status_code);
-        let failed = exit_code != Some(0);
-        // Only a failed command is blamed on a limit: a success skips the counters.
-        let (oom, pids) = match &self.cgroup {
-            Some(c) if failed => (c.oom_kills() > oom0, c.pids_max_events() > pids0),
-            _ => (false, false),
-        };
-        let limit = if failed && oom {
-            Some(LimitKind::Memory)
-        } else if failed && pids {
-            Some(LimitKind::Pids)
-        } else if flooded {
-            Some(LimitKind::Output)
-        } else if signal == Some(libc::SIGXCPU) {
-            Some(LimitKind::CpuTime)
-        } else if timed_out {
-            Some(LimitKind::WallTime)
-        } else if failed && self.disk_full() {
-            Some(LimitKind::Disk)
-        } else {
-            None
-        };
+        let limit = self.blame(exit_code, signal, (oom0, pids0), flooded, timed_out);
         if matches!(limit, Some(LimitKind::Memory | LimitKind::Pids)) {
             // A runaway tree (fork bomb, leaking children) must not outlive the exec that
             // hit the limit: its leftovers are still grouped under the exec's supervisor.
@@ -699,6 +679,40 @@ impl Inner {
         Ok(ExecResult::from_output(exit_code, out, err, &self.redactor)
             .with_limit(limit)
             .with_timeline(t.finish()))
+    }
+
+    /// The limit that stopped a command that ended with `exit_code`/`signal`, given the
+    /// cgroup counters when it started (`before`: OOM kills, pids-limit hits) and whether we
+    /// stopped it for its output or its time. Only a failure is blamed on a limit: a success
+    /// skips the counters.
+    pub(crate) fn blame(
+        &self,
+        exit_code: Option<i32>,
+        signal: Option<i32>,
+        before: (u64, u64),
+        flooded: bool,
+        timed_out: bool,
+    ) -> Option<LimitKind> {
+        let failed = exit_code != Some(0);
+        let (oom, pids) = match &self.cgroup {
+            Some(c) if failed => (c.oom_kills() > before.0, c.pids_max_events() > before.1),
+            _ => (false, false),
+        };
+        if failed && oom {
+            Some(LimitKind::Memory)
+        } else if failed && pids {
+            Some(LimitKind::Pids)
+        } else if flooded {
+            Some(LimitKind::Output)
+        } else if signal == Some(libc::SIGXCPU) {
+            Some(LimitKind::CpuTime)
+        } else if timed_out {
+            Some(LimitKind::WallTime)
+        } else if failed && self.disk_full() {
+            Some(LimitKind::Disk)
+        } else {
+            None
+        }
     }
 
     /// Whether the init is gone (or the sandbox torn down), allowing the control socket's

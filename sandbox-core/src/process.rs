@@ -325,6 +325,38 @@ impl Process {
     }
 }
 
+/// For backends: writes `data` to a process's input held in `slot` (`None` once closed),
+/// waiting while it is full. [`Error::ProcessExited`] when the process `ended`, the input
+/// was closed, or nothing reads it any more (the slot is then emptied).
+pub async fn write_input<W>(
+    id: ProcessId,
+    ended: bool,
+    slot: &tokio::sync::Mutex<Option<W>>,
+    data: &[u8],
+) -> Result<()>
+where
+    W: tokio::io::AsyncWrite + Unpin + Send,
+{
+    use tokio::io::AsyncWriteExt;
+    let exited = Error::ProcessExited { id };
+    if ended {
+        return Err(exited);
+    }
+    let mut g = slot.lock().await;
+    let Some(w) = g.as_mut() else {
+        return Err(exited);
+    };
+    match w.write_all(data).await {
+        Ok(()) => Ok(()),
+        // The process closed its input or exited: nothing will read this any more.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
+            *g = None;
+            Err(exited)
+        }
+        Err(e) => Err(Error::io(format!("write to process {id}'s stdin"), e)),
+    }
+}
+
 /// A sandbox's processes, for backends: ids, what runs, what ended, and the controls of the
 /// running ones (for [`Sandbox::signal`](crate::Sandbox::signal)). Cloning shares the table.
 #[derive(Clone, Default)]

@@ -24,6 +24,45 @@ impl Inner {
         )
     }
 
+    /// Starts `argv` with `runsc exec` (its process file and pid file named `{tag}-N` in the
+    /// sandbox's directory; removed by the caller when it ends), stdout and stderr piped,
+    /// stdin piped or `/dev/null`.
+    pub(super) fn runsc_exec(
+        &self,
+        tag: &str,
+        argv: Vec<String>,
+        env: Vec<String>,
+        cwd: &str,
+        stdin: bool,
+    ) -> Result<(tokio::process::Child, PathBuf, PathBuf)> {
+        let process = bundle::process(argv, env, cwd, self.who, &self.spec)?;
+        let n = self.seq.fetch_add(1, Ordering::SeqCst);
+        let pfile = self.dir.join(format!("{tag}-{n}.json"));
+        let pidfile = self.dir.join(format!("{tag}-{n}.pid"));
+        write_private(
+            &pfile,
+            &serde_json::to_vec(&process).map_err(|e| Error::backend(TIER, e.to_string()))?,
+        )?;
+        let mut cmd = self.runsc.async_command();
+        cmd.arg("exec")
+            .arg("--process")
+            .arg(&pfile)
+            .arg("--internal-pid-file")
+            .arg(&pidfile)
+            .arg(&self.id)
+            .stdin(if stdin { Stdio::piped() } else { Stdio::null() })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .kill_on_drop(true);
+        match cmd.spawn() {
+            Ok(c) => Ok((c, pfile, pidfile)),
+            Err(e) => {
+                let _ = std::fs::remove_file(&pfile);
+                Err(Error::io("spawn runsc exec", e))
+            }
+        }
+    }
+
     /// What runs for `req`: its argv, environment (`K=V`) and working directory.
     pub(super) fn command(&self, req: &ExecRequest) -> Result<(Vec<String>, Vec<String>, String)> {
         let (argv, extra) = self.argv(&req.command)?;
@@ -97,38 +136,9 @@ impl Inner {
                 None => self.direct.store(false, Ordering::SeqCst),
             }
         }
-        let process = bundle::process(argv, env, &cwd, self.who, &self.spec)?;
-        let n = self.seq.fetch_add(1, Ordering::SeqCst);
-        let pfile = self.dir.join(format!("exec-{n}.json"));
-        let pidfile = self.dir.join(format!("exec-{n}.pid"));
-        write_private(
-            &pfile,
-            &serde_json::to_vec(&process).map_err(|e| Error::backend(TIER, e.to_string()))?,
-        )?;
         let before = self.limit_counters();
-        let mut cmd = self.runsc.async_command();
-        cmd.arg("exec")
-            .arg("--process")
-            .arg(&pfile)
-            .arg("--internal-pid-file")
-            .arg(&pidfile)
-            .arg(&self.id)
-            .stdin(if req.stdin.is_some() {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        let spawned = cmd.spawn();
-        let mut child = match spawned {
-            Ok(c) => c,
-            Err(e) => {
-                let _ = std::fs::remove_file(&pfile);
-                return Err(Error::io("spawn runsc exec", e));
-            }
-        };
+        let (mut child, pfile, pidfile) =
+            self.runsc_exec("exec", argv, env, &cwd, req.stdin.is_some())?;
         t.mark(Phase::Allocation);
         let stdin = child.stdin.take();
         let (out, err, flood) = self.start_io(

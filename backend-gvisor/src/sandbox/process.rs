@@ -48,25 +48,8 @@ impl Control {
 #[async_trait]
 impl ProcessControl for Control {
     async fn write_stdin(&self, data: Bytes) -> Result<()> {
-        let exited = Error::ProcessExited { id: self.id };
-        if self.ended.load(Ordering::SeqCst) {
-            return Err(exited);
-        }
-        let mut g = self.stdin.lock().await;
-        let Some(w) = g.as_mut() else {
-            return Err(exited);
-        };
-        match w.write_all(&data).await {
-            Ok(()) => Ok(()),
-            Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {
-                *g = None;
-                Err(exited)
-            }
-            Err(e) => Err(Error::io(
-                format!("write to process {}'s stdin", self.id),
-                e,
-            )),
-        }
+        let ended = self.ended.load(Ordering::SeqCst);
+        sandbox_core::process::write_input(self.id, ended, &self.stdin, &data).await
     }
 
     async fn close_stdin(&self) -> Result<()> {
@@ -98,32 +81,7 @@ impl Inner {
         self.alive()?;
         self.life.check_running()?;
         let (argv, env, cwd) = self.command(&req)?;
-        let process = bundle::process(argv, env, &cwd, self.who, &self.spec)?;
-        let n = self.seq.fetch_add(1, Ordering::SeqCst);
-        let pfile = self.dir.join(format!("proc-{n}.json"));
-        let pidfile = self.dir.join(format!("proc-{n}.pid"));
-        write_private(
-            &pfile,
-            &serde_json::to_vec(&process).map_err(|e| Error::backend(TIER, e.to_string()))?,
-        )?;
-        let mut cmd = self.runsc.async_command();
-        cmd.arg("exec")
-            .arg("--process")
-            .arg(&pfile)
-            .arg("--internal-pid-file")
-            .arg(&pidfile)
-            .arg(&self.id)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true);
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) => {
-                let _ = std::fs::remove_file(&pfile);
-                return Err(Error::io("spawn runsc exec", e));
-            }
-        };
+        let (mut child, pfile, pidfile) = self.runsc_exec("proc", argv, env, &cwd, true)?;
         drop(shared);
         let id = self.procs.start(command_line(&req.command));
         let control = Arc::new(Control {
