@@ -23,8 +23,30 @@ prune() { # minutes
     find "$d/deps" "$d/examples" -maxdepth 1 -type f -mmin +"$1" -delete 2>/dev/null || true
   done
 }
+# Every rebuild of a workspace crate leaves its previous artifacts behind under another hash:
+# a busy day of changes to sandbox-core grew the cache by 25 GB and filled the disk (a link
+# died with SIGBUS). Keep the newest test binary of each name and the newest two rlib/rmeta of
+# each workspace crate (two: a crate can be built with two feature sets in one build), and no
+# incremental sessions once the cache passes 30 GB. Cargo rebuilds anything it still needs.
+dedupe() {
+  for profile in debug release; do
+    d="$CARGO_TARGET_DIR/$profile"
+    [ -d "$d" ] || continue
+    for sub in deps examples; do
+      [ -d "$d/$sub" ] || continue
+      (cd "$d/$sub" && ls -t | grep -v '\.' | awk '{ n = $0; sub(/-[0-9a-f]+$/, "", n); if (seen[n]++) print }' | xargs -r rm -f)
+    done
+    [ -d "$d/deps" ] || continue
+    (cd "$d/deps" && ls -t | grep -E '^lib(sandbox_|backend_|agent_sandbox|container_init|microvm_guest)' \
+      | awk '{ n = $0; sub(/-[0-9a-f]+\.[a-z]+$/, "", n); e = $0; sub(/.*\./, "", e); if (seen[n "." e]++ >= 2) print }' \
+      | xargs -r rm -f)
+  done
+}
 if [ -d "$CARGO_TARGET_DIR" ]; then
+  step "drop stale copies in $CARGO_TARGET_DIR"
+  dedupe
   if [ "$(du -sm "$CARGO_TARGET_DIR" 2>/dev/null | cut -f1)" -gt 30000 ]; then
+    rm -rf "$CARGO_TARGET_DIR/debug/incremental"
     prune 2880
   fi
   if [ "$(df -Pm "$CARGO_TARGET_DIR" | awk 'NR == 2 { print $4 }')" -lt 10000 ]; then
