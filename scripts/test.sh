@@ -34,10 +34,15 @@ dedupe() {
     [ -d "$d" ] || continue
     for sub in deps examples; do
       [ -d "$d/$sub" ] || continue
-      (cd "$d/$sub" && ls -t | grep -v '\.' | awk '{ n = $0; sub(/-[0-9a-f]+$/, "", n); if (seen[n]++) print }' | xargs -r rm -f)
+      # A test binary's crate is the first source its dep-info file names (several packages
+      # have a `tests/adversarial.rs`); clones differ in their path, so the last three parts.
+      (cd "$d/$sub" && for f in $(ls -t | { grep -v '\.' || true; }); do
+        root=$(head -n 1 "$f.d" 2>/dev/null | awk '{ print $2 }' | awk -F/ '{ print $(NF-2) "/" $(NF-1) "/" $NF }')
+        printf '%s %s\n' "$f" "${f%-*}:$root"
+      done | awk '{ if (seen[$2]++) print $1 }' | xargs -r rm -f)
     done
     [ -d "$d/deps" ] || continue
-    (cd "$d/deps" && ls -t | grep -E '^lib(sandbox_|backend_|agent_sandbox|container_init|microvm_guest)' \
+    (cd "$d/deps" && ls -t | { grep -E '^lib(sandbox_|backend_|agent_sandbox|container_init|microvm_guest)' || true; } \
       | awk '{ n = $0; sub(/-[0-9a-f]+\.[a-z]+$/, "", n); e = $0; sub(/.*\./, "", e); if (seen[n "." e]++ >= 2) print }' \
       | xargs -r rm -f)
   done
