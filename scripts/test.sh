@@ -37,7 +37,7 @@ dedupe() {
       # A test binary's crate is the first source its dep-info file names (several packages
       # have a `tests/adversarial.rs`); clones differ in their path, so the last three parts.
       (cd "$d/$sub" && for f in $(ls -t | { grep -v '\.' || true; }); do
-        root=$(head -n 1 "$f.d" 2>/dev/null | awk '{ print $2 }' | awk -F/ '{ print $(NF-2) "/" $(NF-1) "/" $NF }')
+        root=$({ head -n 1 "$f.d" 2>/dev/null || true; } | awk '{ print $2 }' | awk -F/ '{ print $(NF-2) "/" $(NF-1) "/" $NF }')
         printf '%s %s\n' "$f" "${f%-*}:$root"
       done | awk '{ if (seen[$2]++) print $1 }' | xargs -r rm -f)
     done
