@@ -865,7 +865,7 @@ mod tests {
         let mut e = Enc::default();
         e.exec(&ExecSpec::default());
         let n = e.0.len();
-        e.0[n - 4..].copy_from_slice(&max); // the rlimit count
+        e.0[n - 8..n - 4].copy_from_slice(&max); // the rlimit count (the terminal size follows)
         assert_eq!(Dec::new(&e.0).exec(), Err(Malformed));
     }
 
