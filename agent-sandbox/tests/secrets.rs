@@ -283,9 +283,40 @@ async fn other_tiers_refuse_proxy_held_secrets() {
 
 /// A sandbox from an OCI image (the Debian 13 test image that `scripts/test-image.sh`
 /// builds) gets the CA in the image's own trust: its Python 3.13 reaches the bound host, and
-/// the image's system bundle path holds the CA.
+/// the image's system bundle path holds the CA. Container tier.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_image_trusts_the_interception_ca() {
+async fn a_container_image_trusts_the_interception_ca() {
+    an_image_trusts_the_interception_ca(|e, images| {
+        Arc::new(
+            backend_container::ContainerBackend::builder()
+                .egress(e)
+                .image_store(images)
+                .build()
+                .unwrap(),
+        )
+    })
+    .await;
+}
+
+/// The same in the gVisor tier.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gvisor_image_trusts_the_interception_ca() {
+    an_image_trusts_the_interception_ca(|e, images| {
+        Arc::new(backend_gvisor::GvisorBackend::new(
+            backend_gvisor::GvisorConfig::default()
+                .egress(e)
+                .image_store(images),
+        ))
+    })
+    .await;
+}
+
+async fn an_image_trusts_the_interception_ca(
+    make: impl FnOnce(
+        Arc<dyn sandbox_core::EgressEnforcer>,
+        backend_container::ImageStore,
+    ) -> DynBackend,
+) {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         eprintln!("SKIP: the egress enforcer needs root");
@@ -309,20 +340,13 @@ async fn an_image_trusts_the_interception_ca() {
     let e = common::enforcer(upstream_ca.der(), &["allowed.test"]);
     let e_pem = e.proxy().interception_ca_pem().unwrap();
     let cache = tempfile::tempdir().unwrap();
-    let b: DynBackend = Arc::new(
-        backend_container::ContainerBackend::builder()
-            .egress(Arc::new(e))
-            .image_store(
-                backend_container::ImageStore::builder(cache.path())
-                    .build()
-                    .unwrap(),
-            )
-            .build()
-            .unwrap(),
-    );
+    let images = backend_container::ImageStore::builder(cache.path())
+        .build()
+        .unwrap();
+    let b = make(Arc::new(e), images);
     let status = b.probe().await;
     if !status.available {
-        eprintln!("SKIP: container tier unavailable: {}", status.reason);
+        eprintln!("SKIP: {} tier unavailable: {}", b.tier(), status.reason);
         return;
     }
     let spec = SandboxSpec::builder(Language::Shell)

@@ -32,6 +32,16 @@ fn keys(session: &str, keys: &[&str]) {
     tmux(&args);
 }
 
+/// Kills the tmux session when dropped: also when an assertion fails (a session left behind
+/// would keep a sandbox and its CLI running).
+struct Session(String);
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        tmux(&["kill-session", "-t", &self.0]);
+    }
+}
+
 fn container_available() -> bool {
     let out = Command::new(env!("CARGO_BIN_EXE_agent-sandbox"))
         .args(["probe", "--json"])
@@ -79,6 +89,7 @@ fn a_shell_in_tmux_runs_python_resizes_and_exits_with_its_code() {
         "30",
         &script,
     ]);
+    let _cleanup = Session(session.clone());
     tmux(&["set-option", "-t", &session, "status", "off"]);
     let s = session.as_str();
     // The prompt (`$ `; capture-pane trims the space).
@@ -114,7 +125,6 @@ fn a_shell_in_tmux_runs_python_resizes_and_exits_with_its_code() {
         std::thread::sleep(Duration::from_millis(100));
     }
     let after = std::fs::read_to_string(file("after"));
-    tmux(&["kill-session", "-t", s]);
     assert_eq!(std::fs::read_to_string(&code).unwrap().trim(), "3");
     assert_eq!(
         std::fs::read_to_string(file("before")).unwrap(),

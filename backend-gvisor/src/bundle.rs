@@ -187,8 +187,8 @@ fn oci(e: oci_spec::OciSpecError) -> Error {
 /// Puts the certificate bundle `text` of a sandbox with proxy-held secrets into `root` (the
 /// overlay view of an image or a caller's rootfs, never a layer itself) at
 /// [`CA_BUNDLE_PATH`](sandbox_core::egress::CA_BUNDLE_PATH), and over the root's system
-/// bundle ([`SYSTEM_CA_BUNDLE`](sandbox_core::egress::SYSTEM_CA_BUNDLE)) where the root has
-/// that as a regular file. Links are never followed (in a caller's tree they could lead
+/// bundle ([`SYSTEM_CA_BUNDLE`](sandbox_core::egress::SYSTEM_CA_BUNDLE)), made (with its
+/// directories) where the root has none. Links are never followed (in a caller's tree they could lead
 /// anywhere on the host): a linked `etc` or a linked bundle file is an error, a link on the
 /// way to the system bundle leaves that path alone.
 pub(crate) fn write_ca_bundle(root: &Path, text: &str) -> std::io::Result<()> {
@@ -227,9 +227,18 @@ pub(crate) fn write_ca_bundle(root: &Path, text: &str) -> std::io::Result<()> {
     let mut parts = sandbox_core::egress::SYSTEM_CA_BUNDLE.split('/').peekable();
     while let Some(part) = parts.next() {
         p.push(part);
+        let last = parts.peek().is_none();
         match fs::symlink_metadata(&p) {
-            Ok(m) if parts.peek().is_none() && m.is_file() => return write(&p),
-            Ok(m) if m.is_dir() => continue,
+            Ok(m) if last && m.is_file() => return write(&p),
+            Ok(m) if !last && m.is_dir() => continue,
+            // A root without a system bundle (an image without ca-certificates) gets ours
+            // there too, as the container tier does: programs that only read that path trust
+            // the proxy's CA.
+            Err(e) if e.kind() == ErrorKind::NotFound && last => return write(&p),
+            Err(e) if e.kind() == ErrorKind::NotFound => {
+                fs::create_dir(&p)?;
+                fs::set_permissions(&p, fs::Permissions::from_mode(0o755))?;
+            }
             _ => break,
         }
     }
@@ -554,6 +563,37 @@ pub fn save(spec: &Spec, bundle: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_ca_bundle_goes_to_our_path_and_the_system_path_never_through_links() {
+        let ours = sandbox_core::egress::CA_BUNDLE_PATH.trim_start_matches('/');
+        let system = sandbox_core::egress::SYSTEM_CA_BUNDLE;
+        // A root without /etc (an image without ca-certificates): both made.
+        let bare = tempfile::tempdir().unwrap();
+        write_ca_bundle(bare.path(), "PEM").unwrap();
+        assert_eq!(fs::read_to_string(bare.path().join(ours)).unwrap(), "PEM");
+        assert_eq!(fs::read_to_string(bare.path().join(system)).unwrap(), "PEM");
+        // An existing bundle is replaced.
+        write_ca_bundle(bare.path(), "NEW").unwrap();
+        assert_eq!(fs::read_to_string(bare.path().join(system)).unwrap(), "NEW");
+        // A linked directory on the way: that path is left alone, ours is written.
+        let linked = tempfile::tempdir().unwrap();
+        let outside = tempfile::tempdir().unwrap();
+        fs::create_dir(linked.path().join("etc")).unwrap();
+        symlink(outside.path(), linked.path().join("etc/ssl")).unwrap();
+        write_ca_bundle(linked.path(), "PEM").unwrap();
+        assert_eq!(fs::read_to_string(linked.path().join(ours)).unwrap(), "PEM");
+        assert_eq!(
+            fs::read_dir(outside.path()).unwrap().count(),
+            0,
+            "nothing written through the link"
+        );
+        // A linked /etc is refused.
+        let bad = tempfile::tempdir().unwrap();
+        symlink(outside.path(), bad.path().join("etc")).unwrap();
+        assert!(write_ca_bundle(bad.path(), "PEM").is_err());
+        assert_eq!(fs::read_dir(outside.path()).unwrap().count(), 0);
+    }
 
     #[test]
     fn the_rootfs_preloads_the_statx_shim_where_there_is_one() {
