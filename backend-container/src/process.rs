@@ -169,6 +169,19 @@ impl ProcessControl for Control {
     }
 }
 
+/// A terminal's master as the process's input, the handle kept for resizing, and the
+/// reader of its output.
+fn terminal(m: OwnedFd) -> Result<(Option<Input>, Option<OwnedFd>, Option<OwnedFd>)> {
+    let io = |e: std::io::Error| Error::io("copy the terminal's master", e);
+    set_nonblocking(m.as_raw_fd());
+    let w = m.try_clone().map_err(io)?;
+    let r = m.try_clone().map_err(io)?;
+    // SAFETY: `w` is an open terminal master owned by the AsyncFd for its life.
+    let w = unsafe { AsyncFd::register_with_interest(w, Interest::WRITABLE) }
+        .map_err(|e| Error::io("register the terminal", e.into()))?;
+    Ok((Some(Input::Pty(w)), Some(m), Some(r)))
+}
+
 impl Inner {
     /// Starts `req` in the background (see the module docs).
     pub(crate) async fn spawn(self: &Arc<Self>, req: ExecRequest) -> Result<Process> {
@@ -187,6 +200,14 @@ impl Inner {
         let (err_r, err_w) = pipe().map_err(io("create stderr pipe"))?;
         let (in_r, in_w) = pipe().map_err(io("create stdin pipe"))?;
         let (job, theirs) = Job::pair().map_err(io("create the process's socket"))?;
+        // Everything that can fail on our side happens before the process is sent: once it
+        // runs, it is tracked.
+        let pipe_in = if req.tty.is_none() {
+            set_nonblocking(in_w.as_raw_fd());
+            Some(pipe::Sender::from_owned_fd(in_w).map_err(io("register the stdin pipe"))?)
+        } else {
+            None
+        };
         let mut payload = Enc::default();
         payload.exec(&x);
         // Replies before its supervisor takes over (a fork failure, a malformed request)
@@ -224,21 +245,16 @@ impl Inner {
             }
         }
         let (input, tty, tty_r) = match master {
-            Some(m) => {
-                set_nonblocking(m.as_raw_fd());
-                let w = m.try_clone().map_err(io("copy the terminal's master"))?;
-                let r = m.try_clone().map_err(io("copy the terminal's master"))?;
-                // SAFETY: `w` is an open terminal master owned by the AsyncFd for its life.
-                let w = unsafe { AsyncFd::register_with_interest(w, Interest::WRITABLE) }
-                    .map_err(|e| Error::io("register the terminal", e.into()))?;
-                (Some(Input::Pty(w)), Some(m), Some(r))
-            }
-            None if req.tty.is_some() => (None, None, None),
-            None => {
-                set_nonblocking(in_w.as_raw_fd());
-                let p = pipe::Sender::from_owned_fd(in_w).map_err(io("register the stdin pipe"))?;
-                (Some(Input::Pipe(p)), None, None)
-            }
+            Some(m) => match terminal(m) {
+                Ok(t) => t,
+                Err(e) => {
+                    // The process runs but we cannot reach its terminal: end it, not leak it.
+                    job.kill(exec);
+                    self.ctl.unregister(exec);
+                    return Err(e);
+                }
+            },
+            None => (pipe_in.map(Input::Pipe), None, None),
         };
         let stdin = Arc::new(tokio::sync::Mutex::new(input));
         // The request's stdin goes first: held before anyone else can write.
@@ -305,7 +321,7 @@ impl Inner {
         exec: u64,
         job: &Job,
         early: &mut tokio::sync::mpsc::UnboundedReceiver<Reply>,
-        mut first: Option<Reply>,
+        first: Option<Reply>,
         pipes: Pipes,
         tx: tokio::sync::mpsc::Sender<Result<ExecEvent>>,
         timeout: Option<Duration>,
@@ -351,50 +367,74 @@ impl Inner {
         let (mut out_done, mut err_done, mut tty_done) = (false, false, false);
         let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
         let mut timed_out = false;
-        let status = loop {
-            let first = first.take();
-            tokio::select! {
-                r = async { first }, if first.is_some() => match r {
-                    Some(Reply { kind: proto::REP_EXITED, payload, .. }) => break Dec::new(&payload).i32().ok(),
-                    Some(Reply { kind: proto::REP_ERR, payload, .. }) => {
-                        let mut d = Dec::new(&payload);
-                        let _ = (d.u32(), d.i32());
-                        return Err(Error::backend(TIER, format!("sandbox init refused the process: {}", d.str().unwrap_or_default())));
-                    }
-                    _ => return Err(self.gone_err()),
-                },
-                r = job.recv() => match r {
-                    Some(Reply { kind: proto::REP_EXITED, payload, .. }) => break Dec::new(&payload).i32().ok(),
-                    Some(_) => {}
-                    None if self.ctl.is_closed() || self.life.is_gone() => return Err(self.gone_err()),
-                    None => {
-                        // The supervisor hung up without a report: let the init's reader see
-                        // whether the whole sandbox went.
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                        if self.ctl.is_closed() || self.life.is_gone() {
-                            return Err(self.gone_err());
-                        }
-                        return Err(Error::backend(TIER, "the process's supervisor died before reporting (killed from outside?)"));
-                    }
-                },
-                r = early.recv() => match r {
-                    Some(Reply { kind: proto::REP_EXITED, payload, .. }) => break Dec::new(&payload).i32().ok(),
-                    Some(Reply { kind: proto::REP_ERR, payload, .. }) => {
-                        let mut d = Dec::new(&payload);
-                        let _ = (d.u32(), d.i32());
-                        return Err(Error::backend(TIER, format!("sandbox init refused the process: {}", d.str().unwrap_or_default())));
-                    }
-                    Some(_) => {}
-                    None => return Err(self.gone_err()),
-                },
-                _ = sleep_until(deadline), if !timed_out => {
-                    timed_out = true;
-                    job.kill(exec);
+        // What the init or the supervisor reported: `Some(Ok(status))` ends the watch with
+        // the process's wait status, `Some(Err)` ends it with the init's refusal, `None` is
+        // a message that does not end it.
+        let outcome = |r: &Reply| -> Option<Result<Option<i32>>> {
+            match r.kind {
+                proto::REP_EXITED => Some(Ok(Dec::new(&r.payload).i32().ok())),
+                proto::REP_ERR => {
+                    let mut d = Dec::new(&r.payload);
+                    let _ = (d.u32(), d.i32());
+                    Some(Err(Error::backend(
+                        TIER,
+                        format!(
+                            "sandbox init refused the process: {}",
+                            d.str().unwrap_or_default()
+                        ),
+                    )))
                 }
-                _ = &mut out_pump, if !out_done => out_done = true,
-                _ = &mut err_pump, if !err_done => err_done = true,
-                _ = &mut tty_pump, if !tty_done => tty_done = true,
+                _ => None,
             }
+        };
+        // The reply to the exec itself, when it came before the watch began.
+        let settled = match first {
+            Some(r) => match outcome(&r) {
+                Some(Ok(status)) => Some(status),
+                Some(Err(e)) => return Err(e),
+                None => return Err(self.gone_err()),
+            },
+            None => None,
+        };
+        let status = match settled {
+            Some(status) => status,
+            None => loop {
+                tokio::select! {
+                    r = job.recv() => match r {
+                        Some(r) if r.kind == proto::REP_EXITED => {
+                            if let Some(Ok(status)) = outcome(&r) {
+                                break status;
+                            }
+                        }
+                        Some(_) => {}
+                        None if self.ctl.is_closed() || self.life.is_gone() => return Err(self.gone_err()),
+                        None => {
+                            // The supervisor hung up without a report: let the init's reader see
+                            // whether the whole sandbox went.
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                            if self.ctl.is_closed() || self.life.is_gone() {
+                                return Err(self.gone_err());
+                            }
+                            return Err(Error::backend(TIER, "the process's supervisor died before reporting (killed from outside?)"));
+                        }
+                    },
+                    r = early.recv() => match r {
+                        Some(r) => match outcome(&r) {
+                            Some(Ok(status)) => break status,
+                            Some(Err(e)) => return Err(e),
+                            None => {}
+                        },
+                        None => return Err(self.gone_err()),
+                    },
+                    _ = sleep_until(deadline), if !timed_out => {
+                        timed_out = true;
+                        job.kill(exec);
+                    }
+                    _ = &mut out_pump, if !out_done => out_done = true,
+                    _ = &mut err_pump, if !err_done => err_done = true,
+                    _ = &mut tty_pump, if !tty_done => tty_done = true,
+                }
+            },
         };
         let _ = stop_tx.send(true);
         if !out_done {

@@ -379,6 +379,7 @@ impl Backend for GvisorBackend {
         c.streaming = true;
         c.persistent_state = true;
         c.processes = true;
+        c.tty = true;
         c.images = true;
         // An image brings its own interpreters; the same languages run from it.
         c.image_languages = c.languages.clone();

@@ -1,5 +1,5 @@
 //! Background processes in the gVisor tier: a snapshot is refused while one runs (nothing
-//! lost), and destroy leaves nothing of it. (Stdin, output, signals and listing are the conformance
+//! lost), destroy leaves nothing of it, and a terminal session behaves as one. (Stdin, output, signals and listing are the conformance
 //! cases `caps.processes` and `process.io-signals`.)
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -67,4 +67,83 @@ async fn a_background_process_across_a_snapshot_and_destroy() {
     assert_eq!(common::host_processes_of(&id), 0);
     let e = sb.spawn(ExecRequest::argv(["true"])).await.unwrap_err();
     assert!(matches!(e, Error::SandboxGone { .. }), "{e}");
+}
+
+/// Reads `p`'s output until it contains `needle` (60 s at most); returns all of it.
+async fn read_until(p: &mut sandbox_core::Process, needle: &str) -> String {
+    let mut all = String::new();
+    while !all.contains(needle) {
+        match tokio::time::timeout(Duration::from_secs(60), p.next()).await {
+            Ok(Some(Ok(ExecEvent::Stdout(b) | ExecEvent::Stderr(b)))) => {
+                all.push_str(&String::from_utf8_lossy(&b))
+            }
+            other => panic!("waiting for {needle:?} after {all:?}: {other:?}"),
+        }
+    }
+    all
+}
+
+#[tokio::test]
+async fn a_terminal_session_resizes_interrupts_and_exits_with_its_code() {
+    require_gvisor!();
+    let sb = common::sandbox(&SandboxSpec::new(Language::Shell)).await;
+    let mut sh = sb
+        .spawn(ExecRequest::argv(["/bin/sh", "-i"]).tty(24, 80))
+        .await
+        .unwrap();
+    // `tty` cannot name it (gVisor has no /dev/pts entry for a host terminal), but it is
+    // one: isatty, its size, its line discipline.
+    sh.write_stdin(&b"stty size; python3 -c 'import os; print(\"isatty\", os.isatty(0))'\n"[..])
+        .await
+        .unwrap();
+    let out = read_until(&mut sh, "isatty True").await;
+    assert!(out.contains("24 80"), "{out:?}");
+    sh.resize(30, 100).await.unwrap();
+    sh.write_stdin(&b"stty size\n"[..]).await.unwrap();
+    read_until(&mut sh, "30 100").await;
+    // Ctrl-C reaches the foreground job through the terminal, not the shell.
+    sh.write_stdin(&b"sleep 1000\n"[..]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    sh.write_stdin(&b"\x03echo after-$((6*7))\n"[..])
+        .await
+        .unwrap();
+    read_until(&mut sh, "after-42").await;
+    sh.write_stdin(&b"exit 3\n"[..]).await.unwrap();
+    let r = sh.wait(Some(Duration::from_secs(60))).await.unwrap();
+    assert_eq!(r.exit_code, Some(3), "{r:?}");
+    let e = sh.resize(10, 10).await.unwrap_err();
+    assert!(matches!(e, Error::ProcessExited { .. }), "{e}");
+
+    // A REPL, ended by Ctrl-D.
+    let mut py = sb
+        .spawn(ExecRequest::argv(["python3", "-q"]).tty(24, 80))
+        .await
+        .unwrap();
+    py.write_stdin(&b"print(6*7)\n"[..]).await.unwrap();
+    let out = read_until(&mut py, "42").await;
+    // Ctrl-D once the next prompt shows: readline resets the terminal before it prompts,
+    // which may drop what was typed ahead (as it would a person's).
+    if !out
+        .rsplit("42")
+        .next()
+        .is_some_and(|after| after.contains(">>> "))
+    {
+        read_until(&mut py, ">>> ").await;
+    }
+    py.close_stdin().await.unwrap();
+    let r = py.wait(Some(Duration::from_secs(60))).await.unwrap();
+    assert_eq!(r.exit_code, Some(0), "{r:?}");
+
+    // A resize without a terminal is bad input; exec has no terminal.
+    let mut plain = sb.spawn(ExecRequest::argv(["sleep", "5"])).await.unwrap();
+    let e = plain.resize(24, 80).await.unwrap_err();
+    assert!(matches!(e, Error::InvalidSpec { .. }), "{e}");
+    plain.signal(Signal::Kill).await.unwrap();
+    plain.wait(None).await.unwrap();
+    let e = sb
+        .exec(ExecRequest::argv(["true"]).tty(24, 80))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+    sb.destroy().await.unwrap();
 }

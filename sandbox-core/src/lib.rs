@@ -21,6 +21,7 @@ pub mod policy;
 pub mod pool;
 pub mod probe;
 pub mod process;
+pub mod pty;
 pub mod publish;
 pub mod sandbox;
 pub mod secrets;
@@ -46,6 +47,7 @@ pub use probe::TierStatus;
 pub use process::{
     Process, ProcessControl, ProcessId, ProcessInfo, ProcessState, ProcessTable, Signal,
 };
+pub use pty::PtyMaster;
 pub use publish::{Dialer, Ports, PublishedPort};
 pub use sandbox::{Backend, DynBackend, Sandbox};
 pub use secrets::{

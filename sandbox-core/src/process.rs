@@ -423,7 +423,7 @@ impl ProcessTable {
             let t = self.lock();
             match t.live.get(&id) {
                 Some(c) => Arc::clone(c),
-                None if t.procs.contains_key(&id) || id <= t.next => {
+                None if t.procs.contains_key(&id) || (1..=t.next).contains(&id) => {
                     return Err(Error::ProcessExited { id })
                 }
                 None => {
@@ -610,8 +610,10 @@ mod tests {
         t.exited(a, Some(143));
         let e = t.signal(a, Signal::Terminate).await.unwrap_err();
         assert!(matches!(e, Error::ProcessExited { id } if id == a), "{e}");
-        let e = t.signal(42, Signal::Terminate).await.unwrap_err();
-        assert!(matches!(e, Error::NotFound { .. }), "{e}");
+        for never_given in [0, 42] {
+            let e = t.signal(never_given, Signal::Terminate).await.unwrap_err();
+            assert!(matches!(e, Error::NotFound { .. }), "{never_given}: {e}");
+        }
     }
 
     #[test]

@@ -2,7 +2,42 @@
 //! control socket and the `runsc exec` fallback, output pumping, and what stopped a command
 //! (a limit counted by the cgroups, the disk, the sandbox's own death).
 
+use std::os::fd::OwnedFd;
+
 use super::*;
+
+/// A process's input in [`Inner::runsc_exec_on`].
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Stdin {
+    /// `/dev/null`.
+    Null,
+    /// A pipe (the child's `stdin`).
+    Pipe,
+    /// A terminal of ours of this size: input, output and the controlling terminal.
+    Tty(sandbox_core::Tty),
+}
+
+impl From<bool> for Stdin {
+    fn from(piped: bool) -> Self {
+        if piped {
+            Stdin::Pipe
+        } else {
+            Stdin::Null
+        }
+    }
+}
+
+/// A started `runsc exec` ([`Inner::runsc_exec_on`]).
+pub(super) struct RunscExec {
+    /// The `runsc exec` process: it ends with the command, with its exit code.
+    pub child: tokio::process::Child,
+    /// Its process file (removed by the caller when it ends).
+    pub pfile: PathBuf,
+    /// Where runsc writes the command's pid inside (removed by the caller when it ends).
+    pub pidfile: PathBuf,
+    /// The terminal's master, for [`Stdin::Tty`].
+    pub master: Option<sandbox_core::PtyMaster>,
+}
 
 impl Inner {
     /// `(oom kills, pids-limit hits)` of the sandbox's cgroups, where readable.
@@ -35,7 +70,37 @@ impl Inner {
         cwd: &str,
         stdin: bool,
     ) -> Result<(tokio::process::Child, PathBuf, PathBuf)> {
-        let process = bundle::process(argv, env, cwd, self.who, &self.spec)?;
+        let s = self.runsc_exec_on(tag, argv, env, cwd, Stdin::from(stdin))?;
+        Ok((s.child, s.pfile, s.pidfile))
+    }
+
+    /// [`runsc_exec`](Self::runsc_exec) with the process's input chosen, on a terminal of
+    /// ours for [`Stdin::Tty`]: `runsc exec` gets its slave as stdin, stdout and stderr and
+    /// as its controlling terminal (it is a session's leader), and the process inside gets
+    /// a terminal backed by it (`terminal: true`). runsc forwards the signals the host
+    /// terminal sends it (`SIGWINCH` on a resize, `SIGINT` on Ctrl-C) to the process.
+    pub(super) fn runsc_exec_on(
+        &self,
+        tag: &str,
+        argv: Vec<String>,
+        env: Vec<String>,
+        cwd: &str,
+        stdin: Stdin,
+    ) -> Result<RunscExec> {
+        let mut process = bundle::process(argv, env, cwd, self.who, &self.spec)?;
+        let mut pty = None;
+        if let Stdin::Tty(tty) = stdin {
+            let size = oci_spec::runtime::BoxBuilder::default()
+                .height(u64::from(tty.rows))
+                .width(u64::from(tty.cols))
+                .build()
+                .map_err(|e| Error::backend(TIER, e.to_string()))?;
+            process.set_terminal(Some(true));
+            process.set_console_size(Some(size));
+            pty = Some(
+                sandbox_core::PtyMaster::open(tty).map_err(|e| Error::io("open a terminal", e))?,
+            );
+        }
         let n = self.seq.fetch_add(1, Ordering::SeqCst);
         let pfile = self.dir.join(format!("{tag}-{n}.json"));
         let pidfile = self.dir.join(format!("{tag}-{n}.pid"));
@@ -50,12 +115,43 @@ impl Inner {
             .arg("--internal-pid-file")
             .arg(&pidfile)
             .arg(&self.id)
-            .stdin(if stdin { Stdio::piped() } else { Stdio::null() })
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
             .kill_on_drop(true);
+        let master = match pty {
+            Some((master, slave)) => {
+                let copy =
+                    |f: &OwnedFd| f.try_clone().map_err(|e| Error::io("copy the terminal", e));
+                cmd.stdin(copy(&slave)?).stdout(copy(&slave)?).stderr(slave);
+                // SAFETY: between fork and exec only async-signal-safe calls: setsid(2), and
+                // ioctl(2) on fd 0 (the terminal's slave) to make it our controlling terminal.
+                unsafe {
+                    cmd.pre_exec(|| {
+                        if libc::setsid() < 0 || libc::ioctl(0, libc::TIOCSCTTY, 0) < 0 {
+                            return Err(std::io::Error::last_os_error());
+                        }
+                        Ok(())
+                    });
+                }
+                Some(master)
+            }
+            None => {
+                cmd.stdin(match stdin {
+                    Stdin::Pipe => Stdio::piped(),
+                    _ => Stdio::null(),
+                })
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+                None
+            }
+        };
+        // `cmd` (and with it every copy of a terminal's slave) is dropped on return, so
+        // the master's reads end when runsc's own copies close.
         match cmd.spawn() {
-            Ok(c) => Ok((c, pfile, pidfile)),
+            Ok(child) => Ok(RunscExec {
+                child,
+                pfile,
+                pidfile,
+                master,
+            }),
             Err(e) => {
                 let _ = std::fs::remove_file(&pfile);
                 Err(Error::io("spawn runsc exec", e))

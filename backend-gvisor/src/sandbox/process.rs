@@ -1,6 +1,8 @@
 //! Background processes ([`Sandbox::spawn`](sandbox_core::Sandbox::spawn)): a `runsc exec`
 //! child per process, its stdin kept open and its output streamed (redacted, uncapped, held
-//! back by the [`Process`]'s bounded channel when nobody reads). Signals are sent by a `kill`
+//! back by the [`Process`]'s bounded channel when nobody reads). A process with a terminal
+//! gets one of ours: `runsc exec` runs on its slave (see [`Inner::runsc_exec_on`]), we keep
+//! the master for its input, output and size. Signals are sent by a `kill`
 //! run inside the sandbox, to the pid runsc reports (`--internal-pid-file`). The process lives
 //! in the sandbox, so it shares its limits, is stopped with a checkpoint's pause, and ends
 //! with it.
@@ -9,9 +11,14 @@ use std::sync::Weak;
 
 use bytes::Bytes;
 use sandbox_core::process::command_line;
-use sandbox_core::{stream_output, Process, ProcessControl, ProcessId, Signal};
+use sandbox_core::{stream_output, Process, ProcessControl, ProcessId, PtyMaster, Signal, Tty};
+use tokio::io::AsyncWrite;
 
+use super::exec::{RunscExec, Stdin};
 use super::*;
+
+/// Where a process's input goes: its stdin pipe, or its terminal's master.
+type Input = Box<dyn AsyncWrite + Send + Unpin>;
 
 /// Chunks in flight to a process's reader before it is held back.
 const QUEUE: usize = 64;
@@ -21,7 +28,9 @@ struct Control {
     id: ProcessId,
     inner: Weak<Inner>,
     pidfile: PathBuf,
-    stdin: tokio::sync::Mutex<Option<tokio::process::ChildStdin>>,
+    stdin: tokio::sync::Mutex<Option<Input>>,
+    /// The terminal's master (a copy), for resizes.
+    tty: Option<PtyMaster>,
     ended: AtomicBool,
 }
 
@@ -53,8 +62,34 @@ impl ProcessControl for Control {
     }
 
     async fn close_stdin(&self) -> Result<()> {
-        self.stdin.lock().await.take();
+        let mut g = self.stdin.lock().await;
+        if self.tty.is_some() {
+            // A terminal has no end of input of its own: the line discipline's EOF
+            // character (Ctrl-D) is what a reader in canonical mode takes as one.
+            if let Some(input) = g.as_mut() {
+                let _ = input.write_all(b"\x04").await;
+            }
+            return Ok(());
+        }
+        g.take();
         Ok(())
+    }
+
+    async fn resize(&self, tty: Tty) -> Result<()> {
+        let Some(m) = &self.tty else {
+            return Err(Error::invalid(
+                "tty",
+                format!(
+                    "process {} has no terminal to resize (spawn it with ExecRequest::tty)",
+                    self.id
+                ),
+            ));
+        };
+        if self.ended.load(Ordering::SeqCst) {
+            return Err(Error::ProcessExited { id: self.id });
+        }
+        m.resize(tty)
+            .map_err(|e| Error::io("resize the terminal", e))
     }
 
     async fn signal(&self, signal: Signal) -> Result<()> {
@@ -76,19 +111,44 @@ impl Inner {
     pub(super) async fn spawn(self: &Arc<Self>, req: ExecRequest) -> Result<Process> {
         self.alive()?;
         req.validate()?;
-        req.refuse_tty(TIER)?;
         let shared = self.lifecycle.read().await;
         self.alive()?;
         self.life.check_running()?;
         let (argv, env, cwd) = self.command(&req)?;
-        let (mut child, pfile, pidfile) = self.runsc_exec("proc", argv, env, &cwd, true)?;
+        let stdin = req.tty.map_or(Stdin::Pipe, Stdin::Tty);
+        let RunscExec {
+            mut child,
+            pfile,
+            pidfile,
+            master,
+        } = self.runsc_exec_on("proc", argv, env, &cwd, stdin)?;
         drop(shared);
+        // With a terminal: one handle writes (the input), one reads (the output), one
+        // resizes. Without: the child's pipes.
+        let copies = master
+            .map(|m| -> std::io::Result<_> { Ok((m.try_clone()?, m.try_clone()?, m)) })
+            .transpose()
+            .map_err(|e| Error::io("copy the terminal's master", e));
+        let copies = match copies {
+            Ok(c) => c,
+            Err(e) => {
+                // Running but unreachable: end it rather than leak it.
+                let _ = child.start_kill();
+                let _ = std::fs::remove_file(&pfile);
+                return Err(e);
+            }
+        };
+        let (input, output, tty): (Option<Input>, _, _) = match copies {
+            Some((w, r, m)) => (Some(Box::new(w)), Some(r), Some(m)),
+            None => (child.stdin.take().map(|w| Box::new(w) as Input), None, None),
+        };
         let id = self.procs.start(command_line(&req.command));
         let control = Arc::new(Control {
             id,
             inner: Arc::downgrade(self),
             pidfile: pidfile.clone(),
-            stdin: tokio::sync::Mutex::new(child.stdin.take()),
+            stdin: tokio::sync::Mutex::new(input),
+            tty,
             ended: AtomicBool::new(false),
         });
         // The request's stdin goes first: written before the handle is returned.
@@ -110,6 +170,8 @@ impl Inner {
             .stderr
             .take()
             .map(|e| tokio::spawn(stream_output(e, sink(StreamKind::Stderr))));
+        // A terminal's output (stdout and stderr merged) is stdout.
+        let term = output.map(|o| tokio::spawn(stream_output(o, sink(StreamKind::Stdout))));
         let me = Arc::clone(self);
         let handle = Arc::clone(&control);
         tokio::spawn(async move {
@@ -131,6 +193,16 @@ impl Inner {
             };
             for pump in [out, err].into_iter().flatten() {
                 let _ = pump.await;
+            }
+            if let Some(mut pump) = term {
+                // Drains what the terminal holds; bounded, should a copy of its slave
+                // outlive runsc exec.
+                if tokio::time::timeout(Duration::from_secs(1), &mut pump)
+                    .await
+                    .is_err()
+                {
+                    pump.abort();
+                }
             }
             control.ended.store(true, Ordering::SeqCst);
             control.stdin.lock().await.take();
