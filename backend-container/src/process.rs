@@ -23,12 +23,10 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use sandbox_core::process::command_line;
 use sandbox_core::{
-    Dialer, Error, ExecEvent, ExecRequest, ExecResult, Process, ProcessControl, ProcessId, Result,
-    Signal, Tty,
+    Dialer, Error, ExecEvent, ExecRequest, ExecResult, Process, ProcessControl, ProcessId,
+    PtyMaster, Result, Signal, Tty,
 };
-use tokio::io::unix::AsyncFd;
 use tokio::io::AsyncWriteExt;
-use tokio::io::Interest;
 use tokio::net::unix::pipe;
 use tokio::sync::{watch, Notify};
 
@@ -44,7 +42,7 @@ const QUEUE: usize = 64;
 #[derive(Debug)]
 enum Input {
     Pipe(pipe::Sender),
-    Pty(AsyncFd<OwnedFd>),
+    Pty(PtyMaster),
 }
 
 impl tokio::io::AsyncWrite for Input {
@@ -53,32 +51,9 @@ impl tokio::io::AsyncWrite for Input {
         cx: &mut std::task::Context<'_>,
         buf: &[u8],
     ) -> std::task::Poll<std::io::Result<usize>> {
-        use std::task::Poll;
         match self.get_mut() {
             Input::Pipe(p) => std::pin::Pin::new(p).poll_write(cx, buf),
-            Input::Pty(m) => loop {
-                let mut g = match m.poll_write_ready(cx) {
-                    Poll::Ready(Ok(g)) => g,
-                    Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                    Poll::Pending => return Poll::Pending,
-                };
-                match g.try_io(|fd| {
-                    // SAFETY: write(2) from the caller's buffer to the master we own.
-                    let n = unsafe { libc::write(fd.as_raw_fd(), buf.as_ptr().cast(), buf.len()) };
-                    if n < 0 {
-                        Err(std::io::Error::last_os_error())
-                    } else {
-                        Ok(n as usize)
-                    }
-                }) {
-                    // EIO: the terminal's other side is closed (the session ended).
-                    Ok(Err(e)) if e.raw_os_error() == Some(libc::EIO) => {
-                        return Poll::Ready(Err(std::io::ErrorKind::BrokenPipe.into()))
-                    }
-                    Ok(r) => return Poll::Ready(r),
-                    Err(_would_block) => {}
-                }
-            },
+            Input::Pty(m) => std::pin::Pin::new(m).poll_write(cx, buf),
         }
     }
 
@@ -105,7 +80,7 @@ struct Control {
     job: Arc<Job>,
     stdin: Arc<tokio::sync::Mutex<Option<Input>>>,
     /// The terminal's master (a copy), for resizes.
-    tty: Option<OwnedFd>,
+    tty: Option<PtyMaster>,
     ended: AtomicBool,
 }
 
@@ -143,21 +118,8 @@ impl ProcessControl for Control {
         if self.ended.load(Ordering::SeqCst) {
             return Err(Error::ProcessExited { id: self.id });
         }
-        let ws = libc::winsize {
-            ws_row: tty.rows,
-            ws_col: tty.cols,
-            ws_xpixel: 0,
-            ws_ypixel: 0,
-        };
-        // SAFETY: TIOCSWINSZ on our master with a pointer to a local; the kernel sends the
-        // terminal's foreground group SIGWINCH.
-        if unsafe { libc::ioctl(m.as_raw_fd(), libc::TIOCSWINSZ, &ws) } < 0 {
-            return Err(Error::io(
-                "resize the terminal",
-                std::io::Error::last_os_error(),
-            ));
-        }
-        Ok(())
+        m.resize(tty)
+            .map_err(|e| Error::io("resize the terminal", e))
     }
 
     async fn signal(&self, signal: Signal) -> Result<()> {
@@ -171,14 +133,11 @@ impl ProcessControl for Control {
 
 /// A terminal's master as the process's input, the handle kept for resizing, and the
 /// reader of its output.
-fn terminal(m: OwnedFd) -> Result<(Option<Input>, Option<OwnedFd>, Option<OwnedFd>)> {
+fn terminal(m: OwnedFd) -> Result<(Option<Input>, Option<PtyMaster>, Option<OwnedFd>)> {
     let io = |e: std::io::Error| Error::io("copy the terminal's master", e);
-    set_nonblocking(m.as_raw_fd());
-    let w = m.try_clone().map_err(io)?;
     let r = m.try_clone().map_err(io)?;
-    // SAFETY: `w` is an open terminal master owned by the AsyncFd for its life.
-    let w = unsafe { AsyncFd::register_with_interest(w, Interest::WRITABLE) }
-        .map_err(|e| Error::io("register the terminal", e.into()))?;
+    let m = PtyMaster::from_fd(m).map_err(|e| Error::io("register the terminal", e))?;
+    let w = m.try_clone().map_err(io)?;
     Ok((Some(Input::Pty(w)), Some(m), Some(r)))
 }
 
