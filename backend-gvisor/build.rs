@@ -1,5 +1,7 @@
 //! Compiles the `statx` compatibility shim (`shim/statx_compat.rs`, `no_std`) into a shared
-//! object the library embeds (x86-64 Linux only; see the shim's docs for why).
+//! object the library embeds (x86-64 Linux only; see the shim's docs for why), and the
+//! published-port relay (`relay/main.rs`, std only) into a program it embeds (statically
+//! linked where the C library allows).
 
 #[path = "../sandbox-core/build-support/static_bin.rs"]
 mod static_bin;
@@ -17,4 +19,12 @@ fn main() {
         );
         println!("cargo:rustc-env=AGENT_SANDBOX_STATX_SHIM={}", lib.display());
     }
+    let relay = static_bin::compile(
+        "relay/main.rs",
+        "agent_sandbox_relay",
+        "agent-sandbox-relay",
+        true,
+        "the published-port relay",
+    );
+    println!("cargo:rustc-env=AGENT_SANDBOX_RELAY={}", relay.display());
 }

@@ -87,6 +87,9 @@ async fn the_image_python_runs_in_every_linux_tier() {
             "{tier}: the image's Python, not the host's"
         );
         assert_eq!(sb.read_file("out.txt").await.unwrap(), b"SHOUT", "{tier}");
+        if caps.as_ref().is_some_and(|c| c.publish && c.processes) {
+            assert_eq!(serve_and_fetch(sb.as_ref()).await, "SHOUT", "{tier}");
+        }
         sb.destroy().await.unwrap();
         ran += 1;
     }
@@ -110,6 +113,53 @@ async fn the_image_python_runs_in_every_linux_tier() {
         );
         sb.destroy().await.unwrap();
     }
+}
+
+/// The image's own `python3 -m http.server` serving the workspace, published on the host's
+/// loopback: the body of `GET /out.txt` from the host.
+async fn serve_and_fetch(sb: &dyn agent_sandbox::Sandbox) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut server = sb
+        .spawn(ExecRequest::argv([
+            "python3",
+            "-m",
+            "http.server",
+            "8000",
+            "--bind",
+            "127.0.0.1",
+            "--directory",
+            "/workspace",
+        ]))
+        .await
+        .unwrap();
+    let at = sb
+        .publish(8000, "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let mut reply = String::new();
+    // The server needs a moment to listen: until then a connection closes empty.
+    for _ in 0..100 {
+        let mut c = tokio::net::TcpStream::connect(at).await.unwrap();
+        c.write_all(b"GET /out.txt HTTP/1.0\r\n\r\n").await.unwrap();
+        let mut all = Vec::new();
+        let _ = c.read_to_end(&mut all).await;
+        reply = String::from_utf8_lossy(&all).into_owned();
+        if !reply.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    server
+        .signal(agent_sandbox::Signal::Terminate)
+        .await
+        .unwrap();
+    let _ = server.wait(Some(Duration::from_secs(30))).await;
+    assert!(reply.starts_with("HTTP/1.0 200"), "{reply:?}");
+    reply
+        .rsplit("\r\n\r\n")
+        .next()
+        .unwrap_or_default()
+        .to_string()
 }
 
 /// The CNCF registry on loopback holding the test image as `trixie/python3:13`, in a

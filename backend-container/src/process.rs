@@ -462,7 +462,9 @@ pub(crate) struct InitDialer(pub Arc<Ctl>);
 
 #[async_trait]
 impl Dialer for InitDialer {
-    async fn dial(&self, port: u16) -> std::io::Result<tokio::net::TcpStream> {
-        Inner::dial(&self.0, port).await
+    async fn dial(&self, port: u16) -> std::io::Result<Box<dyn sandbox_core::Connection>> {
+        let s = Inner::dial(&self.0, port).await?;
+        let _ = s.set_nodelay(true);
+        Ok(Box::new(s))
     }
 }

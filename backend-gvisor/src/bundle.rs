@@ -45,6 +45,13 @@ pub(crate) fn statx_shim() -> Option<&'static [u8]> {
     STATX_SHIM
 }
 
+/// The published-port relay (`relay/main.rs`): run inside a sandbox once per connection to a
+/// published port, it connects to the port on the sandbox's loopback and relays its stdio.
+const RELAY: &[u8] = include_bytes!(env!("AGENT_SANDBOX_RELAY"));
+
+/// Where the relay is inside a sandbox.
+pub const RELAY_PATH: &str = "/etc/agent-sandbox/relay";
+
 /// Where glibc's x86-64 dynamic loader sits in a root filesystem (any of them).
 const GLIBC_LOADERS: &[&str] = &[
     "lib64/ld-linux-x86-64.so.2",
@@ -73,14 +80,8 @@ pub(crate) fn needs_statx_shim(rootfs: &Path) -> bool {
 /// when `etc`, `etc/agent-sandbox` or `etc/ld.so.preload` is a symbolic link: in a
 /// caller's tree it could lead anywhere on the host.
 pub(crate) fn add_statx_shim(root: &Path, shim: &[u8]) -> std::io::Result<()> {
-    use std::io::{Error as IoError, ErrorKind};
-    let no_link = |p: &Path| match fs::symlink_metadata(p) {
-        Ok(m) if m.file_type().is_symlink() => Err(IoError::new(
-            ErrorKind::InvalidInput,
-            format!("{} is a symbolic link", p.display()),
-        )),
-        _ => Ok(()),
-    };
+    use std::io::ErrorKind;
+    let no_link = refuse_link;
     let etc = root.join("etc");
     no_link(&etc)?;
     fs::create_dir_all(&etc)?;
@@ -107,6 +108,31 @@ pub(crate) fn add_statx_shim(root: &Path, shim: &[u8]) -> std::io::Result<()> {
         fs::write(&preload, text)?;
     }
     Ok(())
+}
+
+/// Puts the relay at [`RELAY_PATH`] under `root` (mode 0755). Refuses (an error) when
+/// `etc`, `etc/agent-sandbox` or the file itself is a symbolic link: in a caller's tree it
+/// could lead anywhere on the host.
+pub(crate) fn add_relay(root: &Path) -> std::io::Result<()> {
+    let at = root.join(RELAY_PATH.trim_start_matches('/'));
+    for p in [root.join("etc"), root.join("etc/agent-sandbox")] {
+        refuse_link(&p)?;
+        fs::create_dir_all(&p)?;
+    }
+    refuse_link(&at)?;
+    fs::write(&at, RELAY)?;
+    fs::set_permissions(&at, fs::Permissions::from_mode(0o755))
+}
+
+/// An error when `p` is a symbolic link.
+fn refuse_link(p: &Path) -> std::io::Result<()> {
+    match fs::symlink_metadata(p) {
+        Ok(m) if m.file_type().is_symlink() => Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("{} is a symbolic link", p.display()),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// Top-level links of a merged-`/usr` system.
@@ -284,6 +310,7 @@ pub fn write_rootfs(bundle: &Path, who: Identity) -> Result<PathBuf> {
     for (name, text) in files {
         fs::write(etc.join(name), text).map_err(ctx("write", &etc))?;
     }
+    add_relay(&rootfs).map_err(ctx("add the port relay to", &rootfs))?;
     if let Some(shim) = STATX_SHIM {
         add_statx_shim(&rootfs, shim).map_err(ctx("add the statx shim to", &rootfs))?;
     }

@@ -380,6 +380,7 @@ impl Backend for GvisorBackend {
         c.persistent_state = true;
         c.processes = true;
         c.tty = true;
+        c.publish = true;
         c.images = true;
         // An image brings its own interpreters; the same languages run from it.
         c.image_languages = c.languages.clone();

@@ -147,3 +147,151 @@ async fn a_terminal_session_resizes_interrupts_and_exits_with_its_code() {
     assert!(matches!(e, Error::Unsupported { .. }), "{e}");
     sb.destroy().await.unwrap();
 }
+
+/// `curl URL` until it answers (the server needs a moment to listen): its body, or why not.
+async fn fetch(url: &str) -> Result<Vec<u8>, String> {
+    let mut why = String::new();
+    for _ in 0..50 {
+        let out = std::process::Command::new("curl")
+            .args(["-sS", "--max-time", "20", url])
+            .output()
+            .unwrap();
+        if out.status.success() {
+            return Ok(out.stdout);
+        }
+        why = String::from_utf8_lossy(&out.stderr).into_owned();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Err(why)
+}
+
+// Multi-threaded: curl runs as a blocking child while the forwarder serves it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_published_web_server_answers_the_host_under_deny_all() {
+    require_gvisor!();
+    let sb = common::sandbox(&SandboxSpec::new(Language::Shell)).await; // DenyAll
+    let r = sb
+        .exec(ExecRequest::code(
+            "mkdir -p /workspace/site && echo hello-from-inside > /workspace/site/index.html \
+             && head -c 1048576 /dev/urandom > /workspace/site/big && sha256sum /workspace/site/big",
+        ))
+        .await
+        .unwrap();
+    assert!(r.success(), "{r:?}");
+    let big_sum = r
+        .stdout_str()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_string();
+    let at = sb
+        .publish(8000, "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    assert!(at.ip().is_loopback() && at.port() != 0, "{at}");
+    assert_eq!(sb.published().await.unwrap()[0].sandbox_port, 8000);
+
+    // Nothing listens inside yet: the connection is closed, nothing is sent.
+    let mut early = tokio::net::TcpStream::connect(at).await.unwrap();
+    let mut got = Vec::new();
+    tokio::io::AsyncReadExt::read_to_end(&mut early, &mut got)
+        .await
+        .unwrap_or_default();
+    assert!(got.is_empty(), "{got:?}");
+
+    let mut server = sb
+        .spawn(ExecRequest::argv([
+            "python3",
+            "-m",
+            "http.server",
+            "8000",
+            "--bind",
+            "127.0.0.1",
+            "--directory",
+            "/workspace/site",
+        ]))
+        .await
+        .unwrap();
+    let body = fetch(&format!("http://{at}/index.html")).await.unwrap();
+    assert_eq!(body, b"hello-from-inside\n");
+    // A whole MiB through the relay, byte for byte.
+    let big = fetch(&format!("http://{at}/big")).await.unwrap();
+    use sha2::Digest;
+    assert_eq!(hex::encode(sha2::Sha256::digest(&big)), big_sum);
+
+    // The sandbox itself still cannot connect out: the host's loopback is not its own.
+    let host = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = host.local_addr().unwrap().port();
+    let r = sb
+        .exec(ExecRequest::argv([
+            "python3",
+            "-c",
+            &format!("import socket; socket.create_connection(('127.0.0.1', {port}), timeout=3)"),
+        ]))
+        .await
+        .unwrap();
+    assert!(!r.success(), "the sandbox reached the host: {r:?}");
+
+    // An open connection holds its relay: a snapshot is refused until it closes.
+    let mut open = tokio::net::TcpStream::connect(at).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut open, b"GET /index.html HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut head = [0u8; 12];
+    tokio::io::AsyncReadExt::read_exact(&mut open, &mut head)
+        .await
+        .unwrap();
+    assert_eq!(&head, b"HTTP/1.0 200");
+    server.signal(Signal::Terminate).await.unwrap();
+    server.wait(Some(Duration::from_secs(30))).await.unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let store = ObjectSnapshotStore::local(dir.path()).unwrap();
+    drop(open);
+    // Closed: the relay goes (asynchronously), then the snapshot is taken.
+    let mut taken = None;
+    for _ in 0..100 {
+        match sb.snapshot(&store).await {
+            Ok(id) => {
+                taken = Some(id);
+                break;
+            }
+            Err(Error::Unsupported { what, .. }) if what.contains("published ports") => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            Err(e) => panic!("snapshot: {e}"),
+        }
+    }
+    assert!(taken.is_some(), "the relay outlived its connection");
+
+    // Bad input: each a clear error.
+    let twice = sb.publish(8000, at).await.unwrap_err();
+    assert!(twice.to_string().contains("already published"), "{twice}");
+    let zero = sb
+        .publish(0, "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap_err();
+    assert!(matches!(zero, Error::InvalidSpec { .. }), "{zero}");
+    sb.unpublish(at).await.unwrap();
+    assert!(matches!(
+        sb.unpublish(at).await,
+        Err(Error::NotFound { .. })
+    ));
+
+    // Published again, then destroy closes it.
+    let again = sb
+        .publish(8000, "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let id = sb.id().to_string();
+    sb.destroy().await.unwrap();
+    let mut closed = false;
+    for _ in 0..100 {
+        if std::net::TcpStream::connect(again).is_err() {
+            closed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(closed, "{again} still accepts after destroy");
+    assert_eq!(common::host_processes_of(&id), 0);
+}

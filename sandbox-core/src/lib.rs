@@ -48,7 +48,7 @@ pub use process::{
     Process, ProcessControl, ProcessId, ProcessInfo, ProcessState, ProcessTable, Signal,
 };
 pub use pty::PtyMaster;
-pub use publish::{Dialer, Ports, PublishedPort};
+pub use publish::{Connection, Dialer, Ports, PublishedPort};
 pub use sandbox::{Backend, DynBackend, Sandbox};
 pub use secrets::{
     EnvSecretSource, MapSecretSource, ProxiedSecret, Redactor, ResolvedSecrets, Secret,

@@ -13,7 +13,8 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 
 use crate::{Error, Result};
@@ -28,12 +29,19 @@ pub struct PublishedPort {
     pub host: SocketAddr,
 }
 
-/// A backend's way into a sandbox's network: a connected stream to `port` on the sandbox's
+/// A connection into a sandbox: a byte stream both ways (a TCP stream made in the
+/// sandbox's network namespace, or the stdio of a relay running inside it).
+pub trait Connection: AsyncRead + AsyncWrite + Send + Unpin + 'static {}
+
+impl<T: AsyncRead + AsyncWrite + Send + Unpin + 'static> Connection for T {}
+
+/// A backend's way into a sandbox's network: a connection to `port` on the sandbox's
 /// loopback (or its address).
 #[async_trait]
 pub trait Dialer: Send + Sync + 'static {
-    /// Connects to `port` inside the sandbox.
-    async fn dial(&self, port: u16) -> std::io::Result<TcpStream>;
+    /// Connects to `port` inside the sandbox. An error (nothing listens there, say) closes
+    /// the client's connection.
+    async fn dial(&self, port: u16) -> std::io::Result<Box<dyn Connection>>;
 }
 
 /// A running forwarder: the listener's task and its connections end when it is dropped.
@@ -156,7 +164,6 @@ async fn forward(listener: TcpListener, port: u16, dialer: Arc<dyn Dialer>) {
                     let _ = outside.set_nodelay(true);
                     // Nothing listens inside (yet): the client sees the connection close.
                     if let Ok(mut inside) = dialer.dial(port).await {
-                        let _ = inside.set_nodelay(true);
                         let _ = tokio::io::copy_bidirectional(&mut outside, &mut inside).await;
                     }
                 });
@@ -171,15 +178,16 @@ async fn forward(listener: TcpListener, port: u16, dialer: Arc<dyn Dialer>) {
 mod tests {
     use super::*;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::TcpStream;
 
     /// "Inside" is a loopback listener here: the forwarding itself is what is tested.
     struct Loopback(u16);
 
     #[async_trait]
     impl Dialer for Loopback {
-        async fn dial(&self, port: u16) -> std::io::Result<TcpStream> {
+        async fn dial(&self, port: u16) -> std::io::Result<Box<dyn Connection>> {
             assert_eq!(port, 4242);
-            TcpStream::connect(("127.0.0.1", self.0)).await
+            Ok(Box::new(TcpStream::connect(("127.0.0.1", self.0)).await?))
         }
     }
 

@@ -4,6 +4,7 @@
 //! [`snapshot`] checkpoints them.
 
 mod exec;
+mod ports;
 mod process;
 mod snapshot;
 
@@ -101,6 +102,12 @@ struct Inner {
     resumed: tokio::sync::Notify,
     /// Background processes.
     procs: sandbox_core::ProcessTable,
+    /// Published ports (closed on destroy).
+    ports: sandbox_core::Ports,
+    /// Whether the root has the published-port relay ([`bundle::RELAY_PATH`]).
+    relay: AtomicBool,
+    /// Relays running for open connections to published ports.
+    relays: std::sync::atomic::AtomicUsize,
 }
 
 impl std::fmt::Debug for GvisorSandbox {
@@ -324,6 +331,9 @@ impl GvisorSandbox {
             resuming: AtomicBool::new(false),
             resumed: tokio::sync::Notify::new(),
             procs: Default::default(),
+            ports: sandbox_core::Ports::new(),
+            relay: AtomicBool::new(false),
+            relays: Default::default(),
         });
         t.mark(Phase::Allocation);
         // From here on, a failure tears down whatever was made.
@@ -432,7 +442,9 @@ impl Inner {
         self.mount_scratch()?;
         let who = self.who;
         if self.lower.is_empty() {
+            // With the published-port relay in it.
             bundle::write_rootfs(&self.bundle, who)?;
+            self.relay.store(true, Ordering::SeqCst);
         }
         let cgroup = stale::cgroup_name(&self.id);
         let resolv = match &self.egress {
@@ -592,17 +604,10 @@ impl Inner {
             return None;
         }
         let points = bundle::SCRATCH_MOUNTS.map(|(dst, _)| dst.trim_start_matches('/'));
-        let has = |rel: &str| self.lower.iter().any(|l| l.join(rel).is_dir());
         let shim =
             bundle::statx_shim().filter(|_| self.lower.iter().any(|l| bundle::needs_statx_shim(l)));
-        // Proxy-held secrets' certificates go into the view (see `start`).
-        if self.lower.len() == 1
-            && points.iter().all(|d| has(d))
-            && shim.is_none()
-            && self.ca_bundle.is_none()
-        {
-            return None;
-        }
+        // Always a view: the published-port relay goes into it (as proxy-held secrets'
+        // certificates do, see `start`).
         let layers: Option<Vec<&str>> = self.lower.iter().rev().map(|l| l.to_str()).collect();
         let lower_s = layers?.join(":");
         let view = self.dir.join("view");
@@ -636,6 +641,14 @@ impl Inner {
                 if !p.is_dir() {
                     std::fs::create_dir_all(&p)?;
                     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o1777))?;
+                }
+            }
+            // Without it no port can be published (`publish` says so); the view itself is
+            // still good.
+            match bundle::add_relay(&root) {
+                Ok(()) => self.relay.store(true, Ordering::SeqCst),
+                Err(e) => {
+                    tracing::warn!(sandbox = %self.id, error = %e, "no port relay in the rootfs view")
                 }
             }
             if let Some(shim) = shim {
@@ -738,6 +751,7 @@ impl Inner {
         if self.torn_down.swap(true, Ordering::SeqCst) {
             return;
         }
+        self.ports.clear();
         self.cleanup();
     }
 
@@ -926,6 +940,24 @@ impl Sandbox for GvisorSandbox {
     ) -> Result<()> {
         self.inner.alive()?;
         self.inner.procs.signal(id, signal).await
+    }
+
+    async fn publish(
+        &self,
+        sandbox_port: u16,
+        host: std::net::SocketAddr,
+    ) -> Result<std::net::SocketAddr> {
+        self.inner.publish(sandbox_port, host).await
+    }
+
+    async fn unpublish(&self, host: std::net::SocketAddr) -> Result<()> {
+        self.inner.alive()?;
+        self.inner.ports.unpublish(host)
+    }
+
+    async fn published(&self) -> Result<Vec<sandbox_core::PublishedPort>> {
+        self.inner.alive()?;
+        Ok(self.inner.ports.list())
     }
 
     async fn exec_stream(&self, req: ExecRequest) -> Result<ExecStream> {

@@ -34,6 +34,17 @@ impl Inner {
             .filter(|p| p.state == sandbox_core::ProcessState::Running)
             .map(|p| format!("{} (`{}`)", p.id, p.command))
             .collect();
+        let relays = self.relays.load(Ordering::SeqCst);
+        if relays > 0 {
+            // The same for a published port's relay (see `ports`).
+            return Err(Error::unsupported(
+                TIER,
+                format!(
+                    "snapshots while connections to published ports are open (gVisor cannot \
+                     restore their relays' host pipes): {relays} open; close them first"
+                ),
+            ));
+        }
         if !running.is_empty() {
             return Err(Error::unsupported(
                 TIER,

@@ -1,0 +1,89 @@
+//! The published-port relay (`/etc/agent-sandbox/relay PORT` inside a gVisor sandbox): one
+//! per connection from the host. It connects to `PORT` on the sandbox's loopback (127.0.0.1,
+//! then ::1), says how that went in one byte on stdout (`0`: connected; `1`, then a line:
+//! refused, with the reason), then copies stdin to the connection and the connection to
+//! stdout until both ends are done.
+//!
+//! Why a program inside: gVisor's network stack runs in its Sentry, not in the network
+//! namespace, and this runsc has no port-forwarding call, so the only way in under a
+//! deny-all policy is a process inside that connects for us. std only, compiled by the
+//! crate's build script, statically linked where the C library allows (so an image's own
+//! libc does not matter).
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpStream};
+
+fn main() {
+    let port = std::env::args().nth(1).and_then(|p| p.parse::<u16>().ok());
+    let mut out = std::io::stdout().lock();
+    let Some(port) = port else {
+        let _ = out.write_all(b"1usage: relay PORT\n");
+        std::process::exit(2);
+    };
+    let mut last = String::from("no address tried");
+    let mut conn = None;
+    for addr in [
+        SocketAddr::from((Ipv4Addr::LOCALHOST, port)),
+        SocketAddr::from((Ipv6Addr::LOCALHOST, port)),
+    ] {
+        match TcpStream::connect(addr) {
+            Ok(s) => {
+                conn = Some(s);
+                break;
+            }
+            Err(e) => last = format!("{addr}: {e}"),
+        }
+    }
+    let Some(conn) = conn else {
+        let _ = out.write_all(format!("1{last}\n").as_bytes());
+        std::process::exit(1);
+    };
+    let _ = conn.set_nodelay(true);
+    if out.write_all(b"0").and_then(|()| out.flush()).is_err() {
+        std::process::exit(1);
+    }
+    drop(out);
+    let Ok(up) = conn.try_clone() else {
+        std::process::exit(1);
+    };
+    // The host's bytes to the server; its end of input half-closes the connection.
+    let t = std::thread::spawn(move || {
+        let mut up = up;
+        let mut stdin = std::io::stdin().lock();
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            match stdin.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if up.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = up.shutdown(Shutdown::Write);
+    });
+    // The server's bytes to the host, unbuffered (a raw fd copy through a locked handle).
+    let mut down = conn;
+    let mut stdout = std::io::stdout().lock();
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        match down.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                if stdout.write_all(&buf[..n]).and_then(|()| stdout.flush()).is_err() {
+                    break;
+                }
+            }
+        }
+    }
+    drop(stdout);
+    // The server has finished sending. Wait for the host's input only if it is already
+    // done; otherwise end here (its reader thread with us): a server that closes its side
+    // and goes on reading is rare, a client that holds its side open after the reply is not.
+    if t.is_finished() {
+        let _ = t.join();
+    }
+    let _ = down.shutdown(Shutdown::Both);
+    std::process::exit(0);
+}
