@@ -1,11 +1,11 @@
-//! Published ports and background processes, container tier.
+//! Published ports, background processes and terminals, container and gVisor tiers.
 //!
 //! `cargo bench -p agent-sandbox --bench interactive` (Linux, root or rootless with user
 //! namespaces).
 //!
-//! A small Python TCP server runs twice, the same program: in a sandbox (a background
+//! A small Python TCP server runs, the same program, in a sandbox of each tier (a background
 //! process, its port published on the host's loopback; default `DenyAll` policy) and, as
-//! the reference, directly on the host's loopback (no sandbox, no forwarder). Each pair:
+//! the reference, directly on the host's loopback (no sandbox, no forwarder). Each set:
 //! - `connect + 1-byte echo`: a new connection and one round trip (what a client's first
 //!   request pays);
 //! - `echo round trip`: one byte there and back on an open connection;
@@ -23,8 +23,9 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use agent_sandbox::{Backend, ExecEvent, ExecRequest, Language, ResolvedSecrets, SandboxSpec};
-use backend_container::ContainerBackend;
+use agent_sandbox::{
+    Backend, ExecEvent, ExecRequest, Language, ResolvedSecrets, Sandbox, SandboxSpec,
+};
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -139,32 +140,41 @@ fn pair(c: &mut Criterion, rt: &tokio::runtime::Runtime, name: &str, at: SocketA
 }
 
 fn interactive(c: &mut Criterion) {
-    let backend = ContainerBackend::new().unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
-    let status = rt.block_on(backend.probe());
-    if !status.available {
-        eprintln!(
-            "SKIP interactive benches: {} (fix: {})",
-            status.reason,
-            status.fix.unwrap_or_default()
-        );
-        return;
+    let backends: Vec<(&str, Box<dyn Backend>)> = vec![
+        (
+            "container",
+            Box::new(backend_container::ContainerBackend::new().unwrap()),
+        ),
+        (
+            "gvisor",
+            Box::new(backend_gvisor::GvisorBackend::new(
+                backend_gvisor::GvisorConfig::default(),
+            )),
+        ),
+    ];
+    for (name, backend) in &backends {
+        let status = rt.block_on(backend.probe());
+        if !status.available {
+            eprintln!(
+                "SKIP {name} interactive benches: {} (fix: {})",
+                status.reason,
+                status.fix.unwrap_or_default()
+            );
+            continue;
+        }
+        let sb = rt
+            .block_on(backend.create(&SandboxSpec::new(Language::Shell), ResolvedSecrets::none()))
+            .unwrap();
+        tier_rows(c, &rt, name, sb.as_ref());
+        rt.block_on(sb.destroy()).unwrap();
     }
-    let spec = SandboxSpec::new(Language::Shell);
-    let sb = rt
-        .block_on(backend.create(&spec, ResolvedSecrets::none()))
-        .unwrap();
-    let server = rt
-        .block_on(sb.spawn(ExecRequest::argv(["python3", "-c", SERVER, "9000"])))
-        .unwrap();
-    let published = rt
-        .block_on(sb.publish(9000, ([127, 0, 0, 1], 0).into()))
-        .unwrap();
-    // The reference: the same server on the host's loopback.
+
+    // The references: the same server on the host's loopback, `cat` on a host terminal.
     let mut host = std::process::Command::new("python3")
         .args(["-c", SERVER, "0"])
         .stdout(std::process::Stdio::piped())
@@ -177,13 +187,43 @@ fn interactive(c: &mut Criterion) {
     )
     .unwrap();
     let direct: SocketAddr = ([127, 0, 0, 1], line.trim().parse::<u16>().unwrap()).into();
-
-    pair(c, &rt, "ours (published)", published);
     pair(c, &rt, "host loopback (no sandbox)", direct);
+    let _ = host.kill();
+    let _ = host.wait();
+
+    let mut g = c.benchmark_group("terminal");
+    g.sample_size(30);
+    let (mut master, mut child) = host_terminal_cat();
+    g.bench_function("host pty: keystroke round trip (no sandbox)", |b| {
+        b.iter_custom(|iters| {
+            use std::io::{Read, Write};
+            let mut one = [0u8; 1];
+            let t = Instant::now();
+            for _ in 0..iters {
+                master.write_all(b"k").unwrap();
+                master.read_exact(&mut one).unwrap();
+            }
+            t.elapsed()
+        })
+    });
+    g.finish();
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// A tier's rows: its published port, spawn, and keystroke round trip.
+fn tier_rows(c: &mut Criterion, rt: &tokio::runtime::Runtime, name: &str, sb: &dyn Sandbox) {
+    let server = rt
+        .block_on(sb.spawn(ExecRequest::argv(["python3", "-c", SERVER, "9000"])))
+        .unwrap();
+    let published = rt
+        .block_on(sb.publish(9000, ([127, 0, 0, 1], 0).into()))
+        .unwrap();
+    pair(c, rt, &format!("{name} (published)"), published);
 
     let mut g = c.benchmark_group("background process");
     g.sample_size(30);
-    g.bench_function("ours: spawn + first output", |b| {
+    g.bench_function(format!("{name}: spawn + first output"), |b| {
         b.iter_custom(|iters| {
             rt.block_on(async {
                 let mut total = Duration::ZERO;
@@ -218,50 +258,34 @@ fn interactive(c: &mut Criterion) {
         .unwrap();
     rt.block_on(async {
         let mut seen = Vec::new();
-        while !String::from_utf8_lossy(&seen).contains("ready\n") {
+        while !String::from_utf8_lossy(&seen).contains("ready") {
             match cat.next().await {
                 Some(Ok(ExecEvent::Stdout(b))) => seen.extend_from_slice(&b),
                 other => panic!("{other:?}"),
             }
         }
     });
-    g.bench_function("ours: keystroke round trip (sandbox terminal)", |b| {
-        b.iter_custom(|iters| {
-            rt.block_on(async {
-                let t = Instant::now();
-                for _ in 0..iters {
-                    cat.write_stdin(&b"k"[..]).await.unwrap();
-                    match cat.next().await {
-                        Some(Ok(ExecEvent::Stdout(b))) => assert_eq!(&b[..], b"k"),
-                        other => panic!("{other:?}"),
+    g.bench_function(
+        format!("{name}: keystroke round trip (sandbox terminal)"),
+        |b| {
+            b.iter_custom(|iters| {
+                rt.block_on(async {
+                    let t = Instant::now();
+                    for _ in 0..iters {
+                        cat.write_stdin(&b"k"[..]).await.unwrap();
+                        match cat.next().await {
+                            Some(Ok(ExecEvent::Stdout(b))) => assert_eq!(&b[..], b"k"),
+                            other => panic!("{other:?}"),
+                        }
                     }
-                }
-                t.elapsed()
+                    t.elapsed()
+                })
             })
-        })
-    });
-    let (mut master, mut child) = host_terminal_cat();
-    g.bench_function("host pty: keystroke round trip (no sandbox)", |b| {
-        b.iter_custom(|iters| {
-            use std::io::{Read, Write};
-            let mut one = [0u8; 1];
-            let t = Instant::now();
-            for _ in 0..iters {
-                master.write_all(b"k").unwrap();
-                master.read_exact(&mut one).unwrap();
-            }
-            t.elapsed()
-        })
-    });
+        },
+    );
     g.finish();
-    let _ = child.kill();
-    let _ = child.wait();
     drop(cat);
-
     drop(server);
-    let _ = host.kill();
-    let _ = host.wait();
-    rt.block_on(sb.destroy()).unwrap();
 }
 
 /// `sh -c 'stty raw -echo; echo ready; exec cat'` on a new pseudo-terminal of the host
