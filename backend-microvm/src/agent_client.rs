@@ -30,6 +30,8 @@ use proto::{ReadError, Request, Response};
 /// the exit before it gives up (the agent kills the command at its timeout; this only covers a
 /// guest that stopped answering).
 pub const EXEC_GRACE: Duration = Duration::from_secs(10);
+/// How long [`AgentClient::start_spawn`] waits for the agent to report the process started.
+pub const SPAWN_TIMEOUT: Duration = Duration::from_secs(30);
 /// Output retained by [`AgentClient::exec`] when the request sets no `max_output`.
 pub const DEFAULT_OUTPUT_CAP: u64 = 64 << 20;
 /// Frames queued per request before the reader thread waits for the consumer.
@@ -469,6 +471,94 @@ impl AgentClient {
     /// [`exec_with`](Self::exec_with)).
     pub fn exec(&self, req: &ExecRequest) -> Result<ExecOutput, AgentError> {
         self.exec_with(req, |_| {})
+    }
+
+    /// Starts a background process (see [`proto::Request::Spawn`]): read its output and
+    /// exit with [`ExecHandle::next_event`], and give back what was consumed with
+    /// [`grant`](Self::grant) ([`proto::FRAME_COST`] at least per frame), or its output
+    /// stops after `window` bytes. `tty`: a terminal of (rows, cols).
+    pub fn start_spawn(
+        &self,
+        req: &ExecRequest,
+        tty: Option<(u16, u16)>,
+        window: u32,
+    ) -> Result<ExecHandle, AgentError> {
+        if req.stdin.len() > proto::MAX_STDIN {
+            return Err(AgentError::TooLarge(format!(
+                "stdin of {} bytes (at most {})",
+                req.stdin.len(),
+                proto::MAX_STDIN
+            )));
+        }
+        let call = self.start(&Request::Spawn {
+            exec: req.clone(),
+            tty,
+            window,
+        })?;
+        // `Ok` once it runs (registered for `input`, `signal`...), before any output.
+        match call.recv(Some(SPAWN_TIMEOUT))? {
+            Response::Ok => {}
+            r => return Err(unexpected(&r)),
+        }
+        let wait = (req.timeout_ms > 0)
+            .then(|| Duration::from_millis(req.timeout_ms).saturating_add(EXEC_GRACE));
+        Ok(ExecHandle {
+            call,
+            deadline: wait.map(|w| Instant::now() + w),
+            done: false,
+        })
+    }
+
+    /// Writes `data` to the input of background process `target` (in frames of at most
+    /// [`proto::WRITE_CHUNK`]); returns once the agent has written it.
+    /// [`ErrorKind::NotFound`]: the process ended or its input is closed.
+    pub fn input(&self, target: u32, data: &[u8], timeout: Duration) -> Result<(), AgentError> {
+        for chunk in data.chunks(proto::WRITE_CHUNK) {
+            self.answered(
+                &Request::Input {
+                    target,
+                    data: chunk.to_vec(),
+                },
+                timeout,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Closes the input of background process `target` (a terminal gets Ctrl-D).
+    pub fn close_input(&self, target: u32, timeout: Duration) -> Result<(), AgentError> {
+        self.answered(&Request::CloseInput { target }, timeout)
+    }
+
+    /// Sends signal `signo` to the process group of exec or background process `target`.
+    pub fn signal(&self, target: u32, signo: i32, timeout: Duration) -> Result<(), AgentError> {
+        self.answered(&Request::Signal { target, signo }, timeout)
+    }
+
+    /// Resizes the terminal of background process `target`.
+    pub fn resize(
+        &self,
+        target: u32,
+        rows: u16,
+        cols: u16,
+        timeout: Duration,
+    ) -> Result<(), AgentError> {
+        self.answered(&Request::Resize { target, rows, cols }, timeout)
+    }
+
+    /// Lets the agent send `bytes` more output of background process `target` (no answer).
+    pub fn grant(&self, target: u32, bytes: u32) -> Result<(), AgentError> {
+        // Registered and dropped at once: the agent does not answer a grant.
+        self.start(&Request::Grant { target, bytes }).map(drop)
+    }
+
+    /// Sends `req` and waits for its `Ok`.
+    fn answered(&self, req: &Request, timeout: Duration) -> Result<(), AgentError> {
+        let call = self.start(req)?;
+        match call.recv(Some(timeout))? {
+            Response::Ok => Ok(()),
+            r => Err(unexpected(&r)),
+        }
     }
 
     /// Kills the process group of a running exec (by its request id).

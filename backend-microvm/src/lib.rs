@@ -576,6 +576,10 @@ impl Backend for MicrovmBackend {
         c.pause_resume = true;
         c.streaming = true;
         c.persistent_state = true;
+        // Through the guest agent: background processes (flow-controlled output), terminals
+        // from the guest's /dev/pts. Ports need the VM's network, which it has not yet.
+        c.processes = true;
+        c.tty = true;
         // The guest's RAM is the memory limit; the agent enforces wall time and output, the
         // VMM the lifetime. CPU time, pids, open files and disk (`disk_bytes`) are bounded by
         // the VM as a whole (its vCPUs and RAM), not per command: not listed.

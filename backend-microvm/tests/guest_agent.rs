@@ -573,3 +573,95 @@ fn a_set_up_failure_before_ready_is_a_typed_error() {
         .unwrap();
     t.join().unwrap().unwrap();
 }
+
+#[test]
+fn background_process_controls_refuse_bad_targets_and_the_agent_goes_on() {
+    let a = spawn();
+    let c = &a.client;
+    let remote = |r: Result<(), AgentError>| match r {
+        Err(AgentError::Remote { kind, .. }) => kind,
+        other => panic!("expected a refusal, got {other:?}"),
+    };
+    // No such process: input, close, signal, resize.
+    assert_eq!(remote(c.input(999, b"x", T)), ErrorKind::NotFound);
+    assert_eq!(remote(c.close_input(999, T)), ErrorKind::NotFound);
+    assert_eq!(remote(c.signal(999, 15, T)), ErrorKind::NotFound);
+    assert_eq!(remote(c.resize(999, 24, 80, T)), ErrorKind::NotFound);
+    // A grant for nobody is ignored (it is not answered at all).
+    c.grant(999, 1 << 20).unwrap();
+
+    // A running process: a signal number out of range, a resize without a terminal.
+    let mut h = c
+        .start_spawn(&req(&["sleep", "30"]), None, 1 << 16)
+        .unwrap();
+    assert_eq!(remote(c.signal(h.id(), 0, T)), ErrorKind::Invalid);
+    assert_eq!(remote(c.signal(h.id(), 99, T)), ErrorKind::Invalid);
+    assert_eq!(remote(c.resize(h.id(), 24, 80, T)), ErrorKind::Invalid);
+    // Its input, once closed, takes no more.
+    c.close_input(h.id(), T).unwrap();
+    assert_eq!(remote(c.input(h.id(), b"late", T)), ErrorKind::NotFound);
+    c.signal(h.id(), 9, T).unwrap();
+    match h.next_event().unwrap() {
+        ExecEvent::Exit(x) => assert_eq!(x.signal, Some(9), "{x:?}"),
+        other => panic!("{other:?}"),
+    }
+    // A command that is not there: started, then 127, as for exec.
+    let mut h = c
+        .start_spawn(&req(&["no-such-program"]), None, 1 << 16)
+        .unwrap();
+    let mut exit = None;
+    while exit.is_none() {
+        if let ExecEvent::Exit(x) = h.next_event().unwrap() {
+            exit = Some(x);
+        }
+    }
+    assert_eq!(exit.and_then(|x| x.code), Some(127));
+    // A window of nothing: no output until the host grants some.
+    let mut h = c.start_spawn(&req(&["echo", "granted"]), None, 0).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    c.grant(h.id(), proto::FRAME_COST).unwrap();
+    assert_eq!(
+        h.next_event().unwrap(),
+        ExecEvent::Stdout(b"granted\n".to_vec())
+    );
+    // The frame's cost given back (as the library does after each one): the end comes.
+    c.grant(h.id(), proto::FRAME_COST).unwrap();
+    assert!(matches!(h.next_event().unwrap(), ExecEvent::Exit(_)));
+    c.ping(T).unwrap();
+}
+
+/// A small window, output on stderr only: the quiet stdout never holds the window stderr
+/// needs, and every byte arrives as the host gives the window back.
+#[test]
+fn a_small_window_streams_either_stream_to_the_end() {
+    let a = spawn();
+    let c = &a.client;
+    let mut h = c
+        .start_spawn(
+            &req(&["sh", "-c", "head -c 300000 /dev/zero >&2; echo out"]),
+            None,
+            2 * proto::FRAME_COST,
+        )
+        .unwrap();
+    let (mut err, mut out) = (0, Vec::new());
+    loop {
+        let ev = h.next_event().unwrap();
+        let n = match &ev {
+            ExecEvent::Stderr(d) => {
+                err += d.len();
+                d.len()
+            }
+            ExecEvent::Stdout(d) => {
+                out.extend_from_slice(d);
+                d.len()
+            }
+            ExecEvent::Exit(x) => {
+                assert_eq!(x.code, Some(0), "{x:?}");
+                break;
+            }
+        };
+        let cost = u32::try_from(n).unwrap().max(proto::FRAME_COST);
+        c.grant(h.id(), cost).unwrap();
+    }
+    assert_eq!((err, out.as_slice()), (300_000, &b"out\n"[..]));
+}

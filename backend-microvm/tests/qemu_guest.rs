@@ -374,6 +374,55 @@ fn debian_kernel_boots_our_initramfs_and_the_agent_serves() {
     assert_eq!(seen, "first\n");
     assert!(exit.timed_out, "{exit:?}");
 
+    // A background process on a terminal of the guest's own devpts: its size, a resize,
+    // typed input, Ctrl-C to the foreground job, and the session's exit code.
+    let mut sh = c
+        .start_spawn(
+            &ExecRequest {
+                argv: vec!["sh".into(), "-i".into()],
+                env: vec![],
+                cwd: String::new(),
+                stdin: b"stty size; tty\n".to_vec(),
+                timeout_ms: 0,
+                max_output: 0,
+            },
+            Some((24, 80)),
+            1 << 20,
+        )
+        .unwrap();
+    let id = sh.id();
+    // Reads until `needle` shows; returns what was read.
+    let until = |sh: &mut backend_microvm::agent_client::ExecHandle, needle: &str| {
+        let mut screen = String::new();
+        while !screen.contains(needle) {
+            match sh.next_event().unwrap() {
+                ExecEvent::Stdout(b) | ExecEvent::Stderr(b) => {
+                    screen.push_str(&String::from_utf8_lossy(&b));
+                    c.grant(id, 1 << 16).unwrap();
+                }
+                ExecEvent::Exit(e) => panic!("exited {e:?} waiting for {needle:?}: {screen}"),
+            }
+        }
+        screen
+    };
+    let screen = until(&mut sh, "/dev/pts/");
+    assert!(screen.contains("24 80"), "{screen}");
+    c.resize(id, 30, 100, CALL).unwrap();
+    c.input(id, b"stty size\n", CALL).unwrap();
+    until(&mut sh, "30 100");
+    c.input(id, b"sleep 1000\n", CALL).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    c.input(id, b"\x03echo after-$((6*7))\n", CALL).unwrap();
+    until(&mut sh, "after-42");
+    c.input(id, b"exit 3\n", CALL).unwrap();
+    let exit = loop {
+        match sh.next_event().unwrap() {
+            ExecEvent::Exit(e) => break e,
+            _ => c.grant(id, 1 << 16).unwrap(),
+        }
+    };
+    assert_eq!(exit.code, Some(3), "{exit:?}");
+
     // Shutdown powers the guest off: QEMU exits by itself.
     shut_down(&mut qemu, &c);
 }

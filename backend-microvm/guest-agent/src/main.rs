@@ -9,8 +9,10 @@
 //! puts it in raw mode and serves the framed protocol of `proto.rs` on it: exec (a new process
 //! group per command, the exact environment given, stdin, a timeout that kills the group,
 //! stdout/stderr streamed in chunks, exit status), file write/read/list confined to the
-//! workspace, ping, kill and shutdown (`reboot`: the VMM sees the reset and ends the VM). A
-//! reaper thread collects every child, including orphans re-parented to pid 1.
+//! workspace, ping, kill and shutdown (`reboot`: the VMM sees the reset and ends the VM);
+//! background processes (`interactive.rs`: input kept open, signals, a terminal of the
+//! guest's devpts, output within a window the host refills). A reaper thread collects every
+//! child, including orphans re-parented to pid 1.
 //!
 //! Image root: when the kernel command line has `agent.root=<device>` (a block device under
 //! `/dev`, normally `/dev/vda`: a read-only ext4 image of an OCI image's filesystem), the
@@ -43,6 +45,7 @@
 //! Nothing the host sends may crash it: malformed frames get an `Error` answer and the loop
 //! goes on; there is no `unwrap` on input-derived values.
 
+mod interactive;
 #[path = "proto.rs"]
 mod proto;
 mod root;
@@ -86,6 +89,7 @@ extern "C" {
     fn execve(path: *const c_char, argv: *const *const c_char, envp: *const *const c_char)
         -> c_int;
     fn setpgid(pid: c_int, pgid: c_int) -> c_int;
+    fn setsid() -> c_int;
     fn dup2(old: c_int, new: c_int) -> c_int;
     fn chdir(path: *const c_char) -> c_int;
     fn chroot(path: *const c_char) -> c_int;
@@ -519,8 +523,10 @@ struct State {
     /// `agent.user=`: who commands run as and who owns what the agent writes (`None`: root).
     user: Option<(u32, u32)>,
     procs: Arc<(Mutex<Procs>, Condvar)>,
-    /// Running execs: request id -> process group id.
+    /// Running execs and background processes: request id -> process group id.
     running: Arc<Mutex<HashMap<u32, i32>>>,
+    /// Background processes: request id -> their input, terminal and output window.
+    spawned: interactive::Table,
 }
 
 fn serve(
@@ -543,6 +549,7 @@ fn serve(
         user,
         procs: Arc::new((Mutex::new(Procs::default()), Condvar::new())),
         running: Arc::new(Mutex::new(HashMap::new())),
+        spawned: Arc::new(Mutex::new(HashMap::new())),
     });
     let procs = st.procs.clone();
     thread::spawn(move || reaper(&procs));
@@ -594,9 +601,82 @@ fn serve(
         match req {
             Request::Exec(x) => {
                 let st2 = st.clone();
-                let spawned = thread::Builder::new().spawn(move || exec(&st2, id, x));
+                let spawned = thread::Builder::new().spawn(move || exec(&st2, id, x, None));
                 if let Err(e) = spawned {
                     st.chan.error(id, ErrorKind::Io, format!("thread: {e}"));
+                }
+            }
+            Request::Spawn {
+                exec: x,
+                tty,
+                window,
+            } => {
+                let st2 = st.clone();
+                let spawned =
+                    thread::Builder::new().spawn(move || exec(&st2, id, x, Some((tty, window))));
+                if let Err(e) = spawned {
+                    st.chan.error(id, ErrorKind::Io, format!("thread: {e}"));
+                }
+            }
+            Request::Input { target, data } => {
+                let to = spawned_of(&st, target).and_then(|p| lock(&p.input).clone());
+                let sent = to.is_some_and(|tx| tx.send(interactive::Input::Data(data, id)).is_ok());
+                if !sent {
+                    st.chan.error(
+                        id,
+                        ErrorKind::NotFound,
+                        "no such process, or its input is closed",
+                    );
+                }
+            }
+            Request::CloseInput { target } => {
+                let to = spawned_of(&st, target).and_then(|p| {
+                    let mut g = lock(&p.input);
+                    // A pipe is closed once; a terminal takes Ctrl-D any number of times.
+                    if p.tty.is_some() {
+                        g.clone()
+                    } else {
+                        g.take()
+                    }
+                });
+                let sent = to.is_some_and(|tx| tx.send(interactive::Input::Close(id)).is_ok());
+                if !sent {
+                    st.chan.error(
+                        id,
+                        ErrorKind::NotFound,
+                        "no such process, or its input is closed",
+                    );
+                }
+            }
+            Request::Signal { target, signo } => {
+                let pg = lock(&st.running).get(&target).copied();
+                match pg {
+                    Some(pg) if (1..65).contains(&signo) => {
+                        // SAFETY: kill on a process group we created; no pointers.
+                        unsafe { kill(-pg, signo) };
+                        st.chan.send(id, &Response::Ok);
+                    }
+                    Some(_) => st
+                        .chan
+                        .error(id, ErrorKind::Invalid, format!("signal {signo}")),
+                    None => st.chan.error(id, ErrorKind::NotFound, "no such process"),
+                }
+            }
+            Request::Resize { target, rows, cols } => match spawned_of(&st, target) {
+                Some(p) => match &p.tty {
+                    Some(t) => match interactive::resize(t, rows, cols) {
+                        Ok(()) => st.chan.send(id, &Response::Ok),
+                        Err(e) => st.chan.error(id, ErrorKind::Io, format!("resize: {e}")),
+                    },
+                    None => st
+                        .chan
+                        .error(id, ErrorKind::Invalid, "the process has no terminal"),
+                },
+                None => st.chan.error(id, ErrorKind::NotFound, "no such process"),
+            },
+            Request::Grant { target, bytes } => {
+                if let Some(p) = spawned_of(&st, target) {
+                    p.window.give(u64::from(bytes));
                 }
             }
             Request::WriteFile {
@@ -635,6 +715,9 @@ fn serve(
                 }
             }
             Request::Shutdown => {
+                for p in lock(&st.spawned).values() {
+                    p.window.close();
+                }
                 let groups: Vec<i32> = lock(&st.running).values().copied().collect();
                 for pg in groups {
                     // SAFETY: as above.
@@ -648,6 +731,11 @@ fn serve(
             }
         }
     }
+}
+
+/// The controls of background process `id`, if it runs.
+fn spawned_of(st: &State, id: u32) -> Option<Arc<interactive::Spawned>> {
+    lock(&st.spawned).get(&id).cloned()
 }
 
 fn reaper(procs: &(Mutex<Procs>, Condvar)) {
@@ -789,7 +877,9 @@ fn resolve_cwd(ws: &Path, cwd: &str) -> PathBuf {
     }
 }
 
-fn exec(st: &State, id: u32, x: ExecRequest) {
+/// Runs `x` for request `id`: an exec, or with `spawn` (its terminal, if any, and its
+/// initial output window) a background process (see [`interactive`]).
+fn exec(st: &State, id: u32, x: ExecRequest, spawn: Option<(Option<(u16, u16)>, u32)>) {
     let chan = &st.chan;
     let Some(prog) = x.argv.first() else {
         return chan.error(id, ErrorKind::Invalid, "empty argv");
@@ -807,6 +897,10 @@ fn exec(st: &State, id: u32, x: ExecRequest) {
     }
     let path_var = path_var.unwrap_or_else(|| DEFAULT_PATH.to_string());
     let Some(exe) = lookup(prog, &path_var, &cwd) else {
+        if spawn.is_some() {
+            // A background process is answered `Ok` when it starts, before its output.
+            chan.send(id, &Response::Ok);
+        }
         chan.send(
             id,
             &Response::Stderr(format!("agent: {prog}: command not found\n").into_bytes()),
@@ -839,6 +933,16 @@ fn exec(st: &State, id: u32, x: ExecRequest) {
         Ok(p) => p,
         Err(e) => return chan.error(id, ErrorKind::Io, format!("pipe: {e}")),
     };
+    // A terminal instead of the pipes: the child's stdin, stdout, stderr and controlling
+    // terminal (of a session of its own).
+    let pty = match spawn.and_then(|(tty, _)| tty) {
+        Some((rows, cols)) => match interactive::open_pty(rows, cols) {
+            Ok(p) => Some(p),
+            Err(e) => return chan.error(id, ErrorKind::Io, format!("terminal: {e}")),
+        },
+        None => None,
+    };
+    let slave_fd = pty.as_ref().map_or(-1, |(_, slave)| slave.as_raw_fd());
     let user = st.user;
     let (tx, rx) = mpsc::channel();
     let (m, cv) = &*st.procs;
@@ -853,10 +957,18 @@ fn exec(st: &State, id: u32, x: ExecRequest) {
             // SAFETY: child side, async-signal-safe calls only; all pointers were prepared
             // before fork and stay valid until execve or _exit.
             unsafe {
-                setpgid(0, 0);
-                dup2(in_r.as_raw_fd(), 0);
-                dup2(out_w.as_raw_fd(), 1);
-                dup2(err_w.as_raw_fd(), 2);
+                if slave_fd >= 0 {
+                    setsid();
+                    interactive::ioctl(slave_fd, interactive::TIOCSCTTY, 0);
+                    dup2(slave_fd, 0);
+                    dup2(slave_fd, 1);
+                    dup2(slave_fd, 2);
+                } else {
+                    setpgid(0, 0);
+                    dup2(in_r.as_raw_fd(), 0);
+                    dup2(out_w.as_raw_fd(), 1);
+                    dup2(err_w.as_raw_fd(), 2);
+                }
                 signal(SIGPIPE, SIG_DFL);
                 // The image's user: groups, then gid, then uid (after which none can change).
                 let dropped = match user {
@@ -887,30 +999,83 @@ fn exec(st: &State, id: u32, x: ExecRequest) {
             format!("fork: {}", io::Error::last_os_error()),
         );
     }
-    // Also set the group from the parent side (whichever runs first wins; same result).
-    // SAFETY: no pointers.
-    unsafe { setpgid(pid, pid) };
+    // Also set the group from the parent side (whichever runs first wins; same result). Not
+    // for a terminal's session leader: `setsid` fails in a process that leads a group.
+    if pty.is_none() {
+        // SAFETY: no pointers.
+        unsafe { setpgid(pid, pid) };
+    }
     lock(&st.running).insert(id, pid);
     drop((in_r, out_w, err_w, fail_w));
+    // Our copy of the terminal's slave goes: its reads end when the process's copies do.
+    let master = pty.map(|(m, _slave)| m);
+
+    // A background process is registered before anything can fail, so its `Input`s find it.
+    let mut input = None;
+    if let Some((_, window)) = spawn {
+        let (tx, rx) = mpsc::channel();
+        let tty = master.as_ref().and_then(|m| m.try_clone().ok());
+        let w = match &master {
+            Some(m) => m.try_clone().ok(),
+            None => Some(in_w.try_clone().ok()).flatten(),
+        };
+        let p = Arc::new(interactive::Spawned {
+            input: Mutex::new(Some(tx)),
+            tty,
+            window: Arc::new(interactive::Window::new(window)),
+        });
+        lock(&st.spawned).insert(id, Arc::clone(&p));
+        input = Some((p, rx, w));
+        // Started and registered: the host's `Input`s and `Signal`s find it from here on.
+        chan.send(id, &Response::Ok);
+    }
 
     let mut fail = [0u8; 4];
     let mut fail_r = fail_r;
     let exec_failed = matches!(fail_r.read(&mut fail), Ok(4));
     let stdin = x.stdin;
-    let writer = thread::spawn(move || {
-        let mut w = in_w;
-        let _ = w.write_all(&stdin);
-    });
     let sent = Arc::new(AtomicU64::new(0));
     let truncated = Arc::new(AtomicBool::new(false));
-    let readers: Vec<_> = [(out_r, false), (err_r, true)]
-        .into_iter()
-        .map(|(r, is_err)| {
-            let (c, s, t) = (chan.clone(), sent.clone(), truncated.clone());
-            let max = x.max_output;
-            thread::spawn(move || pump(r, c, id, is_err, s, max, t))
-        })
-        .collect();
+    let (writer, readers): (_, Vec<_>) = match input {
+        // A background process: its input thread, and its output within the window (a
+        // terminal's output, stdout and stderr merged, is stdout).
+        Some((p, rx, w)) => {
+            let (c, tty) = (chan.clone(), master.is_some());
+            let writer = thread::spawn(move || {
+                if let Some(w) = w {
+                    interactive::input_thread(w, tty, stdin, rx, c);
+                }
+            });
+            drop(in_w);
+            let outputs: Vec<(File, bool)> = match master {
+                Some(m) => vec![(m, false)],
+                None => vec![(out_r, false), (err_r, true)],
+            };
+            let readers = outputs
+                .into_iter()
+                .map(|(r, is_err)| {
+                    let (c, win) = (chan.clone(), Arc::clone(&p.window));
+                    thread::spawn(move || interactive::pump_windowed(r, c, id, is_err, win))
+                })
+                .collect();
+            (writer, readers)
+        }
+        None => {
+            let writer = thread::spawn(move || {
+                let mut w = in_w;
+                let _ = w.write_all(&stdin);
+            });
+            let readers = [(out_r, false), (err_r, true)]
+                .into_iter()
+                .map(|(r, is_err)| {
+                    let (c, s, t) = (chan.clone(), sent.clone(), truncated.clone());
+                    let max = x.max_output;
+                    thread::spawn(move || pump(r, c, id, is_err, s, max, t))
+                })
+                .collect();
+            (writer, readers)
+        }
+    };
 
     let mut timed_out = false;
     let status = if x.timeout_ms > 0 {
@@ -933,6 +1098,8 @@ fn exec(st: &State, id: u32, x: ExecRequest) {
     for r in readers {
         let _ = r.join();
     }
+    // A background process's input thread ends with the last sender of its queue.
+    lock(&st.spawned).remove(&id);
     let _ = writer.join();
     lock(&st.running).remove(&id);
     if exec_failed {

@@ -20,10 +20,13 @@
 
 use std::io::{self, Read};
 
-/// FNV-1a of the agent's sources (this file and `main.rs`), computed at compile time on both
+/// FNV-1a of the agent's sources (this file, `main.rs` and its modules), computed at compile time on both
 /// sides: the agent announces it in [`Response::Ready`] and [`Response::Pong`] so the host can
 /// tell an agent built from other sources (a stale initramfs) from a matching one.
-pub const SOURCE_HASH: u64 = fnv1a(include_bytes!("proto.rs")) ^ fnv1a(include_bytes!("main.rs"));
+pub const SOURCE_HASH: u64 = fnv1a(include_bytes!("proto.rs"))
+    ^ fnv1a(include_bytes!("main.rs"))
+    ^ fnv1a(include_bytes!("root.rs"))
+    ^ fnv1a(include_bytes!("interactive.rs"));
 
 const fn fnv1a(b: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -47,6 +50,10 @@ pub const CHUNK: usize = 64 * 1024;
 pub const WRITE_CHUNK: usize = 1 << 20;
 /// Largest stdin an exec request may carry.
 pub const MAX_STDIN: usize = 4 << 20;
+/// What one output frame of a background process costs of its window at least (a frame of
+/// fewer bytes costs this much), so that a window also bounds the frames in flight: the
+/// host's queue per request holds a window's worth of frames whatever their sizes.
+pub const FRAME_COST: u32 = 1024;
 
 // Request kinds (host -> guest).
 const K_EXEC: u8 = 1;
@@ -56,6 +63,12 @@ const K_LIST: u8 = 4;
 const K_PING: u8 = 5;
 const K_SHUTDOWN: u8 = 6;
 const K_KILL: u8 = 7;
+const K_SPAWN: u8 = 8;
+const K_INPUT: u8 = 9;
+const K_CLOSE_INPUT: u8 = 10;
+const K_SIGNAL: u8 = 11;
+const K_RESIZE: u8 = 12;
+const K_GRANT: u8 = 13;
 // Response kinds (guest -> host).
 const K_STDOUT: u8 = 64;
 const K_STDERR: u8 = 65;
@@ -124,6 +137,63 @@ pub enum Request {
     Kill {
         /// Request id of the exec to kill.
         target: u32,
+    },
+    /// Start a background process: answered by `Ok` once it is started (so that `Input`
+    /// and `Signal` frames find it), then like `Exec` (`Stdout`/`Stderr` chunks and one
+    /// `Exit`; or one `Error` instead of all that), but its input stays open for `Input` frames after the request's `stdin`, and
+    /// its output is flow-controlled: the agent sends at most `window` bytes of output
+    /// before the host grants more (`Grant`), and leaves the rest in the process's pipe,
+    /// where a writer blocks as on any full pipe. Each frame costs its length, at least
+    /// [`FRAME_COST`]; the host grants back what it has consumed. `max_output` is not
+    /// applied.
+    Spawn {
+        /// The command, as for `Exec`.
+        exec: ExecRequest,
+        /// A terminal of (rows, cols) cells as its stdin, stdout and stderr (and controlling
+        /// terminal of its own session); `None`: pipes.
+        tty: Option<(u16, u16)>,
+        /// Output bytes the agent may send before the first `Grant`.
+        window: u32,
+    },
+    /// Bytes for the input of the process spawned by request `target`: answered by `Ok` once
+    /// written, `Error(NotFound)` if it is not running (or its input is closed).
+    Input {
+        /// Request id of the `Spawn`.
+        target: u32,
+        /// The bytes.
+        data: Vec<u8>,
+    },
+    /// Closes the input of the process spawned by request `target` (on a terminal: the
+    /// end-of-file character, Ctrl-D): answered by `Ok` or `Error(NotFound)`.
+    CloseInput {
+        /// Request id of the `Spawn`.
+        target: u32,
+    },
+    /// Sends signal `signo` to the process group of exec or spawn `target`: answered by `Ok`
+    /// or `Error(NotFound)`.
+    Signal {
+        /// Request id of the `Exec` or `Spawn`.
+        target: u32,
+        /// The signal number.
+        signo: i32,
+    },
+    /// Resizes the terminal of the process spawned by request `target`: answered by `Ok`,
+    /// `Error(NotFound)`, or `Error(Invalid)` when it has no terminal.
+    Resize {
+        /// Request id of the `Spawn`.
+        target: u32,
+        /// Rows.
+        rows: u16,
+        /// Columns.
+        cols: u16,
+    },
+    /// Lets the agent send `bytes` more output of the process spawned by request `target`.
+    /// Not answered (an unknown target is ignored: the process may just have ended).
+    Grant {
+        /// Request id of the `Spawn`.
+        target: u32,
+        /// More bytes of window.
+        bytes: u32,
     },
 }
 
@@ -329,6 +399,21 @@ impl Enc {
     fn str(&mut self, s: &str) {
         self.bytes(s.as_bytes());
     }
+    fn exec(&mut self, x: &ExecRequest) {
+        self.len(x.argv.len());
+        for a in &x.argv {
+            self.str(a);
+        }
+        self.len(x.env.len());
+        for (k, v) in &x.env {
+            self.str(k);
+            self.str(v);
+        }
+        self.str(&x.cwd);
+        self.bytes(&x.stdin);
+        self.u64(x.timeout_ms);
+        self.u64(x.max_output);
+    }
     /// Writes the payload length into the header and returns the whole frame.
     fn finish(mut self) -> Vec<u8> {
         let n = self.0.len().saturating_sub(HEADER_LEN);
@@ -369,6 +454,30 @@ impl<'a> Dec<'a> {
     fn u32(&mut self) -> Result<u32, Malformed> {
         Ok(u32::from_le_bytes(self.arr()?))
     }
+    /// A `u16` sent as a `u32` (a larger value is malformed).
+    fn u16(&mut self) -> Result<u16, Malformed> {
+        u16::try_from(self.u32()?).map_err(|_| Malformed)
+    }
+    fn exec(&mut self) -> Result<ExecRequest, Malformed> {
+        let n = self.count(4)?;
+        let mut argv = Vec::with_capacity(n);
+        for _ in 0..n {
+            argv.push(self.str()?);
+        }
+        let n = self.count(8)?;
+        let mut env = Vec::with_capacity(n);
+        for _ in 0..n {
+            env.push((self.str()?, self.str()?));
+        }
+        Ok(ExecRequest {
+            argv,
+            env,
+            cwd: self.str()?,
+            stdin: self.bytes()?.to_vec(),
+            timeout_ms: self.u64()?,
+            max_output: self.u64()?,
+        })
+    }
     fn i32(&mut self) -> Result<i32, Malformed> {
         Ok(i32::from_le_bytes(self.arr()?))
     }
@@ -408,19 +517,45 @@ impl Request {
         match self {
             Request::Exec(x) => {
                 e = Enc::frame(K_EXEC, id);
-                e.len(x.argv.len());
-                for a in &x.argv {
-                    e.str(a);
+                e.exec(x);
+            }
+            Request::Spawn { exec, tty, window } => {
+                e = Enc::frame(K_SPAWN, id);
+                e.exec(exec);
+                match tty {
+                    Some((rows, cols)) => {
+                        e.u8(1);
+                        e.u32(u32::from(*rows));
+                        e.u32(u32::from(*cols));
+                    }
+                    None => e.u8(0),
                 }
-                e.len(x.env.len());
-                for (k, v) in &x.env {
-                    e.str(k);
-                    e.str(v);
-                }
-                e.str(&x.cwd);
-                e.bytes(&x.stdin);
-                e.u64(x.timeout_ms);
-                e.u64(x.max_output);
+                e.u32(*window);
+            }
+            Request::Input { target, data } => {
+                e = Enc::frame(K_INPUT, id);
+                e.u32(*target);
+                e.bytes(data);
+            }
+            Request::CloseInput { target } => {
+                e = Enc::frame(K_CLOSE_INPUT, id);
+                e.u32(*target);
+            }
+            Request::Signal { target, signo } => {
+                e = Enc::frame(K_SIGNAL, id);
+                e.u32(*target);
+                e.i32(*signo);
+            }
+            Request::Resize { target, rows, cols } => {
+                e = Enc::frame(K_RESIZE, id);
+                e.u32(*target);
+                e.u32(u32::from(*rows));
+                e.u32(u32::from(*cols));
+            }
+            Request::Grant { target, bytes } => {
+                e = Enc::frame(K_GRANT, id);
+                e.u32(*target);
+                e.u32(*bytes);
             }
             Request::WriteFile {
                 path,
@@ -460,26 +595,34 @@ impl Request {
             pos: 0,
         };
         let r = match kind {
-            K_EXEC => {
-                let n = d.count(4)?;
-                let mut argv = Vec::with_capacity(n);
-                for _ in 0..n {
-                    argv.push(d.str()?);
-                }
-                let n = d.count(8)?;
-                let mut env = Vec::with_capacity(n);
-                for _ in 0..n {
-                    env.push((d.str()?, d.str()?));
-                }
-                Request::Exec(ExecRequest {
-                    argv,
-                    env,
-                    cwd: d.str()?,
-                    stdin: d.bytes()?.to_vec(),
-                    timeout_ms: d.u64()?,
-                    max_output: d.u64()?,
-                })
-            }
+            K_EXEC => Request::Exec(d.exec()?),
+            K_SPAWN => Request::Spawn {
+                exec: d.exec()?,
+                tty: if d.bool()? {
+                    Some((d.u16()?, d.u16()?))
+                } else {
+                    None
+                },
+                window: d.u32()?,
+            },
+            K_INPUT => Request::Input {
+                target: d.u32()?,
+                data: d.bytes()?.to_vec(),
+            },
+            K_CLOSE_INPUT => Request::CloseInput { target: d.u32()? },
+            K_SIGNAL => Request::Signal {
+                target: d.u32()?,
+                signo: d.i32()?,
+            },
+            K_RESIZE => Request::Resize {
+                target: d.u32()?,
+                rows: d.u16()?,
+                cols: d.u16()?,
+            },
+            K_GRANT => Request::Grant {
+                target: d.u32()?,
+                bytes: d.u32()?,
+            },
             K_WRITE => Request::WriteFile {
                 path: d.str()?,
                 mode: d.u32()?,
@@ -689,6 +832,37 @@ mod tests {
             Request::Ping,
             Request::Shutdown,
             Request::Kill { target: 42 },
+            Request::Spawn {
+                exec: ExecRequest {
+                    argv: vec!["sh".into()],
+                    ..ExecRequest::default()
+                },
+                tty: Some((24, 80)),
+                window: 1 << 20,
+            },
+            Request::Spawn {
+                exec: ExecRequest::default(),
+                tty: None,
+                window: 0,
+            },
+            Request::Input {
+                target: 3,
+                data: b"ls\n".to_vec(),
+            },
+            Request::CloseInput { target: 3 },
+            Request::Signal {
+                target: 3,
+                signo: 2,
+            },
+            Request::Resize {
+                target: 3,
+                rows: 30,
+                cols: 100,
+            },
+            Request::Grant {
+                target: 3,
+                bytes: 65536,
+            },
         ]
     }
 

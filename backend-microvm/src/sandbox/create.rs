@@ -361,6 +361,7 @@ impl MicrovmSandbox {
                 life: Lifecycle::new(id.clone()),
                 born: Instant::now(),
                 lifecycle: Arc::new(RwLock::new(())),
+                procs: Default::default(),
             }),
             timeline: t.finish(),
         }

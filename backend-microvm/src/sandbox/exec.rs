@@ -40,18 +40,9 @@ impl Inner {
         }
     }
 
-    pub(super) async fn run(
-        self: &Arc<Self>,
-        req: ExecRequest,
-        tx: Option<Sender>,
-    ) -> Result<ExecResult> {
-        req.validate()?;
-        req.refuse_tty(TIER)?;
-        let shared = Arc::clone(&self.lifecycle).read_owned().await;
-        // Only the agent is held during the call: destroy drops the VM, which closes the
-        // channel and wakes the call at once.
-        let (agent, _) = self.handles()?;
-        let mut t = TimelineRecorder::start();
+    /// The agent's form of `req`: argv, environment, working directory and stdin (no
+    /// timeout, no output cap: the caller sets them).
+    pub(super) fn agent_request(&self, req: &ExecRequest) -> Result<agent_client::ExecRequest> {
         let argv = self.argv(&req.command)?;
         let cwd = match &req.cwd {
             // The image's `WorkingDir`, else the workspace.
@@ -66,19 +57,36 @@ impl Inner {
         };
         let mut env = self.env.clone();
         env.extend(req.env.clone());
-        let timeout = req.effective_timeout(self.spec.limits.wall_time());
-        let cap = self.spec.limits.output_bytes;
-        let areq = agent_client::ExecRequest {
+        Ok(agent_client::ExecRequest {
             argv,
             env: env.into_iter().collect(),
             cwd,
             stdin: req.stdin.clone().unwrap_or_default(),
-            timeout_ms: u64::try_from(timeout.as_millis())
-                .unwrap_or(u64::MAX)
-                .max(1),
-            // Both streams together: the agent drops what the host would drop anyway.
-            max_output: cap.saturating_mul(2),
-        };
+            timeout_ms: 0,
+            max_output: 0,
+        })
+    }
+
+    pub(super) async fn run(
+        self: &Arc<Self>,
+        req: ExecRequest,
+        tx: Option<Sender>,
+    ) -> Result<ExecResult> {
+        req.validate()?;
+        req.refuse_tty(TIER)?;
+        let shared = Arc::clone(&self.lifecycle).read_owned().await;
+        // Only the agent is held during the call: destroy drops the VM, which closes the
+        // channel and wakes the call at once.
+        let (agent, _) = self.handles()?;
+        let mut t = TimelineRecorder::start();
+        let timeout = req.effective_timeout(self.spec.limits.wall_time());
+        let cap = self.spec.limits.output_bytes;
+        let mut areq = self.agent_request(&req)?;
+        areq.timeout_ms = u64::try_from(timeout.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        // Both streams together: the agent drops what the host would drop anyway.
+        areq.max_output = cap.saturating_mul(2);
         let redactor = self.redactor.clone();
         let collected = tokio::task::spawn_blocking(move || {
             let _shared = shared;

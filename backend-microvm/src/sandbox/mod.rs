@@ -12,6 +12,7 @@ mod create;
 mod exec;
 mod image;
 pub(crate) mod memfile;
+mod process;
 mod snapshot;
 
 use std::collections::BTreeMap;
@@ -135,6 +136,8 @@ struct Inner {
     born: Instant,
     /// Agent calls hold it shared; a snapshot holds it exclusively.
     lifecycle: Arc<RwLock<()>>,
+    /// Background processes.
+    procs: sandbox_core::ProcessTable,
 }
 
 impl std::fmt::Debug for MicrovmSandbox {
@@ -341,6 +344,24 @@ impl Sandbox for MicrovmSandbox {
         }))
     }
 
+    async fn spawn(&self, req: ExecRequest) -> Result<sandbox_core::Process> {
+        self.inner.spawn(req).await
+    }
+
+    async fn processes(&self) -> Result<Vec<sandbox_core::ProcessInfo>> {
+        self.inner.life.check_not_gone()?;
+        Ok(self.inner.procs.list())
+    }
+
+    async fn signal(
+        &self,
+        id: sandbox_core::ProcessId,
+        signal: sandbox_core::Signal,
+    ) -> Result<()> {
+        self.inner.handles()?;
+        self.inner.procs.signal(id, signal).await
+    }
+
     async fn write_file(&self, path: &str, data: &[u8]) -> Result<()> {
         let (wp, rel) = guest_path(path)?;
         if wp.is_root() {
@@ -438,7 +459,7 @@ mod tests {
     /// (channel on an inherited socketpair fd, workspace in a temp dir): exec, env, secrets,
     /// streaming, limits, files and teardown, without a VM. Not isolation: a unit test of
     /// this module's plumbing, which runs on any host.
-    mod over_a_host_agent {
+    pub(super) mod over_a_host_agent {
         use std::os::fd::AsRawFd;
         use std::os::unix::fs::PermissionsExt;
         use std::os::unix::net::UnixStream;
@@ -449,7 +470,7 @@ mod tests {
         use super::*;
         use crate::guest::AGENT_BINARY;
 
-        const SECRET: &str = "s3cr3t-value-xyz";
+        pub(in crate::sandbox) const SECRET: &str = "s3cr3t-value-xyz";
 
         fn agent_path() -> std::path::PathBuf {
             static P: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
@@ -478,7 +499,9 @@ mod tests {
             .clone()
         }
 
-        fn sandbox(spec: SandboxSpec) -> (MicrovmSandbox, tempfile::TempDir) {
+        pub(in crate::sandbox) fn sandbox(
+            spec: SandboxSpec,
+        ) -> (MicrovmSandbox, tempfile::TempDir) {
             let ws = tempfile::tempdir().unwrap();
             let (ours, theirs) = UnixStream::pair().unwrap();
             let fd = theirs.as_raw_fd();
@@ -521,7 +544,7 @@ mod tests {
             (s, ws)
         }
 
-        fn spec() -> SandboxSpec {
+        pub(in crate::sandbox) fn spec() -> SandboxSpec {
             SandboxSpec::builder(Language::Shell)
                 .env("ONLY", "this")
                 .secret_env("TOKEN", "API_TOKEN")
