@@ -98,6 +98,16 @@ cargo run --locked -q -p agent-sandbox -- install python-wasm
 step "the image tests' Debian userland (mmdebstrap; built once into /var/tmp/agent-sandbox-images)"
 test_image="$(scripts/test-image.sh)"
 
+step "Python clients the server tests drive (a venv, cached in /var/tmp/agent-sandbox-pyenv)"
+# openapi-spec-validator checks the document `agent-sandbox serve` publishes.
+py_env=/var/tmp/agent-sandbox-pyenv
+if ! "$py_env/bin/python" -c 'import openapi_spec_validator' 2>/dev/null; then
+  rm -rf "$py_env"
+  /usr/bin/python3 -m venv "$py_env"
+  "$py_env/bin/pip" install -q 'openapi-spec-validator==0.9.*'
+fi
+export AGENT_SANDBOX_TEST_PYTHON="$py_env/bin/python"
+
 step "cargo test"
 cargo test --workspace --locked -- --test-threads="${TEST_THREADS:-2}"
 

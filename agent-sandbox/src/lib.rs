@@ -44,6 +44,21 @@ pub use backend_wasm as wasm;
 /// OCI images: the cache that pulls, verifies and unpacks them (`agent-sandbox image ...`).
 pub use sandbox_image as image;
 
+/// Sandboxes as a service (`agent-sandbox serve`): the HTTP API's server, its types and
+/// errors. A [`Runtime`] is its [`Provider`](server::Provider).
+pub use sandbox_server as server;
+
+#[async_trait::async_trait]
+impl server::Provider for Runtime {
+    async fn create(&self, spec: &SandboxSpec, tier: Option<Tier>) -> Result<Box<dyn Sandbox>> {
+        let choice = match tier {
+            Some(t) => TierChoice::Tier(t),
+            None => TierChoice::Auto(Question::new(spec.language)),
+        };
+        Runtime::create(self, spec, choice).await
+    }
+}
+
 /// The microVM tier's crate (the VMM, guest installer, probe), when built in.
 #[cfg(feature = "microvm")]
 pub use backend_microvm as microvm;

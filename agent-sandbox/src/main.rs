@@ -14,6 +14,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 mod bench_cmd;
 mod image_cmd;
+mod serve_cmd;
 mod shell_cmd;
 use serde_json::json;
 
@@ -56,6 +57,9 @@ enum Cmd {
     /// An interactive shell (or CMD) on a terminal in a fresh sandbox, like `docker run -it`:
     /// keys and window size go to the sandbox, the exit code is the shell's.
     Shell(shell_cmd::ShellArgs),
+    /// Serve sandboxes over an HTTP API (TCP with a bearer token, or a Unix socket) until
+    /// SIGTERM or Ctrl-C; then destroy them. See docs/server.md.
+    Serve(serve_cmd::ServeArgs),
     /// Pull, list and remove OCI images in the local cache.
     #[command(subcommand)]
     Image(image_cmd::ImageCmd),
@@ -569,6 +573,7 @@ async fn async_main(cli: Cli) -> ExitCode {
         },
         Cmd::Image(cmd) => image_cmd::run(cmd).await,
         Cmd::Shell(args) => shell_cmd::run(args).await,
+        Cmd::Serve(args) => serve_cmd::run(args).await,
         Cmd::Bench(cmd) => bench_cmd::run(&cli_runtime(), cmd).await,
     }
 }

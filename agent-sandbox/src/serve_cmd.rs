@@ -1,0 +1,157 @@
+//! `agent-sandbox serve`: sandboxes as a service (see `docs/server.md`).
+//!
+//! TCP on loopback by default, every request with the bearer token; or a Unix socket (made
+//! `0600`). Without `--token-file`, a new token is written to a file only the caller can
+//! read, whose path is printed (never the token). `SIGTERM` or Ctrl-C: stop accepting,
+//! finish what is in flight, destroy every sandbox, exit 0.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use agent_sandbox::server::{Listener, Server, ServerConfig, Token};
+
+use crate::{EXIT_SANDBOX_FAILED, EXIT_USAGE};
+
+/// `agent-sandbox serve`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct ServeArgs {
+    /// Listen on TCP at this address (default 127.0.0.1:7878). Every request must carry the
+    /// token; name a non-loopback address only on purpose.
+    #[arg(long, value_name = "ADDR:PORT")]
+    listen: Option<SocketAddr>,
+    /// Listen on this Unix socket instead (made 0600: its permissions are the check).
+    #[arg(long, value_name = "PATH", conflicts_with = "listen")]
+    unix: Option<PathBuf>,
+    /// The bearer token, in a file only its owner can read (at least 32 characters). Without
+    /// it, a new token is written to `$XDG_RUNTIME_DIR/agent-sandbox/token` (or
+    /// `/tmp/agent-sandbox-$UID/token`) and that path is printed.
+    #[arg(long, value_name = "FILE")]
+    token_file: Option<PathBuf>,
+    /// Largest request body, MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 64)]
+    body_limit: usize,
+    /// Most live sandboxes.
+    #[arg(long, value_name = "N", default_value_t = 1000)]
+    max_sandboxes: usize,
+}
+
+/// Where a generated token goes.
+fn token_path() -> PathBuf {
+    let dir = match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) => PathBuf::from(d).join("agent-sandbox"),
+        // SAFETY: getuid has no preconditions.
+        None => PathBuf::from(format!("/tmp/agent-sandbox-{}", unsafe { libc::getuid() })),
+    };
+    dir.join("token")
+}
+
+/// A new token in a new private file at `path` (its directory made 0700).
+fn write_token(path: &std::path::Path) -> std::io::Result<Token> {
+    use std::io::Write;
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+    if let Some(dir) = path.parent() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+    }
+    let token = Token::generate();
+    let _ = std::fs::remove_file(path);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(path)?;
+    writeln!(f, "{}", token.reveal())?;
+    Ok(token)
+}
+
+pub(crate) async fn run(args: ServeArgs) -> ExitCode {
+    let config = ServerConfig::default()
+        .body_limit(args.body_limit.saturating_mul(1 << 20))
+        .max_sandboxes(args.max_sandboxes);
+    let server = Server::new(Arc::new(crate::cli_runtime()), config);
+    let (listener, shown) = match (&args.unix, args.listen) {
+        (Some(path), _) => {
+            let _ = std::fs::remove_file(path);
+            let l = match tokio::net::UnixListener::bind(path) {
+                Ok(l) => l,
+                Err(e) => {
+                    eprintln!("agent-sandbox serve: listen on {}: {e}", path.display());
+                    return ExitCode::from(EXIT_USAGE);
+                }
+            };
+            use std::os::unix::fs::PermissionsExt;
+            if let Err(e) = std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)) {
+                eprintln!("agent-sandbox serve: chmod 600 {}: {e}", path.display());
+                return ExitCode::from(EXIT_SANDBOX_FAILED);
+            }
+            (Listener::Unix(l), format!("unix:{}", path.display()))
+        }
+        (None, listen) => {
+            let addr = listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 7878)));
+            let (token, from) = match &args.token_file {
+                Some(f) => match Token::from_file(f) {
+                    Ok(t) => (t, f.clone()),
+                    Err(e) => {
+                        eprintln!("agent-sandbox serve: {e}");
+                        return ExitCode::from(EXIT_USAGE);
+                    }
+                },
+                None => {
+                    let p = token_path();
+                    match write_token(&p) {
+                        Ok(t) => (t, p),
+                        Err(e) => {
+                            eprintln!("agent-sandbox serve: write a token to {}: {e}", p.display());
+                            return ExitCode::from(EXIT_SANDBOX_FAILED);
+                        }
+                    }
+                }
+            };
+            let l = match tokio::net::TcpListener::bind(addr).await {
+                Ok(l) => l,
+                Err(e) => {
+                    eprintln!("agent-sandbox serve: listen on {addr}: {e}");
+                    return ExitCode::from(EXIT_USAGE);
+                }
+            };
+            let at = l.local_addr().map_or(addr, |a| a);
+            (
+                Listener::Tcp(l, token),
+                format!("http://{at} (bearer token in {})", from.display()),
+            )
+        }
+    };
+    eprintln!("agent-sandbox serve: listening on {shown}; the API: GET /v1/openapi.json");
+    let shutdown = async {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+        eprintln!("agent-sandbox serve: stopping (finishing requests, destroying sandboxes)");
+    };
+    let r = server.serve(listener, shutdown).await;
+    if let Some(p) = &args.unix {
+        let _ = std::fs::remove_file(p);
+    }
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("agent-sandbox serve: {e}");
+            ExitCode::from(EXIT_SANDBOX_FAILED)
+        }
+    }
+}

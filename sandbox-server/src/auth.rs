@@ -1,0 +1,180 @@
+//! Who may call the API.
+//!
+//! On TCP every request carries `Authorization: Bearer <token>`; the token is compared in
+//! constant time (its length is not secret: tokens we make are always 64 hex digits). On a
+//! Unix socket the socket file's permissions are the check (it is made `0600`), as Docker's
+//! is. A token file must not be readable by group or others.
+
+use std::path::Path;
+
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+
+use crate::error::ApiError;
+
+/// The secret a TCP client must present. `Debug` never shows it.
+#[derive(Clone)]
+pub struct Token(String);
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Token(..)")
+    }
+}
+
+/// Why a token could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenError {
+    /// The file could not be read.
+    #[error("read the token file {path}: {source}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is readable by others than its owner.
+    #[error(
+        "the token file {path} is readable by group or others (mode {mode:o}): \
+         `chmod 600 {path}`"
+    )]
+    Mode {
+        /// The file.
+        path: String,
+        /// Its permission bits.
+        mode: u32,
+    },
+    /// The token is too short to be a secret.
+    #[error(
+        "the token in {path} has {len} characters; use at least 32 (e.g. `openssl rand -hex 32`)"
+    )]
+    Short {
+        /// The file.
+        path: String,
+        /// Its length.
+        len: usize,
+    },
+}
+
+/// Least length of a token we accept.
+const MIN_LEN: usize = 32;
+
+impl Token {
+    /// A new random token (64 hex digits, from the OS's generator through UUID v4s).
+    pub fn generate() -> Token {
+        let a = uuid::Uuid::new_v4().simple().to_string();
+        let b = uuid::Uuid::new_v4().simple().to_string();
+        Token(format!("{a}{b}"))
+    }
+
+    /// The token in `path` (surrounding whitespace trimmed). The file must be the owner's
+    /// alone (no group or other permission bits) and the token at least 32 characters.
+    pub fn from_file(path: &Path) -> Result<Token, TokenError> {
+        use std::os::unix::fs::PermissionsExt;
+        let shown = path.display().to_string();
+        let read = |source| TokenError::Read {
+            path: shown.clone(),
+            source,
+        };
+        let meta = std::fs::metadata(path).map_err(read)?;
+        let mode = meta.permissions().mode() & 0o777;
+        if mode & 0o077 != 0 {
+            return Err(TokenError::Mode { path: shown, mode });
+        }
+        let text = std::fs::read_to_string(path).map_err(read)?;
+        let t = text.trim();
+        if t.len() < MIN_LEN {
+            return Err(TokenError::Short {
+                path: shown,
+                len: t.len(),
+            });
+        }
+        Ok(Token(t.to_string()))
+    }
+
+    /// The token's text (to hand to a client).
+    pub fn reveal(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether `presented` is this token, in time that does not depend on where they differ.
+    pub fn matches(&self, presented: &[u8]) -> bool {
+        let ours = self.0.as_bytes();
+        if ours.len() != presented.len() {
+            return false;
+        }
+        ours.iter()
+            .zip(presented)
+            .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+            == 0
+    }
+}
+
+/// Middleware: answers 401 unless the request carries the bearer token (`None`: no token
+/// needed, the Unix-socket case).
+pub async fn require_token(
+    State(token): State<Option<Token>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let Some(token) = token else {
+        return next.run(req).await;
+    };
+    let presented = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
+    match presented {
+        Some(p) if token.matches(p) => next.run(req).await,
+        Some(_) => ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "the bearer token is not this server's",
+        )
+        .into_response(),
+        None => ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "send `Authorization: Bearer <token>` (the token the server was started with)",
+        )
+        .into_response(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn tokens_match_exactly_and_files_must_be_private() {
+        let t = Token::generate();
+        assert_eq!(t.reveal().len(), 64);
+        assert!(t.matches(t.reveal().as_bytes()));
+        assert!(!t.matches(b""));
+        let mut other = t.reveal().as_bytes().to_vec();
+        other[63] ^= 1;
+        assert!(!t.matches(&other));
+        assert_eq!(format!("{t:?}"), "Token(..)");
+
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("token");
+        std::fs::write(&p, format!("{}\n", t.reveal())).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(matches!(Token::from_file(&p), Err(TokenError::Mode { .. })));
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(Token::from_file(&p).unwrap().matches(t.reveal().as_bytes()));
+        std::fs::write(&p, "short").unwrap();
+        assert!(matches!(
+            Token::from_file(&p),
+            Err(TokenError::Short { .. })
+        ));
+        assert!(matches!(
+            Token::from_file(&dir.path().join("none")),
+            Err(TokenError::Read { .. })
+        ));
+    }
+}

@@ -1,0 +1,198 @@
+//! The OpenAPI 3.1 document of the v1 API, served at `GET /v1/openapi.json`. Written by hand
+//! next to the routes (the crate's tests check that every documented operation is routed and
+//! every route is documented, and CI validates the document with `openapi-spec-validator`).
+
+use serde_json::{json, Value};
+
+/// Every operation: (method, path). The router serves exactly these (tested).
+pub const OPERATIONS: &[(&str, &str)] = &[
+    ("get", "/v1/openapi.json"),
+    ("post", "/v1/sandboxes"),
+    ("get", "/v1/sandboxes"),
+    ("get", "/v1/sandboxes/{id}"),
+    ("delete", "/v1/sandboxes/{id}"),
+    ("post", "/v1/sandboxes/{id}/exec"),
+    ("post", "/v1/sandboxes/{id}/exec/stream"),
+    ("put", "/v1/sandboxes/{id}/files/{path}"),
+    ("get", "/v1/sandboxes/{id}/files/{path}"),
+    ("get", "/v1/sandboxes/{id}/list"),
+];
+
+fn error_responses() -> Value {
+    json!({
+        "400": { "$ref": "#/components/responses/Error" },
+        "401": { "$ref": "#/components/responses/Error" },
+        "404": { "$ref": "#/components/responses/Error" },
+        "413": { "$ref": "#/components/responses/Error" },
+        "default": { "$ref": "#/components/responses/Error" }
+    })
+}
+
+fn with_errors(mut ok: Value) -> Value {
+    if let (Some(o), Some(e)) = (ok.as_object_mut(), error_responses().as_object()) {
+        for (k, v) in e {
+            o.insert(k.clone(), v.clone());
+        }
+    }
+    ok
+}
+
+fn id_param() -> Value {
+    json!({ "name": "id", "in": "path", "required": true, "schema": { "type": "string" } })
+}
+
+/// The document.
+pub fn document() -> Value {
+    let json_body = |schema: &str| {
+        json!({ "required": true, "content": { "application/json": {
+            "schema": { "$ref": format!("#/components/schemas/{schema}") } } } })
+    };
+    let json_ok = |code: &str, what: &str, schema: &str| {
+        with_errors(
+            json!({ code: { "description": what, "content": { "application/json": {
+            "schema": { "$ref": format!("#/components/schemas/{schema}") } } } } }),
+        )
+    };
+    json!({
+        "openapi": "3.1.0",
+        "info": {
+            "title": "agent-sandbox",
+            "version": "1",
+            "description": "Sandboxes for AI-agent code, as a service. Every request over TCP carries `Authorization: Bearer <token>`; on a Unix socket the socket's permissions are the check. Errors are JSON: {\"error\": {\"kind\", \"message\"}}."
+        },
+        "security": [ { "bearer": [] } ],
+        "paths": {
+            "/v1/openapi.json": { "get": {
+                "operationId": "openapi", "summary": "This document.",
+                "responses": with_errors(json!({ "200": { "description": "The OpenAPI document.",
+                    "content": { "application/json": { "schema": { "type": "object" } } } } }))
+            } },
+            "/v1/sandboxes": {
+                "post": {
+                    "operationId": "createSandbox",
+                    "summary": "Create a sandbox from a spec, on a tier or the selector's choice.",
+                    "requestBody": json_body("CreateSandbox"),
+                    "responses": json_ok("201", "The new sandbox.", "SandboxInfo")
+                },
+                "get": {
+                    "operationId": "listSandboxes",
+                    "summary": "The live sandboxes, filtered by labels (all must match).",
+                    "parameters": [ { "name": "label", "in": "query", "required": false,
+                        "description": "`key=value`; may be repeated.",
+                        "schema": { "type": "string" } } ],
+                    "responses": json_ok("200", "The sandboxes, oldest first.", "SandboxList")
+                }
+            },
+            "/v1/sandboxes/{id}": {
+                "parameters": [ id_param() ],
+                "get": { "operationId": "getSandbox", "summary": "One sandbox.",
+                    "responses": json_ok("200", "The sandbox.", "SandboxInfo") },
+                "delete": { "operationId": "destroySandbox", "summary": "Destroy a sandbox.",
+                    "responses": with_errors(json!({ "204": { "description": "Destroyed." } })) }
+            },
+            "/v1/sandboxes/{id}/exec": {
+                "parameters": [ id_param() ],
+                "post": { "operationId": "exec", "summary": "Run a command to its end.",
+                    "requestBody": json_body("ExecBody"),
+                    "responses": json_ok("200", "How it ended and its (capped, redacted) output.", "ExecResult") }
+            },
+            "/v1/sandboxes/{id}/exec/stream": {
+                "parameters": [ id_param() ],
+                "post": { "operationId": "execStream",
+                    "summary": "Run a command, its output as server-sent events: `stdout` and `stderr` ({\"text\"}), then `exit` (the ExecResult) or `error`.",
+                    "requestBody": json_body("ExecBody"),
+                    "responses": with_errors(json!({ "200": { "description": "The event stream.",
+                        "content": { "text/event-stream": { "schema": { "type": "string" } } } } })) }
+            },
+            "/v1/sandboxes/{id}/files/{path}": {
+                "parameters": [ id_param(),
+                    { "name": "path", "in": "path", "required": true,
+                      "description": "Under /workspace (relative, or absolute under /workspace); may contain slashes.",
+                      "schema": { "type": "string" } } ],
+                "put": { "operationId": "writeFile", "summary": "Write a file (parents are made).",
+                    "requestBody": { "required": true, "content": { "application/octet-stream": {
+                        "schema": { "type": "string", "format": "binary" } } } },
+                    "responses": with_errors(json!({ "204": { "description": "Written." } })) },
+                "get": { "operationId": "readFile", "summary": "Read a file.",
+                    "responses": with_errors(json!({ "200": { "description": "Its bytes.",
+                        "content": { "application/octet-stream": {
+                            "schema": { "type": "string", "format": "binary" } } } } })) }
+            },
+            "/v1/sandboxes/{id}/list": {
+                "parameters": [ id_param(),
+                    { "name": "path", "in": "query", "required": false,
+                      "description": "A directory under /workspace (default: the workspace).",
+                      "schema": { "type": "string" } } ],
+                "get": { "operationId": "listFiles", "summary": "List a directory.",
+                    "responses": json_ok("200", "Its entries.", "Listing") }
+            }
+        },
+        "components": {
+            "securitySchemes": { "bearer": { "type": "http", "scheme": "bearer" } },
+            "responses": { "Error": { "description": "What went wrong and what to do.",
+                "content": { "application/json": { "schema": { "$ref": "#/components/schemas/Error" } } } } },
+            "schemas": {
+                "Error": { "type": "object", "required": ["error"], "properties": {
+                    "error": { "type": "object", "required": ["kind", "message"], "properties": {
+                        "kind": { "type": "string" }, "message": { "type": "string" } } } } },
+                "CreateSandbox": { "type": "object", "required": ["spec"], "additionalProperties": false,
+                    "properties": {
+                        "spec": { "type": "object", "description": "The library's SandboxSpec as JSON (at least `language`)." },
+                        "tier": { "type": "string", "enum": ["wasm", "container", "gvisor", "microvm"] },
+                        "labels": { "type": "object", "additionalProperties": { "type": "string" } } } },
+                "SandboxInfo": { "type": "object", "required": ["id", "tier", "labels", "created_at"],
+                    "properties": {
+                        "id": { "type": "string" }, "tier": { "type": "string" },
+                        "labels": { "type": "object", "additionalProperties": { "type": "string" } },
+                        "created_at": { "type": "string", "format": "date-time" } } },
+                "SandboxList": { "type": "object", "required": ["sandboxes"], "properties": {
+                    "sandboxes": { "type": "array", "items": { "$ref": "#/components/schemas/SandboxInfo" } } } },
+                "ExecBody": { "type": "object", "additionalProperties": false,
+                    "description": "Exactly one of `argv` and `code`.",
+                    "properties": {
+                        "argv": { "type": "array", "items": { "type": "string" } },
+                        "code": { "type": "string" },
+                        "stdin": { "type": "string" },
+                        "env": { "type": "object", "additionalProperties": { "type": "string" } },
+                        "cwd": { "type": "string" },
+                        "timeout_ms": { "type": "integer", "minimum": 0 } } },
+                "ExecResult": { "type": "object", "required": ["exit_code", "stdout", "stderr", "truncated"],
+                    "properties": {
+                        "exit_code": { "type": ["integer", "null"] },
+                        "stdout": { "type": "string" }, "stderr": { "type": "string" },
+                        "limit": { "type": ["string", "null"], "description": "The limit that stopped it: wall-time, memory, output, pids, disk..." },
+                        "truncated": { "type": "boolean" },
+                        "value": { "type": "string" },
+                        "timeline": { "type": "object" } } },
+                "Listing": { "type": "object", "required": ["entries"], "properties": {
+                    "entries": { "type": "array", "items": { "type": "object" } } } }
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_operation_is_documented_once() {
+        let doc = document();
+        let paths = doc["paths"].as_object().unwrap();
+        let mut documented = Vec::new();
+        for (p, item) in paths {
+            for m in ["get", "post", "put", "delete", "patch"] {
+                if item.get(m).is_some() {
+                    documented.push((m.to_string(), p.clone()));
+                }
+            }
+        }
+        documented.sort();
+        let mut listed: Vec<(String, String)> = OPERATIONS
+            .iter()
+            .map(|(m, p)| (m.to_string(), p.to_string()))
+            .collect();
+        listed.sort();
+        assert_eq!(documented, listed);
+    }
+}

@@ -1,0 +1,354 @@
+//! The API driven by `curl`, a client nobody here wrote, against a real server on loopback
+//! (and on a Unix socket). The sandboxes come from the test-only unisolated backend: this
+//! suite tests the service (routes, auth, errors, streaming, shutdown), not isolation; the
+//! facade's `tests/serve.rs` runs the CLI's server on a real tier.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::process::Command;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use backend_unisolated::UnisolatedBackend;
+use sandbox_core::{Backend, ResolvedSecrets, Sandbox, SandboxSpec, Tier};
+use sandbox_server::{Listener, Provider, Server, ServerConfig, Token};
+
+struct Unisolated;
+
+#[async_trait]
+impl Provider for Unisolated {
+    async fn create(
+        &self,
+        spec: &SandboxSpec,
+        _tier: Option<Tier>,
+    ) -> sandbox_core::Result<Box<dyn Sandbox>> {
+        UnisolatedBackend::new_without_isolation()
+            .create(spec, ResolvedSecrets::none())
+            .await
+    }
+}
+
+/// A running server: its base URL, token, a way to stop it, and the server.
+struct Running {
+    base: String,
+    token: Token,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<std::io::Result<()>>,
+    server: Server,
+}
+
+async fn start(config: ServerConfig) -> Running {
+    let server = Server::new(Arc::new(Unisolated), config);
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", l.local_addr().unwrap());
+    let token = Token::generate();
+    let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+    let s = server.clone();
+    let t = token.clone();
+    let task = tokio::spawn(async move {
+        s.serve(Listener::Tcp(l, t), async {
+            let _ = rx.await;
+        })
+        .await
+    });
+    Running {
+        base,
+        token,
+        stop: Some(stop),
+        task,
+        server,
+    }
+}
+
+/// `curl` (blocking, on a blocking thread): (HTTP status, body).
+async fn curl(args: Vec<String>) -> (u16, String) {
+    tokio::task::spawn_blocking(move || {
+        let out = Command::new("curl")
+            .args(["-sS", "--max-time", "30", "-w", "\n%{http_code}"])
+            .args(&args)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let (body, code) = text.rsplit_once('\n').unwrap();
+        (code.trim().parse().unwrap(), body.to_string())
+    })
+    .await
+    .unwrap()
+}
+
+impl Running {
+    fn auth(&self) -> String {
+        format!("Authorization: Bearer {}", self.token.reveal())
+    }
+
+    async fn call(&self, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+        let mut a = vec![
+            "-X".to_string(),
+            method.to_string(),
+            "-H".to_string(),
+            self.auth(),
+        ];
+        // A large body goes through a file: one argument may not pass 128 KiB.
+        let file = tempfile::NamedTempFile::new().unwrap();
+        if let Some(b) = body {
+            std::fs::write(file.path(), b).unwrap();
+            a.extend([
+                "-H".into(),
+                "Content-Type: application/json".into(),
+                "--data-binary".into(),
+                format!("@{}", file.path().display()),
+            ]);
+        }
+        a.push(format!("{}{path}", self.base));
+        curl(a).await
+    }
+
+    async fn json(&self, method: &str, path: &str, body: Option<&str>) -> (u16, serde_json::Value) {
+        let (code, text) = self.call(method, path, body).await;
+        let v = serde_json::from_str(&text).unwrap_or(serde_json::Value::String(text));
+        (code, v)
+    }
+
+    async fn stop(mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        self.task.await.unwrap().unwrap();
+    }
+}
+
+fn kind(v: &serde_json::Value) -> &str {
+    v["error"]["kind"].as_str().unwrap_or("(no error kind)")
+}
+
+const SHELL: &str = r#"{"spec": {"language": "shell"}, "labels": {"team": "red"}}"#;
+
+// Multi-threaded: curl runs on blocking threads while the server serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn create_exec_files_list_stream_and_destroy() {
+    let r = start(ServerConfig::default()).await;
+    let (code, info) = r.json("POST", "/v1/sandboxes", Some(SHELL)).await;
+    assert_eq!(code, 201, "{info}");
+    let id = info["id"].as_str().unwrap().to_string();
+    assert_eq!(info["tier"], "unisolated");
+    assert_eq!(info["labels"]["team"], "red");
+
+    let (code, out) = r
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(r#"{"code": "echo hi; echo err >&2; cat; exit 3", "stdin": "in"}"#),
+        )
+        .await;
+    assert_eq!(code, 200, "{out}");
+    assert_eq!(
+        (&out["stdout"], &out["stderr"], &out["exit_code"]),
+        (&"hi\nin".into(), &"err\n".into(), &3.into())
+    );
+
+    // Files: in, out, listed; an escaping path refused.
+    let (code, _) = r
+        .call(
+            "PUT",
+            &format!("/v1/sandboxes/{id}/files/dir/note.txt"),
+            Some("hello"),
+        )
+        .await;
+    assert_eq!(code, 204);
+    let (code, text) = r
+        .call(
+            "GET",
+            &format!("/v1/sandboxes/{id}/files/dir/note.txt"),
+            None,
+        )
+        .await;
+    assert_eq!((code, text.as_str()), (200, "hello"));
+    let (code, list) = r
+        .json("GET", &format!("/v1/sandboxes/{id}/list?path=dir"), None)
+        .await;
+    assert_eq!(code, 200, "{list}");
+    assert_eq!(list["entries"][0]["name"], "note.txt");
+    let (code, e) = r
+        .json(
+            "GET",
+            &format!("/v1/sandboxes/{id}/files/..%2F..%2Fetc%2Fpasswd"),
+            None,
+        )
+        .await;
+    assert_eq!((code, kind(&e)), (400, "path_escape"), "{e}");
+
+    // Listing and finding by label.
+    let (_, other) = r
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(r#"{"spec": {"language": "shell"}}"#),
+        )
+        .await;
+    let (_, all) = r.json("GET", "/v1/sandboxes", None).await;
+    assert_eq!(all["sandboxes"].as_array().unwrap().len(), 2);
+    let (_, red) = r.json("GET", "/v1/sandboxes?label=team=red", None).await;
+    let red = red["sandboxes"].as_array().unwrap();
+    assert_eq!((red.len(), &red[0]["id"]), (1, &id.clone().into()));
+
+    // Streaming: events as they come, then the exit.
+    let (code, sse) = r
+        .call(
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec/stream"),
+            Some(r#"{"code": "echo one; sleep 0.2; echo two >&2; exit 4"}"#),
+        )
+        .await;
+    assert_eq!(code, 200);
+    let one = sse
+        .find("event: stdout\ndata: {\"text\":\"one\\n\"}")
+        .unwrap();
+    let two = sse
+        .find("event: stderr\ndata: {\"text\":\"two\\n\"}")
+        .unwrap();
+    let exit = sse.find("event: exit\ndata: {\"exit_code\":4").unwrap();
+    assert!(one < two && two < exit, "{sse}");
+
+    // Destroy: gone from the list, and then unknown.
+    let (code, _) = r.call("DELETE", &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!(code, 204);
+    let (code, e) = r.json("GET", &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!((code, kind(&e)), (404, "not_found"));
+    let (code, e) = r.json("DELETE", &format!("/v1/sandboxes/{id}"), None).await;
+    assert_eq!((code, kind(&e)), (404, "not_found"));
+
+    // Shutdown destroys what is left.
+    assert_eq!(r.server.sandbox_ids(), [other["id"].as_str().unwrap()]);
+    let server = r.server.clone();
+    r.stop().await;
+    assert!(server.sandbox_ids().is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_clear_errors_and_the_server_goes_on() {
+    let r = start(ServerConfig::default().body_limit(1 << 16)).await;
+    // No token, a wrong token.
+    let (code, e) = curl(vec![format!("{}/v1/sandboxes", r.base)]).await;
+    let e: serde_json::Value = serde_json::from_str(&e).unwrap();
+    assert_eq!((code, kind(&e)), (401, "unauthorized"));
+    let (code, _) = curl(vec![
+        "-H".into(),
+        format!("Authorization: Bearer {}x", r.token.reveal()),
+        format!("{}/v1/sandboxes", r.base),
+    ])
+    .await;
+    assert_eq!(code, 401);
+    // Malformed JSON, an unknown field, a bad spec, a body over the limit.
+    let (code, e) = r.json("POST", "/v1/sandboxes", Some("{not json")).await;
+    assert_eq!((code, kind(&e)), (400, "bad_request"), "{e}");
+    let (code, e) = r
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(r#"{"spec": {"language": "shell"}, "tire": "wasm"}"#),
+        )
+        .await;
+    assert_eq!((code, kind(&e)), (422, "bad_request"), "{e}");
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("tire"),
+        "{e}"
+    );
+    let (code, e) = r
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(r#"{"spec": {"language": "klingon"}}"#),
+        )
+        .await;
+    assert!((400..500).contains(&code), "{code} {e}");
+    let big = format!(
+        r#"{{"spec": {{"language": "shell"}}, "labels": {{"x": "{}"}}}}"#,
+        "y".repeat(1 << 17)
+    );
+    let (code, e) = r.json("POST", "/v1/sandboxes", Some(&big)).await;
+    assert_eq!((code, kind(&e)), (413, "too_large"), "{e}");
+    // Unknown ids and routes; exec with both argv and code.
+    let (code, e) = r.json("GET", "/v1/sandboxes/nope", None).await;
+    assert_eq!((code, kind(&e)), (404, "not_found"));
+    let (code, e) = r.json("GET", "/v1/nothing-here", None).await;
+    assert_eq!((code, kind(&e)), (404, "not_found"));
+    let (_, info) = r.json("POST", "/v1/sandboxes", Some(SHELL)).await;
+    let id = info["id"].as_str().unwrap();
+    let (code, e) = r
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(r#"{"argv": ["true"], "code": "true"}"#),
+        )
+        .await;
+    assert_eq!((code, kind(&e)), (400, "bad_request"), "{e}");
+    // A client that leaves in the middle of a stream: the server goes on.
+    let _ = curl(vec![
+        "--max-time".into(),
+        "1".into(),
+        "-X".into(),
+        "POST".into(),
+        "-H".into(),
+        r.auth(),
+        "--data-binary".into(),
+        r#"{"code": "echo start; sleep 5"}"#.into(),
+        format!("{}/v1/sandboxes/{id}/exec/stream", r.base),
+    ])
+    .await;
+    let (code, out) = r
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(r#"{"argv": ["echo", "alive"]}"#),
+        )
+        .await;
+    assert_eq!((code, out["stdout"].as_str()), (200, Some("alive\n")));
+    r.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_documented_operation_is_routed_and_the_document_is_served() {
+    let r = start(ServerConfig::default()).await;
+    let (code, doc) = r.json("GET", "/v1/openapi.json", None).await;
+    assert_eq!((code, &doc["openapi"]), (200, &"3.1.0".into()));
+    for (method, path) in sandbox_server::openapi::OPERATIONS {
+        let path = path
+            .replace("{id}", "no-such-sandbox")
+            .replace("{path}", "a/b");
+        let (_, text) = r.call(&method.to_uppercase(), &path, Some("{}")).await;
+        assert!(!text.contains("no endpoint"), "{method} {path}: {text}");
+    }
+    r.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unix_socket_needs_no_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    let server = Server::new(Arc::new(Unisolated), ServerConfig::default());
+    let l = tokio::net::UnixListener::bind(&sock).unwrap();
+    let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+    let s = server.clone();
+    let task = tokio::spawn(async move {
+        s.serve(Listener::Unix(l), async {
+            let _ = rx.await;
+        })
+        .await
+    });
+    let (code, body) = curl(vec![
+        "--unix-socket".into(),
+        sock.display().to_string(),
+        "-X".into(),
+        "POST".into(),
+        "--data-binary".into(),
+        SHELL.into(),
+        "-H".into(),
+        "Content-Type: application/json".into(),
+        "http://sandbox/v1/sandboxes".into(),
+    ])
+    .await;
+    assert_eq!(code, 201, "{body}");
+    let _ = stop.send(());
+    task.await.unwrap().unwrap();
+    assert!(server.sandbox_ids().is_empty());
+}
