@@ -6,7 +6,7 @@
 //! - **Transport.** TCP (loopback unless the caller names another address) with a bearer
 //!   token on every request ([`auth`]), or a Unix socket whose file permissions are the
 //!   check. HTTP/1.1 through `axum` (on `hyper`): the well-kept stack, not a hand-written one.
-//! - **API v1** ([`router`], documented by [`openapi::document`] at `GET /v1/openapi.json`):
+//! - **API v1** ([`Server::router`], documented by [`openapi::document`] at `GET /v1/openapi.json`):
 //!   create (a spec, a tier or the selector's choice, labels), list (by label), get, exec,
 //!   streaming exec (server-sent events), files (write, read, list), destroy.
 //! - **Bad input** gets a 4xx with a JSON body whose `kind` and `message` say what and why
