@@ -79,9 +79,17 @@ fn serve() -> Serve {
 
 fn curl(s: &Serve, method: &str, path: &str, body: Option<&str>) -> (u16, serde_json::Value) {
     let mut c = Command::new("curl");
-    c.args(["-sS", "--max-time", "120", "-w", "\n%{http_code}", "-X", method])
-        .arg("-H")
-        .arg(format!("Authorization: Bearer {}", s.token));
+    c.args([
+        "-sS",
+        "--max-time",
+        "120",
+        "-w",
+        "\n%{http_code}",
+        "-X",
+        method,
+    ])
+    .arg("-H")
+    .arg(format!("Authorization: Bearer {}", s.token));
     if let Some(b) = body {
         c.args(["-H", "Content-Type: application/json", "--data-binary", b]);
     }
@@ -121,7 +129,9 @@ fn the_cli_serves_container_sandboxes_to_curl_and_cleans_up_on_sigterm() {
         &s,
         "POST",
         &format!("/v1/sandboxes/{id}/exec"),
-        Some(r#"{"code": "import socket\ntry:\n socket.create_connection(('127.0.0.1', 1), timeout=2)\nexcept OSError as e:\n print(type(e).__name__)"}"#),
+        Some(
+            r#"{"code": "import socket\ntry:\n socket.create_connection(('127.0.0.1', 1), timeout=2)\nexcept OSError as e:\n print(type(e).__name__)"}"#,
+        ),
     );
     assert!(out["stdout"].as_str().unwrap().contains("Error"), "{out}");
 
@@ -138,7 +148,10 @@ fn the_cli_serves_container_sandboxes_to_curl_and_cleans_up_on_sigterm() {
     }
     assert!(status.is_some_and(|st| st.success()), "{status:?}");
     let left = Command::new("sh")
-        .args(["-c", &format!("grep -l {id} /proc/[0-9]*/cgroup 2>/dev/null | wc -l")])
+        .args([
+            "-c",
+            &format!("grep -l {id} /proc/[0-9]*/cgroup 2>/dev/null | wc -l"),
+        ])
         .output()
         .unwrap();
     assert_eq!(String::from_utf8_lossy(&left.stdout).trim(), "0");

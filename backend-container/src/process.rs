@@ -92,34 +92,12 @@ impl ProcessControl for Control {
     }
 
     async fn close_stdin(&self) -> Result<()> {
-        let mut g = self.stdin.lock().await;
-        if let Some(Input::Pty(_)) = g.as_mut() {
-            // A terminal has no end of input of its own: the line discipline's EOF
-            // character (Ctrl-D) is what a reader in canonical mode takes as one.
-            if let Some(input) = g.as_mut() {
-                let _ = input.write_all(b"\x04").await;
-            }
-            return Ok(());
-        }
-        g.take();
-        Ok(())
+        sandbox_core::process::close_input(&self.stdin, self.tty.is_some()).await
     }
 
     async fn resize(&self, tty: Tty) -> Result<()> {
-        let Some(m) = &self.tty else {
-            return Err(Error::invalid(
-                "tty",
-                format!(
-                    "process {} has no terminal to resize (spawn it with ExecRequest::tty)",
-                    self.id
-                ),
-            ));
-        };
-        if self.ended.load(Ordering::SeqCst) {
-            return Err(Error::ProcessExited { id: self.id });
-        }
-        m.resize(tty)
-            .map_err(|e| Error::io("resize the terminal", e))
+        let ended = self.ended.load(Ordering::SeqCst);
+        sandbox_core::process::resize_terminal(self.id, self.tty.as_ref(), ended, tty)
     }
 
     async fn signal(&self, signal: Signal) -> Result<()> {

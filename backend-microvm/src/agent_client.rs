@@ -264,6 +264,18 @@ fn send_all(stream: &UnixStream, mut buf: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
+/// [`AgentError::TooLarge`] for a request whose stdin cannot be framed.
+fn check_stdin(req: &ExecRequest) -> Result<(), AgentError> {
+    if req.stdin.len() > proto::MAX_STDIN {
+        return Err(AgentError::TooLarge(format!(
+            "stdin of {} bytes (at most {})",
+            req.stdin.len(),
+            proto::MAX_STDIN
+        )));
+    }
+    Ok(())
+}
+
 /// A request in flight: receives its response frames.
 struct Call {
     client: AgentClient,
@@ -414,13 +426,7 @@ impl AgentClient {
 
     /// Starts a command; read its output and exit with [`ExecHandle::next_event`].
     pub fn start_exec(&self, req: &ExecRequest) -> Result<ExecHandle, AgentError> {
-        if req.stdin.len() > proto::MAX_STDIN {
-            return Err(AgentError::TooLarge(format!(
-                "stdin of {} bytes (at most {})",
-                req.stdin.len(),
-                proto::MAX_STDIN
-            )));
-        }
+        check_stdin(req)?;
         let call = self.start(&Request::Exec(req.clone()))?;
         let wait = (req.timeout_ms > 0)
             .then(|| Duration::from_millis(req.timeout_ms).saturating_add(EXEC_GRACE));
@@ -483,13 +489,7 @@ impl AgentClient {
         tty: Option<(u16, u16)>,
         window: u32,
     ) -> Result<ExecHandle, AgentError> {
-        if req.stdin.len() > proto::MAX_STDIN {
-            return Err(AgentError::TooLarge(format!(
-                "stdin of {} bytes (at most {})",
-                req.stdin.len(),
-                proto::MAX_STDIN
-            )));
-        }
+        check_stdin(req)?;
         let call = self.start(&Request::Spawn {
             exec: req.clone(),
             tty,

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
 use crate::exec::{ExecEvent, ExecResult};
-use crate::{Error, Result};
+use crate::{Error, Result, Tty};
 
 /// A process's id in its sandbox: unique for the sandbox's life, never reused.
 pub type ProcessId = u64;
@@ -325,6 +325,51 @@ impl Process {
     }
 }
 
+/// Closes a process's input in `slot`: a pipe is dropped (its reader sees the end); a
+/// terminal (`tty`) stays open and gets the end-of-file character (Ctrl-D), which a reader in
+/// canonical mode takes as the end. For backends' [`ProcessControl::close_stdin`].
+pub async fn close_input<W>(slot: &tokio::sync::Mutex<Option<W>>, tty: bool) -> Result<()>
+where
+    W: tokio::io::AsyncWrite + Unpin + Send,
+{
+    use tokio::io::AsyncWriteExt;
+    let mut g = slot.lock().await;
+    if tty {
+        if let Some(input) = g.as_mut() {
+            let _ = input.write_all(b"\x04").await;
+        }
+    } else {
+        g.take();
+    }
+    Ok(())
+}
+
+/// The error for resizing process `id`, which has no terminal.
+pub fn no_terminal(id: ProcessId) -> Error {
+    Error::invalid(
+        "tty",
+        format!("process {id} has no terminal to resize (spawn it with ExecRequest::tty)"),
+    )
+}
+
+/// Resizes the terminal `master` of process `id` (`None`: it has none, [`no_terminal`];
+/// `ended`: [`Error::ProcessExited`]). For backends' [`ProcessControl::resize`].
+pub fn resize_terminal(
+    id: ProcessId,
+    master: Option<&crate::PtyMaster>,
+    ended: bool,
+    size: Tty,
+) -> Result<()> {
+    let Some(m) = master else {
+        return Err(no_terminal(id));
+    };
+    if ended {
+        return Err(Error::ProcessExited { id });
+    }
+    m.resize(size)
+        .map_err(|e| Error::io("resize the terminal", e))
+}
+
 /// For backends: writes `data` to a process's input held in `slot` (`None` once closed),
 /// waiting while it is full. [`Error::ProcessExited`] when the process `ended`, the input
 /// was closed, or nothing reads it any more (the slot is then emptied).
@@ -457,6 +502,19 @@ impl ProcessTable {
     /// Every process: the running ones and the last ones that ended, by id.
     pub fn list(&self) -> Vec<ProcessInfo> {
         self.lock().procs.values().cloned().collect()
+    }
+
+    /// The running processes for a person: ``1 (`sleep 9`), 3 (`python3 -m http.server`)``;
+    /// `None` when none runs (what a backend that cannot snapshot them names in its refusal).
+    pub fn running_summary(&self) -> Option<String> {
+        let running: Vec<String> = self
+            .lock()
+            .procs
+            .values()
+            .filter(|p| p.state == ProcessState::Running)
+            .map(|p| format!("{} (`{}`)", p.id, p.command))
+            .collect();
+        (!running.is_empty()).then(|| running.join(", "))
     }
 
     /// Whether `id` is known and still running.
@@ -610,6 +668,9 @@ mod tests {
         t.exited(a, Some(143));
         let e = t.signal(a, Signal::Terminate).await.unwrap_err();
         assert!(matches!(e, Error::ProcessExited { id } if id == a), "{e}");
+        assert_eq!(t.running_summary(), None);
+        let b = t.start("sleep 8");
+        assert_eq!(t.running_summary(), Some(format!("{b} (`sleep 8`)")));
         for never_given in [0, 42] {
             let e = t.signal(never_given, Signal::Terminate).await.unwrap_err();
             assert!(matches!(e, Error::NotFound { .. }), "{never_given}: {e}");

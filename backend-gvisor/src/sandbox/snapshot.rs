@@ -27,13 +27,7 @@ impl Inner {
         self.alive()?;
         // A background process's stdio are host pipes: runsc checkpoints them but cannot
         // restore them, so the sandbox would not come back. Refuse, losing nothing.
-        let running: Vec<String> = self
-            .procs
-            .list()
-            .into_iter()
-            .filter(|p| p.state == sandbox_core::ProcessState::Running)
-            .map(|p| format!("{} (`{}`)", p.id, p.command))
-            .collect();
+        let running = self.procs.running_summary();
         let relays = self.relays.load(Ordering::SeqCst);
         if relays > 0 {
             // The same for a published port's relay (see `ports`).
@@ -45,13 +39,13 @@ impl Inner {
                 ),
             ));
         }
-        if !running.is_empty() {
+        if let Some(running) = running {
             return Err(Error::unsupported(
                 TIER,
                 format!(
                     "snapshots while background processes run (gVisor cannot restore their \
                      host pipes): stop process {} first",
-                    running.join(", ")
+                    running
                 ),
             ));
         }

@@ -82,13 +82,7 @@ impl ProcessControl for Control {
 
     async fn resize(&self, tty: Tty) -> Result<()> {
         if !self.tty {
-            return Err(Error::invalid(
-                "tty",
-                format!(
-                    "process {} has no terminal to resize (spawn it with ExecRequest::tty)",
-                    self.id
-                ),
-            ));
+            return Err(sandbox_core::process::no_terminal(self.id));
         }
         self.call(move |a, t| a.resize(t, tty.rows, tty.cols, CONTROL_TIMEOUT))
             .await

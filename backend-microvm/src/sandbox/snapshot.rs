@@ -170,21 +170,14 @@ impl Inner {
         // A background process talks to its handle over the agent channel as it runs (a
         // `Spawn` stays in flight): the restored VM's agent would go on with a channel that
         // no handle reads. Refuse, losing nothing.
-        let running: Vec<String> = self
-            .procs
-            .list()
-            .into_iter()
-            .filter(|p| p.state == sandbox_core::ProcessState::Running)
-            .map(|p| format!("{} (`{}`)", p.id, p.command))
-            .collect();
-        if !running.is_empty() {
+        if let Some(running) = self.procs.running_summary() {
             return Err(Error::unsupported(
                 TIER,
                 format!(
                     "snapshots while background processes run (their output and input travel \
                      on the agent channel, which a restored VM cannot carry on): stop process \
                      {} first",
-                    running.join(", ")
+                    running
                 ),
             ));
         }
