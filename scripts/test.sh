@@ -99,12 +99,13 @@ step "the image tests' Debian userland (mmdebstrap; built once into /var/tmp/age
 test_image="$(scripts/test-image.sh)"
 
 step "Python clients the server tests drive (a venv, cached in /var/tmp/agent-sandbox-pyenv)"
-# openapi-spec-validator checks the document `agent-sandbox serve` publishes.
+# openapi-spec-validator checks the document `agent-sandbox serve` publishes; `mcp`, the
+# official MCP Python SDK, drives `agent-sandbox mcp`.
 py_env=/var/tmp/agent-sandbox-pyenv
-if ! "$py_env/bin/python" -c 'import openapi_spec_validator' 2>/dev/null; then
+if ! "$py_env/bin/python" -c 'import openapi_spec_validator, mcp' 2>/dev/null; then
   rm -rf "$py_env"
   /usr/bin/python3 -m venv "$py_env"
-  "$py_env/bin/pip" install -q 'openapi-spec-validator==0.9.*'
+  "$py_env/bin/pip" install -q 'openapi-spec-validator==0.9.*' 'mcp==2.3.*'
 fi
 export AGENT_SANDBOX_TEST_PYTHON="$py_env/bin/python"
 

@@ -60,6 +60,9 @@ enum Cmd {
     /// Serve sandboxes over an HTTP API (TCP with a bearer token, or a Unix socket) until
     /// SIGTERM or Ctrl-C; then destroy them. See docs/server.md.
     Serve(serve_cmd::ServeArgs),
+    /// Serve sandboxes as MCP tools (run_code, exec, files...) on stdin/stdout, for agents
+    /// that speak the Model Context Protocol. See docs/server.md.
+    Mcp,
     /// Pull, list and remove OCI images in the local cache.
     #[command(subcommand)]
     Image(image_cmd::ImageCmd),
@@ -574,6 +577,16 @@ async fn async_main(cli: Cli) -> ExitCode {
         Cmd::Image(cmd) => image_cmd::run(cmd).await,
         Cmd::Shell(args) => shell_cmd::run(args).await,
         Cmd::Serve(args) => serve_cmd::run(args).await,
+        Cmd::Mcp => {
+            match agent_sandbox::server::mcp::serve_stdio(std::sync::Arc::new(cli_runtime())).await
+            {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("agent-sandbox mcp: {e}");
+                    ExitCode::from(EXIT_SANDBOX_FAILED)
+                }
+            }
+        }
         Cmd::Bench(cmd) => bench_cmd::run(&cli_runtime(), cmd).await,
     }
 }

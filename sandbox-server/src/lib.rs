@@ -15,12 +15,16 @@
 //! - **Shutdown** ([`Server::serve`] with a shutdown future): stop accepting, let in-flight
 //!   requests finish, then destroy every sandbox this server made.
 //!
+//! - **MCP** ([`mcp`]): the same sandboxes as tools for agents, over stdio
+//!   (`agent-sandbox mcp`), on `rmcp`, the official Rust MCP SDK.
+//!
 //! The server takes its sandboxes from a [`Provider`] (the facade's `Runtime` is one), so it
 //! has no engine of its own.
 
 pub mod api;
 pub mod auth;
 pub mod error;
+pub mod mcp;
 pub mod openapi;
 mod routes;
 
