@@ -127,13 +127,32 @@ async fn create(
         labels: body.labels,
         created_at,
     };
-    s.lock().insert(
-        info.id.clone(),
-        Arc::new(Entry {
-            sandbox,
-            info: info.clone(),
-        }),
-    );
+    let admitted = {
+        let mut all = s.lock();
+        // Checked again: creates that raced past the first check may have filled it.
+        let room = all.len() < s.config.max_sandboxes;
+        if room {
+            all.insert(
+                info.id.clone(),
+                Arc::new(Entry {
+                    sandbox: Arc::clone(&sandbox),
+                    info: info.clone(),
+                }),
+            );
+        }
+        room
+    };
+    if !admitted {
+        let _ = sandbox.destroy().await;
+        return Err(ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "resource_exhausted",
+            format!(
+                "this server holds its limit of {} sandboxes; destroy one first",
+                s.config.max_sandboxes
+            ),
+        ));
+    }
     Ok((StatusCode::CREATED, Json(info)))
 }
 

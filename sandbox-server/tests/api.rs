@@ -307,6 +307,17 @@ async fn bad_requests_get_clear_errors_and_the_server_goes_on() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sandbox_limit_is_kept_and_said() {
+    let r = start(ServerConfig::default().max_sandboxes(1)).await;
+    let (code, _) = r.json("POST", "/v1/sandboxes", Some(SHELL)).await;
+    assert_eq!(code, 201);
+    let (code, e) = r.json("POST", "/v1/sandboxes", Some(SHELL)).await;
+    assert_eq!((code, kind(&e)), (429, "resource_exhausted"), "{e}");
+    assert_eq!(r.server.sandbox_ids().len(), 1);
+    r.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_documented_operation_is_routed_and_the_document_is_served() {
     let r = start(ServerConfig::default()).await;
     let (code, doc) = r.json("GET", "/v1/openapi.json", None).await;
