@@ -35,6 +35,11 @@ pub(crate) struct ServeArgs {
     /// Most live sandboxes.
     #[arg(long, value_name = "N", default_value_t = 1000)]
     max_sandboxes: usize,
+    /// Let clients' specs reach into this host: `rootfs`, host `mounts`, a host-directory
+    /// workspace, `pass_env`, `secrets`, images from local paths. Off: such specs are
+    /// refused (403).
+    #[arg(long)]
+    allow_host_access: bool,
 }
 
 /// Where a generated token goes.
@@ -73,7 +78,8 @@ fn write_token(path: &std::path::Path) -> std::io::Result<Token> {
 pub(crate) async fn run(args: ServeArgs) -> ExitCode {
     let config = ServerConfig::default()
         .body_limit(args.body_limit.saturating_mul(1 << 20))
-        .max_sandboxes(args.max_sandboxes);
+        .max_sandboxes(args.max_sandboxes)
+        .allow_host_access(args.allow_host_access);
     let server = Server::new(Arc::new(crate::cli_runtime()), config);
     let (listener, shown) = match (&args.unix, args.listen) {
         (Some(path), _) => {

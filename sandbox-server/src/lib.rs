@@ -62,6 +62,12 @@ pub struct ServerConfig {
     pub request_timeout: Duration,
     /// Most live sandboxes. Default 1000.
     pub max_sandboxes: usize,
+    /// Whether clients may give specs that reach into the server's host: a `rootfs` or host
+    /// `mounts`, a host-directory workspace, `pass_env`, `secrets` (resolved from the
+    /// server's secret source), or an image from a local path (`oci:`, `docker-archive:`).
+    /// Default `false`: such a spec is refused (403, `forbidden`), so a token grants
+    /// sandboxes, not the server's files or environment.
+    pub allow_host_access: bool,
 }
 
 impl Default for ServerConfig {
@@ -70,6 +76,7 @@ impl Default for ServerConfig {
             body_limit: 64 << 20,
             request_timeout: Duration::from_secs(15 * 60),
             max_sandboxes: 1000,
+            allow_host_access: false,
         }
     }
 }
@@ -87,11 +94,46 @@ impl ServerConfig {
         self
     }
 
+    /// Sets [`allow_host_access`](Self::allow_host_access).
+    pub fn allow_host_access(mut self, allow: bool) -> Self {
+        self.allow_host_access = allow;
+        self
+    }
+
     /// Sets [`max_sandboxes`](Self::max_sandboxes).
     pub fn max_sandboxes(mut self, n: usize) -> Self {
         self.max_sandboxes = n;
         self
     }
+}
+
+/// What in `spec` reaches into the server's host (see
+/// [`ServerConfig::allow_host_access`]), named; `None` when nothing does.
+pub fn host_access(spec: &SandboxSpec) -> Option<&'static str> {
+    if spec.rootfs.is_some() {
+        return Some("`rootfs` (a directory of the server's host)");
+    }
+    if !spec.mounts.is_empty() {
+        return Some("`mounts` (paths of the server's host)");
+    }
+    if !matches!(spec.workspace, sandbox_core::Workspace::Empty) {
+        return Some("a host-directory `workspace`");
+    }
+    if !spec.pass_env.is_empty() {
+        return Some("`pass_env` (the server's environment)");
+    }
+    if !spec.secrets.is_empty() {
+        return Some("`secrets` (resolved from the server's secret source)");
+    }
+    if matches!(
+        spec.image,
+        Some(
+            sandbox_core::ImageRef::OciLayout { .. } | sandbox_core::ImageRef::DockerArchive { .. }
+        )
+    ) {
+        return Some("an image from a local path (`oci:` or `docker-archive:`)");
+    }
+    None
 }
 
 /// One sandbox the server owns.

@@ -22,6 +22,7 @@ fn error_responses() -> Value {
     json!({
         "400": { "$ref": "#/components/responses/Error" },
         "401": { "$ref": "#/components/responses/Error" },
+        "403": { "$ref": "#/components/responses/Error" },
         "404": { "$ref": "#/components/responses/Error" },
         "413": { "$ref": "#/components/responses/Error" },
         "default": { "$ref": "#/components/responses/Error" }

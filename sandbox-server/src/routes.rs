@@ -106,6 +106,16 @@ async fn create(
     State(s): State<Arc<Shared>>,
     JsonBody(body): JsonBody<CreateSandbox>,
 ) -> Result<(StatusCode, Json<SandboxInfo>), ApiError> {
+    if let (false, Some(what)) = (s.config.allow_host_access, crate::host_access(&body.spec)) {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            format!(
+                "{what} is not granted to API clients: a token grants sandboxes, not the \
+                 server's host (start the server with --allow-host-access to grant it)"
+            ),
+        ));
+    }
     if s.lock().len() >= s.config.max_sandboxes {
         return Err(ApiError::new(
             StatusCode::TOO_MANY_REQUESTS,

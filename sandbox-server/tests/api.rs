@@ -253,6 +253,27 @@ async fn bad_requests_get_clear_errors_and_the_server_goes_on() {
         e["error"]["message"].as_str().unwrap().contains("tire"),
         "{e}"
     );
+    // A spec reaching into the server's host is refused, naming what.
+    for (spec, what) in [
+        (
+            r#"{"language": "shell", "mounts": [{"source": "/etc", "target": "/h"}]}"#,
+            "mounts",
+        ),
+        (r#"{"language": "shell", "pass_env": ["HOME"]}"#, "pass_env"),
+        (r#"{"language": "shell", "rootfs": "/"}"#, "rootfs"),
+        (
+            r#"{"language": "shell", "image": "oci:/var/lib/x"}"#,
+            "local path",
+        ),
+    ] {
+        let body = format!(r#"{{"spec": {spec}}}"#);
+        let (code, e) = r.json("POST", "/v1/sandboxes", Some(&body)).await;
+        assert_eq!((code, kind(&e)), (403, "forbidden"), "{spec}: {e}");
+        assert!(
+            e["error"]["message"].as_str().unwrap().contains(what),
+            "{e}"
+        );
+    }
     let (code, e) = r
         .json(
             "POST",
