@@ -68,7 +68,8 @@ fi
 # python3-requests, python3-pip, curl: clients the proxy-held secrets tests run in sandboxes
 # (agent-sandbox/tests/secret_clients.rs; git too, with the host's git-http-backend).
 # tmux: the terminal agent-sandbox/tests/shell.rs types into.
-APT_PACKAGES=(python3 python3-requests python3-pip curl git util-linux procps iproute2 nftables runsc busybox-static acpica-tools qemu-system-x86 docker-registry skopeo mmdebstrap tmux)
+# python3-venv: the venv of Python clients the server tests drive (see below).
+APT_PACKAGES=(python3 python3-requests python3-pip python3-venv curl git util-linux procps iproute2 nftables runsc busybox-static acpica-tools qemu-system-x86 docker-registry skopeo mmdebstrap tmux)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

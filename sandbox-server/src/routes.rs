@@ -117,14 +117,7 @@ async fn create(
         ));
     }
     if s.lock().len() >= s.config.max_sandboxes {
-        return Err(ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "resource_exhausted",
-            format!(
-                "this server holds its limit of {} sandboxes; destroy one first",
-                s.config.max_sandboxes
-            ),
-        ));
+        return Err(full(s.config.max_sandboxes));
     }
     let sandbox: Arc<dyn sandbox_core::Sandbox> =
         Arc::from(s.provider.create(&body.spec, body.tier).await?);
@@ -154,16 +147,18 @@ async fn create(
     };
     if !admitted {
         let _ = sandbox.destroy().await;
-        return Err(ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "resource_exhausted",
-            format!(
-                "this server holds its limit of {} sandboxes; destroy one first",
-                s.config.max_sandboxes
-            ),
-        ));
+        return Err(full(s.config.max_sandboxes));
     }
     Ok((StatusCode::CREATED, Json(info)))
+}
+
+/// The server holds `max` sandboxes already.
+fn full(max: usize) -> ApiError {
+    ApiError::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        "resource_exhausted",
+        format!("this server holds its limit of {max} sandboxes; destroy one first"),
+    )
 }
 
 async fn list(
