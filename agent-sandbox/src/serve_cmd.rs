@@ -83,7 +83,12 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
     let server = Server::new(Arc::new(crate::cli_runtime()), config);
     let (listener, shown) = match (&args.unix, args.listen) {
         (Some(path), _) => {
-            let _ = std::fs::remove_file(path);
+            // A socket left by an earlier server goes; any other file there is the user's and
+            // stays (the bind then fails, saying so).
+            use std::os::unix::fs::FileTypeExt;
+            if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
+                let _ = std::fs::remove_file(path);
+            }
             let l = match tokio::net::UnixListener::bind(path) {
                 Ok(l) => l,
                 Err(e) => {
