@@ -26,6 +26,26 @@ fn screen_with(session: &str, needle: &str) -> String {
     panic!("{needle:?} never showed; the screen:\n{screen}");
 }
 
+/// Waits until the shell's prompt (`$`, trimmed by capture-pane) is the last line on the
+/// screen: keys typed while a program is still exiting may be read, or flushed, by it.
+fn prompt(session: &str) {
+    let mut screen = String::new();
+    for _ in 0..600 {
+        screen = tmux(&["capture-pane", "-p", "-t", session]);
+        if screen
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .map(str::trim)
+            == Some("$")
+        {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("the prompt never came back; the screen:\n{screen}");
+}
+
 fn keys(session: &str, keys: &[&str]) {
     let mut args = vec!["send-keys", "-t", session];
     args.extend_from_slice(keys);
@@ -103,7 +123,7 @@ fn shell_session(tier: &str) {
     tmux(&["set-option", "-t", &session, "status", "off"]);
     let s = session.as_str();
     // The prompt (`$ `; capture-pane trims the space).
-    screen_with(s, "$");
+    prompt(s);
     keys(s, &["stty size; echo shown-$((2*3))", "Enter"]);
     let screen = screen_with(s, "shown-6");
     assert!(screen.contains("30 100"), "{screen}");
@@ -118,11 +138,24 @@ fn shell_session(tier: &str) {
     keys(s, &["print(6*7)", "Enter"]);
     screen_with(s, "\n42\n");
     keys(s, &["C-d"]);
+    prompt(s);
     keys(s, &["clear", "Enter"]);
+    prompt(s);
 
     tmux(&["resize-window", "-t", s, "-x", "120", "-y", "40"]);
-    keys(s, &["stty size", "Enter"]);
-    screen_with(s, "40 120");
+    // The new size travels tmux -> CLI (SIGWINCH) -> sandbox terminal; ask until it has
+    // arrived rather than racing it.
+    let mut resized = false;
+    for _ in 0..20 {
+        keys(s, &["stty size", "Enter"]);
+        prompt(s);
+        if tmux(&["capture-pane", "-p", "-t", s]).contains("40 120") {
+            resized = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert!(resized, "{}", tmux(&["capture-pane", "-p", "-t", s]));
 
     // Ctrl-C goes to the sandbox's foreground job, not to the CLI.
     keys(s, &["sleep 1000", "Enter"]);
