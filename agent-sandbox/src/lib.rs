@@ -57,6 +57,18 @@ impl server::Provider for Runtime {
         };
         Runtime::create(self, spec, choice).await
     }
+
+    async fn restore(
+        &self,
+        store: &dyn sandbox_core::SnapshotStore,
+        id: &sandbox_core::SnapshotId,
+    ) -> Result<Box<dyn Sandbox>> {
+        Runtime::restore(self, store, id).await
+    }
+
+    fn capabilities(&self, tier: Tier) -> Option<sandbox_core::Capabilities> {
+        self.backend(tier).map(|b| b.capabilities())
+    }
 }
 
 /// The microVM tier's crate (the VMM, guest installer, probe), when built in.

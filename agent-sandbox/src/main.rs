@@ -62,7 +62,7 @@ enum Cmd {
     Serve(serve_cmd::ServeArgs),
     /// Serve sandboxes as MCP tools (run_code, exec, files...) on stdin/stdout, for agents
     /// that speak the Model Context Protocol. See docs/server.md.
-    Mcp,
+    Mcp(serve_cmd::McpArgs),
     /// Pull, list and remove OCI images in the local cache.
     #[command(subcommand)]
     Image(image_cmd::ImageCmd),
@@ -577,9 +577,16 @@ async fn async_main(cli: Cli) -> ExitCode {
         Cmd::Image(cmd) => image_cmd::run(cmd).await,
         Cmd::Shell(args) => shell_cmd::run(args).await,
         Cmd::Serve(args) => serve_cmd::run(args).await,
-        Cmd::Mcp => {
-            match agent_sandbox::server::mcp::serve_stdio(std::sync::Arc::new(cli_runtime())).await
-            {
+        Cmd::Mcp(args) => {
+            let store = match serve_cmd::snapshot_store(args.state_dir.as_deref()) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("agent-sandbox mcp: {e}");
+                    return ExitCode::from(EXIT_USAGE);
+                }
+            };
+            let runtime = std::sync::Arc::new(cli_runtime());
+            match agent_sandbox::server::mcp::serve_stdio(runtime, Some(store)).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {
                     eprintln!("agent-sandbox mcp: {e}");

@@ -40,6 +40,50 @@ pub(crate) struct ServeArgs {
     /// refused (403).
     #[arg(long)]
     allow_host_access: bool,
+    /// Where the server keeps its state: snapshots go to `DIR/snapshots`. Default
+    /// `$XDG_STATE_HOME/agent-sandbox` (else `~/.local/state/agent-sandbox`).
+    #[arg(long, value_name = "DIR")]
+    state_dir: Option<PathBuf>,
+}
+
+/// `agent-sandbox mcp`.
+#[derive(clap::Args, Debug)]
+pub(crate) struct McpArgs {
+    /// Where the `snapshot` and `restore` tools keep snapshots: `DIR/snapshots`. Default
+    /// `$XDG_STATE_HOME/agent-sandbox` (else `~/.local/state/agent-sandbox`).
+    #[arg(long, value_name = "DIR")]
+    pub(crate) state_dir: Option<PathBuf>,
+}
+
+/// The state directory: `dir`, else `$XDG_STATE_HOME/agent-sandbox`, else
+/// `~/.local/state/agent-sandbox`.
+fn state_dir(dir: Option<&std::path::Path>) -> Result<PathBuf, String> {
+    if let Some(d) = dir {
+        return Ok(d.to_path_buf());
+    }
+    if let Some(d) = std::env::var_os("XDG_STATE_HOME").filter(|d| !d.is_empty()) {
+        return Ok(PathBuf::from(d).join("agent-sandbox"));
+    }
+    match std::env::var_os("HOME").filter(|d| !d.is_empty()) {
+        Some(h) => Ok(PathBuf::from(h).join(".local/state/agent-sandbox")),
+        None => Err("no state directory: set HOME or XDG_STATE_HOME, or give --state-dir".into()),
+    }
+}
+
+/// The snapshot store in the state directory (made `0700` if new).
+pub(crate) fn snapshot_store(
+    dir: Option<&std::path::Path>,
+) -> Result<Arc<dyn agent_sandbox::SnapshotStore>, String> {
+    use std::os::unix::fs::DirBuilderExt;
+    let dir = state_dir(dir)?.join("snapshots");
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&dir)
+        .map_err(|e| format!("make the snapshot directory {}: {e}", dir.display()))?;
+    let store = agent_sandbox::ObjectSnapshotStore::local(&dir)
+        .map_err(|e| format!("open the snapshot store in {}: {e}", dir.display()))?;
+    Ok(Arc::new(store))
 }
 
 /// Where a generated token goes.
@@ -76,7 +120,15 @@ fn write_token(path: &std::path::Path) -> std::io::Result<Token> {
 }
 
 pub(crate) async fn run(args: ServeArgs) -> ExitCode {
+    let store = match snapshot_store(args.state_dir.as_deref()) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("agent-sandbox serve: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
     let config = ServerConfig::default()
+        .snapshot_store(store)
         .body_limit(args.body_limit.saturating_mul(1 << 20))
         .max_sandboxes(args.max_sandboxes)
         .allow_host_access(args.allow_host_access);

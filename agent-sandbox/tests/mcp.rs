@@ -1,28 +1,74 @@
-//! `agent-sandbox mcp` driven by the official MCP Python SDK (`mcp` from PyPI) over stdio:
-//! the tools are listed, Python run twice in one session keeps its variable, a file goes in
-//! and out, an escaping path and an unknown session are tool errors, a timeout says so, and a
-//! destroyed session is gone. `scripts/test.sh` installs the SDK in a venv and sets
-//! `AGENT_SANDBOX_TEST_PYTHON`; without it the test says so and skips.
+//! agent-sandbox's MCP server driven by the official MCP Python SDK (`mcp` from PyPI), over
+//! stdio (`agent-sandbox mcp`) and over streamable HTTP (`agent-sandbox serve`'s `/mcp`): the
+//! tools are listed, Python run twice in one session keeps its variable, a file goes in and
+//! out, a snapshot restores into a new session with the file, an escaping path, a bad
+//! snapshot id and an unknown session are tool errors, a timeout says so, and a destroyed
+//! session is gone. `scripts/test.sh` installs the SDK in a venv and sets
+//! `AGENT_SANDBOX_TEST_PYTHON`; without it the tests say so and skip.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod served;
+
+use std::ffi::OsString;
 use std::process::Command;
 
-#[test]
-fn the_official_python_sdk_runs_code_in_a_session() {
-    let Some(python) = std::env::var_os("AGENT_SANDBOX_TEST_PYTHON") else {
+fn python() -> Option<OsString> {
+    let p = std::env::var_os("AGENT_SANDBOX_TEST_PYTHON");
+    if p.is_none() {
         eprintln!(
             "SKIP: AGENT_SANDBOX_TEST_PYTHON is not set (scripts/test.sh sets it to a venv with \
              the `mcp` SDK)"
         );
-        return;
-    };
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/mcp/client.py");
+    }
+    p
+}
+
+#[test]
+fn the_official_python_sdk_runs_code_in_a_session_over_stdio() {
+    let Some(python) = python() else { return };
+    let state = tempfile::tempdir().unwrap();
     let out = Command::new(python)
-        .arg(script)
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/mcp/client.py"))
+        .arg("stdio")
         .arg(env!("CARGO_BIN_EXE_agent-sandbox"))
+        .arg(state.path())
         .output()
         .unwrap();
+    check(out);
+}
+
+#[test]
+fn the_official_python_sdk_runs_code_in_a_session_over_streamable_http() {
+    let Some(python) = python() else { return };
+    let s = served::serve();
+    let out = Command::new(python)
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/mcp/client.py"))
+        .arg("http")
+        .arg(format!("{}/mcp", s.base))
+        .arg(&s.token)
+        .output()
+        .unwrap();
+    check(out);
+    // Without the token: refused, like the rest of the API.
+    let (code, _) = served::curl(&s, "GET", "/v1/openapi.json", None);
+    assert_eq!(code, 200);
+    let refused = Command::new("curl")
+        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "-X", "POST"])
+        .args(["-H", "Content-Type: application/json"])
+        .args(["-H", "Accept: application/json, text/event-stream"])
+        .args([
+            "--data-binary",
+            r#"{"jsonrpc":"2.0","id":1,"method":"tools/list"}"#,
+        ])
+        .arg(format!("{}/mcp", s.base))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&refused.stdout), "401");
+}
+
+/// What the client saw, checked.
+fn check(out: std::process::Output) {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -40,7 +86,9 @@ fn the_official_python_sdk_runs_code_in_a_session() {
             "exec",
             "list_files",
             "read_file",
+            "restore",
             "run_code",
+            "snapshot",
             "write_file"
         ])
     );
@@ -54,6 +102,14 @@ fn the_official_python_sdk_runs_code_in_a_session() {
     assert!(!error("write"));
     assert_eq!(text("read"), "hello");
     assert!(text("list").contains("b.txt"), "{}", text("list"));
+    assert!(
+        text("snapshot").starts_with("snapshot: "),
+        "{}",
+        text("snapshot")
+    );
+    assert!(!error("restore"), "{}", text("restore"));
+    assert_eq!(text("restored_read"), "hello");
+    assert!(error("bad_restore") && text("bad_restore").contains("not a snapshot id"));
     assert!(error("escape"), "{}", text("escape"));
     assert!(
         text("timeout").contains("stopped by a limit: wall-time"),

@@ -6,99 +6,12 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::{BufRead, BufReader};
-use std::os::unix::fs::PermissionsExt;
-use std::process::{Child, Command, Stdio};
+mod served;
+
+use std::process::Command;
 use std::time::Duration;
 
-fn container_available() -> Option<String> {
-    let out = Command::new(env!("CARGO_BIN_EXE_agent-sandbox"))
-        .args(["probe", "--json"])
-        .output()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let t = v["tiers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|t| t["tier"] == "container")
-        .cloned()
-        .unwrap_or_default();
-    if t["available"] == true {
-        None
-    } else {
-        Some(t["reason"].as_str().unwrap_or("not built in").to_string())
-    }
-}
-
-/// The server: its process, base URL and token.
-struct Serve {
-    child: Child,
-    base: String,
-    token: String,
-    _dir: tempfile::TempDir,
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn serve() -> Serve {
-    let dir = tempfile::tempdir().unwrap();
-    let token = "t".repeat(40);
-    let file = dir.path().join("token");
-    std::fs::write(&file, &token).unwrap();
-    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_agent-sandbox"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--token-file"])
-        .arg(&file)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // "listening on http://127.0.0.1:PORT (bearer token in FILE)"
-    let mut line = String::new();
-    BufReader::new(child.stderr.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let base = line
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_string();
-    Serve {
-        child,
-        base,
-        token,
-        _dir: dir,
-    }
-}
-
-fn curl(s: &Serve, method: &str, path: &str, body: Option<&str>) -> (u16, serde_json::Value) {
-    let mut c = Command::new("curl");
-    c.args([
-        "-sS",
-        "--max-time",
-        "120",
-        "-w",
-        "\n%{http_code}",
-        "-X",
-        method,
-    ])
-    .arg("-H")
-    .arg(format!("Authorization: Bearer {}", s.token));
-    if let Some(b) = body {
-        c.args(["-H", "Content-Type: application/json", "--data-binary", b]);
-    }
-    let out = c.arg(format!("{}{path}", s.base)).output().unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (body, code) = text.rsplit_once('\n').unwrap();
-    let v = serde_json::from_str(body).unwrap_or(serde_json::Value::String(body.into()));
-    (code.trim().parse().unwrap(), v)
-}
+use served::{container_available, curl, serve};
 
 #[test]
 fn the_cli_serves_container_sandboxes_to_curl_and_cleans_up_on_sigterm() {
@@ -183,4 +96,80 @@ fn the_openapi_document_is_valid() {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+#[test]
+fn container_sandboxes_pause_when_idle_resume_on_use_and_fork_from_a_snapshot() {
+    if let Some(why) = container_available() {
+        eprintln!("SKIP: the container tier is not available here: {why}");
+        return;
+    }
+    let s = serve();
+    let (code, info) = curl(
+        &s,
+        "POST",
+        "/v1/sandboxes",
+        Some(
+            r#"{"spec": {"language": "shell"}, "tier": "container",
+                "lifetime": {"idle_timeout_s": 1, "on_idle": "pause"}}"#,
+        ),
+    );
+    assert_eq!(code, 201, "{info}");
+    let id = info["id"].as_str().unwrap().to_string();
+    let (code, out) = curl(
+        &s,
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(r#"{"code": "echo kept > state.txt; echo ok"}"#),
+    );
+    assert_eq!((code, &out["stdout"]), (200, &"ok\n".into()), "{out}");
+    // Idle: paused by the server (polled, 20 s at most).
+    let mut state = serde_json::Value::Null;
+    for _ in 0..200 {
+        state = curl(&s, "GET", &format!("/v1/sandboxes/{id}"), None).1["state"].clone();
+        if state == "paused" {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(state, "paused");
+    // The next request resumes it.
+    let (code, out) = curl(
+        &s,
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(r#"{"code": "cat state.txt"}"#),
+    );
+    assert_eq!((code, &out["stdout"]), (200, &"kept\n".into()), "{out}");
+
+    // Snapshot it and fork two: each has the file, in a container of its own.
+    let (code, snap) = curl(&s, "POST", &format!("/v1/sandboxes/{id}/snapshot"), None);
+    assert_eq!((code, &snap["tier"]), (201, &"container".into()), "{snap}");
+    let sid = snap["id"].as_str().unwrap();
+    let (code, forked) = curl(
+        &s,
+        "POST",
+        &format!("/v1/snapshots/{sid}/fork"),
+        Some(r#"{"count": 2}"#),
+    );
+    assert_eq!(code, 201, "{forked}");
+    for f in forked["sandboxes"].as_array().unwrap() {
+        assert_eq!(f["tier"], "container");
+        let (code, out) = curl(
+            &s,
+            "POST",
+            &format!("/v1/sandboxes/{}/exec", f["id"].as_str().unwrap()),
+            Some(r#"{"code": "cat state.txt"}"#),
+        );
+        assert_eq!((code, &out["stdout"]), (200, &"kept\n".into()), "{out}");
+    }
+    // The snapshot lives in the server's state directory.
+    assert!(s
+        .dir
+        .path()
+        .join("snapshots")
+        .read_dir()
+        .unwrap()
+        .next()
+        .is_some());
 }

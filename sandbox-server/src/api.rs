@@ -20,6 +20,52 @@ pub struct CreateSandbox {
     /// Labels to find it by (`GET /v1/sandboxes?label=k=v`).
     #[serde(default)]
     pub labels: BTreeMap<String, String>,
+    /// How long it may live and what happens when it idles (default: until destroyed).
+    #[serde(default)]
+    pub lifetime: LifetimeSpec,
+}
+
+/// A sandbox's lifetime on the server.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LifetimeSpec {
+    /// Seconds after its creation at which it is destroyed, in use or not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttl_s: Option<u64>,
+    /// Seconds without a request using it after which `on_idle` happens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_s: Option<u64>,
+    /// What idling does (default `destroy`).
+    #[serde(default)]
+    pub on_idle: IdleAction,
+}
+
+impl LifetimeSpec {
+    /// Whether it is the default (no TTL, no idle timeout).
+    pub fn is_unbounded(&self) -> bool {
+        self.ttl_s.is_none() && self.idle_timeout_s.is_none()
+    }
+}
+
+/// What an idle timeout does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IdleAction {
+    /// Pause it (tiers with pause/resume); the next request that uses it resumes it.
+    Pause,
+    /// Destroy it.
+    #[default]
+    Destroy,
+}
+
+/// Whether a sandbox runs or is paused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SandboxState {
+    /// Running (or idle, waiting for requests).
+    Running,
+    /// Paused by its idle timeout (or a client); the next request that uses it resumes it.
+    Paused,
 }
 
 /// A sandbox as the API shows it.
@@ -33,6 +79,14 @@ pub struct SandboxInfo {
     pub labels: BTreeMap<String, String>,
     /// When it was created (RFC 3339, UTC).
     pub created_at: String,
+    /// Running or paused.
+    pub state: SandboxState,
+    /// Its lifetime, when it has one.
+    #[serde(default, skip_serializing_if = "LifetimeSpec::is_unbounded")]
+    pub lifetime: LifetimeSpec,
+    /// The snapshot it was restored or forked from, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_snapshot: Option<sandbox_core::SnapshotId>,
 }
 
 /// `GET /v1/sandboxes`.
@@ -114,4 +168,60 @@ impl ExecBody {
 pub struct Listing {
     /// The directory's entries.
     pub entries: Vec<sandbox_core::DirEntry>,
+}
+
+/// `POST /v1/snapshots/{id}/restore`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RestoreBody {
+    /// Labels of the new sandbox.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// Its lifetime.
+    #[serde(default)]
+    pub lifetime: LifetimeSpec,
+}
+
+/// `POST /v1/snapshots/{id}/fork`: `count` sandboxes from one snapshot.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ForkBody {
+    /// How many (1 to 64).
+    pub count: usize,
+    /// Labels of each new sandbox.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    /// The lifetime of each.
+    #[serde(default)]
+    pub lifetime: LifetimeSpec,
+}
+
+/// Most sandboxes one fork request makes.
+pub const MAX_FORK: usize = 64;
+
+/// A snapshot as the API shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotInfo {
+    /// Its id (the SHA-256 of its manifest).
+    pub id: sandbox_core::SnapshotId,
+    /// The tier that took it (and restores it).
+    pub tier: Tier,
+    /// When it was taken (RFC 3339, UTC).
+    pub created_at: String,
+    /// The size of its artifacts in bytes.
+    pub bytes: u64,
+}
+
+/// `GET /v1/snapshots`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotList {
+    /// The snapshots in the server's store.
+    pub snapshots: Vec<SnapshotInfo>,
+}
+
+/// `GET /v1/sandboxes/{id}/network/events`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NetworkEvents {
+    /// The egress decisions so far, oldest first.
+    pub events: Vec<sandbox_core::NetworkEvent>,
 }

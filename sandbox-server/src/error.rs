@@ -80,6 +80,9 @@ impl From<sandbox_core::Error> for ApiError {
             E::Timeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "timeout"),
             E::ResourceExhausted { .. } => (StatusCode::INSUFFICIENT_STORAGE, "resource_exhausted"),
             E::Secret { .. } => (StatusCode::BAD_REQUEST, "secret"),
+            E::Snapshot(sandbox_core::SnapshotError::NotFound(_)) => {
+                (StatusCode::NOT_FOUND, "not_found")
+            }
             E::Snapshot(_) => (StatusCode::UNPROCESSABLE_ENTITY, "snapshot"),
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };

@@ -17,7 +17,9 @@ use rmcp::handler::server::router::tool::ToolRouter;
 use rmcp::handler::server::wrapper::Parameters;
 use rmcp::model::{CallToolResult, ContentBlock, Implementation, ServerCapabilities, ServerConfig};
 use rmcp::{schemars, tool, tool_handler, tool_router, ServerHandler, ServiceExt};
-use sandbox_core::{ExecRequest, ExecResult, Language, Sandbox, SandboxSpec, Tier};
+use sandbox_core::{
+    ExecRequest, ExecResult, Language, Sandbox, SandboxSpec, SnapshotId, SnapshotStore, Tier,
+};
 
 use crate::Provider;
 
@@ -90,10 +92,18 @@ pub struct Session {
     pub session: String,
 }
 
+/// `restore`'s arguments.
+#[derive(Debug, serde::Deserialize, schemars::JsonSchema)]
+pub struct Restore {
+    /// A snapshot id from an earlier `snapshot` answer.
+    pub snapshot: String,
+}
+
 /// The MCP service. Cheap to clone (clones share the sessions).
 #[derive(Clone)]
 pub struct SandboxMcp {
     provider: Arc<dyn Provider>,
+    snapshots: Option<Arc<dyn SnapshotStore>>,
     sessions: Arc<Mutex<HashMap<String, Arc<dyn Sandbox>>>>,
     tool_router: ToolRouter<SandboxMcp>,
 }
@@ -180,9 +190,26 @@ impl SandboxMcp {
     pub fn new(provider: Arc<dyn Provider>) -> SandboxMcp {
         SandboxMcp {
             provider,
+            snapshots: None,
             sessions: Arc::new(Mutex::new(HashMap::new())),
             tool_router: Self::tool_router(),
         }
+    }
+
+    /// Where the `snapshot` and `restore` tools keep snapshots (`None`: those tools answer
+    /// that this server keeps none).
+    pub fn with_snapshot_store(mut self, store: Option<Arc<dyn SnapshotStore>>) -> SandboxMcp {
+        self.snapshots = store;
+        self
+    }
+
+    fn store(&self) -> Result<Arc<dyn SnapshotStore>, CallToolResult> {
+        self.snapshots.clone().ok_or_else(|| {
+            tool_error(
+                "this server keeps no snapshots (start it with a snapshot store: \
+                 `agent-sandbox mcp --state-dir DIR` or `serve --state-dir DIR`)",
+            )
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<dyn Sandbox>>> {
@@ -336,6 +363,50 @@ impl SandboxMcp {
         }
     }
 
+    #[tool(
+        description = "Snapshot a session's sandbox (its files, and its interpreter state where the tier keeps one) and return the snapshot id; `restore` starts new sessions from it."
+    )]
+    async fn snapshot(&self, Parameters(a): Parameters<Session>) -> CallToolResult {
+        let store = match self.store() {
+            Ok(s) => s,
+            Err(e) => return e,
+        };
+        let sb = match self.session(&a.session) {
+            Ok(sb) => sb,
+            Err(e) => return e,
+        };
+        match sb.snapshot(store.as_ref()).await {
+            Ok(id) => text(format!("snapshot: {id}")),
+            Err(e) => tool_error(e.to_string()),
+        }
+    }
+
+    #[tool(description = "Start a new session from a snapshot id and return its session id.")]
+    async fn restore(&self, Parameters(a): Parameters<Restore>) -> CallToolResult {
+        let store = match self.store() {
+            Ok(s) => s,
+            Err(e) => return e,
+        };
+        let Ok(id) = a.snapshot.parse::<SnapshotId>() else {
+            return tool_error(format!(
+                "`{}` is not a snapshot id (64 hex digits, as `snapshot` answers)",
+                a.snapshot
+            ));
+        };
+        if self.lock().len() >= MAX_SESSIONS {
+            return tool_error(format!(
+                "this server holds {MAX_SESSIONS} sessions already: destroy_sandbox one first"
+            ));
+        }
+        let sb: Arc<dyn Sandbox> = match self.provider.restore(store.as_ref(), &id).await {
+            Ok(sb) => Arc::from(sb),
+            Err(e) => return tool_error(e.to_string()),
+        };
+        let session = sb.id().to_string();
+        self.lock().insert(session.clone(), Arc::clone(&sb));
+        text(format!("session: {session}\ntier: {}", sb.tier()))
+    }
+
     #[tool(description = "Destroy a session's sandbox.")]
     async fn destroy_sandbox(&self, Parameters(a): Parameters<Session>) -> CallToolResult {
         let sb = self.lock().remove(&a.session);
@@ -367,8 +438,12 @@ impl ServerHandler for SandboxMcp {
 
 /// Serves MCP on this process's stdin and stdout until the client closes them; then
 /// destroys every sandbox the client made.
-pub async fn serve_stdio(provider: Arc<dyn Provider>) -> std::io::Result<()> {
-    let service = SandboxMcp::new(provider);
+/// `snapshots`: where the `snapshot` and `restore` tools keep snapshots.
+pub async fn serve_stdio(
+    provider: Arc<dyn Provider>,
+    snapshots: Option<Arc<dyn SnapshotStore>>,
+) -> std::io::Result<()> {
+    let service = SandboxMcp::new(provider).with_snapshot_store(snapshots);
     let keep = service.clone();
     let running = service
         .serve(rmcp::transport::stdio())
@@ -377,4 +452,32 @@ pub async fn serve_stdio(provider: Arc<dyn Provider>) -> std::io::Result<()> {
     let r = running.waiting().await.map_err(std::io::Error::other);
     keep.destroy_all().await;
     r.map(|_| ())
+}
+
+/// The MCP endpoint over streamable HTTP (`/mcp`), serving `service`'s sessions to every
+/// client (one principal: whoever passed the caller's token check). `loopback`: keep
+/// `rmcp`'s `Host` header checks (the server listens on loopback; they stop DNS rebinding);
+/// otherwise they are off and the token is the check. Streams end when `stop` is cancelled.
+pub fn http_router(
+    service: SandboxMcp,
+    loopback: bool,
+    body_limit: usize,
+    stop: tokio_util::sync::CancellationToken,
+) -> axum::Router {
+    use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
+    use rmcp::transport::streamable_http_server::{
+        StreamableHttpServerConfig, StreamableHttpService,
+    };
+    let mut config = StreamableHttpServerConfig::default()
+        .with_cancellation_token(stop)
+        .with_max_request_body_bytes(body_limit);
+    if !loopback {
+        config = config.disable_allowed_hosts();
+    }
+    let http = StreamableHttpService::new(
+        move || Ok(service.clone()),
+        Arc::new(LocalSessionManager::default()),
+        config,
+    );
+    axum::Router::new().nest_service("/mcp", http)
 }

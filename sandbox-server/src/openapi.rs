@@ -16,6 +16,16 @@ pub const OPERATIONS: &[(&str, &str)] = &[
     ("put", "/v1/sandboxes/{id}/files/{path}"),
     ("get", "/v1/sandboxes/{id}/files/{path}"),
     ("get", "/v1/sandboxes/{id}/list"),
+    ("post", "/v1/sandboxes/{id}/snapshot"),
+    ("post", "/v1/sandboxes/{id}/pause"),
+    ("post", "/v1/sandboxes/{id}/resume"),
+    ("put", "/v1/sandboxes/{id}/network"),
+    ("get", "/v1/sandboxes/{id}/network/events"),
+    ("get", "/v1/snapshots"),
+    ("get", "/v1/snapshots/{sid}"),
+    ("delete", "/v1/snapshots/{sid}"),
+    ("post", "/v1/snapshots/{sid}/restore"),
+    ("post", "/v1/snapshots/{sid}/fork"),
 ];
 
 fn error_responses() -> Value {
@@ -40,6 +50,12 @@ fn with_errors(mut ok: Value) -> Value {
 
 fn id_param() -> Value {
     json!({ "name": "id", "in": "path", "required": true, "schema": { "type": "string" } })
+}
+
+fn sid_param() -> Value {
+    json!({ "name": "sid", "in": "path", "required": true,
+        "description": "A snapshot id: 64 lower-case hex digits.",
+        "schema": { "type": "string", "pattern": "^[0-9a-f]{64}$" } })
 }
 
 /// The document.
@@ -126,6 +142,59 @@ pub fn document() -> Value {
                       "schema": { "type": "string" } } ],
                 "get": { "operationId": "listFiles", "summary": "List a directory.",
                     "responses": json_ok("200", "Its entries.", "Listing") }
+            },
+            "/v1/sandboxes/{id}/snapshot": {
+                "parameters": [ id_param() ],
+                "post": { "operationId": "snapshotSandbox",
+                    "summary": "Snapshot a sandbox into the server's store (what a snapshot keeps depends on the tier: files, and memory where the tier checkpoints).",
+                    "responses": json_ok("201", "The snapshot.", "SnapshotInfo") }
+            },
+            "/v1/sandboxes/{id}/pause": {
+                "parameters": [ id_param() ],
+                "post": { "operationId": "pauseSandbox",
+                    "summary": "Pause every process of a sandbox; the next request that uses it resumes it (409 while another request uses it).",
+                    "responses": with_errors(json!({ "204": { "description": "Paused." } })) }
+            },
+            "/v1/sandboxes/{id}/resume": {
+                "parameters": [ id_param() ],
+                "post": { "operationId": "resumeSandbox", "summary": "Resume a paused sandbox (a running one: nothing happens).",
+                    "responses": with_errors(json!({ "204": { "description": "Running." } })) }
+            },
+            "/v1/sandboxes/{id}/network": {
+                "parameters": [ id_param() ],
+                "put": { "operationId": "setNetworkPolicy",
+                    "summary": "Replace the network policy (sandboxes created with a policy other than deny-all); the next connection is decided by the new one.",
+                    "requestBody": json_body("NetworkPolicy"),
+                    "responses": with_errors(json!({ "204": { "description": "Replaced." } })) }
+            },
+            "/v1/sandboxes/{id}/network/events": {
+                "parameters": [ id_param() ],
+                "get": { "operationId": "networkEvents", "summary": "The egress decisions so far, oldest first.",
+                    "responses": json_ok("200", "The events.", "NetworkEvents") }
+            },
+            "/v1/snapshots": {
+                "get": { "operationId": "listSnapshots", "summary": "The snapshots in the server's store, oldest first.",
+                    "responses": json_ok("200", "The snapshots.", "SnapshotList") }
+            },
+            "/v1/snapshots/{sid}": {
+                "parameters": [ sid_param() ],
+                "get": { "operationId": "getSnapshot", "summary": "One snapshot.",
+                    "responses": json_ok("200", "The snapshot.", "SnapshotInfo") },
+                "delete": { "operationId": "deleteSnapshot", "summary": "Delete a snapshot.",
+                    "responses": with_errors(json!({ "204": { "description": "Deleted." } })) }
+            },
+            "/v1/snapshots/{sid}/restore": {
+                "parameters": [ sid_param() ],
+                "post": { "operationId": "restoreSnapshot", "summary": "A new sandbox from a snapshot (the body is optional).",
+                    "requestBody": { "required": false, "content": { "application/json": {
+                        "schema": { "$ref": "#/components/schemas/RestoreBody" } } } },
+                    "responses": json_ok("201", "The new sandbox.", "SandboxInfo") }
+            },
+            "/v1/snapshots/{sid}/fork": {
+                "parameters": [ sid_param() ],
+                "post": { "operationId": "forkSnapshot", "summary": "`count` new sandboxes from one snapshot, all or none.",
+                    "requestBody": json_body("ForkBody"),
+                    "responses": json_ok("201", "The new sandboxes.", "SandboxList") }
             }
         },
         "components": {
@@ -140,12 +209,40 @@ pub fn document() -> Value {
                     "properties": {
                         "spec": { "type": "object", "description": "The library's SandboxSpec as JSON (at least `language`)." },
                         "tier": { "type": "string", "enum": ["wasm", "container", "gvisor", "microvm"] },
-                        "labels": { "type": "object", "additionalProperties": { "type": "string" } } } },
-                "SandboxInfo": { "type": "object", "required": ["id", "tier", "labels", "created_at"],
+                        "labels": { "type": "object", "additionalProperties": { "type": "string" } },
+                        "lifetime": { "$ref": "#/components/schemas/Lifetime" } } },
+                "Lifetime": { "type": "object", "additionalProperties": false,
+                    "description": "How long a sandbox lives: destroyed `ttl_s` seconds after its creation, and `on_idle` after `idle_timeout_s` seconds without a request using it (a paused one resumes on its next request).",
+                    "properties": {
+                        "ttl_s": { "type": "integer", "minimum": 1 },
+                        "idle_timeout_s": { "type": "integer", "minimum": 1 },
+                        "on_idle": { "type": "string", "enum": ["pause", "destroy"], "default": "destroy" } } },
+                "SandboxInfo": { "type": "object", "required": ["id", "tier", "labels", "created_at", "state"],
                     "properties": {
                         "id": { "type": "string" }, "tier": { "type": "string" },
                         "labels": { "type": "object", "additionalProperties": { "type": "string" } },
-                        "created_at": { "type": "string", "format": "date-time" } } },
+                        "created_at": { "type": "string", "format": "date-time" },
+                        "state": { "type": "string", "enum": ["running", "paused"] },
+                        "lifetime": { "$ref": "#/components/schemas/Lifetime" },
+                        "from_snapshot": { "type": "string" } } },
+                "RestoreBody": { "type": "object", "additionalProperties": false, "properties": {
+                    "labels": { "type": "object", "additionalProperties": { "type": "string" } },
+                    "lifetime": { "$ref": "#/components/schemas/Lifetime" } } },
+                "ForkBody": { "type": "object", "required": ["count"], "additionalProperties": false, "properties": {
+                    "count": { "type": "integer", "minimum": 1, "maximum": 64 },
+                    "labels": { "type": "object", "additionalProperties": { "type": "string" } },
+                    "lifetime": { "$ref": "#/components/schemas/Lifetime" } } },
+                "SnapshotInfo": { "type": "object", "required": ["id", "tier", "created_at", "bytes"], "properties": {
+                    "id": { "type": "string" }, "tier": { "type": "string" },
+                    "created_at": { "type": "string", "format": "date-time" },
+                    "bytes": { "type": "integer", "minimum": 0 } } },
+                "SnapshotList": { "type": "object", "required": ["snapshots"], "properties": {
+                    "snapshots": { "type": "array", "items": { "$ref": "#/components/schemas/SnapshotInfo" } } } },
+                "NetworkPolicy": { "type": "object", "required": ["mode"],
+                    "description": "The library's NetworkPolicy as JSON: {\"mode\": \"deny-all\"}, {\"mode\": \"allow\", \"hosts\": [\"api.example.com:443\"], \"cidrs\": [], \"ports\": []} or {\"mode\": \"allow-internet\", \"deny\": [], \"private\": []}.",
+                    "properties": { "mode": { "type": "string", "enum": ["deny-all", "allow", "allow-internet"] } } },
+                "NetworkEvents": { "type": "object", "required": ["events"], "properties": {
+                    "events": { "type": "array", "items": { "type": "object" } } } },
                 "SandboxList": { "type": "object", "required": ["sandboxes"], "properties": {
                     "sandboxes": { "type": "array", "items": { "$ref": "#/components/schemas/SandboxInfo" } } } },
                 "ExecBody": { "type": "object", "additionalProperties": false,

@@ -15,9 +15,15 @@ use axum::{Json, Router};
 use futures::Stream;
 use sandbox_core::ExecEvent;
 
-use crate::api::{CreateSandbox, ExecBody, Listing, SandboxInfo, SandboxList};
+use sandbox_core::{NetworkPolicy, Sandbox, SnapshotId, SnapshotManifest, SnapshotStore};
+
+use crate::api::{
+    CreateSandbox, ExecBody, ForkBody, LifetimeSpec, Listing, NetworkEvents, RestoreBody,
+    SandboxInfo, SandboxList, SnapshotInfo, SnapshotList, MAX_FORK,
+};
 use crate::auth::{require_token, Token};
 use crate::error::ApiError;
+use crate::lifetime::{self, Lifetime};
 use crate::{Entry, Shared};
 
 pub(crate) fn router(shared: Arc<Shared>, token: Option<Token>) -> Router {
@@ -34,6 +40,18 @@ pub(crate) fn router(shared: Arc<Shared>, token: Option<Token>) -> Router {
             put(write_file).get(read_file),
         )
         .route("/v1/sandboxes/{id}/list", get(list_dir))
+        .route("/v1/sandboxes/{id}/snapshot", post(snapshot))
+        .route("/v1/sandboxes/{id}/pause", post(pause))
+        .route("/v1/sandboxes/{id}/resume", post(resume))
+        .route("/v1/sandboxes/{id}/network", put(set_network))
+        .route("/v1/sandboxes/{id}/network/events", get(network_events))
+        .route("/v1/snapshots", get(list_snapshots))
+        .route(
+            "/v1/snapshots/{sid}",
+            get(get_snapshot).delete(delete_snapshot),
+        )
+        .route("/v1/snapshots/{sid}/restore", post(restore))
+        .route("/v1/snapshots/{sid}/fork", post(fork))
         .fallback(no_route)
         .layer(DefaultBodyLimit::max(limit))
         .layer(middleware::from_fn(
@@ -82,6 +100,28 @@ fn bytes_rejection(e: BytesRejection) -> ApiError {
     ApiError::new(e.status(), "bad_request", e.body_text())
 }
 
+/// A JSON body that may be left out (then `T::default()`), rejected as [`JsonBody`] is.
+fn optional_json<T: Default + serde::de::DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+) -> Result<T, ApiError> {
+    let bytes = body.map_err(bytes_rejection)?;
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(&bytes).map_err(|e| {
+        let status = if e.is_data() {
+            StatusCode::UNPROCESSABLE_ENTITY
+        } else {
+            StatusCode::BAD_REQUEST
+        };
+        ApiError::new(
+            status,
+            "bad_request",
+            format!("Failed to deserialize the JSON body into the target type: {e}"),
+        )
+    })
+}
+
 fn too_large() -> ApiError {
     ApiError::new(
         StatusCode::PAYLOAD_TOO_LARGE,
@@ -107,32 +147,87 @@ async fn create(
     JsonBody(body): JsonBody<CreateSandbox>,
 ) -> Result<(StatusCode, Json<SandboxInfo>), ApiError> {
     if let (false, Some(what)) = (s.config.allow_host_access, crate::host_access(&body.spec)) {
-        return Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "forbidden",
-            format!(
-                "{what} is not granted to API clients: a token grants sandboxes, not the \
-                 server's host (start the server with --allow-host-access to grant it)"
-            ),
+        return Err(forbidden(what));
+    }
+    check_lifetime(&body.lifetime)?;
+    room(&s, 1)?;
+    let sandbox = s.provider.create(&body.spec, body.tier).await?;
+    let info = admit(&s, sandbox, body.labels, body.lifetime, None).await?;
+    Ok((StatusCode::CREATED, Json(info)))
+}
+
+fn forbidden(what: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::FORBIDDEN,
+        "forbidden",
+        format!(
+            "{what} is not granted to API clients: a token grants sandboxes, not the \
+             server's host (start the server with --allow-host-access to grant it)"
+        ),
+    )
+}
+
+/// Refuses a lifetime of zero seconds (a typo, not a wish).
+fn check_lifetime(l: &LifetimeSpec) -> Result<(), ApiError> {
+    if l.ttl_s == Some(0) || l.idle_timeout_s == Some(0) {
+        return Err(ApiError::bad_request(
+            "`ttl_s` and `idle_timeout_s` are whole seconds, at least 1 (omit them for none)",
         ));
     }
-    if s.lock().len() >= s.config.max_sandboxes {
+    Ok(())
+}
+
+/// Refuses a request for `n` more sandboxes than the server has room for.
+fn room(s: &Shared, n: usize) -> Result<(), ApiError> {
+    if s.lock().len() + n > s.config.max_sandboxes {
         return Err(full(s.config.max_sandboxes));
     }
-    let sandbox: Arc<dyn sandbox_core::Sandbox> =
-        Arc::from(s.provider.create(&body.spec, body.tier).await?);
-    let created_at = time::OffsetDateTime::now_utc()
+    Ok(())
+}
+
+fn now_rfc3339() -> String {
+    time::OffsetDateTime::now_utc()
         .format(&time::format_description::well_known::Rfc3339)
-        .unwrap_or_default();
+        .unwrap_or_default()
+}
+
+/// Puts a new sandbox in the table, or destroys it: when its tier cannot honour the
+/// lifetime (pausing without pause), or when creates that raced past [`room`] filled the
+/// server meanwhile.
+async fn admit(
+    s: &Shared,
+    sandbox: Box<dyn Sandbox>,
+    labels: std::collections::BTreeMap<String, String>,
+    lifetime: LifetimeSpec,
+    from_snapshot: Option<SnapshotId>,
+) -> Result<SandboxInfo, ApiError> {
+    let sandbox: Arc<dyn Sandbox> = Arc::from(sandbox);
+    let tier = sandbox.tier();
+    let pauses =
+        lifetime.idle_timeout_s.is_some() && lifetime.on_idle == crate::api::IdleAction::Pause;
+    if pauses
+        && !s
+            .provider
+            .capabilities(tier)
+            .is_some_and(|c| c.pause_resume)
+    {
+        let _ = sandbox.destroy().await;
+        return Err(ApiError::from(sandbox_core::Error::unsupported(
+            tier,
+            "pausing an idle sandbox (this tier has no pause/resume: use `\"on_idle\": \"destroy\"`)",
+        )));
+    }
     let info = SandboxInfo {
         id: sandbox.id().to_string(),
-        tier: sandbox.tier(),
-        labels: body.labels,
-        created_at,
+        tier,
+        labels,
+        created_at: now_rfc3339(),
+        state: crate::api::SandboxState::Running,
+        lifetime,
+        from_snapshot,
     };
     let admitted = {
         let mut all = s.lock();
-        // Checked again: creates that raced past the first check may have filled it.
         let room = all.len() < s.config.max_sandboxes;
         if room {
             all.insert(
@@ -140,6 +235,7 @@ async fn create(
                 Arc::new(Entry {
                     sandbox: Arc::clone(&sandbox),
                     info: info.clone(),
+                    life: Lifetime::new(lifetime),
                 }),
             );
         }
@@ -149,7 +245,7 @@ async fn create(
         let _ = sandbox.destroy().await;
         return Err(full(s.config.max_sandboxes));
     }
-    Ok((StatusCode::CREATED, Json(info)))
+    Ok(info)
 }
 
 /// The server holds `max` sandboxes already.
@@ -189,7 +285,7 @@ async fn list(
             want.iter()
                 .all(|(k, v)| e.info.labels.get(k).is_some_and(|x| x == v))
         })
-        .map(|e| e.info.clone())
+        .map(|e| e.info())
         .collect();
     sandboxes.sort_by(|a, b| a.created_at.cmp(&b.created_at).then(a.id.cmp(&b.id)));
     Ok(Json(SandboxList { sandboxes }))
@@ -199,17 +295,14 @@ async fn get_one(
     State(s): State<Arc<Shared>>,
     Path(id): Path<String>,
 ) -> Result<Json<SandboxInfo>, ApiError> {
-    Ok(Json(s.get(&id)?.info.clone()))
+    Ok(Json(s.get(&id)?.info()))
 }
 
 async fn destroy(
     State(s): State<Arc<Shared>>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    let e = s
-        .lock()
-        .remove(&id)
-        .ok_or_else(|| ApiError::no_sandbox(&id))?;
+    let e = s.take(&id).ok_or_else(|| ApiError::no_sandbox(&id))?;
     e.sandbox.destroy().await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -219,7 +312,7 @@ async fn exec(
     Path(id): Path<String>,
     JsonBody(body): JsonBody<ExecBody>,
 ) -> Result<Json<sandbox_core::ExecResult>, ApiError> {
-    let e = s.get(&id)?;
+    let e = s.enter(&id).await?;
     let req = body.into_request()?;
     Ok(Json(e.sandbox.exec(req).await?))
 }
@@ -231,11 +324,12 @@ async fn exec_stream(
     Path(id): Path<String>,
     JsonBody(body): JsonBody<ExecBody>,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
-    let e = s.get(&id)?;
+    let e = s.enter(&id).await?;
     let req = body.into_request()?;
     let st = e.sandbox.exec_stream(req).await?;
-    let events = futures::stream::unfold(Some(st), |st| async move {
-        let mut st = st?;
+    // The sandbox stays in use (not idle) until the stream ends.
+    let events = futures::stream::unfold(Some((st, e)), |state| async move {
+        let (mut st, e) = state?;
         let ev = st.next().await?;
         let (event, more) = match ev {
             Ok(ExecEvent::Stdout(b)) => (text_event("stdout", &b), true),
@@ -254,7 +348,7 @@ async fn exec_stream(
                 (json_event("error", &body), false)
             }
         };
-        Some((Ok(event), more.then_some(st)))
+        Some((Ok(event), more.then_some((st, e))))
     });
     Ok(Sse::new(events).keep_alive(KeepAlive::default()))
 }
@@ -278,7 +372,7 @@ async fn write_file(
     Path((id, path)): Path<(String, String)>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<StatusCode, ApiError> {
-    let e = s.get(&id)?;
+    let e = s.enter(&id).await?;
     let data = body.map_err(bytes_rejection)?;
     e.sandbox.write_file(&path, &data).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -288,7 +382,7 @@ async fn read_file(
     State(s): State<Arc<Shared>>,
     Path((id, path)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
-    let e = s.get(&id)?;
+    let e = s.enter(&id).await?;
     let data = e.sandbox.read_file(&path).await?;
     Ok((
         [(axum::http::header::CONTENT_TYPE, "application/octet-stream")],
@@ -309,9 +403,227 @@ async fn list_dir(
     Path(id): Path<String>,
     Query(q): Query<ListQuery>,
 ) -> Result<Json<Listing>, ApiError> {
-    let e = s.get(&id)?;
+    let e = s.enter(&id).await?;
     let path = if q.path.is_empty() { "." } else { &q.path };
     Ok(Json(Listing {
         entries: e.sandbox.list(path).await?,
+    }))
+}
+
+/// The server's snapshot store, or `501` naming how to give it one.
+fn store(s: &Shared) -> Result<Arc<dyn SnapshotStore>, ApiError> {
+    s.config.snapshot_store.clone().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            "unsupported",
+            "this server keeps no snapshots: start it with a snapshot store \
+             (`agent-sandbox serve --state-dir DIR`)",
+        )
+    })
+}
+
+fn parse_snapshot_id(sid: &str) -> Result<SnapshotId, ApiError> {
+    sid.parse().map_err(|_| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no snapshot `{sid}` (an id is 64 hex digits; GET /v1/snapshots lists them)"),
+        )
+    })
+}
+
+fn snapshot_info(id: SnapshotId, m: &SnapshotManifest) -> SnapshotInfo {
+    SnapshotInfo {
+        id,
+        tier: m.tier,
+        created_at: m
+            .created
+            .format(&time::format_description::well_known::Rfc3339)
+            .unwrap_or_default(),
+        bytes: m.total_bytes(),
+    }
+}
+
+async fn snapshot(
+    State(s): State<Arc<Shared>>,
+    Path(id): Path<String>,
+) -> Result<(StatusCode, Json<SnapshotInfo>), ApiError> {
+    let store = store(&s)?;
+    let e = s.enter(&id).await?;
+    let sid = e.sandbox.snapshot(store.as_ref()).await?;
+    let m = store
+        .manifest(&sid)
+        .await
+        .map_err(sandbox_core::Error::from)?;
+    Ok((StatusCode::CREATED, Json(snapshot_info(sid, &m))))
+}
+
+async fn list_snapshots(State(s): State<Arc<Shared>>) -> Result<Json<SnapshotList>, ApiError> {
+    let store = store(&s)?;
+    let mut snapshots = Vec::new();
+    for id in store.list().await.map_err(sandbox_core::Error::from)? {
+        // A snapshot deleted or unreadable meanwhile is left out, not an error of the list.
+        if let Ok(m) = store.manifest(&id).await {
+            snapshots.push(snapshot_info(id, &m));
+        }
+    }
+    snapshots.sort_by(|a, b| a.created_at.cmp(&b.created_at).then(a.id.cmp(&b.id)));
+    Ok(Json(SnapshotList { snapshots }))
+}
+
+async fn get_snapshot(
+    State(s): State<Arc<Shared>>,
+    Path(sid): Path<String>,
+) -> Result<Json<SnapshotInfo>, ApiError> {
+    let store = store(&s)?;
+    let id = parse_snapshot_id(&sid)?;
+    let m = store
+        .manifest(&id)
+        .await
+        .map_err(sandbox_core::Error::from)?;
+    Ok(Json(snapshot_info(id, &m)))
+}
+
+async fn delete_snapshot(
+    State(s): State<Arc<Shared>>,
+    Path(sid): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    let store = store(&s)?;
+    let id = parse_snapshot_id(&sid)?;
+    store
+        .manifest(&id)
+        .await
+        .map_err(sandbox_core::Error::from)?;
+    store.delete(&id).await.map_err(sandbox_core::Error::from)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// The store and the manifest of snapshot `sid`, checked as a create's spec would be (a
+/// snapshot in a shared store may come from a server that granted host access).
+async fn restorable(
+    s: &Shared,
+    sid: &str,
+) -> Result<(Arc<dyn SnapshotStore>, SnapshotId), ApiError> {
+    let store = store(s)?;
+    let id = parse_snapshot_id(sid)?;
+    let m = store
+        .manifest(&id)
+        .await
+        .map_err(sandbox_core::Error::from)?;
+    if let (false, Some(what)) = (s.config.allow_host_access, crate::host_access(&m.spec)) {
+        return Err(forbidden(&format!(
+            "this snapshot's spec has {what}, which"
+        )));
+    }
+    Ok((store, id))
+}
+
+async fn restore(
+    State(s): State<Arc<Shared>>,
+    Path(sid): Path<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(StatusCode, Json<SandboxInfo>), ApiError> {
+    let RestoreBody { labels, lifetime } = optional_json(body)?;
+    check_lifetime(&lifetime)?;
+    let (store, id) = restorable(&s, &sid).await?;
+    room(&s, 1)?;
+    let sandbox = s.provider.restore(store.as_ref(), &id).await?;
+    let info = admit(&s, sandbox, labels, lifetime, Some(id)).await?;
+    Ok((StatusCode::CREATED, Json(info)))
+}
+
+/// `count` sandboxes from one snapshot, restored concurrently; all or none (should one
+/// fail, those made are destroyed and its error is the answer).
+async fn fork(
+    State(s): State<Arc<Shared>>,
+    Path(sid): Path<String>,
+    JsonBody(body): JsonBody<ForkBody>,
+) -> Result<(StatusCode, Json<SandboxList>), ApiError> {
+    if body.count == 0 || body.count > MAX_FORK {
+        return Err(ApiError::bad_request(format!(
+            "`count` is 1 to {MAX_FORK} (asked: {})",
+            body.count
+        )));
+    }
+    check_lifetime(&body.lifetime)?;
+    let (store, id) = restorable(&s, &sid).await?;
+    room(&s, body.count)?;
+    let made =
+        futures::future::join_all((0..body.count).map(|_| s.provider.restore(store.as_ref(), &id)))
+            .await;
+    let mut sandboxes = Vec::new();
+    let mut failed = None;
+    for r in made {
+        match r {
+            Ok(sb) if failed.is_none() => sandboxes.push(sb),
+            Ok(sb) => {
+                let _ = sb.destroy().await;
+            }
+            Err(e) => {
+                failed.get_or_insert(ApiError::from(e));
+                for sb in sandboxes.drain(..) {
+                    let _ = sb.destroy().await;
+                }
+            }
+        }
+    }
+    if let Some(e) = failed {
+        return Err(e);
+    }
+    let mut infos = Vec::new();
+    let mut sandboxes = sandboxes.into_iter();
+    while let Some(sb) = sandboxes.next() {
+        match admit(&s, sb, body.labels.clone(), body.lifetime, Some(id.clone())).await {
+            Ok(info) => infos.push(info),
+            Err(e) => {
+                for sb in sandboxes {
+                    let _ = sb.destroy().await;
+                }
+                for info in &infos {
+                    if let Some(e) = s.take(&info.id) {
+                        let _ = e.sandbox.destroy().await;
+                    }
+                }
+                return Err(e);
+            }
+        }
+    }
+    Ok((StatusCode::CREATED, Json(SandboxList { sandboxes: infos })))
+}
+
+async fn pause(
+    State(s): State<Arc<Shared>>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    lifetime::pause(s.get(&id)?).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn resume(
+    State(s): State<Arc<Shared>>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    // Using it resumes it.
+    drop(s.enter(&id).await?);
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn set_network(
+    State(s): State<Arc<Shared>>,
+    Path(id): Path<String>,
+    JsonBody(policy): JsonBody<NetworkPolicy>,
+) -> Result<StatusCode, ApiError> {
+    let e = s.enter(&id).await?;
+    e.sandbox.set_network_policy(policy).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn network_events(
+    State(s): State<Arc<Shared>>,
+    Path(id): Path<String>,
+) -> Result<Json<NetworkEvents>, ApiError> {
+    let e = s.enter(&id).await?;
+    Ok(Json(NetworkEvents {
+        events: e.sandbox.network_events().await?,
     }))
 }

@@ -10,7 +10,9 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use backend_unisolated::UnisolatedBackend;
-use sandbox_core::{Backend, ResolvedSecrets, Sandbox, SandboxSpec, Tier};
+use sandbox_core::{
+    Backend, Capabilities, ResolvedSecrets, Sandbox, SandboxSpec, SnapshotId, SnapshotStore, Tier,
+};
 use sandbox_server::{Listener, Provider, Server, ServerConfig, Token};
 
 struct Unisolated;
@@ -25,6 +27,20 @@ impl Provider for Unisolated {
         UnisolatedBackend::new_without_isolation()
             .create(spec, ResolvedSecrets::none())
             .await
+    }
+
+    async fn restore(
+        &self,
+        store: &dyn SnapshotStore,
+        id: &SnapshotId,
+    ) -> sandbox_core::Result<Box<dyn Sandbox>> {
+        UnisolatedBackend::new_without_isolation()
+            .restore(store, id, ResolvedSecrets::none())
+            .await
+    }
+
+    fn capabilities(&self, _tier: Tier) -> Option<Capabilities> {
+        Some(UnisolatedBackend::new_without_isolation().capabilities())
     }
 }
 
@@ -346,6 +362,7 @@ async fn every_documented_operation_is_routed_and_the_document_is_served() {
     for (method, path) in sandbox_server::openapi::OPERATIONS {
         let path = path
             .replace("{id}", "no-such-sandbox")
+            .replace("{sid}", &"0".repeat(64))
             .replace("{path}", "a/b");
         let (_, text) = r.call(&method.to_uppercase(), &path, Some("{}")).await;
         assert!(!text.contains("no endpoint"), "{method} {path}: {text}");
@@ -383,4 +400,234 @@ async fn a_unix_socket_needs_no_token() {
     let _ = stop.send(());
     task.await.unwrap().unwrap();
     assert!(server.sandbox_ids().is_empty());
+}
+
+fn store_config(dir: &std::path::Path) -> ServerConfig {
+    let store = sandbox_core::ObjectSnapshotStore::local(dir).unwrap();
+    ServerConfig::default().snapshot_store(Arc::new(store))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_restore_fork_and_delete() {
+    let dir = tempfile::tempdir().unwrap();
+    let r = start(store_config(dir.path()).max_sandboxes(6)).await;
+    let (_, info) = r.json("POST", "/v1/sandboxes", Some(SHELL)).await;
+    let id = info["id"].as_str().unwrap().to_string();
+    let (code, _) = r
+        .call(
+            "PUT",
+            &format!("/v1/sandboxes/{id}/files/state.txt"),
+            Some("v1"),
+        )
+        .await;
+    assert_eq!(code, 204);
+
+    let (code, snap) = r
+        .json("POST", &format!("/v1/sandboxes/{id}/snapshot"), None)
+        .await;
+    assert_eq!(code, 201, "{snap}");
+    let sid = snap["id"].as_str().unwrap().to_string();
+    assert_eq!((sid.len(), &snap["tier"]), (64, &"unisolated".into()));
+    let (code, list) = r.json("GET", "/v1/snapshots", None).await;
+    assert_eq!(code, 200);
+    assert_eq!(list["snapshots"][0]["id"], sid.as_str(), "{list}");
+    let (code, one) = r.json("GET", &format!("/v1/snapshots/{sid}"), None).await;
+    assert_eq!((code, &one["id"]), (200, &sid.as_str().into()));
+
+    // Restore (no body): a new sandbox with the file, naming where it came from.
+    let (code, restored) = r
+        .json("POST", &format!("/v1/snapshots/{sid}/restore"), None)
+        .await;
+    assert_eq!(code, 201, "{restored}");
+    assert_eq!(restored["from_snapshot"], sid.as_str());
+    let rid = restored["id"].as_str().unwrap();
+    assert_ne!(rid, id);
+    let (_, text) = r
+        .call("GET", &format!("/v1/sandboxes/{rid}/files/state.txt"), None)
+        .await;
+    assert_eq!(text, "v1");
+
+    // Fork: three at once, labelled, each with its own copy.
+    let (code, forked) = r
+        .json(
+            "POST",
+            &format!("/v1/snapshots/{sid}/fork"),
+            Some(r#"{"count": 3, "labels": {"run": "fork"}}"#),
+        )
+        .await;
+    assert_eq!(code, 201, "{forked}");
+    let ids: Vec<String> = forked["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(ids.len(), 3);
+    let (code, _) = r
+        .call(
+            "PUT",
+            &format!("/v1/sandboxes/{}/files/state.txt", ids[0]),
+            Some("v2"),
+        )
+        .await;
+    assert_eq!(code, 204);
+    for (i, f) in ids.iter().enumerate() {
+        let (_, text) = r
+            .call("GET", &format!("/v1/sandboxes/{f}/files/state.txt"), None)
+            .await;
+        assert_eq!(text, if i == 0 { "v2" } else { "v1" });
+    }
+    let (_, by_label) = r.json("GET", "/v1/sandboxes?label=run=fork", None).await;
+    assert_eq!(by_label["sandboxes"].as_array().unwrap().len(), 3);
+
+    // Bad forks: none made.
+    for (body, want) in [
+        (r#"{"count": 0}"#, 400),
+        (r#"{"count": 65}"#, 400),
+        (r#"{"count": 2, "colour": "red"}"#, 422),
+        // 5 live, room for 6: two more do not fit.
+        (r#"{"count": 2}"#, 429),
+    ] {
+        let (code, e) = r
+            .json("POST", &format!("/v1/snapshots/{sid}/fork"), Some(body))
+            .await;
+        assert_eq!(code, want, "{body}: {e}");
+    }
+    let (_, all) = r.json("GET", "/v1/sandboxes", None).await;
+    assert_eq!(all["sandboxes"].as_array().unwrap().len(), 5);
+
+    // Unknown and malformed snapshot ids; a deleted snapshot is gone.
+    for bad in ["0".repeat(64), "not-an-id".to_string()] {
+        let (code, e) = r
+            .json("POST", &format!("/v1/snapshots/{bad}/restore"), None)
+            .await;
+        assert_eq!((code, kind(&e)), (404, "not_found"), "{e}");
+    }
+    let (code, _) = r
+        .call("DELETE", &format!("/v1/snapshots/{sid}"), None)
+        .await;
+    assert_eq!(code, 204);
+    let (code, e) = r
+        .json("POST", &format!("/v1/snapshots/{sid}/restore"), None)
+        .await;
+    assert_eq!((code, kind(&e)), (404, "not_found"), "{e}");
+    r.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_store_snapshots_are_unsupported_and_pause_is_named() {
+    let r = start(ServerConfig::default()).await;
+    let (_, info) = r.json("POST", "/v1/sandboxes", Some(SHELL)).await;
+    let id = info["id"].as_str().unwrap().to_string();
+    let (code, e) = r
+        .json("POST", &format!("/v1/sandboxes/{id}/snapshot"), None)
+        .await;
+    assert_eq!((code, kind(&e)), (501, "unsupported"), "{e}");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--state-dir"),
+        "{e}"
+    );
+    let (code, e) = r.json("GET", "/v1/snapshots", None).await;
+    assert_eq!((code, kind(&e)), (501, "unsupported"), "{e}");
+    // This tier has no pause: said, and the sandbox goes on.
+    let (code, e) = r
+        .json("POST", &format!("/v1/sandboxes/{id}/pause"), None)
+        .await;
+    assert_eq!((code, kind(&e)), (501, "unsupported"), "{e}");
+    let (code, _) = r
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(r#"{"argv": ["true"]}"#),
+        )
+        .await;
+    assert_eq!(code, 200);
+    r.stop().await;
+}
+
+/// Polls (10 s at most) until sandbox `id` is gone (404).
+async fn gone(r: &Running, id: &str) -> bool {
+    for _ in 0..100 {
+        let (code, _) = r.call("GET", &format!("/v1/sandboxes/{id}"), None).await;
+        if code == 404 {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    false
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ttl_and_idle_timeouts_destroy_and_use_is_never_idle() {
+    let r =
+        start(ServerConfig::default().reap_interval(std::time::Duration::from_millis(50))).await;
+    // A TTL ends it.
+    let (code, info) = r
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(r#"{"spec": {"language": "shell"}, "lifetime": {"ttl_s": 1}}"#),
+        )
+        .await;
+    assert_eq!(code, 201, "{info}");
+    assert_eq!(info["lifetime"]["ttl_s"], 1);
+    let ttl_id = info["id"].as_str().unwrap().to_string();
+
+    // An idle timeout of 1 s does not end a sandbox running a 3 s command...
+    let (_, info) = r
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(r#"{"spec": {"language": "shell"}, "lifetime": {"idle_timeout_s": 1}}"#),
+        )
+        .await;
+    let id = info["id"].as_str().unwrap().to_string();
+    let (code, out) = r
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(r#"{"code": "sleep 3; echo done"}"#),
+        )
+        .await;
+    assert_eq!((code, &out["stdout"]), (200, &"done\n".into()), "{out}");
+    // ...and ends it once it idles.
+    assert!(gone(&r, &id).await, "the idle sandbox was not destroyed");
+    assert!(gone(&r, &ttl_id).await, "the TTL did not end its sandbox");
+    let (code, e) = r
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(r#"{"argv": ["true"]}"#),
+        )
+        .await;
+    assert_eq!((code, kind(&e)), (404, "not_found"), "{e}");
+
+    // Pausing when idle on a tier without pause is refused up front, nothing left behind.
+    let (code, e) = r
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(r#"{"spec": {"language": "shell"}, "lifetime": {"idle_timeout_s": 5, "on_idle": "pause"}}"#),
+        )
+        .await;
+    assert_eq!((code, kind(&e)), (501, "unsupported"), "{e}");
+    for bad in [r#"{"ttl_s": 0}"#, r#"{"idle_timeout_s": 0}"#] {
+        let body = format!(r#"{{"spec": {{"language": "shell"}}, "lifetime": {bad}}}"#);
+        let (code, e) = r.json("POST", "/v1/sandboxes", Some(&body)).await;
+        assert_eq!(code, 400, "{bad}: {e}");
+    }
+    let (code, e) = r
+        .json(
+            "POST",
+            "/v1/sandboxes",
+            Some(r#"{"spec": {"language": "shell"}, "lifetime": {"on_idle": "sleep"}}"#),
+        )
+        .await;
+    assert_eq!(code, 422, "{e}");
+    let (_, all) = r.json("GET", "/v1/sandboxes", None).await;
+    assert_eq!(all["sandboxes"], serde_json::json!([]));
+    r.stop().await;
 }

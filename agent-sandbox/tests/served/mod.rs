@@ -1,0 +1,100 @@
+//! `agent-sandbox serve` started as users start it (the CLI on loopback, a token file, a
+//! state directory of its own), and `curl` against it: shared by the tests that drive it.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::PermissionsExt;
+use std::process::{Child, Command, Stdio};
+
+/// `None` when the container tier can run here, else the probe's reason.
+pub fn container_available() -> Option<String> {
+    let out = Command::new(env!("CARGO_BIN_EXE_agent-sandbox"))
+        .args(["probe", "--json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let t = v["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["tier"] == "container")
+        .cloned()
+        .unwrap_or_default();
+    if t["available"] == true {
+        None
+    } else {
+        Some(t["reason"].as_str().unwrap_or("not built in").to_string())
+    }
+}
+
+/// The server: its process, base URL, token and state directory.
+pub struct Serve {
+    pub child: Child,
+    pub base: String,
+    pub token: String,
+    pub dir: tempfile::TempDir,
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn serve() -> Serve {
+    let dir = tempfile::tempdir().unwrap();
+    let token = "t".repeat(40);
+    let file = dir.path().join("token");
+    std::fs::write(&file, &token).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_agent-sandbox"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--token-file"])
+        .arg(&file)
+        .arg("--state-dir")
+        .arg(dir.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // "listening on http://127.0.0.1:PORT (bearer token in FILE)"
+    let mut line = String::new();
+    BufReader::new(child.stderr.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let base = line
+        .split_whitespace()
+        .find(|w| w.starts_with("http://"))
+        .unwrap_or_else(|| panic!("no address in {line:?}"))
+        .to_string();
+    Serve {
+        child,
+        base,
+        token,
+        dir,
+    }
+}
+
+pub fn curl(s: &Serve, method: &str, path: &str, body: Option<&str>) -> (u16, serde_json::Value) {
+    let mut c = Command::new("curl");
+    c.args([
+        "-sS",
+        "--max-time",
+        "120",
+        "-w",
+        "\n%{http_code}",
+        "-X",
+        method,
+    ])
+    .arg("-H")
+    .arg(format!("Authorization: Bearer {}", s.token));
+    if let Some(b) = body {
+        c.args(["-H", "Content-Type: application/json", "--data-binary", b]);
+    }
+    let out = c.arg(format!("{}{path}", s.base)).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap();
+    let v = serde_json::from_str(body).unwrap_or(serde_json::Value::String(body.into()));
+    (code.trim().parse().unwrap(), v)
+}

@@ -1,0 +1,207 @@
+//! Sandbox lifetimes: a TTL (the sandbox is destroyed when it runs out, in use or not) and an
+//! idle timeout with an action, pause or destroy. A sandbox paused for idleness resumes on the
+//! next request that uses it; one that is in use (a request in flight, such as a long exec) is
+//! never idle.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::api::{IdleAction, LifetimeSpec, SandboxState};
+use crate::error::ApiError;
+use crate::{Entry, Shared};
+
+/// A sandbox's lifetime and the state the reaper and the requests share.
+pub(crate) struct Lifetime {
+    spec: LifetimeSpec,
+    created: Instant,
+    /// Requests using the sandbox now.
+    active: AtomicUsize,
+    /// When the last request using it ended (or when it was created).
+    last_used: Mutex<Instant>,
+    /// Whether it is paused for idleness; changed only under this lock, which the reaper
+    /// holds while it pauses and a request while it resumes.
+    paused: tokio::sync::Mutex<bool>,
+    /// The same, readable without waiting (for its info).
+    paused_now: AtomicBool,
+    /// Set (under `paused`) when the reaper took it out of the table.
+    reaped: AtomicBool,
+}
+
+impl Lifetime {
+    pub(crate) fn new(spec: LifetimeSpec) -> Self {
+        let now = Instant::now();
+        Lifetime {
+            spec,
+            created: now,
+            active: AtomicUsize::new(0),
+            last_used: Mutex::new(now),
+            paused: tokio::sync::Mutex::new(false),
+            paused_now: AtomicBool::new(false),
+            reaped: AtomicBool::new(false),
+        }
+    }
+
+    pub(crate) fn state(&self) -> SandboxState {
+        if self.paused_now.load(Ordering::Relaxed) {
+            SandboxState::Paused
+        } else {
+            SandboxState::Running
+        }
+    }
+
+    fn idle_for(&self, now: Instant) -> Duration {
+        let last = *self.last_used.lock().unwrap_or_else(|p| p.into_inner());
+        now.saturating_duration_since(last)
+    }
+
+    fn expired(&self, now: Instant) -> bool {
+        self.spec
+            .ttl_s
+            .is_some_and(|t| now.saturating_duration_since(self.created) >= secs(t))
+    }
+
+    /// The idle action due now, if any (never while a request uses the sandbox).
+    fn idle_due(&self, now: Instant) -> Option<IdleAction> {
+        let limit = secs(self.spec.idle_timeout_s?);
+        (self.active.load(Ordering::SeqCst) == 0 && self.idle_for(now) >= limit)
+            .then_some(self.spec.on_idle)
+    }
+}
+
+fn secs(s: u64) -> Duration {
+    Duration::from_secs(s)
+}
+
+/// A sandbox in use by one request: while it lives the sandbox is not idle; when it drops
+/// the idle clock restarts.
+pub(crate) struct InUse(Arc<Entry>);
+
+impl InUse {
+    /// Marks `entry` in use, resuming it first if its idle timeout paused it.
+    pub(crate) async fn enter(entry: Arc<Entry>) -> Result<InUse, ApiError> {
+        let life = &entry.life;
+        let mut paused = life.paused.lock().await;
+        if life.reaped.load(Ordering::SeqCst) {
+            return Err(ApiError::no_sandbox(&entry.info.id));
+        }
+        life.active.fetch_add(1, Ordering::SeqCst);
+        let guard = InUse(Arc::clone(&entry));
+        if *paused {
+            // On failure the guard drops and the sandbox stays marked paused: the next
+            // request tries again.
+            entry.sandbox.resume().await?;
+            *paused = false;
+            life.paused_now.store(false, Ordering::Relaxed);
+        }
+        Ok(guard)
+    }
+}
+
+impl std::ops::Deref for InUse {
+    type Target = Entry;
+
+    fn deref(&self) -> &Entry {
+        &self.0
+    }
+}
+
+impl Drop for InUse {
+    fn drop(&mut self) {
+        let life = &self.0.life;
+        *life.last_used.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+        life.active.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Pauses `entry` at a client's request; the next request that uses it resumes it.
+pub(crate) async fn pause(entry: Arc<Entry>) -> Result<(), ApiError> {
+    let life = &entry.life;
+    let mut paused = life.paused.lock().await;
+    if life.reaped.load(Ordering::SeqCst) {
+        return Err(ApiError::no_sandbox(&entry.info.id));
+    }
+    if life.active.load(Ordering::SeqCst) > 0 {
+        return Err(ApiError::new(
+            axum::http::StatusCode::CONFLICT,
+            "busy",
+            format!(
+                "sandbox {} is in use by another request (an exec or a stream); pause it when \
+                 that has ended",
+                entry.info.id
+            ),
+        ));
+    }
+    if !*paused {
+        entry.sandbox.pause().await?;
+        *paused = true;
+        life.paused_now.store(true, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+/// Enforces every sandbox's lifetime, every `reap_interval`, until aborted.
+pub(crate) async fn reap(shared: Arc<Shared>) {
+    let mut tick =
+        tokio::time::interval(shared.config.reap_interval.max(Duration::from_millis(10)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let entries: Vec<Arc<Entry>> = shared.lock().values().cloned().collect();
+        for e in entries {
+            reap_one(&shared, e).await;
+        }
+    }
+}
+
+async fn reap_one(shared: &Shared, e: Arc<Entry>) {
+    let now = Instant::now();
+    let life = &e.life;
+    if life.expired(now) {
+        let _paused = life.paused.lock().await;
+        life.reaped.store(true, Ordering::SeqCst);
+        remove_and_destroy(shared, &e, "its TTL ran out");
+        return;
+    }
+    if life.idle_due(now).is_none() {
+        return;
+    }
+    let mut paused = life.paused.lock().await;
+    // Checked again under the lock: a request may have started meanwhile.
+    match life.idle_due(Instant::now()) {
+        Some(IdleAction::Destroy) => {
+            life.reaped.store(true, Ordering::SeqCst);
+            remove_and_destroy(shared, &e, "it was idle past its timeout");
+        }
+        Some(IdleAction::Pause) if !*paused => match e.sandbox.pause().await {
+            Ok(()) => {
+                *paused = true;
+                life.paused_now.store(true, Ordering::Relaxed);
+                tracing::info!(sandbox = %e.info.id, "paused: idle past its timeout");
+            }
+            Err(err) => {
+                tracing::warn!(sandbox = %e.info.id, error = %err, "pause when idle failed");
+                // Not tried again until it has been idle that long once more.
+                *life.last_used.lock().unwrap_or_else(|p| p.into_inner()) = Instant::now();
+            }
+        },
+        _ => {}
+    }
+}
+
+/// Takes `e` out of the table (if it is still there) and destroys it in the background.
+fn remove_and_destroy(shared: &Shared, e: &Arc<Entry>, why: &'static str) {
+    let id = e.info.id.clone();
+    let mut all = shared.lock();
+    if all.get(&id).is_some_and(|x| Arc::ptr_eq(x, e)) {
+        all.remove(&id);
+        drop(all);
+        let sandbox = Arc::clone(&e.sandbox);
+        tokio::spawn(async move {
+            tracing::info!(sandbox = %id, "destroyed: {why}");
+            if let Err(err) = sandbox.destroy().await {
+                tracing::warn!(sandbox = %id, error = %err, "destroy failed");
+            }
+        });
+    }
+}
