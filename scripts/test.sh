@@ -115,7 +115,7 @@ cargo test --workspace --locked -- --test-threads="${TEST_THREADS:-2}"
 
 step "examples (all but network_allowlist, which reaches PyPI through the egress proxy)"
 cargo build --locked -q -p agent-sandbox --examples
-for ex in quickstart dev_agent dev_server warm_pool untrusted_code js_transform data_science; do
+for ex in quickstart dev_agent dev_server remote_agent warm_pool untrusted_code js_transform data_science; do
   echo "--- example $ex"
   cargo run --locked -q -p agent-sandbox --example "$ex"
 done

@@ -69,7 +69,15 @@ impl server::Provider for Runtime {
     fn capabilities(&self, tier: Tier) -> Option<sandbox_core::Capabilities> {
         self.backend(tier).map(|b| b.capabilities())
     }
+
+    async fn probe(&self) -> Vec<TierStatus> {
+        self.statuses(false).await
+    }
 }
+
+/// `RemoteBackend`: the traits over the HTTP API of `agent-sandbox serve` (the
+/// `sandbox-remote` crate); register its backends in a [`Runtime`] to run against a server.
+pub use sandbox_remote as remote;
 
 /// The microVM tier's crate (the VMM, guest installer, probe), when built in.
 #[cfg(feature = "microvm")]

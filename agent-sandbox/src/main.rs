@@ -168,6 +168,14 @@ struct RunArgs {
     /// The tier (wasm, container, gvisor, microvm), or `auto` to let the selector choose.
     #[arg(long, value_name = "TIER", value_parser = parse_tier, default_value = "auto")]
     tier: TierArg,
+    /// Run in a sandbox of the server at URL (`agent-sandbox serve`: http://HOST:PORT or
+    /// unix:/PATH) instead of on this host. Its token: --token-file, else the file `serve`
+    /// writes by default.
+    #[arg(long, value_name = "URL")]
+    server: Option<String>,
+    /// The server's bearer token, in a file (with --server).
+    #[arg(long, value_name = "FILE", requires = "server")]
+    token_file: Option<PathBuf>,
     #[command(flatten)]
     q: QuestionArgs,
     /// Allow connections to this host (exact or `*.suffix`, optional `:PORT`). Repeatable.
@@ -566,6 +574,17 @@ async fn async_main(cli: Cli) -> ExitCode {
                 }
             }
             ExitCode::SUCCESS
+        }
+        Cmd::Run(args) if args.server.is_some() => {
+            match serve_cmd::remote_runtime(args.server.as_deref(), args.token_file.as_deref())
+                .await
+            {
+                Ok(rt) => run(&rt, args).await,
+                Err(e) => {
+                    eprintln!("agent-sandbox: {e}");
+                    ExitCode::from(EXIT_SANDBOX_FAILED)
+                }
+            }
         }
         Cmd::Run(args) => match secret_values(&args) {
             Ok(secrets) => run(&run_runtime(args.tier, secrets), args).await,

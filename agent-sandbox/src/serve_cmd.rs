@@ -86,6 +86,31 @@ pub(crate) fn snapshot_store(
     Ok(Arc::new(store))
 }
 
+/// A runtime whose backends are the tiers of the server at `url` (`run --server`): the
+/// token from `token_file`, else from where `serve` writes a generated one (over TCP).
+pub(crate) async fn remote_runtime(
+    url: Option<&str>,
+    token_file: Option<&std::path::Path>,
+) -> Result<agent_sandbox::Runtime, String> {
+    use agent_sandbox::remote::{RemoteConfig, RemoteServer};
+    let url = url.unwrap_or_default();
+    let mut config = RemoteConfig::new(url).map_err(|e| e.to_string())?;
+    if !url.starts_with("unix:") {
+        let file = token_file.map_or_else(token_path, std::path::Path::to_path_buf);
+        config = config
+            .token_file(&file)
+            .map_err(|e| format!("{e} (give the server's token with --token-file)"))?;
+    }
+    let server = RemoteServer::connect(config)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut b = agent_sandbox::Runtime::builder();
+    for backend in server.backends() {
+        b = b.backend(Arc::new(backend));
+    }
+    Ok(b.build())
+}
+
 /// Where a generated token goes.
 fn token_path() -> PathBuf {
     let dir = match std::env::var_os("XDG_RUNTIME_DIR") {

@@ -141,6 +141,22 @@ fn container_sandboxes_pause_when_idle_resume_on_use_and_fork_from_a_snapshot() 
         Some(r#"{"code": "cat state.txt"}"#),
     );
     assert_eq!((code, &out["stdout"]), (200, &"kept\n".into()), "{out}");
+    // Paused by a client, it stays paused until a client resumes it.
+    let (code, _) = curl(&s, "POST", &format!("/v1/sandboxes/{id}/pause"), None);
+    assert_eq!(code, 204);
+    let (code, e) = curl(
+        &s,
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(r#"{"argv": ["true"]}"#),
+    );
+    assert_eq!(
+        (code, &e["error"]["kind"]),
+        (409, &"sandbox_paused".into()),
+        "{e}"
+    );
+    let (code, _) = curl(&s, "POST", &format!("/v1/sandboxes/{id}/resume"), None);
+    assert_eq!(code, 204);
 
     // Snapshot it and fork two: each has the file, in a container of its own.
     let (code, snap) = curl(&s, "POST", &format!("/v1/sandboxes/{id}/snapshot"), None);
@@ -172,4 +188,69 @@ fn container_sandboxes_pause_when_idle_resume_on_use_and_fork_from_a_snapshot() 
         .unwrap()
         .next()
         .is_some());
+}
+
+#[test]
+fn run_with_server_runs_in_the_servers_sandbox() {
+    if let Some(why) = container_available() {
+        eprintln!("SKIP: the container tier is not available here: {why}");
+        return;
+    }
+    let s = serve();
+    let token_file = s.dir.path().join("token");
+    let run = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_agent-sandbox"))
+            .args(["run", "--server", &s.base, "--token-file"])
+            .arg(&token_file)
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = run(&[
+        "--tier",
+        "container",
+        "--",
+        "sh",
+        "-c",
+        "echo from-$(id -u); exit 3",
+    ]);
+    assert_eq!(out.status.code(), Some(3), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "from-1000\n");
+    // The server made it (labelled by nobody: a plain create) and it is gone again.
+    let (_, list) = curl(&s, "GET", "/v1/sandboxes", None);
+    assert_eq!(list["sandboxes"], serde_json::json!([]), "{list}");
+    // What a token does not grant is refused, saying so; nothing is left behind.
+    // (An invalid spec, as the CLI says of every spec it cannot run: exit 2.)
+    let out = run(&["--tier", "container", "--workspace", "/tmp", "--", "true"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("refused by the server") && err.contains("--allow-host-access"),
+        "{err}"
+    );
+    // A wrong token and a dead address: said plainly.
+    let bad = s.dir.path().join("bad-token");
+    std::fs::write(&bad, "w".repeat(40)).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_agent-sandbox"))
+        .args(["run", "--server", &s.base, "--token-file"])
+        .arg(&bad)
+        .args(["--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(125));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("refused the token"),
+        "{out:?}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_agent-sandbox"))
+        .args(["run", "--server", "http://127.0.0.1:1", "--token-file"])
+        .arg(&token_file)
+        .args(["--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(125));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("unreachable"),
+        "{out:?}"
+    );
 }

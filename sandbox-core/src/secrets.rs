@@ -141,6 +141,11 @@ impl ResolvedSecrets {
         Self::default()
     }
 
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
     /// Resolves every binding; fails on the first missing one, naming it.
     pub fn resolve(bindings: &[SecretBinding], source: &dyn SecretSource) -> Result<Self> {
         let mut entries = Vec::with_capacity(bindings.len());

@@ -225,3 +225,21 @@ pub struct NetworkEvents {
     /// The egress decisions so far, oldest first.
     pub events: Vec<sandbox_core::NetworkEvent>,
 }
+
+/// One tier as `GET /v1/tiers` shows it: the probe's status and, for a tier the server has,
+/// its capabilities.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierInfo {
+    /// Whether the server's host can run it, with the reason and the fix when not.
+    pub status: sandbox_core::TierStatus,
+    /// What it can do (absent for a tier not built into the server).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capabilities: Option<sandbox_core::Capabilities>,
+}
+
+/// `GET /v1/tiers`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierList {
+    /// Every tier the server knows.
+    pub tiers: Vec<TierInfo>,
+}

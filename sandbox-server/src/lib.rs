@@ -33,6 +33,7 @@ mod lifetime;
 pub mod mcp;
 pub mod openapi;
 mod routes;
+pub mod upload;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -40,7 +41,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sandbox_core::{Capabilities, Sandbox, SandboxSpec, SnapshotId, SnapshotStore, Tier};
+use sandbox_core::{
+    Capabilities, Sandbox, SandboxSpec, SnapshotId, SnapshotStore, Tier, TierStatus,
+};
 
 pub use auth::Token;
 pub use error::ApiError;
@@ -67,6 +70,58 @@ pub trait Provider: Send + Sync + 'static {
     /// What `tier` can do here, if this provider has it (used to refuse a lifetime the tier
     /// cannot honour, such as pausing when idle on a tier without pause).
     fn capabilities(&self, tier: Tier) -> Option<Capabilities>;
+
+    /// Which tiers this host can run, with the reason and the fix for those it cannot
+    /// (`GET /v1/tiers`). May answer from a cache of tiers found available before.
+    async fn probe(&self) -> Vec<TierStatus>;
+}
+
+/// A [`Provider`] of one backend: every sandbox on its tier, whatever tier a client names.
+/// For serving a single engine (and for tests); the facade's `Runtime` serves every tier.
+pub struct OneBackend(pub Arc<dyn sandbox_core::Backend>);
+
+impl std::fmt::Debug for OneBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("OneBackend").field(&self.0.tier()).finish()
+    }
+}
+
+#[async_trait]
+impl Provider for OneBackend {
+    async fn create(
+        &self,
+        spec: &SandboxSpec,
+        tier: Option<Tier>,
+    ) -> sandbox_core::Result<Box<dyn Sandbox>> {
+        if let Some(t) = tier.filter(|t| *t != self.0.tier()) {
+            return Err(sandbox_core::Error::Unavailable {
+                tier: t,
+                reason: format!("this server runs only the {} tier", self.0.tier()),
+                fix: format!("ask for the {} tier, or for none", self.0.tier()),
+            });
+        }
+        self.0
+            .create(spec, sandbox_core::ResolvedSecrets::none())
+            .await
+    }
+
+    async fn restore(
+        &self,
+        store: &dyn SnapshotStore,
+        id: &SnapshotId,
+    ) -> sandbox_core::Result<Box<dyn Sandbox>> {
+        self.0
+            .restore(store, id, sandbox_core::ResolvedSecrets::none())
+            .await
+    }
+
+    fn capabilities(&self, tier: Tier) -> Option<Capabilities> {
+        (tier == self.0.tier()).then(|| self.0.capabilities())
+    }
+
+    async fn probe(&self) -> Vec<TierStatus> {
+        vec![self.0.probe().await]
+    }
 }
 
 /// Limits of a [`Server`]. `#[non_exhaustive]`: build it with [`ServerConfig::default`] and

@@ -1,7 +1,8 @@
 //! Sandbox lifetimes: a TTL (the sandbox is destroyed when it runs out, in use or not) and an
 //! idle timeout with an action, pause or destroy. A sandbox paused for idleness resumes on the
 //! next request that uses it; one that is in use (a request in flight, such as a long exec) is
-//! never idle.
+//! never idle. A sandbox a client paused stays paused until a client resumes it: requests that
+//! use it meanwhile get `409 sandbox_paused`, as the library's `SandboxPaused`.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -19,9 +20,9 @@ pub(crate) struct Lifetime {
     active: AtomicUsize,
     /// When the last request using it ended (or when it was created).
     last_used: Mutex<Instant>,
-    /// Whether it is paused for idleness; changed only under this lock, which the reaper
+    /// Whether it is paused, and by whom; changed only under this lock, which the reaper
     /// holds while it pauses and a request while it resumes.
-    paused: tokio::sync::Mutex<bool>,
+    paused: tokio::sync::Mutex<Paused>,
     /// The same, readable without waiting (for its info).
     paused_now: AtomicBool,
     /// Set (under `paused`) when the reaper took it out of the table.
@@ -36,7 +37,7 @@ impl Lifetime {
             created: now,
             active: AtomicUsize::new(0),
             last_used: Mutex::new(now),
-            paused: tokio::sync::Mutex::new(false),
+            paused: tokio::sync::Mutex::new(Paused::No),
             paused_now: AtomicBool::new(false),
             reaped: AtomicBool::new(false),
         }
@@ -69,6 +70,16 @@ impl Lifetime {
     }
 }
 
+/// Whether a sandbox is paused, and by whom.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Paused {
+    No,
+    /// By its idle timeout: the next request that uses it resumes it.
+    Idle,
+    /// By a client: paused until a client resumes it.
+    Client,
+}
+
 fn secs(s: u64) -> Duration {
     Duration::from_secs(s)
 }
@@ -85,13 +96,18 @@ impl InUse {
         if life.reaped.load(Ordering::SeqCst) {
             return Err(ApiError::no_sandbox(&entry.info.id));
         }
+        if *paused == Paused::Client {
+            return Err(ApiError::from(sandbox_core::Error::SandboxPaused {
+                id: entry.info.id.clone(),
+            }));
+        }
         life.active.fetch_add(1, Ordering::SeqCst);
         let guard = InUse(Arc::clone(&entry));
-        if *paused {
+        if *paused == Paused::Idle {
             // On failure the guard drops and the sandbox stays marked paused: the next
             // request tries again.
             entry.sandbox.resume().await?;
-            *paused = false;
+            *paused = Paused::No;
             life.paused_now.store(false, Ordering::Relaxed);
         }
         Ok(guard)
@@ -132,11 +148,27 @@ pub(crate) async fn pause(entry: Arc<Entry>) -> Result<(), ApiError> {
             ),
         ));
     }
-    if !*paused {
+    // Pausing a paused sandbox does nothing (the library's rule); one the idle timeout paused
+    // becomes the client's, so requests no longer resume it.
+    if *paused == Paused::No {
         entry.sandbox.pause().await?;
-        *paused = true;
         life.paused_now.store(true, Ordering::Relaxed);
     }
+    *paused = Paused::Client;
+    Ok(())
+}
+
+/// Resumes `entry` at a client's request (a running one: as the tier's `resume` does, which
+/// is nothing where it has pause and `Unsupported` where it has not).
+pub(crate) async fn resume(entry: Arc<Entry>) -> Result<(), ApiError> {
+    let life = &entry.life;
+    let mut paused = life.paused.lock().await;
+    if life.reaped.load(Ordering::SeqCst) {
+        return Err(ApiError::no_sandbox(&entry.info.id));
+    }
+    entry.sandbox.resume().await?;
+    *paused = Paused::No;
+    life.paused_now.store(false, Ordering::Relaxed);
     Ok(())
 }
 
@@ -173,9 +205,9 @@ async fn reap_one(shared: &Shared, e: Arc<Entry>) {
             life.reaped.store(true, Ordering::SeqCst);
             remove_and_destroy(shared, &e, "it was idle past its timeout");
         }
-        Some(IdleAction::Pause) if !*paused => match e.sandbox.pause().await {
+        Some(IdleAction::Pause) if *paused == Paused::No => match e.sandbox.pause().await {
             Ok(()) => {
-                *paused = true;
+                *paused = Paused::Idle;
                 life.paused_now.store(true, Ordering::Relaxed);
                 tracing::info!(sandbox = %e.info.id, "paused: idle past its timeout");
             }

@@ -7,6 +7,7 @@ use serde_json::{json, Value};
 /// Every operation: (method, path). The router serves exactly these (tested).
 pub const OPERATIONS: &[(&str, &str)] = &[
     ("get", "/v1/openapi.json"),
+    ("get", "/v1/tiers"),
     ("post", "/v1/sandboxes"),
     ("get", "/v1/sandboxes"),
     ("get", "/v1/sandboxes/{id}"),
@@ -22,6 +23,9 @@ pub const OPERATIONS: &[(&str, &str)] = &[
     ("put", "/v1/sandboxes/{id}/network"),
     ("get", "/v1/sandboxes/{id}/network/events"),
     ("get", "/v1/snapshots"),
+    ("post", "/v1/snapshots"),
+    ("get", "/v1/snapshots/{sid}/manifest"),
+    ("get", "/v1/snapshots/{sid}/artifacts/{name}"),
     ("get", "/v1/snapshots/{sid}"),
     ("delete", "/v1/snapshots/{sid}"),
     ("post", "/v1/snapshots/{sid}/restore"),
@@ -70,19 +74,16 @@ pub fn document() -> Value {
             "schema": { "$ref": format!("#/components/schemas/{schema}") } } } } }),
         )
     };
-    json!({
-        "openapi": "3.1.0",
-        "info": {
-            "title": "agent-sandbox",
-            "version": "1",
-            "description": "Sandboxes for AI-agent code, as a service. Every request over TCP carries `Authorization: Bearer <token>`; on a Unix socket the socket's permissions are the check. Errors are JSON: {\"error\": {\"kind\", \"message\"}}."
-        },
-        "security": [ { "bearer": [] } ],
-        "paths": {
+    let mut paths = json!({
             "/v1/openapi.json": { "get": {
                 "operationId": "openapi", "summary": "This document.",
                 "responses": with_errors(json!({ "200": { "description": "The OpenAPI document.",
                     "content": { "application/json": { "schema": { "type": "object" } } } } }))
+            } },
+            "/v1/tiers": { "get": {
+                "operationId": "listTiers",
+                "summary": "Which tiers the server's host can run (the reason and the fix for the others), with what each can do.",
+                "responses": json_ok("200", "The tiers.", "TierList")
             } },
             "/v1/sandboxes": {
                 "post": {
@@ -142,66 +143,86 @@ pub fn document() -> Value {
                       "schema": { "type": "string" } } ],
                 "get": { "operationId": "listFiles", "summary": "List a directory.",
                     "responses": json_ok("200", "Its entries.", "Listing") }
-            },
-            "/v1/sandboxes/{id}/snapshot": {
-                "parameters": [ id_param() ],
-                "post": { "operationId": "snapshotSandbox",
-                    "summary": "Snapshot a sandbox into the server's store (what a snapshot keeps depends on the tier: files, and memory where the tier checkpoints).",
-                    "responses": json_ok("201", "The snapshot.", "SnapshotInfo") }
-            },
-            "/v1/sandboxes/{id}/pause": {
-                "parameters": [ id_param() ],
-                "post": { "operationId": "pauseSandbox",
-                    "summary": "Pause every process of a sandbox; the next request that uses it resumes it (409 while another request uses it).",
-                    "responses": with_errors(json!({ "204": { "description": "Paused." } })) }
-            },
-            "/v1/sandboxes/{id}/resume": {
-                "parameters": [ id_param() ],
-                "post": { "operationId": "resumeSandbox", "summary": "Resume a paused sandbox (a running one: nothing happens).",
-                    "responses": with_errors(json!({ "204": { "description": "Running." } })) }
-            },
-            "/v1/sandboxes/{id}/network": {
-                "parameters": [ id_param() ],
-                "put": { "operationId": "setNetworkPolicy",
-                    "summary": "Replace the network policy (sandboxes created with a policy other than deny-all); the next connection is decided by the new one.",
-                    "requestBody": json_body("NetworkPolicy"),
-                    "responses": with_errors(json!({ "204": { "description": "Replaced." } })) }
-            },
-            "/v1/sandboxes/{id}/network/events": {
-                "parameters": [ id_param() ],
-                "get": { "operationId": "networkEvents", "summary": "The egress decisions so far, oldest first.",
-                    "responses": json_ok("200", "The events.", "NetworkEvents") }
-            },
-            "/v1/snapshots": {
-                "get": { "operationId": "listSnapshots", "summary": "The snapshots in the server's store, oldest first.",
-                    "responses": json_ok("200", "The snapshots.", "SnapshotList") }
-            },
-            "/v1/snapshots/{sid}": {
-                "parameters": [ sid_param() ],
-                "get": { "operationId": "getSnapshot", "summary": "One snapshot.",
-                    "responses": json_ok("200", "The snapshot.", "SnapshotInfo") },
-                "delete": { "operationId": "deleteSnapshot", "summary": "Delete a snapshot.",
-                    "responses": with_errors(json!({ "204": { "description": "Deleted." } })) }
-            },
-            "/v1/snapshots/{sid}/restore": {
-                "parameters": [ sid_param() ],
-                "post": { "operationId": "restoreSnapshot", "summary": "A new sandbox from a snapshot (the body is optional).",
-                    "requestBody": { "required": false, "content": { "application/json": {
-                        "schema": { "$ref": "#/components/schemas/RestoreBody" } } } },
-                    "responses": json_ok("201", "The new sandbox.", "SandboxInfo") }
-            },
-            "/v1/snapshots/{sid}/fork": {
-                "parameters": [ sid_param() ],
-                "post": { "operationId": "forkSnapshot", "summary": "`count` new sandboxes from one snapshot, all or none.",
-                    "requestBody": json_body("ForkBody"),
-                    "responses": json_ok("201", "The new sandboxes.", "SandboxList") }
             }
-        },
-        "components": {
-            "securitySchemes": { "bearer": { "type": "http", "scheme": "bearer" } },
-            "responses": { "Error": { "description": "What went wrong and what to do.",
-                "content": { "application/json": { "schema": { "$ref": "#/components/schemas/Error" } } } } },
-            "schemas": {
+    });
+    merge(
+        &mut paths,
+        json!({
+                "/v1/sandboxes/{id}/snapshot": {
+                    "parameters": [ id_param() ],
+                    "post": { "operationId": "snapshotSandbox",
+                        "summary": "Snapshot a sandbox into the server's store (what a snapshot keeps depends on the tier: files, and memory where the tier checkpoints).",
+                        "responses": json_ok("201", "The snapshot.", "SnapshotInfo") }
+                },
+                "/v1/sandboxes/{id}/pause": {
+                    "parameters": [ id_param() ],
+                    "post": { "operationId": "pauseSandbox",
+                        "summary": "Pause every process of a sandbox; the next request that uses it resumes it (409 while another request uses it).",
+                        "responses": with_errors(json!({ "204": { "description": "Paused." } })) }
+                },
+                "/v1/sandboxes/{id}/resume": {
+                    "parameters": [ id_param() ],
+                    "post": { "operationId": "resumeSandbox", "summary": "Resume a paused sandbox (a running one: nothing happens).",
+                        "responses": with_errors(json!({ "204": { "description": "Running." } })) }
+                },
+                "/v1/sandboxes/{id}/network": {
+                    "parameters": [ id_param() ],
+                    "put": { "operationId": "setNetworkPolicy",
+                        "summary": "Replace the network policy (sandboxes created with a policy other than deny-all); the next connection is decided by the new one.",
+                        "requestBody": json_body("NetworkPolicy"),
+                        "responses": with_errors(json!({ "204": { "description": "Replaced." } })) }
+                },
+                "/v1/sandboxes/{id}/network/events": {
+                    "parameters": [ id_param() ],
+                    "get": { "operationId": "networkEvents", "summary": "The egress decisions so far, oldest first.",
+                        "responses": json_ok("200", "The events.", "NetworkEvents") }
+                },
+                "/v1/snapshots": {
+                    "get": { "operationId": "listSnapshots", "summary": "The snapshots in the server's store, oldest first.",
+                        "responses": json_ok("200", "The snapshots.", "SnapshotList") },
+                    "post": { "operationId": "uploadSnapshot",
+                        "summary": "Store a snapshot sent by a client: a tar of `manifest.json` (a snapshot manifest) and `artifacts/NAME` for each artifact it lists, each checked against the manifest's size and SHA-256.",
+                        "requestBody": { "required": true, "content": { "application/x-tar": {
+                            "schema": { "type": "string", "format": "binary" } } } },
+                        "responses": json_ok("201", "The stored snapshot (a new id).", "SnapshotInfo") }
+                },
+                "/v1/snapshots/{sid}/manifest": {
+                    "parameters": [ sid_param() ],
+                    "get": { "operationId": "snapshotManifest", "summary": "A snapshot's manifest: its tier, engine, spec and artifacts (names, sizes, SHA-256s).",
+                        "responses": with_errors(json!({ "200": { "description": "The manifest.",
+                            "content": { "application/json": { "schema": { "type": "object" } } } } })) }
+                },
+                "/v1/snapshots/{sid}/artifacts/{name}": {
+                    "parameters": [ sid_param(),
+                        { "name": "name", "in": "path", "required": true, "schema": { "type": "string" } } ],
+                    "get": { "operationId": "snapshotArtifact", "summary": "One artifact of a snapshot (checked against the manifest by the store).",
+                        "responses": with_errors(json!({ "200": { "description": "Its bytes.",
+                            "content": { "application/octet-stream": {
+                                "schema": { "type": "string", "format": "binary" } } } } })) }
+                },
+                "/v1/snapshots/{sid}": {
+                    "parameters": [ sid_param() ],
+                    "get": { "operationId": "getSnapshot", "summary": "One snapshot.",
+                        "responses": json_ok("200", "The snapshot.", "SnapshotInfo") },
+                    "delete": { "operationId": "deleteSnapshot", "summary": "Delete a snapshot.",
+                        "responses": with_errors(json!({ "204": { "description": "Deleted." } })) }
+                },
+                "/v1/snapshots/{sid}/restore": {
+                    "parameters": [ sid_param() ],
+                    "post": { "operationId": "restoreSnapshot", "summary": "A new sandbox from a snapshot (the body is optional).",
+                        "requestBody": { "required": false, "content": { "application/json": {
+                            "schema": { "$ref": "#/components/schemas/RestoreBody" } } } },
+                        "responses": json_ok("201", "The new sandbox.", "SandboxInfo") }
+                },
+                "/v1/snapshots/{sid}/fork": {
+                    "parameters": [ sid_param() ],
+                    "post": { "operationId": "forkSnapshot", "summary": "`count` new sandboxes from one snapshot, all or none.",
+                        "requestBody": json_body("ForkBody"),
+                        "responses": json_ok("201", "The new sandboxes.", "SandboxList") }
+                }
+        }),
+    );
+    let mut schemas = json!({
                 "Error": { "type": "object", "required": ["error"], "properties": {
                     "error": { "type": "object", "required": ["kind", "message"], "properties": {
                         "kind": { "type": "string" }, "message": { "type": "string" } } } } },
@@ -210,63 +231,96 @@ pub fn document() -> Value {
                         "spec": { "type": "object", "description": "The library's SandboxSpec as JSON (at least `language`)." },
                         "tier": { "type": "string", "enum": ["wasm", "container", "gvisor", "microvm"] },
                         "labels": { "type": "object", "additionalProperties": { "type": "string" } },
-                        "lifetime": { "$ref": "#/components/schemas/Lifetime" } } },
-                "Lifetime": { "type": "object", "additionalProperties": false,
-                    "description": "How long a sandbox lives: destroyed `ttl_s` seconds after its creation, and `on_idle` after `idle_timeout_s` seconds without a request using it (a paused one resumes on its next request).",
-                    "properties": {
-                        "ttl_s": { "type": "integer", "minimum": 1 },
-                        "idle_timeout_s": { "type": "integer", "minimum": 1 },
-                        "on_idle": { "type": "string", "enum": ["pause", "destroy"], "default": "destroy" } } },
-                "SandboxInfo": { "type": "object", "required": ["id", "tier", "labels", "created_at", "state"],
-                    "properties": {
-                        "id": { "type": "string" }, "tier": { "type": "string" },
+                        "lifetime": { "$ref": "#/components/schemas/Lifetime" } } }
+    });
+    merge(
+        &mut schemas,
+        json!({
+                    "Lifetime": { "type": "object", "additionalProperties": false,
+                        "description": "How long a sandbox lives: destroyed `ttl_s` seconds after its creation, and `on_idle` after `idle_timeout_s` seconds without a request using it (a paused one resumes on its next request).",
+                        "properties": {
+                            "ttl_s": { "type": "integer", "minimum": 1 },
+                            "idle_timeout_s": { "type": "integer", "minimum": 1 },
+                            "on_idle": { "type": "string", "enum": ["pause", "destroy"], "default": "destroy" } } },
+                    "SandboxInfo": { "type": "object", "required": ["id", "tier", "labels", "created_at", "state"],
+                        "properties": {
+                            "id": { "type": "string" }, "tier": { "type": "string" },
+                            "labels": { "type": "object", "additionalProperties": { "type": "string" } },
+                            "created_at": { "type": "string", "format": "date-time" },
+                            "state": { "type": "string", "enum": ["running", "paused"] },
+                            "lifetime": { "$ref": "#/components/schemas/Lifetime" },
+                            "from_snapshot": { "type": "string" } } },
+                    "RestoreBody": { "type": "object", "additionalProperties": false, "properties": {
                         "labels": { "type": "object", "additionalProperties": { "type": "string" } },
+                        "lifetime": { "$ref": "#/components/schemas/Lifetime" } } },
+                    "ForkBody": { "type": "object", "required": ["count"], "additionalProperties": false, "properties": {
+                        "count": { "type": "integer", "minimum": 1, "maximum": 64 },
+                        "labels": { "type": "object", "additionalProperties": { "type": "string" } },
+                        "lifetime": { "$ref": "#/components/schemas/Lifetime" } } },
+                    "SnapshotInfo": { "type": "object", "required": ["id", "tier", "created_at", "bytes"], "properties": {
+                        "id": { "type": "string" }, "tier": { "type": "string" },
                         "created_at": { "type": "string", "format": "date-time" },
-                        "state": { "type": "string", "enum": ["running", "paused"] },
-                        "lifetime": { "$ref": "#/components/schemas/Lifetime" },
-                        "from_snapshot": { "type": "string" } } },
-                "RestoreBody": { "type": "object", "additionalProperties": false, "properties": {
-                    "labels": { "type": "object", "additionalProperties": { "type": "string" } },
-                    "lifetime": { "$ref": "#/components/schemas/Lifetime" } } },
-                "ForkBody": { "type": "object", "required": ["count"], "additionalProperties": false, "properties": {
-                    "count": { "type": "integer", "minimum": 1, "maximum": 64 },
-                    "labels": { "type": "object", "additionalProperties": { "type": "string" } },
-                    "lifetime": { "$ref": "#/components/schemas/Lifetime" } } },
-                "SnapshotInfo": { "type": "object", "required": ["id", "tier", "created_at", "bytes"], "properties": {
-                    "id": { "type": "string" }, "tier": { "type": "string" },
-                    "created_at": { "type": "string", "format": "date-time" },
-                    "bytes": { "type": "integer", "minimum": 0 } } },
-                "SnapshotList": { "type": "object", "required": ["snapshots"], "properties": {
-                    "snapshots": { "type": "array", "items": { "$ref": "#/components/schemas/SnapshotInfo" } } } },
-                "NetworkPolicy": { "type": "object", "required": ["mode"],
-                    "description": "The library's NetworkPolicy as JSON: {\"mode\": \"deny-all\"}, {\"mode\": \"allow\", \"hosts\": [\"api.example.com:443\"], \"cidrs\": [], \"ports\": []} or {\"mode\": \"allow-internet\", \"deny\": [], \"private\": []}.",
-                    "properties": { "mode": { "type": "string", "enum": ["deny-all", "allow", "allow-internet"] } } },
-                "NetworkEvents": { "type": "object", "required": ["events"], "properties": {
-                    "events": { "type": "array", "items": { "type": "object" } } } },
-                "SandboxList": { "type": "object", "required": ["sandboxes"], "properties": {
-                    "sandboxes": { "type": "array", "items": { "$ref": "#/components/schemas/SandboxInfo" } } } },
-                "ExecBody": { "type": "object", "additionalProperties": false,
-                    "description": "Exactly one of `argv` and `code`.",
-                    "properties": {
-                        "argv": { "type": "array", "items": { "type": "string" } },
-                        "code": { "type": "string" },
-                        "stdin": { "type": "string" },
-                        "env": { "type": "object", "additionalProperties": { "type": "string" } },
-                        "cwd": { "type": "string" },
-                        "timeout_ms": { "type": "integer", "minimum": 0 } } },
-                "ExecResult": { "type": "object", "required": ["exit_code", "stdout", "stderr", "truncated"],
-                    "properties": {
-                        "exit_code": { "type": ["integer", "null"] },
-                        "stdout": { "type": "string" }, "stderr": { "type": "string" },
-                        "limit": { "type": ["string", "null"], "description": "The limit that stopped it: wall-time, memory, output, pids, disk..." },
-                        "truncated": { "type": "boolean" },
-                        "value": { "type": "string" },
-                        "timeline": { "type": "object" } } },
-                "Listing": { "type": "object", "required": ["entries"], "properties": {
-                    "entries": { "type": "array", "items": { "type": "object" } } } }
-            }
+                        "bytes": { "type": "integer", "minimum": 0 } } },
+                    "SnapshotList": { "type": "object", "required": ["snapshots"], "properties": {
+                        "snapshots": { "type": "array", "items": { "$ref": "#/components/schemas/SnapshotInfo" } } } },
+                    "NetworkPolicy": { "type": "object", "required": ["mode"],
+                        "description": "The library's NetworkPolicy as JSON: {\"mode\": \"deny-all\"}, {\"mode\": \"allow\", \"hosts\": [\"api.example.com:443\"], \"cidrs\": [], \"ports\": []} or {\"mode\": \"allow-internet\", \"deny\": [], \"private\": []}.",
+                        "properties": { "mode": { "type": "string", "enum": ["deny-all", "allow", "allow-internet"] } } },
+                    "NetworkEvents": { "type": "object", "required": ["events"], "properties": {
+                        "events": { "type": "array", "items": { "type": "object" } } } },
+                    "SandboxList": { "type": "object", "required": ["sandboxes"], "properties": {
+                        "sandboxes": { "type": "array", "items": { "$ref": "#/components/schemas/SandboxInfo" } } } },
+                    "ExecBody": { "type": "object", "additionalProperties": false,
+                        "description": "Exactly one of `argv` and `code`.",
+                        "properties": {
+                            "argv": { "type": "array", "items": { "type": "string" } },
+                            "code": { "type": "string" },
+                            "stdin": { "type": "string" },
+                            "env": { "type": "object", "additionalProperties": { "type": "string" } },
+                            "cwd": { "type": "string" },
+                            "timeout_ms": { "type": "integer", "minimum": 0 } } },
+                    "ExecResult": { "type": "object", "required": ["exit_code", "stdout", "stderr", "truncated"],
+                        "properties": {
+                            "exit_code": { "type": ["integer", "null"] },
+                            "stdout": { "type": "string" }, "stderr": { "type": "string" },
+                            "limit": { "type": ["string", "null"], "description": "The limit that stopped it: wall-time, memory, output, pids, disk..." },
+                            "truncated": { "type": "boolean" },
+                            "value": { "type": "string" },
+                            "timeline": { "type": "object" } } },
+                    "TierList": { "type": "object", "required": ["tiers"], "properties": {
+                        "tiers": { "type": "array", "items": { "type": "object", "required": ["status"],
+                            "properties": {
+                                "status": { "type": "object", "required": ["tier", "available"], "properties": {
+                                    "tier": { "type": "string" }, "available": { "type": "boolean" },
+                                    "reason": { "type": "string" }, "fix": { "type": ["string", "null"] } } },
+                                "capabilities": { "type": "object" } } } } } },
+                    "Listing": { "type": "object", "required": ["entries"], "properties": {
+                        "entries": { "type": "array", "items": { "type": "object" } } } }
+        }),
+    );
+    json!({
+        "openapi": "3.1.0",
+        "info": {
+            "title": "agent-sandbox",
+            "version": "1",
+            "description": "Sandboxes for AI-agent code, as a service. Every request over TCP carries `Authorization: Bearer <token>`; on a Unix socket the socket's permissions are the check. Errors are JSON: {\"error\": {\"kind\", \"message\"}}."
+        },
+        "security": [ { "bearer": [] } ],
+        "paths": paths,
+        "components": {
+            "securitySchemes": { "bearer": { "type": "http", "scheme": "bearer" } },
+            "responses": { "Error": { "description": "What went wrong and what to do.",
+                "content": { "application/json": { "schema": { "$ref": "#/components/schemas/Error" } } } } },
+            "schemas": schemas
         }
     })
+}
+
+/// Adds `more`'s entries to the object `into`.
+fn merge(into: &mut Value, more: Value) {
+    if let (Some(o), Value::Object(m)) = (into.as_object_mut(), more) {
+        o.extend(m);
+    }
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@ use sandbox_core::{NetworkPolicy, Sandbox, SnapshotId, SnapshotManifest, Snapsho
 
 use crate::api::{
     CreateSandbox, ExecBody, ForkBody, LifetimeSpec, Listing, NetworkEvents, RestoreBody,
-    SandboxInfo, SandboxList, SnapshotInfo, SnapshotList, MAX_FORK,
+    SandboxInfo, SandboxList, SnapshotInfo, SnapshotList, TierInfo, TierList, MAX_FORK,
 };
 use crate::auth::{require_token, Token};
 use crate::error::ApiError;
@@ -31,6 +31,7 @@ pub(crate) fn router(shared: Arc<Shared>, token: Option<Token>) -> Router {
     let timeout = shared.config.request_timeout;
     Router::new()
         .route("/v1/openapi.json", get(openapi))
+        .route("/v1/tiers", get(tiers))
         .route("/v1/sandboxes", post(create).get(list))
         .route("/v1/sandboxes/{id}", get(get_one).delete(destroy))
         .route("/v1/sandboxes/{id}/exec", post(exec))
@@ -45,7 +46,12 @@ pub(crate) fn router(shared: Arc<Shared>, token: Option<Token>) -> Router {
         .route("/v1/sandboxes/{id}/resume", post(resume))
         .route("/v1/sandboxes/{id}/network", put(set_network))
         .route("/v1/sandboxes/{id}/network/events", get(network_events))
-        .route("/v1/snapshots", get(list_snapshots))
+        .route("/v1/snapshots", get(list_snapshots).post(upload_snapshot))
+        .route("/v1/snapshots/{sid}/manifest", get(snapshot_manifest))
+        .route(
+            "/v1/snapshots/{sid}/artifacts/{name}",
+            get(snapshot_artifact),
+        )
         .route(
             "/v1/snapshots/{sid}",
             get(get_snapshot).delete(delete_snapshot),
@@ -140,6 +146,20 @@ async fn no_route(method: Method, uri: Uri) -> ApiError {
 
 async fn openapi() -> Json<serde_json::Value> {
     Json(crate::openapi::document())
+}
+
+async fn tiers(State(s): State<Arc<Shared>>) -> Json<TierList> {
+    let tiers = s
+        .provider
+        .probe()
+        .await
+        .into_iter()
+        .map(|status| TierInfo {
+            capabilities: s.provider.capabilities(status.tier),
+            status,
+        })
+        .collect();
+    Json(TierList { tiers })
 }
 
 async fn create(
@@ -603,8 +623,7 @@ async fn resume(
     State(s): State<Arc<Shared>>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    // Using it resumes it.
-    drop(s.enter(&id).await?);
+    lifetime::resume(s.get(&id)?).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -626,4 +645,59 @@ async fn network_events(
     Ok(Json(NetworkEvents {
         events: e.sandbox.network_events().await?,
     }))
+}
+
+async fn snapshot_manifest(
+    State(s): State<Arc<Shared>>,
+    Path(sid): Path<String>,
+) -> Result<Json<SnapshotManifest>, ApiError> {
+    let store = store(&s)?;
+    let id = parse_snapshot_id(&sid)?;
+    Ok(Json(
+        store
+            .manifest(&id)
+            .await
+            .map_err(sandbox_core::Error::from)?,
+    ))
+}
+
+async fn snapshot_artifact(
+    State(s): State<Arc<Shared>>,
+    Path((sid, name)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
+    let store = store(&s)?;
+    let id = parse_snapshot_id(&sid)?;
+    let data = store
+        .artifact(&id, &name)
+        .await
+        .map_err(sandbox_core::Error::from)?;
+    Ok((
+        [(axum::http::header::CONTENT_TYPE, "application/octet-stream")],
+        data,
+    )
+        .into_response())
+}
+
+/// A snapshot sent by a client (`RemoteBackend::restore` of a snapshot in the client's own
+/// store): a tar of `manifest.json` (the manifest as the client's store has it) and
+/// `artifacts/NAME` for each artifact it lists, each checked against the manifest's size
+/// and SHA-256. Stored as a new snapshot of the server's; the answer is its info.
+async fn upload_snapshot(
+    State(s): State<Arc<Shared>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<(StatusCode, Json<SnapshotInfo>), ApiError> {
+    let store = store(&s)?;
+    let body = body.map_err(bytes_rejection)?;
+    let draft = crate::upload::read_snapshot_tar(&body)?;
+    if let (false, Some(what)) = (s.config.allow_host_access, crate::host_access(&draft.spec)) {
+        return Err(forbidden(&format!(
+            "this snapshot's spec has {what}, which"
+        )));
+    }
+    let id = store.put(draft).await.map_err(sandbox_core::Error::from)?;
+    let m = store
+        .manifest(&id)
+        .await
+        .map_err(sandbox_core::Error::from)?;
+    Ok((StatusCode::CREATED, Json(snapshot_info(id, &m))))
 }

@@ -8,40 +8,13 @@
 use std::process::Command;
 use std::sync::Arc;
 
-use async_trait::async_trait;
 use backend_unisolated::UnisolatedBackend;
-use sandbox_core::{
-    Backend, Capabilities, ResolvedSecrets, Sandbox, SandboxSpec, SnapshotId, SnapshotStore, Tier,
-};
-use sandbox_server::{Listener, Provider, Server, ServerConfig, Token};
+use sandbox_server::{Listener, OneBackend, Server, ServerConfig, Token};
 
-struct Unisolated;
-
-#[async_trait]
-impl Provider for Unisolated {
-    async fn create(
-        &self,
-        spec: &SandboxSpec,
-        _tier: Option<Tier>,
-    ) -> sandbox_core::Result<Box<dyn Sandbox>> {
-        UnisolatedBackend::new_without_isolation()
-            .create(spec, ResolvedSecrets::none())
-            .await
-    }
-
-    async fn restore(
-        &self,
-        store: &dyn SnapshotStore,
-        id: &SnapshotId,
-    ) -> sandbox_core::Result<Box<dyn Sandbox>> {
-        UnisolatedBackend::new_without_isolation()
-            .restore(store, id, ResolvedSecrets::none())
-            .await
-    }
-
-    fn capabilities(&self, _tier: Tier) -> Option<Capabilities> {
-        Some(UnisolatedBackend::new_without_isolation().capabilities())
-    }
+fn unisolated() -> Arc<OneBackend> {
+    Arc::new(OneBackend(Arc::new(
+        UnisolatedBackend::new_without_isolation(),
+    )))
 }
 
 /// A running server: its base URL, token, a way to stop it, and the server.
@@ -54,7 +27,7 @@ struct Running {
 }
 
 async fn start(config: ServerConfig) -> Running {
-    let server = Server::new(Arc::new(Unisolated), config);
+    let server = Server::new(unisolated(), config);
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", l.local_addr().unwrap());
     let token = Token::generate();
@@ -363,6 +336,7 @@ async fn every_documented_operation_is_routed_and_the_document_is_served() {
         let path = path
             .replace("{id}", "no-such-sandbox")
             .replace("{sid}", &"0".repeat(64))
+            .replace("{name}", "fs.tar")
             .replace("{path}", "a/b");
         let (_, text) = r.call(&method.to_uppercase(), &path, Some("{}")).await;
         assert!(!text.contains("no endpoint"), "{method} {path}: {text}");
@@ -374,7 +348,7 @@ async fn every_documented_operation_is_routed_and_the_document_is_served() {
 async fn a_unix_socket_needs_no_token() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("api.sock");
-    let server = Server::new(Arc::new(Unisolated), ServerConfig::default());
+    let server = Server::new(unisolated(), ServerConfig::default());
     let l = tokio::net::UnixListener::bind(&sock).unwrap();
     let (stop, rx) = tokio::sync::oneshot::channel::<()>();
     let s = server.clone();

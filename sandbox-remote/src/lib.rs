@@ -1,0 +1,366 @@
+//! `RemoteBackend`: the [`Backend`] and [`Sandbox`] traits over the v1 HTTP API of
+//! `agent-sandbox serve` (the `sandbox-server` crate), so agent code written against the
+//! traits runs unchanged against a server on this machine or another: register the remote
+//! backends in a `Runtime` (or use them directly) and every create, exec, file, snapshot and
+//! destroy is a request to the server.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use sandbox_core::{Backend, ExecRequest, Language, ResolvedSecrets, SandboxSpec, Tier};
+//! use sandbox_remote::{RemoteConfig, RemoteServer};
+//!
+//! let server = RemoteServer::connect(
+//!     RemoteConfig::new("http://127.0.0.1:7878")?.token_file("/run/user/1000/agent-sandbox/token")?,
+//! )
+//! .await?;
+//! let backend = server.backend(Tier::Container).expect("the server runs containers");
+//! let sb = backend.create(&SandboxSpec::new(Language::Python), ResolvedSecrets::none()).await?;
+//! let out = sb.exec(ExecRequest::code("print(6*7)")).await?;
+//! assert_eq!(out.stdout, b"42\n");
+//! sb.destroy().await?;
+//! # Ok(()) }
+//! ```
+//!
+//! - **Addresses**: `http://HOST:PORT` (and `https://`, through a TLS front) with the server's
+//!   bearer token, or `unix:/PATH` (`serve --unix`, no token).
+//! - **Errors** come back as the library's variants (`SandboxGone`, `PathEscape`,
+//!   `Unsupported`...), read from the server's error answers.
+//! - **Capabilities** are the server's tier's, less what the v1 API does not carry yet:
+//!   background processes, terminals and published ports answer `Unsupported`.
+//! - **Snapshots** go into the caller's store: the server snapshots, the client copies the
+//!   snapshot over (checked against its SHA-256s). `restore` sends a snapshot of the
+//!   caller's store to the server first (once per snapshot and server).
+
+mod client;
+mod error;
+mod sandbox;
+mod transfer;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use reqwest::Method;
+use sandbox_core::{
+    Backend, Capabilities, Error, ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotId,
+    SnapshotStore, Tier, TierStatus, TimelineRecorder,
+};
+use sandbox_server::api::{CreateSandbox, RestoreBody, SandboxInfo, TierInfo, TierList};
+
+use client::Client;
+pub use error::RemoteError;
+pub use sandbox::RemoteSandbox;
+
+/// Where a server is and how to talk to it. `#[non_exhaustive]`: build it with
+/// [`RemoteConfig::new`] and the setters.
+#[derive(Clone)]
+#[non_exhaustive]
+pub struct RemoteConfig {
+    /// `http(s)://HOST:PORT` or `unix:/PATH`.
+    pub address: String,
+    /// The bearer token (TCP). Never printed by `Debug`.
+    pub token: Option<String>,
+    /// Labels given to every sandbox this client creates (`GET /v1/sandboxes?label=k=v`).
+    pub labels: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for RemoteConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteConfig")
+            .field("address", &self.address)
+            .field("token", &self.token.as_ref().map(|_| "<hidden>"))
+            .field("labels", &self.labels)
+            .finish()
+    }
+}
+
+impl RemoteConfig {
+    /// A server at `address`: `http://HOST:PORT`, `https://HOST:PORT` or `unix:/PATH`.
+    pub fn new(address: &str) -> std::result::Result<Self, RemoteError> {
+        let ok = address.starts_with("http://")
+            || address.starts_with("https://")
+            || address
+                .strip_prefix("unix:")
+                .is_some_and(|p| p.starts_with('/'));
+        if !ok {
+            return Err(RemoteError::BadAddress(address.to_string()));
+        }
+        Ok(RemoteConfig {
+            address: address.trim_end_matches('/').to_string(),
+            token: None,
+            labels: BTreeMap::new(),
+        })
+    }
+
+    /// Sets the bearer token.
+    pub fn token(mut self, token: impl Into<String>) -> Self {
+        self.token = Some(token.into());
+        self
+    }
+
+    /// Reads the bearer token from a file (the first line, trimmed), as `serve` writes it.
+    pub fn token_file(self, path: impl AsRef<Path>) -> std::result::Result<Self, RemoteError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| RemoteError::TokenFile {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Ok(self.token(text.lines().next().unwrap_or_default().trim()))
+    }
+
+    /// Adds a label given to every sandbox this client creates.
+    pub fn label(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.labels.insert(key.into(), value.into());
+        self
+    }
+}
+
+/// A connected server: the tiers it has, and a [`RemoteBackend`] for each.
+#[derive(Debug, Clone)]
+pub struct RemoteServer {
+    shared: Arc<Shared>,
+    tiers: Vec<TierInfo>,
+}
+
+/// What every backend of one server shares.
+#[derive(Debug)]
+struct Shared {
+    client: Arc<Client>,
+    labels: BTreeMap<String, String>,
+    /// Snapshots of callers' stores already sent: (store's id) -> the server's id.
+    sent: Mutex<HashMap<SnapshotId, SnapshotId>>,
+}
+
+impl RemoteServer {
+    /// Connects: checks the address and the token by asking the server for its tiers.
+    pub async fn connect(config: RemoteConfig) -> std::result::Result<Self, RemoteError> {
+        // rustls without a built-in provider: ring, as the rest of the workspace uses.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let mut b = reqwest::Client::builder();
+        let base = match config.address.strip_prefix("unix:") {
+            Some(path) => {
+                b = b.unix_socket(path);
+                "http://localhost".to_string()
+            }
+            None => config.address.clone(),
+        };
+        let http = b.build().map_err(RemoteError::Client)?;
+        let client = Arc::new(Client::new(
+            http,
+            base,
+            config.token,
+            config.address.clone(),
+        ));
+        let req = client.request(Method::GET, "/v1/tiers");
+        let list: TierList = match client.json(req).await {
+            Ok(l) => l,
+            Err(f) if f.status == 0 && f.kind == "unreachable" => {
+                // Once more for the transport error itself.
+                let req = client.request(Method::GET, "/v1/tiers");
+                return Err(match req.send().await {
+                    Err(source) => RemoteError::Unreachable {
+                        server: config.address,
+                        source,
+                    },
+                    Ok(_) => f.into_remote(),
+                });
+            }
+            Err(f) => return Err(f.into_remote()),
+        };
+        Ok(RemoteServer {
+            shared: Arc::new(Shared {
+                client,
+                labels: config.labels,
+                sent: Mutex::new(HashMap::new()),
+            }),
+            tiers: list.tiers,
+        })
+    }
+
+    /// The server's tiers as it reported them on connecting.
+    pub fn tiers(&self) -> &[TierInfo] {
+        &self.tiers
+    }
+
+    /// A backend for `tier`, if the server has it built in (available or not: its probe
+    /// says).
+    pub fn backend(&self, tier: Tier) -> Option<RemoteBackend> {
+        let info = self.tiers.iter().find(|t| t.status.tier == tier)?;
+        let caps = info.capabilities.clone()?;
+        Some(RemoteBackend {
+            shared: Arc::clone(&self.shared),
+            tier,
+            caps: carried(caps),
+        })
+    }
+
+    /// A backend for every tier the server can run now.
+    pub fn backends(&self) -> Vec<RemoteBackend> {
+        self.tiers
+            .iter()
+            .filter(|t| t.status.available)
+            .filter_map(|t| self.backend(t.status.tier))
+            .collect()
+    }
+}
+
+/// `caps` less what the v1 API does not carry.
+fn carried(mut caps: Capabilities) -> Capabilities {
+    caps.processes = false;
+    caps.tty = false;
+    caps.publish = false;
+    // Secrets are resolved where the sandbox runs; a client's are not sent.
+    caps.proxy_secrets = false;
+    caps
+}
+
+/// One tier of a server, as a [`Backend`]: its sandboxes are [`RemoteSandbox`]es.
+#[derive(Debug, Clone)]
+pub struct RemoteBackend {
+    shared: Arc<Shared>,
+    tier: Tier,
+    caps: Capabilities,
+}
+
+impl RemoteBackend {
+    /// The server's address, as given.
+    pub fn server(&self) -> &str {
+        &self.shared.client.shown
+    }
+
+    fn sandbox(
+        &self,
+        info: SandboxInfo,
+        spec: SandboxSpec,
+        t: TimelineRecorder,
+    ) -> Box<dyn Sandbox> {
+        Box::new(RemoteSandbox::new(
+            Arc::clone(&self.shared.client),
+            info.id,
+            info.tier,
+            spec,
+            t.finish(),
+        ))
+    }
+
+    /// Restores snapshot `id` held by the server (its own id there) into a new sandbox.
+    pub async fn restore_on_server(&self, id: &SnapshotId) -> Result<Box<dyn Sandbox>> {
+        let t = TimelineRecorder::start();
+        let c = &self.shared.client;
+        let body = RestoreBody {
+            labels: self.shared.labels.clone(),
+            ..RestoreBody::default()
+        };
+        let req = c
+            .request(Method::POST, &format!("/v1/snapshots/{id}/restore"))
+            .json(&body);
+        let info: SandboxInfo = c
+            .json(req)
+            .await
+            .map_err(|f| f.into_core(self.tier, None, None))?;
+        // The spec as the server restored it.
+        let req = c.request(Method::GET, &format!("/v1/snapshots/{id}/manifest"));
+        let spec = match c.json::<sandbox_core::SnapshotManifest>(req).await {
+            Ok(m) => m.spec,
+            Err(f) => return Err(f.into_core(self.tier, None, None)),
+        };
+        Ok(self.sandbox(info, spec, t))
+    }
+}
+
+#[async_trait]
+impl Backend for RemoteBackend {
+    fn tier(&self) -> Tier {
+        self.tier
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.caps.clone()
+    }
+
+    async fn probe(&self) -> TierStatus {
+        let c = &self.shared.client;
+        let req = c.request(Method::GET, "/v1/tiers");
+        match c.json::<TierList>(req).await {
+            Ok(l) => match l.tiers.into_iter().find(|t| t.status.tier == self.tier) {
+                Some(t) => t.status,
+                None => TierStatus::unavailable(
+                    self.tier,
+                    format!("the server at {} no longer has this tier", c.shown),
+                    "ask its operator, or use another tier",
+                ),
+            },
+            Err(f) => TierStatus::unavailable(
+                self.tier,
+                format!("the server at {}: {}", c.shown, f.into_remote()),
+                "start `agent-sandbox serve` there, or check the address and the token",
+            ),
+        }
+    }
+
+    async fn create(
+        &self,
+        spec: &SandboxSpec,
+        secrets: ResolvedSecrets,
+    ) -> Result<Box<dyn Sandbox>> {
+        spec.validate()?;
+        if !secrets.is_empty() {
+            return Err(Error::unsupported(
+                self.tier,
+                "secrets through a remote server (they are resolved where the sandbox runs; \
+                 the v1 API does not send a client's)",
+            ));
+        }
+        let t = TimelineRecorder::start();
+        let c = &self.shared.client;
+        let body = CreateSandbox {
+            spec: spec.clone(),
+            tier: Some(self.tier),
+            labels: self.shared.labels.clone(),
+            lifetime: Default::default(),
+        };
+        let req = c.request(Method::POST, "/v1/sandboxes").json(&body);
+        let info: SandboxInfo = c
+            .json(req)
+            .await
+            .map_err(|f| f.into_core(self.tier, None, None))?;
+        Ok(self.sandbox(info, spec.clone(), t))
+    }
+
+    async fn restore(
+        &self,
+        store: &dyn SnapshotStore,
+        id: &SnapshotId,
+        secrets: ResolvedSecrets,
+    ) -> Result<Box<dyn Sandbox>> {
+        if !secrets.is_empty() {
+            return Err(Error::unsupported(
+                self.tier,
+                "secrets through a remote server",
+            ));
+        }
+        let known = self
+            .shared
+            .sent
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .cloned();
+        if let Some(remote) = known {
+            match self.restore_on_server(&remote).await {
+                // Deleted there since: sent again below.
+                Err(Error::Snapshot(sandbox_core::SnapshotError::NotFound(_))) => {}
+                Err(e) if e.to_string().contains("no snapshot") => {}
+                other => return other,
+            }
+        }
+        let remote = transfer::send_snapshot(&self.shared.client, self.tier, store, id).await?;
+        self.shared
+            .sent
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.clone(), remote.clone());
+        self.restore_on_server(&remote).await
+    }
+}

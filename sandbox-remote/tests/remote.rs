@@ -1,0 +1,290 @@
+//! `RemoteBackend` against a real server on loopback (and on a Unix socket): every trait
+//! call a remote sandbox makes, the library's errors coming back as the library's variants,
+//! snapshots into and out of the caller's own store, and connection failures said plainly.
+//! (The server's sandboxes come from the test-only unisolated backend: these test the client
+//! and the API, not isolation; `sandbox-conformance/tests/remote.rs` runs the behaviour
+//! contract through a server on the real tiers.)
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::sync::Arc;
+
+use backend_unisolated::UnisolatedBackend;
+use sandbox_core::{
+    Backend, Error, ExecEvent, ExecRequest, Language, ObjectSnapshotStore, ResolvedSecrets,
+    SandboxSpec, SnapshotStore, Tier,
+};
+use sandbox_remote::{RemoteConfig, RemoteError, RemoteServer};
+use sandbox_server::{Listener, OneBackend, Server, ServerConfig, Token};
+
+struct Running {
+    address: String,
+    token: Token,
+    server: Server,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+async fn start() -> Running {
+    let dir = tempfile::tempdir().unwrap();
+    let store = ObjectSnapshotStore::local(dir.path()).unwrap();
+    let server = Server::new(
+        Arc::new(OneBackend(Arc::new(
+            UnisolatedBackend::new_without_isolation(),
+        ))),
+        ServerConfig::default().snapshot_store(Arc::new(store)),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = format!("http://{}", l.local_addr().unwrap());
+    let token = Token::generate();
+    let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+    let (s, t) = (server.clone(), token.clone());
+    tokio::spawn(async move {
+        s.serve(Listener::Tcp(l, t), async {
+            let _ = rx.await;
+        })
+        .await
+    });
+    Running {
+        address,
+        token,
+        server,
+        stop: Some(stop),
+        _dir: dir,
+    }
+}
+
+async fn connect(r: &Running) -> RemoteServer {
+    let config = RemoteConfig::new(&r.address)
+        .unwrap()
+        .token(r.token.reveal())
+        .label("client", "test");
+    RemoteServer::connect(config).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_sandbox_does_what_a_local_one_does() {
+    let r = start().await;
+    let server = connect(&r).await;
+    assert_eq!(server.tiers().len(), 1);
+    let backend = server.backend(Tier::Unisolated).unwrap();
+    assert!(backend.probe().await.available);
+    // What the API does not carry is not claimed.
+    let caps = backend.capabilities();
+    assert!(!caps.processes && !caps.tty && !caps.publish);
+    assert!(server.backend(Tier::Gvisor).is_none());
+
+    let sb = backend
+        .create(&SandboxSpec::new(Language::Shell), ResolvedSecrets::none())
+        .await
+        .unwrap();
+    assert_eq!(sb.tier(), Tier::Unisolated);
+    assert_eq!(r.server.sandbox_ids(), vec![sb.id().to_string()]);
+
+    let out = sb
+        .exec(
+            ExecRequest::code("echo hi; echo err >&2; cat; echo \"$X\"; exit 3")
+                .stdin(b"in\n".to_vec())
+                .env("X", "from-env"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (
+            out.exit_code,
+            out.stdout_str().as_ref(),
+            out.stderr_str().as_ref()
+        ),
+        (Some(3), "hi\nin\nfrom-env\n", "err\n")
+    );
+
+    // Streaming: chunks in order, then the exit.
+    let mut st = sb
+        .exec_stream(ExecRequest::code(
+            "for i in 1 2 3; do echo $i; done; exit 4",
+        ))
+        .await
+        .unwrap();
+    let (mut text, mut code) = (String::new(), None);
+    while let Some(ev) = st.next().await {
+        match ev.unwrap() {
+            ExecEvent::Stdout(b) => text.push_str(&String::from_utf8_lossy(&b)),
+            ExecEvent::Exit(res) => code = res.exit_code,
+            _ => {}
+        }
+    }
+    assert_eq!((text.as_str(), code), ("1\n2\n3\n", Some(4)));
+
+    // Files, names that need encoding included; errors as the library's variants.
+    sb.write_file("dir/a b%.txt", b"hello").await.unwrap();
+    assert_eq!(sb.read_file("dir/a b%.txt").await.unwrap(), b"hello");
+    assert_eq!(
+        sb.read_file("/workspace/dir/a b%.txt").await.unwrap(),
+        b"hello"
+    );
+    let names: Vec<String> = sb
+        .list("dir")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    assert_eq!(names, vec!["a b%.txt".to_string()]);
+    let e = sb.read_file("../../etc/passwd").await.unwrap_err();
+    assert!(matches!(e, Error::PathEscape { .. }), "{e:?}");
+    let e = sb.read_file("missing.txt").await.unwrap_err();
+    assert!(
+        matches!(e, Error::NotFound { ref path } if path == "missing.txt"),
+        "{e:?}"
+    );
+    let e = sb.pause().await.unwrap_err();
+    assert!(
+        matches!(e, Error::Unsupported { ref what, .. } if what == "pause/resume"),
+        "{e:?}"
+    );
+    let e = sb
+        .exec(ExecRequest::argv(["sh"]).tty(24, 80))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::Unsupported { .. }), "{e:?}");
+    sb.health_check().await.unwrap();
+
+    // Snapshot into the caller's own store; restore from it (sent to the server once).
+    let dir = tempfile::tempdir().unwrap();
+    let mine = ObjectSnapshotStore::local(dir.path()).unwrap();
+    let sid = sb.snapshot(&mine).await.unwrap();
+    assert_eq!(mine.list().await.unwrap(), vec![sid.clone()]);
+    let copy = backend
+        .restore(&mine, &sid, ResolvedSecrets::none())
+        .await
+        .unwrap();
+    assert_eq!(copy.read_file("dir/a b%.txt").await.unwrap(), b"hello");
+    let again = backend
+        .restore(&mine, &sid, ResolvedSecrets::none())
+        .await
+        .unwrap();
+    assert_eq!(again.read_file("dir/a b%.txt").await.unwrap(), b"hello");
+    assert_eq!(r.server.sandbox_ids().len(), 3);
+
+    // Destroy: idempotent, then every call is SandboxGone; dropping destroys too.
+    sb.destroy().await.unwrap();
+    sb.destroy().await.unwrap();
+    let e = sb.exec(ExecRequest::argv(["true"])).await.unwrap_err();
+    assert!(matches!(e, Error::SandboxGone { .. }), "{e:?}");
+    copy.destroy().await.unwrap();
+    drop(again);
+    for _ in 0..100 {
+        if r.server.sandbox_ids().is_empty() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert_eq!(r.server.sandbox_ids(), Vec::<String>::new());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_destroyed_elsewhere_is_gone_here() {
+    let r = start().await;
+    let backend = connect(&r).await.backend(Tier::Unisolated).unwrap();
+    let sb = backend
+        .create(&SandboxSpec::new(Language::Shell), ResolvedSecrets::none())
+        .await
+        .unwrap();
+    r.server.destroy_all().await;
+    let e = sb.exec(ExecRequest::argv(["true"])).await.unwrap_err();
+    assert!(matches!(e, Error::SandboxGone { .. }), "{e:?}");
+    assert!(matches!(
+        sb.health_check().await,
+        Err(Error::SandboxGone { .. })
+    ));
+    // Its destroy succeeds: it is gone.
+    sb.destroy().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_addresses_tokens_and_dead_servers_are_said() {
+    assert!(matches!(
+        RemoteConfig::new("127.0.0.1:7878"),
+        Err(RemoteError::BadAddress(_))
+    ));
+    let r = start().await;
+    let wrong = RemoteConfig::new(&r.address).unwrap().token("w".repeat(40));
+    let e = RemoteServer::connect(wrong).await.unwrap_err();
+    assert!(matches!(e, RemoteError::Unauthorized { .. }), "{e:?}");
+    let none = RemoteConfig::new(&r.address).unwrap();
+    assert!(matches!(
+        RemoteServer::connect(none).await,
+        Err(RemoteError::Unauthorized { .. })
+    ));
+
+    // A server that goes away: the probe and the calls say so.
+    let backend = connect(&r).await.backend(Tier::Unisolated).unwrap();
+    let sb = backend
+        .create(&SandboxSpec::new(Language::Shell), ResolvedSecrets::none())
+        .await
+        .unwrap();
+    let address = r.address.clone();
+    drop(r);
+    let mut status = backend.probe().await;
+    for _ in 0..100 {
+        if !status.available {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        status = backend.probe().await;
+    }
+    assert!(
+        !status.available && status.reason.contains(&address),
+        "{status:?}"
+    );
+    let e = sb.exec(ExecRequest::argv(["true"])).await.unwrap_err();
+    assert!(
+        matches!(e, Error::Backend { .. }) && e.to_string().contains(&address),
+        "{e}"
+    );
+    let e = RemoteServer::connect(RemoteConfig::new(&address).unwrap())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, RemoteError::Unreachable { .. }), "{e:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_unix_socket_server_needs_no_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("api.sock");
+    let server = Server::new(
+        Arc::new(OneBackend(Arc::new(
+            UnisolatedBackend::new_without_isolation(),
+        ))),
+        ServerConfig::default(),
+    );
+    let l = tokio::net::UnixListener::bind(&sock).unwrap();
+    let s = server.clone();
+    tokio::spawn(async move { s.serve(Listener::Unix(l), std::future::pending()).await });
+    let config = RemoteConfig::new(&format!("unix:{}", sock.display())).unwrap();
+    let backend = RemoteServer::connect(config)
+        .await
+        .unwrap()
+        .backend(Tier::Unisolated)
+        .unwrap();
+    let sb = backend
+        .create(&SandboxSpec::new(Language::Shell), ResolvedSecrets::none())
+        .await
+        .unwrap();
+    let out = sb.exec(ExecRequest::code("echo over-unix")).await.unwrap();
+    assert_eq!(out.stdout_str(), "over-unix\n");
+    // This server keeps no snapshots: said as the library's error.
+    let dir2 = tempfile::tempdir().unwrap();
+    let mine = ObjectSnapshotStore::local(dir2.path()).unwrap();
+    let e = sb.snapshot(&mine).await.unwrap_err();
+    assert!(e.to_string().contains("--state-dir"), "{e}");
+    sb.destroy().await.unwrap();
+}
