@@ -111,6 +111,31 @@ pub(crate) async fn remote_runtime(
     Ok(b.build())
 }
 
+/// Removes what earlier runs (a server killed with `kill -9`, a crash) left on this host,
+/// before serving: their sandboxes cannot be re-attached (every tier ties a sandbox's life to
+/// the process that made it, so none outlives it as an orphan: a container's init dies with
+/// it, a gVisor sandbox's watchdog tears it down), and what the kernel keeps (cgroups, state
+/// records) goes here. Live sandboxes of other processes are never touched.
+async fn sweep(runtime: &agent_sandbox::Runtime) {
+    let mut removed = Vec::new();
+    for tier in agent_sandbox::Tier::PRODUCT {
+        let Some(b) = runtime.backend(tier) else {
+            continue;
+        };
+        match b.cleanup_stale().await {
+            Ok(0) => {}
+            Ok(n) => removed.push(format!("{tier} {n}")),
+            Err(e) => eprintln!("agent-sandbox serve: {tier}: leftovers not checked: {e}"),
+        }
+    }
+    if !removed.is_empty() {
+        eprintln!(
+            "agent-sandbox serve: removed leftovers of earlier runs ({})",
+            removed.join(", ")
+        );
+    }
+}
+
 /// Where a generated token goes.
 fn token_path() -> PathBuf {
     let dir = match std::env::var_os("XDG_RUNTIME_DIR") {
@@ -157,7 +182,9 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
         .body_limit(args.body_limit.saturating_mul(1 << 20))
         .max_sandboxes(args.max_sandboxes)
         .allow_host_access(args.allow_host_access);
-    let server = Server::new(Arc::new(crate::cli_runtime()), config);
+    let runtime = Arc::new(crate::cli_runtime());
+    sweep(&runtime).await;
+    let server = Server::new(runtime, config);
     let (listener, shown) = match (&args.unix, args.listen) {
         (Some(path), _) => {
             // A socket left by an earlier server goes; any other file there is the user's and

@@ -11,7 +11,7 @@ mod served;
 use std::process::Command;
 use std::time::Duration;
 
-use served::{container_available, curl, serve};
+use served::{container_available, curl, serve, serve_in};
 
 #[test]
 fn the_cli_serves_container_sandboxes_to_curl_and_cleans_up_on_sigterm() {
@@ -253,4 +253,168 @@ fn run_with_server_runs_in_the_servers_sandbox() {
         String::from_utf8_lossy(&out.stderr).contains("unreachable"),
         "{out:?}"
     );
+}
+
+/// Whether the gVisor tier can run here (the probe's word).
+fn gvisor_available() -> bool {
+    let out = Command::new(env!("CARGO_BIN_EXE_agent-sandbox"))
+        .args(["probe", "--json"])
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    v["tiers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|t| t["tier"] == "gvisor" && t["available"] == true)
+}
+
+/// What of the server `pid` (and of the gVisor sandboxes `ids`) is still on this host:
+/// processes in its sandboxes' cgroups or naming a sandbox, cgroup directories, mounts,
+/// gVisor state directories.
+fn left_of(pid: u32, ids: &[String]) -> Vec<String> {
+    let tag = format!("asb-{pid}-");
+    let mut left = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let p = e.path();
+        if !e
+            .file_name()
+            .to_string_lossy()
+            .chars()
+            .all(|c| c.is_ascii_digit())
+        {
+            continue;
+        }
+        let cg = std::fs::read_to_string(p.join("cgroup")).unwrap_or_default();
+        let cmd = std::fs::read(p.join("cmdline")).unwrap_or_default();
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        if cg.contains(&tag) || ids.iter().any(|id| cmd.contains(id.as_str())) {
+            left.push(format!("process {}: {cmd}", p.display()));
+        }
+    }
+    let find = Command::new("find")
+        .args(["/sys/fs/cgroup", "-maxdepth", "6", "-type", "d", "-name"])
+        .arg(format!("{tag}*"))
+        .output()
+        .unwrap();
+    left.extend(
+        String::from_utf8_lossy(&find.stdout)
+            .lines()
+            .map(|l| format!("cgroup {l}")),
+    );
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    for l in mounts.lines() {
+        if ids.iter().any(|id| l.contains(id.as_str())) || l.contains(&tag) {
+            left.push(format!("mount {l}"));
+        }
+    }
+    for id in ids {
+        let d = std::env::temp_dir().join("agent-sandbox-gvisor").join(id);
+        if d.exists() {
+            left.push(format!("state {}", d.display()));
+        }
+    }
+    left
+}
+
+#[test]
+fn a_server_killed_under_load_leaves_nothing_after_its_restart() {
+    if let Some(why) = container_available() {
+        eprintln!("SKIP: the container tier is not available here: {why}");
+        return;
+    }
+    let mut s = serve();
+    let pid = s.child.id();
+    let mut tiers = vec!["container", "container", "container"];
+    if gvisor_available() {
+        tiers.push("gvisor");
+    } else {
+        eprintln!("(gVisor is not available here: containers only)");
+    }
+    let mut ids = Vec::new();
+    let mut gvisor_ids = Vec::new();
+    for tier in &tiers {
+        let body = format!(r#"{{"spec": {{"language": "shell"}}, "tier": "{tier}"}}"#);
+        let (code, info) = curl(&s, "POST", "/v1/sandboxes", Some(&body));
+        assert_eq!(code, 201, "{info}");
+        let id = info["id"].as_str().unwrap().to_string();
+        if *tier == "gvisor" {
+            gvisor_ids.push(id.clone());
+        }
+        ids.push(id);
+    }
+    // Load: a client per sandbox, each running a background sleep and execs in a loop.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (base, token) = (s.base.clone(), s.token.clone());
+    let clients: Vec<_> = ids
+        .iter()
+        .map(|id| {
+            let (id, base, token, stop) = (id.clone(), base.clone(), token.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut ok = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let out = Command::new("curl")
+                        .args([
+                            "-s",
+                            "-o",
+                            "/dev/null",
+                            "-w",
+                            "%{http_code}",
+                            "--max-time",
+                            "30",
+                        ])
+                        .args(["-H", &format!("Authorization: Bearer {token}")])
+                        .args(["-H", "Content-Type: application/json"])
+                        .args([
+                            "--data-binary",
+                            r#"{"code": "sleep 1000 & sleep 0.1; echo ok"}"#,
+                        ])
+                        .arg(format!("{base}/v1/sandboxes/{id}/exec"))
+                        .output()
+                        .unwrap();
+                    if out.stdout == b"200" {
+                        ok += 1;
+                    }
+                }
+                ok
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(1500));
+    // What the check below looks for is there now (processes, cgroups, gVisor state).
+    let before = left_of(pid, &gvisor_ids);
+    assert!(
+        before.iter().any(|l| l.starts_with("process"))
+            && before.iter().any(|l| l.starts_with("cgroup")),
+        "{before:?}"
+    );
+    if !gvisor_ids.is_empty() {
+        assert!(before.iter().any(|l| l.starts_with("state")), "{before:?}");
+    }
+    // SAFETY: kill(2) of our own child.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    let _ = s.child.wait();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let served: i32 = clients.into_iter().map(|c| c.join().unwrap()).sum();
+    assert!(served > 0, "no exec was served before the kill");
+
+    // A new server on the same state directory sweeps what the killed one left.
+    let dir = std::mem::replace(&mut s.dir, tempfile::tempdir().unwrap());
+    let (s2, said) = serve_in(dir);
+    let mut left = left_of(pid, &gvisor_ids);
+    for _ in 0..100 {
+        if left.is_empty() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        left = left_of(pid, &gvisor_ids);
+    }
+    assert!(
+        left.is_empty(),
+        "left after the restart ({said}):\n{}",
+        left.join("\n")
+    );
+    // The new server serves; it holds none of the old sandboxes.
+    let (code, list) = curl(&s2, "GET", "/v1/sandboxes", None);
+    assert_eq!((code, &list["sandboxes"]), (200, &serde_json::json!([])));
 }

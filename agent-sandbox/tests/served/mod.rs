@@ -44,7 +44,12 @@ impl Drop for Serve {
 }
 
 pub fn serve() -> Serve {
-    let dir = tempfile::tempdir().unwrap();
+    serve_in(tempfile::tempdir().unwrap()).0
+}
+
+/// The server with `dir` as its state directory (and its token file's); also the stderr
+/// lines before "listening".
+pub fn serve_in(dir: tempfile::TempDir) -> (Serve, String) {
     let token = "t".repeat(40);
     let file = dir.path().join("token");
     std::fs::write(&file, &token).unwrap();
@@ -58,22 +63,32 @@ pub fn serve() -> Serve {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    // "listening on http://127.0.0.1:PORT (bearer token in FILE)"
+    // "listening on http://127.0.0.1:PORT (bearer token in FILE)", after any report of an
+    // earlier run's leftovers.
+    let mut lines = BufReader::new(child.stderr.take().unwrap());
     let mut line = String::new();
-    BufReader::new(child.stderr.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let base = line
-        .split_whitespace()
-        .find(|w| w.starts_with("http://"))
-        .unwrap_or_else(|| panic!("no address in {line:?}"))
-        .to_string();
-    Serve {
-        child,
-        base,
-        token,
-        dir,
-    }
+    let mut seen = String::new();
+    let base = loop {
+        line.clear();
+        if lines.read_line(&mut line).unwrap() == 0 {
+            panic!("serve exited before listening: {seen}");
+        }
+        seen.push_str(&line);
+        if let Some(w) = line.split_whitespace().find(|w| w.starts_with("http://")) {
+            break w.to_string();
+        }
+    };
+    // Its later output is not read: let it go nowhere rather than fill the pipe.
+    std::thread::spawn(move || std::io::copy(&mut lines, &mut std::io::sink()));
+    (
+        Serve {
+            child,
+            base,
+            token,
+            dir,
+        },
+        seen,
+    )
 }
 
 pub fn curl(s: &Serve, method: &str, path: &str, body: Option<&str>) -> (u16, serde_json::Value) {
