@@ -26,9 +26,14 @@ pub(crate) struct ServeArgs {
     unix: Option<PathBuf>,
     /// The bearer token, in a file only its owner can read (at least 32 characters). Without
     /// it, a new token is written to `$XDG_RUNTIME_DIR/agent-sandbox/token` (or
-    /// `/tmp/agent-sandbox-$UID/token`) and that path is printed.
+    /// `/tmp/agent-sandbox-$UID/token`) and that path is printed. Repeat it for several
+    /// clients, each named by its file's name without extension (`alice.token`: `alice`):
+    /// a client sees and uses only the sandboxes and snapshots it made.
     #[arg(long, value_name = "FILE")]
-    token_file: Option<PathBuf>,
+    token_file: Vec<PathBuf>,
+    /// Most requests one client may have in flight; more are refused (429).
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    max_requests_per_client: usize,
     /// Largest request body, MiB.
     #[arg(long, value_name = "MIB", default_value_t = 64)]
     body_limit: usize,
@@ -177,8 +182,45 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
             return ExitCode::from(EXIT_USAGE);
         }
     };
-    let config = ServerConfig::default()
+    // Several clients: each a name, a token and a snapshot store of its own.
+    let mut clients = Vec::new();
+    let mut config = ServerConfig::default();
+    if args.token_file.len() > 1 && args.unix.is_none() {
+        for f in &args.token_file {
+            let name = f
+                .file_stem()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            let token = match Token::from_file(f) {
+                Ok(t) => t,
+                Err(e) => {
+                    eprintln!("agent-sandbox serve: {e}");
+                    return ExitCode::from(EXIT_USAGE);
+                }
+            };
+            let dir = args
+                .state_dir
+                .clone()
+                .map(|d| d.join("clients").join(&name));
+            let store = match (name.is_empty(), dir) {
+                (false, Some(d)) => snapshot_store(Some(&d)),
+                (false, None) => state_dir(None)
+                    .and_then(|d| snapshot_store(Some(&d.join("clients").join(&name)))),
+                (true, _) => Err(format!("{}: no client name in the file name", f.display())),
+            };
+            match store {
+                Ok(st) => config = config.client_snapshot_store(name.clone(), st),
+                Err(e) => {
+                    eprintln!("agent-sandbox serve: {e}");
+                    return ExitCode::from(EXIT_USAGE);
+                }
+            }
+            clients.push((name, token));
+        }
+    }
+    let config = config
         .snapshot_store(store)
+        .max_requests_per_client(args.max_requests_per_client)
         .body_limit(args.body_limit.saturating_mul(1 << 20))
         .max_sandboxes(args.max_sandboxes)
         .allow_host_access(args.allow_host_access);
@@ -209,25 +251,6 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
         }
         (None, listen) => {
             let addr = listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 7878)));
-            let (token, from) = match &args.token_file {
-                Some(f) => match Token::from_file(f) {
-                    Ok(t) => (t, f.clone()),
-                    Err(e) => {
-                        eprintln!("agent-sandbox serve: {e}");
-                        return ExitCode::from(EXIT_USAGE);
-                    }
-                },
-                None => {
-                    let p = token_path();
-                    match write_token(&p) {
-                        Ok(t) => (t, p),
-                        Err(e) => {
-                            eprintln!("agent-sandbox serve: write a token to {}: {e}", p.display());
-                            return ExitCode::from(EXIT_SANDBOX_FAILED);
-                        }
-                    }
-                }
-            };
             let l = match tokio::net::TcpListener::bind(addr).await {
                 Ok(l) => l,
                 Err(e) => {
@@ -236,10 +259,46 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
                 }
             };
             let at = l.local_addr().map_or(addr, |a| a);
-            (
-                Listener::Tcp(l, token),
-                format!("http://{at} (bearer token in {})", from.display()),
-            )
+            if !clients.is_empty() {
+                let names: Vec<String> = clients.iter().map(|(n, _)| n.clone()).collect();
+                match agent_sandbox::server::Clients::new(clients) {
+                    Ok(c) => (
+                        Listener::TcpClients(l, c),
+                        format!("http://{at} (clients: {})", names.join(", ")),
+                    ),
+                    Err(e) => {
+                        eprintln!("agent-sandbox serve: {e}");
+                        return ExitCode::from(EXIT_USAGE);
+                    }
+                }
+            } else {
+                let (token, from) = match args.token_file.first() {
+                    Some(f) => match Token::from_file(f) {
+                        Ok(t) => (t, f.clone()),
+                        Err(e) => {
+                            eprintln!("agent-sandbox serve: {e}");
+                            return ExitCode::from(EXIT_USAGE);
+                        }
+                    },
+                    None => {
+                        let p = token_path();
+                        match write_token(&p) {
+                            Ok(t) => (t, p),
+                            Err(e) => {
+                                eprintln!(
+                                    "agent-sandbox serve: write a token to {}: {e}",
+                                    p.display()
+                                );
+                                return ExitCode::from(EXIT_SANDBOX_FAILED);
+                            }
+                        }
+                    }
+                };
+                (
+                    Listener::Tcp(l, token),
+                    format!("http://{at} (bearer token in {})", from.display()),
+                )
+            }
         }
     };
     eprintln!("agent-sandbox serve: listening on {shown}; the API: GET /v1/openapi.json");

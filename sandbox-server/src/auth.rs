@@ -4,6 +4,10 @@
 //! constant time (its length is not secret: tokens we make are always 64 hex digits). On a
 //! Unix socket the socket file's permissions are the check (it is made `0600`), as Docker's
 //! is. A token file must not be readable by group or others.
+//!
+//! A server may have several clients ([`Clients`]), each a name and a token: a client sees
+//! and uses only the sandboxes (and snapshots) it made, and has at most
+//! `max_requests_per_client` requests in flight.
 
 use std::path::Path;
 
@@ -113,35 +117,153 @@ impl Token {
     }
 }
 
-/// Middleware: answers 401 unless the request carries the bearer token (`None`: no token
-/// needed, the Unix-socket case).
-pub async fn require_token(
-    State(token): State<Option<Token>>,
-    req: Request,
-    next: Next,
-) -> Response {
-    let Some(token) = token else {
-        return next.run(req).await;
-    };
-    let presented = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
-    match presented {
-        Some(p) if token.matches(p) => next.run(req).await,
-        Some(_) => ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            "the bearer token is not this server's",
-        )
-        .into_response(),
-        None => ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            "send `Authorization: Bearer <token>` (the token the server was started with)",
-        )
-        .into_response(),
+/// The clients a TCP server accepts, each a name and a token.
+#[derive(Clone, Debug)]
+pub struct Clients(Vec<(String, Token)>);
+
+impl Clients {
+    /// One client (named `""`), for a server with a single token.
+    pub fn one(token: Token) -> Clients {
+        Clients(vec![(String::new(), token)])
     }
+
+    /// Several clients. Names and tokens must each be unique (a name is what separates their
+    /// sandboxes; two clients with one token could not be told apart).
+    pub fn new(list: Vec<(String, Token)>) -> Result<Clients, String> {
+        for (i, (n, t)) in list.iter().enumerate() {
+            for (m, u) in &list[..i] {
+                if m == n {
+                    return Err(format!("two clients are named `{n}`"));
+                }
+                if u.matches(t.reveal().as_bytes()) {
+                    return Err(format!("clients `{m}` and `{n}` have the same token"));
+                }
+            }
+        }
+        if list.is_empty() {
+            return Err("no client".into());
+        }
+        Ok(Clients(list))
+    }
+
+    /// The client names.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.0.iter().map(|(n, _)| n.as_str())
+    }
+
+    /// The client whose token `presented` is; every token is compared (in constant time
+    /// each), so the time does not say which matched.
+    fn find(&self, presented: &[u8]) -> Option<&str> {
+        let mut found = None;
+        for (n, t) in &self.0 {
+            if t.matches(presented) && found.is_none() {
+                found = Some(n.as_str());
+            }
+        }
+        found
+    }
+}
+
+/// Who made a request: the client's name (`""` on a Unix socket or with a single token).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Caller(pub std::sync::Arc<str>);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Caller {
+    type Rejection = std::convert::Infallible;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _: &S,
+    ) -> Result<Self, Self::Rejection> {
+        Ok(parts
+            .extensions
+            .get::<Caller>()
+            .cloned()
+            .unwrap_or_default())
+    }
+}
+
+/// What the auth middleware holds: the clients (`None`: no token needed, the Unix-socket
+/// case) and each client's in-flight request budget.
+#[derive(Clone, Debug)]
+pub struct Gate {
+    clients: Option<Clients>,
+    budgets:
+        std::sync::Arc<std::collections::HashMap<String, std::sync::Arc<tokio::sync::Semaphore>>>,
+    max: usize,
+}
+
+impl Gate {
+    /// A gate for `clients`, each with at most `max` requests in flight.
+    pub fn new(clients: Option<Clients>, max: usize) -> Gate {
+        let names: Vec<String> = match &clients {
+            Some(c) => c.names().map(str::to_string).collect(),
+            None => vec![String::new()],
+        };
+        let budgets = names
+            .into_iter()
+            .map(|n| {
+                (
+                    n,
+                    std::sync::Arc::new(tokio::sync::Semaphore::new(max.max(1))),
+                )
+            })
+            .collect();
+        Gate {
+            clients,
+            budgets: std::sync::Arc::new(budgets),
+            max,
+        }
+    }
+}
+
+/// Middleware: answers 401 unless the request carries a client's bearer token, 429 when that
+/// client has its limit of requests in flight; marks the request with its [`Caller`].
+pub async fn gate(State(gate): State<Gate>, mut req: Request, next: Next) -> Response {
+    let name = match &gate.clients {
+        None => String::new(),
+        Some(clients) => {
+            let presented = req
+                .headers()
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
+            match presented.map(|p| clients.find(p)) {
+                Some(Some(n)) => n.to_string(),
+                Some(None) => {
+                    return ApiError::new(
+                        StatusCode::UNAUTHORIZED,
+                        "unauthorized",
+                        "the bearer token is not this server's",
+                    )
+                    .into_response()
+                }
+                None => return ApiError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "unauthorized",
+                    "send `Authorization: Bearer <token>` (the token the server was started with)",
+                )
+                .into_response(),
+            }
+        }
+    };
+    let Some(budget) = gate.budgets.get(&name) else {
+        return ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "unknown client")
+            .into_response();
+    };
+    let Ok(_permit) = std::sync::Arc::clone(budget).try_acquire_owned() else {
+        return ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too_many_requests",
+            format!(
+                "this client has {} requests in flight, its limit (`serve \
+                 --max-requests-per-client`): wait for one to end",
+                gate.max
+            ),
+        )
+        .into_response();
+    };
+    req.extensions_mut().insert(Caller(name.into()));
+    next.run(req).await
 }
 
 #[cfg(test)]

@@ -45,7 +45,7 @@ use sandbox_core::{
     Capabilities, Sandbox, SandboxSpec, SnapshotId, SnapshotStore, Tier, TierStatus,
 };
 
-pub use auth::Token;
+pub use auth::{Clients, Token};
 pub use error::ApiError;
 
 /// Where sandboxes come from: creates one for a spec, on a tier or the selector's choice,
@@ -146,6 +146,11 @@ pub struct ServerConfig {
     pub snapshot_store: Option<Arc<dyn SnapshotStore>>,
     /// How often lifetimes (TTL, idle timeouts) are checked. Default 1 s.
     pub reap_interval: Duration,
+    /// Each named client's own snapshot store (with [`Clients`]); a client without one uses
+    /// [`snapshot_store`](Self::snapshot_store).
+    pub client_snapshot_stores: HashMap<String, Arc<dyn SnapshotStore>>,
+    /// Most requests one client may have in flight (more are refused with 429). Default 64.
+    pub max_requests_per_client: usize,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -157,6 +162,11 @@ impl std::fmt::Debug for ServerConfig {
             .field("allow_host_access", &self.allow_host_access)
             .field("snapshot_store", &self.snapshot_store.is_some())
             .field("reap_interval", &self.reap_interval)
+            .field(
+                "client_snapshot_stores",
+                &self.client_snapshot_stores.keys().collect::<Vec<_>>(),
+            )
+            .field("max_requests_per_client", &self.max_requests_per_client)
             .finish()
     }
 }
@@ -170,6 +180,8 @@ impl Default for ServerConfig {
             allow_host_access: false,
             snapshot_store: None,
             reap_interval: Duration::from_secs(1),
+            client_snapshot_stores: HashMap::new(),
+            max_requests_per_client: 64,
         }
     }
 }
@@ -210,6 +222,30 @@ impl ServerConfig {
         self.reap_interval = every;
         self
     }
+
+    /// Gives client `name` a snapshot store of its own.
+    pub fn client_snapshot_store(
+        mut self,
+        name: impl Into<String>,
+        store: Arc<dyn SnapshotStore>,
+    ) -> Self {
+        self.client_snapshot_stores.insert(name.into(), store);
+        self
+    }
+
+    /// Sets [`max_requests_per_client`](Self::max_requests_per_client).
+    pub fn max_requests_per_client(mut self, n: usize) -> Self {
+        self.max_requests_per_client = n;
+        self
+    }
+
+    /// The snapshot store of client `name`.
+    fn snapshot_store_for(&self, name: &str) -> Option<Arc<dyn SnapshotStore>> {
+        self.client_snapshot_stores
+            .get(name)
+            .cloned()
+            .or_else(|| self.snapshot_store.clone())
+    }
 }
 
 /// What in `spec` reaches into the server's host (see
@@ -246,6 +282,8 @@ struct Entry {
     sandbox: Arc<dyn Sandbox>,
     info: api::SandboxInfo,
     life: lifetime::Lifetime,
+    /// The client that made it: the only one that sees it.
+    owner: auth::Caller,
 }
 
 impl Entry {
@@ -270,33 +308,46 @@ impl Shared {
         self.sandboxes.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The entry of sandbox `id`, without using it (its info).
-    fn get(&self, id: &str) -> Result<Arc<Entry>, ApiError> {
+    /// The entry of sandbox `id`, without using it (its info). Another client's sandbox is
+    /// not found, as one that does not exist.
+    fn get(&self, id: &str, caller: &auth::Caller) -> Result<Arc<Entry>, ApiError> {
         self.lock()
             .get(id)
+            .filter(|e| &e.owner == caller)
             .cloned()
             .ok_or_else(|| ApiError::no_sandbox(id))
     }
 
     /// Sandbox `id` for a request that uses it: resumed first if its idle timeout paused it,
     /// and not paused or reaped for idleness while the returned guard lives.
-    async fn enter(&self, id: &str) -> Result<lifetime::InUse, ApiError> {
-        let e = self.get(id)?;
+    async fn enter(&self, id: &str, caller: &auth::Caller) -> Result<lifetime::InUse, ApiError> {
+        let e = self.get(id, caller)?;
         lifetime::InUse::enter(e).await
     }
 
     /// Takes sandbox `id` out of the table (it is the caller's to destroy).
-    fn take(&self, id: &str) -> Option<Arc<Entry>> {
-        self.lock().remove(id)
+    fn take(&self, id: &str, caller: &auth::Caller) -> Option<Arc<Entry>> {
+        let mut all = self.lock();
+        if all.get(id).is_some_and(|e| &e.owner == caller) {
+            all.remove(id)
+        } else {
+            None
+        }
     }
+}
+
+/// A listener without its token.
+enum Either {
+    Tcp(tokio::net::TcpListener),
+    Unix(tokio::net::UnixListener),
 }
 
 /// The service: its sandboxes and its API. Cheap to clone (clones share everything).
 #[derive(Clone)]
 pub struct Server {
     shared: Arc<Shared>,
-    /// The sessions of the MCP endpoint on `serve` (one principal: whoever holds the token).
-    mcp: mcp::SandboxMcp,
+    /// The sessions of the MCP endpoint on `serve`, per client.
+    mcp: Arc<Mutex<HashMap<String, mcp::SandboxMcp>>>,
 }
 
 impl std::fmt::Debug for Server {
@@ -314,6 +365,9 @@ impl std::fmt::Debug for Server {
 pub enum Listener {
     /// TCP; every request must carry the token.
     Tcp(tokio::net::TcpListener, Token),
+    /// TCP with several clients; every request carries one client's token, and each client
+    /// sees only its own sandboxes and snapshots.
+    TcpClients(tokio::net::TcpListener, Clients),
     /// A Unix socket (make its file `0600`: its permissions are the only check).
     Unix(tokio::net::UnixListener),
 }
@@ -321,22 +375,41 @@ pub enum Listener {
 impl Server {
     /// A server whose sandboxes come from `provider`.
     pub fn new(provider: Arc<dyn Provider>, config: ServerConfig) -> Server {
-        let mcp = mcp::SandboxMcp::new(Arc::clone(&provider))
-            .with_snapshot_store(config.snapshot_store.clone());
         Server {
             shared: Arc::new(Shared {
                 provider,
                 config,
                 sandboxes: Mutex::new(HashMap::new()),
             }),
-            mcp,
+            mcp: Arc::new(Mutex::new(HashMap::new())),
         }
     }
 
     /// The API as an `axum` router (for embedding in another server; [`serve`](Self::serve)
     /// uses it). `token`: required on every request (`None`: no check, for a Unix socket).
     pub fn router(&self, token: Option<Token>) -> axum::Router {
-        routes::router(Arc::clone(&self.shared), token)
+        self.router_for(token.map(Clients::one))
+    }
+
+    /// The API for several clients, each seeing only its own sandboxes and snapshots
+    /// (`None`: no check, one principal, for a Unix socket).
+    pub fn router_for(&self, clients: Option<Clients>) -> axum::Router {
+        routes::router(Arc::clone(&self.shared), self.gate(clients))
+    }
+
+    fn gate(&self, clients: Option<Clients>) -> auth::Gate {
+        auth::Gate::new(clients, self.shared.config.max_requests_per_client)
+    }
+
+    /// The MCP service of client `name` (made on first use, with the client's store).
+    fn mcp_for(&self, name: &str) -> mcp::SandboxMcp {
+        let mut all = self.mcp.lock().unwrap_or_else(|p| p.into_inner());
+        all.entry(name.to_string())
+            .or_insert_with(|| {
+                mcp::SandboxMcp::new(Arc::clone(&self.shared.provider))
+                    .with_snapshot_store(self.shared.config.snapshot_store_for(name))
+            })
+            .clone()
     }
 
     /// The ids of the live sandboxes.
@@ -361,18 +434,25 @@ impl Server {
             // shutdown open.
             stopping.cancel();
         };
-        let served = match listener {
-            Listener::Tcp(l, token) => {
+        let (clients, served) = match listener {
+            Listener::Tcp(l, token) => (Some(Clients::one(token)), Either::Tcp(l)),
+            Listener::TcpClients(l, clients) => (Some(clients), Either::Tcp(l)),
+            Listener::Unix(l) => (None, Either::Unix(l)),
+        };
+        let gate = self.gate(clients.clone());
+        let names: Vec<String> = match &clients {
+            Some(c) => c.names().map(str::to_string).collect(),
+            None => vec![String::new()],
+        };
+        let app = routes::router(Arc::clone(&self.shared), gate.clone());
+        let served = match served {
+            Either::Tcp(l) => {
                 let local = l.local_addr().ok();
-                let app = self.router(Some(token.clone())).merge(self.mcp_router(
-                    Some(token),
-                    local,
-                    &stop,
-                ));
+                let app = app.merge(self.mcp_router(&names, gate, local, &stop));
                 axum::serve(l, app).with_graceful_shutdown(shutdown).await
             }
-            Listener::Unix(l) => {
-                let app = self.router(None).merge(self.mcp_router(None, None, &stop));
+            Either::Unix(l) => {
+                let app = app.merge(self.mcp_router(&names, gate, None, &stop));
                 axum::serve(l, app).with_graceful_shutdown(shutdown).await
             }
         };
@@ -381,26 +461,51 @@ impl Server {
         served
     }
 
-    /// The MCP endpoint (`/mcp`, streamable HTTP), behind the same token as the API.
-    /// `local`: the TCP address served (a loopback one keeps `rmcp`'s `Host` checks against
-    /// DNS rebinding; elsewhere the token is the check). Its sessions end when `stop` is
-    /// cancelled.
-    pub fn mcp_router(
+    /// The MCP endpoint (`/mcp`, streamable HTTP), behind the same gate as the API: each
+    /// client of `names` has MCP sessions of its own. `local`: the TCP address served (a
+    /// loopback one keeps `rmcp`'s `Host` checks against DNS rebinding; elsewhere the token
+    /// is the check). Its sessions end when `stop` is cancelled.
+    fn mcp_router(
         &self,
-        token: Option<Token>,
+        names: &[String],
+        gate: auth::Gate,
         local: Option<std::net::SocketAddr>,
         stop: &tokio_util::sync::CancellationToken,
     ) -> axum::Router {
-        mcp::http_router(
-            self.mcp.clone(),
-            local.is_some_and(|a| a.ip().is_loopback()),
-            self.shared.config.body_limit,
-            stop.child_token(),
-        )
-        .layer(axum::middleware::from_fn_with_state(
-            token,
-            auth::require_token,
-        ))
+        use tower::ServiceExt;
+        let loopback = local.is_some_and(|a| a.ip().is_loopback());
+        let per_client: HashMap<String, axum::Router> = names
+            .iter()
+            .map(|n| {
+                let r = mcp::http_router(
+                    self.mcp_for(n),
+                    loopback,
+                    self.shared.config.body_limit,
+                    stop.child_token(),
+                );
+                (n.clone(), r)
+            })
+            .collect();
+        let per_client = Arc::new(per_client);
+        let dispatch = tower::service_fn(move |req: axum::extract::Request| {
+            let caller = req
+                .extensions()
+                .get::<auth::Caller>()
+                .cloned()
+                .unwrap_or_default();
+            let router = per_client.get(&*caller.0).cloned();
+            async move {
+                match router {
+                    Some(r) => r.oneshot(req).await,
+                    None => Ok(axum::response::IntoResponse::into_response(
+                        ApiError::no_sandbox("mcp"),
+                    )),
+                }
+            }
+        });
+        axum::Router::new()
+            .route_service("/mcp", dispatch)
+            .layer(axum::middleware::from_fn_with_state(gate, auth::gate))
     }
 
     /// Destroys every sandbox this server holds (the MCP endpoint's too).
@@ -411,6 +516,15 @@ impl Server {
                 tracing::warn!(sandbox = %e.info.id, error = %err, "destroy at shutdown");
             }
         }
-        self.mcp.destroy_all().await;
+        let sessions: Vec<mcp::SandboxMcp> = self
+            .mcp
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        for m in sessions {
+            m.destroy_all().await;
+        }
     }
 }

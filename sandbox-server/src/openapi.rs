@@ -38,7 +38,9 @@ fn error_responses() -> Value {
         "401": { "$ref": "#/components/responses/Error" },
         "403": { "$ref": "#/components/responses/Error" },
         "404": { "$ref": "#/components/responses/Error" },
+        "409": { "$ref": "#/components/responses/Error" },
         "413": { "$ref": "#/components/responses/Error" },
+        "429": { "$ref": "#/components/responses/Error" },
         "default": { "$ref": "#/components/responses/Error" }
     })
 }
@@ -303,7 +305,7 @@ pub fn document() -> Value {
         "info": {
             "title": "agent-sandbox",
             "version": "1",
-            "description": "Sandboxes for AI-agent code, as a service. Every request over TCP carries `Authorization: Bearer <token>`; on a Unix socket the socket's permissions are the check. Errors are JSON: {\"error\": {\"kind\", \"message\"}}."
+            "description": "Sandboxes for AI-agent code, as a service. Every request over TCP carries `Authorization: Bearer <token>` (a server may have several clients, each with its own token, seeing only its own sandboxes and snapshots); on a Unix socket the socket's permissions are the check. Errors are JSON: {\"error\": {\"kind\", \"message\"}}."
         },
         "security": [ { "bearer": [] } ],
         "paths": paths,

@@ -21,12 +21,12 @@ use crate::api::{
     CreateSandbox, ExecBody, ForkBody, LifetimeSpec, Listing, NetworkEvents, RestoreBody,
     SandboxInfo, SandboxList, SnapshotInfo, SnapshotList, TierInfo, TierList, MAX_FORK,
 };
-use crate::auth::{require_token, Token};
+use crate::auth::{gate, Caller, Gate};
 use crate::error::ApiError;
 use crate::lifetime::{self, Lifetime};
 use crate::{Entry, Shared};
 
-pub(crate) fn router(shared: Arc<Shared>, token: Option<Token>) -> Router {
+pub(crate) fn router(shared: Arc<Shared>, gate_state: Gate) -> Router {
     let limit = shared.config.body_limit;
     let timeout = shared.config.request_timeout;
     Router::new()
@@ -73,7 +73,7 @@ pub(crate) fn router(shared: Arc<Shared>, token: Option<Token>) -> Router {
                 }
             },
         ))
-        .layer(middleware::from_fn_with_state(token, require_token))
+        .layer(middleware::from_fn_with_state(gate_state, gate))
         .with_state(shared)
 }
 
@@ -149,6 +149,7 @@ async fn openapi() -> Json<serde_json::Value> {
 }
 
 async fn tiers(State(s): State<Arc<Shared>>) -> Json<TierList> {
+    // (Every client may see what the server can run.)
     let tiers = s
         .provider
         .probe()
@@ -164,6 +165,7 @@ async fn tiers(State(s): State<Arc<Shared>>) -> Json<TierList> {
 
 async fn create(
     State(s): State<Arc<Shared>>,
+    caller: Caller,
     JsonBody(body): JsonBody<CreateSandbox>,
 ) -> Result<(StatusCode, Json<SandboxInfo>), ApiError> {
     if let (false, Some(what)) = (s.config.allow_host_access, crate::host_access(&body.spec)) {
@@ -172,7 +174,7 @@ async fn create(
     check_lifetime(&body.lifetime)?;
     room(&s, 1)?;
     let sandbox = s.provider.create(&body.spec, body.tier).await?;
-    let info = admit(&s, sandbox, body.labels, body.lifetime, None).await?;
+    let info = admit(&s, &caller, sandbox, body.labels, body.lifetime, None).await?;
     Ok((StatusCode::CREATED, Json(info)))
 }
 
@@ -216,6 +218,7 @@ fn now_rfc3339() -> String {
 /// server meanwhile.
 async fn admit(
     s: &Shared,
+    caller: &Caller,
     sandbox: Box<dyn Sandbox>,
     labels: std::collections::BTreeMap<String, String>,
     lifetime: LifetimeSpec,
@@ -256,6 +259,7 @@ async fn admit(
                     sandbox: Arc::clone(&sandbox),
                     info: info.clone(),
                     life: Lifetime::new(lifetime),
+                    owner: caller.clone(),
                 }),
             );
         }
@@ -279,6 +283,7 @@ fn full(max: usize) -> ApiError {
 
 async fn list(
     State(s): State<Arc<Shared>>,
+    caller: Caller,
     Query(q): Query<Vec<(String, String)>>,
 ) -> Result<Json<SandboxList>, ApiError> {
     // `label=k=v`, any number of times: all must match.
@@ -301,6 +306,7 @@ async fn list(
     let mut sandboxes: Vec<SandboxInfo> = s
         .lock()
         .values()
+        .filter(|e| e.owner == caller)
         .filter(|e| {
             want.iter()
                 .all(|(k, v)| e.info.labels.get(k).is_some_and(|x| x == v))
@@ -313,26 +319,31 @@ async fn list(
 
 async fn get_one(
     State(s): State<Arc<Shared>>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<SandboxInfo>, ApiError> {
-    Ok(Json(s.get(&id)?.info()))
+    Ok(Json(s.get(&id, &caller)?.info()))
 }
 
 async fn destroy(
     State(s): State<Arc<Shared>>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    let e = s.take(&id).ok_or_else(|| ApiError::no_sandbox(&id))?;
+    let e = s
+        .take(&id, &caller)
+        .ok_or_else(|| ApiError::no_sandbox(&id))?;
     e.sandbox.destroy().await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 async fn exec(
     State(s): State<Arc<Shared>>,
+    caller: Caller,
     Path(id): Path<String>,
     JsonBody(body): JsonBody<ExecBody>,
 ) -> Result<Json<sandbox_core::ExecResult>, ApiError> {
-    let e = s.enter(&id).await?;
+    let e = s.enter(&id, &caller).await?;
     let req = body.into_request()?;
     Ok(Json(e.sandbox.exec(req).await?))
 }
@@ -341,10 +352,11 @@ async fn exec(
 /// `ExecResult`, its output already sent) or `error` (an API error body).
 async fn exec_stream(
     State(s): State<Arc<Shared>>,
+    caller: Caller,
     Path(id): Path<String>,
     JsonBody(body): JsonBody<ExecBody>,
 ) -> Result<Sse<impl Stream<Item = Result<Event, Infallible>>>, ApiError> {
-    let e = s.enter(&id).await?;
+    let e = s.enter(&id, &caller).await?;
     let req = body.into_request()?;
     let st = e.sandbox.exec_stream(req).await?;
     // The sandbox stays in use (not idle) until the stream ends.
@@ -389,10 +401,11 @@ fn json_event<T: serde::Serialize>(name: &str, v: &T) -> Event {
 
 async fn write_file(
     State(s): State<Arc<Shared>>,
+    caller: Caller,
     Path((id, path)): Path<(String, String)>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<StatusCode, ApiError> {
-    let e = s.enter(&id).await?;
+    let e = s.enter(&id, &caller).await?;
     let data = body.map_err(bytes_rejection)?;
     e.sandbox.write_file(&path, &data).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -400,9 +413,10 @@ async fn write_file(
 
 async fn read_file(
     State(s): State<Arc<Shared>>,
+    caller: Caller,
     Path((id, path)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
-    let e = s.enter(&id).await?;
+    let e = s.enter(&id, &caller).await?;
     let data = e.sandbox.read_file(&path).await?;
     Ok((
         [(axum::http::header::CONTENT_TYPE, "application/octet-stream")],
@@ -420,10 +434,11 @@ struct ListQuery {
 
 async fn list_dir(
     State(s): State<Arc<Shared>>,
+    caller: Caller,
     Path(id): Path<String>,
     Query(q): Query<ListQuery>,
 ) -> Result<Json<Listing>, ApiError> {
-    let e = s.enter(&id).await?;
+    let e = s.enter(&id, &caller).await?;
     let path = if q.path.is_empty() { "." } else { &q.path };
     Ok(Json(Listing {
         entries: e.sandbox.list(path).await?,
@@ -431,8 +446,8 @@ async fn list_dir(
 }
 
 /// The server's snapshot store, or `501` naming how to give it one.
-fn store(s: &Shared) -> Result<Arc<dyn SnapshotStore>, ApiError> {
-    s.config.snapshot_store.clone().ok_or_else(|| {
+fn store(s: &Shared, caller: &Caller) -> Result<Arc<dyn SnapshotStore>, ApiError> {
+    s.config.snapshot_store_for(&caller.0).ok_or_else(|| {
         ApiError::new(
             StatusCode::NOT_IMPLEMENTED,
             "unsupported",
@@ -466,10 +481,11 @@ fn snapshot_info(id: SnapshotId, m: &SnapshotManifest) -> SnapshotInfo {
 
 async fn snapshot(
     State(s): State<Arc<Shared>>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<(StatusCode, Json<SnapshotInfo>), ApiError> {
-    let store = store(&s)?;
-    let e = s.enter(&id).await?;
+    let store = store(&s, &caller)?;
+    let e = s.enter(&id, &caller).await?;
     let sid = e.sandbox.snapshot(store.as_ref()).await?;
     let m = store
         .manifest(&sid)
@@ -478,8 +494,11 @@ async fn snapshot(
     Ok((StatusCode::CREATED, Json(snapshot_info(sid, &m))))
 }
 
-async fn list_snapshots(State(s): State<Arc<Shared>>) -> Result<Json<SnapshotList>, ApiError> {
-    let store = store(&s)?;
+async fn list_snapshots(
+    State(s): State<Arc<Shared>>,
+    caller: Caller,
+) -> Result<Json<SnapshotList>, ApiError> {
+    let store = store(&s, &caller)?;
     let mut snapshots = Vec::new();
     for id in store.list().await.map_err(sandbox_core::Error::from)? {
         // A snapshot deleted or unreadable meanwhile is left out, not an error of the list.
@@ -493,9 +512,10 @@ async fn list_snapshots(State(s): State<Arc<Shared>>) -> Result<Json<SnapshotLis
 
 async fn get_snapshot(
     State(s): State<Arc<Shared>>,
+    caller: Caller,
     Path(sid): Path<String>,
 ) -> Result<Json<SnapshotInfo>, ApiError> {
-    let store = store(&s)?;
+    let store = store(&s, &caller)?;
     let id = parse_snapshot_id(&sid)?;
     let m = store
         .manifest(&id)
@@ -506,9 +526,10 @@ async fn get_snapshot(
 
 async fn delete_snapshot(
     State(s): State<Arc<Shared>>,
+    caller: Caller,
     Path(sid): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    let store = store(&s)?;
+    let store = store(&s, &caller)?;
     let id = parse_snapshot_id(&sid)?;
     store
         .manifest(&id)
@@ -522,9 +543,10 @@ async fn delete_snapshot(
 /// snapshot in a shared store may come from a server that granted host access).
 async fn restorable(
     s: &Shared,
+    caller: &Caller,
     sid: &str,
 ) -> Result<(Arc<dyn SnapshotStore>, SnapshotId), ApiError> {
-    let store = store(s)?;
+    let store = store(s, caller)?;
     let id = parse_snapshot_id(sid)?;
     let m = store
         .manifest(&id)
@@ -540,15 +562,16 @@ async fn restorable(
 
 async fn restore(
     State(s): State<Arc<Shared>>,
+    caller: Caller,
     Path(sid): Path<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<(StatusCode, Json<SandboxInfo>), ApiError> {
     let RestoreBody { labels, lifetime } = optional_json(body)?;
     check_lifetime(&lifetime)?;
-    let (store, id) = restorable(&s, &sid).await?;
+    let (store, id) = restorable(&s, &caller, &sid).await?;
     room(&s, 1)?;
     let sandbox = s.provider.restore(store.as_ref(), &id).await?;
-    let info = admit(&s, sandbox, labels, lifetime, Some(id)).await?;
+    let info = admit(&s, &caller, sandbox, labels, lifetime, Some(id)).await?;
     Ok((StatusCode::CREATED, Json(info)))
 }
 
@@ -556,6 +579,7 @@ async fn restore(
 /// fail, those made are destroyed and its error is the answer).
 async fn fork(
     State(s): State<Arc<Shared>>,
+    caller: Caller,
     Path(sid): Path<String>,
     JsonBody(body): JsonBody<ForkBody>,
 ) -> Result<(StatusCode, Json<SandboxList>), ApiError> {
@@ -566,7 +590,7 @@ async fn fork(
         )));
     }
     check_lifetime(&body.lifetime)?;
-    let (store, id) = restorable(&s, &sid).await?;
+    let (store, id) = restorable(&s, &caller, &sid).await?;
     room(&s, body.count)?;
     let made =
         futures::future::join_all((0..body.count).map(|_| s.provider.restore(store.as_ref(), &id)))
@@ -593,14 +617,23 @@ async fn fork(
     let mut infos = Vec::new();
     let mut sandboxes = sandboxes.into_iter();
     while let Some(sb) = sandboxes.next() {
-        match admit(&s, sb, body.labels.clone(), body.lifetime, Some(id.clone())).await {
+        match admit(
+            &s,
+            &caller,
+            sb,
+            body.labels.clone(),
+            body.lifetime,
+            Some(id.clone()),
+        )
+        .await
+        {
             Ok(info) => infos.push(info),
             Err(e) => {
                 for sb in sandboxes {
                     let _ = sb.destroy().await;
                 }
                 for info in &infos {
-                    if let Some(e) = s.take(&info.id) {
+                    if let Some(e) = s.take(&info.id, &caller) {
                         let _ = e.sandbox.destroy().await;
                     }
                 }
@@ -613,35 +646,39 @@ async fn fork(
 
 async fn pause(
     State(s): State<Arc<Shared>>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    lifetime::pause(s.get(&id)?).await?;
+    lifetime::pause(s.get(&id, &caller)?).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 async fn resume(
     State(s): State<Arc<Shared>>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    lifetime::resume(s.get(&id)?).await?;
+    lifetime::resume(s.get(&id, &caller)?).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 async fn set_network(
     State(s): State<Arc<Shared>>,
+    caller: Caller,
     Path(id): Path<String>,
     JsonBody(policy): JsonBody<NetworkPolicy>,
 ) -> Result<StatusCode, ApiError> {
-    let e = s.enter(&id).await?;
+    let e = s.enter(&id, &caller).await?;
     e.sandbox.set_network_policy(policy).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
 async fn network_events(
     State(s): State<Arc<Shared>>,
+    caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Json<NetworkEvents>, ApiError> {
-    let e = s.enter(&id).await?;
+    let e = s.enter(&id, &caller).await?;
     Ok(Json(NetworkEvents {
         events: e.sandbox.network_events().await?,
     }))
@@ -649,9 +686,10 @@ async fn network_events(
 
 async fn snapshot_manifest(
     State(s): State<Arc<Shared>>,
+    caller: Caller,
     Path(sid): Path<String>,
 ) -> Result<Json<SnapshotManifest>, ApiError> {
-    let store = store(&s)?;
+    let store = store(&s, &caller)?;
     let id = parse_snapshot_id(&sid)?;
     Ok(Json(
         store
@@ -663,9 +701,10 @@ async fn snapshot_manifest(
 
 async fn snapshot_artifact(
     State(s): State<Arc<Shared>>,
+    caller: Caller,
     Path((sid, name)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
-    let store = store(&s)?;
+    let store = store(&s, &caller)?;
     let id = parse_snapshot_id(&sid)?;
     let data = store
         .artifact(&id, &name)
@@ -684,9 +723,10 @@ async fn snapshot_artifact(
 /// and SHA-256. Stored as a new snapshot of the server's; the answer is its info.
 async fn upload_snapshot(
     State(s): State<Arc<Shared>>,
+    caller: Caller,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<(StatusCode, Json<SnapshotInfo>), ApiError> {
-    let store = store(&s)?;
+    let store = store(&s, &caller)?;
     let body = body.map_err(bytes_rejection)?;
     let draft = crate::upload::read_snapshot_tar(&body)?;
     if let (false, Some(what)) = (s.config.allow_host_access, crate::host_access(&draft.spec)) {

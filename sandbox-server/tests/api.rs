@@ -605,3 +605,110 @@ async fn ttl_and_idle_timeouts_destroy_and_use_is_never_idle() {
     assert_eq!(all["sandboxes"], serde_json::json!([]));
     r.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_see_only_their_own_sandboxes_and_snapshots() {
+    use sandbox_server::Clients;
+    let (a, b) = (Token::generate(), Token::generate());
+    let clients = Clients::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())]).unwrap();
+    assert!(Clients::new(vec![("a".into(), a.clone()), ("a".into(), b.clone())]).is_err());
+    assert!(Clients::new(vec![("a".into(), a.clone()), ("c".into(), a.clone())]).is_err());
+    let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let config = ServerConfig::default()
+        .client_snapshot_store(
+            "a",
+            Arc::new(sandbox_core::ObjectSnapshotStore::local(da.path()).unwrap()),
+        )
+        .client_snapshot_store(
+            "b",
+            Arc::new(sandbox_core::ObjectSnapshotStore::local(db.path()).unwrap()),
+        )
+        .max_requests_per_client(1);
+    let server = Server::new(unisolated(), config);
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", l.local_addr().unwrap());
+    let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+    let s = server.clone();
+    let task = tokio::spawn(async move {
+        s.serve(Listener::TcpClients(l, clients), async {
+            let _ = rx.await;
+        })
+        .await
+    });
+    let as_client = |t: &Token| Running {
+        base: base.clone(),
+        token: t.clone(),
+        stop: None,
+        task: tokio::spawn(async { Ok(()) }),
+        server: server.clone(),
+    };
+    let (ra, rb) = (as_client(&a), as_client(&b));
+
+    let (code, info) = ra.json("POST", "/v1/sandboxes", Some(SHELL)).await;
+    assert_eq!(code, 201, "{info}");
+    let id = info["id"].as_str().unwrap().to_string();
+    let (_, snap) = ra
+        .json("POST", &format!("/v1/sandboxes/{id}/snapshot"), None)
+        .await;
+    let sid = snap["id"].as_str().unwrap().to_string();
+    // B: A's sandbox and snapshot do not exist.
+    for (m, p) in [
+        ("GET", format!("/v1/sandboxes/{id}")),
+        ("POST", format!("/v1/sandboxes/{id}/exec")),
+        ("DELETE", format!("/v1/sandboxes/{id}")),
+        ("POST", format!("/v1/snapshots/{sid}/restore")),
+        ("GET", format!("/v1/snapshots/{sid}/manifest")),
+    ] {
+        let body = (m == "POST").then_some(r#"{"argv": ["true"]}"#);
+        let body = if p.ends_with("restore") { None } else { body };
+        let (code, e) = rb.json(m, &p, body).await;
+        assert_eq!((code, kind(&e)), (404, "not_found"), "B {m} {p}: {e}");
+    }
+    let (_, list) = rb.json("GET", "/v1/sandboxes", None).await;
+    assert_eq!(list["sandboxes"], serde_json::json!([]));
+    let (_, snaps) = rb.json("GET", "/v1/snapshots", None).await;
+    assert_eq!(snaps["snapshots"], serde_json::json!([]));
+    // A still has both.
+    let (code, _) = ra
+        .json(
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec"),
+            Some(r#"{"argv": ["true"]}"#),
+        )
+        .await;
+    assert_eq!(code, 200);
+    let (_, snaps) = ra.json("GET", "/v1/snapshots", None).await;
+    assert_eq!(snaps["snapshots"].as_array().unwrap().len(), 1);
+
+    // One request in flight per client: A's second waits its turn as a 429; B is served.
+    let slow = {
+        let ra = as_client(&a);
+        let id = id.clone();
+        tokio::spawn(async move {
+            ra.json(
+                "POST",
+                &format!("/v1/sandboxes/{id}/exec"),
+                Some(r#"{"code": "sleep 5"}"#),
+            )
+            .await
+        })
+    };
+    // Asked until the slow one is in flight (it is for 5 s).
+    let mut refused = serde_json::Value::Null;
+    for _ in 0..40 {
+        let (code, e) = ra.json("GET", "/v1/sandboxes", None).await;
+        if code == 429 {
+            refused = e;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(kind(&refused), "too_many_requests", "{refused}");
+    let (code, _) = rb.json("GET", "/v1/sandboxes", None).await;
+    assert_eq!(code, 200);
+    assert_eq!(slow.await.unwrap().0, 200);
+    let (code, _) = ra.json("GET", "/v1/sandboxes", None).await;
+    assert_eq!(code, 200);
+    let _ = stop.send(());
+    task.await.unwrap().unwrap();
+}
