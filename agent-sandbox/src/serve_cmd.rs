@@ -49,6 +49,12 @@ pub(crate) struct ServeArgs {
     /// `$XDG_STATE_HOME/agent-sandbox` (else `~/.local/state/agent-sandbox`).
     #[arg(long, value_name = "DIR")]
     state_dir: Option<PathBuf>,
+    /// Keep snapshots in an object store instead of the state directory, so a snapshot taken
+    /// by one server restores on another: `s3://BUCKET[/PREFIX]` (credentials, region and
+    /// endpoint from the standard `AWS_*` variables; `AWS_ENDPOINT_URL` and
+    /// `AWS_ALLOW_HTTP=true` for an S3-compatible server) or `file:///DIR`.
+    #[arg(long, value_name = "URL")]
+    snapshot_store: Option<String>,
 }
 
 /// `agent-sandbox mcp`.
@@ -174,8 +180,48 @@ fn write_token(path: &std::path::Path) -> std::io::Result<Token> {
     Ok(token)
 }
 
+/// The snapshot store at `url` (`s3://BUCKET[/PREFIX]` or `file:///DIR`).
+pub(crate) fn object_snapshot_store(
+    url: &str,
+) -> Result<Arc<dyn agent_sandbox::SnapshotStore>, String> {
+    if let Some(dir) = url.strip_prefix("file://") {
+        return snapshot_store(Some(std::path::Path::new(dir)));
+    }
+    #[cfg(feature = "s3")]
+    if let Some(rest) = url.strip_prefix("s3://") {
+        let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+        if bucket.is_empty() {
+            return Err(format!("`{url}` names no bucket: s3://BUCKET[/PREFIX]"));
+        }
+        // rustls without a built-in provider: ring, as the rest of the workspace uses.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let s3 = object_store::aws::AmazonS3Builder::from_env()
+            .with_bucket_name(bucket)
+            .build()
+            .map_err(|e| format!("the snapshot store {url}: {e}"))?;
+        let prefix = prefix.trim_matches('/');
+        let prefix = if prefix.is_empty() {
+            "snapshots"
+        } else {
+            prefix
+        };
+        return Ok(Arc::new(agent_sandbox::ObjectSnapshotStore::new(
+            Arc::new(s3),
+            prefix,
+        )));
+    }
+    Err(format!(
+        "`{url}` is not a snapshot store this binary knows: use s3://BUCKET[/PREFIX] or \
+         file:///DIR"
+    ))
+}
+
 pub(crate) async fn run(args: ServeArgs) -> ExitCode {
-    let store = match snapshot_store(args.state_dir.as_deref()) {
+    let store = match &args.snapshot_store {
+        Some(url) => object_snapshot_store(url),
+        None => snapshot_store(args.state_dir.as_deref()),
+    };
+    let store = match store {
         Ok(s) => s,
         Err(e) => {
             eprintln!("agent-sandbox serve: {e}");
@@ -198,15 +244,13 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
                     return ExitCode::from(EXIT_USAGE);
                 }
             };
-            let dir = args
-                .state_dir
-                .clone()
-                .map(|d| d.join("clients").join(&name));
-            let store = match (name.is_empty(), dir) {
-                (false, Some(d)) => snapshot_store(Some(&d)),
-                (false, None) => state_dir(None)
-                    .and_then(|d| snapshot_store(Some(&d.join("clients").join(&name)))),
-                (true, _) => Err(format!("{}: no client name in the file name", f.display())),
+            let store = if name.is_empty() {
+                Err(format!("{}: no client name in the file name", f.display()))
+            } else if let Some(url) = &args.snapshot_store {
+                object_snapshot_store(&format!("{}/clients/{name}", url.trim_end_matches('/')))
+            } else {
+                state_dir(args.state_dir.as_deref())
+                    .and_then(|d| snapshot_store(Some(&d.join("clients").join(&name))))
             };
             match store {
                 Ok(st) => config = config.client_snapshot_store(name.clone(), st),

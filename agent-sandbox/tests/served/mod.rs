@@ -50,6 +50,11 @@ pub fn serve() -> Serve {
 /// The server with `dir` as its state directory (and its token file's); also the stderr
 /// lines before "listening".
 pub fn serve_in(dir: tempfile::TempDir) -> (Serve, String) {
+    serve_with(dir, &[], &[])
+}
+
+/// The server with `dir` as its state directory, extra arguments and environment.
+pub fn serve_with(dir: tempfile::TempDir, args: &[&str], env: &[(&str, &str)]) -> (Serve, String) {
     let token = "t".repeat(40);
     let file = dir.path().join("token");
     std::fs::write(&file, &token).unwrap();
@@ -59,6 +64,8 @@ pub fn serve_in(dir: tempfile::TempDir) -> (Serve, String) {
         .arg(&file)
         .arg("--state-dir")
         .arg(dir.path())
+        .args(args)
+        .envs(env.iter().copied())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
