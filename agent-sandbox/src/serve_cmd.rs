@@ -55,6 +55,11 @@ pub(crate) struct ServeArgs {
     /// `AWS_ALLOW_HTTP=true` for an S3-compatible server) or `file:///DIR`.
     #[arg(long, value_name = "URL")]
     snapshot_store: Option<String>,
+    /// Keep sandboxes across a restart: on SIGTERM each is snapshotted into the store (what a
+    /// tier cannot snapshot is destroyed) and recorded in `DIR/kept.json`; the next `serve
+    /// --keep` with the same state directory restores them under the same ids.
+    #[arg(long)]
+    keep: bool,
 }
 
 /// `agent-sandbox mcp`.
@@ -262,6 +267,18 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
             clients.push((name, token));
         }
     }
+    let mut config = config;
+    let keep_file = match (args.keep, state_dir(args.state_dir.as_deref())) {
+        (false, _) => None,
+        (true, Ok(d)) => Some(d.join("kept.json")),
+        (true, Err(e)) => {
+            eprintln!("agent-sandbox serve: --keep: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    if let Some(f) = &keep_file {
+        config = config.keep_on_exit(f.clone());
+    }
     let config = config
         .snapshot_store(store)
         .max_requests_per_client(args.max_requests_per_client)
@@ -271,6 +288,13 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
     let runtime = Arc::new(crate::cli_runtime());
     sweep(&runtime).await;
     let server = Server::new(runtime, config);
+    let (back, lost) = server.restore_kept().await;
+    if back > 0 {
+        eprintln!("agent-sandbox serve: restored {back} sandboxes kept by the last run");
+    }
+    for l in lost {
+        eprintln!("agent-sandbox serve: a kept sandbox did not come back: {l}");
+    }
     let (listener, shown) = match (&args.unix, args.listen) {
         (Some(path), _) => {
             // A socket left by an earlier server goes; any other file there is the user's and
@@ -362,6 +386,16 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
         eprintln!("agent-sandbox serve: stopping (finishing requests, destroying sandboxes)");
     };
     let r = server.serve(listener, shutdown).await;
+    if let Some(f) = &keep_file {
+        let n = std::fs::read(f)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Vec<serde_json::Value>>(&b).ok())
+            .map_or(0, |v| v.len());
+        eprintln!(
+            "agent-sandbox serve: kept {n} sandboxes in {} for the next `serve --keep`",
+            f.display()
+        );
+    }
     if let Some(p) = &args.unix {
         let _ = std::fs::remove_file(p);
     }

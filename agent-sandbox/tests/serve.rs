@@ -255,20 +255,6 @@ fn run_with_server_runs_in_the_servers_sandbox() {
     );
 }
 
-/// Whether the gVisor tier can run here (the probe's word).
-fn gvisor_available() -> bool {
-    let out = Command::new(env!("CARGO_BIN_EXE_agent-sandbox"))
-        .args(["probe", "--json"])
-        .output()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    v["tiers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .any(|t| t["tier"] == "gvisor" && t["available"] == true)
-}
-
 /// What of the server `pid` (and of the gVisor sandboxes `ids`) is still on this host:
 /// processes in its sandboxes' cgroups or naming a sandbox, cgroup directories, mounts,
 /// gVisor state directories.
@@ -326,7 +312,7 @@ fn a_server_killed_under_load_leaves_nothing_after_its_restart() {
     let mut s = serve();
     let pid = s.child.id();
     let mut tiers = vec!["container", "container", "container"];
-    if gvisor_available() {
+    if served::unavailable("gvisor").is_none() {
         tiers.push("gvisor");
     } else {
         eprintln!("(gVisor is not available here: containers only)");
@@ -417,4 +403,57 @@ fn a_server_killed_under_load_leaves_nothing_after_its_restart() {
     // The new server serves; it holds none of the old sandboxes.
     let (code, list) = curl(&s2, "GET", "/v1/sandboxes", None);
     assert_eq!((code, &list["sandboxes"]), (200, &serde_json::json!([])));
+}
+
+#[test]
+fn serve_keep_brings_sandboxes_back_under_their_ids_after_a_restart() {
+    if let Some(why) = container_available() {
+        eprintln!("SKIP: the container tier is not available here: {why}");
+        return;
+    }
+    let (mut s, _) = served::serve_with(tempfile::tempdir().unwrap(), &["--keep"], &[]);
+    let (code, info) = curl(
+        &s,
+        "POST",
+        "/v1/sandboxes",
+        Some(r#"{"spec": {"language": "shell"}, "tier": "container", "labels": {"job": "k1"}}"#),
+    );
+    assert_eq!(code, 201, "{info}");
+    let id = info["id"].as_str().unwrap().to_string();
+    let (code, _) = curl(
+        &s,
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(r#"{"code": "echo kept-across > state.txt"}"#),
+    );
+    assert_eq!(code, 200);
+    // SIGTERM: snapshotted and recorded, then the server exits 0.
+    // SAFETY: kill(2) of our own child.
+    unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
+    let status = s.child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    assert!(s.dir.path().join("kept.json").exists());
+
+    let dir = std::mem::replace(&mut s.dir, tempfile::tempdir().unwrap());
+    let (two, said) = served::serve_with(dir, &["--keep"], &[]);
+    assert!(said.contains("restored 1 sandboxes"), "{said}");
+    let (code, back) = curl(&two, "GET", &format!("/v1/sandboxes/{id}"), None);
+    assert_eq!(code, 200, "{back}");
+    assert_eq!(
+        (&back["labels"]["job"], &back["tier"]),
+        (&"k1".into(), &"container".into())
+    );
+    let (code, out) = curl(
+        &two,
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        Some(r#"{"code": "cat state.txt"}"#),
+    );
+    assert_eq!(
+        (code, &out["stdout"]),
+        (200, &"kept-across\n".into()),
+        "{out}"
+    );
+    // The record is used up: a third start restores nothing twice.
+    assert!(!two.dir.path().join("kept.json").exists());
 }

@@ -29,6 +29,7 @@
 pub mod api;
 pub mod auth;
 pub mod error;
+mod keep;
 mod lifetime;
 pub mod mcp;
 pub mod openapi;
@@ -151,6 +152,12 @@ pub struct ServerConfig {
     pub client_snapshot_stores: HashMap<String, Arc<dyn SnapshotStore>>,
     /// Most requests one client may have in flight (more are refused with 429). Default 64.
     pub max_requests_per_client: usize,
+    /// Keep sandboxes across a restart: when [`Server::serve`] stops, every sandbox is
+    /// snapshotted into its client's store and recorded in this file (what cannot be
+    /// snapshotted is destroyed); the next server with the same file restores them under the
+    /// same ids with [`Server::restore_kept`], before it serves. `None` (the default): they
+    /// are destroyed.
+    pub keep_file: Option<std::path::PathBuf>,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -167,6 +174,7 @@ impl std::fmt::Debug for ServerConfig {
                 &self.client_snapshot_stores.keys().collect::<Vec<_>>(),
             )
             .field("max_requests_per_client", &self.max_requests_per_client)
+            .field("keep_file", &self.keep_file)
             .finish()
     }
 }
@@ -182,6 +190,7 @@ impl Default for ServerConfig {
             reap_interval: Duration::from_secs(1),
             client_snapshot_stores: HashMap::new(),
             max_requests_per_client: 64,
+            keep_file: None,
         }
     }
 }
@@ -230,6 +239,12 @@ impl ServerConfig {
         store: Arc<dyn SnapshotStore>,
     ) -> Self {
         self.client_snapshot_stores.insert(name.into(), store);
+        self
+    }
+
+    /// Sets [`keep_file`](Self::keep_file).
+    pub fn keep_on_exit(mut self, file: impl Into<std::path::PathBuf>) -> Self {
+        self.keep_file = Some(file.into());
         self
     }
 
@@ -412,6 +427,16 @@ impl Server {
             .clone()
     }
 
+    /// Restores the sandboxes the last server with this [`keep_file`](ServerConfig::keep_file)
+    /// kept, under their ids, labels and clients (their lifetimes start again); returns how
+    /// many came back and, for each that did not, why. Call it before [`serve`](Self::serve).
+    pub async fn restore_kept(&self) -> (usize, Vec<String>) {
+        match &self.shared.config.keep_file {
+            Some(file) => keep::restore_kept(&self.shared, file).await,
+            None => (0, Vec::new()),
+        }
+    }
+
     /// The ids of the live sandboxes.
     pub fn sandbox_ids(&self) -> Vec<String> {
         self.shared.lock().keys().cloned().collect()
@@ -457,6 +482,10 @@ impl Server {
             }
         };
         reaper.abort();
+        if let Some(file) = &self.shared.config.keep_file {
+            let n = keep::keep_all(&self.shared, file).await;
+            tracing::info!("kept {n} sandboxes for the next run");
+        }
         self.destroy_all().await;
         served
     }

@@ -9,6 +9,11 @@ use std::process::{Child, Command, Stdio};
 
 /// `None` when the container tier can run here, else the probe's reason.
 pub fn container_available() -> Option<String> {
+    unavailable("container")
+}
+
+/// `None` when `tier` can run here, else the probe's reason.
+pub fn unavailable(tier: &str) -> Option<String> {
     let out = Command::new(env!("CARGO_BIN_EXE_agent-sandbox"))
         .args(["probe", "--json"])
         .output()
@@ -18,7 +23,7 @@ pub fn container_available() -> Option<String> {
         .as_array()
         .unwrap()
         .iter()
-        .find(|t| t["tier"] == "container")
+        .find(|t| t["tier"] == tier)
         .cloned()
         .unwrap_or_default();
     if t["available"] == true {
