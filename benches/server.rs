@@ -180,103 +180,113 @@ fn load(rt: &tokio::runtime::Runtime, sandboxes: usize, execs: usize, clients: u
     std::thread::spawn(move || std::io::copy(&mut lines, &mut std::io::sink()));
     let pid = child.id();
     let rss_start = rss_kib(pid);
-    let report = rt.block_on(async {
+    let backend = rt.block_on(async {
         let server = RemoteServer::connect(RemoteConfig::new(&base).unwrap().token(token.reveal()))
             .await
             .unwrap();
         let backend = server.backend(Tier::Container)?;
-        if !backend.probe().await.available {
-            return None;
-        }
-        let backend = Arc::new(backend);
-        let spec = SandboxSpec::new(Language::Shell);
-        // Create: 8 clients at a time.
-        let t0 = Instant::now();
-        let made = Arc::new(tokio::sync::Mutex::new(Vec::new()));
-        let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let mut tasks = Vec::new();
-        for _ in 0..8 {
-            let (b, spec, made, next) = (backend.clone(), spec.clone(), made.clone(), next.clone());
-            tasks.push(tokio::spawn(async move {
-                while next.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < sandboxes {
-                    let sb = b.create(&spec, ResolvedSecrets::none()).await.unwrap();
-                    made.lock().await.push(Arc::<dyn Sandbox>::from(sb));
-                }
-            }));
-        }
-        for t in tasks {
-            t.await.unwrap();
-        }
-        let create_time = t0.elapsed();
-        let all: Vec<Arc<dyn Sandbox>> = made.lock().await.clone();
-        let rss_live = rss_kib(pid);
-        // Exec: `clients` concurrent clients, requests spread over every sandbox.
-        let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let all = Arc::new(all);
-        let t1 = Instant::now();
-        let mut tasks = Vec::new();
-        for _ in 0..clients {
-            let (all, next) = (all.clone(), next.clone());
-            tasks.push(tokio::spawn(async move {
-                let mut lat = Vec::new();
-                let mut errors = 0usize;
-                loop {
-                    let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                    if i >= execs {
-                        break;
-                    }
-                    let sb = &all[i % all.len()];
-                    let t = Instant::now();
-                    match sb.exec(ExecRequest::argv(["/bin/true"])).await {
-                        Ok(r) if r.exit_code == Some(0) => lat.push(t.elapsed()),
-                        _ => errors += 1,
-                    }
-                }
-                (lat, errors)
-            }));
-        }
-        let mut lat = Vec::new();
-        let mut errors = 0;
-        for t in tasks {
-            let (l, e) = t.await.unwrap();
-            lat.extend(l);
-            errors += e;
-        }
-        let exec_time = t1.elapsed();
-        for sb in all.iter() {
-            sb.destroy().await.unwrap();
-        }
-        lat.sort();
-        Some((create_time, rss_live, exec_time, lat, errors))
+        backend.probe().await.available.then_some(backend)
     });
-    // Settle, then the server's RSS with nothing left.
-    std::thread::sleep(Duration::from_secs(1));
-    let rss_end = rss_kib(pid);
-    let _ = child.kill();
-    let _ = child.wait();
-    let Some((create_time, rss_live, exec_time, lat, errors)) = report else {
+    let Some(backend) = backend else {
         eprintln!("load: skipped (the container tier is not available here)");
+        let _ = child.kill();
+        let _ = child.wait();
         return;
     };
-    println!(
-        "load: {sandboxes} container sandboxes created in {create_time:.2?} \
-         ({:.1}/s, 8 clients)",
-        sandboxes as f64 / create_time.as_secs_f64()
-    );
-    println!(
-        "load: {} execs of /bin/true from {clients} clients in {exec_time:.2?}: {:.0}/s; \
-         p50 {:.2?} p90 {:.2?} p99 {:.2?} max {:.2?}; errors {errors}",
-        lat.len(),
-        lat.len() as f64 / exec_time.as_secs_f64(),
-        pct(&lat, 0.50),
-        pct(&lat, 0.90),
-        pct(&lat, 0.99),
-        lat.last().copied().unwrap_or_default(),
-    );
-    println!(
-        "load: server RSS {rss_start} KiB at start, {rss_live} KiB with {sandboxes} live, \
-         {rss_end} KiB after they were destroyed"
-    );
+    let backend = Arc::new(backend);
+    println!("load: server RSS {rss_start} KiB at start");
+    // Three rounds on one server: RSS that keeps growing round after round is a leak; one
+    // that settles is the allocator keeping what it had.
+    for round in 1..=3 {
+        let (create_time, rss_live, exec_time, lat, errors) =
+            rt.block_on(one_round(&backend, pid, sandboxes, execs, clients));
+        std::thread::sleep(Duration::from_secs(1));
+        let rss_end = rss_kib(pid);
+        println!(
+            "load round {round}: {sandboxes} container sandboxes created in {create_time:.2?} \
+             ({:.1}/s, 8 clients); {} execs of /bin/true from {clients} clients in \
+             {exec_time:.2?}: {:.0}/s; p50 {:.2?} p90 {:.2?} p99 {:.2?} max {:.2?}; errors \
+             {errors}; server RSS {rss_live} KiB with {sandboxes} live, {rss_end} KiB after \
+             they were destroyed",
+            sandboxes as f64 / create_time.as_secs_f64(),
+            lat.len(),
+            lat.len() as f64 / exec_time.as_secs_f64(),
+            pct(&lat, 0.50),
+            pct(&lat, 0.90),
+            pct(&lat, 0.99),
+            lat.last().copied().unwrap_or_default(),
+        );
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+/// One round: `sandboxes` created by 8 clients, `execs` execs from `clients` clients spread
+/// over them, then every sandbox destroyed. (create time, server RSS with all live, exec
+/// time, sorted latencies, errors).
+async fn one_round(
+    backend: &Arc<agent_sandbox::remote::RemoteBackend>,
+    pid: u32,
+    sandboxes: usize,
+    execs: usize,
+    clients: usize,
+) -> (Duration, u64, Duration, Vec<Duration>, usize) {
+    let spec = SandboxSpec::new(Language::Shell);
+    let t0 = Instant::now();
+    let made = Arc::new(tokio::sync::Mutex::new(Vec::new()));
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let (b, spec, made, next) = (backend.clone(), spec.clone(), made.clone(), next.clone());
+        tasks.push(tokio::spawn(async move {
+            while next.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < sandboxes {
+                let sb = b.create(&spec, ResolvedSecrets::none()).await.unwrap();
+                made.lock().await.push(Arc::<dyn Sandbox>::from(sb));
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let create_time = t0.elapsed();
+    let all: Arc<Vec<Arc<dyn Sandbox>>> = Arc::new(made.lock().await.clone());
+    let rss_live = rss_kib(pid);
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let t1 = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let (all, next) = (all.clone(), next.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            let mut errors = 0usize;
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                if i >= execs {
+                    break;
+                }
+                let sb = &all[i % all.len()];
+                let t = Instant::now();
+                match sb.exec(ExecRequest::argv(["/bin/true"])).await {
+                    Ok(r) if r.exit_code == Some(0) => lat.push(t.elapsed()),
+                    _ => errors += 1,
+                }
+            }
+            (lat, errors)
+        }));
+    }
+    let mut lat = Vec::new();
+    let mut errors = 0;
+    for t in tasks {
+        let (l, e) = t.await.unwrap();
+        lat.extend(l);
+        errors += e;
+    }
+    let exec_time = t1.elapsed();
+    for sb in all.iter() {
+        sb.destroy().await.unwrap();
+    }
+    lat.sort();
+    (create_time, rss_live, exec_time, lat, errors)
 }
 
 fn main() {

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/tmp/agent-sandbox-target}"
 benches=("$@")
-if [ ${#benches[@]} -eq 0 ]; then benches=(core wasm gvisor container interactive egress image cli); fi
+if [ ${#benches[@]} -eq 0 ]; then benches=(core wasm gvisor container interactive egress image server cli); fi
 # The image bench needs the Debian test image, a registry and skopeo.
 if [[ " ${benches[*]} " == *" image "* ]]; then
   for p in docker-registry skopeo mmdebstrap; do

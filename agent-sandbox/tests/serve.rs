@@ -457,3 +457,88 @@ fn serve_keep_brings_sandboxes_back_under_their_ids_after_a_restart() {
     // The record is used up: a third start restores nothing twice.
     assert!(!two.dir.path().join("kept.json").exists());
 }
+
+/// The load run of `benches/server.rs`, at CI's size: 40 live container sandboxes and 1,000
+/// execs from 16 concurrent clients through `RemoteBackend`; every exec succeeds and nothing
+/// is left on the server or the host after the sandboxes are destroyed.
+#[test]
+fn concurrent_clients_load_the_server_without_errors_or_leftovers() {
+    use agent_sandbox::remote::{RemoteConfig, RemoteServer};
+    use agent_sandbox::{Backend, ExecRequest, Language, ResolvedSecrets, SandboxSpec, Tier};
+    use std::sync::Arc;
+    if let Some(why) = container_available() {
+        eprintln!("SKIP: the container tier is not available here: {why}");
+        return;
+    }
+    let s = serve();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (ok, errors) = rt.block_on(async {
+        let backend = RemoteServer::connect(RemoteConfig::new(&s.base).unwrap().token(&s.token))
+            .await
+            .unwrap()
+            .backend(Tier::Container)
+            .unwrap();
+        let spec = SandboxSpec::new(Language::Shell);
+        let mut all = Vec::new();
+        for _ in 0..40 {
+            let sb = backend
+                .create(&spec, ResolvedSecrets::none())
+                .await
+                .unwrap();
+            all.push(Arc::<dyn agent_sandbox::Sandbox>::from(sb));
+        }
+        let all = Arc::new(all);
+        let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let mut tasks = Vec::new();
+        for _ in 0..16 {
+            let (all, next) = (all.clone(), next.clone());
+            tasks.push(tokio::spawn(async move {
+                let (mut ok, mut errors) = (0, Vec::new());
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    if i >= 1000 {
+                        break;
+                    }
+                    match all[i % all.len()]
+                        .exec(ExecRequest::argv(["/bin/true"]))
+                        .await
+                    {
+                        Ok(r) if r.exit_code == Some(0) => ok += 1,
+                        other => errors.push(format!("{other:?}")),
+                    }
+                }
+                (ok, errors)
+            }));
+        }
+        let (mut ok, mut errors) = (0, Vec::new());
+        for t in tasks {
+            let (o, e) = t.await.unwrap();
+            ok += o;
+            errors.extend(e);
+        }
+        for sb in all.iter() {
+            sb.destroy().await.unwrap();
+        }
+        (ok, errors)
+    });
+    assert!(
+        errors.is_empty(),
+        "{} errors, the first: {}",
+        errors.len(),
+        errors[0]
+    );
+    assert_eq!(ok, 1000);
+    let (_, list) = curl(&s, "GET", "/v1/sandboxes", None);
+    assert_eq!(list["sandboxes"], serde_json::json!([]));
+    // (A live server keeps a few empty cgroups ready for its next creates, `asb-PID-free-N`:
+    // its pool, not a sandbox's leftovers.)
+    let left: Vec<String> = left_of(s.child.id(), &[])
+        .into_iter()
+        .filter(|l| !l.contains("-free-"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
