@@ -244,6 +244,13 @@ impl RemoteBackend {
         ))
     }
 
+    /// Whether the server's store has snapshot `id`.
+    async fn server_has(&self, id: &SnapshotId) -> bool {
+        let c = &self.shared.client;
+        let req = c.request(Method::GET, &format!("/v1/snapshots/{id}"));
+        c.send(req).await.is_ok()
+    }
+
     /// Restores snapshot `id` held by the server (its own id there) into a new sandbox.
     pub async fn restore_on_server(&self, id: &SnapshotId) -> Result<Box<dyn Sandbox>> {
         let t = TimelineRecorder::start();
@@ -347,12 +354,11 @@ impl Backend for RemoteBackend {
             .unwrap_or_else(|p| p.into_inner())
             .get(id)
             .cloned();
+        // Sent before and still there: restored from the server's copy. (Deleted there
+        // since: sent again.)
         if let Some(remote) = known {
-            match self.restore_on_server(&remote).await {
-                // Deleted there since: sent again below.
-                Err(Error::Snapshot(sandbox_core::SnapshotError::NotFound(_))) => {}
-                Err(e) if e.to_string().contains("no snapshot") => {}
-                other => return other,
+            if self.server_has(&remote).await {
+                return self.restore_on_server(&remote).await;
             }
         }
         let remote = transfer::send_snapshot(&self.shared.client, self.tier, store, id).await?;

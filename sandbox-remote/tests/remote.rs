@@ -172,6 +172,44 @@ async fn a_remote_sandbox_does_what_a_local_one_does() {
         .await
         .unwrap();
     assert_eq!(again.read_file("dir/a b%.txt").await.unwrap(), b"hello");
+    // Deleted on the server since (by another client, say): sent again.
+    let auth = format!("Authorization: Bearer {}", r.token.reveal());
+    let out = std::process::Command::new("curl")
+        .args(["-s", "-H", &auth])
+        .arg(format!("{}/v1/snapshots", r.address))
+        .output()
+        .unwrap();
+    let list: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let on_server = list["snapshots"].as_array().unwrap();
+    assert!(!on_server.is_empty(), "{list}");
+    for snap in on_server {
+        let del = std::process::Command::new("curl")
+            .args([
+                "-s",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code}",
+                "-X",
+                "DELETE",
+                "-H",
+                &auth,
+            ])
+            .arg(format!(
+                "{}/v1/snapshots/{}",
+                r.address,
+                snap["id"].as_str().unwrap()
+            ))
+            .output()
+            .unwrap();
+        assert_eq!(del.stdout, b"204");
+    }
+    let third = backend
+        .restore(&mine, &sid, ResolvedSecrets::none())
+        .await
+        .unwrap();
+    assert_eq!(third.read_file("dir/a b%.txt").await.unwrap(), b"hello");
+    third.destroy().await.unwrap();
     assert_eq!(r.server.sandbox_ids().len(), 3);
 
     // Destroy: idempotent, then every call is SandboxGone; dropping destroys too.
