@@ -74,6 +74,11 @@ impl Client {
             .send()
             .await
             .map_err(|e| Failure::transport(&self.shown, &e))?;
+        self.check(resp).await
+    }
+
+    /// `resp` if it is a success, else the [`Failure`] its error body describes.
+    pub(crate) async fn check(&self, resp: Response) -> Result<Response, Failure> {
         if resp.status().is_success() {
             return Ok(resp);
         }
@@ -96,6 +101,14 @@ impl Client {
         req: RequestBuilder,
     ) -> Result<T, Failure> {
         let resp = self.send(req).await?;
+        self.read_json(resp).await
+    }
+
+    /// Reads the JSON body of a successful answer.
+    pub(crate) async fn read_json<T: DeserializeOwned>(
+        &self,
+        resp: Response,
+    ) -> Result<T, Failure> {
         let bytes = resp
             .bytes()
             .await

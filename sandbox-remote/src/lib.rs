@@ -49,6 +49,7 @@ use sandbox_core::{
 use sandbox_server::api::{CreateSandbox, RestoreBody, SandboxInfo, TierInfo, TierList};
 
 use client::Client;
+use error::Failure;
 pub use error::RemoteError;
 pub use sandbox::RemoteSandbox;
 
@@ -152,22 +153,19 @@ impl RemoteServer {
             config.token,
             config.address.clone(),
         ));
-        let req = client.request(Method::GET, "/v1/tiers");
-        let list: TierList = match client.json(req).await {
-            Ok(l) => l,
-            Err(f) if f.status == 0 && f.kind == "unreachable" => {
-                // Once more for the transport error itself.
-                let req = client.request(Method::GET, "/v1/tiers");
-                return Err(match req.send().await {
-                    Err(source) => RemoteError::Unreachable {
-                        server: config.address,
-                        source,
-                    },
-                    Ok(_) => f.into_remote(),
-                });
-            }
-            Err(f) => return Err(f.into_remote()),
-        };
+        // The first request checks the address (its transport error is kept as the source)
+        // and the token.
+        let resp = client
+            .request(Method::GET, "/v1/tiers")
+            .send()
+            .await
+            .map_err(|source| RemoteError::Unreachable {
+                server: config.address.clone(),
+                source,
+            })?;
+        let list: TierList = async { client.read_json(client.check(resp).await?).await }
+            .await
+            .map_err(Failure::into_remote)?;
         Ok(RemoteServer {
             shared: Arc::new(Shared {
                 client,

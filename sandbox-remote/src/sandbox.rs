@@ -101,14 +101,19 @@ impl RemoteSandbox {
         Ok(body)
     }
 
-    async fn post_empty(&self, rest: &str) -> Result<()> {
-        self.check()?;
-        let req = self.client.request(Method::POST, &self.path(rest));
+    /// Sends `req`, whose answer has no body (about workspace path `path`, if any).
+    async fn unit(&self, req: reqwest::RequestBuilder, path: Option<&str>) -> Result<()> {
         self.client
             .send(req)
             .await
             .map(drop)
-            .map_err(|f| self.err(f, None))
+            .map_err(|f| self.err(f, path))
+    }
+
+    async fn post_empty(&self, rest: &str) -> Result<()> {
+        self.check()?;
+        let req = self.client.request(Method::POST, &self.path(rest));
+        self.unit(req, None).await
     }
 }
 
@@ -213,11 +218,7 @@ impl Sandbox for RemoteSandbox {
                 &self.path(&format!("/files/{}", encode_path(path))),
             )
             .body(data.to_vec());
-        self.client
-            .send(req)
-            .await
-            .map(drop)
-            .map_err(|f| self.err(f, Some(path)))
+        self.unit(req, Some(path)).await
     }
 
     async fn read_file(&self, path: &str) -> Result<Vec<u8>> {
@@ -271,11 +272,7 @@ impl Sandbox for RemoteSandbox {
             .client
             .request(Method::PUT, &self.path("/network"))
             .json(&policy);
-        self.client
-            .send(req)
-            .await
-            .map(drop)
-            .map_err(|f| self.err(f, None))
+        self.unit(req, None).await
     }
 
     async fn network_events(&self) -> Result<Vec<NetworkEvent>> {
@@ -290,11 +287,7 @@ impl Sandbox for RemoteSandbox {
     async fn health_check(&self) -> Result<()> {
         self.check()?;
         let req = self.client.request(Method::GET, &self.path(""));
-        self.client
-            .send(req)
-            .await
-            .map(drop)
-            .map_err(|f| self.err(f, None))
+        self.unit(req, None).await
     }
 
     async fn destroy(&self) -> Result<()> {

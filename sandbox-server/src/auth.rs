@@ -217,6 +217,13 @@ impl Gate {
     }
 }
 
+impl Gate {
+    /// The clients' names (`""` for the one principal of a Unix socket or a single token).
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.budgets.keys().map(String::as_str)
+    }
+}
+
 /// Middleware: answers 401 unless the request carries a client's bearer token, 429 when that
 /// client has its limit of requests in flight; marks the request with its [`Caller`].
 pub async fn gate(State(gate): State<Gate>, mut req: Request, next: Next) -> Response {

@@ -90,6 +90,12 @@ impl From<sandbox_core::Error> for ApiError {
     }
 }
 
+impl From<sandbox_core::SnapshotError> for ApiError {
+    fn from(e: sandbox_core::SnapshotError) -> Self {
+        ApiError::from(sandbox_core::Error::from(e))
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let body = ErrorBody {

@@ -464,11 +464,8 @@ impl Server {
             Listener::TcpClients(l, clients) => (Some(clients), Either::Tcp(l)),
             Listener::Unix(l) => (None, Either::Unix(l)),
         };
-        let gate = self.gate(clients.clone());
-        let names: Vec<String> = match &clients {
-            Some(c) => c.names().map(str::to_string).collect(),
-            None => vec![String::new()],
-        };
+        let gate = self.gate(clients);
+        let names: Vec<String> = gate.names().map(str::to_string).collect();
         let app = routes::router(Arc::clone(&self.shared), gate.clone());
         let served = match served {
             Either::Tcp(l) => {

@@ -51,6 +51,21 @@ impl Lifetime {
         }
     }
 
+    /// The pause state, locked, unless the reaper has taken the sandbox (`id`) away.
+    async fn lock_live(&self, id: &str) -> Result<tokio::sync::MutexGuard<'_, Paused>, ApiError> {
+        let paused = self.paused.lock().await;
+        if self.reaped.load(Ordering::SeqCst) {
+            return Err(ApiError::no_sandbox(id));
+        }
+        Ok(paused)
+    }
+
+    /// Sets the pause state (held locked) and its lock-free mirror.
+    fn set(&self, paused: &mut Paused, to: Paused) {
+        *paused = to;
+        self.paused_now.store(to != Paused::No, Ordering::Relaxed);
+    }
+
     fn idle_for(&self, now: Instant) -> Duration {
         let last = *self.last_used.lock().unwrap_or_else(|p| p.into_inner());
         now.saturating_duration_since(last)
@@ -92,10 +107,7 @@ impl InUse {
     /// Marks `entry` in use, resuming it first if its idle timeout paused it.
     pub(crate) async fn enter(entry: Arc<Entry>) -> Result<InUse, ApiError> {
         let life = &entry.life;
-        let mut paused = life.paused.lock().await;
-        if life.reaped.load(Ordering::SeqCst) {
-            return Err(ApiError::no_sandbox(&entry.info.id));
-        }
+        let mut paused = life.lock_live(&entry.info.id).await?;
         if *paused == Paused::Client {
             return Err(ApiError::from(sandbox_core::Error::SandboxPaused {
                 id: entry.info.id.clone(),
@@ -107,8 +119,7 @@ impl InUse {
             // On failure the guard drops and the sandbox stays marked paused: the next
             // request tries again.
             entry.sandbox.resume().await?;
-            *paused = Paused::No;
-            life.paused_now.store(false, Ordering::Relaxed);
+            life.set(&mut paused, Paused::No);
         }
         Ok(guard)
     }
@@ -130,13 +141,10 @@ impl Drop for InUse {
     }
 }
 
-/// Pauses `entry` at a client's request; the next request that uses it resumes it.
+/// Pauses `entry` at a client's request; it stays paused until a client resumes it.
 pub(crate) async fn pause(entry: Arc<Entry>) -> Result<(), ApiError> {
     let life = &entry.life;
-    let mut paused = life.paused.lock().await;
-    if life.reaped.load(Ordering::SeqCst) {
-        return Err(ApiError::no_sandbox(&entry.info.id));
-    }
+    let mut paused = life.lock_live(&entry.info.id).await?;
     if life.active.load(Ordering::SeqCst) > 0 {
         return Err(ApiError::new(
             axum::http::StatusCode::CONFLICT,
@@ -152,9 +160,8 @@ pub(crate) async fn pause(entry: Arc<Entry>) -> Result<(), ApiError> {
     // becomes the client's, so requests no longer resume it.
     if *paused == Paused::No {
         entry.sandbox.pause().await?;
-        life.paused_now.store(true, Ordering::Relaxed);
     }
-    *paused = Paused::Client;
+    life.set(&mut paused, Paused::Client);
     Ok(())
 }
 
@@ -162,13 +169,9 @@ pub(crate) async fn pause(entry: Arc<Entry>) -> Result<(), ApiError> {
 /// is nothing where it has pause and `Unsupported` where it has not).
 pub(crate) async fn resume(entry: Arc<Entry>) -> Result<(), ApiError> {
     let life = &entry.life;
-    let mut paused = life.paused.lock().await;
-    if life.reaped.load(Ordering::SeqCst) {
-        return Err(ApiError::no_sandbox(&entry.info.id));
-    }
+    let mut paused = life.lock_live(&entry.info.id).await?;
     entry.sandbox.resume().await?;
-    *paused = Paused::No;
-    life.paused_now.store(false, Ordering::Relaxed);
+    life.set(&mut paused, Paused::No);
     Ok(())
 }
 
@@ -207,8 +210,7 @@ async fn reap_one(shared: &Shared, e: Arc<Entry>) {
         }
         Some(IdleAction::Pause) if *paused == Paused::No => match e.sandbox.pause().await {
             Ok(()) => {
-                *paused = Paused::Idle;
-                life.paused_now.store(true, Ordering::Relaxed);
+                life.set(&mut paused, Paused::Idle);
                 tracing::info!(sandbox = %e.info.id, "paused: idle past its timeout");
             }
             Err(err) => {

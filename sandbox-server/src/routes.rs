@@ -487,10 +487,7 @@ async fn snapshot(
     let store = store(&s, &caller)?;
     let e = s.enter(&id, &caller).await?;
     let sid = e.sandbox.snapshot(store.as_ref()).await?;
-    let m = store
-        .manifest(&sid)
-        .await
-        .map_err(sandbox_core::Error::from)?;
+    let m = store.manifest(&sid).await?;
     Ok((StatusCode::CREATED, Json(snapshot_info(sid, &m))))
 }
 
@@ -500,7 +497,7 @@ async fn list_snapshots(
 ) -> Result<Json<SnapshotList>, ApiError> {
     let store = store(&s, &caller)?;
     let mut snapshots = Vec::new();
-    for id in store.list().await.map_err(sandbox_core::Error::from)? {
+    for id in store.list().await? {
         // A snapshot deleted or unreadable meanwhile is left out, not an error of the list.
         if let Ok(m) = store.manifest(&id).await {
             snapshots.push(snapshot_info(id, &m));
@@ -517,10 +514,7 @@ async fn get_snapshot(
 ) -> Result<Json<SnapshotInfo>, ApiError> {
     let store = store(&s, &caller)?;
     let id = parse_snapshot_id(&sid)?;
-    let m = store
-        .manifest(&id)
-        .await
-        .map_err(sandbox_core::Error::from)?;
+    let m = store.manifest(&id).await?;
     Ok(Json(snapshot_info(id, &m)))
 }
 
@@ -531,11 +525,8 @@ async fn delete_snapshot(
 ) -> Result<StatusCode, ApiError> {
     let store = store(&s, &caller)?;
     let id = parse_snapshot_id(&sid)?;
-    store
-        .manifest(&id)
-        .await
-        .map_err(sandbox_core::Error::from)?;
-    store.delete(&id).await.map_err(sandbox_core::Error::from)?;
+    store.manifest(&id).await?;
+    store.delete(&id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -548,10 +539,7 @@ async fn restorable(
 ) -> Result<(Arc<dyn SnapshotStore>, SnapshotId), ApiError> {
     let store = store(s, caller)?;
     let id = parse_snapshot_id(sid)?;
-    let m = store
-        .manifest(&id)
-        .await
-        .map_err(sandbox_core::Error::from)?;
+    let m = store.manifest(&id).await?;
     if let (false, Some(what)) = (s.config.allow_host_access, crate::host_access(&m.spec)) {
         return Err(forbidden(&format!(
             "this snapshot's spec has {what}, which"
@@ -595,27 +583,15 @@ async fn fork(
     let made =
         futures::future::join_all((0..body.count).map(|_| s.provider.restore(store.as_ref(), &id)))
             .await;
-    let mut sandboxes = Vec::new();
-    let mut failed = None;
-    for r in made {
-        match r {
-            Ok(sb) if failed.is_none() => sandboxes.push(sb),
-            Ok(sb) => {
-                let _ = sb.destroy().await;
-            }
-            Err(e) => {
-                failed.get_or_insert(ApiError::from(e));
-                for sb in sandboxes.drain(..) {
-                    let _ = sb.destroy().await;
-                }
-            }
+    let (sandboxes, failed): (Vec<_>, Vec<_>) = made.into_iter().partition(Result::is_ok);
+    let mut sandboxes = sandboxes.into_iter().flatten();
+    if let Some(Err(e)) = failed.into_iter().next() {
+        for sb in sandboxes {
+            let _ = sb.destroy().await;
         }
-    }
-    if let Some(e) = failed {
-        return Err(e);
+        return Err(e.into());
     }
     let mut infos = Vec::new();
-    let mut sandboxes = sandboxes.into_iter();
     while let Some(sb) = sandboxes.next() {
         match admit(
             &s,
@@ -691,12 +667,7 @@ async fn snapshot_manifest(
 ) -> Result<Json<SnapshotManifest>, ApiError> {
     let store = store(&s, &caller)?;
     let id = parse_snapshot_id(&sid)?;
-    Ok(Json(
-        store
-            .manifest(&id)
-            .await
-            .map_err(sandbox_core::Error::from)?,
-    ))
+    Ok(Json(store.manifest(&id).await?))
 }
 
 async fn snapshot_artifact(
@@ -706,10 +677,7 @@ async fn snapshot_artifact(
 ) -> Result<Response, ApiError> {
     let store = store(&s, &caller)?;
     let id = parse_snapshot_id(&sid)?;
-    let data = store
-        .artifact(&id, &name)
-        .await
-        .map_err(sandbox_core::Error::from)?;
+    let data = store.artifact(&id, &name).await?;
     Ok((
         [(axum::http::header::CONTENT_TYPE, "application/octet-stream")],
         data,
@@ -734,10 +702,7 @@ async fn upload_snapshot(
             "this snapshot's spec has {what}, which"
         )));
     }
-    let id = store.put(draft).await.map_err(sandbox_core::Error::from)?;
-    let m = store
-        .manifest(&id)
-        .await
-        .map_err(sandbox_core::Error::from)?;
+    let id = store.put(draft).await?;
+    let m = store.manifest(&id).await?;
     Ok((StatusCode::CREATED, Json(snapshot_info(id, &m))))
 }
