@@ -16,8 +16,31 @@ use std::sync::Arc;
 use agent_sandbox::remote::{RemoteConfig, RemoteServer};
 use agent_sandbox::server::{Listener, Server, ServerConfig, Token};
 use agent_sandbox::{
-    ExecRequest, Language, ObjectSnapshotStore, Question, Runtime, SandboxSpec, TierChoice,
+    ExecRequest, Language, ObjectSnapshotStore, Question, Runtime, SandboxSpec, Signal, Tier,
+    TierChoice,
 };
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// The body of `GET path` at `at` (HTTP/1.0), retried while the server starts listening.
+async fn fetch(at: std::net::SocketAddr, path: &str) -> String {
+    for _ in 0..100 {
+        if let Ok(mut c) = tokio::net::TcpStream::connect(at).await {
+            let _ = c
+                .write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+                .await;
+            let mut answer = String::new();
+            let _ = c.read_to_string(&mut answer).await;
+            if answer.starts_with("HTTP/1.0 200") {
+                return answer
+                    .split_once("\r\n\r\n")
+                    .map(|(_, body)| body.to_string())
+                    .unwrap_or_default();
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    String::new()
+}
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -103,6 +126,39 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         String::from_utf8_lossy(&copy.read_file("mean.txt").await?)
     );
     copy.destroy().await?;
+
+    // A dev server on the server: a container sandbox (the tier with background processes
+    // and ports), a web server in it, published on the server's loopback (the same host
+    // here), a page fetched, then Ctrl-C.
+    let spec = SandboxSpec::new(Language::Shell);
+    match rt.create(&spec, TierChoice::Tier(Tier::Container)).await {
+        Ok(dev) => {
+            dev.write_file("index.html", b"<h1>served by the server's sandbox</h1>\n")
+                .await?;
+            let mut web = dev
+                .spawn(ExecRequest::argv([
+                    "python3",
+                    "-m",
+                    "http.server",
+                    "8000",
+                    "--bind",
+                    "127.0.0.1",
+                ]))
+                .await?;
+            let at = dev.publish(8000, ([127, 0, 0, 1], 0).into()).await?;
+            let page = fetch(at, "/index.html").await;
+            println!(
+                "GET http://{at}/index.html (on the server's host) -> {:?}",
+                page.trim_end()
+            );
+            assert!(page.contains("served by the server's sandbox"), "{page:?}");
+            web.signal(Signal::Interrupt).await?;
+            let r = web.wait(Some(std::time::Duration::from_secs(30))).await?;
+            println!("the web server stopped with exit code {:?}", r.exit_code);
+            dev.destroy().await?;
+        }
+        Err(e) => println!("(no container sandbox on this server, so no dev server: {e})"),
+    }
     sandbox.destroy().await?;
     let _ = std::fs::remove_dir_all(dir);
     let _ = std::fs::remove_dir_all(

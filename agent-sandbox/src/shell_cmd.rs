@@ -32,6 +32,14 @@ pub(crate) struct ShellArgs {
     /// Memory limit, MiB.
     #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(4..))]
     memory: Option<u64>,
+    /// Open the shell in a sandbox of the server at URL (`agent-sandbox serve`:
+    /// http://HOST:PORT or unix:/PATH) instead of on this host (as `run --server`).
+    /// Published ports then listen on the server's host.
+    #[arg(long, value_name = "URL")]
+    server: Option<String>,
+    /// The server's bearer token, in a file (with --server).
+    #[arg(long, value_name = "FILE", requires = "server")]
+    token_file: Option<std::path::PathBuf>,
     /// The command (default `/bin/sh`), after `--`.
     #[arg(last = true, value_name = "CMD")]
     argv: Vec<String>,
@@ -108,11 +116,23 @@ pub(crate) async fn run(args: ShellArgs) -> ExitCode {
             return ExitCode::from(EXIT_USAGE);
         }
     };
-    let rt = match args.tier {
-        TierArg::Auto => Runtime::builder_with_defaults(),
-        TierArg::Tier(t) => Runtime::builder_with_tiers(&[t]),
-    }
-    .build();
+    let rt = if args.server.is_some() {
+        match crate::serve_cmd::remote_runtime(args.server.as_deref(), args.token_file.as_deref())
+            .await
+        {
+            Ok(rt) => rt,
+            Err(e) => {
+                eprintln!("agent-sandbox: {e}");
+                return ExitCode::from(EXIT_SANDBOX_FAILED);
+            }
+        }
+    } else {
+        match args.tier {
+            TierArg::Auto => Runtime::builder_with_defaults(),
+            TierArg::Tier(t) => Runtime::builder_with_tiers(&[t]),
+        }
+        .build()
+    };
     let choice = match args.tier {
         TierArg::Auto => TierChoice::Auto(agent_sandbox::Question::new(Language::Shell)),
         TierArg::Tier(t) => TierChoice::Tier(t),

@@ -8,6 +8,8 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
+mod served;
+
 fn tmux(args: &[&str]) -> String {
     let out = Command::new("tmux").args(args).output().expect("run tmux");
     String::from_utf8_lossy(&out.stdout).into_owned()
@@ -63,30 +65,34 @@ impl Drop for Session {
 }
 
 fn available(tier: &str) -> bool {
-    let out = Command::new(env!("CARGO_BIN_EXE_agent-sandbox"))
-        .args(["probe", "--json"])
-        .output()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    v["tiers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .any(|t| t["tier"] == tier && t["available"] == true)
+    served::unavailable(tier).is_none()
 }
 
 #[test]
 fn a_container_shell_in_tmux_runs_python_resizes_and_exits_with_its_code() {
-    shell_session("container");
+    shell_session("container", None);
 }
 
 #[test]
 fn a_gvisor_shell_in_tmux_runs_python_resizes_and_exits_with_its_code() {
-    shell_session("gvisor");
+    shell_session("gvisor", None);
 }
 
-/// `agent-sandbox shell --tier TIER` in a tmux terminal, driven as a person would.
-fn shell_session(tier: &str) {
+/// The same session in a sandbox of `agent-sandbox serve` (`shell --server`): keys, the
+/// window size and the exit code go through the HTTP API.
+#[test]
+fn a_shell_through_a_server_in_tmux_behaves_as_a_local_one() {
+    if !available("container") {
+        eprintln!("SKIP: the container tier is not available here (see `agent-sandbox probe`)");
+        return;
+    }
+    let server = served::serve();
+    shell_session("container", Some(&server));
+}
+
+/// `agent-sandbox shell --tier TIER` in a tmux terminal, driven as a person would (in a
+/// sandbox of `server` when given).
+fn shell_session(tier: &str, server: Option<&served::Serve>) {
     if Command::new("tmux").arg("-V").output().is_err() {
         eprintln!("SKIP: tmux is not installed (scripts/test.sh installs it)");
         return;
@@ -95,12 +101,23 @@ fn shell_session(tier: &str) {
         eprintln!("SKIP: the {tier} tier is not available here (see `agent-sandbox probe`)");
         return;
     }
+    let remote = server.map_or_else(String::new, |s| {
+        format!(
+            " --server {} --token-file {}",
+            s.base,
+            s.dir.path().join("token").display()
+        )
+    });
     let dir = tempfile::tempdir().unwrap();
     let file = |name: &str| dir.path().join(name).display().to_string();
-    let session = format!("asb-shell-{tier}-{}", std::process::id());
+    let session = format!(
+        "asb-shell-{tier}{}-{}",
+        if server.is_some() { "-remote" } else { "" },
+        std::process::id()
+    );
     // The terminal's modes (`stty -g`) before and after, and the CLI's exit code.
     let script = format!(
-        "stty -g > {before}; {bin} shell --tier {tier}; echo $? > {code}; stty -g > {after}; sleep 600",
+        "stty -g > {before}; {bin} shell --tier {tier}{remote}; echo $? > {code}; stty -g > {after}; sleep 600",
         before = file("before"),
         after = file("after"),
         code = file("code"),

@@ -45,7 +45,8 @@ pub use policy::{Cidr, Decision, DecisionRule, DenyRule, HostPattern, HostRule, 
 pub use pool::{PoolConfig, PoolStats, WarmPool};
 pub use probe::TierStatus;
 pub use process::{
-    Process, ProcessControl, ProcessId, ProcessInfo, ProcessState, ProcessTable, Signal,
+    Process, ProcessControl, ProcessHandle, ProcessId, ProcessInfo, ProcessState, ProcessTable,
+    Signal,
 };
 pub use pty::PtyMaster;
 pub use publish::{Connection, Dialer, Ports, PublishedPort};

@@ -167,6 +167,51 @@ pub trait ProcessControl: Send + Sync + 'static {
     }
 }
 
+/// A process's input side: stdin, signals and terminal size, without its output. Made by
+/// [`Process::handle`]; cheap to clone and `Send`, so one task can type while another reads.
+#[derive(Clone)]
+pub struct ProcessHandle {
+    id: ProcessId,
+    control: Arc<dyn ProcessControl>,
+}
+
+impl std::fmt::Debug for ProcessHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessHandle")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ProcessHandle {
+    /// The process's id in its sandbox.
+    pub fn id(&self) -> ProcessId {
+        self.id
+    }
+
+    /// As [`Process::write_stdin`].
+    pub async fn write_stdin(&self, data: impl Into<Bytes>) -> Result<()> {
+        self.control.write_stdin(data.into()).await
+    }
+
+    /// As [`Process::close_stdin`].
+    pub async fn close_stdin(&self) -> Result<()> {
+        self.control.close_stdin().await
+    }
+
+    /// As [`Process::signal`].
+    pub async fn signal(&self, signal: Signal) -> Result<()> {
+        self.control.signal(signal).await
+    }
+
+    /// As [`Process::resize`].
+    pub async fn resize(&self, rows: u16, cols: u16) -> Result<()> {
+        let tty = crate::Tty::new(rows, cols);
+        tty.validate()?;
+        self.control.resize(tty).await
+    }
+}
+
 /// A running command of a sandbox (see the [module docs](self)).
 ///
 /// Dropping a `Process` does not stop it: it runs until it exits, is signalled (through
@@ -238,6 +283,15 @@ impl Process {
         let tty = crate::Tty::new(rows, cols);
         tty.validate()?;
         self.control.resize(tty).await
+    }
+
+    /// A cloneable handle on its stdin, signals and terminal, for another task to drive it
+    /// while this one reads its output (the handle works after the `Process` is dropped).
+    pub fn handle(&self) -> ProcessHandle {
+        ProcessHandle {
+            id: self.id,
+            control: Arc::clone(&self.control),
+        }
     }
 
     /// The next output chunk, or the final [`ExecEvent::Exit`]; `None` after that. An error

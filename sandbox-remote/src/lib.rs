@@ -25,8 +25,11 @@
 //!   bearer token, or `unix:/PATH` (`serve --unix`, no token).
 //! - **Errors** come back as the library's variants (`SandboxGone`, `PathEscape`,
 //!   `Unsupported`...), read from the server's error answers.
-//! - **Capabilities** are the server's tier's, less what the v1 API does not carry yet:
-//!   background processes, terminals and published ports answer `Unsupported`.
+//! - **Capabilities** are the server's tier's (less proxy-held secrets, which are resolved
+//!   where the sandbox runs). Background processes and terminals work as in the library
+//!   ([`Process`](sandbox_core::Process): output streamed from the server, input sent
+//!   per call); **published ports listen on the server's host** (loopback unless the
+//!   server was started with `--allow-host-access`), so reach them there.
 //! - **Snapshots** go into the caller's store: the server snapshots, the client copies the
 //!   snapshot over (checked against its SHA-256s). `restore` sends a snapshot of the
 //!   caller's store to the server first (once per snapshot and server).
@@ -205,9 +208,6 @@ impl RemoteServer {
 
 /// `caps` less what the v1 API does not carry.
 fn carried(mut caps: Capabilities) -> Capabilities {
-    caps.processes = false;
-    caps.tty = false;
-    caps.publish = false;
     // Secrets are resolved where the sandbox runs; a client's are not sent.
     caps.proxy_secrets = false;
     caps

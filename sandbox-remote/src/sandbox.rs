@@ -6,11 +6,18 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use futures::StreamExt;
 use reqwest::Method;
+use std::net::SocketAddr;
+
+use base64::Engine;
 use sandbox_core::{
     Command, DirEntry, Error, ExecEvent, ExecRequest, ExecResult, ExecStream, NetworkEvent,
-    NetworkPolicy, Result, Sandbox, SandboxSpec, SnapshotId, SnapshotStore, Tier, Timeline,
+    NetworkPolicy, Process, ProcessControl, ProcessId, ProcessInfo, PublishedPort, Result, Sandbox,
+    SandboxSpec, Signal, SnapshotId, SnapshotStore, Tier, Timeline, Tty,
 };
-use sandbox_server::api::{ExecBody, Listing, NetworkEvents};
+use sandbox_server::api::{
+    ExecBody, Listing, NetworkEvents, PortList, ProcessList, ProcessRef, PublishBody, ResizeBody,
+    SignalBody,
+};
 
 use crate::client::{encode, encode_path, Client};
 use crate::error::Failure;
@@ -72,12 +79,6 @@ impl RemoteSandbox {
 
     /// The request body of `req`, or why the API cannot carry it.
     fn body(&self, req: ExecRequest) -> Result<ExecBody> {
-        if req.tty.is_some() {
-            return Err(Error::unsupported(
-                self.tier,
-                "terminals through a remote server (not in the v1 API yet)",
-            ));
-        }
         let mut body = match &req.command {
             Command::Argv(_) | Command::Code(_) => ExecBody::from_command(&req.command),
             other => {
@@ -95,6 +96,7 @@ impl RemoteSandbox {
         }
         body.env = req.env;
         body.cwd = req.cwd;
+        body.tty = req.tty;
         body.timeout_ms = req
             .timeout
             .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
@@ -154,59 +156,96 @@ impl Sandbox for RemoteSandbox {
             .json(&body);
         let resp = self.client.send(req).await.map_err(|f| self.err(f, None))?;
         let (tx, stream) = ExecStream::channel(64);
-        let (tier, id, server) = (self.tier, self.id.clone(), self.client.shown.clone());
-        tokio::spawn(async move {
-            let mut events = sse_stream::SseStream::from_bytes_stream(resp.bytes_stream());
-            while let Some(ev) = events.next().await {
-                let ev = match ev {
-                    Ok(ev) => ev,
-                    Err(e) => {
-                        let f = Failure::protocol(&server, format!("the event stream broke: {e}"));
-                        let _ = tx.send(Err(f.into_core(tier, Some(&id), None))).await;
-                        return;
-                    }
-                };
-                let data = ev.data.unwrap_or_default();
-                let out = match ev.event.as_deref() {
-                    Some(name @ ("stdout" | "stderr")) => {
-                        let text = serde_json::from_str::<serde_json::Value>(&data)
-                            .ok()
-                            .and_then(|v| v["text"].as_str().map(str::to_string))
-                            .unwrap_or_default();
-                        let b = bytes::Bytes::from(text.into_bytes());
-                        Ok(if name == "stdout" {
-                            ExecEvent::Stdout(b)
-                        } else {
-                            ExecEvent::Stderr(b)
-                        })
-                    }
-                    Some("exit") => match serde_json::from_str::<ExecResult>(&data) {
-                        Ok(r) => Ok(ExecEvent::Exit(r)),
-                        Err(e) => Err(Failure::protocol(&server, format!("exit event: {e}"))
-                            .into_core(tier, Some(&id), None)),
-                    },
-                    Some("error") => {
-                        let v: serde_json::Value = serde_json::from_str(&data).unwrap_or_default();
-                        let f = Failure {
-                            server: server.clone(),
-                            status: 200,
-                            kind: v["error"]["kind"].as_str().unwrap_or("internal").into(),
-                            message: v["error"]["message"].as_str().unwrap_or(&data).into(),
-                        };
-                        Err(f.into_core(tier, Some(&id), None))
-                    }
-                    // Comments (keep-alives) and events of later versions.
-                    _ => continue,
-                };
-                let last = !matches!(out, Ok(ExecEvent::Stdout(_) | ExecEvent::Stderr(_)));
-                if tx.send(out).await.is_err() || last {
-                    return;
-                }
-            }
-            let f = Failure::protocol(&server, "the event stream ended before the exit event");
-            let _ = tx.send(Err(f.into_core(tier, Some(&id), None))).await;
-        });
+        tokio::spawn(pump(
+            resp,
+            tx,
+            self.tier,
+            self.id.clone(),
+            self.client.shown.clone(),
+        ));
         Ok(stream)
+    }
+
+    async fn spawn(&self, req: ExecRequest) -> Result<Process> {
+        self.check()?;
+        let body = self.body(req)?;
+        let req = self
+            .client
+            .request(Method::POST, &self.path("/processes"))
+            .json(&body);
+        let p: ProcessRef = self.client.json(req).await.map_err(|f| self.err(f, None))?;
+        let ctl = RemoteProcess {
+            client: Arc::clone(&self.client),
+            tier: self.tier,
+            sandbox: self.id.clone(),
+            pid: p.id,
+        };
+        // Its output, attached at once: the server holds it (and the process blocks on a
+        // full pipe) while this end does not read.
+        let req = self.client.request(Method::GET, &ctl.path("/output"));
+        let resp = self.client.send(req).await.map_err(|f| ctl.err(f))?;
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        tokio::spawn(pump(
+            resp,
+            tx,
+            self.tier,
+            self.id.clone(),
+            self.client.shown.clone(),
+        ));
+        Ok(Process::new(
+            p.id,
+            rx,
+            Arc::new(ctl),
+            self.spec.limits.output_bytes,
+        ))
+    }
+
+    async fn processes(&self) -> Result<Vec<ProcessInfo>> {
+        self.check()?;
+        let req = self.client.request(Method::GET, &self.path("/processes"));
+        let l: ProcessList = self.client.json(req).await.map_err(|f| self.err(f, None))?;
+        Ok(l.processes)
+    }
+
+    async fn signal(&self, id: ProcessId, signal: Signal) -> Result<()> {
+        self.check()?;
+        RemoteProcess {
+            client: Arc::clone(&self.client),
+            tier: self.tier,
+            sandbox: self.id.clone(),
+            pid: id,
+        }
+        .signal(signal)
+        .await
+    }
+
+    async fn publish(&self, sandbox_port: u16, host: SocketAddr) -> Result<SocketAddr> {
+        self.check()?;
+        let req = self
+            .client
+            .request(Method::POST, &self.path("/ports"))
+            .json(&PublishBody {
+                sandbox_port,
+                host: Some(host),
+            });
+        let p: PublishedPort = self.client.json(req).await.map_err(|f| self.err(f, None))?;
+        Ok(p.host)
+    }
+
+    async fn unpublish(&self, host: SocketAddr) -> Result<()> {
+        self.check()?;
+        let req = self.client.request(
+            Method::DELETE,
+            &self.path(&format!("/ports/{}", encode(&host.to_string()))),
+        );
+        self.unit(req, None).await
+    }
+
+    async fn published(&self) -> Result<Vec<PublishedPort>> {
+        self.check()?;
+        let req = self.client.request(Method::GET, &self.path("/ports"));
+        let l: PortList = self.client.json(req).await.map_err(|f| self.err(f, None))?;
+        Ok(l.ports)
     }
 
     async fn write_file(&self, path: &str, data: &[u8]) -> Result<()> {
@@ -305,6 +344,152 @@ impl Sandbox for RemoteSandbox {
                 Err(self.err(f, None))
             }
         }
+    }
+}
+
+/// Reads the server-sent events of an exec or process output stream into `tx`: output
+/// chunks (`{"text"}` or `{"b64"}`), then the exit or an error. Ends when the receiver goes
+/// (the HTTP stream is dropped, so the server stops reading the process: backpressure).
+async fn pump(
+    resp: reqwest::Response,
+    tx: tokio::sync::mpsc::Sender<Result<ExecEvent>>,
+    tier: Tier,
+    id: String,
+    server: String,
+) {
+    let mut events = sse_stream::SseStream::from_bytes_stream(resp.bytes_stream());
+    while let Some(ev) = events.next().await {
+        let ev = match ev {
+            Ok(ev) => ev,
+            Err(e) => {
+                let f = Failure::protocol(&server, format!("the event stream broke: {e}"));
+                let _ = tx.send(Err(f.into_core(tier, Some(&id), None))).await;
+                return;
+            }
+        };
+        let data = ev.data.unwrap_or_default();
+        let out = match ev.event.as_deref() {
+            Some(name @ ("stdout" | "stderr")) => {
+                let v = serde_json::from_str::<serde_json::Value>(&data).unwrap_or_default();
+                let b = match (v["text"].as_str(), v["b64"].as_str()) {
+                    (Some(t), _) => Ok(t.as_bytes().to_vec()),
+                    (None, Some(b)) => base64::engine::general_purpose::STANDARD
+                        .decode(b)
+                        .map_err(|e| format!("a {name} chunk is not base64: {e}")),
+                    (None, None) => Err(format!("a {name} event without text: {data}")),
+                };
+                match b {
+                    Ok(b) => {
+                        let b = bytes::Bytes::from(b);
+                        Ok(if name == "stdout" {
+                            ExecEvent::Stdout(b)
+                        } else {
+                            ExecEvent::Stderr(b)
+                        })
+                    }
+                    Err(m) => Err(Failure::protocol(&server, m).into_core(tier, Some(&id), None)),
+                }
+            }
+            Some("exit") => {
+                match serde_json::from_str::<ExecResult>(&data) {
+                    Ok(r) => Ok(ExecEvent::Exit(r)),
+                    Err(e) => Err(Failure::protocol(&server, format!("exit event: {e}"))
+                        .into_core(tier, Some(&id), None)),
+                }
+            }
+            Some("error") => {
+                let v: serde_json::Value = serde_json::from_str(&data).unwrap_or_default();
+                let f = Failure {
+                    server: server.clone(),
+                    status: 200,
+                    kind: v["error"]["kind"].as_str().unwrap_or("internal").into(),
+                    message: v["error"]["message"].as_str().unwrap_or(&data).into(),
+                };
+                Err(f.into_core(tier, Some(&id), None))
+            }
+            // Comments (keep-alives) and events of later versions.
+            _ => continue,
+        };
+        let last = !matches!(out, Ok(ExecEvent::Stdout(_) | ExecEvent::Stderr(_)));
+        if tx.send(out).await.is_err() || last {
+            return;
+        }
+    }
+    let f = Failure::protocol(&server, "the event stream ended before the exit event");
+    let _ = tx.send(Err(f.into_core(tier, Some(&id), None))).await;
+}
+
+/// A process of a remote sandbox: its input side, one request per call.
+struct RemoteProcess {
+    client: Arc<Client>,
+    tier: Tier,
+    sandbox: String,
+    pid: ProcessId,
+}
+
+impl RemoteProcess {
+    fn path(&self, rest: &str) -> String {
+        format!(
+            "/v1/sandboxes/{}/processes/{}{rest}",
+            encode(&self.sandbox),
+            self.pid
+        )
+    }
+
+    /// The library's error: a process the server no longer talks to has exited.
+    fn err(&self, f: Failure) -> Error {
+        match f.kind.as_str() {
+            "process_exited" => Error::ProcessExited { id: self.pid },
+            "not_found" if f.message.starts_with("no process") => {
+                Error::ProcessExited { id: self.pid }
+            }
+            _ => f.into_core(self.tier, Some(&self.sandbox), None),
+        }
+    }
+
+    async fn send(&self, req: reqwest::RequestBuilder) -> Result<()> {
+        self.client
+            .send(req)
+            .await
+            .map(drop)
+            .map_err(|f| self.err(f))
+    }
+}
+
+#[async_trait]
+impl ProcessControl for RemoteProcess {
+    async fn write_stdin(&self, data: bytes::Bytes) -> Result<()> {
+        let req = self
+            .client
+            .request(Method::POST, &self.path("/stdin"))
+            .body(data);
+        self.send(req).await
+    }
+
+    async fn close_stdin(&self) -> Result<()> {
+        let req = self.client.request(Method::DELETE, &self.path("/stdin"));
+        self.send(req).await
+    }
+
+    async fn signal(&self, signal: Signal) -> Result<()> {
+        let req = self
+            .client
+            .request(Method::POST, &self.path("/signal"))
+            .json(&SignalBody {
+                signal: signal.name().to_string(),
+            });
+        self.send(req).await
+    }
+
+    async fn resize(&self, tty: Tty) -> Result<()> {
+        let req = self
+            .client
+            .request(Method::POST, &self.path("/resize"))
+            .json(&ResizeBody {
+                rows: tty.rows,
+                cols: tty.cols,
+            });
+        self.send(req).await
     }
 }
 

@@ -118,6 +118,10 @@ pub struct ExecBody {
     /// Wall timeout in milliseconds (capped by the spec's).
     #[serde(default)]
     pub timeout_ms: Option<u64>,
+    /// Run on a pseudo-terminal of this size (`{"rows": 24, "cols": 80}`; spawn only, on
+    /// tiers whose capabilities list `tty`): raw bytes both ways, stdout and stderr merged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tty: Option<sandbox_core::Tty>,
 }
 
 impl ExecBody {
@@ -143,6 +147,9 @@ impl ExecBody {
         }
         if let Some(ms) = self.timeout_ms {
             req = req.timeout(std::time::Duration::from_millis(ms));
+        }
+        if let Some(t) = self.tty {
+            req = req.tty(t.rows, t.cols);
         }
         Ok(req)
     }
@@ -242,4 +249,66 @@ pub struct TierInfo {
 pub struct TierList {
     /// Every tier the server knows.
     pub tiers: Vec<TierInfo>,
+}
+
+/// `POST /v1/sandboxes/{id}/processes`: the new process (its output:
+/// `GET .../processes/{pid}/output`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessRef {
+    /// Its id in the sandbox.
+    pub id: sandbox_core::ProcessId,
+}
+
+/// `GET /v1/sandboxes/{id}/processes`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProcessList {
+    /// The sandbox's processes, running and exited.
+    pub processes: Vec<sandbox_core::ProcessInfo>,
+}
+
+/// `POST /v1/sandboxes/{id}/processes/{pid}/signal`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SignalBody {
+    /// `INT`, `SIGTERM`, `kill`, `9`...: one of HUP, INT, QUIT, KILL, USR1, USR2, TERM.
+    pub signal: String,
+}
+
+/// `POST /v1/sandboxes/{id}/processes/{pid}/resize`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ResizeBody {
+    /// Rows (at least 1).
+    pub rows: u16,
+    /// Columns (at least 1).
+    pub cols: u16,
+}
+
+/// `POST /v1/sandboxes/{id}/processes/{pid}/wait` (the body is optional).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WaitBody {
+    /// How long to wait, in milliseconds (absent: until it exits, within the server's
+    /// request timeout). On timeout: `504 timeout`, and the process keeps running.
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
+}
+
+/// `POST /v1/sandboxes/{id}/ports`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PublishBody {
+    /// The TCP port inside the sandbox.
+    pub sandbox_port: u16,
+    /// Where the server's host listens (default `127.0.0.1:0`: loopback, a port the OS
+    /// picks). Other than loopback only on a server started with `--allow-host-access`.
+    #[serde(default)]
+    pub host: Option<std::net::SocketAddr>,
+}
+
+/// `GET /v1/sandboxes/{id}/ports`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PortList {
+    /// The published ports (addresses on the server's host).
+    pub ports: Vec<sandbox_core::PublishedPort>,
 }

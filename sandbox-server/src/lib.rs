@@ -33,6 +33,7 @@ mod keep;
 mod lifetime;
 pub mod mcp;
 pub mod openapi;
+mod processes;
 mod routes;
 pub mod upload;
 
@@ -299,6 +300,8 @@ struct Entry {
     life: lifetime::Lifetime,
     /// The client that made it: the only one that sees it.
     owner: auth::Caller,
+    /// Its processes spawned through the API.
+    procs: processes::Table,
 }
 
 impl Entry {

@@ -22,6 +22,17 @@ pub const OPERATIONS: &[(&str, &str)] = &[
     ("post", "/v1/sandboxes/{id}/resume"),
     ("put", "/v1/sandboxes/{id}/network"),
     ("get", "/v1/sandboxes/{id}/network/events"),
+    ("post", "/v1/sandboxes/{id}/processes"),
+    ("get", "/v1/sandboxes/{id}/processes"),
+    ("get", "/v1/sandboxes/{id}/processes/{pid}/output"),
+    ("post", "/v1/sandboxes/{id}/processes/{pid}/stdin"),
+    ("delete", "/v1/sandboxes/{id}/processes/{pid}/stdin"),
+    ("post", "/v1/sandboxes/{id}/processes/{pid}/signal"),
+    ("post", "/v1/sandboxes/{id}/processes/{pid}/resize"),
+    ("post", "/v1/sandboxes/{id}/processes/{pid}/wait"),
+    ("post", "/v1/sandboxes/{id}/ports"),
+    ("get", "/v1/sandboxes/{id}/ports"),
+    ("delete", "/v1/sandboxes/{id}/ports/{host}"),
     ("get", "/v1/snapshots"),
     ("post", "/v1/snapshots"),
     ("get", "/v1/snapshots/{sid}/manifest"),
@@ -56,6 +67,12 @@ fn with_errors(mut ok: Value) -> Value {
 
 fn id_param() -> Value {
     json!({ "name": "id", "in": "path", "required": true, "schema": { "type": "string" } })
+}
+
+fn pid_param() -> Value {
+    json!({ "name": "pid", "in": "path", "required": true,
+        "description": "A process id, as spawning answered.",
+        "schema": { "type": "integer", "minimum": 0 } })
 }
 
 fn sid_param() -> Value {
@@ -179,6 +196,68 @@ pub fn document() -> Value {
                     "get": { "operationId": "networkEvents", "summary": "The egress decisions so far, oldest first.",
                         "responses": json_ok("200", "The events.", "NetworkEvents") }
                 },
+                "/v1/sandboxes/{id}/processes": {
+                    "parameters": [ id_param() ],
+                    "post": { "operationId": "spawnProcess",
+                        "summary": "Start a background process (with `tty`: on a terminal). It runs until it exits, is signalled or the sandbox ends; read its output with GET .../output.",
+                        "requestBody": json_body("ExecBody"),
+                        "responses": json_ok("201", "The process.", "ProcessRef") },
+                    "get": { "operationId": "listProcesses", "summary": "The sandbox's processes, running and exited.",
+                        "responses": json_ok("200", "The processes.", "ProcessList") }
+                },
+                "/v1/sandboxes/{id}/processes/{pid}/output": {
+                    "parameters": [ id_param(), pid_param() ],
+                    "get": { "operationId": "processOutput",
+                        "summary": "A process's output as server-sent events: `stdout` and `stderr` ({\"text\"} when UTF-8, else {\"b64\"}), then `exit` (the ExecResult) or `error`. One reader at a time (409 busy); a new reader goes on where the last stopped.",
+                        "responses": with_errors(json!({ "200": { "description": "The event stream.",
+                            "content": { "text/event-stream": { "schema": { "type": "string" } } } } })) }
+                },
+                "/v1/sandboxes/{id}/processes/{pid}/stdin": {
+                    "parameters": [ id_param(), pid_param() ],
+                    "post": { "operationId": "writeStdin", "summary": "Write bytes to a process's stdin (waits while its pipe is full).",
+                        "requestBody": { "required": true, "content": { "application/octet-stream": {
+                            "schema": { "type": "string", "format": "binary" } } } },
+                        "responses": with_errors(json!({ "204": { "description": "Written." } })) },
+                    "delete": { "operationId": "closeStdin", "summary": "Close a process's stdin (a terminal gets Ctrl-D).",
+                        "responses": with_errors(json!({ "204": { "description": "Closed." } })) }
+                },
+                "/v1/sandboxes/{id}/processes/{pid}/signal": {
+                    "parameters": [ id_param(), pid_param() ],
+                    "post": { "operationId": "signalProcess", "summary": "Signal a process's group.",
+                        "requestBody": json_body("SignalBody"),
+                        "responses": with_errors(json!({ "204": { "description": "Sent." } })) }
+                },
+                "/v1/sandboxes/{id}/processes/{pid}/resize": {
+                    "parameters": [ id_param(), pid_param() ],
+                    "post": { "operationId": "resizeTerminal", "summary": "Resize a process's terminal (it gets SIGWINCH).",
+                        "requestBody": json_body("ResizeBody"),
+                        "responses": with_errors(json!({ "204": { "description": "Resized." } })) }
+                },
+                "/v1/sandboxes/{id}/processes/{pid}/wait": {
+                    "parameters": [ id_param(), pid_param() ],
+                    "post": { "operationId": "waitProcess",
+                        "summary": "Wait for a process to exit (the body is optional); its unread output up to the spec's cap comes with it. On timeout: 504, and it keeps running.",
+                        "requestBody": { "required": false, "content": { "application/json": {
+                            "schema": { "$ref": "#/components/schemas/WaitBody" } } } },
+                        "responses": json_ok("200", "How it ended.", "ExecResult") }
+                },
+                "/v1/sandboxes/{id}/ports": {
+                    "parameters": [ id_param() ],
+                    "post": { "operationId": "publishPort",
+                        "summary": "Forward a TCP listener on the server's host (loopback unless the server grants more) to a port inside. Inbound only.",
+                        "requestBody": json_body("PublishBody"),
+                        "responses": json_ok("201", "Where the server's host listens.", "PublishedPort") },
+                    "get": { "operationId": "listPorts", "summary": "The published ports.",
+                        "responses": json_ok("200", "The ports.", "PortList") }
+                },
+                "/v1/sandboxes/{id}/ports/{host}": {
+                    "parameters": [ id_param(),
+                        { "name": "host", "in": "path", "required": true,
+                          "description": "The address publishing answered, e.g. `127.0.0.1:40123`.",
+                          "schema": { "type": "string" } } ],
+                    "delete": { "operationId": "unpublishPort", "summary": "Close a published port.",
+                        "responses": with_errors(json!({ "204": { "description": "Closed." } })) }
+                },
                 "/v1/snapshots": {
                     "get": { "operationId": "listSnapshots", "summary": "The snapshots in the server's store, oldest first.",
                         "responses": json_ok("200", "The snapshots.", "SnapshotList") },
@@ -280,7 +359,10 @@ pub fn document() -> Value {
                             "stdin": { "type": "string" },
                             "env": { "type": "object", "additionalProperties": { "type": "string" } },
                             "cwd": { "type": "string" },
-                            "timeout_ms": { "type": "integer", "minimum": 0 } } },
+                            "timeout_ms": { "type": "integer", "minimum": 0 },
+                            "tty": { "type": "object", "required": ["rows", "cols"], "properties": {
+                                "rows": { "type": "integer", "minimum": 1 }, "cols": { "type": "integer", "minimum": 1 } },
+                                "description": "Spawn only: run on a terminal of this size (stdout and stderr merged)." } } },
                     "ExecResult": { "type": "object", "required": ["exit_code", "stdout", "stderr", "truncated"],
                         "properties": {
                             "exit_code": { "type": ["integer", "null"] },
@@ -298,6 +380,33 @@ pub fn document() -> Value {
                                 "capabilities": { "type": "object" } } } } } },
                     "Listing": { "type": "object", "required": ["entries"], "properties": {
                         "entries": { "type": "array", "items": { "type": "object" } } } }
+        }),
+    );
+    merge(
+        &mut schemas,
+        json!({
+                    "ProcessRef": { "type": "object", "required": ["id"], "properties": {
+                        "id": { "type": "integer", "minimum": 0 } } },
+                    "ProcessList": { "type": "object", "required": ["processes"], "properties": {
+                        "processes": { "type": "array", "items": { "type": "object",
+                            "required": ["id", "command", "started_at", "state"], "properties": {
+                                "id": { "type": "integer" }, "command": { "type": "string" },
+                                "started_at": { "type": "object" },
+                                "state": { "type": "object" } } } } } },
+                    "SignalBody": { "type": "object", "required": ["signal"], "additionalProperties": false, "properties": {
+                        "signal": { "type": "string", "description": "HUP, INT, QUIT, KILL, USR1, USR2 or TERM (also `SIGINT`, `int`, `2`)." } } },
+                    "ResizeBody": { "type": "object", "required": ["rows", "cols"], "additionalProperties": false, "properties": {
+                        "rows": { "type": "integer", "minimum": 1, "maximum": 65535 },
+                        "cols": { "type": "integer", "minimum": 1, "maximum": 65535 } } },
+                    "WaitBody": { "type": "object", "additionalProperties": false, "properties": {
+                        "timeout_ms": { "type": "integer", "minimum": 0 } } },
+                    "PublishBody": { "type": "object", "required": ["sandbox_port"], "additionalProperties": false, "properties": {
+                        "sandbox_port": { "type": "integer", "minimum": 1, "maximum": 65535 },
+                        "host": { "type": "string", "description": "Default `127.0.0.1:0` (a port the OS picks)." } } },
+                    "PublishedPort": { "type": "object", "required": ["sandbox_port", "host"], "properties": {
+                        "sandbox_port": { "type": "integer" }, "host": { "type": "string" } } },
+                    "PortList": { "type": "object", "required": ["ports"], "properties": {
+                        "ports": { "type": "array", "items": { "$ref": "#/components/schemas/PublishedPort" } } } }
         }),
     );
     json!({

@@ -24,7 +24,7 @@ use crate::api::{
 use crate::auth::{gate, Caller, Gate};
 use crate::error::ApiError;
 use crate::lifetime::{self, Lifetime};
-use crate::{Entry, Shared};
+use crate::{processes, Entry, Shared};
 
 pub(crate) fn router(shared: Arc<Shared>, gate_state: Gate) -> Router {
     let limit = shared.config.body_limit;
@@ -46,6 +46,38 @@ pub(crate) fn router(shared: Arc<Shared>, gate_state: Gate) -> Router {
         .route("/v1/sandboxes/{id}/resume", post(resume))
         .route("/v1/sandboxes/{id}/network", put(set_network))
         .route("/v1/sandboxes/{id}/network/events", get(network_events))
+        .route(
+            "/v1/sandboxes/{id}/processes",
+            post(processes::spawn).get(processes::list),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{pid}/output",
+            get(processes::output),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{pid}/stdin",
+            post(processes::write_stdin).delete(processes::close_stdin),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{pid}/signal",
+            post(processes::signal),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{pid}/resize",
+            post(processes::resize),
+        )
+        .route(
+            "/v1/sandboxes/{id}/processes/{pid}/wait",
+            post(processes::wait),
+        )
+        .route(
+            "/v1/sandboxes/{id}/ports",
+            post(processes::publish).get(processes::ports),
+        )
+        .route(
+            "/v1/sandboxes/{id}/ports/{host}",
+            axum::routing::delete(processes::unpublish),
+        )
         .route("/v1/snapshots", get(list_snapshots).post(upload_snapshot))
         .route("/v1/snapshots/{sid}/manifest", get(snapshot_manifest))
         .route(
@@ -99,7 +131,7 @@ fn json_rejection(e: JsonRejection) -> ApiError {
     ApiError::new(e.status(), "bad_request", e.body_text())
 }
 
-fn bytes_rejection(e: BytesRejection) -> ApiError {
+pub(crate) fn bytes_rejection(e: BytesRejection) -> ApiError {
     if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
         return too_large();
     }
@@ -107,7 +139,7 @@ fn bytes_rejection(e: BytesRejection) -> ApiError {
 }
 
 /// A JSON body that may be left out (then `T::default()`), rejected as [`JsonBody`] is.
-fn optional_json<T: Default + serde::de::DeserializeOwned>(
+pub(crate) fn optional_json<T: Default + serde::de::DeserializeOwned>(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<T, ApiError> {
     let bytes = body.map_err(bytes_rejection)?;
@@ -178,7 +210,7 @@ async fn create(
     Ok((StatusCode::CREATED, Json(info)))
 }
 
-fn forbidden(what: &str) -> ApiError {
+pub(crate) fn forbidden(what: &str) -> ApiError {
     ApiError::new(
         StatusCode::FORBIDDEN,
         "forbidden",
@@ -260,6 +292,7 @@ async fn admit(
                     info: info.clone(),
                     life: Lifetime::new(lifetime),
                     owner: caller.clone(),
+                    procs: Default::default(),
                 }),
             );
         }
@@ -359,7 +392,11 @@ async fn exec_stream(
     let e = s.enter(&id, &caller).await?;
     let req = body.into_request()?;
     let st = e.sandbox.exec_stream(req).await?;
-    // The sandbox stays in use (not idle) until the stream ends.
+    // The sandbox stays in use (not idle) until the stream ends. A first comment sends
+    // the answer's head at once (a silent command would otherwise hold the client until
+    // its first output or keep-alive).
+    let started =
+        futures::stream::once(async { Ok::<_, Infallible>(Event::default().comment("started")) });
     let events = futures::stream::unfold(Some((st, e)), |state| async move {
         let (mut st, e) = state?;
         let ev = st.next().await?;
@@ -382,7 +419,7 @@ async fn exec_stream(
         };
         Some((Ok(event), more.then_some((st, e))))
     });
-    Ok(Sse::new(events).keep_alive(KeepAlive::default()))
+    Ok(Sse::new(futures::StreamExt::chain(started, events)).keep_alive(KeepAlive::default()))
 }
 
 fn text_event(name: &str, bytes: &[u8]) -> Event {
@@ -392,7 +429,7 @@ fn text_event(name: &str, bytes: &[u8]) -> Event {
     )
 }
 
-fn json_event<T: serde::Serialize>(name: &str, v: &T) -> Event {
+pub(crate) fn json_event<T: serde::Serialize>(name: &str, v: &T) -> Event {
     Event::default()
         .event(name)
         .json_data(v)
