@@ -17,14 +17,22 @@
 //! through the sandbox's pseudo-terminal and the library), against the same `sh -c 'stty
 //! raw -echo; exec cat'` on a pseudo-terminal of the host (no sandbox, `openpty` + a
 //! blocking read).
+//!
+//! The container rows run twice: in-process, and through `agent-sandbox serve` (a server in
+//! this process, `RemoteBackend` over loopback TCP): published ports then listen on the
+//! server's host (the same one here), output streams as server-sent events and each
+//! keystroke is a request.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use agent_sandbox::remote::{RemoteConfig, RemoteServer};
+use agent_sandbox::server::{Listener, Server, ServerConfig, Token};
 use agent_sandbox::{
-    Backend, ExecEvent, ExecRequest, Language, ResolvedSecrets, Sandbox, SandboxSpec,
+    Backend, ExecEvent, ExecRequest, Language, ResolvedSecrets, Runtime, Sandbox, SandboxSpec, Tier,
 };
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -172,6 +180,13 @@ fn interactive(c: &mut Criterion) {
             .unwrap();
         tier_rows(c, &rt, name, sb.as_ref());
         rt.block_on(sb.destroy()).unwrap();
+        if *name == "container" {
+            // The same rows through `agent-sandbox serve` (in this process, loopback TCP):
+            // what a remote agent pays on top of the sandbox's own.
+            let sb = rt.block_on(through_a_server(Tier::Container));
+            tier_rows(c, &rt, "container via server", sb.as_ref());
+            rt.block_on(sb.destroy()).unwrap();
+        }
     }
 
     // The references: the same server on the host's loopback, `cat` on a host terminal.
@@ -209,6 +224,31 @@ fn interactive(c: &mut Criterion) {
     g.finish();
     let _ = child.kill();
     let _ = child.wait();
+}
+
+/// A shell sandbox of `tier` made through `RemoteBackend` and a server of this process on
+/// loopback TCP (bearer token), as a remote agent makes one.
+async fn through_a_server(tier: Tier) -> Box<dyn Sandbox> {
+    let runtime = Arc::new(Runtime::builder_with_tiers(&[tier]).build());
+    let server = Server::new(runtime, ServerConfig::default());
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let token = Token::generate();
+    let t = token.clone();
+    tokio::spawn(async move {
+        server
+            .serve(Listener::Tcp(l, t), std::future::pending())
+            .await
+    });
+    let remote = RemoteServer::connect(RemoteConfig::new(&url).unwrap().token(token.reveal()))
+        .await
+        .unwrap();
+    remote
+        .backend(tier)
+        .unwrap()
+        .create(&SandboxSpec::new(Language::Shell), ResolvedSecrets::none())
+        .await
+        .unwrap()
 }
 
 /// A tier's rows: its published port, spawn, and keystroke round trip.

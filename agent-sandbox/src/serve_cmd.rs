@@ -387,10 +387,7 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
     };
     let r = server.serve(listener, shutdown).await;
     if let Some(f) = &keep_file {
-        let n = std::fs::read(f)
-            .ok()
-            .and_then(|b| serde_json::from_slice::<Vec<serde_json::Value>>(&b).ok())
-            .map_or(0, |v| v.len());
+        let n = server.kept();
         eprintln!(
             "agent-sandbox serve: kept {n} sandboxes in {} for the next `serve --keep`",
             f.display()

@@ -55,6 +55,75 @@ fn post_bytes(s: &Serve, path: &str, data: &str) -> u16 {
     String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
 }
 
+/// A live `curl -N` on an event stream: output text as it comes, then the exit.
+struct Live {
+    child: std::process::Child,
+    lines: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+    out: String,
+}
+
+impl Live {
+    fn open(s: &Serve, path: &str) -> Live {
+        let mut child = Command::new("curl")
+            .args(["-sS", "-N", "--max-time", "60", "-H"])
+            .arg(format!("Authorization: Bearer {}", s.token))
+            .arg(format!("{}{path}", s.base))
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()));
+        Live {
+            child,
+            lines,
+            out: String::new(),
+        }
+    }
+
+    /// The next event (name, data); panics when the stream ends first.
+    fn next(&mut self) -> (String, serde_json::Value) {
+        let mut name = String::new();
+        for line in self.lines.by_ref() {
+            let line = line.unwrap();
+            if let Some(n) = line.strip_prefix("event: ") {
+                name = n.to_string();
+            } else if let Some(d) = line.strip_prefix("data: ") {
+                let v: serde_json::Value = serde_json::from_str(d).unwrap();
+                if name == "stdout" || name == "stderr" {
+                    self.out.push_str(v["text"].as_str().unwrap_or_default());
+                }
+                return (name, v);
+            }
+        }
+        panic!("the stream ended; output so far: {:?}", self.out);
+    }
+
+    /// Reads until the output so far satisfies `done`.
+    fn until(&mut self, done: impl Fn(&str) -> bool) {
+        while !done(&self.out) {
+            let (name, v) = self.next();
+            assert!(name == "stdout" || name == "stderr", "{name}: {v}");
+        }
+    }
+
+    /// Reads to the exit event; returns it.
+    fn until_exit(&mut self) -> serde_json::Value {
+        loop {
+            let (name, v) = self.next();
+            if name == "exit" {
+                return v;
+            }
+            assert!(name == "stdout" || name == "stderr", "{name}: {v}");
+        }
+    }
+}
+
+impl Drop for Live {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 fn kind(v: &serde_json::Value) -> &str {
     v["error"]["kind"].as_str().unwrap_or("(no error kind)")
 }
@@ -119,12 +188,15 @@ fn processes_terminals_and_ports_work_over_the_api() {
         .unwrap();
     assert_eq!(listed["state"]["exit_code"], 3, "{v}");
 
-    // A terminal: its size, resized, then waited for (its output comes with the wait).
+    // A terminal: its size seen inside, then resized (read from the live stream: the
+    // resize must come after the first `stty size`).
     let pid = spawn(
         &s,
         &id,
         r#"{"argv": ["sh", "-c", "stty size; read x; stty size; exit 4"], "tty": {"rows": 7, "cols": 33}}"#,
     );
+    let mut live = Live::open(&s, &p(pid, "/output"));
+    live.until(|out| out.contains("7 33"));
     let (code, v) = curl(
         &s,
         "POST",
@@ -133,16 +205,9 @@ fn processes_terminals_and_ports_work_over_the_api() {
     );
     assert_eq!(code, 204, "{v}");
     assert_eq!(post_bytes(&s, &p(pid, "/stdin"), "go\n"), 204);
-    let (code, v) = curl(
-        &s,
-        "POST",
-        &p(pid, "/wait"),
-        Some(r#"{"timeout_ms": 30000}"#),
-    );
-    assert_eq!(code, 200, "{v}");
-    assert_eq!(v["exit_code"], 4, "{v}");
-    let out = v["stdout"].as_str().unwrap();
-    assert!(out.contains("7 33") && out.contains("20 50"), "{out:?}");
+    let exit = live.until_exit();
+    assert_eq!(exit["exit_code"], 4, "{exit}");
+    assert!(live.out.contains("20 50"), "{:?}", live.out);
 
     // A long-running one: a second reader is refused while one reads; bad input is named.
     let pid = spawn(&s, &id, r#"{"argv": ["sleep", "1000"]}"#);
@@ -184,6 +249,19 @@ fn processes_terminals_and_ports_work_over_the_api() {
     // The reader goes away mid-stream: the process stays, and a new reader gets it.
     let _ = reader.kill();
     let _ = reader.wait();
+    // Once the server has seen it go, a wait is no longer busy (it times out instead).
+    let mut freed = false;
+    for _ in 0..100 {
+        let (code, v) = curl(&s, "POST", &p(pid, "/wait"), Some(r#"{"timeout_ms": 1}"#));
+        if code == 504 {
+            assert_eq!(kind(&v), "timeout", "{v}");
+            freed = true;
+            break;
+        }
+        assert_eq!((code, kind(&v)), (409, "busy"), "{v}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(freed, "the output stayed held after its reader went away");
     let (code, v) = curl(
         &s,
         "POST",

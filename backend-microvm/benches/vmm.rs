@@ -13,7 +13,9 @@
 //!   writes, then the exit port).
 //! - `snapshot (running, 16 MiB)`: `Vm::snapshot` of a guest spinning at CPL 3 (files in
 //!   a temporary directory, on ext4 here).
-//! - `snapshot + restore (16 MiB)`: both, into a fresh VM that is running when restore returns.
+//! - `snapshot + restore (16 MiB)`: both, into a fresh VM that is running when restore returns;
+//!   `... from the pool`: into a VM of a `VmPool` (made ahead of time, untimed), which only
+//!   maps the memory, makes its devices and loads the state.
 //! - `restore` / `restore + run to exit` for 16 MiB and 256 MiB side by side: the memory file
 //!   is mapped copy-on-write, so size should not matter.
 //! - memory overhead per VM: printed, not timed (criterion cannot measure memory): the
@@ -30,7 +32,7 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use backend_microvm::vmm::{Entry, Vm, VmConfig, VmExit};
+use backend_microvm::vmm::{Entry, Vm, VmConfig, VmExit, VmPool};
 use criterion::{criterion_group, criterion_main, Criterion};
 
 use common::{set_go, skip_reason, t, tiny_guest, wait_serial};
@@ -156,6 +158,30 @@ fn bench_snapshot(c: &mut Criterion) {
                 total
             });
         });
+        // The same into a VM made ahead of time (irqchip, PIT, vCPUs ready): the pool is
+        // refilled before each snapshot, untimed.
+        let pool = VmPool::new(16 << 20, 1, irqchip, 1).unwrap();
+        g.bench_function(
+            format!("snapshot + restore from the pool (16 MiB, {name})"),
+            |b| {
+                b.iter_custom(|n| {
+                    let mut total = Duration::ZERO;
+                    for i in 0..n {
+                        pool.fill().unwrap();
+                        let d = dir.path().join(format!("p{i}"));
+                        let t0 = Instant::now();
+                        vm.snapshot(&d).unwrap();
+                        let r = Vm::restore_pooled(&d, cfg(16, irqchip), &pool).unwrap();
+                        total += t0.elapsed();
+                        assert_eq!(pool.ready(), 0, "restored into the pooled VM");
+                        r.kill();
+                        drop(r);
+                        std::fs::remove_dir_all(&d).unwrap();
+                    }
+                    total
+                });
+            },
+        );
         vm.kill();
     }
     for (irqchip, name) in CONFIGS {

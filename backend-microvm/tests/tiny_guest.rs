@@ -405,3 +405,91 @@ fn snapshot_with_a_block_device_restores_and_keeps_reading() {
         format!("{BLK_CONFIG_LINE}{in_lines}WAIT\n{in_lines}{BLK_TAIL}")
     );
 }
+
+#[test]
+fn a_pool_of_irqchip_vms_serves_restores_and_new_vms() {
+    skip_without_kvm!();
+    use backend_microvm::vmm::{Entry, Vm, VmConfig, VmPool, VmmError};
+    let reference = compute_reference();
+    let c = cfg();
+    assert!(c.irqchip, "the pool is for the default (irqchip) VMs");
+    let pool = VmPool::new(c.mem_size, c.vcpus, true, 2).unwrap();
+    assert_eq!(pool.fill().unwrap(), 2);
+    assert_eq!(pool.ready(), 2);
+
+    // A snapshot in the middle of a computation, restored into pooled VMs: the same
+    // result as the original, from each.
+    let dir = tempfile::tempdir().unwrap();
+    let (mut vm, entry) = vm_with_guest(cfg());
+    vm.start(Entry {
+        arg: t::COMPUTE_WAIT_HALFWAY,
+        ..Entry::user(entry)
+    })
+    .unwrap();
+    assert!(wait_serial(&vm, "H"));
+    vm.snapshot(dir.path()).unwrap();
+    drop(vm);
+    for left in [1, 0, 0] {
+        // The third restore finds the pool empty and makes its VM as `restore` does.
+        let r = Vm::restore_pooled(dir.path(), cfg(), &pool).unwrap();
+        assert_eq!(pool.ready(), left);
+        assert!(r.has_irqchip());
+        set_go(&r);
+        assert_eq!(r.wait(), VmExit::GuestExit { code: 7 });
+        assert_eq!(format!("H{}", serial_string(&r)), format!("H{reference}"));
+    }
+
+    // A new VM from the pool runs a guest from its (fresh, zeroed) memory.
+    pool.fill().unwrap();
+    let mut vm = Vm::new_pooled(cfg(), &pool).unwrap();
+    assert_eq!(pool.ready(), 1);
+    let entry = vm.load_elf(tiny_guest()).unwrap();
+    vm.start(Entry {
+        arg: t::HELLO,
+        ..Entry::user(entry)
+    })
+    .unwrap();
+    assert_eq!(vm.wait(), VmExit::GuestExit { code: 42 });
+    assert_eq!(serial_string(&vm), "hello from the guest\n");
+
+    // Another size or irqchip choice is not taken from the pool (made as usual instead).
+    let other = VmConfig {
+        mem_size: 32 << 20,
+        ..cfg()
+    };
+    drop(Vm::new_pooled(other, &pool).unwrap());
+    drop(
+        Vm::new_pooled(
+            VmConfig {
+                irqchip: false,
+                ..cfg()
+            },
+            &pool,
+        )
+        .unwrap(),
+    );
+    assert_eq!(pool.ready(), 1);
+
+    // A memory file of the wrong size: a clear error, and the next restore still works.
+    let bad = tempfile::tempdir().unwrap();
+    for f in ["vm-state.json", "memory.bin"] {
+        std::fs::copy(dir.path().join(f), bad.path().join(f)).unwrap();
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(bad.path().join("memory.bin"))
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let e = Vm::restore_pooled(bad.path(), cfg(), &pool).unwrap_err();
+    assert!(matches!(e, VmmError::SnapshotCorrupt(_)), "{e}");
+    pool.fill().unwrap();
+    let r = Vm::restore_pooled(dir.path(), cfg(), &pool).unwrap();
+    set_go(&r);
+    assert_eq!(r.wait(), VmExit::GuestExit { code: 7 });
+    assert!(
+        VmPool::new(1 << 20, 1, true, 1).is_err(),
+        "too little memory"
+    );
+    assert!(VmPool::new(16 << 20, 0, true, 1).is_err(), "no vCPU");
+}

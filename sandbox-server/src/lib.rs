@@ -319,6 +319,8 @@ struct Shared {
     provider: Arc<dyn Provider>,
     config: ServerConfig,
     sandboxes: Mutex<HashMap<String, Arc<Entry>>>,
+    /// How many sandboxes the last [`Server::serve`] kept for the next run (`keep_file`).
+    kept: std::sync::atomic::AtomicUsize,
 }
 
 impl Shared {
@@ -398,6 +400,7 @@ impl Server {
                 provider,
                 config,
                 sandboxes: Mutex::new(HashMap::new()),
+                kept: std::sync::atomic::AtomicUsize::new(0),
             }),
             mcp: Arc::new(Mutex::new(HashMap::new())),
         }
@@ -438,6 +441,12 @@ impl Server {
             Some(file) => keep::restore_kept(&self.shared, file).await,
             None => (0, Vec::new()),
         }
+    }
+
+    /// How many sandboxes [`serve`](Self::serve) snapshotted into the keep file when it
+    /// stopped (with [`ServerConfig::keep_on_exit`]; 0 before it has stopped).
+    pub fn kept(&self) -> usize {
+        self.shared.kept.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// The ids of the live sandboxes.
@@ -484,6 +493,9 @@ impl Server {
         reaper.abort();
         if let Some(file) = &self.shared.config.keep_file {
             let n = keep::keep_all(&self.shared, file).await;
+            self.shared
+                .kept
+                .store(n, std::sync::atomic::Ordering::SeqCst);
             tracing::info!("kept {n} sandboxes for the next run");
         }
         self.destroy_all().await;

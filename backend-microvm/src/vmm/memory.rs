@@ -115,6 +115,61 @@ impl GuestRam {
         )
     }
 
+    /// Puts a snapshot's memory file, copy-on-write, in place of this RAM's pages, at the
+    /// same host addresses: what a VM whose memory slots are registered already (a pooled
+    /// one, see [`crate::vmm::vm::VmPool`]) restores into. KVM's slots name host addresses,
+    /// and its MMU notifier drops the old pages' mappings when they are replaced. The file
+    /// must be exactly this RAM's size. On an error the RAM is unusable (drop it).
+    pub(crate) fn remap_private(mut self, path: &Path) -> Result<Self> {
+        let file = File::open(path).map_err(VmmError::io(format!(
+            "opening snapshot memory {}",
+            path.display()
+        )))?;
+        let len = file
+            .metadata()
+            .map_err(VmmError::io("stat snapshot memory"))?
+            .len();
+        if len != self.size {
+            return Err(VmmError::SnapshotCorrupt(format!(
+                "memory file is {len} bytes, the state says {}",
+                self.size
+            )));
+        }
+        for ((gpa, len, off), region) in ram_ranges(self.size).into_iter().zip(self.mem.iter()) {
+            let host = self
+                .mem
+                .get_host_address(GuestAddress(gpa))
+                .map_err(|e| VmmError::memory(format!("host address of a region: {e}")))?;
+            let (len_usize, off) = match (usize::try_from(len), libc::off_t::try_from(off)) {
+                (Ok(l), Ok(o)) if l == region.len() as usize => (l, o),
+                _ => return Err(VmmError::memory("region does not match the layout")),
+            };
+            // SAFETY: `host..host+len` is exactly one region's live mapping, owned by
+            // `self.mem` (which unmaps that range when dropped); MAP_FIXED replaces its pages
+            // with the file's, and nothing holds a reference into the old ones (the VM has
+            // not run). The result is checked.
+            let p = unsafe {
+                libc::mmap(
+                    host.cast(),
+                    len_usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_FIXED | libc::MAP_NORESERVE,
+                    file.as_raw_fd(),
+                    off,
+                )
+            };
+            if p == libc::MAP_FAILED || p != host.cast() {
+                return Err(VmmError::memory_io(
+                    format!("mapping snapshot memory over {len} bytes of RAM"),
+                    std::io::Error::last_os_error(),
+                ));
+            }
+        }
+        self.file = Arc::new(file);
+        self.backing = Backing::SnapshotPrivate;
+        Ok(self)
+    }
+
     fn map(file: Arc<File>, size: u64, share: i32, backing: Backing) -> Result<Self> {
         let mut regions = Vec::new();
         for (gpa, len, off) in ram_ranges(size) {

@@ -29,7 +29,7 @@ fn open_kvm() -> Result<Kvm> {
 /// The process's `/dev/kvm` handle, opened once (system ioctls such as
 /// `KVM_GET_SUPPORTED_CPUID` go through it; each VM has its own VM fd). A failed open is not
 /// cached: the next VM tries again.
-fn kvm_handle() -> Result<Arc<Kvm>> {
+pub(super) fn kvm_handle() -> Result<Arc<Kvm>> {
     static KVM: OnceLock<Arc<Kvm>> = OnceLock::new();
     if let Some(k) = KVM.get() {
         return Ok(k.clone());
@@ -38,34 +38,12 @@ fn kvm_handle() -> Result<Arc<Kvm>> {
     Ok(KVM.get_or_init(|| k).clone())
 }
 
-impl Vm {
-    /// Creates a VM with fresh (zeroed, memfd-backed) RAM and its devices, not yet running.
-    pub fn new(cfg: VmConfig) -> Result<Vm> {
-        let ram = GuestRam::new_memfd(cfg.mem_size)?;
-        Self::build(cfg, ram, None)
-    }
-
-    /// Builds a VM around `ram`: fresh when `restoring` is `None`, else with the snapshot's
-    /// irqchip choice and serial registers (the caller then loads the rest of the state).
-    pub(super) fn build(
-        cfg: VmConfig,
-        ram: GuestRam,
-        restoring: Option<Restoring<'_>>,
-    ) -> Result<Vm> {
-        let want_irqchip = restoring.as_ref().map(|r| r.irqchip);
-        let serial_state = restoring.as_ref().map(|r| r.serial);
-        if cfg.vcpus == 0 || cfg.vcpus > 32 {
-            return Err(VmmError::InvalidConfig(format!(
-                "vCPU count {} must be 1-32",
-                cfg.vcpus
-            )));
-        }
-        let sig = vcpu::kick_signal()?;
-        let kvm = kvm_handle()?;
-        // The threads start now and install their seccomp filters while the VM is built.
-        let vcpu_tids: Arc<Vec<AtomicI32>> =
-            Arc::new((0..cfg.vcpus).map(|_| AtomicI32::new(0)).collect());
-        let threads = Threads::spawn(&cfg, &vcpu_tids)?;
+impl Shell {
+    /// Makes the KVM VM around `ram`: its memory slots, then (with `irqchip`, where KVM has
+    /// one) the in-kernel irqchip and PIT, then the vCPUs. Slots go before the irqchip, as
+    /// Firecracker does: adding a slot to a VM that has an irqchip costs 4-12 ms on this
+    /// host, before it ~40 µs.
+    pub(super) fn make(kvm: Arc<Kvm>, ram: GuestRam, vcpus: u8, irqchip: bool) -> Result<Shell> {
         let vm_fd = kvm.create_vm().map_err(VmmError::kvm("create vm"))?;
         vm_fd
             .set_tss_address(layout::KVM_TSS_ADDR as usize)
@@ -73,12 +51,7 @@ impl Vm {
         vm_fd
             .set_identity_map_address(layout::KVM_IDENTITY_MAP_ADDR)
             .map_err(VmmError::kvm("set identity map address"))?;
-        let has_irqchip = match want_irqchip {
-            Some(w) => w,
-            None => cfg.irqchip && vm_fd.check_extension(Cap::Irqchip),
-        };
-        // Memory slots before the irqchip (as Firecracker does): adding a slot to a VM that
-        // already has an irqchip costs 4-12 ms on this host, before it ~40 µs.
+        let has_irqchip = irqchip && vm_fd.check_extension(Cap::Irqchip);
         ram.register(&vm_fd)?;
         if has_irqchip {
             vm_fd
@@ -92,6 +65,101 @@ impl Vm {
                 .create_pit2(pit)
                 .map_err(VmmError::kvm("create pit"))?;
         }
+        let mut fds = Vec::new();
+        for id in 0..vcpus {
+            fds.push(
+                vm_fd
+                    .create_vcpu(u64::from(id))
+                    .map_err(VmmError::kvm("create vcpu"))?,
+            );
+        }
+        Ok(Shell {
+            vcpus: fds,
+            vm_fd,
+            kvm,
+            ram,
+            has_irqchip,
+        })
+    }
+}
+
+/// Checks a vCPU count.
+pub(super) fn check_vcpus(n: u8) -> Result<()> {
+    if n == 0 || n > 32 {
+        return Err(VmmError::InvalidConfig(format!(
+            "vCPU count {n} must be 1-32"
+        )));
+    }
+    Ok(())
+}
+
+impl Vm {
+    /// Creates a VM with fresh (zeroed, memfd-backed) RAM and its devices, not yet running.
+    pub fn new(cfg: VmConfig) -> Result<Vm> {
+        let ram = GuestRam::new_memfd(cfg.mem_size)?;
+        Self::build(cfg, ram, None)
+    }
+
+    /// As [`Vm::new`], from a VM `pool` made ahead of time when it has one of this size,
+    /// vCPU count and irqchip choice (else as `new`).
+    pub fn new_pooled(cfg: VmConfig, pool: &VmPool) -> Result<Vm> {
+        check_vcpus(cfg.vcpus)?;
+        match pool.take(cfg.mem_size, cfg.vcpus, cfg.irqchip) {
+            Some(shell) => {
+                let (tids, threads) = Self::threads(&cfg)?;
+                Self::assemble(cfg, shell, threads, tids, None)
+            }
+            None => Self::new(cfg),
+        }
+    }
+
+    /// The VM's threads, started before the rest is built (they install their seccomp
+    /// filters meanwhile), and the slots for their thread ids.
+    pub(super) fn threads(cfg: &VmConfig) -> Result<(Arc<Vec<AtomicI32>>, Threads)> {
+        let tids: Arc<Vec<AtomicI32>> =
+            Arc::new((0..cfg.vcpus).map(|_| AtomicI32::new(0)).collect());
+        let threads = Threads::spawn(cfg, &tids)?;
+        Ok((tids, threads))
+    }
+
+    /// Builds a VM around `ram`: fresh when `restoring` is `None`, else with the snapshot's
+    /// irqchip choice and serial registers (the caller then loads the rest of the state).
+    pub(super) fn build(
+        cfg: VmConfig,
+        ram: GuestRam,
+        restoring: Option<Restoring<'_>>,
+    ) -> Result<Vm> {
+        check_vcpus(cfg.vcpus)?;
+        let kvm = kvm_handle()?;
+        let (tids, threads) = Self::threads(&cfg)?;
+        let irqchip = restoring.as_ref().map_or(cfg.irqchip, |r| r.irqchip);
+        let shell = Shell::make(kvm, ram, cfg.vcpus, irqchip)?;
+        Self::assemble(cfg, shell, threads, tids, restoring)
+    }
+
+    /// Finishes a VM from its KVM part: the serial port, the virtio devices (with irqfds
+    /// when there is an irqchip), each fresh vCPU's CPUID and LAPIC lines.
+    pub(super) fn assemble(
+        cfg: VmConfig,
+        shell: Shell,
+        threads: Threads,
+        vcpu_tids: Arc<Vec<AtomicI32>>,
+        restoring: Option<Restoring<'_>>,
+    ) -> Result<Vm> {
+        let serial_state = restoring.as_ref().map(|r| r.serial);
+        if restoring.as_ref().is_some_and(|r| r.irqchip) && !shell.has_irqchip {
+            return Err(VmmError::SnapshotIncompatible(
+                "the snapshot has an in-kernel irqchip; this host's KVM has none".into(),
+            ));
+        }
+        let sig = vcpu::kick_signal()?;
+        let Shell {
+            vcpus: pending_vcpus,
+            vm_fd,
+            kvm,
+            ram,
+            has_irqchip,
+        } = shell;
 
         let irqfd = |gsi: u32| -> Result<Option<EventFd>> {
             if !has_irqchip {
@@ -182,20 +250,15 @@ impl Vm {
             });
         }
 
-        let mut pending_vcpus = Vec::new();
-        for id in 0..cfg.vcpus {
-            let v = vm_fd
-                .create_vcpu(u64::from(id))
-                .map_err(VmmError::kvm("create vcpu"))?;
-            // A restored vCPU gets its CPUID and LAPIC from the snapshot instead.
-            if restoring.is_none() {
+        // A restored vCPU gets its CPUID and LAPIC from the snapshot instead.
+        if restoring.is_none() {
+            for (id, v) in (0u8..).zip(&pending_vcpus) {
                 let cpuid = cpu::guest_cpuid(&kvm, id, cfg.vcpus)?;
                 v.set_cpuid2(&cpuid).map_err(VmmError::kvm("set cpuid"))?;
                 if has_irqchip {
-                    cpu::set_lint(&v)?;
+                    cpu::set_lint(v)?;
                 }
             }
-            pending_vcpus.push(v);
         }
         let shared = Arc::new(Shared::new(usize::from(cfg.vcpus), sig)?);
         Ok(Vm {

@@ -7,6 +7,7 @@
 //! [`Vm::restore`]).
 
 mod create;
+mod pool;
 mod snapshot;
 mod threads;
 
@@ -40,6 +41,8 @@ use crate::vmm::error::{Result, VmmError};
 use crate::vmm::memory::GuestRam;
 use crate::vmm::vcpu::{self, Shared, VcpuContext, VcpuState, VmExit};
 
+use pool::Shell;
+pub use pool::VmPool;
 use threads::Threads;
 
 /// Version of the snapshot state format; a snapshot with another version is refused.

@@ -146,6 +146,17 @@ impl Vm {
     /// [`VmmError::SnapshotIncompatible`]); the device is read-only, so the guest's view
     /// stays consistent only if the file's contents are the same too (not checked).
     pub fn restore(dir: &Path, cfg: VmConfig) -> Result<Vm> {
+        Self::restore_from(dir, cfg, None)
+    }
+
+    /// As [`Vm::restore`], into a VM of `pool` (made ahead of time, see [`VmPool`]) when it
+    /// has one for the snapshot's memory size, vCPU count and irqchip choice; else as
+    /// `restore`. The snapshot's memory is mapped copy-on-write over the pooled VM's RAM.
+    pub fn restore_pooled(dir: &Path, cfg: VmConfig, pool: &VmPool) -> Result<Vm> {
+        Self::restore_from(dir, cfg, Some(pool))
+    }
+
+    fn restore_from(dir: &Path, cfg: VmConfig, pool: Option<&VmPool>) -> Result<Vm> {
         let raw = std::fs::read(dir.join(SNAPSHOT_STATE_FILE))
             .map_err(VmmError::io(format!("reading {}", dir.display())))?;
         let st = parse_state(&raw)?;
@@ -161,7 +172,6 @@ impl Vm {
                 st.vcpu_count, cfg.vcpus
             )));
         }
-        let ram = GuestRam::open_private(&dir.join(SNAPSHOT_MEMORY_FILE), st.mem_size)?;
         let mut cfg = cfg;
         cfg.virtio_console = st
             .virtio
@@ -175,14 +185,24 @@ impl Vm {
                  {configured:?} (is the block device set as when it was taken?)"
             )));
         }
-        let mut vm = Self::build(
-            cfg,
-            ram,
-            Some(Restoring {
-                irqchip: st.irqchip.is_some(),
-                serial: &st.serial,
-            }),
-        )?;
+        let restoring = Restoring {
+            irqchip: st.irqchip.is_some(),
+            serial: &st.serial,
+        };
+        let memory = dir.join(SNAPSHOT_MEMORY_FILE);
+        let pooled = pool.and_then(|p| p.take(st.mem_size, cfg.vcpus, restoring.irqchip));
+        let mut vm = match pooled {
+            Some(shell) => {
+                create::check_vcpus(cfg.vcpus)?;
+                let (tids, threads) = Self::threads(&cfg)?;
+                let shell = shell.with_snapshot_memory(&memory)?;
+                Self::assemble(cfg, shell, threads, tids, Some(restoring))?
+            }
+            None => {
+                let ram = GuestRam::open_private(&memory, st.mem_size)?;
+                Self::build(cfg, ram, Some(restoring))?
+            }
+        };
         if vm.virtio.len() != st.virtio.len() {
             return Err(VmmError::SnapshotIncompatible(
                 "virtio device set differs".into(),
