@@ -481,8 +481,16 @@ impl Server {
         let app = routes::router(Arc::clone(&self.shared), gate.clone());
         let served = match served {
             Either::Tcp(l) => {
+                use axum::serve::ListenerExt;
                 let local = l.local_addr().ok();
                 let app = app.merge(self.mcp_router(&names, gate, local, &stop));
+                // No Nagle: an event stream's small writes (a terminal's echo, a process's
+                // first line) would otherwise wait for the client's delayed ACK (~40 ms).
+                let l = l.tap_io(|tcp| {
+                    if let Err(e) = tcp.set_nodelay(true) {
+                        tracing::debug!(error = %e, "TCP_NODELAY on an accepted connection");
+                    }
+                });
                 axum::serve(l, app).with_graceful_shutdown(shutdown).await
             }
             Either::Unix(l) => {

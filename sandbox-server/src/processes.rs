@@ -191,7 +191,8 @@ pub(crate) async fn output(
                 e.procs.forget(pid);
                 (error_event(ApiError::from(err)), false)
             }
-            // Its end was read already (by a `wait` that timed out... then succeeded).
+            // Nothing more will come (its end was delivered, which also forgets it, so only a
+            // reader that raced that forgetting gets here): its exit again.
             None => {
                 e.procs.forget(pid);
                 let r = p
