@@ -604,7 +604,20 @@ async fn async_main(cli: Cli) -> ExitCode {
                     return ExitCode::from(EXIT_USAGE);
                 }
             };
-            let runtime = std::sync::Arc::new(cli_runtime());
+            let runtime = if args.server.is_some() {
+                match serve_cmd::remote_runtime(args.server.as_deref(), args.token_file.as_deref())
+                    .await
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        eprintln!("agent-sandbox mcp: {e}");
+                        return ExitCode::from(EXIT_SANDBOX_FAILED);
+                    }
+                }
+            } else {
+                cli_runtime()
+            };
+            let runtime = std::sync::Arc::new(runtime);
             match agent_sandbox::server::mcp::serve_stdio(runtime, Some(store)).await {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => {

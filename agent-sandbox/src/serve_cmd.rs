@@ -69,6 +69,13 @@ pub(crate) struct McpArgs {
     /// `$XDG_STATE_HOME/agent-sandbox` (else `~/.local/state/agent-sandbox`).
     #[arg(long, value_name = "DIR")]
     pub(crate) state_dir: Option<PathBuf>,
+    /// Run the tools' sandboxes in the server at URL (`agent-sandbox serve`:
+    /// http://HOST:PORT or unix:/PATH) instead of on this host (as `run --server`).
+    #[arg(long, value_name = "URL")]
+    pub(crate) server: Option<String>,
+    /// The server's bearer token, in a file (with --server).
+    #[arg(long, value_name = "FILE", requires = "server")]
+    pub(crate) token_file: Option<PathBuf>,
 }
 
 /// The state directory: `dir`, else `$XDG_STATE_HOME/agent-sandbox`, else

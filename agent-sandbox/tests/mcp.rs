@@ -3,7 +3,8 @@
 //! tools are listed, Python run twice in one session keeps its variable, a file goes in and
 //! out, a snapshot restores into a new session with the file, an escaping path, a bad
 //! snapshot id and an unknown session are tool errors, a timeout says so, and a destroyed
-//! session is gone. `scripts/test.sh` installs the SDK in a venv and sets
+//! session is gone; also `agent-sandbox mcp --server`, whose sandboxes live in a server.
+//! `scripts/test.sh` installs the SDK in a venv and sets
 //! `AGENT_SANDBOX_TEST_PYTHON`; without it the tests say so and skip.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -36,6 +37,30 @@ fn the_official_python_sdk_runs_code_in_a_session_over_stdio() {
         .output()
         .unwrap();
     check(out);
+}
+
+/// `agent-sandbox mcp --server`: the same stdio tools, their sandboxes in a server.
+#[test]
+fn the_official_python_sdk_runs_code_over_stdio_in_a_servers_sandboxes() {
+    let Some(python) = python() else { return };
+    let s = served::serve();
+    let state = tempfile::tempdir().unwrap();
+    let out = Command::new(python)
+        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/mcp/client.py"))
+        .arg("stdio")
+        .arg(env!("CARGO_BIN_EXE_agent-sandbox"))
+        .arg(state.path())
+        .arg("--server")
+        .arg(&s.base)
+        .arg("--token-file")
+        .arg(s.dir.path().join("token"))
+        .output()
+        .unwrap();
+    check(out);
+    // Its sandboxes were the server's, and the session's end destroyed them there.
+    let (code, v) = served::curl(&s, "GET", "/v1/sandboxes", None);
+    assert_eq!(code, 200);
+    assert_eq!(v["sandboxes"], serde_json::json!([]), "{v}");
 }
 
 #[test]

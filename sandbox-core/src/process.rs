@@ -217,9 +217,9 @@ impl ProcessHandle {
 /// Dropping a `Process` does not stop it: it runs until it exits, is signalled (through
 /// another handle's id, or [`Sandbox::signal`](crate::Sandbox::signal)) or the sandbox ends.
 pub struct Process {
-    id: ProcessId,
+    /// Its id and its input side.
+    handle: ProcessHandle,
     events: mpsc::Receiver<Result<ExecEvent>>,
-    control: Arc<dyn ProcessControl>,
     cap: u64,
     pending: ExecResult,
     done: Option<ExecResult>,
@@ -230,7 +230,7 @@ pub struct Process {
 impl std::fmt::Debug for Process {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Process")
-            .field("id", &self.id)
+            .field("id", &self.handle.id)
             .field("done", &self.done.is_some())
             .finish_non_exhaustive()
     }
@@ -246,9 +246,8 @@ impl Process {
         output_cap: u64,
     ) -> Self {
         Process {
-            id,
+            handle: ProcessHandle { id, control },
             events,
-            control,
             cap: output_cap,
             pending: ExecResult::new(None, Vec::new(), Vec::new()),
             done: None,
@@ -258,40 +257,35 @@ impl Process {
 
     /// Its id in the sandbox.
     pub fn id(&self) -> ProcessId {
-        self.id
+        self.handle.id
     }
 
     /// Writes to its stdin (waits while the pipe is full). [`Error::ProcessExited`] once it
     /// ended or its stdin was closed.
     pub async fn write_stdin(&self, data: impl Into<Bytes>) -> Result<()> {
-        self.control.write_stdin(data.into()).await
+        self.handle.write_stdin(data).await
     }
 
     /// Closes its stdin: it reads EOF.
     pub async fn close_stdin(&self) -> Result<()> {
-        self.control.close_stdin().await
+        self.handle.close_stdin().await
     }
 
     /// Sends `signal` to its process group. [`Error::ProcessExited`] once it ended.
     pub async fn signal(&self, signal: Signal) -> Result<()> {
-        self.control.signal(signal).await
+        self.handle.signal(signal).await
     }
 
     /// Resizes its terminal (it gets `SIGWINCH`). [`Error::InvalidSpec`] for a process
     /// without one, [`Error::ProcessExited`] once it ended.
     pub async fn resize(&self, rows: u16, cols: u16) -> Result<()> {
-        let tty = crate::Tty::new(rows, cols);
-        tty.validate()?;
-        self.control.resize(tty).await
+        self.handle.resize(rows, cols).await
     }
 
     /// A cloneable handle on its stdin, signals and terminal, for another task to drive it
     /// while this one reads its output (the handle works after the `Process` is dropped).
     pub fn handle(&self) -> ProcessHandle {
-        ProcessHandle {
-            id: self.id,
-            control: Arc::clone(&self.control),
-        }
+        self.handle.clone()
     }
 
     /// The next output chunk, or the final [`ExecEvent::Exit`]; `None` after that. An error
@@ -313,7 +307,7 @@ impl Process {
             None => {
                 self.failed = true;
                 Some(Err(Error::io(
-                    format!("process {} ended without an exit status", self.id),
+                    format!("process {} ended without an exit status", self.handle.id),
                     std::io::Error::from(std::io::ErrorKind::UnexpectedEof),
                 )))
             }
@@ -340,7 +334,7 @@ impl Process {
                     Ok(ev) => ev,
                     Err(_) => {
                         return Err(Error::Timeout {
-                            what: format!("waiting for process {}", self.id),
+                            what: format!("waiting for process {}", self.handle.id),
                             after: timeout.unwrap_or_default(),
                         })
                     }
@@ -353,7 +347,7 @@ impl Process {
                 Some(Err(e)) => return Err(e),
                 None => {
                     return Err(Error::io(
-                        format!("process {} ended without an exit status", self.id),
+                        format!("process {} ended without an exit status", self.handle.id),
                         std::io::Error::from(std::io::ErrorKind::UnexpectedEof),
                     ))
                 }

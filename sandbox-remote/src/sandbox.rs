@@ -112,6 +112,16 @@ impl RemoteSandbox {
             .map_err(|f| self.err(f, path))
     }
 
+    /// Process `pid` of this sandbox, to send requests about.
+    fn process(&self, pid: ProcessId) -> RemoteProcess {
+        RemoteProcess {
+            client: Arc::clone(&self.client),
+            tier: self.tier,
+            sandbox: self.id.clone(),
+            pid,
+        }
+    }
+
     async fn post_empty(&self, rest: &str) -> Result<()> {
         self.check()?;
         let req = self.client.request(Method::POST, &self.path(rest));
@@ -174,12 +184,7 @@ impl Sandbox for RemoteSandbox {
             .request(Method::POST, &self.path("/processes"))
             .json(&body);
         let p: ProcessRef = self.client.json(req).await.map_err(|f| self.err(f, None))?;
-        let ctl = RemoteProcess {
-            client: Arc::clone(&self.client),
-            tier: self.tier,
-            sandbox: self.id.clone(),
-            pid: p.id,
-        };
+        let ctl = self.process(p.id);
         // Its output, attached at once: the server holds it (and the process blocks on a
         // full pipe) while this end does not read.
         let req = self.client.request(Method::GET, &ctl.path("/output"));
@@ -209,14 +214,7 @@ impl Sandbox for RemoteSandbox {
 
     async fn signal(&self, id: ProcessId, signal: Signal) -> Result<()> {
         self.check()?;
-        RemoteProcess {
-            client: Arc::clone(&self.client),
-            tier: self.tier,
-            sandbox: self.id.clone(),
-            pid: id,
-        }
-        .signal(signal)
-        .await
+        self.process(id).signal(signal).await
     }
 
     async fn publish(&self, sandbox_port: u16, host: SocketAddr) -> Result<SocketAddr> {
@@ -447,6 +445,14 @@ impl RemoteProcess {
         }
     }
 
+    async fn post_json(&self, rest: &str, body: &impl serde::Serialize) -> Result<()> {
+        let req = self
+            .client
+            .request(Method::POST, &self.path(rest))
+            .json(body);
+        self.send(req).await
+    }
+
     async fn send(&self, req: reqwest::RequestBuilder) -> Result<()> {
         self.client
             .send(req)
@@ -472,24 +478,18 @@ impl ProcessControl for RemoteProcess {
     }
 
     async fn signal(&self, signal: Signal) -> Result<()> {
-        let req = self
-            .client
-            .request(Method::POST, &self.path("/signal"))
-            .json(&SignalBody {
-                signal: signal.name().to_string(),
-            });
-        self.send(req).await
+        let body = SignalBody {
+            signal: signal.name().to_string(),
+        };
+        self.post_json("/signal", &body).await
     }
 
     async fn resize(&self, tty: Tty) -> Result<()> {
-        let req = self
-            .client
-            .request(Method::POST, &self.path("/resize"))
-            .json(&ResizeBody {
-                rows: tty.rows,
-                cols: tty.cols,
-            });
-        self.send(req).await
+        let body = ResizeBody {
+            rows: tty.rows,
+            cols: tty.cols,
+        };
+        self.post_json("/resize", &body).await
     }
 }
 

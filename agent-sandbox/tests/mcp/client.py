@@ -1,5 +1,6 @@
 """Drives agent-sandbox's MCP server with the official MCP Python SDK, as an agent's host
-would: over stdio (`client.py stdio BINARY STATE_DIR`: it starts `BINARY mcp`) or over
+would: over stdio (`client.py stdio BINARY STATE_DIR [ARGS...]`: it starts `BINARY mcp` with
+those arguments, e.g. `--server URL --token-file F`) or over
 streamable HTTP (`client.py http URL TOKEN`: `agent-sandbox serve`'s `/mcp` endpoint).
 Prints one JSON line of what it saw for the Rust test to check."""
 import asyncio
@@ -17,7 +18,9 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 async def connect(argv):
     if argv[0] == "stdio":
         params = StdioServerParameters(
-            command=argv[1], args=["mcp", "--state-dir", argv[2]], env={"PATH": "/usr/bin:/bin"}
+            command=argv[1],
+            args=["mcp", "--state-dir", argv[2], *argv[3:]],
+            env={"PATH": "/usr/bin:/bin"},
         )
         async with stdio_client(params) as (r, w):
             yield r, w

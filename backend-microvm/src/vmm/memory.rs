@@ -61,6 +61,24 @@ pub fn ram_ranges(size: u64) -> Vec<(u64, u64, u64)> {
     v
 }
 
+/// Opens a snapshot's memory file, which must be exactly `size` bytes.
+fn open_snapshot_memory(path: &Path, size: u64) -> Result<File> {
+    let file = File::open(path).map_err(VmmError::io(format!(
+        "opening snapshot memory {}",
+        path.display()
+    )))?;
+    let len = file
+        .metadata()
+        .map_err(VmmError::io("stat snapshot memory"))?
+        .len();
+    if len != size {
+        return Err(VmmError::SnapshotCorrupt(format!(
+            "memory file is {len} bytes, the state says {size}"
+        )));
+    }
+    Ok(file)
+}
+
 /// Checks a memory size from a configuration or a snapshot.
 pub fn check_mem_size(size: u64) -> Result<()> {
     if !(MIN_MEM_SIZE..=MAX_MEM_SIZE).contains(&size) || !size.is_multiple_of(PAGE as u64) {
@@ -94,19 +112,7 @@ impl GuestRam {
     /// Maps a snapshot's memory file copy-on-write. The file must be exactly `size` bytes.
     pub fn open_private(path: &Path, size: u64) -> Result<Self> {
         check_mem_size(size)?;
-        let file = File::open(path).map_err(VmmError::io(format!(
-            "opening snapshot memory {}",
-            path.display()
-        )))?;
-        let len = file
-            .metadata()
-            .map_err(VmmError::io("stat snapshot memory"))?
-            .len();
-        if len != size {
-            return Err(VmmError::SnapshotCorrupt(format!(
-                "memory file is {len} bytes, the state says {size}"
-            )));
-        }
+        let file = open_snapshot_memory(path, size)?;
         Self::map(
             Arc::new(file),
             size,
@@ -121,20 +127,7 @@ impl GuestRam {
     /// and its MMU notifier drops the old pages' mappings when they are replaced. The file
     /// must be exactly this RAM's size. On an error the RAM is unusable (drop it).
     pub(crate) fn remap_private(mut self, path: &Path) -> Result<Self> {
-        let file = File::open(path).map_err(VmmError::io(format!(
-            "opening snapshot memory {}",
-            path.display()
-        )))?;
-        let len = file
-            .metadata()
-            .map_err(VmmError::io("stat snapshot memory"))?
-            .len();
-        if len != self.size {
-            return Err(VmmError::SnapshotCorrupt(format!(
-                "memory file is {len} bytes, the state says {}",
-                self.size
-            )));
-        }
+        let file = open_snapshot_memory(path, self.size)?;
         for ((gpa, len, off), region) in ram_ranges(self.size).into_iter().zip(self.mem.iter()) {
             let host = self
                 .mem
