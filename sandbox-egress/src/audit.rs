@@ -243,13 +243,24 @@ mod tests {
     fn every_entry_is_a_structured_tracing_event() {
         let cap = Capture::default();
         let ring = AuditRing::new(8);
-        tracing::subscriber::with_default(cap.clone(), || {
-            ring.push(entry(443));
+        let allowed = || {
             let mut ok = entry(80);
             ok.allowed = true;
             ok.ip = Some("127.0.0.1".parse().unwrap());
             ok.rule = AuditRule::Policy(DecisionRule::Host("a.test".into()));
-            ring.push(ok);
+            ok
+        };
+        // tracing caches each callsite's interest when it is first hit: another test thread
+        // hitting one first, while this test's subscriber is being installed, could cache
+        // "never" for it. Both callsites are hit here first, and the cache is rebuilt under
+        // this test's subscriber before the events that count.
+        let warm = AuditRing::new(2);
+        warm.push(entry(443));
+        warm.push(allowed());
+        tracing::subscriber::with_default(cap.clone(), || {
+            tracing::callsite::rebuild_interest_cache();
+            ring.push(entry(443));
+            ring.push(allowed());
         });
         let events = cap.0.lock().unwrap().clone();
         assert_eq!(events.len(), 2);

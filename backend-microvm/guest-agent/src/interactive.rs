@@ -243,14 +243,7 @@ pub(crate) fn pump_windowed(mut r: File, chan: Chan, id: u32, stderr: bool, wind
         let cost = n.max(FRAME_COST as usize).min(allowed);
         window.give((allowed - cost) as u64);
         let data = buf.get(..n).unwrap_or_default().to_vec();
-        chan.send(
-            id,
-            &if stderr {
-                Response::Stderr(data)
-            } else {
-                Response::Stdout(data)
-            },
-        );
+        chan.send(id, &Response::output(stderr, data));
     }
 }
 

@@ -665,6 +665,15 @@ fn err_code(k: ErrorKind) -> u8 {
 }
 
 impl Response {
+    /// A chunk of a command's output: `Stderr` or `Stdout`.
+    pub fn output(stderr: bool, data: Vec<u8>) -> Response {
+        if stderr {
+            Response::Stderr(data)
+        } else {
+            Response::Stdout(data)
+        }
+    }
+
     /// Encodes this response as one frame with id `id`.
     pub fn encode(&self, id: u32) -> Vec<u8> {
         let mut e;
