@@ -168,14 +168,8 @@ struct RunArgs {
     /// The tier (wasm, container, gvisor, microvm), or `auto` to let the selector choose.
     #[arg(long, value_name = "TIER", value_parser = parse_tier, default_value = "auto")]
     tier: TierArg,
-    /// Run in a sandbox of the server at URL (`agent-sandbox serve`: http://HOST:PORT or
-    /// unix:/PATH) instead of on this host. Its token: --token-file, else the file `serve`
-    /// writes by default.
-    #[arg(long, value_name = "URL")]
-    server: Option<String>,
-    /// The server's bearer token, in a file (with --server).
-    #[arg(long, value_name = "FILE", requires = "server")]
-    token_file: Option<PathBuf>,
+    #[command(flatten)]
+    remote: serve_cmd::ServerArgs,
     #[command(flatten)]
     q: QuestionArgs,
     /// Allow connections to this host (exact or `*.suffix`, optional `:PORT`). Repeatable.
@@ -575,10 +569,8 @@ async fn async_main(cli: Cli) -> ExitCode {
             }
             ExitCode::SUCCESS
         }
-        Cmd::Run(args) if args.server.is_some() => {
-            match serve_cmd::remote_runtime(args.server.as_deref(), args.token_file.as_deref())
-                .await
-            {
+        Cmd::Run(args) if args.remote.server.is_some() => {
+            match serve_cmd::remote_runtime(&args.remote).await {
                 Ok(rt) => run(&rt, args).await,
                 Err(e) => {
                     eprintln!("agent-sandbox: {e}");
@@ -604,10 +596,8 @@ async fn async_main(cli: Cli) -> ExitCode {
                     return ExitCode::from(EXIT_USAGE);
                 }
             };
-            let runtime = if args.server.is_some() {
-                match serve_cmd::remote_runtime(args.server.as_deref(), args.token_file.as_deref())
-                    .await
-                {
+            let runtime = if args.remote.server.is_some() {
+                match serve_cmd::remote_runtime(&args.remote).await {
                     Ok(rt) => rt,
                     Err(e) => {
                         eprintln!("agent-sandbox mcp: {e}");

@@ -69,8 +69,17 @@ pub(crate) struct McpArgs {
     /// `$XDG_STATE_HOME/agent-sandbox` (else `~/.local/state/agent-sandbox`).
     #[arg(long, value_name = "DIR")]
     pub(crate) state_dir: Option<PathBuf>,
-    /// Run the tools' sandboxes in the server at URL (`agent-sandbox serve`:
-    /// http://HOST:PORT or unix:/PATH) instead of on this host (as `run --server`).
+    #[command(flatten)]
+    pub(crate) remote: ServerArgs,
+}
+
+/// `--server URL [--token-file FILE]`, for the commands that can use a server's sandboxes
+/// instead of this host's (`run`, `shell`, `mcp`).
+#[derive(clap::Args, Debug)]
+pub(crate) struct ServerArgs {
+    /// Use sandboxes of the server at URL (`agent-sandbox serve`: http://HOST:PORT or
+    /// unix:/PATH) instead of this host's; ports published then listen on the server's
+    /// host. Its token: --token-file, else the file `serve` writes by default.
     #[arg(long, value_name = "URL")]
     pub(crate) server: Option<String>,
     /// The server's bearer token, in a file (with --server).
@@ -109,14 +118,12 @@ pub(crate) fn snapshot_store(
     Ok(Arc::new(store))
 }
 
-/// A runtime whose backends are the tiers of the server at `url` (`run --server`): the
-/// token from `token_file`, else from where `serve` writes a generated one (over TCP).
-pub(crate) async fn remote_runtime(
-    url: Option<&str>,
-    token_file: Option<&std::path::Path>,
-) -> Result<agent_sandbox::Runtime, String> {
+/// A runtime whose backends are the tiers of the server `--server` names: the token from
+/// `--token-file`, else from where `serve` writes a generated one (over TCP).
+pub(crate) async fn remote_runtime(args: &ServerArgs) -> Result<agent_sandbox::Runtime, String> {
     use agent_sandbox::remote::{RemoteConfig, RemoteServer};
-    let url = url.unwrap_or_default();
+    let url = args.server.as_deref().unwrap_or_default();
+    let token_file = args.token_file.as_deref();
     let mut config = RemoteConfig::new(url).map_err(|e| e.to_string())?;
     if !url.starts_with("unix:") {
         let file = token_file.map_or_else(token_path, std::path::Path::to_path_buf);

@@ -32,14 +32,8 @@ pub(crate) struct ShellArgs {
     /// Memory limit, MiB.
     #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(4..))]
     memory: Option<u64>,
-    /// Open the shell in a sandbox of the server at URL (`agent-sandbox serve`:
-    /// http://HOST:PORT or unix:/PATH) instead of on this host (as `run --server`).
-    /// Published ports then listen on the server's host.
-    #[arg(long, value_name = "URL")]
-    server: Option<String>,
-    /// The server's bearer token, in a file (with --server).
-    #[arg(long, value_name = "FILE", requires = "server")]
-    token_file: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    remote: crate::serve_cmd::ServerArgs,
     /// The command (default `/bin/sh`), after `--`.
     #[arg(last = true, value_name = "CMD")]
     argv: Vec<String>,
@@ -116,10 +110,8 @@ pub(crate) async fn run(args: ShellArgs) -> ExitCode {
             return ExitCode::from(EXIT_USAGE);
         }
     };
-    let rt = if args.server.is_some() {
-        match crate::serve_cmd::remote_runtime(args.server.as_deref(), args.token_file.as_deref())
-            .await
-        {
+    let rt = if args.remote.server.is_some() {
+        match crate::serve_cmd::remote_runtime(&args.remote).await {
             Ok(rt) => rt,
             Err(e) => {
                 eprintln!("agent-sandbox: {e}");

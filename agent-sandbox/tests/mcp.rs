@@ -28,15 +28,21 @@ fn python() -> Option<OsString> {
 #[test]
 fn the_official_python_sdk_runs_code_in_a_session_over_stdio() {
     let Some(python) = python() else { return };
+    check(over_stdio(python, &[]));
+}
+
+/// The client over stdio: it starts `agent-sandbox mcp` with a state directory of its own
+/// and `extra` arguments.
+fn over_stdio(python: OsString, extra: &[&std::ffi::OsStr]) -> std::process::Output {
     let state = tempfile::tempdir().unwrap();
-    let out = Command::new(python)
+    Command::new(python)
         .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/mcp/client.py"))
         .arg("stdio")
         .arg(env!("CARGO_BIN_EXE_agent-sandbox"))
         .arg(state.path())
+        .args(extra)
         .output()
-        .unwrap();
-    check(out);
+        .unwrap()
 }
 
 /// `agent-sandbox mcp --server`: the same stdio tools, their sandboxes in a server.
@@ -44,19 +50,16 @@ fn the_official_python_sdk_runs_code_in_a_session_over_stdio() {
 fn the_official_python_sdk_runs_code_over_stdio_in_a_servers_sandboxes() {
     let Some(python) = python() else { return };
     let s = served::serve();
-    let state = tempfile::tempdir().unwrap();
-    let out = Command::new(python)
-        .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/mcp/client.py"))
-        .arg("stdio")
-        .arg(env!("CARGO_BIN_EXE_agent-sandbox"))
-        .arg(state.path())
-        .arg("--server")
-        .arg(&s.base)
-        .arg("--token-file")
-        .arg(s.dir.path().join("token"))
-        .output()
-        .unwrap();
-    check(out);
+    let token = s.dir.path().join("token");
+    check(over_stdio(
+        python,
+        &[
+            "--server".as_ref(),
+            s.base.as_ref(),
+            "--token-file".as_ref(),
+            token.as_ref(),
+        ],
+    ));
     // Its sandboxes were the server's, and the session's end destroyed them there.
     let (code, v) = served::curl(&s, "GET", "/v1/sandboxes", None);
     assert_eq!(code, 200);

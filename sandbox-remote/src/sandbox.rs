@@ -112,6 +112,17 @@ impl RemoteSandbox {
             .map_err(|f| self.err(f, path))
     }
 
+    /// Reads the event stream of `resp` (an exec's or a process's) into `tx`, on a task.
+    fn pump(&self, resp: reqwest::Response, tx: tokio::sync::mpsc::Sender<Result<ExecEvent>>) {
+        tokio::spawn(pump(
+            resp,
+            tx,
+            self.tier,
+            self.id.clone(),
+            self.client.shown.clone(),
+        ));
+    }
+
     /// Process `pid` of this sandbox, to send requests about.
     fn process(&self, pid: ProcessId) -> RemoteProcess {
         RemoteProcess {
@@ -166,13 +177,7 @@ impl Sandbox for RemoteSandbox {
             .json(&body);
         let resp = self.client.send(req).await.map_err(|f| self.err(f, None))?;
         let (tx, stream) = ExecStream::channel(64);
-        tokio::spawn(pump(
-            resp,
-            tx,
-            self.tier,
-            self.id.clone(),
-            self.client.shown.clone(),
-        ));
+        self.pump(resp, tx);
         Ok(stream)
     }
 
@@ -190,13 +195,7 @@ impl Sandbox for RemoteSandbox {
         let req = self.client.request(Method::GET, &ctl.path("/output"));
         let resp = self.client.send(req).await.map_err(|f| ctl.err(f))?;
         let (tx, rx) = tokio::sync::mpsc::channel(64);
-        tokio::spawn(pump(
-            resp,
-            tx,
-            self.tier,
-            self.id.clone(),
-            self.client.shown.clone(),
-        ));
+        self.pump(resp, tx);
         Ok(Process::new(
             p.id,
             rx,
