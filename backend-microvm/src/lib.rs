@@ -13,8 +13,9 @@
 //!
 //! - [`vmm`]: the monitor on the rust-vmm crates (`kvm-ioctls`, `vm-memory`, `linux-loader`,
 //!   `vm-superio`): memfd-backed guest RAM, vCPU threads, an 8250 serial console, a virtio-mmio
-//!   transport with a virtio-console device and a read-only virtio-blk device (an image's
-//!   root disk), KVM's in-kernel irqchip and PIT, snapshot/restore.
+//!   transport with a virtio-console device, a read-only virtio-blk device (an image's
+//!   root disk) and a virtio-net device on a TAP (not attached by the tier yet:
+//!   `docs/microvm-network.md`), KVM's in-kernel irqchip and PIT, snapshot/restore.
 //! - [`boot`] + [`acpi`]: the Linux 64-bit boot protocol (vmlinux ELF, `boot_params`, e820,
 //!   command line, initrd) and the ACPI tables (RSDP, XSDT, FADT, MADT, DSDT) that describe
 //!   the virtio-mmio devices: Debian's kernel has no `virtio_mmio.device=` command-line

@@ -17,4 +17,4 @@ pub mod vm;
 pub use cpu::CpuMode;
 pub use error::{Result, VmmError};
 pub use vcpu::{VcpuState, VmExit};
-pub use vm::{BlockConfig, Entry, SnapshotInfo, VirtioMmioInfo, Vm, VmConfig, VmPool};
+pub use vm::{BlockConfig, Entry, NetConfig, SnapshotInfo, VirtioMmioInfo, Vm, VmConfig, VmPool};

@@ -32,6 +32,10 @@ pub mod t {
     pub const REP_OUTSB: u64 = 12;
     pub const BLK_READ: u64 = 13;
     pub const BLK_READ_WAIT: u64 = 14;
+    pub const NET_ECHO: u64 = 15;
+    pub const NET_BAD_THEN_GOOD: u64 = 16;
+    pub const NET_SMALL_BUFFERS: u64 = 17;
+    pub const NET_BAD_THEN_WAIT: u64 = 18;
 }
 
 /// Why KVM tests must skip here, if they must (only when /dev/kvm is unusable).

@@ -173,6 +173,110 @@ static unsigned int virtio_garbage_ring(unsigned long ram) {
     return vr(0x70);
 }
 
+/* ---- virtio-net at the first virtio-mmio slot (tests attach it alone) ---- */
+#define NET_MAC (1u << 5)
+#define NET_HDR 12
+static unsigned char net_rx[2][256] __attribute__((aligned(16)));
+static unsigned char net_tx[128] __attribute__((aligned(16)));
+static unsigned short net_sent;
+static const char net_payload[] = "frame from the guest";
+
+static int net_init(int rx_buffers) {
+    vbase = VIRTIO;
+    if (!virtio_init_dev(1, NET_MAC)) return 0;
+    for (int i = 0; i < 2; i++)
+        if (!setup_queue(i, (unsigned long)q[i].d, (unsigned long)q[i].avail, (unsigned long)q[i].used))
+            return 0;
+    vw(0x70, 1 | 2 | 8 | 4);
+    for (int i = 0; i < rx_buffers; i++) {
+        q[0].d[i].addr = (unsigned long)net_rx[i];
+        q[0].d[i].len = sizeof(net_rx[i]);
+        q[0].d[i].flags = 2; /* WRITE */
+        q[0].avail[2 + i] = i;
+    }
+    barrier();
+    q[0].avail[1] = rx_buffers;
+    vw(0x50, 0);
+    return 1;
+}
+
+/* Sends `len` bytes of net_tx as one chain and waits until the device has taken it. */
+static void net_send(unsigned int len) {
+    unsigned short k = net_sent++;
+    q[1].d[k % QSZ].addr = (unsigned long)net_tx;
+    q[1].d[k % QSZ].len = len;
+    q[1].d[k % QSZ].flags = 0;
+    q[1].avail[2 + k % QSZ] = k % QSZ;
+    barrier();
+    q[1].avail[1] = k + 1;
+    vw(0x50, 1);
+    while ((unsigned short)(q[1].used[0] >> 16) != (unsigned short)(k + 1)) {}
+}
+
+/* A broadcast frame of EtherType 0x88b5 (local experimental) carrying net_payload. */
+static unsigned int net_frame(void) {
+    for (int i = 0; i < NET_HDR; i++) net_tx[i] = 0;
+    for (int i = 0; i < 6; i++) {
+        net_tx[NET_HDR + i] = 0xff;
+        net_tx[NET_HDR + 6 + i] = *(volatile unsigned char *)(vbase + 0x100 + i);
+    }
+    net_tx[NET_HDR + 12] = 0x88;
+    net_tx[NET_HDR + 13] = 0xb5;
+    unsigned int n = NET_HDR + 14;
+    for (const char *p = net_payload; *p; p++) net_tx[n++] = (unsigned char)*p;
+    return n;
+}
+
+/* Prints the payload of used receive entry `i` ("guest got: ..."); 0 if it is too short. */
+static int net_print_rx(int i) {
+    unsigned int id = q[0].used[1 + 2 * i], len = q[0].used[2 + 2 * i];
+    if (id > 1 || len > sizeof(net_rx[0]) || len <= NET_HDR + 14) return 0;
+    if (net_rx[id][10] != 1) return 0; /* num_buffers */
+    puts_("guest got: ");
+    for (unsigned int j = NET_HDR + 14; j < len; j++) outb(SERIAL, net_rx[id][j]);
+    puts_("\n");
+    return 1;
+}
+
+/* Sends one frame, then prints the first frame it receives. */
+static unsigned int net_echo(void) {
+    if (!net_init(1)) return 151;
+    puts_("mac ");
+    for (int i = 0; i < 6; i++) puthex(*(volatile unsigned char *)(vbase + 0x100 + i));
+    puts_("\n");
+    net_send(net_frame());
+    while ((q[0].used[0] >> 16) == 0) {}
+    barrier();
+    return net_print_rx(0) ? 15 : 152;
+}
+
+/* A chain shorter than the virtio header, then a good frame; after GO_FLAG (when asked)
+ * one more good frame. */
+static unsigned int net_bad_then_good(int wait) {
+    if (!net_init(0)) return 161;
+    unsigned int n = net_frame();
+    net_send(4);
+    net_send(n);
+    if (wait) {
+        puts_("W");
+        while (*GO_FLAG == 0) {}
+        net_send(n);
+        net_send(n);
+    }
+    return 16;
+}
+
+/* Two 256-byte receive buffers; the host sends a frame too large for them, then a small
+ * one (and floods more): the first comes back empty, the second holds the small frame. */
+static unsigned int net_small_buffers(void) {
+    if (!net_init(2)) return 171;
+    puts_("R");
+    while ((unsigned short)(q[0].used[0] >> 16) < 2) {}
+    barrier();
+    if (q[0].used[2] != 0) return 172;
+    return net_print_rx(1) ? 17 : 173;
+}
+
 /* ---- virtio-blk (read-only) at the second virtio-mmio slot ---- */
 #define BLK_RO (1u << 5)
 #define BLK_SEG_MAX (1u << 2)
@@ -342,6 +446,14 @@ unsigned int cmain(unsigned long cpu, unsigned long test, unsigned long ram) {
         return blk_read(0);
     case 14: /* blk_read that waits for GO_FLAG after the first read (snapshot test) */
         return blk_read(1);
+    case 15:
+        return net_echo();
+    case 16:
+        return net_bad_then_good(0);
+    case 17:
+        return net_small_buffers();
+    case 18: /* as 16, but waits for GO_FLAG before two more frames */
+        return net_bad_then_good(1);
     default:
         return 0xdead;
     }

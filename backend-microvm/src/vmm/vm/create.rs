@@ -250,6 +250,37 @@ impl Vm {
             });
         }
 
+        let mut net_counters = None;
+        if let Some(n) = &cfg.net {
+            let fd =
+                n.fd.try_clone()
+                    .map_err(VmmError::io("duplicating the network device's descriptor"))?;
+            let net = Net::new(fd, n.mac).map_err(VmmError::io("network device descriptor"))?;
+            net_counters = Some(net.counters());
+            // After the console and the block device, which keep their slots.
+            let n = u32::try_from(virtio.len())
+                .map_err(|_| VmmError::InvalidConfig("too many virtio devices".into()))?;
+            let base = layout::VIRTIO_MMIO_BASE + u64::from(n) * layout::VIRTIO_MMIO_SIZE;
+            let irq = layout::VIRTIO_IRQ_BASE + n;
+            let notify = EventFd::new(libc::EFD_NONBLOCK | libc::EFD_CLOEXEC)
+                .map_err(VmmError::io("eventfd"))?;
+            let t = Arc::new(Mutex::new(MmioTransport::new(
+                Box::new(net),
+                ram.memory().clone(),
+                irqfd(irq)?,
+                notify,
+            )));
+            let dev: SharedDevice = t.clone();
+            mmio.insert(base, layout::VIRTIO_MMIO_SIZE, dev);
+            virtio.push(t);
+            virtio_info.push(VirtioMmioInfo {
+                base,
+                size: layout::VIRTIO_MMIO_SIZE,
+                irq,
+                device_type: crate::devices::virtio::net::DEVICE_ID_NET,
+            });
+        }
+
         // A restored vCPU gets its CPUID and LAPIC from the snapshot instead.
         if restoring.is_none() {
             for (id, v) in (0u8..).zip(&pending_vcpus) {
@@ -271,6 +302,7 @@ impl Vm {
             virtio,
             virtio_info,
             console_host,
+            net_counters,
             pio,
             mmio,
             cfg,

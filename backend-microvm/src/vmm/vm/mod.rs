@@ -34,6 +34,7 @@ use crate::devices::serial::{
 use crate::devices::virtio::blk::Block;
 use crate::devices::virtio::console::Console;
 use crate::devices::virtio::mmio::{MmioTransport, TransportState};
+use crate::devices::virtio::net::Net;
 use crate::layout;
 use crate::vmm::bus::{Bus, SharedDevice};
 use crate::vmm::cpu::{self, CpuMode};
@@ -73,6 +74,9 @@ pub struct VmConfig {
     /// Attach a read-only virtio-blk device backed by this file (the virtio-mmio device
     /// after the console, if any).
     pub block: Option<BlockConfig>,
+    /// Attach a virtio-net device (the virtio-mmio device after the console and the block
+    /// device, if any).
+    pub net: Option<NetConfig>,
     /// Wall-clock limit from [`Vm::start`] (or restore): the VM is then killed with
     /// [`VmExit::DeadlineExceeded`].
     pub deadline: Option<Duration>,
@@ -94,6 +98,7 @@ impl std::fmt::Debug for VmConfig {
             .field("serial_cap", &self.serial_cap)
             .field("virtio_console", &self.virtio_console)
             .field("block", &self.block)
+            .field("net", &self.net)
             .field("deadline", &self.deadline)
             .field("seccomp", &self.seccomp)
             .field("irqchip", &self.irqchip)
@@ -110,6 +115,7 @@ impl Default for VmConfig {
             serial_callback: None,
             virtio_console: false,
             block: None,
+            net: None,
             deadline: None,
             seccomp: true,
             irqchip: true,
@@ -138,8 +144,22 @@ impl VmConfig {
         if self.block.is_some() {
             t.push(crate::devices::virtio::blk::DEVICE_ID_BLOCK);
         }
+        if self.net.is_some() {
+            t.push(crate::devices::virtio::net::DEVICE_ID_NET);
+        }
         t
     }
+}
+
+/// A virtio-net device (see [`crate::devices::virtio::net`]).
+#[derive(Debug, Clone)]
+pub struct NetConfig {
+    /// The guest's MAC address (a locally administered unicast one, e.g. `02:…`).
+    pub mac: [u8; 6],
+    /// The host side: one Ethernet frame per `read`/`write` (a TAP device from
+    /// [`open_tap_in`](crate::devices::virtio::net::open_tap_in), or a `SOCK_SEQPACKET`
+    /// socket). The VM uses its own duplicate, made when it is built.
+    pub fd: std::sync::Arc<std::os::fd::OwnedFd>,
 }
 
 /// Where and how the vCPUs start.
@@ -219,6 +239,7 @@ pub struct Vm {
     virtio: Vec<Arc<Mutex<MmioTransport>>>,
     virtio_info: Vec<VirtioMmioInfo>,
     console_host: Option<UnixStream>,
+    net_counters: Option<Arc<crate::devices::virtio::net::NetCounters>>,
     pio: Bus,
     mmio: Bus,
     cfg: VmConfig,
@@ -265,6 +286,11 @@ impl Vm {
     /// The host end of the virtio-console socketpair (once).
     pub fn take_console(&mut self) -> Option<UnixStream> {
         self.console_host.take()
+    }
+
+    /// The network device's frame counters, when it has one.
+    pub fn net_counters(&self) -> Option<Arc<crate::devices::virtio::net::NetCounters>> {
+        self.net_counters.clone()
     }
 
     /// Loads a static ELF (a tiny guest) into RAM and returns its entry point. Every

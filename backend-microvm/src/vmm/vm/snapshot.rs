@@ -182,7 +182,7 @@ impl Vm {
         if saved != configured {
             return Err(VmmError::SnapshotIncompatible(format!(
                 "the snapshot has virtio devices of types {saved:?}, the VM is configured for \
-                 {configured:?} (is the block device set as when it was taken?)"
+                 {configured:?} (are the block and network devices set as when it was taken?)"
             )));
         }
         let restoring = Restoring {

@@ -67,7 +67,8 @@ impl Threads {
             t.vcpu_jobs.push(tx);
             t.handles.push(h);
         }
-        if cfg.virtio_console || cfg.block.is_some() || cfg.deadline.is_some() {
+        if cfg.virtio_console || cfg.block.is_some() || cfg.net.is_some() || cfg.deadline.is_some()
+        {
             let (tx, rx) = mpsc::channel::<IoJob>();
             let h = std::thread::Builder::new()
                 .name("microvm-io".into())
