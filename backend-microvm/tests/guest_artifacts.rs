@@ -184,6 +184,31 @@ fn initramfs_has_agent_busybox_and_virtio_modules() {
         .modules
         .iter()
         .all(|r| r.root == initramfs::ROOT_MODULES.contains(&r.name.as_str())));
+
+    // The network modules too (loaded only for `agent.net=`): the driver with its
+    // dependencies, each listed with them or among the boot modules.
+    let net_dep = String::from_utf8(get("lib/modules/net-modules.dep").data.clone()).unwrap();
+    let mut net_names = Vec::new();
+    for line in net_dep.lines() {
+        let (path, deps) = line.split_once(':').unwrap();
+        let info = initramfs::module_info(&get(&format!("lib/modules/{path}")).data).unwrap();
+        for d in &info.depends {
+            assert!(
+                deps.split_whitespace()
+                    .any(|p| p.ends_with(&format!("/{d}.ko"))),
+                "{line}: {d}"
+            );
+        }
+        net_names.push(info.name);
+    }
+    net_names.sort();
+    let mut expected = initramfs::NET_MODULES.to_vec();
+    expected.sort();
+    assert_eq!(net_names, expected);
+    assert!(m
+        .modules
+        .iter()
+        .all(|r| r.net == initramfs::NET_MODULES.contains(&r.name.as_str())));
 }
 
 #[test]

@@ -31,6 +31,10 @@
 //! - `agent.user=<uid>:<gid>`: run every command as this user (an image's `User`), with no
 //!   supplementary groups; the workspace and the files written into it through the agent
 //!   belong to it (absent: commands run as root, the guest's only user that matters).
+//! - `agent.net=<addr>/<prefix>,<gateway>`: load the virtio-net driver (from the initramfs's
+//!   own list, before an image root replaces it), give `eth0` that IPv4 address, a default
+//!   route through the gateway, and `/etc/resolv.conf` naming the gateway (absent: no
+//!   network driver, only `lo`). See `net.rs`.
 //!
 //! If that fails (a bad parameter, an initramfs without those modules, no device, a mount
 //! refused), the agent says why on the console and, before `Ready`, in an `Error` frame with
@@ -52,6 +56,7 @@
 //! - `setup`: the pid 1 set-up (filesystems and their tmpfs budget, kernel modules, the
 //!   console channel, power-off).
 //! - `root`: an image's disk as the overlay root, and `agent.user`.
+//! - `net`: `agent.net=`, the guest's `eth0`, its route and `resolv.conf`.
 //! - `exec`: a command's start, its output pumps and its exit.
 //! - `interactive`: background processes (input, signals, terminals, output windows).
 //! - `files`: write, read and list, confined to the workspace.
@@ -60,6 +65,7 @@
 mod exec;
 mod files;
 mod interactive;
+mod net;
 #[path = "proto.rs"]
 mod proto;
 mod root;
@@ -67,6 +73,7 @@ mod setup;
 
 use exec::*;
 use files::*;
+use net::*;
 use root::*;
 use setup::*;
 
@@ -184,13 +191,23 @@ fn main() {
                 power_off();
             }
         };
-        // After the console: a failure is then told to the host too.
+        let cmdline = fs::read_to_string("/proc/cmdline").unwrap_or_default();
+        // After the console: a failure is then told to the host too. The network driver is
+        // loaded from the initramfs, so before an image root replaces it.
+        let net = net_config(&cmdline).and_then(|n| match n {
+            Some(n) => bring_up(&n).map(|()| Some(n)),
+            None => Ok(None),
+        });
         if let Err(e) = root.and_then(|r| r.map_or(Ok(()), |r| image_root(&r))) {
             let msg = format!("image root: {e}");
             log(&msg);
             setup_error = Some(msg);
         }
-        let cmdline = fs::read_to_string("/proc/cmdline").unwrap_or_default();
+        if let Err(e) = net.and_then(|n| n.map_or(Ok(()), |n| write_resolv_conf(&n))) {
+            let msg = format!("network: {e}");
+            log(&msg);
+            setup_error.get_or_insert(msg);
+        }
         match user_config(&cmdline) {
             Ok(u) => user = u,
             Err(e) => {

@@ -32,6 +32,15 @@ pub const ROOT_MODULES: &[&str] = &[
     "overlay",
 ];
 
+/// Modules the agent loads only when the kernel command line configures a network
+/// (`agent.net=`): the virtio network driver and its dependencies (listed here, so no extra
+/// pass over the kernel package is needed).
+pub const NET_MODULES: &[&str] = &["failover", "net_failover", "virtio_net"];
+
+/// The `modules.dep`-format list of the network modules, in [`MODULES_DIR`]; written as
+/// [`ROOT_MODULES_DEP`] is.
+pub const NET_MODULES_DEP: &str = "net-modules.dep";
+
 /// The `modules.dep`-format list of the image-root modules, in [`MODULES_DIR`]. Always written
 /// (empty when the kernel has them built in); an initramfs without it predates image roots,
 /// and the agent refuses an image root with a clear error instead of trying.
@@ -471,6 +480,9 @@ pub struct InitramfsContents<'a> {
     /// Kernel modules loaded only for an image root ([`ROOT_MODULES`] with those of their
     /// dependencies that are not in `modules`), listed in [`ROOT_MODULES_DEP`].
     pub root_modules: Vec<KernelModule>,
+    /// Kernel modules loaded only for a network ([`NET_MODULES`] with those of their
+    /// dependencies in neither list above), listed in [`NET_MODULES_DEP`].
+    pub net_modules: Vec<KernelModule>,
 }
 
 /// Builds the initramfs (an uncompressed cpio newc archive).
@@ -524,17 +536,27 @@ pub fn build(c: &InitramfsContents<'_>) -> Result<Vec<u8>, GuestError> {
             w.symlink("usr/bin/env", "../../bin/busybox")?;
         }
     }
-    // One dependency computation over both sets (a root module may need a boot module), its
-    // lines split between the two lists: one line per module, in order.
-    let all: Vec<KernelModule> = c.modules.iter().chain(&c.root_modules).cloned().collect();
+    // One dependency computation over all sets (a root module may need a boot module), its
+    // lines split between the lists: one line per module, in order.
+    let all: Vec<KernelModule> = c
+        .modules
+        .iter()
+        .chain(&c.root_modules)
+        .chain(&c.net_modules)
+        .cloned()
+        .collect();
     let dep = modules_dep(&all)?;
     let mut boot_dep = String::new();
     let mut root_dep = String::new();
+    let mut net_dep = String::new();
+    let (boot_n, root_n) = (c.modules.len(), c.root_modules.len());
     for (i, line) in dep.lines().enumerate() {
-        let out = if i < c.modules.len() {
+        let out = if i < boot_n {
             &mut boot_dep
-        } else {
+        } else if i < boot_n + root_n {
             &mut root_dep
+        } else {
+            &mut net_dep
         };
         out.push_str(line);
         out.push('\n');
@@ -551,6 +573,11 @@ pub fn build(c: &InitramfsContents<'_>) -> Result<Vec<u8>, GuestError> {
         &format!("{MODULES_DIR}/{ROOT_MODULES_DEP}"),
         0o644,
         root_dep.as_bytes(),
+    )?;
+    w.file(
+        &format!("{MODULES_DIR}/{NET_MODULES_DEP}"),
+        0o644,
+        net_dep.as_bytes(),
     )?;
     Ok(w.finish())
 }
@@ -695,6 +722,10 @@ mod tests {
                 module("ext4", &["jbd2"]),
                 module("jbd2", &[]),
             ],
+            net_modules: vec![
+                module("virtio_net", &["virtio", "net_failover"]),
+                module("net_failover", &[]),
+            ],
         })
         .unwrap();
         let e = check(&data).unwrap();
@@ -728,6 +759,12 @@ mod tests {
               kernel/jbd2.ko:\n"
         );
         assert_eq!(get("lib/modules/kernel/ext4.ko").data, b"ext4");
+        // So are the network modules.
+        assert_eq!(
+            get("lib/modules/net-modules.dep").data,
+            b"kernel/virtio_net.ko: kernel/net_failover.ko kernel/virtio.ko\n\
+              kernel/net_failover.ko:\n"
+        );
         // Without image-root modules the list is there, empty.
         let data = build(&InitramfsContents {
             agent: &agent,

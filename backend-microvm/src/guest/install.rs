@@ -16,7 +16,9 @@
 //! Format 2 of the manifest added the image-root modules ([`ROOT_MODULES`]: virtio-blk,
 //! ext4, overlayfs), kept apart from the boot modules ([`ModuleRecord::root`]). A cache of an
 //! older format lacks them: [`load`] refuses it ([`GuestError::Corrupt`], saying to install
-//! again) rather than boot a guest that cannot mount an image root.
+//! again) rather than boot a guest that cannot mount an image root. Format 3 added the
+//! network modules ([`NET_MODULES`]: virtio-net; [`ModuleRecord::net`]), refused the same
+//! way when missing.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
@@ -26,14 +28,16 @@ use std::process::Command;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use super::initramfs::{self, InitramfsContents, KernelModule, GUEST_MODULES, ROOT_MODULES};
+use super::initramfs::{
+    self, InitramfsContents, KernelModule, GUEST_MODULES, NET_MODULES, ROOT_MODULES,
+};
 use super::{kernel, GuestError, AGENT_BINARY};
 use crate::agent_client::SOURCE_HASH;
 
 /// The Debian meta-package whose dependency is the current kernel package.
 pub const DEBIAN_KERNEL_PACKAGE: &str = "linux-image-amd64";
 /// Version of the manifest format (2: the image-root modules).
-const MANIFEST_FORMAT: u32 = 2;
+const MANIFEST_FORMAT: u32 = 3;
 const MANIFEST: &str = "manifest.json";
 
 /// The default cache directory: `$XDG_CACHE_HOME/agent-sandbox/microvm`, else
@@ -119,6 +123,10 @@ pub struct ModuleRecord {
     /// with the boot modules), not at every boot.
     #[serde(default)]
     pub root: bool,
+    /// Loaded only for a network ([`NET_MODULES`] and the dependencies they share with
+    /// neither the boot nor the image-root modules).
+    #[serde(default)]
+    pub net: bool,
     /// The cached `.ko`.
     pub record: FileRecord,
 }
@@ -279,8 +287,8 @@ fn read_manifest(dir: &Path) -> Result<Manifest, GuestError> {
             path,
             reason: format!(
                 "manifest format {} (expected {MANIFEST_FORMAT}): installed by an older version, \
-                 without the kernel modules for an image root (virtio-blk, ext4, overlay); \
-                 install the guest again",
+                 without the kernel modules for an image root (virtio-blk, ext4, overlay) or a \
+                 network (virtio-net); install the guest again",
                 f.format
             ),
         });
@@ -313,6 +321,7 @@ fn build_initramfs(dir: &Path, m: &Manifest, verify: Verify) -> Result<FileRecor
     };
     let mut modules = Vec::new();
     let mut root_modules = Vec::new();
+    let mut net_modules = Vec::new();
     for mr in &m.modules {
         let p = check_record(dir, &mr.record, verify)?;
         let km = KernelModule {
@@ -321,7 +330,9 @@ fn build_initramfs(dir: &Path, m: &Manifest, verify: Verify) -> Result<FileRecor
             depends: mr.depends.clone(),
             data: std::fs::read(&p).map_err(|e| GuestError::io("read", &p, e))?,
         };
-        if mr.root {
+        if mr.net {
+            net_modules.push(km);
+        } else if mr.root {
             root_modules.push(km);
         } else {
             modules.push(km);
@@ -333,6 +344,7 @@ fn build_initramfs(dir: &Path, m: &Manifest, verify: Verify) -> Result<FileRecor
         applets: m.applets.clone(),
         modules,
         root_modules,
+        net_modules,
     })?;
     write_atomic(dir, &format!("initramfs-{}.cpio", agent_hash_hex()), &cpio)
 }
@@ -681,24 +693,34 @@ fn busybox_applets(path: &Path) -> Vec<String> {
 }
 
 /// Names of the modules loaded at every boot: [`GUEST_MODULES`] and their dependencies among
-/// `modules`. The others are the image-root modules.
+/// `modules`. The others are the image-root and network modules.
 pub fn boot_module_names(modules: &[KernelModule]) -> BTreeSet<String> {
+    closure_of(modules, GUEST_MODULES)
+}
+
+/// `roots` and their dependencies, among `modules`.
+fn closure_of(modules: &[KernelModule], roots: &[&str]) -> BTreeSet<String> {
     let by_name: BTreeMap<&str, &KernelModule> =
         modules.iter().map(|m| (m.name.as_str(), m)).collect();
-    let mut queue: Vec<&str> = GUEST_MODULES.to_vec();
-    let mut boot = BTreeSet::new();
+    let mut queue: Vec<&str> = roots.to_vec();
+    let mut out = BTreeSet::new();
     while let Some(n) = queue.pop() {
         if let Some(m) = by_name.get(n) {
-            if boot.insert(n.to_string()) {
+            if out.insert(n.to_string()) {
                 queue.extend(m.depends.iter().map(String::as_str));
             }
         }
     }
-    boot
+    out
 }
 
 fn wanted_modules() -> Vec<&'static str> {
-    GUEST_MODULES.iter().chain(ROOT_MODULES).copied().collect()
+    GUEST_MODULES
+        .iter()
+        .chain(ROOT_MODULES)
+        .chain(NET_MODULES)
+        .copied()
+        .collect()
 }
 
 fn modules_from_dir(dir: &Path) -> Result<Vec<KernelModule>, GuestError> {
@@ -822,8 +844,9 @@ pub fn install(opts: &InstallOptions) -> Result<GuestArtifacts, GuestError> {
         None => (None, Vec::new()),
     };
 
-    // Modules: those the boot needs, and the rest (for an image root).
+    // Modules: those the boot needs, those of an image root, and the rest (for a network).
     let boot = boot_module_names(&modules);
+    let root = closure_of(&modules, ROOT_MODULES);
     let mut records = Vec::new();
     for m in &modules {
         let file = format!("modules/{}", m.path);
@@ -837,7 +860,8 @@ pub fn install(opts: &InstallOptions) -> Result<GuestArtifacts, GuestError> {
             name: m.name.clone(),
             path: m.path.clone(),
             depends: m.depends.clone(),
-            root: !boot.contains(&m.name),
+            root: !boot.contains(&m.name) && root.contains(&m.name),
+            net: !boot.contains(&m.name) && !root.contains(&m.name),
             record: write_atomic(dir, &file, &m.data)?,
         });
     }

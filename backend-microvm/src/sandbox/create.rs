@@ -448,6 +448,7 @@ mod tests {
             applets: vec![],
             modules: vec![],
             root_modules: vec![],
+            net_modules: vec![],
         })
         .unwrap();
         std::fs::write(&initramfs, cpio).unwrap();
