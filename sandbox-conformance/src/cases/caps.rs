@@ -444,7 +444,8 @@ pub(super) async fn process_io_signals(cx: &Ctx<'_>) -> Checked {
         p.write_stdin(&b"two\n"[..])
             .await
             .map_err(|e| format!("write_stdin: {e}"))?;
-        while !out.contains("got:two") {
+        // Chunks split anywhere: wait for the whole second line.
+        while !out.contains("got:two\n") {
             out.push_str(&next_chunk(&mut p, "the second line").await?);
         }
         if out != "got:one\ngot:two\n" {
@@ -508,7 +509,9 @@ pub(super) async fn tty(cx: &Ctx<'_>) -> Checked {
         )?;
         let mut p = sb.spawn(req).await.map_err(|e| format!("spawn: {e}"))?;
         let mut out = String::new();
-        while !out.contains("on-a-tty") {
+        // Chunks split anywhere (the last `\r\n` may come on its own):
+        // wait for the whole last line.
+        while !out.replace('\r', "").contains("on-a-tty\n") {
             out.push_str(&next_chunk(&mut p, "the terminal's output").await?);
         }
         let r = p
