@@ -285,7 +285,8 @@ impl Runtime {
         if tiers.contains(&Tier::Microvm) {
             // Probed like every tier: where KVM cannot boot Linux guests (or the guest is not
             // installed) it reports unavailable, so `auto` never picks it there.
-            let mut m = backend_microvm::MicrovmBackend::builder();
+            let mut m = backend_microvm::MicrovmBackend::builder()
+                .egress(sandbox_egress::shared_enforcer());
             if let Some(s) = &images {
                 m = m.image_store(s.clone());
             }

@@ -120,8 +120,16 @@
 //! caps them together at 5/8 of the RAM the kernel and initramfs left, and one inode per
 //! 8 KiB of it (the policy of [`Limits::tmpfs_caps`](sandbox_core::Limits::tmpfs_caps);
 //! `limits.disk_bytes` does not reach the guest), so a full disk is `ENOSPC` and not the
-//! guest's OOM killer taking the agent (tested under QEMU). There is no network device: only
-//! the deny-all policy is offered.
+//! guest's OOM killer taking the agent (tested under QEMU).
+//!
+//! ## Network
+//! Deny-all (the default) boots a guest without a network device. With an egress enforcer
+//! plugged in ([`MicrovmBuilder::egress`]; the facade's `Runtime` plugs in the shared one),
+//! allowlist and internet policies get a virtio-net device on a TAP in the sandbox's own
+//! network namespace, bridged to the enforcer's link: the guest holds the sandbox's address,
+//! its gateway is the proxy, and the enforcer's host-side rules police it as they do a
+//! container's namespace ([`network`], `docs/microvm-network.md`). Snapshots of such a
+//! sandbox are refused (its link cannot move to a restored copy).
 //! Host directories (`Workspace::HostDir`, `mounts`, a `rootfs` directory) are not shared
 //! into the guest: such specs are refused with `Unsupported`.
 //!
@@ -145,6 +153,7 @@ pub mod boot;
 pub mod devices;
 pub mod guest;
 pub mod layout;
+pub mod network;
 pub mod probe;
 pub mod seccomp;
 pub mod vmm;
@@ -154,6 +163,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use sandbox_core::egress::EgressEnforcer;
 use sandbox_core::{
     Backend, Capabilities, Error, Language, LimitKind, NetworkMode, ResolvedSecrets, Result,
     Sandbox, SandboxSpec, SnapshotId, SnapshotKind, SnapshotStore, Tier, TierStatus,
@@ -244,6 +254,7 @@ pub struct MicrovmBuilder {
     initramfs: Option<PathBuf>,
     dir: Option<PathBuf>,
     images: Option<ImageStore>,
+    egress: Option<Arc<dyn EgressEnforcer>>,
 }
 
 impl MicrovmBuilder {
@@ -292,6 +303,14 @@ impl MicrovmBuilder {
         self
     }
 
+    /// Plugs in the egress enforcer that gives sandboxes with a policy other than deny-all
+    /// their path out: the guest's virtio-net device on a TAP bridged to the enforcer's link
+    /// (see [`network`]). Without one, only deny-all is offered (no network device at all).
+    pub fn egress(mut self, enforcer: Arc<dyn EgressEnforcer>) -> Self {
+        self.egress = Some(enforcer);
+        self
+    }
+
     /// Checks the settings and builds the backend (nothing on the host is touched).
     pub fn build(self) -> Result<MicrovmBackend> {
         let mut config = self.config;
@@ -327,6 +346,7 @@ impl MicrovmBuilder {
         Ok(MicrovmBackend {
             config: Arc::new(config),
             images: self.images,
+            egress: self.egress,
         })
     }
 }
@@ -336,6 +356,8 @@ impl MicrovmBuilder {
 pub struct MicrovmBackend {
     config: Arc<MicrovmConfig>,
     images: Option<ImageStore>,
+    /// The egress enforcer for policies other than deny-all, if any.
+    egress: Option<Arc<dyn EgressEnforcer>>,
 }
 
 impl Default for MicrovmBackend {
@@ -362,6 +384,7 @@ impl MicrovmBackend {
         MicrovmBackend {
             config: Arc::new(MicrovmConfig::default()),
             images: None,
+            egress: None,
         }
     }
 
@@ -573,7 +596,13 @@ impl Backend for MicrovmBackend {
             Language::Javascript,
         ];
         c.snapshots = vec![SnapshotKind::FullMemory, SnapshotKind::Filesystem];
+        // Other policies through the egress enforcer, when one is plugged in (the guest's
+        // network device exists only for them).
         c.network = vec![NetworkMode::DenyAll];
+        if self.egress.is_some() {
+            c.network
+                .extend([NetworkMode::Allowlist, NetworkMode::Internet]);
+        }
         c.pause_resume = true;
         c.streaming = true;
         c.persistent_state = true;
@@ -627,5 +656,6 @@ pub fn backend(config: MicrovmConfig) -> Arc<dyn Backend> {
     Arc::new(MicrovmBackend {
         config: Arc::new(config),
         images: None,
+        egress: None,
     })
 }

@@ -261,6 +261,24 @@ fn capabilities_are_honest() {
         private: vec![]
     }));
     assert!(c.streaming && c.pause_resume && c.persistent_state);
+    // With an egress enforcer plugged in, allowlists and the internet through its proxy.
+    let c = MicrovmBackend::builder()
+        .egress(sandbox_egress::shared_enforcer())
+        .build()
+        .unwrap()
+        .capabilities();
+    assert_eq!(
+        c.network,
+        vec![
+            NetworkMode::DenyAll,
+            NetworkMode::Allowlist,
+            NetworkMode::Internet
+        ]
+    );
+    assert!(c.supports_network(&NetworkPolicy::AllowInternet {
+        deny: vec![],
+        private: vec![]
+    }));
 }
 
 #[test]

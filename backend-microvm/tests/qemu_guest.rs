@@ -15,233 +15,16 @@
 //! Needs `qemu-system-x86_64` (`apt-get install --no-install-recommends qemu-system-x86`;
 //! scripts/test.sh installs it) and the Debian mirror (or `MICROVM_TEST_KERNEL_DEB`).
 
-use std::os::unix::net::UnixStream;
+#[path = "common/qemu.rs"]
+mod qemu;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use backend_microvm::agent_client::proto::{EntryKind, ExecRequest};
-use backend_microvm::agent_client::{AgentClient, AgentError, ExecEvent};
-use backend_microvm::guest::install::{self, InstallOptions, KernelSource};
-
-const QEMU: &str = "qemu-system-x86_64";
-/// Generous: TCG boots the kernel in seconds here, but CI machines are shared.
-const BOOT: Duration = Duration::from_secs(120);
-const CALL: Duration = Duration::from_secs(60);
-
-fn qemu_missing() -> Option<String> {
-    let found = Command::new(QEMU)
-        .arg("--version")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    (!found).then(|| {
-        format!(
-            "`{QEMU}` is not installed (apt-get install --no-install-recommends qemu-system-x86)"
-        )
-    })
-}
-
-/// Kills QEMU when the test ends, whatever happens.
-struct Qemu(Child);
-
-impl Drop for Qemu {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn guest_files(dir: &Path) -> (PathBuf, PathBuf) {
-    let deb = match std::env::var_os("MICROVM_TEST_KERNEL_DEB") {
-        Some(p) => PathBuf::from(p),
-        None => {
-            let dl = dir.join("debs");
-            std::fs::create_dir_all(&dl).unwrap();
-            install::download_debian_kernel(&dl).unwrap()
-        }
-    };
-    let a = install::install(&InstallOptions {
-        dir: dir.join("cache"),
-        kernel: KernelSource::DebFile(deb),
-        busybox: None,
-        no_busybox: false,
-    })
-    .unwrap();
-    (a.vmlinux, a.initramfs)
-}
-
-/// Whether the serial log shows a kernel whose clock never ticked: every line stamped
-/// `0.000000`. Under TCG the emulated timer sometimes never reaches the guest in early boot
-/// (always right after the mount-cache lines, before the initramfs is unpacked), and the
-/// kernel waits forever; our agent never runs. Since the kernel is told the TSC frequency
-/// ([`host_tsc_khz`]) this has not been seen; the retry stays as a safety net.
-fn stalled_before_the_clock_ticked(log: &str) -> bool {
-    let stamps: Vec<&str> = log
-        .lines()
-        .filter_map(|l| l.strip_prefix('[')?.split_once(']').map(|(t, _)| t.trim()))
-        .collect();
-    !stamps.is_empty() && stamps.iter().all(|t| *t == "0.000000")
-}
-
-/// The host's TSC frequency in kHz, measured against the monotonic clock over 100 ms.
-///
-/// Under TCG the guest's TSC is the host's, and the kernel is told its frequency
-/// (`tsc_early_khz=`) instead of calibrating it against the emulated PIT. That calibration
-/// failed in about half the boots here, idle machine or not ("tsc: Unable to calibrate
-/// against PIT"): the kernel then has no TSC frequency, calibrates the local APIC timer by
-/// waiting for PIT ticks that never reach it, and hangs with its clock at 0 (2 of 4 boots
-/// stalled without this parameter, 0 of 8 with it, in back-to-back runs).
-fn host_tsc_khz() -> u64 {
-    let t0 = Instant::now();
-    // SAFETY: `rdtsc` only reads the time-stamp counter (every x86-64 CPU has one).
-    let c0 = unsafe { std::arch::x86_64::_rdtsc() };
-    std::thread::sleep(Duration::from_millis(100));
-    // SAFETY: as above.
-    let c1 = unsafe { std::arch::x86_64::_rdtsc() };
-    (c1.wrapping_sub(c0) as f64 / t0.elapsed().as_secs_f64() / 1000.0) as u64
-}
-
-/// What a boot adds to the default machine: kernel parameters and QEMU arguments.
-#[derive(Default)]
-struct Extra {
-    append: String,
-    args: Vec<String>,
-}
-
-/// Boots the guest; a boot that stalled before the kernel's clock ever ticked (see
-/// [`stalled_before_the_clock_ticked`]: the emulator's fault, not the guest's) is killed
-/// and tried once more, saying so. Any other failure fails the test.
-fn boot(dir: &Path, extra: &Extra) -> (Qemu, AgentClient) {
-    let first = Duration::from_secs(60);
-    match boot_once(dir, first, extra) {
-        Ok(booted) => booted,
-        Err(f) if stalled_before_the_clock_ticked(&f.log) => {
-            eprintln!(
-                "QEMU's guest stalled in early boot with its clock stopped at 0 \
-                 (an emulator timer flake under load); booting it once more"
-            );
-            boot_once(dir, BOOT, extra).unwrap_or_else(|f| {
-                panic!(
-                    "the agent did not come up (second boot): {}\n--- serial ---\n{}",
-                    f.error, f.log
-                )
-            })
-        }
-        Err(f) => panic!(
-            "the agent did not come up: {}\n--- serial ---\n{}",
-            f.error, f.log
-        ),
-    }
-}
-
-/// A boot whose agent did not come up ready.
-struct BootFailure {
-    /// What `wait_ready` said.
-    error: AgentError,
-    /// The serial log.
-    log: String,
-    /// QEMU, still running, and the client, for a guest that serves after a set-up failure.
-    guest: Option<(Qemu, AgentClient)>,
-}
-
-/// One boot: QEMU running and the agent ready within `wait`, or why not with the serial log
-/// (QEMU killed, unless the agent announced a set-up failure and still serves).
-fn boot_once(
-    dir: &Path,
-    wait: Duration,
-    extra: &Extra,
-) -> Result<(Qemu, AgentClient), BootFailure> {
-    let (vmlinux, initramfs) = guest_files(dir);
-    let sock = dir.join("agent.sock");
-    let serial = dir.join("serial.log");
-    let _ = std::fs::remove_file(&sock);
-    let child = Command::new(QEMU)
-        // A PIT and no timer checks: under TCG on a loaded host, timer calibration can
-        // otherwise stall the boot ("tsc: Unable to calibrate against PIT").
-        .args([
-            "-M",
-            "microvm,acpi=on,rtc=on,pit=on",
-            "-cpu",
-            "max",
-            "-m",
-            "256",
-        ])
-        .args(["-smp", "1", "-nodefaults", "-no-reboot", "-display", "none"])
-        .arg("-kernel")
-        .arg(&vmlinux)
-        .arg("-initrd")
-        .arg(&initramfs)
-        .arg("-append")
-        .arg(format!(
-            "console=ttyS0 reboot=k panic=1 pci=off rdinit=/init no_timer_check tsc=unstable \
-             lpj=2000000 tsc_early_khz={} {}",
-            host_tsc_khz(),
-            extra.append
-        ))
-        .arg("-serial")
-        .arg(format!("file:{}", serial.display()))
-        .args(["-device", "virtio-serial-device"])
-        .arg("-chardev")
-        // `wait=on`: the guest does not start before we are connected (no lost `Ready`).
-        .arg(format!(
-            "socket,id=agent,path={},server=on,wait=on",
-            sock.display()
-        ))
-        .args(["-device", "virtconsole,chardev=agent"])
-        .args(&extra.args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let qemu = Qemu(child);
-    let start = Instant::now();
-    let stream = loop {
-        match UnixStream::connect(&sock) {
-            Ok(s) => break s,
-            Err(_) if start.elapsed() < Duration::from_secs(20) => {
-                std::thread::sleep(Duration::from_millis(50))
-            }
-            Err(e) => panic!("QEMU's agent socket never appeared: {e}"),
-        }
-    };
-    let client = AgentClient::new(stream).unwrap();
-    if let Err(error) = client.wait_ready(wait) {
-        let guest = if matches!(error, AgentError::GuestSetup(_)) {
-            Some((qemu, client))
-        } else {
-            drop(qemu);
-            None
-        };
-        let log = std::fs::read_to_string(&serial).unwrap_or_default();
-        return Err(BootFailure { error, log, guest });
-    }
-    Ok((qemu, client))
-}
-
-fn exec(c: &AgentClient, argv: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String, String) {
-    let out = c
-        .exec(&ExecRequest {
-            argv: argv.iter().map(|s| s.to_string()).collect(),
-            env: env
-                .iter()
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .collect(),
-            cwd: String::new(),
-            stdin: Vec::new(),
-            timeout_ms: 60_000,
-            max_output: 0,
-        })
-        .unwrap();
-    (
-        out.exit.code,
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+use backend_microvm::agent_client::{AgentError, ExecEvent};
+use qemu::*;
 
 #[test]
 fn debian_kernel_boots_our_initramfs_and_the_agent_serves() {
@@ -427,22 +210,6 @@ fn debian_kernel_boots_our_initramfs_and_the_agent_serves() {
     shut_down(&mut qemu, &c);
 }
 
-fn shut_down(qemu: &mut Qemu, c: &AgentClient) {
-    c.shutdown(CALL).unwrap();
-    let start = Instant::now();
-    loop {
-        if let Some(status) = qemu.0.try_wait().unwrap() {
-            eprintln!("QEMU exited: {status}");
-            break;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the guest did not power off after shutdown"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 #[test]
 fn a_stall_before_the_clock_ticked_is_told_apart() {
     let stalled = "no answer from the guest agent within 60s\n\
@@ -605,6 +372,7 @@ fn an_ext4_disk_becomes_the_root_under_a_writable_overlay() {
             "-device".into(),
             "virtio-blk-device,drive=d0".into(),
         ],
+        ..Extra::default()
     };
     let (mut qemu, c) = boot(dir.path(), &extra);
     eprintln!("image built and guest booted in {:?}", t0.elapsed());
@@ -697,6 +465,7 @@ fn an_image_root_without_its_disk_is_a_typed_error() {
     let extra = Extra {
         append: "agent.root=/dev/vda agent.root_wait=2".into(),
         args: vec![],
+        ..Extra::default()
     };
     let mut failure = None;
     for attempt in 0..2 {
@@ -791,6 +560,7 @@ async fn an_oci_image_from_the_store_is_the_root_and_its_python_runs() {
             "-device".into(),
             "virtio-blk-device,drive=d0".into(),
         ],
+        ..Extra::default()
     };
     let (mut qemu, c) = tokio::task::block_in_place(|| boot(dir.path(), &extra));
     eprintln!("guest booted from the image in {:?}", t0.elapsed());

@@ -192,6 +192,11 @@ fn main() {
             }
         };
         let cmdline = fs::read_to_string("/proc/cmdline").unwrap_or_default();
+        if let Err(e) = loopback_up() {
+            let msg = format!("network: {e}");
+            log(&msg);
+            setup_error = Some(msg);
+        }
         // After the console: a failure is then told to the host too. The network driver is
         // loaded from the initramfs, so before an image root replaces it.
         let net = net_config(&cmdline).and_then(|n| match n {

@@ -166,8 +166,12 @@ struct RtEntry {
 }
 
 fn ifreq(addr: SockAddr) -> IfReq {
+    ifreq_for(IFACE, addr)
+}
+
+fn ifreq_for(iface: &str, addr: SockAddr) -> IfReq {
     let mut name = [0u8; 16];
-    name[..IFACE.len()].copy_from_slice(IFACE.as_bytes());
+    name[..iface.len()].copy_from_slice(iface.as_bytes());
     IfReq {
         name,
         addr,
@@ -176,15 +180,31 @@ fn ifreq(addr: SockAddr) -> IfReq {
 }
 
 fn configure(c: &NetConfig) -> io::Result<()> {
+    with_socket(|fd| configure_on(fd, c))
+}
+
+/// Runs `f` with an `AF_INET` datagram socket (for the interface ioctls), closed after.
+fn with_socket(f: impl FnOnce(c_int) -> io::Result<()>) -> io::Result<()> {
     // SAFETY: socket(2) with constant arguments.
     let fd = unsafe { socket(c_int::from(AF_INET), SOCK_DGRAM | SOCK_CLOEXEC, 0) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
-    let r = configure_on(fd, c);
+    let r = f(fd);
     // SAFETY: closing the socket made above.
     unsafe { close(fd) };
     r
+}
+
+/// Brings the loopback interface up (the kernel gives it 127.0.0.1 then): programs in the
+/// guest talk to each other over `localhost` with or without a network device.
+pub(crate) fn loopback_up() -> io::Result<()> {
+    with_socket(|fd| {
+        let mut flags = ifreq_for("lo", SockAddr::inet(Ipv4Addr::UNSPECIFIED));
+        ioctl_on(fd, SIOCGIFFLAGS, &mut flags, "read the flags of lo")?;
+        flags.addr.family |= IFF_UP;
+        ioctl_on(fd, SIOCSIFFLAGS, &mut flags, "bring lo up")
+    })
 }
 
 fn ioctl_on<T>(fd: c_int, req: u64, arg: &mut T, what: &str) -> io::Result<()> {

@@ -10,16 +10,14 @@ const SERIAL_CAP: usize = 256 << 10;
 /// Serial bytes quoted in a boot error.
 const SERIAL_TAIL: usize = 3000;
 
+/// A new sandbox id.
+pub(super) fn new_id() -> String {
+    format!("mvm-{}", &uuid::Uuid::new_v4().simple().to_string()[..20])
+}
+
 /// Refuses what this tier cannot do, before anything is started.
 pub(crate) fn check_spec(spec: &SandboxSpec) -> Result<()> {
     spec.validate()?;
-    if !matches!(spec.network, NetworkPolicy::DenyAll) {
-        return Err(Error::unsupported(
-            TIER,
-            "network access (the microVM has no network device; only the deny-all policy is \
-             offered)",
-        ));
-    }
     if spec.rootfs.is_some() {
         return Err(Error::unsupported(
             TIER,
@@ -289,6 +287,8 @@ impl MicrovmSandbox {
         secrets: ResolvedSecrets,
     ) -> Result<Self> {
         check_spec(spec)?;
+        let enforcer =
+            sandbox_core::egress::enforcer_for(TIER, backend.egress.as_ref(), &spec.network)?;
         let mem_size = guest_memory(spec)?;
         let mut t = TimelineRecorder::start();
         let be = backend.clone();
@@ -307,24 +307,50 @@ impl MicrovmSandbox {
             }
             None => None,
         };
+        let id = new_id();
+        // The network before the VM: its device is part of the machine.
+        let net = match enforcer {
+            Some(e) => {
+                let n = GuestNetwork::attach(e, &id, &spec.network).await?;
+                t.mark(Phase::Network);
+                Some(n)
+            }
+            None => None,
+        };
         let cfg = backend.config.clone();
-        let vcfg = vm_config(mem_size, cfg.vcpus, spec.limits.lifetime(), image.as_ref());
-        let cmdline = sandbox_cmdline(&cfg.cmdline, image.as_ref().map(|i| i.user));
+        let mut vcfg = vm_config(mem_size, cfg.vcpus, spec.limits.lifetime(), image.as_ref());
+        let mut cmdline = sandbox_cmdline(&cfg.cmdline, image.as_ref().map(|i| i.user));
+        if let Some(n) = &net {
+            vcfg.net = Some(n.device());
+            cmdline = format!("{cmdline} {}", n.agent_param());
+        }
         let g = guest.clone();
-        let (vm, agent, mut t) = tokio::task::spawn_blocking(move || {
+        let booted = tokio::task::spawn_blocking(move || {
             boot_guest(&g, &cmdline, cfg.boot_timeout, vcfg, t)
         })
         .await
-        .map_err(join_err)??;
+        .map_err(join_err)
+        .and_then(|r| r);
+        let (vm, agent, mut t) = match booted {
+            Ok(b) => b,
+            Err(e) => {
+                if let Some(mut n) = net {
+                    n.detach().await;
+                }
+                return Err(e);
+            }
+        };
         t.mark(Phase::Runtime);
         Ok(Self::assemble(
             spec.clone(),
             &secrets,
             Boot {
+                id,
                 mem_size,
                 vcpus: backend.config.vcpus,
                 kernel_version: guest.kernel_version,
                 image,
+                net,
             },
             agent,
             Machine::Vm(Arc::new(vm)),
@@ -340,17 +366,24 @@ impl MicrovmSandbox {
         machine: Machine,
         t: TimelineRecorder,
     ) -> Self {
-        let id = format!("mvm-{}", &uuid::Uuid::new_v4().simple().to_string()[..20]);
         let Boot {
+            id,
             mem_size,
             vcpus,
             kernel_version,
             image,
+            net,
         } = boot;
+        let mut env = sandbox_env(&spec, secrets, image.as_ref());
+        if let Some(n) = &net {
+            env.extend(n.env().iter().cloned());
+        }
         MicrovmSandbox {
             inner: Arc::new(Inner {
                 id: id.clone(),
-                env: sandbox_env(&spec, secrets, image.as_ref()),
+                env,
+                egress: net.as_ref().map(|n| Arc::clone(n.enforcer())),
+                net: Mutex::new(net),
                 redactor: secrets.redactor(),
                 spec,
                 mem_size,

@@ -70,8 +70,11 @@ pub(crate) fn disk_identity(path: &std::path::Path) -> Result<(u64, u128)> {
 
 /// What a booted (or restored) VM is: its size, its kernel, its image.
 pub(super) struct Boot {
+    pub id: String,
     pub mem_size: u64,
     pub vcpus: u8,
     pub kernel_version: Option<String>,
     pub image: Option<ImageRoot>,
+    /// The guest's network (policies other than deny-all).
+    pub net: Option<crate::network::GuestNetwork>,
 }

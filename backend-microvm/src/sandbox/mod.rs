@@ -31,6 +31,7 @@ use tokio::sync::{mpsc, RwLock};
 use crate::acpi::VirtioMmioDesc;
 use crate::agent_client::{self, AgentClient, AgentError, ErrorKind, ExitInfo, SOURCE_HASH};
 use crate::boot::{self, BootConfig};
+use crate::network::GuestNetwork;
 use crate::vmm::{BlockConfig, Entry, Vm, VmConfig, VmExit, VmmError};
 use crate::{GuestFiles, MicrovmBackend, MIN_GUEST_MEMORY, TIER};
 use image::{Boot, ImageRoot};
@@ -138,6 +139,10 @@ struct Inner {
     lifecycle: Arc<RwLock<()>>,
     /// Background processes.
     procs: sandbox_core::ProcessTable,
+    /// The enforcer this sandbox is attached to (policies other than deny-all).
+    egress: Option<Arc<dyn sandbox_core::egress::EgressEnforcer>>,
+    /// The guest's network, detached from the enforcer by destroy (or when dropped).
+    net: Mutex<Option<GuestNetwork>>,
 }
 
 impl std::fmt::Debug for MicrovmSandbox {
@@ -414,10 +419,23 @@ impl Sandbox for MicrovmSandbox {
             .await
     }
 
-    async fn network_events(&self) -> Result<Vec<sandbox_core::NetworkEvent>> {
-        // Deny-all only: nothing is ever asked. Gone answers as every other call.
+    async fn set_network_policy(&self, policy: NetworkPolicy) -> Result<()> {
         self.inner.life.check_not_gone()?;
-        Ok(Vec::new())
+        sandbox_core::egress::update_policy(
+            TIER,
+            self.inner.egress.as_deref(),
+            &self.inner.id,
+            &policy,
+        )
+    }
+
+    async fn network_events(&self) -> Result<Vec<sandbox_core::NetworkEvent>> {
+        // Deny-all: nothing is ever asked. Gone answers as every other call.
+        self.inner.life.check_not_gone()?;
+        match &self.inner.egress {
+            Some(e) => e.events(&self.inner.id),
+            None => Ok(Vec::new()),
+        }
     }
 
     async fn destroy(&self) -> Result<()> {
@@ -427,19 +445,25 @@ impl Sandbox for MicrovmSandbox {
             self.inner.life.end("destroyed");
             lock(&self.inner.live).take()
         };
-        let Some(live) = live else {
-            return Ok(());
+        let net = lock(&self.inner.net).take();
+        let r = match live {
+            Some(live) => tokio::task::spawn_blocking(move || {
+                if live.machine.ended().is_none() {
+                    let _ = live.agent.shutdown(SHUTDOWN_WAIT);
+                    live.machine.wait_end(SHUTDOWN_WAIT);
+                }
+                live.machine.kill();
+                drop(live);
+            })
+            .await
+            .map_err(join_err),
+            None => Ok(()),
         };
-        tokio::task::spawn_blocking(move || {
-            if live.machine.ended().is_none() {
-                let _ = live.agent.shutdown(SHUTDOWN_WAIT);
-                live.machine.wait_end(SHUTDOWN_WAIT);
-            }
-            live.machine.kill();
-            drop(live);
-        })
-        .await
-        .map_err(join_err)
+        // The VM is gone: its link to the enforcer goes too.
+        if let Some(mut n) = net {
+            n.detach().await;
+        }
+        r
     }
 }
 
@@ -532,10 +556,12 @@ mod tests {
                 spec,
                 &secrets,
                 Boot {
+                    id: super::super::create::new_id(),
                     mem_size: 64 << 20,
                     vcpus: 1,
                     kernel_version: None,
                     image: None,
+                    net: None,
                 },
                 agent,
                 Machine::Process(Arc::new(Mutex::new(child))),

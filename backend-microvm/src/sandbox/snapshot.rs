@@ -47,6 +47,16 @@ impl MicrovmSandbox {
             .and_then(|v| v.parse().ok())
             .ok_or_else(|| corrupt("metadata `vcpus` is missing or not a number"))?;
         check_spec(&m.spec)?;
+        if m.spec.network != NetworkPolicy::DenyAll {
+            // `snapshot` refuses sandboxes with a network: no such snapshot is ours.
+            return Err(SnapshotError::Incompatible {
+                id: id.clone(),
+                reason: "its spec has a network policy other than deny-all (this tier \
+                         snapshots deny-all sandboxes only)"
+                    .into(),
+            }
+            .into());
+        }
         let mut t = TimelineRecorder::start();
         tokio::task::spawn_blocking(MicrovmBackend::check_kvm)
             .await
@@ -148,10 +158,12 @@ impl MicrovmSandbox {
             m.spec.clone(),
             &secrets,
             Boot {
+                id: super::create::new_id(),
                 mem_size,
                 vcpus,
                 kernel_version: m.metadata.get("kernel_version").cloned(),
                 image,
+                net: None,
             },
             agent,
             Machine::Vm(Arc::new(vm)),
@@ -167,6 +179,16 @@ impl Inner {
     ) -> Result<SnapshotId> {
         let exclusive = Arc::clone(&self.lifecycle).write_owned().await;
         let (_agent, machine) = self.machine_handles()?;
+        // The guest's network device is a TAP bridged to this sandbox's link to the egress
+        // enforcer: a restored copy would need its own link, address and device, which the
+        // restore path does not make yet. Refuse, losing nothing.
+        if self.egress.is_some() {
+            return Err(Error::unsupported(
+                TIER,
+                "snapshots of a sandbox with a network (a policy other than deny-all: its \
+                 device is bound to this sandbox's link to the egress enforcer)",
+            ));
+        }
         // A background process talks to its handle over the agent channel as it runs (a
         // `Spawn` stays in flight): the restored VM's agent would go on with a channel that
         // no handle reads. Refuse, losing nothing.
