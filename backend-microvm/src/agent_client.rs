@@ -509,6 +509,26 @@ impl AgentClient {
         })
     }
 
+    /// Opens a connection to `port` on the guest's loopback (see [`proto::Request::Connect`]):
+    /// what the guest's server sends comes as [`ExecEvent::Stdout`] from
+    /// [`ExecHandle::next_event`] (give it back with [`grant`](Self::grant), or it stops
+    /// after `window` bytes), [`input`](Self::input) sends to it,
+    /// [`close_input`](Self::close_input) half-closes, [`ExecHandle::kill`] aborts; the
+    /// [`ExecEvent::Exit`] comes once the server closed its side. [`ErrorKind::NotFound`]:
+    /// nothing accepts on that port.
+    pub fn start_connect(&self, port: u16, window: u32) -> Result<ExecHandle, AgentError> {
+        let call = self.start(&Request::Connect { port, window })?;
+        match call.recv(Some(SPAWN_TIMEOUT))? {
+            Response::Ok => {}
+            r => return Err(unexpected(&r)),
+        }
+        Ok(ExecHandle {
+            call,
+            deadline: None,
+            done: false,
+        })
+    }
+
     /// Writes `data` to the input of background process `target` (in frames of at most
     /// [`proto::WRITE_CHUNK`]); returns once the agent has written it.
     /// [`ErrorKind::NotFound`]: the process ended or its input is closed.

@@ -607,9 +607,11 @@ impl Backend for MicrovmBackend {
         c.streaming = true;
         c.persistent_state = true;
         // Through the guest agent: background processes (flow-controlled output), terminals
-        // from the guest's /dev/pts. Ports need the VM's network, which it has not yet.
+        // from the guest's /dev/pts, and published ports (connections the agent opens to the
+        // guest's loopback: no network device needed).
         c.processes = true;
         c.tty = true;
+        c.publish = true;
         // The guest's RAM is the memory limit; the agent enforces wall time and output, the
         // VMM the lifetime. CPU time, pids, open files and disk (`disk_bytes`) are bounded by
         // the VM as a whole (its vCPUs and RAM), not per command: not listed.

@@ -206,6 +206,65 @@ fn debian_kernel_boots_our_initramfs_and_the_agent_serves() {
     };
     assert_eq!(exit.code, Some(3), "{exit:?}");
 
+    // A published port's path: a server on the guest's loopback (busybox httpd serving the
+    // workspace, no network device), reached through the agent's `Connect`.
+    let _httpd = c
+        .start_spawn(
+            &ExecRequest {
+                argv: ["httpd", "-f", "-p", "127.0.0.1:8080", "-h", "/workspace"]
+                    .map(String::from)
+                    .to_vec(),
+                env: vec![],
+                cwd: String::new(),
+                stdin: vec![],
+                timeout_ms: 0,
+                max_output: 0,
+            },
+            None,
+            1 << 20,
+        )
+        .unwrap();
+    let start = Instant::now();
+    let mut conn = loop {
+        match c.start_connect(8080, 1 << 20) {
+            Ok(h) => break h,
+            Err(AgentError::Remote { .. }) if start.elapsed() < Duration::from_secs(30) => {
+                std::thread::sleep(Duration::from_millis(100))
+            }
+            Err(e) => panic!("connect to the guest's httpd: {e}"),
+        }
+    };
+    let target = conn.id();
+    c.input(target, b"GET /sub/note.txt HTTP/1.0\r\n\r\n", CALL)
+        .unwrap();
+    c.close_input(target, CALL).unwrap();
+    let mut page = String::new();
+    loop {
+        match conn.next_event().unwrap() {
+            ExecEvent::Stdout(b) => {
+                page.push_str(&String::from_utf8_lossy(&b));
+                c.grant(target, 1 << 16).unwrap();
+            }
+            ExecEvent::Stderr(_) => {}
+            ExecEvent::Exit(e) => {
+                assert_eq!(e.code, Some(0), "{e:?}");
+                break;
+            }
+        }
+    }
+    assert!(
+        page.starts_with("HTTP/1.") && page.contains(" 200 "),
+        "{page}"
+    );
+    assert!(page.ends_with("hello guest"), "{page}");
+    // Nothing on a port: refused, typed.
+    match c.start_connect(8081, 1 << 20) {
+        Err(AgentError::Remote { kind, .. }) => {
+            assert_eq!(kind, backend_microvm::agent_client::ErrorKind::NotFound)
+        }
+        other => panic!("{other:?}"),
+    }
+
     // Shutdown powers the guest off: QEMU exits by itself.
     shut_down(&mut qemu, &c);
 }

@@ -271,7 +271,12 @@ pub(crate) fn exec(st: &State, id: u32, x: ExecRequest, spawn: Option<(Option<(u
             let (c, tty) = (chan.clone(), master.is_some());
             let writer = thread::spawn(move || {
                 if let Some(w) = w {
-                    interactive::input_thread(w, tty, stdin, rx, c);
+                    let sink = if tty {
+                        interactive::Sink::Tty(w)
+                    } else {
+                        interactive::Sink::Pipe(w)
+                    };
+                    interactive::input_thread(sink, stdin, rx, c);
                 }
             });
             drop(in_w);

@@ -1,5 +1,7 @@
 //! Background processes (`Spawn`): their input, kept open for `Input` frames; their output
-//! window, refilled by the host's `Grant`s; and their terminal, when they have one.
+//! window, refilled by the host's `Grant`s; and their terminal, when they have one. And
+//! connections to the guest's loopback for published ports (`Connect`), driven the same way:
+//! the server's bytes are the output, the host's are the input.
 //!
 //! Flow control: an exec's output is always read by the host, but a background process's
 //! may not be (an agent that starts a server and never looks at its log). The agent sends
@@ -10,12 +12,13 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, Write};
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::net::{Ipv4Addr, Ipv6Addr, Shutdown, TcpStream};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 
-use crate::proto::{ErrorKind, Response, FRAME_COST};
-use crate::{c_int, lock, Chan};
+use crate::proto::{ErrorKind, ExitInfo, Response, FRAME_COST};
+use crate::{c_int, lock, Chan, State};
 
 extern "C" {
     fn posix_openpt(flags: c_int) -> c_int;
@@ -171,16 +174,28 @@ pub(crate) struct Spawned {
 /// Background processes by spawn request id.
 pub(crate) type Table = Arc<Mutex<HashMap<u32, Arc<Spawned>>>>;
 
+/// Where a process's (or connection's) input goes.
+pub(crate) enum Sink {
+    /// A pipe: closing the input drops it.
+    Pipe(File),
+    /// A terminal: closing the input types Ctrl-D; the terminal stays open for output.
+    Tty(File),
+    /// A connection: closing the input half-closes it (the server reads its end).
+    Socket(TcpStream),
+}
+
+impl Sink {
+    fn write_all(&mut self, data: &[u8]) -> io::Result<()> {
+        match self {
+            Sink::Pipe(f) | Sink::Tty(f) => f.write_all(data),
+            Sink::Socket(s) => s.write_all(data),
+        }
+    }
+}
+
 /// The input thread of a process: `first` (the request's stdin), then every `Input` frame
-/// in order, each answered once written. `tty`: the input is a terminal (closing it types
-/// Ctrl-D; the terminal stays open for output).
-pub(crate) fn input_thread(
-    mut w: File,
-    tty: bool,
-    first: Vec<u8>,
-    rx: mpsc::Receiver<Input>,
-    chan: Chan,
-) {
+/// in order, each answered once written.
+pub(crate) fn input_thread(mut w: Sink, first: Vec<u8>, rx: mpsc::Receiver<Input>, chan: Chan) {
     let mut open = w.write_all(&first).is_ok();
     while let Ok(msg) = rx.recv() {
         match msg {
@@ -198,17 +213,93 @@ pub(crate) fn input_thread(
                     }
                 }
             }
-            Input::Close(reply) => {
-                if tty {
+            Input::Close(reply) => match &mut w {
+                Sink::Tty(_) => {
                     let _ = w.write_all(&[VEOF_CHAR]);
                     chan.send(reply, &Response::Ok);
-                    continue;
                 }
-                chan.send(reply, &Response::Ok);
-                // Dropping the pipe is the end of input; nothing more can be written.
-                return;
-            }
+                Sink::Socket(s) => {
+                    let _ = s.shutdown(Shutdown::Write);
+                    chan.send(reply, &Response::Ok);
+                    return;
+                }
+                Sink::Pipe(_) => {
+                    chan.send(reply, &Response::Ok);
+                    // Dropping the pipe is the end of input; nothing more can be written.
+                    return;
+                }
+            },
         }
+    }
+}
+
+/// Open connections (`Connect`): request id -> the stream, for `Kill` to abort.
+pub(crate) type Conns = Arc<Mutex<HashMap<u32, TcpStream>>>;
+
+/// Serves `Connect` request `id`: connects to `port` on the loopback, registers the
+/// connection like a background process (input, window), forwards what the server sends
+/// within the window, and reports `Exit` once the server has closed its side.
+pub(crate) fn connect(st: &State, id: u32, port: u16, window: u32) {
+    let chan = &st.chan;
+    let stream = TcpStream::connect((Ipv4Addr::LOCALHOST, port))
+        .or_else(|_| TcpStream::connect((Ipv6Addr::LOCALHOST, port)));
+    let stream = match stream {
+        Ok(s) => s,
+        Err(e) => {
+            return chan.error(
+                id,
+                ErrorKind::NotFound,
+                format!("connect to port {port} in the guest: {e}"),
+            )
+        }
+    };
+    let _ = stream.set_nodelay(true);
+    let clones = (stream.try_clone(), stream.try_clone());
+    let (Ok(writer), Ok(abort)) = clones else {
+        return chan.error(id, ErrorKind::Io, "duplicate the connection's socket");
+    };
+    let (tx, rx) = mpsc::channel();
+    let p = Arc::new(Spawned {
+        input: Mutex::new(Some(tx)),
+        tty: None,
+        window: Arc::new(Window::new(window)),
+    });
+    lock(&st.spawned).insert(id, Arc::clone(&p));
+    lock(&st.conns).insert(id, abort);
+    chan.send(id, &Response::Ok);
+    let c = chan.clone();
+    let input = std::thread::Builder::new()
+        .spawn(move || input_thread(Sink::Socket(writer), Vec::new(), rx, c));
+    if input.is_err() {
+        // No input thread: the connection carries the server's side only.
+        lock(&st.spawned).remove(&id);
+    }
+    let read_side = File::from(OwnedFd::from(stream));
+    pump_windowed(read_side, chan.clone(), id, false, Arc::clone(&p.window));
+    // The server closed its side (or the connection was aborted): the input thread ends
+    // once its queue is gone; its last write, if any, fails or completes on its own.
+    lock(&st.spawned).remove(&id);
+    if let Some(s) = lock(&st.conns).remove(&id) {
+        let _ = s.shutdown(Shutdown::Both);
+    }
+    drop(p);
+    chan.send(
+        id,
+        &Response::Exit(ExitInfo {
+            code: Some(0),
+            ..ExitInfo::default()
+        }),
+    );
+}
+
+/// Aborts connection `id`, if it is open.
+pub(crate) fn abort_connection(conns: &Conns, id: u32) -> bool {
+    match lock(conns).get(&id) {
+        Some(s) => {
+            let _ = s.shutdown(Shutdown::Both);
+            true
+        }
+        None => false,
     }
 }
 

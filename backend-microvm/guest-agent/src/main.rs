@@ -315,8 +315,11 @@ struct State {
     procs: Arc<(Mutex<Procs>, Condvar)>,
     /// Running execs and background processes: request id -> process group id.
     running: Arc<Mutex<HashMap<u32, i32>>>,
-    /// Background processes: request id -> their input, terminal and output window.
+    /// Background processes (and connections): request id -> their input, terminal and
+    /// output window.
     spawned: interactive::Table,
+    /// Connections to the guest's loopback (`Connect`), for `Kill`.
+    conns: interactive::Conns,
 }
 
 fn serve(
@@ -340,6 +343,7 @@ fn serve(
         procs: Arc::new((Mutex::new(Procs::default()), Condvar::new())),
         running: Arc::new(Mutex::new(HashMap::new())),
         spawned: Arc::new(Mutex::new(HashMap::new())),
+        conns: Arc::new(Mutex::new(HashMap::new())),
     });
     let procs = st.procs.clone();
     thread::spawn(move || reaper(&procs));
@@ -501,7 +505,18 @@ fn serve(
                         unsafe { kill(-pg, SIGKILL) };
                         st.chan.send(id, &Response::Ok);
                     }
+                    None if interactive::abort_connection(&st.conns, target) => {
+                        st.chan.send(id, &Response::Ok);
+                    }
                     None => st.chan.error(id, ErrorKind::NotFound, "no such exec"),
+                }
+            }
+            Request::Connect { port, window } => {
+                let st2 = st.clone();
+                let spawned = thread::Builder::new()
+                    .spawn(move || interactive::connect(&st2, id, port, window));
+                if let Err(e) = spawned {
+                    st.chan.error(id, ErrorKind::Io, format!("thread: {e}"));
                 }
             }
             Request::Shutdown => {

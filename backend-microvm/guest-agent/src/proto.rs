@@ -26,7 +26,11 @@ use std::io::{self, Read};
 pub const SOURCE_HASH: u64 = fnv1a(include_bytes!("proto.rs"))
     ^ fnv1a(include_bytes!("main.rs"))
     ^ fnv1a(include_bytes!("root.rs"))
-    ^ fnv1a(include_bytes!("interactive.rs"));
+    ^ fnv1a(include_bytes!("interactive.rs"))
+    ^ fnv1a(include_bytes!("exec.rs"))
+    ^ fnv1a(include_bytes!("files.rs"))
+    ^ fnv1a(include_bytes!("net.rs"))
+    ^ fnv1a(include_bytes!("setup.rs"));
 
 const fn fnv1a(b: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -69,6 +73,7 @@ const K_CLOSE_INPUT: u8 = 10;
 const K_SIGNAL: u8 = 11;
 const K_RESIZE: u8 = 12;
 const K_GRANT: u8 = 13;
+const K_CONNECT: u8 = 14;
 // Response kinds (guest -> host).
 const K_STDOUT: u8 = 64;
 const K_STDERR: u8 = 65;
@@ -132,8 +137,9 @@ pub enum Request {
     /// Kill every process and power the guest off (reboot in the guest, which the VMM treats
     /// as the end of the VM); answered by `Ok` first. In test mode the agent just exits.
     Shutdown,
-    /// Kill the process group of the exec with request id `target`: answered by `Ok`, or
-    /// `Error(NotFound)` if it is not running.
+    /// Kill the process group of the exec (or spawn) with request id `target`, or abort the
+    /// connection `Connect` opened with that id: answered by `Ok`, or `Error(NotFound)` if
+    /// it is not running.
     Kill {
         /// Request id of the exec to kill.
         target: u32,
@@ -187,13 +193,27 @@ pub enum Request {
         /// Columns.
         cols: u16,
     },
-    /// Lets the agent send `bytes` more output of the process spawned by request `target`.
+    /// Lets the agent send `bytes` more output of the process spawned by request `target`
+    /// (or of the connection opened by it).
     /// Not answered (an unknown target is ignored: the process may just have ended).
     Grant {
-        /// Request id of the `Spawn`.
+        /// Request id of the `Spawn` or `Connect`.
         target: u32,
         /// More bytes of window.
         bytes: u32,
+    },
+    /// Opens a TCP connection to `port` on the guest's loopback (127.0.0.1, else `::1`), for
+    /// a port published on the host: answered by `Ok` once connected, or by
+    /// `Error(NotFound)` when nothing accepts there. Then it is driven like a `Spawn`
+    /// without a terminal: what the guest's server sends comes as `Stdout` chunks within the
+    /// window (`Grant`), `Input` frames go to the server, `CloseInput` half-closes the
+    /// connection (the server reads its end), `Kill` aborts it; one `Exit` (code 0) once the
+    /// server has closed its side and all it sent was forwarded.
+    Connect {
+        /// The port inside the guest.
+        port: u16,
+        /// Bytes the agent may send before the first `Grant`.
+        window: u32,
     },
 }
 
@@ -557,6 +577,11 @@ impl Request {
                 e.u32(*target);
                 e.u32(*bytes);
             }
+            Request::Connect { port, window } => {
+                e = Enc::frame(K_CONNECT, id);
+                e.u32(u32::from(*port));
+                e.u32(*window);
+            }
             Request::WriteFile {
                 path,
                 mode,
@@ -622,6 +647,10 @@ impl Request {
             K_GRANT => Request::Grant {
                 target: d.u32()?,
                 bytes: d.u32()?,
+            },
+            K_CONNECT => Request::Connect {
+                port: d.u16()?,
+                window: d.u32()?,
             },
             K_WRITE => Request::WriteFile {
                 path: d.str()?,
@@ -871,6 +900,10 @@ mod tests {
             Request::Grant {
                 target: 3,
                 bytes: 65536,
+            },
+            Request::Connect {
+                port: 8080,
+                window: 1 << 17,
             },
         ]
     }

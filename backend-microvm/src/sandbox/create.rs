@@ -384,6 +384,7 @@ impl MicrovmSandbox {
                 env,
                 egress: net.as_ref().map(|n| Arc::clone(n.enforcer())),
                 net: Mutex::new(net),
+                ports: sandbox_core::Ports::new(),
                 redactor: secrets.redactor(),
                 spec,
                 mem_size,

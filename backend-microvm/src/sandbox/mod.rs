@@ -12,6 +12,7 @@ mod create;
 mod exec;
 mod image;
 pub(crate) mod memfile;
+mod ports;
 mod process;
 mod snapshot;
 
@@ -143,6 +144,8 @@ struct Inner {
     egress: Option<Arc<dyn sandbox_core::egress::EgressEnforcer>>,
     /// The guest's network, detached from the enforcer by destroy (or when dropped).
     net: Mutex<Option<GuestNetwork>>,
+    /// Published ports (through the agent), closed when the sandbox ends.
+    ports: sandbox_core::Ports,
 }
 
 impl std::fmt::Debug for MicrovmSandbox {
@@ -206,6 +209,7 @@ impl Inner {
     /// Ends the sandbox for `reason` (the first reason sticks) and kills the VM.
     fn teardown(&self, reason: &str) -> Option<Live> {
         self.life.end(reason);
+        self.ports.clear();
         let live = lock(&self.live).take();
         if let Some(l) = &live {
             l.machine.kill();
@@ -367,6 +371,25 @@ impl Sandbox for MicrovmSandbox {
         self.inner.procs.signal(id, signal).await
     }
 
+    async fn publish(
+        &self,
+        sandbox_port: u16,
+        host: std::net::SocketAddr,
+    ) -> Result<std::net::SocketAddr> {
+        let dialer = self.inner.dialer()?;
+        self.inner.ports.publish(sandbox_port, host, dialer).await
+    }
+
+    async fn unpublish(&self, host: std::net::SocketAddr) -> Result<()> {
+        self.inner.life.check_not_gone()?;
+        self.inner.ports.unpublish(host)
+    }
+
+    async fn published(&self) -> Result<Vec<sandbox_core::PublishedPort>> {
+        self.inner.life.check_not_gone()?;
+        Ok(self.inner.ports.list())
+    }
+
     async fn write_file(&self, path: &str, data: &[u8]) -> Result<()> {
         let (wp, rel) = guest_path(path)?;
         if wp.is_root() {
@@ -443,6 +466,7 @@ impl Sandbox for MicrovmSandbox {
         // live parts joins the VM's threads and the agent client's reader.
         let live = {
             self.inner.life.end("destroyed");
+            self.inner.ports.clear();
             lock(&self.inner.live).take()
         };
         let net = lock(&self.inner.net).take();
