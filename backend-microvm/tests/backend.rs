@@ -6,14 +6,18 @@
 //! `Unsupported`, the capabilities are honest, snapshots from elsewhere are refused.
 //!
 //! The second group is the full Linux-guest path (boot, agent, exec, env, secrets, files,
-//! limits, streaming, snapshot/restore, pause, teardown). It runs where the probe reports
+//! limits, streaming, snapshot/restore, pause, teardown, the network through the real egress
+//! enforcer, published ports). It runs where the probe reports
 //! hardware-speed guest kernel mode and skips elsewhere, printing the probe's reason. Its guest
 //! comes from `MICROVM_GUEST_DIR` if set (a cache prepared by `agent-sandbox install
 //! microvm-guest`), else it is prepared once (Debian's kernel via `apt-get download`) in a
 //! directory under the system temp dir, shared with `tests/linux_guest.rs`.
 
+#[path = "common/egress.rs"]
+mod egress;
+
 use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use backend_microvm::guest::install::{self, InstallOptions, Verify};
@@ -817,4 +821,128 @@ async fn the_lifetime_limit_stops_the_vm() {
         other => panic!("{other:?}"),
     }
     s.destroy().await.unwrap();
+}
+
+/// The network through the real egress enforcer, from inside the guest (busybox `wget` and
+/// `nslookup`): the guest side of this is also tested under QEMU (`tests/qemu_network.rs`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allowlisted_sandbox_reaches_only_what_its_policy_allows() {
+    let _one = linux_vm_or_skip!();
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIP: the egress enforcer needs root");
+        return;
+    }
+    let port = egress::http_server().await;
+    let veth = egress::enforcer();
+    let b = MicrovmBackend::builder()
+        .guest_dir(guest_dir())
+        .egress(Arc::new(veth.clone()))
+        .build()
+        .unwrap();
+    let mut spec = shell_spec();
+    spec.network = egress::allow(&["allowed.test"]);
+    let s = b.create(&spec, ResolvedSecrets::none()).await.unwrap();
+    assert!(s
+        .timeline()
+        .phases
+        .iter()
+        .any(|p| p.phase == sandbox_core::Phase::Network));
+    let wget = |url: String, proxy: bool| {
+        let unset = if proxy {
+            ""
+        } else {
+            "unset http_proxy HTTP_PROXY; "
+        };
+        ExecRequest::code(format!("{unset}timeout 20 wget -q -O - {url}"))
+    };
+    let allowed = format!("http://allowed.test:{port}/");
+    let r = s.exec(wget(allowed.clone(), true)).await.unwrap();
+    assert_eq!(r.exit_code, Some(0), "{}{}", r.stdout_str(), r.stderr_str());
+    assert_eq!(r.stdout_str(), format!("hello allowed.test:{port}"));
+    for (url, proxy) in [
+        (format!("http://other.test:{port}/"), true),
+        ("http://169.254.169.254/latest/meta-data/".to_string(), true),
+        (format!("http://10.201.0.9:{port}/"), false),
+    ] {
+        let r = s.exec(wget(url.clone(), proxy)).await.unwrap();
+        assert_ne!(r.exit_code, Some(0), "{url}: {}", r.stdout_str());
+    }
+    let events = s.network_events().await.unwrap();
+    assert!(events
+        .iter()
+        .any(|e| e.host.as_deref() == Some("allowed.test") && e.allowed));
+    assert!(events
+        .iter()
+        .any(|e| e.host.as_deref() == Some("other.test") && !e.allowed));
+    s.set_network_policy(egress::allow(&["allowed.test", "other.test"]))
+        .await
+        .unwrap();
+    let r = s
+        .exec(wget(format!("http://other.test:{port}/"), true))
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, Some(0), "after the update: {}", r.stderr_str());
+    // Snapshots of a sandbox with a network are refused, losing nothing.
+    let dir = tempfile::tempdir().unwrap();
+    let store = ObjectSnapshotStore::local(dir.path()).unwrap();
+    let e = s.snapshot(&store).await.unwrap_err();
+    assert!(matches!(e, Error::Unsupported { .. }), "{e}");
+    assert_eq!(
+        s.exec(ExecRequest::code("echo alive"))
+            .await
+            .unwrap()
+            .stdout,
+        b"alive\n"
+    );
+    s.destroy().await.unwrap();
+    assert!(veth.links().await.unwrap().is_empty(), "the link is gone");
+}
+
+/// A web server in a deny-all guest (no network device), reached from the host through a
+/// published port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_published_port_reaches_a_server_in_a_deny_all_guest() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let _one = linux_vm_or_skip!();
+    let s = create(&shell_spec()).await;
+    s.write_file("index.html", b"from the guest").await.unwrap();
+    let _server = s
+        .spawn(ExecRequest::argv([
+            "httpd",
+            "-f",
+            "-p",
+            "127.0.0.1:8080",
+            "-h",
+            "/workspace",
+        ]))
+        .await
+        .unwrap();
+    let at = s
+        .publish(8080, "127.0.0.1:0".parse().unwrap())
+        .await
+        .unwrap();
+    let mut page = String::new();
+    for _ in 0..50 {
+        let mut c = tokio::net::TcpStream::connect(at).await.unwrap();
+        c.write_all(b"GET /index.html HTTP/1.0\r\n\r\n")
+            .await
+            .unwrap();
+        page.clear();
+        c.read_to_string(&mut page).await.unwrap();
+        if !page.is_empty() {
+            break;
+        }
+        // The server is not up yet: the connection closed empty.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(page.ends_with("from the guest"), "{page}");
+    // The guest still cannot get out.
+    let r = s
+        .exec(ExecRequest::code("timeout 5 wget -q -O - http://10.0.2.2/"))
+        .await
+        .unwrap();
+    assert_ne!(r.exit_code, Some(0));
+    s.destroy().await.unwrap();
+    assert!(tokio::net::TcpStream::connect(at).await.is_err());
 }
