@@ -338,6 +338,19 @@ impl AgentClient {
         })
     }
 
+    /// The id the next request will get.
+    pub fn next_id(&self) -> u32 {
+        self.inner.next_id.load(Ordering::Relaxed)
+    }
+
+    /// Makes this client's request ids start at `first` at least: for a client on a restored
+    /// guest, whose agent may still answer requests of the snapshotted client (ids below
+    /// `first`); their frames then find no request and are dropped, never taken for a new
+    /// request's.
+    pub fn skip_ids_below(&self, first: u32) {
+        self.inner.next_id.fetch_max(first, Ordering::Relaxed);
+    }
+
     fn check_hash(found: u64) -> Result<(), AgentError> {
         if found == SOURCE_HASH {
             Ok(())

@@ -385,6 +385,7 @@ impl MicrovmSandbox {
                 egress: net.as_ref().map(|n| Arc::clone(n.enforcer())),
                 net: Mutex::new(net),
                 ports: sandbox_core::Ports::new(),
+                connections: Default::default(),
                 redactor: secrets.redactor(),
                 spec,
                 mem_size,

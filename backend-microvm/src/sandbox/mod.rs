@@ -146,6 +146,8 @@ struct Inner {
     net: Mutex<Option<GuestNetwork>>,
     /// Published ports (through the agent), closed when the sandbox ends.
     ports: sandbox_core::Ports,
+    /// The request ids of their open connections.
+    connections: Arc<Mutex<std::collections::BTreeSet<u32>>>,
 }
 
 impl std::fmt::Debug for MicrovmSandbox {

@@ -28,6 +28,8 @@ const INPUT_TIMEOUT: Duration = Duration::from_secs(60);
 /// Opens connections into the guest through its agent.
 pub(super) struct AgentDialer {
     pub(super) agent: AgentClient,
+    /// The open connections' request ids (a snapshot is refused while there are any).
+    pub(super) open: Arc<Mutex<std::collections::BTreeSet<u32>>>,
 }
 
 #[async_trait]
@@ -45,14 +47,23 @@ impl Dialer for AgentDialer {
                 other => io::Error::other(other.to_string()),
             })?;
         let target = handle.id();
+        lock(&self.open).insert(target);
         let (ours, theirs) = tokio::io::duplex(PIPE);
         let (mut from_client, to_client) = tokio::io::split(theirs);
         // The server's bytes, towards the client: a thread, as the agent client blocks.
         let rt = tokio::runtime::Handle::current();
         let agent = self.agent.clone();
-        std::thread::Builder::new()
+        let open = Arc::clone(&self.open);
+        let started = std::thread::Builder::new()
             .name(format!("microvm-port-{port}"))
-            .spawn(move || server_to_client(&rt, &agent, handle, to_client))?;
+            .spawn(move || {
+                server_to_client(&rt, &agent, handle, to_client);
+                lock(&open).remove(&target);
+            });
+        if let Err(e) = started {
+            lock(&self.open).remove(&target);
+            return Err(e);
+        }
         // The client's bytes, towards the server.
         let agent = self.agent.clone();
         tokio::spawn(async move {
@@ -121,7 +132,15 @@ impl Inner {
     /// A dialer into this sandbox, while it runs.
     pub(super) fn dialer(&self) -> Result<Arc<dyn Dialer>> {
         let (agent, _) = self.handles()?;
-        Ok(Arc::new(AgentDialer { agent }))
+        Ok(Arc::new(AgentDialer {
+            agent,
+            open: Arc::clone(&self.connections),
+        }))
+    }
+
+    /// The open published-port connections, for a snapshot's refusal.
+    pub(super) fn open_connections(&self) -> usize {
+        lock(&self.connections).len()
     }
 }
 
@@ -257,6 +276,48 @@ mod tests {
             .unwrap();
         assert_eq!(got.len(), N);
         assert!(got.iter().all(|b| *b == 7));
+        s.destroy().await.unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_snapshot_is_refused_while_a_connection_is_open() {
+        let (s, _ws) = sandbox(spec());
+        let dir = tempfile::tempdir().unwrap();
+        let store = sandbox_core::ObjectSnapshotStore::local(dir.path()).unwrap();
+        let port = echo_after_eof().await;
+        let at = s.publish(port, ANY.parse().unwrap()).await.unwrap();
+        let mut c = TcpStream::connect(at).await.unwrap();
+        c.write_all(b"x").await.unwrap();
+        // Open (the server waits for our end): refused, naming why.
+        let mut why = String::new();
+        for _ in 0..100 {
+            match s.snapshot(&store).await.unwrap_err() {
+                Error::Unsupported { what, .. } if what.contains("published port") => {
+                    why = what;
+                    break;
+                }
+                _ => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+        assert!(why.contains("open connections (1"), "{why}");
+        // Closed: the snapshot goes past that check (to this test agent's own refusal).
+        c.shutdown().await.unwrap();
+        let mut rest = Vec::new();
+        c.read_to_end(&mut rest).await.unwrap();
+        assert_eq!(rest, b"got:1:x");
+        let mut last = String::new();
+        for _ in 0..250 {
+            match s.snapshot(&store).await.unwrap_err() {
+                Error::Unsupported { what, .. } if what.contains("published port") => {
+                    tokio::time::sleep(Duration::from_millis(20)).await
+                }
+                e => {
+                    last = e.to_string();
+                    break;
+                }
+            }
+        }
+        assert!(last.contains("host-process test agent"), "{last}");
         s.destroy().await.unwrap();
     }
 

@@ -5,6 +5,11 @@ use super::create::{boot_failure, check_spec, vm_config};
 use super::image::{META_DISK_MTIME, META_DISK_SIZE};
 use super::*;
 
+/// Snapshot metadata: the agent client's next request id. A restored client starts there:
+/// requests that were in flight (answered by the restored agent) never share an id with
+/// new ones.
+const META_NEXT_ID: &str = "agent_next_id";
+
 /// Snapshot metadata: the manifest digest of the image the guest's root came from.
 const META_IMAGE_DIGEST: &str = "image_digest";
 
@@ -122,6 +127,13 @@ impl MicrovmSandbox {
         .map_err(join_err)??;
         t.mark(Phase::Filesystem);
         let vcfg = vm_config(mem_size, vcpus, m.spec.limits.lifetime(), image.as_ref());
+        // Snapshots from before this was recorded had nothing in flight but the requests of
+        // the snapshot itself: any id past a generous margin is new.
+        let next_id: u32 = m
+            .metadata
+            .get(META_NEXT_ID)
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1 << 20);
         let snap_id = id.clone();
         let (vm, agent) = tokio::task::spawn_blocking(move || -> Result<(Vm, AgentClient)> {
             let restored = Vm::restore(dir.path(), vcfg);
@@ -146,6 +158,7 @@ impl MicrovmSandbox {
                 .ok_or_else(|| Error::backend(TIER, "the restored VM has no virtio console"))?;
             let agent = AgentClient::new(console)
                 .map_err(|e| boot_failure(&vm, "starting the agent client", &e.to_string()))?;
+            agent.skip_ids_below(next_id);
             agent
                 .ping(PING_TIMEOUT)
                 .map_err(|e| boot_failure(&vm, "the restored guest's agent", &e.to_string()))?;
@@ -178,7 +191,7 @@ impl Inner {
         store: &dyn SnapshotStore,
     ) -> Result<SnapshotId> {
         let exclusive = Arc::clone(&self.lifecycle).write_owned().await;
-        let (_agent, machine) = self.machine_handles()?;
+        let (agent, machine) = self.machine_handles()?;
         // The guest's network device is a TAP bridged to this sandbox's link to the egress
         // enforcer: a restored copy would need its own link, address and device, which the
         // restore path does not make yet. Refuse, losing nothing.
@@ -200,6 +213,18 @@ impl Inner {
                      on the agent channel, which a restored VM cannot carry on): stop process \
                      {} first",
                     running
+                ),
+            ));
+        }
+        // A published port's connection is a `Connect` in flight on the same channel.
+        let open = self.open_connections();
+        if open > 0 {
+            return Err(Error::unsupported(
+                TIER,
+                format!(
+                    "snapshots while a published port has open connections ({open}: they \
+                     travel on the agent channel, which a restored VM cannot carry on); close \
+                     them first"
                 ),
             ));
         }
@@ -245,6 +270,7 @@ impl Inner {
         .meta("mem_size", self.mem_size.to_string())
         .meta("vcpus", self.vcpus.to_string())
         .meta("agent_hash", format!("{SOURCE_HASH:016x}"))
+        .meta(META_NEXT_ID, agent.next_id().to_string())
         .meta("sandbox_id", self.id.clone());
         if let Some(v) = &self.kernel_version {
             draft = draft.meta("kernel_version", v.clone());
