@@ -264,6 +264,25 @@ fn send_all(stream: &UnixStream, mut buf: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
+/// Fills `buf` from the kernel's random generator.
+fn getrandom(buf: &mut [u8]) -> io::Result<()> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        let rest = buf.get_mut(filled..).unwrap_or_default();
+        // SAFETY: writes at most `rest.len()` bytes into a buffer we own.
+        let n = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
+        if n < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        filled += n.unsigned_abs();
+    }
+    Ok(())
+}
+
 /// [`AgentError::TooLarge`] for a request whose stdin cannot be framed.
 fn check_stdin(req: &ExecRequest) -> Result<(), AgentError> {
     if req.stdin.len() > proto::MAX_STDIN {
@@ -540,6 +559,36 @@ impl AgentClient {
             deadline: None,
             done: false,
         })
+    }
+
+    /// Gives the guest a fresh identity (see [`proto::Request::Refresh`]): `hostname`, 64
+    /// bytes from this host's random generator mixed into the guest's and a reseed, and this
+    /// host's wall clock.
+    pub fn refresh(&self, hostname: &str, timeout: Duration) -> Result<(), AgentError> {
+        let unix_nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX));
+        self.refresh_at(hostname, unix_nanos, timeout)
+    }
+
+    /// [`refresh`](Self::refresh) with the wall clock set to `unix_nanos` (nanoseconds since
+    /// the Unix epoch) instead of this host's.
+    pub fn refresh_at(
+        &self,
+        hostname: &str,
+        unix_nanos: u64,
+        timeout: Duration,
+    ) -> Result<(), AgentError> {
+        let mut entropy = vec![0u8; 64];
+        getrandom(&mut entropy)?;
+        self.answered(
+            &Request::Refresh {
+                hostname: hostname.to_owned(),
+                entropy,
+                unix_nanos,
+            },
+            timeout,
+        )
     }
 
     /// Writes `data` to the input of background process `target` (in frames of at most

@@ -70,6 +70,14 @@
 //! starts. The sandbox waits for its in-flight agent calls before it snapshots, so no request
 //! is cut in half on the channel.
 //!
+//! Every sandbox, booted or restored, gets a fresh identity from the agent's `Refresh`
+//! before it is handed out: its id as hostname, 64 bytes of this host's randomness mixed into
+//! the guest's pool and its generator reseeded, and this host's wall clock. Copies restored
+//! from one snapshot would otherwise share the snapshot's random state (the same "random"
+//! keys and nonces in every copy), clock and name. A snapshot is refused while a background
+//! process runs or a published port has open connections (both travel on the agent channel);
+//! a restored agent client starts its request ids after the snapshotted one's.
+//!
 //! ## What this host can run
 //! [`probe::probe_kvm`] runs the same tiny loop at CPL 3 and at CPL 0 in throwaway VMs (each
 //! bounded by a deadline: the probe never hangs) and compares. On hosts with hardware

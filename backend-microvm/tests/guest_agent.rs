@@ -468,6 +468,27 @@ fn malformed_frames_get_errors_and_the_agent_goes_on() {
     assert!(rest.is_empty());
 }
 
+/// `Refresh` changes the system's hostname, random state and clock: an agent that is not
+/// pid 1 (this test's, on the host) refuses it and changes nothing.
+#[test]
+fn refresh_is_refused_outside_a_guest() {
+    let a = spawn();
+    let before = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    match a.client.refresh("mvm-not-on-the-host", T) {
+        Err(AgentError::Remote { kind, message }) => {
+            assert_eq!(kind, ErrorKind::Invalid);
+            assert!(message.contains("pid 1"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap(),
+        before
+    );
+    // The agent goes on.
+    a.client.ping(T).unwrap();
+}
+
 #[test]
 fn shutdown_ends_the_agent_and_the_client_sees_it() {
     let mut a = spawn();

@@ -206,6 +206,29 @@ fn debian_kernel_boots_our_initramfs_and_the_agent_serves() {
     };
     assert_eq!(exit.code, Some(3), "{exit:?}");
 
+    // A fresh identity (what every booted or restored sandbox gets): hostname, random
+    // state, clock. The clock first set to 2030, then to this host's.
+    c.refresh_at("mvm-qemu-test", 1_893_456_000_000_000_000, CALL)
+        .unwrap();
+    let (code, out, err) = exec(&c, &["sh", "-c", "hostname; date -u +%Y"], &[]);
+    assert_eq!(
+        (code, out.as_str()),
+        (Some(0), "mvm-qemu-test\n2030\n"),
+        "{err}"
+    );
+    c.refresh("mvm-qemu-test-2", CALL).unwrap();
+    let (_, out, _) = exec(&c, &["date", "+%s"], &[]);
+    let guest: u64 = out.trim().parse().unwrap();
+    let host = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    assert!(guest.abs_diff(host) < 30, "guest {guest}, host {host}");
+    match c.refresh("bad name", CALL) {
+        Err(AgentError::Remote { message, .. }) => assert!(message.contains("hostname")),
+        other => panic!("{other:?}"),
+    }
+
     // A published port's path: a server on the guest's loopback (busybox httpd serving the
     // workspace, no network device), reached through the agent's `Connect`.
     let _httpd = c

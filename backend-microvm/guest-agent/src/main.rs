@@ -58,12 +58,15 @@
 //! - `root`: an image's disk as the overlay root, and `agent.user`.
 //! - `net`: `agent.net=`, the guest's `eth0`, its route and `resolv.conf`.
 //! - `exec`: a command's start, its output pumps and its exit.
-//! - `interactive`: background processes (input, signals, terminals, output windows).
+//! - `identity`: a fresh hostname, random state and clock (`Refresh`).
+//! - `interactive`: background processes (input, signals, terminals, output windows) and
+//!   connections to the guest's loopback (published ports).
 //! - `files`: write, read and list, confined to the workspace.
 //! - `proto`: the wire format, shared with the host.
 
 mod exec;
 mod files;
+mod identity;
 mod interactive;
 mod net;
 #[path = "proto.rs"]
@@ -509,6 +512,25 @@ fn serve(
                         st.chan.send(id, &Response::Ok);
                     }
                     None => st.chan.error(id, ErrorKind::NotFound, "no such exec"),
+                }
+            }
+            Request::Refresh {
+                hostname,
+                entropy,
+                unix_nanos,
+            } => {
+                if !pid1 {
+                    st.chan.error(
+                        id,
+                        ErrorKind::Invalid,
+                        "refresh changes the system's hostname, random state and clock: only \
+                         as pid 1 in a guest",
+                    );
+                } else {
+                    match identity::refresh(&hostname, &entropy, unix_nanos) {
+                        Ok(()) => st.chan.send(id, &Response::Ok),
+                        Err(m) => st.chan.error(id, ErrorKind::Io, m),
+                    }
                 }
             }
             Request::Connect { port, window } => {

@@ -30,7 +30,8 @@ pub const SOURCE_HASH: u64 = fnv1a(include_bytes!("proto.rs"))
     ^ fnv1a(include_bytes!("exec.rs"))
     ^ fnv1a(include_bytes!("files.rs"))
     ^ fnv1a(include_bytes!("net.rs"))
-    ^ fnv1a(include_bytes!("setup.rs"));
+    ^ fnv1a(include_bytes!("setup.rs"))
+    ^ fnv1a(include_bytes!("identity.rs"));
 
 const fn fnv1a(b: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -74,6 +75,7 @@ const K_SIGNAL: u8 = 11;
 const K_RESIZE: u8 = 12;
 const K_GRANT: u8 = 13;
 const K_CONNECT: u8 = 14;
+const K_REFRESH: u8 = 15;
 // Response kinds (guest -> host).
 const K_STDOUT: u8 = 64;
 const K_STDERR: u8 = 65;
@@ -214,6 +216,20 @@ pub enum Request {
         port: u16,
         /// Bytes the agent may send before the first `Grant`.
         window: u32,
+    },
+    /// Gives the guest a fresh identity, for a sandbox just booted or restored from a
+    /// snapshot (whose copies would otherwise share the snapshot's random state, clock and
+    /// name): sets the hostname, mixes `entropy` into the kernel's pool and reseeds its
+    /// random generator (`RNDADDENTROPY`, `RNDRESEEDCRNG`), and sets the wall clock. Answered
+    /// by `Ok`, or `Error` naming the step that failed. Only as pid 1 (in a guest): a test
+    /// agent on a host answers `Error(Invalid)`.
+    Refresh {
+        /// The new hostname (1-64 of `[A-Za-z0-9-]`).
+        hostname: String,
+        /// Random bytes from the host (at most 512).
+        entropy: Vec<u8>,
+        /// The host's wall clock, nanoseconds since the Unix epoch.
+        unix_nanos: u64,
     },
 }
 
@@ -582,6 +598,16 @@ impl Request {
                 e.u32(u32::from(*port));
                 e.u32(*window);
             }
+            Request::Refresh {
+                hostname,
+                entropy,
+                unix_nanos,
+            } => {
+                e = Enc::frame(K_REFRESH, id);
+                e.str(hostname);
+                e.bytes(entropy);
+                e.u64(*unix_nanos);
+            }
             Request::WriteFile {
                 path,
                 mode,
@@ -651,6 +677,11 @@ impl Request {
             K_CONNECT => Request::Connect {
                 port: d.u16()?,
                 window: d.u32()?,
+            },
+            K_REFRESH => Request::Refresh {
+                hostname: d.str()?,
+                entropy: d.bytes()?.to_vec(),
+                unix_nanos: d.u64()?,
             },
             K_WRITE => Request::WriteFile {
                 path: d.str()?,
@@ -904,6 +935,11 @@ mod tests {
             Request::Connect {
                 port: 8080,
                 window: 1 << 17,
+            },
+            Request::Refresh {
+                hostname: "mvm-0123".into(),
+                entropy: vec![9; 64],
+                unix_nanos: 1_700_000_000_000_000_000,
             },
         ]
     }

@@ -325,8 +325,14 @@ impl MicrovmSandbox {
             cmdline = format!("{cmdline} {}", n.agent_param());
         }
         let g = guest.clone();
+        let name = id.clone();
         let booted = tokio::task::spawn_blocking(move || {
-            boot_guest(&g, &cmdline, cfg.boot_timeout, vcfg, t)
+            let (vm, agent, t) = boot_guest(&g, &cmdline, cfg.boot_timeout, vcfg, t)?;
+            // Its own name, and host entropy from the start (a fresh guest has little).
+            agent
+                .refresh(&name, PING_TIMEOUT)
+                .map_err(|e| boot_failure(&vm, "giving the guest its identity", &e.to_string()))?;
+            Ok((vm, agent, t))
         })
         .await
         .map_err(join_err)

@@ -135,6 +135,8 @@ impl MicrovmSandbox {
             .and_then(|v| v.parse().ok())
             .unwrap_or(1 << 20);
         let snap_id = id.clone();
+        let sandbox_id = super::create::new_id();
+        let name = sandbox_id.clone();
         let (vm, agent) = tokio::task::spawn_blocking(move || -> Result<(Vm, AgentClient)> {
             let restored = Vm::restore(dir.path(), vcfg);
             // The memory file is mapped copy-on-write: the mapping keeps its pages, the
@@ -162,6 +164,15 @@ impl MicrovmSandbox {
             agent
                 .ping(PING_TIMEOUT)
                 .map_err(|e| boot_failure(&vm, "the restored guest's agent", &e.to_string()))?;
+            // A copy of the snapshot: its own name, random state and clock, not the
+            // snapshot's (which every other copy also has).
+            agent.refresh(&name, PING_TIMEOUT).map_err(|e| {
+                boot_failure(
+                    &vm,
+                    "giving the restored guest its identity",
+                    &e.to_string(),
+                )
+            })?;
             Ok((vm, agent))
         })
         .await
@@ -171,7 +182,7 @@ impl MicrovmSandbox {
             m.spec.clone(),
             &secrets,
             Boot {
-                id: super::create::new_id(),
+                id: sandbox_id,
                 mem_size,
                 vcpus,
                 kernel_version: m.metadata.get("kernel_version").cloned(),
