@@ -88,37 +88,7 @@ fn gvisor(e: &VethEnforcer) -> DynBackend {
 
 /// An HTTP server on loopback answering `hello <Host header>`.
 async fn http_server() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = l.local_addr().unwrap().port();
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = l.accept().await {
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 4096];
-                let mut n = 0;
-                while !buf[..n].windows(4).any(|w| w == b"\r\n\r\n") && n < buf.len() {
-                    match s.read(&mut buf[n..]).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(k) => n += k,
-                    }
-                }
-                let head = String::from_utf8_lossy(&buf[..n]).to_string();
-                let host = head
-                    .lines()
-                    .find_map(|l| l.strip_prefix("Host: ").or(l.strip_prefix("host: ")))
-                    .unwrap_or("?")
-                    .trim()
-                    .to_string();
-                let body = format!("hello {host}");
-                let reply = format!(
-                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = s.write_all(reply.as_bytes()).await;
-                let _ = s.shutdown().await;
-            });
-        }
-    });
-    port
+    sandbox_egress::testing::hello_server().await.unwrap()
 }
 
 /// A TLS server on loopback for `allowed.test` (certificate from a test CA) answering

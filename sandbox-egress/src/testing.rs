@@ -1,5 +1,6 @@
 //! Parts for tests of code that goes through the proxy (ours and our users'): a throwaway
-//! certificate authority and an HTTPS echo server behind it, on loopback.
+//! certificate authority and an HTTPS echo server behind it, and a plain HTTP server, on
+//! loopback.
 //!
 //! A test gives the CA to the proxy as an upstream root
 //! ([`ProxyConfig::upstream_roots`](crate::ProxyConfig::upstream_roots)), so intercepted
@@ -196,4 +197,45 @@ where
             return;
         }
     }
+}
+
+/// Starts a plain-HTTP server on `127.0.0.1` that answers each connection's request with
+/// `hello <its Host header>` and closes, on the current tokio runtime (it runs until the
+/// runtime ends); returns its port. What a test behind the proxy fetches to see which name
+/// reached the upstream.
+///
+/// # Errors
+/// When the port cannot be bound.
+pub async fn hello_server() -> io::Result<u16> {
+    let l = TcpListener::bind("127.0.0.1:0").await?;
+    let port = l.local_addr()?.port();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 4096];
+                let mut n = 0;
+                while memchr::memmem::find(&buf[..n], b"\r\n\r\n").is_none() && n < buf.len() {
+                    match s.read(&mut buf[n..]).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(k) => n += k,
+                    }
+                }
+                let head = String::from_utf8_lossy(&buf[..n]).to_string();
+                let host = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("Host: ").or(l.strip_prefix("host: ")))
+                    .unwrap_or("?")
+                    .trim()
+                    .to_string();
+                let body = format!("hello {host}");
+                let reply = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                let _ = s.write_all(reply.as_bytes()).await;
+                let _ = s.shutdown().await;
+            });
+        }
+    });
+    Ok(port)
 }
