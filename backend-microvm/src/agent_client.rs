@@ -561,6 +561,53 @@ impl AgentClient {
         })
     }
 
+    /// Holds every frame of the agent until [`release`](Self::release) (see
+    /// [`proto::Request::Hold`]); returns once the agent's last frame before the hold (its
+    /// `Ok`) is here.
+    pub fn hold(&self, timeout: Duration) -> Result<(), AgentError> {
+        self.answered(&Request::Hold, timeout)
+    }
+
+    /// Ends a [`hold`](Self::hold).
+    pub fn release(&self, timeout: Duration) -> Result<(), AgentError> {
+        self.answered(&Request::Release, timeout)
+    }
+
+    /// Takes over request `target` that another client (of a snapshot this guest was
+    /// restored from) started: its further frames come to the returned handle. Use
+    /// [`skip_ids_below`](Self::skip_ids_below) first, so no new request shares the id.
+    pub fn adopt(&self, target: u32) -> Result<ExecHandle, AgentError> {
+        let shared = &self.inner.shared;
+        if lock(&shared.broken).is_some() {
+            return Err(shared.broken());
+        }
+        if target == 0 || target >= self.next_id() {
+            return Err(AgentError::Protocol(format!(
+                "cannot adopt request {target}: not below this client's next id {}",
+                self.next_id()
+            )));
+        }
+        let (tx, rx) = mpsc::sync_channel(QUEUE_FRAMES);
+        {
+            let mut pending = lock(&shared.pending);
+            if pending.contains_key(&target) {
+                return Err(AgentError::Protocol(format!(
+                    "request {target} is already followed"
+                )));
+            }
+            pending.insert(target, tx);
+        }
+        Ok(ExecHandle {
+            call: Call {
+                client: self.clone(),
+                id: target,
+                rx,
+            },
+            deadline: None,
+            done: false,
+        })
+    }
+
     /// Gives the guest a fresh identity (see [`proto::Request::Refresh`]): `hostname`, 64
     /// bytes from this host's random generator mixed into the guest's and a reseed, and this
     /// host's wall clock.
@@ -807,6 +854,12 @@ impl ExecHandle {
                 Err(unexpected(&r))
             }
         }
+    }
+
+    /// Stops following the request without ending it (dropping the handle kills the
+    /// command): its further frames are dropped here, and the command goes on in the guest.
+    pub fn detach(mut self) {
+        self.done = true;
     }
 
     /// Kills the command's process group.

@@ -74,9 +74,11 @@
 //! before it is handed out: its id as hostname, 64 bytes of this host's randomness mixed into
 //! the guest's pool and its generator reseeded, and this host's wall clock. Copies restored
 //! from one snapshot would otherwise share the snapshot's random state (the same "random"
-//! keys and nonces in every copy), clock and name. A snapshot is refused while a background
-//! process runs or a published port has open connections (both travel on the agent channel);
-//! a restored agent client starts its request ids after the snapshotted one's.
+//! keys and nonces in every copy), clock and name. Background processes are kept: the agent
+//! holds its output while the VM is saved, the snapshot records them, and a restored copy's
+//! client (whose request ids start after the snapshotted one's) adopts them and releases the
+//! hold (docs/interactive.md). A snapshot is refused while a published port has open
+//! connections.
 //!
 //! ## What this host can run
 //! [`probe::probe_kvm`] runs the same tiny loop at CPL 3 and at CPL 0 in throwaway VMs (each

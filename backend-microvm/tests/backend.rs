@@ -955,3 +955,56 @@ async fn a_published_port_reaches_a_server_in_a_deny_all_guest() {
     }
     assert!(closed, "still listening after destroy");
 }
+
+/// A snapshot keeps the background processes: the original's go on with their handles, and
+/// a restored copy runs them on, listed and signalled (their output there is dropped: nobody
+/// holds their handles).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_keeps_background_processes_in_both_copies() {
+    let _one = linux_vm_or_skip!();
+    let dir = tempfile::tempdir().unwrap();
+    let store = ObjectSnapshotStore::local(dir.path()).unwrap();
+    let s = create(&shell_spec()).await;
+    let mut p = s
+        .spawn(ExecRequest::code(
+            "i=0; while :; do i=$((i+1)); echo $i > /workspace/n; echo tick; sleep 0.05; done",
+        ))
+        .await
+        .unwrap();
+    let id = s.snapshot(&store).await.unwrap();
+    // The original's process and handle go on.
+    let mut seen = String::new();
+    while !seen.contains("tick") {
+        match tokio::time::timeout(Duration::from_secs(30), p.next()).await {
+            Ok(Some(Ok(ExecEvent::Stdout(b)))) => seen.push_str(&String::from_utf8_lossy(&b)),
+            other => panic!("{other:?}"),
+        }
+    }
+    let r = backend()
+        .restore(&store, &id, ResolvedSecrets::none())
+        .await
+        .unwrap();
+    let listed = r.processes().await.unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].state, sandbox_core::ProcessState::Running);
+    let read = |d: Vec<u8>| -> u64 { String::from_utf8(d).unwrap().trim().parse().unwrap() };
+    let first = read(r.read_file("n").await.unwrap());
+    r.exec(ExecRequest::argv(["sleep", "0.5"])).await.unwrap();
+    assert!(read(r.read_file("n").await.unwrap()) > first, "it runs on");
+    r.signal(listed[0].id, sandbox_core::Signal::Kill)
+        .await
+        .unwrap();
+    let mut ended = false;
+    for _ in 0..100 {
+        if r.processes().await.unwrap()[0].state != sandbox_core::ProcessState::Running {
+            ended = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(ended, "the restored process did not end");
+    r.destroy().await.unwrap();
+    p.signal(sandbox_core::Signal::Kill).await.unwrap();
+    assert_eq!(p.wait(None).await.unwrap().exit_code, Some(137));
+    s.destroy().await.unwrap();
+}

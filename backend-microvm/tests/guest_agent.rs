@@ -468,6 +468,108 @@ fn malformed_frames_get_errors_and_the_agent_goes_on() {
     assert!(rest.is_empty());
 }
 
+/// The host end of an agent's channel handed from one client to the next, as a restore
+/// does (the restored VM's console gets a new host stream; the guest sees nothing change):
+/// bytes from the agent go to the current client's stream, each client's bytes to the agent.
+struct Relay {
+    agent: UnixStream,
+    current: std::sync::Arc<std::sync::Mutex<Option<UnixStream>>>,
+}
+
+impl Relay {
+    fn new(agent: UnixStream) -> Relay {
+        let current: std::sync::Arc<std::sync::Mutex<Option<UnixStream>>> = Default::default();
+        let (mut from_agent, to) = (agent.try_clone().unwrap(), current.clone());
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 65536];
+            while let Ok(n @ 1..) = from_agent.read(&mut buf) {
+                if let Some(c) = to.lock().unwrap().as_mut() {
+                    let _ = c.write_all(&buf[..n]);
+                }
+            }
+        });
+        Relay { agent, current }
+    }
+
+    /// A new client's stream; the previous client's is no longer written to.
+    fn attach(&self) -> UnixStream {
+        let (client, mut mine) = UnixStream::pair().unwrap();
+        *self.current.lock().unwrap() = Some(mine.try_clone().unwrap());
+        let mut to_agent = self.agent.try_clone().unwrap();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 65536];
+            while let Ok(n @ 1..) = mine.read(&mut buf) {
+                if to_agent.write_all(&buf[..n]).is_err() {
+                    return;
+                }
+            }
+        });
+        client
+    }
+}
+
+/// What a snapshot with a background process does to the channel (the VM snapshot aside):
+/// the agent holds its output (`Hold`), the client goes, a new one (a restored sandbox's)
+/// starts its ids after the old ones, adopts the running process and releases the hold; the
+/// process's output comes to it, and a signal ends it.
+#[test]
+fn a_held_channel_is_taken_over_by_a_new_client() {
+    let (mut child, ours, _ws) = spawn_raw();
+    let relay = Relay::new(ours);
+    let a = AgentClient::new(relay.attach()).unwrap();
+    a.wait_ready(T).unwrap();
+    let mut ticker = a
+        .start_spawn(
+            &req(&["sh", "-c", "while :; do echo tick; sleep 0.05; done"]),
+            None,
+            1 << 20,
+        )
+        .unwrap();
+    assert!(matches!(ticker.next_event().unwrap(), ExecEvent::Stdout(_)));
+    let target = ticker.id();
+    a.hold(T).unwrap();
+    let next = a.next_id();
+    // Held: nothing comes any more, though the process runs on.
+    std::thread::sleep(Duration::from_millis(300));
+    ticker.detach();
+    drop(a);
+
+    let b = AgentClient::new(relay.attach()).unwrap();
+    b.skip_ids_below(next);
+    assert!(b.adopt(next).is_err(), "an id the old client never used");
+    let mut adopted = b.adopt(target).unwrap();
+    assert!(b.adopt(target).is_err(), "adopted twice");
+    b.grant(target, 1 << 20).unwrap();
+    // Still held: requests are carried out, their answers wait for the release.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let b2 = b.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(b2.exec(&req(&["echo", "after-release"])));
+    });
+    assert!(
+        rx.recv_timeout(Duration::from_millis(300)).is_err(),
+        "an answer came through the hold"
+    );
+    b.release(T).unwrap();
+    let out = rx.recv_timeout(T).unwrap().unwrap();
+    assert_eq!(out.stdout, b"after-release\n");
+    match adopted.next_event().unwrap() {
+        ExecEvent::Stdout(d) => assert!(String::from_utf8_lossy(&d).contains("tick")),
+        other => panic!("{other:?}"),
+    }
+    b.signal(target, 9, T).unwrap();
+    let exit = loop {
+        match adopted.next_event().unwrap() {
+            ExecEvent::Exit(e) => break e,
+            _ => b.grant(target, 1 << 16).unwrap(),
+        }
+    };
+    assert_eq!(exit.signal, Some(9), "{exit:?}");
+    b.ping(T).unwrap();
+    b.shutdown(T).unwrap();
+    assert_eq!(child.wait().unwrap().code(), Some(0));
+}
+
 /// `Refresh` changes the system's hostname, random state and clock: an agent that is not
 /// pid 1 (this test's, on the host) refuses it and changes nothing.
 #[test]

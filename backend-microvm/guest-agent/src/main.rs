@@ -280,15 +280,65 @@ fn main() {
 // ---------------------------------------------------------------------------------------------
 // the protocol loop
 
-/// Writes whole frames to the channel, one at a time.
+/// Writes whole frames to the channel, one at a time. `Hold` closes a gate behind its answer:
+/// nothing more is written until `Release` opens it (the host snapshots the VM in between, so
+/// no frame is cut at the snapshot, and a restored agent sends nothing before its new host
+/// is ready for it).
 #[derive(Clone)]
-struct Chan(Arc<Mutex<File>>);
+struct Chan(Arc<(Mutex<ChanState>, Condvar)>);
+
+struct ChanState {
+    file: File,
+    held: bool,
+}
 
 impl Chan {
+    fn new(file: File) -> Chan {
+        Chan(Arc::new((
+            Mutex::new(ChanState { file, held: false }),
+            Condvar::new(),
+        )))
+    }
+
+    /// Waits while the gate is closed, then writes the frame.
+    fn open_state(&self) -> MutexGuard<'_, ChanState> {
+        let (m, cv) = &*self.0;
+        let mut g = lock(m);
+        while g.held {
+            g = cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+        g
+    }
+
     fn send(&self, id: u32, r: &Response) {
         let frame = r.encode(id);
-        let mut f = lock(&self.0);
-        let _ = f.write_all(&frame);
+        let mut g = self.open_state();
+        let _ = g.file.write_all(&frame);
+    }
+
+    /// Sends `r` and closes the gate behind it.
+    fn send_and_hold(&self, id: u32, r: &Response) {
+        let frame = r.encode(id);
+        let mut g = self.open_state();
+        let _ = g.file.write_all(&frame);
+        g.held = true;
+    }
+
+    /// Opens the gate.
+    fn release(&self) {
+        let (m, cv) = &*self.0;
+        lock(m).held = false;
+        cv.notify_all();
+    }
+
+    /// Opens the gate and sends `r` before anything that waited.
+    fn release_and_send(&self, id: u32, r: &Response) {
+        let frame = r.encode(id);
+        let (m, cv) = &*self.0;
+        let mut g = lock(m);
+        g.held = false;
+        let _ = g.file.write_all(&frame);
+        cv.notify_all();
     }
     fn error(&self, id: u32, kind: ErrorKind, message: impl Into<String>) {
         self.send(
@@ -340,7 +390,7 @@ fn serve(
         }
     };
     let st = Arc::new(State {
-        chan: Chan(Arc::new(Mutex::new(chan))),
+        chan: Chan::new(chan),
         workspace,
         user,
         procs: Arc::new((Mutex::new(Procs::default()), Condvar::new())),
@@ -541,7 +591,11 @@ fn serve(
                     st.chan.error(id, ErrorKind::Io, format!("thread: {e}"));
                 }
             }
+            Request::Hold => st.chan.send_and_hold(id, &Response::Ok),
+            Request::Release => st.chan.release_and_send(id, &Response::Ok),
             Request::Shutdown => {
+                // A held channel is opened: the answer must reach the host.
+                st.chan.release();
                 for p in lock(&st.spawned).values() {
                     p.window.close();
                 }

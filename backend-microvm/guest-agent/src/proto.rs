@@ -76,6 +76,8 @@ const K_RESIZE: u8 = 12;
 const K_GRANT: u8 = 13;
 const K_CONNECT: u8 = 14;
 const K_REFRESH: u8 = 15;
+const K_HOLD: u8 = 16;
+const K_RELEASE: u8 = 17;
 // Response kinds (guest -> host).
 const K_STDOUT: u8 = 64;
 const K_STDERR: u8 = 65;
@@ -217,6 +219,14 @@ pub enum Request {
         /// Bytes the agent may send before the first `Grant`.
         window: u32,
     },
+    /// Holds every frame of the agent from now on (`Ok` is the last one) until `Release`:
+    /// the host snapshots the VM in between, so no frame is cut by the snapshot and a
+    /// restored agent sends nothing before its new host is ready (its background processes
+    /// block on their output meanwhile). Requests are still read and carried out; their
+    /// answers wait. `Shutdown` releases it.
+    Hold,
+    /// Ends a `Hold`: answered by `Ok` first, then what waited goes out.
+    Release,
     /// Gives the guest a fresh identity, for a sandbox just booted or restored from a
     /// snapshot (whose copies would otherwise share the snapshot's random state, clock and
     /// name): sets the hostname, mixes `entropy` into the kernel's pool and reseeds its
@@ -630,6 +640,8 @@ impl Request {
                 e.str(path);
             }
             Request::Ping => e = Enc::frame(K_PING, id),
+            Request::Hold => e = Enc::frame(K_HOLD, id),
+            Request::Release => e = Enc::frame(K_RELEASE, id),
             Request::Shutdown => e = Enc::frame(K_SHUTDOWN, id),
             Request::Kill { target } => {
                 e = Enc::frame(K_KILL, id);
@@ -695,6 +707,8 @@ impl Request {
             },
             K_LIST => Request::List { path: d.str()? },
             K_PING => Request::Ping,
+            K_HOLD => Request::Hold,
+            K_RELEASE => Request::Release,
             K_SHUTDOWN => Request::Shutdown,
             K_KILL => Request::Kill { target: d.u32()? },
             _ => return Err(Malformed),
@@ -899,6 +913,8 @@ mod tests {
                 path: String::new(),
             },
             Request::Ping,
+            Request::Hold,
+            Request::Release,
             Request::Shutdown,
             Request::Kill { target: 42 },
             Request::Spawn {

@@ -392,6 +392,7 @@ impl MicrovmSandbox {
                 net: Mutex::new(net),
                 ports: sandbox_core::Ports::new(),
                 connections: Default::default(),
+                background: Default::default(),
                 redactor: secrets.redactor(),
                 spec,
                 mem_size,

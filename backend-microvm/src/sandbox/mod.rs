@@ -148,6 +148,9 @@ struct Inner {
     ports: sandbox_core::Ports,
     /// The request ids of their open connections.
     connections: Arc<Mutex<std::collections::BTreeSet<u32>>>,
+    /// Running background processes by spawn request id: command line, terminal (what a
+    /// snapshot records, for the restored copy to adopt them).
+    background: Mutex<BTreeMap<u32, (String, bool)>>,
 }
 
 impl std::fmt::Debug for MicrovmSandbox {

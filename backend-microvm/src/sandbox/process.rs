@@ -108,45 +108,102 @@ impl Inner {
             .map_err(join_err)?
             .map_err(|e| self.fail(e, None))?;
         drop(shared);
-        let id = self.procs.start(command_line(&req.command));
+        let (tx, rx) = mpsc::channel(QUEUE);
+        let command = command_line(&req.command);
+        let (id, control) = match self.follow(agent, handle, command, tty.is_some(), tx) {
+            Ok(f) => f,
+            Err((control, id, e)) => {
+                // The process runs but nothing would read it: end it.
+                let _ = tokio::task::spawn_blocking(move || {
+                    control.agent.signal(control.target, 9, CONTROL_TIMEOUT)
+                })
+                .await;
+                self.procs.exited(id, None);
+                return Err(Error::io("start the process's output thread", e));
+            }
+        };
+        Ok(Process::new(id, rx, control, self.spec.limits.output_bytes))
+    }
+
+    /// Lists `handle`'s process in the table and starts the thread that moves its output to
+    /// `tx` (dropped when nobody listens) and records its exit.
+    #[allow(clippy::type_complexity)]
+    fn follow(
+        self: &Arc<Self>,
+        agent: AgentClient,
+        handle: agent_client::ExecHandle,
+        command: String,
+        tty: bool,
+        tx: mpsc::Sender<Result<ExecEvent>>,
+    ) -> std::result::Result<
+        (ProcessId, Arc<dyn ProcessControl>),
+        (Arc<Control>, ProcessId, std::io::Error),
+    > {
+        let id = self.procs.start(command.clone());
+        let target = handle.id();
         let control = Arc::new(Control {
             id,
-            target: handle.id(),
+            target,
             agent: agent.clone(),
-            tty: tty.is_some(),
+            tty,
             ended: AtomicBool::new(false),
         });
         self.procs
             .attach(id, Arc::clone(&control) as Arc<dyn ProcessControl>);
-        let (tx, rx) = mpsc::channel(QUEUE);
+        lock(&self.background).insert(target, (command, tty));
         let me = Arc::clone(self);
         let c = Arc::clone(&control);
-        let handle_ctl = Arc::clone(&control) as Arc<dyn ProcessControl>;
         let spawned = std::thread::Builder::new()
             .name(format!("microvm-proc-{id}"))
             .spawn(move || {
                 let last = forward(&agent, handle, &me.redactor, &tx);
                 c.ended.store(true, Ordering::SeqCst);
+                lock(&me.background).remove(&target);
                 let last = last.map_err(|e| me.fail(e, None));
                 me.procs
                     .exited(id, last.as_ref().ok().and_then(|r| r.exit_code));
                 let _ = tx.blocking_send(last.map(ExecEvent::Exit));
             });
-        if let Err(e) = spawned {
-            // The process runs but nothing would read it: end it.
-            let _ = tokio::task::spawn_blocking(move || {
-                control.agent.signal(control.target, 9, CONTROL_TIMEOUT)
-            })
-            .await;
-            self.procs.exited(id, None);
-            return Err(Error::io("start the process's output thread", e));
+        match spawned {
+            Ok(_) => Ok((id, control as Arc<dyn ProcessControl>)),
+            Err(e) => {
+                lock(&self.background).remove(&target);
+                Err((control, id, e))
+            }
         }
-        Ok(Process::new(
-            id,
-            rx,
-            handle_ctl,
-            self.spec.limits.output_bytes,
-        ))
+    }
+
+    /// The background processes a restored guest's agent still runs (recorded by the
+    /// snapshot, their requests adopted by the new client): listed, signalled and resized as
+    /// before; nobody holds their handles, so their output is read and dropped. Their window
+    /// is given again (what was in flight at the snapshot is not coming back).
+    pub(super) fn adopt_processes(
+        self: &Arc<Self>,
+        agent: &AgentClient,
+        adopted: Vec<(agent_client::ExecHandle, String, bool)>,
+    ) -> Result<()> {
+        for (handle, command, tty) in adopted {
+            let target = handle.id();
+            let (tx, rx) = mpsc::channel(1);
+            // Nobody reads: the output is dropped as it comes.
+            drop(rx);
+            if let Err((_, id, e)) = self.follow(agent.clone(), handle, command, tty, tx) {
+                self.procs.exited(id, None);
+                return Err(Error::io("start a restored process's output thread", e));
+            }
+            agent
+                .grant(target, WINDOW)
+                .map_err(|e| map_agent_error(e, None))?;
+        }
+        Ok(())
+    }
+
+    /// The running background processes, as a snapshot records them.
+    pub(super) fn background_processes(&self) -> Vec<(u32, String, bool)> {
+        lock(&self.background)
+            .iter()
+            .map(|(t, (c, tty))| (*t, c.clone(), *tty))
+            .collect()
     }
 }
 

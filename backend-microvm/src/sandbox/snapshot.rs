@@ -10,8 +10,17 @@ use super::*;
 /// new ones.
 const META_NEXT_ID: &str = "agent_next_id";
 
+/// Snapshot metadata: the background processes running when it was taken, as JSON
+/// `[[spawn request id, command line, terminal], ...]`; the agent's output was held while
+/// the VM was saved, and a restored copy adopts them and releases it.
+const META_PROCESSES: &str = "processes";
+
 /// Snapshot metadata: the manifest digest of the image the guest's root came from.
 const META_IMAGE_DIGEST: &str = "image_digest";
+
+/// A restored guest's background processes, their requests taken over by the new client:
+/// handle, command line, terminal.
+type Adopted = Vec<(agent_client::ExecHandle, String, bool)>;
 
 /// Snapshot artifact: the VMM's versioned state file.
 pub(crate) const STATE_ARTIFACT: &str = "vm-state.json";
@@ -134,51 +143,71 @@ impl MicrovmSandbox {
             .get(META_NEXT_ID)
             .and_then(|v| v.parse().ok())
             .unwrap_or(1 << 20);
+        let processes: Vec<(u32, String, bool)> = match m.metadata.get(META_PROCESSES) {
+            Some(v) => serde_json::from_str(v)
+                .map_err(|e| corrupt(&format!("metadata `{META_PROCESSES}`: {e}")))?,
+            None => Vec::new(),
+        };
         let snap_id = id.clone();
         let sandbox_id = super::create::new_id();
         let name = sandbox_id.clone();
-        let (vm, agent) = tokio::task::spawn_blocking(move || -> Result<(Vm, AgentClient)> {
-            let restored = Vm::restore(dir.path(), vcfg);
-            // The memory file is mapped copy-on-write: the mapping keeps its pages, the
-            // directory is not needed any more.
-            drop(dir);
-            let mut vm = restored.map_err(|e| match e {
-                VmmError::SnapshotCorrupt(what) => SnapshotError::Corrupt {
-                    id: snap_id.clone(),
-                    what,
+        let (vm, agent, adopted) =
+            tokio::task::spawn_blocking(move || -> Result<(Vm, AgentClient, Adopted)> {
+                let restored = Vm::restore(dir.path(), vcfg);
+                // The memory file is mapped copy-on-write: the mapping keeps its pages, the
+                // directory is not needed any more.
+                drop(dir);
+                let mut vm = restored.map_err(|e| match e {
+                    VmmError::SnapshotCorrupt(what) => SnapshotError::Corrupt {
+                        id: snap_id.clone(),
+                        what,
+                    }
+                    .into(),
+                    VmmError::SnapshotIncompatible(reason) => SnapshotError::Incompatible {
+                        id: snap_id.clone(),
+                        reason,
+                    }
+                    .into(),
+                    other => Error::from(other),
+                })?;
+                let console = vm
+                    .take_console()
+                    .ok_or_else(|| Error::backend(TIER, "the restored VM has no virtio console"))?;
+                let agent = AgentClient::new(console)
+                    .map_err(|e| boot_failure(&vm, "starting the agent client", &e.to_string()))?;
+                agent.skip_ids_below(next_id);
+                // The snapshot's processes: followed before the held output is released.
+                let mut adopted = Vec::new();
+                for (target, command, tty) in &processes {
+                    let h = agent.adopt(*target).map_err(|e| {
+                        boot_failure(&vm, "adopting the restored processes", &e.to_string())
+                    })?;
+                    adopted.push((h, command.clone(), *tty));
                 }
-                .into(),
-                VmmError::SnapshotIncompatible(reason) => SnapshotError::Incompatible {
-                    id: snap_id.clone(),
-                    reason,
+                if !processes.is_empty() {
+                    agent.release(PING_TIMEOUT).map_err(|e| {
+                        boot_failure(&vm, "the restored guest's agent", &e.to_string())
+                    })?;
                 }
-                .into(),
-                other => Error::from(other),
-            })?;
-            let console = vm
-                .take_console()
-                .ok_or_else(|| Error::backend(TIER, "the restored VM has no virtio console"))?;
-            let agent = AgentClient::new(console)
-                .map_err(|e| boot_failure(&vm, "starting the agent client", &e.to_string()))?;
-            agent.skip_ids_below(next_id);
-            agent
-                .ping(PING_TIMEOUT)
-                .map_err(|e| boot_failure(&vm, "the restored guest's agent", &e.to_string()))?;
-            // A copy of the snapshot: its own name, random state and clock, not the
-            // snapshot's (which every other copy also has).
-            agent.refresh(&name, PING_TIMEOUT).map_err(|e| {
-                boot_failure(
-                    &vm,
-                    "giving the restored guest its identity",
-                    &e.to_string(),
-                )
-            })?;
-            Ok((vm, agent))
-        })
-        .await
-        .map_err(join_err)??;
+                agent
+                    .ping(PING_TIMEOUT)
+                    .map_err(|e| boot_failure(&vm, "the restored guest's agent", &e.to_string()))?;
+                // A copy of the snapshot: its own name, random state and clock, not the
+                // snapshot's (which every other copy also has).
+                agent.refresh(&name, PING_TIMEOUT).map_err(|e| {
+                    boot_failure(
+                        &vm,
+                        "giving the restored guest its identity",
+                        &e.to_string(),
+                    )
+                })?;
+                Ok((vm, agent, adopted))
+            })
+            .await
+            .map_err(join_err)??;
         t.mark(Phase::Restore);
-        Ok(Self::assemble(
+        let follow = agent.clone();
+        let sb = Self::assemble(
             m.spec.clone(),
             &secrets,
             Boot {
@@ -192,7 +221,9 @@ impl MicrovmSandbox {
             agent,
             Machine::Vm(Arc::new(vm)),
             t,
-        ))
+        );
+        sb.inner.adopt_processes(&follow, adopted)?;
+        Ok(sb)
     }
 }
 
@@ -213,20 +244,11 @@ impl Inner {
                  device is bound to this sandbox's link to the egress enforcer)",
             ));
         }
-        // A background process talks to its handle over the agent channel as it runs (a
-        // `Spawn` stays in flight): the restored VM's agent would go on with a channel that
-        // no handle reads. Refuse, losing nothing.
-        if let Some(running) = self.procs.running_summary() {
-            return Err(Error::unsupported(
-                TIER,
-                format!(
-                    "snapshots while background processes run (their output and input travel \
-                     on the agent channel, which a restored VM cannot carry on): stop process \
-                     {} first",
-                    running
-                ),
-            ));
-        }
+        // Background processes keep running in the snapshot: their `Spawn`s stay in flight
+        // on the agent channel. The agent holds its output while the VM is saved (no frame
+        // is cut by the snapshot; the restored agent waits for its new host), and the
+        // snapshot records them for the restored copy to adopt.
+        let background = self.background_processes();
         // A published port's connection is a `Connect` in flight on the same channel.
         let open = self.open_connections();
         if open > 0 {
@@ -240,13 +262,24 @@ impl Inner {
             ));
         }
         let vm = Arc::clone(machine.vm("snapshots")?);
+        let hold = !background.is_empty();
+        let a = agent.clone();
         let saved = tokio::task::spawn_blocking(move || -> Result<(Vec<u8>, Vec<u8>)> {
             let _exclusive = exclusive;
             let dir = tempfile::Builder::new()
                 .prefix("agent-sandbox-microvm-snap-")
                 .tempdir()
                 .map_err(|e| Error::io("create a snapshot directory", e))?;
-            let info = vm.snapshot(dir.path())?;
+            if hold {
+                a.hold(PING_TIMEOUT).map_err(|e| map_agent_error(e, None))?;
+            }
+            let info = vm.snapshot(dir.path());
+            // This sandbox goes on, whether the snapshot worked or not.
+            if hold {
+                a.release(PING_TIMEOUT)
+                    .map_err(|e| map_agent_error(e, None))?;
+            }
+            let info = info?;
             let state = std::fs::read(&info.state_file)
                 .map_err(|e| Error::io_path("read", &info.state_file, e))?;
             let memory = memfile::pack(&info.memory_file)
@@ -282,6 +315,11 @@ impl Inner {
         .meta("vcpus", self.vcpus.to_string())
         .meta("agent_hash", format!("{SOURCE_HASH:016x}"))
         .meta(META_NEXT_ID, agent.next_id().to_string())
+        .meta(
+            META_PROCESSES,
+            serde_json::to_string(&background)
+                .map_err(|e| Error::backend(TIER, format!("recording the processes: {e}")))?,
+        )
         .meta("sandbox_id", self.id.clone());
         if let Some(v) = &self.kernel_version {
             draft = draft.meta("kernel_version", v.clone());
