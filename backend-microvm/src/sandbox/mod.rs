@@ -599,6 +599,17 @@ mod tests {
             (s, ws)
         }
 
+        /// After half a second of a stream nobody reads, an exec is still served: one
+        /// unread stream holds itself, never the channel every request shares.
+        pub(in crate::sandbox) async fn assert_still_served(s: &MicrovmSandbox) {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let r = s
+                .exec(ExecRequest::code("echo still-served"))
+                .await
+                .unwrap();
+            assert_eq!(r.stdout_str(), "still-served\n");
+        }
+
         pub(in crate::sandbox) fn spec() -> SandboxSpec {
             SandboxSpec::builder(Language::Shell)
                 .env("ONLY", "this")

@@ -150,7 +150,7 @@ mod tests {
     //! guest's loopback is then the host's, so the servers here are the test's own.
     #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-    use super::super::tests::over_a_host_agent::{sandbox, spec};
+    use super::super::tests::over_a_host_agent::{assert_still_served, sandbox, spec};
     use super::*;
     use sandbox_core::Sandbox;
     use tokio::net::{TcpListener, TcpStream};
@@ -274,12 +274,7 @@ mod tests {
         let at = s.publish(port, ANY.parse().unwrap()).await.unwrap();
         let mut c = TcpStream::connect(at).await.unwrap();
         // The client reads nothing: the server is held back, the channel still serves.
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let r = s
-            .exec(ExecRequest::code("echo still-served"))
-            .await
-            .unwrap();
-        assert_eq!(r.stdout_str(), "still-served\n");
+        assert_still_served(&s).await;
         // Then it reads: every byte arrives.
         let mut got = Vec::new();
         tokio::time::timeout(Duration::from_secs(60), c.read_to_end(&mut got))

@@ -271,7 +271,7 @@ mod tests {
     //! the plumbing of input, output, flow control, signals and terminals, without a VM.
     #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-    use super::super::tests::over_a_host_agent::{sandbox, spec, SECRET};
+    use super::super::tests::over_a_host_agent::{assert_still_served, sandbox, spec, SECRET};
     use super::*;
     use sandbox_core::{ProcessState, Sandbox};
 
@@ -350,12 +350,7 @@ mod tests {
             .unwrap();
         // Nobody reads: the process is held (its pipe full, our window spent) while the
         // channel still serves everyone else.
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let r = s
-            .exec(ExecRequest::code("echo still-served"))
-            .await
-            .unwrap();
-        assert_eq!(r.stdout_str(), "still-served\n");
+        assert_still_served(&s).await;
         let listed = s.processes().await.unwrap();
         assert_eq!(listed[0].state, ProcessState::Running, "{listed:?}");
         // Then read: every byte arrives, nothing was dropped.
