@@ -241,8 +241,11 @@ pub(crate) type Conns = Arc<Mutex<HashMap<u32, TcpStream>>>;
 /// within the window, and reports `Exit` once the server has closed its side.
 pub(crate) fn connect(st: &State, id: u32, port: u16, window: u32) {
     let chan = &st.chan;
-    let stream = TcpStream::connect((Ipv4Addr::LOCALHOST, port))
-        .or_else(|_| TcpStream::connect((Ipv6Addr::LOCALHOST, port)));
+    // Bounded: a server whose backlog is full would otherwise hold this thread for the
+    // kernel's SYN retries (minutes), past the host's wait for the answer.
+    let within = std::time::Duration::from_secs(5);
+    let stream = TcpStream::connect_timeout(&(Ipv4Addr::LOCALHOST, port).into(), within)
+        .or_else(|_| TcpStream::connect_timeout(&(Ipv6Addr::LOCALHOST, port).into(), within));
     let stream = match stream {
         Ok(s) => s,
         Err(e) => {

@@ -271,7 +271,11 @@ impl Inner {
                 .tempdir()
                 .map_err(|e| Error::io("create a snapshot directory", e))?;
             if hold {
-                a.hold(PING_TIMEOUT).map_err(|e| map_agent_error(e, None))?;
+                if let Err(e) = a.hold(PING_TIMEOUT) {
+                    // It may have been carried out late: never leave the agent held.
+                    let _ = a.release(PING_TIMEOUT);
+                    return Err(map_agent_error(e, None));
+                }
             }
             let info = vm.snapshot(dir.path());
             // This sandbox goes on, whether the snapshot worked or not.
