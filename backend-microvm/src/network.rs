@@ -24,14 +24,14 @@
 use std::fs::File;
 use std::io;
 use std::net::Ipv4Addr;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 
 use sandbox_core::egress::{EgressEnforcer, EgressPlan};
 use sandbox_core::{Error, NetworkPolicy, Result};
 
-use crate::devices::virtio::net::open_tap;
+use crate::devices::virtio::net::{in_netns, open_tap};
 use crate::vmm::NetConfig;
 use crate::TIER;
 
@@ -118,7 +118,8 @@ impl GuestNetwork {
             .map_err(|e| Error::io("hold the sandbox's network namespace", e))?;
         let (tap, address) = tokio::task::spawn_blocking(move || in_netns(&ns, plumb))
             .await
-            .map_err(|e| Error::backend(TIER, format!("network set-up task failed: {e}")))??;
+            .map_err(|e| Error::backend(TIER, format!("network set-up task failed: {e}")))?
+            .map_err(|e| Error::io("enter the sandbox's network namespace", e))??;
         Ok((netns, tap, address))
     }
 
@@ -235,32 +236,6 @@ impl NetnsThread {
         let _ = self.thread.join();
         self.ns
     }
-}
-
-/// Runs `f` on a thread that joined the namespace `ns` (`setns` changes only that thread;
-/// programs it starts are born there).
-fn in_netns<T: Send + 'static>(
-    ns: &File,
-    f: impl FnOnce() -> Result<T> + Send + 'static,
-) -> Result<T> {
-    let ns = ns
-        .try_clone()
-        .map_err(|e| Error::io("enter the sandbox's network namespace", e))?;
-    std::thread::Builder::new()
-        .name("microvm-net".into())
-        .spawn(move || {
-            // SAFETY: setns on this dedicated, short-lived thread, with an open netns file.
-            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                return Err(Error::io(
-                    "enter the sandbox's network namespace",
-                    io::Error::last_os_error(),
-                ));
-            }
-            f()
-        })
-        .map_err(|e| Error::io("start the network set-up thread", e))?
-        .join()
-        .unwrap_or_else(|_| Err(Error::backend(TIER, "the network set-up thread panicked")))
 }
 
 /// In the sandbox's namespace: reads the link the enforcer made, creates the TAP and bridges

@@ -15,8 +15,8 @@ use std::io;
 use sandbox_core::{Connection, Dialer};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use super::process::frame_cost;
 use super::*;
-use crate::agent_client::proto::FRAME_COST;
 
 /// The server's bytes in flight to us per connection before we give them back.
 const WINDOW: u32 = 256 * 1024;
@@ -112,10 +112,7 @@ fn server_to_client(
                     let _ = handle.kill();
                     return;
                 }
-                let cost = u32::try_from(data.len())
-                    .unwrap_or(u32::MAX)
-                    .max(FRAME_COST);
-                if agent.grant(target, cost).is_err() {
+                if agent.grant(target, frame_cost(data.len())).is_err() {
                     return;
                 }
             }

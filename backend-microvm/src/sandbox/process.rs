@@ -110,15 +110,14 @@ impl Inner {
         drop(shared);
         let (tx, rx) = mpsc::channel(QUEUE);
         let command = command_line(&req.command);
-        let (id, control) = match self.follow(agent, handle, command, tty.is_some(), tx) {
+        let target = handle.id();
+        let (id, control) = match self.follow(agent.clone(), handle, command, tty.is_some(), tx) {
             Ok(f) => f,
-            Err((control, id, e)) => {
+            Err(e) => {
                 // The process runs but nothing would read it: end it.
-                let _ = tokio::task::spawn_blocking(move || {
-                    control.agent.signal(control.target, 9, CONTROL_TIMEOUT)
-                })
-                .await;
-                self.procs.exited(id, None);
+                let _ =
+                    tokio::task::spawn_blocking(move || agent.signal(target, 9, CONTROL_TIMEOUT))
+                        .await;
                 return Err(Error::io("start the process's output thread", e));
             }
         };
@@ -126,8 +125,8 @@ impl Inner {
     }
 
     /// Lists `handle`'s process in the table and starts the thread that moves its output to
-    /// `tx` (dropped when nobody listens) and records its exit.
-    #[allow(clippy::type_complexity)]
+    /// `tx` (dropped when nobody listens) and records its exit. If the thread cannot start,
+    /// the process is recorded as ended (the caller decides what to do with the guest's).
     fn follow(
         self: &Arc<Self>,
         agent: AgentClient,
@@ -135,10 +134,7 @@ impl Inner {
         command: String,
         tty: bool,
         tx: mpsc::Sender<Result<ExecEvent>>,
-    ) -> std::result::Result<
-        (ProcessId, Arc<dyn ProcessControl>),
-        (Arc<Control>, ProcessId, std::io::Error),
-    > {
+    ) -> std::io::Result<(ProcessId, Arc<dyn ProcessControl>)> {
         let id = self.procs.start(command.clone());
         let target = handle.id();
         let control = Arc::new(Control {
@@ -168,7 +164,8 @@ impl Inner {
             Ok(_) => Ok((id, control as Arc<dyn ProcessControl>)),
             Err(e) => {
                 lock(&self.background).remove(&target);
-                Err((control, id, e))
+                self.procs.exited(id, None);
+                Err(e)
             }
         }
     }
@@ -187,10 +184,8 @@ impl Inner {
             let (tx, rx) = mpsc::channel(1);
             // Nobody reads: the output is dropped as it comes.
             drop(rx);
-            if let Err((_, id, e)) = self.follow(agent.clone(), handle, command, tty, tx) {
-                self.procs.exited(id, None);
-                return Err(Error::io("start a restored process's output thread", e));
-            }
+            self.follow(agent.clone(), handle, command, tty, tx)
+                .map_err(|e| Error::io("start a restored process's output thread", e))?;
             agent
                 .grant(target, WINDOW)
                 .map_err(|e| map_agent_error(e, None))?;
@@ -205,6 +200,12 @@ impl Inner {
             .map(|(t, (c, tty))| (*t, c.clone(), *tty))
             .collect()
     }
+}
+
+/// What a frame of `len` output bytes cost of its window: its length, at least
+/// [`FRAME_COST`] (the agent's rule for `Spawn` and `Connect` windows).
+pub(super) fn frame_cost(len: usize) -> u32 {
+    u32::try_from(len).unwrap_or(u32::MAX).max(FRAME_COST)
 }
 
 /// Moves a process's output (redacted) into its handle's queue, granting each frame's cost
@@ -246,9 +247,7 @@ fn forward(
                 return Ok(ExecResult::new(exit_code, Vec::new(), Vec::new()).with_limit(limit));
             }
         };
-        let cost = u32::try_from(data.len())
-            .unwrap_or(u32::MAX)
-            .max(FRAME_COST);
+        let cost = frame_cost(data.len());
         let chunk = streams[i].push(&data);
         if !chunk.is_empty() {
             send(event(i, chunk));

@@ -386,8 +386,19 @@ pub fn open_tap_in(netns: &Path, name: &str) -> io::Result<(OwnedFd, String)> {
     let ns = std::fs::File::open(netns)
         .map_err(|e| io::Error::new(e.kind(), format!("open {}: {e}", netns.display())))?;
     let name = name.to_owned();
+    in_netns(&ns, move || open_tap(&name))?
+}
+
+/// Runs `f` on a short-lived thread that joined the network namespace `ns` (`setns` changes
+/// only that thread; devices it creates and programs it starts are born there) and returns
+/// what `f` returned, or why the thread could not join.
+pub fn in_netns<T: Send + 'static>(
+    ns: &std::fs::File,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> io::Result<T> {
+    let ns = ns.try_clone()?;
     std::thread::Builder::new()
-        .name("microvm-tap".into())
+        .name("microvm-netns".into())
         .spawn(move || {
             // SAFETY: setns on this thread only (it exits right after), with a descriptor we
             // hold open.
@@ -398,10 +409,10 @@ pub fn open_tap_in(netns: &Path, name: &str) -> io::Result<(OwnedFd, String)> {
                     format!("enter the network namespace: {e}"),
                 ));
             }
-            open_tap(&name)
+            Ok(f())
         })?
         .join()
-        .map_err(|_| io::Error::other("the TAP thread panicked"))?
+        .map_err(|_| io::Error::other("the network namespace thread panicked"))?
 }
 
 #[cfg(test)]
