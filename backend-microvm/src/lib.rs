@@ -14,8 +14,8 @@
 //! - [`vmm`]: the monitor on the rust-vmm crates (`kvm-ioctls`, `vm-memory`, `linux-loader`,
 //!   `vm-superio`): memfd-backed guest RAM, vCPU threads, an 8250 serial console, a virtio-mmio
 //!   transport with a virtio-console device, a read-only virtio-blk device (an image's
-//!   root disk) and a virtio-net device on a TAP (not attached by the tier yet:
-//!   `docs/microvm-network.md`), KVM's in-kernel irqchip and PIT, snapshot/restore.
+//!   root disk) and a virtio-net device on a TAP (`docs/microvm-network.md`), KVM's
+//!   in-kernel irqchip and PIT, snapshot/restore, VMs made ahead of time ([`vmm::VmPool`]).
 //! - [`boot`] + [`acpi`]: the Linux 64-bit boot protocol (vmlinux ELF, `boot_params`, e820,
 //!   command line, initrd) and the ACPI tables (RSDP, XSDT, FADT, MADT, DSDT) that describe
 //!   the virtio-mmio devices: Debian's kernel has no `virtio_mmio.device=` command-line
@@ -62,9 +62,11 @@
 //! artifacts, `vm-state.json` and `memory.extents` (only the non-zero pages, as
 //! offset/length/bytes runs: a guest that touched 40 MiB of 512 stores 40). The manifest's
 //! engine string names the VMM version and the snapshot format version; metadata records the
-//! memory size, vCPU count and agent build. Restore writes the memory back as a sparse file,
-//! maps it **copy-on-write** (`MAP_PRIVATE`) into a new VM, so restore cost does not grow
-//! with memory size, and pings the agent: processes, files in `/workspace` and the guest
+//! memory size, vCPU count and agent build. Restore writes the memory back as a sparse file
+//! (once per snapshot: the file is kept for its next restores), maps it **copy-on-write**
+//! (`MAP_PRIVATE`) into a new VM (one made ahead of time when the pool has one), so restore
+//! cost does not grow with memory size and copies share the pages none of them wrote, and
+//! pings the agent: processes, files in `/workspace` and the guest
 //! kernel's state continue exactly where they were. A snapshot from another format version,
 //! another engine or of another memory size is refused with a typed error before anything
 //! starts. The sandbox waits for its in-flight agent calls before it snapshots, so no request
@@ -79,6 +81,15 @@
 //! client (whose request ids start after the snapshotted one's) adopts them and releases the
 //! hold (docs/interactive.md). A snapshot is refused while a published port has open
 //! connections.
+//!
+//! ## Boot once, start many
+//! The first sandbox of a kind (kernel, initramfs, command line, memory, vCPUs, image disk)
+//! boots, and is snapshotted the moment its agent is ready, before its identity and before
+//! any command of its own; later sandboxes of that kind restore that snapshot instead of
+//! booting, each given its own identity as above, their memory shared copy-on-write
+//! ([`MicrovmConfig::boot_snapshots`], on by default; sandboxes with a network always boot).
+//! Restores take VMs made ahead of time from a pool ([`MicrovmConfig::pool_size`]). What
+//! copies share and why that is safe: `docs/microvm-snapshots.md`.
 //!
 //! ## What this host can run
 //! [`probe::probe_kvm`] runs the same tiny loop at CPL 3 and at CPL 0 in throwaway VMs (each
@@ -208,6 +219,8 @@ fn install_fix(dir: Option<&std::path::Path>) -> String {
 }
 /// Default time from starting the kernel to the agent's `Ready`.
 pub const DEFAULT_BOOT_TIMEOUT: Duration = Duration::from_secs(20);
+/// Default VMs made ahead per memory size and vCPU count ([`MicrovmConfig::pool_size`]).
+pub const DEFAULT_POOL_SIZE: usize = 2;
 /// The smallest guest RAM a Linux guest is given (the spec's `limits.memory_bytes` must be at
 /// least this).
 pub const MIN_GUEST_MEMORY: u64 = 32 << 20;
@@ -232,6 +245,7 @@ pub enum GuestSource {
 
 /// Settings of the microVM backend (see [`MicrovmBackend::builder`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct MicrovmConfig {
     /// Guest kernel and initramfs.
     pub guest: GuestSource,
@@ -241,6 +255,15 @@ pub struct MicrovmConfig {
     pub boot_timeout: Duration,
     /// The kernel command line.
     pub cmdline: String,
+    /// Boot once, then start from a snapshot: the first sandbox of a kind (guest files,
+    /// command line, memory, vCPUs, image) boots and is snapshotted as soon as its agent is
+    /// ready; later ones restore that snapshot copy-on-write, each with its own identity
+    /// (default on; sandboxes with a network always boot). See `docs/microvm-snapshots.md`.
+    pub boot_snapshots: bool,
+    /// VMs made ahead of time (KVM's VM, irqchip, PIT and vCPUs; no guest memory) per memory
+    /// size and vCPU count, taken by starts from a boot snapshot and by restores, and
+    /// refilled in the background (default 2; 0: none).
+    pub pool_size: usize,
 }
 
 impl Default for MicrovmConfig {
@@ -252,7 +275,17 @@ impl Default for MicrovmConfig {
             vcpus: 1,
             boot_timeout: DEFAULT_BOOT_TIMEOUT,
             cmdline: boot::DEFAULT_CMDLINE.to_string(),
+            boot_snapshots: true,
+            pool_size: DEFAULT_POOL_SIZE,
         }
+    }
+}
+
+impl MicrovmConfig {
+    /// The default settings (as [`Default`]; for code outside this crate, which cannot name
+    /// the fields of this growing struct in a literal).
+    pub fn new() -> Self {
+        Self::default()
     }
 }
 
@@ -306,6 +339,20 @@ impl MicrovmBuilder {
         self
     }
 
+    /// Boot once, then start from a snapshot (default on): see
+    /// [`MicrovmConfig::boot_snapshots`]. Off, every sandbox boots its kernel.
+    pub fn boot_snapshots(mut self, on: bool) -> Self {
+        self.config.boot_snapshots = on;
+        self
+    }
+
+    /// VMs made ahead of time per memory size and vCPU count (default
+    /// [`DEFAULT_POOL_SIZE`]; 0: none): see [`MicrovmConfig::pool_size`].
+    pub fn pool_size(mut self, n: usize) -> Self {
+        self.config.pool_size = n;
+        self
+    }
+
     /// Pulls and caches images in `store` (default: [`ImageStore::shared_default`], opened on
     /// the first sandbox with an image).
     pub fn image_store(mut self, store: ImageStore) -> Self {
@@ -353,21 +400,31 @@ impl MicrovmBuilder {
                 format!("must be under {} bytes, without NUL", layout::CMDLINE_MAX),
             ));
         }
-        Ok(MicrovmBackend {
-            config: Arc::new(config),
-            images: self.images,
-            egress: self.egress,
-        })
+        if config.pool_size > MAX_POOL_SIZE {
+            return Err(Error::invalid(
+                "microvm.pool_size",
+                format!("at most {MAX_POOL_SIZE} VMs made ahead"),
+            ));
+        }
+        Ok(MicrovmBackend::with(config, self.images, self.egress))
     }
 }
 
+/// Most VMs made ahead per memory size and vCPU count.
+pub const MAX_POOL_SIZE: usize = 64;
+
 /// The microVM backend: one KVM VM per sandbox, booting a Linux guest with our agent.
+///
+/// Clones share the boot snapshots and the pool of VMs made ahead
+/// ([`MicrovmConfig::boot_snapshots`]); they are released when the last clone is dropped.
 #[derive(Debug, Clone)]
 pub struct MicrovmBackend {
     config: Arc<MicrovmConfig>,
     images: Option<ImageStore>,
     /// The egress enforcer for policies other than deny-all, if any.
     egress: Option<Arc<dyn EgressEnforcer>>,
+    /// Boot snapshots, unpacked snapshots and VMs made ahead.
+    warm: Arc<sandbox::warm::WarmStarts>,
 }
 
 impl Default for MicrovmBackend {
@@ -391,10 +448,23 @@ pub(crate) struct GuestFiles {
 impl MicrovmBackend {
     /// The default backend: the installed guest in the default cache directory, 1 vCPU.
     pub fn new() -> Self {
+        Self::with(MicrovmConfig::default(), None, None)
+    }
+
+    fn with(
+        config: MicrovmConfig,
+        images: Option<ImageStore>,
+        egress: Option<Arc<dyn EgressEnforcer>>,
+    ) -> Self {
+        let warm = sandbox::warm::WarmStarts::new(
+            config.boot_snapshots,
+            config.pool_size.min(MAX_POOL_SIZE),
+        );
         MicrovmBackend {
-            config: Arc::new(MicrovmConfig::default()),
-            images: None,
-            egress: None,
+            config: Arc::new(config),
+            images,
+            egress,
+            warm: Arc::new(warm),
         }
     }
 
@@ -665,9 +735,5 @@ impl Backend for MicrovmBackend {
 
 /// Shared handle type for the facade.
 pub fn backend(config: MicrovmConfig) -> Arc<dyn Backend> {
-    Arc::new(MicrovmBackend {
-        config: Arc::new(config),
-        images: None,
-        egress: None,
-    })
+    Arc::new(MicrovmBackend::with(config, None, None))
 }

@@ -317,8 +317,24 @@ fn the_builder_refuses_bad_settings() {
             .build()),
         "microvm.boot_timeout"
     );
-    let b = MicrovmBackend::builder().vcpus(2).build().unwrap();
+    assert_eq!(
+        bad(MicrovmBackend::builder()
+            .pool_size(backend_microvm::MAX_POOL_SIZE + 1)
+            .build()),
+        "microvm.pool_size"
+    );
+    let b = MicrovmBackend::builder()
+        .vcpus(2)
+        .pool_size(0)
+        .boot_snapshots(false)
+        .build()
+        .unwrap();
     assert_eq!(b.config().vcpus, 2);
+    assert_eq!(b.config().pool_size, 0);
+    assert!(!b.config().boot_snapshots);
+    let d = MicrovmBackend::new();
+    assert!(d.config().boot_snapshots, "on by default");
+    assert_eq!(d.config().pool_size, backend_microvm::DEFAULT_POOL_SIZE);
     assert_eq!(MicrovmBackend::new().config().vcpus, 1);
     assert!(MicrovmBackend::engine().contains(&format!(
         "snapshot format {}",
@@ -688,6 +704,92 @@ async fn snapshot_and_restore_continue_where_they_were() {
     r.exec(ExecRequest::argv(["sleep", "0.5"])).await.unwrap();
     assert!(read(r.read_file("counter").await.unwrap()) > first);
     r.destroy().await.unwrap();
+}
+
+fn started_from_a_snapshot(s: &dyn Sandbox) -> bool {
+    s.timeline()
+        .phases
+        .iter()
+        .any(|p| p.phase == sandbox_core::Phase::Restore)
+}
+
+/// A sandbox's random UUID, hostname and clock (seconds).
+async fn facts(s: &dyn Sandbox) -> Vec<String> {
+    let r = s
+        .exec(ExecRequest::code(
+            "cat /proc/sys/kernel/random/uuid; hostname; date +%s",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, Some(0), "{}", r.stderr_str());
+    let out = r.stdout_str();
+    let v: Vec<String> = out.lines().map(str::to_string).collect();
+    assert_eq!(v.len(), 3, "{out}");
+    v
+}
+
+#[tokio::test]
+async fn later_sandboxes_start_from_the_first_ones_boot_with_their_own_identity() {
+    let _one = linux_vm_or_skip!();
+    let b = backend();
+    let none = ResolvedSecrets::none;
+    let first = b.create(&shell_spec(), none()).await.unwrap();
+    assert!(!started_from_a_snapshot(first.as_ref()), "the first boots");
+    first.write_file("mine.txt", b"first's").await.unwrap();
+    let f1 = facts(first.as_ref()).await;
+    let second = b.create(&shell_spec(), none()).await.unwrap();
+    let third = b.create(&shell_spec(), none()).await.unwrap();
+    let host_now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let mut uuids = vec![f1[0].clone()];
+    for s in [&second, &third] {
+        assert!(started_from_a_snapshot(s.as_ref()), "{:?}", s.timeline());
+        // Nothing of the first sandbox's own: the snapshot was taken before it ran anything.
+        assert!(s.read_file("mine.txt").await.is_err());
+        let f = facts(s.as_ref()).await;
+        // Its own name, randomness and the host's clock.
+        assert_eq!(f[1], s.id(), "hostname");
+        let t: i64 = f[2].parse().unwrap();
+        assert!(
+            (t - host_now).abs() < 60,
+            "guest clock {t}, host {host_now}"
+        );
+        uuids.push(f[0].clone());
+        assert_eq!(
+            s.exec(ExecRequest::code("echo $((6*7))"))
+                .await
+                .unwrap()
+                .stdout,
+            b"42\n"
+        );
+    }
+    uuids.sort();
+    uuids.dedup();
+    assert_eq!(uuids.len(), 3, "each copy draws its own random numbers");
+    assert_eq!(first.read_file("mine.txt").await.unwrap(), b"first's");
+    for s in [first, second, third] {
+        s.destroy().await.unwrap();
+    }
+    // Another memory size is another kind: it boots. Off, every sandbox boots.
+    let bigger = SandboxSpec::builder(Language::Shell)
+        .memory_mib(320)
+        .build()
+        .unwrap();
+    let s = b.create(&bigger, none()).await.unwrap();
+    assert!(!started_from_a_snapshot(s.as_ref()));
+    s.destroy().await.unwrap();
+    let cold = MicrovmBackend::builder()
+        .guest_dir(guest_dir())
+        .boot_snapshots(false)
+        .build()
+        .unwrap();
+    for _ in 0..2 {
+        let s = cold.create(&shell_spec(), none()).await.unwrap();
+        assert!(!started_from_a_snapshot(s.as_ref()));
+        s.destroy().await.unwrap();
+    }
 }
 
 /// The Debian 13 image with python3 3.13 and numpy that `scripts/test-image.sh` builds.

@@ -493,3 +493,69 @@ fn a_pool_of_irqchip_vms_serves_restores_and_new_vms() {
     );
     assert!(VmPool::new(16 << 20, 0, true, 1).is_err(), "no vCPU");
 }
+
+/// This process's proportional set size in KiB (`/proc/self/smaps_rollup`): pages mapped by
+/// several VMs count once in all.
+fn pss_kib() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/smaps_rollup").unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix("Pss:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// Boot once, start many: VMs restored from one snapshot map its memory file copy-on-write,
+/// so the memory they only read is one set of host pages, whoever restores them (a fresh VM
+/// or one from the pool).
+#[test]
+fn copies_restored_from_one_snapshot_share_the_memory_they_read() {
+    skip_without_kvm!();
+    use backend_microvm::vmm::{Entry, Vm, VmConfig, VmPool};
+    const COPIES: usize = 8;
+    const FILLED_MIB: u64 = 16;
+    let c = VmConfig {
+        mem_size: 64 << 20,
+        irqchip: false,
+        ..cfg()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (mut vm, entry) = vm_with_guest(c.clone());
+    vm.start(Entry {
+        arg: t::FILL_WAIT_READ,
+        ..Entry::user(entry)
+    })
+    .unwrap();
+    assert!(wait_serial(&vm, "F"), "{}", serial_string(&vm));
+    vm.snapshot(dir.path()).unwrap();
+    drop(vm);
+    let n = (FILLED_MIB << 20) / 8;
+    let want = (0..n).fold(0u64, |acc, i| {
+        acc.wrapping_add(i.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ i)
+    });
+    let pool = VmPool::new(c.mem_size, c.vcpus, false, COPIES / 2).unwrap();
+    pool.fill().unwrap();
+
+    let before = pss_kib();
+    let mut copies = Vec::new();
+    for i in 0..COPIES {
+        let r = if i % 2 == 0 {
+            Vm::restore_pooled(dir.path(), c.clone(), &pool).unwrap()
+        } else {
+            Vm::restore(dir.path(), c.clone()).unwrap()
+        };
+        set_go(&r);
+        assert_eq!(r.wait(), VmExit::GuestExit { code: 19 });
+        // Each copy read all 16 MiB the original wrote.
+        assert_eq!(serial_string(&r), format!("0x{want:016x}\n"));
+        copies.push(r);
+    }
+    assert_eq!(pool.ready(), 0, "half of the copies came from the pool");
+    let grown_mib = pss_kib().saturating_sub(before) / 1024;
+    eprintln!("{COPIES} copies that read {FILLED_MIB} MiB each: PSS +{grown_mib} MiB");
+    // Unshared, the copies would hold COPIES x 16 MiB (128 MiB) between them.
+    assert!(
+        grown_mib < 2 * FILLED_MIB + 8,
+        "{COPIES} copies that read {FILLED_MIB} MiB each grew this process by {grown_mib} MiB"
+    );
+    drop(copies);
+}

@@ -1,6 +1,7 @@
 //! Creating a sandbox: what this tier refuses in a spec, the guest's memory and environment,
 //! building and booting the VM, and waiting for its agent.
 
+use super::warm::{self, Frozen, TemplateKey};
 use super::*;
 
 /// Default `PATH` in the guest (busybox applets live in `/bin`).
@@ -324,10 +325,50 @@ impl MicrovmSandbox {
             vcfg.net = Some(n.device());
             cmdline = format!("{cmdline} {}", n.agent_param());
         }
+        // Boot once, then start from that boot's snapshot (sandboxes with a network boot).
+        let template = if backend.warm.templates_on() {
+            match TemplateKey::new(&guest, &cmdline, &vcfg) {
+                Ok(k) => k,
+                Err(e) => {
+                    tracing::debug!("no boot snapshot for this sandbox: {e}");
+                    None
+                }
+            }
+        } else {
+            None
+        };
         let g = guest.clone();
         let name = id.clone();
+        let warm = Arc::clone(&backend.warm);
         let booted = tokio::task::spawn_blocking(move || {
-            let (vm, agent, t) = boot_guest(&g, &cmdline, cfg.boot_timeout, vcfg, t)?;
+            if let Some(key) = &template {
+                if let Some(frozen) = warm.template(key) {
+                    match warm::start_from(&warm, &frozen, vcfg.clone(), &name) {
+                        Ok((vm, agent)) => {
+                            t.mark(Phase::Restore);
+                            return Ok((vm, agent, t));
+                        }
+                        // Never worse than a boot: forget it, boot, and make a new one.
+                        Err(e) => {
+                            tracing::warn!("starting from the boot snapshot failed, booting: {e}");
+                            warm.forget_template(key);
+                        }
+                    }
+                }
+            }
+            let (vm, agent, mut t) = boot_guest(&g, &cmdline, cfg.boot_timeout, vcfg.clone(), t)?;
+            t.mark(Phase::Runtime);
+            if let Some(key) = template {
+                // Ready and idle, no identity yet, nothing of the sandbox's own: the state
+                // every later sandbox of this kind starts from.
+                match Frozen::capture(&vm, &agent) {
+                    Ok(frozen) => {
+                        warm.keep_template(key, frozen);
+                        warm.refill(&vcfg);
+                    }
+                    Err(e) => tracing::warn!("no boot snapshot (every sandbox boots): {e}"),
+                }
+            }
             // Its own name, and host entropy from the start (a fresh guest has little).
             agent
                 .refresh(&name, PING_TIMEOUT)
@@ -337,7 +378,7 @@ impl MicrovmSandbox {
         .await
         .map_err(join_err)
         .and_then(|r| r);
-        let (vm, agent, mut t) = match booted {
+        let (vm, agent, t) = match booted {
             Ok(b) => b,
             Err(e) => {
                 if let Some(mut n) = net {
@@ -346,7 +387,6 @@ impl MicrovmSandbox {
                 return Err(e);
             }
         };
-        t.mark(Phase::Runtime);
         Ok(Self::assemble(
             spec.clone(),
             &secrets,

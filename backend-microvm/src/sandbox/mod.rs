@@ -15,6 +15,7 @@ pub(crate) mod memfile;
 mod ports;
 mod process;
 mod snapshot;
+pub(crate) mod warm;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};

@@ -3,6 +3,7 @@
 
 use super::create::{boot_failure, check_spec, vm_config};
 use super::image::{META_DISK_MTIME, META_DISK_SIZE};
+use super::warm::Frozen;
 use super::*;
 
 /// Snapshot metadata: the agent client's next request id. A restored client starts there:
@@ -112,52 +113,62 @@ impl MicrovmSandbox {
             None => None,
         };
         let state = store.artifact(id, STATE_ARTIFACT).await?;
-        let memory = store.artifact(id, MEMORY_ARTIFACT).await?;
-        let snap_id = id.clone();
-        let dir = tokio::task::spawn_blocking(move || -> Result<tempfile::TempDir> {
-            let dir = tempfile::Builder::new()
-                .prefix("agent-sandbox-microvm-restore-")
-                .tempdir()
-                .map_err(|e| Error::io("create a restore directory", e))?;
-            let p = dir.path().join(crate::vmm::vm::SNAPSHOT_STATE_FILE);
-            std::fs::write(&p, &state).map_err(|e| Error::io_path("write", &p, e))?;
-            let p = dir.path().join(crate::vmm::vm::SNAPSHOT_MEMORY_FILE);
-            memfile::unpack(&memory, mem_size, &p).map_err(|e| match e {
-                memfile::UnpackError::Io(e) => Error::io_path("write", &p, e),
-                memfile::UnpackError::Corrupt(what) => SnapshotError::Corrupt {
-                    id: snap_id,
-                    what: format!("{MEMORY_ARTIFACT}: {what}"),
-                }
-                .into(),
-            })?;
-            Ok(dir)
-        })
-        .await
-        .map_err(join_err)??;
-        t.mark(Phase::Filesystem);
-        let vcfg = vm_config(mem_size, vcpus, m.spec.limits.lifetime(), image.as_ref());
-        // Snapshots from before this was recorded had nothing in flight but the requests of
-        // the snapshot itself: any id past a generous margin is new.
+        // The restored client's first request id. Snapshots from before it was recorded had
+        // nothing in flight but the requests of the snapshot itself: any id past a generous
+        // margin is new.
         let next_id: u32 = m
             .metadata
             .get(META_NEXT_ID)
             .and_then(|v| v.parse().ok())
             .unwrap_or(1 << 20);
+        // Unpacked once and kept: restores of one snapshot map one memory file, and share
+        // the pages none of them wrote.
+        let unpacked_key = {
+            use sha2::Digest;
+            format!("{id}:{:x}", sha2::Sha256::digest(&state))
+        };
+        let frozen = match backend.warm.unpacked(&unpacked_key) {
+            Some(f) => f,
+            None => {
+                let memory = store.artifact(id, MEMORY_ARTIFACT).await?;
+                let snap_id = id.clone();
+                let dir = tokio::task::spawn_blocking(move || -> Result<tempfile::TempDir> {
+                    let dir = tempfile::Builder::new()
+                        .prefix("agent-sandbox-microvm-restore-")
+                        .tempdir()
+                        .map_err(|e| Error::io("create a restore directory", e))?;
+                    let p = dir.path().join(crate::vmm::vm::SNAPSHOT_STATE_FILE);
+                    std::fs::write(&p, &state).map_err(|e| Error::io_path("write", &p, e))?;
+                    let p = dir.path().join(crate::vmm::vm::SNAPSHOT_MEMORY_FILE);
+                    memfile::unpack(&memory, mem_size, &p).map_err(|e| match e {
+                        memfile::UnpackError::Io(e) => Error::io_path("write", &p, e),
+                        memfile::UnpackError::Corrupt(what) => SnapshotError::Corrupt {
+                            id: snap_id,
+                            what: format!("{MEMORY_ARTIFACT}: {what}"),
+                        }
+                        .into(),
+                    })?;
+                    Ok(dir)
+                })
+                .await
+                .map_err(join_err)??;
+                Arc::new(Frozen::unpacked(dir, next_id))
+            }
+        };
+        t.mark(Phase::Filesystem);
+        let vcfg = vm_config(mem_size, vcpus, m.spec.limits.lifetime(), image.as_ref());
         let processes: Vec<(u32, String, bool)> = match m.metadata.get(META_PROCESSES) {
             Some(v) => serde_json::from_str(v)
                 .map_err(|e| corrupt(&format!("metadata `{META_PROCESSES}`: {e}")))?,
             None => Vec::new(),
         };
         let snap_id = id.clone();
+        let warm = Arc::clone(&backend.warm);
         let sandbox_id = super::create::new_id();
         let name = sandbox_id.clone();
         let (vm, agent, adopted) =
             tokio::task::spawn_blocking(move || -> Result<(Vm, AgentClient, Adopted)> {
-                let restored = Vm::restore(dir.path(), vcfg);
-                // The memory file is mapped copy-on-write: the mapping keeps its pages, the
-                // directory is not needed any more.
-                drop(dir);
-                let mut vm = restored.map_err(|e| match e {
+                let mut vm = warm.restore(&frozen, vcfg).map_err(|e| match e {
                     VmmError::SnapshotCorrupt(what) => SnapshotError::Corrupt {
                         id: snap_id.clone(),
                         what,
@@ -170,6 +181,8 @@ impl MicrovmSandbox {
                     .into(),
                     other => Error::from(other),
                 })?;
+                // It restored: kept for the next restore of this snapshot.
+                warm.keep_unpacked(unpacked_key, Arc::clone(&frozen));
                 let console = vm
                     .take_console()
                     .ok_or_else(|| Error::backend(TIER, "the restored VM has no virtio console"))?;

@@ -36,6 +36,7 @@ pub mod t {
     pub const NET_BAD_THEN_GOOD: u64 = 16;
     pub const NET_SMALL_BUFFERS: u64 = 17;
     pub const NET_BAD_THEN_WAIT: u64 = 18;
+    pub const FILL_WAIT_READ: u64 = 19;
 }
 
 /// Why KVM tests must skip here, if they must (only when /dev/kvm is unusable).

@@ -454,6 +454,18 @@ unsigned int cmain(unsigned long cpu, unsigned long test, unsigned long ram) {
         return net_small_buffers();
     case 18: /* as 16, but waits for GO_FLAG before two more frames */
         return net_bad_then_good(1);
+    case 19: /* fill 16 MiB from 16 MiB, wait for GO_FLAG, read it all back (sharing test) */
+    {
+        volatile unsigned long *mem = (volatile unsigned long *)0x1000000UL;
+        unsigned long n = (16UL << 20) / 8, sum = 0;
+        for (unsigned long i = 0; i < n; i++) mem[i] = i * 0x9e3779b97f4a7c15UL;
+        puts_("F");
+        while (*GO_FLAG == 0) {}
+        for (unsigned long i = 0; i < n; i++) sum += mem[i] ^ i;
+        puthex(sum);
+        puts_("\n");
+        return 19;
+    }
     default:
         return 0xdead;
     }
