@@ -12,10 +12,13 @@
 #    initramfs) into $MICROVM_GUEST_DIR;
 # 3. runs tests/linux_guest.rs and tests/backend.rs of backend-microvm (the full-path tests:
 #    boot, exec, env, secrets, files, limits, snapshot/restore, an image's Python, teardown,
-#    the network through the real egress enforcer, a published port) and the microVM column
-#    of the conformance suite;
+#    the network through the real egress enforcer, a published port, starts from the boot
+#    snapshot), the microVM rows of the egress table (agent-sandbox/tests/egress.rs, from the
+#    Python image scripts/test-image.sh builds) and the microVM column of the conformance
+#    suite;
 # 4. runs the proof harness (backend-microvm/examples/kvm_proof.rs): boot to agent ready,
-#    exec round trip, restore to the first command's output, memory per live sandbox.
+#    start from the boot snapshot to the first command's output, exec round trip, restore to
+#    the first command's output, memory per live sandbox.
 #
 # Written to finish well inside 8 minutes on a 16-core machine with a warm cargo cache
 # (a cold release build of the workspace's microVM parts is the longest step).
@@ -43,14 +46,19 @@ if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends \
-    busybox-static iproute2 nftables gcc e2fsprogs python3 >/dev/null
+    busybox-static iproute2 nftables gcc e2fsprogs python3 mmdebstrap >/dev/null
 fi
 
 step "the guest in $MICROVM_GUEST_DIR"
 cargo run --release --locked -q -p agent-sandbox -- install microvm-guest --dir "$MICROVM_GUEST_DIR"
 
+step "the Python test image (for the egress table)"
+scripts/test-image.sh
+
 step "Linux-guest suites through our VMM"
 cargo test --release --locked -p backend-microvm --test linux_guest --test backend -- --test-threads=1
+step "egress table, microVM rows"
+cargo test --release --locked -p agent-sandbox --test egress microvm -- --test-threads=1
 step "conformance, microVM column"
 cargo test --release --locked -p sandbox-conformance --test tiers microvm
 

@@ -1,6 +1,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-//! Network egress policies enforced end to end, in the container and gVisor tiers, with the
-//! real enforcer (`sandbox_egress::VethEnforcer`: a private egress namespace, veth links,
+//! Network egress policies enforced end to end, in the container, gVisor and microVM tiers,
+//! with the real enforcer (`sandbox_egress::VethEnforcer`: a private egress namespace, veth links,
 //! nftables, the proxy).
 //!
 //! Traffic stays on this machine: upstream servers listen on loopback; the test resolver maps
@@ -9,6 +9,11 @@
 //! address. Inside the sandboxes, addresses such as 10.201.0.9 exist only as destinations the
 //! sandbox's namespace routes into the egress namespace, where they are redirected to the
 //! proxy: nothing is forwarded anywhere.
+//!
+//! The microVM rows run where the probe says Linux guests boot (hardware KVM; they skip here
+//! with its reason). Their guest is the installed one (`MICROVM_GUEST_DIR`, else the default
+//! cache) started from the Python image `scripts/test-image.sh` builds (the default guest has
+//! busybox only, and the client is Python); `scripts/kvm-proof.sh` runs them.
 
 use std::io;
 use std::net::{IpAddr, SocketAddr};
@@ -84,6 +89,29 @@ fn gvisor(e: &VethEnforcer) -> DynBackend {
     Arc::new(backend_gvisor::GvisorBackend::new(
         backend_gvisor::GvisorConfig::default().egress(Arc::new(e.clone())),
     ))
+}
+
+#[cfg(feature = "microvm")]
+fn microvm(e: &VethEnforcer) -> DynBackend {
+    let mut b = backend_microvm::MicrovmBackend::builder().egress(Arc::new(e.clone()));
+    if let Some(dir) = std::env::var_os("MICROVM_GUEST_DIR") {
+        b = b.guest_dir(dir);
+    }
+    Arc::new(b.build().unwrap())
+}
+
+/// The image the microVM rows start from: the Python one `scripts/test-image.sh` builds.
+fn python_image() -> String {
+    let dir = std::env::var_os("AGENT_SANDBOX_TEST_IMAGES")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from("/var/tmp/agent-sandbox-images"))
+        .join("trixie-numpy");
+    assert!(
+        dir.join("index.json").is_file(),
+        "no test image in {}: run scripts/test-image.sh",
+        dir.display()
+    );
+    format!("oci:{}:python3", dir.display())
 }
 
 /// An HTTP server on loopback answering `hello <Host header>`.
@@ -235,10 +263,12 @@ print(json.dumps(out))
 "#;
 
 async fn sandbox(b: &DynBackend, policy: NetworkPolicy) -> Box<dyn Sandbox> {
-    let spec = SandboxSpec::builder(Language::Shell)
-        .network(policy)
-        .build()
-        .unwrap();
+    let mut spec = SandboxSpec::builder(Language::Shell).network(policy);
+    // The microVM's default guest has no Python: its image's.
+    if b.tier() == sandbox_core::Tier::Microvm {
+        spec = spec.image(python_image()).memory_mib(512);
+    }
+    let spec = spec.build().unwrap();
     let sb = b.create(&spec, ResolvedSecrets::none()).await.unwrap();
     sb.write_file("client.py", CLIENT.as_bytes()).await.unwrap();
     sb
@@ -496,6 +526,27 @@ async fn container_internet_still_refuses_link_local_and_private() {
 async fn gvisor_internet_still_refuses_link_local_and_private() {
     let (e, _) = enforcer();
     internet_still_refuses_link_local_and_private(gvisor(&e)).await;
+}
+
+#[cfg(feature = "microvm")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn microvm_deny_all_has_no_route() {
+    let (e, _) = enforcer();
+    deny_all_has_no_route(microvm(&e)).await;
+}
+
+#[cfg(feature = "microvm")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn microvm_allowlist_end_to_end() {
+    let (e, d) = enforcer();
+    allowlist_end_to_end(microvm(&e), &e, &d).await;
+}
+
+#[cfg(feature = "microvm")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn microvm_internet_still_refuses_link_local_and_private() {
+    let (e, _) = enforcer();
+    internet_still_refuses_link_local_and_private(microvm(&e)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -380,6 +380,22 @@ async fn snapshots_from_elsewhere_are_refused_before_anything_starts() {
         restore(id).await,
         SnapshotError::Incompatible { .. }
     ));
+    // Our engine, but a guest agent of another build.
+    let id = store
+        .put(
+            draft(Tier::Microvm, MicrovmBackend::engine())
+                .meta("mem_size", (256u64 << 20).to_string())
+                .meta("vcpus", "1")
+                .meta("agent_hash", "00000000deadbeef"),
+        )
+        .await
+        .unwrap();
+    match restore(id).await {
+        SnapshotError::Incompatible { reason, .. } => {
+            assert!(reason.contains("agent build 00000000deadbeef"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
     // Our engine, but no memory size recorded.
     let id = store
         .put(draft(Tier::Microvm, MicrovmBackend::engine()))

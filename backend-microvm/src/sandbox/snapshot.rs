@@ -44,6 +44,18 @@ impl MicrovmSandbox {
             }
             .into());
         }
+        // The guest's agent is in the snapshot's memory: one from another build would speak
+        // to this library's client with another protocol.
+        let agent = format!("{SOURCE_HASH:016x}");
+        if let Some(theirs) = m.metadata.get("agent_hash").filter(|h| **h != agent) {
+            return Err(SnapshotError::Incompatible {
+                id: id.clone(),
+                reason: format!(
+                    "its guest runs agent build {theirs}, this library's agent is {agent}                      (snapshots do not carry over agent changes: start a new sandbox)"
+                ),
+            }
+            .into());
+        }
         let corrupt = |what: &str| -> Error {
             SnapshotError::Corrupt {
                 id: id.clone(),
