@@ -1,7 +1,8 @@
 //! The virtio-net device, driven by a tiny guest (its own polling driver, in
 //! `guests/tiny.c`): frames both ways over a datagram socketpair and over a real TAP device
 //! in a network namespace the test makes; malformed chains, frames too large for the
-//! guest's buffers, a flood nobody reads, and a host side that disappears.
+//! guest's buffers, a flood nobody reads (with buffers posted, and a guest that never drives
+//! the device), and a host side that disappears.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -140,6 +141,35 @@ fn an_oversized_frame_is_dropped_and_a_flood_stays_bounded() {
         (1, 1),
         "one delivered, the oversized one dropped"
     );
+}
+
+#[test]
+fn a_guest_that_never_drives_the_device_leaves_a_flood_in_the_host_side() {
+    skip_without_kvm!();
+    let (host, dev) = UnixDatagram::pair().unwrap();
+    // The guest never touches its network device (no feature negotiation, no queues, no
+    // DRIVER_OK): it prints and waits.
+    let vm = start(dev.into(), t::WAIT_GO);
+    assert!(wait_serial(&vm, "W"));
+    host.set_nonblocking(true).unwrap();
+    let mut flooded = 0;
+    while flooded < 100_000 {
+        match host.send(&host_frame(b"flood")) {
+            Ok(_) => flooded += 1,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) => panic!("flood: {e}"),
+        }
+    }
+    // The device read nothing for a guest without buffers: the socket's own bound pushed
+    // back, nothing was delivered or queued in the VMM, and the guest runs on.
+    assert!(flooded < 100_000, "the socket never pushed back");
+    assert!(flooded > 0);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(counters(&vm).snapshot(), (0, 0, 0, 0));
+    assert_eq!(vm.exit(), None);
+    set_go(&vm);
+    assert_eq!(vm.wait(), VmExit::GuestExit { code: 11 });
+    assert_eq!(vm.virtio_errors(), vec![None]);
 }
 
 #[test]
