@@ -416,6 +416,28 @@ fn concurrent_execs_and_kill() {
     assert_eq!(out.stdout, b"got\n");
 }
 
+/// A `Kill` (or `Signal`) that reaches the agent before the exec's thread has forked is
+/// kept and delivered at the fork: never "no such exec" for a request it has.
+#[test]
+fn a_kill_right_after_the_start_always_lands() {
+    let a = spawn();
+    for _ in 0..30 {
+        let mut h = a.client.start_exec(&req(&["sleep", "1000"])).unwrap();
+        a.client.kill(h.id(), T).unwrap();
+        match h.next_event().unwrap() {
+            ExecEvent::Exit(x) => assert_eq!(x.signal, Some(9)),
+            other => panic!("{other:?}"),
+        }
+    }
+    // After its end, a kill is "no such exec" again.
+    let mut h = a.client.start_exec(&req(&["true"])).unwrap();
+    while !matches!(h.next_event().unwrap(), ExecEvent::Exit(_)) {}
+    assert!(matches!(
+        a.client.kill(h.id(), T),
+        Err(AgentError::Remote { .. })
+    ));
+}
+
 #[test]
 fn malformed_frames_get_errors_and_the_agent_goes_on() {
     let (mut child, mut s, _ws) = spawn_raw();

@@ -107,7 +107,18 @@ pub(crate) fn resolve_cwd(ws: &Path, cwd: &str) -> PathBuf {
 
 /// Runs `x` for request `id`: an exec, or with `spawn` (its terminal, if any, and its
 /// initial output window) a background process (see [`interactive`]).
+/// Removes a request from [`State::starting`] when its exec thread is done with it.
+struct Starting<'a>(&'a State, u32);
+
+impl Drop for Starting<'_> {
+    fn drop(&mut self) {
+        lock(&self.0.starting).remove(&self.1);
+    }
+}
+
 pub(crate) fn exec(st: &State, id: u32, x: ExecRequest, spawn: Option<(Option<(u16, u16)>, u32)>) {
+    // However this ends before the fork, the request is no longer starting.
+    let _starting = Starting(st, id);
     let chan = &st.chan;
     let Some(prog) = x.argv.first() else {
         return chan.error(id, ErrorKind::Invalid, "empty argv");
@@ -233,7 +244,19 @@ pub(crate) fn exec(st: &State, id: u32, x: ExecRequest, spawn: Option<(Option<(u
         // SAFETY: no pointers.
         unsafe { setpgid(pid, pid) };
     }
-    lock(&st.running).insert(id, pid);
+    // Running from now on; a signal that came while it was starting goes now.
+    let pending = {
+        let mut running = lock(&st.running);
+        running.insert(id, pid);
+        lock(&st.starting).remove(&id).flatten()
+    };
+    if let Some(signo) = pending {
+        // SAFETY: kill on the group (and the process) we just made; no pointers.
+        unsafe {
+            kill(-pid, signo);
+            kill(pid, signo);
+        }
+    }
     drop((in_r, out_w, err_w, fail_w));
     // Our copy of the terminal's slave goes: its reads end when the process's copies do.
     let master = pty.map(|(m, _slave)| m);

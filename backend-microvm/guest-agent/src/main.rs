@@ -368,11 +368,39 @@ struct State {
     procs: Arc<(Mutex<Procs>, Condvar)>,
     /// Running execs and background processes: request id -> process group id.
     running: Arc<Mutex<HashMap<u32, i32>>>,
+    /// Execs and processes requested but not forked yet: request id -> a signal to send as
+    /// soon as they are (a `Kill` or `Signal` that arrived first). Locked inside `running`.
+    starting: Arc<Mutex<HashMap<u32, Option<i32>>>>,
     /// Background processes (and connections): request id -> their input, terminal and
     /// output window.
     spawned: interactive::Table,
     /// Connections to the guest's loopback (`Connect`), for `Kill`.
     conns: interactive::Conns,
+}
+
+/// Where a signal for request `target` goes.
+enum Target {
+    /// Its process group.
+    Running(i32),
+    /// Not forked yet: the signal is recorded and sent as soon as it is.
+    Starting,
+    None,
+}
+
+/// Finds `target` among the running and the starting (recording `signo` for the latter), in
+/// one step with the exec thread's move from one to the other.
+fn signal_target(st: &State, target: u32, signo: i32) -> Target {
+    let running = lock(&st.running);
+    if let Some(pg) = running.get(&target) {
+        return Target::Running(*pg);
+    }
+    match lock(&st.starting).get_mut(&target) {
+        Some(pending) => {
+            *pending = Some(signo);
+            Target::Starting
+        }
+        None => Target::None,
+    }
 }
 
 fn serve(
@@ -395,6 +423,7 @@ fn serve(
         user,
         procs: Arc::new((Mutex::new(Procs::default()), Condvar::new())),
         running: Arc::new(Mutex::new(HashMap::new())),
+        starting: Arc::new(Mutex::new(HashMap::new())),
         spawned: Arc::new(Mutex::new(HashMap::new())),
         conns: Arc::new(Mutex::new(HashMap::new())),
     });
@@ -447,9 +476,12 @@ fn serve(
         let id = hdr.id;
         match req {
             Request::Exec(x) => {
+                // Known from now on: a `Kill` may come before the thread has forked.
+                lock(&st.starting).insert(id, None);
                 let st2 = st.clone();
                 let spawned = thread::Builder::new().spawn(move || exec(&st2, id, x, None));
                 if let Err(e) = spawned {
+                    lock(&st.starting).remove(&id);
                     st.chan.error(id, ErrorKind::Io, format!("thread: {e}"));
                 }
             }
@@ -458,10 +490,12 @@ fn serve(
                 tty,
                 window,
             } => {
+                lock(&st.starting).insert(id, None);
                 let st2 = st.clone();
                 let spawned =
                     thread::Builder::new().spawn(move || exec(&st2, id, x, Some((tty, window))));
                 if let Err(e) = spawned {
+                    lock(&st.starting).remove(&id);
                     st.chan.error(id, ErrorKind::Io, format!("thread: {e}"));
                 }
             }
@@ -496,17 +530,19 @@ fn serve(
                 }
             }
             Request::Signal { target, signo } => {
-                let pg = lock(&st.running).get(&target).copied();
-                match pg {
-                    Some(pg) if (1..65).contains(&signo) => {
+                if !(1..65).contains(&signo) {
+                    st.chan
+                        .error(id, ErrorKind::Invalid, format!("signal {signo}"));
+                    continue;
+                }
+                match signal_target(&st, target, signo) {
+                    Target::Running(pg) => {
                         // SAFETY: kill on a process group we created; no pointers.
                         unsafe { kill(-pg, signo) };
                         st.chan.send(id, &Response::Ok);
                     }
-                    Some(_) => st
-                        .chan
-                        .error(id, ErrorKind::Invalid, format!("signal {signo}")),
-                    None => st.chan.error(id, ErrorKind::NotFound, "no such process"),
+                    Target::Starting => st.chan.send(id, &Response::Ok),
+                    Target::None => st.chan.error(id, ErrorKind::NotFound, "no such process"),
                 }
             }
             Request::Resize { target, rows, cols } => match spawned_of(&st, target) {
@@ -550,20 +586,18 @@ fn serve(
                     source_hash: SOURCE_HASH,
                 },
             ),
-            Request::Kill { target } => {
-                let pg = lock(&st.running).get(&target).copied();
-                match pg {
-                    Some(pg) => {
-                        // SAFETY: kill on a process group we created; no pointers.
-                        unsafe { kill(-pg, SIGKILL) };
-                        st.chan.send(id, &Response::Ok);
-                    }
-                    None if interactive::abort_connection(&st.conns, target) => {
-                        st.chan.send(id, &Response::Ok);
-                    }
-                    None => st.chan.error(id, ErrorKind::NotFound, "no such exec"),
+            Request::Kill { target } => match signal_target(&st, target, SIGKILL) {
+                Target::Running(pg) => {
+                    // SAFETY: kill on a process group we created; no pointers.
+                    unsafe { kill(-pg, SIGKILL) };
+                    st.chan.send(id, &Response::Ok);
                 }
-            }
+                Target::Starting => st.chan.send(id, &Response::Ok),
+                Target::None if interactive::abort_connection(&st.conns, target) => {
+                    st.chan.send(id, &Response::Ok);
+                }
+                Target::None => st.chan.error(id, ErrorKind::NotFound, "no such exec"),
+            },
             Request::Refresh {
                 hostname,
                 entropy,
