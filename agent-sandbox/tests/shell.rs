@@ -183,13 +183,15 @@ fn shell_session(tier: &str, server: Option<&served::Serve>) {
 
     keys(s, &["exit 3", "Enter"]);
     let code = Path::new(&file("code")).to_path_buf();
+    // The script writes the code, then the modes after: wait for the last one written.
+    let after = Path::new(&file("after")).to_path_buf();
     for _ in 0..600 {
-        if std::fs::read_to_string(&code).is_ok_and(|c| !c.is_empty()) {
+        if std::fs::read_to_string(&after).is_ok_and(|c| !c.is_empty()) {
             break;
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    let after = std::fs::read_to_string(file("after"));
+    let after = std::fs::read_to_string(&after);
     assert_eq!(std::fs::read_to_string(&code).unwrap().trim(), "3");
     assert_eq!(
         std::fs::read_to_string(file("before")).unwrap(),
