@@ -19,6 +19,7 @@ fn main() {
         );
         println!("cargo:rustc-env=AGENT_SANDBOX_STATX_SHIM={}", lib.display());
     }
+    println!("cargo:rerun-if-changed=relay/keep.rs");
     let relay = static_bin::compile(
         "relay/main.rs",
         "agent_sandbox_relay",

@@ -1,5 +1,6 @@
-//! Background processes in the gVisor tier: a snapshot is refused while one runs (nothing
-//! lost), destroy leaves nothing of it, and a terminal session behaves as one. (Stdin, output, signals and listing are the conformance
+//! Background processes in the gVisor tier: snapshots keep them (in the sandbox and in a
+//! restored copy; one with a terminal is refused, nothing lost), destroy leaves nothing of
+//! them, and a terminal session behaves as one. (Stdin, output, signals and listing are the conformance
 //! cases `caps.processes` and `process.io-signals`.)
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -9,7 +10,8 @@ mod common;
 use std::time::Duration;
 
 use sandbox_core::{
-    Error, ExecEvent, ExecRequest, Language, ObjectSnapshotStore, ProcessState, SandboxSpec, Signal,
+    Backend, Error, ExecEvent, ExecRequest, Language, ObjectSnapshotStore, ProcessState,
+    SandboxSpec, Signal, SnapshotStore,
 };
 
 /// Counts processes inside whose argv is exactly `sleep 777`.
@@ -25,8 +27,16 @@ async fn a_background_process_across_a_snapshot_and_destroy() {
     require_gvisor!();
     let sb = common::sandbox(&SandboxSpec::new(Language::Shell)).await;
     let id = sb.id().to_string();
-    let mut p = sb.spawn(ExecRequest::argv(["sleep", "777"])).await.unwrap();
-    // It shows inside once runsc has started it.
+    // One that talks (numbers the lines it reads), one that sleeps.
+    let mut talker = sb
+        .spawn(ExecRequest::code(
+            "i=0; while read line; do i=$((i+1)); echo \"$i:$line\"; done; echo done; exit 4",
+        ))
+        .await
+        .unwrap();
+    let sleeper = sb.spawn(ExecRequest::argv(["sleep", "777"])).await.unwrap();
+    talker.write_stdin(&b"a\n"[..]).await.unwrap();
+    read_until(&mut talker, "1:a").await;
     let mut n = String::new();
     for _ in 0..100 {
         n = count(sb.as_ref()).await;
@@ -36,20 +46,75 @@ async fn a_background_process_across_a_snapshot_and_destroy() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(n, "1", "the sleep runs inside");
-    // A snapshot would checkpoint its host pipes, which runsc cannot restore: refused,
-    // and the sandbox and the process go on.
+
+    // A snapshot keeps them: they go on in the sandbox, their handles work on.
     let dir = tempfile::tempdir().unwrap();
     let store = ObjectSnapshotStore::local(dir.path()).unwrap();
+    let snap = sb.snapshot(&store).await.unwrap();
+    talker.write_stdin(&b"b\n"[..]).await.unwrap();
+    let out = read_until(&mut talker, "2:b").await;
+    assert!(!out.contains("1:a"), "nothing repeated: {out:?}");
+    assert_eq!(count(sb.as_ref()).await, "1");
+    let m = store.manifest(&snap).await.unwrap();
+    assert!(m.metadata["processes"].contains("sleep 777"), "{m:?}");
+
+    // A copy restored from the snapshot has them too: listed, running, signalable.
+    let copy = common::backend()
+        .restore(&store, &snap, sandbox_core::ResolvedSecrets::none())
+        .await
+        .unwrap();
+    assert_eq!(count(copy.as_ref()).await, "1", "the copy's sleep");
+    let listed = copy.processes().await.unwrap();
+    let copied = listed
+        .iter()
+        .find(|p| p.command == "sleep 777")
+        .unwrap_or_else(|| panic!("{listed:?}"));
+    assert_eq!(copied.state, ProcessState::Running);
+    copy.signal(copied.id, Signal::Terminate).await.unwrap();
+    let mut ended = None;
+    for _ in 0..200 {
+        let l = copy.processes().await.unwrap();
+        ended = l
+            .iter()
+            .find(|p| p.id == copied.id)
+            .map(|p| p.state)
+            .filter(|s| *s != ProcessState::Running);
+        if ended.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        ended,
+        Some(ProcessState::Exited {
+            exit_code: Some(128 + 15)
+        })
+    );
+    assert_eq!(count(copy.as_ref()).await, "0");
+    copy.destroy().await.unwrap();
+    // The original's are untouched by the copy's.
+    assert_eq!(count(sb.as_ref()).await, "1");
+    talker.close_stdin().await.unwrap();
+    read_until(&mut talker, "done").await;
+    let r = talker.wait(Some(Duration::from_secs(60))).await.unwrap();
+    assert_eq!(r.exit_code, Some(4), "{r:?}");
+    sb.signal(sleeper.id(), Signal::Terminate).await.unwrap();
+
+    // A process with a terminal cannot be kept (its terminal is on the host): refused,
+    // losing nothing.
+    let mut sh = sb
+        .spawn(ExecRequest::argv(["/bin/sh"]).tty(24, 80))
+        .await
+        .unwrap();
     let e = sb.snapshot(&store).await.unwrap_err();
     assert!(matches!(e, Error::Unsupported { .. }), "{e}");
-    assert!(e.to_string().contains("sleep 777"), "{e}");
-    assert_eq!(count(sb.as_ref()).await, "1");
-    let list = sb.processes().await.unwrap();
-    assert_eq!((list[0].id, list[0].state), (p.id(), ProcessState::Running));
-    sb.signal(p.id(), Signal::Terminate).await.unwrap();
-    let r = p.wait(Some(Duration::from_secs(60))).await.unwrap();
-    assert_eq!(r.exit_code, Some(128 + 15), "{r:?}");
-    // With it stopped, the snapshot is taken and the sandbox goes on.
+    assert!(e.to_string().contains("terminal"), "{e}");
+    sh.write_stdin(&b"echo still-$((6*7))\n"[..]).await.unwrap();
+    read_until(&mut sh, "still-42").await;
+    sh.write_stdin(&b"exit 0\n"[..]).await.unwrap();
+    let r = sh.wait(Some(Duration::from_secs(60))).await.unwrap();
+    assert_eq!(r.exit_code, Some(0));
+    // With it gone, the snapshot is taken and the sandbox goes on.
     sb.snapshot(&store).await.unwrap();
     assert_eq!(count(sb.as_ref()).await, "0");
 

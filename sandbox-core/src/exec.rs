@@ -589,6 +589,19 @@ impl StreamSink {
         }
     }
 
+    /// Streams one chunk, redacted (a secret split across chunks is caught at the next:
+    /// what could be its beginning is held back until then).
+    pub async fn push(&mut self, data: &[u8]) {
+        let out = self.redactor.push(data);
+        self.send(out).await;
+    }
+
+    /// Ends the stream: sends what the redactor held back.
+    pub async fn finish(&mut self) {
+        let rest = self.redactor.finish(false);
+        self.send(rest).await;
+    }
+
     async fn send(&self, data: Vec<u8>) {
         if data.is_empty() {
             return;
@@ -652,14 +665,10 @@ where
     loop {
         match src.read(&mut chunk).await {
             Ok(0) | Err(_) => break,
-            Ok(n) => {
-                let out = sink.redactor.push(&chunk[..n]);
-                sink.send(out).await;
-            }
+            Ok(n) => sink.push(&chunk[..n]).await,
         }
     }
-    let rest = sink.redactor.finish(false);
-    sink.send(rest).await;
+    sink.finish().await;
 }
 
 #[cfg(test)]

@@ -4,6 +4,7 @@
 //! [`snapshot`] checkpoints them.
 
 mod exec;
+mod kept;
 mod ports;
 mod process;
 mod snapshot;
@@ -102,6 +103,8 @@ struct Inner {
     resumed: tokio::sync::Notify,
     /// Background processes.
     procs: sandbox_core::ProcessTable,
+    /// The background processes under a keeper, which snapshots keep ([`kept`]).
+    kept: kept::KeptTable,
     /// Published ports (closed on destroy).
     ports: sandbox_core::Ports,
     /// Whether the root has the published-port relay ([`bundle::RELAY_PATH`]).
@@ -331,6 +334,7 @@ impl GvisorSandbox {
             resuming: AtomicBool::new(false),
             resumed: tokio::sync::Notify::new(),
             procs: Default::default(),
+            kept: Default::default(),
             ports: sandbox_core::Ports::new(),
             relay: AtomicBool::new(false),
             relays: Default::default(),
@@ -388,7 +392,14 @@ impl GvisorSandbox {
             true => Some(store.artifact(id, SCRATCH_TAR).await?),
             false => None,
         };
-        Self::create(
+        let processes: Vec<(String, i32, String)> = match m.metadata.get(snapshot::META_PROCESSES) {
+            Some(v) => serde_json::from_str(v).map_err(|e| SnapshotError::Corrupt {
+                id: id.clone(),
+                what: format!("metadata `{}`: {e}", snapshot::META_PROCESSES),
+            })?,
+            None => Vec::new(),
+        };
+        let sb = Self::create(
             backend,
             &m.spec,
             secrets,
@@ -399,7 +410,10 @@ impl GvisorSandbox {
                 who,
             }),
         )
-        .await
+        .await?;
+        // The snapshot's background processes run on in the copy: attach to them.
+        sb.inner.adopt_kept(processes).await;
+        Ok(sb)
     }
 }
 
@@ -925,7 +939,13 @@ impl Sandbox for GvisorSandbox {
     }
 
     async fn spawn(&self, req: ExecRequest) -> Result<sandbox_core::Process> {
-        self.inner.spawn(req).await
+        // Without a terminal, under a keeper inside (snapshots keep it), where the root has
+        // the relay that is the keeper.
+        if req.tty.is_none() && self.inner.relay.load(Ordering::SeqCst) {
+            self.inner.spawn_kept(req).await
+        } else {
+            self.inner.spawn(req).await
+        }
     }
 
     async fn processes(&self) -> Result<Vec<sandbox_core::ProcessInfo>> {

@@ -3,6 +3,10 @@
 
 use super::*;
 
+/// Snapshot metadata: the kept background processes running when it was taken, as JSON
+/// `[[keeper name, pid inside, command line], ...]`; a restored copy attaches to them.
+pub(super) const META_PROCESSES: &str = "processes";
+
 impl Inner {
     /// Checkpoints the whole sandbox (every process's memory) plus the workspace into `store`.
     ///
@@ -25,12 +29,21 @@ impl Inner {
         }
         let guard = Arc::clone(&self.lifecycle).write_owned().await;
         self.alive()?;
-        // A background process's stdio are host pipes: runsc checkpoints them but cannot
-        // restore them, so the sandbox would not come back. Refuse, losing nothing.
-        let running = self.procs.running_summary();
+        // A process with a terminal has its stdio on our terminal (a host file): runsc
+        // checkpoints it but cannot restore it, so the sandbox would not come back. Refuse,
+        // losing nothing. Kept processes (every other) are detached below and go on.
+        let kept = self.kept_running();
+        let unkept: Vec<String> = self
+            .procs
+            .list()
+            .into_iter()
+            .filter(|p| p.state == sandbox_core::ProcessState::Running)
+            .filter(|p| !kept.iter().any(|k| k.id() == p.id))
+            .map(|p| format!("{} (`{}`)", p.id, p.command))
+            .collect();
         let relays = self.relays.load(Ordering::SeqCst);
         if relays > 0 {
-            // The same for a published port's relay (see `ports`).
+            // A published port's relay has our pipes as its stdio (see `ports`): the same.
             return Err(Error::unsupported(
                 TIER,
                 format!(
@@ -39,16 +52,32 @@ impl Inner {
                 ),
             ));
         }
-        if let Some(running) = running {
+        if !unkept.is_empty() {
+            let why = if self.relay.load(Ordering::SeqCst) {
+                "processes with a terminal run (gVisor cannot restore their terminal, which \
+                 is on the host)"
+            } else {
+                "background processes run in a root without the process keeper (their stdio \
+                 are host pipes, which gVisor cannot restore)"
+            };
             return Err(Error::unsupported(
                 TIER,
                 format!(
-                    "snapshots while background processes run (gVisor cannot restore their \
-                     host pipes): stop process {} first",
-                    running
+                    "snapshots while {why}: stop process {} first",
+                    unkept.join(", ")
                 ),
             ));
         }
+        // Every kept process stops talking to us; none holds a host pipe for the checkpoint.
+        for (i, k) in kept.iter().enumerate() {
+            if let Err(e) = k.detach().await {
+                for k in &kept[..i] {
+                    let _ = k.attach(self).await;
+                }
+                return Err(e);
+            }
+        }
+        let recorded: Vec<(String, i32, String)> = kept.iter().map(|k| k.record()).collect();
         let image = self.dir.join(format!(
             "checkpoint-{}",
             self.seq.fetch_add(1, Ordering::SeqCst)
@@ -79,6 +108,8 @@ impl Inner {
         tokio::spawn(async move {
             let _exclusive = guard;
             me.resume_from(&resume_image).await;
+            // The kept processes went on inside: attach to them again.
+            me.reattach_kept().await;
             me.resuming.store(false, Ordering::SeqCst);
             me.resumed.notify_waiters();
         });
@@ -99,7 +130,12 @@ impl Inner {
         .meta("uid", self.who.uid.to_string())
         .meta("gid", self.who.gid.to_string())
         .meta("platform", self.runsc.platform.name())
-        .meta("sandbox_id", self.id.clone());
+        .meta("sandbox_id", self.id.clone())
+        .meta(
+            META_PROCESSES,
+            serde_json::to_string(&recorded)
+                .map_err(|e| Error::backend(TIER, format!("recording the processes: {e}")))?,
+        );
         if let Some(ws) = ws {
             draft = draft.artifact("workspace.tar", ws?);
         }

@@ -1,0 +1,469 @@
+//! Background processes that snapshots keep: started by the keeper inside the sandbox
+//! (`relay keep`, see `relay/keep.rs`), which holds the command's pipes itself, and reached
+//! through an attachment (`relay attach`, a `runsc exec` whose stdio are our pipes) that
+//! carries frames both ways.
+//!
+//! A snapshot detaches every attachment (the keeper acknowledges, then sends nothing more),
+//! so when `runsc checkpoint` runs no process of the sandbox holds a host pipe; the
+//! processes go on inside, and the resumed sandbox (or a copy restored from the snapshot)
+//! attaches again. While detached, the keeper reads nothing from the command: a command
+//! that writes meanwhile waits once its pipe is full. A process with a terminal is not
+//! kept (its terminal is ours, on the host): snapshots are refused while one runs.
+
+use std::collections::HashMap;
+use std::sync::Weak;
+
+use bytes::Bytes;
+use sandbox_core::{Process, ProcessControl, ProcessId, Signal, Tty};
+use tokio::io::AsyncReadExt;
+use tokio::process::{Child, ChildStdin, ChildStdout};
+
+use super::exec::{RunscExec, Stdin};
+use super::*;
+
+/// Chunks in flight to a process's reader before it is held back.
+const QUEUE: usize = 64;
+/// How long the keeper may take to answer a detach.
+const DETACH_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest frame accepted from the keeper.
+const MAX_FRAME: usize = 1 << 20;
+
+/// The kept processes of a sandbox, by id.
+pub(super) type KeptTable = Mutex<HashMap<ProcessId, Arc<Kept>>>;
+
+/// One attachment: the `runsc exec relay attach` child and its pipes.
+struct Attachment {
+    child: Child,
+    output: ChildStdout,
+    files: [PathBuf; 2],
+}
+
+impl Drop for Attachment {
+    fn drop(&mut self) {
+        let _ = self.child.start_kill();
+        for f in &self.files {
+            let _ = std::fs::remove_file(f);
+        }
+    }
+}
+
+/// A kept process: what its [`Process`] handle and the sandbox's snapshots drive.
+pub(super) struct Kept {
+    id: ProcessId,
+    inner: Weak<Inner>,
+    /// The keeper's name (its socket inside).
+    name: String,
+    /// The command's pid inside (0: it could not start).
+    pid: i32,
+    command: String,
+    /// The current attachment's input (frames to the keeper); `None` while detached.
+    input: tokio::sync::Mutex<Option<ChildStdin>>,
+    stdin_closed: AtomicBool,
+    ended: AtomicBool,
+    timed_out: AtomicBool,
+    /// New attachments, for the task that reads the frames.
+    attachments: mpsc::UnboundedSender<Attachment>,
+    /// Told when the keeper answered a detach.
+    detached: tokio::sync::Notify,
+}
+
+async fn write_frame(w: &mut ChildStdin, kind: u8, payload: &[u8]) -> std::io::Result<()> {
+    let len = u32::try_from(payload.len())
+        .map_err(|_| std::io::Error::other("frame too long"))?
+        .to_be_bytes();
+    let mut frame = Vec::with_capacity(5 + payload.len());
+    frame.push(kind);
+    frame.extend_from_slice(&len);
+    frame.extend_from_slice(payload);
+    w.write_all(&frame).await?;
+    w.flush().await
+}
+
+async fn read_frame(r: &mut ChildStdout) -> std::io::Result<(u8, Vec<u8>)> {
+    let mut head = [0u8; 5];
+    r.read_exact(&mut head).await?;
+    let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+    if len > MAX_FRAME {
+        return Err(std::io::Error::other("frame too long"));
+    }
+    let mut payload = vec![0u8; len];
+    r.read_exact(&mut payload).await?;
+    Ok((head[0], payload))
+}
+
+impl Kept {
+    /// Sends one frame on the current attachment (waiting out a snapshot's detach).
+    async fn send(&self, kind: u8, payload: &[u8]) -> Result<()> {
+        let exited = Error::ProcessExited { id: self.id };
+        if self.ended.load(Ordering::SeqCst) {
+            return Err(exited);
+        }
+        let inner = self.inner.upgrade().ok_or(exited)?;
+        // Shared with execs: a snapshot (detached) is over before this goes.
+        let _shared = inner.lifecycle.read().await;
+        let mut g = self.input.lock().await;
+        let Some(w) = g.as_mut() else {
+            return Err(Error::ProcessExited { id: self.id });
+        };
+        write_frame(w, kind, payload)
+            .await
+            .map_err(|_| Error::ProcessExited { id: self.id })
+    }
+
+    /// Stops the keeper forwarding to us and ends the attachment; the process goes on.
+    pub(super) async fn detach(&self) -> Result<()> {
+        let notified = self.detached.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
+        {
+            let mut g = self.input.lock().await;
+            let Some(w) = g.as_mut() else {
+                return Ok(());
+            };
+            if write_frame(w, b'D', b"").await.is_err() {
+                // It ended meanwhile.
+                return Ok(());
+            }
+            g.take();
+        }
+        if self.ended.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        tokio::time::timeout(DETACH_TIMEOUT, notified)
+            .await
+            .map_err(|_| {
+                Error::backend(
+                    TIER,
+                    format!(
+                        "process {} (`{}`) did not detach for the snapshot",
+                        self.id, self.command
+                    ),
+                )
+            })
+    }
+
+    /// Attaches again (after a snapshot's resume, or in a restored copy).
+    pub(super) async fn attach(&self, inner: &Inner) -> Result<()> {
+        if self.ended.load(Ordering::SeqCst) {
+            return Ok(());
+        }
+        let (att, mut input) = inner.attach_keeper(&self.name)?;
+        write_frame(&mut input, b'A', b"")
+            .await
+            .map_err(|e| Error::io("attach to a kept process", e))?;
+        *self.input.lock().await = Some(input);
+        self.attachments
+            .send(att)
+            .map_err(|_| Error::backend(TIER, "the process's reader is gone"))
+    }
+
+    /// What a snapshot records: the keeper's name, the pid, the command line.
+    pub(super) fn record(&self) -> (String, i32, String) {
+        (self.name.clone(), self.pid, self.command.clone())
+    }
+
+    pub(super) fn id(&self) -> ProcessId {
+        self.id
+    }
+
+    pub(super) fn running(&self) -> bool {
+        !self.ended.load(Ordering::SeqCst)
+    }
+}
+
+#[async_trait]
+impl ProcessControl for Kept {
+    async fn write_stdin(&self, data: Bytes) -> Result<()> {
+        if self.stdin_closed.load(Ordering::SeqCst) {
+            return Err(Error::ProcessExited { id: self.id });
+        }
+        for chunk in data.chunks(64 * 1024) {
+            self.send(b'I', chunk).await?;
+        }
+        Ok(())
+    }
+
+    async fn close_stdin(&self) -> Result<()> {
+        if self.stdin_closed.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
+        match self.send(b'C', b"").await {
+            Ok(()) | Err(Error::ProcessExited { .. }) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn resize(&self, tty: Tty) -> Result<()> {
+        let ended = self.ended.load(Ordering::SeqCst);
+        sandbox_core::process::resize_terminal(self.id, None, ended, tty)
+    }
+
+    async fn signal(&self, signal: Signal) -> Result<()> {
+        let exited = Error::ProcessExited { id: self.id };
+        if self.ended.load(Ordering::SeqCst) || self.pid <= 0 {
+            return Err(exited);
+        }
+        let inner = self.inner.upgrade().ok_or(exited)?;
+        inner.alive()?;
+        inner.signal_exec(self.pid, signal.number()).await;
+        Ok(())
+    }
+}
+
+impl Inner {
+    /// Starts `relay attach NAME` and asks the keeper to forward to it.
+    fn attach_keeper(&self, name: &str) -> Result<(Attachment, ChildStdin)> {
+        let argv = vec![
+            bundle::RELAY_PATH.to_string(),
+            "attach".into(),
+            name.to_string(),
+        ];
+        let RunscExec {
+            mut child,
+            pfile,
+            pidfile,
+            ..
+        } = self.runsc_exec_on("attach", argv, Vec::new(), "/", Stdin::Pipe)?;
+        let (Some(input), Some(output)) = (child.stdin.take(), child.stdout.take()) else {
+            let _ = child.start_kill();
+            return Err(Error::backend(TIER, "runsc exec without its pipes"));
+        };
+        Ok((
+            Attachment {
+                child,
+                output,
+                files: [pfile, pidfile],
+            },
+            input,
+        ))
+    }
+
+    /// Starts `req` (no terminal) under a keeper (see the module docs).
+    pub(super) async fn spawn_kept(self: &Arc<Self>, req: ExecRequest) -> Result<Process> {
+        self.alive()?;
+        req.validate()?;
+        let shared = self.lifecycle.read().await;
+        self.alive()?;
+        self.life.check_running()?;
+        let (argv, env, cwd) = self.command(&req)?;
+        let name = format!(
+            "{}-{}",
+            &self.id[..self.id.len().min(12)],
+            self.seq.fetch_add(1, Ordering::SeqCst)
+        );
+        let mut keep = vec![
+            bundle::RELAY_PATH.to_string(),
+            "keep".into(),
+            name.clone(),
+            "--".into(),
+        ];
+        keep.extend(argv);
+        let RunscExec {
+            mut child,
+            pfile,
+            pidfile,
+            ..
+        } = self.runsc_exec_on("keep", keep, env, &cwd, Stdin::Null)?;
+        let mut said = String::new();
+        if let Some(out) = child.stdout.take() {
+            let _ = out.take(4096).read_to_string(&mut said).await;
+        }
+        let _ = child.wait().await;
+        let _ = std::fs::remove_file(&pfile);
+        let _ = std::fs::remove_file(&pidfile);
+        let pid = match said.trim().split_once(' ') {
+            Some(("0", pid)) => pid.trim().parse::<i32>().unwrap_or(0),
+            _ => {
+                return Err(Error::backend(
+                    TIER,
+                    format!(
+                        "the process keeper did not start `{}`: {}",
+                        sandbox_core::process::command_line(&req.command),
+                        said.trim()
+                    ),
+                ))
+            }
+        };
+        let command = sandbox_core::process::command_line(&req.command);
+        let id = self.procs.start(command.clone());
+        let (kept, rx) = self.keep(id, name, pid, command);
+        let attached = kept.attach(self).await;
+        drop(shared);
+        if let Err(e) = attached {
+            // Running but unreachable: end it rather than leak it.
+            if pid > 0 {
+                self.kill_exec(pid).await;
+            }
+            self.procs.exited(id, None);
+            return Err(e);
+        }
+        // The request's stdin goes first: written before the handle is returned.
+        if let Some(data) = &req.stdin {
+            let _ = kept.write_stdin(Bytes::from(data.clone())).await;
+        }
+        let (tx, events) = mpsc::channel(QUEUE);
+        self.follow(&kept, rx, tx, req.timeout);
+        Ok(Process::new(
+            id,
+            events,
+            kept as Arc<dyn ProcessControl>,
+            self.spec.limits.output_bytes,
+        ))
+    }
+
+    /// Registers a kept process (in the process table and the kept table).
+    fn keep(
+        self: &Arc<Self>,
+        id: ProcessId,
+        name: String,
+        pid: i32,
+        command: String,
+    ) -> (Arc<Kept>, mpsc::UnboundedReceiver<Attachment>) {
+        let (attachments, rx) = mpsc::unbounded_channel();
+        let kept = Arc::new(Kept {
+            id,
+            inner: Arc::downgrade(self),
+            name,
+            pid,
+            command,
+            input: tokio::sync::Mutex::new(None),
+            stdin_closed: AtomicBool::new(false),
+            ended: AtomicBool::new(false),
+            timed_out: AtomicBool::new(false),
+            attachments,
+            detached: tokio::sync::Notify::new(),
+        });
+        self.procs
+            .attach(id, Arc::clone(&kept) as Arc<dyn ProcessControl>);
+        lock(&self.kept).insert(id, Arc::clone(&kept));
+        (kept, rx)
+    }
+
+    /// Reads the process's frames from attachment to attachment until its exit, into `tx`
+    /// (redacted); a wall-time limit kills it.
+    fn follow(
+        self: &Arc<Self>,
+        kept: &Arc<Kept>,
+        mut attachments: mpsc::UnboundedReceiver<Attachment>,
+        tx: mpsc::Sender<Result<ExecEvent>>,
+        timeout: Option<Duration>,
+    ) {
+        let me = Arc::clone(self);
+        let kept = Arc::clone(kept);
+        let before = me.limit_counters();
+        if let (Some(t), true) = (timeout, kept.pid > 0) {
+            let (me, k) = (Arc::downgrade(&me), Arc::downgrade(&kept));
+            tokio::spawn(async move {
+                tokio::time::sleep(t).await;
+                if let (Some(me), Some(k)) = (me.upgrade(), k.upgrade()) {
+                    if k.running() {
+                        k.timed_out.store(true, Ordering::SeqCst);
+                        me.kill_exec(k.pid).await;
+                    }
+                }
+            });
+        }
+        tokio::spawn(async move {
+            let mut out = StreamSink::new(tx.clone(), &me.redactor, StreamKind::Stdout);
+            let mut err = StreamSink::new(tx.clone(), &me.redactor, StreamKind::Stderr);
+            let mut code = None;
+            'attachments: while let Some(mut att) = attachments.recv().await {
+                loop {
+                    match read_frame(&mut att.output).await {
+                        Ok((b'O', d)) => out.push(&d).await,
+                        Ok((b'E', d)) => err.push(&d).await,
+                        Ok((b'X', c)) => {
+                            code = String::from_utf8_lossy(&c).trim().parse::<i32>().ok();
+                            break 'attachments;
+                        }
+                        Ok((b'D', _)) => {
+                            drop(att);
+                            kept.detached.notify_one();
+                            continue 'attachments;
+                        }
+                        Ok(_) => {}
+                        // The attachment ended without the exit: the sandbox is gone (or
+                        // the relay was killed); try once more while it lives.
+                        Err(_) => {
+                            drop(att);
+                            if me.torn_down.load(Ordering::SeqCst) || me.alive().is_err() {
+                                break 'attachments;
+                            }
+                            if kept.attach(&me).await.is_err() {
+                                break 'attachments;
+                            }
+                            continue 'attachments;
+                        }
+                    }
+                }
+            }
+            out.finish().await;
+            err.finish().await;
+            kept.ended.store(true, Ordering::SeqCst);
+            kept.input.lock().await.take();
+            lock(&me.kept).remove(&kept.id);
+            let limit = kept
+                .timed_out
+                .load(Ordering::SeqCst)
+                .then_some(LimitKind::WallTime);
+            let last = match code {
+                Some(code) if !me.torn_down.load(Ordering::SeqCst) && me.alive().is_ok() => {
+                    let empty = || sandbox_core::OutputBuffer::new(0);
+                    let t = TimelineRecorder::start();
+                    let r = me
+                        .conclude(Some(code), limit, before, empty(), empty(), t)
+                        .await;
+                    me.procs.exited(kept.id, r.exit_code);
+                    Ok(r)
+                }
+                _ => {
+                    me.procs.exited(kept.id, None);
+                    Err(Error::SandboxGone {
+                        id: me.id.clone(),
+                        reason: "the sandbox ended while the process ran".into(),
+                    })
+                }
+            };
+            let _ = tx.send(last.map(ExecEvent::Exit)).await;
+        });
+    }
+
+    /// The kept processes still running, as a snapshot records them.
+    pub(super) fn kept_running(&self) -> Vec<Arc<Kept>> {
+        lock(&self.kept)
+            .values()
+            .filter(|k| k.running())
+            .cloned()
+            .collect()
+    }
+
+    /// Attaches every kept process again (a snapshot's resume).
+    pub(super) async fn reattach_kept(self: &Arc<Self>) {
+        for k in self.kept_running() {
+            if let Err(e) = k.attach(self).await {
+                tracing::warn!(sandbox = %self.id, process = k.id, error = %e,
+                    "could not attach to a kept process after the snapshot");
+            }
+        }
+    }
+
+    /// A restored copy's processes (recorded by the snapshot): listed, signalable, their
+    /// output read and dropped (no handle was ever given for them here).
+    pub(super) async fn adopt_kept(self: &Arc<Self>, recorded: Vec<(String, i32, String)>) {
+        for (name, pid, command) in recorded {
+            let id = self.procs.start(command.clone());
+            let (kept, rx) = self.keep(id, name, pid, command);
+            let (tx, events) = mpsc::channel(1);
+            drop(events);
+            self.follow(&kept, rx, tx, None);
+            if let Err(e) = kept.attach(self).await {
+                tracing::warn!(sandbox = %self.id, process = id, error = %e,
+                    "could not attach to a restored process");
+            }
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
