@@ -144,11 +144,9 @@ fn shell_session(tier: &str, server: Option<&served::Serve>) {
     keys(s, &["stty size; echo shown-$((2*3))", "Enter"]);
     let screen = screen_with(s, "shown-6");
     assert!(screen.contains("30 100"), "{screen}");
-    if tier == "container" {
-        // gVisor has no /dev/pts entry to name for a host terminal (see docs/interactive.md).
-        keys(s, &["tty", "Enter"]);
-        screen_with(s, "/dev/pts/");
-    }
+    // A terminal of the sandbox's own, in every tier.
+    keys(s, &["tty", "Enter"]);
+    screen_with(s, "/dev/pts/");
 
     keys(s, &["python3", "Enter"]);
     screen_with(s, ">>>");

@@ -1,5 +1,5 @@
-//! Background processes that survive a checkpoint: `relay keep NAME -- ARGV...` and
-//! `relay attach NAME`.
+//! Background processes that survive a checkpoint: `relay keep NAME [--tty ROWS COLS] --
+//! ARGV...` and `relay attach NAME`.
 //!
 //! `runsc checkpoint` saves every process of a sandbox, but a process whose stdio are the
 //! host's pipes (what `runsc exec` gives it) cannot be restored. So a background process is
@@ -7,7 +7,8 @@
 //!
 //! - `keep` starts `serve` (this program again) with `/dev/null` as its stdio and returns
 //!   once `serve` has started the command: it prints `0 PID` (or `1 REASON`) and exits.
-//! - `serve` runs the command in a process group of its own, on pipes it holds, and listens
+//! - `serve` runs the command in a process group of its own, on pipes it holds (or, with
+//!   `--tty`, on a terminal it opens inside the sandbox, under `session`), and listens
 //!   on the abstract Unix socket `@agent-sandbox/proc/NAME`. It forwards the command's output
 //!   to the client that attached, its input from that client, and its exit status; with no
 //!   client attached it reads nothing, so a command that writes more than its pipe holds
@@ -19,14 +20,25 @@
 //! Frames, both ways: one type byte, a 4-byte big-endian length, the payload.
 //! From `serve`: `H` hello (the command's pid, decimal), `O`/`E` output, `X` exit (the code,
 //! decimal; 128+N for signal N), `D` detached, `F` the command could not start (why).
-//! To `serve`: `A` attach (start forwarding to me), `I` input, `C` close input, `D` detach
-//! (stop forwarding; answered by `D`, after which nothing more is sent on this connection).
+//! To `serve`: `A` attach (start forwarding to me), `I` input, `C` close input (a terminal's
+//! end of file, `^D`), `R` resize a terminal (`ROWS COLS`), `D` detach (stop forwarding;
+//! answered by `D`, after which nothing more is sent on this connection).
+//!
+//! **Terminals.** This runsc's `devpts` has no `ISIG`: a `^C` typed on a terminal inside the
+//! sandbox reaches the program as a byte and signals nobody, and the master side cannot tell
+//! the foreground process group (`TIOCGPGRP` there is `ENOTTY`). So the command runs under
+//! `relay session`, the terminal's session leader and controlling process: `serve` takes the
+//! `INTR` and `QUIT` characters out of the input while the terminal has `ISIG` set and sends
+//! the session leader `SIGUSR1` / `SIGUSR2`; it asks its terminal for the foreground group
+//! (`tcgetpgrp`, which works from inside the session) and sends it `SIGINT` / `SIGQUIT`, as
+//! the kernel's line discipline would. It ends with the command, with its exit code.
 
+use std::fs::File;
 use std::io::{Read, Write};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
-use std::process::{Child, ChildStdin, Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -67,8 +79,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// `relay keep NAME -- ARGV...`
 pub fn keep(args: &[String]) -> i32 {
     let mut out = std::io::stdout().lock();
-    let (Some(name), Some("--")) = (args.first(), args.get(1).map(String::as_str)) else {
-        let _ = out.write_all(b"1 usage: relay keep NAME -- ARGV...\n");
+    let Some(Spec { name, .. }) = Spec::parse(args) else {
+        let _ = out.write_all(b"1 usage: relay keep NAME [--tty ROWS COLS] -- ARGV...\n");
         return 2;
     };
     let Ok(me) = std::env::current_exe() else {
@@ -121,7 +133,11 @@ struct Shared {
     /// The attached client, if any, and a generation count bumped on every change.
     client: Mutex<(Option<UnixStream>, u64)>,
     changed: Condvar,
-    stdin: Mutex<Option<ChildStdin>>,
+    /// The command's input: its stdin pipe, or its terminal's master.
+    stdin: Mutex<Option<Box<dyn Write + Send>>>,
+    /// The terminal's master (a copy) and the session leader's pid, for resizes, `^D` and
+    /// the signal characters.
+    tty: Option<(File, u32)>,
 }
 
 impl Shared {
@@ -183,13 +199,32 @@ fn serve_client(shared: &Shared, mut conn: UnixStream, pid: u32) {
             b'I' => {
                 let mut g = lock(&shared.stdin);
                 if let Some(w) = g.as_mut() {
-                    if w.write_all(&payload).is_err() {
+                    let written = match &shared.tty {
+                        Some((master, leader)) => pty::type_in(w, master, *leader, &payload),
+                        None => w.write_all(&payload),
+                    };
+                    if written.is_err() {
                         *g = None;
                     }
                 }
             }
             b'C' => {
-                lock(&shared.stdin).take();
+                let mut g = lock(&shared.stdin);
+                if shared.tty.is_some() {
+                    if let Some(w) = g.as_mut() {
+                        let _ = w.write_all(b"\x04");
+                    }
+                } else {
+                    g.take();
+                }
+            }
+            b'R' => {
+                let size = String::from_utf8_lossy(&payload).into_owned();
+                if let (Some((m, _)), Some((r, c))) = (&shared.tty, size.split_once(' ')) {
+                    if let (Ok(r), Ok(c)) = (r.trim().parse(), c.trim().parse()) {
+                        let _ = pty::resize(m, r, c);
+                    }
+                }
             }
             b'D' => {
                 // Under the client lock: no output frame follows the answer.
@@ -229,29 +264,83 @@ fn pump(shared: Arc<Shared>, mut from: impl Read, kind: u8) {
     }
 }
 
-/// `relay serve NAME -- ARGV...` (started by `keep`).
+/// What `keep` and `serve` are given: `NAME [--tty ROWS COLS] -- ARGV...`.
+struct Spec<'a> {
+    name: &'a String,
+    tty: Option<(u16, u16)>,
+    argv: &'a [String],
+}
+
+impl<'a> Spec<'a> {
+    fn parse(args: &'a [String]) -> Option<Spec<'a>> {
+        let (name, mut rest) = args.split_first()?;
+        let mut tty = None;
+        if rest.first().map(String::as_str) == Some("--tty") {
+            let rows = rest.get(1)?.parse().ok()?;
+            let cols = rest.get(2)?.parse().ok()?;
+            tty = Some((rows, cols));
+            rest = rest.get(3..)?;
+        }
+        let (dashes, argv) = rest.split_first()?;
+        (dashes == "--").then_some(Spec { name, tty, argv })
+    }
+}
+
+/// The started command: the child, its input, its output streams, its terminal's master.
+type Started = (
+    Child,
+    Option<Box<dyn Write + Send>>,
+    Vec<(Box<dyn Read + Send>, u8)>,
+    Option<File>,
+);
+
+fn start(spec: &Spec) -> std::io::Result<Started> {
+    let (prog, rest) = spec
+        .argv
+        .split_first()
+        .ok_or_else(|| std::io::Error::other("no command"))?;
+    match spec.tty {
+        None => {
+            let mut child = Command::new(prog)
+                .args(rest)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .process_group(0)
+                .spawn()?;
+            let input = child.stdin.take().map(|w| Box::new(w) as Box<dyn Write + Send>);
+            let outputs = [
+                child.stdout.take().map(|o| (Box::new(o) as Box<dyn Read + Send>, b'O')),
+                child.stderr.take().map(|e| (Box::new(e) as Box<dyn Read + Send>, b'E')),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            Ok((child, input, outputs, None))
+        }
+        Some((rows, cols)) => {
+            let (child, master) = pty::spawn(prog, rest, rows, cols)?;
+            let input = Box::new(master.try_clone()?) as Box<dyn Write + Send>;
+            // Stdout and stderr merged, as a terminal has them.
+            let output = Box::new(master.try_clone()?) as Box<dyn Read + Send>;
+            Ok((child, Some(input), vec![(output, b'O')], Some(master)))
+        }
+    }
+}
+
+/// `relay serve NAME [--tty ROWS COLS] -- ARGV...` (started by `keep`).
 pub fn serve(args: &[String]) -> i32 {
-    let (Some(name), Some(argv)) = (args.first(), args.get(2..)) else {
+    let Some(spec) = Spec::parse(args) else {
         return 2;
     };
-    let Ok(listener) = socket_addr(name).and_then(|a| UnixListener::bind_addr(&a)) else {
+    let Ok(listener) = socket_addr(spec.name).and_then(|a| UnixListener::bind_addr(&a)) else {
         return 1;
     };
-    let started = match argv.split_first() {
-        Some((prog, rest)) => Command::new(prog)
-            .args(rest)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .spawn(),
-        None => Err(std::io::Error::other("no command")),
-    };
-    let mut child: Child = match started {
-        Ok(c) => c,
+    let (mut child, input, outputs, master) = match start(&spec) {
+        Ok(s) => s,
         Err(e) => {
             if let Ok((mut c, _)) = listener.accept() {
-                let _ = write_frame(&mut c, b'F', format!("{}: {e}", argv.join(" ")).as_bytes());
+                let _ = write_frame(&mut c, b'F', format!("{}: {e}", spec.argv.join(" ")).as_bytes());
             }
             return 1;
         }
@@ -260,7 +349,8 @@ pub fn serve(args: &[String]) -> i32 {
     let shared = Arc::new(Shared {
         client: Mutex::new((None, 0)),
         changed: Condvar::new(),
-        stdin: Mutex::new(child.stdin.take()),
+        stdin: Mutex::new(input),
+        tty: master.map(|m| (m, pid)),
     });
     {
         let shared = Arc::clone(&shared);
@@ -271,20 +361,25 @@ pub fn serve(args: &[String]) -> i32 {
             }
         });
     }
-    let pumps: Vec<_> = [
-        child.stdout.take().map(|o| (Box::new(o) as Box<dyn Read + Send>, b'O')),
-        child.stderr.take().map(|e| (Box::new(e) as Box<dyn Read + Send>, b'E')),
-    ]
-    .into_iter()
-    .flatten()
-    .map(|(r, k)| {
+    let pumps: Vec<_> = outputs
+        .into_iter()
+        .map(|(r, k)| {
         let shared = Arc::clone(&shared);
         std::thread::spawn(move || pump(shared, r, k))
     })
     .collect();
     let status = child.wait();
-    for p in pumps {
-        let _ = p.join();
+    if shared.tty.is_some() {
+        // A terminal's master reads on until every copy of its slave is closed (a daemon
+        // of the session may hold one): what is left is drained briefly, then dropped.
+        let end = Instant::now() + Duration::from_secs(1);
+        while pumps.iter().any(|p| !p.is_finished()) && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    } else {
+        for p in pumps {
+            let _ = p.join();
+        }
     }
     let code = match status {
         Ok(s) => s.code().or_else(|| s.signal().map(|n| 128 + n)).unwrap_or(255),
@@ -328,4 +423,242 @@ pub fn attach(args: &[String]) -> i32 {
         }
     }
     0
+}
+
+/// `relay session -- ARGV...`: the session leader of a terminal (its stdio), which runs the
+/// command in its own process group and relays `SIGUSR1` / `SIGUSR2` from `serve` as
+/// `SIGINT` / `SIGQUIT` to the terminal's foreground group (see the module docs).
+pub fn session(args: &[String]) -> i32 {
+    use std::sync::atomic::Ordering;
+    let Some(("--", argv)) = args.split_first().map(|(d, a)| (d.as_str(), a)) else {
+        return 2;
+    };
+    let Some((prog, rest)) = argv.split_first() else {
+        return 2;
+    };
+    pty::catch_requests();
+    let mut child = match Command::new(prog).args(rest).spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{prog}: {e}");
+            return if e.kind() == std::io::ErrorKind::NotFound {
+                127
+            } else {
+                126
+            };
+        }
+    };
+    loop {
+        match child.try_wait() {
+            Ok(Some(s)) => {
+                return s.code().or_else(|| s.signal().map(|n| 128 + n)).unwrap_or(255)
+            }
+            Ok(None) => {}
+            Err(_) => return 255,
+        }
+        for (flag, signo) in [(&pty::WANT_INT, 2), (&pty::WANT_QUIT, 3)] {
+            if flag.swap(false, Ordering::SeqCst) {
+                pty::signal_foreground(signo);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The command's terminal, opened inside the sandbox (`/dev/ptmx`).
+mod pty {
+    use std::ffi::CStr;
+    use std::fs::{File, OpenOptions};
+    use std::io::Write;
+    use std::os::fd::{AsRawFd, FromRawFd};
+    use std::os::raw::{c_char, c_int, c_ulong};
+    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::process::CommandExt;
+    use std::process::{Child, Command};
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    #[repr(C)]
+    struct Winsize {
+        rows: u16,
+        cols: u16,
+        xpixel: u16,
+        ypixel: u16,
+    }
+
+    /// Linux x86-64 `struct termios` (as `TCGETS` fills it).
+    #[repr(C)]
+    struct Termios {
+        iflag: u32,
+        oflag: u32,
+        cflag: u32,
+        lflag: u32,
+        line: u8,
+        cc: [u8; 19],
+    }
+
+    extern "C" {
+        fn posix_openpt(flags: c_int) -> c_int;
+        fn grantpt(fd: c_int) -> c_int;
+        fn unlockpt(fd: c_int) -> c_int;
+        fn ptsname_r(fd: c_int, buf: *mut c_char, len: usize) -> c_int;
+        fn ioctl(fd: c_int, request: c_ulong, ...) -> c_int;
+        fn setsid() -> c_int;
+        fn kill(pid: c_int, sig: c_int) -> c_int;
+        fn signal(sig: c_int, handler: usize) -> usize;
+        fn tcgetpgrp(fd: c_int) -> c_int;
+    }
+
+    const O_RDWR: c_int = 2;
+    const O_NOCTTY: c_int = 0o400;
+    const TCGETS: c_ulong = 0x5401;
+    const TIOCSWINSZ: c_ulong = 0x5414;
+    const TIOCSCTTY: c_ulong = 0x540e;
+    const ISIG: u32 = 0o1;
+    const VINTR: usize = 0;
+    const VQUIT: usize = 1;
+    const SIGINT: c_int = 2;
+    const SIGQUIT: c_int = 3;
+    const SIGUSR1: c_int = 10;
+    const SIGUSR2: c_int = 12;
+
+    /// `serve` asked for a `SIGINT` / `SIGQUIT` to the foreground group.
+    pub static WANT_INT: AtomicBool = AtomicBool::new(false);
+    pub static WANT_QUIT: AtomicBool = AtomicBool::new(false);
+
+    extern "C" fn on_usr1(_: c_int) {
+        WANT_INT.store(true, Ordering::SeqCst);
+    }
+    extern "C" fn on_usr2(_: c_int) {
+        WANT_QUIT.store(true, Ordering::SeqCst);
+    }
+    /// The session leader's own `SIGINT` / `SIGQUIT` (it is in the foreground group until
+    /// the command makes one of its own): caught, so it does not die of them. A caught
+    /// signal is reset to its default in the command it starts.
+    extern "C" fn on_ignored(_: c_int) {}
+
+    fn check(r: c_int) -> std::io::Result<()> {
+        if r < 0 {
+            Err(std::io::Error::last_os_error())
+        } else {
+            Ok(())
+        }
+    }
+
+    /// The session leader's handlers (see `session`).
+    pub fn catch_requests() {
+        // SAFETY: the handlers only store to atomics (async-signal-safe).
+        unsafe {
+            signal(SIGUSR1, on_usr1 as extern "C" fn(c_int) as usize);
+            signal(SIGUSR2, on_usr2 as extern "C" fn(c_int) as usize);
+            signal(SIGINT, on_ignored as extern "C" fn(c_int) as usize);
+            signal(SIGQUIT, on_ignored as extern "C" fn(c_int) as usize);
+        }
+    }
+
+    /// Sends `signo` to the foreground group of the controlling terminal (stdin).
+    pub fn signal_foreground(signo: c_int) {
+        // SAFETY: plain calls; no pointers.
+        unsafe {
+            let pg = tcgetpgrp(0);
+            if pg > 0 {
+                kill(-pg, signo);
+            }
+        }
+    }
+
+    pub fn resize(master: &File, rows: u16, cols: u16) -> std::io::Result<()> {
+        let ws = Winsize {
+            rows,
+            cols,
+            xpixel: 0,
+            ypixel: 0,
+        };
+        // SAFETY: TIOCSWINSZ reads one `struct winsize` from the pointer, which is valid.
+        check(unsafe { ioctl(master.as_raw_fd(), TIOCSWINSZ, &ws as *const Winsize) })
+    }
+
+    /// Writes `data` to the terminal's input as typed: with `ISIG` set, its `INTR` and
+    /// `QUIT` characters become requests to the session leader `leader` (see the module
+    /// docs) instead of bytes.
+    pub fn type_in(
+        w: &mut Box<dyn Write + Send>,
+        master: &File,
+        leader: u32,
+        data: &[u8],
+    ) -> std::io::Result<()> {
+        let mut t = Termios {
+            iflag: 0,
+            oflag: 0,
+            cflag: 0,
+            lflag: 0,
+            line: 0,
+            cc: [0; 19],
+        };
+        // SAFETY: TCGETS fills one `struct termios` at the pointer, which is valid.
+        let got = unsafe { ioctl(master.as_raw_fd(), TCGETS, &mut t as *mut Termios) } == 0;
+        if !got || t.lflag & ISIG == 0 {
+            return w.write_all(data);
+        }
+        let (intr, quit) = (t.cc[VINTR], t.cc[VQUIT]);
+        let mut rest = data;
+        while let Some(i) = rest
+            .iter()
+            .position(|b| *b != 0 && (*b == intr || *b == quit))
+        {
+            w.write_all(&rest[..i])?;
+            let sig = if rest[i] == intr { SIGUSR1 } else { SIGUSR2 };
+            // SAFETY: plain call; no pointers.
+            unsafe { kill(leader as c_int, sig) };
+            rest = &rest[i + 1..];
+        }
+        w.write_all(rest)
+    }
+
+    /// Runs `relay session -- PROG ARGS` as the session leader of a new terminal of
+    /// `rows` x `cols`; returns it and the terminal's master.
+    pub fn spawn(prog: &str, args: &[String], rows: u16, cols: u16) -> std::io::Result<(Child, File)> {
+        // SAFETY: plain call; the descriptor it returns is owned by `master` below.
+        let fd = unsafe { posix_openpt(O_RDWR | O_NOCTTY) };
+        check(fd)?;
+        // SAFETY: `fd` is a new descriptor nothing else owns.
+        let master = unsafe { File::from_raw_fd(fd) };
+        // SAFETY: plain calls on the master's descriptor.
+        check(unsafe { grantpt(fd) })?;
+        // SAFETY: as above.
+        check(unsafe { unlockpt(fd) })?;
+        let mut name = [0 as c_char; 128];
+        // SAFETY: the buffer and its length are valid; the result is NUL-terminated.
+        let r = unsafe { ptsname_r(fd, name.as_mut_ptr(), name.len()) };
+        if r != 0 {
+            return Err(std::io::Error::from_raw_os_error(r));
+        }
+        // SAFETY: ptsname_r succeeded: a NUL-terminated string in `name`.
+        let path = unsafe { CStr::from_ptr(name.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
+        resize(&master, rows, cols)?;
+        let slave = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(O_NOCTTY)
+            .open(&path)?;
+        let me = std::env::current_exe()?;
+        let mut cmd = Command::new(me);
+        cmd.arg("session")
+            .arg("--")
+            .arg(prog)
+            .args(args)
+            .stdin(slave.try_clone()?)
+            .stdout(slave.try_clone()?)
+            .stderr(slave);
+        // SAFETY: between fork and exec only async-signal-safe calls (setsid, ioctl).
+        unsafe {
+            cmd.pre_exec(|| {
+                check(setsid())?;
+                check(ioctl(0, TIOCSCTTY, 0 as c_int))
+            });
+        }
+        let child = cmd.spawn()?;
+        Ok((child, master))
+    }
 }

@@ -24,6 +24,7 @@ fn main() {
             "keep" => Some(keep::keep(rest)),
             "serve" => Some(keep::serve(rest)),
             "attach" => Some(keep::attach(rest)),
+            "session" => Some(keep::session(rest)),
             _ => None,
         };
         if let Some(code) = code {

@@ -24,8 +24,8 @@
 //!    files, stored in a [`SnapshotStore`]; the sandbox is
 //!    restored in place from the image and keeps running. **restore** recreates the bundle
 //!    under a new id and `runsc restore`s the image: processes resume where they were.
-//!    Background processes are kept (started by a keeper inside, whose attachments a
-//!    snapshot detaches first: `docs/interactive.md`); one with a terminal refuses it.
+//!    Background processes are kept, with a terminal or not (a keeper inside runs each; a
+//!    snapshot detaches from them first and attaches again after: `docs/interactive.md`).
 //!
 //!    With [`SandboxSpec::rootfs`](sandbox_core::SandboxSpec) set, that directory is the root
 //!    instead, wrapped by runsc in an in-memory overlay (`--overlay2=root:memory`): the

@@ -1,6 +1,6 @@
 //! Background processes in the gVisor tier: snapshots keep them (in the sandbox and in a
-//! restored copy; one with a terminal is refused, nothing lost), destroy leaves nothing of
-//! them, and a terminal session behaves as one. (Stdin, output, signals and listing are the conformance
+//! restored copy, with a terminal or not), destroy leaves nothing of them, and a terminal
+//! session behaves as one. (Stdin, output, signals and listing are the conformance
 //! cases `caps.processes` and `process.io-signals`.)
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -100,22 +100,22 @@ async fn a_background_process_across_a_snapshot_and_destroy() {
     assert_eq!(r.exit_code, Some(4), "{r:?}");
     sb.signal(sleeper.id(), Signal::Terminate).await.unwrap();
 
-    // A process with a terminal cannot be kept (its terminal is on the host): refused,
-    // losing nothing.
+    // A process with a terminal is kept too: its terminal is the keeper's, inside.
     let mut sh = sb
         .spawn(ExecRequest::argv(["/bin/sh"]).tty(24, 80))
         .await
         .unwrap();
-    let e = sb.snapshot(&store).await.unwrap_err();
-    assert!(matches!(e, Error::Unsupported { .. }), "{e}");
-    assert!(e.to_string().contains("terminal"), "{e}");
-    sh.write_stdin(&b"echo still-$((6*7))\n"[..]).await.unwrap();
-    read_until(&mut sh, "still-42").await;
+    sh.write_stdin(&b"x=$((6*7))\n"[..]).await.unwrap();
+    sb.snapshot(&store).await.unwrap();
+    sh.resize(30, 100).await.unwrap();
+    sh.write_stdin(&b"stty size; echo still-$x\n"[..])
+        .await
+        .unwrap();
+    let out = read_until(&mut sh, "still-42").await;
+    assert!(out.contains("30 100"), "{out:?}");
     sh.write_stdin(&b"exit 0\n"[..]).await.unwrap();
     let r = sh.wait(Some(Duration::from_secs(60))).await.unwrap();
     assert_eq!(r.exit_code, Some(0));
-    // With it gone, the snapshot is taken and the sandbox goes on.
-    sb.snapshot(&store).await.unwrap();
     assert_eq!(count(sb.as_ref()).await, "0");
 
     let mut q = sb.spawn(ExecRequest::argv(["sleep", "777"])).await.unwrap();
@@ -156,13 +156,16 @@ async fn a_terminal_session_resizes_interrupts_and_exits_with_its_code() {
         .spawn(ExecRequest::argv(["/bin/sh", "-i"]).tty(24, 80))
         .await
         .unwrap();
-    // `tty` cannot name it (gVisor has no /dev/pts entry for a host terminal), but it is
-    // one: isatty, its size, its line discipline.
-    sh.write_stdin(&b"stty size; python3 -c 'import os; print(\"isatty\", os.isatty(0))'\n"[..])
-        .await
-        .unwrap();
+    // A terminal of the sandbox's own (the keeper's, in /dev/pts): isatty, its name, its
+    // size, its line discipline.
+    sh.write_stdin(
+        &b"stty size; tty; python3 -c 'import os; print(\"isatty\", os.isatty(0))'\n"[..],
+    )
+    .await
+    .unwrap();
     let out = read_until(&mut sh, "isatty True").await;
     assert!(out.contains("24 80"), "{out:?}");
+    assert!(out.contains("/dev/pts/"), "{out:?}");
     sh.resize(30, 100).await.unwrap();
     sh.write_stdin(&b"stty size\n"[..]).await.unwrap();
     read_until(&mut sh, "30 100").await;
@@ -184,6 +187,11 @@ async fn a_terminal_session_resizes_interrupts_and_exits_with_its_code() {
         .spawn(ExecRequest::argv(["python3", "-q"]).tty(24, 80))
         .await
         .unwrap();
+    // Ctrl-C interrupts what runs in it (the REPL is its session's foreground group).
+    py.write_stdin(&b"while True: pass\n"[..]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    py.write_stdin(&b"\x03"[..]).await.unwrap();
+    read_until(&mut py, "KeyboardInterrupt").await;
     py.write_stdin(&b"print(6*7)\n"[..]).await.unwrap();
     let out = read_until(&mut py, "42").await;
     // Ctrl-D once the next prompt shows: readline resets the terminal before it prompts,

@@ -7,8 +7,9 @@
 //! so when `runsc checkpoint` runs no process of the sandbox holds a host pipe; the
 //! processes go on inside, and the resumed sandbox (or a copy restored from the snapshot)
 //! attaches again. While detached, the keeper reads nothing from the command: a command
-//! that writes meanwhile waits once its pipe is full. A process with a terminal is not
-//! kept (its terminal is ours, on the host): snapshots are refused while one runs.
+//! that writes meanwhile waits once its pipe is full. A process with a terminal gets one
+//! the keeper opens inside the sandbox (`/dev/pts`, with Ctrl-C delivered by the keeper:
+//! `relay/keep.rs`), so it is kept the same way.
 
 use std::collections::HashMap;
 use std::sync::Weak;
@@ -27,6 +28,9 @@ const QUEUE: usize = 64;
 const DETACH_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest frame accepted from the keeper.
 const MAX_FRAME: usize = 1 << 20;
+
+/// A kept process as a snapshot records it: keeper name, pid inside, command line, terminal.
+pub(super) type Recorded = (String, i32, String, bool);
 
 /// The kept processes of a sandbox, by id.
 pub(super) type KeptTable = Mutex<HashMap<ProcessId, Arc<Kept>>>;
@@ -56,6 +60,8 @@ pub(super) struct Kept {
     /// The command's pid inside (0: it could not start).
     pid: i32,
     command: String,
+    /// Whether it runs on a terminal (of the keeper's, inside the sandbox).
+    tty: bool,
     /// The current attachment's input (frames to the keeper); `None` while detached.
     input: tokio::sync::Mutex<Option<ChildStdin>>,
     stdin_closed: AtomicBool,
@@ -157,9 +163,9 @@ impl Kept {
             .map_err(|_| Error::backend(TIER, "the process's reader is gone"))
     }
 
-    /// What a snapshot records: the keeper's name, the pid, the command line.
-    pub(super) fn record(&self) -> (String, i32, String) {
-        (self.name.clone(), self.pid, self.command.clone())
+    /// What a snapshot records: the keeper's name, the pid, the command line, the terminal.
+    pub(super) fn record(&self) -> Recorded {
+        (self.name.clone(), self.pid, self.command.clone(), self.tty)
     }
 
     pub(super) fn id(&self) -> ProcessId {
@@ -174,7 +180,7 @@ impl Kept {
 #[async_trait]
 impl ProcessControl for Kept {
     async fn write_stdin(&self, data: Bytes) -> Result<()> {
-        if self.stdin_closed.load(Ordering::SeqCst) {
+        if !self.tty && self.stdin_closed.load(Ordering::SeqCst) {
             return Err(Error::ProcessExited { id: self.id });
         }
         for chunk in data.chunks(64 * 1024) {
@@ -184,7 +190,8 @@ impl ProcessControl for Kept {
     }
 
     async fn close_stdin(&self) -> Result<()> {
-        if self.stdin_closed.swap(true, Ordering::SeqCst) {
+        // A terminal's end of file is a ^D the keeper types; its input stays open.
+        if !self.tty && self.stdin_closed.swap(true, Ordering::SeqCst) {
             return Ok(());
         }
         match self.send(b'C', b"").await {
@@ -194,8 +201,11 @@ impl ProcessControl for Kept {
     }
 
     async fn resize(&self, tty: Tty) -> Result<()> {
-        let ended = self.ended.load(Ordering::SeqCst);
-        sandbox_core::process::resize_terminal(self.id, None, ended, tty)
+        if !self.tty {
+            return Err(sandbox_core::process::no_terminal(self.id));
+        }
+        let size = format!("{} {}", tty.rows, tty.cols);
+        self.send(b'R', size.as_bytes()).await
     }
 
     async fn signal(&self, signal: Signal) -> Result<()> {
@@ -238,7 +248,7 @@ impl Inner {
         ))
     }
 
-    /// Starts `req` (no terminal) under a keeper (see the module docs).
+    /// Starts `req` under a keeper (see the module docs).
     pub(super) async fn spawn_kept(self: &Arc<Self>, req: ExecRequest) -> Result<Process> {
         self.alive()?;
         req.validate()?;
@@ -251,12 +261,11 @@ impl Inner {
             &self.id[..self.id.len().min(12)],
             self.seq.fetch_add(1, Ordering::SeqCst)
         );
-        let mut keep = vec![
-            bundle::RELAY_PATH.to_string(),
-            "keep".into(),
-            name.clone(),
-            "--".into(),
-        ];
+        let mut keep = vec![bundle::RELAY_PATH.to_string(), "keep".into(), name.clone()];
+        if let Some(t) = req.tty {
+            keep.extend(["--tty".into(), t.rows.to_string(), t.cols.to_string()]);
+        }
+        keep.push("--".into());
         keep.extend(argv);
         let RunscExec {
             mut child,
@@ -286,7 +295,7 @@ impl Inner {
         };
         let command = sandbox_core::process::command_line(&req.command);
         let id = self.procs.start(command.clone());
-        let (kept, rx) = self.keep(id, name, pid, command);
+        let (kept, rx) = self.keep(id, name, pid, command, req.tty.is_some());
         let attached = kept.attach(self).await;
         drop(shared);
         if let Err(e) = attached {
@@ -318,6 +327,7 @@ impl Inner {
         name: String,
         pid: i32,
         command: String,
+        tty: bool,
     ) -> (Arc<Kept>, mpsc::UnboundedReceiver<Attachment>) {
         let (attachments, rx) = mpsc::unbounded_channel();
         let kept = Arc::new(Kept {
@@ -326,6 +336,7 @@ impl Inner {
             name,
             pid,
             command,
+            tty,
             input: tokio::sync::Mutex::new(None),
             stdin_closed: AtomicBool::new(false),
             ended: AtomicBool::new(false),
@@ -449,10 +460,10 @@ impl Inner {
 
     /// A restored copy's processes (recorded by the snapshot): listed, signalable, their
     /// output read and dropped (no handle was ever given for them here).
-    pub(super) async fn adopt_kept(self: &Arc<Self>, recorded: Vec<(String, i32, String)>) {
-        for (name, pid, command) in recorded {
+    pub(super) async fn adopt_kept(self: &Arc<Self>, recorded: Vec<Recorded>) {
+        for (name, pid, command, tty) in recorded {
             let id = self.procs.start(command.clone());
-            let (kept, rx) = self.keep(id, name, pid, command);
+            let (kept, rx) = self.keep(id, name, pid, command, tty);
             let (tx, events) = mpsc::channel(1);
             drop(events);
             self.follow(&kept, rx, tx, None);

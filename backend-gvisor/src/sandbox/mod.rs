@@ -392,7 +392,7 @@ impl GvisorSandbox {
             true => Some(store.artifact(id, SCRATCH_TAR).await?),
             false => None,
         };
-        let processes: Vec<(String, i32, String)> = match m.metadata.get(snapshot::META_PROCESSES) {
+        let processes: Vec<kept::Recorded> = match m.metadata.get(snapshot::META_PROCESSES) {
             Some(v) => serde_json::from_str(v).map_err(|e| SnapshotError::Corrupt {
                 id: id.clone(),
                 what: format!("metadata `{}`: {e}", snapshot::META_PROCESSES),
@@ -939,9 +939,9 @@ impl Sandbox for GvisorSandbox {
     }
 
     async fn spawn(&self, req: ExecRequest) -> Result<sandbox_core::Process> {
-        // Without a terminal, under a keeper inside (snapshots keep it), where the root has
-        // the relay that is the keeper.
-        if req.tty.is_none() && self.inner.relay.load(Ordering::SeqCst) {
+        // Under a keeper inside (snapshots keep it), where the root has the relay that is
+        // the keeper.
+        if self.inner.relay.load(Ordering::SeqCst) {
             self.inner.spawn_kept(req).await
         } else {
             self.inner.spawn(req).await

@@ -1,7 +1,6 @@
-//! Background processes ([`Sandbox::spawn`](sandbox_core::Sandbox::spawn)) with a terminal
-//! (and every one in a root without the relay; the others are kept by a keeper inside, see
-//! [`super::kept`]): a `runsc exec` child per process, its stdin kept open and its output
-//! streamed (redacted, uncapped, held
+//! Background processes ([`Sandbox::spawn`](sandbox_core::Sandbox::spawn)) in a root without
+//! the relay (elsewhere a keeper inside runs them, see [`super::kept`]): a `runsc exec`
+//! child per process, its stdin kept open and its output streamed (redacted, uncapped, held
 //! back by the [`Process`]'s bounded channel when nobody reads). A process with a terminal
 //! gets one of ours: `runsc exec` runs on its slave (see [`Inner::runsc_exec_on`]), we keep
 //! the master for its input, output and size. Signals are sent by a `kill`

@@ -4,7 +4,7 @@
 use super::*;
 
 /// Snapshot metadata: the kept background processes running when it was taken, as JSON
-/// `[[keeper name, pid inside, command line], ...]`; a restored copy attaches to them.
+/// `[[keeper name, pid inside, command line, terminal], ...]`; a restored copy attaches to them.
 pub(super) const META_PROCESSES: &str = "processes";
 
 impl Inner {
@@ -29,9 +29,9 @@ impl Inner {
         }
         let guard = Arc::clone(&self.lifecycle).write_owned().await;
         self.alive()?;
-        // A process with a terminal has its stdio on our terminal (a host file): runsc
-        // checkpoints it but cannot restore it, so the sandbox would not come back. Refuse,
-        // losing nothing. Kept processes (every other) are detached below and go on.
+        // Kept processes are detached below and go on. Any other (in a root without the
+        // keeper) has host pipes or a host terminal as its stdio: runsc checkpoints them but
+        // cannot restore them, so the sandbox would not come back. Refuse, losing nothing.
         let kept = self.kept_running();
         let unkept: Vec<String> = self
             .procs
@@ -53,17 +53,12 @@ impl Inner {
             ));
         }
         if !unkept.is_empty() {
-            let why = if self.relay.load(Ordering::SeqCst) {
-                "processes with a terminal run (gVisor cannot restore their terminal, which \
-                 is on the host)"
-            } else {
-                "background processes run in a root without the process keeper (their stdio \
-                 are host pipes, which gVisor cannot restore)"
-            };
             return Err(Error::unsupported(
                 TIER,
                 format!(
-                    "snapshots while {why}: stop process {} first",
+                    "snapshots while background processes run in a root without the process \
+                     keeper (their stdio are host pipes or terminals, which gVisor cannot \
+                     restore): stop process {} first",
                     unkept.join(", ")
                 ),
             ));
@@ -77,7 +72,7 @@ impl Inner {
                 return Err(e);
             }
         }
-        let recorded: Vec<(String, i32, String)> = kept.iter().map(|k| k.record()).collect();
+        let recorded: Vec<kept::Recorded> = kept.iter().map(|k| k.record()).collect();
         let image = self.dir.join(format!(
             "checkpoint-{}",
             self.seq.fetch_add(1, Ordering::SeqCst)
