@@ -5,8 +5,9 @@
 //! host's pipes (what `runsc exec` gives it) cannot be restored. So a background process is
 //! started by a keeper inside the sandbox that holds nothing of the host:
 //!
-//! - `keep` starts `serve` (this program again) with `/dev/null` as its stdio and returns
-//!   once `serve` has started the command: it prints `0 PID` (or `1 REASON`) and exits.
+//! - `keep` starts `serve` (this program again) with `/dev/null` as its stdio; once `serve`
+//!   has started the command it prints `0 PID` (or `1 REASON` and exits) and goes on as the
+//!   first attachment (below).
 //! - `serve` runs the command in a process group of its own, on pipes it holds (or, with
 //!   `--tty`, on a terminal it opens inside the sandbox, under `session`), and listens
 //!   on the abstract Unix socket `@agent-sandbox/proc/NAME`. It forwards the command's output
@@ -103,21 +104,28 @@ pub fn keep(args: &[String]) -> i32 {
     let end = Instant::now() + Duration::from_secs(10);
     let reply = loop {
         match socket_addr(name).and_then(|a| UnixStream::connect_addr(&a)) {
-            Ok(mut s) => break read_frame(&mut s),
+            Ok(mut s) => break read_frame(&mut s).map(|f| (s, f)),
             Err(e) if Instant::now() > end => break Err(e),
             Err(_) => std::thread::sleep(Duration::from_millis(2)),
         }
     };
     match reply {
-        Ok((b'H', pid)) => {
-            let _ = writeln!(out, "0 {}", String::from_utf8_lossy(&pid));
-            0
+        Ok((s, (b'H', pid))) => {
+            // Then this program is the first attachment (one process start fewer).
+            if writeln!(out, "0 {}", String::from_utf8_lossy(&pid))
+                .and_then(|()| out.flush())
+                .is_err()
+            {
+                return 1;
+            }
+            drop(out);
+            shuttle(s)
         }
-        Ok((b'F', why)) => {
+        Ok((_, (b'F', why))) => {
             let _ = writeln!(out, "1 {}", String::from_utf8_lossy(&why));
             1
         }
-        Ok((k, _)) => {
+        Ok((_, (k, _))) => {
             let _ = writeln!(out, "1 unexpected frame {k} from the keeper");
             1
         }
@@ -394,13 +402,17 @@ pub fn attach(args: &[String]) -> i32 {
     let Some(name) = args.first() else {
         return 2;
     };
-    let conn = match socket_addr(name).and_then(|a| UnixStream::connect_addr(&a)) {
-        Ok(c) => c,
+    match socket_addr(name).and_then(|a| UnixStream::connect_addr(&a)) {
+        Ok(c) => shuttle(c),
         Err(e) => {
             eprintln!("relay attach {name}: {e}");
-            return 1;
+            1
         }
-    };
+    }
+}
+
+/// Copies this program's stdin to `conn` and `conn` to its stdout until `conn` ends.
+fn shuttle(conn: UnixStream) -> i32 {
     let Ok(mut up) = conn.try_clone() else {
         return 1;
     };

@@ -16,8 +16,8 @@ use std::sync::Weak;
 
 use bytes::Bytes;
 use sandbox_core::{Process, ProcessControl, ProcessId, Signal, Tty};
-use tokio::io::AsyncReadExt;
-use tokio::process::{Child, ChildStdin, ChildStdout};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
+use tokio::process::Child;
 
 use super::exec::{RunscExec, Stdin};
 use super::*;
@@ -35,20 +35,44 @@ pub(super) type Recorded = (String, i32, String, bool);
 /// The kept processes of a sandbox, by id.
 pub(super) type KeptTable = Mutex<HashMap<ProcessId, Arc<Kept>>>;
 
-/// One attachment: the `runsc exec relay attach` child and its pipes.
-struct Attachment {
-    child: Child,
-    output: ChildStdout,
-    files: [PathBuf; 2],
+/// Our end of a relay's input.
+type Input = Box<dyn AsyncWrite + Send + Unpin>;
+/// Our end of a relay's output.
+type Output = Box<dyn AsyncRead + Send + Unpin>;
+
+/// A relay program started inside the sandbox (`keep` or `attach`): its pipes, and how it
+/// was started.
+struct Relay {
+    input: Option<Input>,
+    output: Output,
+    started: Started,
 }
 
-impl Drop for Attachment {
+/// How a relay was started.
+enum Started {
+    /// Through the sandbox's control socket: it ends by itself (an attachment when the
+    /// keeper closes its connection, or when its output pipe is gone); reaped by a task.
+    Direct,
+    /// `runsc exec` (killed on drop), with its process and pid files.
+    Runsc(Box<(Child, [PathBuf; 2])>),
+}
+
+impl Drop for Started {
     fn drop(&mut self) {
-        let _ = self.child.start_kill();
-        for f in &self.files {
-            let _ = std::fs::remove_file(f);
+        if let Started::Runsc(runsc) = self {
+            let (child, files) = &mut **runsc;
+            let _ = child.start_kill();
+            for f in files.iter() {
+                let _ = std::fs::remove_file(f);
+            }
         }
     }
+}
+
+/// One attachment: the relay's output (its input is the [`Kept`]'s) and its process.
+struct Attachment {
+    output: Output,
+    _started: Started,
 }
 
 /// A kept process: what its [`Process`] handle and the sandbox's snapshots drive.
@@ -63,7 +87,7 @@ pub(super) struct Kept {
     /// Whether it runs on a terminal (of the keeper's, inside the sandbox).
     tty: bool,
     /// The current attachment's input (frames to the keeper); `None` while detached.
-    input: tokio::sync::Mutex<Option<ChildStdin>>,
+    input: tokio::sync::Mutex<Option<Input>>,
     stdin_closed: AtomicBool,
     ended: AtomicBool,
     timed_out: AtomicBool,
@@ -73,7 +97,11 @@ pub(super) struct Kept {
     detached: tokio::sync::Notify,
 }
 
-async fn write_frame(w: &mut ChildStdin, kind: u8, payload: &[u8]) -> std::io::Result<()> {
+async fn write_frame(
+    w: &mut (impl AsyncWrite + Unpin + ?Sized),
+    kind: u8,
+    payload: &[u8],
+) -> std::io::Result<()> {
     let len = u32::try_from(payload.len())
         .map_err(|_| std::io::Error::other("frame too long"))?
         .to_be_bytes();
@@ -85,7 +113,7 @@ async fn write_frame(w: &mut ChildStdin, kind: u8, payload: &[u8]) -> std::io::R
     w.flush().await
 }
 
-async fn read_frame(r: &mut ChildStdout) -> std::io::Result<(u8, Vec<u8>)> {
+async fn read_frame(r: &mut (impl AsyncRead + Unpin + ?Sized)) -> std::io::Result<(u8, Vec<u8>)> {
     let mut head = [0u8; 5];
     r.read_exact(&mut head).await?;
     let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
@@ -153,7 +181,12 @@ impl Kept {
         if self.ended.load(Ordering::SeqCst) {
             return Ok(());
         }
-        let (att, mut input) = inner.attach_keeper(&self.name)?;
+        let (att, input) = inner.attach_keeper(&self.name).await?;
+        self.attach_to(att, input).await
+    }
+
+    /// Asks the keeper to forward to `att` and makes it the current attachment.
+    async fn attach_to(&self, att: Attachment, mut input: Input) -> Result<()> {
         write_frame(&mut input, b'A', b"")
             .await
             .map_err(|e| Error::io("attach to a kept process", e))?;
@@ -221,28 +254,151 @@ impl ProcessControl for Kept {
 }
 
 impl Inner {
-    /// Starts `relay attach NAME` and asks the keeper to forward to it.
-    fn attach_keeper(&self, name: &str) -> Result<(Attachment, ChildStdin)> {
-        let argv = vec![
-            bundle::RELAY_PATH.to_string(),
-            "attach".into(),
-            name.to_string(),
-        ];
+    /// Starts the relay program with `args` (as the sandbox's user, in `cwd`, with `env`):
+    /// through the sandbox's control socket where it can (as execs do), else `runsc exec`.
+    async fn start_relay(
+        &self,
+        tag: &str,
+        args: Vec<String>,
+        env: Vec<String>,
+        cwd: &str,
+        input: bool,
+    ) -> Result<Relay> {
+        let mut argv = vec![bundle::RELAY_PATH.to_string()];
+        argv.extend(args);
+        if self.direct.load(Ordering::SeqCst) {
+            if let Some(r) = self.start_relay_direct(&argv, &env, cwd, input).await? {
+                return Ok(r);
+            }
+            self.direct.store(false, Ordering::SeqCst);
+        }
+        let stdin = if input { Stdin::Pipe } else { Stdin::Null };
         let RunscExec {
             mut child,
             pfile,
             pidfile,
             ..
-        } = self.runsc_exec_on("attach", argv, Vec::new(), "/", Stdin::Pipe)?;
-        let (Some(input), Some(output)) = (child.stdin.take(), child.stdout.take()) else {
+        } = self.runsc_exec_on(tag, argv, env, cwd, stdin)?;
+        let stdin = child.stdin.take().map(|w| Box::new(w) as Input);
+        let Some(output) = child.stdout.take() else {
             let _ = child.start_kill();
             return Err(Error::backend(TIER, "runsc exec without its pipes"));
         };
+        Ok(Relay {
+            input: stdin,
+            output: Box::new(output),
+            started: Started::Runsc(Box::new((child, [pfile, pidfile]))),
+        })
+    }
+
+    /// [`start_relay`](Self::start_relay) through the control socket; `None`: that
+    /// interface is not available here (nothing was started).
+    async fn start_relay_direct(
+        &self,
+        argv: &[String],
+        env: &[String],
+        cwd: &str,
+        input: bool,
+    ) -> Result<Option<Relay>> {
+        use std::os::fd::AsRawFd;
+        let io = |what: &'static str| move |e: nix::Error| Error::io(what, e.into());
+        let cloexec = nix::fcntl::OFlag::O_CLOEXEC;
+        let null = || -> Result<std::os::fd::OwnedFd> {
+            Ok(std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open("/dev/null")
+                .map_err(|e| Error::io("open /dev/null", e))?
+                .into())
+        };
+        let (out_r, out_w) = nix::unistd::pipe2(cloexec).map_err(io("create a pipe"))?;
+        let (in_r, in_w) = if input {
+            let (r, w) = nix::unistd::pipe2(cloexec).map_err(io("create a pipe"))?;
+            (r, Some(w))
+        } else {
+            (null()?, None)
+        };
+        let err = null()?;
+        let (id, who, ns) = (self.id.clone(), self.who, self.runsc.netns.clone());
+        let (a, e, c) = (argv.to_vec(), env.to_vec(), cwd.to_string());
+        let started = tokio::task::spawn_blocking(move || {
+            let r = crate::urpc::execute(
+                &id,
+                ns.as_deref(),
+                &crate::urpc::Exec {
+                    argv: &a,
+                    env: &e,
+                    cwd: &c,
+                    uid: who.uid,
+                    gid: who.gid,
+                    stdio: [in_r.as_raw_fd(), out_w.as_raw_fd(), err.as_raw_fd()],
+                },
+            );
+            drop((in_r, out_w, err));
+            r
+        })
+        .await
+        .map_err(|e| Error::backend(TIER, format!("relay task failed: {e}")))?;
+        let pid = match started {
+            Ok(pid) => pid,
+            Err(crate::urpc::CallError::Unavailable(_)) => return Ok(None),
+            Err(crate::urpc::CallError::Remote(why)) => {
+                return Err(Error::backend(
+                    TIER,
+                    format!("the sandbox did not start its relay: {why}"),
+                ))
+            }
+            Err(crate::urpc::CallError::Io(e)) => {
+                return Err(Error::io("start the relay in the gVisor sandbox", e))
+            }
+        };
+        // Reaped when it ends.
+        let (id, ns) = (self.id.clone(), self.runsc.netns.clone());
+        tokio::spawn(async move {
+            let _ = crate::urpc::wait_pid(&id, ns.as_deref(), pid).await;
+        });
+        let nonblocking = |fd: &std::os::fd::OwnedFd| {
+            let _ = nix::fcntl::fcntl(
+                fd,
+                nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+            );
+        };
+        nonblocking(&out_r);
+        let output = tokio::net::unix::pipe::Receiver::from_owned_fd(out_r)
+            .map_err(|e| Error::io("read the relay", e))?;
+        let input = match in_w {
+            Some(w) => {
+                nonblocking(&w);
+                Some(Box::new(
+                    tokio::net::unix::pipe::Sender::from_owned_fd(w)
+                        .map_err(|e| Error::io("write to the relay", e))?,
+                ) as Input)
+            }
+            None => None,
+        };
+        Ok(Some(Relay {
+            input,
+            output: Box::new(output),
+            started: Started::Direct,
+        }))
+    }
+
+    /// Starts `relay attach NAME` and asks the keeper to forward to it.
+    async fn attach_keeper(&self, name: &str) -> Result<(Attachment, Input)> {
+        let args = vec!["attach".to_string(), name.to_string()];
+        let relay = self
+            .start_relay("attach", args, Vec::new(), "/", true)
+            .await?;
+        let Relay {
+            input,
+            output,
+            started,
+        } = relay;
+        let input = input.ok_or_else(|| Error::backend(TIER, "the relay has no input"))?;
         Ok((
             Attachment {
-                child,
                 output,
-                files: [pfile, pidfile],
+                _started: started,
             },
             input,
         ))
@@ -261,25 +417,28 @@ impl Inner {
             &self.id[..self.id.len().min(12)],
             self.seq.fetch_add(1, Ordering::SeqCst)
         );
-        let mut keep = vec![bundle::RELAY_PATH.to_string(), "keep".into(), name.clone()];
+        let mut keep = vec!["keep".to_string(), name.clone()];
         if let Some(t) = req.tty {
             keep.extend(["--tty".into(), t.rows.to_string(), t.cols.to_string()]);
         }
         keep.push("--".into());
         keep.extend(argv);
-        let RunscExec {
-            mut child,
-            pfile,
-            pidfile,
-            ..
-        } = self.runsc_exec_on("keep", keep, env, &cwd, Stdin::Null)?;
-        let mut said = String::new();
-        if let Some(out) = child.stdout.take() {
-            let _ = out.take(4096).read_to_string(&mut said).await;
+        let relay = self.start_relay("keep", keep, env, &cwd, true).await?;
+        let Relay {
+            input,
+            mut output,
+            started,
+        } = relay;
+        // It says how the command started (one line), then is its first attachment.
+        let mut said = Vec::new();
+        let mut byte = [0u8; 1];
+        while said.len() < 4096 && matches!(output.read(&mut byte).await, Ok(1)) {
+            if byte[0] == b'\n' {
+                break;
+            }
+            said.push(byte[0]);
         }
-        let _ = child.wait().await;
-        let _ = std::fs::remove_file(&pfile);
-        let _ = std::fs::remove_file(&pidfile);
+        let said = String::from_utf8_lossy(&said).into_owned();
         let pid = match said.trim().split_once(' ') {
             Some(("0", pid)) => pid.trim().parse::<i32>().unwrap_or(0),
             _ => {
@@ -296,7 +455,16 @@ impl Inner {
         let command = sandbox_core::process::command_line(&req.command);
         let id = self.procs.start(command.clone());
         let (kept, rx) = self.keep(id, name, pid, command, req.tty.is_some());
-        let attached = kept.attach(self).await;
+        let attached = match input {
+            Some(input) => {
+                let att = Attachment {
+                    output,
+                    _started: started,
+                };
+                kept.attach_to(att, input).await
+            }
+            None => Err(Error::backend(TIER, "the relay has no input")),
+        };
         drop(shared);
         if let Err(e) = attached {
             // Running but unreachable: end it rather than leak it.
