@@ -55,6 +55,20 @@ fn host_frame(payload: &[u8]) -> Vec<u8> {
     f
 }
 
+/// Sends frames until the socket pushes back (at most 100,000); returns how many went.
+fn flood(host: &UnixDatagram) -> usize {
+    host.set_nonblocking(true).unwrap();
+    let mut flooded = 0;
+    while flooded < 100_000 {
+        match host.send(&host_frame(b"flood")) {
+            Ok(_) => flooded += 1,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+            Err(e) => panic!("flood: {e}"),
+        }
+    }
+    flooded
+}
+
 /// Checks the guest's frame: broadcast, from its MAC, our EtherType, its payload.
 fn assert_guest_frame(f: &[u8]) {
     assert_eq!(&f[..6], &[0xff; 6], "destination: broadcast");
@@ -119,15 +133,7 @@ fn an_oversized_frame_is_dropped_and_a_flood_stays_bounded() {
     host.send(&host_frame(b"frame from the host")).unwrap();
     // Then more than anyone reads: the socket fills and refuses, the device holds at most
     // one frame, and the VM carries on.
-    host.set_nonblocking(true).unwrap();
-    let mut flooded = 0;
-    while flooded < 100_000 {
-        match host.send(&host_frame(b"flood")) {
-            Ok(_) => flooded += 1,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-            Err(e) => panic!("flood: {e}"),
-        }
-    }
+    let flooded = flood(&host);
     assert!(flooded < 100_000, "the socket never pushed back");
     assert_eq!(vm.wait(), VmExit::GuestExit { code: 17 });
     let serial = String::from_utf8_lossy(&vm.serial_output()).into_owned();
@@ -151,15 +157,7 @@ fn a_guest_that_never_drives_the_device_leaves_a_flood_in_the_host_side() {
     // DRIVER_OK): it prints and waits.
     let vm = start(dev.into(), t::WAIT_GO);
     assert!(wait_serial(&vm, "W"));
-    host.set_nonblocking(true).unwrap();
-    let mut flooded = 0;
-    while flooded < 100_000 {
-        match host.send(&host_frame(b"flood")) {
-            Ok(_) => flooded += 1,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-            Err(e) => panic!("flood: {e}"),
-        }
-    }
+    let flooded = flood(&host);
     // The device read nothing for a guest without buffers: the socket's own bound pushed
     // back, nothing was delivered or queued in the VMM, and the guest runs on.
     assert!(flooded < 100_000, "the socket never pushed back");

@@ -381,6 +381,39 @@ impl Inner {
         )
     }
 
+    /// Starts `argv` through the sandbox's control socket ([`crate::urpc`]) as the
+    /// sandbox's user, with `stdio` as its stdin, stdout and stderr (the sandbox takes its
+    /// own copies; ours are closed here): its pid inside, or why not.
+    pub(super) async fn execute_direct(
+        &self,
+        argv: &[String],
+        env: &[String],
+        cwd: &str,
+        stdio: [std::os::fd::OwnedFd; 3],
+    ) -> Result<std::result::Result<i32, crate::urpc::CallError>> {
+        use std::os::fd::AsRawFd;
+        let (id, who, ns) = (self.id.clone(), self.who, self.runsc.netns.clone());
+        let (a, e, c) = (argv.to_vec(), env.to_vec(), cwd.to_string());
+        // Connecting, sending and the sandbox creating the process block briefly.
+        tokio::task::spawn_blocking(move || {
+            let [i, o, err] = &stdio;
+            crate::urpc::execute(
+                &id,
+                ns.as_deref(),
+                &crate::urpc::Exec {
+                    argv: &a,
+                    env: &e,
+                    cwd: &c,
+                    uid: who.uid,
+                    gid: who.gid,
+                    stdio: [i.as_raw_fd(), o.as_raw_fd(), err.as_raw_fd()],
+                },
+            )
+        })
+        .await
+        .map_err(|e| Error::backend(TIER, format!("exec task failed: {e}")))
+    }
+
     /// Runs a command through the sandbox's control socket ([`crate::urpc`]): what
     /// `runsc exec` does, without a runsc process. `Ok(None)`: that interface is not
     /// available (nothing was started); the caller uses `runsc exec`.
@@ -410,29 +443,9 @@ impl Inner {
             ),
         };
         let before = self.limit_counters();
-        let (id, who, ns) = (self.id.clone(), self.who, self.runsc.netns.clone());
-        let (a, e, c) = (argv.to_vec(), env.to_vec(), cwd.to_string());
-        // Connecting, sending and the sandbox creating the process block briefly.
-        let started = tokio::task::spawn_blocking(move || {
-            use std::os::fd::AsRawFd;
-            let r = crate::urpc::execute(
-                &id,
-                ns.as_deref(),
-                &crate::urpc::Exec {
-                    argv: &a,
-                    env: &e,
-                    cwd: &c,
-                    uid: who.uid,
-                    gid: who.gid,
-                    stdio: [stdin_r.as_raw_fd(), out_w.as_raw_fd(), err_w.as_raw_fd()],
-                },
-            );
-            // The sandbox holds its own copies now: the pipes end when the command's do.
-            drop((stdin_r, out_w, err_w));
-            r
-        })
-        .await
-        .map_err(|e| Error::backend(TIER, format!("exec task failed: {e}")))?;
+        let started = self
+            .execute_direct(argv, env, cwd, [stdin_r, out_w, err_w])
+            .await?;
         let pid = match started {
             Ok(pid) => pid,
             Err(crate::urpc::CallError::Unavailable(why)) => {

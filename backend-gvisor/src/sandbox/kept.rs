@@ -300,7 +300,6 @@ impl Inner {
         cwd: &str,
         input: bool,
     ) -> Result<Option<Relay>> {
-        use std::os::fd::AsRawFd;
         let io = |what: &'static str| move |e: nix::Error| Error::io(what, e.into());
         let cloexec = nix::fcntl::OFlag::O_CLOEXEC;
         let null = || -> Result<std::os::fd::OwnedFd> {
@@ -319,26 +318,9 @@ impl Inner {
             (null()?, None)
         };
         let err = null()?;
-        let (id, who, ns) = (self.id.clone(), self.who, self.runsc.netns.clone());
-        let (a, e, c) = (argv.to_vec(), env.to_vec(), cwd.to_string());
-        let started = tokio::task::spawn_blocking(move || {
-            let r = crate::urpc::execute(
-                &id,
-                ns.as_deref(),
-                &crate::urpc::Exec {
-                    argv: &a,
-                    env: &e,
-                    cwd: &c,
-                    uid: who.uid,
-                    gid: who.gid,
-                    stdio: [in_r.as_raw_fd(), out_w.as_raw_fd(), err.as_raw_fd()],
-                },
-            );
-            drop((in_r, out_w, err));
-            r
-        })
-        .await
-        .map_err(|e| Error::backend(TIER, format!("relay task failed: {e}")))?;
+        let started = self
+            .execute_direct(argv, env, cwd, [in_r, out_w, err])
+            .await?;
         let pid = match started {
             Ok(pid) => pid,
             Err(crate::urpc::CallError::Unavailable(_)) => return Ok(None),
