@@ -1,26 +1,26 @@
-//! Background processes that survive a checkpoint: `relay keep NAME [--tty ROWS COLS] --
+//! Background processes that survive a checkpoint: `relay serve NAME [--tty ROWS COLS] --
 //! ARGV...` and `relay attach NAME`.
 //!
 //! `runsc checkpoint` saves every process of a sandbox, but a process whose stdio are the
-//! host's pipes (what `runsc exec` gives it) cannot be restored. So a background process is
-//! started by a keeper inside the sandbox that holds nothing of the host:
+//! host's pipes (what an exec gives it) cannot be restored. So a background process is
+//! started by a keeper inside the sandbox that holds nothing of the host once asked:
 //!
-//! - `keep` starts `serve` (this program again) with `/dev/null` as its stdio; once `serve`
-//!   has started the command it prints `0 PID` (or `1 REASON` and exits) and goes on as the
-//!   first attachment (below).
 //! - `serve` runs the command in a process group of its own, on pipes it holds (or, with
-//!   `--tty`, on a terminal it opens inside the sandbox, under `session`), and listens
-//!   on the abstract Unix socket `@agent-sandbox/proc/NAME`. It forwards the command's output
-//!   to the client that attached, its input from that client, and its exit status; with no
-//!   client attached it reads nothing, so a command that writes more than its pipe holds
+//!   `--tty`, on a terminal it opens inside the sandbox, under `session`), says `0 PID` (or
+//!   `1 REASON`) on stdout, and listens on the abstract Unix socket
+//!   `@agent-sandbox/proc/NAME`. Its own stdio (the host's pipes) are its first client;
+//!   when that client detaches, they are replaced by `/dev/null`. It forwards the command's
+//!   output to the client attached, its input from that client, and its exit status; with
+//!   no client attached it reads nothing, so a command that writes more than its pipe holds
 //!   waits (nothing is buffered here but one chunk per stream). It ends once a client has
 //!   taken the exit status.
 //! - `attach` connects to that socket and copies bytes both ways between it and its own
-//!   stdio (the host's pipes); it is killed before a checkpoint and started again after.
+//!   stdio (the host's pipes): a later client (after a snapshot's resume, or in a restored
+//!   copy); it ends when the keeper closes the connection (after a detach).
 //!
 //! Frames, both ways: one type byte, a 4-byte big-endian length, the payload.
-//! From `serve`: `H` hello (the command's pid, decimal), `O`/`E` output, `X` exit (the code,
-//! decimal; 128+N for signal N), `D` detached, `F` the command could not start (why).
+//! From `serve`: `H` hello to a socket client (the command's pid, decimal), `O`/`E` output,
+//! `X` exit (the code, decimal; 128+N for signal N), `D` detached.
 //! To `serve`: `A` attach (start forwarding to me), `I` input, `C` close input (a terminal's
 //! end of file, `^D`), `R` resize a terminal (`ROWS COLS`), `D` detach (stop forwarding;
 //! answered by `D`, after which nothing more is sent on this connection).
@@ -77,69 +77,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// `relay keep NAME -- ARGV...`
-pub fn keep(args: &[String]) -> i32 {
-    let mut out = std::io::stdout().lock();
-    let Some(Spec { name, .. }) = Spec::parse(args) else {
-        let _ = out.write_all(b"1 usage: relay keep NAME [--tty ROWS COLS] -- ARGV...\n");
-        return 2;
-    };
-    let Ok(me) = std::env::current_exe() else {
-        let _ = out.write_all(b"1 cannot find the relay itself\n");
-        return 1;
-    };
-    let spawned = Command::new(me)
-        .arg("serve")
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .process_group(0)
-        .spawn();
-    if let Err(e) = spawned {
-        let _ = writeln!(out, "1 cannot start the keeper: {e}");
-        return 1;
-    }
-    // The keeper says how the command started to whoever connects first.
-    let end = Instant::now() + Duration::from_secs(10);
-    let reply = loop {
-        match socket_addr(name).and_then(|a| UnixStream::connect_addr(&a)) {
-            Ok(mut s) => break read_frame(&mut s).map(|f| (s, f)),
-            Err(e) if Instant::now() > end => break Err(e),
-            Err(_) => std::thread::sleep(Duration::from_millis(2)),
-        }
-    };
-    match reply {
-        Ok((s, (b'H', pid))) => {
-            // Then this program is the first attachment (one process start fewer).
-            if writeln!(out, "0 {}", String::from_utf8_lossy(&pid))
-                .and_then(|()| out.flush())
-                .is_err()
-            {
-                return 1;
-            }
-            drop(out);
-            shuttle(s)
-        }
-        Ok((_, (b'F', why))) => {
-            let _ = writeln!(out, "1 {}", String::from_utf8_lossy(&why));
-            1
-        }
-        Ok((_, (k, _))) => {
-            let _ = writeln!(out, "1 unexpected frame {k} from the keeper");
-            1
-        }
-        Err(e) => {
-            let _ = writeln!(out, "1 the keeper did not answer: {e}");
-            1
-        }
-    }
-}
-
 /// The keeper's shared state.
 struct Shared {
-    /// The attached client, if any, and a generation count bumped on every change.
-    client: Mutex<(Option<UnixStream>, u64)>,
+    /// The attached client (where frames go), if any, and a generation count bumped on
+    /// every change.
+    client: Mutex<(Option<Box<dyn Write + Send>>, u64)>,
     changed: Condvar,
     /// The command's input: its stdin pipe, or its terminal's master.
     stdin: Mutex<Option<Box<dyn Write + Send>>>,
@@ -149,12 +91,12 @@ struct Shared {
 }
 
 impl Shared {
-    /// Waits for an attached client; returns a copy of it and its generation.
-    fn attached(&self) -> (UnixStream, u64) {
+    /// Waits for an attached client; returns its generation.
+    fn attached(&self) -> u64 {
         let mut g = lock(&self.client);
         loop {
-            if let Some(s) = g.0.as_ref().and_then(|s| s.try_clone().ok()) {
-                return (s, g.1);
+            if g.0.is_some() {
+                return g.1;
             }
             g = self.changed.wait(g).unwrap_or_else(|p| p.into_inner());
         }
@@ -164,7 +106,7 @@ impl Shared {
     /// dropped and the frame goes to the next.
     fn send(&self, kind: u8, payload: &[u8]) {
         loop {
-            let (_, generation) = self.attached();
+            let generation = self.attached();
             let mut g = lock(&self.client);
             if g.1 != generation {
                 continue;
@@ -179,7 +121,7 @@ impl Shared {
         }
     }
 
-    fn set_client(&self, s: Option<UnixStream>) {
+    fn set_client(&self, s: Option<Box<dyn Write + Send>>) {
         let mut g = lock(&self.client);
         g.0 = s;
         g.1 += 1;
@@ -187,20 +129,23 @@ impl Shared {
     }
 }
 
-/// One connection: hello, then its requests.
-fn serve_client(shared: &Shared, mut conn: UnixStream, pid: u32) {
-    if write_frame(&mut conn, b'H', pid.to_string().as_bytes()).is_err() {
-        return;
-    }
-    let Ok(mut reader) = conn.try_clone() else {
-        return;
-    };
+/// One client's requests, read from `reader`; `writer` makes the handle its frames go to
+/// (a socket client: a copy of its connection; the first client: this program's stdout).
+/// `done` runs once the client is done: a detach answered (under the client lock), or its
+/// input ended.
+fn serve_client(
+    shared: &Shared,
+    mut reader: impl Read,
+    writer: impl Fn() -> Option<Box<dyn Write + Send>>,
+    done: impl FnOnce(),
+) {
+    let mut done = Some(done);
     let mut mine = None;
     while let Ok((kind, payload)) = read_frame(&mut reader) {
         match kind {
             b'A' => {
-                if let Ok(c) = conn.try_clone() {
-                    shared.set_client(Some(c));
+                if let Some(w) = writer() {
+                    shared.set_client(Some(w));
                     mine = Some(lock(&shared.client).1);
                 }
             }
@@ -242,8 +187,12 @@ fn serve_client(shared: &Shared, mut conn: UnixStream, pid: u32) {
                     g.1 += 1;
                     shared.changed.notify_all();
                 }
-                mine = None;
-                let _ = write_frame(&mut conn, b'D', b"");
+                if let Some(mut w) = writer() {
+                    let _ = write_frame(&mut w, b'D', b"");
+                }
+                if let Some(f) = done.take() {
+                    f();
+                }
                 drop(g);
                 return;
             }
@@ -257,6 +206,9 @@ fn serve_client(shared: &Shared, mut conn: UnixStream, pid: u32) {
         g.1 += 1;
         shared.changed.notify_all();
     }
+    if let Some(f) = done.take() {
+        f();
+    }
 }
 
 /// Forwards one output stream, a chunk at a time, only while a client is attached.
@@ -264,7 +216,7 @@ fn pump(shared: Arc<Shared>, mut from: impl Read, kind: u8) {
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         // Read nothing while nobody listens: the command waits, nothing piles up here.
-        drop(shared.attached());
+        shared.attached();
         match from.read(&mut buf) {
             Ok(0) | Err(_) => return,
             Ok(n) => shared.send(kind, &buf[..n]),
@@ -336,24 +288,34 @@ fn start(spec: &Spec) -> std::io::Result<Started> {
     }
 }
 
-/// `relay serve NAME [--tty ROWS COLS] -- ARGV...` (started by `keep`).
+/// `relay serve NAME [--tty ROWS COLS] -- ARGV...`: starts the command, says `0 PID` (or
+/// `1 REASON` and ends) on stdout, and serves: its own stdio are the first client (frames
+/// from the line on), then whoever attaches on the socket.
 pub fn serve(args: &[String]) -> i32 {
+    let mut out = std::io::stdout();
     let Some(spec) = Spec::parse(args) else {
+        let _ = out.write_all(b"1 usage: relay serve NAME [--tty ROWS COLS] -- ARGV...\n");
         return 2;
     };
-    let Ok(listener) = socket_addr(spec.name).and_then(|a| UnixListener::bind_addr(&a)) else {
-        return 1;
+    let listener = match socket_addr(spec.name).and_then(|a| UnixListener::bind_addr(&a)) {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = writeln!(out, "1 cannot listen as {}: {e}", spec.name);
+            return 1;
+        }
     };
     let (mut child, input, outputs, master) = match start(&spec) {
         Ok(s) => s,
         Err(e) => {
-            if let Ok((mut c, _)) = listener.accept() {
-                let _ = write_frame(&mut c, b'F', format!("{}: {e}", spec.argv.join(" ")).as_bytes());
-            }
+            let _ = writeln!(out, "1 {}: {e}", spec.argv.join(" "));
             return 1;
         }
     };
     let pid = child.id();
+    if writeln!(out, "0 {pid}").and_then(|()| out.flush()).is_err() {
+        let _ = child.kill();
+        return 1;
+    }
     let shared = Arc::new(Shared {
         client: Mutex::new((None, 0)),
         changed: Condvar::new(),
@@ -365,8 +327,32 @@ pub fn serve(args: &[String]) -> i32 {
         std::thread::spawn(move || {
             for conn in listener.incoming().flatten() {
                 let shared = Arc::clone(&shared);
-                std::thread::spawn(move || serve_client(&shared, conn, pid));
+                std::thread::spawn(move || {
+                    let mut hello = conn.try_clone();
+                    if let Ok(h) = hello.as_mut() {
+                        if write_frame(h, b'H', pid.to_string().as_bytes()).is_err() {
+                            return;
+                        }
+                    }
+                    let writer = move || {
+                        conn.try_clone()
+                            .ok()
+                            .map(|c| Box::new(c) as Box<dyn Write + Send>)
+                    };
+                    if let Ok(reader) = hello {
+                        serve_client(&shared, reader, writer, || {});
+                    }
+                });
             }
+        });
+    }
+    {
+        // This program's stdio: the first client. Once it has detached (or the host's end
+        // is gone), they become `/dev/null`: a checkpoint must find no host pipe here.
+        let shared = Arc::clone(&shared);
+        std::thread::spawn(move || {
+            let writer = || Some(Box::new(std::io::stdout()) as Box<dyn Write + Send>);
+            serve_client(&shared, std::io::stdin(), writer, stdio::to_null);
         });
     }
     let pumps: Vec<_> = outputs
@@ -672,5 +658,31 @@ mod pty {
         }
         let child = cmd.spawn()?;
         Ok((child, master))
+    }
+}
+
+/// This program's own stdio.
+mod stdio {
+    use std::os::fd::AsRawFd;
+    use std::os::raw::c_int;
+
+    extern "C" {
+        fn dup2(old: c_int, new: c_int) -> c_int;
+    }
+
+    /// Puts `/dev/null` in place of stdin, stdout and stderr (the host's pipes go).
+    pub fn to_null() {
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        if let Ok(null) = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/null")
+        {
+            for fd in 0..3 {
+                // SAFETY: plain call on descriptors this process owns.
+                unsafe { dup2(null.as_raw_fd(), fd) };
+            }
+        }
     }
 }

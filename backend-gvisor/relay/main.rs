@@ -1,6 +1,6 @@
 //! The published-port relay (`/etc/agent-sandbox/relay PORT` inside a gVisor sandbox): one
-//! per connection from the host; also the keeper of background processes (`relay keep`,
-//! `serve`, `attach`: `keep.rs`). It connects to `PORT` on the sandbox's loopback (127.0.0.1,
+//! per connection from the host; also the keeper of background processes (`relay serve`,
+//! `attach`, `session`: `keep.rs`). It connects to `PORT` on the sandbox's loopback (127.0.0.1,
 //! then ::1), says how that went in one byte on stdout (`0`: connected; `1`, then a line:
 //! refused, with the reason), then copies stdin to the connection and the connection to
 //! stdout until both ends are done.
@@ -21,7 +21,6 @@ fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if let Some((mode, rest)) = args.split_first() {
         let code = match mode.as_str() {
-            "keep" => Some(keep::keep(rest)),
             "serve" => Some(keep::serve(rest)),
             "attach" => Some(keep::attach(rest)),
             "session" => Some(keep::session(rest)),

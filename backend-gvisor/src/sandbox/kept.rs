@@ -1,10 +1,12 @@
 //! Background processes that snapshots keep: started by the keeper inside the sandbox
-//! (`relay keep`, see `relay/keep.rs`), which holds the command's pipes itself, and reached
-//! through an attachment (`relay attach`, a `runsc exec` whose stdio are our pipes) that
-//! carries frames both ways.
+//! (`relay serve`, see `relay/keep.rs`), which holds the command's pipes itself, and reached
+//! through an attachment that carries frames both ways: the keeper's own stdio (our pipes)
+//! at first, then `relay attach` processes connected to its socket. Relays start as execs
+//! do: through the sandbox's control socket, else `runsc exec`.
 //!
-//! A snapshot detaches every attachment (the keeper acknowledges, then sends nothing more),
-//! so when `runsc checkpoint` runs no process of the sandbox holds a host pipe; the
+//! A snapshot detaches every attachment (the keeper acknowledges, then sends nothing more;
+//! its own stdio become `/dev/null`), so when `runsc checkpoint` runs no process of the
+//! sandbox holds a host pipe; the
 //! processes go on inside, and the resumed sandbox (or a copy restored from the snapshot)
 //! attaches again. While detached, the keeper reads nothing from the command: a command
 //! that writes meanwhile waits once its pipe is full. A process with a terminal gets one
@@ -399,13 +401,13 @@ impl Inner {
             &self.id[..self.id.len().min(12)],
             self.seq.fetch_add(1, Ordering::SeqCst)
         );
-        let mut keep = vec!["keep".to_string(), name.clone()];
+        let mut keep = vec!["serve".to_string(), name.clone()];
         if let Some(t) = req.tty {
             keep.extend(["--tty".into(), t.rows.to_string(), t.cols.to_string()]);
         }
         keep.push("--".into());
         keep.extend(argv);
-        let relay = self.start_relay("keep", keep, env, &cwd, true).await?;
+        let relay = self.start_relay("serve", keep, env, &cwd, true).await?;
         let Relay {
             input,
             mut output,
