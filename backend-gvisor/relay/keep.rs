@@ -306,9 +306,15 @@ pub fn serve(args: &[String]) -> i32 {
     };
     let (mut child, input, outputs, master) = match start(&spec) {
         Ok(s) => s,
+        // As a shell would: the reason on stderr, 127 (not found) or 126, to the client.
         Err(e) => {
-            let _ = writeln!(out, "1 {}: {e}", spec.argv.join(" "));
-            return 1;
+            let code = if e.kind() == std::io::ErrorKind::NotFound {
+                127
+            } else {
+                126
+            };
+            let prog = spec.argv.first().map_or("", String::as_str);
+            return not_started(listener, &format!("{prog}: {e}\n"), code);
         }
     };
     let pid = child.id();
@@ -379,6 +385,32 @@ pub fn serve(args: &[String]) -> i32 {
         Ok(s) => s.code().or_else(|| s.signal().map(|n| 128 + n)).unwrap_or(255),
         Err(_) => 255,
     };
+    shared.send(b'X', code.to_string().as_bytes());
+    0
+}
+
+/// A command that could not start: pid 0, then, to the first client that attaches, `why`
+/// on stderr and exit `code`.
+fn not_started(listener: UnixListener, why: &str, code: i32) -> i32 {
+    let mut out = std::io::stdout();
+    if writeln!(out, "0 0").and_then(|()| out.flush()).is_err() {
+        return 1;
+    }
+    drop(listener);
+    let shared = Arc::new(Shared {
+        client: Mutex::new((None, 0)),
+        changed: Condvar::new(),
+        stdin: Mutex::new(None),
+        tty: None,
+    });
+    {
+        let shared = Arc::clone(&shared);
+        std::thread::spawn(move || {
+            let writer = || Some(Box::new(std::io::stdout()) as Box<dyn Write + Send>);
+            serve_client(&shared, std::io::stdin(), writer, stdio::to_null);
+        });
+    }
+    shared.send(b'E', why.as_bytes());
     shared.send(b'X', code.to_string().as_bytes());
     0
 }

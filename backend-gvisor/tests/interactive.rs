@@ -207,6 +207,19 @@ async fn a_terminal_session_resizes_interrupts_and_exits_with_its_code() {
     let r = py.wait(Some(Duration::from_secs(60))).await.unwrap();
     assert_eq!(r.exit_code, Some(0), "{r:?}");
 
+    // A program that does not exist: a process that says so and exits 127, as an exec.
+    let mut missing = sb
+        .spawn(ExecRequest::argv(["no-such-program-here"]))
+        .await
+        .unwrap();
+    let r = missing.wait(Some(Duration::from_secs(60))).await.unwrap();
+    assert_eq!(r.exit_code, Some(127), "{r:?}");
+    assert!(
+        r.stderr_str().contains("no-such-program-here"),
+        "{:?}",
+        r.stderr_str()
+    );
+
     // A resize without a terminal is bad input; exec has no terminal.
     let mut plain = sb.spawn(ExecRequest::argv(["sleep", "5"])).await.unwrap();
     let e = plain.resize(24, 80).await.unwrap_err();
