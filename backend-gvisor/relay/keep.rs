@@ -91,6 +91,15 @@ struct Shared {
 }
 
 impl Shared {
+    fn new(stdin: Option<Box<dyn Write + Send>>, tty: Option<(File, u32)>) -> Arc<Shared> {
+        Arc::new(Shared {
+            client: Mutex::new((None, 0)),
+            changed: Condvar::new(),
+            stdin: Mutex::new(stdin),
+            tty,
+        })
+    }
+
     /// Waits for an attached client; returns its generation.
     fn attached(&self) -> u64 {
         let mut g = lock(&self.client);
@@ -105,19 +114,13 @@ impl Shared {
     /// Sends a frame to the attached client (waiting for one); a client that fails is
     /// dropped and the frame goes to the next.
     fn send(&self, kind: u8, payload: &[u8]) {
+        let mut g = lock(&self.client);
         loop {
-            let generation = self.attached();
-            let mut g = lock(&self.client);
-            if g.1 != generation {
-                continue;
+            match g.0.as_mut().map(|s| write_frame(s, kind, payload).is_ok()) {
+                Some(true) => return,
+                Some(false) => self.forget(&mut g, None),
+                None => g = self.changed.wait(g).unwrap_or_else(|p| p.into_inner()),
             }
-            let Some(s) = g.0.as_mut() else { continue };
-            if write_frame(s, kind, payload).is_ok() {
-                return;
-            }
-            g.0 = None;
-            g.1 += 1;
-            self.changed.notify_all();
         }
     }
 
@@ -127,6 +130,25 @@ impl Shared {
         g.1 += 1;
         self.changed.notify_all();
     }
+
+    /// Drops the attached client (only if it is generation `only`, when given).
+    fn forget(&self, g: &mut (Option<Box<dyn Write + Send>>, u64), only: Option<u64>) {
+        if only.is_none_or(|n| n == g.1) {
+            g.0 = None;
+            g.1 += 1;
+            self.changed.notify_all();
+        }
+    }
+}
+
+/// Serves this program's stdio as a client: the first one. Once it has detached (or the
+/// host's end is gone), they become `/dev/null`: a checkpoint must find no host pipe here.
+fn serve_stdio(shared: &Arc<Shared>) {
+    let shared = Arc::clone(shared);
+    std::thread::spawn(move || {
+        let writer = || Some(Box::new(std::io::stdout()) as Box<dyn Write + Send>);
+        serve_client(&shared, std::io::stdin(), writer, stdio::to_null);
+    });
 }
 
 /// One client's requests, read from `reader`; `writer` makes the handle its frames go to
@@ -182,10 +204,8 @@ fn serve_client(
             b'D' => {
                 // Under the client lock: no output frame follows the answer.
                 let mut g = lock(&shared.client);
-                if mine == Some(g.1) {
-                    g.0 = None;
-                    g.1 += 1;
-                    shared.changed.notify_all();
+                if let Some(n) = mine {
+                    shared.forget(&mut g, Some(n));
                 }
                 if let Some(mut w) = writer() {
                     let _ = write_frame(&mut w, b'D', b"");
@@ -200,11 +220,8 @@ fn serve_client(
         }
     }
     // Gone without detaching: stop forwarding to it.
-    let mut g = lock(&shared.client);
-    if mine.is_some() && mine == Some(g.1) {
-        g.0 = None;
-        g.1 += 1;
-        shared.changed.notify_all();
+    if let Some(n) = mine {
+        shared.forget(&mut lock(&shared.client), Some(n));
     }
     if let Some(f) = done.take() {
         f();
@@ -224,7 +241,7 @@ fn pump(shared: Arc<Shared>, mut from: impl Read, kind: u8) {
     }
 }
 
-/// What `keep` and `serve` are given: `NAME [--tty ROWS COLS] -- ARGV...`.
+/// What `serve` is given: `NAME [--tty ROWS COLS] -- ARGV...`.
 struct Spec<'a> {
     name: &'a String,
     tty: Option<(u16, u16)>,
@@ -322,12 +339,7 @@ pub fn serve(args: &[String]) -> i32 {
         let _ = child.kill();
         return 1;
     }
-    let shared = Arc::new(Shared {
-        client: Mutex::new((None, 0)),
-        changed: Condvar::new(),
-        stdin: Mutex::new(input),
-        tty: master.map(|m| (m, pid)),
-    });
+    let shared = Shared::new(input, master.map(|m| (m, pid)));
     {
         let shared = Arc::clone(&shared);
         std::thread::spawn(move || {
@@ -352,15 +364,7 @@ pub fn serve(args: &[String]) -> i32 {
             }
         });
     }
-    {
-        // This program's stdio: the first client. Once it has detached (or the host's end
-        // is gone), they become `/dev/null`: a checkpoint must find no host pipe here.
-        let shared = Arc::clone(&shared);
-        std::thread::spawn(move || {
-            let writer = || Some(Box::new(std::io::stdout()) as Box<dyn Write + Send>);
-            serve_client(&shared, std::io::stdin(), writer, stdio::to_null);
-        });
-    }
+    serve_stdio(&shared);
     let pumps: Vec<_> = outputs
         .into_iter()
         .map(|(r, k)| {
@@ -397,19 +401,8 @@ fn not_started(listener: UnixListener, why: &str, code: i32) -> i32 {
         return 1;
     }
     drop(listener);
-    let shared = Arc::new(Shared {
-        client: Mutex::new((None, 0)),
-        changed: Condvar::new(),
-        stdin: Mutex::new(None),
-        tty: None,
-    });
-    {
-        let shared = Arc::clone(&shared);
-        std::thread::spawn(move || {
-            let writer = || Some(Box::new(std::io::stdout()) as Box<dyn Write + Send>);
-            serve_client(&shared, std::io::stdin(), writer, stdio::to_null);
-        });
-    }
+    let shared = Shared::new(None, None);
+    serve_stdio(&shared);
     shared.send(b'E', why.as_bytes());
     shared.send(b'X', code.to_string().as_bytes());
     0
@@ -431,27 +424,13 @@ pub fn attach(args: &[String]) -> i32 {
 
 /// Copies this program's stdin to `conn` and `conn` to its stdout until `conn` ends.
 fn shuttle(conn: UnixStream) -> i32 {
-    let Ok(mut up) = conn.try_clone() else {
+    let Ok(up) = conn.try_clone() else {
         return 1;
     };
-    std::thread::spawn(move || {
-        let mut stdin = std::io::stdin().lock();
-        let mut buf = vec![0u8; 64 * 1024];
-        while let Ok(n) = stdin.read(&mut buf) {
-            if n == 0 || up.write_all(&buf[..n]).is_err() {
-                break;
-            }
-        }
+    let mut down = conn;
+    crate::copy_both(up, &mut down, |up| {
         let _ = up.shutdown(std::net::Shutdown::Write);
     });
-    let mut down = conn;
-    let mut stdout = std::io::stdout().lock();
-    let mut buf = vec![0u8; 64 * 1024];
-    while let Ok(n) = down.read(&mut buf) {
-        if n == 0 || stdout.write_all(&buf[..n]).and_then(|()| stdout.flush()).is_err() {
-            break;
-        }
-    }
     0
 }
 

@@ -16,6 +16,33 @@ use std::net::{Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpStream};
 
 mod keep;
 
+/// Copies this program's stdin to `up` on a thread of its own (then `input_done(up)`), and
+/// `down` to its stdout, unbuffered, until `down` ends; returns the stdin thread.
+fn copy_both<W: Write + Send + 'static>(
+    mut up: W,
+    down: &mut impl Read,
+    input_done: fn(&mut W),
+) -> std::thread::JoinHandle<()> {
+    let t = std::thread::spawn(move || {
+        let mut stdin = std::io::stdin().lock();
+        let mut buf = vec![0u8; 64 * 1024];
+        while let Ok(n) = stdin.read(&mut buf) {
+            if n == 0 || up.write_all(&buf[..n]).is_err() {
+                break;
+            }
+        }
+        input_done(&mut up);
+    });
+    let mut stdout = std::io::stdout().lock();
+    let mut buf = vec![0u8; 64 * 1024];
+    while let Ok(n) = down.read(&mut buf) {
+        if n == 0 || stdout.write_all(&buf[..n]).and_then(|()| stdout.flush()).is_err() {
+            break;
+        }
+    }
+    t
+}
+
 fn main() {
     // Background processes that survive a checkpoint (see `keep.rs`).
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -62,38 +89,12 @@ fn main() {
     let Ok(up) = conn.try_clone() else {
         std::process::exit(1);
     };
-    // The host's bytes to the server; its end of input half-closes the connection.
-    let t = std::thread::spawn(move || {
-        let mut up = up;
-        let mut stdin = std::io::stdin().lock();
-        let mut buf = vec![0u8; 64 * 1024];
-        loop {
-            match stdin.read(&mut buf) {
-                Ok(0) | Err(_) => break,
-                Ok(n) => {
-                    if up.write_all(&buf[..n]).is_err() {
-                        break;
-                    }
-                }
-            }
-        }
+    // The host's bytes to the server (its end of input half-closes the connection), the
+    // server's to the host.
+    let mut down = conn;
+    let t = copy_both(up, &mut down, |up| {
         let _ = up.shutdown(Shutdown::Write);
     });
-    // The server's bytes to the host, unbuffered (a raw fd copy through a locked handle).
-    let mut down = conn;
-    let mut stdout = std::io::stdout().lock();
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        match down.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) => {
-                if stdout.write_all(&buf[..n]).and_then(|()| stdout.flush()).is_err() {
-                    break;
-                }
-            }
-        }
-    }
-    drop(stdout);
     // The server has finished sending. Wait for the host's input only if it is already
     // done; otherwise end here (its reader thread with us): a server that closes its side
     // and goes on reading is rare, a client that holds its side open after the reply is not.

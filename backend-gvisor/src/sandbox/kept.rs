@@ -390,12 +390,8 @@ impl Inner {
 
     /// Starts `req` under a keeper (see the module docs).
     pub(super) async fn spawn_kept(self: &Arc<Self>, req: ExecRequest) -> Result<Process> {
-        self.alive()?;
-        req.validate()?;
-        let shared = self.lifecycle.read().await;
-        self.alive()?;
-        self.life.check_running()?;
-        let (argv, env, cwd) = self.command(&req)?;
+        let (shared, (argv, env, cwd)) = self.admit_spawn(&req).await?;
+        let command = sandbox_core::process::command_line(&req.command);
         let name = format!(
             "{}-{}",
             &self.id[..self.id.len().min(12)],
@@ -429,14 +425,12 @@ impl Inner {
                 return Err(Error::backend(
                     TIER,
                     format!(
-                        "the process keeper did not start `{}`: {}",
-                        sandbox_core::process::command_line(&req.command),
+                        "the process keeper did not start `{command}`: {}",
                         said.trim()
                     ),
                 ))
             }
         };
-        let command = sandbox_core::process::command_line(&req.command);
         let id = self.procs.start(command.clone());
         let (kept, rx) = self.keep(id, name, pid, command, req.tty.is_some());
         let attached = match input {
@@ -569,23 +563,10 @@ impl Inner {
                 .timed_out
                 .load(Ordering::SeqCst)
                 .then_some(LimitKind::WallTime);
+            // No exit status: the keeper was never reached again (the sandbox went).
             let last = match code {
-                Some(code) if !me.torn_down.load(Ordering::SeqCst) && me.alive().is_ok() => {
-                    let empty = || sandbox_core::OutputBuffer::new(0);
-                    let t = TimelineRecorder::start();
-                    let r = me
-                        .conclude(Some(code), limit, before, empty(), empty(), t)
-                        .await;
-                    me.procs.exited(kept.id, r.exit_code);
-                    Ok(r)
-                }
-                _ => {
-                    me.procs.exited(kept.id, None);
-                    Err(Error::SandboxGone {
-                        id: me.id.clone(),
-                        reason: "the sandbox ended while the process ran".into(),
-                    })
-                }
+                Some(_) => me.process_ended(kept.id, code, limit, before).await,
+                None => Err(me.process_gone(kept.id)),
             };
             let _ = tx.send(last.map(ExecEvent::Exit)).await;
         });

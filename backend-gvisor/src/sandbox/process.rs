@@ -86,14 +86,57 @@ impl ProcessControl for Control {
 }
 
 impl Inner {
-    /// Starts `req` in the background (see the module docs).
-    pub(super) async fn spawn(self: &Arc<Self>, req: ExecRequest) -> Result<Process> {
+    /// What every spawn checks and holds first: the sandbox runs, `req` is valid; the
+    /// lifecycle lock shared (a snapshot waits for the start) and `req`'s argv, environment
+    /// and working directory.
+    pub(super) async fn admit_spawn(
+        &self,
+        req: &ExecRequest,
+    ) -> Result<(
+        tokio::sync::RwLockReadGuard<'_, ()>,
+        (Vec<String>, Vec<String>, String),
+    )> {
         self.alive()?;
         req.validate()?;
         let shared = self.lifecycle.read().await;
         self.alive()?;
         self.life.check_running()?;
-        let (argv, env, cwd) = self.command(&req)?;
+        Ok((shared, self.command(req)?))
+    }
+
+    /// A background process ended with `code`: its result (its limit, if one stopped it),
+    /// or, when the sandbox is gone, `SandboxGone`; recorded in the process table.
+    pub(super) async fn process_ended(
+        &self,
+        id: ProcessId,
+        code: Option<i32>,
+        limit: Option<LimitKind>,
+        before: (Option<u64>, Option<u64>),
+    ) -> Result<ExecResult> {
+        if self.torn_down.load(Ordering::SeqCst) || self.alive().is_err() {
+            return Err(self.process_gone(id));
+        }
+        let empty = || sandbox_core::OutputBuffer::new(0);
+        let t = TimelineRecorder::start();
+        let r = self
+            .conclude(code, limit, before, empty(), empty(), t)
+            .await;
+        self.procs.exited(id, r.exit_code);
+        Ok(r)
+    }
+
+    /// Records background process `id` as ended with the sandbox; the error its handle gets.
+    pub(super) fn process_gone(&self, id: ProcessId) -> Error {
+        self.procs.exited(id, None);
+        Error::SandboxGone {
+            id: self.id.clone(),
+            reason: "the sandbox ended while the process ran".into(),
+        }
+    }
+
+    /// Starts `req` in the background (see the module docs).
+    pub(super) async fn spawn(self: &Arc<Self>, req: ExecRequest) -> Result<Process> {
+        let (shared, (argv, env, cwd)) = self.admit_spawn(&req).await?;
         let stdin = req.tty.map_or(Stdin::Pipe, Stdin::Tty);
         let RunscExec {
             mut child,
@@ -191,19 +234,7 @@ impl Inner {
             let code = status
                 .ok()
                 .and_then(|s| s.code().or_else(|| s.signal().map(|n| 128 + n)));
-            let last = if !me.torn_down.load(Ordering::SeqCst) && me.alive().is_ok() {
-                let empty = || sandbox_core::OutputBuffer::new(0);
-                let t = TimelineRecorder::start();
-                let r = me.conclude(code, limit, before, empty(), empty(), t).await;
-                me.procs.exited(id, r.exit_code);
-                Ok(r)
-            } else {
-                me.procs.exited(id, None);
-                Err(Error::SandboxGone {
-                    id: me.id.clone(),
-                    reason: "the sandbox ended while the process ran".into(),
-                })
-            };
+            let last = me.process_ended(id, code, limit, before).await;
             let _ = tx.send(last.map(ExecEvent::Exit)).await;
         });
         Ok(Process::new(
