@@ -3,7 +3,7 @@
 
 use super::create::{boot_failure, check_spec, vm_config};
 use super::image::{META_DISK_MTIME, META_DISK_SIZE};
-use super::warm::Frozen;
+use super::warm::{self, Frozen};
 use super::*;
 
 /// Snapshot metadata: the agent client's next request id. A restored client starts there:
@@ -195,12 +195,7 @@ impl MicrovmSandbox {
                 })?;
                 // It restored: kept for the next restore of this snapshot.
                 warm.keep_unpacked(unpacked_key, Arc::clone(&frozen));
-                let console = vm
-                    .take_console()
-                    .ok_or_else(|| Error::backend(TIER, "the restored VM has no virtio console"))?;
-                let agent = AgentClient::new(console)
-                    .map_err(|e| boot_failure(&vm, "starting the agent client", &e.to_string()))?;
-                agent.skip_ids_below(next_id);
+                let agent = warm::restored_agent(&mut vm, &frozen)?;
                 // The snapshot's processes: followed before the held output is released.
                 let mut adopted = Vec::new();
                 for (target, command, tty) in &processes {
@@ -214,18 +209,7 @@ impl MicrovmSandbox {
                         boot_failure(&vm, "the restored guest's agent", &e.to_string())
                     })?;
                 }
-                agent
-                    .ping(PING_TIMEOUT)
-                    .map_err(|e| boot_failure(&vm, "the restored guest's agent", &e.to_string()))?;
-                // A copy of the snapshot: its own name, random state and clock, not the
-                // snapshot's (which every other copy also has).
-                agent.refresh(&name, PING_TIMEOUT).map_err(|e| {
-                    boot_failure(
-                        &vm,
-                        "giving the restored guest its identity",
-                        &e.to_string(),
-                    )
-                })?;
+                warm::wake(&vm, &agent, &name)?;
                 Ok((vm, agent, adopted))
             })
             .await

@@ -27,6 +27,7 @@ use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 
+use super::create::boot_failure;
 use super::image::disk_identity;
 use super::*;
 use crate::vmm::VmPool;
@@ -277,20 +278,33 @@ pub(crate) fn start_from(
     name: &str,
 ) -> Result<(Vm, AgentClient)> {
     let mut vm = warm.restore(frozen, vcfg)?;
+    let agent = restored_agent(&mut vm, frozen)?;
+    wake(&vm, &agent, name)?;
+    Ok((vm, agent))
+}
+
+/// The agent client of a VM restored from `frozen`: on its console, its request ids after
+/// the snapshotted client's.
+pub(crate) fn restored_agent(vm: &mut Vm, frozen: &Frozen) -> Result<AgentClient> {
     let console = vm
         .take_console()
         .ok_or_else(|| Error::backend(TIER, "the restored VM has no virtio console"))?;
-    let agent = AgentClient::new(console).map_err(|e| {
-        super::create::boot_failure(&vm, "starting the agent client", &e.to_string())
-    })?;
+    let agent = AgentClient::new(console)
+        .map_err(|e| boot_failure(vm, "starting the agent client", &e.to_string()))?;
     agent.skip_ids_below(frozen.next_id());
-    agent.ping(PING_TIMEOUT).map_err(|e| {
-        super::create::boot_failure(&vm, "the agent of the boot snapshot", &e.to_string())
-    })?;
-    agent.refresh(name, PING_TIMEOUT).map_err(|e| {
-        super::create::boot_failure(&vm, "giving the guest its identity", &e.to_string())
-    })?;
-    Ok((vm, agent))
+    Ok(agent)
+}
+
+/// Checks that a restored guest's agent answers, then gives the copy its own identity
+/// (`name`): its own name, random state and clock, not the snapshot's (which every other
+/// copy also has).
+pub(crate) fn wake(vm: &Vm, agent: &AgentClient, name: &str) -> Result<()> {
+    agent
+        .ping(PING_TIMEOUT)
+        .map_err(|e| boot_failure(vm, "the restored guest's agent", &e.to_string()))?;
+    agent
+        .refresh(name, PING_TIMEOUT)
+        .map_err(|e| boot_failure(vm, "giving the restored guest its identity", &e.to_string()))
 }
 
 #[cfg(test)]
