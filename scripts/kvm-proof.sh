@@ -52,13 +52,15 @@ fi
 step "the guest in $MICROVM_GUEST_DIR"
 cargo run --release --locked -q -p agent-sandbox -- install microvm-guest --dir "$MICROVM_GUEST_DIR"
 
-step "the Python test image (for the egress table)"
+step "the Python test image (for the egress table and the secrets test)"
 scripts/test-image.sh
 
 step "Linux-guest suites through our VMM"
 cargo test --release --locked -p backend-microvm --test linux_guest --test backend -- --test-threads=1
 step "egress table, microVM rows"
 cargo test --release --locked -p agent-sandbox --test egress microvm -- --test-threads=1
+step "proxy-held secrets, microVM"
+cargo test --release --locked -p agent-sandbox --test secrets microvm -- --test-threads=1
 step "conformance, microVM column"
 cargo test --release --locked -p sandbox-conformance --test tiers microvm
 

@@ -4,9 +4,12 @@
 //! through the real egress enforcer (`VethEnforcer`): the server receives the real value, the
 //! sandbox only ever holds the placeholder (its environment, its files, its processes'
 //! environments), an echo comes back masked, and the placeholder sent to another allowed host
-//! is refused and recorded as a leak attempt. Tiers that cannot hold such secrets refuse the
-//! spec (gVisor without an egress enforcer too). More clients (`requests`, git, pip) and a
-//! scan of the sandbox's memory: `secret_clients.rs`.
+//! is refused and recorded as a leak attempt. An image's Python trusts the interception CA in
+//! the container, gVisor and microVM tiers (the last where the probe says a Linux guest
+//! boots; its guest side runs under QEMU in `backend-microvm/tests/qemu_network.rs`). Tiers
+//! that cannot hold such secrets refuse the spec (gVisor and microVM without an egress
+//! enforcer too). More clients (`requests`, git, pip) and a scan of the sandbox's memory:
+//! `secret_clients.rs`.
 //!
 //! Traffic stays on this machine: the test resolver maps `allowed.test` and `other.test` to
 //! 127.0.0.1 and the dialer refuses every other address.
@@ -245,10 +248,7 @@ async fn clients_use_a_secret_they_never_hold(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn other_tiers_refuse_proxy_held_secrets() {
     let spec = spec("allowed.test");
-    for b in [
-        Arc::new(backend_wasm::WasmBackend::new()) as DynBackend,
-        Arc::new(backend_microvm::MicrovmBackend::new()),
-    ] {
+    for b in [Arc::new(backend_wasm::WasmBackend::new()) as DynBackend] {
         assert!(!b.capabilities().proxy_secrets, "{}", b.tier());
         match b.create(&spec, secrets(&spec)).await {
             Err(Error::Unsupported { what, .. }) => {
@@ -258,19 +258,33 @@ async fn other_tiers_refuse_proxy_held_secrets() {
             Ok(_) => panic!("{}: accepted a proxy-held secret", b.tier()),
         }
     }
-    // gVisor holds them only through an egress enforcer, and says how to plug one in.
-    let g: DynBackend = Arc::new(backend_gvisor::GvisorBackend::default());
-    assert!(!g.capabilities().proxy_secrets);
-    match g.create(&spec, secrets(&spec)).await {
-        Err(Error::Unsupported { what, tier }) => {
-            assert_eq!(tier, sandbox_core::Tier::Gvisor);
-            assert!(
-                what.contains("proxy-held secrets") && what.contains("GvisorConfig::egress"),
-                "{what}"
-            );
+    // gVisor and microVM hold them only through an egress enforcer, and say how to plug one
+    // in.
+    for (b, setting) in [
+        (
+            Arc::new(backend_gvisor::GvisorBackend::default()) as DynBackend,
+            "GvisorConfig::egress",
+        ),
+        (
+            Arc::new(backend_microvm::MicrovmBackend::new()),
+            "MicrovmBuilder::egress",
+        ),
+    ] {
+        assert!(!b.capabilities().proxy_secrets, "{}", b.tier());
+        match b.create(&spec, secrets(&spec)).await {
+            Err(Error::Unsupported { what, tier }) => {
+                assert_eq!(tier, b.tier());
+                assert!(
+                    what.contains("proxy-held secrets") && what.contains(setting),
+                    "{what}"
+                );
+            }
+            Err(e) => panic!("{}: expected Unsupported, got {e}", b.tier()),
+            Ok(_) => panic!(
+                "{}: accepted a proxy-held secret without an enforcer",
+                b.tier()
+            ),
         }
-        Err(e) => panic!("gvisor: expected Unsupported, got {e}"),
-        Ok(_) => panic!("gvisor: accepted a proxy-held secret without an enforcer"),
     }
     let denied = SandboxSpec::builder(Language::Shell)
         .secret_via_proxy("API_TOKEN", "API_TOKEN", ["allowed.test"])
@@ -307,6 +321,22 @@ async fn a_gvisor_image_trusts_the_interception_ca() {
                 .egress(e)
                 .image_store(images),
         ))
+    })
+    .await;
+}
+
+/// The same in the microVM tier, where the guest agent writes the bundles inside the guest
+/// (needs a Linux guest: skips where the probe says it cannot boot one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_microvm_image_trusts_the_interception_ca() {
+    an_image_trusts_the_interception_ca(|e, images| {
+        Arc::new(
+            backend_microvm::MicrovmBackend::builder()
+                .egress(e)
+                .image_store(images)
+                .build()
+                .unwrap(),
+        )
     })
     .await;
 }

@@ -638,6 +638,18 @@ impl AgentClient {
         )
     }
 
+    /// Makes the guest's TLS clients trust `ca_pem` (the egress proxy's interception CA, for
+    /// proxy-held secrets; see [`proto::Request::Trust`]): its root's system bundle with the
+    /// CA appended, at [`proto::CA_BUNDLE`] and over [`proto::SYSTEM_BUNDLE`].
+    pub fn trust(&self, ca_pem: &str, timeout: Duration) -> Result<(), AgentError> {
+        self.answered(
+            &Request::Trust {
+                ca_pem: ca_pem.as_bytes().to_vec(),
+            },
+            timeout,
+        )
+    }
+
     /// Writes `data` to the input of background process `target` (in frames of at most
     /// [`proto::WRITE_CHUNK`]); returns once the agent has written it.
     /// [`ErrorKind::NotFound`]: the process ended or its input is closed.

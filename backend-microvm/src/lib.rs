@@ -151,6 +151,17 @@
 //! its gateway is the proxy, and the enforcer's host-side rules police it as they do a
 //! container's namespace ([`network`], `docs/microvm-network.md`). Snapshots of such a
 //! sandbox are refused (its link cannot move to a restored copy).
+//!
+//! **Proxy-held secrets** ([`SecretExposure::Proxy`](sandbox_core::SecretExposure::Proxy))
+//! ride on that network: the backend asks the enforcer to `bind_secrets`
+//! ([`GuestNetwork::bind_secrets`](network::GuestNetwork::bind_secrets)), each secret's
+//! variable gets its placeholder, `SSL_CERT_FILE` and the other
+//! [`CA_BUNDLE_VARS`](sandbox_core::egress::CA_BUNDLE_VARS) name `/etc/agent-sandbox-ca.crt`,
+//! and right after the boot the agent writes the guest root's own system bundle plus the
+//! proxy's interception CA there and over `/etc/ssl/certs/ca-certificates.crt`
+//! (`Trust`; the host cannot read an image's bundle inside its disk, the agent can; a link
+//! planted on the way is refused or replaced, never followed). Without an enforcer such a
+//! spec is `Unsupported`, naming [`MicrovmBuilder::egress`].
 //! Host directories (`Workspace::HostDir`, `mounts`, a `rootfs` directory) are not shared
 //! into the guest: such specs are refused with `Unsupported`.
 //!
@@ -683,6 +694,9 @@ impl Backend for MicrovmBackend {
             c.network
                 .extend([NetworkMode::Allowlist, NetworkMode::Internet]);
         }
+        // Proxy-held secrets ride on that network: the enforcer's proxy holds them, the agent
+        // puts its CA in the guest's certificate bundles.
+        c.proxy_secrets = self.egress.is_some();
         c.pause_resume = true;
         c.streaming = true;
         c.persistent_state = true;
@@ -717,7 +731,6 @@ impl Backend for MicrovmBackend {
         spec: &SandboxSpec,
         secrets: ResolvedSecrets,
     ) -> Result<Box<dyn Sandbox>> {
-        secrets.refuse_proxied(TIER)?;
         Ok(Box::new(MicrovmSandbox::create(self, spec, secrets).await?))
     }
 

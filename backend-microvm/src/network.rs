@@ -124,9 +124,29 @@ impl GuestNetwork {
     }
 
     /// The variables the enforcer gives every command (the proxy's address as `HTTP_PROXY`,
-    /// `HTTPS_PROXY`, `ALL_PROXY`, and `NO_PROXY`).
+    /// `HTTPS_PROXY`, `ALL_PROXY`, and `NO_PROXY`), and after
+    /// [`bind_secrets`](Self::bind_secrets) each proxy-held secret's placeholder and the
+    /// variables naming the trusted certificates.
     pub fn env(&self) -> &[(String, String)] {
         &self.env
+    }
+
+    /// Hands the proxy-held secrets to the enforcer's proxy (which substitutes them in
+    /// requests to their hosts): their variables get placeholders and
+    /// [`CA_BUNDLE_VARS`](sandbox_core::egress::CA_BUNDLE_VARS) name
+    /// [`CA_BUNDLE_PATH`](sandbox_core::egress::CA_BUNDLE_PATH), all added to
+    /// [`env`](Self::env). Returns the proxy's interception CA (PEM), which the guest's TLS
+    /// clients must trust: the backend sends it to the agent
+    /// ([`AgentClient::trust`](crate::agent_client::AgentClient::trust)), which puts it in the
+    /// guest's own bundles (the host cannot read an image's bundle inside its disk).
+    pub fn bind_secrets(&mut self, secrets: &[sandbox_core::ProxiedSecret<'_>]) -> Result<String> {
+        let plan = self.enforcer.bind_secrets(&self.sandbox_id, secrets)?;
+        self.env.extend(plan.env.iter().cloned());
+        for var in sandbox_core::egress::CA_BUNDLE_VARS {
+            self.env
+                .push((var.into(), sandbox_core::egress::CA_BUNDLE_PATH.into()));
+        }
+        Ok(plan.ca_pem)
     }
 
     /// The guest's address, prefix and gateway.

@@ -580,23 +580,6 @@ fn an_image_root_without_its_disk_is_a_typed_error() {
     shut_down(&mut qemu, &c);
 }
 
-/// The Debian 13 image (python3 3.13, numpy) that `scripts/test-image.sh` builds, as an OCI
-/// layout, or why there is none.
-fn test_image() -> Result<PathBuf, String> {
-    let dir = std::env::var_os("AGENT_SANDBOX_TEST_IMAGES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from("/var/tmp/agent-sandbox-images"))
-        .join("trixie-numpy");
-    if dir.join("index.json").is_file() {
-        Ok(dir)
-    } else {
-        Err(format!(
-            "no test image at {} (scripts/test-image.sh builds it; scripts/test.sh runs that)",
-            dir.display()
-        ))
-    }
-}
-
 /// The guest side of the microVM tier's images, end to end with the real parts: a Debian
 /// image (not the host's files) pulled into an image store, made into its ext4 disk by
 /// `ImageStore::rootfs_image` exactly as the backend does, attached read-only, and booted with
@@ -609,26 +592,15 @@ async fn an_oci_image_from_the_store_is_the_root_and_its_python_runs() {
         eprintln!("SKIP: {why}");
         return;
     }
-    let layout = match test_image() {
-        Ok(l) => l,
+    let t0 = Instant::now();
+    let dir = tempfile::tempdir().unwrap();
+    let (disk, path) = match test_image_disk(dir.path()).await {
+        Ok(d) => d,
         Err(why) => {
             eprintln!("SKIP: {why}");
             return;
         }
     };
-    let t0 = Instant::now();
-    let dir = tempfile::tempdir().unwrap();
-    let store = backend_microvm::ImageStore::builder(dir.path().join("images"))
-        .build()
-        .unwrap();
-    let r = sandbox_core::ImageRef::parse(&format!("oci:{}:python3", layout.display())).unwrap();
-    let image = store.ensure(&r).await.unwrap();
-    let s2 = store.clone();
-    let i2 = image.clone();
-    let disk = tokio::task::spawn_blocking(move || s2.rootfs_image(&i2))
-        .await
-        .unwrap()
-        .unwrap();
     eprintln!(
         "image unpacked and its {} MiB disk built in {:?}",
         disk.size() >> 20,
@@ -637,20 +609,11 @@ async fn an_oci_image_from_the_store_is_the_root_and_its_python_runs() {
     let before = sha256(disk.path());
     let extra = Extra {
         append: "agent.root=/dev/vda agent.user=1000:1000".into(),
-        args: vec![
-            "-drive".into(),
-            format!(
-                "file={},if=none,id=d0,format=raw,readonly=on",
-                disk.path().display()
-            ),
-            "-device".into(),
-            "virtio-blk-device,drive=d0".into(),
-        ],
+        args: disk_args(disk.path()),
         ..Extra::default()
     };
     let (mut qemu, c) = tokio::task::block_in_place(|| boot(dir.path(), &extra));
     eprintln!("guest booted from the image in {:?}", t0.elapsed());
-    let path = image.config().path().unwrap_or("/usr/bin:/bin").to_string();
     let env = [("PATH", path.as_str())];
     let (code, out, err) = exec(
         &c,

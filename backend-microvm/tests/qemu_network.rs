@@ -182,3 +182,131 @@ fn the_egress_enforcer_polices_a_linux_guest_on_its_tap() {
     assert_ne!(code, Some(0), "after detach: {out}{err}");
     shut_down(&mut qemu, &c);
 }
+
+/// Proxy-held secrets, guest side, on a real Linux kernel: the test image (Debian 13, its own
+/// Python) is the guest's root, its network is a [`GuestNetwork`] attached to the real
+/// enforcer with a secret bound to `allowed.test` (`GuestNetwork::bind_secrets`, as the
+/// backend does), and the agent puts the proxy's CA in the guest's bundles (`Trust`). Python's
+/// `urllib` inside sends the placeholder it holds to an HTTPS server on loopback behind a
+/// test CA the guest does not know: the server receives the real value, the guest only ever
+/// holds the placeholder, and the echo comes back with the placeholder.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_linux_guest_uses_a_proxy_held_secret_it_never_holds() {
+    if let Some(why) = qemu_missing() {
+        eprintln!("SKIP: {why}");
+        return;
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIP: the egress enforcer needs root");
+        return;
+    }
+    const VALUE: &str = "ghp_REALVALUEofTheToken0123456789abcdefgh";
+    let dir = tempfile::tempdir().unwrap();
+    let (disk, path) = match test_image_disk(dir.path()).await {
+        Ok(d) => d,
+        Err(why) => {
+            eprintln!("SKIP: {why}");
+            return;
+        }
+    };
+    let upstream_ca =
+        sandbox_egress::testing::TestCa::new("agent-sandbox test upstream CA").unwrap();
+    let server = sandbox_egress::testing::EchoServer::start(&upstream_ca, &["allowed.test"])
+        .await
+        .unwrap();
+    let veth = enforcer_trusting(&upstream_ca);
+    let enforcer: Arc<dyn EgressEnforcer> = Arc::new(veth.clone());
+    let spec = sandbox_core::SandboxSpec::builder(sandbox_core::Language::Shell)
+        .network(allow(&["allowed.test"]))
+        .secret_via_proxy("API_TOKEN", "API_TOKEN", ["allowed.test"])
+        .build()
+        .unwrap();
+    let secrets = sandbox_core::ResolvedSecrets::resolve(
+        &spec.secrets,
+        &sandbox_core::MapSecretSource::new().with("API_TOKEN", VALUE),
+    )
+    .unwrap();
+    let id = format!("qemu-secret-{}", std::process::id());
+    let mut net = GuestNetwork::attach(Arc::clone(&enforcer), &id, &spec.network)
+        .await
+        .unwrap();
+    let ca_pem = net.bind_secrets(&secrets.proxied()).unwrap();
+    let mac = net
+        .device()
+        .mac
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":");
+    let mut args = disk_args(disk.path());
+    args.extend([
+        "-netdev".into(),
+        "tap,id=n0,fd=10".into(),
+        "-device".into(),
+        format!("virtio-net-device,netdev=n0,mac={mac}"),
+    ]);
+    let extra = Extra {
+        append: format!("agent.root=/dev/vda {}", net.agent_param()),
+        args,
+        tap: Some(net.tap().as_raw_fd()),
+    };
+    let (mut qemu, c) = tokio::task::block_in_place(|| boot(dir.path(), &extra));
+    tokio::task::block_in_place(|| c.trust(&ca_pem, CALL)).unwrap();
+
+    // Every command's environment, as the backend gives it: the image's PATH, the proxy
+    // variables, the placeholder and the variables naming the bundle.
+    let mut vars: Vec<(String, String)> = net.env().to_vec();
+    vars.push(("PATH".into(), path));
+    let env: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let placeholder = &vars.iter().find(|(k, _)| k == "API_TOKEN").unwrap().1;
+    assert_eq!(placeholder.len(), VALUE.len());
+    assert_ne!(placeholder, VALUE);
+    assert!(
+        vars.iter()
+            .any(|(k, v)| k == "SSL_CERT_FILE" && v == "/etc/agent-sandbox-ca.crt"),
+        "{vars:?}"
+    );
+    let port = server.port;
+    let run =
+        |code: String| tokio::task::block_in_place(|| exec(&c, &["python3", "-c", &code], &env));
+    let (code, out, err) = run(format!(
+        "import os, urllib.request as u\n\
+         q = u.Request('https://allowed.test:{port}/qemu', \
+         headers={{'Authorization': 'Bearer ' + os.environ['API_TOKEN']}})\n\
+         print(u.urlopen(q, timeout=60).read().decode())"
+    ));
+    assert_eq!(code, Some(0), "{out}{err}");
+    let got = server.heads().last().cloned().unwrap_or_default();
+    assert!(got.contains("GET /qemu "), "{got}");
+    assert!(got.contains(&format!("Bearer {VALUE}\r\n")), "{got}");
+    // The echo came back with the placeholder (the proxy puts it back), never the value.
+    assert!(out.contains(placeholder.as_str()), "{out}");
+    assert!(!out.contains(VALUE), "{out}");
+    // Programs that ignore the variables trust the system bundle, which holds the CA too.
+    let (code, out, err) = run(format!(
+        "import os, ssl, urllib.request as u\n\
+         for v in ('SSL_CERT_FILE', 'REQUESTS_CA_BUNDLE'): os.environ.pop(v, None)\n\
+         c = ssl.create_default_context(cafile='/etc/ssl/certs/ca-certificates.crt')\n\
+         print(u.urlopen('https://allowed.test:{port}/system', timeout=60, context=c).status)"
+    ));
+    assert_eq!((code, out.as_str()), (Some(0), "200\n"), "{err}");
+    // Nowhere inside: no process's environment, no file under /etc, /tmp or the workspace.
+    let (code, out, err) = tokio::task::block_in_place(|| {
+        exec(
+            &c,
+            &[
+                "sh",
+                "-c",
+                &format!(
+                    "cat /proc/[0-9]*/environ 2>/dev/null | tr '\\0' '\\n' | grep -c -- '{VALUE}'; \
+                     grep -rs -l -- '{VALUE}' /workspace /tmp /etc; echo done"
+                ),
+            ],
+            &env,
+        )
+    });
+    assert_eq!((code, out.as_str()), (Some(0), "0\ndone\n"), "{err}");
+    net.detach().await;
+    tokio::task::block_in_place(|| shut_down(&mut qemu, &c));
+}

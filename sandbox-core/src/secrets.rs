@@ -171,15 +171,15 @@ impl ResolvedSecrets {
     }
 
     /// `Unsupported` on `tier` when any secret is to be held by the egress proxy: for tiers
-    /// that cannot give the sandbox a placeholder and the proxy's CA (wasm, microVM).
+    /// that cannot give the sandbox a placeholder and the proxy's CA (wasm, unisolated).
     pub fn refuse_proxied(&self, tier: crate::Tier) -> Result<()> {
         match self.proxied().first() {
             None => Ok(()),
             Some(s) => Err(Error::unsupported(
                 tier,
                 format!(
-                    "proxy-held secrets (`{}`: SecretExposure::Proxy); the container and \
-                     gVisor tiers hold them",
+                    "proxy-held secrets (`{}`: SecretExposure::Proxy); the container, \
+                     gVisor and microVM tiers hold them through an egress enforcer",
                     s.name
                 ),
             )),

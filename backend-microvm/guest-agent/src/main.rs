@@ -59,6 +59,7 @@
 //! - `net`: `agent.net=`, the guest's `eth0`, its route and `resolv.conf`.
 //! - `exec`: a command's start, its output pumps and its exit.
 //! - `identity`: a fresh hostname, random state and clock (`Refresh`).
+//! - `trust`: the egress proxy's CA in the root's certificate bundles (`Trust`).
 //! - `interactive`: background processes (input, signals, terminals, output windows) and
 //!   connections to the guest's loopback (published ports).
 //! - `files`: write, read and list, confined to the workspace.
@@ -73,6 +74,7 @@ mod net;
 mod proto;
 mod root;
 mod setup;
+mod trust;
 
 use exec::*;
 use files::*;
@@ -612,6 +614,20 @@ fn serve(
                     );
                 } else {
                     match identity::refresh(&hostname, &entropy, unix_nanos) {
+                        Ok(()) => st.chan.send(id, &Response::Ok),
+                        Err(m) => st.chan.error(id, ErrorKind::Io, m),
+                    }
+                }
+            }
+            Request::Trust { ca_pem } => {
+                if !pid1 {
+                    st.chan.error(
+                        id,
+                        ErrorKind::Invalid,
+                        "trust writes the root's certificate bundles: only as pid 1 in a guest",
+                    );
+                } else {
+                    match trust::install(Path::new("/"), &ca_pem) {
                         Ok(()) => st.chan.send(id, &Response::Ok),
                         Err(m) => st.chan.error(id, ErrorKind::Io, m),
                     }

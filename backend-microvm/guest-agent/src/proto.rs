@@ -31,7 +31,8 @@ pub const SOURCE_HASH: u64 = fnv1a(include_bytes!("proto.rs"))
     ^ fnv1a(include_bytes!("files.rs"))
     ^ fnv1a(include_bytes!("net.rs"))
     ^ fnv1a(include_bytes!("setup.rs"))
-    ^ fnv1a(include_bytes!("identity.rs"));
+    ^ fnv1a(include_bytes!("identity.rs"))
+    ^ fnv1a(include_bytes!("trust.rs"));
 
 const fn fnv1a(b: &[u8]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -78,6 +79,7 @@ const K_CONNECT: u8 = 14;
 const K_REFRESH: u8 = 15;
 const K_HOLD: u8 = 16;
 const K_RELEASE: u8 = 17;
+const K_TRUST: u8 = 18;
 // Response kinds (guest -> host).
 const K_STDOUT: u8 = 64;
 const K_STDERR: u8 = 65;
@@ -241,7 +243,25 @@ pub enum Request {
         /// The host's wall clock, nanoseconds since the Unix epoch.
         unix_nanos: u64,
     },
+    /// Makes the guest's TLS clients trust the egress proxy's interception CA (a sandbox with
+    /// proxy-held secrets): the root's system bundle with `ca_pem` appended is written to
+    /// [`CA_BUNDLE`] and over [`SYSTEM_BUNDLE`] (both relative to the root; a symbolic link
+    /// on the way is refused, never followed). Answered by `Ok`, or `Error` naming the path
+    /// that failed. Only as pid 1 (in a guest): a test agent on a host answers
+    /// `Error(Invalid)`.
+    Trust {
+        /// PEM certificates (at most 64 KiB).
+        ca_pem: Vec<u8>,
+    },
 }
+
+/// Where a guest with proxy-held secrets finds the certificates it trusts, relative to its
+/// root: `sandbox_core::egress::CA_BUNDLE_PATH`, which the host's `SSL_CERT_FILE`... name.
+pub const CA_BUNDLE: &str = "etc/agent-sandbox-ca.crt";
+
+/// The system bundle of Debian-family roots, relative to the root
+/// (`sandbox_core::egress::SYSTEM_CA_BUNDLE`): `Trust` writes over it too.
+pub const SYSTEM_BUNDLE: &str = "etc/ssl/certs/ca-certificates.crt";
 
 /// How an exec ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -642,6 +662,10 @@ impl Request {
             Request::Ping => e = Enc::frame(K_PING, id),
             Request::Hold => e = Enc::frame(K_HOLD, id),
             Request::Release => e = Enc::frame(K_RELEASE, id),
+            Request::Trust { ca_pem } => {
+                e = Enc::frame(K_TRUST, id);
+                e.bytes(ca_pem);
+            }
             Request::Shutdown => e = Enc::frame(K_SHUTDOWN, id),
             Request::Kill { target } => {
                 e = Enc::frame(K_KILL, id);
@@ -709,6 +733,9 @@ impl Request {
             K_PING => Request::Ping,
             K_HOLD => Request::Hold,
             K_RELEASE => Request::Release,
+            K_TRUST => Request::Trust {
+                ca_pem: d.bytes()?.to_vec(),
+            },
             K_SHUTDOWN => Request::Shutdown,
             K_KILL => Request::Kill { target: d.u32()? },
             _ => return Err(Malformed),
@@ -956,6 +983,9 @@ mod tests {
                 hostname: "mvm-0123".into(),
                 entropy: vec![9; 64],
                 unix_nanos: 1_700_000_000_000_000_000,
+            },
+            Request::Trust {
+                ca_pem: b"-----BEGIN CERTIFICATE-----\n".to_vec(),
             },
         ]
     }

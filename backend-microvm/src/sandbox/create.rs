@@ -1,7 +1,7 @@
 //! Creating a sandbox: what this tier refuses in a spec, the guest's memory and environment,
 //! building and booting the VM, and waiting for its agent.
 
-use super::warm::{self, Frozen, TemplateKey};
+use super::warm::{self, Frozen, TemplateKey, WarmStarts};
 use super::*;
 
 /// Default `PATH` in the guest (busybox applets live in `/bin`).
@@ -281,6 +281,55 @@ fn boot_guest(
     }
 }
 
+/// Starts the VM of a new sandbox: from the boot snapshot of its kind when there is one
+/// (`template`), else by booting, keeping that boot's snapshot for the next ones; then gives
+/// it its identity. Blocking.
+#[allow(clippy::too_many_arguments)]
+fn start_vm(
+    warm: &Arc<WarmStarts>,
+    template: Option<TemplateKey>,
+    g: &GuestFiles,
+    cmdline: &str,
+    cfg: &crate::MicrovmConfig,
+    vcfg: VmConfig,
+    mut t: TimelineRecorder,
+    name: &str,
+) -> Result<(Vm, AgentClient, TimelineRecorder)> {
+    if let Some(key) = &template {
+        if let Some(frozen) = warm.template(key) {
+            match warm::start_from(warm, &frozen, vcfg.clone(), name) {
+                Ok((vm, agent)) => {
+                    t.mark(Phase::Restore);
+                    return Ok((vm, agent, t));
+                }
+                // Never worse than a boot: forget it, boot, and make a new one.
+                Err(e) => {
+                    tracing::warn!("starting from the boot snapshot failed, booting: {e}");
+                    warm.forget_template(key);
+                }
+            }
+        }
+    }
+    let (vm, agent, mut t) = boot_guest(g, cmdline, cfg.boot_timeout, vcfg.clone(), t)?;
+    t.mark(Phase::Runtime);
+    if let Some(key) = template {
+        // Ready and idle, no identity yet, nothing of the sandbox's own: the state every
+        // later sandbox of this kind starts from.
+        match Frozen::capture(&vm, &agent) {
+            Ok(frozen) => {
+                warm.keep_template(key, frozen);
+                warm.refill(&vcfg);
+            }
+            Err(e) => tracing::warn!("no boot snapshot (every sandbox boots): {e}"),
+        }
+    }
+    // Its own name, and host entropy from the start (a fresh guest has little).
+    agent
+        .refresh(name, PING_TIMEOUT)
+        .map_err(|e| boot_failure(&vm, "giving the guest its identity", &e.to_string()))?;
+    Ok((vm, agent, t))
+}
+
 impl MicrovmSandbox {
     pub(crate) async fn create(
         backend: &MicrovmBackend,
@@ -288,6 +337,15 @@ impl MicrovmSandbox {
         secrets: ResolvedSecrets,
     ) -> Result<Self> {
         check_spec(spec)?;
+        // Proxy-held secrets ride on the network: the enforcer's proxy holds them.
+        let proxied = secrets.proxied();
+        if !proxied.is_empty() && backend.egress.is_none() {
+            return Err(Error::unsupported(
+                TIER,
+                "proxy-held secrets without an egress enforcer (plug one in with \
+                 MicrovmBuilder::egress; the facade's Runtime does)",
+            ));
+        }
         let enforcer =
             sandbox_core::egress::enforcer_for(TIER, backend.egress.as_ref(), &spec.network)?;
         let mem_size = guest_memory(spec)?;
@@ -310,14 +368,32 @@ impl MicrovmSandbox {
         };
         let id = new_id();
         // The network before the VM: its device is part of the machine.
-        let net = match enforcer {
-            Some(e) => {
-                let n = GuestNetwork::attach(e, &id, &spec.network).await?;
-                t.mark(Phase::Network);
-                Some(n)
-            }
+        let mut net = match enforcer {
+            Some(e) => Some(GuestNetwork::attach(e, &id, &spec.network).await?),
             None => None,
         };
+        // The placeholders in every command's environment; the CA the guest must trust.
+        let ca_pem = match (&mut net, proxied.is_empty()) {
+            (_, true) => None,
+            (Some(n), false) => match n.bind_secrets(&proxied) {
+                Ok(pem) => Some(pem),
+                Err(e) => {
+                    n.detach().await;
+                    return Err(e);
+                }
+            },
+            // `validate` refuses proxy-held secrets under deny-all, the only policy without
+            // a network.
+            (None, false) => {
+                return Err(Error::unsupported(
+                    TIER,
+                    "proxy-held secrets under a deny-all policy (allow the bound hosts)",
+                ))
+            }
+        };
+        if net.is_some() {
+            t.mark(Phase::Network);
+        }
         let cfg = backend.config.clone();
         let mut vcfg = vm_config(mem_size, cfg.vcpus, spec.limits.lifetime(), image.as_ref());
         let mut cmdline = sandbox_cmdline(&cfg.cmdline, image.as_ref().map(|i| i.user));
@@ -341,38 +417,12 @@ impl MicrovmSandbox {
         let name = id.clone();
         let warm = Arc::clone(&backend.warm);
         let booted = tokio::task::spawn_blocking(move || {
-            if let Some(key) = &template {
-                if let Some(frozen) = warm.template(key) {
-                    match warm::start_from(&warm, &frozen, vcfg.clone(), &name) {
-                        Ok((vm, agent)) => {
-                            t.mark(Phase::Restore);
-                            return Ok((vm, agent, t));
-                        }
-                        // Never worse than a boot: forget it, boot, and make a new one.
-                        Err(e) => {
-                            tracing::warn!("starting from the boot snapshot failed, booting: {e}");
-                            warm.forget_template(key);
-                        }
-                    }
-                }
+            let (vm, agent, t) = start_vm(&warm, template, &g, &cmdline, &cfg, vcfg, t, &name)?;
+            if let Some(pem) = &ca_pem {
+                agent.trust(pem, PING_TIMEOUT).map_err(|e| {
+                    boot_failure(&vm, "trusting the egress proxy's CA", &e.to_string())
+                })?;
             }
-            let (vm, agent, mut t) = boot_guest(&g, &cmdline, cfg.boot_timeout, vcfg.clone(), t)?;
-            t.mark(Phase::Runtime);
-            if let Some(key) = template {
-                // Ready and idle, no identity yet, nothing of the sandbox's own: the state
-                // every later sandbox of this kind starts from.
-                match Frozen::capture(&vm, &agent) {
-                    Ok(frozen) => {
-                        warm.keep_template(key, frozen);
-                        warm.refill(&vcfg);
-                    }
-                    Err(e) => tracing::warn!("no boot snapshot (every sandbox boots): {e}"),
-                }
-            }
-            // Its own name, and host entropy from the start (a fresh guest has little).
-            agent
-                .refresh(&name, PING_TIMEOUT)
-                .map_err(|e| boot_failure(&vm, "giving the guest its identity", &e.to_string()))?;
             Ok((vm, agent, t))
         })
         .await

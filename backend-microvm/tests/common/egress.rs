@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use sandbox_core::NetworkPolicy;
-use sandbox_egress::{Dialer, StaticResolver, TcpDialer, UpstreamStream, VethEnforcer};
+use sandbox_egress::{
+    Dialer, ProxyConfig, StaticResolver, TcpDialer, UpstreamStream, VethEnforcer,
+};
 
 /// Refuses (without sending anything) every address but loopback.
 #[derive(Debug)]
@@ -40,12 +42,26 @@ pub(crate) async fn http_server() -> u16 {
 /// The real enforcer: `allowed.test` and `other.test` resolve to 127.0.0.1, `meta.test` to
 /// 169.254.169.254; only loopback is ever dialled.
 pub(crate) fn enforcer() -> VethEnforcer {
+    enforcer_with(ProxyConfig::default())
+}
+
+/// [`enforcer`] whose proxy trusts `upstream_ca` for the TLS it intercepts (proxy-held
+/// secrets) on its way to the upstream servers.
+pub(crate) fn enforcer_trusting(upstream_ca: &sandbox_egress::testing::TestCa) -> VethEnforcer {
+    enforcer_with(ProxyConfig {
+        upstream_roots: vec![upstream_ca.der()],
+        ..ProxyConfig::default()
+    })
+}
+
+fn enforcer_with(config: ProxyConfig) -> VethEnforcer {
     let ip = |s: &str| s.parse::<IpAddr>().unwrap();
     let resolver = StaticResolver::new()
         .with("allowed.test", &[ip("127.0.0.1")])
         .with("other.test", &[ip("127.0.0.1")])
         .with("meta.test", &[ip("169.254.169.254")]);
     VethEnforcer::builder()
+        .config(config)
         .resolver(Arc::new(resolver))
         .dialer(Arc::new(LoopbackOnly))
         .build()

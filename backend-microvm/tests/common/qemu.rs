@@ -266,3 +266,53 @@ pub(crate) fn shut_down(qemu: &mut Qemu, c: &AgentClient) {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// The Debian 13 image (python3 3.13, numpy) that `scripts/test-image.sh` builds, as an OCI
+/// layout, or why there is none.
+pub(crate) fn test_image() -> Result<PathBuf, String> {
+    let dir = std::env::var_os("AGENT_SANDBOX_TEST_IMAGES")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/tmp/agent-sandbox-images"))
+        .join("trixie-numpy");
+    if dir.join("index.json").is_file() {
+        Ok(dir)
+    } else {
+        Err(format!(
+            "no test image at {} (scripts/test-image.sh builds it; scripts/test.sh runs that)",
+            dir.display()
+        ))
+    }
+}
+
+/// [`test_image`] as the backend boots it: pulled into an image store under `dir`, made into
+/// its read-only ext4 disk by `ImageStore::rootfs_image`; with the image's `PATH`.
+pub(crate) async fn test_image_disk(
+    dir: &Path,
+) -> Result<(sandbox_image::FsImage, String), String> {
+    let layout = test_image()?;
+    let store = backend_microvm::ImageStore::builder(dir.join("images"))
+        .build()
+        .unwrap();
+    let r = sandbox_core::ImageRef::parse(&format!("oci:{}:python3", layout.display())).unwrap();
+    let image = store.ensure(&r).await.unwrap();
+    let i2 = image.clone();
+    let disk = tokio::task::spawn_blocking(move || store.rootfs_image(&i2))
+        .await
+        .unwrap()
+        .unwrap();
+    let path = image.config().path().unwrap_or("/usr/bin:/bin").to_string();
+    Ok((disk, path))
+}
+
+/// QEMU's arguments for `disk` as a read-only virtio-blk device (the guest's `/dev/vda`).
+pub(crate) fn disk_args(disk: &Path) -> Vec<String> {
+    vec![
+        "-drive".into(),
+        format!(
+            "file={},if=none,id=d0,format=raw,readonly=on",
+            disk.display()
+        ),
+        "-device".into(),
+        "virtio-blk-device,drive=d0".into(),
+    ]
+}
