@@ -650,6 +650,18 @@ impl AgentClient {
         )
     }
 
+    /// Moves the guest's `eth0` to `net` (`<addr>/<prefix>,<gateway>`, as
+    /// [`GuestNetwork::agent_net`](crate::network::GuestNetwork::agent_net) gives it): a guest
+    /// restored onto a network of its own (see [`proto::Request::Network`]).
+    pub fn network(&self, net: &str, timeout: Duration) -> Result<(), AgentError> {
+        self.answered(
+            &Request::Network {
+                net: net.to_owned(),
+            },
+            timeout,
+        )
+    }
+
     /// Writes `data` to the input of background process `target` (in frames of at most
     /// [`proto::WRITE_CHUNK`]); returns once the agent has written it.
     /// [`ErrorKind::NotFound`]: the process ended or its input is closed.

@@ -149,8 +149,9 @@
 //! allowlist and internet policies get a virtio-net device on a TAP in the sandbox's own
 //! network namespace, bridged to the enforcer's link: the guest holds the sandbox's address,
 //! its gateway is the proxy, and the enforcer's host-side rules police it as they do a
-//! container's namespace ([`network`], `docs/microvm-network.md`). Snapshots of such a
-//! sandbox are refused (its link cannot move to a restored copy).
+//! container's namespace ([`network`], `docs/microvm-network.md`). A snapshot of such a
+//! sandbox records the guest's MAC; a restored copy gets a link, address and TAP of its own
+//! (the snapshot's spec's policy) and the agent moves `eth0` to them (`Network`).
 //!
 //! **Proxy-held secrets** ([`SecretExposure::Proxy`](sandbox_core::SecretExposure::Proxy))
 //! ride on that network: the backend asks the enforcer to `bind_secrets`

@@ -157,8 +157,21 @@ impl GuestNetwork {
     /// The kernel command-line parameter the guest agent configures `eth0` from
     /// (`agent.net=<addr>/<prefix>,<gateway>`).
     pub fn agent_param(&self) -> String {
+        format!("agent.net={}", self.agent_net())
+    }
+
+    /// `<addr>/<prefix>,<gateway>`: what `agent.net=` and the agent's `Network` request take.
+    pub fn agent_net(&self) -> String {
         let a = self.address;
-        format!("agent.net={}/{},{}", a.addr, a.prefix, a.gateway)
+        format!("{}/{},{}", a.addr, a.prefix, a.gateway)
+    }
+
+    /// The same network with the guest's MAC set to `mac`: a guest restored from a snapshot
+    /// keeps the MAC its driver read at boot (the VMM refuses another one), while its link,
+    /// address and TAP are this network's.
+    pub fn with_mac(mut self, mac: [u8; 6]) -> Self {
+        self.mac = mac;
+        self
     }
 
     /// The VM's virtio-net device: the TAP and the guest's MAC.

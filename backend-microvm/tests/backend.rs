@@ -942,7 +942,8 @@ async fn the_lifetime_limit_stops_the_vm() {
 }
 
 /// The network through the real egress enforcer, from inside the guest (busybox `wget` and
-/// `nslookup`): the guest side of this is also tested under QEMU (`tests/qemu_network.rs`).
+/// `nslookup`), and a snapshot of it restored onto a link of the copy's own: the guest side
+/// of both is also tested under QEMU (`tests/qemu_network.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_allowlisted_sandbox_reaches_only_what_its_policy_allows() {
     let _one = linux_vm_or_skip!();
@@ -1001,20 +1002,35 @@ async fn an_allowlisted_sandbox_reaches_only_what_its_policy_allows() {
         .await
         .unwrap();
     assert_eq!(r.exit_code, Some(0), "after the update: {}", r.stderr_str());
-    // Snapshots of a sandbox with a network are refused, losing nothing.
+    // A snapshot of it restores onto a link of the copy's own: another address, the
+    // snapshot's state, the allowed host through the copy's proxy; the original goes on.
+    s.write_file("before.txt", b"state").await.unwrap();
     let dir = tempfile::tempdir().unwrap();
     let store = ObjectSnapshotStore::local(dir.path()).unwrap();
-    let e = s.snapshot(&store).await.unwrap_err();
-    assert!(matches!(e, Error::Unsupported { .. }), "{e}");
-    assert_eq!(
-        s.exec(ExecRequest::code("echo alive"))
-            .await
-            .unwrap()
-            .stdout,
-        b"alive\n"
-    );
+    let snap = s.snapshot(&store).await.unwrap();
+    let copy = b
+        .restore(&store, &snap, ResolvedSecrets::none())
+        .await
+        .unwrap();
+    assert_eq!(veth.links().await.unwrap().len(), 2, "a link of its own");
+    assert_eq!(copy.read_file("before.txt").await.unwrap(), b"state");
+    let r = copy.exec(wget(allowed.clone(), true)).await.unwrap();
+    assert_eq!(r.exit_code, Some(0), "{}{}", r.stdout_str(), r.stderr_str());
+    assert_eq!(r.stdout_str(), format!("hello allowed.test:{port}"));
+    let r = copy
+        .exec(wget(
+            "http://169.254.169.254/latest/meta-data/".into(),
+            true,
+        ))
+        .await
+        .unwrap();
+    assert_ne!(r.exit_code, Some(0), "{}", r.stdout_str());
+    assert_ne!(eth0(s.as_ref()).await, eth0(copy.as_ref()).await);
+    let r = s.exec(wget(allowed.clone(), true)).await.unwrap();
+    assert_eq!(r.exit_code, Some(0), "the original: {}", r.stderr_str());
+    copy.destroy().await.unwrap();
     s.destroy().await.unwrap();
-    assert!(veth.links().await.unwrap().is_empty(), "the link is gone");
+    assert!(veth.links().await.unwrap().is_empty(), "the links are gone");
 }
 
 /// A web server in a deny-all guest (no network device), reached from the host through a
@@ -1125,4 +1141,15 @@ async fn a_snapshot_keeps_background_processes_in_both_copies() {
     p.signal(sandbox_core::Signal::Kill).await.unwrap();
     assert_eq!(p.wait(None).await.unwrap().exit_code, Some(137));
     s.destroy().await.unwrap();
+}
+
+/// What the guest says of its `eth0` (its address among it).
+async fn eth0(sb: &dyn sandbox_core::Sandbox) -> String {
+    let r = sb
+        .exec(ExecRequest::code(
+            "ip -4 -o addr show eth0 2>/dev/null || ifconfig eth0",
+        ))
+        .await
+        .unwrap();
+    r.stdout_str()
 }

@@ -310,3 +310,105 @@ async fn a_linux_guest_uses_a_proxy_held_secret_it_never_holds() {
     net.detach().await;
     tokio::task::block_in_place(|| shut_down(&mut qemu, &c));
 }
+
+/// A guest restored from a snapshot onto a link of its own, guest side: the guest is booted
+/// configured for one sandbox's network (`agent.net=` of the first [`GuestNetwork`], as the
+/// snapshot's guest was) while its device is on the TAP of another (the copy's own link, as a
+/// restore gives it). Nothing gets out until the agent's `Network` request moves `eth0` to
+/// the new link's address, route and resolver; then the allowed host answers through the
+/// proxy on that link. A malformed value is refused.
+#[test]
+fn a_guest_moved_to_another_link_reaches_the_proxy_there() {
+    if let Some(why) = qemu_missing() {
+        eprintln!("SKIP: {why}");
+        return;
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIP: the egress enforcer needs root");
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let port = rt.block_on(http_server());
+    let enforcer: Arc<dyn EgressEnforcer> = Arc::new(enforcer());
+    let policy = allow(&["allowed.test"]);
+    let pid = std::process::id();
+    let mut old = rt
+        .block_on(GuestNetwork::attach(
+            Arc::clone(&enforcer),
+            &format!("qemu-old-{pid}"),
+            &policy,
+        ))
+        .unwrap();
+    let mut new = rt
+        .block_on(GuestNetwork::attach(
+            Arc::clone(&enforcer),
+            &format!("qemu-new-{pid}"),
+            &policy,
+        ))
+        .unwrap();
+    assert_ne!(old.address().addr, new.address().addr);
+    let mac = new
+        .device()
+        .mac
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":");
+    let dir = tempfile::tempdir().unwrap();
+    let extra = Extra {
+        append: old.agent_param(),
+        args: vec![
+            "-netdev".into(),
+            "tap,id=n0,fd=10".into(),
+            "-device".into(),
+            format!("virtio-net-device,netdev=n0,mac={mac}"),
+        ],
+        tap: Some(new.tap().as_raw_fd()),
+    };
+    let (mut qemu, c) = boot(dir.path(), &extra);
+    let vars = new.env().to_vec();
+    let env: Vec<(&str, &str)> = vars.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let allowed = format!("http://allowed.test:{port}/");
+    let wget = |secs: &str| {
+        exec(
+            &c,
+            &["timeout", secs, "wget", "-q", "-O", "-", &allowed],
+            &env,
+        )
+    };
+    let (code, out, err) = wget("5");
+    assert_ne!(
+        code,
+        Some(0),
+        "still configured for the old link: {out}{err}"
+    );
+
+    let e = c.network("10.0.0.1/33,10.0.0.2", CALL).unwrap_err();
+    assert!(e.to_string().contains("agent.net"), "{e}");
+    c.network(&new.agent_net(), CALL).unwrap();
+    let (code, out, err) = exec(
+        &c,
+        &[
+            "sh",
+            "-c",
+            "ip -4 addr show eth0 2>/dev/null || ifconfig eth0; cat /etc/resolv.conf",
+        ],
+        &[],
+    );
+    assert_eq!(code, Some(0), "{out}{err}");
+    let a = new.address();
+    assert!(out.contains(&a.addr.to_string()), "{out}");
+    assert!(!out.contains(&old.address().addr.to_string()), "{out}");
+    assert!(out.contains(&format!("nameserver {}", a.gateway)), "{out}");
+    let (code, out, err) = wget("20");
+    assert_eq!(code, Some(0), "through the new link's proxy: {out}{err}");
+    assert_eq!(out, format!("hello allowed.test:{port}"));
+    rt.block_on(old.detach());
+    rt.block_on(new.detach());
+    shut_down(&mut qemu, &c);
+}

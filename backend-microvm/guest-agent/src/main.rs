@@ -619,6 +619,24 @@ fn serve(
                     }
                 }
             }
+            Request::Network { net } => {
+                if !pid1 {
+                    st.chan.error(
+                        id,
+                        ErrorKind::Invalid,
+                        "network reconfigures eth0: only as pid 1 in a guest",
+                    );
+                } else {
+                    match net_config(&format!("agent.net={net}")) {
+                        Ok(Some(c)) => match reconfigure(&c) {
+                            Ok(()) => st.chan.send(id, &Response::Ok),
+                            Err(m) => st.chan.error(id, ErrorKind::Io, m),
+                        },
+                        Ok(None) => st.chan.error(id, ErrorKind::Invalid, "no network given"),
+                        Err(m) => st.chan.error(id, ErrorKind::Invalid, m),
+                    }
+                }
+            }
             Request::Trust { ca_pem } => {
                 if !pid1 {
                     st.chan.error(

@@ -92,6 +92,21 @@ pub(crate) fn bring_up(c: &NetConfig) -> Result<(), String> {
     configure(c).map_err(|e| format!("configuring {IFACE}: {e}"))
 }
 
+/// Moves a configured `eth0` to another link's settings (a guest restored onto a network of
+/// its own): down (the kernel drops its routes and neighbour entries, among them the old
+/// gateway's MAC), the new address, up with the default route, and `resolv.conf`.
+pub(crate) fn reconfigure(c: &NetConfig) -> Result<(), String> {
+    with_socket(|fd| {
+        let mut flags = ifreq(SockAddr::inet(Ipv4Addr::UNSPECIFIED));
+        ioctl_on(fd, SIOCGIFFLAGS, &mut flags, "read the flags")?;
+        flags.addr.family &= !IFF_UP;
+        ioctl_on(fd, SIOCSIFFLAGS, &mut flags, "take it down")?;
+        configure_on(fd, c)
+    })
+    .map_err(|e| format!("reconfiguring {IFACE}: {e}"))?;
+    write_resolv_conf(c)
+}
+
 /// Writes `/etc/resolv.conf` (after any root switch, so in the root commands see).
 pub(crate) fn write_resolv_conf(c: &NetConfig) -> Result<(), String> {
     // An image's own file may be a symlink (systemd-resolved): replace it.

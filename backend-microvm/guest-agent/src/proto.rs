@@ -80,6 +80,7 @@ const K_REFRESH: u8 = 15;
 const K_HOLD: u8 = 16;
 const K_RELEASE: u8 = 17;
 const K_TRUST: u8 = 18;
+const K_NETWORK: u8 = 19;
 // Response kinds (guest -> host).
 const K_STDOUT: u8 = 64;
 const K_STDERR: u8 = 65;
@@ -252,6 +253,17 @@ pub enum Request {
     Trust {
         /// PEM certificates (at most 64 KiB).
         ca_pem: Vec<u8>,
+    },
+    /// Moves `eth0` to another link's settings, for a guest restored from a snapshot onto a
+    /// network of its own (its device now reaches another link, with another address and
+    /// gateway): takes the interface down (which drops its routes and its neighbour entries,
+    /// such as the old gateway's MAC), sets the address, brings it up with the default route
+    /// and rewrites `/etc/resolv.conf`. `net` is what `agent.net=` takes
+    /// (`<addr>/<prefix>,<gateway>`). Answered by `Ok`, `Error(Invalid)` for a bad value (or
+    /// not pid 1), `Error(Io)` naming the step that failed.
+    Network {
+        /// `<addr>/<prefix>,<gateway>`.
+        net: String,
     },
 }
 
@@ -666,6 +678,10 @@ impl Request {
                 e = Enc::frame(K_TRUST, id);
                 e.bytes(ca_pem);
             }
+            Request::Network { net } => {
+                e = Enc::frame(K_NETWORK, id);
+                e.str(net);
+            }
             Request::Shutdown => e = Enc::frame(K_SHUTDOWN, id),
             Request::Kill { target } => {
                 e = Enc::frame(K_KILL, id);
@@ -736,6 +752,7 @@ impl Request {
             K_TRUST => Request::Trust {
                 ca_pem: d.bytes()?.to_vec(),
             },
+            K_NETWORK => Request::Network { net: d.str()? },
             K_SHUTDOWN => Request::Shutdown,
             K_KILL => Request::Kill { target: d.u32()? },
             _ => return Err(Malformed),
@@ -986,6 +1003,9 @@ mod tests {
             },
             Request::Trust {
                 ca_pem: b"-----BEGIN CERTIFICATE-----\n".to_vec(),
+            },
+            Request::Network {
+                net: "10.200.0.6/30,10.200.0.5".into(),
             },
         ]
     }

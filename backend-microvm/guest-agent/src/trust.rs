@@ -11,7 +11,8 @@
 //! the agent), and each file is replaced (unlinked, then created anew) instead of written
 //! through, so a link planted at either path is never followed. Nothing of the sandbox runs
 //! yet when the host sends `Trust` (it comes right after the boot), so nothing races these
-//! checks.
+//! checks. Sent again after a restore (the copy's proxy may hold another CA), it replaces
+//! the CA it wrote before instead of adding to it.
 
 use std::fs::{self, OpenOptions};
 use std::io::{self, Read, Write};
@@ -44,6 +45,11 @@ pub(crate) fn install(root: &Path, ca_pem: &[u8]) -> Result<(), String> {
         .ok_or_else(|| format!("{SYSTEM_BUNDLE}: no parent"))?;
     real_dirs(root, certs)?;
     let mut bundle = read_bundle(&system).map_err(|e| format!("{}: {e}", system.display()))?;
+    // A guest restored from a snapshot trusts the proxy of the sandbox it was: that CA goes,
+    // this one takes its place.
+    if let Some(at) = bundle.find(MARK) {
+        bundle.truncate(at);
+    }
     if !bundle.is_empty() && !bundle.ends_with('\n') {
         bundle.push('\n');
     }
@@ -168,6 +174,20 @@ mod tests {
         fs::write(r.join(SYSTEM_BUNDLE), "SYSTEM CERTS").unwrap();
         install(&r, CA.as_bytes()).unwrap();
         let want = format!("SYSTEM CERTS\n{MARK}{CA}");
+        assert_eq!(read(r.join(SYSTEM_BUNDLE)), want);
+        assert_eq!(read(r.join(CA_BUNDLE)), want);
+        fs::remove_dir_all(&r).unwrap();
+    }
+
+    #[test]
+    fn a_second_trust_replaces_the_first_ca() {
+        let r = root();
+        fs::create_dir_all(r.join("etc/ssl/certs")).unwrap();
+        fs::write(r.join(SYSTEM_BUNDLE), "SYSTEM CERTS\n").unwrap();
+        install(&r, CA.as_bytes()).unwrap();
+        let other = CA.replace("MIIB", "MIIC");
+        install(&r, other.as_bytes()).unwrap();
+        let want = format!("SYSTEM CERTS\n{MARK}{other}");
         assert_eq!(read(r.join(SYSTEM_BUNDLE)), want);
         assert_eq!(read(r.join(CA_BUNDLE)), want);
         fs::remove_dir_all(&r).unwrap();

@@ -19,6 +19,10 @@ const META_PROCESSES: &str = "processes";
 /// Snapshot metadata: the manifest digest of the image the guest's root came from.
 const META_IMAGE_DIGEST: &str = "image_digest";
 
+/// Snapshot metadata: the guest's MAC (`aa:bb:cc:dd:ee:ff`), for a sandbox with a network.
+/// Its driver read it at boot: a restored copy's device keeps it, on a link of its own.
+const META_NET_MAC: &str = "net_mac";
+
 /// A restored guest's background processes, their requests taken over by the new client:
 /// handle, command line, terminal.
 type Adopted = Vec<(agent_client::ExecHandle, String, bool)>;
@@ -74,16 +78,30 @@ impl MicrovmSandbox {
             .and_then(|v| v.parse().ok())
             .ok_or_else(|| corrupt("metadata `vcpus` is missing or not a number"))?;
         check_spec(&m.spec)?;
-        if m.spec.network != NetworkPolicy::DenyAll {
-            // `snapshot` refuses sandboxes with a network: no such snapshot is ours.
-            return Err(SnapshotError::Incompatible {
-                id: id.clone(),
-                reason: "its spec has a network policy other than deny-all (this tier \
-                         snapshots deny-all sandboxes only)"
-                    .into(),
-            }
-            .into());
+        // A network: a link of the copy's own (its enforcer refuses here if there is none),
+        // with the snapshot's MAC; the guest moves `eth0` to it once restored.
+        let proxied = secrets.proxied();
+        if !proxied.is_empty() && backend.egress.is_none() {
+            return Err(Error::unsupported(
+                TIER,
+                "proxy-held secrets without an egress enforcer (plug one in with \
+                 MicrovmBuilder::egress; the facade's Runtime does)",
+            ));
         }
+        let enforcer =
+            sandbox_core::egress::enforcer_for(TIER, backend.egress.as_ref(), &m.spec.network)?;
+        let mac = match (&enforcer, m.metadata.get(META_NET_MAC)) {
+            (None, _) => None,
+            (Some(_), Some(v)) => Some(
+                parse_mac(v)
+                    .ok_or_else(|| corrupt(&format!("metadata `{META_NET_MAC}`: {v:?}")))?,
+            ),
+            (Some(_), None) => {
+                return Err(corrupt(&format!(
+                    "metadata `{META_NET_MAC}` is missing for a sandbox with a network"
+                )))
+            }
+        };
         let mut t = TimelineRecorder::start();
         tokio::task::spawn_blocking(MicrovmBackend::check_kvm)
             .await
@@ -168,7 +186,30 @@ impl MicrovmSandbox {
             }
         };
         t.mark(Phase::Filesystem);
-        let vcfg = vm_config(mem_size, vcpus, m.spec.limits.lifetime(), image.as_ref());
+        let sandbox_id = super::create::new_id();
+        let mut net = match (enforcer, mac) {
+            (Some(e), Some(mac)) => {
+                let n = GuestNetwork::attach(e, &sandbox_id, &m.spec.network).await?;
+                Some(n.with_mac(mac))
+            }
+            _ => None,
+        };
+        let ca_pem = match (&mut net, proxied.is_empty()) {
+            (Some(n), false) => match n.bind_secrets(&proxied) {
+                Ok(pem) => Some(pem),
+                Err(e) => {
+                    n.detach().await;
+                    return Err(e);
+                }
+            },
+            _ => None,
+        };
+        if net.is_some() {
+            t.mark(Phase::Network);
+        }
+        let mut vcfg = vm_config(mem_size, vcpus, m.spec.limits.lifetime(), image.as_ref());
+        vcfg.net = net.as_ref().map(GuestNetwork::device);
+        let settings = net.as_ref().map(GuestNetwork::agent_net);
         let processes: Vec<(u32, String, bool)> = match m.metadata.get(META_PROCESSES) {
             Some(v) => serde_json::from_str(v)
                 .map_err(|e| corrupt(&format!("metadata `{META_PROCESSES}`: {e}")))?,
@@ -176,9 +217,8 @@ impl MicrovmSandbox {
         };
         let snap_id = id.clone();
         let warm = Arc::clone(&backend.warm);
-        let sandbox_id = super::create::new_id();
         let name = sandbox_id.clone();
-        let (vm, agent, adopted) =
+        let restored =
             tokio::task::spawn_blocking(move || -> Result<(Vm, AgentClient, Adopted)> {
                 let mut vm = warm.restore(&frozen, vcfg).map_err(|e| match e {
                     VmmError::SnapshotCorrupt(what) => SnapshotError::Corrupt {
@@ -210,10 +250,33 @@ impl MicrovmSandbox {
                     })?;
                 }
                 warm::wake(&vm, &agent, &name)?;
+                // Its device reaches the copy's own link now: `eth0` moves to it (the old
+                // gateway's MAC goes with the old neighbour entries), and its TLS clients
+                // trust the copy's proxy.
+                if let Some(s) = &settings {
+                    agent.network(s, PING_TIMEOUT).map_err(|e| {
+                        boot_failure(&vm, "moving the guest to its network", &e.to_string())
+                    })?;
+                }
+                if let Some(pem) = &ca_pem {
+                    agent.trust(pem, PING_TIMEOUT).map_err(|e| {
+                        boot_failure(&vm, "trusting the egress proxy's CA", &e.to_string())
+                    })?;
+                }
                 Ok((vm, agent, adopted))
             })
             .await
-            .map_err(join_err)??;
+            .map_err(join_err)
+            .and_then(|r| r);
+        let (vm, agent, adopted) = match restored {
+            Ok(r) => r,
+            Err(e) => {
+                if let Some(mut n) = net {
+                    n.detach().await;
+                }
+                return Err(e);
+            }
+        };
         t.mark(Phase::Restore);
         let follow = agent.clone();
         let sb = Self::assemble(
@@ -225,7 +288,7 @@ impl MicrovmSandbox {
                 vcpus,
                 kernel_version: m.metadata.get("kernel_version").cloned(),
                 image,
-                net: None,
+                net,
             },
             agent,
             Machine::Vm(Arc::new(vm)),
@@ -243,16 +306,9 @@ impl Inner {
     ) -> Result<SnapshotId> {
         let exclusive = Arc::clone(&self.lifecycle).write_owned().await;
         let (agent, machine) = self.machine_handles()?;
-        // The guest's network device is a TAP bridged to this sandbox's link to the egress
-        // enforcer: a restored copy would need its own link, address and device, which the
-        // restore path does not make yet. Refuse, losing nothing.
-        if self.egress.is_some() {
-            return Err(Error::unsupported(
-                TIER,
-                "snapshots of a sandbox with a network (a policy other than deny-all: its \
-                 device is bound to this sandbox's link to the egress enforcer)",
-            ));
-        }
+        // A network device is bound to this sandbox's link: the snapshot records its MAC,
+        // and a restored copy gets a link, address and TAP of its own (see `restore`).
+        let mac = lock(&self.net).as_ref().map(|n| n.device().mac);
         // Background processes keep running in the snapshot: their `Spawn`s stay in flight
         // on the agent channel. The agent holds its output while the VM is saved (no frame
         // is cut by the snapshot; the restored agent waits for its new host), and the
@@ -337,6 +393,9 @@ impl Inner {
         if let Some(v) = &self.kernel_version {
             draft = draft.meta("kernel_version", v.clone());
         }
+        if let Some(mac) = mac {
+            draft = draft.meta(META_NET_MAC, crate::devices::virtio::net::format_mac(&mac));
+        }
         if let Some(i) = &self.image {
             let (size, mtime) = i.disk_identity()?;
             draft = draft
@@ -345,5 +404,40 @@ impl Inner {
                 .meta(META_DISK_MTIME, mtime.to_string());
         }
         Ok(store.put(draft).await?)
+    }
+}
+
+/// `aa:bb:cc:dd:ee:ff` (see [`META_NET_MAC`]).
+fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let mut mac = [0u8; 6];
+    let mut parts = s.split(':');
+    for b in &mut mac {
+        let p = parts.next()?;
+        if p.len() != 2 {
+            return None;
+        }
+        *b = u8::from_str_radix(p, 16).ok()?;
+    }
+    parts.next().is_none().then_some(mac)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_recorded_mac_round_trips_and_bad_ones_are_refused() {
+        let mac = [0x02, 0xa5, 0x00, 0x1f, 0xfe, 0x09];
+        let s = crate::devices::virtio::net::format_mac(&mac);
+        assert_eq!(parse_mac(&s), Some(mac));
+        for bad in [
+            "",
+            "02:a5:00:1f:fe",
+            "02:a5:00:1f:fe:09:01",
+            "02:a5:00:1f:fe:zz",
+            "2:a5:0:1f:fe:9",
+        ] {
+            assert_eq!(parse_mac(bad), None, "{bad}");
+        }
     }
 }
