@@ -87,7 +87,8 @@
 //! boots, and is snapshotted the moment its agent is ready, before its identity and before
 //! any command of its own; later sandboxes of that kind restore that snapshot instead of
 //! booting, each given its own identity as above, their memory shared copy-on-write
-//! ([`MicrovmConfig::boot_snapshots`], on by default; sandboxes with a network always boot).
+//! ([`MicrovmConfig::boot_snapshots`], on by default; a copy with a network gets its own
+//! link, and the agent moves `eth0` to it).
 //! Restores take VMs made ahead of time from a pool ([`MicrovmConfig::pool_size`]). What
 //! copies share and why that is safe: `docs/microvm-snapshots.md`.
 //!
@@ -270,7 +271,7 @@ pub struct MicrovmConfig {
     /// Boot once, then start from a snapshot: the first sandbox of a kind (guest files,
     /// command line, memory, vCPUs, image) boots and is snapshotted as soon as its agent is
     /// ready; later ones restore that snapshot copy-on-write, each with its own identity
-    /// (default on; sandboxes with a network always boot). See `docs/microvm-snapshots.md`.
+    /// (default on). See `docs/microvm-snapshots.md`.
     pub boot_snapshots: bool,
     /// VMs made ahead of time (KVM's VM, irqchip, PIT and vCPUs; no guest memory) per memory
     /// size and vCPU count, taken by starts from a boot snapshot and by restores, and

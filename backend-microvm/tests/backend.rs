@@ -808,6 +808,60 @@ async fn later_sandboxes_start_from_the_first_ones_boot_with_their_own_identity(
     }
 }
 
+/// Sandboxes with a network start from the first one's boot too: each on its own link and
+/// address (the agent moved `eth0`), each reaching the allowed host through its own link,
+/// and each link gone with its sandbox.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn allowlisted_sandboxes_start_from_a_boot_snapshot_on_links_of_their_own() {
+    let _one = linux_vm_or_skip!();
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIP: the egress enforcer needs root");
+        return;
+    }
+    let port = egress::http_server().await;
+    let veth = egress::enforcer();
+    let b = MicrovmBackend::builder()
+        .guest_dir(guest_dir())
+        .egress(Arc::new(veth.clone()))
+        .build()
+        .unwrap();
+    let mut spec = shell_spec();
+    spec.network = egress::allow(&["allowed.test"]);
+    let mut all = Vec::new();
+    let mut addresses = Vec::new();
+    for i in 0..3 {
+        let s = b.create(&spec, ResolvedSecrets::none()).await.unwrap();
+        assert_eq!(
+            started_from_a_snapshot(s.as_ref()),
+            i > 0,
+            "{:?}",
+            s.timeline()
+        );
+        let r = s
+            .exec(ExecRequest::code(format!(
+                "timeout 20 wget -q -O - http://allowed.test:{port}/"
+            )))
+            .await
+            .unwrap();
+        assert_eq!(
+            r.stdout_str(),
+            format!("hello allowed.test:{port}"),
+            "{r:?}"
+        );
+        addresses.push(eth0(s.as_ref()).await);
+        all.push(s);
+    }
+    addresses.sort();
+    addresses.dedup();
+    assert_eq!(addresses.len(), 3, "each on its own address: {addresses:?}");
+    assert_eq!(veth.links().await.unwrap().len(), 3);
+    for s in all {
+        s.destroy().await.unwrap();
+    }
+    assert!(veth.links().await.unwrap().is_empty(), "the links are gone");
+}
+
 /// The Debian 13 image with python3 3.13 and numpy that `scripts/test-image.sh` builds.
 fn test_image() -> Option<PathBuf> {
     let dir = std::env::var_os("AGENT_SANDBOX_TEST_IMAGES")

@@ -281,6 +281,16 @@ fn boot_guest(
     }
 }
 
+/// How a sandbox's VM started ([`start_vm`]).
+struct Started {
+    vm: Vm,
+    agent: AgentClient,
+    t: TimelineRecorder,
+    /// Started from a boot snapshot that had a network device with this MAC: the sandbox's
+    /// device has it too, and `eth0` still holds the snapshotted guest's settings.
+    template_mac: Option<[u8; 6]>,
+}
+
 /// Starts the VM of a new sandbox: from the boot snapshot of its kind when there is one
 /// (`template`), else by booting, keeping that boot's snapshot for the next ones; then gives
 /// it its identity. Blocking.
@@ -294,13 +304,23 @@ fn start_vm(
     vcfg: VmConfig,
     mut t: TimelineRecorder,
     name: &str,
-) -> Result<(Vm, AgentClient, TimelineRecorder)> {
+) -> Result<Started> {
     if let Some(key) = &template {
         if let Some(frozen) = warm.template(key) {
-            match warm::start_from(warm, &frozen, vcfg.clone(), name) {
+            // The snapshot's MAC on this sandbox's own TAP.
+            let mut copy = vcfg.clone();
+            if let (Some(n), Some(mac)) = (&mut copy.net, frozen.mac()) {
+                n.mac = mac;
+            }
+            match warm::start_from(warm, &frozen, copy, name) {
                 Ok((vm, agent)) => {
                     t.mark(Phase::Restore);
-                    return Ok((vm, agent, t));
+                    return Ok(Started {
+                        vm,
+                        agent,
+                        t,
+                        template_mac: frozen.mac(),
+                    });
                 }
                 // Never worse than a boot: forget it, boot, and make a new one.
                 Err(e) => {
@@ -315,7 +335,7 @@ fn start_vm(
     if let Some(key) = template {
         // Ready and idle, no identity yet, nothing of the sandbox's own: the state every
         // later sandbox of this kind starts from.
-        match Frozen::capture(&vm, &agent) {
+        match Frozen::capture(&vm, &agent, vcfg.net.as_ref().map(|n| n.mac)) {
             Ok(frozen) => {
                 warm.keep_template(key, frozen);
                 warm.refill(&vcfg);
@@ -327,7 +347,12 @@ fn start_vm(
     agent
         .refresh(name, PING_TIMEOUT)
         .map_err(|e| boot_failure(&vm, "giving the guest its identity", &e.to_string()))?;
-    Ok((vm, agent, t))
+    Ok(Started {
+        vm,
+        agent,
+        t,
+        template_mac: None,
+    })
 }
 
 impl MicrovmSandbox {
@@ -401,7 +426,8 @@ impl MicrovmSandbox {
             vcfg.net = Some(n.device());
             cmdline = format!("{cmdline} {}", n.agent_param());
         }
-        // Boot once, then start from that boot's snapshot (sandboxes with a network boot).
+        // Boot once, then start from that boot's snapshot (sandboxes with a network from a
+        // snapshot of a booted sandbox with a network, moved to their own link).
         let template = if backend.warm.templates_on() {
             match TemplateKey::new(&guest, &cmdline, &vcfg) {
                 Ok(k) => k,
@@ -416,20 +442,39 @@ impl MicrovmSandbox {
         let g = guest.clone();
         let name = id.clone();
         let warm = Arc::clone(&backend.warm);
+        let settings = net.as_ref().map(GuestNetwork::agent_net);
         let booted = tokio::task::spawn_blocking(move || {
-            let (vm, agent, t) = start_vm(&warm, template, &g, &cmdline, &cfg, vcfg, t, &name)?;
+            let Started {
+                vm,
+                agent,
+                t,
+                template_mac,
+            } = start_vm(&warm, template, &g, &cmdline, &cfg, vcfg, t, &name)?;
+            // Started from a snapshot of another sandbox's boot: `eth0` moves to this one's
+            // link (its device already is on it, with the snapshot's MAC).
+            if let (Some(_), Some(s)) = (template_mac, &settings) {
+                agent.network(s, PING_TIMEOUT).map_err(|e| {
+                    boot_failure(&vm, "moving the guest to its network", &e.to_string())
+                })?;
+            }
             if let Some(pem) = &ca_pem {
                 agent.trust(pem, PING_TIMEOUT).map_err(|e| {
                     boot_failure(&vm, "trusting the egress proxy's CA", &e.to_string())
                 })?;
             }
-            Ok((vm, agent, t))
+            Ok((vm, agent, t, template_mac))
         })
         .await
         .map_err(join_err)
         .and_then(|r| r);
         let (vm, agent, t) = match booted {
-            Ok(b) => b,
+            Ok((vm, agent, t, mac)) => {
+                // The device has the snapshot's MAC: so does what a snapshot of it records.
+                if let (Some(mac), Some(n)) = (mac, net.take()) {
+                    net = Some(n.with_mac(mac));
+                }
+                (vm, agent, t)
+            }
             Err(e) => {
                 if let Some(mut n) = net {
                     n.detach().await;

@@ -6,7 +6,9 @@
 //! its own, its VM is snapshotted into a directory on the host ([`Template`]). Every later
 //! sandbox of that kind restores that snapshot instead of booting a kernel: the vCPUs, devices
 //! and the agent continue from "ready", and the agent's `Refresh` gives the copy its own
-//! hostname, random state and clock. The snapshot's memory file is mapped copy-on-write
+//! hostname, random state and clock (a copy with a network also gets its own link, the
+//! snapshot's MAC on its own TAP, and `eth0` moved to its address). The snapshot's memory
+//! file is mapped copy-on-write
 //! (`MAP_PRIVATE`) by every copy, so the pages the copies only read (the kernel, the agent,
 //! the page cache of the initramfs) are one set of host pages; a page a copy writes becomes
 //! its own. What copies share, and why that is safe: `docs/microvm-snapshots.md`.
@@ -39,7 +41,9 @@ const MAX_UNPACKED: usize = 4;
 
 /// What a boot snapshot was made from; a sandbox starts from it only if all of it is the
 /// same. Files are named by path, length and modification time: a kernel, initramfs or
-/// image disk made again is another key.
+/// image disk made again is another key. Sandboxes with a network share one key whatever
+/// their address: the command line is taken without `agent.net=` (a copy's agent moves
+/// `eth0` to its own link, see [`Frozen::mac`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct TemplateKey {
     files: Vec<(PathBuf, u64, u128)>,
@@ -47,15 +51,23 @@ pub(crate) struct TemplateKey {
     mem_size: u64,
     vcpus: u8,
     irqchip: bool,
+    net: bool,
 }
 
 impl TemplateKey {
-    /// The key of a sandbox booting `guest` with `cmdline` in a VM made from `vcfg`. `None`
-    /// for a VM with a network device: its device is bound to one sandbox's link.
+    /// The key of a sandbox booting `guest` with `cmdline` in a VM made from `vcfg` (`None`
+    /// is kept for kinds that cannot have one; there are none at present).
     pub(crate) fn new(guest: &GuestFiles, cmdline: &str, vcfg: &VmConfig) -> Result<Option<Self>> {
-        if vcfg.net.is_some() {
-            return Ok(None);
-        }
+        let net = vcfg.net.is_some();
+        let cmdline = if net {
+            cmdline
+                .split_whitespace()
+                .filter(|w| !w.starts_with("agent.net="))
+                .collect::<Vec<_>>()
+                .join(" ")
+        } else {
+            cmdline.to_string()
+        };
         let mut files = Vec::new();
         let disk = vcfg.block.as_ref().map(|b| b.path.as_path());
         for p in [
@@ -71,10 +83,11 @@ impl TemplateKey {
         }
         Ok(Some(TemplateKey {
             files,
-            cmdline: cmdline.to_string(),
+            cmdline,
             mem_size: vcfg.mem_size,
             vcpus: vcfg.vcpus,
             irqchip: vcfg.irqchip,
+            net,
         }))
     }
 }
@@ -85,11 +98,13 @@ pub(crate) struct Frozen {
     dir: tempfile::TempDir,
     /// The first request id a client of a restored copy may use.
     next_id: u32,
+    /// The MAC of the snapshotted VM's network device, if it had one.
+    mac: Option<[u8; 6]>,
 }
 
 impl Frozen {
-    /// Snapshots a booted guest whose agent is ready and idle.
-    pub(crate) fn capture(vm: &Vm, agent: &AgentClient) -> Result<Frozen> {
+    /// Snapshots a booted guest whose agent is ready and idle; `mac`: its network device's.
+    pub(crate) fn capture(vm: &Vm, agent: &AgentClient, mac: Option<[u8; 6]>) -> Result<Frozen> {
         let dir = tempfile::Builder::new()
             .prefix("agent-sandbox-microvm-boot-")
             .tempdir()
@@ -98,12 +113,23 @@ impl Frozen {
         Ok(Frozen {
             dir,
             next_id: agent.next_id(),
+            mac,
         })
     }
 
     /// An unpacked store snapshot in `dir`, whose client's ids start at `next_id`.
     pub(crate) fn unpacked(dir: tempfile::TempDir, next_id: u32) -> Frozen {
-        Frozen { dir, next_id }
+        Frozen {
+            dir,
+            next_id,
+            mac: None,
+        }
+    }
+
+    /// The MAC of the snapshotted VM's network device: a copy's device must have it (the
+    /// guest's driver read it at boot; the VMM refuses another), on the copy's own link.
+    pub(crate) fn mac(&self) -> Option<[u8; 6]> {
+        self.mac
     }
 
     pub(crate) fn path(&self) -> &Path {
@@ -385,16 +411,29 @@ mod tests {
             TemplateKey::new(&g, "console=ttyS0", &vcfg).unwrap(),
             Some(k)
         );
-        // A VM with a network device has none; a missing file is an error.
-        let (a, _b) = std::os::unix::net::UnixDatagram::pair().unwrap();
-        let net = VmConfig {
-            net: Some(crate::vmm::NetConfig {
-                mac: [2, 0, 0, 0, 0, 1],
-                fd: Arc::new(std::os::fd::OwnedFd::from(a)),
-            }),
-            ..vcfg.clone()
+        // VMs with a network device share a key whatever their address and MAC, and not
+        // with VMs without one; a missing file is an error.
+        let net = |mac: u8| {
+            let (a, _b) = std::os::unix::net::UnixDatagram::pair().unwrap();
+            VmConfig {
+                net: Some(crate::vmm::NetConfig {
+                    mac: [2, 0, 0, 0, 0, mac],
+                    fd: Arc::new(std::os::fd::OwnedFd::from(a)),
+                }),
+                ..vcfg.clone()
+            }
         };
-        assert_eq!(TemplateKey::new(&g, "console=ttyS0", &net).unwrap(), None);
+        let n1 = TemplateKey::new(&g, "console=ttyS0 agent.net=10.0.0.2/30,10.0.0.1", &net(1))
+            .unwrap()
+            .unwrap();
+        let n2 = TemplateKey::new(&g, "console=ttyS0 agent.net=10.0.0.6/30,10.0.0.5", &net(2))
+            .unwrap()
+            .unwrap();
+        assert_eq!(n1, n2);
+        let plain = TemplateKey::new(&g, "console=ttyS0", &vcfg)
+            .unwrap()
+            .unwrap();
+        assert_ne!(n1, plain);
         std::fs::remove_file(&disk).unwrap();
         assert!(TemplateKey::new(&g, "console=ttyS0", &with_disk).is_err());
     }
