@@ -60,6 +60,8 @@ struct WorkspaceMount {
 struct Allocation {
     id: String,
     ids: IdMap,
+    /// The lease on the host uid range of `ids` (as root).
+    lease: Option<crate::slots::SlotLease>,
     /// The uid inside that runs commands.
     user: u32,
     /// Commands keep uid 0 inside (with no capabilities): rootless, or a rootfs directory.
@@ -328,23 +330,34 @@ impl ContainerBackend {
         } else {
             (spawn::SANDBOX_USER, spawn::SANDBOX_USER)
         };
-        let mut ids = if rootless {
-            IdMap {
+        // As root, a host uid range no other live sandbox on this host has (see `slots`).
+        let lease = if rootless {
+            None
+        } else {
+            let fallback =
+                u32::try_from(self.slot.fetch_add(1, Ordering::Relaxed) % 4096).unwrap_or(0);
+            Some(
+                crate::slots::lease(self.cfg.uid_base, fallback)
+                    .map_err(|e| Error::backend(TIER, e.to_string()))?,
+            )
+        };
+        let mut ids = match &lease {
+            None => IdMap {
                 host_root: nix::unistd::geteuid().as_raw(),
                 host_root_gid: nix::unistd::getegid().as_raw(),
                 count: 1,
                 rootless: true,
                 user_override: None,
-            }
-        } else {
-            let slot = u32::try_from(self.slot.fetch_add(1, Ordering::Relaxed) % 4096).unwrap_or(0);
-            let base = self.cfg.uid_base + slot * 65536;
-            IdMap {
-                host_root: base,
-                host_root_gid: base,
-                count: 65536,
-                rootless: false,
-                user_override: None,
+            },
+            Some(l) => {
+                let base = self.cfg.uid_base + l.slot() * 65536;
+                IdMap {
+                    host_root: base,
+                    host_root_gid: base,
+                    count: 65536,
+                    rootless: false,
+                    user_override: None,
+                }
             }
         };
         // A host-directory workspace: an idmapped mount owned by the command user (or a
@@ -538,6 +551,7 @@ impl ContainerBackend {
         Ok(Allocation {
             id,
             ids,
+            lease,
             user,
             stay_root,
             group,
@@ -634,6 +648,7 @@ impl ContainerBackend {
         let Allocation {
             id,
             ids,
+            lease,
             user,
             stay_root,
             group,
@@ -693,6 +708,7 @@ impl ContainerBackend {
             ctl,
             cgroup,
             ids,
+            _lease: lease,
             user,
             group,
             stay_root,

@@ -81,6 +81,7 @@ mod proto;
 mod rootfs;
 mod sandbox;
 pub mod seccomp;
+mod slots;
 mod spawn;
 
 pub use cgroup::CgroupVersion;

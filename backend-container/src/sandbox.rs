@@ -47,6 +47,8 @@ pub(crate) struct Inner {
     pub ctl: Arc<Ctl>,
     pub cgroup: Option<SandboxCgroup>,
     pub ids: IdMap,
+    /// The lease on `ids`' host uid range (as root): released with this state.
+    pub _lease: Option<crate::slots::SlotLease>,
     /// uid inside that runs commands.
     pub user: u32,
     /// gid inside that runs commands.

@@ -368,3 +368,61 @@ async fn without_idmapped_mounts_a_user_s_dir_falls_back_and_a_root_dir_is_refus
     sb.destroy().await.unwrap();
     assert!(!dir.join("y").exists());
 }
+
+/// Every live sandbox has a host uid range of its own, whichever backend (or process: the
+/// lease is a lock on a file, see `slots.rs`) made it: sandboxes of two backends with the
+/// same `uid_base`, alive together, map uid 0 inside to six different host uids; a range
+/// is leased again once its sandbox is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_sandboxes_of_two_backends_never_share_a_uid_range() {
+    require_root_host!();
+    let host_root = |pid: i32| -> u32 {
+        let map = std::fs::read_to_string(format!("/proc/{pid}/uid_map")).unwrap();
+        let f: Vec<u32> = map.split_whitespace().map(|w| w.parse().unwrap()).collect();
+        assert_eq!((f[0], f[2]), (0, 65536), "{map}");
+        f[1]
+    };
+    let a = backend_container::ContainerBackend::new().unwrap();
+    let b = backend_container::ContainerBackend::new().unwrap();
+    let spec = SandboxSpec::new(Language::Shell);
+    let mut live = Vec::new();
+    for backend in [&a, &b, &a, &b, &a, &b] {
+        live.push(backend.create_container(&spec).await.unwrap());
+    }
+    let mut roots: Vec<u32> = live.iter().map(|s| host_root(s.init_pid())).collect();
+    let base = a.config().uid_base;
+    for r in &roots {
+        assert!(
+            *r >= base && (r - base).is_multiple_of(65536),
+            "{r} is not a slot of {base}"
+        );
+    }
+    roots.sort_unstable();
+    roots.dedup();
+    assert_eq!(roots.len(), 6, "{roots:?}");
+    // Commands still run as the sandbox user, inside.
+    assert_eq!(sh_ok(&live[0], "id -u").await, "1000\n");
+    // Each range is held by a lock on its lease file while its sandbox lives, and free
+    // once it is gone (the kernel drops the lock with the sandbox's state).
+    let lease_file = |root: u32| {
+        std::fs::File::open(format!(
+            "/run/agent-sandbox-slots/{base}-{}",
+            (root - base) / 65536
+        ))
+        .unwrap()
+    };
+    let lockable = |f: &std::fs::File| {
+        use std::os::fd::AsRawFd;
+        // SAFETY: flock on a descriptor we own; closing it (drop) releases a lock we got.
+        unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
+    };
+    for r in &roots {
+        assert!(!lockable(&lease_file(*r)), "slot of {r} not held");
+    }
+    for s in live {
+        s.destroy().await.unwrap();
+    }
+    for r in &roots {
+        assert!(lockable(&lease_file(*r)), "slot of {r} still held");
+    }
+}
