@@ -402,6 +402,54 @@ async fn snapshots_from_elsewhere_are_refused_before_anything_starts() {
         .await
         .unwrap();
     assert!(matches!(restore(id).await, SnapshotError::Corrupt { .. }));
+
+    // A sandbox with a network: without an enforcer the copy cannot have one (Unsupported,
+    // naming the setting); with one, its MAC must be recorded and well-formed.
+    let mut networked = shell_spec();
+    networked.network = egress::allow(&["allowed.test"]);
+    let put = |mac: Option<&str>| {
+        let (store, networked) = (store.clone(), networked.clone());
+        let mac = mac.map(str::to_owned);
+        async move {
+            let mut d = SnapshotDraft::new(
+                Tier::Microvm,
+                MicrovmBackend::engine(),
+                vec![SnapshotKind::FullMemory],
+                networked,
+            )
+            .artifact("vm-state.json", b"{}".to_vec())
+            .artifact("memory.extents", b"AGSBMEM1".to_vec())
+            .meta("mem_size", (256u64 << 20).to_string())
+            .meta("vcpus", "1");
+            if let Some(m) = mac {
+                d = d.meta("net_mac", m);
+            }
+            store.put(d).await.unwrap()
+        }
+    };
+    let id = put(Some("02:00:00:00:00:01")).await;
+    match b.restore(&store, &id, ResolvedSecrets::none()).await {
+        Err(Error::Unsupported { .. }) => {}
+        Err(e) => panic!("expected Unsupported without an enforcer, got {e}"),
+        Ok(_) => panic!("restored a network without an enforcer"),
+    }
+    let with_egress = MicrovmBackend::builder()
+        .egress(Arc::new(egress::enforcer()))
+        .build()
+        .unwrap();
+    for mac in [None, Some("02:00:00:00:00"), Some("not a mac")] {
+        let id = put(mac).await;
+        match with_egress
+            .restore(&store, &id, ResolvedSecrets::none())
+            .await
+        {
+            Err(Error::Snapshot(SnapshotError::Corrupt { what, .. })) => {
+                assert!(what.contains("net_mac"), "{what}")
+            }
+            Err(e) => panic!("{mac:?}: expected Corrupt, got {e}"),
+            Ok(_) => panic!("{mac:?}: restored"),
+        }
+    }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -814,20 +862,9 @@ async fn later_sandboxes_start_from_the_first_ones_boot_with_their_own_identity(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn allowlisted_sandboxes_start_from_a_boot_snapshot_on_links_of_their_own() {
     let _one = linux_vm_or_skip!();
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("SKIP: the egress enforcer needs root");
+    let Some((b, veth, spec, port)) = allowlisted().await else {
         return;
-    }
-    let port = egress::http_server().await;
-    let veth = egress::enforcer();
-    let b = MicrovmBackend::builder()
-        .guest_dir(guest_dir())
-        .egress(Arc::new(veth.clone()))
-        .build()
-        .unwrap();
-    let mut spec = shell_spec();
-    spec.network = egress::allow(&["allowed.test"]);
+    };
     let mut all = Vec::new();
     let mut addresses = Vec::new();
     for i in 0..3 {
@@ -1001,20 +1038,9 @@ async fn the_lifetime_limit_stops_the_vm() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_allowlisted_sandbox_reaches_only_what_its_policy_allows() {
     let _one = linux_vm_or_skip!();
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("SKIP: the egress enforcer needs root");
+    let Some((b, veth, spec, port)) = allowlisted().await else {
         return;
-    }
-    let port = egress::http_server().await;
-    let veth = egress::enforcer();
-    let b = MicrovmBackend::builder()
-        .guest_dir(guest_dir())
-        .egress(Arc::new(veth.clone()))
-        .build()
-        .unwrap();
-    let mut spec = shell_spec();
-    spec.network = egress::allow(&["allowed.test"]);
+    };
     let s = b.create(&spec, ResolvedSecrets::none()).await.unwrap();
     assert!(s
         .timeline()
@@ -1206,4 +1232,29 @@ async fn eth0(sb: &dyn sandbox_core::Sandbox) -> String {
         .await
         .unwrap();
     r.stdout_str()
+}
+
+/// A backend with the real enforcer, a shell spec allowing `allowed.test`, and the port of
+/// the upstream server it names; `None` (saying why) when not root.
+async fn allowlisted() -> Option<(
+    MicrovmBackend,
+    sandbox_egress::VethEnforcer,
+    SandboxSpec,
+    u16,
+)> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIP: the egress enforcer needs root");
+        return None;
+    }
+    let port = egress::http_server().await;
+    let veth = egress::enforcer();
+    let b = MicrovmBackend::builder()
+        .guest_dir(guest_dir())
+        .egress(Arc::new(veth.clone()))
+        .build()
+        .unwrap();
+    let mut spec = shell_spec();
+    spec.network = egress::allow(&["allowed.test"]);
+    Some((b, veth, spec, port))
 }

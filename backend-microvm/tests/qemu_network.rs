@@ -30,6 +30,18 @@ use egress::*;
 use qemu::*;
 use sandbox_core::egress::EgressEnforcer;
 
+/// QEMU's arguments for a virtio-net device on `net`'s TAP (handed over as fd 10) with the
+/// MAC `net` gives the guest.
+fn tap_args(net: &GuestNetwork) -> Vec<String> {
+    let mac = backend_microvm::devices::virtio::net::format_mac(&net.device().mac);
+    vec![
+        "-netdev".into(),
+        "tap,id=n0,fd=10".into(),
+        "-device".into(),
+        format!("virtio-net-device,netdev=n0,mac={mac}"),
+    ]
+}
+
 #[test]
 fn the_egress_enforcer_polices_a_linux_guest_on_its_tap() {
     if let Some(why) = qemu_missing() {
@@ -65,23 +77,10 @@ fn the_egress_enforcer_polices_a_linux_guest_on_its_tap() {
         net.agent_param(),
         format!("agent.net={}/{},{}", a.addr, a.prefix, a.gateway)
     );
-    let mac = net
-        .device()
-        .mac
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect::<Vec<_>>()
-        .join(":");
-
     let dir = tempfile::tempdir().unwrap();
     let extra = Extra {
         append: net.agent_param(),
-        args: vec![
-            "-netdev".into(),
-            "tap,id=n0,fd=10".into(),
-            "-device".into(),
-            format!("virtio-net-device,netdev=n0,mac={mac}"),
-        ],
+        args: tap_args(&net),
         tap: Some(net.tap().as_raw_fd()),
     };
     let (mut qemu, c) = boot(dir.path(), &extra);
@@ -232,20 +231,8 @@ async fn a_linux_guest_uses_a_proxy_held_secret_it_never_holds() {
         .await
         .unwrap();
     let ca_pem = net.bind_secrets(&secrets.proxied()).unwrap();
-    let mac = net
-        .device()
-        .mac
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect::<Vec<_>>()
-        .join(":");
     let mut args = disk_args(disk.path());
-    args.extend([
-        "-netdev".into(),
-        "tap,id=n0,fd=10".into(),
-        "-device".into(),
-        format!("virtio-net-device,netdev=n0,mac={mac}"),
-    ]);
+    args.extend(tap_args(&net));
     let extra = Extra {
         append: format!("agent.root=/dev/vda {}", net.agent_param()),
         args,
@@ -352,22 +339,10 @@ fn a_guest_moved_to_another_link_reaches_the_proxy_there() {
         ))
         .unwrap();
     assert_ne!(old.address().addr, new.address().addr);
-    let mac = new
-        .device()
-        .mac
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect::<Vec<_>>()
-        .join(":");
     let dir = tempfile::tempdir().unwrap();
     let extra = Extra {
         append: old.agent_param(),
-        args: vec![
-            "-netdev".into(),
-            "tap,id=n0,fd=10".into(),
-            "-device".into(),
-            format!("virtio-net-device,netdev=n0,mac={mac}"),
-        ],
+        args: tap_args(&new),
         tap: Some(new.tap().as_raw_fd()),
     };
     let (mut qemu, c) = boot(dir.path(), &extra);

@@ -604,52 +604,31 @@ fn serve(
                 hostname,
                 entropy,
                 unix_nanos,
-            } => {
-                if !pid1 {
-                    st.chan.error(
-                        id,
-                        ErrorKind::Invalid,
-                        "refresh changes the system's hostname, random state and clock: only \
-                         as pid 1 in a guest",
-                    );
-                } else {
-                    match identity::refresh(&hostname, &entropy, unix_nanos) {
-                        Ok(()) => st.chan.send(id, &Response::Ok),
-                        Err(m) => st.chan.error(id, ErrorKind::Io, m),
-                    }
-                }
-            }
-            Request::Network { net } => {
-                if !pid1 {
-                    st.chan.error(
-                        id,
-                        ErrorKind::Invalid,
-                        "network reconfigures eth0: only as pid 1 in a guest",
-                    );
-                } else {
-                    match net_config(&format!("agent.net={net}")) {
-                        Ok(Some(c)) => match reconfigure(&c) {
-                            Ok(()) => st.chan.send(id, &Response::Ok),
-                            Err(m) => st.chan.error(id, ErrorKind::Io, m),
-                        },
-                        Ok(None) => st.chan.error(id, ErrorKind::Invalid, "no network given"),
-                        Err(m) => st.chan.error(id, ErrorKind::Invalid, m),
-                    }
-                }
-            }
+            } => system_change(
+                &st,
+                id,
+                pid1,
+                "refresh sets the hostname, RNG and clock",
+                || {
+                    identity::refresh(&hostname, &entropy, unix_nanos)
+                        .map_err(|m| (ErrorKind::Io, m))
+                },
+            ),
+            Request::Network { net } => system_change(
+                &st,
+                id,
+                pid1,
+                "network reconfigures eth0",
+                || match net_config(&format!("agent.net={net}")) {
+                    Ok(Some(c)) => reconfigure(&c).map_err(|m| (ErrorKind::Io, m)),
+                    Ok(None) => Err((ErrorKind::Invalid, "no network given".into())),
+                    Err(m) => Err((ErrorKind::Invalid, m)),
+                },
+            ),
             Request::Trust { ca_pem } => {
-                if !pid1 {
-                    st.chan.error(
-                        id,
-                        ErrorKind::Invalid,
-                        "trust writes the root's certificate bundles: only as pid 1 in a guest",
-                    );
-                } else {
-                    match trust::install(Path::new("/"), &ca_pem) {
-                        Ok(()) => st.chan.send(id, &Response::Ok),
-                        Err(m) => st.chan.error(id, ErrorKind::Io, m),
-                    }
-                }
+                system_change(&st, id, pid1, "trust writes the root's bundles", || {
+                    trust::install(Path::new("/"), &ca_pem).map_err(|m| (ErrorKind::Io, m))
+                })
             }
             Request::Connect { port, window } => {
                 let st2 = st.clone();
@@ -711,6 +690,30 @@ fn reaper(procs: &(Mutex<Procs>, Condvar)) {
             }
             _ => thread::sleep(Duration::from_millis(10)),
         }
+    }
+}
+
+/// Answers a request that changes the guest system itself (`Refresh`, `Network`, `Trust`):
+/// `Ok` or the failure `change` reports; only as pid 1 in a guest, `Error(Invalid)`
+/// otherwise (a test agent on a host must not change the host).
+fn system_change(
+    st: &State,
+    id: u32,
+    pid1: bool,
+    what: &str,
+    change: impl FnOnce() -> Result<(), (ErrorKind, String)>,
+) {
+    if !pid1 {
+        st.chan.error(
+            id,
+            ErrorKind::Invalid,
+            format!("{what}: only as pid 1 in a guest"),
+        );
+        return;
+    }
+    match change() {
+        Ok(()) => st.chan.send(id, &Response::Ok),
+        Err((kind, m)) => st.chan.error(id, kind, m),
     }
 }
 

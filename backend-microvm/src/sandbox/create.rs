@@ -281,6 +281,69 @@ fn boot_guest(
     }
 }
 
+/// Proxy-held secrets ride on the network, whose enforcer's proxy holds them: without an
+/// enforcer such a spec is `Unsupported`, naming the setting.
+pub(super) fn check_proxied(
+    backend: &MicrovmBackend,
+    proxied: &[sandbox_core::ProxiedSecret<'_>],
+) -> Result<()> {
+    if !proxied.is_empty() && backend.egress.is_none() {
+        return Err(Error::unsupported(
+            TIER,
+            "proxy-held secrets without an egress enforcer (plug one in with \
+             MicrovmBuilder::egress; the facade's Runtime does)",
+        ));
+    }
+    Ok(())
+}
+
+/// Binds the proxy-held secrets to the sandbox's network (placeholders in its environment,
+/// see [`GuestNetwork::bind_secrets`]); returns the CA the guest must trust. A failure
+/// detaches the network.
+pub(super) async fn bind_proxied(
+    net: &mut Option<GuestNetwork>,
+    proxied: &[sandbox_core::ProxiedSecret<'_>],
+) -> Result<Option<String>> {
+    match (net, proxied.is_empty()) {
+        (_, true) => Ok(None),
+        (Some(n), false) => match n.bind_secrets(proxied) {
+            Ok(pem) => Ok(Some(pem)),
+            Err(e) => {
+                n.detach().await;
+                Err(e)
+            }
+        },
+        // `validate` refuses proxy-held secrets under deny-all, the only policy without a
+        // network.
+        (None, false) => Err(Error::unsupported(
+            TIER,
+            "proxy-held secrets under a deny-all policy (allow the bound hosts)",
+        )),
+    }
+}
+
+/// A guest that came from a snapshot onto a network of its own: `eth0` moves to its link's
+/// `settings` (`agent.net=` form); then, with proxy-held secrets, its TLS clients trust the
+/// copy's proxy (`ca_pem`). Blocking.
+pub(super) fn settle_network(
+    vm: &Vm,
+    agent: &AgentClient,
+    settings: Option<&str>,
+    ca_pem: Option<&str>,
+) -> Result<()> {
+    if let Some(s) = settings {
+        agent
+            .network(s, PING_TIMEOUT)
+            .map_err(|e| boot_failure(vm, "moving the guest to its network", &e.to_string()))?;
+    }
+    if let Some(pem) = ca_pem {
+        agent
+            .trust(pem, PING_TIMEOUT)
+            .map_err(|e| boot_failure(vm, "trusting the egress proxy's CA", &e.to_string()))?;
+    }
+    Ok(())
+}
+
 /// How a sandbox's VM started ([`start_vm`]).
 struct Started {
     vm: Vm,
@@ -362,15 +425,8 @@ impl MicrovmSandbox {
         secrets: ResolvedSecrets,
     ) -> Result<Self> {
         check_spec(spec)?;
-        // Proxy-held secrets ride on the network: the enforcer's proxy holds them.
         let proxied = secrets.proxied();
-        if !proxied.is_empty() && backend.egress.is_none() {
-            return Err(Error::unsupported(
-                TIER,
-                "proxy-held secrets without an egress enforcer (plug one in with \
-                 MicrovmBuilder::egress; the facade's Runtime does)",
-            ));
-        }
+        check_proxied(backend, &proxied)?;
         let enforcer =
             sandbox_core::egress::enforcer_for(TIER, backend.egress.as_ref(), &spec.network)?;
         let mem_size = guest_memory(spec)?;
@@ -398,24 +454,7 @@ impl MicrovmSandbox {
             None => None,
         };
         // The placeholders in every command's environment; the CA the guest must trust.
-        let ca_pem = match (&mut net, proxied.is_empty()) {
-            (_, true) => None,
-            (Some(n), false) => match n.bind_secrets(&proxied) {
-                Ok(pem) => Some(pem),
-                Err(e) => {
-                    n.detach().await;
-                    return Err(e);
-                }
-            },
-            // `validate` refuses proxy-held secrets under deny-all, the only policy without
-            // a network.
-            (None, false) => {
-                return Err(Error::unsupported(
-                    TIER,
-                    "proxy-held secrets under a deny-all policy (allow the bound hosts)",
-                ))
-            }
-        };
+        let ca_pem = bind_proxied(&mut net, &proxied).await?;
         if net.is_some() {
             t.mark(Phase::Network);
         }
@@ -450,18 +489,11 @@ impl MicrovmSandbox {
                 t,
                 template_mac,
             } = start_vm(&warm, template, &g, &cmdline, &cfg, vcfg, t, &name)?;
-            // Started from a snapshot of another sandbox's boot: `eth0` moves to this one's
-            // link (its device already is on it, with the snapshot's MAC).
-            if let (Some(_), Some(s)) = (template_mac, &settings) {
-                agent.network(s, PING_TIMEOUT).map_err(|e| {
-                    boot_failure(&vm, "moving the guest to its network", &e.to_string())
-                })?;
-            }
-            if let Some(pem) = &ca_pem {
-                agent.trust(pem, PING_TIMEOUT).map_err(|e| {
-                    boot_failure(&vm, "trusting the egress proxy's CA", &e.to_string())
-                })?;
-            }
+            // Started from a snapshot of another sandbox's boot, `eth0` moves to this one's
+            // link (its device already is on it, with the snapshot's MAC); booted, it has
+            // this link's settings from its command line.
+            let moved = settings.as_deref().filter(|_| template_mac.is_some());
+            settle_network(&vm, &agent, moved, ca_pem.as_deref())?;
             Ok((vm, agent, t, template_mac))
         })
         .await

@@ -1,7 +1,9 @@
 //! Snapshots and restore: the VM's state file and its memory (packed by [`memfile`]) as
 //! artifacts of a [`SnapshotStore`], and a sandbox brought back from them.
 
-use super::create::{boot_failure, check_spec, vm_config};
+use super::create::{
+    bind_proxied, boot_failure, check_proxied, check_spec, settle_network, vm_config,
+};
 use super::image::{META_DISK_MTIME, META_DISK_SIZE};
 use super::warm::{self, Frozen};
 use super::*;
@@ -81,13 +83,7 @@ impl MicrovmSandbox {
         // A network: a link of the copy's own (its enforcer refuses here if there is none),
         // with the snapshot's MAC; the guest moves `eth0` to it once restored.
         let proxied = secrets.proxied();
-        if !proxied.is_empty() && backend.egress.is_none() {
-            return Err(Error::unsupported(
-                TIER,
-                "proxy-held secrets without an egress enforcer (plug one in with \
-                 MicrovmBuilder::egress; the facade's Runtime does)",
-            ));
-        }
+        check_proxied(backend, &proxied)?;
         let enforcer =
             sandbox_core::egress::enforcer_for(TIER, backend.egress.as_ref(), &m.spec.network)?;
         let mac = match (&enforcer, m.metadata.get(META_NET_MAC)) {
@@ -194,16 +190,7 @@ impl MicrovmSandbox {
             }
             _ => None,
         };
-        let ca_pem = match (&mut net, proxied.is_empty()) {
-            (Some(n), false) => match n.bind_secrets(&proxied) {
-                Ok(pem) => Some(pem),
-                Err(e) => {
-                    n.detach().await;
-                    return Err(e);
-                }
-            },
-            _ => None,
-        };
+        let ca_pem = bind_proxied(&mut net, &proxied).await?;
         if net.is_some() {
             t.mark(Phase::Network);
         }
@@ -253,16 +240,7 @@ impl MicrovmSandbox {
                 // Its device reaches the copy's own link now: `eth0` moves to it (the old
                 // gateway's MAC goes with the old neighbour entries), and its TLS clients
                 // trust the copy's proxy.
-                if let Some(s) = &settings {
-                    agent.network(s, PING_TIMEOUT).map_err(|e| {
-                        boot_failure(&vm, "moving the guest to its network", &e.to_string())
-                    })?;
-                }
-                if let Some(pem) = &ca_pem {
-                    agent.trust(pem, PING_TIMEOUT).map_err(|e| {
-                        boot_failure(&vm, "trusting the egress proxy's CA", &e.to_string())
-                    })?;
-                }
+                settle_network(&vm, &agent, settings.as_deref(), ca_pem.as_deref())?;
                 Ok((vm, agent, adopted))
             })
             .await
