@@ -355,8 +355,9 @@ struct Started {
 }
 
 /// Starts the VM of a new sandbox: from the boot snapshot of its kind when there is one
-/// (`template`), else by booting, keeping that boot's snapshot for the next ones; then gives
-/// it its identity. Blocking.
+/// (`template`; with a network, `eth0` is then moved to this sandbox's link `settings`),
+/// else by booting, keeping that boot's snapshot for the next ones; then gives it its
+/// identity. Blocking.
 #[allow(clippy::too_many_arguments)]
 fn start_vm(
     warm: &Arc<WarmStarts>,
@@ -365,6 +366,7 @@ fn start_vm(
     cmdline: &str,
     cfg: &crate::MicrovmConfig,
     vcfg: VmConfig,
+    settings: Option<&str>,
     mut t: TimelineRecorder,
     name: &str,
 ) -> Result<Started> {
@@ -375,7 +377,11 @@ fn start_vm(
             if let (Some(n), Some(mac)) = (&mut copy.net, frozen.mac()) {
                 n.mac = mac;
             }
-            match warm::start_from(warm, &frozen, copy, name) {
+            let started = warm::start_from(warm, &frozen, copy, name).and_then(|(vm, agent)| {
+                settle_network(&vm, &agent, settings, None)?;
+                Ok((vm, agent))
+            });
+            match started {
                 Ok((vm, agent)) => {
                     t.mark(Phase::Restore);
                     return Ok(Started {
@@ -483,17 +489,26 @@ impl MicrovmSandbox {
         let warm = Arc::clone(&backend.warm);
         let settings = net.as_ref().map(GuestNetwork::agent_net);
         let booted = tokio::task::spawn_blocking(move || {
+            // Started from a snapshot of another sandbox's boot, `eth0` was moved to this
+            // one's link (its device is on it with the snapshot's MAC); booted, it has this
+            // link's settings from its command line.
             let Started {
                 vm,
                 agent,
                 t,
                 template_mac,
-            } = start_vm(&warm, template, &g, &cmdline, &cfg, vcfg, t, &name)?;
-            // Started from a snapshot of another sandbox's boot, `eth0` moves to this one's
-            // link (its device already is on it, with the snapshot's MAC); booted, it has
-            // this link's settings from its command line.
-            let moved = settings.as_deref().filter(|_| template_mac.is_some());
-            settle_network(&vm, &agent, moved, ca_pem.as_deref())?;
+            } = start_vm(
+                &warm,
+                template,
+                &g,
+                &cmdline,
+                &cfg,
+                vcfg,
+                settings.as_deref(),
+                t,
+                &name,
+            )?;
+            settle_network(&vm, &agent, None, ca_pem.as_deref())?;
             Ok((vm, agent, t, template_mac))
         })
         .await
