@@ -42,16 +42,21 @@ fn tap_args(net: &GuestNetwork) -> Vec<String> {
     ]
 }
 
-#[test]
-fn the_egress_enforcer_polices_a_linux_guest_on_its_tap() {
+/// Why these tests cannot run here (no QEMU, not root), if they cannot.
+fn missing() -> Option<String> {
     if let Some(why) = qemu_missing() {
-        eprintln!("SKIP: {why}");
-        return;
+        return Some(why);
     }
     // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("SKIP: the egress enforcer needs root");
-        return;
+    (unsafe { libc::geteuid() } != 0).then(|| "the egress enforcer needs root".to_string())
+}
+
+/// A runtime for the enforcer and the upstream server on loopback (its port); `None`,
+/// saying why, where the tests cannot run.
+fn runtime_and_server() -> Option<(tokio::runtime::Runtime, u16)> {
+    if let Some(why) = missing() {
+        eprintln!("SKIP: {why}");
+        return None;
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -59,6 +64,29 @@ fn the_egress_enforcer_polices_a_linux_guest_on_its_tap() {
         .build()
         .unwrap();
     let port = rt.block_on(http_server());
+    Some((rt, port))
+}
+
+/// What the guest says of its `eth0` and its `/etc/resolv.conf`.
+fn eth0_and_resolver(c: &backend_microvm::agent_client::AgentClient) -> String {
+    let (code, out, err) = exec(
+        c,
+        &[
+            "sh",
+            "-c",
+            "ip -4 addr show eth0 2>/dev/null || ifconfig eth0; cat /etc/resolv.conf",
+        ],
+        &[],
+    );
+    assert_eq!(code, Some(0), "{out}{err}");
+    out
+}
+
+#[test]
+fn the_egress_enforcer_polices_a_linux_guest_on_its_tap() {
+    let Some((rt, port)) = runtime_and_server() else {
+        return;
+    };
     let ip = |s: &str| s.parse::<IpAddr>().unwrap();
     let veth = enforcer();
     let enforcer: Arc<dyn EgressEnforcer> = Arc::new(veth.clone());
@@ -86,16 +114,7 @@ fn the_egress_enforcer_polices_a_linux_guest_on_its_tap() {
     let (mut qemu, c) = boot(dir.path(), &extra);
 
     // The agent configured eth0 from agent.net= and named the gateway as the DNS server.
-    let (code, out, err) = exec(
-        &c,
-        &[
-            "sh",
-            "-c",
-            "ip -4 addr show eth0 2>/dev/null || ifconfig eth0; cat /etc/resolv.conf",
-        ],
-        &[],
-    );
-    assert_eq!(code, Some(0), "{out}{err}");
+    let out = eth0_and_resolver(&c);
     assert!(out.contains(&a.addr.to_string()), "{out}");
     assert!(out.contains(&format!("nameserver {}", a.gateway)), "{out}");
 
@@ -191,13 +210,8 @@ fn the_egress_enforcer_polices_a_linux_guest_on_its_tap() {
 /// holds the placeholder, and the echo comes back with the placeholder.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_linux_guest_uses_a_proxy_held_secret_it_never_holds() {
-    if let Some(why) = qemu_missing() {
+    if let Some(why) = missing() {
         eprintln!("SKIP: {why}");
-        return;
-    }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("SKIP: the egress enforcer needs root");
         return;
     }
     const VALUE: &str = "ghp_REALVALUEofTheToken0123456789abcdefgh";
@@ -306,21 +320,9 @@ async fn a_linux_guest_uses_a_proxy_held_secret_it_never_holds() {
 /// proxy on that link. A malformed value is refused.
 #[test]
 fn a_guest_moved_to_another_link_reaches_the_proxy_there() {
-    if let Some(why) = qemu_missing() {
-        eprintln!("SKIP: {why}");
+    let Some((rt, port)) = runtime_and_server() else {
         return;
-    }
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        eprintln!("SKIP: the egress enforcer needs root");
-        return;
-    }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let port = rt.block_on(http_server());
+    };
     let enforcer: Arc<dyn EgressEnforcer> = Arc::new(enforcer());
     let policy = allow(&["allowed.test"]);
     let pid = std::process::id();
@@ -366,16 +368,7 @@ fn a_guest_moved_to_another_link_reaches_the_proxy_there() {
     let e = c.network("10.0.0.1/33,10.0.0.2", CALL).unwrap_err();
     assert!(e.to_string().contains("agent.net"), "{e}");
     c.network(&new.agent_net(), CALL).unwrap();
-    let (code, out, err) = exec(
-        &c,
-        &[
-            "sh",
-            "-c",
-            "ip -4 addr show eth0 2>/dev/null || ifconfig eth0; cat /etc/resolv.conf",
-        ],
-        &[],
-    );
-    assert_eq!(code, Some(0), "{out}{err}");
+    let out = eth0_and_resolver(&c);
     let a = new.address();
     assert!(out.contains(&a.addr.to_string()), "{out}");
     assert!(!out.contains(&old.address().addr.to_string()), "{out}");
