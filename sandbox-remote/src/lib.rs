@@ -67,6 +67,9 @@ pub struct RemoteConfig {
     pub token: Option<String>,
     /// Labels given to every sandbox this client creates (`GET /v1/sandboxes?label=k=v`).
     pub labels: BTreeMap<String, String>,
+    /// How long the tiers' statuses reported on connecting answer
+    /// [`Backend::preflight`] (default [`PREFLIGHT_FRESH`]).
+    pub preflight_fresh: std::time::Duration,
 }
 
 impl std::fmt::Debug for RemoteConfig {
@@ -75,6 +78,7 @@ impl std::fmt::Debug for RemoteConfig {
             .field("address", &self.address)
             .field("token", &self.token.as_ref().map(|_| "<hidden>"))
             .field("labels", &self.labels)
+            .field("preflight_fresh", &self.preflight_fresh)
             .finish()
     }
 }
@@ -94,7 +98,15 @@ impl RemoteConfig {
             address: address.trim_end_matches('/').to_string(),
             token: None,
             labels: BTreeMap::new(),
+            preflight_fresh: PREFLIGHT_FRESH,
         })
+    }
+
+    /// Sets how long the statuses reported on connecting answer
+    /// [`Backend::preflight`] (zero: every preflight asks the server).
+    pub fn preflight_fresh(mut self, fresh: std::time::Duration) -> Self {
+        self.preflight_fresh = fresh;
+        self
     }
 
     /// Sets the bearer token.
@@ -125,7 +137,14 @@ impl RemoteConfig {
 pub struct RemoteServer {
     shared: Arc<Shared>,
     tiers: Vec<TierInfo>,
+    /// Until when the statuses in `tiers` answer preflights.
+    fresh_until: std::time::Instant,
 }
+
+/// How long the tiers' statuses a server reported on connecting answer
+/// [`Backend::preflight`] (a one-shot `run --server` connects, then creates at once); after
+/// that, a preflight asks the server again.
+pub const PREFLIGHT_FRESH: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// What every backend of one server shares.
 #[derive(Debug)]
@@ -181,6 +200,7 @@ impl RemoteServer {
                 sent: Mutex::new(HashMap::new()),
             }),
             tiers: list.tiers,
+            fresh_until: std::time::Instant::now() + config.preflight_fresh,
         })
     }
 
@@ -198,6 +218,7 @@ impl RemoteServer {
             shared: Arc::clone(&self.shared),
             tier,
             caps: carried(caps),
+            reported: (info.status.clone(), self.fresh_until),
         })
     }
 
@@ -224,6 +245,9 @@ pub struct RemoteBackend {
     shared: Arc<Shared>,
     tier: Tier,
     caps: Capabilities,
+    /// The tier's status as the server reported it on connecting, and until when it answers
+    /// preflights.
+    reported: (TierStatus, std::time::Instant),
 }
 
 impl RemoteBackend {
@@ -287,6 +311,18 @@ impl Backend for RemoteBackend {
 
     fn capabilities(&self) -> Capabilities {
         self.caps.clone()
+    }
+
+    /// The status the server reported on connecting, for
+    /// [`RemoteConfig::preflight_fresh`] after it (a round trip saved for a create right
+    /// after connecting; the create itself is then the check); a fresh
+    /// [`probe`](Backend::probe) after that.
+    async fn preflight(&self) -> TierStatus {
+        let (status, until) = &self.reported;
+        if std::time::Instant::now() < *until {
+            return status.clone();
+        }
+        self.probe().await
     }
 
     async fn probe(&self) -> TierStatus {

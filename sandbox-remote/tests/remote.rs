@@ -294,6 +294,46 @@ async fn bad_addresses_tokens_and_dead_servers_are_said() {
     assert!(matches!(e, RemoteError::Unreachable { .. }), "{e:?}");
 }
 
+/// A preflight right after connecting answers from what the server reported then (no round
+/// trip: a one-shot `run --server` creates at once); once that is older than
+/// `preflight_fresh`, it asks the server, as the probe always does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_preflight_answers_from_the_connect_while_fresh() {
+    let r = start().await;
+    let config = |fresh| {
+        RemoteConfig::new(&r.address)
+            .unwrap()
+            .token(r.token.reveal())
+            .preflight_fresh(fresh)
+    };
+    let long = RemoteServer::connect(config(std::time::Duration::from_secs(3600)))
+        .await
+        .unwrap()
+        .backend(Tier::Unisolated)
+        .unwrap();
+    let zero = RemoteServer::connect(config(std::time::Duration::ZERO))
+        .await
+        .unwrap()
+        .backend(Tier::Unisolated)
+        .unwrap();
+    assert!(long.preflight().await.available);
+    assert!(zero.preflight().await.available);
+    // The server goes away: the reported status still answers within its window; the
+    // probe, and a preflight past its window, ask and are told.
+    drop(r);
+    let mut asked = zero.preflight().await;
+    for _ in 0..100 {
+        if !asked.available {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        asked = zero.preflight().await;
+    }
+    assert!(!asked.available, "{asked:?}");
+    assert!(long.preflight().await.available);
+    assert!(!long.probe().await.available);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_unix_socket_server_needs_no_token() {
     let dir = tempfile::tempdir().unwrap();
