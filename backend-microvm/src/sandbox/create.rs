@@ -344,24 +344,15 @@ pub(super) fn settle_network(
     Ok(())
 }
 
-/// How a sandbox's VM started ([`start_vm`]).
-struct Started {
-    vm: Vm,
-    agent: AgentClient,
-    t: TimelineRecorder,
-    /// Started from a boot snapshot that had a network device with this MAC: the sandbox's
-    /// device has it too, and `eth0` still holds the snapshotted guest's settings.
-    template_mac: Option<[u8; 6]>,
-}
-
-/// Starts the VM of a new sandbox: from the boot snapshot of its kind when there is one
-/// (`template`; with a network, `eth0` is then moved to this sandbox's link `settings`),
-/// else by booting, keeping that boot's snapshot for the next ones; then gives it its
-/// identity. Blocking.
+/// Starts the VM of a new sandbox: from `frozen`, the boot snapshot of its kind
+/// (`template`), when there is one (with a network, `eth0` is then moved to this sandbox's
+/// link `settings`), else by booting, keeping that boot's snapshot for the next ones; then
+/// gives it its identity. Blocking.
 #[allow(clippy::too_many_arguments)]
 fn start_vm(
     warm: &Arc<WarmStarts>,
     template: Option<TemplateKey>,
+    frozen: Option<Arc<Frozen>>,
     g: &GuestFiles,
     cmdline: &str,
     cfg: &crate::MicrovmConfig,
@@ -369,33 +360,22 @@ fn start_vm(
     settings: Option<&str>,
     mut t: TimelineRecorder,
     name: &str,
-) -> Result<Started> {
-    if let Some(key) = &template {
-        if let Some(frozen) = warm.template(key) {
-            // The snapshot's MAC on this sandbox's own TAP.
-            let mut copy = vcfg.clone();
-            if let (Some(n), Some(mac)) = (&mut copy.net, frozen.mac()) {
-                n.mac = mac;
-            }
-            let started = warm::start_from(warm, &frozen, copy, name).and_then(|(vm, agent)| {
+) -> Result<(Vm, AgentClient, TimelineRecorder)> {
+    if let (Some(key), Some(frozen)) = (&template, frozen) {
+        let started =
+            warm::start_from(warm, &frozen, vcfg.clone(), name).and_then(|(vm, agent)| {
                 settle_network(&vm, &agent, settings, None)?;
                 Ok((vm, agent))
             });
-            match started {
-                Ok((vm, agent)) => {
-                    t.mark(Phase::Restore);
-                    return Ok(Started {
-                        vm,
-                        agent,
-                        t,
-                        template_mac: frozen.mac(),
-                    });
-                }
-                // Never worse than a boot: forget it, boot, and make a new one.
-                Err(e) => {
-                    tracing::warn!("starting from the boot snapshot failed, booting: {e}");
-                    warm.forget_template(key);
-                }
+        match started {
+            Ok((vm, agent)) => {
+                t.mark(Phase::Restore);
+                return Ok((vm, agent, t));
+            }
+            // Never worse than a boot: forget it, boot, and make a new one.
+            Err(e) => {
+                tracing::warn!("starting from the boot snapshot failed, booting: {e}");
+                warm.forget_template(key);
             }
         }
     }
@@ -416,12 +396,7 @@ fn start_vm(
     agent
         .refresh(name, PING_TIMEOUT)
         .map_err(|e| boot_failure(&vm, "giving the guest its identity", &e.to_string()))?;
-    Ok(Started {
-        vm,
-        agent,
-        t,
-        template_mac: None,
-    })
+    Ok((vm, agent, t))
 }
 
 impl MicrovmSandbox {
@@ -475,7 +450,7 @@ impl MicrovmSandbox {
         // snapshot of a booted sandbox with a network, moved to their own link).
         let template = if backend.warm.templates_on() {
             match TemplateKey::new(&guest, &cmdline, &vcfg) {
-                Ok(k) => k,
+                Ok(k) => Some(k),
                 Err(e) => {
                     tracing::debug!("no boot snapshot for this sandbox: {e}");
                     None
@@ -484,6 +459,13 @@ impl MicrovmSandbox {
         } else {
             None
         };
+        let frozen = template.as_ref().and_then(|k| backend.warm.template(k));
+        // A boot snapshot's network device keeps its MAC (the guest's driver read it at
+        // boot; the VMM refuses another): this sandbox's device, on its own TAP, takes it.
+        if let Some(mac) = frozen.as_ref().and_then(|f| f.mac()) {
+            net = net.map(|n| n.with_mac(mac));
+            vcfg.net = net.as_ref().map(GuestNetwork::device);
+        }
         let g = guest.clone();
         let name = id.clone();
         let warm = Arc::clone(&backend.warm);
@@ -492,14 +474,10 @@ impl MicrovmSandbox {
             // Started from a snapshot of another sandbox's boot, `eth0` was moved to this
             // one's link (its device is on it with the snapshot's MAC); booted, it has this
             // link's settings from its command line.
-            let Started {
-                vm,
-                agent,
-                t,
-                template_mac,
-            } = start_vm(
+            let (vm, agent, t) = start_vm(
                 &warm,
                 template,
+                frozen,
                 &g,
                 &cmdline,
                 &cfg,
@@ -509,19 +487,13 @@ impl MicrovmSandbox {
                 &name,
             )?;
             settle_network(&vm, &agent, None, ca_pem.as_deref())?;
-            Ok((vm, agent, t, template_mac))
+            Ok((vm, agent, t))
         })
         .await
         .map_err(join_err)
         .and_then(|r| r);
         let (vm, agent, t) = match booted {
-            Ok((vm, agent, t, mac)) => {
-                // The device has the snapshot's MAC: so does what a snapshot of it records.
-                if let (Some(mac), Some(n)) = (mac, net.take()) {
-                    net = Some(n.with_mac(mac));
-                }
-                (vm, agent, t)
-            }
+            Ok(b) => b,
             Err(e) => {
                 if let Some(mut n) = net {
                     n.detach().await;

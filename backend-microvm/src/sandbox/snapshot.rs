@@ -89,7 +89,7 @@ impl MicrovmSandbox {
         let mac = match (&enforcer, m.metadata.get(META_NET_MAC)) {
             (None, _) => None,
             (Some(_), Some(v)) => Some(
-                parse_mac(v)
+                crate::devices::virtio::net::parse_mac(v)
                     .ok_or_else(|| corrupt(&format!("metadata `{META_NET_MAC}`: {v:?}")))?,
             ),
             (Some(_), None) => {
@@ -382,40 +382,5 @@ impl Inner {
                 .meta(META_DISK_MTIME, mtime.to_string());
         }
         Ok(store.put(draft).await?)
-    }
-}
-
-/// `aa:bb:cc:dd:ee:ff` (see [`META_NET_MAC`]).
-fn parse_mac(s: &str) -> Option<[u8; 6]> {
-    let mut mac = [0u8; 6];
-    let mut parts = s.split(':');
-    for b in &mut mac {
-        let p = parts.next()?;
-        if p.len() != 2 {
-            return None;
-        }
-        *b = u8::from_str_radix(p, 16).ok()?;
-    }
-    parts.next().is_none().then_some(mac)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_recorded_mac_round_trips_and_bad_ones_are_refused() {
-        let mac = [0x02, 0xa5, 0x00, 0x1f, 0xfe, 0x09];
-        let s = crate::devices::virtio::net::format_mac(&mac);
-        assert_eq!(parse_mac(&s), Some(mac));
-        for bad in [
-            "",
-            "02:a5:00:1f:fe",
-            "02:a5:00:1f:fe:09:01",
-            "02:a5:00:1f:fe:zz",
-            "2:a5:0:1f:fe:9",
-        ] {
-            assert_eq!(parse_mac(bad), None, "{bad}");
-        }
     }
 }

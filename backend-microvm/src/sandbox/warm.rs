@@ -55,9 +55,8 @@ pub(crate) struct TemplateKey {
 }
 
 impl TemplateKey {
-    /// The key of a sandbox booting `guest` with `cmdline` in a VM made from `vcfg` (`None`
-    /// is kept for kinds that cannot have one; there are none at present).
-    pub(crate) fn new(guest: &GuestFiles, cmdline: &str, vcfg: &VmConfig) -> Result<Option<Self>> {
+    /// The key of a sandbox booting `guest` with `cmdline` in a VM made from `vcfg`.
+    pub(crate) fn new(guest: &GuestFiles, cmdline: &str, vcfg: &VmConfig) -> Result<Self> {
         let net = vcfg.net.is_some();
         let cmdline = if net {
             cmdline
@@ -81,14 +80,14 @@ impl TemplateKey {
             let (len, mtime) = disk_identity(p)?;
             files.push((p.to_path_buf(), len, mtime));
         }
-        Ok(Some(TemplateKey {
+        Ok(TemplateKey {
             files,
             cmdline,
             mem_size: vcfg.mem_size,
             vcpus: vcfg.vcpus,
             irqchip: vcfg.irqchip,
             net,
-        }))
+        })
     }
 }
 
@@ -364,18 +363,13 @@ mod tests {
             mem_size: 64 << 20,
             ..VmConfig::default()
         };
-        let k = TemplateKey::new(&g, "console=ttyS0", &vcfg)
-            .unwrap()
-            .unwrap();
+        let k = TemplateKey::new(&g, "console=ttyS0", &vcfg).unwrap();
         assert_eq!(
             TemplateKey::new(&g, "console=ttyS0", &vcfg).unwrap(),
-            Some(k.clone())
+            k.clone()
         );
         // Another command line, memory size, vCPU count: another key.
-        assert_ne!(
-            TemplateKey::new(&g, "quiet", &vcfg).unwrap(),
-            Some(k.clone())
-        );
+        assert_ne!(TemplateKey::new(&g, "quiet", &vcfg).unwrap(), k.clone());
         for other in [
             VmConfig {
                 mem_size: 128 << 20,
@@ -388,7 +382,7 @@ mod tests {
         ] {
             assert_ne!(
                 TemplateKey::new(&g, "console=ttyS0", &other).unwrap(),
-                Some(k.clone())
+                k.clone()
             );
         }
         // An image disk is part of it.
@@ -401,16 +395,11 @@ mod tests {
             }),
             ..vcfg.clone()
         };
-        let kd = TemplateKey::new(&g, "console=ttyS0", &with_disk)
-            .unwrap()
-            .unwrap();
+        let kd = TemplateKey::new(&g, "console=ttyS0", &with_disk).unwrap();
         assert_ne!(kd, k);
         // A kernel made again (another length) is another key.
         std::fs::write(&g.kernel, b"another kernel").unwrap();
-        assert_ne!(
-            TemplateKey::new(&g, "console=ttyS0", &vcfg).unwrap(),
-            Some(k)
-        );
+        assert_ne!(TemplateKey::new(&g, "console=ttyS0", &vcfg).unwrap(), k);
         // VMs with a network device share a key whatever their address and MAC, and not
         // with VMs without one; a missing file is an error.
         let net = |mac: u8| {
@@ -423,16 +412,12 @@ mod tests {
                 ..vcfg.clone()
             }
         };
-        let n1 = TemplateKey::new(&g, "console=ttyS0 agent.net=10.0.0.2/30,10.0.0.1", &net(1))
-            .unwrap()
-            .unwrap();
-        let n2 = TemplateKey::new(&g, "console=ttyS0 agent.net=10.0.0.6/30,10.0.0.5", &net(2))
-            .unwrap()
-            .unwrap();
+        let n1 =
+            TemplateKey::new(&g, "console=ttyS0 agent.net=10.0.0.2/30,10.0.0.1", &net(1)).unwrap();
+        let n2 =
+            TemplateKey::new(&g, "console=ttyS0 agent.net=10.0.0.6/30,10.0.0.5", &net(2)).unwrap();
         assert_eq!(n1, n2);
-        let plain = TemplateKey::new(&g, "console=ttyS0", &vcfg)
-            .unwrap()
-            .unwrap();
+        let plain = TemplateKey::new(&g, "console=ttyS0", &vcfg).unwrap();
         assert_ne!(n1, plain);
         std::fs::remove_file(&disk).unwrap();
         assert!(TemplateKey::new(&g, "console=ttyS0", &with_disk).is_err());
@@ -448,7 +433,7 @@ mod tests {
                 mem_size: mem << 20,
                 ..VmConfig::default()
             };
-            TemplateKey::new(&g, "x", &vcfg).unwrap().unwrap()
+            TemplateKey::new(&g, "x", &vcfg).unwrap()
         };
         assert!(warm.template(&key(32)).is_none());
         warm.keep_template(key(32), frozen());

@@ -319,6 +319,20 @@ pub fn format_mac(mac: &[u8; 6]) -> String {
         .join(":")
 }
 
+/// The MAC [`format_mac`] wrote (`aa:bb:cc:dd:ee:ff`); `None` for anything else.
+pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
+    let mut mac = [0u8; 6];
+    let mut parts = s.split(':');
+    for b in &mut mac {
+        let p = parts.next()?;
+        if p.len() != 2 {
+            return None;
+        }
+        *b = u8::from_str_radix(p, 16).ok()?;
+    }
+    parts.next().is_none().then_some(mac)
+}
+
 fn set_nonblocking(fd: RawFd) -> io::Result<()> {
     // SAFETY: fcntl on a descriptor the caller owns.
     let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
@@ -454,5 +468,20 @@ mod tests {
             Err(StateError::Incompatible { .. })
         ));
         assert!(net.restore(&net.save()).is_ok());
+    }
+
+    #[test]
+    fn a_formatted_mac_parses_back_and_bad_ones_are_refused() {
+        let mac = [0x02, 0xa5, 0x00, 0x1f, 0xfe, 0x09];
+        assert_eq!(parse_mac(&format_mac(&mac)), Some(mac));
+        for bad in [
+            "",
+            "02:a5:00:1f:fe",
+            "02:a5:00:1f:fe:09:01",
+            "02:a5:00:1f:fe:zz",
+            "2:a5:0:1f:fe:9",
+        ] {
+            assert_eq!(parse_mac(bad), None, "{bad}");
+        }
     }
 }
