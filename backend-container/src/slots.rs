@@ -50,6 +50,15 @@ pub(crate) enum SlotError {
          (destroy some, or give another backend a different uid_base)"
     )]
     Exhausted,
+    /// A lease file could not be opened (e.g. no file descriptors left).
+    #[error("open the uid-range lease {}: {source}", path.display())]
+    Open {
+        /// The lease file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
 }
 
 /// Leases a free slot of `uid_base` in [`DIR`]. Where that directory cannot be used (no
@@ -79,7 +88,9 @@ pub(crate) fn lease_in(dir: &Path, uid_base: u32, start: u32) -> Result<SlotLeas
     for i in 0..SLOTS {
         let slot = (start.wrapping_add(i)) % SLOTS;
         let path: PathBuf = dir.join(format!("{uid_base}-{slot}"));
-        let Ok(f) = OpenOptions::new()
+        // Only root writes in the directory, so every slot's file opens alike: a failure is
+        // this process's (no descriptors left...), not a taken slot.
+        let f = OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
@@ -87,9 +98,7 @@ pub(crate) fn lease_in(dir: &Path, uid_base: u32, start: u32) -> Result<SlotLeas
             .mode(0o600)
             .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
             .open(&path)
-        else {
-            continue;
-        };
+            .map_err(|source| SlotError::Open { path, source })?;
         // SAFETY: flock on a descriptor we own; no pointers.
         if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } == 0 {
             return Ok(SlotLease {
@@ -180,6 +189,16 @@ mod tests {
         holder.wait().unwrap();
         // Its death released it.
         assert_eq!(lease_in(dir.path(), 1 << 30, 3).unwrap().slot(), 3);
+    }
+
+    #[test]
+    fn a_lease_file_that_cannot_be_opened_is_said_not_taken_for_a_full_host() {
+        let dir = tempfile::tempdir().unwrap();
+        let gone = dir.path().join("gone");
+        match lease_in(&gone, 1 << 30, 0) {
+            Err(SlotError::Open { path, .. }) => assert!(path.starts_with(&gone), "{path:?}"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
