@@ -378,6 +378,18 @@ mod tests {
 
     use super::*;
 
+    /// The guest agent (std only) keeps its own copies of the bundle paths and the line
+    /// before the CA; they must be the other tiers', which the variables name.
+    #[test]
+    fn the_agents_bundle_paths_and_mark_are_the_other_tiers() {
+        use crate::agent_client::proto::{CA_BUNDLE, CA_MARK, SYSTEM_BUNDLE};
+        use sandbox_core::egress::{SecretPlan, CA_BUNDLE_PATH, SYSTEM_CA_BUNDLE};
+        assert_eq!(format!("/{CA_BUNDLE}"), CA_BUNDLE_PATH);
+        assert_eq!(SYSTEM_BUNDLE, SYSTEM_CA_BUNDLE);
+        let bundle = SecretPlan::new(Vec::new(), "PEM\n".into()).ca_bundle(&[]);
+        assert!(bundle.contains(&format!("{CA_MARK}PEM\n")), "{bundle}");
+    }
+
     #[test]
     fn the_enforcers_link_is_read_from_ip() {
         let addrs = "2: as-s3@if4    inet 10.200.0.14/30 scope global as-s3\\       valid_lft forever preferred_lft forever\n";

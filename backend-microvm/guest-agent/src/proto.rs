@@ -275,6 +275,12 @@ pub const CA_BUNDLE: &str = "etc/agent-sandbox-ca.crt";
 /// (`sandbox_core::egress::SYSTEM_CA_BUNDLE`): `Trust` writes over it too.
 pub const SYSTEM_BUNDLE: &str = "etc/ssl/certs/ca-certificates.crt";
 
+/// The line `Trust` writes between the root's own certificates and the CA, the same as
+/// `sandbox_core::egress::SecretPlan::ca_bundle` writes for the other tiers (a second
+/// `Trust` cuts the bundle there).
+pub const CA_MARK: &str =
+    "# agent-sandbox: the egress proxy's interception CA (proxy-held secrets)\n";
+
 /// How an exec ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ExitInfo {

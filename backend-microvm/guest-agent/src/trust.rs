@@ -19,7 +19,7 @@ use std::io::{self, Read, Write};
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-pub(crate) use crate::proto::{CA_BUNDLE, SYSTEM_BUNDLE};
+pub(crate) use crate::proto::{CA_BUNDLE, CA_MARK as MARK, SYSTEM_BUNDLE};
 
 /// The largest CA the host may send.
 pub(crate) const MAX_CA: usize = 64 << 10;
@@ -27,9 +27,6 @@ pub(crate) const MAX_CA: usize = 64 << 10;
 const MAX_SYSTEM_BUNDLE: u64 = 8 << 20;
 /// `O_NONBLOCK`: opening a FIFO for reading must not wait for a writer.
 const O_NONBLOCK: i32 = 0o4000;
-
-/// The line between the system bundle and the CA (the other tiers write the same).
-const MARK: &str = "# agent-sandbox: the egress proxy's interception CA (proxy-held secrets)\n";
 
 /// Installs `ca_pem` under `root` (`/` in a guest; a temporary directory in the tests).
 pub(crate) fn install(root: &Path, ca_pem: &[u8]) -> Result<(), String> {
