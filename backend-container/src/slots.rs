@@ -162,7 +162,10 @@ mod tests {
         let path = dir.path().join(format!("{}-{}", 1 << 30, 3));
         // Another process holds slot 3 (flock is per open file, so `flock(1)` in a child
         // process holding it stands for another library process).
+        // `-o`: only flock itself holds the lock (its `sleep` does not inherit the file), so
+        // the lock is gone once flock is reaped.
         let mut holder = std::process::Command::new("flock")
+            .arg("-o")
             .arg(&path)
             .args(["sleep", "30"])
             .process_group(0)
@@ -182,7 +185,7 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
         assert_eq!(lease_in(dir.path(), 1 << 30, 3).unwrap().slot(), 4);
-        // flock(1) and its `sleep` both hold the open file: end the whole group.
+        // End flock and its `sleep` (the whole group); reaping flock releases the lock.
         let pgid = i32::try_from(holder.id()).unwrap();
         // SAFETY: kill on the process group we just made; no pointers.
         unsafe { libc::kill(-pgid, libc::SIGKILL) };
