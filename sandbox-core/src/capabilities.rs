@@ -127,6 +127,21 @@ impl Capabilities {
         }
     }
 
+    /// Why choosing a tier automatically passes this one over for `spec` before trying to
+    /// create it (it cannot start the spec's image, or hold its proxy-held secrets), or
+    /// `None`. The facade's `Runtime::create` asks it, and so does the CLI choosing among a
+    /// daemon's tiers, so both pass over the same tiers.
+    pub fn passes_over(&self, spec: &crate::SandboxSpec) -> Option<&'static str> {
+        if spec.image.is_some() && !self.images {
+            // An image needs a Linux userland.
+            return Some("this tier does not start images");
+        }
+        if spec.holds_proxied_secrets() && !self.proxy_secrets {
+            return Some("this tier cannot hold proxy secrets");
+        }
+        None
+    }
+
     /// Whether this snapshot kind is available.
     pub fn supports_snapshot(&self, kind: SnapshotKind) -> bool {
         self.snapshots.contains(&kind)

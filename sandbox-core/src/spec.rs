@@ -441,6 +441,15 @@ impl SandboxSpec {
         Ok(())
     }
 
+    /// Whether a secret of the spec is held by the egress proxy
+    /// ([`SecretExposure::Proxy`]) rather than given to the
+    /// sandbox.
+    pub fn holds_proxied_secrets(&self) -> bool {
+        self.secrets
+            .iter()
+            .any(|s| matches!(s.exposure, crate::SecretExposure::Proxy { .. }))
+    }
+
     /// The environment every command starts with: the spec's `env`, then the named host
     /// variables that exist. Secrets are added by the backend from
     /// [`ResolvedSecrets`](crate::ResolvedSecrets).

@@ -87,6 +87,29 @@ impl Timeline {
     pub fn extend(&mut self, other: &Timeline) {
         self.phases.extend_from_slice(&other.phases);
     }
+
+    /// This timeline (a sandbox's creation) followed by its first command's, `command`: a
+    /// wait for admission stays its own [`Phase::Queue`], the rest is
+    /// [`Phase::FirstCommand`]. The timeline of a one-shot run.
+    pub fn then_first_command(mut self, command: &Timeline) -> Timeline {
+        let queued = command.get(Phase::Queue).unwrap_or_default();
+        if !queued.is_zero() {
+            self.phases.push(PhaseTiming {
+                phase: Phase::Queue,
+                micros: micros(queued),
+            });
+        }
+        self.phases.push(PhaseTiming {
+            phase: Phase::FirstCommand,
+            micros: micros(command.total().saturating_sub(queued)),
+        });
+        self
+    }
+}
+
+/// `d` in whole microseconds (saturating).
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
 /// Records phases as they finish: each `mark` measures from the previous mark.
@@ -114,7 +137,7 @@ impl TimelineRecorder {
     /// Ends `phase` now.
     pub fn mark(&mut self, phase: Phase) {
         let now = Instant::now();
-        let micros = u64::try_from(now.duration_since(self.last).as_micros()).unwrap_or(u64::MAX);
+        let micros = micros(now.duration_since(self.last));
         self.timeline.phases.push(PhaseTiming { phase, micros });
         self.last = now;
     }
@@ -123,7 +146,7 @@ impl TimelineRecorder {
     /// process); clamped between the previous mark and now.
     pub fn mark_at(&mut self, phase: Phase, at: Instant) {
         let at = at.clamp(self.last, Instant::now());
-        let micros = u64::try_from(at.duration_since(self.last).as_micros()).unwrap_or(u64::MAX);
+        let micros = micros(at.duration_since(self.last));
         self.timeline.phases.push(PhaseTiming { phase, micros });
         self.last = at;
     }
@@ -147,6 +170,35 @@ mod tests {
         let t = r.finish();
         assert_eq!(t.get(Phase::Allocation), Some(Duration::ZERO));
         assert!(t.get(Phase::Command).unwrap() < Duration::from_secs(60));
+    }
+
+    #[test]
+    fn a_first_command_keeps_its_queue_apart() {
+        let phase = |phase, micros| PhaseTiming { phase, micros };
+        let created = Timeline {
+            phases: vec![phase(Phase::Allocation, 100)],
+        };
+        let queued = Timeline {
+            phases: vec![phase(Phase::Queue, 30), phase(Phase::Command, 70)],
+        };
+        assert_eq!(
+            created.clone().then_first_command(&queued).phases,
+            [
+                phase(Phase::Allocation, 100),
+                phase(Phase::Queue, 30),
+                phase(Phase::FirstCommand, 70)
+            ]
+        );
+        let direct = Timeline {
+            phases: vec![phase(Phase::Command, 70)],
+        };
+        assert_eq!(
+            created.then_first_command(&direct).phases,
+            [
+                phase(Phase::Allocation, 100),
+                phase(Phase::FirstCommand, 70)
+            ]
+        );
     }
 
     #[test]
