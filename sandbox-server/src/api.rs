@@ -25,6 +25,38 @@ pub struct CreateSandbox {
     pub lifetime: LifetimeSpec,
 }
 
+/// `POST /v1/run`: one command in a fresh sandbox, destroyed after it (see
+/// [`RunReply`]). The server takes a ready sandbox from its warm pools when it has one for
+/// this spec and tier ([`ServerConfig::warm`](crate::ServerConfig::warm)).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunBody {
+    /// The sandbox's spec.
+    pub spec: SandboxSpec,
+    /// Exactly this tier; absent: the selector's choice for the spec's language.
+    #[serde(default)]
+    pub tier: Option<Tier>,
+    /// The command, as `POST /v1/sandboxes/{id}/exec` takes it (no `tty`).
+    pub command: ExecBody,
+    /// When given, the server's build must be this one ([`TierList::build`]), else the
+    /// answer is `409 build_mismatch` and nothing runs: for a client that must behave
+    /// exactly as its own build would in-process.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub build: Option<String>,
+}
+
+/// The answer of `POST /v1/run`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RunReply {
+    /// The tier it ran on.
+    pub tier: Tier,
+    /// The command's result. Its timeline: the sandbox's creation phases (for a sandbox from
+    /// a warm pool, `allocation` is the time taken to hand it out), then `first-command`.
+    pub result: sandbox_core::ExecResult,
+    /// The sandbox's egress decisions, oldest first.
+    pub network: Vec<sandbox_core::NetworkEvent>,
+}
+
 /// A sandbox's lifetime on the server.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -249,6 +281,11 @@ pub struct TierInfo {
 pub struct TierList {
     /// Every tier the server knows.
     pub tiers: Vec<TierInfo>,
+    /// Which build of the server this is ([`ServerConfig::build`](crate::ServerConfig::build)),
+    /// when it says: a client that must behave exactly as itself in-process (the CLI's
+    /// `run` through a local daemon) uses only a server of its own build.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub build: Option<String>,
 }
 
 /// `POST /v1/sandboxes/{id}/processes`: the new process (its output:

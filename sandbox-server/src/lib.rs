@@ -35,7 +35,9 @@ pub mod mcp;
 pub mod openapi;
 mod processes;
 mod routes;
+mod run;
 pub mod upload;
+mod warm;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -76,6 +78,13 @@ pub trait Provider: Send + Sync + 'static {
     /// Which tiers this host can run, with the reason and the fix for those it cannot
     /// (`GET /v1/tiers`). May answer from a cache of tiers found available before.
     async fn probe(&self) -> Vec<TierStatus>;
+
+    /// The backend of `tier`, if this provider has it, for the server's warm pools
+    /// ([`ServerConfig::warm`]); `None` (the default): specs are never pooled.
+    fn backend(&self, tier: Tier) -> Option<sandbox_core::DynBackend> {
+        let _ = tier;
+        None
+    }
 }
 
 /// A [`Provider`] of one backend: every sandbox on its tier, whatever tier a client names.
@@ -124,6 +133,10 @@ impl Provider for OneBackend {
     async fn probe(&self) -> Vec<TierStatus> {
         vec![self.0.probe().await]
     }
+
+    fn backend(&self, tier: Tier) -> Option<sandbox_core::DynBackend> {
+        (tier == self.0.tier()).then(|| Arc::clone(&self.0))
+    }
 }
 
 /// Limits of a [`Server`]. `#[non_exhaustive]`: build it with [`ServerConfig::default`] and
@@ -159,6 +172,17 @@ pub struct ServerConfig {
     /// same ids with [`Server::restore_kept`], before it serves. `None` (the default): they
     /// are destroyed.
     pub keep_file: Option<std::path::PathBuf>,
+    /// Ready sandboxes kept for each spec clients created recently (see `docs/server.md`,
+    /// "Warm pools"): the next create of the same spec takes one instead of waiting for a
+    /// creation. Specs that reach into the host, hold secrets or name an image by a tag are
+    /// never pooled. Default 0: no pools.
+    pub warm: usize,
+    /// How long a spec's pool lives without a create of that spec (and the oldest a pooled
+    /// sandbox may be). Default 5 minutes.
+    pub warm_idle: Duration,
+    /// Which build this server is, reported by `GET /v1/tiers` (e.g. the CLI's version and
+    /// its executable's identity). Default `None`.
+    pub build: Option<String>,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -176,6 +200,9 @@ impl std::fmt::Debug for ServerConfig {
             )
             .field("max_requests_per_client", &self.max_requests_per_client)
             .field("keep_file", &self.keep_file)
+            .field("warm", &self.warm)
+            .field("warm_idle", &self.warm_idle)
+            .field("build", &self.build)
             .finish()
     }
 }
@@ -192,6 +219,9 @@ impl Default for ServerConfig {
             client_snapshot_stores: HashMap::new(),
             max_requests_per_client: 64,
             keep_file: None,
+            warm: 0,
+            warm_idle: Duration::from_secs(300),
+            build: None,
         }
     }
 }
@@ -246,6 +276,24 @@ impl ServerConfig {
     /// Sets [`keep_file`](Self::keep_file).
     pub fn keep_on_exit(mut self, file: impl Into<std::path::PathBuf>) -> Self {
         self.keep_file = Some(file.into());
+        self
+    }
+
+    /// Sets [`warm`](Self::warm): ready sandboxes kept per recently created spec.
+    pub fn warm(mut self, per_spec: usize) -> Self {
+        self.warm = per_spec;
+        self
+    }
+
+    /// Sets [`warm_idle`](Self::warm_idle).
+    pub fn warm_idle(mut self, d: Duration) -> Self {
+        self.warm_idle = d;
+        self
+    }
+
+    /// Sets [`build`](Self::build).
+    pub fn build(mut self, build: impl Into<String>) -> Self {
+        self.build = Some(build.into());
         self
     }
 
@@ -321,7 +369,49 @@ struct Shared {
     sandboxes: Mutex<HashMap<String, Arc<Entry>>>,
     /// How many sandboxes the last [`Server::serve`] kept for the next run (`keep_file`).
     kept: std::sync::atomic::AtomicUsize,
+    /// The warm pools ([`ServerConfig::warm`]).
+    warm: warm::Warm,
+    /// Teardowns running in the background (a destroy that did not wait, a reaped sandbox):
+    /// [`Server::destroy_all`] waits for them.
+    teardowns: tokio_util::task::TaskTracker,
+    /// Sandboxes of `POST /v1/run` running now (outside the table, counted against
+    /// `max_sandboxes`).
+    running: std::sync::atomic::AtomicUsize,
+    /// The last answer of `GET /v1/tiers` and when it was made (see [`TIERS_FRESH`]).
+    tiers: Mutex<Option<(std::time::Instant, api::TierList)>>,
+    /// Requests in flight, and when the last one ended ([`Server::idle_for`]).
+    in_flight: std::sync::atomic::AtomicUsize,
+    last_request: Mutex<std::time::Instant>,
 }
+
+/// Counts a request in flight while it lives (until its answer's head is made).
+struct InFlight(Arc<Shared>);
+
+impl InFlight {
+    fn new(shared: Arc<Shared>) -> Self {
+        shared
+            .in_flight
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        InFlight(shared)
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        *self
+            .0
+            .last_request
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = std::time::Instant::now();
+        self.0
+            .in_flight
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// How long an answer of `GET /v1/tiers` is given again before the provider is asked anew
+/// (a tier that is unavailable is probed again on every ask, which can take a while).
+pub const TIERS_FRESH: Duration = Duration::from_secs(1);
 
 impl Shared {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Entry>>> {
@@ -354,6 +444,33 @@ impl Shared {
             None
         }
     }
+
+    /// Destroys `sandbox` in the background (tracked: shutdown waits for it); `why`, when
+    /// the server decided it, is logged.
+    fn destroy_later(&self, id: String, sandbox: Arc<dyn Sandbox>, why: Option<&'static str>) {
+        self.teardowns.spawn(async move {
+            if let Some(why) = why {
+                tracing::info!(sandbox = %id, "destroyed: {why}");
+            }
+            if let Err(err) = sandbox.destroy().await {
+                tracing::warn!(sandbox = %id, error = %err, "destroy failed");
+            }
+        });
+    }
+}
+
+/// The warm pools' counters ([`Server::warm_stats`]), summed over the specs pooled now.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WarmStats {
+    /// Specs with a pool.
+    pub pools: usize,
+    /// Sandboxes ready in them.
+    pub ready: usize,
+    /// Creates served by a ready sandbox.
+    pub hits: u64,
+    /// Creates of a pooled spec that found its pool empty (and created at once).
+    pub misses: u64,
 }
 
 /// A listener without its token.
@@ -398,9 +515,15 @@ impl Server {
         Server {
             shared: Arc::new(Shared {
                 provider,
+                warm: warm::Warm::new(config.warm, config.warm_idle),
                 config,
                 sandboxes: Mutex::new(HashMap::new()),
                 kept: std::sync::atomic::AtomicUsize::new(0),
+                teardowns: tokio_util::task::TaskTracker::new(),
+                running: std::sync::atomic::AtomicUsize::new(0),
+                tiers: Mutex::new(None),
+                in_flight: std::sync::atomic::AtomicUsize::new(0),
+                last_request: Mutex::new(std::time::Instant::now()),
             }),
             mcp: Arc::new(Mutex::new(HashMap::new())),
         }
@@ -479,11 +602,25 @@ impl Server {
         let gate = self.gate(clients);
         let names: Vec<String> = gate.names().map(str::to_string).collect();
         let app = routes::router(Arc::clone(&self.shared), gate.clone());
+        // Every request, the API's and MCP's, counts as activity (`idle_for`).
+        let counted = Arc::clone(&self.shared);
+        let count = axum::middleware::from_fn(
+            move |req: axum::extract::Request, next: axum::middleware::Next| {
+                let guard = InFlight::new(Arc::clone(&counted));
+                async move {
+                    let r = next.run(req).await;
+                    drop(guard);
+                    r
+                }
+            },
+        );
         let served = match served {
             Either::Tcp(l) => {
                 use axum::serve::ListenerExt;
                 let local = l.local_addr().ok();
-                let app = app.merge(self.mcp_router(&names, gate, local, &stop));
+                let app = app
+                    .merge(self.mcp_router(&names, gate, local, &stop))
+                    .layer(count);
                 // No Nagle: an event stream's small writes (a terminal's echo, a process's
                 // first line) would otherwise wait for the client's delayed ACK (~40 ms).
                 let l = l.tap_io(|tcp| {
@@ -494,7 +631,9 @@ impl Server {
                 axum::serve(l, app).with_graceful_shutdown(shutdown).await
             }
             Either::Unix(l) => {
-                let app = app.merge(self.mcp_router(&names, gate, None, &stop));
+                let app = app
+                    .merge(self.mcp_router(&names, gate, None, &stop))
+                    .layer(count);
                 axum::serve(l, app).with_graceful_shutdown(shutdown).await
             }
         };
@@ -557,8 +696,45 @@ impl Server {
             .layer(axum::middleware::from_fn_with_state(gate, auth::gate))
     }
 
-    /// Destroys every sandbox this server holds (the MCP endpoint's too).
+    /// How long the server has been idle: no request in flight (an answer's head made ends
+    /// one; a stream that flows on is held by its sandbox), no sandbox held (the API's, a
+    /// `POST /v1/run`'s, an MCP session's), for this long since the last request ended or
+    /// since it was made. `None` while it is not idle. Its warm pools do not count. For an
+    /// exit when idle (`serve --idle-exit`).
+    pub fn idle_for(&self) -> Option<Duration> {
+        use std::sync::atomic::Ordering;
+        let s = &self.shared;
+        let mcp_live: usize = self
+            .mcp
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(mcp::SandboxMcp::live)
+            .sum();
+        if s.in_flight.load(Ordering::SeqCst) > 0
+            || s.running.load(Ordering::SeqCst) > 0
+            || !s.lock().is_empty()
+            || mcp_live > 0
+        {
+            return None;
+        }
+        Some(
+            s.last_request
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .elapsed(),
+        )
+    }
+
+    /// The warm pools' counters ([`ServerConfig::warm`]).
+    pub fn warm_stats(&self) -> WarmStats {
+        self.shared.warm.stats()
+    }
+
+    /// Destroys every sandbox this server holds (the MCP endpoint's too) and those its warm
+    /// pools hold ready, and waits for the teardowns running in the background.
     pub async fn destroy_all(&self) {
+        self.shared.warm.shutdown_all().await;
         let all: Vec<Arc<Entry>> = self.shared.lock().drain().map(|(_, e)| e).collect();
         for e in all {
             if let Err(err) = e.sandbox.destroy().await {
@@ -575,5 +751,8 @@ impl Server {
         for m in sessions {
             m.destroy_all().await;
         }
+        self.shared.teardowns.close();
+        self.shared.teardowns.wait().await;
+        self.shared.teardowns.reopen();
     }
 }

@@ -186,6 +186,7 @@ pub(crate) async fn reap(shared: Arc<Shared>) {
         for e in entries {
             reap_one(&shared, e).await;
         }
+        shared.warm.expire().await;
     }
 }
 
@@ -230,12 +231,6 @@ fn remove_and_destroy(shared: &Shared, e: &Arc<Entry>, why: &'static str) {
     if all.get(&id).is_some_and(|x| Arc::ptr_eq(x, e)) {
         all.remove(&id);
         drop(all);
-        let sandbox = Arc::clone(&e.sandbox);
-        tokio::spawn(async move {
-            tracing::info!(sandbox = %id, "destroyed: {why}");
-            if let Err(err) = sandbox.destroy().await {
-                tracing::warn!(sandbox = %id, error = %err, "destroy failed");
-            }
-        });
+        shared.destroy_later(id, Arc::clone(&e.sandbox), Some(why));
     }
 }

@@ -244,6 +244,11 @@ impl SandboxMcp {
         Ok((id, sb))
     }
 
+    /// How many sessions (each a sandbox) are live.
+    pub(crate) fn live(&self) -> usize {
+        self.lock().len()
+    }
+
     /// Destroys every session's sandbox (when the client goes).
     pub async fn destroy_all(&self) {
         let all: Vec<Arc<dyn Sandbox>> = self.lock().drain().map(|(_, s)| s).collect();

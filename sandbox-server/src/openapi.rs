@@ -10,6 +10,7 @@ pub const OPERATIONS: &[(&str, &str)] = &[
     ("get", "/v1/tiers"),
     ("post", "/v1/sandboxes"),
     ("get", "/v1/sandboxes"),
+    ("post", "/v1/run"),
     ("get", "/v1/sandboxes/{id}"),
     ("delete", "/v1/sandboxes/{id}"),
     ("post", "/v1/sandboxes/{id}/exec"),
@@ -120,11 +121,20 @@ pub fn document() -> Value {
                     "responses": json_ok("200", "The sandboxes, oldest first.", "SandboxList")
                 }
             },
+            "/v1/run": { "post": {
+                "operationId": "runOnce",
+                "summary": "One command in a fresh sandbox (a ready one from the server's warm pools when it has one for this spec), destroyed after it: create, exec, network events and destroy in one request. `409 build_mismatch` when `build` is given and the server is another build.",
+                "requestBody": json_body("RunBody"),
+                "responses": json_ok("200", "The tier, the command's result and the sandbox's egress decisions.", "RunReply")
+            } },
             "/v1/sandboxes/{id}": {
                 "parameters": [ id_param() ],
                 "get": { "operationId": "getSandbox", "summary": "One sandbox.",
                     "responses": json_ok("200", "The sandbox.", "SandboxInfo") },
                 "delete": { "operationId": "destroySandbox", "summary": "Destroy a sandbox.",
+                    "parameters": [ { "name": "wait", "in": "query", "required": false,
+                        "description": "`false`: answer once the sandbox is out of use, its teardown going on in the background (a failure there is logged, not answered). Default `true`.",
+                        "schema": { "type": "boolean", "default": true } } ],
                     "responses": with_errors(json!({ "204": { "description": "Destroyed." } })) }
             },
             "/v1/sandboxes/{id}/exec": {
@@ -371,7 +381,18 @@ pub fn document() -> Value {
                             "truncated": { "type": "boolean" },
                             "value": { "type": "string" },
                             "timeline": { "type": "object" } } },
+                    "RunBody": { "type": "object", "required": ["spec", "command"], "additionalProperties": false,
+                        "properties": {
+                            "spec": { "type": "object", "description": "The library's SandboxSpec as JSON (at least `language`)." },
+                            "tier": { "type": "string", "enum": ["wasm", "container", "gvisor", "microvm"] },
+                            "command": { "$ref": "#/components/schemas/ExecBody" },
+                            "build": { "type": "string", "description": "The server's build this client requires (TierList's `build`)." } } },
+                    "RunReply": { "type": "object", "required": ["tier", "result", "network"], "properties": {
+                        "tier": { "type": "string" },
+                        "result": { "$ref": "#/components/schemas/ExecResult" },
+                        "network": { "type": "array", "items": { "type": "object" } } } },
                     "TierList": { "type": "object", "required": ["tiers"], "properties": {
+                        "build": { "type": "string", "description": "Which build the server is, when it says." },
                         "tiers": { "type": "array", "items": { "type": "object", "required": ["status"],
                             "properties": {
                                 "status": { "type": "object", "required": ["tier", "available"], "properties": {

@@ -33,6 +33,7 @@ pub(crate) fn router(shared: Arc<Shared>, gate_state: Gate) -> Router {
         .route("/v1/openapi.json", get(openapi))
         .route("/v1/tiers", get(tiers))
         .route("/v1/sandboxes", post(create).get(list))
+        .route("/v1/run", post(crate::run::run))
         .route("/v1/sandboxes/{id}", get(get_one).delete(destroy))
         .route("/v1/sandboxes/{id}/exec", post(exec))
         .route("/v1/sandboxes/{id}/exec/stream", post(exec_stream))
@@ -182,6 +183,16 @@ async fn openapi() -> Json<serde_json::Value> {
 
 async fn tiers(State(s): State<Arc<Shared>>) -> Json<TierList> {
     // (Every client may see what the server can run.)
+    let cached = s
+        .tiers
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .filter(|(at, _)| at.elapsed() < crate::TIERS_FRESH)
+        .map(|(_, list)| list.clone());
+    if let Some(list) = cached {
+        return Json(list);
+    }
     let tiers = s
         .provider
         .probe()
@@ -192,7 +203,13 @@ async fn tiers(State(s): State<Arc<Shared>>) -> Json<TierList> {
             status,
         })
         .collect();
-    Json(TierList { tiers })
+    let list = TierList {
+        tiers,
+        build: s.config.build.clone(),
+    };
+    *s.tiers.lock().unwrap_or_else(|p| p.into_inner()) =
+        Some((std::time::Instant::now(), list.clone()));
+    Json(list)
 }
 
 async fn create(
@@ -205,7 +222,7 @@ async fn create(
     }
     check_lifetime(&body.lifetime)?;
     room(&s, 1)?;
-    let sandbox = s.provider.create(&body.spec, body.tier).await?;
+    let (sandbox, _) = s.create_pooled(&body.spec, body.tier).await?;
     let info = admit(&s, &caller, sandbox, body.labels, body.lifetime, None).await?;
     Ok((StatusCode::CREATED, Json(info)))
 }
@@ -231,9 +248,11 @@ fn check_lifetime(l: &LifetimeSpec) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Refuses a request for `n` more sandboxes than the server has room for.
-fn room(s: &Shared, n: usize) -> Result<(), ApiError> {
-    if s.lock().len() + n > s.config.max_sandboxes {
+/// Refuses a request for `n` more sandboxes than the server has room for (the runs of
+/// `POST /v1/run` count).
+pub(crate) fn room(s: &Shared, n: usize) -> Result<(), ApiError> {
+    let running = s.running.load(std::sync::atomic::Ordering::SeqCst);
+    if s.lock().len() + running + n > s.config.max_sandboxes {
         return Err(full(s.config.max_sandboxes));
     }
     Ok(())
@@ -358,15 +377,35 @@ async fn get_one(
     Ok(Json(s.get(&id, &caller)?.info()))
 }
 
+/// `DELETE /v1/sandboxes/{id}`; with `?wait=false` the answer comes as soon as the sandbox
+/// is out of the table (no request reaches it any more) and its teardown goes on in the
+/// background (a failure there is logged, not answered).
 async fn destroy(
     State(s): State<Arc<Shared>>,
     caller: Caller,
     Path(id): Path<String>,
+    Query(q): Query<Vec<(String, String)>>,
 ) -> Result<StatusCode, ApiError> {
+    let mut wait = true;
+    for (k, v) in q {
+        match (k.as_str(), v.as_str()) {
+            ("wait", "true") => wait = true,
+            ("wait", "false") => wait = false,
+            _ => {
+                return Err(ApiError::bad_request(format!(
+                    "unknown query `{k}={v}`: only `wait=true` or `wait=false`"
+                )))
+            }
+        }
+    }
     let e = s
         .take(&id, &caller)
         .ok_or_else(|| ApiError::no_sandbox(&id))?;
-    e.sandbox.destroy().await?;
+    if wait {
+        e.sandbox.destroy().await?;
+    } else {
+        s.destroy_later(id, Arc::clone(&e.sandbox), None);
+    }
     Ok(StatusCode::NO_CONTENT)
 }
 
