@@ -70,6 +70,16 @@ pub struct RemoteConfig {
     /// How long the tiers' statuses reported on connecting answer
     /// [`Backend::preflight`] (default [`PREFLIGHT_FRESH`]).
     pub preflight_fresh: std::time::Duration,
+    /// Whether [`Sandbox::destroy`] returns as soon as the server has taken the sandbox out
+    /// of use, its teardown going on there in the background (`DELETE ...?wait=false`): a
+    /// one-shot client need not wait for it, but a failed teardown is then only in the
+    /// server's log. Default `false`.
+    pub destroy_without_waiting: bool,
+    /// Whether [`RemoteServer::connect`] asks the server for its tiers (and so checks the
+    /// address and the token at once). Without it the server has no backends here
+    /// ([`RemoteServer::tiers`] is empty) and the first request is the first contact: for a
+    /// client that only calls [`RemoteServer::run_once`] on a named tier. Default `true`.
+    pub ask_tiers: bool,
 }
 
 impl std::fmt::Debug for RemoteConfig {
@@ -79,6 +89,8 @@ impl std::fmt::Debug for RemoteConfig {
             .field("token", &self.token.as_ref().map(|_| "<hidden>"))
             .field("labels", &self.labels)
             .field("preflight_fresh", &self.preflight_fresh)
+            .field("destroy_without_waiting", &self.destroy_without_waiting)
+            .field("ask_tiers", &self.ask_tiers)
             .finish()
     }
 }
@@ -99,7 +111,21 @@ impl RemoteConfig {
             token: None,
             labels: BTreeMap::new(),
             preflight_fresh: PREFLIGHT_FRESH,
+            destroy_without_waiting: false,
+            ask_tiers: true,
         })
+    }
+
+    /// Sets [`ask_tiers`](Self::ask_tiers).
+    pub fn ask_tiers(mut self, on: bool) -> Self {
+        self.ask_tiers = on;
+        self
+    }
+
+    /// Sets [`destroy_without_waiting`](Self::destroy_without_waiting).
+    pub fn destroy_without_waiting(mut self, on: bool) -> Self {
+        self.destroy_without_waiting = on;
+        self
     }
 
     /// Sets how long the statuses reported on connecting answer
@@ -137,6 +163,8 @@ impl RemoteConfig {
 pub struct RemoteServer {
     shared: Arc<Shared>,
     tiers: Vec<TierInfo>,
+    /// The server's build, if it said.
+    build: Option<String>,
     /// Until when the statuses in `tiers` answer preflights.
     fresh_until: std::time::Instant,
 }
@@ -151,6 +179,8 @@ pub const PREFLIGHT_FRESH: std::time::Duration = std::time::Duration::from_secs(
 struct Shared {
     client: Arc<Client>,
     labels: BTreeMap<String, String>,
+    /// [`RemoteConfig::destroy_without_waiting`].
+    detach: bool,
     /// Snapshots of callers' stores already sent: (store's id) -> the server's id.
     sent: Mutex<HashMap<SnapshotId, SnapshotId>>,
 }
@@ -180,6 +210,21 @@ impl RemoteServer {
             config.token,
             config.address.clone(),
         ));
+        let shared = Arc::new(Shared {
+            client: Arc::clone(&client),
+            labels: config.labels,
+            detach: config.destroy_without_waiting,
+            sent: Mutex::new(HashMap::new()),
+        });
+        let fresh_until = std::time::Instant::now() + config.preflight_fresh;
+        if !config.ask_tiers {
+            return Ok(RemoteServer {
+                shared,
+                tiers: Vec::new(),
+                build: None,
+                fresh_until,
+            });
+        }
         // The first request checks the address (its transport error is kept as the source)
         // and the token.
         let resp = client
@@ -194,13 +239,48 @@ impl RemoteServer {
             .await
             .map_err(Failure::into_remote)?;
         Ok(RemoteServer {
-            shared: Arc::new(Shared {
-                client,
-                labels: config.labels,
-                sent: Mutex::new(HashMap::new()),
-            }),
+            shared,
             tiers: list.tiers,
-            fresh_until: std::time::Instant::now() + config.preflight_fresh,
+            build: list.build,
+            fresh_until,
+        })
+    }
+
+    /// The server's build as it reported it on connecting (`None`: it did not say).
+    pub fn build(&self) -> Option<&str> {
+        self.build.as_deref()
+    }
+
+    /// One command in a fresh sandbox of `spec` on `tier` (`None`: the server's choice for
+    /// the spec's language), destroyed after it, in one request (`POST /v1/run`): the server
+    /// takes a ready sandbox from its warm pools when it has one for this spec, and tears it
+    /// down after answering. `build`: the server must be this build, else nothing runs
+    /// ([`Error::Unavailable`] naming both). Errors are the library's, as for a create and
+    /// an exec.
+    pub async fn run_once(
+        &self,
+        spec: &SandboxSpec,
+        tier: Option<Tier>,
+        req: sandbox_core::ExecRequest,
+        build: Option<&str>,
+    ) -> Result<sandbox_server::api::RunReply> {
+        // Errors before the server chose a tier name the one asked for (else the likeliest).
+        let shown = tier.unwrap_or(Tier::Container);
+        let body = sandbox_server::api::RunBody {
+            spec: spec.clone(),
+            tier,
+            command: sandbox::exec_body(shown, req)?,
+            build: build.map(str::to_string),
+        };
+        let c = &self.shared.client;
+        let req = c.request(Method::POST, "/v1/run").json(&body);
+        c.json(req).await.map_err(|f| match f.kind.as_str() {
+            "build_mismatch" => Error::Unavailable {
+                tier: shown,
+                reason: f.message,
+                fix: "use a server of the build asked for, or run without one".into(),
+            },
+            _ => f.into_core(shown, None, None),
         })
     }
 
@@ -262,13 +342,16 @@ impl RemoteBackend {
         spec: SandboxSpec,
         t: TimelineRecorder,
     ) -> Box<dyn Sandbox> {
-        Box::new(RemoteSandbox::new(
-            Arc::clone(&self.shared.client),
-            info.id,
-            info.tier,
-            spec,
-            t.finish(),
-        ))
+        Box::new(
+            RemoteSandbox::new(
+                Arc::clone(&self.shared.client),
+                info.id,
+                info.tier,
+                spec,
+                t.finish(),
+            )
+            .destroy_without_waiting(self.shared.detach),
+        )
     }
 
     /// Whether the server's store has snapshot `id`.

@@ -34,6 +34,8 @@ pub struct RemoteSandbox {
     timeline: Timeline,
     /// Destroyed through this handle: every later call is `SandboxGone` without a request.
     gone: AtomicBool,
+    /// `destroy` does not wait for the teardown (`DELETE ...?wait=false`).
+    detach: bool,
 }
 
 impl RemoteSandbox {
@@ -51,7 +53,15 @@ impl RemoteSandbox {
             spec,
             timeline,
             gone: AtomicBool::new(false),
+            detach: false,
         }
+    }
+
+    /// Sets whether `destroy` waits for the teardown (see
+    /// [`RemoteConfig::destroy_without_waiting`](crate::RemoteConfig::destroy_without_waiting)).
+    pub(crate) fn destroy_without_waiting(mut self, on: bool) -> Self {
+        self.detach = on;
+        self
     }
 
     /// The server's address, as given.
@@ -79,28 +89,7 @@ impl RemoteSandbox {
 
     /// The request body of `req`, or why the API cannot carry it.
     fn body(&self, req: ExecRequest) -> Result<ExecBody> {
-        let mut body = match &req.command {
-            Command::Argv(_) | Command::Code(_) => ExecBody::from_command(&req.command),
-            other => {
-                return Err(Error::unsupported(
-                    self.tier,
-                    format!("the command {other:?} through a remote server"),
-                ))
-            }
-        };
-        if let Some(stdin) = req.stdin {
-            body.stdin = Some(String::from_utf8(stdin).map_err(|_| Error::InvalidSpec {
-                field: "stdin".into(),
-                reason: "a remote server takes standard input as UTF-8 text".into(),
-            })?);
-        }
-        body.env = req.env;
-        body.cwd = req.cwd;
-        body.tty = req.tty;
-        body.timeout_ms = req
-            .timeout
-            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-        Ok(body)
+        exec_body(self.tier, req)
     }
 
     /// Sends `req`, whose answer has no body (about workspace path `path`, if any).
@@ -330,7 +319,12 @@ impl Sandbox for RemoteSandbox {
         if self.gone.swap(true, Ordering::SeqCst) {
             return Ok(());
         }
-        let req = self.client.request(Method::DELETE, &self.path(""));
+        let path = if self.detach {
+            self.path("?wait=false")
+        } else {
+            self.path("")
+        };
+        let req = self.client.request(Method::DELETE, &path);
         match self.client.send(req).await {
             Ok(_) => Ok(()),
             // Already gone there (expired, destroyed by another client): destroyed.
@@ -507,4 +501,30 @@ impl Drop for RemoteSandbox {
             let _ = client.send(req).await;
         });
     }
+}
+
+/// The request body of `req` for a sandbox of `tier`, or why the API cannot carry it.
+pub(crate) fn exec_body(tier: Tier, req: ExecRequest) -> Result<ExecBody> {
+    let mut body = match &req.command {
+        Command::Argv(_) | Command::Code(_) => ExecBody::from_command(&req.command),
+        other => {
+            return Err(Error::unsupported(
+                tier,
+                format!("the command {other:?} through a remote server"),
+            ))
+        }
+    };
+    if let Some(stdin) = req.stdin {
+        body.stdin = Some(String::from_utf8(stdin).map_err(|_| Error::InvalidSpec {
+            field: "stdin".into(),
+            reason: "a remote server takes standard input as UTF-8 text".into(),
+        })?);
+    }
+    body.env = req.env;
+    body.cwd = req.cwd;
+    body.tty = req.tty;
+    body.timeout_ms = req
+        .timeout
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    Ok(body)
 }

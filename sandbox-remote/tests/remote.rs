@@ -34,13 +34,18 @@ impl Drop for Running {
 }
 
 async fn start() -> Running {
+    start_with(|c| c).await
+}
+
+/// A server whose configuration `f` makes from the default one (with a snapshot store).
+async fn start_with(f: impl FnOnce(ServerConfig) -> ServerConfig) -> Running {
     let dir = tempfile::tempdir().unwrap();
     let store = ObjectSnapshotStore::local(dir.path()).unwrap();
     let server = Server::new(
         Arc::new(OneBackend(Arc::new(
             UnisolatedBackend::new_without_isolation(),
         ))),
-        ServerConfig::default().snapshot_store(Arc::new(store)),
+        f(ServerConfig::default().snapshot_store(Arc::new(store))),
     );
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = format!("http://{}", l.local_addr().unwrap());
@@ -364,5 +369,95 @@ async fn a_unix_socket_server_needs_no_token() {
     let mine = ObjectSnapshotStore::local(dir2.path()).unwrap();
     let e = sb.snapshot(&mine).await.unwrap_err();
     assert!(e.to_string().contains("--state-dir"), "{e}");
+    sb.destroy().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_once_is_one_request_and_checks_the_build() {
+    let r = start_with(|c| c.warm(1).build("build-1")).await;
+    // Without asking for the tiers: no backends here, and a run still goes.
+    let config = RemoteConfig::new(&r.address)
+        .unwrap()
+        .token(r.token.reveal())
+        .ask_tiers(false);
+    let server = RemoteServer::connect(config).await.unwrap();
+    assert!(server.tiers().is_empty());
+    assert_eq!(server.build(), None);
+    let spec = SandboxSpec::new(Language::Shell);
+    for _ in 0..3 {
+        let out = server
+            .run_once(
+                &spec,
+                Some(Tier::Unisolated),
+                ExecRequest::argv(["sh", "-c", "echo hi; exit 4"]),
+                Some("build-1"),
+            )
+            .await
+            .unwrap();
+        assert_eq!(out.tier, Tier::Unisolated);
+        assert_eq!(
+            (out.result.exit_code, &out.result.stdout[..]),
+            (Some(4), &b"hi\n"[..])
+        );
+        assert!(
+            r.server.sandbox_ids().is_empty(),
+            "a run's sandbox stayed listed"
+        );
+    }
+    // Another build: Unavailable, naming the server's, and nothing ran.
+    let e = server
+        .run_once(
+            &spec,
+            Some(Tier::Unisolated),
+            ExecRequest::argv(["sh", "-c", "exit 9"]),
+            Some("build-2"),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::Unavailable { reason, .. } if reason.contains("build-1")),
+        "{e:?}"
+    );
+    // The library's errors come back as its variants.
+    let mut bad = SandboxSpec::new(Language::Shell);
+    bad.limits.wall_time_ms = 0;
+    let e = server
+        .run_once(
+            &bad,
+            Some(Tier::Unisolated),
+            ExecRequest::argv(["true"]),
+            None,
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(e, Error::InvalidSpec { .. }), "{e:?}");
+    // Asking for the tiers gets the build too.
+    assert_eq!(connect(&r).await.build(), Some("build-1"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destroy_need_not_wait_for_the_teardown() {
+    let r = start().await;
+    let config = RemoteConfig::new(&r.address)
+        .unwrap()
+        .token(r.token.reveal())
+        .destroy_without_waiting(true);
+    let server = RemoteServer::connect(config).await.unwrap();
+    let backend = server.backend(Tier::Unisolated).unwrap();
+    let sb = backend
+        .create(&SandboxSpec::new(Language::Shell), ResolvedSecrets::none())
+        .await
+        .unwrap();
+    assert_eq!(r.server.sandbox_ids().len(), 1);
+    sb.destroy().await.unwrap();
+    assert!(
+        r.server.sandbox_ids().is_empty(),
+        "still listed after destroy"
+    );
+    assert!(matches!(
+        sb.exec(ExecRequest::argv(["true"])).await,
+        Err(Error::SandboxGone { .. })
+    ));
+    // Idempotent, as a waiting destroy.
     sb.destroy().await.unwrap();
 }
