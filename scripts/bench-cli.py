@@ -3,10 +3,13 @@
 
 Times `agent-sandbox run --tier container -- /bin/true` against bubblewrap and
 `agent-sandbox run --tier gvisor -- /bin/true` against `runsc --network=none do /bin/true`,
-each as a whole process (spawn to exit, nothing shared between runs). The commands are
-interleaved, in a shuffled order each round, so that load changes on a shared machine hit
-all of them alike; the table gives medians, the 10th-90th percentile range, and each CLI's
-median over its engine's. Run as root (the gVisor tier and `runsc do` need it).
+each as a whole process (spawn to exit), twice: in-process (`--no-daemon`: nothing shared
+between runs) and through a local daemon (`serve --local`, which this script starts on a
+private socket of its own and stops at the end; every run checks out a ready sandbox of its
+warm pool and leaves the teardown to it). The commands are interleaved, in a shuffled order
+each round, so that load changes on a shared machine hit all of them alike; the table gives
+medians, the 10th-90th percentile range, and each CLI's median over its engine's. Run as
+root (the gVisor tier and `runsc do` need it).
 
     scripts/bench-cli.py [--bin PATH] [--rounds N] [--only container|gvisor] [--json FILE]
 
@@ -20,12 +23,15 @@ import json
 import os
 import random
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 
-def spawn_wait(argv, devnull):
+def spawn_wait(argv, devnull, env):
     """Runs argv with stdin/stdout/stderr on /dev/null; returns (seconds, exit status)."""
     fa = [
         (os.POSIX_SPAWN_DUP2, devnull, 0),
@@ -33,7 +39,7 @@ def spawn_wait(argv, devnull):
         (os.POSIX_SPAWN_DUP2, devnull, 2),
     ]
     t0 = time.perf_counter_ns()
-    pid = os.posix_spawn(argv[0], argv, os.environ, file_actions=fa)
+    pid = os.posix_spawn(argv[0], argv, env, file_actions=fa)
     _, status = os.waitpid(pid, 0)
     t1 = time.perf_counter_ns()
     return (t1 - t0) / 1e6, os.waitstatus_to_exitcode(status)
@@ -71,7 +77,9 @@ def main():
         if not bwrap:
             sys.exit("bwrap not found: apt-get install bubblewrap")
         for b in bins:
-            cases[f"{names[b]} run --tier container -- /bin/true"] = (
+            cases[f"{names[b]} run --no-daemon --tier container -- /bin/true"] = (
+                [b, "run", "--no-daemon", "--tier", "container", "--", "/bin/true"], "container")
+            cases[f"{names[b]} run --tier container -- /bin/true (local daemon)"] = (
                 [b, "run", "--tier", "container", "--", "/bin/true"], "container")
         cases["bwrap --ro-bind / / --unshare-all --die-with-parent /bin/true"] = (
             [bwrap, "--ro-bind", "/", "/", "--unshare-all", "--die-with-parent", "/bin/true"],
@@ -82,23 +90,51 @@ def main():
         if not runsc:
             sys.exit("runsc not found: apt-get install runsc")
         for b in bins:
-            cases[f"{names[b]} run --tier gvisor -- /bin/true"] = (
+            cases[f"{names[b]} run --no-daemon --tier gvisor -- /bin/true"] = (
+                [b, "run", "--no-daemon", "--tier", "gvisor", "--", "/bin/true"], "gvisor")
+            cases[f"{names[b]} run --tier gvisor -- /bin/true (local daemon)"] = (
                 [b, "run", "--tier", "gvisor", "--", "/bin/true"], "gvisor")
         cases["runsc --network=none do /bin/true"] = (
             [runsc, "--network=none", "do", "/bin/true"], "gvisor-engine")
         groups.append("gvisor")
 
-    devnull = os.open(os.devnull, os.O_RDWR)
-    samples = {n: [] for n in cases}
-    order = list(cases)
-    for r in range(a.warmup + a.rounds):
-        random.shuffle(order)
-        for n in order:
-            ms, rc = spawn_wait(cases[n][0], devnull)
-            if rc != 0:
-                sys.exit(f"`{n}` exited {rc}: run it by hand to see why")
-            if r >= a.warmup:
-                samples[n].append(ms)
+    # One local daemon per binary, each on a private socket of its own.
+    tmp = tempfile.TemporaryDirectory()
+    daemons, envs = [], {}
+    for i, b in enumerate(bins):
+        sock = os.path.join(tmp.name, f"d{i}", "daemon.sock")
+        env = dict(os.environ, AGENT_SANDBOX_DAEMON_SOCKET=sock)
+        daemons.append(subprocess.Popen(
+            [b, "serve", "--local", "--state-dir", os.path.join(tmp.name, f"state{i}")],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for _ in range(200):
+            if os.path.exists(sock):
+                break
+            time.sleep(0.05)
+        for n, (argv, _) in cases.items():
+            if argv[0] == b and n.endswith("(local daemon)"):
+                envs[n] = env
+                out = subprocess.run(argv[:2] + ["--json"] + argv[2:], env=env,
+                                     capture_output=True, text=True)
+                via = json.loads(out.stdout or "{}").get("via") if out.returncode == 0 else None
+                if via != "daemon":
+                    sys.exit(f"`{n}` did not go through the daemon ({via}): {out.stderr}")
+    try:
+        devnull = os.open(os.devnull, os.O_RDWR)
+        samples = {n: [] for n in cases}
+        order = list(cases)
+        for r in range(a.warmup + a.rounds):
+            random.shuffle(order)
+            for n in order:
+                ms, rc = spawn_wait(cases[n][0], devnull, envs.get(n, os.environ))
+                if rc != 0:
+                    sys.exit(f"`{n}` exited {rc}: run it by hand to see why")
+                if r >= a.warmup:
+                    samples[n].append(ms)
+    finally:
+        for d in daemons:
+            d.send_signal(signal.SIGTERM)
+            d.wait()
 
     load = os.getloadavg()
     med = {n: statistics.median(v) for n, v in samples.items()}

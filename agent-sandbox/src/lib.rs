@@ -73,6 +73,10 @@ impl server::Provider for Runtime {
     async fn probe(&self) -> Vec<TierStatus> {
         self.statuses(false).await
     }
+
+    fn backend(&self, tier: Tier) -> Option<DynBackend> {
+        Runtime::backend(self, tier).cloned()
+    }
 }
 
 /// `RemoteBackend`: the traits over the HTTP API of `agent-sandbox serve` (the
@@ -395,13 +399,8 @@ impl Runtime {
             let Some(backend) = self.backend(r.tier) else {
                 continue;
             };
-            // An image needs a Linux userland: tiers that cannot start one are passed over.
-            if spec.image.is_some() && !backend.capabilities().images {
-                tracing::debug!(tier = %r.tier, "auto: this tier does not start images; trying the next");
-                continue;
-            }
-            if has_proxied_secrets(spec) && !backend.capabilities().proxy_secrets {
-                tracing::debug!(tier = %r.tier, "auto: this tier cannot hold proxy secrets; trying the next");
+            if let Some(why) = backend.capabilities().passes_over(spec) {
+                tracing::debug!(tier = %r.tier, "auto: {why}; trying the next");
                 continue;
             }
             match self.create_on(backend, spec).await {
@@ -445,7 +444,7 @@ impl Runtime {
                  gVisor and microVM tiers start from images)",
             ));
         }
-        if has_proxied_secrets(spec) && !caps.proxy_secrets {
+        if spec.holds_proxied_secrets() && !caps.proxy_secrets {
             return Err(Error::unsupported(
                 backend.tier(),
                 "proxy-held secrets (SecretExposure::Proxy; capabilities().proxy_secrets is \
@@ -560,21 +559,7 @@ impl Runtime {
         let destroyed = sandbox.destroy().await;
         let mut result = result?;
         destroyed?;
-        let mut timeline = created;
-        // A wait for admission stays its own phase; the rest is the command.
-        let queued = result.timeline.get(Phase::Queue).unwrap_or_default();
-        if !queued.is_zero() {
-            timeline.phases.push(PhaseTiming {
-                phase: Phase::Queue,
-                micros: u64::try_from(queued.as_micros()).unwrap_or(u64::MAX),
-            });
-        }
-        let command = result.timeline.total().saturating_sub(queued);
-        timeline.phases.push(PhaseTiming {
-            phase: Phase::FirstCommand,
-            micros: u64::try_from(command.as_micros()).unwrap_or(u64::MAX),
-        });
-        result.timeline = timeline;
+        result.timeline = created.then_first_command(&result.timeline);
         Ok(RunOutput {
             tier,
             result,
@@ -633,11 +618,4 @@ pub struct RunOutput {
     pub result: ExecResult,
     /// The egress decisions about the sandbox's traffic (empty under deny-all).
     pub network: Vec<sandbox_core::NetworkEvent>,
-}
-
-/// Whether the spec has a secret the egress proxy is to hold.
-fn has_proxied_secrets(spec: &SandboxSpec) -> bool {
-    spec.secrets
-        .iter()
-        .any(|s| matches!(s.exposure, sandbox_core::SecretExposure::Proxy { .. }))
 }

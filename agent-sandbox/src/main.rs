@@ -13,6 +13,7 @@ use agent_sandbox::{
 use clap::{Parser, Subcommand, ValueEnum};
 
 mod bench_cmd;
+mod daemon;
 mod image_cmd;
 mod serve_cmd;
 mod shell_cmd;
@@ -170,6 +171,10 @@ struct RunArgs {
     tier: TierArg,
     #[command(flatten)]
     remote: serve_cmd::ServerArgs,
+    /// Run in this process even when this user's local daemon (`serve --local`) listens
+    /// (as AGENT_SANDBOX_NO_DAEMON=1 does).
+    #[arg(long, conflicts_with = "server")]
+    no_daemon: bool,
     #[command(flatten)]
     q: QuestionArgs,
     /// Allow connections to this host (exact or `*.suffix`, optional `:PORT`). Repeatable.
@@ -341,6 +346,8 @@ fn parse_mount(s: &str) -> Result<Mount, String> {
             "`{s}`: SRC must be a host path and DST an absolute path"
         ));
     }
+    // Absolute, so that a daemon (whose directory is not ours) finds the same path.
+    let src = std::path::absolute(src).map_err(|e| format!("`{s}`: {e}"))?;
     Ok(if rw {
         Mount::read_write(src, dst)
     } else {
@@ -571,20 +578,22 @@ async fn async_main(cli: Cli) -> ExitCode {
         }
         Cmd::Run(args) if args.remote.server.is_some() => {
             match serve_cmd::remote_runtime(&args.remote).await {
-                Ok(rt) => run(&rt, args).await,
+                Ok(rt) => run(Via::Runtime(&rt), args).await,
                 Err(e) => {
                     eprintln!("agent-sandbox: {e}");
                     ExitCode::from(EXIT_SANDBOX_FAILED)
                 }
             }
         }
-        Cmd::Run(args) => match secret_values(&args) {
-            Ok(secrets) => run(&run_runtime(args.tier, secrets), args).await,
-            Err(e) => {
-                eprintln!("agent-sandbox: {e}");
-                ExitCode::from(EXIT_USAGE)
+        // This user's local daemon, when one of this build listens: secrets stay
+        // in-process (their values come from this process's environment and files).
+        Cmd::Run(args) if !args.no_daemon && args.secret.is_empty() && args.publish.is_empty() => {
+            match daemon::connect(matches!(args.tier, TierArg::Tier(_))).await {
+                Some(server) => run(Via::Daemon(server), args).await,
+                None => run_here(args).await,
             }
-        },
+        }
+        Cmd::Run(args) => run_here(args).await,
         Cmd::Image(cmd) => image_cmd::run(cmd).await,
         Cmd::Shell(args) => shell_cmd::run(args).await,
         Cmd::Serve(args) => serve_cmd::run(args).await,
@@ -731,7 +740,79 @@ async fn install_microvm_guest(
     }
 }
 
-async fn run(runtime: &Runtime, args: RunArgs) -> ExitCode {
+/// `run` in this process.
+async fn run_here(args: RunArgs) -> ExitCode {
+    match secret_values(&args) {
+        Ok(secrets) => run(Via::Runtime(&run_runtime(args.tier, secrets)), args).await,
+        Err(e) => {
+            eprintln!("agent-sandbox: {e}");
+            ExitCode::from(EXIT_USAGE)
+        }
+    }
+}
+
+/// Where `run` gets its sandbox.
+enum Via<'a> {
+    /// A runtime: this process's engines, or a `--server`'s.
+    Runtime(&'a Runtime),
+    /// This user's local daemon (`serve --local`); the run falls back to this process when
+    /// the daemon cannot serve it.
+    Daemon(agent_sandbox::remote::RemoteServer),
+}
+
+/// The tier, result and network events of a run, and where it ran (`--json`'s `via`).
+type Ran = (
+    Tier,
+    agent_sandbox::ExecResult,
+    Vec<agent_sandbox::NetworkEvent>,
+    &'static str,
+);
+
+/// Runs `req` in a sandbox of `spec` through `via`.
+async fn run_through(
+    via: Via<'_>,
+    args: &RunArgs,
+    spec: &SandboxSpec,
+    choice: TierChoice,
+    req: ExecRequest,
+    opts: &agent_sandbox::RunOptions,
+) -> Result<Ran, Error> {
+    let server = match via {
+        Via::Runtime(rt) => {
+            let at = if args.remote.server.is_some() {
+                "server"
+            } else {
+                "in-process"
+            };
+            return rt
+                .run_once_with(spec, choice, req, opts)
+                .await
+                .map(|o| (o.tier, o.result, o.network, at));
+        }
+        Via::Daemon(server) => server,
+    };
+    if let Some(tier) = daemon::tier_for(&server, choice, spec) {
+        match server
+            .run_once(spec, Some(tier), req.clone(), Some(daemon::build_id()))
+            .await
+        {
+            // The daemon's host could not make it after all: this process decides (the
+            // selector's next tier, or the full probe's reason and fix).
+            Err(Error::Unavailable { .. }) => {}
+            r => return r.map(|r| (r.tier, r.result, r.network, "daemon")),
+        }
+    }
+    let secrets = secret_values(args).map_err(|reason| Error::InvalidSpec {
+        field: "secret".into(),
+        reason,
+    })?;
+    run_runtime(args.tier, secrets)
+        .run_once_with(spec, choice, req, opts)
+        .await
+        .map(|o| (o.tier, o.result, o.network, "in-process"))
+}
+
+async fn run(via: Via<'_>, args: RunArgs) -> ExitCode {
     let (req, default_lang) = match (&args.code, args.argv.is_empty(), &args.image) {
         (Some(code), _, _) => (ExecRequest::code(code.clone()), Language::Python),
         (None, false, _) => (ExecRequest::argv(args.argv.clone()), Language::Shell),
@@ -776,7 +857,11 @@ async fn run(runtime: &Runtime, args: RunArgs) -> ExitCode {
         b = b.secret_via_proxy(&s.name, &s.var, &s.hosts);
     }
     if let Some(dir) = &args.workspace {
-        b = b.workspace_dir(dir, false);
+        // Absolute, so that a daemon (whose directory is not ours) finds the same one.
+        b = b.workspace_dir(
+            std::path::absolute(dir).unwrap_or_else(|_| dir.clone()),
+            false,
+        );
     }
     if let Some(r) = &args.image {
         b = b.image(r.to_string());
@@ -818,13 +903,13 @@ async fn run(runtime: &Runtime, args: RunArgs) -> ExitCode {
     for &(port, host) in &args.publish {
         opts = opts.publish(port, host);
     }
-    match runtime.run_once_with(&spec, choice, req, &opts).await {
-        Ok(out) => {
-            let (tier, r) = (out.tier, out.result);
+    match run_through(via, &args, &spec, choice, req, &opts).await {
+        Ok((tier, r, network, via)) => {
             if args.json {
                 print_json(&json!({
                     "tier": tier,
-                    "network": out.network,
+                    "via": via,
+                    "network": network,
                     "exit_code": r.exit_code,
                     "stdout": r.stdout_str(),
                     "stderr": r.stderr_str(),
@@ -845,7 +930,7 @@ async fn run(runtime: &Runtime, args: RunArgs) -> ExitCode {
                         spec.limits.output_bytes
                     );
                 }
-                for ev in out.network.iter().filter(|e| !e.allowed) {
+                for ev in network.iter().filter(|e| !e.allowed) {
                     eprintln!("agent-sandbox: network: {ev}");
                 }
             }

@@ -24,6 +24,22 @@ pub(crate) struct ServeArgs {
     /// Listen on this Unix socket instead (made 0600: its permissions are the check).
     #[arg(long, value_name = "PATH", conflicts_with = "listen")]
     unix: Option<PathBuf>,
+    /// Be this user's local daemon: listen on its private socket (`/run/agent-sandbox/
+    /// daemon.sock` as root, else in `$XDG_RUNTIME_DIR/agent-sandbox/`), grant host access
+    /// (only this user reaches the socket), keep warm pools (`--warm`, default 2), and let
+    /// `run` use it: a `run` of the same build then takes a ready sandbox and leaves its
+    /// teardown here (`run --no-daemon` or AGENT_SANDBOX_NO_DAEMON=1: in-process).
+    #[arg(long, conflicts_with_all = ["listen", "unix", "token_file"])]
+    local: bool,
+    /// Ready sandboxes kept for each spec created recently, so its next create takes one
+    /// (specs with host paths, secrets or an image by tag are never pooled). Default 2 with
+    /// --local, else 0.
+    #[arg(long, value_name = "N")]
+    warm: Option<usize>,
+    /// Stop (as on SIGTERM) once idle this long: no request in flight and no sandbox held
+    /// (its warm pools do not count). For a daemon started with an agent session.
+    #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
+    idle_exit: Option<u64>,
     /// The bearer token, in a file only its owner can read (at least 32 characters). Without
     /// it, a new token is written to `$XDG_RUNTIME_DIR/agent-sandbox/token` (or
     /// `/tmp/agent-sandbox-$UID/token`) and that path is printed. Repeat it for several
@@ -298,7 +314,27 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
         .max_requests_per_client(args.max_requests_per_client)
         .body_limit(args.body_limit.saturating_mul(1 << 20))
         .max_sandboxes(args.max_sandboxes)
-        .allow_host_access(args.allow_host_access);
+        .allow_host_access(args.allow_host_access || args.local)
+        .warm(args.warm.unwrap_or(if args.local { 2 } else { 0 }))
+        .build(crate::daemon::build_id());
+    let unix = if args.local {
+        let path = crate::daemon::socket_path();
+        if let Err(e) = crate::daemon::prepare_dir(&path) {
+            eprintln!("agent-sandbox serve: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+        // One daemon per user: a second would take the socket from the first.
+        if std::os::unix::net::UnixStream::connect(&path).is_ok() {
+            eprintln!(
+                "agent-sandbox serve: a daemon already listens on {}",
+                path.display()
+            );
+            return ExitCode::from(EXIT_USAGE);
+        }
+        Some(path)
+    } else {
+        args.unix.clone()
+    };
     let runtime = Arc::new(crate::cli_runtime());
     sweep(&runtime).await;
     let server = Server::new(runtime, config);
@@ -309,7 +345,7 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
     for l in lost {
         eprintln!("agent-sandbox serve: a kept sandbox did not come back: {l}");
     }
-    let (listener, shown) = match (&args.unix, args.listen) {
+    let (listener, shown) = match (&unix, args.listen) {
         (Some(path), _) => {
             // A socket left by an earlier server goes; any other file there is the user's and
             // stays (the bind then fails, saying so).
@@ -384,6 +420,20 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
         }
     };
     eprintln!("agent-sandbox serve: listening on {shown}; the API: GET /v1/openapi.json");
+    let idle_exit = args.idle_exit.map(std::time::Duration::from_secs);
+    let watched = server.clone();
+    let idle = async move {
+        let Some(limit) = idle_exit else {
+            return std::future::pending().await;
+        };
+        loop {
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            if watched.idle_for().is_some_and(|d| d >= limit) {
+                eprintln!("agent-sandbox serve: idle for {}s", limit.as_secs());
+                return;
+            }
+        }
+    };
     let shutdown = async {
         use tokio::signal::unix::{signal, SignalKind};
         match signal(SignalKind::terminate()) {
@@ -391,10 +441,14 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
                 tokio::select! {
                     _ = term.recv() => {}
                     _ = tokio::signal::ctrl_c() => {}
+                    _ = idle => {}
                 }
             }
             Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = idle => {}
+                }
             }
         }
         eprintln!("agent-sandbox serve: stopping (finishing requests, destroying sandboxes)");
@@ -407,7 +461,7 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
             f.display()
         );
     }
-    if let Some(p) = &args.unix {
+    if let Some(p) = &unix {
         let _ = std::fs::remove_file(p);
     }
     match r {
