@@ -99,51 +99,184 @@ fn exe_build_id() -> String {
     format!("{} {exe}", env!("CARGO_PKG_VERSION"))
 }
 
-/// The daemon, when one of this user and build listens on [`socket_path`]; `None`
-/// otherwise (then `run` works in-process). `named_tier`: the run names its tier, so the
+/// Why `run` found no daemon to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Missing {
+    /// `AGENT_SANDBOX_NO_DAEMON` keeps this run in-process.
+    Off,
+    /// Nothing listens: no socket, or one a dead daemon left behind.
+    NotListening,
+    /// Something listens but this run may not or cannot use it: another build, a directory
+    /// others may enter, a server that does not answer as ours does.
+    Unusable,
+}
+
+/// The daemon, when one of this user and build listens on [`socket_path`]; otherwise why
+/// not (then `run` works in-process). `named_tier`: the run names its tier, so the
 /// daemon's tiers are not asked for (its build is checked by the run itself, which answers
 /// `Unavailable` for another build: `run` then works in-process).
-pub(crate) async fn connect(named_tier: bool) -> Option<agent_sandbox::remote::RemoteServer> {
+pub(crate) async fn connect(
+    named_tier: bool,
+) -> Result<agent_sandbox::remote::RemoteServer, Missing> {
     use agent_sandbox::remote::{RemoteConfig, RemoteServer};
     if std::env::var_os(NO_DAEMON_ENV).is_some_and(|v| !v.is_empty() && v != "0") {
-        return None;
+        return Err(Missing::Off);
     }
     let path = socket_path();
     // Cheap checks first: with no daemon, `run` pays one failed `lstat`.
     let is_socket = std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_socket());
-    if !is_socket || !path.parent().is_some_and(private_dir) {
-        return None;
+    if !is_socket {
+        return Err(Missing::NotListening);
+    }
+    if !path.parent().is_some_and(private_dir) {
+        return Err(Missing::Unusable);
+    }
+    // Nothing listening (a daemon that died and left its socket): in-process. Checked here,
+    // before anything is sent, so that a failure later is never retried here (the command
+    // may have run).
+    if let Err(e) = std::os::unix::net::UnixStream::connect(&path) {
+        tracing::debug!(error = %e, "no local daemon; running in-process");
+        return Err(Missing::NotListening);
     }
     let config = RemoteConfig::new(&format!("unix:{}", path.display()))
-        .ok()?
+        .map_err(|_| Missing::Unusable)?
         // A one-shot run need not wait for its sandbox's teardown.
         .destroy_without_waiting(true)
         .ask_tiers(!named_tier);
-    if named_tier {
-        // Nothing listening (a daemon that died and left its socket): in-process. Checked
-        // here, before anything is sent, so that a failure later is never retried here (the
-        // command may have run).
-        if let Err(e) = std::os::unix::net::UnixStream::connect(&path) {
-            tracing::debug!(error = %e, "no local daemon; running in-process");
-            return None;
-        }
-        return RemoteServer::connect(config).await.ok();
-    }
     let server = match RemoteServer::connect(config).await {
         Ok(s) => s,
         Err(e) => {
-            tracing::debug!(error = %e, "no local daemon; running in-process");
-            return None;
+            tracing::debug!(error = %e, "the local daemon did not answer; running in-process");
+            return Err(Missing::Unusable);
         }
     };
-    if server.build() != Some(build_id()) {
+    if !named_tier && server.build() != Some(build_id()) {
         tracing::debug!(
             daemon = ?server.build(),
             "the local daemon is another build; running in-process"
         );
+        return Err(Missing::Unusable);
+    }
+    Ok(server)
+}
+
+/// The environment variable that lets `run` start the daemon itself: `auto` starts
+/// `serve --local --idle-exit 600` in the background when none listens (this run still
+/// works in-process; the next ones use the daemon until it has idled ten minutes).
+pub(crate) const START_ENV: &str = "AGENT_SANDBOX_DAEMON";
+
+/// How long a daemon that `run` started stays idle before it stops, in seconds.
+pub(crate) const AUTO_IDLE_EXIT_SECS: u64 = 600;
+
+/// Whether this run should start the daemon ([`START_ENV`] is `auto`).
+pub(crate) fn auto_start() -> bool {
+    std::env::var_os(START_ENV).is_some_and(|v| v == "auto")
+}
+
+/// Starts this build's daemon in the background (`serve --local --idle-exit 600`, in a
+/// process group of its own, in `/`, its messages appended to `daemon.log` beside its
+/// socket) and returns at once, without waiting for it to listen. Two runs that start one
+/// at the same moment are safe: the daemon's lock lets one of them serve and the other
+/// exit. Failing to start it is not this run's failure: it is logged and the run goes on.
+pub(crate) fn start_in_background() {
+    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::process::CommandExt;
+    let socket = socket_path();
+    if let Err(e) = prepare_dir(&socket) {
+        tracing::warn!("{START_ENV}=auto: the daemon was not started: {e}");
+        return;
+    }
+    let exe = match std::env::current_exe() {
+        Ok(e) => e,
+        Err(e) => {
+            tracing::warn!("{START_ENV}=auto: the daemon was not started: this executable: {e}");
+            return;
+        }
+    };
+    let log = socket.with_file_name("daemon.log");
+    let stderr = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(&log)
+        .map_or_else(|_| std::process::Stdio::null(), std::process::Stdio::from);
+    let started = std::process::Command::new(exe)
+        .args(["serve", "--local", "--idle-exit"])
+        .arg(AUTO_IDLE_EXIT_SECS.to_string())
+        .env_remove(START_ENV)
+        .current_dir("/")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(stderr)
+        // Out of the caller's process group: a Ctrl-C meant for the caller's foreground
+        // job does not stop it.
+        .process_group(0)
+        .spawn();
+    match started {
+        // Not waited for: it outlives this run (and is reaped by whoever adopts it).
+        Ok(child) => tracing::debug!(pid = child.id(), "started the local daemon"),
+        Err(e) => tracing::warn!("{START_ENV}=auto: the daemon was not started: {e}"),
+    }
+}
+
+/// The lock a daemon holds on its socket's directory for its whole life (`daemon.lock`
+/// beside the socket, holding its pid), so that exactly one serves a socket even when two
+/// start at once.
+pub(crate) struct DaemonLock {
+    _file: std::fs::File,
+}
+
+/// Takes the daemon lock for `socket`, or says which daemon holds it.
+pub(crate) fn lock(socket: &Path) -> Result<DaemonLock, String> {
+    use std::io::{Read, Seek, Write};
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let path = socket.with_extension("lock");
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&path)
+        .map_err(|e| format!("open {}: {e}", path.display()))?;
+    // SAFETY: flock on a descriptor this function owns; no memory is involved.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+            return Err(format!("lock {}: {e}", path.display()));
+        }
+        let mut pid = String::new();
+        let _ = file.read_to_string(&mut pid);
+        return Err(format!(
+            "a daemon already listens on {} (pid {})",
+            socket.display(),
+            pid.trim()
+        ));
+    }
+    let wrote = file
+        .set_len(0)
+        .and_then(|()| file.rewind())
+        .and_then(|()| writeln!(file, "{}", std::process::id()));
+    if let Err(e) = wrote {
+        return Err(format!("write {}: {e}", path.display()));
+    }
+    Ok(DaemonLock { _file: file })
+}
+
+/// The pid of the daemon that holds the lock for `socket`, if one does.
+#[cfg(test)]
+fn holder(socket: &Path) -> Option<u32> {
+    let path = socket.with_extension("lock");
+    let file = std::fs::File::open(&path).ok()?;
+    use std::os::fd::AsRawFd;
+    // SAFETY: flock on a descriptor this function owns; no memory is involved.
+    let free = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } == 0;
+    if free {
         return None;
     }
-    Some(server)
+    std::fs::read_to_string(&path).ok()?.trim().parse().ok()
 }
 
 /// The tier the daemon should run `spec` on for `choice`: the tier named, or the
@@ -206,5 +339,31 @@ mod tests {
         assert!(a.starts_with(env!("CARGO_PKG_VERSION")), "{a}");
         assert!(!a.ends_with("unknown"), "{a}");
         assert_eq!(a, exe_build_id(), "the build id is not stable");
+    }
+
+    #[test]
+    fn one_daemon_holds_the_lock_and_names_itself() {
+        let t = tempfile::tempdir().expect("tempdir");
+        let sock = t.path().join("daemon.sock");
+        assert_eq!(holder(&sock), None);
+        let held = lock(&sock).expect("the first lock");
+        assert_eq!(holder(&sock), Some(std::process::id()));
+        let e = lock(&sock)
+            .err()
+            .expect("a second lock while the first is held");
+        assert!(
+            e.contains("already listens") && e.contains(&std::process::id().to_string()),
+            "{e}"
+        );
+        drop(held);
+        assert_eq!(holder(&sock), None);
+        let again = lock(&sock).expect("the lock after its holder let go");
+        drop(again);
+        // A planted link in the lock's place is not followed.
+        std::fs::remove_file(sock.with_extension("lock")).expect("rm");
+        std::os::unix::fs::symlink(t.path().join("elsewhere"), sock.with_extension("lock"))
+            .expect("symlink");
+        assert!(lock(&sock).is_err(), "a link was followed");
+        assert!(!t.path().join("elsewhere").exists());
     }
 }

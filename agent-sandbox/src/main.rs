@@ -172,7 +172,8 @@ struct RunArgs {
     #[command(flatten)]
     remote: serve_cmd::ServerArgs,
     /// Run in this process even when this user's local daemon (`serve --local`) listens
-    /// (as AGENT_SANDBOX_NO_DAEMON=1 does).
+    /// (as AGENT_SANDBOX_NO_DAEMON=1 does). With AGENT_SANDBOX_DAEMON=auto, a run that finds
+    /// no daemon starts one in the background (it stops after 10 idle minutes).
     #[arg(long, conflicts_with = "server")]
     no_daemon: bool,
     #[command(flatten)]
@@ -589,8 +590,12 @@ async fn async_main(cli: Cli) -> ExitCode {
         // in-process (their values come from this process's environment and files).
         Cmd::Run(args) if !args.no_daemon && args.secret.is_empty() && args.publish.is_empty() => {
             match daemon::connect(matches!(args.tier, TierArg::Tier(_))).await {
-                Some(server) => run(Via::Daemon(server), args).await,
-                None => run_here(args).await,
+                Ok(server) => run(Via::Daemon(server), args).await,
+                Err(daemon::Missing::NotListening) if daemon::auto_start() => {
+                    daemon::start_in_background();
+                    run_here(args).await
+                }
+                Err(_) => run_here(args).await,
             }
         }
         Cmd::Run(args) => run_here(args).await,

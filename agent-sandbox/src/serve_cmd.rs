@@ -317,16 +317,27 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
         .allow_host_access(args.allow_host_access || args.local)
         .warm(args.warm.unwrap_or(if args.local { 2 } else { 0 }))
         .build(crate::daemon::build_id());
+    // Held until this function returns, after the socket is gone.
+    let mut daemon_lock = None;
     let unix = if args.local {
         let path = crate::daemon::socket_path();
         if let Err(e) = crate::daemon::prepare_dir(&path) {
             eprintln!("agent-sandbox serve: {e}");
             return ExitCode::from(EXIT_USAGE);
         }
-        // One daemon per user: a second would take the socket from the first.
+        // One daemon per socket: a second would take the socket from the first. The lock
+        // decides between two that start at the same moment (`AGENT_SANDBOX_DAEMON=auto`).
+        match crate::daemon::lock(&path) {
+            Ok(l) => daemon_lock = Some(l),
+            Err(e) => {
+                eprintln!("agent-sandbox serve: {e}");
+                return ExitCode::from(EXIT_USAGE);
+            }
+        }
+        // A server on the socket that holds no lock (one started by hand with `--unix`).
         if std::os::unix::net::UnixStream::connect(&path).is_ok() {
             eprintln!(
-                "agent-sandbox serve: a daemon already listens on {}",
+                "agent-sandbox serve: a server already listens on {}",
                 path.display()
             );
             return ExitCode::from(EXIT_USAGE);
@@ -464,6 +475,7 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
     if let Some(p) = &unix {
         let _ = std::fs::remove_file(p);
     }
+    drop(daemon_lock);
     match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -352,3 +352,126 @@ fn an_idle_exit_waits_for_the_sandboxes_it_holds() {
     assert!(d.child.wait().unwrap().success());
     assert!(!d.sock.exists(), "the socket outlived the daemon");
 }
+
+/// The daemons (`serve --local`) whose socket is `sock`: their pids, from the environment
+/// each was started with.
+fn daemons_on(sock: &Path) -> Vec<u32> {
+    let want = format!("AGENT_SANDBOX_DAEMON_SOCKET={}", sock.display());
+    let mut pids = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+        let environ = std::fs::read(e.path().join("environ")).unwrap_or_default();
+        let has = |hay: &[u8], needle: &[u8]| hay.split(|b| *b == 0).any(|w| w == needle);
+        if has(&cmdline, b"serve") && has(&cmdline, b"--local") && has(&environ, want.as_bytes()) {
+            pids.push(pid);
+        }
+    }
+    pids
+}
+
+/// Stops the daemons on a socket when dropped (the test's own, whatever happened).
+struct StopDaemons(PathBuf);
+
+impl Drop for StopDaemons {
+    fn drop(&mut self) {
+        for pid in daemons_on(&self.0) {
+            // SAFETY: kill has no memory preconditions; the pid is a daemon of this test's.
+            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        }
+    }
+}
+
+#[test]
+fn run_starts_the_daemon_when_asked_and_exactly_one() {
+    if skipped() {
+        return;
+    }
+    let t = tempfile::tempdir().unwrap();
+    let sock = t.path().join("d").join("daemon.sock");
+    let _stop = StopDaemons(sock.clone());
+    let state = t.path().join("state");
+    let env: &[(&str, &str)] = &[
+        ("AGENT_SANDBOX_DAEMON", "auto"),
+        ("XDG_STATE_HOME", state.to_str().unwrap()),
+    ];
+    let true_ = &["--tier", "container", "--", "true"];
+    let live = |s: &Path| std::os::unix::net::UnixStream::connect(s).is_ok();
+
+    // Without the variable, nothing is started.
+    runs_in_process(BIN, &sock, t.path());
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    assert!(daemons_on(&sock).is_empty(), "a daemon started unasked");
+
+    // With it: this run in-process, the daemon started beside it; the next runs use it.
+    let (code, v) = run_with(BIN, &sock, t.path(), true_, env);
+    assert_eq!(
+        (code, &v["via"]),
+        (0, &serde_json::json!("in-process")),
+        "{v}"
+    );
+    wait_until(|| live(&sock), "the started daemon to listen");
+    let pids = daemons_on(&sock);
+    assert_eq!(pids.len(), 1, "{pids:?}");
+    let lock = std::fs::read_to_string(sock.with_extension("lock")).unwrap();
+    assert_eq!(
+        lock.trim(),
+        pids[0].to_string(),
+        "the lock names another pid"
+    );
+    for _ in 0..2 {
+        let (code, v) = run_with(BIN, &sock, t.path(), HI, env);
+        assert_eq!((code, &v["via"]), (3, &serde_json::json!("daemon")), "{v}");
+        assert_eq!(v["stdout"], "hi\n1000\n");
+    }
+    let log = sock.with_file_name("daemon.log");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("listening on unix:"), "{text}");
+    assert_eq!(std::fs::metadata(&log).unwrap().mode() & 0o777, 0o600);
+
+    // Stopped, it leaves nothing to be mistaken for a live one.
+    // SAFETY: kill has no memory preconditions; the pid is this test's daemon.
+    unsafe { libc::kill(pids[0] as i32, libc::SIGTERM) };
+    wait_until(
+        || !sock.exists(),
+        "the daemon to stop and remove its socket",
+    );
+    wait_until(|| daemons_on(&sock).is_empty(), "the daemon to exit");
+
+    // Four runs at once that find none: each in-process, and one daemon serves afterwards
+    // (the others that started beside it saw its lock and left).
+    let runs: Vec<_> = (0..4)
+        .map(|_| {
+            let sock = sock.clone();
+            let cwd = t.path().to_path_buf();
+            let env: Vec<(String, String)> = env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            std::thread::spawn(move || {
+                let env: Vec<(&str, &str)> =
+                    env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+                run_with(
+                    BIN,
+                    &sock,
+                    &cwd,
+                    &["--tier", "container", "--", "true"],
+                    &env,
+                )
+            })
+        })
+        .collect();
+    for r in runs {
+        let (code, v) = r.join().unwrap();
+        assert_eq!(code, 0, "{v}");
+    }
+    wait_until(|| live(&sock), "a started daemon to listen");
+    wait_until(
+        || daemons_on(&sock).len() == 1,
+        "exactly one daemon to stay",
+    );
+    let (code, v) = run_with(BIN, &sock, t.path(), true_, env);
+    assert_eq!((code, &v["via"]), (0, &serde_json::json!("daemon")), "{v}");
+}
