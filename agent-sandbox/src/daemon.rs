@@ -174,13 +174,13 @@ pub(crate) fn auto_start() -> bool {
 }
 
 /// Starts this build's daemon in the background (`serve --local --idle-exit 600`, in a
-/// process group of its own, in `/`, its messages appended to `daemon.log` beside its
-/// socket) and returns at once, without waiting for it to listen. Two runs that start one
-/// at the same moment are safe: the daemon's lock lets one of them serve and the other
-/// exit. Failing to start it is not this run's failure: it is logged and the run goes on.
+/// session of its own, in `/`, holding none of this process's descriptors but its stdio,
+/// its messages appended to `daemon.log` beside its socket) and returns at once, without
+/// waiting for it to listen. Two runs that start one at the same moment are safe: the
+/// daemon's lock lets one of them serve and the other exit. Failing to start it is not
+/// this run's failure: it is logged and the run goes on.
 pub(crate) fn start_in_background() {
     use std::os::unix::fs::OpenOptionsExt;
-    use std::os::unix::process::CommandExt;
     let socket = socket_path();
     if let Err(e) = prepare_dir(&socket) {
         tracing::warn!("{START_ENV}=auto: the daemon was not started: {e}");
@@ -208,14 +208,48 @@ pub(crate) fn start_in_background() {
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(stderr)
-        // Out of the caller's process group: a Ctrl-C meant for the caller's foreground
-        // job does not stop it.
-        .process_group(0)
-        .spawn();
+        .spawn_detached();
     match started {
         // Not waited for: it outlives this run (and is reaped by whoever adopts it).
         Ok(child) => tracing::debug!(pid = child.id(), "started the local daemon"),
         Err(e) => tracing::warn!("{START_ENV}=auto: the daemon was not started: {e}"),
+    }
+}
+
+/// Spawning a process that outlives its caller's session and descriptors.
+trait SpawnDetached {
+    /// Spawns it in a session of its own (no controlling terminal: neither a Ctrl-C meant
+    /// for the caller's job nor the terminal's hangup reaches it), with every descriptor
+    /// the caller inherited besides stdio closed at its exec: a pipe that the caller's own
+    /// parent waits on (its end of an agent CLI's capture) must not stay open for the
+    /// daemon's lifetime.
+    fn spawn_detached(&mut self) -> std::io::Result<std::process::Child>;
+}
+
+impl SpawnDetached for std::process::Command {
+    fn spawn_detached(&mut self) -> std::io::Result<std::process::Child> {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: the closure runs in the forked child before exec and makes only
+        // async-signal-safe system calls (setsid, close_range); it allocates nothing and
+        // takes no lock.
+        unsafe {
+            self.pre_exec(|| {
+                if libc::setsid() < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                // Marked close-on-exec rather than closed, so the standard library's own
+                // exec-error pipe still works. Kernels before 5.11 lack the flag: the
+                // descriptors then stay as they were.
+                let _ = libc::syscall(
+                    libc::SYS_close_range,
+                    3u32,
+                    u32::MAX,
+                    libc::CLOSE_RANGE_CLOEXEC,
+                );
+                Ok(())
+            })
+        }
+        .spawn()
     }
 }
 

@@ -406,13 +406,57 @@ fn run_starts_the_daemon_when_asked_and_exactly_one() {
     assert!(daemons_on(&sock).is_empty(), "a daemon started unasked");
 
     // With it: this run in-process, the daemon started beside it; the next runs use it.
-    let (code, v) = run_with(BIN, &sock, t.path(), true_, env);
+    // The run inherits a pipe of its caller's as descriptor 100 (as an agent CLI's capture
+    // may be passed): the pipe must close when the run exits, not when the daemon does.
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two descriptors into the array it is given.
+    assert_eq!(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) }, 0);
+    // SAFETY: both descriptors were just made and belong to nothing else.
+    let (r, w) = unsafe {
+        use std::os::fd::FromRawFd;
+        (
+            std::fs::File::from_raw_fd(fds[0]),
+            std::os::fd::OwnedFd::from_raw_fd(fds[1]),
+        )
+    };
+    let mut first = Command::new(BIN);
+    first
+        .args(["run", "--json"])
+        .args(true_)
+        .env("AGENT_SANDBOX_DAEMON_SOCKET", &sock)
+        .envs(env.iter().copied())
+        .current_dir(t.path());
+    let w_fd = std::os::fd::AsRawFd::as_raw_fd(&w);
+    // SAFETY: dup2 is async-signal-safe; the child gets the pipe as 100, not close-on-exec.
+    unsafe {
+        use std::os::unix::process::CommandExt;
+        first.pre_exec(move || {
+            if libc::dup2(w_fd, 100) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = first.output().unwrap();
+    drop(w);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(
-        (code, &v["via"]),
-        (0, &serde_json::json!("in-process")),
+        (out.status.code(), &v["via"]),
+        (Some(0), &serde_json::json!("in-process")),
         "{v}"
     );
     wait_until(|| live(&sock), "the started daemon to listen");
+    let (eof_tx, eof) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut r = r;
+        let _ = std::io::Read::read_to_end(&mut r, &mut Vec::new());
+        let _ = eof_tx.send(());
+    });
+    assert!(
+        eof.recv_timeout(std::time::Duration::from_secs(30)).is_ok(),
+        "the daemon holds the run's caller's pipe open"
+    );
+    assert!(live(&sock), "the daemon stopped");
     let pids = daemons_on(&sock);
     assert_eq!(pids.len(), 1, "{pids:?}");
     let lock = std::fs::read_to_string(sock.with_extension("lock")).unwrap();
