@@ -41,6 +41,18 @@ impl SlotLease {
     }
 }
 
+impl Drop for SlotLease {
+    fn drop(&mut self) {
+        // Unlocked explicitly rather than by the close alone: a child this multi-threaded
+        // process is forking at that moment (between its clone and its exec) holds a copy
+        // of the descriptor, and with it the lock, until it execs.
+        if let Some(f) = &self._lock {
+            // SAFETY: flock on a descriptor we own; no pointers.
+            unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) };
+        }
+    }
+}
+
 /// Why no slot could be leased.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum SlotError {
