@@ -1,0 +1,287 @@
+//! Pulling: where an image reference is fetched from (a registry with its credentials and
+//! client settings, an OCI layout, a local archive), and how its layers reach the store
+//! verified and unpacked, each once however many processes ask.
+
+use super::*;
+
+impl ImageStore {
+    fn source_for(&self, r: &ImageRef) -> Result<Box<dyn Source>> {
+        Ok(match r {
+            ImageRef::Registry {
+                registry,
+                repository,
+                tag,
+                digest,
+            } => {
+                let reference = match (tag, digest) {
+                    (Some(t), Some(d)) => oci_client::Reference::with_tag_and_digest(
+                        registry.clone(),
+                        repository.clone(),
+                        t.clone(),
+                        d.clone(),
+                    ),
+                    (None, Some(d)) => oci_client::Reference::with_digest(
+                        registry.clone(),
+                        repository.clone(),
+                        d.clone(),
+                    ),
+                    (t, None) => oci_client::Reference::with_tag(
+                        registry.clone(),
+                        repository.clone(),
+                        t.clone().unwrap_or_else(|| "latest".into()),
+                    ),
+                };
+                let listed = self.inner.cfg.insecure.iter().any(|i| i == registry);
+                let http =
+                    (listed || r.is_loopback_registry()).then(|| self.client(Some(registry)));
+                Box::new(crate::registry::Registry::new(
+                    reference,
+                    r.to_string(),
+                    self.auth_for(registry),
+                    self.client(None),
+                    http,
+                    listed,
+                ))
+            }
+            ImageRef::OciLayout { path, tag } => Box::new(crate::offline::OciLayout {
+                dir: path.clone(),
+                tag: tag.clone(),
+            }),
+            ImageRef::DockerArchive { path } => Box::new(crate::offline::DockerArchive::new(
+                path.clone(),
+                self.p("tmp"),
+            )),
+            other => return Err(ImageError::Unsupported(format!("image source `{other}`"))),
+        })
+    }
+
+    fn auth_for(&self, registry: &str) -> RegistryAuth {
+        let creds = self
+            .inner
+            .cfg
+            .credentials
+            .get(registry)
+            .cloned()
+            .or_else(|| {
+                let path = self
+                    .inner
+                    .cfg
+                    .docker_config
+                    .clone()
+                    .or_else(auth::docker_config_path)?;
+                auth::from_docker_config(&path, registry)
+            });
+        match creds {
+            Some(c) => RegistryAuth::Basic(c.username, c.password),
+            None => RegistryAuth::Anonymous,
+        }
+    }
+
+    /// The HTTPS client, or one that reaches `plain` over HTTP.
+    fn client(&self, plain: Option<&str>) -> Arc<oci_client::Client> {
+        let key = plain.unwrap_or("").to_owned();
+        let mut clients = match self.inner.clients.lock() {
+            Ok(c) => c,
+            Err(p) => p.into_inner(),
+        };
+        if let Some(c) = clients.get(&key) {
+            return c.clone();
+        }
+        // reqwest is built without a default crypto provider: ring, as the rest of the
+        // workspace uses (an error only means one is installed already).
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let cfg = &self.inner.cfg;
+        let config = ClientConfig {
+            protocol: match plain {
+                Some(r) => ClientProtocol::HttpsExcept(vec![r.to_owned()]),
+                None => ClientProtocol::Https,
+            },
+            extra_root_certificates: cfg
+                .ca_pem
+                .iter()
+                .map(|pem| oci_client::client::Certificate {
+                    encoding: oci_client::client::CertificateEncoding::Pem,
+                    data: pem.clone(),
+                })
+                .collect(),
+            platform_resolver: Some(Box::new(oci_client::client::linux_amd64_resolver)),
+            connect_timeout: Some(cfg.connect_timeout),
+            read_timeout: Some(cfg.read_timeout),
+            ..Default::default()
+        };
+        let c = Arc::new(oci_client::Client::new(config));
+        clients.insert(key, c.clone());
+        c
+    }
+
+    /// Pulls the image from its source (always asking the source, as `docker pull` does),
+    /// verifying every digest, unpacking what the cache lacks, and records it under its
+    /// reference.
+    ///
+    /// # Errors
+    /// [`ImageError::NotFound`], [`ImageError::Unauthorized`], [`ImageError::Registry`]
+    /// (unreachable, stalled past the timeout), [`ImageError::DigestMismatch`],
+    /// [`ImageError::MaliciousLayer`], [`ImageError::CacheFull`], [`ImageError::Io`]
+    /// (a full disk says so). Nothing half-made is ever used.
+    pub async fn pull(&self, r: &ImageRef) -> Result<Image> {
+        let source = self.source_for(r)?;
+        let _store = self.lock("store".into(), false).await?;
+        let resolved = source.resolve().await?;
+        let name = source.describe();
+        let (config, _) = config::parse(&resolved.config, &name)?;
+
+        // The cap, checked before anything is downloaded (blob sizes are known up front).
+        let used = self.usage()?;
+        let cap = self.inner.cfg.max_bytes;
+        let missing: u64 = resolved
+            .layers
+            .iter()
+            .filter(|l| hex_of(&l.diff_id).is_ok_and(|h| !self.p(format!("layers/{h}")).is_dir()))
+            .map(|l| l.size.unwrap_or(0))
+            .sum();
+        if used.saturating_add(missing) > cap {
+            return Err(ImageError::CacheFull {
+                needed: missing,
+                cap,
+                used,
+            });
+        }
+
+        let work = resolved
+            .layers
+            .iter()
+            .map(|l| self.ensure_layer(source.as_ref(), l));
+        futures::future::try_join_all(work).await?;
+
+        let record = Record {
+            digest: resolved.manifest_digest.clone(),
+            source: name,
+            config,
+            layers: resolved
+                .layers
+                .iter()
+                .map(|l| LayerRecord {
+                    digest: l.digest.clone(),
+                    diff_id: l.diff_id.clone(),
+                    media_type: l.media_type.clone(),
+                    size: l.size,
+                })
+                .collect(),
+            source_stamp: match r {
+                ImageRef::DockerArchive { path } => stamp_of(path),
+                _ => None,
+            },
+        };
+        let rec_path = self.p(format!("images/{}.json", hex_of(&record.digest)?));
+        let bytes = serde_json::to_vec_pretty(&record).unwrap_or_default();
+        self.write_atomic(&rec_path, &bytes)?;
+        let key = r.to_string();
+        let digest = record.digest.clone();
+        self.update_refs(|refs| {
+            refs.insert(key.clone(), digest);
+        })?;
+        self.image_of(&key, &record)?.ok_or_else(|| {
+            ImageError::io(
+                "find the unpacked layers of",
+                rec_path,
+                io::Error::new(io::ErrorKind::NotFound, "removed while pulling"),
+            )
+        })
+    }
+
+    /// Makes `layers/<diff-id>` if missing: the blob (downloaded once, under its lock), then
+    /// the unpack into `tmp/`, renamed into place when complete and verified.
+    async fn ensure_layer(&self, source: &dyn Source, l: &LayerDesc) -> Result<()> {
+        let hex = hex_of(&l.diff_id)?.to_owned();
+        let dir = self.p(format!("layers/{hex}"));
+        if dir.is_dir() {
+            return Ok(());
+        }
+        let _layer_lock = self.lock(format!("layer-{hex}"), true).await?;
+        if dir.is_dir() {
+            return Ok(());
+        }
+        let bhex = hex_of(&l.digest)?.to_owned();
+        let blob = self.p(format!("blobs/sha256/{bhex}"));
+        let cap = self.inner.cfg.max_bytes;
+        if !blob.is_file() {
+            let _blob_lock = self.lock(format!("blob-{bhex}"), true).await?;
+            if !blob.is_file() {
+                let room = cap.saturating_sub(self.usage()?);
+                let tmp = self.p(format!("tmp/blob-{}", uuid::Uuid::new_v4().simple()));
+                let fetched = source.fetch(l, &tmp, room).await;
+                if let Err(e) = fetched {
+                    let _ = fs::remove_file(&tmp);
+                    return Err(match e {
+                        ImageError::CacheFull { needed, .. } => ImageError::CacheFull {
+                            needed,
+                            cap,
+                            used: cap - room,
+                        },
+                        e => e,
+                    });
+                }
+                fs::rename(&tmp, &blob).map_err(|e| {
+                    let _ = fs::remove_file(&tmp);
+                    ImageError::io("store the blob", &blob, e)
+                })?;
+            }
+        }
+        let room = cap.saturating_sub(self.usage()?);
+        let tmp = self.p(format!("tmp/layer-{}", uuid::Uuid::new_v4().simple()));
+        fs::create_dir(&tmp).map_err(|e| ImageError::io("create", &tmp, e))?;
+        let spec_owned = (
+            l.digest.clone(),
+            l.diff_id.clone(),
+            Compression::from_media_type(&l.media_type)?,
+        );
+        let (blob2, tmp2) = (blob.clone(), tmp.clone());
+        let unpacked = tokio::task::spawn_blocking(move || {
+            let (digest, diff_id, compression) = spec_owned;
+            let spec = LayerSpec {
+                blob_digest: Some(&digest),
+                diff_id: &diff_id,
+                compression,
+            };
+            let r = unpack::unpack(&blob2, &spec, &tmp2, room);
+            if r.is_ok() {
+                // Durable before it is named: a crash never leaves a half layer in place.
+                if let Ok(d) = fs::File::open(&tmp2) {
+                    let _ = nix::unistd::syncfs(&d);
+                }
+            }
+            r
+        })
+        .await
+        .map_err(|e| ImageError::io("unpack a layer into", &tmp, io::Error::other(e)))?;
+        let stats = match unpacked {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = fs::remove_dir_all(&tmp);
+                return Err(match e {
+                    ImageError::CacheFull { needed, .. } => ImageError::CacheFull {
+                        needed,
+                        cap,
+                        used: cap - room,
+                    },
+                    // A blob that fails its digest check is dropped: the next pull fetches
+                    // it again.
+                    e @ ImageError::DigestMismatch { .. } => {
+                        let _ = fs::remove_file(&blob);
+                        e
+                    }
+                    e => e,
+                });
+            }
+        };
+        let size_path = self.p(format!("layers/{hex}.size"));
+        fs::write(&size_path, stats.bytes.to_string())
+            .map_err(|e| ImageError::io("write", &size_path, e))?;
+        fs::rename(&tmp, &dir).map_err(|e| {
+            let _ = fs::remove_dir_all(&tmp);
+            ImageError::io("store the layer", &dir, e)
+        })?;
+        tracing::debug!(layer = %l.diff_id, bytes = stats.bytes, entries = stats.entries, "layer unpacked");
+        Ok(())
+    }
+}
