@@ -30,16 +30,22 @@ pub(crate) fn socket_path() -> PathBuf {
         return PathBuf::from(p);
     }
     // SAFETY: geteuid has no preconditions.
-    let uid = unsafe { libc::geteuid() };
-    let dir = if uid == 0 {
+    let dir = if unsafe { libc::geteuid() } == 0 {
         PathBuf::from("/run/agent-sandbox")
     } else {
-        match std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
-            Some(d) => PathBuf::from(d).join("agent-sandbox"),
-            None => PathBuf::from(format!("/tmp/agent-sandbox-{uid}")),
-        }
+        user_runtime_dir()
     };
     dir.join("daemon.sock")
+}
+
+/// This user's directory for the CLI's runtime files (the daemon's socket, a generated
+/// token): `$XDG_RUNTIME_DIR/agent-sandbox`, else `/tmp/agent-sandbox-$UID`.
+pub(crate) fn user_runtime_dir() -> PathBuf {
+    match std::env::var_os("XDG_RUNTIME_DIR").filter(|d| !d.is_empty()) {
+        Some(d) => PathBuf::from(d).join("agent-sandbox"),
+        // SAFETY: geteuid has no preconditions.
+        None => PathBuf::from(format!("/tmp/agent-sandbox-{}", unsafe { libc::geteuid() })),
+    }
 }
 
 /// Whether `dir` is a directory (not a link) of this user that nobody else may enter.

@@ -747,13 +747,19 @@ async fn install_microvm_guest(
 
 /// `run` in this process.
 async fn run_here(args: RunArgs) -> ExitCode {
-    match secret_values(&args) {
-        Ok(secrets) => run(Via::Runtime(&run_runtime(args.tier, secrets)), args).await,
+    match runtime_here(&args) {
+        Ok(rt) => run(Via::Runtime(&rt), args).await,
         Err(e) => {
             eprintln!("agent-sandbox: {e}");
             ExitCode::from(EXIT_USAGE)
         }
     }
+}
+
+/// This process's runtime for `run`, with the values of its `--secret`s (or why one has
+/// none).
+fn runtime_here(args: &RunArgs) -> Result<Runtime, String> {
+    secret_values(args).map(|secrets| run_runtime(args.tier, secrets))
 }
 
 /// Where `run` gets its sandbox.
@@ -782,39 +788,32 @@ async fn run_through(
     req: ExecRequest,
     opts: &agent_sandbox::RunOptions,
 ) -> Result<Ran, Error> {
-    let server = match via {
-        Via::Runtime(rt) => {
-            let at = if args.remote.server.is_some() {
-                "server"
-            } else {
-                "in-process"
-            };
-            return rt
-                .run_once_with(spec, choice, req, opts)
-                .await
-                .map(|o| (o.tier, o.result, o.network, at));
+    let here;
+    let (rt, at) = match via {
+        Via::Runtime(rt) if args.remote.server.is_some() => (rt, "server"),
+        Via::Runtime(rt) => (rt, "in-process"),
+        Via::Daemon(server) => {
+            if let Some(tier) = daemon::tier_for(&server, choice, spec) {
+                match server
+                    .run_once(spec, Some(tier), req.clone(), Some(daemon::build_id()))
+                    .await
+                {
+                    // The daemon's host could not make it after all: this process decides
+                    // (the selector's next tier, or the full probe's reason and fix).
+                    Err(Error::Unavailable { .. }) => {}
+                    r => return r.map(|r| (r.tier, r.result, r.network, "daemon")),
+                }
+            }
+            here = runtime_here(args).map_err(|reason| Error::InvalidSpec {
+                field: "secret".into(),
+                reason,
+            })?;
+            (&here, "in-process")
         }
-        Via::Daemon(server) => server,
     };
-    if let Some(tier) = daemon::tier_for(&server, choice, spec) {
-        match server
-            .run_once(spec, Some(tier), req.clone(), Some(daemon::build_id()))
-            .await
-        {
-            // The daemon's host could not make it after all: this process decides (the
-            // selector's next tier, or the full probe's reason and fix).
-            Err(Error::Unavailable { .. }) => {}
-            r => return r.map(|r| (r.tier, r.result, r.network, "daemon")),
-        }
-    }
-    let secrets = secret_values(args).map_err(|reason| Error::InvalidSpec {
-        field: "secret".into(),
-        reason,
-    })?;
-    run_runtime(args.tier, secrets)
-        .run_once_with(spec, choice, req, opts)
+    rt.run_once_with(spec, choice, req, opts)
         .await
-        .map(|o| (o.tier, o.result, o.network, "in-process"))
+        .map(|o| (o.tier, o.result, o.network, at))
 }
 
 async fn run(via: Via<'_>, args: RunArgs) -> ExitCode {

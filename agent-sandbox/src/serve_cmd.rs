@@ -184,12 +184,7 @@ async fn sweep(runtime: &agent_sandbox::Runtime) {
 
 /// Where a generated token goes.
 fn token_path() -> PathBuf {
-    let dir = match std::env::var_os("XDG_RUNTIME_DIR") {
-        Some(d) => PathBuf::from(d).join("agent-sandbox"),
-        // SAFETY: getuid has no preconditions.
-        None => PathBuf::from(format!("/tmp/agent-sandbox-{}", unsafe { libc::getuid() })),
-    };
-    dir.join("token")
+    crate::daemon::user_runtime_dir().join("token")
 }
 
 /// A new token in a new private file at `path` (its directory made 0700).

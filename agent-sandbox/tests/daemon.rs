@@ -7,7 +7,6 @@
 
 mod served;
 
-use std::io::{BufRead, BufReader};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -45,19 +44,9 @@ fn daemon_with(sock: &Path, state: &Path, args: &[&str]) -> Daemon {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap());
-    let mut seen = String::new();
-    loop {
-        let mut line = String::new();
-        if lines.read_line(&mut line).unwrap() == 0 {
-            panic!("serve --local exited before listening: {seen}");
-        }
-        seen.push_str(&line);
-        if line.contains("listening on unix:") {
-            break;
-        }
-    }
-    std::thread::spawn(move || std::io::copy(&mut lines, &mut std::io::sink()));
+    served::await_line(&mut child, "serve --local", |line| {
+        line.contains("listening on unix:").then_some(())
+    });
     Daemon {
         child,
         sock: sock.to_path_buf(),

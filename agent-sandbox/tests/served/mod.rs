@@ -77,21 +77,11 @@ pub fn serve_with(dir: tempfile::TempDir, args: &[&str], env: &[(&str, &str)]) -
         .unwrap();
     // "listening on http://127.0.0.1:PORT (bearer token in FILE)", after any report of an
     // earlier run's leftovers.
-    let mut lines = BufReader::new(child.stderr.take().unwrap());
-    let mut line = String::new();
-    let mut seen = String::new();
-    let base = loop {
-        line.clear();
-        if lines.read_line(&mut line).unwrap() == 0 {
-            panic!("serve exited before listening: {seen}");
-        }
-        seen.push_str(&line);
-        if let Some(w) = line.split_whitespace().find(|w| w.starts_with("http://")) {
-            break w.to_string();
-        }
-    };
-    // Its later output is not read: let it go nowhere rather than fill the pipe.
-    std::thread::spawn(move || std::io::copy(&mut lines, &mut std::io::sink()));
+    let (base, seen) = await_line(&mut child, "serve", |line| {
+        line.split_whitespace()
+            .find(|w| w.starts_with("http://"))
+            .map(str::to_string)
+    });
     (
         Serve {
             child,
@@ -124,4 +114,29 @@ pub fn curl(s: &Serve, method: &str, path: &str, body: Option<&str>) -> (u16, se
     let (body, code) = text.rsplit_once('\n').unwrap();
     let v = serde_json::from_str(body).unwrap_or(serde_json::Value::String(body.into()));
     (code.trim().parse().unwrap(), v)
+}
+
+/// Reads `child`'s piped stderr until `found` makes something of a line, and returns it
+/// with all that was printed up to it; its later output is not read but let go nowhere,
+/// rather than fill the pipe. `what` exited before such a line: a panic with what it printed.
+pub fn await_line<T>(
+    child: &mut Child,
+    what: &str,
+    found: impl Fn(&str) -> Option<T>,
+) -> (T, String) {
+    let mut lines = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    let mut seen = String::new();
+    let t = loop {
+        line.clear();
+        if lines.read_line(&mut line).unwrap() == 0 {
+            panic!("{what} exited before listening: {seen}");
+        }
+        seen.push_str(&line);
+        if let Some(t) = found(&line) {
+            break t;
+        }
+    };
+    std::thread::spawn(move || std::io::copy(&mut lines, &mut std::io::sink()));
+    (t, seen)
 }
