@@ -46,6 +46,7 @@ use std::time::Instant;
 
 use nix::fcntl::Flock;
 
+use crate::beneath;
 use crate::error::{ImageError, Result};
 use crate::store::{hex_of, remove_tree, Image, ImageStore};
 
@@ -139,11 +140,7 @@ impl ImageStore {
                  current user, not by the image's users"
             );
         }
-        let mut merger = Merger {
-            stage: &stage,
-            root,
-            dirs: BTreeMap::new(),
-        };
+        let mut merger = Merger::new(&stage, root);
         for layer in image.layers() {
             merger.merge(layer)?;
         }
@@ -332,16 +329,25 @@ struct DirAttrs {
 }
 
 /// Merges layers into the staging directory.
-struct Merger<'a> {
+pub(crate) struct Merger<'a> {
     stage: &'a Path,
     root: bool,
     /// Staged directories (relative) and the topmost layer's attributes for each.
     dirs: BTreeMap<PathBuf, DirAttrs>,
 }
 
-impl Merger<'_> {
+impl<'a> Merger<'a> {
+    /// A merger into `stage` (an empty directory); `root`: keep owners.
+    pub(crate) fn new(stage: &'a Path, root: bool) -> Self {
+        Merger {
+            stage,
+            root,
+            dirs: BTreeMap::new(),
+        }
+    }
+
     /// Merges `layer` over what is staged.
-    fn merge(&mut self, layer: &Path) -> Result<()> {
+    pub(crate) fn merge(&mut self, layer: &Path) -> Result<()> {
         let mut todo = vec![PathBuf::new()];
         while let Some(rel_dir) = todo.pop() {
             let src_dir = layer.join(&rel_dir);
@@ -465,24 +471,21 @@ impl Merger<'_> {
             .map_err(|e| ImageError::io("set the times of", path, e))
     }
 
-    /// Sets the directories' attributes, deepest first (so a parent's times stay set).
-    fn finish(&mut self) -> Result<()> {
+    /// Sets the directories' attributes, deepest first (so a parent's times stay set),
+    /// through handles reached without following a symlink: an upper layer may have replaced
+    /// a directory, or one of its parents, with a link to the host. One removed by a later
+    /// whiteout or replaced by a non-directory is skipped.
+    pub(crate) fn finish(&mut self) -> Result<()> {
         let mut dirs: Vec<_> = std::mem::take(&mut self.dirs).into_iter().collect();
         dirs.sort_by_key(|(p, _)| std::cmp::Reverse(p.components().count()));
         for (rel, a) in dirs {
-            let path = self.stage.join(&rel);
-            // Removed by a later whiteout or replaced by a non-directory: nothing to do.
-            if !fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir()) {
-                continue;
-            }
-            if self.root {
-                std::os::unix::fs::lchown(&path, Some(a.uid), Some(a.gid))
-                    .map_err(|e| ImageError::io("set the owner of", &path, e))?;
-            }
-            fs::set_permissions(&path, fs::Permissions::from_mode(a.mode))
-                .map_err(|e| ImageError::io("set the mode of", &path, e))?;
-            filetime::set_symlink_file_times(&path, a.mtime, a.mtime)
-                .map_err(|e| ImageError::io("set the times of", &path, e))?;
+            let attrs = beneath::DirAttrs {
+                mode: a.mode,
+                owner: self.root.then_some((a.uid, a.gid)),
+                mtime: a.mtime,
+            };
+            beneath::set_dir_attrs(self.stage, &rel, attrs)
+                .map_err(|e| ImageError::io("set the attributes of", self.stage.join(&rel), e))?;
         }
         fs::set_permissions(self.stage, fs::Permissions::from_mode(0o755))
             .map_err(|e| ImageError::io("set the mode of", self.stage, e))

@@ -32,10 +32,13 @@
 //! overlay lower layers; none of them parses a registry.
 
 mod auth;
+mod beneath;
 mod config;
 mod digest;
 mod error;
 mod fsimage;
+#[cfg(test)]
+mod hostile_fuzz;
 mod offline;
 mod registry;
 mod source;

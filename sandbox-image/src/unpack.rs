@@ -24,6 +24,7 @@
 //! - Extended attributes other than overlay's are dropped (file capabilities would do nothing
 //!   in a sandbox without capabilities).
 
+use std::collections::BTreeMap;
 use std::ffi::{OsStr, OsString};
 use std::fs;
 use std::io::{self, Read, Write};
@@ -31,6 +32,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
+use crate::beneath;
 use crate::digest::HashingReader;
 use crate::error::{ImageError, Result};
 
@@ -105,6 +107,69 @@ pub(crate) struct Unpacked {
 /// Bytes counted per entry on top of its contents (an inode, a directory slot).
 const ENTRY_COST: u64 = 512;
 
+/// Largest body of an extension header (a GNU long name or link, a PAX record set) accepted.
+/// Linux paths stop at 4 KiB; a larger one is an attack on the unpacker's memory.
+pub(crate) const MAX_EXTENSION: u64 = 64 << 10;
+
+/// What the extension headers before an entry said about it.
+#[derive(Debug, Default)]
+struct Extensions {
+    /// A GNU long name (`L`).
+    long_name: Option<Vec<u8>>,
+    /// A GNU long link target (`K`).
+    long_link: Option<Vec<u8>>,
+    /// PAX records (`x`).
+    pax: Option<Vec<u8>>,
+}
+
+impl Extensions {
+    fn is_empty(&self) -> bool {
+        self.long_name.is_none() && self.long_link.is_none() && self.pax.is_none()
+    }
+
+    /// A PAX record's value.
+    fn pax(&self, key: &str) -> Option<&[u8]> {
+        let pax = self.pax.as_deref()?;
+        tar::PaxExtensions::new(pax)
+            .filter_map(|r| r.ok())
+            .find(|r| r.key_bytes() == key.as_bytes())
+            .map(|r| r.value_bytes())
+    }
+
+    /// A PAX record's value as a number (its integer part: `mtime` may have a fraction).
+    fn pax_number(&self, key: &str) -> Option<u64> {
+        let v = self.pax(key)?;
+        let whole = v.split(|b| *b == b'.').next().unwrap_or(v);
+        std::str::from_utf8(whole).ok()?.parse().ok()
+    }
+
+    /// The entry's name: a long name, a PAX `path`, else the header's.
+    fn path<R: Read>(&self, entry: &tar::Entry<'_, R>) -> Vec<u8> {
+        if let Some(n) = &self.long_name {
+            return strip_nul(n).to_vec();
+        }
+        self.pax("path")
+            .map(<[u8]>::to_vec)
+            .unwrap_or_else(|| entry.header().path_bytes().into_owned())
+    }
+
+    /// The entry's link target: a long link, a PAX `linkpath`, else the header's.
+    fn link<R: Read>(&self, entry: &tar::Entry<'_, R>) -> Option<Vec<u8>> {
+        if let Some(n) = &self.long_link {
+            return Some(strip_nul(n).to_vec());
+        }
+        self.pax("linkpath")
+            .map(<[u8]>::to_vec)
+            .or_else(|| entry.header().link_name_bytes().map(|c| c.into_owned()))
+    }
+}
+
+/// `b` without its trailing NULs (GNU long names end with one).
+fn strip_nul(b: &[u8]) -> &[u8] {
+    let end = b.iter().rposition(|c| *c != 0).map_or(0, |i| i + 1);
+    &b[..end]
+}
+
 /// Unpacks `blob` into `dest` (an existing, empty directory), refusing it if it would take
 /// more than `budget` bytes, and verifying the digests of `layer` before returning.
 ///
@@ -123,7 +188,7 @@ pub(crate) fn unpack(
         layer: layer.diff_id,
         budget,
         stats: Unpacked::default(),
-        dirs: Vec::new(),
+        dirs: BTreeMap::new(),
         root: nix::unistd::geteuid().is_root(),
     };
     let diff_id = {
@@ -138,10 +203,23 @@ pub(crate) fn unpack(
         let mut tar_stream = HashingReader::new(decoder);
         {
             let mut archive = tar::Archive::new(&mut tar_stream);
-            let entries = archive.entries().map_err(|e| u.read_error(e))?;
+            // Raw entries: extension headers (GNU long names and links, PAX records) come to us
+            // as entries of their own, so their bodies are read with a bound (tar-rs would read
+            // a 16 GiB long name into memory before we saw it).
+            let entries = archive.entries().map_err(|e| u.read_error(e))?.raw(true);
+            let mut ext = Extensions::default();
             for entry in entries {
-                let entry = entry.map_err(|e| u.read_error(e))?;
-                u.apply(entry)?;
+                let mut entry = entry.map_err(|e| u.read_error(e))?;
+                if u.extension(&mut entry, &mut ext)? {
+                    continue;
+                }
+                u.apply(entry, &std::mem::take(&mut ext))?;
+            }
+            if !ext.is_empty() {
+                return Err(u.read_error(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "an extension header describes no entry (the layer ends after it)",
+                )));
             }
         }
         tar_stream.drain().map_err(|e| u.read_error(e))?;
@@ -187,9 +265,10 @@ struct Unpacker<'a> {
     layer: &'a str,
     budget: u64,
     stats: Unpacked,
-    /// Directories whose mode and times are set last (writing into a directory changes its
-    /// mtime; a read-only mode would stop a non-root unpack).
-    dirs: Vec<(PathBuf, u32, u64)>,
+    /// Directories (relative to `dest`) whose mode and times are set last (writing into a
+    /// directory changes its mtime; a read-only mode would stop a non-root unpack). The last
+    /// entry for a name wins, as with `tar`.
+    dirs: BTreeMap<PathBuf, (u32, u64)>,
     root: bool,
 }
 
@@ -309,12 +388,12 @@ impl Unpacker<'_> {
         Ok(false)
     }
 
-    fn owner(&self, path: &Path, header: &tar::Header) -> Result<()> {
+    fn owner(&self, path: &Path, (uid, gid): (u64, u64)) -> Result<()> {
         if !self.root {
             return Ok(());
         }
-        let id = |v: io::Result<u64>| v.ok().and_then(|v| u32::try_from(v).ok()).unwrap_or(0);
-        std::os::unix::fs::lchown(path, Some(id(header.uid())), Some(id(header.gid())))
+        let id = |v: u64| u32::try_from(v).unwrap_or(0);
+        std::os::unix::fs::lchown(path, Some(id(uid)), Some(id(gid)))
             .map_err(|e| self.io("set the owner of", path, e))
     }
 
@@ -324,25 +403,82 @@ impl Unpacker<'_> {
             .map_err(|e| self.io("set the times of", path, e))
     }
 
-    fn apply<R: Read>(&mut self, mut entry: tar::Entry<'_, R>) -> Result<()> {
-        let raw = entry.path_bytes().into_owned();
+    /// Takes an extension header (GNU long name or link, PAX records) into `ext`, reading
+    /// its body with a bound and charging it to the budget; `false` for any other entry.
+    fn extension<R: Read>(
+        &mut self,
+        entry: &mut tar::Entry<'_, R>,
+        ext: &mut Extensions,
+    ) -> Result<bool> {
+        let kind = entry.header().entry_type();
+        let (slot, what) = match kind {
+            tar::EntryType::GNULongName => (Some(&mut ext.long_name), "GNU long name"),
+            tar::EntryType::GNULongLink => (Some(&mut ext.long_link), "GNU long link"),
+            tar::EntryType::XHeader => (Some(&mut ext.pax), "PAX header"),
+            tar::EntryType::XGlobalHeader => (None, "PAX global header"),
+            _ => return Ok(false),
+        };
+        let raw = entry.header().path_bytes().into_owned();
+        let size = entry.header().size().map_err(|e| self.read_error(e))?;
+        if size > MAX_EXTENSION {
+            return Err(self.bad(
+                &raw,
+                format!(
+                    "is a {what} of {size} bytes (at most {MAX_EXTENSION} are accepted: \
+                     no path is that long)"
+                ),
+            ));
+        }
+        self.charge(&raw, size)?;
+        let mut body = Vec::new();
+        Read::take(&mut *entry, size)
+            .read_to_end(&mut body)
+            .map_err(|e| self.read_error(e))?;
+        if let Some(slot) = slot {
+            if slot.replace(body).is_some() {
+                return Err(self.bad(&raw, format!("is a second {what} for one entry")));
+            }
+        }
+        Ok(true)
+    }
+
+    fn apply<R: Read>(&mut self, mut entry: tar::Entry<'_, R>, ext: &Extensions) -> Result<()> {
+        let raw = ext.path(&entry);
         let rel = self.clean(&raw)?;
         let kind = entry.header().entry_type();
-        if matches!(
-            kind,
-            tar::EntryType::XGlobalHeader
-                | tar::EntryType::XHeader
-                | tar::EntryType::GNULongName
-                | tar::EntryType::GNULongLink
-        ) {
-            return Ok(());
+        if kind == tar::EntryType::GNUSparse {
+            return Err(ImageError::Unsupported(format!(
+                "layer {}: `{}` is a GNU sparse file (layers from docker, buildkit and \
+                 podman never hold one)",
+                self.layer,
+                String::from_utf8_lossy(&raw)
+            )));
+        }
+        if let Some(size) = ext.pax_number("size") {
+            if entry.header().size().ok() != Some(size) {
+                return Err(ImageError::Unsupported(format!(
+                    "layer {}: `{}` has a PAX size of {size} bytes (a file over 8 GiB)",
+                    self.layer,
+                    String::from_utf8_lossy(&raw)
+                )));
+            }
         }
         let Some(name) = rel.0.last().cloned() else {
             // The layer's root itself (`./`): nothing to make.
             return Ok(());
         };
         let mode = entry.header().mode().unwrap_or(0o644);
-        let mtime = entry.header().mtime().unwrap_or(0);
+        let mtime = ext
+            .pax_number("mtime")
+            .unwrap_or_else(|| entry.header().mtime().unwrap_or(0));
+        let ids = (
+            ext.pax_number("uid")
+                .or_else(|| entry.header().uid().ok())
+                .unwrap_or(0),
+            ext.pax_number("gid")
+                .or_else(|| entry.header().gid().ok())
+                .unwrap_or(0),
+        );
         self.charge(&raw, 0)?;
 
         if let Some(target) = name.as_bytes().strip_prefix(b".wh.") {
@@ -357,8 +493,9 @@ impl Unpacker<'_> {
                     Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
                     Err(e) => return Err(self.io("create directory", &path, e)),
                 }
-                self.owner(&path, entry.header())?;
-                self.dirs.push((path, mode & 0o1777, mtime));
+                self.owner(&path, ids)?;
+                self.dirs
+                    .insert(rel.0.iter().collect(), (mode & 0o1777, mtime));
             }
             tar::EntryType::Regular | tar::EntryType::Continuous => {
                 let size = entry.header().size().unwrap_or(0);
@@ -377,11 +514,11 @@ impl Unpacker<'_> {
                 f.set_permissions(fs::Permissions::from_mode(mode & 0o1777))
                     .map_err(|e| self.io("set the mode of", &path, e))?;
                 drop(f);
-                self.owner(&path, entry.header())?;
+                self.owner(&path, ids)?;
                 self.times(&path, mtime)?;
             }
             tar::EntryType::Symlink => {
-                let Some(target) = entry.link_name_bytes().map(|c| c.into_owned()) else {
+                let Some(target) = ext.link(&entry) else {
                     return Err(self.bad(&raw, "is a symlink without a target"));
                 };
                 if target.is_empty() || target.contains(&0) {
@@ -390,11 +527,11 @@ impl Unpacker<'_> {
                 self.clear(&path, false)?;
                 std::os::unix::fs::symlink(OsStr::from_bytes(&target), &path)
                     .map_err(|e| self.io("create symlink", &path, e))?;
-                self.owner(&path, entry.header())?;
+                self.owner(&path, ids)?;
                 self.times(&path, mtime)?;
             }
             tar::EntryType::Link => {
-                let Some(target) = entry.link_name_bytes().map(|c| c.into_owned()) else {
+                let Some(target) = ext.link(&entry) else {
                     return Err(self.bad(&raw, "is a hard link without a target"));
                 };
                 let trel = self.clean(&target).map_err(|_| {
@@ -437,7 +574,7 @@ impl Unpacker<'_> {
                     nix::sys::stat::Mode::from_bits_truncate(mode & 0o777),
                 )
                 .map_err(|e| self.io("create fifo", &path, io::Error::from(e)))?;
-                self.owner(&path, entry.header())?;
+                self.owner(&path, ids)?;
             }
             tar::EntryType::Char | tar::EntryType::Block => {
                 self.stats.skipped_devices += 1;
@@ -534,14 +671,25 @@ impl Unpacker<'_> {
             .map_err(|e| self.io("set an overlay attribute on", path, e))
     }
 
+    /// Sets the recorded directories' modes and times, deepest first (so setting a parent's
+    /// times is not undone by its children), through handles reached without following a
+    /// symlink: a later entry may have replaced the directory or a parent with a link to the
+    /// host, and a directory no longer there is skipped.
     fn finish_dirs(&mut self) -> Result<()> {
-        // Deepest first, so setting a parent's times is not undone by its children.
-        let mut dirs = std::mem::take(&mut self.dirs);
-        dirs.sort_by_key(|(p, _, _)| std::cmp::Reverse(p.components().count()));
-        for (path, mode, mtime) in dirs {
-            fs::set_permissions(&path, fs::Permissions::from_mode(mode))
-                .map_err(|e| self.io("set the mode of", &path, e))?;
-            self.times(&path, mtime)?;
+        let mut dirs: Vec<_> = std::mem::take(&mut self.dirs).into_iter().collect();
+        dirs.sort_by_key(|(p, _)| std::cmp::Reverse(p.components().count()));
+        for (rel, (mode, mtime)) in dirs {
+            let t = filetime::FileTime::from_unix_time(i64::try_from(mtime).unwrap_or(0), 0);
+            let attrs = beneath::DirAttrs {
+                mode,
+                owner: None,
+                mtime: t,
+            };
+            let changed = beneath::set_dir_attrs(self.dest, &rel, attrs)
+                .map_err(|e| self.io("set the mode of", &self.dest.join(&rel), e))?;
+            if !changed {
+                tracing::debug!(dir = %rel.display(), "directory replaced by a later entry");
+            }
         }
         Ok(())
     }

@@ -394,3 +394,146 @@ async fn a_full_cache_disk_is_a_clear_error_and_leaves_nothing_half_made() {
         "{msg}"
     );
 }
+
+/// A layer tar of (type, path, link target, mode), written header by header.
+fn layer_with_modes(entries: &[(tar::EntryType, &str, &str, u32)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (kind, path, link, mode) in entries {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(*kind);
+        h.set_path(path).unwrap();
+        if !link.is_empty() {
+            h.set_link_name(link).unwrap();
+        }
+        h.set_mode(*mode);
+        h.set_size(0);
+        h.set_mtime(1_700_000_000);
+        h.set_cksum();
+        out.extend_from_slice(h.as_bytes());
+    }
+    out.extend_from_slice(&[0u8; 1024]);
+    out
+}
+
+/// The attack found by trying it: a layer holding a directory `x/` (mode 0777) and then a
+/// symlink `x` to a host file. The unpacker's deferred `chmod` followed the link and made the
+/// host file 0777, as root. The same with a parent replaced by a link, and across two layers
+/// merged into the microVM tier's filesystem image (which also `chown`s).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_layer_cannot_change_a_host_files_mode_through_a_link_it_swaps_in() {
+    if !common::have_tools() {
+        return;
+    }
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    use tar::EntryType as T;
+    let host = tempfile::tempdir().unwrap();
+    let (file, dir) = (host.path().join("secret"), host.path().join("sub"));
+    std::fs::write(&file, "secret").unwrap();
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let meta = |p: &Path| {
+        let m = std::fs::metadata(p).unwrap();
+        (m.mode() & 0o7777, m.uid(), m.gid(), m.mtime())
+    };
+    let before = (meta(&file), meta(&dir));
+    let (file_s, host_s) = (file.to_str().unwrap(), host.path().to_str().unwrap());
+
+    let one = layer_with_modes(&[
+        (T::Directory, "x/", "", 0o777),
+        (T::Symlink, "x", file_s, 0o777),
+        (T::Directory, "p/", "", 0o755),
+        (T::Directory, "p/sub/", "", 0o777),
+        (T::Symlink, "p", host_s, 0o777),
+    ]);
+    let lower = layer_with_modes(&[
+        (T::Directory, "q/", "", 0o755),
+        (T::Directory, "q/sub/", "", 0o777),
+    ]);
+    let upper = layer_with_modes(&[(T::Symlink, "q", host_s, 0o777)]);
+
+    let tmp = tempfile::tempdir().unwrap();
+    let mut layout = Layout::new(&tmp.path().join("layout"));
+    let (d1, _) = layout.image(std::slice::from_ref(&one), Comp::Gzip, &[], "amd64");
+    layout.tag(d1, "one");
+    let (d2, _) = layout.image(&[lower, upper], Comp::Zstd, &[], "amd64");
+    layout.tag(d2, "two");
+    let reg = Registry::start(None, None);
+    reg.push(&layout.dir, "one", "evil/app", &[]);
+    reg.push(&layout.dir, "two", "evil/app", &[]);
+    let s = store(tmp.path());
+
+    // Refused or pulled, either is fine; the host's files are not.
+    let _ = s.pull(&r(&format!("{}/evil/app:one", reg.addr))).await;
+    assert_eq!(
+        (meta(&file), meta(&dir)),
+        before,
+        "one layer changed the host"
+    );
+    let image = s
+        .pull(&r(&format!("{}/evil/app:two", reg.addr)))
+        .await
+        .unwrap();
+    assert_eq!(
+        (meta(&file), meta(&dir)),
+        before,
+        "two layers changed the host"
+    );
+    let has_mkfs = ["/usr/sbin/mkfs.ext4", "/sbin/mkfs.ext4"]
+        .iter()
+        .any(|p| Path::new(p).is_file());
+    if has_mkfs {
+        let _ = s.rootfs_image(&image);
+        assert_eq!(
+            (meta(&file), meta(&dir)),
+            before,
+            "merging the layers into a filesystem image changed the host"
+        );
+    } else {
+        eprintln!("SKIP (filesystem image part): mkfs.ext4 is not installed");
+    }
+}
+
+/// A GNU long-name header whose body is 256 MiB (zstd makes it a few KiB on the wire; 16 GiB
+/// would be under 1 MB): refused from its header, never read into memory.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_extension_header_bomb_is_refused_before_it_is_read() {
+    if !common::have_tools() {
+        return;
+    }
+    let mut tar = Vec::new();
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::GNULongName);
+    h.set_path("././@LongLink").unwrap();
+    h.set_size(256 << 20);
+    h.set_cksum();
+    tar.extend_from_slice(h.as_bytes());
+    tar.resize(tar.len() + (256 << 20), 0);
+    let mut f = tar::Header::new_gnu();
+    f.set_entry_type(tar::EntryType::Regular);
+    f.set_path("short").unwrap();
+    f.set_size(0);
+    f.set_cksum();
+    tar.extend_from_slice(f.as_bytes());
+    tar.extend_from_slice(&[0u8; 1024]);
+
+    let tmp = tempfile::tempdir().unwrap();
+    let mut layout = Layout::new(&tmp.path().join("layout"));
+    let (d, _) = layout.image(&[tar], Comp::Zstd, &[], "amd64");
+    layout.tag(d, "v1");
+    let reg = Registry::start(None, None);
+    reg.push(&layout.dir, "v1", "bomb/app", &[]);
+    let s = store(tmp.path());
+    let e = s
+        .pull(&r(&format!("{}/bomb/app:v1", reg.addr)))
+        .await
+        .unwrap_err();
+    match &e {
+        ImageError::MaliciousLayer { why, .. } => assert!(why.contains("GNU long name"), "{e}"),
+        other => panic!("expected a refusal of the long name: {other}"),
+    }
+    for d in ["layers", "images", "tmp"] {
+        let left = common::files_under(&s.root().join(d));
+        assert!(left.is_empty(), "{d} holds {left:?}");
+    }
+}

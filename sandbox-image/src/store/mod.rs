@@ -43,6 +43,10 @@ mod pull;
 /// or with a `K`/`M`/`G` suffix, or [`StoreBuilder::max_bytes`]).
 pub const DEFAULT_MAX_BYTES: u64 = 20 << 30;
 
+/// Registries whose credentials this process may use (see
+/// [`ImageStore::credentials_only_for_in_this_process`]); unset: all.
+static CLIENT_CREDENTIAL_REGISTRIES: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+
 /// Settings of an [`ImageStore`]; build one with [`ImageStore::builder`].
 #[derive(Debug, Clone)]
 struct StoreConfig {
@@ -456,6 +460,15 @@ impl ImageStore {
         }
         let s = Self::open_default()?;
         Ok(SHARED.get_or_init(|| s).clone())
+    }
+
+    /// For a process that pulls on behalf of other parties (`agent-sandbox serve`): every
+    /// store of this process uses its credentials (given or from the Docker config) only for
+    /// these registries (`host[:port]`, `docker.io` for Docker Hub) and pulls from any other
+    /// anonymously, so a client naming a registry of its own never receives, nor spends, the
+    /// operator's credentials. The first call wins; later ones change nothing.
+    pub fn credentials_only_for_in_this_process(registries: Vec<String>) {
+        let _ = CLIENT_CREDENTIAL_REGISTRIES.set(registries);
     }
 
     /// The cache directory.

@@ -56,6 +56,15 @@ impl ImageStore {
     }
 
     fn auth_for(&self, registry: &str) -> RegistryAuth {
+        if let Some(allowed) = super::CLIENT_CREDENTIAL_REGISTRIES.get() {
+            if !allowed.iter().any(|r| r == registry) {
+                tracing::debug!(
+                    registry,
+                    "no credentials: not a registry the operator lists for clients"
+                );
+                return RegistryAuth::Anonymous;
+            }
+        }
         let creds = self
             .inner
             .cfg

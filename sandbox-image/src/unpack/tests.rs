@@ -312,3 +312,42 @@ fn compression_is_known_by_media_type_or_magic() {
     );
     assert_eq!(Compression::sniff(b"usr/"), Compression::None);
 }
+
+/// A directory entry followed by a symlink of the same name (or at one of its parents): the
+/// deferred mode pass must change nothing the link points at (it once `chmod`ed the host's
+/// file to the directory's 0777, as root).
+#[test]
+fn a_directory_replaced_by_a_symlink_leaves_the_link_target_alone() {
+    let host = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
+    let file = host.path().join("secret");
+    let dir = host.path().join("sub");
+    fs::write(&file, "secret").unwrap_or_else(|e| panic!("{e}"));
+    fs::create_dir(&dir).unwrap_or_else(|e| panic!("{e}"));
+    fs::set_permissions(&file, fs::Permissions::from_mode(0o600)).unwrap_or_else(|e| panic!("{e}"));
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).unwrap_or_else(|e| panic!("{e}"));
+    let (file_b, host_b) = (
+        file.as_os_str().as_bytes().to_vec(),
+        host.path().as_os_str().as_bytes().to_vec(),
+    );
+    let layers = [
+        // The name itself becomes a link to a host file.
+        tar_of(&[
+            E(T::Directory, b"x/", b"", b"", 0o777),
+            E(T::Symlink, b"x", &file_b, b"", 0o777),
+        ]),
+        // A parent becomes a link to a host directory holding a directory of the same name.
+        tar_of(&[
+            E(T::Directory, b"p/", b"", b"", 0o755),
+            E(T::Directory, b"p/sub/", b"", b"", 0o777),
+            E(T::Symlink, b"p", &host_b, b"", 0o777),
+        ]),
+    ];
+    for tar in layers {
+        let f = fixture(&tar, false);
+        // Refused or unpacked, either is fine; the host's modes are not.
+        let _ = run(&f, false);
+        let mode = |p: &Path| fs::metadata(p).map(|m| m.mode() & 0o7777).ok();
+        assert_eq!(mode(&file), Some(0o600), "the host file's mode changed");
+        assert_eq!(mode(&dir), Some(0o700), "the host directory's mode changed");
+    }
+}
