@@ -61,6 +61,18 @@ pub(crate) struct ServeArgs {
     /// refused (403).
     #[arg(long)]
     allow_host_access: bool,
+    /// Let clients' sandboxes reach this host's loopback, its private networks (RFC 1918,
+    /// CGNAT, ULA) and its own addresses, when their network policies list them. Off: a
+    /// policy listing such a range is refused (403) and the egress proxy refuses them
+    /// whatever a name resolves to. On for `--local` (one user's own daemon).
+    #[arg(long)]
+    allow_private_networks: bool,
+    /// A registry (`host[:port]`, `docker.io` for Docker Hub) whose credentials (from the
+    /// Docker config) clients' image pulls may use; repeat for several. Pulls from any other
+    /// registry are anonymous, so a client naming its own registry never receives the
+    /// operator's credentials. Default none (all with `--local`).
+    #[arg(long, value_name = "REGISTRY")]
+    registry_credentials: Vec<String>,
     /// Where the server keeps its state: snapshots go to `DIR/snapshots`. Default
     /// `$XDG_STATE_HOME/agent-sandbox` (else `~/.local/state/agent-sandbox`).
     #[arg(long, value_name = "DIR")]
@@ -161,16 +173,23 @@ pub(crate) async fn remote_runtime(args: &ServerArgs) -> Result<agent_sandbox::R
 /// before serving: their sandboxes cannot be re-attached (every tier ties a sandbox's life to
 /// the process that made it, so none outlives it as an orphan: a container's init dies with
 /// it, a gVisor sandbox's watchdog tears it down), and what the kernel keeps (cgroups, state
-/// records) goes here. Live sandboxes of other processes are never touched.
+/// records, and the sandboxes that were paused or frozen when their server died: a frozen
+/// process acts on no signal until it is thawed) goes here, judged by whether their owner
+/// still runs. Live sandboxes of other processes are never touched.
 async fn sweep(runtime: &agent_sandbox::Runtime) {
     let mut removed = Vec::new();
     for tier in agent_sandbox::Tier::PRODUCT {
         let Some(b) = runtime.backend(tier) else {
             continue;
         };
-        match b.cleanup_stale().await {
-            Ok(0) => {}
-            Ok(n) => removed.push(format!("{tier} {n}")),
+        match b.cleanup_stale_report().await {
+            Ok(r) if r.removed == 0 => {}
+            Ok(r) if r.thawed.is_empty() => removed.push(format!("{tier} {}", r.removed)),
+            Ok(r) => removed.push(format!(
+                "{tier} {}, thawed first: {}",
+                r.removed,
+                r.thawed.join(" ")
+            )),
             Err(e) => eprintln!("agent-sandbox serve: {tier}: leftovers not checked: {e}"),
         }
     }
@@ -261,6 +280,22 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
     // Several clients: each a name, a token and a snapshot store of its own.
     let mut clients = Vec::new();
     let mut config = ServerConfig::default();
+    // The key the server signs its snapshots with, kept so they verify after a restart.
+    match state_dir(args.state_dir.as_deref()).map(|d| d.join("snapshot.key")) {
+        Ok(path) => match sandbox_server::signing::SnapshotKey::load_or_create(&path) {
+            Ok(k) => config = config.snapshot_key(k),
+            Err(e) => {
+                eprintln!(
+                    "agent-sandbox serve: the snapshot key {}: {e}",
+                    path.display()
+                );
+                return ExitCode::from(EXIT_USAGE);
+            }
+        },
+        Err(e) => eprintln!(
+            "agent-sandbox serve: {e}; snapshots are signed with a key of this process only"
+        ),
+    }
     if args.token_file.len() > 1 && args.unix.is_none() {
         for f in &args.token_file {
             let name = f
@@ -304,12 +339,18 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
     if let Some(f) = &keep_file {
         config = config.keep_on_exit(f.clone());
     }
+    if !args.local {
+        sandbox_image::ImageStore::credentials_only_for_in_this_process(
+            args.registry_credentials.clone(),
+        );
+    }
     let config = config
         .snapshot_store(store)
         .max_requests_per_client(args.max_requests_per_client)
         .body_limit(args.body_limit.saturating_mul(1 << 20))
         .max_sandboxes(args.max_sandboxes)
         .allow_host_access(args.allow_host_access || args.local)
+        .allow_private_networks(args.allow_private_networks || args.local)
         .warm(args.warm.unwrap_or(if args.local { 2 } else { 0 }))
         .build(crate::daemon::build_id());
     // Held until this function returns, after the socket is gone.

@@ -8,10 +8,12 @@
 //! Invariants, in every mode:
 //! - link-local (`169.254.0.0/16`, `fe80::/10`, hence the cloud metadata endpoint
 //!   `169.254.169.254`), unspecified, broadcast and multicast addresses are always refused;
-//! - loopback, RFC 1918, CGNAT (`100.64.0.0/10`), "this network" (`0.0.0.0/8`) and ULA
-//!   (`fc00::/7`) are refused unless a CIDR **inside** that range is listed explicitly
+//! - loopback, RFC 1918, CGNAT (`100.64.0.0/10`), "this network" (`0.0.0.0/8`), the IETF
+//!   protocol (`192.0.0.0/24`) and benchmarking (`198.18.0.0/15`) ranges, ULA (`fc00::/7`) and
+//!   site-local (`fec0::/10`) are refused unless a CIDR **inside** that range is listed explicitly
 //!   (`0.0.0.0/0` does not count as listing `127.0.0.1`);
-//! - IPv4-mapped IPv6 addresses are judged as the IPv4 address they carry.
+//! - IPv6 forms that carry an IPv4 address (mapped, translated, compatible, NAT64, 6to4,
+//!   Teredo) are judged as the IPv4 address they carry.
 
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -84,6 +86,9 @@ pub enum DecisionRule {
     NotListed,
     /// Refused by this deny rule (allow-internet mode).
     Denied(String),
+    /// On a server: the server's loopback, private networks or own addresses, which only its
+    /// operator can open to clients ([`ServerNetworks`]). Carries what it is.
+    ServerNetwork(String),
     /// Allowed: public destination in allow-internet mode.
     Internet,
 }
@@ -100,6 +105,11 @@ impl fmt::Display for DecisionRule {
             DecisionRule::Port(p) => write!(f, "port {p} is not allowed"),
             DecisionRule::NotListed => f.write_str("destination is not in the allowlist"),
             DecisionRule::Denied(r) => write!(f, "refused by deny rule {r}"),
+            DecisionRule::ServerNetwork(r) => write!(
+                f,
+                "{r} belongs to the server: clients reach it only if the operator starts \
+                 `serve` with --allow-private-networks"
+            ),
             DecisionRule::Internet => f.write_str("public destination, internet allowed"),
         }
     }
@@ -113,6 +123,8 @@ const SPECIAL_V4: &[(&str, [u8; 4], u8)] = &[
     ("loopback 127.0.0.0/8", [127, 0, 0, 0], 8),
     ("private 172.16.0.0/12", [172, 16, 0, 0], 12),
     ("private 192.168.0.0/16", [192, 168, 0, 0], 16),
+    ("ietf-protocol 192.0.0.0/24", [192, 0, 0, 0], 24),
+    ("benchmarking 198.18.0.0/15", [198, 18, 0, 0], 15),
 ];
 
 impl NetworkPolicy {
@@ -166,7 +178,22 @@ impl NetworkPolicy {
     /// Decides one connection. `host` is the name the sandbox asked for (HTTP `Host`, TLS SNI,
     /// `CONNECT` target or DNS query), `None` for a bare address; `ip` is the address it
     /// resolved to (or the literal address); `port` the destination port.
+    ///
+    /// In a process that serves other parties ([`ServerNetworks::refuse_in_this_process`]),
+    /// loopback, private space and the host's own addresses are refused before the policy is
+    /// consulted.
     pub fn decide(&self, host: Option<&str>, ip: IpAddr, port: u16) -> Decision {
+        self.decide_guarded(host, ip, port, SERVER_NETWORKS.get())
+    }
+
+    /// [`decide`](Self::decide) with an explicit server guard (`None`: none).
+    pub fn decide_guarded(
+        &self,
+        host: Option<&str>,
+        ip: IpAddr,
+        port: u16,
+        guard: Option<&ServerNetworks>,
+    ) -> Decision {
         let ip = canonical_ip(ip);
         let deny = |rule| Decision {
             allowed: false,
@@ -178,6 +205,9 @@ impl NetworkPolicy {
         if !is_unicast(ip) {
             return deny(DecisionRule::NotUnicast);
         }
+        if let Some(what) = guard.and_then(|g| g.refuses(ip)) {
+            return deny(DecisionRule::ServerNetwork(what));
+        }
         // Ranges that may open loopback/private space: the allowlist's CIDRs, or the
         // allow-internet mode's explicit private list.
         let private: &[Cidr] = match self {
@@ -188,7 +218,7 @@ impl NetworkPolicy {
         if let Some(range) = special_range(ip) {
             let explicit = private
                 .iter()
-                .any(|c| c.contains(ip) && c.prefix >= range.prefix);
+                .any(|c| c.contains(ip) && c.effective().1 >= range.prefix);
             if !explicit {
                 return deny(DecisionRule::PrivateRange(range.name.to_string()));
             }
@@ -267,6 +297,81 @@ impl NetworkPolicy {
     }
 }
 
+/// What a process that serves other parties (`agent-sandbox serve`, or any embedding server)
+/// refuses to their sandboxes whatever their policies say: loopback, private space (RFC 1918,
+/// CGNAT, ULA, "this network") and the addresses of the host's own interfaces. A client that
+/// lists `127.0.0.0/8` must not reach the server's other clients' published ports or a
+/// loopback-only service; one that lists `10.0.0.0/8` must not reach the server's VPC.
+///
+/// Process-wide (one egress proxy serves every sandbox of a process), and once set it stays
+/// set: see [`refuse_in_this_process`](Self::refuse_in_this_process).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServerNetworks {
+    own: Vec<IpAddr>,
+}
+
+static SERVER_NETWORKS: std::sync::OnceLock<ServerNetworks> = std::sync::OnceLock::new();
+
+impl ServerNetworks {
+    /// A guard that also refuses `own` (the host's interface addresses).
+    pub fn new(own: impl IntoIterator<Item = IpAddr>) -> Self {
+        ServerNetworks {
+            own: own.into_iter().map(canonical_ip).collect(),
+        }
+    }
+
+    /// Makes every later [`NetworkPolicy::decide`] in this process refuse what this guard
+    /// refuses. The first call wins; later ones change nothing (a process serving clients
+    /// never goes back to trusting them).
+    pub fn refuse_in_this_process(self) {
+        let _ = SERVER_NETWORKS.set(self);
+    }
+
+    /// The guard of this process, if one was set.
+    pub fn current() -> Option<&'static ServerNetworks> {
+        SERVER_NETWORKS.get()
+    }
+
+    /// Why `ip` is refused, or `None`.
+    pub fn refuses(&self, ip: IpAddr) -> Option<String> {
+        let ip = canonical_ip(ip);
+        if let Some(r) = special_range(ip) {
+            return Some(format!("{ip} ({})", r.name));
+        }
+        self.own
+            .contains(&ip)
+            .then(|| format!("{ip} (an address of the server's host)"))
+    }
+}
+
+/// Why `ip` is refused in every mode and by every policy (link-local, hence the metadata
+/// endpoint; unspecified, broadcast, multicast), or `None`.
+pub fn always_refused(ip: IpAddr) -> Option<DecisionRule> {
+    let ip = canonical_ip(ip);
+    if is_link_local(ip) {
+        Some(DecisionRule::LinkLocal)
+    } else if !is_unicast(ip) {
+        Some(DecisionRule::NotUnicast)
+    } else {
+        None
+    }
+}
+
+impl NetworkPolicy {
+    /// The first range this policy lists inside loopback or private space (which, on a
+    /// server, only the operator can open to clients), named; `None` when it lists none.
+    pub fn private_ranges_listed(&self) -> Option<String> {
+        let cidrs: &[Cidr] = match self {
+            NetworkPolicy::DenyAll => return None,
+            NetworkPolicy::Allow { cidrs, .. } => cidrs,
+            NetworkPolicy::AllowInternet { private, .. } => private,
+        };
+        cidrs
+            .iter()
+            .find_map(|c| c.private_range().map(|r| format!("{c} (inside {r})")))
+    }
+}
+
 struct SpecialRange {
     name: &'static str,
     prefix: u8,
@@ -295,6 +400,11 @@ fn special_range(ip: IpAddr) -> Option<SpecialRange> {
                     name: "unique-local fc00::/7",
                     prefix: 7,
                 })
+            } else if (v6.segments()[0] & 0xffc0) == 0xfec0 {
+                Some(SpecialRange {
+                    name: "site-local fec0::/10",
+                    prefix: 10,
+                })
             } else {
                 None
             }
@@ -302,14 +412,48 @@ fn special_range(ip: IpAddr) -> Option<SpecialRange> {
     }
 }
 
+/// The address a connection to `ip` reaches, for judging: an IPv6 form that carries an IPv4
+/// address is judged as that IPv4 address (see [`embedded_v4`]).
 fn canonical_ip(ip: IpAddr) -> IpAddr {
     match ip {
-        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+        IpAddr::V6(v6) => match embedded_v4(v6) {
             Some(v4) => IpAddr::V4(v4),
             None => IpAddr::V6(v6),
         },
         v4 => v4,
     }
+}
+
+/// The IPv4 address an IPv6 address stands for, when it is a form that reaches an IPv4 host:
+/// IPv4-mapped (`::ffff:a.b.c.d`), IPv4-translated (`::ffff:0:a.b.c.d`), IPv4-compatible
+/// (`::a.b.c.d`, deprecated; `::` and `::1` excepted), NAT64 (`64:ff9b::/96` and the local-use `64:ff9b:1::/48`, address in the last
+/// 32 bits), 6to4 (`2002:AABB:CCDD::/16`) and Teredo (`2001:0::/32`, the client's address
+/// inverted in the last 32 bits). So `64:ff9b::a9fe:a9fe` is the metadata endpoint.
+pub fn embedded_v4(v6: Ipv6Addr) -> Option<Ipv4Addr> {
+    let bits = u128::from(v6);
+    let low = Ipv4Addr::from((bits & 0xffff_ffff) as u32);
+    let s = v6.segments();
+    if let Some(v4) = v6.to_ipv4_mapped() {
+        return Some(v4);
+    }
+    // SIIT's IPv4-translated form `::ffff:0:a.b.c.d`.
+    if bits >> 32 == 0xffff_0000 {
+        return Some(low);
+    }
+    if bits >> 32 == 0 {
+        // `::` and `::1` are IPv6's own unspecified and loopback addresses.
+        return (bits > 1).then_some(low);
+    }
+    if bits >> 32 == 0x0064_ff9b_0000_0000_0000_0000 || (s[0], s[1], s[2]) == (0x64, 0xff9b, 1) {
+        return Some(low);
+    }
+    if s[0] == 0x2002 {
+        return Some(Ipv4Addr::from(((bits >> 80) & 0xffff_ffff) as u32));
+    }
+    if (s[0], s[1]) == (0x2001, 0) {
+        return Some(Ipv4Addr::from(!((bits & 0xffff_ffff) as u32)));
+    }
+    None
 }
 
 fn is_link_local(ip: IpAddr) -> bool {
@@ -457,23 +601,45 @@ pub struct Cidr {
 }
 
 impl Cidr {
-    /// Whether `ip` lies inside the range (IPv4-mapped IPv6 is matched as IPv4).
+    /// Whether `ip` lies inside the range. A destination is matched as the address it reaches
+    /// (an IPv6 form carrying an IPv4 address as that IPv4 address); an IPv4-mapped range
+    /// (`::ffff:10.0.0.0/104`) is matched as the IPv4 range it maps.
     pub fn contains(&self, ip: IpAddr) -> bool {
-        match (canonical_ip(self.addr), canonical_ip(ip)) {
-            (IpAddr::V4(net), IpAddr::V4(ip)) => {
-                let mask = u32::MAX
-                    .checked_shl(32 - u32::from(self.prefix))
-                    .unwrap_or(0);
+        let (net, prefix) = self.effective();
+        let prefix = u32::from(prefix);
+        match (net, canonical_ip(ip)) {
+            (IpAddr::V4(net), IpAddr::V4(ip)) if prefix <= 32 => {
+                let mask = u32::MAX.checked_shl(32 - prefix).unwrap_or(0);
                 (u32::from(net) & mask) == (u32::from(ip) & mask)
             }
-            (IpAddr::V6(net), IpAddr::V6(ip)) => {
-                let mask = u128::MAX
-                    .checked_shl(128 - u32::from(self.prefix))
-                    .unwrap_or(0);
+            (IpAddr::V6(net), IpAddr::V6(ip)) if prefix <= 128 => {
+                let mask = u128::MAX.checked_shl(128 - prefix).unwrap_or(0);
                 (u128::from(net) & mask) == (u128::from(ip) & mask)
             }
             _ => false,
         }
+    }
+}
+
+impl Cidr {
+    /// The range as matched: an IPv4-mapped range as the IPv4 range it maps.
+    fn effective(&self) -> (IpAddr, u8) {
+        match self.addr {
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) if self.prefix >= 96 => (IpAddr::V4(v4), self.prefix - 96),
+                _ => (self.addr, self.prefix),
+            },
+            v4 => (v4, self.prefix),
+        }
+    }
+
+    /// Whether this range lies inside loopback or private space (what, on a server, only the
+    /// operator may open): the range's name when it does.
+    pub fn private_range(&self) -> Option<&'static str> {
+        let (net, prefix) = self.effective();
+        special_range(net)
+            .filter(|r| prefix >= r.prefix)
+            .map(|r| r.name)
     }
 }
 
@@ -627,6 +793,104 @@ mod tests {
             // AWS's IPv6 metadata address is ULA: refused unless listed.
             assert!(!p.decide(None, ip(addrs[6]), 80).allowed);
         }
+    }
+
+    /// IPv6 forms that carry an IPv4 address are judged as that address: NAT64 of the
+    /// metadata endpoint is link-local, 6to4 and IPv4-compatible forms of loopback are
+    /// loopback, Teredo's inverted client address is decoded.
+    #[test]
+    fn ipv6_forms_embedding_ipv4_are_judged_as_the_ipv4_address() {
+        let all = internet();
+        for (v6, rule) in [
+            ("64:ff9b::a9fe:a9fe", DecisionRule::LinkLocal),
+            ("64:ff9b:1::a9fe:a9fe", DecisionRule::LinkLocal),
+            ("2002:a9fe:a9fe::1", DecisionRule::LinkLocal),
+            ("::169.254.169.254", DecisionRule::LinkLocal),
+            (
+                "2001:0:4136:e378:8000:63bf:5601:5601",
+                DecisionRule::LinkLocal,
+            ),
+            ("::ffff:169.254.169.254", DecisionRule::LinkLocal),
+            ("::ffff:0:a9fe:a9fe", DecisionRule::LinkLocal),
+            (
+                "64:ff9b::7f00:1",
+                DecisionRule::PrivateRange("loopback 127.0.0.0/8".into()),
+            ),
+            (
+                "2002:0a00:0001::",
+                DecisionRule::PrivateRange("private 10.0.0.0/8".into()),
+            ),
+        ] {
+            let d = all.decide(None, ip(v6), 80);
+            assert_eq!((d.allowed, d.rule), (false, rule), "{v6}");
+        }
+        // IPv6's own loopback stays IPv6 loopback; a public NAT64 address stays public.
+        assert_eq!(embedded_v4("::1".parse().unwrap()), None);
+        assert!(all.decide(None, ip("64:ff9b::5db8:d822"), 80).allowed);
+        assert!(all.decide(None, ip("2606:4700::1111"), 80).allowed);
+    }
+
+    /// An IPv4-mapped range is matched as the IPv4 range it maps, with its prefix less 96:
+    /// `::ffff:0.0.0.0/96` is all of IPv4, which does not list loopback explicitly (its prefix
+    /// once underflowed into a mask that matched everything).
+    #[test]
+    fn mapped_ranges_match_with_their_ipv4_prefix() {
+        let all_v4 = allow(&[], &["::ffff:0.0.0.0/96"], &[]);
+        assert!(!all_v4.decide(None, ip("127.0.0.1"), 80).allowed);
+        assert!(all_v4.decide(None, ip(PUBLIC), 80).allowed);
+        let lo = allow(&[], &["::ffff:127.0.0.0/104"], &[]);
+        assert!(lo.decide(None, ip("127.0.0.1"), 80).allowed);
+        assert!(!lo.decide(None, ip("10.0.0.1"), 80).allowed);
+        let narrow = allow(&[], &["::ffff:10.1.2.0/120"], &[]);
+        assert!(narrow.decide(None, ip("10.1.2.3"), 80).allowed);
+        assert!(!narrow.decide(None, ip("10.1.3.3"), 80).allowed);
+    }
+
+    /// On a server, loopback, private space and the host's own addresses are refused whatever
+    /// the client's policy lists, and the refusal names the operator's flag.
+    #[test]
+    fn a_server_guard_refuses_its_own_networks_whatever_the_policy() {
+        let guard = ServerNetworks::new([ip("203.0.113.7")]);
+        let open = allow(
+            &["*.example.com"],
+            &["127.0.0.0/8", "10.0.0.0/8", "203.0.113.0/24", "0.0.0.0/0"],
+            &[],
+        );
+        for target in [
+            "127.0.0.1",
+            "10.1.2.3",
+            "203.0.113.7",
+            "::ffff:127.0.0.1",
+            "::1",
+        ] {
+            let d = open.decide_guarded(Some("a.example.com"), ip(target), 443, Some(&guard));
+            assert!(!d.allowed, "{target}");
+            assert!(
+                matches!(d.rule, DecisionRule::ServerNetwork(_)),
+                "{target}: {:?}",
+                d.rule
+            );
+            assert!(d.rule.to_string().contains("--allow-private-networks"));
+        }
+        // Another public address of the allowed range is still allowed, and without the guard
+        // the policy alone decides.
+        assert!(
+            open.decide_guarded(None, ip("203.0.113.8"), 443, Some(&guard))
+                .allowed
+        );
+        assert!(
+            open.decide_guarded(None, ip("127.0.0.1"), 443, None)
+                .allowed
+        );
+        assert_eq!(
+            open.private_ranges_listed().as_deref(),
+            Some("127.0.0.0/8 (inside loopback 127.0.0.0/8)")
+        );
+        assert_eq!(
+            allow(&[], &["0.0.0.0/0"], &[]).private_ranges_listed(),
+            None
+        );
+        assert_eq!(internet().private_ranges_listed(), None);
     }
 
     #[test]

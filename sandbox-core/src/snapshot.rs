@@ -80,6 +80,15 @@ pub enum SnapshotError {
     /// The object store failed.
     #[error("snapshot store: {0}")]
     Store(String),
+    /// Nobody this store trusts made the snapshot, and restoring it would trust its contents
+    /// (a server's store refuses clients' memory snapshots).
+    #[error("snapshot {id} cannot be restored here: {reason}")]
+    Untrusted {
+        /// The snapshot.
+        id: SnapshotId,
+        /// Why, and what would allow it.
+        reason: String,
+    },
 }
 
 /// A snapshot's id: the SHA-256 of its manifest, as 64 lower-case hex digits.

@@ -83,6 +83,9 @@ impl From<sandbox_core::Error> for ApiError {
             E::Snapshot(sandbox_core::SnapshotError::NotFound(_)) => {
                 (StatusCode::NOT_FOUND, "not_found")
             }
+            E::Snapshot(sandbox_core::SnapshotError::Untrusted { .. }) => {
+                (StatusCode::FORBIDDEN, "forbidden")
+            }
             E::Snapshot(_) => (StatusCode::UNPROCESSABLE_ENTITY, "snapshot"),
             _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
         };

@@ -36,6 +36,7 @@ pub mod openapi;
 mod processes;
 mod routes;
 mod run;
+pub mod signing;
 pub mod upload;
 mod warm;
 
@@ -156,6 +157,19 @@ pub struct ServerConfig {
     /// Default `false`: such a spec is refused (403, `forbidden`), so a token grants
     /// sandboxes, not the server's files or environment.
     pub allow_host_access: bool,
+    /// Whether clients' sandboxes may reach the server's loopback, its private networks
+    /// (RFC 1918, CGNAT, ULA) and its host's own addresses. Default `false`: a policy listing
+    /// such a range is refused (403, `forbidden`), and the egress proxy refuses them at
+    /// connect time whatever a name resolves to ([`sandbox_core::ServerNetworks`], installed
+    /// for the whole process by [`Server::new`]). `true` for a local daemon serving its own
+    /// user.
+    pub allow_private_networks: bool,
+    /// The key the server signs its snapshots with ([`signing`]): a snapshot it did not sign
+    /// (a client's upload, or one written to a client's own store) restores only on tiers
+    /// whose restore takes files alone, unless [`allow_host_access`](Self::allow_host_access).
+    /// `None` (the default): a key made for this process (so its snapshots verify only until
+    /// it exits); `serve` keeps one in its state directory.
+    pub snapshot_key: Option<Arc<signing::SnapshotKey>>,
     /// Where snapshots go (`POST /v1/sandboxes/{id}/snapshot`) and come from (restore,
     /// fork). `None` (the default): the snapshot endpoints answer `501 unsupported`.
     pub snapshot_store: Option<Arc<dyn SnapshotStore>>,
@@ -192,6 +206,8 @@ impl std::fmt::Debug for ServerConfig {
             .field("request_timeout", &self.request_timeout)
             .field("max_sandboxes", &self.max_sandboxes)
             .field("allow_host_access", &self.allow_host_access)
+            .field("allow_private_networks", &self.allow_private_networks)
+            .field("snapshot_key", &self.snapshot_key.is_some())
             .field("snapshot_store", &self.snapshot_store.is_some())
             .field("reap_interval", &self.reap_interval)
             .field(
@@ -214,6 +230,8 @@ impl Default for ServerConfig {
             request_timeout: Duration::from_secs(15 * 60),
             max_sandboxes: 1000,
             allow_host_access: false,
+            allow_private_networks: false,
+            snapshot_key: None,
             snapshot_store: None,
             reap_interval: Duration::from_secs(1),
             client_snapshot_stores: HashMap::new(),
@@ -236,6 +254,18 @@ impl ServerConfig {
     /// Sets [`request_timeout`](Self::request_timeout).
     pub fn request_timeout(mut self, d: Duration) -> Self {
         self.request_timeout = d;
+        self
+    }
+
+    /// Sets [`snapshot_key`](Self::snapshot_key).
+    pub fn snapshot_key(mut self, key: signing::SnapshotKey) -> Self {
+        self.snapshot_key = Some(Arc::new(key));
+        self
+    }
+
+    /// Sets [`allow_private_networks`](Self::allow_private_networks).
+    pub fn allow_private_networks(mut self, allow: bool) -> Self {
+        self.allow_private_networks = allow;
         self
     }
 
@@ -310,6 +340,24 @@ impl ServerConfig {
             .cloned()
             .or_else(|| self.snapshot_store.clone())
     }
+}
+
+/// The addresses of this host's interfaces (what a client must not reach through a public
+/// address of the server itself). Empty if they cannot be listed.
+fn own_addresses() -> Vec<std::net::IpAddr> {
+    let Ok(addrs) = nix::ifaddrs::getifaddrs() else {
+        tracing::warn!("cannot list this host's addresses; only loopback and private ranges are refused to clients");
+        return Vec::new();
+    };
+    addrs
+        .filter_map(|a| {
+            let sa = a.address?;
+            if let Some(v4) = sa.as_sockaddr_in() {
+                return Some(std::net::IpAddr::V4(v4.ip()));
+            }
+            sa.as_sockaddr_in6().map(|v6| std::net::IpAddr::V6(v6.ip()))
+        })
+        .collect()
 }
 
 /// What in `spec` reaches into the server's host (see
@@ -511,7 +559,35 @@ pub enum Listener {
 
 impl Server {
     /// A server whose sandboxes come from `provider`.
-    pub fn new(provider: Arc<dyn Provider>, config: ServerConfig) -> Server {
+    ///
+    /// Unless [`ServerConfig::allow_private_networks`], this makes the whole process refuse
+    /// its host's loopback, private networks and own addresses to every sandbox's egress
+    /// ([`sandbox_core::ServerNetworks::refuse_in_this_process`]).
+    ///
+    /// Its snapshot stores sign what the server writes and refuse to feed a snapshot it did
+    /// not sign to a tier whose restore would trust it ([`signing`]).
+    pub fn new(provider: Arc<dyn Provider>, mut config: ServerConfig) -> Server {
+        if !config.allow_private_networks {
+            sandbox_core::ServerNetworks::new(own_addresses()).refuse_in_this_process();
+        }
+        let key = match config.snapshot_key.clone() {
+            Some(k) => Some(k),
+            None => match signing::SnapshotKey::generate() {
+                Ok(k) => Some(Arc::new(k)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "no snapshot key: every snapshot is treated as a client's");
+                    None
+                }
+            },
+        };
+        let trust_all = config.allow_host_access;
+        let wrap =
+            |s: Arc<dyn SnapshotStore>| signing::SigningStore::wrap(s, key.clone(), trust_all);
+        config.snapshot_store = config.snapshot_store.take().map(&wrap);
+        config.client_snapshot_stores = std::mem::take(&mut config.client_snapshot_stores)
+            .into_iter()
+            .map(|(n, s)| (n, wrap(s)))
+            .collect();
         Server {
             shared: Arc::new(Shared {
                 provider,
@@ -550,8 +626,12 @@ impl Server {
         let mut all = self.mcp.lock().unwrap_or_else(|p| p.into_inner());
         all.entry(name.to_string())
             .or_insert_with(|| {
+                let config = self.shared.config.clone();
                 mcp::SandboxMcp::new(Arc::clone(&self.shared.provider))
                     .with_snapshot_store(self.shared.config.snapshot_store_for(name))
+                    .with_spec_check(Arc::new(move |spec| {
+                        routes::check_spec(&config, spec, true).map_err(|e| e.message)
+                    }))
             })
             .clone()
     }

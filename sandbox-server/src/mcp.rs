@@ -99,11 +99,16 @@ pub struct Restore {
     pub snapshot: String,
 }
 
+/// A check of a spec that may refuse it, saying why.
+pub type SpecCheck = Arc<dyn Fn(&SandboxSpec) -> Result<(), String> + Send + Sync>;
+
 /// The MCP service. Cheap to clone (clones share the sessions).
 #[derive(Clone)]
 pub struct SandboxMcp {
     provider: Arc<dyn Provider>,
     snapshots: Option<Arc<dyn SnapshotStore>>,
+    /// What a restored snapshot's spec must pass (a server's checks for its clients).
+    spec_check: Option<SpecCheck>,
     sessions: Arc<Mutex<HashMap<String, Arc<dyn Sandbox>>>>,
     tool_router: ToolRouter<SandboxMcp>,
 }
@@ -191,6 +196,7 @@ impl SandboxMcp {
         SandboxMcp {
             provider,
             snapshots: None,
+            spec_check: None,
             sessions: Arc::new(Mutex::new(HashMap::new())),
             tool_router: Self::tool_router(),
         }
@@ -200,6 +206,14 @@ impl SandboxMcp {
     /// that this server keeps none).
     pub fn with_snapshot_store(mut self, store: Option<Arc<dyn SnapshotStore>>) -> SandboxMcp {
         self.snapshots = store;
+        self
+    }
+
+    /// Checks every snapshot's spec before `restore` uses it (a server passes the checks it
+    /// applies to its clients' specs: host access, private networks, registries), so a
+    /// snapshot written into a client's store cannot carry what a create would be refused.
+    pub fn with_spec_check(mut self, check: SpecCheck) -> SandboxMcp {
+        self.spec_check = Some(check);
         self
     }
 
@@ -402,6 +416,15 @@ impl SandboxMcp {
             return tool_error(format!(
                 "this server holds {MAX_SESSIONS} sessions already: destroy_sandbox one first"
             ));
+        }
+        if let Some(check) = &self.spec_check {
+            let spec = match store.manifest(&id).await {
+                Ok(m) => m.spec,
+                Err(e) => return tool_error(e.to_string()),
+            };
+            if let Err(why) = check(&spec) {
+                return tool_error(why);
+            }
         }
         let sb: Arc<dyn Sandbox> = match self.provider.restore(store.as_ref(), &id).await {
             Ok(sb) => Arc::from(sb),

@@ -217,14 +217,118 @@ async fn create(
     caller: Caller,
     JsonBody(body): JsonBody<CreateSandbox>,
 ) -> Result<(StatusCode, Json<SandboxInfo>), ApiError> {
-    if let (false, Some(what)) = (s.config.allow_host_access, crate::host_access(&body.spec)) {
-        return Err(forbidden(what));
-    }
+    check_spec(&s.config, &body.spec, false)?;
     check_lifetime(&body.lifetime)?;
     room(&s, 1)?;
     let (sandbox, _) = s.create_pooled(&body.spec, body.tier).await?;
     let info = admit(&s, &caller, sandbox, body.labels, body.lifetime, None).await?;
     Ok((StatusCode::CREATED, Json(info)))
+}
+
+/// Refuses a client's spec that reaches into the server's host (unless
+/// [`allow_host_access`](crate::ServerConfig::allow_host_access)) or its loopback and private
+/// networks (unless [`allow_private_networks`](crate::ServerConfig::allow_private_networks)):
+/// 403, naming what and the flag that grants it. `snapshot`: the spec is a snapshot's.
+pub(crate) fn check_spec(
+    config: &crate::ServerConfig,
+    spec: &sandbox_core::SandboxSpec,
+    snapshot: bool,
+) -> Result<(), ApiError> {
+    if let (false, Some(what)) = (config.allow_host_access, crate::host_access(spec)) {
+        return Err(if snapshot {
+            forbidden(&format!("this snapshot's spec has {what}, which"))
+        } else {
+            forbidden(what)
+        });
+    }
+    check_network(config, &spec.network)?;
+    if let Some(sandbox_core::ImageRef::Registry { registry, .. }) = &spec.image {
+        check_registry(config, registry)?;
+    }
+    Ok(())
+}
+
+/// Refuses a registry a client names on the server's own networks: a link-local one always
+/// (the metadata endpoint), a loopback or private one unless the operator granted private
+/// networks (else any client could make the server send requests to its loopback services).
+/// Names are judged as written: a name that resolves into private space is not caught here.
+fn check_registry(config: &crate::ServerConfig, registry: &str) -> Result<(), ApiError> {
+    let host = match registry.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(rest),
+        None => registry.rsplit_once(':').map_or(registry, |(h, _)| h),
+    };
+    let refusal = |why: String| {
+        ApiError::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            format!("the image's registry `{registry}` is {why}"),
+        )
+    };
+    // `localhost.` and `127.0.0.1.` are the same hosts to a resolver.
+    let host = host.strip_suffix('.').unwrap_or(host);
+    let local_name =
+        host.eq_ignore_ascii_case("localhost") || host.to_ascii_lowercase().ends_with(".localhost");
+    // A name whose last label is a number is an address in another spelling (`127.1`,
+    // `2130706433`, `0x7f.0.0.1`): HTTP clients dial it as one. No registry is named so.
+    let last = host.rsplit('.').next().unwrap_or(host);
+    let numeric = !last.is_empty()
+        && (last.bytes().all(|b| b.is_ascii_digit())
+            || last
+                .strip_prefix("0x")
+                .or_else(|| last.strip_prefix("0X"))
+                .is_some_and(|h| h.bytes().all(|b| b.is_ascii_hexdigit())));
+    if numeric && host.parse::<std::net::IpAddr>().is_err() {
+        return Err(refusal(
+            "an address in a non-canonical spelling: name a registry by its host name or \
+             its address written as a.b.c.d"
+                .into(),
+        ));
+    }
+    if let Ok(ip) = host.parse::<std::net::IpAddr>() {
+        if let Some(rule) = sandbox_core::policy::always_refused(ip) {
+            return Err(refusal(format!("refused: {rule}")));
+        }
+        if !config.allow_private_networks {
+            if let Some(what) = sandbox_core::ServerNetworks::default().refuses(ip) {
+                return Err(refusal(format!(
+                    "{what}: the server's loopback and private networks are not granted to \
+                     API clients (start the server with --allow-private-networks to grant them)"
+                )));
+            }
+        }
+    } else if local_name && !config.allow_private_networks {
+        return Err(refusal(
+            "the server's loopback: not granted to API clients (start the server with \
+             --allow-private-networks to grant it)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses a network policy that lists a range inside loopback or private space, unless the
+/// operator granted them ([`allow_private_networks`](crate::ServerConfig::allow_private_networks)).
+/// (What a policy cannot list, the host's own addresses and names resolving into those
+/// ranges, the egress proxy refuses at connect time: [`sandbox_core::ServerNetworks`].)
+pub(crate) fn check_network(
+    config: &crate::ServerConfig,
+    policy: &sandbox_core::NetworkPolicy,
+) -> Result<(), ApiError> {
+    if config.allow_private_networks {
+        return Ok(());
+    }
+    match policy.private_ranges_listed() {
+        Some(range) => Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            format!(
+                "the network policy lists {range}: the server's loopback and private networks \
+                 are not granted to API clients (start the server with \
+                 --allow-private-networks to grant them)"
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 pub(crate) fn forbidden(what: &str) -> ApiError {
@@ -616,11 +720,7 @@ async fn restorable(
     let store = store(s, caller)?;
     let id = parse_snapshot_id(sid)?;
     let m = store.manifest(&id).await?;
-    if let (false, Some(what)) = (s.config.allow_host_access, crate::host_access(&m.spec)) {
-        return Err(forbidden(&format!(
-            "this snapshot's spec has {what}, which"
-        )));
-    }
+    check_spec(&s.config, &m.spec, true)?;
     Ok((store, id))
 }
 
@@ -720,6 +820,7 @@ async fn set_network(
     Path(id): Path<String>,
     JsonBody(policy): JsonBody<NetworkPolicy>,
 ) -> Result<StatusCode, ApiError> {
+    check_network(&s.config, &policy)?;
     let e = s.enter(&id, &caller).await?;
     e.sandbox.set_network_policy(policy).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -772,12 +873,12 @@ async fn upload_snapshot(
 ) -> Result<(StatusCode, Json<SnapshotInfo>), ApiError> {
     let store = store(&s, &caller)?;
     let body = body.map_err(bytes_rejection)?;
-    let draft = crate::upload::read_snapshot_tar(&body)?;
-    if let (false, Some(what)) = (s.config.allow_host_access, crate::host_access(&draft.spec)) {
-        return Err(forbidden(&format!(
-            "this snapshot's spec has {what}, which"
-        )));
-    }
+    let mut draft = crate::upload::read_snapshot_tar(&body)?;
+    check_spec(&s.config, &draft.spec, true)?;
+    // Stored unsigned: it restores only where a client's snapshot cannot attack the host.
+    draft
+        .metadata
+        .insert(crate::signing::ORIGIN_KEY.to_string(), "upload".to_string());
     let id = store.put(draft).await?;
     let m = store.manifest(&id).await?;
     Ok((StatusCode::CREATED, Json(snapshot_info(id, &m))))

@@ -15,7 +15,7 @@ use sandbox_core::{Phase, Sandbox, TimelineRecorder};
 
 use crate::api::{RunBody, RunReply};
 use crate::error::ApiError;
-use crate::routes::{forbidden, JsonBody};
+use crate::routes::JsonBody;
 use crate::Shared;
 
 /// Counts a run in `Shared::running` while it lives.
@@ -40,9 +40,7 @@ pub(crate) async fn run(
             ));
         }
     }
-    if let (false, Some(what)) = (s.config.allow_host_access, crate::host_access(&body.spec)) {
-        return Err(forbidden(what));
-    }
+    crate::routes::check_spec(&s.config, &body.spec, false)?;
     if body.command.tty.is_some() {
         return Err(ApiError::bad_request(
             "`tty` is for spawned processes (`POST /v1/sandboxes/{id}/processes`), not a run",

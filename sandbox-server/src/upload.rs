@@ -89,8 +89,23 @@ pub fn read_snapshot_tar(body: &[u8]) -> Result<SnapshotDraft, ApiError> {
         if entry.header().size().map_err(bad)? != want.size {
             return Err(bad(format!("artifact `{name}` is not {} bytes", want.size)));
         }
-        let mut data = Vec::with_capacity(usize::try_from(want.size).unwrap_or(0));
-        entry.read_to_end(&mut data).map_err(bad)?;
+        // The size is the client's word: never allocate from it (a manifest stating 2^44 once
+        // aborted the server). What is read is bounded by the body, which is in memory.
+        if want.size > body.len() as u64 {
+            return Err(bad(format!(
+                "artifact `{name}` claims {} bytes, more than the whole upload",
+                want.size
+            )));
+        }
+        let mut data = Vec::new();
+        entry
+            .by_ref()
+            .take(want.size)
+            .read_to_end(&mut data)
+            .map_err(bad)?;
+        if data.len() as u64 != want.size {
+            return Err(bad(format!("artifact `{name}` is truncated")));
+        }
         if hex::encode(Sha256::digest(&data)) != want.sha256 {
             return Err(bad(format!("artifact `{name}` does not match its SHA-256")));
         }
