@@ -84,7 +84,13 @@ fn spec(workspace: &Path) -> SandboxSpec {
             cidrs: vec!["127.0.0.1/32".parse().unwrap()],
             ports: vec![],
         })
-        .secret_via_proxy("GH_TOKEN", "TOKEN", ["allowed.test"])
+        // curl sends the token in the query too: granted (headers only by default).
+        .secret_via_proxy_in(
+            "GH_TOKEN",
+            "TOKEN",
+            ["allowed.test"],
+            "header,query".parse().unwrap(),
+        )
         .workspace(Workspace::HostDir {
             path: workspace.to_path_buf(),
             read_only: false,

@@ -63,7 +63,13 @@ fn spec(bound: &str) -> SandboxSpec {
             cidrs: vec!["127.0.0.1/32".parse().unwrap()],
             ports: vec![],
         })
-        .secret_via_proxy("API_TOKEN", "API_TOKEN", [bound])
+        // The test sends the token in the query too: granted (headers only by default).
+        .secret_via_proxy_in(
+            "API_TOKEN",
+            "API_TOKEN",
+            [bound],
+            "header,query".parse().unwrap(),
+        )
         .build()
         .unwrap()
 }

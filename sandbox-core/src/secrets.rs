@@ -52,17 +52,139 @@ pub enum SecretExposure {
     HostOnly,
     /// Held by the egress proxy: the environment variable `var` holds a random placeholder
     /// (unique per sandbox, as long as the value), which the proxy replaces by the value in
-    /// requests to `hosts` only (headers, Basic credentials, query strings, bodies up to a
-    /// bound), and puts back over the value in their responses. TLS to those hosts is
-    /// terminated by the proxy, whose per-process CA the sandbox trusts. `hosts` use the
-    /// patterns of [`NetworkPolicy`](crate::NetworkPolicy) and must be allowed by the spec's
-    /// policy. See `docs/network.md`, "Secrets the sandbox never holds".
+    /// requests to `hosts` only, in the parts of a request `substitute_in` names (by default
+    /// header values, Basic credentials included; the request target and bodies up to a
+    /// bound only when granted), and puts back over the value (and its base64, hex and
+    /// percent-encoded forms) in their responses. TLS to those hosts is terminated by the
+    /// proxy, whose per-process CA the sandbox trusts. `hosts` use the patterns of
+    /// [`NetworkPolicy`](crate::NetworkPolicy) and must be allowed by the spec's policy. See
+    /// `docs/network.md`, "Secrets the sandbox never holds".
     Proxy {
         /// The variable holding the placeholder.
         var: String,
         /// Where the value goes (names, `*.suffix` wildcards, optional `:port`).
         hosts: Vec<crate::HostRule>,
+        /// Where in a request the placeholder is replaced. Absent in JSON (as written before
+        /// this field existed): headers only ([`SecretPlaces::default`]).
+        #[serde(default, skip_serializing_if = "SecretPlaces::is_default")]
+        substitute_in: SecretPlaces,
     },
+}
+
+/// Where in a request to a bound host the egress proxy replaces a proxy-held secret's
+/// placeholder by its value ([`SecretExposure::Proxy`]).
+///
+/// The default is **headers only** (every header value, `Authorization: Basic` credentials
+/// decoded and encoded again). The request target and the body are opt-in: a value
+/// substituted there is often *stored* by the server (a query parameter logged, a body
+/// saved) and can then be read back transformed (base64, reversed, encrypted), which no
+/// masking of responses can catch. Written as a comma-separated list (`header,query,body`),
+/// and in JSON as a list of those words.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SecretPlaces {
+    /// Header values, Basic credentials included.
+    pub headers: bool,
+    /// The request target: path and query string.
+    pub query: bool,
+    /// Bodies (with a `Content-Length`, up to the proxy's bound).
+    pub body: bool,
+}
+
+impl Default for SecretPlaces {
+    fn default() -> Self {
+        SecretPlaces::HEADERS
+    }
+}
+
+impl SecretPlaces {
+    /// Headers only (the default).
+    pub const HEADERS: SecretPlaces = SecretPlaces {
+        headers: true,
+        query: false,
+        body: false,
+    };
+    /// Headers, the request target and bodies.
+    pub const ALL: SecretPlaces = SecretPlaces {
+        headers: true,
+        query: true,
+        body: true,
+    };
+
+    /// Whether this is the default (headers only).
+    pub fn is_default(&self) -> bool {
+        *self == SecretPlaces::HEADERS
+    }
+
+    /// Whether nothing is granted (the placeholder is then never replaced).
+    pub fn is_empty(&self) -> bool {
+        !(self.headers || self.query || self.body)
+    }
+
+    fn words(&self) -> Vec<&'static str> {
+        [
+            (self.headers, "header"),
+            (self.query, "query"),
+            (self.body, "body"),
+        ]
+        .into_iter()
+        .filter_map(|(on, w)| on.then_some(w))
+        .collect()
+    }
+}
+
+impl fmt::Display for SecretPlaces {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.words().join(","))
+    }
+}
+
+impl std::str::FromStr for SecretPlaces {
+    type Err = Error;
+
+    /// `header,query,body` (any of them, at least one; `headers` and `target` are accepted
+    /// for `header` and `query`).
+    fn from_str(s: &str) -> Result<Self> {
+        let mut p = SecretPlaces {
+            headers: false,
+            query: false,
+            body: false,
+        };
+        for w in s.split(',').map(str::trim) {
+            match w.to_ascii_lowercase().as_str() {
+                "header" | "headers" => p.headers = true,
+                "query" | "target" => p.query = true,
+                "body" => p.body = true,
+                other => {
+                    return Err(Error::invalid(
+                        "secrets",
+                        format!(
+                            "`{other}` is not a place to substitute a secret in (header, \
+                             query or body)"
+                        ),
+                    ))
+                }
+            }
+        }
+        Ok(p)
+    }
+}
+
+impl Serialize for SecretPlaces {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        self.words().serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for SecretPlaces {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        let words = Vec::<String>::deserialize(d)?;
+        if words.is_empty() {
+            return Err(serde::de::Error::custom(
+                "substitute_in needs at least one of header, query, body",
+            ));
+        }
+        words.join(",").parse().map_err(serde::de::Error::custom)
+    }
 }
 
 /// A secret named by the spec. Only the name is stored: the value is resolved at create time.
@@ -192,10 +314,15 @@ impl ResolvedSecrets {
         self.entries
             .iter()
             .filter_map(|(b, v)| match &b.exposure {
-                SecretExposure::Proxy { var, hosts } => Some(ProxiedSecret {
+                SecretExposure::Proxy {
+                    var,
+                    hosts,
+                    substitute_in,
+                } => Some(ProxiedSecret {
                     name: &b.name,
                     var,
                     hosts,
+                    substitute_in: *substitute_in,
                     value: v,
                 }),
                 _ => None,
@@ -230,6 +357,8 @@ pub struct ProxiedSecret<'a> {
     pub var: &'a str,
     /// The hosts the value goes to.
     pub hosts: &'a [crate::HostRule],
+    /// Where in a request the placeholder is replaced.
+    pub substitute_in: SecretPlaces,
     /// The value.
     pub value: &'a Secret,
 }
@@ -435,6 +564,54 @@ mod tests {
         assert_eq!(r.redact_truncated(b"abc"), b"abc");
         let mut none = StreamRedactor::new(Redactor::default());
         assert_eq!(none.push(b"abc"), b"abc");
+    }
+
+    #[test]
+    fn secret_places_default_to_headers_and_old_json_still_reads() {
+        // Written before `substitute_in` existed: headers only.
+        let old = r#"{"kind":"proxy","var":"T","hosts":["api.example.com"]}"#;
+        let e: SecretExposure = serde_json::from_str(old).unwrap();
+        match &e {
+            SecretExposure::Proxy { substitute_in, .. } => {
+                assert_eq!(*substitute_in, SecretPlaces::HEADERS);
+            }
+            other => panic!("{other:?}"),
+        }
+        // The default is not written, so old readers read new specs.
+        assert_eq!(serde_json::to_string(&e).unwrap(), old);
+        let granted = SecretExposure::Proxy {
+            var: "T".into(),
+            hosts: vec!["api.example.com".parse().unwrap()],
+            substitute_in: "header,body".parse().unwrap(),
+        };
+        let json = serde_json::to_string(&granted).unwrap();
+        assert!(
+            json.contains(r#""substitute_in":["header","body"]"#),
+            "{json}"
+        );
+        assert_eq!(
+            serde_json::from_str::<SecretExposure>(&json).unwrap(),
+            granted
+        );
+        let bad = r#"{"kind":"proxy","var":"T","hosts":["a.example"],"substitute_in":[]}"#;
+        assert!(serde_json::from_str::<SecretExposure>(bad).is_err());
+        let bad = r#"{"kind":"proxy","var":"T","hosts":["a.example"],"substitute_in":["cookie"]}"#;
+        assert!(serde_json::from_str::<SecretExposure>(bad).is_err());
+        // The words.
+        let p: SecretPlaces = "query, Headers".parse().unwrap();
+        assert_eq!(
+            p,
+            SecretPlaces {
+                headers: true,
+                query: true,
+                body: false
+            }
+        );
+        assert_eq!(p.to_string(), "header,query");
+        assert_eq!("body".parse::<SecretPlaces>().unwrap().to_string(), "body");
+        assert_eq!(SecretPlaces::ALL.to_string(), "header,query,body");
+        assert!("".parse::<SecretPlaces>().is_err());
+        assert!("header,everywhere".parse::<SecretPlaces>().is_err());
     }
 
     #[test]

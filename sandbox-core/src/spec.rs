@@ -626,10 +626,30 @@ impl SpecBuilder {
     /// empty, `var` is not a variable name, a host does not parse, there is no host, or the
     /// network policy does not allow a host.
     pub fn secret_via_proxy<I, S>(
+        self,
+        name: impl Into<String>,
+        var: impl Into<String>,
+        hosts: I,
+    ) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        self.secret_via_proxy_in(name, var, hosts, crate::SecretPlaces::default())
+    }
+
+    /// [`secret_via_proxy`](Self::secret_via_proxy), replacing the placeholder in the parts
+    /// of a request that `places` names (headers only by default; the request target and
+    /// bodies are opt-in, see [`SecretPlaces`](crate::SecretPlaces)).
+    ///
+    /// # Errors
+    /// As [`secret_via_proxy`](Self::secret_via_proxy).
+    pub fn secret_via_proxy_in<I, S>(
         mut self,
         name: impl Into<String>,
         var: impl Into<String>,
         hosts: I,
+        places: crate::SecretPlaces,
     ) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -653,6 +673,7 @@ impl SpecBuilder {
             exposure: SecretExposure::Proxy {
                 var: var.into(),
                 hosts: rules,
+                substitute_in: places,
             },
         });
         self
@@ -842,7 +863,7 @@ mod tests {
             .build()
             .unwrap();
         match &ok.secrets[0].exposure {
-            SecretExposure::Proxy { var, hosts } => {
+            SecretExposure::Proxy { var, hosts, .. } => {
                 assert_eq!(var, "GITHUB_TOKEN");
                 assert_eq!(hosts.len(), 2);
             }

@@ -491,7 +491,8 @@ impl EgressEnforcer for VethEnforcer {
                 .map_err(|e| Error::Secret {
                     name: s.name.to_owned(),
                     reason: e.to_string(),
-                })?;
+                })?
+                .substitute_in(s.substitute_in);
             env.push((s.var.to_owned(), p.placeholder().to_owned()));
             held.push(p);
         }

@@ -38,9 +38,10 @@
 //!
 //! **Proxy-held secrets** ([`secrets`], [`EgressProxy::set_secrets`]): the sandbox holds a
 //! random placeholder instead of a credential; for requests to the hosts the secret is bound
-//! to, the proxy puts the real value in (request target, headers, Basic credentials, bodies
-//! up to [`ProxyConfig::max_substituted_body`]) and puts the placeholder back over the value
-//! in responses. TLS to those hosts only is terminated with a leaf minted by a per-process CA
+//! to, the proxy puts the real value in (headers and Basic credentials by default; the
+//! request target and bodies up to [`ProxyConfig::max_substituted_body`] where the secret is
+//! granted them, [`secrets::SecretPlaces`]) and puts the placeholder back over the value, and
+//! over its base64, hex and percent-encoded forms, in responses. TLS to those hosts only is terminated with a leaf minted by a per-process CA
 //! ([`intercept`]; the sandbox trusts [`EgressProxy::interception_ca_pem`]) and re-opened to
 //! the real server with full verification; HTTP/1.1 with keep-alive. A placeholder on its way
 //! to any other host is refused (403) and audited as a leak attempt.

@@ -13,7 +13,7 @@ use std::process::Command;
 use common::*;
 use rustls::pki_types::CertificateDer;
 use sandbox_core::Secret;
-use sandbox_egress::secrets::{ProxySecret, SecretSet};
+use sandbox_egress::secrets::{ProxySecret, SecretPlaces, SecretSet};
 use sandbox_egress::testing::{EchoServer, TestCa};
 use sandbox_egress::{AuditRule, ProxyConfig, StaticResolver};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -42,7 +42,12 @@ impl Setup {
     }
 }
 
+/// The secret substituted in headers and the request target (what the first tests use).
 async fn setup(upstream_ca: &TestCa) -> Setup {
+    setup_in(upstream_ca, "header,query".parse().unwrap()).await
+}
+
+async fn setup_in(upstream_ca: &TestCa, places: SecretPlaces) -> Setup {
     let resolver = StaticResolver::new()
         .with("api.test", &[ip("127.0.0.1")])
         .with("other.test", &[ip("127.0.0.1")])
@@ -62,7 +67,8 @@ async fn setup(upstream_ca: &TestCa) -> Setup {
         Secret::new(VALUE),
         vec!["api.test".parse().unwrap(), "bad.test".parse().unwrap()],
     )
-    .unwrap();
+    .unwrap()
+    .substitute_in(places);
     let placeholder = secret.placeholder().to_string();
     h.proxy
         .set_secrets("sb", SecretSet::new(vec![secret]))
@@ -477,4 +483,700 @@ async fn hostile_requests_are_refused_and_hold_nothing() {
     let heads = server.heads();
     assert_eq!(heads.len(), 1, "{heads:?}");
     assert!(heads[0].contains(&format!("Bearer {VALUE}")));
+}
+
+// --- Attacks on masking and on the reading of requests inside intercepted connections ---
+
+/// What a scripted server sends for one request: pieces, each after a pause (ms).
+type Pieces = Vec<(u64, Vec<u8>)>;
+
+/// An HTTPS server for `api.test` (behind `ca`) that records every request it receives
+/// (head and `Content-Length` body, as received) and answers what `script` says, keeping the
+/// connection open until a request says `Connection: close`.
+struct Scripted {
+    port: u16,
+    received: std::sync::Arc<std::sync::Mutex<Vec<Vec<u8>>>>,
+}
+
+impl Scripted {
+    async fn start<F>(ca: &TestCa, script: F) -> Scripted
+    where
+        F: Fn(&str) -> Pieces + Send + Sync + 'static,
+    {
+        let acceptor = tokio_rustls::TlsAcceptor::from(ca.server_config(&["api.test"]).unwrap());
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = l.local_addr().unwrap().port();
+        let received = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let script = std::sync::Arc::new(script);
+        let rec = received.clone();
+        tokio::spawn(async move {
+            loop {
+                let (tcp, _) = l.accept().await.unwrap();
+                let (acceptor, rec, script) = (acceptor.clone(), rec.clone(), script.clone());
+                tokio::spawn(async move {
+                    let Ok(mut t) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let mut buf = Vec::new();
+                    loop {
+                        let end = loop {
+                            if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                                break i + 4;
+                            }
+                            let mut c = [0u8; 4096];
+                            match t.read(&mut c).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&c[..n]),
+                            }
+                        };
+                        let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+                        let len: usize = head
+                            .lines()
+                            .filter_map(|l| l.strip_prefix("content-length:"))
+                            .filter_map(|v| v.trim().parse().ok())
+                            .next_back()
+                            .unwrap_or(0);
+                        let deadline = std::time::Duration::from_secs(2);
+                        while buf.len() < end + len {
+                            let mut c = [0u8; 4096];
+                            match tokio::time::timeout(deadline, t.read(&mut c)).await {
+                                Ok(Ok(n)) if n > 0 => buf.extend_from_slice(&c[..n]),
+                                _ => break,
+                            }
+                        }
+                        let req: Vec<u8> = buf.drain(..(end + len).min(buf.len())).collect();
+                        rec.lock().unwrap().push(req.clone());
+                        for (pause, bytes) in script(&String::from_utf8_lossy(&req)) {
+                            tokio::time::sleep(std::time::Duration::from_millis(pause)).await;
+                            if t.write_all(&bytes).await.is_err() || t.flush().await.is_err() {
+                                return;
+                            }
+                        }
+                        if head.contains("connection: close") {
+                            let _ = t.shutdown().await;
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Scripted { port, received }
+    }
+
+    fn received(&self) -> Vec<String> {
+        self.received
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|r| String::from_utf8_lossy(r).into_owned())
+            .collect()
+    }
+}
+
+/// The value of header `name` in a request as the server received it.
+fn header<'a>(req: &'a str, name: &str) -> &'a str {
+    req.split("\r\n")
+        .find_map(|l| {
+            let (n, v) = l.split_once(':')?;
+            n.eq_ignore_ascii_case(name).then_some(v.trim())
+        })
+        .unwrap_or("")
+}
+
+/// The path of a request line.
+fn path_of(req: &str) -> &str {
+    req.split(' ').nth(1).unwrap_or("")
+}
+
+/// One response (of several on a connection): its head and its body, de-chunked. `None`
+/// when `raw` holds no whole response.
+fn next_response(raw: &mut Vec<u8>, to_head: bool) -> Option<(String, Vec<u8>)> {
+    let end = raw.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+    let head = String::from_utf8_lossy(&raw[..end]).into_owned();
+    let chunked = header(&head, "transfer-encoding").eq_ignore_ascii_case("chunked");
+    let length: Option<usize> = header(&head, "content-length").parse().ok();
+    let code = head.split(' ').nth(1).unwrap_or("");
+    let mut body = Vec::new();
+    let mut at = end;
+    if to_head || code.starts_with('1') || code == "204" || code == "304" {
+    } else if chunked {
+        loop {
+            let nl = raw[at..].windows(2).position(|w| w == b"\r\n")? + at;
+            let size = usize::from_str_radix(std::str::from_utf8(&raw[at..nl]).ok()?, 16).ok()?;
+            at = nl + 2;
+            if size == 0 {
+                // No trailers in these tests: the blank line.
+                (raw.get(at..at + 2)? == b"\r\n").then_some(())?;
+                at += 2;
+                break;
+            }
+            body.extend_from_slice(raw.get(at..at + size)?);
+            at += size;
+            (raw.get(at..at + 2)? == b"\r\n").then_some(())?;
+            at += 2;
+        }
+    } else if let Some(n) = length {
+        body.extend_from_slice(raw.get(at..at + n)?);
+        at += n;
+    } else {
+        body.extend_from_slice(&raw[at..]);
+        at = raw.len();
+    }
+    raw.drain(..at);
+    Some((head, body))
+}
+
+fn chunked_head() -> Vec<u8> {
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n".to_vec()
+}
+
+/// `data` in chunks of `size` bytes, with the last chunk.
+fn chunks(data: &[u8], size: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    for c in data.chunks(size) {
+        out.extend_from_slice(format!("{:x}\r\n", c.len()).as_bytes());
+        out.extend_from_slice(c);
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"0\r\n\r\n");
+    out
+}
+
+/// A server that echoes the (substituted) bearer token of the request back, split the way
+/// the request's path says.
+fn echo_token_split(req: &str) -> Pieces {
+    let token = header(req, "authorization")
+        .strip_prefix("Bearer ")
+        .unwrap_or("")
+        .to_owned();
+    let body = format!("echo: {token} end");
+    let half = "echo: ".len() + token.len() / 2;
+    let (a, b) = body.as_bytes().split_at(half);
+    match path_of(req) {
+        // Chunk framing between the halves (and, below, around every 3 bytes), in one write.
+        "/chunked" => {
+            let mut all = chunked_head();
+            all.extend_from_slice(format!("{:x}\r\n", a.len()).as_bytes());
+            all.extend_from_slice(a);
+            all.extend_from_slice(b"\r\n");
+            all.extend(chunks(b, b.len()));
+            vec![(0, all)]
+        }
+        "/tiny-chunks" => {
+            let mut all = chunked_head();
+            all.extend(chunks(body.as_bytes(), 3));
+            vec![(0, all)]
+        }
+        // Half, a pause longer than any hold timer, the rest.
+        "/pause" => {
+            let mut first = format!(
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                body.len()
+            )
+            .into_bytes();
+            first.extend_from_slice(a);
+            vec![(0, first), (500, b.to_vec())]
+        }
+        "/chunked-pause" => {
+            let mut first = chunked_head();
+            first.extend_from_slice(format!("{:x}\r\n", a.len()).as_bytes());
+            first.extend_from_slice(a);
+            first.extend_from_slice(b"\r\n");
+            vec![(0, first), (500, chunks(b, b.len()))]
+        }
+        // Until the server closes, paused in the middle.
+        _ => {
+            let mut first = b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n".to_vec();
+            first.extend_from_slice(a);
+            vec![(0, first), (500, b.to_vec())]
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_value_split_by_chunk_framing_or_a_pause_is_still_masked() {
+    let ca = TestCa::new("test upstream CA").unwrap();
+    let server = Scripted::start(&ca, echo_token_split).await;
+    let s = setup_in(&ca, SecretPlaces::default()).await;
+    let ph = s.placeholder.clone();
+    let api = format!("api.test:{}", server.port);
+    let mut failures = Vec::new();
+    guard(async {
+        for path in [
+            "/chunked",
+            "/tiny-chunks",
+            "/pause",
+            "/chunked-pause",
+            "/close",
+        ] {
+            let mut t = intercepted(&s, &api).await;
+            t.write_all(
+                format!(
+                    "GET {path} HTTP/1.1\r\nHost: api.test\r\nAuthorization: Bearer {ph}\r\n\
+                     Connection: close\r\n\r\n"
+                )
+                .as_bytes(),
+            )
+            .await
+            .unwrap();
+            let mut raw = Vec::new();
+            let _ = t.read_to_end(&mut raw).await;
+            let text = String::from_utf8_lossy(&raw).into_owned();
+            // What the sandbox reads, framing removed: the placeholder, whole.
+            let body = next_response(&mut raw, false)
+                .filter(|(head, _)| head.starts_with("HTTP/1.1 200"))
+                .map(|(_, body)| String::from_utf8_lossy(&body).into_owned());
+            if text.contains(VALUE) || body.as_deref() != Some(&format!("echo: {ph} end")) {
+                failures.push(format!("{path}: {text:?}"));
+            }
+        }
+    })
+    .await;
+    // Every case is tried; all that failed are named.
+    assert!(failures.is_empty(), "{failures:#?}");
+    // The server did get the value each time.
+    let got = server.received();
+    assert_eq!(got.len(), 5);
+    assert!(got.iter().all(|r| r.contains(&format!("Bearer {VALUE}"))));
+}
+
+/// A server that stores what it is sent and gives it back encoded: the body, and the bearer
+/// token, in base64 (standard, URL-safe, behind 1 and 2 bytes), hex and percent-encoding.
+fn echo_encoded(req: &str) -> Pieces {
+    use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
+    use base64::Engine as _;
+    let body = req.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    let token = header(req, "authorization");
+    let mut lines = Vec::new();
+    for (what, data) in [("body", body), ("auth", token)] {
+        let data = data.as_bytes();
+        let with = |pre: &[u8]| [pre, data].concat();
+        lines.push(format!("{what} b64 {}", STANDARD.encode(data)));
+        lines.push(format!("{what} b64url {}", URL_SAFE_NO_PAD.encode(data)));
+        lines.push(format!("{what} b64+1 {}", STANDARD.encode(with(b"x"))));
+        lines.push(format!("{what} b64+2 {}", STANDARD.encode(with(b"xy"))));
+        lines.push(format!(
+            "{what} hex {}",
+            data.iter().map(|b| format!("{b:02x}")).collect::<String>()
+        ));
+        lines.push(format!(
+            "{what} HEX {}",
+            data.iter().map(|b| format!("{b:02X}")).collect::<String>()
+        ));
+        lines.push(format!(
+            "{what} pct {}",
+            data.iter()
+                .map(|b| {
+                    if b.is_ascii_alphanumeric() || b"-._~".contains(b) {
+                        char::from(*b).to_string()
+                    } else {
+                        format!("%{b:02X}")
+                    }
+                })
+                .collect::<String>()
+        ));
+        lines.push(format!(
+            "{what} pct-all {}",
+            data.iter().map(|b| format!("%{b:02x}")).collect::<String>()
+        ));
+    }
+    let text = lines.join("\n") + "\n";
+    vec![(
+        0,
+        format!(
+            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
+            text.len()
+        )
+        .into_bytes(),
+    )]
+}
+
+/// Decodes one line of [`echo_encoded`]'s answer.
+fn decode_line(line: &str) -> (String, Vec<u8>) {
+    use base64::engine::general_purpose::{STANDARD, URL_SAFE_NO_PAD};
+    use base64::Engine as _;
+    let mut parts = line.splitn(3, ' ');
+    let (what, form, data) = (
+        parts.next().unwrap(),
+        parts.next().unwrap(),
+        parts.next().unwrap_or(""),
+    );
+    let unhex = |x: &str| -> Vec<u8> {
+        (0..x.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&x[i..i + 2], 16).unwrap())
+            .collect()
+    };
+    let unpct = |x: &str| -> Vec<u8> {
+        let b = x.as_bytes();
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < b.len() {
+            if b[i] == b'%' {
+                out.push(u8::from_str_radix(&x[i + 1..i + 3], 16).unwrap());
+                i += 3;
+            } else {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+        out
+    };
+    let decoded = match form {
+        "b64" | "b64+1" | "b64+2" => STANDARD.decode(data).unwrap(),
+        "b64url" => URL_SAFE_NO_PAD.decode(data).unwrap(),
+        "hex" | "HEX" => unhex(data),
+        _ => unpct(data),
+    };
+    (format!("{what} {form}"), decoded)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_value_read_back_encoded_is_masked() {
+    let ca = TestCa::new("test upstream CA").unwrap();
+    let server = Scripted::start(&ca, echo_encoded).await;
+    // The body granted: the server stores the real value, then gives it back encoded.
+    let s = setup_in(&ca, "header,body".parse().unwrap()).await;
+    let ph = s.placeholder.clone();
+    let api = format!("api.test:{}", server.port);
+    let body = format!("{{\"secret\": \"{ph}\", \"note\": \"kept?\"}}");
+    let reply = guard(async {
+        let mut t = intercepted(&s, &api).await;
+        t.write_all(
+            format!(
+                "POST /store HTTP/1.1\r\nHost: api.test\r\nAuthorization: Bearer {ph}\r\n\
+                 Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+        until_closed(&mut t).await
+    })
+    .await;
+    let got = server.received();
+    assert!(got[0].ends_with(&body.replace(&ph, VALUE)), "{}", got[0]);
+    let (_, text) = reply.split_once("\r\n\r\n").expect(&reply);
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 16, "{text}");
+    for line in lines {
+        let (form, decoded) = decode_line(line);
+        let decoded = String::from_utf8_lossy(&decoded).into_owned();
+        // Decoded, never the value: the placeholder (all but a few bits at its ends when
+        // the encoding's groups straddle it).
+        assert!(!decoded.contains(VALUE), "{form}: {decoded}");
+        assert!(
+            decoded.contains(&ph[1..ph.len() - 1]),
+            "{form}: {decoded} (placeholder {ph})"
+        );
+    }
+    assert!(!reply.contains(VALUE));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn body_and_query_placeholders_are_substituted_only_where_granted() {
+    let ca = TestCa::new("test upstream CA").unwrap();
+    let ok = |_: &str| -> Pieces {
+        vec![(
+            0,
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok".to_vec(),
+        )]
+    };
+    for (places, query, body) in [
+        ("header", false, false),
+        ("header,body", false, true),
+        ("header,query", true, false),
+        ("header,query,body", true, true),
+    ] {
+        let server = Scripted::start(&ca, ok).await;
+        let s = setup_in(&ca, places.parse().unwrap()).await;
+        let ph = s.placeholder.clone();
+        let api = format!("api.test:{}", server.port);
+        let payload = format!("token={ph}");
+        guard(async {
+            let mut t = intercepted(&s, &api).await;
+            t.write_all(
+                format!(
+                    "POST /q?t={ph} HTTP/1.1\r\nHost: api.test\r\nAuthorization: Bearer {ph}\r\n\
+                     Content-Length: {}\r\nConnection: close\r\n\r\n{payload}",
+                    payload.len()
+                )
+                .as_bytes(),
+            )
+            .await
+            .unwrap();
+            let reply = until_closed(&mut t).await;
+            assert!(reply.starts_with("HTTP/1.1 200"), "{reply}");
+        })
+        .await;
+        let got = server.received();
+        let req = &got[0];
+        assert_eq!(header(req, "authorization"), format!("Bearer {VALUE}"));
+        let want = |granted: bool| if granted { VALUE } else { ph.as_str() };
+        assert_eq!(path_of(req), format!("/q?t={}", want(query)), "{places}");
+        assert!(
+            req.ends_with(&format!("\r\n\r\ntoken={}", want(body))),
+            "{places}: {req}"
+        );
+        // The audit names what was substituted, and only that.
+        let places_audited: Vec<String> =
+            s.h.proxy
+                .audit("sb")
+                .unwrap()
+                .iter()
+                .filter_map(|e| match &e.rule {
+                    AuditRule::SecretSubstituted { place, .. } => Some(place.clone()),
+                    _ => None,
+                })
+                .collect();
+        assert_eq!(
+            places_audited.len(),
+            1 + usize::from(query) + usize::from(body),
+            "{places}: {places_audited:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ambiguous_requests_are_refused_before_anything_is_substituted() {
+    let ca = TestCa::new("test upstream CA").unwrap();
+    let server = Scripted::start(&ca, |req: &str| -> Pieces {
+        let body = format!("got {}", path_of(req));
+        vec![(
+            0,
+            format!(
+                "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .into_bytes(),
+        )]
+    })
+    .await;
+    let s = setup_in(&ca, SecretPlaces::ALL).await;
+    let ph = s.placeholder.clone();
+    let port = server.port;
+    let api = format!("api.test:{port}");
+    let auth = format!("Authorization: Bearer {ph}\r\n");
+    let cases = [
+        // The last Host would be ours, the first another's.
+        format!("GET / HTTP/1.1\r\nHost: other.test\r\nHost: api.test\r\n{auth}\r\n"),
+        format!("GET / HTTP/1.1\r\nHost: api.test\r\nHost: api.test\r\n{auth}\r\n"),
+        // Two lengths: which one ends the request decides where the next one starts.
+        format!(
+            "POST / HTTP/1.1\r\nHost: api.test\r\nContent-Length: 0\r\nContent-Length: 5\r\n\
+             {auth}\r\nhello"
+        ),
+        format!(
+            "POST / HTTP/1.1\r\nHost: api.test\r\nContent-Length: 5\r\nContent-Length: 5\r\n\
+             {auth}\r\nhello"
+        ),
+        format!("POST / HTTP/1.1\r\nHost: api.test\r\nContent-Length: +5\r\n{auth}\r\nhello"),
+        // Transfer codings other than exactly chunked, or with a length.
+        format!(
+            "POST / HTTP/1.1\r\nHost: api.test\r\nTransfer-Encoding: gzip, chunked\r\n{auth}\r\n\
+             0\r\n\r\n"
+        ),
+        format!(
+            "POST / HTTP/1.1\r\nHost: api.test\r\nTransfer-Encoding: chunkedx\r\n{auth}\r\n\
+             0\r\n\r\n"
+        ),
+        format!(
+            "POST / HTTP/1.1\r\nHost: api.test\r\nTransfer-Encoding: chunked\r\n\
+             Transfer-Encoding: chunked\r\n{auth}\r\n0\r\n\r\n"
+        ),
+        format!(
+            "POST / HTTP/1.1\r\nHost: api.test\r\nTransfer-Encoding: chunked\r\n\
+             Content-Length: 5\r\n{auth}\r\n0\r\n\r\n"
+        ),
+        // A target naming another host than Host and the connection.
+        format!("GET https://other.test/ HTTP/1.1\r\nHost: api.test\r\n{auth}\r\n"),
+        format!("GET http://other.test:{port}/ HTTP/1.1\r\nHost: api.test\r\n{auth}\r\n"),
+        format!("GET https://api.test@other.test/ HTTP/1.1\r\nHost: api.test\r\n{auth}\r\n"),
+        format!("GET https://api.test:1/ HTTP/1.1\r\nHost: api.test\r\n{auth}\r\n"),
+        format!("GET other.test:443 HTTP/1.1\r\nHost: api.test\r\n{auth}\r\n"),
+    ];
+    // Every case is tried (each bounded in time); all that failed are named.
+    let mut failures = Vec::new();
+    for req in &cases {
+        let reply = tokio::time::timeout(std::time::Duration::from_secs(3), async {
+            let mut t = intercepted(&s, &api).await;
+            let _ = t.write_all(req.as_bytes()).await;
+            until_closed(&mut t).await
+        })
+        .await
+        .unwrap_or_else(|_| "(no reply in 3 s)".into());
+        // Nothing was sent upstream: not a request, not the value.
+        let upstream = server.received.lock().unwrap().drain(..).count();
+        if !reply.starts_with("HTTP/1.1 400") || reply.contains(VALUE) || upstream > 0 {
+            failures.push(format!(
+                "{req:?}\n  => {reply:?}, {upstream} request(s) upstream"
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+    let malformed =
+        s.h.proxy
+            .audit("sb")
+            .unwrap()
+            .iter()
+            .filter(|e| matches!(e.rule, AuditRule::Malformed(_)))
+            .count();
+    assert_eq!(malformed, cases.len());
+    // An absolute target naming this very host and port is fine: sent on in origin form.
+    guard(async {
+        let mut t = intercepted(&s, &api).await;
+        t.write_all(
+            format!(
+                "GET https://API.test:{port}/ok?x=1 HTTP/1.1\r\nHost: api.test\r\n{auth}\
+                 Connection: close\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+        let reply = until_closed(&mut t).await;
+        assert!(reply.ends_with("got /ok?x=1"), "{reply}");
+    })
+    .await;
+    let got = server.received();
+    assert_eq!(got.len(), 1);
+    assert!(got[0].starts_with("GET /ok?x=1 HTTP/1.1\r\n"), "{}", got[0]);
+    assert!(got[0].contains(&format!("Bearer {VALUE}")));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_alive_responses_keep_their_framing_through_the_masker() {
+    let ca = TestCa::new("test upstream CA").unwrap();
+    let server = Scripted::start(&ca, |req: &str| -> Pieces {
+        let token = header(req, "authorization")
+            .strip_prefix("Bearer ")
+            .unwrap_or("")
+            .to_owned();
+        let close = if header(req, "connection") == "close" {
+            "Connection: close\r\n"
+        } else {
+            ""
+        };
+        let p = path_of(req);
+        let resp = match p {
+            // HEAD: a length, no body.
+            "/head" => "HTTP/1.1 200 OK\r\nContent-Length: 50\r\n\r\n".to_owned(),
+            "/early" => format!(
+                "HTTP/1.1 103 Early Hints\r\nLink: </{token}>\r\n\r\n\
+                 HTTP/1.1 204 No Content\r\n{close}\r\n"
+            ),
+            "/chunked" => {
+                let body = format!("a{token}b");
+                let mut s = format!("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n{close}\r\n");
+                s.push_str(&String::from_utf8(chunks(body.as_bytes(), 5)).unwrap());
+                s
+            }
+            // A value that ends the body exactly where a next response begins.
+            _ => {
+                let body = format!("x{}", &token[..token.len() / 2]);
+                format!(
+                    "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nX-Echo: {token}\r\n{close}\r\n{body}",
+                    body.len()
+                )
+            }
+        };
+        vec![(0, resp.into_bytes())]
+    })
+    .await;
+    let s = setup_in(&ca, SecretPlaces::default()).await;
+    let ph = s.placeholder.clone();
+    let api = format!("api.test:{}", server.port);
+    guard(async {
+        let mut t = intercepted(&s, &api).await;
+        let mut raw = Vec::new();
+        let reqs = ["/half", "/head", "/chunked", "/early", "/half"];
+        for (i, p) in reqs.iter().enumerate() {
+            let method = if *p == "/head" { "HEAD" } else { "GET" };
+            let close = if i + 1 == reqs.len() {
+                "Connection: close\r\n"
+            } else {
+                ""
+            };
+            t.write_all(
+                format!(
+                    "{method} {p} HTTP/1.1\r\nHost: api.test\r\nAuthorization: Bearer {ph}\r\n\
+                     {close}\r\n"
+                )
+                .as_bytes(),
+            )
+            .await
+            .unwrap();
+            // Each answer arrives whole before the next request is sent: nothing waits
+            // on held bytes, a HEAD's length or a chunked body's end.
+            let (head, body) = loop {
+                if let Some(r) = next_response(&mut raw, *p == "/head") {
+                    if r.0.starts_with("HTTP/1.1 103") {
+                        assert!(r.0.contains(&format!("Link: </{ph}>")), "{}", r.0);
+                        continue;
+                    }
+                    break r;
+                }
+                let mut c = [0u8; 4096];
+                let n = t.read(&mut c).await.unwrap();
+                assert!(
+                    n > 0,
+                    "{p}: closed early: {}",
+                    String::from_utf8_lossy(&raw)
+                );
+                raw.extend_from_slice(&c[..n]);
+            };
+            let body = String::from_utf8(body).unwrap();
+            match *p {
+                "/head" => assert!(body.is_empty()),
+                "/early" => assert!(head.starts_with("HTTP/1.1 204"), "{head}"),
+                "/chunked" => assert_eq!(body, format!("a{ph}b")),
+                _ => {
+                    assert!(head.contains(&format!("X-Echo: {ph}\r\n")), "{head}");
+                    assert_eq!(body, format!("x{}", &VALUE[..VALUE.len() / 2]));
+                }
+            }
+        }
+        let mut rest = Vec::new();
+        let _ = t.read_to_end(&mut rest).await;
+        assert!(rest.is_empty(), "{}", String::from_utf8_lossy(&rest));
+    })
+    .await;
+    assert_eq!(server.received().len(), 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_in_a_transfer_coding_the_masker_cannot_read_is_refused() {
+    let ca = TestCa::new("test upstream CA").unwrap();
+    let server = Scripted::start(&ca, |_: &str| -> Pieces {
+        vec![(
+            0,
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\nConnection: close\r\n\r\n\
+              5\r\nhello\r\n0\r\n\r\n"
+                .to_vec(),
+        )]
+    })
+    .await;
+    let s = setup_in(&ca, SecretPlaces::default()).await;
+    let ph = s.placeholder.clone();
+    let api = format!("api.test:{}", server.port);
+    let reply = guard(async {
+        let mut t = intercepted(&s, &api).await;
+        // A TE asking for gzip is not passed on either.
+        t.write_all(
+            format!(
+                "GET / HTTP/1.1\r\nHost: api.test\r\nTE: gzip\r\nAuthorization: Bearer {ph}\r\n\
+                 Connection: close\r\n\r\n"
+            )
+            .as_bytes(),
+        )
+        .await
+        .unwrap();
+        until_closed(&mut t).await
+    })
+    .await;
+    assert!(reply.starts_with("HTTP/1.1 502"), "{reply}");
+    assert!(reply.contains("transfer coding"), "{reply}");
+    let got = server.received();
+    assert!(!got[0].to_lowercase().contains("\r\nte:"), "{}", got[0]);
 }
