@@ -416,13 +416,25 @@ fn run_starts_the_daemon_when_asked_and_exactly_one() {
         .envs(env.iter().copied())
         .current_dir(t.path());
     let w_fd = std::os::fd::AsRawFd::as_raw_fd(&w);
-    // SAFETY: dup2 is async-signal-safe; the child gets the pipe as 100, not close-on-exec.
+    // SAFETY: dup2, signal and sigprocmask are async-signal-safe; the child gets the pipe as
+    // 100, not close-on-exec, and starts as a background job under `nohup` would: SIGINT,
+    // SIGQUIT and SIGHUP ignored, SIGUSR1 and SIGTERM blocked. The daemon must not inherit
+    // that (checked below).
     unsafe {
         use std::os::unix::process::CommandExt;
         first.pre_exec(move || {
             if libc::dup2(w_fd, 100) < 0 {
                 return Err(std::io::Error::last_os_error());
             }
+            for sig in [libc::SIGINT, libc::SIGQUIT, libc::SIGHUP] {
+                libc::signal(sig, libc::SIG_IGN);
+            }
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            for sig in [libc::SIGUSR1, libc::SIGTERM] {
+                libc::sigaddset(&mut set, sig);
+            }
+            libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
             Ok(())
         });
     }
@@ -448,6 +460,24 @@ fn run_starts_the_daemon_when_asked_and_exactly_one() {
     assert!(live(&sock), "the daemon stopped");
     let pids = daemons_on(&sock);
     assert_eq!(pids.len(), 1, "{pids:?}");
+    // The daemon starts with every signal at its default and none blocked, though its
+    // starter ignored and blocked some: it ignores only the SIGPIPE that the Rust runtime
+    // ignores in every program (and catches what it handles).
+    let status = std::fs::read_to_string(format!("/proc/{}/status", pids[0])).unwrap();
+    let set = |key: &str| -> Vec<u32> {
+        let v = status
+            .lines()
+            .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+            .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+            .unwrap_or_else(|| panic!("no {key} in {status}"));
+        (1..=64).filter(|s| v & (1 << (s - 1)) != 0).collect()
+    };
+    assert_eq!(
+        set("SigIgn"),
+        [libc::SIGPIPE as u32],
+        "the daemon ignores these"
+    );
+    assert_eq!(set("SigBlk"), Vec::<u32>::new(), "the daemon blocks these");
     let lock = std::fs::read_to_string(sock.with_extension("lock")).unwrap();
     assert_eq!(
         lock.trim(),

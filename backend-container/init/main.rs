@@ -163,6 +163,12 @@ fn bootstrap() {
 // Not the symbol `main` in unit tests: libtest's entry point is.
 #[cfg_attr(not(test), no_mangle)]
 extern "C" fn main(argc: c_int, argv: *const *const c_char) -> c_int {
+    // Every signal at its default and none blocked, whatever the library's process had (a
+    // background job's ignored SIGINT and SIGQUIT, say): the zygote starts clean, and so
+    // does every init it clones, their supervisors and the commands they start, since none
+    // of them changes a disposition afterwards (the init's own mask is cleared again in
+    // each command's child, see `spawn`).
+    reset_signals();
     if argc > 1 {
         // SAFETY: glibc passes argc valid, NUL-terminated strings.
         let a1 = unsafe { std::ffi::CStr::from_ptr(*argv.add(1)) };
@@ -336,6 +342,132 @@ mod tests {
         b.iter().fold(0xcbf2_9ce4_8422_2325, |h, &c| {
             (h ^ u64::from(c)).wrapping_mul(0x0000_0100_0000_01b3)
         })
+    }
+
+    /// The first signal whose disposition is not `SIG_DFL` (or 65 + the lowest blocked
+    /// signal), 0 if none: system calls only (run in a forked child).
+    fn first_non_default() -> i32 {
+        let mut old = KernelSigaction {
+            handler: 0,
+            flags: 0,
+            restorer: 0,
+            mask: 0,
+        };
+        for sig in 1..=64i64 {
+            // SAFETY: rt_sigaction that only reads the disposition into `old`.
+            let r = unsafe {
+                syscall(
+                    NR_RT_SIGACTION,
+                    sig,
+                    std::ptr::null::<KernelSigaction>(),
+                    &mut old as *mut KernelSigaction,
+                    8u64,
+                )
+            };
+            if r != 0 || old.handler != 0 {
+                return sig as i32;
+            }
+        }
+        let mut mask: u64 = 0;
+        // SAFETY: rt_sigprocmask that only reads the mask (no new set).
+        unsafe {
+            syscall(
+                NR_RT_SIGPROCMASK,
+                i64::from(SIG_SETMASK),
+                std::ptr::null::<u64>(),
+                &mut mask as *mut u64,
+                8u64,
+            )
+        };
+        if mask != 0 {
+            return 65 + mask.trailing_zeros() as i32;
+        }
+        0
+    }
+
+    /// `reset_signals` (the first thing the zygote does) undoes whatever its starter ignored
+    /// or blocked: a background job's `SIGINT` and `SIGQUIT`, `nohup`'s `SIGHUP`, glibc's own
+    /// 32 and 33, real-time signals, a blocked mask.
+    #[test]
+    fn reset_signals_leaves_every_signal_at_its_default() {
+        // In a child: the test process's own dispositions are not ours to change.
+        // SAFETY: the child makes system calls only, then `_exit`s.
+        let pid = unsafe { fork() };
+        if pid == 0 {
+            let ign = KernelSigaction {
+                handler: 1, // SIG_IGN
+                flags: 0,
+                restorer: 0,
+                mask: 0,
+            };
+            let blocked: u64 = [2u32, 10, 15, 34].iter().map(|s| 1u64 << (s - 1)).sum();
+            // SAFETY: rt_sigaction / rt_sigprocmask with valid pointers to locals.
+            unsafe {
+                for sig in [1i64, 2, 3, 13, 15, 32, 33, 34, 64] {
+                    syscall(
+                        NR_RT_SIGACTION,
+                        sig,
+                        &ign as *const KernelSigaction,
+                        std::ptr::null_mut::<KernelSigaction>(),
+                        8u64,
+                    );
+                }
+                syscall(
+                    NR_RT_SIGPROCMASK,
+                    i64::from(SIG_SETMASK),
+                    &blocked as *const u64,
+                    std::ptr::null_mut::<u64>(),
+                    8u64,
+                );
+            }
+            // The hostile state took (else this test would prove nothing).
+            let before = first_non_default();
+            reset_signals();
+            let after = first_non_default();
+            // SAFETY: ends the child without running the parent's exit handlers.
+            unsafe { _exit(if before != 1 { 100 } else { after }) };
+        }
+        assert!(pid > 0);
+        let mut status = 0;
+        // SAFETY: waits for our own child with a valid status pointer.
+        assert_eq!(unsafe { waitpid(pid, &mut status, 0) }, pid);
+        assert_eq!(status & 0x7f, 0, "the child died of a signal: {status:#x}");
+        let code = (status >> 8) & 0xff;
+        assert_ne!(code, 100, "the child's signals were never changed");
+        assert_eq!(
+            code,
+            0,
+            "still not at its default: signal {code} (over 64: blocked signal {})",
+            code - 64
+        );
+    }
+
+    /// Commands inherit no ignored signal because the zygote resets every disposition once
+    /// (`reset_signals`, first thing in `main`) and nothing in the init changes one after:
+    /// no `signal`/`sigaction` of libc is declared, and `rt_sigaction` is only called there.
+    #[test]
+    fn nothing_but_reset_signals_sets_a_disposition() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        for e in std::fs::read_dir(dir).unwrap() {
+            let path = e.unwrap().path();
+            if path.extension().is_none_or(|x| x != "rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).unwrap();
+            let code = text.split("mod tests {").next().unwrap();
+            let name = path.file_name().unwrap().to_string_lossy();
+            for decl in [
+                "fn signal(",
+                "fn sigaction(",
+                "fn bsd_signal(",
+                "fn sigset(",
+            ] {
+                assert!(!code.contains(decl), "{name} declares `{decl}`");
+            }
+            let calls = code.matches("NR_RT_SIGACTION,").count();
+            let want = usize::from(name == "sys.rs");
+            assert_eq!(calls, want, "rt_sigaction calls in {name}");
+        }
     }
 
     /// Every source of the init is part of [`SOURCE_HASH`] (a module missing from its list

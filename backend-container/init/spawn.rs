@@ -49,7 +49,6 @@ const ENOEXEC: c_int = 8;
 const ENOTDIR: c_int = 20;
 const CLONE_VM: c_int = 0x100;
 const CLONE_VFORK: c_int = 0x4000;
-const SIG_SETMASK: c_int = 2;
 
 /// The command's child (see [`Child`]): stdio, process group, rlimits, privileges, working
 /// directory, then `execve` of each candidate path in turn.
@@ -58,6 +57,9 @@ extern "C" fn child_main(arg: *mut c_void) -> c_int {
     // until we exec or exit (CLONE_VFORK). Only system calls below, no allocation.
     unsafe {
         let c = &mut *(arg as *mut Child);
+        // The supervisor blocks the signals it reads through its signalfd: none of that
+        // reaches the command. (Dispositions are all at their defaults already: `main`
+        // reset them when the zygote started, and nothing since changed one.)
         let empty = SigSet([0; 16]);
         sigprocmask(SIG_SETMASK, &empty, std::ptr::null_mut());
         if c.tty >= 0 {

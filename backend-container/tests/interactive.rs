@@ -13,6 +13,71 @@ use sandbox_core::{
     ResolvedSecrets, SandboxSpec, Signal,
 };
 
+/// This test binary starts the way a shell's background job under `nohup` does, whatever
+/// started it: `SIGINT`, `SIGQUIT` and `SIGHUP` ignored, `SIGUSR1` and `SIGTERM` blocked. Set
+/// before `main` (an `.init_array` constructor), so that every thread inherits the mask and
+/// the sandbox zygote, whichever test starts it, the dispositions. A sandbox must start its
+/// processes with every signal at its default and none blocked all the same (see
+/// [`assert_default_signals`]).
+#[used]
+#[link_section = ".init_array"]
+static LIKE_A_BACKGROUND_JOB: extern "C" fn() = like_a_background_job;
+
+extern "C" fn like_a_background_job() {
+    // SAFETY: runs before `main`, on the only thread: sets dispositions and its own mask.
+    unsafe {
+        for sig in [libc::SIGINT, libc::SIGQUIT, libc::SIGHUP] {
+            libc::signal(sig, libc::SIG_IGN);
+        }
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for sig in [libc::SIGUSR1, libc::SIGTERM] {
+            libc::sigaddset(&mut set, sig);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+}
+
+/// The value of the hexadecimal signal-set line `key` (`SigIgn`...) of a `/proc/.../status`
+/// text.
+fn sig_line(status: &str, key: &str) -> u64 {
+    let line = status
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .unwrap_or_else(|| panic!("no {key} in {status:?}"));
+    u64::from_str_radix(line.trim(), 16).unwrap()
+}
+
+/// The signals (numbers) of a signal set.
+fn signals(set: u64) -> Vec<u32> {
+    (1..=64).filter(|s| set & (1 << (s - 1)) != 0).collect()
+}
+
+/// Checks that this process is what [`LIKE_A_BACKGROUND_JOB`] made it (else the tests of
+/// the sandbox's signals would prove nothing), then that the sandboxed process whose
+/// `/proc/self/status` is `status` ignores and blocks nothing.
+fn assert_default_signals(status: &str, what: &str) {
+    let me = std::fs::read_to_string("/proc/thread-self/status").unwrap();
+    let (ign, blk) = (sig_line(&me, "SigIgn"), sig_line(&me, "SigBlk"));
+    for sig in [libc::SIGINT, libc::SIGQUIT, libc::SIGHUP] {
+        assert!(
+            signals(ign).contains(&(sig as u32)),
+            "the test ignores {sig}"
+        );
+    }
+    for sig in [libc::SIGUSR1, libc::SIGTERM] {
+        assert!(
+            signals(blk).contains(&(sig as u32)),
+            "the test blocks {sig}"
+        );
+    }
+    let status = status.replace('\r', "");
+    for key in ["SigIgn", "SigBlk"] {
+        let set = sig_line(&status, key);
+        assert_eq!(set, 0, "{what}: {key} has signals {:?}", signals(set));
+    }
+}
+
 /// Host pids whose command line is exactly `argv`.
 fn host_procs(argv: &[&str]) -> Vec<i32> {
     let want = argv.join("\0") + "\0";
@@ -113,6 +178,21 @@ async fn stdin_and_output_flow_while_it_runs() {
 async fn signals_reach_the_process_group() {
     require_host!();
     let sb = create(Language::Shell).await;
+    // Though this process ignores SIGINT and SIGQUIT and blocks others (see
+    // `LIKE_A_BACKGROUND_JOB`), an exec and a background process ignore and block nothing.
+    let grep = ["grep", "^Sig", "/proc/self/status"];
+    let r = sb.exec(ExecRequest::argv(grep)).await.unwrap();
+    assert_default_signals(&r.stdout_str(), "an exec");
+    let r = sb
+        .spawn(ExecRequest::argv(grep))
+        .await
+        .unwrap()
+        .wait(Some(Duration::from_secs(30)))
+        .await
+        .unwrap();
+    assert_default_signals(&r.stdout_str(), "a background process");
+    // So a shell's trap of SIGINT is set (a signal ignored when a non-interactive shell
+    // starts cannot be trapped) and SIGINT reaches it.
     let mut p = sb
         .spawn(ExecRequest::argv([
             "/bin/sh",
@@ -382,6 +462,22 @@ async fn a_terminal_session_resizes_interrupts_and_exits_with_its_code() {
     sh.write_stdin(&b"stty size; tty\n"[..]).await.unwrap();
     let out = read_until(&mut sh, "/dev/pts/").await;
     assert!(out.contains("24 80"), "{out:?}");
+    // Ctrl-C below needs a `sleep` that does not ignore SIGINT, though this process does (see
+    // `LIKE_A_BACKGROUND_JOB`): a terminal's process, in its own session, starts with every
+    // signal at its default and none blocked.
+    let mut grep = sb
+        .spawn(ExecRequest::argv(["grep", "^Sig", "/proc/self/status"]).tty(24, 80))
+        .await
+        .unwrap();
+    let status = read_until(&mut grep, "SigCgt").await;
+    assert_default_signals(&status, "a terminal's process");
+    assert_eq!(
+        grep.wait(Some(Duration::from_secs(60)))
+            .await
+            .unwrap()
+            .exit_code,
+        Some(0)
+    );
     sh.resize(30, 100).await.unwrap();
     sh.write_stdin(&b"stty size\n"[..]).await.unwrap();
     read_until(&mut sh, "30 100").await;

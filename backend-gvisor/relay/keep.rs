@@ -278,13 +278,20 @@ fn start(spec: &Spec) -> std::io::Result<Started> {
         .ok_or_else(|| std::io::Error::other("no command"))?;
     match spec.tty {
         None => {
-            let mut child = Command::new(prog)
-                .args(rest)
+            let mut cmd = Command::new(prog);
+            cmd.args(rest)
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
-                .process_group(0)
-                .spawn()?;
+                .process_group(0);
+            // SAFETY: between fork and exec only system calls (rt_sigaction, rt_sigprocmask).
+            unsafe {
+                cmd.pre_exec(|| {
+                    crate::reset_signals();
+                    Ok(())
+                });
+            }
+            let mut child = cmd.spawn()?;
             let input = child.stdin.take().map(|w| Box::new(w) as Box<dyn Write + Send>);
             let outputs = [
                 child.stdout.take().map(|o| (Box::new(o) as Box<dyn Read + Send>, b'O')),
@@ -446,7 +453,17 @@ pub fn session(args: &[String]) -> i32 {
         return 2;
     };
     pty::catch_requests();
-    let mut child = match Command::new(prog).args(rest).spawn() {
+    let mut cmd = Command::new(prog);
+    cmd.args(rest);
+    // SAFETY: between fork and exec only system calls (rt_sigaction, rt_sigprocmask): the
+    // command gets none of our caught or ignored signals.
+    unsafe {
+        cmd.pre_exec(|| {
+            crate::reset_signals();
+            Ok(())
+        });
+    }
+    let mut child = match cmd.spawn() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("{prog}: {e}");
@@ -660,9 +677,11 @@ mod pty {
             .stdin(slave.try_clone()?)
             .stdout(slave.try_clone()?)
             .stderr(slave);
-        // SAFETY: between fork and exec only async-signal-safe calls (setsid, ioctl).
+        // SAFETY: between fork and exec only async-signal-safe calls (rt_sigaction,
+        // rt_sigprocmask, setsid, ioctl).
         unsafe {
             cmd.pre_exec(|| {
+                crate::reset_signals();
                 check(setsid())?;
                 check(ioctl(0, TIOCSCTTY, 0 as c_int))
             });

@@ -14,6 +14,113 @@ use sandbox_core::{
     SandboxSpec, Signal, SnapshotStore,
 };
 
+/// This test binary starts the way a shell's background job under `nohup` does, whatever
+/// started it: `SIGINT`, `SIGQUIT` and `SIGHUP` ignored, `SIGUSR1` and `SIGTERM` blocked. Set
+/// before `main` (an `.init_array` constructor), so that every thread inherits the mask and
+/// every runsc the tests start, the dispositions. A sandbox must start its processes clean
+/// all the same (see `every_process_starts_with_default_signals`).
+#[used]
+#[link_section = ".init_array"]
+static LIKE_A_BACKGROUND_JOB: extern "C" fn() = like_a_background_job;
+
+extern "C" fn like_a_background_job() {
+    // SAFETY: runs before `main`, on the only thread: sets dispositions and its own mask.
+    unsafe {
+        for sig in [libc::SIGINT, libc::SIGQUIT, libc::SIGHUP] {
+            libc::signal(sig, libc::SIG_IGN);
+        }
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for sig in [libc::SIGUSR1, libc::SIGTERM] {
+            libc::sigaddset(&mut set, sig);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+}
+
+/// The value of the hexadecimal signal-set line `key` (`SigIgn`...) of a `/proc/.../status`
+/// text, if it has one.
+fn sig_line(status: &str, key: &str) -> Option<u64> {
+    let line = status
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))?;
+    u64::from_str_radix(line.trim(), 16).ok()
+}
+
+/// The signals (numbers) of a signal set.
+fn signals(set: u64) -> Vec<u32> {
+    (1..=64).filter(|s| set & (1 << (s - 1)) != 0).collect()
+}
+
+/// Though this process ignores `SIGINT`, `SIGQUIT` and `SIGHUP` (see
+/// `LIKE_A_BACKGROUND_JOB`), none of the sandbox's processes on the host (runsc's sandbox,
+/// its gofer, `runsc exec`: Go keeps an inherited ignored `SIGHUP` or `SIGINT` ignored) ignores
+/// any signal, and a shell inside can trap `SIGINT` (the Sentry starts the processes inside
+/// with every signal at its default, and its `/proc/self/status` has no signal lines), which
+/// the API's `Interrupt` reaches.
+#[tokio::test]
+async fn every_process_starts_with_default_signals() {
+    require_gvisor!();
+    let me = std::fs::read_to_string("/proc/thread-self/status").unwrap();
+    let ign = signals(sig_line(&me, "SigIgn").unwrap());
+    assert!(
+        [2, 3, 1].iter().all(|s| ign.contains(s)),
+        "the test ignores SIGINT, SIGQUIT and SIGHUP: {ign:?}"
+    );
+    let sb = common::sandbox(&SandboxSpec::new(Language::Shell)).await;
+    let mut p = sb
+        .spawn(ExecRequest::argv([
+            "/bin/sh",
+            "-c",
+            "trap 'echo caught; exit 7' INT; echo ready; while :; do sleep 0.05; done",
+        ]))
+        .await
+        .unwrap();
+    read_until(&mut p, "ready").await;
+    let mut seen = 0;
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+        if !String::from_utf8_lossy(&cmdline).contains(sb.id()) {
+            continue;
+        }
+        let Ok(status) = std::fs::read_to_string(e.path().join("status")) else {
+            continue; // gone meanwhile
+        };
+        let ign = sig_line(&status, "SigIgn").unwrap();
+        assert_eq!(
+            ign,
+            0,
+            "host process {:?} ignores signals {:?}",
+            String::from_utf8_lossy(&cmdline).replace('\0', " "),
+            signals(ign)
+        );
+        seen += 1;
+    }
+    assert!(seen >= 2, "the sandbox's runsc processes were not found");
+    let r = sb
+        .exec(ExecRequest::argv([
+            "grep",
+            "-c",
+            "^Sig",
+            "/proc/self/status",
+        ]))
+        .await
+        .unwrap();
+    assert_eq!(
+        r.stdout_str().trim(),
+        "0",
+        "gVisor shows signal lines now: check them"
+    );
+    sb.signal(p.id(), Signal::Interrupt).await.unwrap();
+    let r = p.wait(Some(Duration::from_secs(60))).await.unwrap();
+    assert_eq!(
+        (r.exit_code, r.stdout_str().as_str()),
+        (Some(7), "caught\n"),
+        "{r:?}"
+    );
+    sb.destroy().await.unwrap();
+}
+
 /// Counts processes inside whose argv is exactly `sleep 777`.
 const COUNT: &str = "n=0; for p in /proc/[0-9]*; do [ \"$(tr '\\0' ' ' < $p/cmdline 2>/dev/null)\" = 'sleep 777 ' ] && n=$((n+1)); done; echo $n";
 

@@ -58,12 +58,25 @@ fn spawn_raw_with(env: &[(&str, &str)]) -> (Child, UnixStream, tempfile::TempDir
         .env("AGENT_WORKSPACE", ws.path())
         .envs(env.iter().copied())
         .stdin(Stdio::null());
-    // SAFETY: dup2 is async-signal-safe; it puts the channel at fd 3 without close-on-exec.
+    // SAFETY: dup2, signal and sigprocmask are async-signal-safe: the channel goes to fd 3
+    // without close-on-exec, and the agent starts as a background job under `nohup` would
+    // (whatever started this test): `SIGINT`, `SIGQUIT` and `SIGHUP` ignored, `SIGUSR1` and
+    // `SIGTERM` blocked. Its commands must start clean all the same (see
+    // `commands_start_with_every_signal_at_its_default`).
     unsafe {
         cmd.pre_exec(move || {
             if libc::dup2(fd, 3) < 0 {
                 return Err(std::io::Error::last_os_error());
             }
+            for sig in HOSTILE_IGNORED {
+                libc::signal(sig, libc::SIG_IGN);
+            }
+            let mut set: libc::sigset_t = std::mem::zeroed();
+            libc::sigemptyset(&mut set);
+            for sig in HOSTILE_BLOCKED {
+                libc::sigaddset(&mut set, sig);
+            }
+            libc::sigprocmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
             Ok(())
         });
     }
@@ -71,6 +84,11 @@ fn spawn_raw_with(env: &[(&str, &str)]) -> (Child, UnixStream, tempfile::TempDir
     drop(theirs);
     (child, ours, ws)
 }
+
+/// The signals every test's agent starts with ignored (as a background job under `nohup`).
+const HOSTILE_IGNORED: [i32; 3] = [libc::SIGINT, libc::SIGQUIT, libc::SIGHUP];
+/// And blocked.
+const HOSTILE_BLOCKED: [i32; 2] = [libc::SIGUSR1, libc::SIGTERM];
 
 fn spawn() -> Agent {
     let (child, ours, ws) = spawn_raw();
@@ -188,6 +206,93 @@ fn exec_basics() {
         Err(AgentError::Remote { kind, .. }) => assert_eq!(kind, ErrorKind::Invalid),
         other => panic!("{other:?}"),
     }
+}
+
+/// The signals (numbers) of the hexadecimal signal-set line `key` (`SigIgn`...) of a
+/// `/proc/.../status` text.
+fn sig_line(status: &str, key: &str) -> Vec<i32> {
+    let line = status
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
+        .unwrap_or_else(|| panic!("no {key} in {status:?}"));
+    let set = u64::from_str_radix(line.trim(), 16).unwrap();
+    (1..=64).filter(|s| set & (1 << (s - 1)) != 0).collect()
+}
+
+/// Every command starts with every signal at its default and none blocked, though the agent
+/// inherited ignored and blocked signals (see `spawn_raw_with`) and ignores `SIGPIPE` itself:
+/// an exec, a background process and a terminal's (in a session of its own), as their
+/// `/proc/self/status` shows; and a shell's trap of `SIGINT` (which a shell cannot set for a
+/// signal ignored when it started) is reached by `Signal`.
+#[test]
+fn commands_start_with_every_signal_at_its_default() {
+    let a = spawn();
+    let c = &a.client;
+    // The agent itself is as hostile as meant (else this test would prove nothing).
+    let me = std::fs::read_to_string(format!("/proc/{}/status", a.child.id())).unwrap();
+    let (ign, blk) = (sig_line(&me, "SigIgn"), sig_line(&me, "SigBlk"));
+    assert!(
+        HOSTILE_IGNORED.iter().all(|s| ign.contains(s)),
+        "agent ignores {ign:?}"
+    );
+    assert!(
+        HOSTILE_BLOCKED.iter().all(|s| blk.contains(s)),
+        "agent blocks {blk:?}"
+    );
+
+    let clean = |what: &str, out: &[u8]| {
+        let status = String::from_utf8_lossy(out).replace('\r', "");
+        for key in ["SigIgn", "SigBlk"] {
+            assert_eq!(sig_line(&status, key), Vec::<i32>::new(), "{what}: {key}");
+        }
+    };
+    let grep = req(&["grep", "^Sig", "/proc/self/status"]);
+    let out = c.exec(&grep).unwrap();
+    assert_eq!(out.exit.code, Some(0), "{out:?}");
+    clean("an exec", &out.stdout);
+    for tty in [None, Some((24, 80))] {
+        let mut h = c.start_spawn(&grep, tty, 1 << 20).unwrap();
+        let mut out = Vec::new();
+        loop {
+            match h.next_event().unwrap() {
+                ExecEvent::Stdout(d) | ExecEvent::Stderr(d) => out.extend_from_slice(&d),
+                ExecEvent::Exit(x) => {
+                    assert_eq!(x.code, Some(0), "{x:?}");
+                    break;
+                }
+            }
+        }
+        clean(&format!("a background process, terminal {tty:?}"), &out);
+    }
+
+    let mut h = c
+        .start_spawn(
+            &req(&[
+                "sh",
+                "-c",
+                "trap 'echo caught; exit 7' INT; echo ready; while :; do sleep 0.05; done",
+            ]),
+            None,
+            1 << 20,
+        )
+        .unwrap();
+    assert_eq!(
+        h.next_event().unwrap(),
+        ExecEvent::Stdout(b"ready\n".to_vec())
+    );
+    c.signal(h.id(), libc::SIGINT, T).unwrap();
+    let mut out = Vec::new();
+    let exit = loop {
+        match h.next_event().unwrap() {
+            ExecEvent::Stdout(d) | ExecEvent::Stderr(d) => out.extend_from_slice(&d),
+            ExecEvent::Exit(x) => break x,
+        }
+    };
+    assert_eq!(
+        (exit.code, String::from_utf8_lossy(&out).as_ref()),
+        (Some(7), "caught\n"),
+        "{exit:?}"
+    );
 }
 
 #[test]
@@ -493,19 +598,28 @@ fn malformed_frames_get_errors_and_the_agent_goes_on() {
 /// The host end of an agent's channel handed from one client to the next, as a restore
 /// does (the restored VM's console gets a new host stream; the guest sees nothing change):
 /// bytes from the agent go to the current client's stream, each client's bytes to the agent.
+/// Bytes the agent sends before the first client is attached (its `Ready`, which it sends as
+/// soon as it starts) wait for that client: the relay's reader may run before the test has
+/// attached one, and a dropped `Ready` left the client waiting for it for a minute.
 struct Relay {
     agent: UnixStream,
-    current: std::sync::Arc<std::sync::Mutex<Option<UnixStream>>>,
+    current: std::sync::Arc<(std::sync::Mutex<Option<UnixStream>>, std::sync::Condvar)>,
 }
 
 impl Relay {
     fn new(agent: UnixStream) -> Relay {
-        let current: std::sync::Arc<std::sync::Mutex<Option<UnixStream>>> = Default::default();
+        let current: std::sync::Arc<(std::sync::Mutex<Option<UnixStream>>, std::sync::Condvar)> =
+            Default::default();
         let (mut from_agent, to) = (agent.try_clone().unwrap(), current.clone());
         std::thread::spawn(move || {
             let mut buf = [0u8; 65536];
             while let Ok(n @ 1..) = from_agent.read(&mut buf) {
-                if let Some(c) = to.lock().unwrap().as_mut() {
+                let (m, attached) = &*to;
+                let mut c = m.lock().unwrap();
+                while c.is_none() {
+                    c = attached.wait(c).unwrap();
+                }
+                if let Some(c) = c.as_mut() {
                     let _ = c.write_all(&buf[..n]);
                 }
             }
@@ -516,7 +630,9 @@ impl Relay {
     /// A new client's stream; the previous client's is no longer written to.
     fn attach(&self) -> UnixStream {
         let (client, mut mine) = UnixStream::pair().unwrap();
-        *self.current.lock().unwrap() = Some(mine.try_clone().unwrap());
+        let (m, attached) = &*self.current;
+        *m.lock().unwrap() = Some(mine.try_clone().unwrap());
+        attached.notify_all();
         let mut to_agent = self.agent.try_clone().unwrap();
         std::thread::spawn(move || {
             let mut buf = [0u8; 65536];

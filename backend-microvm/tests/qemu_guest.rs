@@ -59,6 +59,25 @@ fn debian_kernel_boots_our_initramfs_and_the_agent_serves() {
     assert_eq!(keys, ["ONLY", "PATH"], "{out}");
     let (code, _, _) = exec(&c, &["sh", "-c", "exit 7"], &[]);
     assert_eq!(code, Some(7));
+    // A command starts with every signal at its default and none blocked (the agent, pid 1,
+    // ignores SIGPIPE itself), and a shell can trap SIGINT.
+    let (code, out, err) = exec(&c, &["grep", "^Sig[IB]", "/proc/self/status"], &[]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(
+        out.split_whitespace().collect::<Vec<_>>(),
+        ["SigBlk:", "0000000000000000", "SigIgn:", "0000000000000000"],
+        "{out}"
+    );
+    let (code, out, err) = exec(
+        &c,
+        &[
+            "sh",
+            "-c",
+            "trap 'echo caught' INT; kill -INT $$; echo after",
+        ],
+        &[],
+    );
+    assert_eq!((code, out.as_str()), (Some(0), "caught\nafter\n"), "{err}");
     let out = c.exec(&ExecRequest {
         argv: vec!["sh".into(), "-c".into(), "pwd; cat".into()],
         env: vec![],

@@ -15,6 +15,30 @@ use agent_sandbox::{Backend, Runtime, Tier};
 use sandbox_conformance::table::{self, Table};
 use sandbox_conformance::{known_failure, Outcome};
 
+/// This test binary starts the way a shell's background job under `nohup` does, whatever
+/// started it: `SIGINT`, `SIGQUIT` and `SIGHUP` ignored, `SIGUSR1` and `SIGTERM` blocked. Set
+/// before `main` (an `.init_array` constructor), so that every thread inherits the mask and
+/// every process-wide helper a tier starts (the container tier's zygote), the dispositions:
+/// the case `process.signal-defaults` checks that sandboxed processes get none of it.
+#[used]
+#[link_section = ".init_array"]
+static LIKE_A_BACKGROUND_JOB: extern "C" fn() = like_a_background_job;
+
+extern "C" fn like_a_background_job() {
+    // SAFETY: runs before `main`, on the only thread: sets dispositions and its own mask.
+    unsafe {
+        for sig in [libc::SIGINT, libc::SIGQUIT, libc::SIGHUP] {
+            libc::signal(sig, libc::SIG_IGN);
+        }
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for sig in [libc::SIGUSR1, libc::SIGTERM] {
+            libc::sigaddset(&mut set, sig);
+        }
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+}
+
 /// Serializes the read-modify-write of the document by the tests of this binary.
 static DOC: Mutex<()> = Mutex::new(());
 

@@ -196,6 +196,10 @@ pub(crate) fn exec(st: &State, id: u32, x: ExecRequest, spawn: Option<(Option<(u
             // SAFETY: child side, async-signal-safe calls only; all pointers were prepared
             // before fork and stay valid until execve or _exit.
             unsafe {
+                // Every signal at its default, none blocked: not the agent's ignored
+                // `SIGPIPE`, not what its own parent ignored or blocked (in test mode), nor
+                // the forking thread's mask.
+                reset_signals();
                 if slave_fd >= 0 {
                     setsid();
                     interactive::ioctl(slave_fd, interactive::TIOCSCTTY, 0);
@@ -208,7 +212,6 @@ pub(crate) fn exec(st: &State, id: u32, x: ExecRequest, spawn: Option<(Option<(u
                     dup2(out_w.as_raw_fd(), 1);
                     dup2(err_w.as_raw_fd(), 2);
                 }
-                signal(SIGPIPE, SIG_DFL);
                 // The image's user: groups, then gid, then uid (after which none can change).
                 let dropped = match user {
                     None => true,

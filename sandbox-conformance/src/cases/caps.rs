@@ -494,6 +494,97 @@ pub(super) async fn process_io_signals(cx: &Ctx<'_>) -> Checked {
     cx.finish(sb, r).await
 }
 
+/// The signals a `/proc/self/status` text shows ignored (`SigIgn`) or blocked (`SigBlk`), as
+/// `(line, signal numbers)` for each of the two that is not empty; nothing for a kernel that
+/// shows neither (gVisor's).
+fn ignored_or_blocked(status: &str) -> Vec<(String, Vec<u32>)> {
+    let mut bad = Vec::new();
+    for key in ["SigIgn:", "SigBlk:"] {
+        let Some(set) = status
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        else {
+            continue;
+        };
+        if set != 0 {
+            let sigs = (1..=64u32).filter(|s| set & (1 << (s - 1)) != 0).collect();
+            bad.push((key.trim_end_matches(':').to_string(), sigs));
+        }
+    }
+    bad
+}
+
+/// Every process starts with every signal at its default and none blocked, whatever the
+/// caller's: the runner ignores `SIGINT`, `SIGQUIT` and `SIGHUP` and blocks `SIGUSR1` and
+/// `SIGTERM`, as a background job under `nohup` does (`tests/tiers.rs` does so before its
+/// `main`), and `execve` keeps ignored dispositions and the mask. Checked in the command's
+/// `/proc/self/status` where it shows them (an exec and a process), then by traps: a shell
+/// cannot trap a signal ignored when it started, nor receive a blocked one.
+pub(super) async fn process_signal_defaults(cx: &Ctx<'_>) -> Checked {
+    let sb = cx.create(cx.spec()).await?;
+    let r = async {
+        let status = ExecRequest::argv(["cat", "/proc/self/status"]);
+        let r = run(sb.as_ref(), "an exec's /proc/self/status", status.clone()).await?;
+        expect(r.exit_code == Some(0), "an exec's /proc/self/status", &r)?;
+        let bad = ignored_or_blocked(&r.stdout_str());
+        if !bad.is_empty() {
+            return Err(format!(
+                "an exec starts with signals ignored or blocked: {bad:?}"
+            ));
+        }
+        let mut p = sb.spawn(status).await.map_err(|e| format!("spawn: {e}"))?;
+        let r = p
+            .wait(Some(Duration::from_secs(60)))
+            .await
+            .map_err(|e| format!("wait: {e}"))?;
+        expect(r.exit_code == Some(0), "a process's /proc/self/status", &r)?;
+        let bad = ignored_or_blocked(&r.stdout_str());
+        if !bad.is_empty() {
+            return Err(format!(
+                "a process starts with signals ignored or blocked: {bad:?}"
+            ));
+        }
+
+        let mut p = sb
+            .spawn(ExecRequest::code(
+                "ulimit -c 0; trap 'echo int' INT; trap 'echo quit' QUIT; trap 'echo hup' HUP; \
+                 trap 'echo term; exit 7' TERM; echo ready; while :; do sleep 0.05; done",
+            ))
+            .await
+            .map_err(|e| format!("spawn: {e}"))?;
+        let mut out = next_chunk(&mut p, "ready").await?;
+        if out != "ready\n" {
+            return Err(format!("first output {out:?}, not `ready`"));
+        }
+        for (sig, word) in [
+            (Signal::Interrupt, "int\n"),
+            (Signal::Quit, "quit\n"),
+            (Signal::Hangup, "hup\n"),
+        ] {
+            p.signal(sig).await.map_err(|e| format!("signal: {e}"))?;
+            out.clear();
+            while !out.contains(word) {
+                out.push_str(&next_chunk(&mut p, &format!("{sig:?} trapped")).await?);
+            }
+        }
+        p.signal(Signal::Terminate)
+            .await
+            .map_err(|e| format!("signal: {e}"))?;
+        let r = p
+            .wait(Some(Duration::from_secs(60)))
+            .await
+            .map_err(|e| format!("wait: {e}"))?;
+        expect(
+            r.exit_code == Some(7) && r.stdout_str().contains("term\n"),
+            "SIGTERM trapped (`term`, exit 7)",
+            &r,
+        )
+    }
+    .await;
+    cx.finish(sb, r).await
+}
+
 pub(super) async fn tty(cx: &Ctx<'_>) -> Checked {
     let sb = cx.create(cx.spec()).await?;
     let r = async {

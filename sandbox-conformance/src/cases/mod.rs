@@ -234,6 +234,12 @@ static CASES: &[Case] = &[
         caps::process_io_signals
     ),
     case!(
+        "process.signal-defaults",
+        "every signal starts at its default and unblocked, though the caller ignores or blocks some",
+        [Shell, Argv, Processes],
+        caps::process_signal_defaults
+    ),
+    case!(
         "caps.tty",
         "terminals are claimed and have the asked size, or are Unsupported",
         [Shell],
