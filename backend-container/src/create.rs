@@ -727,12 +727,8 @@ impl ContainerBackend {
             timeline: Default::default(),
         };
         if let Some(f) = &sb.inner.state_file {
-            let mut rec = format!("{pid}\n");
-            if let Some(c) = &sb.inner.cgroup {
-                for d in c.dirs() {
-                    rec.push_str(&format!("{}\n", d.display()));
-                }
-            }
+            let dirs = sb.inner.cgroup.iter().flat_map(|c| c.dirs()).cloned();
+            let rec = crate::StateRecord::new(pid, dirs.collect()).render();
             std::fs::write(f, rec).map_err(|e| Error::io_path("write state record", f, e))?;
         }
         Ok((sb, egress, release))
@@ -796,7 +792,7 @@ fn check_reply(r: &ctl::Reply, what: &str) -> Result<()> {
 /// Unpacks a snapshot's `upper.tar` into the overlay upper layer the init keeps open (before
 /// the overlay is mounted), as the sandbox's root.
 fn restore_upper(pid: libc::pid_t, tar: &[u8], ids: &IdMap, user: u32) -> Result<()> {
-    use std::os::fd::AsRawFd;
+    use std::os::fd::AsFd;
     let p = format!("/proc/{pid}/fd/{}", proto::UPPER_FD);
     let dir = std::fs::File::open(&p).map_err(|e| Error::io(format!("open {p}"), e))?;
     let owner = (!ids.rootless).then(|| files::Owner {
@@ -804,7 +800,7 @@ fn restore_upper(pid: libc::pid_t, tar: &[u8], ids: &IdMap, user: u32) -> Result
         gid: ids.host_gid(user),
     });
     let _ids = files::FsIds::switch(owner);
-    files::unpack_upper(dir.as_raw_fd(), tar, owner)
+    files::unpack_upper(dir.as_fd(), tar, owner)
 }
 
 /// Gives a prepared egress link back if a create fails before the sandbox owns it.

@@ -103,9 +103,10 @@ pub enum RootfsMode {
 /// Configuration of a [`ContainerBackend`]; build one with [`ContainerBackend::builder`].
 #[derive(Debug, Clone)]
 pub struct ContainerConfig {
-    /// Where a small record of each live sandbox (init pid, cgroup directories) is kept, so
-    /// [`ContainerBackend::cleanup_stale`] can remove what a crashed process left. `None`:
-    /// no record.
+    /// Where a small record of each live sandbox (init pid, cgroup directories, its owner's
+    /// and init's start times) is kept, so [`ContainerBackend::cleanup_stale`] (and building
+    /// a backend on the same directory) can remove what a crashed process left. `None`: no
+    /// record.
     pub state_dir: Option<PathBuf>,
     /// Root filesystem mode.
     pub rootfs: RootfsMode,
@@ -234,8 +235,10 @@ impl ContainerBuilder {
         if !self.cfg.require_cgroups {
             host.allow_v2_without_limits();
         }
-        host.sweep_orphans();
-        Ok(ContainerBackend {
+        // What dead processes left (their state records, then their cgroups): reported by
+        // this backend's first `cleanup_stale`.
+        let b = ContainerBackend {
+            swept_at_build: Default::default(),
             cfg: Arc::new(self.cfg),
             host,
             landlock_abi: landlock::abi(),
@@ -245,7 +248,13 @@ impl ContainerBuilder {
             host_ops: Arc::new(std::sync::OnceLock::new()),
             cgroups_ok: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             layers_idmap: Arc::new(std::sync::atomic::AtomicBool::new(false)),
-        })
+        };
+        let mut found = b.cleanup_stale_records();
+        found.merge(b.host.sweep_orphans());
+        if let Ok(mut s) = b.swept_at_build.lock() {
+            *s = found;
+        }
+        Ok(b)
     }
 }
 
@@ -266,6 +275,9 @@ pub struct ContainerBackend {
     /// Set once root-filesystem layers were idmapped here (then own-root creates may use
     /// the zygote's spare inits, see `create::allocate`).
     layers_idmap: Arc<std::sync::atomic::AtomicBool>,
+    /// What the sweep made when this backend was built removed, until a `cleanup_stale`
+    /// reports it.
+    swept_at_build: Arc<std::sync::Mutex<sandbox_core::sandbox::StaleCleanup>>,
 }
 
 /// Whether the process's zygote clones a spare init ahead of the next create, when a command
@@ -297,6 +309,79 @@ pub(crate) fn own_root(spec: &SandboxSpec) -> bool {
 /// dead process can be told from other processes' live sandboxes.
 fn cgroup_name(id: &str) -> String {
     format!("asb-{}-{id}", std::process::id())
+}
+
+/// A sandbox's state record in [`ContainerConfig::state_dir`], named like its cgroups
+/// (`asb-<owner pid>-<id>`): its init's pid (first line), its cgroup directories (a line
+/// each), and the start times (clock ticks after boot) of its owner and its init (a line
+/// `start <owner> <init>`), so that [`ContainerBackend::cleanup_stale`] never takes a process
+/// that reused either pid for them. Records of older versions have no `start` line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct StateRecord {
+    init: i32,
+    dirs: Vec<PathBuf>,
+    owner_start: Option<u64>,
+    init_start: Option<u64>,
+}
+
+impl StateRecord {
+    /// The record of a new sandbox of this process, whose init is `init`.
+    fn new(init: i32, dirs: Vec<PathBuf>) -> StateRecord {
+        static OWNER_START: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+        let start = |p: u32| cgroup::stale::proc_start(p).map(|(_, t)| t);
+        StateRecord {
+            init,
+            dirs,
+            owner_start: *OWNER_START.get_or_init(|| start(std::process::id())),
+            init_start: u32::try_from(init).ok().and_then(start),
+        }
+    }
+
+    fn parse(text: &str) -> Option<StateRecord> {
+        let mut lines = text.lines();
+        let init = lines.next()?.trim().parse().ok()?;
+        let mut rec = StateRecord {
+            init,
+            dirs: Vec::new(),
+            owner_start: None,
+            init_start: None,
+        };
+        for l in lines {
+            match l.strip_prefix("start ") {
+                Some(t) => {
+                    let mut t = t.split_whitespace().map(|v| v.parse::<u64>().ok());
+                    rec.owner_start = t.next().flatten();
+                    rec.init_start = t.next().flatten();
+                }
+                None if !l.is_empty() => rec.dirs.push(PathBuf::from(l)),
+                None => {}
+            }
+        }
+        Some(rec)
+    }
+
+    fn render(&self) -> String {
+        let mut s = format!("{}\n", self.init);
+        for d in &self.dirs {
+            s.push_str(&format!("{}\n", d.display()));
+        }
+        if let (Some(o), Some(i)) = (self.owner_start, self.init_start) {
+            s.push_str(&format!("start {o} {i}\n"));
+        }
+        s
+    }
+}
+
+/// The hierarchy of sandbox cgroup directory `dir`, as [`cgroup::stale::tear_down`] names
+/// them: `freezer` (v1), `unified` (v2) or another v1 controller.
+fn cgroup_hierarchy(dir: &std::path::Path) -> String {
+    if dir.join("freezer.state").exists() {
+        "freezer".into()
+    } else if dir.join("cgroup.freeze").exists() {
+        "unified".into()
+    } else {
+        "other".into()
+    }
 }
 
 fn is_root() -> bool {
@@ -345,60 +430,80 @@ impl ContainerBackend {
     }
 
     /// Removes what crashed processes left behind: for every record in the state directory
-    /// whose init is gone, its cgroup directories. Returns how many records were cleaned.
+    /// whose owner (the process named in the record's name, `asb-<pid>-<id>`) is gone, its
+    /// sandbox (thawed first if it was paused or frozen for a snapshot: see
+    /// [`Backend::cleanup_stale_report`]) and its cgroup directories. Returns how many
+    /// records were cleaned.
     pub fn cleanup_stale(&self) -> usize {
+        self.cleanup_stale_records().removed
+    }
+
+    /// [`ContainerBackend::cleanup_stale`], saying which sandboxes were thawed.
+    fn cleanup_stale_records(&self) -> sandbox_core::sandbox::StaleCleanup {
+        let mut out = sandbox_core::sandbox::StaleCleanup::default();
         let Some(dir) = &self.cfg.state_dir else {
-            return 0;
+            return out;
         };
         let Ok(rd) = std::fs::read_dir(dir) else {
-            return 0;
+            return out;
         };
-        let mut n = 0;
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            if !name.starts_with("asb-") {
+            let Some(owner) = cgroup::stale::owner_of(&name) else {
+                continue;
+            };
+            let Ok(text) = std::fs::read_to_string(e.path()) else {
+                continue;
+            };
+            let Some(rec) = StateRecord::parse(&text) else {
+                continue;
+            };
+            // Its own cgroup directories (the record's name is theirs).
+            let dirs: Vec<PathBuf> = rec
+                .dirs
+                .iter()
+                .filter(|p| p.file_name().is_some_and(|f| f.to_string_lossy() == name))
+                .cloned()
+                .collect();
+            // Live while its owner is: a paused sandbox's processes still run (frozen), and
+            // a sandbox whose processes ended may still be its owner's.
+            let gone = match rec.owner_start {
+                Some(t) => cgroup::stale::proc_start(owner)
+                    .is_none_or(|(st, now)| now != t || matches!(st, 'Z' | 'X')),
+                None => cgroup::stale::owner_gone(owner, &dirs),
+            } && owner != std::process::id();
+            if !gone {
                 continue;
             }
-            let Ok(rec) = std::fs::read_to_string(e.path()) else {
-                continue;
-            };
-            let mut lines = rec.lines();
-            let Some(pid) = lines.next().and_then(|p| p.parse::<i32>().ok()) else {
-                continue;
-            };
-            let dirs: Vec<PathBuf> = lines.map(PathBuf::from).collect();
-            // Live: its cgroups still hold processes (the init dies when its process does),
-            // or, without cgroups, its init still runs.
-            let live = if dirs.is_empty() {
-                std::fs::read_link(format!("/proc/{pid}/exe"))
-                    .is_ok_and(|e| e.to_string_lossy().contains("agent-sandbox-init"))
-            } else {
-                dirs.iter().any(|d| {
-                    std::fs::read_to_string(d.join("cgroup.procs"))
-                        .is_ok_and(|p| !p.trim().is_empty())
-                })
-            };
-            if live {
-                continue;
-            }
-            for p in dirs {
-                if p.file_name().is_some_and(|f| f.to_string_lossy() == name) {
-                    if let Ok(sub) = std::fs::read_dir(&p) {
-                        for s in sub.flatten() {
-                            if s.file_type().is_ok_and(|t| t.is_dir()) {
-                                cgroup::kill_procs(&s.path());
-                                let _ = std::fs::remove_dir(s.path());
-                            }
-                        }
+            if dirs.is_empty() {
+                // No cgroups: its init (whose pid may have been reused) goes if it is still
+                // the one recorded.
+                let same = |p: i32| {
+                    let u = u32::try_from(p).unwrap_or(0);
+                    match rec.init_start {
+                        Some(t) => cgroup::stale::proc_start(u).is_some_and(|(_, now)| now == t),
+                        None => std::fs::read_link(format!("/proc/{p}/exe"))
+                            .is_ok_and(|e| e.to_string_lossy().contains("agent-sandbox-init")),
                     }
-                    cgroup::kill_procs(&p);
-                    let _ = std::fs::remove_dir(&p);
+                };
+                if same(rec.init) {
+                    // SAFETY: kill(2) of the abandoned sandbox's init, checked just above.
+                    unsafe { libc::kill(rec.init, libc::SIGKILL) };
+                }
+            } else {
+                let hierarchies: Vec<(String, PathBuf)> = dirs
+                    .iter()
+                    .map(|d| (cgroup_hierarchy(d), d.clone()))
+                    .collect();
+                let (_, thawed) = cgroup::stale::tear_down(&hierarchies);
+                if thawed {
+                    out.thawed.push(name.clone());
                 }
             }
             let _ = std::fs::remove_file(e.path());
-            n += 1;
+            out.removed += 1;
         }
-        n
+        out
     }
 
     /// The probe: the host's checks, then (with `smoke`) a real smoke test. Without it, the
@@ -640,16 +745,70 @@ impl Backend for ContainerBackend {
         Ok(Box::new(sb))
     }
 
-    /// The records of the state directory whose sandboxes are gone
+    /// The records of the state directory whose owners are gone
     /// ([`ContainerBackend::cleanup_stale`]), then the cgroups named after dead processes
     /// (which building a backend also sweeps). Counts records and cgroup directories.
     async fn cleanup_stale(&self) -> Result<usize> {
-        Ok(ContainerBackend::cleanup_stale(self) + self.host.sweep_orphans())
+        Ok(self.cleanup_stale_report().await?.removed)
+    }
+
+    /// [`Backend::cleanup_stale`], naming the sandbox cgroups (`asb-<owner pid>-<id>`) that
+    /// were frozen (paused, or frozen for a snapshot, when their owner died) and were thawed
+    /// to be killed. What building this backend swept is counted in its first report.
+    async fn cleanup_stale_report(&self) -> Result<sandbox_core::sandbox::StaleCleanup> {
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut out = me
+                .swept_at_build
+                .lock()
+                .map(|mut s| std::mem::take(&mut *s))
+                .unwrap_or_default();
+            out.merge(me.cleanup_stale_records());
+            out.merge(me.host.sweep_orphans());
+            out.thawed.sort();
+            out.thawed.dedup();
+            out
+        })
+        .await
+        .map_err(|e| Error::backend(TIER, format!("cleanup task failed: {e}")))
     }
 }
 
 fn files_unpack(sb: &ContainerSandbox, ws: &std::os::fd::OwnedFd, tar: &[u8]) -> Result<()> {
-    use std::os::fd::AsRawFd;
+    use std::os::fd::AsFd;
     let _ids = files::FsIds::switch(sb.inner.owner());
-    files::unpack(ws.as_raw_fd(), tar, sb.inner.owner())
+    files::unpack(ws.as_fd(), tar, sb.inner.owner())
+}
+
+#[cfg(test)]
+mod state_record_tests {
+    use super::*;
+
+    #[test]
+    fn state_records_round_trip_and_old_ones_parse() {
+        let rec = StateRecord {
+            init: 42,
+            dirs: vec![
+                PathBuf::from("/sys/fs/cgroup/pids/asb-7-x"),
+                PathBuf::from("/sys/fs/cgroup/freezer/asb-7-x"),
+            ],
+            owner_start: Some(100),
+            init_start: Some(123),
+        };
+        assert_eq!(StateRecord::parse(&rec.render()), Some(rec.clone()));
+        // An older version's record: pid and directories only.
+        let old = "42\n/sys/fs/cgroup/pids/asb-7-x\n/sys/fs/cgroup/freezer/asb-7-x\n";
+        assert_eq!(
+            StateRecord::parse(old),
+            Some(StateRecord {
+                owner_start: None,
+                init_start: None,
+                ..rec
+            })
+        );
+        assert_eq!(StateRecord::parse("not a pid\n"), None);
+        // A new record of this process knows both start times.
+        let me = StateRecord::new(i32::try_from(std::process::id()).unwrap(), Vec::new());
+        assert!(me.owner_start.is_some() && me.owner_start == me.init_start);
+    }
 }

@@ -824,19 +824,20 @@ impl Sandbox for ContainerSandbox {
         self.inner.alive()?;
         let ws = self.inner.workspace_fd()?;
         let _ids = files::FsIds::switch(self.inner.owner());
-        files::write_file(ws.as_raw_fd(), path, data, self.inner.owner())
+        files::write_file(ws.as_fd(), path, data, self.inner.owner())
     }
 
     async fn read_file(&self, path: &str) -> Result<Vec<u8>> {
         self.inner.alive()?;
         let ws = self.inner.workspace_fd()?;
-        files::read_file(ws.as_raw_fd(), path)
+        // One read returns at most what the sandbox's disk holds (`limits.disk_bytes`).
+        files::read_file(ws.as_fd(), path, self.inner.spec.limits.disk_bytes)
     }
 
     async fn list(&self, path: &str) -> Result<Vec<DirEntry>> {
         self.inner.alive()?;
         let ws = self.inner.workspace_fd()?;
-        files::list(ws.as_raw_fd(), path)
+        files::list(ws.as_fd(), path)
     }
 
     async fn snapshot(&self, store: &dyn SnapshotStore) -> Result<SnapshotId> {
@@ -848,13 +849,21 @@ impl Sandbox for ContainerSandbox {
             .cgroup
             .as_ref()
             .is_some_and(|c| c.can_freeze() && c.freeze(true).is_ok());
-        let tar = files::pack(ws.as_raw_fd());
+        // The snapshot holds at most the sandbox's disk: its own workspace and upper layer
+        // are tmpfs mounts capped by `limits.disk_bytes`; a host-directory workspace is the
+        // caller's, not capped (sparse files count their data only, either way).
+        let cap = self.inner.spec.limits.disk_bytes;
+        let ws_cap = match self.inner.spec.workspace {
+            sandbox_core::Workspace::Empty => cap,
+            _ => u64::MAX,
+        };
+        let tar = files::pack(ws.as_fd(), ws_cap);
         // Rootfs-directory mode: the changes made to the root too (the overlay's upper layer).
         let upper = if crate::own_root(&self.inner.spec) {
             Some(
                 self.inner
                     .upper_fd()
-                    .and_then(|u| files::pack_upper(u.as_raw_fd())),
+                    .and_then(|u| files::pack_upper(u.as_fd(), cap)),
             )
         } else {
             None

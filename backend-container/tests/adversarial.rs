@@ -2,6 +2,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, missing_docs)]
 
 mod common;
+#[path = "../../sandbox-core/test-support/host_canary.rs"]
+mod host_canary;
 #[path = "../../sandbox-core/test-support/ready_child.rs"]
 mod ready_child;
 
@@ -545,4 +547,101 @@ async fn a_killed_zygote_is_replaced_on_the_next_create() {
     let now = common::zygotes();
     assert_eq!(now.len(), 1, "{now:?}");
     assert_ne!(now[0], zygotes[0]);
+}
+
+/// Issue 32, item 1 (this tier was the model: regression guard): code inside flips
+/// `/workspace/out` between a file and a symlink to a host file while the host-side file API
+/// reads and writes it; the link is refused whenever it is met, never followed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_file_api_never_follows_a_symlink_swapped_in_during_the_call() {
+    require_host!();
+    let canary = host_canary::Canary::new();
+    let spec = SandboxSpec::builder(Language::Python)
+        .wall_time(Duration::from_secs(90))
+        .build()
+        .unwrap();
+    let sb: std::sync::Arc<dyn Sandbox> = std::sync::Arc::from(
+        backend()
+            .create(&spec, ResolvedSecrets::none())
+            .await
+            .unwrap(),
+    );
+    let flipper = {
+        let sb = std::sync::Arc::clone(&sb);
+        let code = host_canary::python_flipper(canary.path.to_str().unwrap(), 60);
+        tokio::spawn(async move {
+            sb.exec(ExecRequest::code(code).timeout(Duration::from_secs(80)))
+                .await
+        })
+    };
+    host_canary::wait_for_flipper(sb.as_ref(), "out", Duration::from_secs(30)).await;
+    let h = host_canary::hammer(
+        sb.as_ref(),
+        "/workspace/out",
+        &canary,
+        1000,
+        Duration::from_secs(20),
+    )
+    .await;
+    sb.write_file("stop", b"").await.unwrap();
+    let r = flipper.await.unwrap().unwrap();
+    eprintln!("{h:?}; flips inside: {}", r.stdout_str().trim());
+    assert!(r.success(), "{r:?} {}", r.stderr_str());
+    assert!(h.reads_ok > 0 && h.escapes > 0, "{h:?}");
+    canary.assert_unchanged("at the end");
+    sb.destroy().await.unwrap();
+}
+
+/// Issue 32, item 4: a 1 TiB sparse file (made in an instant) made `read_file` read zeros
+/// until the OOM killer came, and a snapshot abort on `Vec::with_capacity(1 TiB)`. Now the
+/// read is refused naming the limit, and the snapshot keeps the file sparse.
+#[tokio::test]
+async fn a_sparse_terabyte_file_is_refused_by_read_file_and_kept_sparse_by_snapshots() {
+    require_host!();
+    let sb = create(Language::Shell).await;
+    sh_ok(
+        sb.as_ref(),
+        "truncate -s 1T /workspace/big && echo hi > /workspace/small",
+    )
+    .await;
+    let rss = host_canary::rss();
+    let t = std::time::Instant::now();
+    let e = sb.read_file("big").await.unwrap_err();
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    assert!(
+        matches!(&e, Error::InvalidSpec { field, reason } if field == "path" && reason.contains("limits.disk_bytes")),
+        "{e}"
+    );
+    assert_eq!(sb.read_file("small").await.unwrap(), b"hi\n");
+    let dir = tempfile::tempdir().unwrap();
+    let store = sandbox_core::ObjectSnapshotStore::local(dir.path()).unwrap();
+    let t = std::time::Instant::now();
+    let id = sb.snapshot(&store).await.unwrap();
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    let m = sandbox_core::SnapshotStore::manifest(&store, &id)
+        .await
+        .unwrap();
+    assert!(
+        m.artifacts["workspace.tar"].size < 1 << 20,
+        "{:?}",
+        m.artifacts["workspace.tar"]
+    );
+    let grew = host_canary::rss().saturating_sub(rss);
+    assert!(grew < 512 << 20, "the test process grew by {grew} bytes");
+    sb.destroy().await.unwrap();
+    let restored = backend()
+        .restore(&store, &id, ResolvedSecrets::none())
+        .await
+        .unwrap();
+    let out = sh_ok(
+        restored.as_ref(),
+        "stat -c '%s %b' /workspace/big && cat /workspace/small",
+    )
+    .await;
+    let mut f = out.split_whitespace();
+    assert_eq!(f.next(), Some("1099511627776"), "{out}");
+    let blocks: u64 = f.next().unwrap().parse().unwrap();
+    assert!(blocks < 1024, "restored with {blocks} blocks: {out}");
+    assert_eq!(f.next(), Some("hi"), "{out}");
+    restored.destroy().await.unwrap();
 }

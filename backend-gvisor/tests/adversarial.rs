@@ -3,6 +3,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
+#[path = "../../sandbox-core/test-support/host_canary.rs"]
+mod host_canary;
 #[path = "../../sandbox-core/test-support/ready_child.rs"]
 mod ready_child;
 
@@ -579,4 +581,105 @@ async fn sandboxes_of_a_killed_process_are_torn_down() {
     let r = live.exec(ExecRequest::argv(["/bin/true"])).await.unwrap();
     assert!(r.success());
     live.destroy().await.unwrap();
+}
+
+/// Issue 32, item 1: code inside flips `/workspace/out` between a regular file and a symlink
+/// to a host file while the host-side file API (root) reads and writes it. Checking the path
+/// and then opening it again by name lost that race: the read returned the host file, the
+/// write replaced it and the chown gave it to the sandbox's user. Beneath a workspace
+/// handle, the link is refused whenever it is met.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_file_api_never_follows_a_symlink_swapped_in_during_the_call() {
+    require_gvisor!();
+    let canary = host_canary::Canary::new();
+    let mut spec = SandboxSpec::new(Language::Python);
+    spec.limits.wall_time_ms = 90_000;
+    let sb: std::sync::Arc<dyn sandbox_core::Sandbox> =
+        std::sync::Arc::from(common::sandbox(&spec).await);
+    let flipper = {
+        let sb = std::sync::Arc::clone(&sb);
+        let code = host_canary::python_flipper(canary.path.to_str().unwrap(), 60);
+        tokio::spawn(async move {
+            sb.exec(ExecRequest::code(code).timeout(std::time::Duration::from_secs(80)))
+                .await
+        })
+    };
+    host_canary::wait_for_flipper(sb.as_ref(), "out", std::time::Duration::from_secs(30)).await;
+    let h = host_canary::hammer(
+        sb.as_ref(),
+        "/workspace/out",
+        &canary,
+        1000,
+        std::time::Duration::from_secs(20),
+    )
+    .await;
+    sb.write_file("stop", b"").await.unwrap();
+    let r = flipper.await.unwrap().unwrap();
+    eprintln!("{h:?}; flips inside: {}", r.stdout_str().trim());
+    assert!(r.success(), "{r:?}");
+    // Both states were met: the race was really run.
+    assert!(h.reads_ok > 0 && h.escapes > 0, "{h:?}");
+    canary.assert_unchanged("at the end");
+    sb.destroy().await.unwrap();
+}
+
+/// Issue 32, item 4: a 1 TiB sparse file (made in an instant) neither makes `read_file`
+/// read zeros until the OOM killer comes nor makes a snapshot allocate its size.
+#[tokio::test]
+async fn a_sparse_terabyte_file_is_refused_by_read_file_and_kept_sparse_by_snapshots() {
+    require_gvisor!();
+    let sb = common::sandbox(&SandboxSpec::new(Language::Shell)).await;
+    let r = sb
+        .exec(ExecRequest::code(
+            "truncate -s 1T /workspace/big && echo hi > /workspace/small && truncate -s 1T /tmp/big",
+        ))
+        .await
+        .unwrap();
+    assert!(r.success(), "{r:?}");
+    let rss = host_canary::rss();
+    let t = std::time::Instant::now();
+    let e = sb.read_file("big").await.unwrap_err();
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(10),
+        "{:?}",
+        t.elapsed()
+    );
+    assert!(
+        matches!(&e, Error::InvalidSpec { field, reason } if field == "path" && reason.contains("limits.disk_bytes")),
+        "{e}"
+    );
+    assert_eq!(sb.read_file("small").await.unwrap(), b"hi\n");
+    // A snapshot: quick, small, and the file comes back as it was (1 TiB, sparse).
+    let dir = tempfile::tempdir().unwrap();
+    let store = ObjectSnapshotStore::local(dir.path()).unwrap();
+    let t = std::time::Instant::now();
+    let id = sb.snapshot(&store).await.unwrap();
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(60),
+        "{:?}",
+        t.elapsed()
+    );
+    let m = store.manifest(&id).await.unwrap();
+    for name in ["workspace.tar", "scratch.tar"] {
+        assert!(
+            m.artifacts[name].size < 1 << 20,
+            "{name}: {:?}",
+            m.artifacts[name]
+        );
+    }
+    let grew = host_canary::rss().saturating_sub(rss);
+    assert!(grew < 512 << 20, "the test process grew by {grew} bytes");
+    sb.destroy().await.unwrap();
+    let restored = common::backend()
+        .restore(&store, &id, ResolvedSecrets::none())
+        .await
+        .unwrap();
+    let r = restored
+        .exec(ExecRequest::code(
+            "python3 -c 'import os; print(os.path.getsize(\"/workspace/big\"), os.path.getsize(\"/tmp/big\"), open(\"/workspace/small\").read().strip())'",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_str(), "1099511627776 1099511627776 hi\n", "{r:?}");
+    restored.destroy().await.unwrap();
 }

@@ -1,6 +1,7 @@
 //! [`WasmSandbox`]: one workspace plus, for Python and JavaScript, one live interpreter.
 
 use std::collections::BTreeMap;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -8,11 +9,11 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use sandbox_core::{
-    fsnap, pump_output, Command, DirEntry, Error, ExecEvent, ExecRequest, ExecResult, ExecStream,
-    Language, Lifecycle, LimitKind, NetworkPolicy, OutputBuffer, Phase, PhaseTiming, Redactor,
-    ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotDraft, SnapshotId, SnapshotKind,
-    SnapshotStore, StreamKind, StreamSink, Tier, Timeline, TimelineRecorder, Workspace,
-    WorkspacePath, WORKSPACE_MOUNT,
+    beneath, fsnap, pump_output, Command, DirEntry, Error, ExecEvent, ExecRequest, ExecResult,
+    ExecStream, Language, Lifecycle, LimitKind, NetworkPolicy, OutputBuffer, Phase, PhaseTiming,
+    Redactor, ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotDraft, SnapshotId,
+    SnapshotKind, SnapshotStore, StreamKind, StreamSink, Tier, Timeline, TimelineRecorder,
+    Workspace, WorkspacePath, WORKSPACE_MOUNT,
 };
 use tokio::sync::mpsc;
 
@@ -456,12 +457,19 @@ impl Inner {
         // Only `.wasm` modules of the workspace run here: any other program is not found
         // (exit 127, as in every tier), whatever its name.
         let found = if program.ends_with(".wasm") {
-            match tokio::fs::read(self.host_path(program)?).await {
+            // Beneath a workspace handle, capped: code may have swapped the module for a
+            // link out, or made it a 1 TiB sparse file.
+            let ws = self.workspace_fd()?;
+            let (p, max) = (program.clone(), self.spec.limits.disk_bytes);
+            let read = tokio::task::spawn_blocking(move || beneath::read_file(ws.as_fd(), &p, max))
+                .await
+                .map_err(|e| Error::backend(TIER, format!("reading the module failed: {e}")))?;
+            match read {
                 Ok(b) => Ok(b),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                Err(Error::NotFound { .. }) => {
                     Err(format!("{program}: no such module in the workspace\n"))
                 }
-                Err(e) => return Err(Error::io_path("read", self.host_path(program)?, e)),
+                Err(e) => return Err(e),
             }
         } else {
             Err(format!(
@@ -753,7 +761,14 @@ impl Inner {
 
     /// Packs the workspace into a snapshot draft.
     fn snapshot_draft(&self) -> Result<SnapshotDraft> {
-        let tar = fsnap::pack_dir(self.workspace()?)?;
+        // Streamed beneath a handle (a link swapped in is kept as a link), sparse files kept
+        // sparse, and at most `limits.disk_bytes` of data for the sandbox's own workspace
+        // (a host folder is the caller's, not capped).
+        let cap = match self.host_workspace {
+            None => self.spec.limits.disk_bytes,
+            Some(_) => u64::MAX,
+        };
+        let tar = fsnap::pack_dir_limited(self.workspace()?, cap)?;
         Ok(SnapshotDraft::new(
             TIER,
             ENGINE_NAME,
@@ -771,20 +786,21 @@ impl Inner {
 }
 
 impl Inner {
+    /// A handle on the workspace folder: the file API works beneath it (see
+    /// `sandbox_core::beneath`), since code inside can swap any name for a symlink leading
+    /// out (a relative one: `../../..`) at any moment.
+    fn workspace_fd(&self) -> Result<OwnedFd> {
+        beneath::open_dir(self.workspace()?)
+    }
+
     async fn write_file(&self, path: &str, data: &[u8]) -> Result<()> {
         self.alive()?;
-        let p = self.host_path(path)?;
-        if let Some(parent) = p.parent() {
-            tokio::fs::create_dir_all(parent)
-                .await
-                .map_err(|e| Error::io_path("create", parent, e))?;
-        }
-        let p = self.host_path(path)?;
+        let ws = self.workspace_fd()?;
         // The sandbox's own workspace is capped for the file API too (see `disk`).
         if self.host_workspace.is_none() {
-            let (old, new) = match tokio::fs::symlink_metadata(&p).await {
-                Ok(m) => (m.len(), 0),
-                Err(_) => (0, 1),
+            let (old, new) = match beneath::size_of(ws.as_fd(), path) {
+                Some(len) => (len, 0),
+                None => (0, 1),
             };
             let extra = u64::try_from(data.len())
                 .unwrap_or(u64::MAX)
@@ -795,33 +811,32 @@ impl Inner {
                 extra,
                 new,
             ) {
-                return Err(Error::io_path(
-                    "write",
-                    &p,
+                return Err(Error::io(
+                    format!("write {}", WorkspacePath::parse(path)?.in_sandbox()),
                     std::io::Error::from_raw_os_error(28 /* ENOSPC */),
                 ));
             }
         }
-        tokio::fs::write(&p, data)
+        let (data, path) = (data.to_vec(), path.to_string());
+        tokio::task::spawn_blocking(move || beneath::write_file(ws.as_fd(), &path, &data, None))
             .await
-            .map_err(|e| Error::io_path("write", &p, e))
+            .map_err(|e| Error::backend(TIER, format!("the file API's task failed: {e}")))?
     }
 
     async fn read_file(&self, path: &str) -> Result<Vec<u8>> {
         self.alive()?;
-        let p = self.host_path(path)?;
-        match tokio::fs::read(&p).await {
-            Ok(d) => Ok(d),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                Err(Error::NotFound { path: path.into() })
-            }
-            Err(e) => Err(Error::io_path("read", &p, e)),
-        }
+        let ws = self.workspace_fd()?;
+        // One read returns at most what the sandbox's disk holds (`limits.disk_bytes`).
+        let max = self.spec.limits.disk_bytes;
+        let path = path.to_string();
+        tokio::task::spawn_blocking(move || beneath::read_file(ws.as_fd(), &path, max))
+            .await
+            .map_err(|e| Error::backend(TIER, format!("the file API's task failed: {e}")))?
     }
 
     async fn list(&self, path: &str) -> Result<Vec<DirEntry>> {
         self.alive()?;
-        sandbox_core::path::list_host_dir(&self.host_path(path)?, path)
+        beneath::list(self.workspace_fd()?.as_fd(), path)
     }
 
     async fn snapshot(&self, store: &dyn SnapshotStore) -> Result<SnapshotId> {

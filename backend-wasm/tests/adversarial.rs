@@ -4,6 +4,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
+#[path = "../../sandbox-core/test-support/host_canary.rs"]
+mod host_canary;
 
 use std::time::Duration;
 
@@ -328,4 +330,158 @@ async fn a_host_folder_workspace_is_the_callers_and_not_capped() {
     // Its own /tmp still is.
     let r = common::run(sb.as_ref(), "open('/tmp/f', 'wb').write(b'z' * (3 << 20))").await;
     assert_eq!(r.limit, Some(LimitKind::Disk), "{r:?}");
+}
+
+/// A WASI module that flips `out` in the workspace (fd 3) between a regular file and a
+/// relative symlink to `target` (WASI refuses absolute link targets, not `../..` ones), each
+/// swap an atomic rename, until `stop` exists (or many rounds pass).
+fn flipper_module(target: &str) -> String {
+    format!(
+        r#"(module
+  (import "wasi_snapshot_preview1" "path_open" (func $open (param i32 i32 i32 i32 i32 i64 i64 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "fd_write" (func $write (param i32 i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "fd_close" (func $close (param i32) (result i32)))
+  (import "wasi_snapshot_preview1" "path_rename" (func $rename (param i32 i32 i32 i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "path_symlink" (func $symlink (param i32 i32 i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "path_unlink_file" (func $unlink (param i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "path_filestat_get" (func $stat (param i32 i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 16) "\80\00\00\00\07\00\00\00")
+  (data (i32.const 64) "out.tmp")
+  (data (i32.const 80) "out")
+  (data (i32.const 96) "out.lnk")
+  (data (i32.const 112) "stop")
+  (data (i32.const 128) "inside\n")
+  (data (i32.const 1024) "{target}")
+  (func (export "_start")
+    (local $i i32)
+    (loop $l
+      (if (i32.eqz (call $open (i32.const 3) (i32.const 0) (i32.const 64) (i32.const 7)
+                     (i32.const 9) (i64.const 0x1fffffff) (i64.const 0x1fffffff) (i32.const 0) (i32.const 0)))
+        (then
+          (drop (call $write (i32.load (i32.const 0)) (i32.const 16) (i32.const 1) (i32.const 8)))
+          (drop (call $close (i32.load (i32.const 0))))))
+      (drop (call $rename (i32.const 3) (i32.const 64) (i32.const 7) (i32.const 3) (i32.const 80) (i32.const 3)))
+      (drop (call $unlink (i32.const 3) (i32.const 96) (i32.const 7)))
+      (drop (call $symlink (i32.const 1024) (i32.const {len}) (i32.const 3) (i32.const 96) (i32.const 7)))
+      (drop (call $rename (i32.const 3) (i32.const 96) (i32.const 7) (i32.const 3) (i32.const 80) (i32.const 3)))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (br_if $l (i32.and
+        (i32.lt_u (local.get $i) (i32.const 100000000))
+        (i32.ne (call $stat (i32.const 3) (i32.const 0) (i32.const 112) (i32.const 4) (i32.const 512))
+                (i32.const 0)))))))"#,
+        len = target.len()
+    )
+}
+
+/// Issue 32, item 1: a guest flips `/workspace/out` between a file and a relative symlink
+/// to a host file while the host-side file API reads and writes it. Checking the path and
+/// then opening it again by name lost that race (the read returned the host file, the
+/// write replaced it); beneath a workspace handle, the link is refused whenever it is met.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_file_api_never_follows_a_symlink_swapped_in_during_the_call() {
+    let canary = host_canary::Canary::new();
+    let mut spec = SandboxSpec::new(Language::Wasm);
+    spec.limits.wall_time_ms = 60_000;
+    let sb = std::sync::Arc::new(
+        WasmBackend::new()
+            .create_sandbox(&spec, ResolvedSecrets::none())
+            .await
+            .unwrap(),
+    );
+    let target = canary.relative_from(sb.workspace_dir());
+    let flipper = {
+        let sb = std::sync::Arc::clone(&sb);
+        let m = flipper_module(&target);
+        tokio::spawn(async move { sb.exec(sandbox_core::ExecRequest::code(m)).await })
+    };
+    host_canary::wait_for_flipper(sb.as_ref(), "out", Duration::from_secs(30)).await;
+    let h = host_canary::hammer(
+        sb.as_ref(),
+        "/workspace/out",
+        &canary,
+        1000,
+        Duration::from_secs(20),
+    )
+    .await;
+    sb.write_file("stop", b"").await.unwrap();
+    let r = flipper.await.unwrap().unwrap();
+    eprintln!("{h:?}; flipper: {r:?}");
+    assert_eq!(r.exit_code, Some(0), "{r:?} {}", r.stderr_str());
+    assert!(h.reads_ok > 0 && h.escapes > 0, "{h:?}");
+    canary.assert_unchanged("at the end");
+}
+
+/// Issue 32, item 4: a guest makes a 1 TiB sparse file (`fd_filestat_set_size`, in an
+/// instant). `read_file` refuses it naming the limit instead of allocating its size, running
+/// it as a module is refused the same way, and a snapshot keeps it sparse and restores it.
+#[tokio::test]
+async fn a_sparse_terabyte_file_is_refused_by_read_file_and_kept_sparse_by_snapshots() {
+    let b = WasmBackend::new();
+    let sb = b
+        .create(&SandboxSpec::new(Language::Wasm), ResolvedSecrets::none())
+        .await
+        .unwrap();
+    // The small file first: the sandbox's disk meter counts a file with no blocks at its
+    // size, so later writes would not fit.
+    sb.write_file("small", b"hi").await.unwrap();
+    let m = r#"(module
+      (import "wasi_snapshot_preview1" "path_open" (func $open (param i32 i32 i32 i32 i32 i64 i64 i32 i32) (result i32)))
+      (import "wasi_snapshot_preview1" "fd_filestat_set_size" (func $size (param i32 i64) (result i32)))
+      (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
+      (memory (export "memory") 1)
+      (data (i32.const 64) "big")
+      (data (i32.const 80) "big.wasm")
+      (func (export "_start")
+        (if (call $open (i32.const 3) (i32.const 0) (i32.const 64) (i32.const 3)
+              (i32.const 1) (i64.const 0x1fffffff) (i64.const 0x1fffffff) (i32.const 0) (i32.const 0))
+          (then (call $exit (i32.const 2))))
+        (if (call $open (i32.const 3) (i32.const 0) (i32.const 80) (i32.const 8)
+              (i32.const 1) (i64.const 0x1fffffff) (i64.const 0x1fffffff) (i32.const 0) (i32.const 4))
+          (then (call $exit (i32.const 3))))
+        (if (call $size (i32.load (i32.const 0)) (i64.const 1099511627776))
+          (then (call $exit (i32.const 4))))
+        (call $exit (call $size (i32.load (i32.const 4)) (i64.const 1099511627776)))))"#;
+    let r = common::run(sb.as_ref(), m).await;
+    assert_eq!(r.exit_code, Some(0), "{r:?} {}", r.stderr_str());
+    let listed = sb.list("").await.unwrap();
+    assert!(
+        listed.iter().any(|e| e.name == "big" && e.size == 1 << 40),
+        "{listed:?}"
+    );
+    let rss = host_canary::rss();
+    let limit = |e: &sandbox_core::Error| matches!(e, sandbox_core::Error::InvalidSpec { field, reason } if field == "path" && reason.contains("limits.disk_bytes"));
+    let t = std::time::Instant::now();
+    let e = sb.read_file("big").await.unwrap_err();
+    assert!(limit(&e), "{e}");
+    let e = sb
+        .exec(sandbox_core::ExecRequest::argv(["big.wasm"]))
+        .await
+        .unwrap_err();
+    assert!(limit(&e), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    assert_eq!(sb.read_file("small").await.unwrap(), b"hi");
+    let dir = tempfile::tempdir().unwrap();
+    let store = sandbox_core::ObjectSnapshotStore::local(dir.path()).unwrap();
+    let id = sb.snapshot(&store).await.unwrap();
+    let m = sandbox_core::SnapshotStore::manifest(&store, &id)
+        .await
+        .unwrap();
+    assert!(
+        m.artifacts["workspace.tar"].size < 1 << 20,
+        "{:?}",
+        m.artifacts["workspace.tar"]
+    );
+    let grew = host_canary::rss().saturating_sub(rss);
+    assert!(grew < 512 << 20, "the test process grew by {grew} bytes");
+    let restored = b
+        .restore(&store, &id, ResolvedSecrets::none())
+        .await
+        .unwrap();
+    let listed = restored.list("").await.unwrap();
+    assert!(
+        listed.iter().any(|e| e.name == "big" && e.size == 1 << 40),
+        "{listed:?}"
+    );
+    assert_eq!(restored.read_file("small").await.unwrap(), b"hi");
 }

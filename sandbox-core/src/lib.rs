@@ -9,6 +9,7 @@
 
 #![forbid(unsafe_op_in_unsafe_fn)]
 
+pub mod beneath;
 pub mod capabilities;
 pub mod egress;
 pub mod error;
@@ -41,7 +42,9 @@ pub use exec::{
 pub use image::ImageRef;
 pub use lifecycle::{Lifecycle, State as LifecycleState, Transition};
 pub use path::{DirEntry, EntryKind, WorkspacePath, WORKSPACE_MOUNT};
-pub use policy::{Cidr, Decision, DecisionRule, DenyRule, HostPattern, HostRule, NetworkPolicy};
+pub use policy::{
+    Cidr, Decision, DecisionRule, DenyRule, HostPattern, HostRule, NetworkPolicy, ServerNetworks,
+};
 pub use pool::{PoolConfig, PoolStats, WarmPool};
 pub use probe::TierStatus;
 pub use process::{
@@ -53,7 +56,7 @@ pub use publish::{Connection, Dialer, Ports, PublishedPort};
 pub use sandbox::{Backend, DynBackend, Sandbox};
 pub use secrets::{
     EnvSecretSource, MapSecretSource, ProxiedSecret, Redactor, ResolvedSecrets, Secret,
-    SecretBinding, SecretExposure, SecretSource, StreamRedactor,
+    SecretBinding, SecretExposure, SecretPlaces, SecretSource, StreamRedactor,
 };
 pub use selector::{IoProfile, KernelNeed, Question, Ranked, Selection, Selector, Trust};
 pub use snapshot::{

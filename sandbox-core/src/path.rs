@@ -72,8 +72,12 @@ impl WorkspacePath {
     }
 
     /// Resolves against a host directory backing the workspace, refusing any existing
-    /// symlink on the way that points outside `root`. (Backends that can should prefer
-    /// `openat2(RESOLVE_BENEATH)`; this is the portable check.)
+    /// symlink on the way that points outside `root`.
+    ///
+    /// Only a check at one instant: if code in a sandbox can change the tree, it can swap a
+    /// name for a symlink between this check and the caller's open by path. Backends whose
+    /// sandboxes can write the directory use [`crate::beneath`] instead (every lookup
+    /// beneath a directory handle, `openat2(RESOLVE_BENEATH)`).
     pub fn resolve_under(&self, root: &Path) -> Result<PathBuf> {
         let root = root
             .canonicalize()

@@ -10,6 +10,7 @@ mod process;
 mod snapshot;
 
 use std::collections::BTreeMap;
+use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -19,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use sandbox_core::{
-    fsnap, pump_output, Command, DirEntry, EgressEnforcer, EgressPlan, Error, ExecEvent,
+    beneath, fsnap, pump_output, Command, DirEntry, EgressEnforcer, EgressPlan, Error, ExecEvent,
     ExecRequest, ExecResult, ExecStream, Language, Lifecycle, LimitKind, NetworkEvent,
     NetworkPolicy, Phase, Redactor, ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotDraft,
     SnapshotError, SnapshotId, SnapshotKind, SnapshotStore, StreamKind, StreamSink, Tier, Timeline,
@@ -756,8 +757,12 @@ impl Inner {
         self.life.check_not_gone()
     }
 
-    fn host_path(&self, path: &str) -> Result<PathBuf> {
-        WorkspacePath::parse(path)?.resolve_under(&self.workspace)
+    /// Who the file API's new files belong to: the workload's user.
+    fn owner(&self) -> beneath::Owner {
+        beneath::Owner {
+            uid: self.who.uid,
+            gid: self.who.gid,
+        }
     }
 
     /// Deletes the container, reaps its processes, unmounts and removes the state. Idempotent.
@@ -911,11 +916,6 @@ fn cgroup_of(pid: i64, controller: &str) -> Option<String> {
     })
 }
 
-fn chown_new(path: &Path, who: Identity) -> Result<()> {
-    nix::unistd::chown(path, Some(who.uid.into()), Some(who.gid.into()))
-        .map_err(|e| Error::io_path("chown", path, e.into()))
-}
-
 #[async_trait]
 impl Sandbox for GvisorSandbox {
     fn id(&self) -> &str {
@@ -997,43 +997,24 @@ impl Sandbox for GvisorSandbox {
                 "the workspace is read-only in this sandbox's spec",
             ));
         }
-        let target = s.host_path(path)?;
-        // Create missing parents one by one, owned by the workload's user.
-        let rel = WorkspacePath::parse(path)?.relative();
-        let mut cur = s.workspace.clone();
-        if let Some(parent) = rel.parent() {
-            for c in parent.components() {
-                cur.push(c);
-                if !cur.exists() {
-                    std::fs::create_dir(&cur).map_err(io("create", &cur))?;
-                    chown_new(&cur, s.who)?;
-                }
-            }
-        }
-        // Re-check after creating parents, then refuse to write through a symlink.
-        let target2 = s.host_path(path)?;
-        if target2 != target || target.is_symlink() {
-            return Err(Error::PathEscape { path: path.into() });
-        }
-        std::fs::write(&target, data).map_err(io("write", &target))?;
-        chown_new(&target, s.who)
+        // Everything beneath a handle on the workspace (see `sandbox_core::beneath`): code
+        // inside can swap any name for a symlink to the host at any moment, and this runs
+        // as root. New parents and the file belong to the workload's user.
+        let ws = beneath::open_dir(&s.workspace)?;
+        beneath::write_file(ws.as_fd(), path, data, Some(s.owner()))
     }
 
     async fn read_file(&self, path: &str) -> Result<Vec<u8>> {
         self.inner.alive()?;
-        let p = self.inner.host_path(path)?;
-        match std::fs::read(&p) {
-            Ok(d) => Ok(d),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                Err(Error::NotFound { path: path.into() })
-            }
-            Err(e) => Err(io("read", &p)(e)),
-        }
+        let ws = beneath::open_dir(&self.inner.workspace)?;
+        // One read returns at most what the sandbox's disk holds (`limits.disk_bytes`).
+        beneath::read_file(ws.as_fd(), path, self.inner.spec.limits.disk_bytes)
     }
 
     async fn list(&self, path: &str) -> Result<Vec<DirEntry>> {
         self.inner.alive()?;
-        sandbox_core::path::list_host_dir(&self.inner.host_path(path)?, path)
+        let ws = beneath::open_dir(&self.inner.workspace)?;
+        beneath::list(ws.as_fd(), path)
     }
 
     async fn snapshot(&self, store: &dyn SnapshotStore) -> Result<SnapshotId> {

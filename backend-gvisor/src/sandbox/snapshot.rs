@@ -90,13 +90,17 @@ impl Inner {
             let _ = tokio::task::spawn_blocking(move || me.teardown()).await;
             return Err(e);
         }
+        // runsc's own image: as large as the sandbox's memory, not capped here.
         let packed = fsnap::pack_dir(&image);
+        // What code inside wrote is capped by the sandbox's disk (both are tmpfs mounts of
+        // at most `limits.disk_bytes`); files are streamed, sparse ones kept sparse.
+        let cap = self.spec.limits.disk_bytes;
         let ws = match self.spec.workspace {
-            Workspace::Empty => Some(fsnap::pack_dir(&self.workspace)),
+            Workspace::Empty => Some(fsnap::pack_dir_limited(&self.workspace, cap)),
             _ => None,
         };
         // `/tmp` and `/dev/shm` live on the host too: not in the checkpoint image.
-        let scratch = fsnap::pack_dir(&self.scratch);
+        let scratch = fsnap::pack_dir_limited(&self.scratch, cap);
         let me = Arc::clone(self);
         let resume_image = image.clone();
         self.resuming.store(true, Ordering::SeqCst);
