@@ -68,8 +68,9 @@ enum Cmd {
     #[command(subcommand)]
     Image(image_cmd::ImageCmd),
     /// Remove what processes that died without destroying their sandboxes left on this host
-    /// (gVisor sandboxes still running, mounts, cgroups, state), per tier. Live sandboxes of
-    /// any process are never touched.
+    /// (gVisor sandboxes still running, mounts, cgroups, state), per tier, judged by whether
+    /// their owner still runs: sandboxes that were paused or frozen when it died are thawed,
+    /// then removed (`thawed` names them). Live sandboxes of any process are never touched.
     Cleanup {
         /// Print JSON.
         #[arg(long)]
@@ -192,9 +193,12 @@ struct RunArgs {
     env: Vec<(String, String)>,
     /// A secret the sandbox never holds: inside, VAR holds a placeholder that the egress proxy
     /// replaces by the value only on requests to HOSTS (which --allow-host or
-    /// --allow-internet must allow). The value is the host's environment variable NAME, or
-    /// the file given with --secret-file (never an argument). Repeatable.
-    #[arg(long = "secret", value_name = "NAME=VAR@HOST[,HOST]", value_parser = parse_secret)]
+    /// --allow-internet must allow), in header values only unless `;in=` grants more
+    /// (`in=header,query,body`: the request target and bodies are opt-in, since a server can
+    /// store what it gets there and give it back transformed). The value is the host's
+    /// environment variable NAME, or the file given with --secret-file (never an argument).
+    /// Repeatable.
+    #[arg(long = "secret", value_name = "NAME=VAR@HOST[,HOST][;in=header,query,body]", value_parser = parse_secret)]
     secret: Vec<SecretArg>,
     /// Read secret NAME's value from this file (a trailing newline is dropped) instead of
     /// the host's environment. Repeatable.
@@ -285,19 +289,33 @@ fn parse_env(s: &str) -> Result<(String, String), String> {
     }
 }
 
-/// `--secret NAME=VAR@HOST[,HOST]`.
+/// `--secret NAME=VAR@HOST[,HOST][;in=header,query,body]`.
 #[derive(Debug, Clone)]
 struct SecretArg {
     name: String,
     var: String,
     hosts: Vec<String>,
+    places: agent_sandbox::SecretPlaces,
 }
 
 fn parse_secret(s: &str) -> Result<SecretArg, String> {
     let bad = || {
-        format!("`{s}`: expected NAME=VAR@HOST[,HOST] (the value comes from the host's environment variable NAME or --secret-file)")
+        format!("`{s}`: expected NAME=VAR@HOST[,HOST][;in=header,query,body] (the value comes from the host's environment variable NAME or --secret-file)")
     };
-    let (name, rest) = s.split_once('=').ok_or_else(bad)?;
+    let (s_main, options) = match s.split_once(';') {
+        Some((m, o)) => (m, Some(o)),
+        None => (s, None),
+    };
+    let places = match options {
+        None => agent_sandbox::SecretPlaces::default(),
+        Some(o) => {
+            let list = o.trim().strip_prefix("in=").ok_or_else(|| {
+                format!("`{s}`: after `;` expected in=header,query,body (where the placeholder is replaced)")
+            })?;
+            list.parse().map_err(|e: Error| format!("`{s}`: {e}"))?
+        }
+    };
+    let (name, rest) = s_main.split_once('=').ok_or_else(bad)?;
     let (var, hosts) = rest.split_once('@').ok_or_else(bad)?;
     let hosts: Vec<String> = hosts
         .split(',')
@@ -311,6 +329,7 @@ fn parse_secret(s: &str) -> Result<SecretArg, String> {
         name: name.to_string(),
         var: var.to_string(),
         hosts,
+        places,
     })
 }
 
@@ -476,14 +495,18 @@ async fn async_main(cli: Cli) -> ExitCode {
             let mut rows = Vec::new();
             for tier in Tier::PRODUCT {
                 if let Some(b) = runtime.backend(tier) {
-                    rows.push((tier, b.cleanup_stale().await));
+                    rows.push((tier, b.cleanup_stale_report().await));
                 }
             }
             if json {
                 let tiers: Vec<serde_json::Value> = rows
                     .iter()
                     .map(|(t, r)| match r {
-                        Ok(n) => json!({ "tier": t.name(), "removed": n }),
+                        Ok(r) => json!({
+                            "tier": t.name(),
+                            "removed": r.removed,
+                            "thawed": r.thawed,
+                        }),
                         Err(e) => json!({ "tier": t.name(), "error": e.to_string() }),
                     })
                     .collect();
@@ -491,7 +514,15 @@ async fn async_main(cli: Cli) -> ExitCode {
             } else {
                 for (t, r) in &rows {
                     match r {
-                        Ok(n) => println!("{:<10} removed {n}", t.name()),
+                        Ok(r) if r.thawed.is_empty() => {
+                            println!("{:<10} removed {}", t.name(), r.removed)
+                        }
+                        Ok(r) => println!(
+                            "{:<10} removed {}, of which paused or frozen and thawed first: {}",
+                            t.name(),
+                            r.removed,
+                            r.thawed.join(", ")
+                        ),
                         Err(e) => println!("{:<10} not checked: {e}", t.name()),
                     }
                 }
@@ -858,7 +889,7 @@ async fn run(via: Via<'_>, args: RunArgs) -> ExitCode {
         b = b.mount(m.clone());
     }
     for s in &args.secret {
-        b = b.secret_via_proxy(&s.name, &s.var, &s.hosts);
+        b = b.secret_via_proxy_in(&s.name, &s.var, &s.hosts, s.places);
     }
     if let Some(dir) = &args.workspace {
         // Absolute, so that a daemon (whose directory is not ours) finds the same one.

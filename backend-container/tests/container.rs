@@ -944,17 +944,24 @@ async fn state_dir_records_live_sandboxes_and_cleans_stale_ones() {
     assert_eq!(b.cleanup_stale(), 0, "a live sandbox was cleaned");
     sb.destroy().await.unwrap();
     assert!(!rec.exists());
-    // A record whose init is gone (a crashed process): its cgroups are removed.
+    // A record whose owner is gone (a crashed process, here one that ran and was reaped):
+    // its cgroups are removed.
+    let dead_owner = {
+        let mut c = std::process::Command::new("true").spawn().unwrap();
+        c.wait().unwrap();
+        c.id()
+    };
+    let name = format!("asb-{dead_owner}-stale-test");
     let dirs: Vec<_> = common::own_cgroup_dirs()
         .into_iter()
-        .map(|d| d.join("asb-stale-test"))
+        .map(|d| d.join(&name))
         .collect();
     let mut body = String::from("999999999\n");
     for d in &dirs {
         std::fs::create_dir(d).unwrap();
         body.push_str(&format!("{}\n", d.display()));
     }
-    std::fs::write(state.path().join("asb-stale-test"), body).unwrap();
+    std::fs::write(state.path().join(&name), body).unwrap();
     assert_eq!(b.cleanup_stale(), 1);
     assert!(dirs.iter().all(|d| !d.exists()));
 }

@@ -51,7 +51,9 @@
 //!   [`GvisorBackend::cleanup_stale`] does it on demand.
 //!
 //! Both are tested by `SIGKILL`ing a process that owns a sandbox running a background
-//! command (and, for the second, its watchdog first). A sandbox directory without an
+//! command (and, for the second, its watchdog first), also while the sandbox is paused
+//! (resumed first, and reported by [`GvisorBackend::cleanup_stale_report`]) or being
+//! checkpointed. A sandbox directory without an
 //! `owner` file older than ten minutes (an older version's, or a state root that a late
 //! `runsc` call made again after a teardown, e.g. a resume cut short by the end of the
 //! program) is swept too.
@@ -274,8 +276,17 @@ impl GvisorBackend {
     /// A sandbox counts as abandoned when nobody holds the lock its creator keeps on its
     /// directory for its whole life (the kernel releases it when that process dies, however it
     /// dies), so this never touches a live sandbox of any process. The first `create` of each
-    /// process runs this in the background for its state directory.
+    /// process runs this in the background for its state directory. A sandbox that was
+    /// paused when its creator died (a client's `pause`, an idle server's `on_idle: pause`)
+    /// is resumed first (runsc does not delete a paused container cleanly); one caught in a
+    /// checkpoint is deleted like any other.
     pub fn cleanup_stale(&self) -> Result<usize> {
+        Ok(self.cleanup_stale_report()?.removed)
+    }
+
+    /// [`GvisorBackend::cleanup_stale`], naming the sandboxes that were paused and resumed to
+    /// be deleted.
+    pub fn cleanup_stale_report(&self) -> Result<sandbox_core::sandbox::StaleCleanup> {
         let r = self.resolve()?;
         Ok(stale::sweep(&r.state_dir, &r.info.path))
     }
@@ -449,8 +460,13 @@ impl Backend for GvisorBackend {
 
     /// [`GvisorBackend::cleanup_stale`]: counts sandboxes.
     async fn cleanup_stale(&self) -> Result<usize> {
+        Ok(Backend::cleanup_stale_report(self).await?.removed)
+    }
+
+    /// [`GvisorBackend::cleanup_stale_report`]: counts sandboxes, names the resumed ones.
+    async fn cleanup_stale_report(&self) -> Result<sandbox_core::sandbox::StaleCleanup> {
         let me = self.clone();
-        tokio::task::spawn_blocking(move || GvisorBackend::cleanup_stale(&me))
+        tokio::task::spawn_blocking(move || GvisorBackend::cleanup_stale_report(&me))
             .await
             .map_err(|e| Error::backend(TIER, format!("cleanup task failed: {e}")))?
     }

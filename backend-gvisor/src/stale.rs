@@ -11,7 +11,12 @@
 //! (which also keeps two sweepers apart): a directory whose lock it gets has no owner left,
 //! and is torn down like `destroy` would (`runsc delete --force`, then any runsc process that
 //! still names the directory is killed, its cgroups removed, the workspace and scratch
-//! tmpfs unmounted, the directory removed).
+//! tmpfs unmounted, the directory removed). A sandbox that was paused when its creator died
+//! (a client's `pause`, an idle server's `on_idle: pause`) is resumed first: runsc
+//! (20221219) kills a paused container on `delete --force` but then panics on the
+//! `paused => stopped` transition (exit status 2) instead of finishing its teardown. One caught
+//! in a checkpoint (a snapshot) is deleted like any other; the `runsc checkpoint` process,
+//! which named the state root too, goes with the runsc processes.
 //! A directory without an `owner` file is left alone while it is young (a create between
 //! its `mkdir` and the file); one older than ten minutes (made by an older version, or the
 //! state root a late `runsc` call made again after a teardown) is torn down too, under a
@@ -33,6 +38,8 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
+
+use sandbox_core::sandbox::StaleCleanup;
 
 use crate::reaper;
 
@@ -96,13 +103,14 @@ fn ownerless(dir: &Path) -> Option<File> {
     Some(handle)
 }
 
-/// Tears down every sandbox under `state_dir` whose creator is gone; returns how many.
-/// `runsc`: the binary to `delete` them with.
-pub(crate) fn sweep(state_dir: &Path, runsc: &Path) -> usize {
+/// Tears down every sandbox under `state_dir` whose creator is gone; returns how many, and
+/// the ids of those that were paused (resumed first: see [`remove`]). `runsc`: the binary
+/// to `delete` them with.
+pub(crate) fn sweep(state_dir: &Path, runsc: &Path) -> StaleCleanup {
+    let mut out = StaleCleanup::default();
     let Ok(rd) = std::fs::read_dir(state_dir) else {
-        return 0;
+        return out;
     };
-    let mut n = 0;
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         let dir = e.path();
@@ -113,16 +121,76 @@ pub(crate) fn sweep(state_dir: &Path, runsc: &Path) -> usize {
             continue;
         };
         tracing::info!(sandbox = %name, "removing a gVisor sandbox whose process died without destroying it");
-        remove(&dir, &name, runsc);
-        n += 1;
+        if remove(&dir, &name, runsc) {
+            out.thawed.push(name);
+        }
+        out.removed += 1;
     }
-    n
+    out
 }
 
-/// Deletes the runsc container `id` whose state root is under `dir`, kills what is left of
-/// its processes, unmounts the workspace and removes `dir`.
-fn remove(dir: &Path, id: &str, runsc: &Path) {
+/// How long a `runsc state` or `runsc resume` of a sweep may take.
+const RUNSC_QUICK: Duration = Duration::from_secs(10);
+
+/// Runs `cmd` (its stdout piped) for at most `limit`; its stdout if it exited with success.
+fn quick(mut cmd: Command, limit: Duration) -> Option<Vec<u8>> {
+    use std::io::Read;
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .ok()?;
+    let deadline = std::time::Instant::now() + limit;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break Some(s),
+            Ok(None) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+        }
+    };
+    let mut out = Vec::new();
+    // Its output is small (a state document) and complete once it exited.
+    child.stdout.take()?.read_to_end(&mut out).ok()?;
+    status.filter(|s| s.success()).map(|_| out)
+}
+
+/// Resumes runsc container `id` (state root `root`) if it is paused: a client's `pause`, an
+/// idle server's `on_idle: pause`. runsc (20221219) does not `delete --force` a paused
+/// container cleanly: it kills it, then panics on the `paused => stopped` transition (exit
+/// status 2) instead of finishing. Returns whether it was paused.
+fn resume_if_paused(runsc: &Path, root: &Path, id: &str) -> bool {
+    let mut state = Command::new(runsc);
+    state
+        .arg(format!("--root={}", root.display()))
+        .args(["state", id]);
+    let paused = quick(state, RUNSC_QUICK)
+        .and_then(|out| serde_json::from_slice::<serde_json::Value>(&out).ok())
+        .is_some_and(|v| v["status"] == "paused");
+    if paused {
+        let mut resume = Command::new(runsc);
+        resume
+            .arg(format!("--root={}", root.display()))
+            .args(["resume", id]);
+        if quick(resume, RUNSC_QUICK).is_none() {
+            tracing::warn!(sandbox = %id, "could not resume a paused abandoned gVisor sandbox; deleting it anyway");
+        }
+    }
+    paused
+}
+
+/// Deletes the runsc container `id` whose state root is under `dir` (resumed first if it
+/// was paused), kills what is left of its processes, unmounts the workspace and removes
+/// `dir`. Returns whether it was paused.
+fn remove(dir: &Path, id: &str, runsc: &Path) -> bool {
     let root = dir.join("runsc");
+    let paused = resume_if_paused(runsc, &root, id);
     let needle = format!("--root={}", root.display());
     // Where we are their subreaper (this process adopted the dead creator's runsc
     // processes), `delete` waits for zombies only we can reap.
@@ -154,6 +222,7 @@ fn remove(dir: &Path, id: &str, runsc: &Path) {
     remove_cgroups(id);
     unmount_all(dir);
     let _ = std::fs::remove_dir_all(dir);
+    paused
 }
 
 /// The mounts a sandbox directory may hold, relative to it: the tmpfs of an `Empty`
@@ -213,7 +282,9 @@ for try in 1 2 3 4 5 6 7 8 9 10; do
   held=0
   for d in "$1"/as-*; do
     [ -f "$d/owner" ] || continue
-    flock -xn "$d/owner" sh -c '"$3" --root="$1/runsc" delete --force "$2" >/dev/null 2>&1
+    flock -xn "$d/owner" sh -c 'case $("$3" --root="$1/runsc" state "$2" 2>/dev/null) in
+        *\"paused\"*) "$3" --root="$1/runsc" resume "$2" >/dev/null 2>&1 ;; esac
+      "$3" --root="$1/runsc" delete --force "$2" >/dev/null 2>&1
       find /sys/fs/cgroup -maxdepth 7 -type d -name "agent-sandbox-gvisor-$2" \
         -exec rmdir {} + 2>/dev/null
       for m in workspace scratch view/root; do umount -l "$1/$m" 2>/dev/null; done
@@ -347,7 +418,7 @@ mod tests {
         let _owner = Owner::claim(&live).unwrap();
         std::fs::write(other.join(OWNER), "1\n").unwrap();
         // `false` stands in for runsc: nothing to delete here anyway.
-        assert_eq!(sweep(state.path(), Path::new("/bin/false")), 0);
+        assert_eq!(sweep(state.path(), Path::new("/bin/false")).removed, 0);
         assert!(live.exists() && bare.exists() && other.exists());
     }
 
@@ -363,7 +434,7 @@ mod tests {
             .unwrap()
             .set_times(std::fs::FileTimes::new().set_modified(hour_ago))
             .unwrap();
-        assert_eq!(sweep(state.path(), Path::new("/bin/false")), 1);
+        assert_eq!(sweep(state.path(), Path::new("/bin/false")).removed, 1);
         assert!(!old.exists() && young.exists());
     }
 
@@ -427,7 +498,7 @@ mod tests {
         let dead = state.path().join("as-dead");
         std::fs::create_dir_all(dead.join("runsc")).unwrap();
         drop(Owner::claim(&dead).unwrap());
-        assert_eq!(sweep(state.path(), Path::new("/bin/false")), 1);
+        assert_eq!(sweep(state.path(), Path::new("/bin/false")).removed, 1);
         assert!(!dead.exists());
     }
 }

@@ -180,6 +180,7 @@
 //! digest and the disk's identity. See `docs/images.md`.
 
 mod sandbox;
+mod stale;
 
 pub mod acpi;
 pub mod agent_client;
@@ -745,6 +746,16 @@ impl Backend for MicrovmBackend {
         Ok(Box::new(
             MicrovmSandbox::restore(self, store, id, secrets).await?,
         ))
+    }
+
+    /// The snapshot files (boot snapshots, snapshots being written, unpacked ones) of
+    /// processes that died with microVM sandboxes: their VMs, paused or not, died with them
+    /// (the monitor runs in-process), so nothing is ever thawed here. Counts the
+    /// per-process directories removed (see `docs/microvm-snapshots.md`).
+    async fn cleanup_stale(&self) -> Result<usize> {
+        tokio::task::spawn_blocking(|| stale::sweep(&std::env::temp_dir()).removed)
+            .await
+            .map_err(|e| Error::backend(TIER, format!("cleanup task failed: {e}")))
     }
 }
 

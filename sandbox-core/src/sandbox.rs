@@ -69,6 +69,37 @@ pub trait Backend: Send + Sync + 'static {
     async fn cleanup_stale(&self) -> Result<usize> {
         Ok(0)
     }
+
+    /// [`cleanup_stale`](Backend::cleanup_stale), saying also which of the removed
+    /// sandboxes were paused or frozen when their owner died and were thawed (or resumed) to
+    /// be killed. A backend that can leave paused sandboxes behind overrides this one (and
+    /// makes `cleanup_stale` return its `removed`); the default reports none thawed.
+    async fn cleanup_stale_report(&self) -> Result<StaleCleanup> {
+        Ok(StaleCleanup {
+            removed: self.cleanup_stale().await?,
+            thawed: Vec::new(),
+        })
+    }
+}
+
+/// What [`Backend::cleanup_stale_report`] removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct StaleCleanup {
+    /// How many leftovers were removed (what one is depends on the tier, as for
+    /// [`Backend::cleanup_stale`]).
+    pub removed: usize,
+    /// The leftovers among them that were paused or frozen (a cgroup freezer, a paused runsc
+    /// sandbox) and were thawed so that they could be killed, by name (a container cgroup
+    /// `asb-<owner pid>-<id>`, a gVisor sandbox id).
+    pub thawed: Vec<String>,
+}
+
+impl StaleCleanup {
+    /// Adds `other`'s counts and names to these.
+    pub fn merge(&mut self, other: StaleCleanup) {
+        self.removed += other.removed;
+        self.thawed.extend(other.thawed);
+    }
 }
 
 /// A live sandbox. All methods take `&self`; implementations serialize what must be.
@@ -163,6 +194,12 @@ pub trait Sandbox: Send + Sync {
     async fn write_file(&self, path: &str, data: &[u8]) -> Result<()>;
 
     /// Reads a file from the workspace.
+    ///
+    /// One read returns at most the sandbox's [`limits.disk_bytes`](crate::Limits::disk_bytes):
+    /// a bigger file (a sparse one included: `truncate -s 1T` makes one in an instant) is
+    /// refused with [`Error::InvalidSpec`] on `path`, naming that limit, before its data are
+    /// read; read such files in parts inside the sandbox. A symlink that leads out of the
+    /// workspace is [`Error::PathEscape`].
     async fn read_file(&self, path: &str) -> Result<Vec<u8>>;
 
     /// Lists a directory of the workspace (`""` or `/workspace` for its root).

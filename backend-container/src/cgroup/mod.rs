@@ -10,7 +10,9 @@
 //! - [`delegation`]: readying the caller's v2 cgroup for sandbox children (its
 //!   `asb-self-<pid>` leaf);
 //! - [`group`]: one sandbox's cgroup, [`SandboxCgroup`]: joining it, its event counters,
-//!   freezing, release.
+//!   freezing, release;
+//! - [`stale`]: the cgroups of sandboxes whose process died without destroying them
+//!   (judged by their owner, frozen ones thawed), and their removal.
 //!
 //! This module holds [`CgroupHost`] (the layout, and what is done with it: the usability
 //! check, the sweep of dead processes' cgroups, creating a sandbox's cgroup) and the file
@@ -21,11 +23,13 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use sandbox_core::sandbox::StaleCleanup;
 use sandbox_core::Limits;
 
 mod delegation;
 mod detect;
 mod group;
+pub(crate) mod stale;
 #[cfg(test)]
 mod testing;
 mod v1;
@@ -125,54 +129,16 @@ impl CgroupHost {
     }
 
     /// Removes `asb-<pid>-*` cgroups left by processes that died without destroying their
-    /// sandboxes (their inits died with them). Returns how many directories were removed.
-    pub fn sweep_orphans(&self) -> usize {
-        let dirs: Vec<&PathBuf> = self.v1().iter().map(|(_, p)| p).chain(self.v2()).collect();
-        // A process other than us that is gone.
-        let dead =
-            |pid: u32| pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists();
-        let mut n = 0;
-        for d in dirs {
-            let Ok(rd) = fs::read_dir(d) else { continue };
-            for e in rd.flatten() {
-                let name = e.file_name().to_string_lossy().into_owned();
-                // A dead process's own leaf (v2, see [`delegation`]): what is left in it
-                // are that process's other children, not sandboxes; removed once empty.
-                if let Some(pid) = name
-                    .strip_prefix(delegation::SELF_LEAF_PREFIX)
-                    .and_then(|p| p.parse::<u32>().ok())
-                {
-                    if dead(pid) && fs::remove_dir(e.path()).is_ok() {
-                        n += 1;
-                    }
-                    continue;
-                }
-                let Some(pid) = name
-                    .strip_prefix("asb-")
-                    .and_then(|r| r.split_once('-'))
-                    .and_then(|(p, _)| p.parse::<u32>().ok())
-                else {
-                    continue;
-                };
-                if !dead(pid) {
-                    continue;
-                }
-                let dir = e.path();
-                if let Ok(sub) = fs::read_dir(&dir) {
-                    for s in sub.flatten() {
-                        if s.file_type().is_ok_and(|t| t.is_dir()) {
-                            kill_procs(&s.path());
-                            let _ = fs::remove_dir(s.path());
-                        }
-                    }
-                }
-                kill_procs(&dir);
-                if fs::remove_dir(&dir).is_ok() {
-                    n += 1;
-                }
-            }
-        }
-        n
+    /// sandboxes, judged by their owner (see [`stale`]): frozen ones (paused, or frozen for
+    /// a snapshot, when their owner died) are thawed so that their processes can be killed.
+    /// Returns how many directories were removed and which sandbox cgroups were thawed.
+    pub fn sweep_orphans(&self) -> StaleCleanup {
+        stale::sweep(
+            self.v1()
+                .iter()
+                .map(|(c, p)| (c.as_str(), p.as_path()))
+                .chain(self.v2().map(|p| ("unified", p.as_path()))),
+        )
     }
 
     /// Creates the sandbox's cgroup(s) with `limits` (on v1, from an emptied set of a
@@ -333,7 +299,7 @@ mod tests {
                 limits: true,
             },
         };
-        assert_eq!(host.sweep_orphans(), 1);
+        assert_eq!(host.sweep_orphans().removed, 1);
         assert!(!leaf(dead_pid).exists());
         assert!(leaf(me).exists(), "our own leaf was swept");
         assert!(leaf(busy_pid).exists(), "a populated leaf was swept");

@@ -159,9 +159,7 @@ impl MicrovmSandbox {
                 let memory = store.artifact(id, MEMORY_ARTIFACT).await?;
                 let snap_id = id.clone();
                 let dir = tokio::task::spawn_blocking(move || -> Result<tempfile::TempDir> {
-                    let dir = tempfile::Builder::new()
-                        .prefix("agent-sandbox-microvm-restore-")
-                        .tempdir()
+                    let dir = crate::stale::tempdir("restore-")
                         .map_err(|e| Error::io("create a restore directory", e))?;
                     let p = dir.path().join(crate::vmm::vm::SNAPSHOT_STATE_FILE);
                     std::fs::write(&p, &state).map_err(|e| Error::io_path("write", &p, e))?;
@@ -309,9 +307,7 @@ impl Inner {
         let a = agent.clone();
         let saved = tokio::task::spawn_blocking(move || -> Result<(Vec<u8>, Vec<u8>)> {
             let _exclusive = exclusive;
-            let dir = tempfile::Builder::new()
-                .prefix("agent-sandbox-microvm-snap-")
-                .tempdir()
+            let dir = crate::stale::tempdir("snap-")
                 .map_err(|e| Error::io("create a snapshot directory", e))?;
             if hold {
                 if let Err(e) = a.hold(PING_TIMEOUT) {

@@ -104,9 +104,7 @@ pub(crate) struct Frozen {
 impl Frozen {
     /// Snapshots a booted guest whose agent is ready and idle; `mac`: its network device's.
     pub(crate) fn capture(vm: &Vm, agent: &AgentClient, mac: Option<[u8; 6]>) -> Result<Frozen> {
-        let dir = tempfile::Builder::new()
-            .prefix("agent-sandbox-microvm-boot-")
-            .tempdir()
+        let dir = crate::stale::tempdir("boot-")
             .map_err(|e| Error::io("create a boot snapshot directory", e))?;
         vm.snapshot(dir.path())?;
         Ok(Frozen {
