@@ -316,6 +316,11 @@ pub(crate) struct Preopen {
     pub(crate) host: PathBuf,
     pub(crate) guest: String,
     pub(crate) writable: bool,
+    /// `host` opened already, beneath the workspace's handle (a caller-given `cwd`): the
+    /// preopen is made from this handle (`/proc/self/fd/N`), not by looking `host` up again,
+    /// so a folder swapped for a link after the check is not what the guest gets. `host`
+    /// still names it for the disk meter and messages.
+    pub(crate) opened: Option<Arc<std::os::fd::OwnedFd>>,
 }
 
 /// How to build a store.
@@ -399,7 +404,14 @@ pub(crate) fn new_store(setup: StoreSetup) -> Result<Store<Host>> {
         } else {
             FsPerms::ReadOnly
         };
-        b.preopened_dir(&p.host, &p.guest, perms)
+        let from = match &p.opened {
+            Some(fd) => PathBuf::from(format!(
+                "/proc/self/fd/{}",
+                std::os::fd::AsRawFd::as_raw_fd(fd.as_ref())
+            )),
+            None => p.host.clone(),
+        };
+        b.preopened_dir(&from, &p.guest, perms)
             .map_err(|e| preopen_error(&p.host, &e))?;
     }
     // `/dev/null`, `/dev/zero`, `/dev/urandom`: virtual files (see `devices`).

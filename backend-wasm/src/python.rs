@@ -209,16 +209,19 @@ impl Session {
                 host: rt.zip_dir.clone(),
                 guest: STDLIB_GUEST.into(),
                 writable: false,
+                opened: None,
             },
             Preopen {
                 host: rt.mpl_dir.clone(),
                 guest: MPL_GUEST.into(),
                 writable: false,
+                opened: None,
             },
             Preopen {
                 host: tmp_dir,
                 guest: "/tmp".into(),
                 writable: true,
+                opened: None,
             },
         ];
         preopens.extend(s.grants);
@@ -461,6 +464,7 @@ pub(crate) fn grant(host: &Path, guest: &str, writable: bool) -> Preopen {
         host: host.to_path_buf(),
         guest: guest.to_string(),
         writable,
+        opened: None,
     }
 }
 

@@ -518,15 +518,27 @@ impl Inner {
                  preview-1 command modules; build for `wasm32-wasip1`",
             ));
         }
-        let cwd = match &req.cwd {
-            Some(c) => self.host_path(c)?,
-            None => self.workspace()?.to_path_buf(),
+        let (cwd, opened) = match &req.cwd {
+            Some(c) => {
+                let host = self.host_path(c)?;
+                // Opened beneath the workspace's handle, and preopened from that handle: code
+                // inside that swaps the folder for a link after the check does not get the
+                // link's target.
+                let ws = beneath::open_dir(self.workspace()?)?;
+                let rel = WorkspacePath::parse(c)?.relative();
+                let fd =
+                    beneath::open_beneath(ws.as_fd(), &rel, libc::O_RDONLY | libc::O_DIRECTORY, 0)
+                        .map_err(|e| beneath::map_err(e, c, "open the working directory"))?;
+                (host, Some(Arc::new(fd)))
+            }
+            None => (self.workspace()?.to_path_buf(), None),
         };
         let mut preopens = self.grants()?;
         preopens.push(Preopen {
             host: cwd,
             guest: ".".into(),
             writable: self.workspace_writable,
+            opened,
         });
         let mut env = self.env.clone();
         env.extend(req.env.iter().map(|(k, v)| (k.clone(), v.clone())));

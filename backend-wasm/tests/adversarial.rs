@@ -485,3 +485,106 @@ async fn a_sparse_terabyte_file_is_refused_by_read_file_and_kept_sparse_by_snaps
     );
     assert_eq!(restored.read_file("small").await.unwrap(), b"hi");
 }
+
+/// A WASI module that flips `d` in the workspace (fd 3) between a directory and a relative
+/// symlink to `target`, each state held for `hold` `stat`s, until `stop` exists.
+fn dir_flipper_module(target: &str, hold: u32) -> String {
+    format!(
+        r#"(module
+  (import "wasi_snapshot_preview1" "path_create_directory" (func $mkdir (param i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "path_remove_directory" (func $rmdir (param i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "path_symlink" (func $symlink (param i32 i32 i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "path_unlink_file" (func $unlink (param i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "path_filestat_get" (func $stat (param i32 i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 64) "d")
+  (data (i32.const 80) "d/pwned")
+  (data (i32.const 112) "stop")
+  (data (i32.const 1024) "{target}")
+  (func $hold (result i32)
+    (local $j i32)
+    (local $r i32)
+    (loop $w
+      (local.set $r (call $stat (i32.const 3) (i32.const 0) (i32.const 112) (i32.const 4) (i32.const 512)))
+      (local.set $j (i32.add (local.get $j) (i32.const 1)))
+      (br_if $w (i32.and (i32.lt_u (local.get $j) (i32.const {hold})) (i32.ne (local.get $r) (i32.const 0)))))
+    (local.get $r))
+  (func (export "_start")
+    (local $i i32)
+    (loop $l
+      (drop (call $mkdir (i32.const 3) (i32.const 64) (i32.const 1)))
+      (drop (call $hold))
+      (drop (call $unlink (i32.const 3) (i32.const 80) (i32.const 7)))
+      (drop (call $rmdir (i32.const 3) (i32.const 64) (i32.const 1)))
+      (drop (call $symlink (i32.const 1024) (i32.const {len}) (i32.const 3) (i32.const 64) (i32.const 1)))
+      (local.set $i (i32.add (local.get $i) (i32.const 1)))
+      (if (i32.eqz (call $hold)) (then (return)))
+      (drop (call $unlink (i32.const 3) (i32.const 64) (i32.const 1)))
+      (br_if $l (i32.lt_u (local.get $i) (i32.const 100000000)))))
+)"#,
+        len = target.len()
+    )
+}
+
+/// A WASI module that creates `pwned` in its working directory (the `.` preopen, fd 4 when
+/// the workspace is the only other one).
+const WRITE_IN_CWD: &str = r#"(module
+  (import "wasi_snapshot_preview1" "path_open" (func $open (param i32 i32 i32 i32 i32 i64 i64 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 64) "pwned")
+  (func (export "_start")
+    (drop (call $open (i32.const 4) (i32.const 0) (i32.const 64) (i32.const 5)
+                (i32.const 1) (i64.const 0x1fffffff) (i64.const 0x1fffffff) (i32.const 0) (i32.const 0)))))"#;
+
+/// A caller-given `cwd` is checked and then preopened for the module: a guest that swaps the
+/// folder for a link to a host folder in between must not hand the module the host folder
+/// (the check was by path, and the preopen looked the path up again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cwd_swapped_for_a_link_during_the_call_is_not_followed() {
+    let canary = tempfile::tempdir().unwrap();
+    let mut spec = SandboxSpec::new(Language::Wasm);
+    spec.limits.wall_time_ms = 60_000;
+    let sb = std::sync::Arc::new(
+        WasmBackend::new()
+            .create_sandbox(&spec, ResolvedSecrets::none())
+            .await
+            .unwrap(),
+    );
+    let target = format!(
+        "{}{}",
+        "../".repeat(24),
+        canary.path().display().to_string().trim_start_matches('/')
+    );
+    let hold: u32 = std::env::var("FLIP_HOLD")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200);
+    let flipper = {
+        let sb = std::sync::Arc::clone(&sb);
+        let m = dir_flipper_module(&target, hold);
+        tokio::spawn(async move { sb.exec(sandbox_core::ExecRequest::code(m)).await })
+    };
+    let (mut ran, mut refused, mut escaped) = (0, 0, 0);
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while std::time::Instant::now() < deadline && ran + refused < 4000 {
+        let req = sandbox_core::ExecRequest::code(WRITE_IN_CWD).cwd("/workspace/d");
+        match sb.exec(req).await {
+            Ok(r) if r.exit_code == Some(0) => ran += 1,
+            // Refused when the check meets the link (PathEscape) or nothing (NotFound).
+            _ => refused += 1,
+        }
+        if std::fs::read_dir(canary.path()).unwrap().next().is_some() {
+            escaped += 1;
+            let _ = std::fs::remove_file(canary.path().join("pwned"));
+        }
+    }
+    sb.write_file("stop", b"").await.unwrap();
+    let r = flipper.await.unwrap().unwrap();
+    eprintln!("{ran} ran, {refused} refused, {escaped} wrote into the host folder");
+    assert_eq!(r.exit_code, Some(0), "{r:?} {}", r.stderr_str());
+    assert_eq!(
+        escaped, 0,
+        "a module wrote into the host folder {escaped} times"
+    );
+    assert!(ran + refused > 100, "{ran} ran, {refused} refused");
+}
