@@ -229,7 +229,7 @@ trait SpawnDetached {
     /// the caller inherited besides stdio closed at its exec: a pipe that the caller's own
     /// parent waits on (its end of an agent CLI's capture) must not stay open for the
     /// daemon's lifetime. It starts with every signal at its default and none blocked
-    /// ([`reset_signals`]): a run started from a background job (`SIGINT` and `SIGQUIT`
+    /// ([`sandbox_core::process::reset_signals`]): a run started from a background job (`SIGINT` and `SIGQUIT`
     /// ignored) or under `nohup` (`SIGHUP` ignored) must not hand that on to the daemon and
     /// from it to every sandbox it makes.
     fn spawn_detached(&mut self) -> std::io::Result<std::process::Child>;
@@ -243,7 +243,7 @@ impl SpawnDetached for std::process::Command {
         // close_range); it allocates nothing and takes no lock.
         unsafe {
             self.pre_exec(|| {
-                reset_signals();
+                sandbox_core::process::reset_signals();
                 if libc::setsid() < 0 {
                     return Err(std::io::Error::last_os_error());
                 }
@@ -261,54 +261,6 @@ impl SpawnDetached for std::process::Command {
         }
         .spawn()
     }
-}
-
-/// Puts every signal's disposition back to its default (`SIG_DFL`) and empties the calling
-/// thread's signal mask, in a child between `fork` and `execve` (which keeps ignored
-/// dispositions and the mask). Signals 1 to 64 but `SIGKILL` and `SIGSTOP` (which cannot be
-/// changed), with the raw system calls: glibc's `sigaction` refuses 32 and 33, its own.
-/// Async-signal-safe: system calls only.
-pub(crate) fn reset_signals() {
-    /// `struct sigaction` as the kernel's `rt_sigaction` takes it (x86-64 and arm64).
-    #[repr(C)]
-    struct KernelSigaction {
-        handler: usize,
-        flags: u64,
-        restorer: usize,
-        mask: u64,
-    }
-    let dfl = KernelSigaction {
-        handler: libc::SIG_DFL,
-        flags: 0,
-        restorer: 0,
-        mask: 0,
-    };
-    for sig in 1..=64 {
-        if sig == libc::SIGKILL || sig == libc::SIGSTOP {
-            continue;
-        }
-        // SAFETY: rt_sigaction with a valid action, no old action, an 8-byte sigset.
-        unsafe {
-            libc::syscall(
-                libc::SYS_rt_sigaction,
-                libc::c_long::from(sig),
-                &dfl as *const KernelSigaction,
-                std::ptr::null_mut::<KernelSigaction>(),
-                8 as libc::size_t,
-            )
-        };
-    }
-    let empty: u64 = 0;
-    // SAFETY: rt_sigprocmask with a valid, empty 8-byte set and no old set.
-    unsafe {
-        libc::syscall(
-            libc::SYS_rt_sigprocmask,
-            libc::c_long::from(libc::SIG_SETMASK),
-            &empty as *const u64,
-            std::ptr::null_mut::<u64>(),
-            8 as libc::size_t,
-        )
-    };
 }
 
 /// The lock a daemon holds on its socket's directory for its whole life (`daemon.lock`

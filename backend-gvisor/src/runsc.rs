@@ -318,11 +318,16 @@ impl Runsc {
         c.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
+        // Every runsc we start (and with it the sandbox's processes on the host: its Sentry,
+        // its gofer, `runsc exec` forwarding a terminal's `SIGINT`) begins with default
+        // dispositions and no blocked signal, whatever this process inherited (a background
+        // job's ignored `SIGINT`/`SIGQUIT`, `nohup`'s `SIGHUP`). The processes inside are the
+        // Sentry's, which starts them clean.
         // SAFETY: the closure runs in the forked child before exec and makes only the
         // async-signal-safe `rt_sigaction` and `rt_sigprocmask` system calls.
         unsafe {
             c.pre_exec(|| {
-                reset_signals();
+                sandbox_core::process::reset_signals();
                 Ok(())
             });
         }
@@ -363,58 +368,6 @@ impl Runsc {
     pub fn async_command(&self) -> tokio::process::Command {
         tokio::process::Command::from(self.command())
     }
-}
-
-/// Puts every signal's disposition back to its default (`SIG_DFL`) and empties the calling
-/// thread's signal mask: for a child between `fork` and `execve`, which keeps ignored
-/// dispositions and the mask. Every runsc we start (and with it the sandbox's own processes
-/// on the host: its Sentry, its gofer, `runsc exec` forwarding a terminal's `SIGINT`) begins
-/// clean, whatever this process inherited: a shell starts its background jobs with `SIGINT`
-/// and `SIGQUIT` ignored, `nohup` ignores `SIGHUP`. (The processes inside the sandbox are the
-/// Sentry's, which starts them with every signal at its default and none blocked.) Signals
-/// 1 to 64 but `SIGKILL` and `SIGSTOP` (which cannot be changed), with the raw system calls:
-/// glibc's `sigaction` refuses 32 and 33, its own. Async-signal-safe: system calls only.
-pub(crate) fn reset_signals() {
-    /// `struct sigaction` as the kernel's `rt_sigaction` takes it (x86-64 and arm64).
-    #[repr(C)]
-    struct KernelSigaction {
-        handler: usize,
-        flags: u64,
-        restorer: usize,
-        mask: u64,
-    }
-    let dfl = KernelSigaction {
-        handler: libc::SIG_DFL,
-        flags: 0,
-        restorer: 0,
-        mask: 0,
-    };
-    for sig in 1..=64 {
-        if sig == libc::SIGKILL || sig == libc::SIGSTOP {
-            continue;
-        }
-        // SAFETY: rt_sigaction with a valid action, no old action, an 8-byte sigset.
-        unsafe {
-            libc::syscall(
-                libc::SYS_rt_sigaction,
-                libc::c_long::from(sig),
-                &dfl as *const KernelSigaction,
-                std::ptr::null_mut::<KernelSigaction>(),
-                8 as libc::size_t,
-            )
-        };
-    }
-    let empty: u64 = 0;
-    // SAFETY: rt_sigprocmask with a valid, empty 8-byte set and no old set.
-    unsafe {
-        libc::syscall(
-            libc::SYS_rt_sigprocmask,
-            libc::c_long::from(libc::SIG_SETMASK),
-            &empty as *const u64,
-            std::ptr::null_mut::<u64>(),
-            8 as libc::size_t,
-        )
-    };
 }
 
 /// Runs a runsc command to completion; a failure carries runsc's stderr.
