@@ -15,6 +15,7 @@ fn main() {
         "agent-sandbox-init",
         true,
         "the sandbox init",
+        &[("sandbox_agent_proto", "../sandbox-agent-proto/src/lib.rs")],
     );
     println!("cargo:rustc-env=AGENT_SANDBOX_INIT={}", bin.display());
     // The image's identity (FNV-1a 64 of its bytes): the name of its cached copy on disk

@@ -26,6 +26,7 @@ fn main() {
         "agent-sandbox-relay",
         true,
         "the published-port relay",
+        &[("sandbox_agent_proto", "../sandbox-agent-proto/src/lib.rs")],
     );
     println!("cargo:rustc-env=AGENT_SANDBOX_RELAY={}", relay.display());
 }

@@ -17,6 +17,7 @@ fn main() {
         "microvm-guest-agent",
         false,
         "the guest agent statically",
+        &[("sandbox_agent_proto", "../sandbox-agent-proto/src/lib.rs")],
     );
     println!("cargo:rustc-env=MICROVM_GUEST_AGENT={}", bin.display());
 }

@@ -130,7 +130,7 @@ fn pss_rss_kib(pid: i32) -> (u64, u64) {
 }
 
 fn container(c: &mut Criterion) {
-    let backend = ContainerBackend::new().unwrap();
+    let backend = ContainerBackend::builder().build().unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

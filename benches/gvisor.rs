@@ -23,11 +23,11 @@ use std::time::{Duration, Instant};
 use agent_sandbox::{
     Backend, ExecRequest, Language, ObjectSnapshotStore, ResolvedSecrets, SandboxSpec,
 };
-use backend_gvisor::{GvisorBackend, GvisorConfig, RunscInfo};
+use backend_gvisor::{GvisorBackend, RunscInfo};
 use criterion::{criterion_group, criterion_main, Criterion};
 
 fn gvisor(c: &mut Criterion) {
-    let backend = GvisorBackend::new(GvisorConfig::default());
+    let backend = GvisorBackend::builder().build().unwrap();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -23,7 +23,7 @@ use agent_sandbox::image::testing::LocalRegistry;
 use agent_sandbox::image::ImageStore;
 use agent_sandbox::{Backend, ExecRequest, Language, ResolvedSecrets, SandboxSpec};
 use backend_container::ContainerBackend;
-use backend_gvisor::{GvisorBackend, GvisorConfig};
+use backend_gvisor::GvisorBackend;
 use criterion::{criterion_group, criterion_main, Criterion};
 
 fn layout() -> Option<PathBuf> {
@@ -143,7 +143,10 @@ fn images(c: &mut Criterion) {
         );
         g.finish();
     }
-    let gvisor = GvisorBackend::new(GvisorConfig::default().image_store(store.clone()));
+    let gvisor = GvisorBackend::builder()
+        .image_store(store.clone())
+        .build()
+        .unwrap();
     if rt.block_on(gvisor.probe()).available {
         let mut g = c.benchmark_group("image/gvisor");
         g.sample_size(10).measurement_time(Duration::from_secs(10));

@@ -1,6 +1,6 @@
 //! Published ports, background processes and terminals, container and gVisor tiers.
 //!
-//! `cargo bench -p agent-sandbox --bench interactive` (Linux, root or rootless with user
+//! `cargo bench -p agent-sandbox --features server,remote --bench interactive` (Linux, root or rootless with user
 //! namespaces).
 //!
 //! A small Python TCP server runs, the same program, in a sandbox of each tier (a background
@@ -156,13 +156,15 @@ fn interactive(c: &mut Criterion) {
     let backends: Vec<(&str, Box<dyn Backend>)> = vec![
         (
             "container",
-            Box::new(backend_container::ContainerBackend::new().unwrap()),
+            Box::new(
+                backend_container::ContainerBackend::builder()
+                    .build()
+                    .unwrap(),
+            ),
         ),
         (
             "gvisor",
-            Box::new(backend_gvisor::GvisorBackend::new(
-                backend_gvisor::GvisorConfig::default(),
-            )),
+            Box::new(backend_gvisor::GvisorBackend::builder().build().unwrap()),
         ),
     ];
     for (name, backend) in &backends {
@@ -229,7 +231,7 @@ fn interactive(c: &mut Criterion) {
 /// A shell sandbox of `tier` made through `RemoteBackend` and a server of this process on
 /// loopback TCP (bearer token), as a remote agent makes one.
 async fn through_a_server(tier: Tier) -> Box<dyn Sandbox> {
-    let runtime = Arc::new(Runtime::builder_with_tiers(&[tier]).build());
+    let runtime = Arc::new(Runtime::builder().with_tiers(&[tier]).build());
     let server = Server::new(runtime, ServerConfig::default());
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", l.local_addr().unwrap());

@@ -1,6 +1,6 @@
 //! `agent-sandbox serve`: the service hop, and the server under load.
 //!
-//! `cargo bench -p agent-sandbox --bench server` (Linux, root or rootless with user
+//! `cargo bench -p agent-sandbox-cli --bench server` (Linux, root or rootless with user
 //! namespaces).
 //!
 //! 1. **The hop** (criterion, side by side in one run): the same exec on the same sandbox,

@@ -46,7 +46,7 @@ fn wasm(c: &mut Criterion) {
         .enable_all()
         .build()
         .unwrap();
-    let backend = WasmBackend::new();
+    let backend = WasmBackend::builder().build().unwrap();
     let py_ok = backend.python_status().installed;
     let mut g = c.benchmark_group("wasm");
     g.measurement_time(Duration::from_secs(5));

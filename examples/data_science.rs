@@ -18,7 +18,8 @@ async fn main() -> agent_sandbox::Result<()> {
         .auto_install_python(true)
         .progress(Arc::new(|ev: &InstallEvent| eprintln!("install: {ev}")))
         .build()?;
-    let rt = Runtime::builder_with_defaults()
+    let rt = Runtime::builder()
+        .with_default_tiers()
         .backend(Arc::new(wasm))
         .build();
 

@@ -26,7 +26,7 @@ async fn main() -> agent_sandbox::Result<()> {
         Ok(sb) => sb,
         Err(e) => {
             eprintln!("cannot create a container sandbox here: {e}");
-            eprintln!("(`cargo run -p agent-sandbox -- probe` says why)");
+            eprintln!("(`cargo run -p agent-sandbox-cli -- probe` says why)");
             std::process::exit(2);
         }
     };

@@ -21,7 +21,8 @@ async fn main() -> agent_sandbox::Result<()> {
             }
         })
         .build()?;
-    let rt = Runtime::builder_with_defaults()
+    let rt = Runtime::builder()
+        .with_default_tiers()
         .backend(Arc::new(wasm))
         .build();
     let sandbox = rt

@@ -5,7 +5,7 @@
 //! agent-sandbox serve &     # prints where its token is
 //! AGENT_SANDBOX_SERVER=http://127.0.0.1:7878 \
 //! AGENT_SANDBOX_TOKEN_FILE=$XDG_RUNTIME_DIR/agent-sandbox/token \
-//!   cargo run -p agent-sandbox --example remote_agent
+//!   cargo run -p agent-sandbox --features server,remote --example remote_agent
 //! ```
 //!
 //! Without `AGENT_SANDBOX_SERVER` the example starts a server of its own on loopback (what

@@ -36,7 +36,8 @@ print("turn 2 sees", totals)
 async fn main() -> agent_sandbox::Result<()> {
     // The API key stays on the host: host-side tools may use it, the sandbox never gets it.
     let secrets = MapSecretSource::new().with("OPENAI_API_KEY", "sk-example-not-real");
-    let rt = Runtime::builder_with_defaults()
+    let rt = Runtime::builder()
+        .with_default_tiers()
         .secret_source(Arc::new(secrets))
         .build();
     let status = rt

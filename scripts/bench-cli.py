@@ -14,7 +14,7 @@ root (the gVisor tier and `runsc do` need it).
     scripts/bench-cli.py [--bin PATH] [--rounds N] [--only container|gvisor] [--json FILE]
 
 `--bin` defaults to $CARGO_TARGET_DIR/release/agent-sandbox (build it with
-`cargo build --release -p agent-sandbox`). Extra binaries to compare (e.g. an older build)
+`cargo build --release -p agent-sandbox-cli`). Extra binaries to compare (e.g. an older build)
 can be given with `--also PATH` (repeatable).
 """
 
@@ -66,7 +66,7 @@ def main():
     bins = [a.bin] + a.also
     for b in bins:
         if not os.access(b, os.X_OK):
-            sys.exit(f"{b}: not an executable (cargo build --release -p agent-sandbox)")
+            sys.exit(f"{b}: not an executable (cargo build --release -p agent-sandbox-cli)")
     # name -> (argv, group); the engine of each group is its reference.
     cases = {}
     names = {b: ("agent-sandbox" if i == 0 else f"agent-sandbox ({os.path.basename(b)})")

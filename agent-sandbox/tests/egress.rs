@@ -86,9 +86,12 @@ fn container(e: &VethEnforcer) -> DynBackend {
 }
 
 fn gvisor(e: &VethEnforcer) -> DynBackend {
-    Arc::new(backend_gvisor::GvisorBackend::new(
-        backend_gvisor::GvisorConfig::default().egress(Arc::new(e.clone())),
-    ))
+    Arc::new(
+        backend_gvisor::GvisorBackend::builder()
+            .egress(Arc::new(e.clone()))
+            .build()
+            .unwrap(),
+    )
 }
 
 #[cfg(feature = "microvm")]

@@ -515,9 +515,12 @@ async fn container_clients_use_a_token_they_never_hold() {
 async fn gvisor_clients_use_a_token_they_never_hold() {
     let s = servers().await;
     let e = common::enforcer(s.upstream_ca.clone(), &["allowed.test", "other.test"]);
-    let b: DynBackend = Arc::new(backend_gvisor::GvisorBackend::new(
-        backend_gvisor::GvisorConfig::default().egress(Arc::new(e.clone())),
-    ));
+    let b: DynBackend = Arc::new(
+        backend_gvisor::GvisorBackend::builder()
+            .egress(Arc::new(e.clone()))
+            .build()
+            .unwrap(),
+    );
     if let Some(why) = skip_reason(&*b).await {
         eprintln!("SKIP: {why}");
         return;

@@ -98,9 +98,12 @@ async fn container_clients_use_a_secret_they_never_hold() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gvisor_clients_use_a_secret_they_never_hold() {
     clients_use_a_secret_they_never_hold(|e| {
-        Arc::new(backend_gvisor::GvisorBackend::new(
-            backend_gvisor::GvisorConfig::default().egress(e),
-        ))
+        Arc::new(
+            backend_gvisor::GvisorBackend::builder()
+                .egress(e)
+                .build()
+                .unwrap(),
+        )
     })
     .await;
 }
@@ -254,7 +257,7 @@ async fn clients_use_a_secret_they_never_hold(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn other_tiers_refuse_proxy_held_secrets() {
     let spec = spec("allowed.test");
-    for b in [Arc::new(backend_wasm::WasmBackend::new()) as DynBackend] {
+    for b in [Arc::new(backend_wasm::WasmBackend::builder().build().unwrap()) as DynBackend] {
         assert!(!b.capabilities().proxy_secrets, "{}", b.tier());
         match b.create(&spec, secrets(&spec)).await {
             Err(Error::Unsupported { what, .. }) => {
@@ -268,12 +271,12 @@ async fn other_tiers_refuse_proxy_held_secrets() {
     // in.
     for (b, setting) in [
         (
-            Arc::new(backend_gvisor::GvisorBackend::default()) as DynBackend,
-            "GvisorConfig::egress",
+            Arc::new(backend_gvisor::GvisorBackend::builder().build().unwrap()) as DynBackend,
+            "GvisorBackendBuilder::egress",
         ),
         (
-            Arc::new(backend_microvm::MicrovmBackend::new()),
-            "MicrovmBuilder::egress",
+            Arc::new(backend_microvm::MicrovmBackend::builder().build().unwrap()),
+            "MicrovmBackendBuilder::egress",
         ),
     ] {
         assert!(!b.capabilities().proxy_secrets, "{}", b.tier());
@@ -322,11 +325,13 @@ async fn a_container_image_trusts_the_interception_ca() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gvisor_image_trusts_the_interception_ca() {
     an_image_trusts_the_interception_ca(|e, images| {
-        Arc::new(backend_gvisor::GvisorBackend::new(
-            backend_gvisor::GvisorConfig::default()
+        Arc::new(
+            backend_gvisor::GvisorBackend::builder()
                 .egress(e)
-                .image_store(images),
-        ))
+                .image_store(images)
+                .build()
+                .unwrap(),
+        )
     })
     .await;
 }

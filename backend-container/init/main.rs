@@ -337,13 +337,6 @@ fn init_main() -> ! {
 mod tests {
     use super::*;
 
-    /// FNV-1a 64, as `proto.rs` computes [`SOURCE_HASH`].
-    fn fnv1a(b: &[u8]) -> u64 {
-        b.iter().fold(0xcbf2_9ce4_8422_2325, |h, &c| {
-            (h ^ u64::from(c)).wrapping_mul(0x0000_0100_0000_01b3)
-        })
-    }
-
     /// The first signal whose disposition is not `SIG_DFL` (or 65 + the lowest blocked
     /// signal), 0 if none: system calls only (run in a forked child).
     fn first_non_default() -> i32 {
@@ -470,13 +463,14 @@ mod tests {
         }
     }
 
-    /// Every source of the init is part of [`SOURCE_HASH`] (a module missing from its list
-    /// would let a stale embedded init pass the library's check).
+    /// Every source of the init is part of [`SOURCE_HASH`], with `sandbox-agent-proto`'s (a
+    /// module missing from its list would let a stale embedded init pass the library's
+    /// check).
     #[test]
     fn the_source_hash_covers_every_init_source() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
         let mut names = Vec::new();
-        let mut hash = 0;
+        let mut hash = sandbox_agent_proto::SOURCE_HASH;
         for e in std::fs::read_dir(dir).unwrap() {
             let path = e.unwrap().path();
             if path.extension().is_some_and(|x| x == "rs") {

@@ -1,9 +1,12 @@
 //! Wire format between the library and the sandbox init (`init/main.rs`).
 //!
 //! This file is compiled three times: into the library (`#[path]` module), into the init
-//! program, which build.rs compiles with plain `rustc` (std only), and into the
-//! `container-init` workspace package (lints and unit tests). Keep it std-only and
-//! panic-free: a malformed message decodes to [`Malformed`], never a panic.
+//! program, which build.rs compiles with plain `rustc` (std only, with `sandbox-agent-proto`
+//! as an rlib), and into the `container-init` workspace package (lints and unit tests). Keep
+//! it std-only and panic-free: a malformed message decodes to [`Malformed`], never a panic.
+//! The codec primitives ([`Enc`], [`Dec`]) and the source hash are `sandbox-agent-proto`'s;
+//! this file has the init's messages and how they are laid out ([`EncodeInit`],
+//! [`DecodeInit`]).
 //!
 //! Bootstrap: the library's zygote clones the init (pid 1 of new user and pid namespaces, a
 //! child of the library through `CLONE_PARENT`) with the socket as stdin, on request or ahead
@@ -15,7 +18,8 @@
 //! in) and says `REP_INIT`.
 //!
 //! Transport: one `SOCK_SEQPACKET` socketpair; one message per packet:
-//! `[u32 kind][u64 id][payload]`, file descriptors travel as `SCM_RIGHTS`.
+//! `[u32 kind][u64 id][payload]` (little endian, as every value of a payload), file
+//! descriptors travel as `SCM_RIGHTS`.
 //! Payloads larger than [`INLINE_MAX`] travel in a memfd passed as the *last* fd and
 //! flagged with [`FLAG_BIG`] in `kind`'s high bit.
 
@@ -24,12 +28,13 @@
 #![allow(dead_code)]
 
 /// FNV-1a of the init's sources (every `.rs` file of `init/`: this file, `main.rs` and its
-/// modules, XORed; a test in `main.rs` checks that none is missing), computed at compile time
-/// in both the library and the init: the init reports its value in `REP_BOOT`, so a library
-/// that embeds an init built from other sources (a stale build-script output, e.g. when
-/// another checkout shares the target directory) fails clearly instead of speaking a
-/// different protocol.
-pub const SOURCE_HASH: u64 = fnv1a(include_bytes!("proto.rs"))
+/// modules, XORed; a test in `main.rs` checks that none is missing) and of
+/// `sandbox-agent-proto`'s, computed at compile time in both the library and the init: the
+/// init reports its value in `REP_BOOT`, so a library that embeds an init built from other
+/// sources (a stale build-script output, e.g. when another checkout shares the target
+/// directory) fails clearly instead of speaking a different protocol.
+pub const SOURCE_HASH: u64 = sandbox_agent_proto::SOURCE_HASH
+    ^ fnv1a(include_bytes!("proto.rs"))
     ^ fnv1a(include_bytes!("main.rs"))
     ^ fnv1a(include_bytes!("channel.rs"))
     ^ fnv1a(include_bytes!("harden.rs"))
@@ -40,16 +45,7 @@ pub const SOURCE_HASH: u64 = fnv1a(include_bytes!("proto.rs"))
     ^ fnv1a(include_bytes!("test_util.rs"))
     ^ fnv1a(include_bytes!("zygote.rs"));
 
-const fn fnv1a(b: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut i = 0;
-    while i < b.len() {
-        h ^= b[i] as u64;
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        i += 1;
-    }
-    h
-}
+pub use sandbox_agent_proto::{fnv1a, Dec, DecodeError, Enc};
 
 /// Largest payload sent inline in a packet.
 pub const INLINE_MAX: usize = 48 * 1024;
@@ -214,53 +210,37 @@ pub struct ExecSpec {
     pub tty: (u16, u16),
 }
 
-/// Appends little-endian values.
-#[derive(Debug, Default)]
-pub struct Enc(pub Vec<u8>);
+/// A malformed message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Malformed;
 
-impl Enc {
+impl From<DecodeError> for Malformed {
+    fn from(_: DecodeError) -> Malformed {
+        Malformed
+    }
+}
+
+/// The init's messages, encoded with [`Enc`].
+pub trait EncodeInit {
     /// A message's start: `kind` then `id`; the payload is appended after it.
-    pub fn header(kind: u32, id: u64) -> Enc {
-        let mut e = Enc(Vec::with_capacity(64));
+    fn header(kind: u32, id: u64) -> Self;
+    /// Appends one op: a `u8` tag, then its fields in declaration order.
+    fn op(&mut self, op: &Op);
+    /// Appends an op list: `u32` count, then each op (a `MSG_SETUP` payload).
+    fn ops(&mut self, ops: &[Op]);
+    /// Appends an [`ExecSpec`] (a `MSG_EXEC` payload).
+    fn exec(&mut self, x: &ExecSpec);
+}
+
+impl EncodeInit for Enc {
+    fn header(kind: u32, id: u64) -> Enc {
+        let mut e = Enc::new();
         e.u32(kind);
         e.u64(id);
         e
     }
-    /// Appends a byte.
-    pub fn u8(&mut self, v: u8) {
-        self.0.push(v);
-    }
-    /// Appends a `u32`.
-    pub fn u32(&mut self, v: u32) {
-        self.0.extend_from_slice(&v.to_le_bytes());
-    }
-    /// Appends an `i32`.
-    pub fn i32(&mut self, v: i32) {
-        self.0.extend_from_slice(&v.to_le_bytes());
-    }
-    /// Appends a `u64`.
-    pub fn u64(&mut self, v: u64) {
-        self.0.extend_from_slice(&v.to_le_bytes());
-    }
-    /// Appends a byte string: `u32` length, then the bytes.
-    pub fn bytes(&mut self, b: &[u8]) {
-        self.u32(b.len() as u32);
-        self.0.extend_from_slice(b);
-    }
-    /// Appends a UTF-8 string (as [`Enc::bytes`]).
-    pub fn str(&mut self, s: &str) {
-        self.bytes(s.as_bytes());
-    }
-    /// Appends a string list: `u32` count, then each string.
-    pub fn strs(&mut self, v: &[String]) {
-        self.u32(v.len() as u32);
-        for s in v {
-            self.str(s);
-        }
-    }
 
-    /// Appends one op: a `u8` tag, then its fields in declaration order.
-    pub fn op(&mut self, op: &Op) {
+    fn op(&mut self, op: &Op) {
         match op {
             Op::Mount {
                 src,
@@ -355,11 +335,10 @@ impl Enc {
             Op::Landlock { handled, rules } => {
                 self.u8(16);
                 self.u64(*handled);
-                self.u32(rules.len() as u32);
-                for (p, r) in rules {
-                    self.str(p);
-                    self.u64(*r);
-                }
+                self.list(rules, |e, (p, r)| {
+                    e.str(p);
+                    e.u64(*r);
+                });
             }
             Op::Seccomp { bpf } => {
                 self.u8(17);
@@ -379,101 +358,39 @@ impl Enc {
         }
     }
 
-    /// Appends an op list: `u32` count, then each op (a `MSG_SETUP` payload).
-    pub fn ops(&mut self, ops: &[Op]) {
-        self.u32(ops.len() as u32);
-        for op in ops {
-            self.op(op);
-        }
+    fn ops(&mut self, ops: &[Op]) {
+        self.list(ops, |e, op| e.op(op));
     }
 
-    /// Appends an [`ExecSpec`] (a `MSG_EXEC` payload).
-    pub fn exec(&mut self, x: &ExecSpec) {
+    fn exec(&mut self, x: &ExecSpec) {
         self.u32(x.flags);
         self.u32(x.uid);
         self.u32(x.gid);
         self.str(&x.cwd);
         self.strs(&x.argv);
         self.strs(&x.env);
-        self.u32(x.rlimits.len() as u32);
-        for (r, s, h) in &x.rlimits {
-            self.u32(*r);
-            self.u64(*s);
-            self.u64(*h);
-        }
+        self.list(&x.rlimits, |e, (r, s, h)| {
+            e.u32(*r);
+            e.u64(*s);
+            e.u64(*h);
+        });
         self.u32(u32::from(x.tty.0) << 16 | u32::from(x.tty.1));
     }
 }
 
-/// Reads what [`Enc`] wrote; every read is bounds-checked.
-#[derive(Debug)]
-pub struct Dec<'a> {
-    buf: &'a [u8],
-    pos: usize,
+/// The init's messages, decoded with [`Dec`]; a count is checked against the bytes left
+/// before anything is reserved for it.
+pub trait DecodeInit {
+    /// Reads one op; an unknown tag is malformed.
+    fn op(&mut self) -> Result<Op, Malformed>;
+    /// Reads an op list.
+    fn ops(&mut self) -> Result<Vec<Op>, Malformed>;
+    /// Reads an [`ExecSpec`].
+    fn exec(&mut self) -> Result<ExecSpec, Malformed>;
 }
 
-/// A malformed message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Malformed;
-
-impl<'a> Dec<'a> {
-    /// A decoder at the start of `buf`.
-    pub fn new(buf: &'a [u8]) -> Self {
-        Dec { buf, pos: 0 }
-    }
-    /// What is left after the values read so far.
-    pub fn rest(&self) -> &'a [u8] {
-        &self.buf[self.pos.min(self.buf.len())..]
-    }
-    fn take(&mut self, n: usize) -> Result<&'a [u8], Malformed> {
-        let end = self.pos.checked_add(n).ok_or(Malformed)?;
-        let s = self.buf.get(self.pos..end).ok_or(Malformed)?;
-        self.pos = end;
-        Ok(s)
-    }
-    /// Reads a byte.
-    pub fn u8(&mut self) -> Result<u8, Malformed> {
-        Ok(self.take(1)?[0])
-    }
-    /// Reads a `u32`.
-    pub fn u32(&mut self) -> Result<u32, Malformed> {
-        let mut a = [0u8; 4];
-        a.copy_from_slice(self.take(4)?);
-        Ok(u32::from_le_bytes(a))
-    }
-    /// Reads an `i32`.
-    pub fn i32(&mut self) -> Result<i32, Malformed> {
-        let mut a = [0u8; 4];
-        a.copy_from_slice(self.take(4)?);
-        Ok(i32::from_le_bytes(a))
-    }
-    /// Reads a `u64`.
-    pub fn u64(&mut self) -> Result<u64, Malformed> {
-        let mut a = [0u8; 8];
-        a.copy_from_slice(self.take(8)?);
-        Ok(u64::from_le_bytes(a))
-    }
-    /// Reads a byte string written by [`Enc::bytes`] (borrowed from the buffer).
-    pub fn bytes(&mut self) -> Result<&'a [u8], Malformed> {
-        let n = self.u32()? as usize;
-        self.take(n)
-    }
-    /// Reads a string; invalid UTF-8 is malformed.
-    pub fn str(&mut self) -> Result<String, Malformed> {
-        String::from_utf8(self.bytes()?.to_vec()).map_err(|_| Malformed)
-    }
-    /// Reads a string list (the count alone reserves at most 4096 slots).
-    pub fn strs(&mut self) -> Result<Vec<String>, Malformed> {
-        let n = self.u32()? as usize;
-        let mut v = Vec::with_capacity(n.min(4096));
-        for _ in 0..n {
-            v.push(self.str()?);
-        }
-        Ok(v)
-    }
-
-    /// Reads one op; an unknown tag is malformed.
-    pub fn op(&mut self) -> Result<Op, Malformed> {
+impl DecodeInit for Dec<'_> {
+    fn op(&mut self) -> Result<Op, Malformed> {
         Ok(match self.u8()? {
             1 => Op::Mount {
                 src: self.str()?,
@@ -530,15 +447,10 @@ impl<'a> Dec<'a> {
                 newroot: self.str()?,
                 put_old: self.str()?,
             },
-            16 => {
-                let handled = self.u64()?;
-                let n = self.u32()? as usize;
-                let mut rules = Vec::with_capacity(n.min(256));
-                for _ in 0..n {
-                    rules.push((self.str()?, self.u64()?));
-                }
-                Op::Landlock { handled, rules }
-            }
+            16 => Op::Landlock {
+                handled: self.u64()?,
+                rules: self.list(12, |d| Ok::<_, DecodeError>((d.str()?, d.u64()?)))?,
+            },
             17 => Op::Seccomp {
                 bpf: self.bytes()?.to_vec(),
             },
@@ -555,29 +467,18 @@ impl<'a> Dec<'a> {
         })
     }
 
-    /// Reads an op list.
-    pub fn ops(&mut self) -> Result<Vec<Op>, Malformed> {
-        let n = self.u32()? as usize;
-        let mut v = Vec::with_capacity(n.min(1024));
-        for _ in 0..n {
-            v.push(self.op()?);
-        }
-        Ok(v)
+    fn ops(&mut self) -> Result<Vec<Op>, Malformed> {
+        self.list(1, |d| d.op())
     }
 
-    /// Reads an [`ExecSpec`].
-    pub fn exec(&mut self) -> Result<ExecSpec, Malformed> {
+    fn exec(&mut self) -> Result<ExecSpec, Malformed> {
         let flags = self.u32()?;
         let uid = self.u32()?;
         let gid = self.u32()?;
         let cwd = self.str()?;
         let argv = self.strs()?;
         let env = self.strs()?;
-        let n = self.u32()? as usize;
-        let mut rlimits = Vec::with_capacity(n.min(64));
-        for _ in 0..n {
-            rlimits.push((self.u32()?, self.u64()?, self.u64()?));
-        }
+        let rlimits = self.list(20, |d| Ok::<_, DecodeError>((d.u32()?, d.u64()?, d.u64()?)))?;
         let tty = self.u32()?;
         Ok(ExecSpec {
             flags,
@@ -813,19 +714,6 @@ mod tests {
     }
 
     #[test]
-    fn scalars_past_the_end_are_malformed() {
-        let mut d = Dec::new(&[1, 2, 3]);
-        assert_eq!(d.u32(), Err(Malformed));
-        assert_eq!(d.u64(), Err(Malformed));
-        assert_eq!(d.i32(), Err(Malformed));
-        // A failed read consumes nothing.
-        assert_eq!(d.rest(), [1, 2, 3]);
-        assert_eq!(d.u8(), Ok(1));
-        assert_eq!(Dec::new(&[]).u8(), Err(Malformed));
-        assert!(Dec::new(&[]).rest().is_empty());
-    }
-
-    #[test]
     fn unknown_op_tags_are_malformed() {
         let known: Vec<u8> = every_op().iter().map(|op| encoded_op(op)[0]).collect();
         for tag in 0..=u8::MAX {
@@ -846,7 +734,7 @@ mod tests {
         assert_eq!(Dec::new(&e.0).op(), Err(Malformed));
         let mut e = Enc::default();
         e.bytes(&[0xc3]);
-        assert_eq!(Dec::new(&e.0).str(), Err(Malformed));
+        assert!(Dec::new(&e.0).str().is_err());
     }
 
     #[test]
@@ -854,9 +742,9 @@ mod tests {
         // A length or count of u32::MAX in a short message fails on the first missing
         // byte; the decoders reserve a bounded number of slots, whatever the count says.
         let max = u32::MAX.to_le_bytes();
-        assert_eq!(Dec::new(&max).bytes(), Err(Malformed));
-        assert_eq!(Dec::new(&max).str(), Err(Malformed));
-        assert_eq!(Dec::new(&max).strs(), Err(Malformed));
+        assert!(Dec::new(&max).bytes().is_err());
+        assert!(Dec::new(&max).str().is_err());
+        assert!(Dec::new(&max).strs().is_err());
         assert_eq!(Dec::new(&max).ops(), Err(Malformed));
         let mut landlock = vec![16];
         landlock.extend_from_slice(&0u64.to_le_bytes());
@@ -887,7 +775,8 @@ mod tests {
             include_bytes!("test_util.rs"),
             include_bytes!("zygote.rs"),
         ];
-        assert_eq!(SOURCE_HASH, sources.iter().fold(0, |h, s| h ^ fnv1a(s)));
+        let init = sources.iter().fold(0, |h, s| h ^ fnv1a(s));
+        assert_eq!(SOURCE_HASH, init ^ sandbox_agent_proto::SOURCE_HASH);
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use std::ffi::CString;
 use std::io;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 
 use crate::channel::{raw_write, send_err, send_with_fds, REPLY_FD};
 use crate::harden::drop_privileges;
@@ -125,53 +125,20 @@ extern "C" fn child_main(arg: *mut c_void) -> c_int {
 /// A new pseudo-terminal of the sandbox's `devpts` of `(rows, cols)`: (master, slave), the
 /// slave owned by the command's user (`ttyname`, `mesg` and the like look at it).
 fn open_pty(size: (u16, u16), uid: u32, gid: u32) -> io::Result<(OwnedFd, OwnedFd)> {
-    const O_RDWR_NOCTTY_CLOEXEC: c_int = 2 | 0o400 | 0o2000000;
-    // SAFETY: open(2) of a constant path; the fd is owned at once.
-    let m = unsafe { libc_open(c"/dev/ptmx".as_ptr(), O_RDWR_NOCTTY_CLOEXEC) };
-    if m < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a fresh fd nobody else owns.
-    let master = unsafe { OwnedFd::from_raw_fd(m) };
-    let unlock: c_int = 0;
-    let ws = [size.0, size.1, 0u16, 0u16];
-    // SAFETY: ioctls on our own master with pointers to locals that outlive the calls.
-    let s = unsafe {
-        if ioctl(m, TIOCSPTLCK, &unlock as *const c_int) < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        ioctl(m, TIOCSWINSZ, ws.as_ptr());
-        ioctl(m, TIOCGPTPEER, O_RDWR_NOCTTY_CLOEXEC as c_ulong)
-    };
-    if s < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: a fresh fd nobody else owns.
-    let slave = unsafe { OwnedFd::from_raw_fd(s) };
+    let pty = sandbox_agent_proto::pty::open(size.0, size.1)?;
     // SAFETY: fchown of our own fd; failing (no CAP_CHOWN) leaves it usable through the fd.
-    unsafe { fchown(s, uid, gid) };
-    Ok((master, slave))
+    unsafe { fchown(pty.slave.as_raw_fd(), uid, gid) };
+    Ok((pty.master, pty.slave))
 }
 
 /// Where to look for `cmd`: itself if it has a `/`, else each directory of the command's own
 /// `PATH` (like `execvp`; an empty entry is the working directory).
 fn candidates(cmd: &str, env: &[String]) -> Vec<String> {
-    if cmd.contains('/') {
-        return vec![cmd.to_string()];
-    }
     let path = env
         .iter()
         .find_map(|kv| kv.strip_prefix("PATH="))
         .unwrap_or("/usr/local/bin:/usr/bin:/bin");
-    path.split(':')
-        .map(|d| {
-            if d.is_empty() {
-                cmd.to_string()
-            } else {
-                format!("{}/{cmd}", d.trim_end_matches('/'))
-            }
-        })
-        .collect()
+    sandbox_agent_proto::path::candidates(cmd, path)
 }
 
 /// Starts the command (in the supervisor) with a vfork-style clone: no copy of our page

@@ -210,11 +210,9 @@ pub(crate) const MS_SLAVE: u64 = 1 << 19;
 pub(crate) const MS_NOSUID: u64 = 2;
 pub(crate) const MS_NODEV: u64 = 4;
 pub(crate) const MNT_DETACH: c_int = 2;
-// Terminal ioctls (the same on x86-64 and arm64).
+// Terminal ioctl (the same on x86-64 and arm64); opening a terminal is
+// `sandbox_agent_proto::pty`'s.
 pub(crate) const TIOCSCTTY: c_ulong = 0x540E;
-pub(crate) const TIOCSWINSZ: c_ulong = 0x5414;
-pub(crate) const TIOCGPTPEER: c_ulong = 0x5441;
-pub(crate) const TIOCSPTLCK: c_ulong = 0x4004_5431;
 pub(crate) const SIGCHLD: c_int = 17;
 pub(crate) const SIGKILL: c_int = 9;
 pub(crate) const SIGSTOP: c_int = 19;

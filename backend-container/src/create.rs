@@ -21,6 +21,7 @@ use sandbox_core::{
 
 use crate::cgroup::SandboxCgroup;
 use crate::ctl::{self, Ctl};
+use crate::proto::EncodeInit;
 use crate::sandbox::{Inner, TIER};
 use crate::spawn::{self, IdMap};
 use crate::{
@@ -185,7 +186,7 @@ impl ContainerBackend {
     /// Checks `spec` against this backend; returns the egress enforcer its network needs and
     /// whether sandboxes get cgroups (see `cgroups_usable`).
     fn check_spec(&self, spec: &SandboxSpec) -> Result<(Option<Arc<dyn EgressEnforcer>>, bool)> {
-        spec.validate()?;
+        spec.validate_on_host()?;
         if spec.language == Language::Wasm {
             return Err(Error::unsupported(
                 TIER,
@@ -716,7 +717,6 @@ impl ContainerBackend {
             image,
             egress: egress.as_ref().map(|(e, _)| e.clone()),
             state_file,
-            terminated: Mutex::new(false),
             timer: Mutex::new(None),
             procs: Default::default(),
             ports: Default::default(),
@@ -754,14 +754,16 @@ impl ContainerBackend {
         let timer = tokio::spawn(async move {
             tokio::time::sleep(life).await;
             if let Some(inner) = weak.upgrade() {
-                let _ =
-                    tokio::task::spawn_blocking(move || inner.terminate("lifetime limit reached"))
-                        .await;
+                let _ = tokio::task::spawn_blocking(move || {
+                    inner.terminate(sandbox_core::LIFETIME_REACHED)
+                })
+                .await;
             }
         });
-        if let Ok(mut t) = sb.inner.timer.lock() {
-            *t = Some(timer.abort_handle());
-        }
+        *sb.inner
+            .timer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(timer.abort_handle());
     }
 }
 

@@ -12,7 +12,8 @@ use tokio::io::Interest;
 use tokio::sync::mpsc;
 
 use crate::proto::{
-    Dec, Enc, FLAG_BIG, INLINE_MAX, MSG_EXEC, MSG_KILL, MSG_SIGNAL, PACKET_MAX, REP_SPARE,
+    Dec, Enc, EncodeInit, FLAG_BIG, INLINE_MAX, MSG_EXEC, MSG_KILL, MSG_SIGNAL, PACKET_MAX,
+    REP_SPARE,
 };
 
 /// One reply from the init.

@@ -11,7 +11,7 @@
 //! use backend_container::ContainerBackend;
 //! use sandbox_core::{Backend, ExecRequest, Language, ResolvedSecrets, SandboxSpec};
 //!
-//! let backend = ContainerBackend::new()?;
+//! let backend = ContainerBackend::builder().build()?;
 //! let spec = SandboxSpec::builder(Language::Python).memory_mib(256).build()?;
 //! let sb = backend.create(&spec, ResolvedSecrets::none()).await?;
 //! let r = sb.exec(ExecRequest::code("print(2 + 2)")).await?;
@@ -20,41 +20,31 @@
 //! # Ok(()) }
 //! ```
 //!
-//! ## Configuring
+//! **Configuring.** [`ContainerBackend::builder`] sets the backend-wide options
+//! ([`ContainerConfig`]): a state directory for [`ContainerBackend::cleanup_stale`], the host
+//! name, the uid range used as root, whether cgroups are required, seccomp and Landlock on or
+//! off, and the [`EgressEnforcer`] that allowlisted network policies need ([`network`];
+//! without one only deny-all is accepted). Per sandbox, the [`SandboxSpec`] gives the
+//! language, workspace (a private tmpfs or a host directory), mounts, environment, secrets,
+//! [`Limits`](sandbox_core::Limits), network policy, and a [`rootfs`](SandboxSpec::rootfs)
+//! or image replacing the default view of the host's `/usr` ([`RootfsMode::HostTools`])
+//! under a throwaway overlay.
 //!
-//! [`ContainerBackend::builder`] sets the backend-wide options ([`ContainerConfig`]): a
-//! state directory for [`ContainerBackend::cleanup_stale`], the host name, the uid range
-//! used as root, whether cgroups are required, seccomp and Landlock on or off, and the
-//! [`EgressEnforcer`] that allowlisted network policies need ([`network`]; without one only
-//! deny-all is accepted). Per sandbox, the [`SandboxSpec`] gives the language, workspace
-//! (a private tmpfs or a host directory), mounts, environment, secrets, [`Limits`](sandbox_core::Limits)
-//! and network policy; its [`rootfs`](SandboxSpec::rootfs) replaces the default view of the
-//! host's `/usr` ([`RootfsMode::HostTools`]) with a root filesystem directory (a Debian tree,
-//! an unpacked OCI image) under a throwaway overlay.
+//! **Requirements.** Linux with user namespaces (`user.max_user_namespaces` > 0), `pivot_root`
+//! and tmpfs/proc mounts inside them, and exec from a sealed memfd (`vm.memfd_noexec` = 0);
+//! seccomp (`CONFIG_SECCOMP_FILTER`) unless the filter is turned off; Landlock when the kernel
+//! has it; cgroups for memory, pids and CPU limits and pause/resume: as root nothing to do;
+//! rootless, a cgroup delegated to the user that the process starts in (v1: `memory`, `pids`,
+//! `cpu`; v2: with the `memory` and `pids` controllers), or `require_cgroups(false)` to run
+//! without those limits. As root each sandbox gets a private uid range and commands run as an
+//! unprivileged user; rootless, the caller's uid is root inside with every capability
+//! dropped. [`ContainerBackend::probe`](sandbox_core::Backend::probe) checks all of this with
+//! a real smoke test and says what to fix.
 //!
-//! ## Requirements
-//!
-//! - Linux with user namespaces (`user.max_user_namespaces` > 0), `pivot_root` and
-//!   tmpfs/proc mounts inside them, and exec from a sealed memfd (`vm.memfd_noexec` = 0).
-//! - seccomp (`CONFIG_SECCOMP_FILTER`), unless the filter is turned off; Landlock is used
-//!   when the kernel has it.
-//! - cgroups for memory, pids and CPU limits and pause/resume: as root, nothing to do; rootless,
-//!   a cgroup delegated to the user (v1: `memory`, `pids`, `cpu`; v2: with the `memory` and
-//!   `pids` controllers) that the process starts in, or `require_cgroups(false)` to run
-//!   without those limits.
-//! - Root or not: as root each sandbox gets a private uid range and commands run as an
-//!   unprivileged user; rootless, the caller's uid is root inside with every capability
-//!   dropped.
-//!
-//! [`ContainerBackend::probe`](sandbox_core::Backend::probe) checks all of this with a real
-//! smoke test and says what to fix.
-//!
-//! ## More
-//!
-//! `docs/container.md` in the repository is the design: how the init, its zygote and execs
-//! work, the root filesystem, the cgroup v1/v2 handling and delegation, how each limit is
-//! enforced, rootless vs root, the seccomp filter and Landlock rules, and the threat model
-//! with its gaps. `docs/network.md` covers the egress path.
+//! `docs/container.md` in the repository is the design: the init, its zygote and execs, the
+//! root filesystem, cgroup v1/v2 and delegation, how each limit is enforced, rootless vs
+//! root, the seccomp filter and Landlock rules, the threat model with its gaps, and a code
+//! map. `docs/network.md` covers the egress path, `docs/threat-model.md` all tiers.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -151,11 +141,11 @@ impl Default for ContainerConfig {
 
 /// Builder for [`ContainerBackend`].
 #[derive(Debug, Clone, Default)]
-pub struct ContainerBuilder {
+pub struct ContainerBackendBuilder {
     cfg: ContainerConfig,
 }
 
-impl ContainerBuilder {
+impl ContainerBackendBuilder {
     /// Keeps a record of live sandboxes in `dir` (see [`ContainerConfig::state_dir`]).
     pub fn state_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.cfg.state_dir = Some(dir.into());
@@ -389,14 +379,9 @@ fn is_root() -> bool {
 }
 
 impl ContainerBackend {
-    /// A backend with the default configuration.
-    pub fn new() -> Result<Self> {
-        Self::builder().build()
-    }
-
-    /// Starts a builder.
-    pub fn builder() -> ContainerBuilder {
-        ContainerBuilder::default()
+    /// Starts a builder (every setting at its default).
+    pub fn builder() -> ContainerBackendBuilder {
+        ContainerBackendBuilder::default()
     }
 
     /// The configuration.

@@ -8,7 +8,7 @@
 //! [`NetworkPolicy::DenyAll`](sandbox_core::NetworkPolicy), enforced by the kernel alone.
 //!
 //! Any other policy needs an [`EgressEnforcer`](sandbox_core::EgressEnforcer) plugged in with
-//! [`ContainerBuilder::egress`](crate::ContainerBuilder::egress) (`sandbox-egress`'s
+//! [`ContainerBackendBuilder::egress`](crate::ContainerBackendBuilder::egress) (`sandbox-egress`'s
 //! `VethEnforcer` is the one the facade uses). The backend then:
 //! 1. asks the enforcer to `prepare` the sandbox before its init starts: the plan's
 //!    `/etc/resolv.conf` goes into the rootfs plan, its proxy variables into every command's

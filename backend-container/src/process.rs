@@ -31,7 +31,7 @@ use tokio::net::unix::pipe;
 use tokio::sync::{watch, Notify};
 
 use crate::ctl::{Ctl, Job, Reply};
-use crate::proto::{self, Dec, Enc};
+use crate::proto::{self, Dec, Enc, EncodeInit};
 use crate::sandbox::{pipe, pump, set_nonblocking, wait_status_code, Inner, PumpSink, TIER};
 
 /// Chunks a process may have in flight to its reader before it is held back (each at most

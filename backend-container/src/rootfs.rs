@@ -1146,7 +1146,7 @@ mod tests {
 #[cfg(test)]
 mod wire_tests {
     use super::*;
-    use crate::proto::{Dec, Enc};
+    use crate::proto::{Dec, DecodeInit, Enc, EncodeInit};
     use sandbox_core::Language;
 
     #[test]

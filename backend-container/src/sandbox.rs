@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -22,7 +22,7 @@ use tokio::sync::{mpsc, watch, Notify};
 use crate::cgroup::SandboxCgroup;
 use crate::ctl::{self, Ctl, Reply};
 use crate::files::{self, Owner};
-use crate::proto::{self, Dec, Enc, ExecSpec};
+use crate::proto::{self, Dec, Enc, EncodeInit, ExecSpec};
 use crate::spawn::IdMap;
 
 pub(crate) const ENGINE: &str = "agent-sandbox-container 1";
@@ -40,7 +40,8 @@ pub(crate) struct Inner {
     pub env: BTreeMap<String, String>,
     pub redactor: Redactor,
     pub born: Instant,
-    /// Live, paused, or gone with the reason.
+    /// Live, paused, gone with the reason, releasing or released (`terminate` runs the
+    /// teardown once through it; later calls wait for it).
     pub life: Lifecycle,
     /// Host pid of the init (our child until reaped in `terminate`).
     pub pid: libc::pid_t,
@@ -63,8 +64,6 @@ pub(crate) struct Inner {
     /// The egress enforcer this sandbox is attached to (policies other than deny-all).
     pub egress: Option<Arc<dyn EgressEnforcer>>,
     pub state_file: Option<PathBuf>,
-    /// Set by the first `terminate` once it starts tearing down (later calls wait for it).
-    pub terminated: Mutex<bool>,
     /// The lifetime timer, aborted on terminate.
     pub timer: Mutex<Option<tokio::task::AbortHandle>>,
     /// Background processes.
@@ -267,8 +266,8 @@ impl Inner {
 
     pub(crate) fn alive(&self) -> Result<()> {
         self.life.check_not_gone()?;
-        if self.born.elapsed() > self.spec.limits.lifetime() {
-            self.terminate("lifetime limit reached");
+        if self.life.lapse(self.born, self.spec.limits.lifetime()) {
+            self.terminate(sandbox_core::LIFETIME_REACHED);
             return Err(self.gone_err());
         }
         if self.ctl.is_closed() {
@@ -278,17 +277,21 @@ impl Inner {
         Ok(())
     }
 
-    /// Kills everything and removes every host-side trace. Idempotent, synchronous.
+    /// Ends the sandbox for `reason` (unless it ended already), kills everything and removes
+    /// every host-side trace. Idempotent, synchronous: the first call tears down, one made
+    /// meanwhile waits for it (see [`Lifecycle::release`]).
     pub(crate) fn terminate(&self, reason: &str) {
-        let Ok(mut done) = self.terminated.lock() else {
-            return;
-        };
-        if *done {
-            return;
-        }
-        *done = true;
-        self.life.end(reason);
+        self.life.release(reason, || self.teardown());
+    }
+
+    fn teardown(&self) {
         self.ports.clear();
+        // A frozen sandbox must be thawed or its processes cannot die.
+        if let Some(c) = &self.cgroup {
+            if c.can_freeze() {
+                let _ = c.freeze(false);
+            }
+        }
         // The next create's init is cloned meanwhile (see `spawn::prefork`).
         crate::spawn::prefork();
         // The kernel then kills the whole pid namespace.
@@ -305,7 +308,12 @@ impl Inner {
         if let Some(f) = &self.state_file {
             let _ = std::fs::remove_file(f);
         }
-        if let Some(t) = self.timer.lock().ok().and_then(|mut t| t.take()) {
+        let timer = self
+            .timer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(t) = timer {
             t.abort();
         }
     }
@@ -895,10 +903,11 @@ impl Sandbox for ContainerSandbox {
         self.inner.alive()?;
         match &self.inner.cgroup {
             Some(c) if c.can_freeze() => {
-                if self.inner.life.begin(Transition::Pause)? {
+                // Held across the freeze: a concurrent resume waits for it, then thaws.
+                if let Some(step) = self.inner.life.begin(Transition::Pause).await? {
                     c.freeze(true)
                         .map_err(|e| Error::io("freeze the sandbox", e))?;
-                    self.inner.life.complete(Transition::Pause);
+                    step.complete();
                 }
                 Ok(())
             }
@@ -913,10 +922,10 @@ impl Sandbox for ContainerSandbox {
         self.inner.alive()?;
         match &self.inner.cgroup {
             Some(c) if c.can_freeze() => {
-                if self.inner.life.begin(Transition::Resume)? {
+                if let Some(step) = self.inner.life.begin(Transition::Resume).await? {
                     c.freeze(false)
                         .map_err(|e| Error::io("thaw the sandbox", e))?;
-                    self.inner.life.complete(Transition::Resume);
+                    step.complete();
                 }
                 Ok(())
             }
@@ -952,12 +961,8 @@ impl Sandbox for ContainerSandbox {
 
     async fn destroy(&self) -> Result<()> {
         let inner = Arc::clone(&self.inner);
-        // A frozen sandbox must be thawed or its processes cannot die.
-        if let Some(c) = &inner.cgroup {
-            if c.can_freeze() {
-                let _ = c.freeze(false);
-            }
-        }
+        // No pause or resume overlaps it: one under way finishes first, none starts after.
+        let _held = inner.life.hold().await;
         // Detach first and wait for it, so nothing of the link is left when this returns.
         if let Some(e) = &inner.egress {
             e.detach(&inner.id).await;
@@ -977,11 +982,6 @@ impl Sandbox for ContainerSandbox {
 
 impl Drop for ContainerSandbox {
     fn drop(&mut self) {
-        if let Some(c) = &self.inner.cgroup {
-            if c.can_freeze() && !self.inner.life.is_gone() {
-                let _ = c.freeze(false);
-            }
-        }
         self.inner.terminate("dropped");
     }
 }

@@ -6,7 +6,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use crate::ctl::Ctl;
-use crate::proto;
+use crate::proto::{self, EncodeInit};
 use std::sync::OnceLock;
 
 pub(crate) use crate::init_image::InitImage;

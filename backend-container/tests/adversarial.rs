@@ -373,7 +373,8 @@ async fn escape_attempts_fail() {
 #[tokio::test]
 async fn dropping_without_destroy_cleans_up() {
     require_host!();
-    let sb = backend_container::ContainerBackend::new()
+    let sb = backend_container::ContainerBackend::builder()
+        .build()
         .unwrap()
         .create_container(&spec(Language::Shell))
         .await
@@ -418,7 +419,8 @@ const ORPHAN_MARKER: &[u8] = b"sleep\x00987.654321\x00";
 #[tokio::test]
 #[ignore = "helper: run in a child process by sandboxes_of_a_killed_process_are_torn_down"]
 async fn killed_owner_child_process() {
-    let sb = backend_container::ContainerBackend::new()
+    let sb = backend_container::ContainerBackend::builder()
+        .build()
         .unwrap()
         .create_container(&spec(Language::Shell))
         .await

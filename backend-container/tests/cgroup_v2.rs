@@ -86,7 +86,7 @@ async fn v2_only_helper() {
     let spec = SandboxSpec::new(Language::Shell);
 
     // 1. By default a sandbox without memory and pids limits is refused, saying why.
-    let strict = ContainerBackend::new().unwrap();
+    let strict = ContainerBackend::builder().build().unwrap();
     assert_eq!(strict.cgroup_version(), None);
     let status = strict.probe().await;
     assert!(!status.available);

@@ -763,7 +763,7 @@ async fn destroy_is_idempotent_and_final() {
 
 #[tokio::test]
 async fn capabilities_and_probe_are_honest() {
-    let b = ContainerBackend::new().unwrap();
+    let b = ContainerBackend::builder().build().unwrap();
     let c = b.capabilities();
     assert_eq!(c.network, vec![sandbox_core::NetworkMode::DenyAll]);
     assert_eq!(c.snapshots, vec![sandbox_core::SnapshotKind::Filesystem]);
@@ -996,7 +996,8 @@ async fn lifetime_ends_the_sandbox() {
     let mut spec = SandboxSpec::new(Language::Shell);
     spec.limits.wall_time_ms = 200;
     spec.limits.lifetime_ms = 300;
-    let sb = ContainerBackend::new()
+    let sb = ContainerBackend::builder()
+        .build()
         .unwrap()
         .create_container(&spec)
         .await

@@ -382,8 +382,12 @@ async fn live_sandboxes_of_two_backends_never_share_a_uid_range() {
         assert_eq!((f[0], f[2]), (0, 65536), "{map}");
         f[1]
     };
-    let a = backend_container::ContainerBackend::new().unwrap();
-    let b = backend_container::ContainerBackend::new().unwrap();
+    let a = backend_container::ContainerBackend::builder()
+        .build()
+        .unwrap();
+    let b = backend_container::ContainerBackend::builder()
+        .build()
+        .unwrap();
     let spec = SandboxSpec::new(Language::Shell);
     let mut live = Vec::new();
     for backend in [&a, &b, &a, &b, &a, &b] {

@@ -17,7 +17,7 @@ const CHILD_ENV: &str = "ASB_ROOTLESS_CHILD";
 const NOBODY: u32 = 65534;
 
 async fn core_suite() {
-    let b = ContainerBackend::new().unwrap();
+    let b = ContainerBackend::builder().build().unwrap();
     assert!(b.rootless());
     let status = b.probe().await;
     assert!(status.available, "rootless probe: {status:?}");
@@ -161,7 +161,7 @@ async fn rootless_core_suite() {
     }
     if !nix::unistd::geteuid().is_root() {
         // We are already rootless: run the suite here if the host lets us.
-        let s = ContainerBackend::new().unwrap().probe().await;
+        let s = ContainerBackend::builder().build().unwrap().probe().await;
         if !s.available {
             eprintln!(
                 "SKIP: rootless containers unavailable: {} (fix: {})",

@@ -18,7 +18,8 @@
 //!   stdio (the host's pipes): a later client (after a snapshot's resume, or in a restored
 //!   copy); it ends when the keeper closes the connection (after a detach).
 //!
-//! Frames, both ways: one type byte, a 4-byte big-endian length, the payload.
+//! Frames, both ways: `sandbox_agent_proto`'s (a 9-byte header: the payload's length, the
+//! type byte, id 0), at most [`MAX_FRAME`] bytes of payload.
 //! From `serve`: `H` hello to a socket client (the command's pid, decimal), `O`/`E` output,
 //! `X` exit (the code, decimal; 128+N for signal N), `D` detached.
 //! To `serve`: `A` attach (start forwarding to me), `I` input, `C` close input (a terminal's
@@ -43,6 +44,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use sandbox_agent_proto::frame;
+
 /// Longest frame payload accepted from a client.
 const MAX_FRAME: usize = 1 << 20;
 
@@ -50,27 +53,17 @@ fn socket_addr(name: &str) -> std::io::Result<SocketAddr> {
     SocketAddr::from_abstract_name(format!("agent-sandbox/proc/{name}").as_bytes())
 }
 
+/// Sends one frame of `kind` (id 0: the keeper's frames answer no request).
 fn write_frame(w: &mut impl Write, kind: u8, payload: &[u8]) -> std::io::Result<()> {
-    let len = u32::try_from(payload.len())
-        .map_err(|_| std::io::Error::other("frame too long"))?
-        .to_be_bytes();
-    let mut head = [kind, 0, 0, 0, 0];
-    head[1..].copy_from_slice(&len);
-    w.write_all(&head)?;
-    w.write_all(payload)?;
-    w.flush()
+    frame::write_frame(w, kind, 0, payload)
 }
 
+/// Reads one frame: its kind and payload; the end of the stream is an error too.
 fn read_frame(r: &mut impl Read) -> std::io::Result<(u8, Vec<u8>)> {
-    let mut head = [0u8; 5];
-    r.read_exact(&mut head)?;
-    let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
-    if len > MAX_FRAME {
-        return Err(std::io::Error::other("frame too long"));
+    match frame::read_frame(r, MAX_FRAME)? {
+        Some((h, payload)) => Ok((h.kind, payload)),
+        None => Err(std::io::ErrorKind::UnexpectedEof.into()),
     }
-    let mut payload = vec![0u8; len];
-    r.read_exact(&mut payload)?;
-    Ok((head[0], payload))
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -292,10 +285,19 @@ fn start(spec: &Spec) -> std::io::Result<Started> {
                 });
             }
             let mut child = cmd.spawn()?;
-            let input = child.stdin.take().map(|w| Box::new(w) as Box<dyn Write + Send>);
+            let input = child
+                .stdin
+                .take()
+                .map(|w| Box::new(w) as Box<dyn Write + Send>);
             let outputs = [
-                child.stdout.take().map(|o| (Box::new(o) as Box<dyn Read + Send>, b'O')),
-                child.stderr.take().map(|e| (Box::new(e) as Box<dyn Read + Send>, b'E')),
+                child
+                    .stdout
+                    .take()
+                    .map(|o| (Box::new(o) as Box<dyn Read + Send>, b'O')),
+                child
+                    .stderr
+                    .take()
+                    .map(|e| (Box::new(e) as Box<dyn Read + Send>, b'E')),
             ]
             .into_iter()
             .flatten()
@@ -375,10 +377,10 @@ pub fn serve(args: &[String]) -> i32 {
     let pumps: Vec<_> = outputs
         .into_iter()
         .map(|(r, k)| {
-        let shared = Arc::clone(&shared);
-        std::thread::spawn(move || pump(shared, r, k))
-    })
-    .collect();
+            let shared = Arc::clone(&shared);
+            std::thread::spawn(move || pump(shared, r, k))
+        })
+        .collect();
     let status = child.wait();
     if shared.tty.is_some() {
         // A terminal's master reads on until every copy of its slave is closed (a daemon
@@ -393,7 +395,10 @@ pub fn serve(args: &[String]) -> i32 {
         }
     }
     let code = match status {
-        Ok(s) => s.code().or_else(|| s.signal().map(|n| 128 + n)).unwrap_or(255),
+        Ok(s) => s
+            .code()
+            .or_else(|| s.signal().map(|n| 128 + n))
+            .unwrap_or(255),
         Err(_) => 255,
     };
     shared.send(b'X', code.to_string().as_bytes());
@@ -477,7 +482,10 @@ pub fn session(args: &[String]) -> i32 {
     loop {
         match child.try_wait() {
             Ok(Some(s)) => {
-                return s.code().or_else(|| s.signal().map(|n| 128 + n)).unwrap_or(255)
+                return s
+                    .code()
+                    .or_else(|| s.signal().map(|n| 128 + n))
+                    .unwrap_or(255)
             }
             Ok(None) => {}
             Err(_) => return 255,
@@ -493,23 +501,13 @@ pub fn session(args: &[String]) -> i32 {
 
 /// The command's terminal, opened inside the sandbox (`/dev/ptmx`).
 mod pty {
-    use std::ffi::CStr;
-    use std::fs::{File, OpenOptions};
+    use std::fs::File;
     use std::io::Write;
-    use std::os::fd::{AsRawFd, FromRawFd};
-    use std::os::raw::{c_char, c_int, c_ulong};
-    use std::os::unix::fs::OpenOptionsExt;
+    use std::os::fd::{AsFd, AsRawFd};
+    use std::os::raw::{c_int, c_ulong};
     use std::os::unix::process::CommandExt;
     use std::process::{Child, Command};
     use std::sync::atomic::{AtomicBool, Ordering};
-
-    #[repr(C)]
-    struct Winsize {
-        rows: u16,
-        cols: u16,
-        xpixel: u16,
-        ypixel: u16,
-    }
 
     /// Linux x86-64 `struct termios` (as `TCGETS` fills it).
     #[repr(C)]
@@ -523,10 +521,6 @@ mod pty {
     }
 
     extern "C" {
-        fn posix_openpt(flags: c_int) -> c_int;
-        fn grantpt(fd: c_int) -> c_int;
-        fn unlockpt(fd: c_int) -> c_int;
-        fn ptsname_r(fd: c_int, buf: *mut c_char, len: usize) -> c_int;
         fn ioctl(fd: c_int, request: c_ulong, ...) -> c_int;
         fn setsid() -> c_int;
         fn kill(pid: c_int, sig: c_int) -> c_int;
@@ -534,10 +528,7 @@ mod pty {
         fn tcgetpgrp(fd: c_int) -> c_int;
     }
 
-    const O_RDWR: c_int = 2;
-    const O_NOCTTY: c_int = 0o400;
     const TCGETS: c_ulong = 0x5401;
-    const TIOCSWINSZ: c_ulong = 0x5414;
     const TIOCSCTTY: c_ulong = 0x540e;
     const ISIG: u32 = 0o1;
     const VINTR: usize = 0;
@@ -592,15 +583,9 @@ mod pty {
         }
     }
 
+    /// Sets the terminal's size.
     pub fn resize(master: &File, rows: u16, cols: u16) -> std::io::Result<()> {
-        let ws = Winsize {
-            rows,
-            cols,
-            xpixel: 0,
-            ypixel: 0,
-        };
-        // SAFETY: TIOCSWINSZ reads one `struct winsize` from the pointer, which is valid.
-        check(unsafe { ioctl(master.as_raw_fd(), TIOCSWINSZ, &ws as *const Winsize) })
+        sandbox_agent_proto::pty::set_size(master.as_fd(), rows, cols)
     }
 
     /// Writes `data` to the terminal's input as typed: with `ISIG` set, its `INTR` and
@@ -642,32 +627,14 @@ mod pty {
 
     /// Runs `relay session -- PROG ARGS` as the session leader of a new terminal of
     /// `rows` x `cols`; returns it and the terminal's master.
-    pub fn spawn(prog: &str, args: &[String], rows: u16, cols: u16) -> std::io::Result<(Child, File)> {
-        // SAFETY: plain call; the descriptor it returns is owned by `master` below.
-        let fd = unsafe { posix_openpt(O_RDWR | O_NOCTTY) };
-        check(fd)?;
-        // SAFETY: `fd` is a new descriptor nothing else owns.
-        let master = unsafe { File::from_raw_fd(fd) };
-        // SAFETY: plain calls on the master's descriptor.
-        check(unsafe { grantpt(fd) })?;
-        // SAFETY: as above.
-        check(unsafe { unlockpt(fd) })?;
-        let mut name = [0 as c_char; 128];
-        // SAFETY: the buffer and its length are valid; the result is NUL-terminated.
-        let r = unsafe { ptsname_r(fd, name.as_mut_ptr(), name.len()) };
-        if r != 0 {
-            return Err(std::io::Error::from_raw_os_error(r));
-        }
-        // SAFETY: ptsname_r succeeded: a NUL-terminated string in `name`.
-        let path = unsafe { CStr::from_ptr(name.as_ptr()) }
-            .to_string_lossy()
-            .into_owned();
-        resize(&master, rows, cols)?;
-        let slave = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(O_NOCTTY)
-            .open(&path)?;
+    pub fn spawn(
+        prog: &str,
+        args: &[String],
+        rows: u16,
+        cols: u16,
+    ) -> std::io::Result<(Child, File)> {
+        let pty = sandbox_agent_proto::pty::open(rows, cols)?;
+        let (master, slave) = (File::from(pty.master), File::from(pty.slave));
         let me = std::env::current_exe()?;
         let mut cmd = Command::new(me);
         cmd.arg("session")
@@ -714,5 +681,113 @@ mod stdio {
                 unsafe { dup2(null.as_raw_fd(), fd) };
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    fn strings(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn serve_arguments_parse() {
+        let args = strings(&["job", "--tty", "24", "80", "--", "sh", "-i"]);
+        let spec = Spec::parse(&args).unwrap();
+        assert_eq!((spec.name.as_str(), spec.tty), ("job", Some((24, 80))));
+        assert_eq!(spec.argv, ["sh", "-i"]);
+        let args = strings(&["job", "--", "true"]);
+        let spec = Spec::parse(&args).unwrap();
+        assert_eq!((spec.tty, spec.argv), (None, &args[2..]));
+        for bad in [
+            &["job"][..],
+            &["job", "true"],
+            &["job", "--tty", "24", "--", "sh"],
+            &["job", "--tty", "x", "80", "--", "sh"],
+            &[],
+        ] {
+            assert!(Spec::parse(&strings(bad)).is_none(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn frames_round_trip_and_bounds_hold() {
+        let mut w = Vec::new();
+        write_frame(&mut w, b'O', b"out").unwrap();
+        write_frame(&mut w, b'D', b"").unwrap();
+        let mut r = &w[..];
+        assert_eq!(read_frame(&mut r).unwrap(), (b'O', b"out".to_vec()));
+        assert_eq!(read_frame(&mut r).unwrap(), (b'D', Vec::new()));
+        // The end of the stream is an error: a client gone.
+        assert!(read_frame(&mut r).is_err());
+        // A frame over the bound is refused before its payload is read.
+        let head = frame::Header::for_payload(b'I', 0, MAX_FRAME + 1).unwrap();
+        assert!(read_frame(&mut &head.to_bytes()[..]).is_err());
+    }
+
+    /// A writer whose bytes the test reads back.
+    #[derive(Clone, Default)]
+    struct Sink(Arc<Mutex<Vec<u8>>>);
+
+    impl Write for Sink {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            lock(&self.0).extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_client_attaches_types_closes_and_detaches() {
+        let input = Sink::default();
+        let shared = Shared::new(Some(Box::new(input.clone())), None);
+        let client = Sink::default();
+        let mut requests = Vec::new();
+        for (kind, payload) in [
+            (b'A', &b""[..]),
+            (b'I', b"hello "),
+            (b'R', b"24 80"), // no terminal: ignored
+            (b'I', b"world"),
+            (b'C', b""),
+            (b'I', b"dropped"), // after the input was closed
+            (b'D', b""),
+            (b'I', b"never read"), // after the detach
+        ] {
+            write_frame(&mut requests, kind, payload).unwrap();
+        }
+        let mut done = false;
+        let c = client.clone();
+        serve_client(
+            &shared,
+            &requests[..],
+            move || Some(Box::new(c.clone()) as Box<dyn Write + Send>),
+            || done = true,
+        );
+        assert!(done);
+        assert_eq!(*lock(&input.0), b"hello world");
+        assert!(lock(&shared.stdin).is_none());
+        // Detached: the answer went out and the client is no longer attached.
+        let answer = lock(&client.0).clone();
+        assert_eq!(read_frame(&mut &answer[..]).unwrap(), (b'D', Vec::new()));
+        assert!(lock(&shared.client).0.is_none());
+    }
+
+    #[test]
+    fn output_goes_to_the_attached_client() {
+        let shared = Shared::new(None, None);
+        let client = Sink::default();
+        shared.set_client(Some(Box::new(client.clone())));
+        shared.send(b'O', b"chunk");
+        shared.send(b'X', b"0");
+        let sent = lock(&client.0).clone();
+        let mut r = &sent[..];
+        assert_eq!(read_frame(&mut r).unwrap(), (b'O', b"chunk".to_vec()));
+        assert_eq!(read_frame(&mut r).unwrap(), (b'X', b"0".to_vec()));
     }
 }

@@ -93,7 +93,12 @@ fn copy_both<W: Write + Send + 'static>(
     let mut stdout = std::io::stdout().lock();
     let mut buf = vec![0u8; 64 * 1024];
     while let Ok(n) = down.read(&mut buf) {
-        if n == 0 || stdout.write_all(&buf[..n]).and_then(|()| stdout.flush()).is_err() {
+        if n == 0
+            || stdout
+                .write_all(&buf[..n])
+                .and_then(|()| stdout.flush())
+                .is_err()
+        {
             break;
         }
     }

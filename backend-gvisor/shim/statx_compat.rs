@@ -16,7 +16,10 @@
 //! shim's constructor installs the same filter in every dynamically linked program it is
 //! loaded into (inherited by what they start). Static programs started directly are not
 //! covered.
-#![no_std]
+//!
+//! Also the workspace package `gvisor-statx-shim` (lints; its test build links std, so `no_std`,
+//! the panic handler and the constructor are for the real build only).
+#![cfg_attr(not(test), no_std)]
 
 use core::arch::asm;
 
@@ -98,9 +101,14 @@ const ALLOW: u32 = 0x7fff_0000;
 /// `SECCOMP_RET_ERRNO | EPERM`.
 const DENY: u32 = 0x0005_0001;
 /// Every `CLONE_NEW*` flag (user, mount, pid, net, uts, ipc, cgroup, time).
-const NS_FLAGS: u32 =
-    0x1000_0000 | 0x0002_0000 | 0x2000_0000 | 0x4000_0000 | 0x0400_0000 | 0x0800_0000
-        | 0x0200_0000 | 0x80;
+const NS_FLAGS: u32 = 0x1000_0000
+    | 0x0002_0000
+    | 0x2000_0000
+    | 0x4000_0000
+    | 0x0400_0000
+    | 0x0800_0000
+    | 0x0200_0000
+    | 0x80;
 
 /// The container tier's rule for untrusted code: no new namespaces. `clone` and `unshare`
 /// with any `CLONE_NEW*` flag, and `setns`, fail with `EPERM`; everything else is allowed.
@@ -145,6 +153,7 @@ unsafe fn syscall3(nr: isize, a: isize, b: isize, c: isize) -> isize {
 /// the process already runs under a filter (inherited from the parent that loaded the shim),
 /// so that commands started in the sandbox by `runsc exec`, which runsc's OCI seccomp profile
 /// does not reach, cannot create namespaces, nor can anything they start.
+#[cfg_attr(test, allow(dead_code))]
 extern "C" fn no_new_namespaces() {
     const PR_GET_SECCOMP: isize = 21;
     const PR_SET_NO_NEW_PRIVS: isize = 38;
@@ -172,11 +181,56 @@ extern "C" fn no_new_namespaces() {
     }
 }
 
+#[cfg(not(test))]
 #[used]
 #[link_section = ".init_array"]
 static INIT: extern "C" fn() = no_new_namespaces;
 
+#[cfg(not(test))]
 #[panic_handler]
 fn panic(_: &core::panic::PanicInfo) -> ! {
     loop {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs [`FILTER`] on a `seccomp_data` of `arch`, `nr` and a first argument `arg0` with
+    /// the four instructions it uses (load word, jump if equal, jump if set, return).
+    fn decide(arch: u32, nr: u32, arg0: u32) -> u32 {
+        let word = |off: u32| match off {
+            0 => nr,
+            4 => arch,
+            16 => arg0,
+            _ => 0,
+        };
+        let (mut pc, mut acc) = (0usize, 0u32);
+        loop {
+            let i = &FILTER[pc];
+            pc += 1;
+            match i.code {
+                LD => acc = word(i.k),
+                JEQ => pc += usize::from(if acc == i.k { i.jt } else { i.jf }),
+                JSET => pc += usize::from(if acc & i.k != 0 { i.jt } else { i.jf }),
+                RET => return i.k,
+                other => unreachable!("instruction {other:#x}"),
+            }
+        }
+    }
+
+    #[test]
+    fn the_filter_refuses_new_namespaces_only() {
+        const X86_64: u32 = 0xc000_003e;
+        const CLONE_NEWUSER: u32 = 0x1000_0000;
+        const CLONE_NEWNET: u32 = 0x4000_0000;
+        const CLONE_THREAD_VM: u32 = 0x0001_0100;
+        assert_eq!(decide(X86_64, 56, CLONE_NEWUSER), DENY);
+        assert_eq!(decide(X86_64, 56, CLONE_THREAD_VM), ALLOW);
+        assert_eq!(decide(X86_64, 272, CLONE_NEWNET), DENY);
+        assert_eq!(decide(X86_64, 272, 0x200), ALLOW); // CLONE_FS
+        assert_eq!(decide(X86_64, 308, 0), DENY);
+        assert_eq!(decide(X86_64, 0, CLONE_NEWUSER), ALLOW); // read
+        assert_eq!(decide(0x4000_00b7, 56, CLONE_NEWUSER), ALLOW); // not x86-64
+    }
 }

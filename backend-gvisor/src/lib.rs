@@ -1,148 +1,33 @@
 //! # backend-gvisor — tier 3: untrusted code under gVisor
 //!
-//! We drive the `runsc` binary (gVisor's OCI runtime; Debian package `runsc`); we do not
-//! reimplement it. Each sandbox is one runsc container with its own state root:
+//! We drive the `runsc` binary (gVisor's OCI runtime; Debian package `runsc`, root needed);
+//! we do not reimplement it. Each sandbox is one runsc container with its own state root:
 //!
 //! 1. **create**: write an OCI bundle ([`bundle`]): a read-only root holding only mount
-//!    points, read-only binds of the host's `/usr` and the `/etc` files tools need, generated
-//!    `passwd`/`group`/`hosts`, a tmpfs `/tmp`, and `/workspace`; then `runsc run --detach`
-//!    starts pid 1, a tiny shell loop that stays up and reaps orphans, so files and
-//!    background processes persist across an agent's turns.
-//! 2. **exec**: the two calls `runsc exec` would make on the sandbox's control socket, made
-//!    directly (`containerManager.ExecuteAsync` with the stdio pipes attached, then
-//!    `WaitPID`; see the `urpc` module): ~4.6 ms instead of ~30 ms for a `runsc exec`
-//!    process. Exactly the spec's environment (never on a command line, where `ps` would
-//!    show secrets), no capabilities, the sandbox's uid/gid (a `HostDir` workspace's owner's:
-//!    runsc's gofer gives new files the process's ids, so they are the owner's on the host,
-//!    see "Identity" in `docs/container.md`) and rlimits; output is captured
-//!    with caps and secret redaction. A wall timeout kills the exec's whole process group
-//!    inside the sandbox. (The socket is abstract, so per network namespace: for a sandbox
-//!    in a namespace of its own, for egress, a short-lived thread joins it to connect.)
-//!    Where that socket cannot be used (a runsc whose interface differs), commands go
-//!    through `runsc exec --process <0600 json file>`.
-//! 3. **snapshot**: `runsc checkpoint` (full memory state of every process) + the workspace
-//!    files, stored in a [`SnapshotStore`]; the sandbox is
-//!    restored in place from the image and keeps running. **restore** recreates the bundle
-//!    under a new id and `runsc restore`s the image: processes resume where they were.
-//!    Background processes are kept, with a terminal or not (a keeper inside runs each; a
-//!    snapshot detaches from them first and attaches again after: `docs/interactive.md`).
-//!
-//!    With [`SandboxSpec::rootfs`](sandbox_core::SandboxSpec) set, that directory is the root
-//!    instead, wrapped by runsc in an in-memory overlay (`--overlay2=root:memory`): the
-//!    sandbox can write where its user may, and the directory itself is never modified. The
-//!    path must be traversable by unprivileged users (gVisor's sandbox process is one).
-//! 4. **destroy**: `runsc delete --force`, reaping the sandbox's runsc processes ([`reaper`]),
+//!    points, read-only binds of the host's `/usr` and the `/etc` files tools need (or the
+//!    spec's [`rootfs`](sandbox_core::SandboxSpec::rootfs) or image), a capped tmpfs `/tmp`,
+//!    and `/workspace`; then `runsc run --detach` starts pid 1, which stays up and reaps
+//!    orphans, so files and background processes persist across an agent's turns.
+//! 2. **exec**: the calls `runsc exec` would make on the sandbox's control socket, made
+//!    directly (~5 ms instead of ~30 ms a command), with exactly the spec's environment, no
+//!    capabilities, the sandbox's uid/gid and rlimits; output capped and redacted.
+//! 3. **snapshot**: `runsc checkpoint` (every process's memory) + the workspace files, in a
+//!    [`SnapshotStore`]; **restore** `runsc restore`s them: processes resume where they were.
+//! 4. **destroy**: `runsc delete --force`, reaping runsc's processes ([`reaper`]),
 //!    unmounting the workspace and removing the state directory.
-
-//! ## A process that dies without destroying its sandboxes
-//! runsc's sandbox and gofer processes are not tied to the process that started them: a
-//! program killed with its sandboxes alive would leave their Sentries running (untrusted
-//! code included), their cgroups, the workspace mounts and the state directories. Each
-//! sandbox's creator holds a shared `flock` on `<state dir>/<id>/owner` for the sandbox's
-//! life; the kernel releases it when that process dies, however it dies. Two sweeps tear
-//! down the sandboxes whose lock nobody holds (`runsc delete --force`, the unmount, the
-//! removal; see the `stale` module):
-//! - **at once**: the first `create` of each process starts a watchdog (`/bin/sh` tagged
-//!   `asb-gvisor-watchdog`, reading a pipe only this process writes to, in a process group
-//!   of its own, ignoring terminal signals) that sweeps the state directory when the
-//!   process ends;
-//! - **at the next start**, for owners whose watchdog died with them (a whole process tree
-//!   or container killed): the first `create` of each process sweeps in the background, and
-//!   [`GvisorBackend::cleanup_stale`] does it on demand.
 //!
-//! Both are tested by `SIGKILL`ing a process that owns a sandbox running a background
-//! command (and, for the second, its watchdog first), also while the sandbox is paused
-//! (resumed first, and reported by [`GvisorBackend::cleanup_stale_report`]) or being
-//! checkpointed. A sandbox directory without an
-//! `owner` file older than ten minutes (an older version's, or a state root that a late
-//! `runsc` call made again after a teardown, e.g. a resume cut short by the end of the
-//! program) is swept too.
-
-//! ## Limits
-//! Memory, pids and CPU quota go to OCI `linux.resources` (cgroups v1 or v2, created by runsc
-//! under `agent-sandbox-gvisor-<id>`); an OOM kill is reported as `limit: memory`. Per-exec
-//! wall time, output bytes, open files and CPU seconds (`RLIMIT_CPU`) are enforced per exec.
+//! runsc's processes outlive their creator, so each sandbox carries an owner lock, a
+//! watchdog tears a dead owner's sandboxes down, and [`GvisorBackend::cleanup_stale`] sweeps
+//! what is left. Limits go to OCI `linux.resources` and rlimits; `/tmp`, `/dev/shm` and an
+//! empty workspace are capped tmpfs mounts charged to the memory limit. Deny-all is
+//! `--network=none`; other policies (and proxy-held secrets) need an [`EgressEnforcer`]
+//! ([`GvisorBackendBuilder::egress`]). `AGENT_SANDBOX_RUNSC_DEBUG=/some/dir` keeps runsc's debug logs.
 //!
-//! **Disk is memory here too.** The workspace of an `Empty` spec and `/tmp` + `/dev/shm`
-//! (the `tmp/` and `shm/` of one scratch tmpfs) are host tmpfs mounts the Sentry reaches
-//! through its gofer, and it also keeps their files in its memory, charged to the sandbox's
-//! limit. They are capped by [`Limits::tmpfs_caps`](sandbox_core::Limits::tmpfs_caps) of
-//! what the Sentry leaves (the limit less 16 MiB; an idle Sentry takes 14 MiB), with file
-//! counts at their measured cost (~6 KiB a file). gVisor's own tmpfs, which these mounts
-//! replace for `/tmp` and `/dev/shm`, ignores `nr_inodes`: a flood of empty files there
-//! grew the Sentry until it was OOM-killed and the sandbox lost. Now 100 MB written, or
-//! 100,000 empty files created, in any of them is `ENOSPC` reported as `limit: disk`, and the
-//! sandbox goes on (tested). `/tmp` and `/dev/shm` share their cap, are saved with
-//! snapshots (`scratch.tar`) and restored with them. A caller's rootfs without a `tmp` or
-//! `dev/shm` directory is seen through a host overlay that has them (runsc would create a
-//! bind mount's point in the directory itself, which is never written); where that overlay
-//! cannot be made (a path overlayfs cannot name, a state directory overlayfs cannot use),
-//! those mounts fall back to gVisor's tmpfs and its unbounded file count. The cost:
-//! file operations in `/tmp` go through the gofer, like the workspace's (measured with 3,000
-//! small files on the ptrace platform: `stat` 87–113 µs against 40–53 µs in gVisor's tmpfs,
-//! create + write 502–508 µs against 326–517 µs, read 586–643 µs against 466–510 µs).
-
-//! ## Network
-//! Deny-all (the default): `--network=none`, the sandbox has only gVisor's own loopback.
-//!
-//! Any other policy needs an [`EgressEnforcer`] ([`GvisorConfig::egress`]; refused with
-//! `Unsupported` without one). runsc then starts in a **network namespace of its own** (made
-//! for it at spawn time) with `--network=host`: gVisor passes socket calls to the host kernel
-//! *of that namespace*, whose only link is the enforcer's veth to the egress proxy
-//! (`--network=sandbox` fails on current kernels with "cannot run with network enabled in root
-//! network namespace"). Commands get the proxy variables, `/etc/resolv.conf` names the proxy's
-//! DNS responder, and code that ignores the proxy is captured transparently or dropped on the
-//! far side of the link. Such sandboxes cannot be snapshotted: runsc refuses to checkpoint
-//! a sandbox that uses host networking (`Unsupported` says so).
-//!
-//! **Proxy-held secrets** ([`SecretExposure::Proxy`](sandbox_core::SecretExposure::Proxy);
-//! design: `docs/network.md`, "Secrets the sandbox never holds") ride on that path: the
-//! backend asks the enforcer to `bind_secrets` right after `prepare`, each secret's variable
-//! gets its placeholder, and the certificates the sandbox trusts
-//! ([`SecretPlan::ca_bundle`](sandbox_core::SecretPlan::ca_bundle): the root's system bundle
-//! plus the proxy's interception CA) are at `/etc/agent-sandbox-ca.crt`, named by
-//! [`CA_BUNDLE_VARS`](sandbox_core::egress::CA_BUNDLE_VARS) (`SSL_CERT_FILE`,
-//! `REQUESTS_CA_BUNDLE`, `CURL_CA_BUNDLE`, `PIP_CERT`, `GIT_SSL_CAINFO`,
-//! `NODE_EXTRA_CA_CERTS`), and also **over the root's system bundle**
-//! (`/etc/ssl/certs/ca-certificates.crt`), so clients that read only that path trust it too:
-//! in the host-tools view both are read-only binds of one file of the state directory; an
-//! image's (or a caller's rootfs's) root gets them written into its overlay view (the layers
-//! are never written; the system path only where the root has that file). Without an
-//! enforcer such a spec is refused (`Unsupported`), and
-//! [`Capabilities::proxy_secrets`](sandbox_core::Capabilities::proxy_secrets) is false.
-//!
-//! ## Troubleshooting
-//! `AGENT_SANDBOX_RUNSC_DEBUG=/some/dir` makes every runsc call write its debug logs there.
-//!
-//! ## Known runsc quirks (Debian's 2022-12-19 build)
-//! - `statx` with `AT_NO_AUTOMOUNT` is rejected ("Invalid argument"), and coreutils' `ls DIR`,
-//!   `ls -l` and `stat` always pass it. The host-tools view therefore preloads a 4 KiB shim
-//!   (`/etc/ld.so.preload` names [`bundle::STATX_SHIM_PATH`], built from
-//!   `shim/statx_compat.rs`, no std) whose `statx` drops the flag, which means nothing in
-//!   gVisor (it has no automount points): `ls -la` and `stat` work (tested). A caller's
-//!   rootfs directory with glibc's loader gets it too, through the host overlay view of the
-//!   directory (its `ld.so.preload` kept, ours appended in the overlay; the directory is
-//!   never written; tested with a tree of the host's own `sh`, `ls`, `stat`); where that
-//!   view cannot be made, or its `etc` is a symbolic link, it does not. Not covered: static
-//!   and musl programs (they do not read `ld.so.preload`); a 32-bit program would get a
-//!   loader warning on stderr (the shim is 64-bit). An OCI seccomp rule cannot do it: this
-//!   runsc answers `EPERM` whatever `errnoRet` says, and glibc falls back to `fstatat` only
-//!   on `ENOSYS`.
-//! - The bundle's OCI seccomp profile (`--oci-seccomp`; [`bundle::seccomp`]: no new
-//!   namespaces, the container tier's rule for untrusted code) reaches the container's init
-//!   only, not the commands started by `runsc exec` or the control socket. The same shim
-//!   installs that filter in its constructor, so every dynamically linked program (and all
-//!   it starts) runs under it: `unshare -r true` fails with `EPERM` from the shell, Python
-//!   and argv (the conformance case `isolation.no-userns`). Not covered: a static program
-//!   started directly as argv, and rootfs directories that do not get the shim.
-//! - Rootless `create` and `restore` are refused by this runsc: the tier needs root
-//!   (`probe()` says so).
-//! - `checkpoint --leave-running` hangs: snapshots checkpoint, delete and restore in place.
-//! - The `systrap` platform does not exist in this build (ptrace is used); `kvm` hangs on
-//!   nested hosts, so it is used only when asked for.
-//! - Without a child subreaper, `delete` takes 1.3-2 s on hosts whose pid 1 reaps slowly:
-//!   the backend makes the process a subreaper while `runsc run --detach` runs (so the
-//!   processes it leaves become ours) and reaps exactly those ([`reaper`]).
+//! `docs/gvisor.md` in the repository is the design: how it works and isolates, the
+//! capabilities and limits tables, the network path, crash recovery, configuration, the
+//! known quirks of Debian's runsc (the `statx` shim, the seccomp profile that reaches only the
+//! init, rootless refusals) and the threat model; `docs/threat-model.md` places the tier
+//! among the others.
 
 pub mod bundle;
 pub mod reaper;
@@ -171,61 +56,98 @@ const TIER: Tier = Tier::Gvisor;
 /// The file in the state directory that remembers what runsc said about itself.
 const RUNSC_INFO_CACHE: &str = "runsc-info";
 
-/// Settings of the gVisor backend.
+/// Settings of the gVisor backend, as [`GvisorBackendBuilder`] collects them.
 #[derive(Debug, Clone, Default)]
-pub struct GvisorConfig {
+pub(crate) struct GvisorConfig {
     /// The runsc binary (default: `runsc` on `PATH`).
-    pub runsc: Option<PathBuf>,
+    pub(crate) runsc: Option<PathBuf>,
     /// The platform (default: systrap where available, else ptrace).
-    pub platform: Option<Platform>,
+    pub(crate) platform: Option<Platform>,
     /// Where per-sandbox state lives (default: `$TMPDIR/agent-sandbox-gvisor`).
-    pub state_dir: Option<PathBuf>,
+    pub(crate) state_dir: Option<PathBuf>,
     /// The egress enforcer for policies other than deny-all, if any (see the crate docs).
-    pub egress: Option<Arc<dyn EgressEnforcer>>,
-    /// Start every command with a `runsc exec` process instead of through the sandbox's
-    /// control socket (~30 ms instead of ~5 ms a command; for a runsc whose control
-    /// interface is in doubt, and to test that path).
-    pub runsc_exec: bool,
-    /// Where images named by [`SandboxSpec::image`](sandbox_core::SandboxSpec::image) are
-    /// pulled and cached (default: [`ImageStore::shared_default`], opened on the first image).
-    pub images: Option<ImageStore>,
+    pub(crate) egress: Option<Arc<dyn EgressEnforcer>>,
+    /// Start every command with a `runsc exec` process instead of through the control socket.
+    pub(crate) runsc_exec: bool,
+    /// Where images are pulled and cached (default: the shared store, opened on first use).
+    pub(crate) images: Option<ImageStore>,
 }
 
-impl GvisorConfig {
-    /// Uses this runsc binary.
+/// Builder for [`GvisorBackend`]: [`GvisorBackend::builder`], the settings, then
+/// [`build`](Self::build), which checks them. Nothing runs `runsc` until `probe` or `create`.
+#[derive(Debug, Clone, Default)]
+#[must_use]
+pub struct GvisorBackendBuilder {
+    cfg: GvisorConfig,
+}
+
+impl GvisorBackendBuilder {
+    /// Uses this runsc binary (an absolute path). Default: `runsc` on `PATH`.
     pub fn runsc(mut self, path: impl Into<PathBuf>) -> Self {
-        self.runsc = Some(path.into());
+        self.cfg.runsc = Some(path.into());
         self
     }
 
-    /// Forces a platform.
+    /// Forces a platform. Default: systrap where available, else ptrace.
     pub fn platform(mut self, p: Platform) -> Self {
-        self.platform = Some(p);
+        self.cfg.platform = Some(p);
         self
     }
 
-    /// Keeps sandbox state under this directory.
+    /// Keeps sandbox state under this directory (an absolute path). Default:
+    /// `$TMPDIR/agent-sandbox-gvisor`.
     pub fn state_dir(mut self, dir: impl Into<PathBuf>) -> Self {
-        self.state_dir = Some(dir.into());
+        self.cfg.state_dir = Some(dir.into());
         self
     }
 
     /// Plugs in the egress enforcer that gives allowlisted sandboxes their path out.
+    /// Default: none (a spec that allows any host is refused as `Unsupported`).
     pub fn egress(mut self, enforcer: Arc<dyn EgressEnforcer>) -> Self {
-        self.egress = Some(enforcer);
+        self.cfg.egress = Some(enforcer);
         self
     }
 
-    /// Starts commands with `runsc exec` processes (see [`GvisorConfig::runsc_exec`]).
+    /// Starts every command with a `runsc exec` process instead of through the sandbox's
+    /// control socket (~30 ms instead of ~5 ms a command; for a runsc whose control
+    /// interface is in doubt, and to test that path). Default: off.
     pub fn runsc_exec(mut self, yes: bool) -> Self {
-        self.runsc_exec = yes;
+        self.cfg.runsc_exec = yes;
         self
     }
 
-    /// Pulls and caches images in `store` (default: [`ImageStore::shared_default`]).
+    /// Pulls and caches images named by [`SandboxSpec::image`] in `store`. Default:
+    /// [`ImageStore::shared_default`], opened on the first image.
     pub fn image_store(mut self, store: ImageStore) -> Self {
-        self.images = Some(store);
+        self.cfg.images = Some(store);
         self
+    }
+
+    /// Checks the settings and builds the backend.
+    ///
+    /// # Errors
+    /// [`Error::InvalidSpec`] naming `runsc` or `state_dir` when it is not an absolute path.
+    pub fn build(self) -> Result<GvisorBackend> {
+        if let Some(p) = self.cfg.runsc.as_ref().filter(|p| !p.is_absolute()) {
+            return Err(Error::invalid(
+                "runsc",
+                format!(
+                    "`{}` is not an absolute path (give the binary's full path, or leave it \
+                     unset for `runsc` on PATH)",
+                    p.display()
+                ),
+            ));
+        }
+        if let Some(p) = self.cfg.state_dir.as_ref().filter(|p| !p.is_absolute()) {
+            return Err(Error::invalid(
+                "state_dir",
+                format!("`{}` is not an absolute path", p.display()),
+            ));
+        }
+        Ok(GvisorBackend {
+            config: self.cfg,
+            resolved: Arc::new(OnceLock::new()),
+        })
     }
 }
 
@@ -237,12 +159,6 @@ pub struct GvisorBackend {
     resolved: Arc<OnceLock<Resolved>>,
 }
 
-impl Default for GvisorBackend {
-    fn default() -> Self {
-        Self::new(GvisorConfig::default())
-    }
-}
-
 /// Everything `create` needs, resolved once per call.
 #[derive(Debug, Clone)]
 pub(crate) struct Resolved {
@@ -252,12 +168,9 @@ pub(crate) struct Resolved {
 }
 
 impl GvisorBackend {
-    /// A backend with these settings. Nothing is checked until `probe` or `create`.
-    pub fn new(config: GvisorConfig) -> Self {
-        GvisorBackend {
-            config,
-            resolved: Arc::new(OnceLock::new()),
-        }
+    /// Starts a builder (every setting at its default).
+    pub fn builder() -> GvisorBackendBuilder {
+        GvisorBackendBuilder::default()
     }
 
     /// The image store: the configured one, else the default, opened once.
@@ -470,9 +383,4 @@ impl Backend for GvisorBackend {
             .await
             .map_err(|e| Error::backend(TIER, format!("cleanup task failed: {e}")))?
     }
-}
-
-/// Shared handle type for the facade.
-pub fn backend(config: GvisorConfig) -> Arc<dyn Backend> {
-    Arc::new(GvisorBackend::new(config))
 }

@@ -161,7 +161,7 @@ fn find(explicit: Option<&Path>) -> Result<PathBuf> {
         None => which("runsc").ok_or_else(|| {
             unavailable(
                 "runsc not found on PATH",
-                "apt-get install runsc (or set GvisorConfig::runsc to its path)",
+                "apt-get install runsc (or give its path with GvisorBackendBuilder::runsc)",
             )
         }),
     }

@@ -10,7 +10,7 @@ mod ready_child;
 
 use std::os::unix::fs::PermissionsExt;
 
-use backend_gvisor::{GvisorBackend, GvisorConfig};
+use backend_gvisor::GvisorBackend;
 use bytes::Bytes;
 use sandbox_core::{
     Backend, Error, ExecRequest, Language, LimitKind, ObjectSnapshotStore, ResolvedSecrets,
@@ -19,7 +19,10 @@ use sandbox_core::{
 
 #[tokio::test]
 async fn missing_runsc_is_unavailable_with_a_fix() {
-    let b = GvisorBackend::new(GvisorConfig::default().runsc("/nonexistent/runsc"));
+    let b = GvisorBackend::builder()
+        .runsc("/nonexistent/runsc")
+        .build()
+        .unwrap();
     let s = b.probe().await;
     assert!(!s.available);
     let e = b
@@ -46,14 +49,20 @@ async fn too_old_or_fake_runsc_is_refused() {
     let old = dir.path().join("runsc-old");
     std::fs::write(&old, "#!/bin/sh\necho 'runsc version 0.0~20190101.0'\n").unwrap();
     std::fs::set_permissions(&old, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let s = GvisorBackend::new(GvisorConfig::default().runsc(&old))
+    let s = GvisorBackend::builder()
+        .runsc(&old)
+        .build()
+        .unwrap()
         .probe()
         .await;
     assert!(!s.available && s.reason.contains("too old"), "{s:?}");
     let fake = dir.path().join("runsc-fake");
     std::fs::write(&fake, "#!/bin/sh\necho hello\n").unwrap();
     std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let s = GvisorBackend::new(GvisorConfig::default().runsc(&fake))
+    let s = GvisorBackend::builder()
+        .runsc(&fake)
+        .build()
+        .unwrap()
         .probe()
         .await;
     assert!(
@@ -198,7 +207,10 @@ async fn corrupt_or_garbage_checkpoints_are_refused_and_leave_nothing() {
     bytes[mid] ^= 0xff;
     std::fs::write(&blob, &bytes).unwrap();
     let state = tempfile::tempdir().unwrap();
-    let isolated = GvisorBackend::new(GvisorConfig::default().state_dir(state.path()));
+    let isolated = GvisorBackend::builder()
+        .state_dir(state.path())
+        .build()
+        .unwrap();
     let e = isolated
         .restore(&store, &id, ResolvedSecrets::none())
         .await
@@ -281,7 +293,7 @@ async fn a_full_state_directory_fails_cleanly() {
         Some("size=16k"),
     )
     .unwrap();
-    let b = GvisorBackend::new(GvisorConfig::default().state_dir(&tiny));
+    let b = GvisorBackend::builder().state_dir(&tiny).build().unwrap();
     let r = b
         .create(&SandboxSpec::new(Language::Python), ResolvedSecrets::none())
         .await;
@@ -471,7 +483,7 @@ async fn destroy_right_after_a_snapshot_leaves_nothing() {
 #[ignore = "helper: run in a child process by sandboxes_of_a_killed_process_are_swept"]
 async fn killed_owner_child_process() {
     let state = std::env::var_os("AS_TEST_STATE").expect("AS_TEST_STATE");
-    let b = GvisorBackend::new(GvisorConfig::default().state_dir(state));
+    let b = GvisorBackend::builder().state_dir(state).build().unwrap();
     let sb = b
         .create(&SandboxSpec::new(Language::Shell), ResolvedSecrets::none())
         .await
@@ -569,7 +581,10 @@ async fn sandboxes_of_a_killed_process_are_torn_down() {
         "no runsc process of {id} outlived its owner and watchdog"
     );
 
-    let b = GvisorBackend::new(GvisorConfig::default().state_dir(state.path()));
+    let b = GvisorBackend::builder()
+        .state_dir(state.path())
+        .build()
+        .unwrap();
     assert_eq!(b.cleanup_stale().unwrap(), 1);
     assert_eq!(leftovers(state.path(), &id), None);
     // Nothing else to sweep, and a live sandbox of this process is never touched.

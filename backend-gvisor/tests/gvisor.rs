@@ -193,9 +193,10 @@ async fn commands_start_as_the_sandbox_user_with_its_limits_and_nothing_more() {
     require_gvisor!();
     // Through the control socket (the default), and through `runsc exec` processes.
     for runsc_exec in [false, true] {
-        let b = backend_gvisor::GvisorBackend::new(
-            backend_gvisor::GvisorConfig::default().runsc_exec(runsc_exec),
-        );
+        let b = backend_gvisor::GvisorBackend::builder()
+            .runsc_exec(runsc_exec)
+            .build()
+            .unwrap();
         same_start_semantics(&b).await;
     }
 }

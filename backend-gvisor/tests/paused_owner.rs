@@ -14,7 +14,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use backend_gvisor::{GvisorBackend, GvisorConfig};
+use backend_gvisor::GvisorBackend;
 use sandbox_core::{Backend, ExecRequest, Language, ResolvedSecrets, SandboxSpec};
 
 /// The tests of this file one at a time (each kills owners and sweeps).
@@ -29,7 +29,7 @@ static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 async fn paused_owner_child() {
     let state = std::env::var_os("AS_TEST_STATE").expect("AS_TEST_STATE");
     let how = std::env::var("AS_TEST_HOW").expect("AS_TEST_HOW");
-    let b = GvisorBackend::new(GvisorConfig::default().state_dir(state));
+    let b = GvisorBackend::builder().state_dir(state).build().unwrap();
     let sb = b
         .create(&SandboxSpec::new(Language::Shell), ResolvedSecrets::none())
         .await
@@ -201,7 +201,10 @@ async fn cleanup_resumes_and_removes_a_paused_sandbox_of_a_killed_owner() {
     let id = kill_owner("pause", state.path(), false);
     // Without its watchdog, the paused sandbox outlives its owner.
     assert!(!left_of(state.path(), &id).is_empty());
-    let b = GvisorBackend::new(GvisorConfig::default().state_dir(state.path()));
+    let b = GvisorBackend::builder()
+        .state_dir(state.path())
+        .build()
+        .unwrap();
     let report = b.cleanup_stale_report().unwrap();
     assert_eq!(report.removed, 1, "{report:?}");
     assert_eq!(report.thawed, vec![id.clone()], "{report:?}");
@@ -217,7 +220,10 @@ async fn the_next_process_removes_a_paused_sandbox_of_a_killed_owner() {
     let id = kill_owner("pause", state.path(), false);
     // The start-up sweep: the first create of a process (here a backend of ours on that
     // state directory) sweeps it in the background.
-    let b = GvisorBackend::new(GvisorConfig::default().state_dir(state.path()));
+    let b = GvisorBackend::builder()
+        .state_dir(state.path())
+        .build()
+        .unwrap();
     let live = b
         .create(&SandboxSpec::new(Language::Shell), ResolvedSecrets::none())
         .await
@@ -239,7 +245,10 @@ async fn a_sandbox_being_checkpointed_when_its_owner_is_killed_is_removed() {
     // The checkpoint (a runsc process of its own) may still be running: cleanup deletes the
     // sandbox whatever it does, and whatever it left (a restored copy under the same id
     // included) is gone after another sweep at most.
-    let b = GvisorBackend::new(GvisorConfig::default().state_dir(state.path()));
+    let b = GvisorBackend::builder()
+        .state_dir(state.path())
+        .build()
+        .unwrap();
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         b.cleanup_stale_report().unwrap();

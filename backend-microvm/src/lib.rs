@@ -4,180 +4,38 @@
 //! (Debian's, or one you give), booted in a virtual machine that our own monitor (VMM) runs
 //! with KVM, with our guest agent as `/init`. Code in the guest shares nothing with the host
 //! kernel but the KVM interface; this is the tier for public multi-tenant agents and for
-//! anything that needs a kernel of its own. Firecracker is the model (and the numbers to
-//! beat); the difference is that the monitor is a library: `cargo add` and no VMM binary to
-//! install.
+//! anything that needs a kernel of its own. Firecracker is the model; the difference is that
+//! the monitor is a library: `cargo add` and no VMM binary to install.
 //!
 //! [`MicrovmBackend`] implements [`sandbox_core::Backend`]; the parts it is made of are public
-//! modules, usable on their own:
+//! modules, usable on their own: [`vmm`] (the monitor on the rust-vmm crates: guest RAM, vCPU
+//! threads, serial, virtio-mmio console, read-only block and net devices, snapshots, a pool
+//! of VMs made ahead), [`boot`] + [`acpi`] (the Linux boot protocol and the tables that
+//! describe the devices), [`guest`] (kernel extraction, our initramfs, the install cache),
+//! [`agent_client`] (the agent's protocol over the virtio-console), [`network`] (the TAP
+//! bridged to the egress enforcer's link) and [`probe`] (what this host's KVM can run).
 //!
-//! - [`vmm`]: the monitor on the rust-vmm crates (`kvm-ioctls`, `vm-memory`, `linux-loader`,
-//!   `vm-superio`): memfd-backed guest RAM, vCPU threads, an 8250 serial console, a virtio-mmio
-//!   transport with a virtio-console device, a read-only virtio-blk device (an image's
-//!   root disk) and a virtio-net device on a TAP (`docs/microvm-network.md`), KVM's
-//!   in-kernel irqchip and PIT, snapshot/restore, VMs made ahead of time ([`vmm::VmPool`]).
-//! - [`boot`] + [`acpi`]: the Linux 64-bit boot protocol (vmlinux ELF, `boot_params`, e820,
-//!   command line, initrd) and the ACPI tables (RSDP, XSDT, FADT, MADT, DSDT) that describe
-//!   the virtio-mmio devices: Debian's kernel has no `virtio_mmio.device=` command-line
-//!   devices, so ACPI is how it finds them (as with Firecracker and cloud-hypervisor).
-//! - [`guest`]: kernel extraction (bzImage with an xz payload → `vmlinux`), the initramfs we
-//!   build (cpio newc: the agent as `/init`, static busybox, the virtio modules), and the
-//!   cache [`guest::install`] prepares.
-//! - [`agent_client`]: the host side of the agent's framed protocol (exec with streamed
-//!   output, files, ping, shutdown).
-//! - [`probe`]: what this host's KVM can really do, measured.
+//! The VMM runs **in-process, contained**: every guest-reachable path validates what it reads
+//! and returns errors instead of panicking, each VMM thread runs under `catch_unwind` and a
+//! thread-scoped [`seccomp`] filter, and a hostile guest ends its own VM with a typed
+//! [`vmm::VmExit`], never the host process. Snapshots save every vCPU, device and (sparse)
+//! memory page; restores map memory copy-on-write, and later sandboxes of a kind start from
+//! the first one's boot ([`MicrovmConfig::boot_snapshots`]), each with a fresh identity.
 //!
-//! ## The monitor runs in-process, contained
-//! There is no external VMM binary and no fork from the caller's (threaded, async) process:
-//! a VM is a set of threads of the library user's process (one per vCPU, one for device
-//! I/O). A crash or a hostile guest must still not take that process down, so every path the
-//! guest can reach (exit decoding, port and MMIO accesses, virtqueue parsing) validates what
-//! it reads, uses checked arithmetic on guest addresses and returns errors instead of
-//! panicking; each VMM thread runs under `catch_unwind` and under a **thread-scoped seccomp
-//! filter** allowing only the syscalls and ioctls its loop needs ([`seccomp`]); guest memory
-//! is bounded by the spec. A guest that triple-faults, spins, floods the serial port or
-//! writes garbage into a virtqueue ends that VM with a typed [`vmm::VmExit`]; other VMs and
-//! the host process carry on. A wall-clock deadline (the spec's `lifetime_ms`) kills the VM
-//! from the host side whatever the guest does.
-//!
-//! ## The agent channel: virtio-console
-//! The host talks to the guest agent over **one virtio-console port** (`/dev/hvc0` in the
-//! guest, put in raw mode by the agent) on the virtio-mmio transport. One byte stream is all
-//! the framed protocol needs (it multiplexes concurrent requests by id), and the device model
-//! is far smaller than virtio-vsock's (no connection state machine, no credit accounting):
-//! less guest-reachable code in the host process. The host end is one side of a Unix
-//! socketpair, so [`agent_client::AgentClient`] is plain blocking stream code; the backend
-//! calls it on tokio's blocking pool. The agent runs every command with exactly the
-//! environment the host sends (the spec's `env`, its secrets, and `PATH`/`HOME`/`LANG`
-//! defaults), in `/workspace` (a tmpfs in the guest), kills a command's process group at its
-//! timeout and caps the output it forwards; the host caps and redacts again.
-//!
-//! ## Snapshots
-//! [`Sandbox::snapshot`] pauses the vCPUs and saves every
-//! vCPU's state (registers, special registers, FPU/XSAVE, XCRs, debug registers, MSRs,
-//! LAPIC, pending events), the VM's (irqchip, PIT, KVM clock), the devices' (serial,
-//! virtio transport and queues) and guest memory. The VMM writes a versioned JSON state file
-//! (`vm-state.json`, format [`vmm::vm::SNAPSHOT_FORMAT_VERSION`]) and a sparse memory file;
-//! the sandbox stores them in the [`SnapshotStore`] as two
-//! artifacts, `vm-state.json` and `memory.extents` (only the non-zero pages, as
-//! offset/length/bytes runs: a guest that touched 40 MiB of 512 stores 40). The manifest's
-//! engine string names the VMM version and the snapshot format version; metadata records the
-//! memory size, vCPU count and agent build. Restore writes the memory back as a sparse file
-//! (once per snapshot: the file is kept for its next restores), maps it **copy-on-write**
-//! (`MAP_PRIVATE`) into a new VM (one made ahead of time when the pool has one), so restore
-//! cost does not grow with memory size and copies share the pages none of them wrote, and
-//! pings the agent: processes, files in `/workspace` and the guest
-//! kernel's state continue exactly where they were. A snapshot from another format version,
-//! another engine or of another memory size is refused with a typed error before anything
-//! starts. The sandbox waits for its in-flight agent calls before it snapshots, so no request
-//! is cut in half on the channel.
-//!
-//! Every sandbox, booted or restored, gets a fresh identity from the agent's `Refresh`
-//! before it is handed out: its id as hostname, 64 bytes of this host's randomness mixed into
-//! the guest's pool and its generator reseeded, and this host's wall clock. Copies restored
-//! from one snapshot would otherwise share the snapshot's random state (the same "random"
-//! keys and nonces in every copy), clock and name. Background processes are kept: the agent
-//! holds its output while the VM is saved, the snapshot records them, and a restored copy's
-//! client (whose request ids start after the snapshotted one's) adopts them and releases the
-//! hold (docs/interactive.md). A snapshot is refused while a published port has open
-//! connections.
-//!
-//! ## Boot once, start many
-//! The first sandbox of a kind (kernel, initramfs, command line, memory, vCPUs, image disk)
-//! boots, and is snapshotted the moment its agent is ready, before its identity and before
-//! any command of its own; later sandboxes of that kind restore that snapshot instead of
-//! booting, each given its own identity as above, their memory shared copy-on-write
-//! ([`MicrovmConfig::boot_snapshots`], on by default; a copy with a network gets its own
-//! link, and the agent moves `eth0` to it).
-//! Restores take VMs made ahead of time from a pool ([`MicrovmConfig::pool_size`]). What
-//! copies share and why that is safe: `docs/microvm-snapshots.md`.
-//!
-//! ## What this host can run
-//! [`probe::probe_kvm`] runs the same tiny loop at CPL 3 and at CPL 0 in throwaway VMs (each
-//! bounded by a deadline: the probe never hangs) and compares. On hosts with hardware
-//! virtualization both take about as long and the tier is available (once the guest is
-//! installed). On **nested, PVM-style KVM** (the `kvm_pvm` module, as on the machines this
-//! project is developed on) guest user mode runs natively but guest kernel mode is emulated
-//! at ~2 million instructions/s, and a stock Linux kernel never finishes booting; the probe
-//! then reports *"Linux guests unsupported on this host: kernel mode is emulated"* with a fix,
-//! `create` returns [`Error::Unavailable`] at once, and
-//! `--tier auto` never picks this tier. Tiny freestanding guests that run in user mode still
-//! work there: they are what the VMM's own test suite (`tests/tiny_guest.rs`,
-//! `tests/adversarial.rs`) boots.
-//!
-//! The guest side is still checked on a real kernel there: `tests/qemu_guest.rs` boots the
-//! installed Debian kernel with our initramfs under QEMU's software emulation (`microvm`
-//! machine, its virtio-mmio console described by ACPI as ours is) and drives the agent over
-//! the console with [`agent_client`]: module loading, `/dev/hvc0`, exec, files, streaming,
-//! timeouts and shutdown. What only a hardware-KVM host shows is our VMM's own devices and
-//! tables under Linux (`tests/linux_guest.rs`, `tests/backend.rs`: they skip here with the
-//! probe's reason).
-//!
-//! ## Installing the guest
 //! ```text
-//! agent-sandbox install microvm-guest                 # Debian's linux-image-amd64 (apt-get download)
+//! agent-sandbox install microvm-guest                 # Debian's linux-image-amd64
 //! agent-sandbox install microvm-guest --kernel vmlinux [--modules /lib/modules/VER] [--dir DIR]
 //! ```
-//! prepares `vmlinux` and the initramfs (agent + busybox-static + the virtio modules) in
-//! `$XDG_CACHE_HOME/agent-sandbox/microvm` (else `~/.cache/agent-sandbox/microvm`), each
-//! file recorded with its size and SHA-256 in a manifest ([`guest::install`]). From Rust:
-//! [`guest::install::install`].
 //!
-//! ## Your own kernel
-//! `--kernel` takes an uncompressed `vmlinux` ELF or a bzImage with an xz payload (extracted),
-//! for example Firecracker's CI kernels; a kernel with `virtio_mmio` and `virtio_console`
-//! built in needs no modules. Or skip the cache and point the backend at files directly:
-//! [`MicrovmBackend::builder`]`().kernel(path).initramfs(path)` (the kernel may then be a
-//! `vmlinux` ELF or a bzImage, loaded as it is and entered at its 64-bit `startup_64`; the
-//! initramfs must hold this library's agent as `/init`: build one with
-//! [`guest::initramfs::build`]).
+//! On nested, PVM-style KVM hosts guest kernel mode is emulated and Linux cannot boot: the
+//! probe says so, `create` is [`Error::Unavailable`] at once and `--tier auto` never picks
+//! the tier.
 //!
-//! ## Limits
-//! `limits.memory_bytes` is the guest's RAM (at least 32 MiB); vCPUs come from the backend
-//! configuration (default 1); `lifetime_ms` is the VM's wall-clock deadline; per-exec
-//! `wall_time_ms` (or the request's shorter timeout) is enforced by the agent, which kills the
-//! command's process group; `output_bytes` caps each stream. CPU time, pids, open files and
-//! disk are bounded by the VM as a whole (its vCPUs and RAM), not per command. `/workspace`,
-//! `/tmp` and `/dev/shm` are tmpfs mounts in guest RAM, which nothing can reclaim: the agent
-//! caps them together at 5/8 of the RAM the kernel and initramfs left, and one inode per
-//! 8 KiB of it (the policy of [`Limits::tmpfs_caps`](sandbox_core::Limits::tmpfs_caps);
-//! `limits.disk_bytes` does not reach the guest), so a full disk is `ENOSPC` and not the
-//! guest's OOM killer taking the agent (tested under QEMU).
-//!
-//! ## Network
-//! Deny-all (the default) boots a guest without a network device. With an egress enforcer
-//! plugged in ([`MicrovmBuilder::egress`]; the facade's `Runtime` plugs in the shared one),
-//! allowlist and internet policies get a virtio-net device on a TAP in the sandbox's own
-//! network namespace, bridged to the enforcer's link: the guest holds the sandbox's address,
-//! its gateway is the proxy, and the enforcer's host-side rules police it as they do a
-//! container's namespace ([`network`], `docs/microvm-network.md`). A snapshot of such a
-//! sandbox records the guest's MAC; a restored copy gets a link, address and TAP of its own
-//! (the snapshot's spec's policy) and the agent moves `eth0` to them (`Network`).
-//!
-//! **Proxy-held secrets** ([`SecretExposure::Proxy`](sandbox_core::SecretExposure::Proxy))
-//! ride on that network: the backend asks the enforcer to `bind_secrets`
-//! ([`GuestNetwork::bind_secrets`](network::GuestNetwork::bind_secrets)), each secret's
-//! variable gets its placeholder, `SSL_CERT_FILE` and the other
-//! [`CA_BUNDLE_VARS`](sandbox_core::egress::CA_BUNDLE_VARS) name `/etc/agent-sandbox-ca.crt`,
-//! and right after the boot the agent writes the guest root's own system bundle plus the
-//! proxy's interception CA there and over `/etc/ssl/certs/ca-certificates.crt`
-//! (`Trust`; the host cannot read an image's bundle inside its disk, the agent can; a link
-//! planted on the way is refused or replaced, never followed). Without an enforcer such a
-//! spec is `Unsupported`, naming [`MicrovmBuilder::egress`].
-//! Host directories (`Workspace::HostDir`, `mounts`, a `rootfs` directory) are not shared
-//! into the guest: such specs are refused with `Unsupported`.
-//!
-//! ## Images
-//! A spec with an [`image`](sandbox_core::SandboxSpec::image) boots with that image as the
-//! guest's root: [`ImageStore::ensure`] finds or pulls it (the store from
-//! [`MicrovmBuilder::image_store`], else [`ImageStore::shared_default`]),
-//! [`ImageStore::rootfs_image`] makes its layers into a read-only ext4 file once per image,
-//! the VM serves that file with its read-only virtio-blk device, and the kernel command line
-//! gets `agent.root=/dev/vda` (and `agent.user=<uid>:<gid>` for an image whose `User` is not
-//! root): the agent mounts the disk under a writable overlay in guest RAM and switches to it.
-//! Commands get the image's `Env` under the spec's, its `WorkingDir`, and its own `python3`
-//! or `node` for code strings ([`Capabilities::image_languages`]). Snapshots pin the image's
-//! digest and the disk's identity. See `docs/images.md`.
+//! `docs/microvm.md` in the repository is the design: how it works and isolates, the agent
+//! channel, capabilities and limits tables, network and proxy-held secrets, images,
+//! snapshots, the probe, installing the guest and your own kernel, configuration and known
+//! limits; `docs/microvm-network.md` and `docs/microvm-snapshots.md` go deeper;
+//! `docs/threat-model.md` places the tier among the others.
 
 mod sandbox;
 mod stale;
@@ -305,7 +163,7 @@ impl MicrovmConfig {
 
 /// Builder for [`MicrovmBackend`].
 #[derive(Debug, Clone, Default)]
-pub struct MicrovmBuilder {
+pub struct MicrovmBackendBuilder {
     config: MicrovmConfig,
     kernel: Option<PathBuf>,
     initramfs: Option<PathBuf>,
@@ -314,7 +172,7 @@ pub struct MicrovmBuilder {
     egress: Option<Arc<dyn EgressEnforcer>>,
 }
 
-impl MicrovmBuilder {
+impl MicrovmBackendBuilder {
     /// Uses the guest cache in `dir` (default: [`guest::install::default_cache_dir`]).
     pub fn guest_dir(mut self, dir: impl Into<PathBuf>) -> Self {
         self.dir = Some(dir.into());
@@ -441,12 +299,6 @@ pub struct MicrovmBackend {
     warm: Arc<sandbox::warm::WarmStarts>,
 }
 
-impl Default for MicrovmBackend {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
 /// The guest files a VM boots.
 #[derive(Debug, Clone)]
 pub(crate) struct GuestFiles {
@@ -460,11 +312,6 @@ pub(crate) struct GuestFiles {
 }
 
 impl MicrovmBackend {
-    /// The default backend: the installed guest in the default cache directory, 1 vCPU.
-    pub fn new() -> Self {
-        Self::with(MicrovmConfig::default(), None, None)
-    }
-
     fn with(
         config: MicrovmConfig,
         images: Option<ImageStore>,
@@ -482,9 +329,10 @@ impl MicrovmBackend {
         }
     }
 
-    /// A builder for other settings.
-    pub fn builder() -> MicrovmBuilder {
-        MicrovmBuilder::default()
+    /// Starts a builder (every setting at its default: the installed guest in the default
+    /// cache directory, 1 vCPU).
+    pub fn builder() -> MicrovmBackendBuilder {
+        MicrovmBackendBuilder::default()
     }
 
     /// The settings.
@@ -563,7 +411,7 @@ impl MicrovmBackend {
                             tier: TIER,
                             reason: format!("the configured guest {what} {} does not exist", p.display()),
                             fix: format!(
-                                "point the backend at an existing {what} (MicrovmBuilder::kernel, ::initramfs), or use the installed guest ({})",
+                                "point the backend at an existing {what} (MicrovmBackendBuilder::kernel, ::initramfs), or use the installed guest ({})",
                                 install_fix(None)
                             ),
                         });
@@ -757,9 +605,4 @@ impl Backend for MicrovmBackend {
             .await
             .map_err(|e| Error::backend(TIER, format!("cleanup task failed: {e}")))
     }
-}
-
-/// Shared handle type for the facade.
-pub fn backend(config: MicrovmConfig) -> Arc<dyn Backend> {
-    Arc::new(MicrovmBackend::with(config, None, None))
 }

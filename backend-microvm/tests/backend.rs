@@ -44,7 +44,7 @@ fn shell_spec() -> SandboxSpec {
 
 #[tokio::test]
 async fn the_probe_tells_the_truth_and_returns() {
-    let status = tokio::time::timeout(HANG, MicrovmBackend::new().probe())
+    let status = tokio::time::timeout(HANG, MicrovmBackend::builder().build().unwrap().probe())
         .await
         .expect("the probe must not hang");
     let kvm = probe_kvm();
@@ -113,7 +113,10 @@ async fn create_where_linux_guests_cannot_run_is_unavailable_at_once() {
     }
     let r = tokio::time::timeout(
         HANG,
-        MicrovmBackend::new().create(&shell_spec(), ResolvedSecrets::none()),
+        MicrovmBackend::builder()
+            .build()
+            .unwrap()
+            .create(&shell_spec(), ResolvedSecrets::none()),
     )
     .await
     .expect("create must not hang");
@@ -182,7 +185,7 @@ async fn an_image_is_not_pulled_where_the_tier_cannot_run() {
 
 #[tokio::test]
 async fn specs_this_tier_cannot_honour_are_refused_before_anything_starts() {
-    let b = MicrovmBackend::new();
+    let b = MicrovmBackend::builder().build().unwrap();
     let unsupported = |s: SandboxSpec| {
         let b = b.clone();
         async move {
@@ -245,7 +248,7 @@ async fn specs_this_tier_cannot_honour_are_refused_before_anything_starts() {
 
 #[test]
 fn capabilities_are_honest() {
-    let c = MicrovmBackend::new().capabilities();
+    let c = MicrovmBackend::builder().build().unwrap().capabilities();
     assert_eq!(c.tier, Tier::Microvm);
     // Our initramfs has busybox and the agent: shell code and argv, nothing else.
     assert_eq!(c.languages, vec![Language::Shell]);
@@ -332,10 +335,10 @@ fn the_builder_refuses_bad_settings() {
     assert_eq!(b.config().vcpus, 2);
     assert_eq!(b.config().pool_size, 0);
     assert!(!b.config().boot_snapshots);
-    let d = MicrovmBackend::new();
+    let d = MicrovmBackend::builder().build().unwrap();
     assert!(d.config().boot_snapshots, "on by default");
     assert_eq!(d.config().pool_size, backend_microvm::DEFAULT_POOL_SIZE);
-    assert_eq!(MicrovmBackend::new().config().vcpus, 1);
+    assert_eq!(MicrovmBackend::builder().build().unwrap().config().vcpus, 1);
     assert!(MicrovmBackend::engine().contains(&format!(
         "snapshot format {}",
         backend_microvm::vmm::vm::SNAPSHOT_FORMAT_VERSION
@@ -346,7 +349,7 @@ fn the_builder_refuses_bad_settings() {
 async fn snapshots_from_elsewhere_are_refused_before_anything_starts() {
     let dir = tempfile::tempdir().unwrap();
     let store = ObjectSnapshotStore::local(dir.path()).unwrap();
-    let b = MicrovmBackend::new();
+    let b = MicrovmBackend::builder().build().unwrap();
     let restore = |id| {
         let (b, store) = (b.clone(), store.clone());
         async move {

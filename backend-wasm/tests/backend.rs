@@ -12,7 +12,7 @@ use sandbox_core::{
 
 #[tokio::test]
 async fn capabilities_are_honest() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let c = b.capabilities();
     assert_eq!(c.tier, Tier::Wasm);
     assert_eq!(
@@ -31,7 +31,7 @@ async fn capabilities_are_honest() {
 
 #[tokio::test]
 async fn refusals() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let mut spec = SandboxSpec::new(Language::Javascript);
     spec.network = NetworkPolicy::allow_hosts(["api.example.com"]).unwrap();
     match b.create_sandbox(&spec, ResolvedSecrets::none()).await {
@@ -62,7 +62,7 @@ async fn refusals() {
 
 #[tokio::test]
 async fn destroy_and_gone() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let sb = common::js(&b).await;
     sb.write_file("a.txt", b"a").await.unwrap();
     sb.health_check().await.unwrap();
@@ -80,7 +80,7 @@ async fn destroy_and_gone() {
 
 #[tokio::test]
 async fn snapshot_round_trip_of_workspace_files() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let store = ObjectSnapshotStore::local(dir.path()).unwrap();
     let sb = common::js(&b).await;
@@ -128,7 +128,7 @@ async fn python_snapshot_round_trip() {
 async fn warm_pool_hands_out_ready_sandboxes() {
     use sandbox_core::{PoolConfig, WarmPool};
     use std::time::Duration;
-    let b: sandbox_core::DynBackend = Arc::new(WasmBackend::new());
+    let b: sandbox_core::DynBackend = Arc::new(WasmBackend::builder().build().unwrap());
     let pool = WarmPool::start(
         b,
         SandboxSpec::new(Language::Javascript),

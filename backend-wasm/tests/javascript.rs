@@ -10,7 +10,7 @@ use serde_json::json;
 
 #[tokio::test]
 async fn console_value_and_session() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let sb = common::js(&b).await;
     let r = common::run(sb.as_ref(), r#""abc".toUpperCase()"#).await;
     assert_eq!(r.value.as_deref(), Some(r#""ABC""#), "{r:?}");
@@ -44,7 +44,7 @@ async fn console_value_and_session() {
 
 #[tokio::test]
 async fn errors_are_results() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let sb = common::js(&b).await;
     let r = common::run(sb.as_ref(), "throw new TypeError('bad thing')").await;
     assert_eq!(r.exit_code, Some(1));
@@ -64,7 +64,7 @@ async fn errors_are_results() {
 
 #[tokio::test]
 async fn no_host_objects() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let sb = common::js(&b).await;
     let r = common::run(
         sb.as_ref(),
@@ -115,7 +115,7 @@ async fn host_tools() {
 
 #[tokio::test]
 async fn limits() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let spec = SandboxSpec::builder(Language::Javascript)
         .wall_time(Duration::from_millis(300))
         .memory_mib(32)
@@ -181,7 +181,7 @@ async fn limits() {
 async fn every_sandbox_starts_from_a_pristine_context() {
     // Contexts are built ahead of time (on the janitor thread); each must be unused when a
     // sandbox gets it, and the stack limit must hold on the thread that runs it.
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     for round in 0..8 {
         let sb = common::js(&b).await;
         let r = common::run(

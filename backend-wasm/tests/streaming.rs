@@ -135,7 +135,7 @@ async fn javascript_console_lines_stream_as_they_come() {
 
 #[tokio::test]
 async fn javascript_stream_is_capped_and_ends_with_the_note() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let spec = SandboxSpec::builder(Language::Javascript)
         .output_bytes(100)
         .wall_time(Duration::from_millis(300))
@@ -169,7 +169,7 @@ async fn javascript_stream_is_capped_and_ends_with_the_note() {
 
 #[tokio::test]
 async fn javascript_secrets_are_redacted_in_streams_and_values() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let (spec, secrets) = secret_spec(Language::Javascript);
     let sb = b.create(&spec, secrets).await.unwrap();
     let code = format!("console.log('a={SECRET}'); console.error('{SECRET}'); '{SECRET}'");
@@ -217,7 +217,7 @@ fn split_secret_module() -> String {
 
 #[tokio::test]
 async fn module_output_streams_and_a_split_secret_is_redacted() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let (mut spec, secrets) = secret_spec(Language::Wasm);
     spec.limits.wall_time_ms = 20_000;
     let sb = b.create(&spec, secrets).await.unwrap();
@@ -247,7 +247,7 @@ async fn module_output_streams_and_a_split_secret_is_redacted() {
 
 #[tokio::test]
 async fn module_stream_is_capped() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let spec = SandboxSpec::builder(Language::Wasm)
         .output_bytes(1000)
         .build()

@@ -50,7 +50,7 @@ async fn wasm_sandbox(b: &WasmBackend, spec: SandboxSpec) -> Box<dyn Sandbox> {
 
 #[tokio::test]
 async fn hello_from_code_and_from_workspace_file() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let sb = wasm_sandbox(&b, SandboxSpec::new(Language::Wasm)).await;
     let r = common::run(sb.as_ref(), &hello()).await;
     assert_eq!(r.stdout_str(), "hello wasm\n", "{r:?}");
@@ -85,7 +85,7 @@ async fn hello_from_code_and_from_workspace_file() {
 
 #[tokio::test]
 async fn exit_codes_args_env_stdin() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let spec = SandboxSpec::builder(Language::Wasm)
         .env("A", "1")
         .env("B", "2")
@@ -163,7 +163,7 @@ async fn exit_codes_args_env_stdin() {
 
 #[tokio::test]
 async fn workspace_files_relative_and_absolute() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let sb = wasm_sandbox(&b, SandboxSpec::new(Language::Wasm)).await;
     sb.write_file("sub/data.txt", b"file data").await.unwrap();
     // fd 3 is /workspace, fd 4 is the working directory ".".
@@ -191,7 +191,7 @@ async fn workspace_files_relative_and_absolute() {
 
 #[tokio::test]
 async fn limits_wall_fuel_memory_output_files() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let spec = SandboxSpec::builder(Language::Wasm)
         .wall_time(Duration::from_millis(300))
         .output_bytes(1000)
@@ -295,7 +295,7 @@ async fn limits_wall_fuel_memory_output_files() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pooled_slots_are_clean_and_overflow_to_the_plain_engine() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let spec = SandboxSpec::builder(Language::Wasm)
         .wall_time(Duration::from_millis(400))
         .build()
@@ -355,7 +355,7 @@ async fn futures_join(
 
 #[tokio::test]
 async fn components_are_refused_as_unsupported_by_name() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let sb = wasm_sandbox(&b, SandboxSpec::new(Language::Wasm)).await;
     let err = sb
         .exec(ExecRequest::code("(component)"))
@@ -374,7 +374,7 @@ async fn components_are_refused_as_unsupported_by_name() {
 
 #[tokio::test]
 async fn a_module_filling_the_workspace_gets_enospc() {
-    let b = WasmBackend::new();
+    let b = WasmBackend::builder().build().unwrap();
     let mut spec = SandboxSpec::new(Language::Wasm);
     spec.limits.disk_bytes = 1 << 20;
     let sb = wasm_sandbox(&b, spec).await;

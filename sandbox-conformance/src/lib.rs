@@ -23,6 +23,8 @@
 //! traffic only to check that there is no route (see `net.deny-all`), and never from a
 //! sandbox whose routing table shows a way out.
 
+#![forbid(unsafe_code)]
+
 use std::future::Future;
 use std::pin::Pin;
 
@@ -33,6 +35,7 @@ use sandbox_core::{
 
 mod cases;
 pub mod table;
+pub mod transitions;
 
 pub use cases::cases;
 
@@ -69,7 +72,7 @@ pub enum Need {
     /// An isolation boundary with processes of its own (not an in-process VM, not none).
     ProcessIsolation,
     /// The tier does *not* claim images (a claimed one is checked by
-    /// `agent-sandbox/tests/image.rs`, which needs an image to start).
+    /// `agent-sandbox-cli/tests/image.rs`, which needs an image to start).
     NoImages,
 }
 
@@ -109,7 +112,7 @@ impl Need {
                 _ => None,
             },
             Need::NoImages => caps.images.then(|| {
-                "claims images (capabilities().images): checked by agent-sandbox/tests/image.rs"
+                "claims images (capabilities().images): checked by agent-sandbox-cli/tests/image.rs"
                     .into()
             }),
         }

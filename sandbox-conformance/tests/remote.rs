@@ -64,7 +64,7 @@ fn committed(tier: Tier) -> Vec<(String, String)> {
 }
 
 async fn through_a_server(tier: Tier) {
-    let runtime = Arc::new(Runtime::builder_with_tiers(&[tier]).build());
+    let runtime = Arc::new(Runtime::builder().with_tiers(&[tier]).build());
     let local = runtime.backend(tier).unwrap().clone();
     let status = local.probe().await;
     if !status.available {

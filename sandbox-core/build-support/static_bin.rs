@@ -43,6 +43,9 @@ fn ok(mut c: Command) -> bool {
 
 /// Compiles `src` (the crate root of a std-only program; the caller tells cargo about any
 /// module files it declares) as `crate_name` into `OUT_DIR/out_name` and returns that path.
+/// `libs` are the std-only, dependency-free library crates it uses, as (crate name, crate
+/// root): each is compiled first, with the same flags, into an rlib in `OUT_DIR` and passed
+/// with `--extern` (cargo is told to rerun when anything beside its root changes).
 /// Tries, in order: static non-PIE (no start-up relocations), static PIE, and, when
 /// `allow_dynamic`, a dynamically linked binary. Panics (failing the build) naming `what`
 /// when none links.
@@ -53,21 +56,46 @@ pub fn compile(
     out_name: &str,
     allow_dynamic: bool,
     what: &str,
+    libs: &[(&str, &str)],
 ) -> PathBuf {
     let bin = output(src, out_name);
+    let Some(dir) = bin.parent().map(Path::to_path_buf) else {
+        panic!("no directory for {}", bin.display());
+    };
+    for (_, root) in libs {
+        if let Some(lib_dir) = Path::new(root).parent() {
+            println!("cargo:rerun-if-changed={}", lib_dir.display());
+        }
+    }
     // 0: static, non-PIE; 1: static PIE; 2: dynamic.
-    let build = |mode: u8| {
-        let mut c = rustc("bin", crate_name, &bin, src);
+    let flags = |c: &mut Command, mode: u8| {
         if mode < 2 {
             c.args(["-C", "target-feature=+crt-static"]);
         }
         if mode == 0 {
             c.args(["-C", "relocation-model=static"]);
         }
-        c
+    };
+    let build = |mode: u8| {
+        let mut externs = Vec::new();
+        for (name, root) in libs {
+            let rlib = dir.join(format!("lib{name}-{out_name}-{mode}.rlib"));
+            let mut c = rustc("rlib", name, &rlib, root);
+            flags(&mut c, mode);
+            if !ok(c) {
+                return false;
+            }
+            externs.push(format!("{name}={}", rlib.display()));
+        }
+        let mut c = rustc("bin", crate_name, &bin, src);
+        flags(&mut c, mode);
+        for e in &externs {
+            c.args(["--extern", e]);
+        }
+        ok(c)
     };
     let modes: &[u8] = if allow_dynamic { &[0, 1, 2] } else { &[0, 1] };
-    if !modes.iter().any(|&m| ok(build(m))) {
+    if !modes.iter().any(|&m| build(m)) {
         panic!("could not compile {what} ({src})");
     }
     bin

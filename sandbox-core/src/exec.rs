@@ -391,6 +391,19 @@ pub struct ExecStream {
     rx: mpsc::Receiver<crate::Result<ExecEvent>>,
 }
 
+/// The events as a stream (what [`ExecStream::next`] returns), for `futures::StreamExt` and
+/// friends.
+impl futures::Stream for ExecStream {
+    type Item = crate::Result<ExecEvent>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        self.rx.poll_recv(cx)
+    }
+}
+
 impl ExecStream {
     /// A stream fed by `tx`. Backends create the pair with [`ExecStream::channel`].
     pub fn channel(capacity: usize) -> (mpsc::Sender<crate::Result<ExecEvent>>, ExecStream) {
@@ -726,6 +739,32 @@ mod tests {
             .timeout(Duration::ZERO)
             .validate()
             .is_err());
+    }
+
+    #[tokio::test]
+    async fn an_exec_stream_is_a_futures_stream() {
+        use futures::StreamExt;
+        let (tx, s) = ExecStream::channel(4);
+        tx.send(Ok(ExecEvent::Stdout(Bytes::from_static(b"x"))))
+            .await
+            .unwrap();
+        tx.send(Ok(ExecEvent::Exit(ExecResult::new(
+            Some(1),
+            vec![],
+            vec![],
+        ))))
+        .await
+        .unwrap();
+        drop(tx);
+        let kinds: Vec<&str> = s
+            .map(|e| match e.unwrap() {
+                ExecEvent::Stdout(_) => "out",
+                ExecEvent::Exit(_) => "exit",
+                _ => "other",
+            })
+            .collect()
+            .await;
+        assert_eq!(kinds, ["out", "exit"]);
     }
 
     #[tokio::test]

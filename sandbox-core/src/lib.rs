@@ -6,6 +6,11 @@
 //! the phase [`Timeline`], [`SnapshotStore`]s, [`WarmPool`]s and the tier [`Selector`].
 //!
 //! Nothing here knows about a particular engine: backends live in their own crates.
+//!
+//! In the repository, `ARCHITECTURE.md` maps the modules and crates, `docs/threat-model.md`
+//! says which defence lives where (the network decision and the server's guard in
+//! [`policy`], the fd-relative file access in [`beneath`]), and `docs/unsafe.md` says where
+//! `unsafe` is allowed and what its `// SAFETY:` comments must say.
 
 #![forbid(unsafe_op_in_unsafe_fn)]
 
@@ -32,6 +37,33 @@ pub mod spec;
 pub mod tier;
 pub mod timeline;
 
+/// For backend authors: the machinery every tier shares, in one place. An agent developer
+/// reaches sandboxes through the trait and spec types at this crate's root (and through
+/// `agent-sandbox`'s `Runtime`); a backend author implements [`Backend`] and [`Sandbox`] with
+/// these.
+///
+/// | need | items |
+/// |---|---|
+/// | output: bounded buffers, flood detection, streaming | [`pump_output`], [`stream_output`], [`FloodReader`], [`OutputBuffer`], [`StreamSink`], [`flood_threshold`] |
+/// | the state machine every tier answers the same way | [`Lifecycle`], [`Transition`], [`Step`], [`Held`], [`LIFETIME_REACHED`] |
+/// | processes and their table | [`ProcessTable`], [`ProcessControl`], [`ProcessHandle`] |
+/// | published ports | [`Dialer`] |
+/// | egress and proxy-held secrets | [`EgressEnforcer`], [`EgressPlan`], [`SecretPlan`], [`SecretUse`], [`ProxiedSecret`], [`StreamRedactor`] |
+/// | scratch space | [`TmpfsCaps`] |
+/// | timing the first command | [`TimelineRecorder`] |
+pub mod backend_kit {
+    pub use crate::egress::{EgressEnforcer, EgressPlan, SecretPlan, SecretUse};
+    pub use crate::exec::{
+        flood_threshold, pump_output, stream_output, FloodReader, OutputBuffer, StreamSink,
+    };
+    pub use crate::lifecycle::{Held, Lifecycle, Step, Transition, LIFETIME_REACHED};
+    pub use crate::process::{ProcessControl, ProcessHandle, ProcessTable};
+    pub use crate::publish::Dialer;
+    pub use crate::secrets::{ProxiedSecret, StreamRedactor};
+    pub use crate::spec::TmpfsCaps;
+    pub use crate::timeline::TimelineRecorder;
+}
+
 pub use capabilities::{Capabilities, NetworkMode, SnapshotKind};
 pub use egress::{EgressEnforcer, EgressPlan, NetworkEvent, SecretPlan, SecretUse};
 pub use error::{Error, Result};
@@ -40,7 +72,7 @@ pub use exec::{
     ExecStream, FloodReader, LimitKind, OutputBuffer, StreamKind, StreamSink, Tty,
 };
 pub use image::ImageRef;
-pub use lifecycle::{Lifecycle, State as LifecycleState, Transition};
+pub use lifecycle::{Held, Lifecycle, State as LifecycleState, Step, Transition, LIFETIME_REACHED};
 pub use path::{DirEntry, EntryKind, WorkspacePath, WORKSPACE_MOUNT};
 pub use policy::{
     Cidr, Decision, DecisionRule, DenyRule, HostPattern, HostRule, NetworkPolicy, ServerNetworks,

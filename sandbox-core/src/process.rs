@@ -236,6 +236,19 @@ impl std::fmt::Debug for Process {
     }
 }
 
+/// A process's output as a stream: chunks, then the final [`ExecEvent::Exit`] (what
+/// [`Process::next`] returns, for `futures::StreamExt` and friends).
+impl futures::Stream for Process {
+    type Item = Result<ExecEvent>;
+
+    fn poll_next(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        self.get_mut().poll_event(cx)
+    }
+}
+
 impl Process {
     /// A process fed by `events` (redacted output chunks, then [`ExecEvent::Exit`]) and driven
     /// through `control`. `output_cap`: what [`wait`](Self::wait) keeps of unread output.
@@ -289,12 +302,24 @@ impl Process {
     }
 
     /// The next output chunk, or the final [`ExecEvent::Exit`]; `None` after that. An error
-    /// means the sandbox failed under the process.
+    /// means the sandbox failed under the process. The same events as the process's
+    /// [`Stream`](futures::Stream) implementation.
     pub async fn next(&mut self) -> Option<Result<ExecEvent>> {
+        std::future::poll_fn(|cx| self.poll_event(cx)).await
+    }
+
+    fn poll_event(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<ExecEvent>>> {
+        use std::task::Poll;
         if self.done.is_some() || self.failed {
-            return None;
+            return Poll::Ready(None);
         }
-        match self.events.recv().await {
+        let Poll::Ready(event) = self.events.poll_recv(cx) else {
+            return Poll::Pending;
+        };
+        Poll::Ready(match event {
             Some(Ok(ExecEvent::Exit(r))) => {
                 self.done = Some(r.clone());
                 Some(Ok(ExecEvent::Exit(r)))
@@ -311,7 +336,7 @@ impl Process {
                     std::io::Error::from(std::io::ErrorKind::UnexpectedEof),
                 )))
             }
-        }
+        })
     }
 
     /// Waits for the process to exit, up to `timeout` (`None`: no bound), and returns how it
@@ -707,6 +732,30 @@ mod tests {
             p.write_stdin(&b"x"[..]).await,
             Err(Error::ProcessExited { id: 1 })
         ));
+    }
+
+    #[tokio::test]
+    async fn a_process_is_a_stream_of_its_output_then_its_exit() {
+        use futures::StreamExt;
+        let (tx, rx) = mpsc::channel(8);
+        let p = Process::new(4, rx, Arc::new(Nothing), 5);
+        tx.send(Ok(ExecEvent::Stdout(Bytes::from_static(b"ab"))))
+            .await
+            .unwrap();
+        tx.send(Ok(ExecEvent::Exit(ExecResult::new(
+            Some(0),
+            vec![],
+            vec![],
+        ))))
+        .await
+        .unwrap();
+        tx.send(Ok(ExecEvent::Stdout(Bytes::from_static(b"late"))))
+            .await
+            .unwrap();
+        let events: Vec<_> = p.collect().await;
+        assert_eq!(events.len(), 2, "nothing after the exit: {events:?}");
+        assert!(matches!(&events[0], Ok(ExecEvent::Stdout(b)) if &b[..] == b"ab"));
+        assert!(matches!(&events[1], Ok(ExecEvent::Exit(r)) if r.exit_code == Some(0)));
     }
 
     #[tokio::test]

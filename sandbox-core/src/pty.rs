@@ -13,6 +13,8 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use nix::fcntl::{fcntl, FcntlArg, OFlag};
+use nix::{pty, unistd};
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
 
@@ -30,40 +32,28 @@ impl PtyMaster {
     /// Both are close-on-exec; the slave is not anyone's controlling terminal yet (the
     /// child takes it with `setsid` + `TIOCSCTTY`).
     pub fn open(size: Tty) -> io::Result<(PtyMaster, OwnedFd)> {
-        let flags = libc::O_RDWR | libc::O_NOCTTY | libc::O_CLOEXEC;
-        // SAFETY: posix_openpt returns a new fd (or -1) that we own from here on.
-        let raw = unsafe { libc::posix_openpt(flags) };
-        if raw < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        // SAFETY: `raw` is a new, open fd nobody else owns.
-        let master = unsafe { OwnedFd::from_raw_fd(raw) };
-        // SAFETY: grantpt/unlockpt on the master we own.
-        if unsafe { libc::grantpt(raw) } < 0 || unsafe { libc::unlockpt(raw) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let flags = OFlag::O_RDWR | OFlag::O_NOCTTY | OFlag::O_CLOEXEC;
+        let master = pty::posix_openpt(flags)?;
+        pty::grantpt(&master)?;
+        pty::unlockpt(&master)?;
         // TIOCGPTPEER opens the slave through the master itself: no path lookup, so no
-        // race with a /dev/pts entry being replaced.
+        // race with a /dev/pts entry being replaced (nix has no wrapper for it).
         // SAFETY: the ioctl returns a new fd (or -1) that we own from here on.
-        let slave = unsafe { libc::ioctl(raw, libc::TIOCGPTPEER, flags) };
+        let slave = unsafe { libc::ioctl(master.as_raw_fd(), libc::TIOCGPTPEER, flags.bits()) };
         if slave < 0 {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: `slave` is a new, open fd nobody else owns.
         let slave = unsafe { OwnedFd::from_raw_fd(slave) };
+        let master = OwnedFd::from(master);
         set_size(master.as_fd(), size)?;
         Ok((PtyMaster::from_fd(master)?, slave))
     }
 
     /// Wraps an open master (made non-blocking here). Needs a tokio runtime.
     pub fn from_fd(fd: OwnedFd) -> io::Result<PtyMaster> {
-        let raw = fd.as_raw_fd();
-        // SAFETY: fcntl on an fd we own.
-        let fl = unsafe { libc::fcntl(raw, libc::F_GETFL) };
-        // SAFETY: as above.
-        if fl < 0 || unsafe { libc::fcntl(raw, libc::F_SETFL, fl | libc::O_NONBLOCK) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        let fl = OFlag::from_bits_retain(fcntl(&fd, FcntlArg::F_GETFL)?);
+        fcntl(&fd, FcntlArg::F_SETFL(fl | OFlag::O_NONBLOCK))?;
         // SAFETY: the AsyncFd owns `fd` for as long as it is registered, and nobody closes
         // it behind its back.
         let fd = unsafe {
@@ -117,17 +107,7 @@ impl AsyncRead for PtyMaster {
                 Poll::Pending => return Poll::Pending,
             };
             let unfilled = buf.initialize_unfilled();
-            match g.try_io(|fd| {
-                // SAFETY: read(2) into the caller's initialised, unfilled buffer.
-                let n = unsafe {
-                    libc::read(fd.as_raw_fd(), unfilled.as_mut_ptr().cast(), unfilled.len())
-                };
-                if n < 0 {
-                    Err(io::Error::last_os_error())
-                } else {
-                    Ok(n as usize)
-                }
-            }) {
+            match g.try_io(|fd| Ok(unistd::read(fd.get_ref(), unfilled)?)) {
                 Ok(Ok(n)) => {
                     buf.advance(n);
                     return Poll::Ready(Ok(()));
@@ -153,15 +133,7 @@ impl AsyncWrite for PtyMaster {
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                 Poll::Pending => return Poll::Pending,
             };
-            match g.try_io(|fd| {
-                // SAFETY: write(2) from the caller's buffer.
-                let n = unsafe { libc::write(fd.as_raw_fd(), buf.as_ptr().cast(), buf.len()) };
-                if n < 0 {
-                    Err(io::Error::last_os_error())
-                } else {
-                    Ok(n as usize)
-                }
-            }) {
+            match g.try_io(|fd| Ok(unistd::write(fd.get_ref(), buf)?)) {
                 // EIO: the terminal's other side is closed (the session ended).
                 Ok(Err(e)) if e.raw_os_error() == Some(libc::EIO) => {
                     return Poll::Ready(Err(io::ErrorKind::BrokenPipe.into()))

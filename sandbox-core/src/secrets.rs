@@ -32,9 +32,9 @@ impl fmt::Debug for Secret {
 
 impl Drop for Secret {
     fn drop(&mut self) {
-        // Best effort: overwrite the bytes before the allocation is freed.
-        // SAFETY: writing zero bytes keeps the string valid UTF-8.
-        unsafe { self.0.as_bytes_mut() }.fill(0);
+        // Overwrite the bytes (the whole allocation) before it is freed, with writes the
+        // compiler may not optimise away.
+        zeroize::Zeroize::zeroize(&mut self.0);
     }
 }
 

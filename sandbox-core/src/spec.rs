@@ -382,20 +382,20 @@ impl SandboxSpec {
             ));
         }
         match &self.image {
-            Some(ImageRef::OciLayout { path, .. }) if !path.is_absolute() || !path.is_dir() => {
+            Some(ImageRef::OciLayout { path, .. }) if !path.is_absolute() => {
                 return Err(Error::invalid(
                     "image",
                     format!(
-                        "{} is not an existing absolute directory (an OCI image layout)",
+                        "{} is not an absolute path (an OCI image layout's directory)",
                         path.display()
                     ),
                 ));
             }
-            Some(ImageRef::DockerArchive { path }) if !path.is_absolute() || !path.is_file() => {
+            Some(ImageRef::DockerArchive { path }) if !path.is_absolute() => {
                 return Err(Error::invalid(
                     "image",
                     format!(
-                        "{} is not an existing absolute file (a `docker save` tarball)",
+                        "{} is not an absolute path (a `docker save` tarball)",
                         path.display()
                     ),
                 ));
@@ -403,18 +403,10 @@ impl SandboxSpec {
             _ => {}
         }
         if let Some(root) = &self.rootfs {
-            if !root.is_absolute() || !root.is_dir() {
+            if !root.is_absolute() {
                 return Err(Error::invalid(
                     "rootfs",
-                    format!("{} is not an existing absolute directory", root.display()),
-                ));
-            }
-        }
-        if let Workspace::HostDir { path, .. } = &self.workspace {
-            if !path.is_dir() {
-                return Err(Error::invalid(
-                    "workspace",
-                    format!("{} is not an existing directory", path.display()),
+                    format!("{} is not an absolute path", root.display()),
                 ));
             }
         }
@@ -431,12 +423,59 @@ impl SandboxSpec {
                     format!("cannot mount over `{}`", m.target),
                 ));
             }
-            if !m.source.exists() {
+        }
+        Ok(())
+    }
+
+    /// [`validate`](Self::validate), then what only the host that creates the sandbox can
+    /// check: that the host paths the spec names exist (an OCI layout's or a rootfs's
+    /// directory, a `docker save` tarball, a host-directory workspace, mount sources).
+    /// Backends call this when they create a sandbox; a spec built on one machine and sent to
+    /// a server is checked there, not where it was built.
+    pub fn validate_on_host(&self) -> Result<()> {
+        self.validate()?;
+        match &self.image {
+            Some(ImageRef::OciLayout { path, .. }) if !path.is_dir() => {
                 return Err(Error::invalid(
-                    "mounts",
-                    format!("source {} does not exist", m.source.display()),
+                    "image",
+                    format!(
+                        "{} is not an existing directory (an OCI image layout)",
+                        path.display()
+                    ),
                 ));
             }
+            Some(ImageRef::DockerArchive { path }) if !path.is_file() => {
+                return Err(Error::invalid(
+                    "image",
+                    format!(
+                        "{} is not an existing file (a `docker save` tarball)",
+                        path.display()
+                    ),
+                ));
+            }
+            _ => {}
+        }
+        if let Some(root) = &self.rootfs {
+            if !root.is_dir() {
+                return Err(Error::invalid(
+                    "rootfs",
+                    format!("{} is not an existing directory", root.display()),
+                ));
+            }
+        }
+        if let Workspace::HostDir { path, .. } = &self.workspace {
+            if !path.is_dir() {
+                return Err(Error::invalid(
+                    "workspace",
+                    format!("{} is not an existing directory", path.display()),
+                ));
+            }
+        }
+        if let Some(m) = self.mounts.iter().find(|m| !m.source.exists()) {
+            return Err(Error::invalid(
+                "mounts",
+                format!("source {} does not exist", m.source.display()),
+            ));
         }
         Ok(())
     }
@@ -508,8 +547,8 @@ impl SpecBuilder {
     /// Who writes it, and as whom: see [`Workspace::HostDir`].
     ///
     /// # Errors
-    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`workspace`) when `path` is
-    /// not an existing directory.
+    /// Creating the sandbox fails with [`Error::InvalidSpec`] (`workspace`) when `path` is
+    /// not an existing directory there ([`SandboxSpec::validate_on_host`]).
     pub fn workspace_dir(mut self, path: impl Into<PathBuf>, read_only: bool) -> Self {
         self.spec.workspace = Workspace::HostDir {
             path: path.into(),
@@ -531,7 +570,8 @@ impl SpecBuilder {
     ///
     /// # Errors
     /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`rootfs`) when `dir` is not
-    /// an existing absolute directory.
+    /// absolute; creating the sandbox, when it is not an existing directory there
+    /// ([`SandboxSpec::validate_on_host`]).
     pub fn rootfs(mut self, dir: impl Into<PathBuf>) -> Self {
         self.spec.rootfs = Some(dir.into());
         self
@@ -560,8 +600,9 @@ impl SpecBuilder {
     /// Mounts a host path read-only at `target`. Default: no mounts.
     ///
     /// # Errors
-    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`mounts`) when `source`
-    /// does not exist or `target` is not absolute, contains `..`, or is `/` or `/workspace`.
+    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`mounts`) when `target` is
+    /// not absolute, contains `..`, or is `/` or `/workspace`; creating the sandbox, when
+    /// `source` does not exist there ([`SandboxSpec::validate_on_host`]).
     pub fn mount_ro(self, source: impl Into<PathBuf>, target: impl Into<String>) -> Self {
         self.mount(Mount::read_only(source, target))
     }
@@ -936,7 +977,8 @@ mod tests {
         assert!(field(both).contains("exclusive"));
         let missing = SandboxSpec::builder(Language::Shell)
             .image("oci:/nonexistent/layout")
-            .build();
+            .build()
+            .and_then(|s| s.validate_on_host().map(|()| s));
         assert!(field(missing).contains("OCI image layout"));
         // A spec without an image serialises as before; with one, as its reference string.
         let plain = serde_json::to_value(SandboxSpec::new(Language::Shell)).ok();
@@ -1076,10 +1118,26 @@ mod tests {
             ),
         ];
         for (spec, field) in cases {
-            match spec.validate() {
+            match spec.validate_on_host() {
                 Err(Error::InvalidSpec { field: f, .. }) => assert_eq!(f, field),
                 other => panic!("expected InvalidSpec({field}), got {other:?}"),
             }
+        }
+    }
+
+    #[test]
+    fn a_spec_is_valid_without_the_host_paths_it_names() {
+        // Built on a client, created on a server: only the server has the paths.
+        let spec = SandboxSpec::builder(Language::C)
+            .mount_ro("/nonexistent-xyz", "/x")
+            .workspace_dir("/nonexistent-xyz", false)
+            .rootfs("/nonexistent-xyz")
+            .build()
+            .unwrap();
+        assert!(spec.validate().is_ok());
+        match spec.validate_on_host() {
+            Err(Error::InvalidSpec { field, .. }) => assert_eq!(field, "rootfs"),
+            other => panic!("expected the host check to refuse it, got {other:?}"),
         }
     }
 

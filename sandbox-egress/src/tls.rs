@@ -1,4 +1,7 @@
 //! A small, bounded TLS ClientHello parser: just enough to read the SNI host name.
+//! (Hand-written, not rustls: the proxy needs only the name and the ECH flag from bytes it
+//! then forwards unchanged, and rustls reads a ClientHello only by starting a server-side
+//! handshake on a connection that is mostly spliced, not terminated.)
 //!
 //! It never allocates more than [`MAX_HANDSHAKE`] bytes, never panics on any input (every
 //! read is bounds-checked through a small cursor) and reassembles a ClientHello split over several
@@ -376,7 +379,12 @@ pub(crate) mod tests {
             hand_built(&[sni_ext("allowed.test"), (10, vec![0, 2, 0, 29])]),
             include_bytes!("../tests/data/openssl_client_hello.bin").to_vec(),
         ];
-        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        // `TLS_FUZZ_SEED` (decimal) replays another run.
+        let seed: u64 = std::env::var("TLS_FUZZ_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0x9e37_79b9_7f4a_7c15);
+        let mut x = seed | 1;
         let mut next = || {
             x ^= x << 13;
             x ^= x >> 7;
@@ -392,7 +400,7 @@ pub(crate) mod tests {
                 }
                 let cut = (next() as usize) % (buf.len() + 1);
                 buf.truncate(cut);
-                let _ = parse_client_hello(&buf);
+                check(&buf);
             }
         }
         for _ in 0..20_000 {
@@ -401,7 +409,69 @@ pub(crate) mod tests {
             if !buf.is_empty() {
                 buf[0] = CONTENT_HANDSHAKE;
             }
-            let _ = parse_client_hello(&buf);
+            check(&buf);
+        }
+        // Well-formed records around random extensions (server_name lists with random
+        // entries among them), split into random records, then truncated: the parser gets
+        // deep, and a prefix of what parses only ever asks for more.
+        for round in 0..5_000u32 {
+            let mut exts = Vec::new();
+            for _ in 0..next() % 5 {
+                let ty = [EXT_SERVER_NAME, EXT_ECH, 10, next() as u16][(next() % 4) as usize];
+                let data = if ty == EXT_SERVER_NAME && next() % 2 == 0 {
+                    let mut list = Vec::new();
+                    for _ in 0..next() % 3 {
+                        let name: Vec<u8> = (0..next() % 20)
+                            .map(|_| b"ab.-_Z9\0\xff"[(next() % 9) as usize])
+                            .collect();
+                        list.push((next() % 3) as u8);
+                        list.extend_from_slice(&(name.len() as u16).to_be_bytes());
+                        list.extend_from_slice(&name);
+                    }
+                    let mut data = (list.len() as u16).to_be_bytes().to_vec();
+                    data.extend_from_slice(&list);
+                    data
+                } else {
+                    (0..next() % 40).map(|_| next() as u8).collect()
+                };
+                exts.push((ty, data));
+            }
+            let one = hand_built(&exts);
+            // Re-split the handshake message into records of random sizes.
+            let hs = &one[5..];
+            let mut buf = Vec::new();
+            let mut at = 0;
+            while at < hs.len() {
+                let n = ((next() % 64) as usize + 1).min(hs.len() - at);
+                buf.extend_from_slice(&[CONTENT_HANDSHAKE, 3, 1]);
+                buf.extend_from_slice(&(n as u16).to_be_bytes());
+                buf.extend_from_slice(&hs[at..at + n]);
+                at += n;
+            }
+            let whole = parse_client_hello(&buf);
+            assert!(
+                !matches!(whole, ClientHelloSniff::NeedMore | ClientHelloSniff::NotTls),
+                "seed {seed} round {round}: {whole:?}"
+            );
+            let cut = (next() as usize) % buf.len();
+            let part = parse_client_hello(&buf[..cut]);
+            if matches!(whole, ClientHelloSniff::ClientHello(_)) {
+                assert_eq!(
+                    part,
+                    ClientHelloSniff::NeedMore,
+                    "seed {seed} round {round}"
+                );
+            }
+            check(&buf[..cut]);
+        }
+    }
+
+    /// Parses `buf` (it must not panic) and checks what a ClientHello result holds.
+    fn check(buf: &[u8]) {
+        if let ClientHelloSniff::ClientHello(h) = parse_client_hello(buf) {
+            if let Some(name) = h.server_name {
+                assert_eq!(valid_host_name(name.as_bytes()).as_deref(), Some(&*name));
+            }
         }
     }
 

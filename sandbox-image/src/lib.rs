@@ -30,6 +30,12 @@
 //!
 //! Backends ask [`ImageStore::ensure`] for an [`Image`] and mount its [`Image::layers`] as
 //! overlay lower layers; none of them parses a registry.
+//!
+//! `docs/images.md` in the repository is the design (sources, the cache, the unpacking rules,
+//! the microVM's filesystem image); `docs/threat-model.md` lists what a hostile layer is
+//! stopped by and the tests that play one.
+
+#![forbid(unsafe_code)]
 
 mod auth;
 mod beneath;

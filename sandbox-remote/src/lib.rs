@@ -34,6 +34,8 @@
 //!   snapshot over (checked against its SHA-256s). `restore` sends a snapshot of the
 //!   caller's store to the server first (once per snapshot and server).
 
+#![forbid(unsafe_code)]
+
 mod client;
 mod error;
 mod sandbox;
@@ -45,11 +47,11 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use reqwest::Method;
+use sandbox_api::{CreateSandbox, RestoreBody, SandboxInfo, TierInfo, TierList};
 use sandbox_core::{
     Backend, Capabilities, Error, ResolvedSecrets, Result, Sandbox, SandboxSpec, SnapshotId,
     SnapshotStore, Tier, TierStatus, TimelineRecorder,
 };
-use sandbox_server::api::{CreateSandbox, RestoreBody, SandboxInfo, TierInfo, TierList};
 
 use client::Client;
 use error::Failure;
@@ -263,10 +265,10 @@ impl RemoteServer {
         tier: Option<Tier>,
         req: sandbox_core::ExecRequest,
         build: Option<&str>,
-    ) -> Result<sandbox_server::api::RunReply> {
+    ) -> Result<sandbox_api::RunReply> {
         // Errors before the server chose a tier name the one asked for (else the likeliest).
         let shown = tier.unwrap_or(Tier::Container);
-        let body = sandbox_server::api::RunBody {
+        let body = sandbox_api::RunBody {
             spec: spec.clone(),
             tier,
             command: sandbox::exec_body(shown, req)?,

@@ -9,14 +9,14 @@ use reqwest::Method;
 use std::net::SocketAddr;
 
 use base64::Engine;
+use sandbox_api::{
+    ExecBody, Listing, NetworkEvents, PortList, ProcessList, ProcessRef, PublishBody, ResizeBody,
+    SignalBody,
+};
 use sandbox_core::{
     Command, DirEntry, Error, ExecEvent, ExecRequest, ExecResult, ExecStream, NetworkEvent,
     NetworkPolicy, Process, ProcessControl, ProcessId, ProcessInfo, PublishedPort, Result, Sandbox,
     SandboxSpec, Signal, SnapshotId, SnapshotStore, Tier, Timeline, Tty,
-};
-use sandbox_server::api::{
-    ExecBody, Listing, NetworkEvents, PortList, ProcessList, ProcessRef, PublishBody, ResizeBody,
-    SignalBody,
 };
 
 use crate::client::{encode, encode_path, Client};

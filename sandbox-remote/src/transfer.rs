@@ -3,16 +3,16 @@
 //! sandbox that store is the caller's, on the caller's machine, so a snapshot taken on the
 //! server is fetched into it (manifest, then each artifact, checked against the manifest's
 //! SHA-256), and one restored from it is sent to the server first (a tar, see
-//! `sandbox_server::upload`).
+//! `sandbox_api::snapshot_tar`).
 
 use std::collections::BTreeMap;
 
 use bytes::Bytes;
 use reqwest::Method;
+use sandbox_api::SnapshotInfo;
 use sandbox_core::{
     Error, Result, SnapshotDraft, SnapshotId, SnapshotManifest, SnapshotStore, Tier,
 };
-use sandbox_server::api::SnapshotInfo;
 use sha2::{Digest, Sha256};
 
 use crate::client::{encode, Client};
@@ -70,11 +70,10 @@ pub(crate) async fn send_snapshot(
     for name in m.artifacts.keys() {
         artifacts.insert(name.clone(), store.artifact(id, name).await?);
     }
-    let body =
-        sandbox_server::upload::write_snapshot_tar(&m, &artifacts).map_err(|e| Error::Io {
-            context: "pack the snapshot for the server".into(),
-            source: e,
-        })?;
+    let body = sandbox_api::write_snapshot_tar(&m, &artifacts).map_err(|e| Error::Io {
+        context: "pack the snapshot for the server".into(),
+        source: e,
+    })?;
     let req = client
         .request(Method::POST, "/v1/snapshots")
         .header(reqwest::header::CONTENT_TYPE, "application/x-tar")

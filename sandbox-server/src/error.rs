@@ -6,25 +6,8 @@
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde::{Deserialize, Serialize};
 
-/// The JSON body of every error answer.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ErrorBody {
-    /// What went wrong.
-    pub error: ErrorDetail,
-}
-
-/// The error itself.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ErrorDetail {
-    /// A stable, snake_case name: `unauthorized`, `bad_request`, `invalid_spec`,
-    /// `not_found`, `path_escape`, `unsupported`, `unavailable`, `sandbox_gone`,
-    /// `sandbox_paused`, `timeout`, `resource_exhausted`, `too_large`, `internal`...
-    pub kind: String,
-    /// What happened and what to do, for a person.
-    pub message: String,
-}
+pub use sandbox_api::{ErrorBody, ErrorDetail};
 
 /// An error answer.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -65,31 +48,15 @@ impl ApiError {
 
 impl From<sandbox_core::Error> for ApiError {
     fn from(e: sandbox_core::Error) -> Self {
-        use sandbox_core::Error as E;
-        let (status, kind) = match &e {
-            E::InvalidSpec { .. } => (StatusCode::BAD_REQUEST, "invalid_spec"),
-            E::PathEscape { .. } => (StatusCode::BAD_REQUEST, "path_escape"),
-            E::NotFound { .. } => (StatusCode::NOT_FOUND, "not_found"),
-            E::Unsupported { .. } => (StatusCode::NOT_IMPLEMENTED, "unsupported"),
-            E::Unavailable { .. } | E::NoTierAvailable { .. } => {
-                (StatusCode::SERVICE_UNAVAILABLE, "unavailable")
-            }
-            E::SandboxGone { .. } => (StatusCode::GONE, "sandbox_gone"),
-            E::SandboxPaused { .. } => (StatusCode::CONFLICT, "sandbox_paused"),
-            E::ProcessExited { .. } => (StatusCode::CONFLICT, "process_exited"),
-            E::Timeout { .. } => (StatusCode::GATEWAY_TIMEOUT, "timeout"),
-            E::ResourceExhausted { .. } => (StatusCode::INSUFFICIENT_STORAGE, "resource_exhausted"),
-            E::Secret { .. } => (StatusCode::BAD_REQUEST, "secret"),
-            E::Snapshot(sandbox_core::SnapshotError::NotFound(_)) => {
-                (StatusCode::NOT_FOUND, "not_found")
-            }
-            E::Snapshot(sandbox_core::SnapshotError::Untrusted { .. }) => {
-                (StatusCode::FORBIDDEN, "forbidden")
-            }
-            E::Snapshot(_) => (StatusCode::UNPROCESSABLE_ENTITY, "snapshot"),
-            _ => (StatusCode::INTERNAL_SERVER_ERROR, "internal"),
-        };
+        let (status, kind) = sandbox_api::error::kind_of(&e);
+        let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         ApiError::new(status, kind, e.to_string())
+    }
+}
+
+impl From<sandbox_api::BadRequest> for ApiError {
+    fn from(e: sandbox_api::BadRequest) -> Self {
+        ApiError::bad_request(e.0)
     }
 }
 

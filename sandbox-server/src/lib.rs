@@ -25,8 +25,15 @@
 //!
 //! The server takes its sandboxes from a [`Provider`] (the facade's `Runtime` is one), so it
 //! has no engine of its own.
+//!
+//! What a client with a valid token can and cannot reach (no host access, none of the
+//! server's loopback or private networks unless the operator grants them, signed snapshots)
+//! and the tests that play such a client: `docs/threat-model.md` in the repository.
 
-pub mod api;
+#![forbid(unsafe_code)]
+
+/// The API's bodies (the `sandbox-api` crate, shared with the remote client).
+pub use sandbox_api as api;
 pub mod auth;
 pub mod error;
 mod keep;
@@ -37,7 +44,6 @@ mod processes;
 mod routes;
 mod run;
 pub mod signing;
-pub mod upload;
 mod warm;
 
 use std::collections::HashMap;

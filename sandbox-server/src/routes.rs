@@ -873,7 +873,7 @@ async fn upload_snapshot(
 ) -> Result<(StatusCode, Json<SnapshotInfo>), ApiError> {
     let store = store(&s, &caller)?;
     let body = body.map_err(bytes_rejection)?;
-    let mut draft = crate::upload::read_snapshot_tar(&body)?;
+    let mut draft = sandbox_api::read_snapshot_tar(&body)?;
     check_spec(&s.config, &draft.spec, true)?;
     // Stored unsigned: it restores only where a client's snapshot cannot attack the host.
     draft

@@ -255,7 +255,7 @@ async fn an_uploaded_snapshot_never_feeds_a_restore_that_would_trust_it() {
     }
 
     // As it was: files only, restorable.
-    let tar = sandbox_server::upload::write_snapshot_tar(&manifest, &artifacts).unwrap();
+    let tar = sandbox_server::api::write_snapshot_tar(&manifest, &artifacts).unwrap();
     let (code, up) = post_bytes(&r, "/v1/snapshots", &tar).await;
     assert_eq!(code, 201, "{up}");
     let up: serde_json::Value = serde_json::from_str(&up).unwrap();
@@ -270,7 +270,7 @@ async fn an_uploaded_snapshot_never_feeds_a_restore_that_would_trust_it() {
 
     // Claiming memory state, the server's MAC still in its metadata: refused.
     manifest.kinds.push(sandbox_core::SnapshotKind::FullMemory);
-    let tar = sandbox_server::upload::write_snapshot_tar(&manifest, &artifacts).unwrap();
+    let tar = sandbox_server::api::write_snapshot_tar(&manifest, &artifacts).unwrap();
     let (code, up) = post_bytes(&r, "/v1/snapshots", &tar).await;
     assert_eq!(code, 201, "{up}");
     let up: serde_json::Value = serde_json::from_str(&up).unwrap();

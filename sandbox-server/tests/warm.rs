@@ -1,6 +1,6 @@
 //! Warm pools, one-shot runs (`POST /v1/run`), destroys that do not wait and idleness,
 //! driven by `curl` against a real server over the test-only unisolated backend (the
-//! service, not isolation: `agent-sandbox/tests/daemon.rs` runs them on the container tier).
+//! service, not isolation: `agent-sandbox-cli/tests/daemon.rs` runs them on the container tier).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 

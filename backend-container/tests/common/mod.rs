@@ -10,7 +10,7 @@ use sandbox_core::{
 
 /// Why the suite cannot run here, per the backend's own probe.
 pub async fn skip_reason() -> Option<String> {
-    let b = match ContainerBackend::new() {
+    let b = match ContainerBackend::builder().build() {
         Ok(b) => b,
         Err(e) => return Some(format!("container backend cannot be built: {e}")),
     };
@@ -34,7 +34,7 @@ macro_rules! require_host {
 }
 
 pub fn backend() -> ContainerBackend {
-    ContainerBackend::new().unwrap()
+    ContainerBackend::builder().build().unwrap()
 }
 
 pub fn spec(lang: Language) -> SandboxSpec {

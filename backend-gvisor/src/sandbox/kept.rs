@@ -17,6 +17,7 @@ use std::collections::HashMap;
 use std::sync::Weak;
 
 use bytes::Bytes;
+use sandbox_agent_proto::frame;
 use sandbox_core::{Process, ProcessControl, ProcessId, Signal, Tty};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
 use tokio::process::Child;
@@ -99,32 +100,31 @@ pub(super) struct Kept {
     detached: tokio::sync::Notify,
 }
 
+/// Sends one frame to the keeper (`sandbox_agent_proto`'s framing, id 0: see
+/// `relay/keep.rs`).
 async fn write_frame(
     w: &mut (impl AsyncWrite + Unpin + ?Sized),
     kind: u8,
     payload: &[u8],
 ) -> std::io::Result<()> {
-    let len = u32::try_from(payload.len())
-        .map_err(|_| std::io::Error::other("frame too long"))?
-        .to_be_bytes();
-    let mut frame = Vec::with_capacity(5 + payload.len());
-    frame.push(kind);
-    frame.extend_from_slice(&len);
+    let head = frame::Header::for_payload(kind, 0, payload.len())
+        .ok_or_else(|| std::io::Error::other("frame too long"))?;
+    let mut frame = Vec::with_capacity(frame::HEADER_LEN + payload.len());
+    frame.extend_from_slice(&head.to_bytes());
     frame.extend_from_slice(payload);
     w.write_all(&frame).await?;
     w.flush().await
 }
 
+/// Reads one frame from the keeper: its kind and payload (at most [`MAX_FRAME`] bytes,
+/// checked before anything is allocated).
 async fn read_frame(r: &mut (impl AsyncRead + Unpin + ?Sized)) -> std::io::Result<(u8, Vec<u8>)> {
-    let mut head = [0u8; 5];
+    let mut head = [0u8; frame::HEADER_LEN];
     r.read_exact(&mut head).await?;
-    let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
-    if len > MAX_FRAME {
-        return Err(std::io::Error::other("frame too long"));
-    }
-    let mut payload = vec![0u8; len];
+    let head = frame::Header::parse(&head);
+    let mut payload = vec![0u8; head.checked_len(MAX_FRAME)?];
     r.read_exact(&mut payload).await?;
-    Ok((head[0], payload))
+    Ok((head.kind, payload))
 }
 
 impl Kept {
@@ -543,7 +543,7 @@ impl Inner {
                         // the relay was killed); try once more while it lives.
                         Err(_) => {
                             drop(att);
-                            if me.torn_down.load(Ordering::SeqCst) || me.alive().is_err() {
+                            if me.life.release_begun() || me.alive().is_err() {
                                 break 'attachments;
                             }
                             if kept.attach(&me).await.is_err() {

@@ -79,11 +79,11 @@ struct Inner {
     /// The sandbox process's cgroup paths in every hierarchy (`/proc/PID/cgroup`), read
     /// while it runs: its teardown removes those named after the sandbox itself.
     cgroup_paths: Mutex<Vec<String>>,
-    /// Live, paused, or gone with the reason (destroyed, lifetime, killed by a limit...).
+    /// Live, paused, gone with the reason (destroyed, lifetime, killed by a limit...),
+    /// releasing or released: a sandbox can be gone (it died on its own) before its teardown
+    /// (container deleted, state removed) begins. Pause, resume, destroy and a snapshot's
+    /// background resume hold its transition lock.
     life: Lifecycle,
-    /// Set by the first teardown (container deleted, state removed): a sandbox can be gone
-    /// (it died on its own) before it is torn down.
-    torn_down: AtomicBool,
     born: Instant,
     seq: AtomicU64,
     /// Execs hold it shared; a snapshot holds it exclusively until the sandbox is resumed.
@@ -99,9 +99,6 @@ struct Inner {
     direct: AtomicBool,
     /// Our lock on the sandbox directory (see [`stale`]).
     _owner: stale::Owner,
-    /// A snapshot's background resume is running; `resumed` is notified when it ends.
-    resuming: AtomicBool,
-    resumed: tokio::sync::Notify,
     /// Background processes.
     procs: sandbox_core::ProcessTable,
     /// The background processes under a keeper, which snapshots keep ([`kept`]).
@@ -142,14 +139,14 @@ impl GvisorSandbox {
         secrets: ResolvedSecrets,
         restore: Option<Restore>,
     ) -> Result<Self> {
-        spec.validate()?;
+        spec.validate_on_host()?;
         // Proxy-held secrets: placeholders and the interception CA, from the egress proxy.
         let proxied = secrets.proxied();
         if !proxied.is_empty() && backend.config.egress.is_none() {
             return Err(Error::unsupported(
                 TIER,
                 "proxy-held secrets without an egress enforcer (plug one in with \
-                 GvisorConfig::egress; the facade's Runtime does)",
+                 GvisorBackendBuilder::egress; the facade's Runtime does)",
             ));
         }
         let enforcer = sandbox_core::egress::enforcer_for(
@@ -324,7 +321,6 @@ impl GvisorSandbox {
             cgroup: Mutex::new((None, None)),
             cgroup_paths: Mutex::new(Vec::new()),
             life: Lifecycle::new(id.clone()),
-            torn_down: AtomicBool::new(false),
             born: Instant::now(),
             seq: AtomicU64::new(0),
             direct: AtomicBool::new(!backend.config.runsc_exec),
@@ -332,8 +328,6 @@ impl GvisorSandbox {
             egress,
             ca_bundle,
             _owner: owner,
-            resuming: AtomicBool::new(false),
-            resumed: tokio::sync::Notify::new(),
             procs: Default::default(),
             kept: Default::default(),
             ports: sandbox_core::Ports::new(),
@@ -352,7 +346,7 @@ impl GvisorSandbox {
                     enf.detach(&inner.id).await;
                 }
                 let i = Arc::clone(&inner);
-                let _ = tokio::task::spawn_blocking(move || i.teardown()).await;
+                let _ = tokio::task::spawn_blocking(move || i.teardown("its start failed")).await;
                 Err(e)
             }
         }
@@ -736,23 +730,18 @@ impl Inner {
             ),
             None => (None, None),
         };
-        if let Ok(mut p) = self.pids.lock() {
-            *p = pids;
-        }
-        if let Ok(mut m) = self.cgroup.lock() {
-            *m = cg;
-        }
-        if let (Some(pid), Ok(mut m)) = (boot, self.cgroup_paths.lock()) {
-            *m = cgroup_paths(pid);
+        // Recorded whatever panicked before: the teardown needs them.
+        *lock(&self.pids) = pids;
+        *lock(&self.cgroup) = cg;
+        if let Some(pid) = boot {
+            *lock(&self.cgroup_paths) = cgroup_paths(pid);
         }
         boot
     }
 
     fn alive(&self) -> Result<()> {
-        if self.born.elapsed() > self.spec.limits.lifetime()
-            && self.life.end("lifetime limit reached")
-        {
-            self.teardown();
+        if self.life.lapse(self.born, self.spec.limits.lifetime()) {
+            self.teardown(sandbox_core::LIFETIME_REACHED);
         }
         self.life.check_not_gone()
     }
@@ -765,13 +754,14 @@ impl Inner {
         }
     }
 
-    /// Deletes the container, reaps its processes, unmounts and removes the state. Idempotent.
-    fn teardown(&self) {
-        if self.torn_down.swap(true, Ordering::SeqCst) {
-            return;
-        }
-        self.ports.clear();
-        self.cleanup();
+    /// Ends the sandbox for `reason` (unless it ended already), deletes the container, reaps
+    /// its processes, unmounts and removes the state. Idempotent: the first call tears down,
+    /// one made meanwhile waits for it (see [`Lifecycle::release`]).
+    fn teardown(&self, reason: &str) {
+        self.life.release(reason, || {
+            self.ports.clear();
+            self.cleanup();
+        });
     }
 
     /// Deletes the container and removes the host state. Safe to repeat.
@@ -797,7 +787,7 @@ impl Inner {
     }
 
     fn delete_container_with(&self, fast: bool) {
-        let pids = self.pids.lock().map(|p| p.clone()).unwrap_or_default();
+        let pids = lock(&self.pids).clone();
         // The sandbox and gofer processes go first, killed and reaped here: `delete` then
         // finds them gone instead of polling for them every 100 ms (see
         // `reaper::kill_children`); it still removes the cgroups and runsc's state. Bounded:
@@ -827,16 +817,18 @@ impl Inner {
     }
 }
 
+/// A mutex's guard, also after a panic elsewhere (every write here is one assignment): the
+/// teardown never skips what they record.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 impl Inner {
     /// Removes the sandbox's cgroup directories (those of the recorded paths, in every
     /// hierarchy under `/sys/fs/cgroup`, whose name is the sandbox's cgroup name: nothing
     /// else is ever removed). `true` when at least one was found and all of them went.
     fn remove_cgroups(&self) -> bool {
-        let paths = self
-            .cgroup_paths
-            .lock()
-            .map(|p| p.clone())
-            .unwrap_or_default();
+        let paths = lock(&self.cgroup_paths).clone();
         let name = stale::cgroup_name(&self.id);
         let ours: Vec<&String> = paths
             .iter()
@@ -1023,25 +1015,26 @@ impl Sandbox for GvisorSandbox {
 
     async fn pause(&self) -> Result<()> {
         self.inner.alive()?;
-        if !self.inner.life.begin(Transition::Pause)? {
+        // Held across `runsc pause`: a concurrent resume waits for it, then resumes.
+        let Some(step) = self.inner.life.begin(Transition::Pause).await? else {
             return Ok(());
-        }
+        };
         let mut cmd = self.inner.runsc.async_command();
         cmd.args(["pause", &self.inner.id]);
         run_checked_async(cmd, "pause").await?;
-        self.inner.life.complete(Transition::Pause);
+        step.complete();
         Ok(())
     }
 
     async fn resume(&self) -> Result<()> {
         self.inner.alive()?;
-        if !self.inner.life.begin(Transition::Resume)? {
+        let Some(step) = self.inner.life.begin(Transition::Resume).await? else {
             return Ok(());
-        }
+        };
         let mut cmd = self.inner.runsc.async_command();
         cmd.args(["resume", &self.inner.id]);
         run_checked_async(cmd, "resume").await?;
-        self.inner.life.complete(Transition::Resume);
+        step.complete();
         Ok(())
     }
 
@@ -1058,30 +1051,21 @@ impl Sandbox for GvisorSandbox {
     }
 
     async fn destroy(&self) -> Result<()> {
-        // Not waiting for execs: a running one is killed with the container. A resume in
-        // progress after a snapshot (~0.2 s) is waited for, so that nothing it makes comes
-        // after the teardown (if it outlasts the wait, it sees `gone` when it finishes and
-        // cleans up after itself).
+        // Not waiting for execs: a running one is killed with the container. A pause, a
+        // resume, or the resume in progress after a snapshot (~0.2 s) is waited for, so that
+        // nothing it makes comes after the teardown (if it outlasts the wait, it sees the
+        // release begun when it finishes and cleans up after itself).
         let inner = Arc::clone(&self.inner);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        while inner.resuming.load(Ordering::SeqCst) {
-            let done = inner.resumed.notified();
-            tokio::pin!(done);
-            done.as_mut().enable();
-            if !inner.resuming.load(Ordering::SeqCst)
-                || tokio::time::timeout_at(deadline, done).await.is_err()
-            {
-                break;
-            }
-        }
+        let _held = tokio::time::timeout(Duration::from_secs(30), inner.life.hold())
+            .await
+            .ok();
         // Detach first and wait, so nothing of the link is left when this returns.
         if let Some((e, _)) = &inner.egress {
-            if !inner.torn_down.load(Ordering::SeqCst) {
+            if !inner.life.release_begun() {
                 e.detach(&inner.id).await;
             }
         }
-        inner.life.end("destroyed");
-        tokio::task::spawn_blocking(move || inner.teardown())
+        tokio::task::spawn_blocking(move || inner.teardown("destroyed"))
             .await
             .map_err(|e| Error::backend(TIER, format!("teardown task failed: {e}")))
     }
@@ -1107,6 +1091,6 @@ impl Sandbox for GvisorSandbox {
 
 impl Drop for GvisorSandbox {
     fn drop(&mut self) {
-        self.inner.teardown();
+        self.inner.teardown("dropped");
     }
 }

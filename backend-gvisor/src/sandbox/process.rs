@@ -113,7 +113,7 @@ impl Inner {
         limit: Option<LimitKind>,
         before: (Option<u64>, Option<u64>),
     ) -> Result<ExecResult> {
-        if self.torn_down.load(Ordering::SeqCst) || self.alive().is_err() {
+        if self.life.release_begun() || self.alive().is_err() {
             return Err(self.process_gone(id));
         }
         let empty = || sandbox_core::OutputBuffer::new(0);

@@ -27,6 +27,8 @@ impl Inner {
                  deny-all sandbox instead",
             ));
         }
+        // No pause, resume or destroy overlaps the checkpoint and the resume after it.
+        let held = self.life.hold().await;
         let guard = Arc::clone(&self.lifecycle).write_owned().await;
         self.alive()?;
         // Kept processes are detached below and go on. Any other (in a root without the
@@ -87,7 +89,8 @@ impl Inner {
             // Nothing consistent to resume from: the sandbox is gone.
             let me = Arc::clone(self);
             drop(guard);
-            let _ = tokio::task::spawn_blocking(move || me.teardown()).await;
+            let why = format!("its checkpoint failed: {e}");
+            let _ = tokio::task::spawn_blocking(move || me.teardown(&why)).await;
             return Err(e);
         }
         // runsc's own image: as large as the sandbox's memory, not capped here.
@@ -103,14 +106,13 @@ impl Inner {
         let scratch = fsnap::pack_dir_limited(&self.scratch, cap);
         let me = Arc::clone(self);
         let resume_image = image.clone();
-        self.resuming.store(true, Ordering::SeqCst);
         tokio::spawn(async move {
+            // Released once the sandbox is back: a destroy meanwhile waits for it.
+            let _held = held;
             let _exclusive = guard;
             me.resume_from(&resume_image).await;
             // The kept processes went on inside: attach to them again.
             me.reattach_kept().await;
-            me.resuming.store(false, Ordering::SeqCst);
-            me.resumed.notify_waiters();
         });
         let mut draft = SnapshotDraft::new(
             TIER,
@@ -160,7 +162,7 @@ impl Inner {
             self.life
                 .end(format!("could not resume after its snapshot: {e}"));
         }
-        if self.torn_down.load(Ordering::SeqCst) {
+        if self.life.release_begun() {
             // Destroyed while resuming: remove what the restore brought back.
             let me = Arc::clone(self);
             let _ = tokio::task::spawn_blocking(move || me.cleanup()).await;

@@ -2,12 +2,12 @@
 
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
-use backend_gvisor::{GvisorBackend, GvisorConfig};
+use backend_gvisor::GvisorBackend;
 use sandbox_core::{Backend, Language, ResolvedSecrets, Sandbox, SandboxSpec};
 
 /// The backend with default settings.
 pub fn backend() -> GvisorBackend {
-    GvisorBackend::new(GvisorConfig::default())
+    GvisorBackend::builder().build().unwrap()
 }
 
 /// `Some(reason)` when this host cannot run the tier (the test then skips, saying why).

@@ -13,30 +13,9 @@ pub(crate) fn pipe() -> io::Result<(File, File)> {
     Ok(unsafe { (File::from_raw_fd(fds[0]), File::from_raw_fd(fds[1])) })
 }
 
-/// Finds `prog` in `path` like execvp does.
+/// Finds `prog` in `path` like execvp does (`sandbox_agent_proto::path`).
 pub(crate) fn lookup(prog: &str, path: &str, cwd: &Path) -> Option<PathBuf> {
-    if prog.contains('/') {
-        let p = Path::new(prog);
-        return Some(if p.is_absolute() {
-            p.to_path_buf()
-        } else {
-            cwd.join(p)
-        });
-    }
-    path.split(':')
-        .map(|d| {
-            if d.is_empty() {
-                cwd.to_path_buf()
-            } else {
-                PathBuf::from(d)
-            }
-            .join(prog)
-        })
-        .find(|p| {
-            fs::metadata(p)
-                .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-                .unwrap_or(false)
-        })
+    sandbox_agent_proto::path::lookup(prog, path, cwd)
 }
 
 pub(crate) fn exit_info(status: i32) -> ExitInfo {

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::fs::File;
 use std::io::{self, Write};
 use std::net::{Ipv4Addr, Ipv6Addr, Shutdown, TcpStream};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::sync::mpsc;
 use std::sync::{Arc, Condvar, Mutex};
 
@@ -21,9 +21,6 @@ use crate::proto::{ErrorKind, ExitInfo, Response, FRAME_COST};
 use crate::{c_int, lock, Chan, State};
 
 extern "C" {
-    fn posix_openpt(flags: c_int) -> c_int;
-    fn grantpt(fd: c_int) -> c_int;
-    fn unlockpt(fd: c_int) -> c_int;
     pub(crate) fn ioctl(fd: c_int, req: u64, ...) -> c_int;
     fn poll(fds: *mut PollFd, n: u64, timeout: c_int) -> c_int;
 }
@@ -51,62 +48,20 @@ fn wait_readable(f: &File) {
     {}
 }
 
-const O_RDWR: c_int = 2;
-const O_NOCTTY: c_int = 0o400;
-const O_CLOEXEC: c_int = 0o2000000;
-const TIOCSWINSZ: u64 = 0x5414;
-const TIOCGPTPEER: u64 = 0x5441;
 /// `TIOCSCTTY`, for the child (see `main.rs`).
 pub(crate) const TIOCSCTTY: u64 = 0x540E;
 /// The end-of-file character a terminal in canonical mode takes as end of input (Ctrl-D).
 const VEOF_CHAR: u8 = 0x04;
 
-/// `struct winsize`.
-#[repr(C)]
-struct Winsize {
-    rows: u16,
-    cols: u16,
-    xpixel: u16,
-    ypixel: u16,
-}
-
 /// A new terminal of `rows` x `cols`: (master, slave), both close-on-exec.
 pub(crate) fn open_pty(rows: u16, cols: u16) -> io::Result<(File, File)> {
-    // SAFETY: posix_openpt returns a new fd (or -1), owned by the File below.
-    let m = unsafe { posix_openpt(O_RDWR | O_NOCTTY | O_CLOEXEC) };
-    if m < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `m` is a new fd nobody else owns.
-    let master = unsafe { File::from_raw_fd(m) };
-    // SAFETY: grantpt/unlockpt on our master.
-    if unsafe { grantpt(m) } != 0 || unsafe { unlockpt(m) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: the ioctl opens the slave through the master and returns a new fd (or -1).
-    let s = unsafe { ioctl(m, TIOCGPTPEER, O_RDWR | O_NOCTTY | O_CLOEXEC) };
-    if s < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `s` is a new fd nobody else owns.
-    let slave = unsafe { File::from_raw_fd(s) };
-    resize(&master, rows, cols)?;
-    Ok((master, slave))
+    let pty = sandbox_agent_proto::pty::open(rows, cols)?;
+    Ok((File::from(pty.master), File::from(pty.slave)))
 }
 
 /// Sets a terminal's size (its foreground group gets `SIGWINCH`).
 pub(crate) fn resize(tty: &File, rows: u16, cols: u16) -> io::Result<()> {
-    let ws = Winsize {
-        rows,
-        cols,
-        xpixel: 0,
-        ypixel: 0,
-    };
-    // SAFETY: TIOCSWINSZ reads a winsize from a pointer to a local.
-    if unsafe { ioctl(tty.as_raw_fd(), TIOCSWINSZ, &ws as *const Winsize) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    sandbox_agent_proto::pty::set_size(tty.as_fd(), rows, cols)
 }
 
 /// How many output bytes the agent may still send for one process.

@@ -1,15 +1,18 @@
 //! Wire protocol between the host (`backend_microvm::agent_client`) and the guest agent.
 //!
 //! This file is compiled three times: into the agent binary (build.rs runs `rustc` on
-//! `main.rs`), into the `microvm-guest-agent` crate, and into the library through
-//! `#[path = "../guest-agent/src/proto.rs"]`. Keep it std-only and panic-free.
+//! `main.rs`, with `sandbox-agent-proto` as an rlib), into the `microvm-guest-agent` crate,
+//! and into the library through `#[path = "../guest-agent/src/proto.rs"]`. Keep it std-only
+//! and panic-free. The framing, the codec primitives and the source hash are
+//! `sandbox-agent-proto`'s; this file has the agent's messages.
 //!
 //! The channel is one byte stream (virtio-console, `/dev/hvc0` in the guest). Every message is
-//! one frame: a fixed 9-byte header `[u32 payload length][u8 kind][u32 request id]` (little
-//! endian) followed by the payload. The host picks the request ids; every response frame carries
-//! the id of the request it answers, so several requests may be in flight and an exec's output
-//! streams as many `Stdout`/`Stderr` frames before its final `Exit`. Id 0 is reserved for
-//! messages that answer no request (`Ready`, and errors about frames whose id is unknown).
+//! one frame (`sandbox_agent_proto::frame`): a fixed 9-byte header `[u32 payload length][u8
+//! kind][u32 request id]` (little endian) followed by the payload. The host picks the
+//! request ids; every response frame carries the id of the request it answers, so several
+//! requests may be in flight and an exec's output streams as many `Stdout`/`Stderr` frames
+//! before its final `Exit`. Id 0 is reserved for messages that answer no request (`Ready`,
+//! and errors about frames whose id is unknown).
 //!
 //! Payload values: integers little endian; byte strings and UTF-8 strings as `u32 length` +
 //! bytes; lists as `u32 count` + items. A payload longer than [`MAX_PAYLOAD`], an unknown kind,
@@ -18,12 +21,19 @@
 
 #![allow(dead_code)]
 
-use std::io::{self, Read};
+use sandbox_agent_proto::{fnv1a, Dec, DecodeError, Enc};
 
-/// FNV-1a of the agent's sources (this file, `main.rs` and its modules), computed at compile time on both
-/// sides: the agent announces it in [`Response::Ready`] and [`Response::Pong`] so the host can
-/// tell an agent built from other sources (a stale initramfs) from a matching one.
-pub const SOURCE_HASH: u64 = fnv1a(include_bytes!("proto.rs"))
+pub use sandbox_agent_proto::frame::{read_frame, skip_bytes, ReadError};
+// The host reads headers itself (the agent does not).
+#[allow(unused_imports)]
+pub use sandbox_agent_proto::frame::{Header, HEADER_LEN};
+
+/// FNV-1a of the agent's sources (this file, `main.rs` and its modules) and of
+/// `sandbox-agent-proto`'s, computed at compile time on both sides: the agent announces it
+/// in [`Response::Ready`] and [`Response::Pong`] so the host can tell an agent built from
+/// other sources (a stale initramfs) from a matching one.
+pub const SOURCE_HASH: u64 = sandbox_agent_proto::SOURCE_HASH
+    ^ fnv1a(include_bytes!("proto.rs"))
     ^ fnv1a(include_bytes!("main.rs"))
     ^ fnv1a(include_bytes!("root.rs"))
     ^ fnv1a(include_bytes!("interactive.rs"))
@@ -34,19 +44,6 @@ pub const SOURCE_HASH: u64 = fnv1a(include_bytes!("proto.rs"))
     ^ fnv1a(include_bytes!("identity.rs"))
     ^ fnv1a(include_bytes!("trust.rs"));
 
-const fn fnv1a(b: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut i = 0;
-    while i < b.len() {
-        h ^= b[i] as u64;
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        i += 1;
-    }
-    h
-}
-
-/// Size of a frame header: payload length (u32), kind (u8), request id (u32).
-pub const HEADER_LEN: usize = 9;
 /// Largest payload a frame may carry (4 MiB of data plus room for the other fields).
 pub const MAX_PAYLOAD: usize = (4 << 20) + 64 * 1024;
 /// Largest data chunk the agent puts in one `Stdout`/`Stderr`/`Data` frame.
@@ -369,229 +366,37 @@ pub enum Response {
     },
 }
 
-/// A malformed payload or header.
+/// A malformed payload (the reason is dropped: the peer is told only that it was).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Malformed;
 
-/// A frame header as read from the stream.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Header {
-    /// Payload length.
-    pub len: u32,
-    /// Message kind.
-    pub kind: u8,
-    /// Request id.
-    pub id: u32,
-}
-
-impl Header {
-    /// Parses the fixed-size header.
-    pub fn parse(b: &[u8; HEADER_LEN]) -> Header {
-        Header {
-            len: u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-            kind: b[4],
-            id: u32::from_le_bytes([b[5], b[6], b[7], b[8]]),
-        }
+impl From<DecodeError> for Malformed {
+    fn from(_: DecodeError) -> Malformed {
+        Malformed
     }
 }
 
-/// Why [`read_frame`] returned no frame.
-#[derive(Debug)]
-pub enum ReadError {
-    /// The stream ended in the middle of a frame.
-    Truncated,
-    /// The header announced a payload over the limit; nothing of it was read.
-    TooLarge(Header),
-    /// The underlying read failed.
-    Io(io::Error),
+fn encode_exec(e: &mut Enc, x: &ExecRequest) {
+    e.strs(&x.argv);
+    e.list(&x.env, |e, (k, v)| {
+        e.str(k);
+        e.str(v);
+    });
+    e.str(&x.cwd);
+    e.bytes(&x.stdin);
+    e.u64(x.timeout_ms);
+    e.u64(x.max_output);
 }
 
-/// Reads one frame: `Ok(None)` on a clean end of stream (at a frame boundary). The payload
-/// buffer is allocated only after its length was checked against `max`.
-pub fn read_frame<R: Read>(r: &mut R, max: usize) -> Result<Option<(Header, Vec<u8>)>, ReadError> {
-    let mut h = [0u8; HEADER_LEN];
-    let mut got = 0;
-    while got < HEADER_LEN {
-        match r.read(&mut h[got..]) {
-            Ok(0) if got == 0 => return Ok(None),
-            Ok(0) => return Err(ReadError::Truncated),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(ReadError::Io(e)),
-        }
-    }
-    let hdr = Header::parse(&h);
-    let len = hdr.len as usize;
-    if len > max {
-        return Err(ReadError::TooLarge(hdr));
-    }
-    let mut payload = vec![0u8; len];
-    match r.read_exact(&mut payload) {
-        Ok(()) => Ok(Some((hdr, payload))),
-        Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => Err(ReadError::Truncated),
-        Err(e) => Err(ReadError::Io(e)),
-    }
-}
-
-/// Reads and drops `n` bytes (the payload of a frame refused as too large), so the stream
-/// stays in sync without buffering it.
-pub fn skip_bytes<R: Read>(r: &mut R, mut n: u64) -> io::Result<()> {
-    let mut buf = [0u8; 8192];
-    while n > 0 {
-        let want = buf.len().min(usize::try_from(n).unwrap_or(usize::MAX));
-        match r.read(&mut buf[..want]) {
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(k) => n = n.saturating_sub(k as u64),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-/// Appends little-endian values to a frame under construction.
-struct Enc(Vec<u8>);
-
-impl Enc {
-    fn frame(kind: u8, id: u32) -> Enc {
-        let mut v = Vec::with_capacity(64);
-        v.extend_from_slice(&[0, 0, 0, 0, kind]);
-        v.extend_from_slice(&id.to_le_bytes());
-        Enc(v)
-    }
-    fn u8(&mut self, v: u8) {
-        self.0.push(v);
-    }
-    fn u32(&mut self, v: u32) {
-        self.0.extend_from_slice(&v.to_le_bytes());
-    }
-    fn i32(&mut self, v: i32) {
-        self.0.extend_from_slice(&v.to_le_bytes());
-    }
-    fn u64(&mut self, v: u64) {
-        self.0.extend_from_slice(&v.to_le_bytes());
-    }
-    fn len(&mut self, n: usize) {
-        // Lengths above u32::MAX cannot be framed anyway: saturate, and the frame will be
-        // refused by the receiver as too large.
-        self.u32(u32::try_from(n).unwrap_or(u32::MAX));
-    }
-    fn bytes(&mut self, b: &[u8]) {
-        self.len(b.len());
-        self.0.extend_from_slice(b);
-    }
-    fn str(&mut self, s: &str) {
-        self.bytes(s.as_bytes());
-    }
-    fn exec(&mut self, x: &ExecRequest) {
-        self.len(x.argv.len());
-        for a in &x.argv {
-            self.str(a);
-        }
-        self.len(x.env.len());
-        for (k, v) in &x.env {
-            self.str(k);
-            self.str(v);
-        }
-        self.str(&x.cwd);
-        self.bytes(&x.stdin);
-        self.u64(x.timeout_ms);
-        self.u64(x.max_output);
-    }
-    /// Writes the payload length into the header and returns the whole frame.
-    fn finish(mut self) -> Vec<u8> {
-        let n = self.0.len().saturating_sub(HEADER_LEN);
-        let n = u32::try_from(n).unwrap_or(u32::MAX).to_le_bytes();
-        self.0[..4].copy_from_slice(&n);
-        self.0
-    }
-}
-
-/// Reads what [`Enc`] wrote; every read is bounds-checked.
-struct Dec<'a> {
-    buf: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Dec<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], Malformed> {
-        let end = self.pos.checked_add(n).ok_or(Malformed)?;
-        let s = self.buf.get(self.pos..end).ok_or(Malformed)?;
-        self.pos = end;
-        Ok(s)
-    }
-    fn arr<const N: usize>(&mut self) -> Result<[u8; N], Malformed> {
-        let mut a = [0u8; N];
-        a.copy_from_slice(self.take(N)?);
-        Ok(a)
-    }
-    fn u8(&mut self) -> Result<u8, Malformed> {
-        Ok(self.arr::<1>()?[0])
-    }
-    fn bool(&mut self) -> Result<bool, Malformed> {
-        match self.u8()? {
-            0 => Ok(false),
-            1 => Ok(true),
-            _ => Err(Malformed),
-        }
-    }
-    fn u32(&mut self) -> Result<u32, Malformed> {
-        Ok(u32::from_le_bytes(self.arr()?))
-    }
-    /// A `u16` sent as a `u32` (a larger value is malformed).
-    fn u16(&mut self) -> Result<u16, Malformed> {
-        u16::try_from(self.u32()?).map_err(|_| Malformed)
-    }
-    fn exec(&mut self) -> Result<ExecRequest, Malformed> {
-        let n = self.count(4)?;
-        let mut argv = Vec::with_capacity(n);
-        for _ in 0..n {
-            argv.push(self.str()?);
-        }
-        let n = self.count(8)?;
-        let mut env = Vec::with_capacity(n);
-        for _ in 0..n {
-            env.push((self.str()?, self.str()?));
-        }
-        Ok(ExecRequest {
-            argv,
-            env,
-            cwd: self.str()?,
-            stdin: self.bytes()?.to_vec(),
-            timeout_ms: self.u64()?,
-            max_output: self.u64()?,
-        })
-    }
-    fn i32(&mut self) -> Result<i32, Malformed> {
-        Ok(i32::from_le_bytes(self.arr()?))
-    }
-    fn u64(&mut self) -> Result<u64, Malformed> {
-        Ok(u64::from_le_bytes(self.arr()?))
-    }
-    fn bytes(&mut self) -> Result<&'a [u8], Malformed> {
-        let n = self.u32()? as usize;
-        self.take(n)
-    }
-    fn str(&mut self) -> Result<String, Malformed> {
-        String::from_utf8(self.bytes()?.to_vec()).map_err(|_| Malformed)
-    }
-    /// A list count, checked against the bytes left (each item takes at least `min_item`
-    /// bytes), so a forged count cannot make us reserve memory.
-    fn count(&mut self, min_item: usize) -> Result<usize, Malformed> {
-        let n = self.u32()? as usize;
-        let left = self.buf.len().saturating_sub(self.pos);
-        if n.saturating_mul(min_item.max(1)) > left {
-            return Err(Malformed);
-        }
-        Ok(n)
-    }
-    fn end(&self) -> Result<(), Malformed> {
-        if self.pos == self.buf.len() {
-            Ok(())
-        } else {
-            Err(Malformed)
-        }
-    }
+fn decode_exec(d: &mut Dec<'_>) -> Result<ExecRequest, DecodeError> {
+    Ok(ExecRequest {
+        argv: d.strs()?,
+        env: d.list(8, |d| Ok::<_, DecodeError>((d.str()?, d.str()?)))?,
+        cwd: d.str()?,
+        stdin: d.bytes()?.to_vec(),
+        timeout_ms: d.u64()?,
+        max_output: d.u64()?,
+    })
 }
 
 impl Request {
@@ -601,18 +406,18 @@ impl Request {
         match self {
             Request::Exec(x) => {
                 e = Enc::frame(K_EXEC, id);
-                e.exec(x);
+                encode_exec(&mut e, x);
             }
             Request::Spawn { exec, tty, window } => {
                 e = Enc::frame(K_SPAWN, id);
-                e.exec(exec);
+                encode_exec(&mut e, exec);
                 match tty {
                     Some((rows, cols)) => {
-                        e.u8(1);
-                        e.u32(u32::from(*rows));
-                        e.u32(u32::from(*cols));
+                        e.bool(true);
+                        e.u16(*rows);
+                        e.u16(*cols);
                     }
-                    None => e.u8(0),
+                    None => e.bool(false),
                 }
                 e.u32(*window);
             }
@@ -633,8 +438,8 @@ impl Request {
             Request::Resize { target, rows, cols } => {
                 e = Enc::frame(K_RESIZE, id);
                 e.u32(*target);
-                e.u32(u32::from(*rows));
-                e.u32(u32::from(*cols));
+                e.u16(*rows);
+                e.u16(*cols);
             }
             Request::Grant { target, bytes } => {
                 e = Enc::frame(K_GRANT, id);
@@ -643,7 +448,7 @@ impl Request {
             }
             Request::Connect { port, window } => {
                 e = Enc::frame(K_CONNECT, id);
-                e.u32(u32::from(*port));
+                e.u16(*port);
                 e.u32(*window);
             }
             Request::Refresh {
@@ -665,7 +470,7 @@ impl Request {
                 e = Enc::frame(K_WRITE, id);
                 e.str(path);
                 e.u32(*mode);
-                e.u8(u8::from(*append));
+                e.bool(*append);
                 e.bytes(data);
             }
             Request::ReadFile { path, max } => {
@@ -694,19 +499,16 @@ impl Request {
                 e.u32(*target);
             }
         }
-        e.finish()
+        e.finish_frame()
     }
 
     /// Decodes a request payload of the given kind.
     pub fn decode(kind: u8, payload: &[u8]) -> Result<Request, Malformed> {
-        let mut d = Dec {
-            buf: payload,
-            pos: 0,
-        };
+        let mut d = Dec::new(payload);
         let r = match kind {
-            K_EXEC => Request::Exec(d.exec()?),
+            K_EXEC => Request::Exec(decode_exec(&mut d)?),
             K_SPAWN => Request::Spawn {
-                exec: d.exec()?,
+                exec: decode_exec(&mut d)?,
                 tty: if d.bool()? {
                     Some((d.u16()?, d.u16()?))
                 } else {
@@ -826,12 +628,11 @@ impl Response {
             }
             Response::Entries(list) => {
                 e = Enc::frame(K_ENTRIES, id);
-                e.len(list.len());
-                for x in list {
+                e.list(list, |e, x| {
                     e.str(&x.name);
                     e.u8(kind_code(x.kind));
                     e.u64(x.size);
-                }
+                });
             }
             Response::Ok => e = Enc::frame(K_OK, id),
             Response::Error { kind, message } => {
@@ -848,15 +649,12 @@ impl Response {
                 e.u64(*source_hash);
             }
         }
-        e.finish()
+        e.finish_frame()
     }
 
     /// Decodes a response payload of the given kind.
     pub fn decode(kind: u8, payload: &[u8]) -> Result<Response, Malformed> {
-        let mut d = Dec {
-            buf: payload,
-            pos: 0,
-        };
+        let mut d = Dec::new(payload);
         let r = match kind {
             K_STDOUT => Response::Stdout(d.bytes()?.to_vec()),
             K_STDERR => Response::Stderr(d.bytes()?.to_vec()),
@@ -875,26 +673,19 @@ impl Response {
                 })
             }
             K_DATA => Response::Data(d.bytes()?.to_vec()),
-            K_ENTRIES => {
-                let n = d.count(13)?;
-                let mut v = Vec::with_capacity(n);
-                for _ in 0..n {
-                    let name = d.str()?;
-                    let kind = match d.u8()? {
+            K_ENTRIES => Response::Entries(d.list(13, |d| {
+                Ok::<_, Malformed>(Entry {
+                    name: d.str()?,
+                    kind: match d.u8()? {
                         0 => EntryKind::File,
                         1 => EntryKind::Dir,
                         2 => EntryKind::Symlink,
                         3 => EntryKind::Other,
                         _ => return Err(Malformed),
-                    };
-                    v.push(Entry {
-                        name,
-                        kind,
-                        size: d.u64()?,
-                    });
-                }
-                Response::Entries(v)
-            }
+                    },
+                    size: d.u64()?,
+                })
+            })?),
             K_OK => Response::Ok,
             K_ERROR => {
                 let kind = match d.u8()? {

@@ -18,7 +18,7 @@ pub(super) fn new_id() -> String {
 
 /// Refuses what this tier cannot do, before anything is started.
 pub(crate) fn check_spec(spec: &SandboxSpec) -> Result<()> {
-    spec.validate()?;
+    spec.validate_on_host()?;
     if spec.rootfs.is_some() {
         return Err(Error::unsupported(
             TIER,
@@ -291,7 +291,7 @@ pub(super) fn check_proxied(
         return Err(Error::unsupported(
             TIER,
             "proxy-held secrets without an egress enforcer (plug one in with \
-             MicrovmBuilder::egress; the facade's Runtime does)",
+             MicrovmBackendBuilder::egress; the facade's Runtime does)",
         ));
     }
     Ok(())

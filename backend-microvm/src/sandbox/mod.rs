@@ -212,15 +212,18 @@ impl Inner {
         }
     }
 
-    /// Ends the sandbox for `reason` (the first reason sticks) and kills the VM.
-    fn teardown(&self, reason: &str) -> Option<Live> {
-        self.life.end(reason);
-        self.ports.clear();
-        let live = lock(&self.live).take();
-        if let Some(l) = &live {
-            l.machine.kill();
-        }
-        live
+    /// Ends the sandbox for `reason` (the first reason sticks), kills the VM and drops its
+    /// live parts (which joins the VM's threads and the agent client's reader). Once: a call
+    /// made meanwhile waits for it (see [`Lifecycle::release`]).
+    fn teardown(&self, reason: &str) {
+        self.life.release(reason, || {
+            self.ports.clear();
+            let live = lock(&self.live).take();
+            if let Some(l) = &live {
+                l.machine.kill();
+            }
+            drop(live);
+        });
     }
 
     /// The agent and machine of a running sandbox (the agent cannot answer while the VM is
@@ -237,13 +240,13 @@ impl Inner {
             Some(l) => (l.agent.clone(), l.machine.clone()),
             None => return Err(self.gone_error("destroyed".into())),
         };
-        let why = machine.ended().or_else(|| {
-            (self.born.elapsed() > self.spec.limits.lifetime())
-                .then(|| "lifetime limit reached".to_string())
-        });
-        if let Some(why) = why {
-            drop(self.teardown(&why));
+        if let Some(why) = machine.ended() {
+            self.teardown(&why);
             return Err(self.gone_error(why));
+        }
+        if self.life.lapse(self.born, self.spec.limits.lifetime()) {
+            self.teardown(sandbox_core::LIFETIME_REACHED);
+            return Err(self.life.gone_error());
         }
         Ok((agent, machine))
     }
@@ -256,12 +259,12 @@ impl Inner {
         }
         let ended = lock(&self.live).as_ref().and_then(|l| l.machine.ended());
         if let Some(why) = ended {
-            drop(self.teardown(&why));
+            self.teardown(&why);
             return self.gone_error(why);
         }
         if let AgentError::Protocol(m) = &e {
             let why = format!("the guest agent broke the protocol ({m})");
-            drop(self.teardown(&why));
+            self.teardown(&why);
             return self.gone_error(why);
         }
         map_agent_error(e, path)
@@ -292,20 +295,21 @@ impl Inner {
         } else {
             Transition::Resume
         };
-        if !self.life.begin(step)? {
+        // Held across the VM's pause or resume: a concurrent one waits for it.
+        let Some(step) = self.life.begin(step).await? else {
             return Ok(());
-        }
+        };
         let r = tokio::task::spawn_blocking(move || if pause { vm.pause() } else { vm.resume() })
             .await
             .map_err(join_err)?;
         r.map_err(|e| match machine.ended() {
             Some(why) => {
-                drop(self.teardown(&why));
+                self.teardown(&why);
                 self.gone_error(why)
             }
             None => e.into(),
         })?;
-        self.life.complete(step);
+        step.complete();
         Ok(())
     }
 }
@@ -468,27 +472,27 @@ impl Sandbox for MicrovmSandbox {
     }
 
     async fn destroy(&self) -> Result<()> {
+        // No pause or resume overlaps it: one under way finishes first, none starts after.
+        let _held = self.inner.life.hold().await;
         // Ask the guest to power off, briefly; then kill the VM whatever it did. Dropping the
         // live parts joins the VM's threads and the agent client's reader.
-        let live = {
-            self.inner.life.end("destroyed");
-            self.inner.ports.clear();
-            lock(&self.inner.live).take()
-        };
-        let net = lock(&self.inner.net).take();
-        let r = match live {
-            Some(live) => tokio::task::spawn_blocking(move || {
-                if live.machine.ended().is_none() {
-                    let _ = live.agent.shutdown(SHUTDOWN_WAIT);
-                    live.machine.wait_end(SHUTDOWN_WAIT);
+        let inner = Arc::clone(&self.inner);
+        let r = tokio::task::spawn_blocking(move || {
+            inner.life.release("destroyed", || {
+                inner.ports.clear();
+                if let Some(live) = lock(&inner.live).take() {
+                    if live.machine.ended().is_none() {
+                        let _ = live.agent.shutdown(SHUTDOWN_WAIT);
+                        live.machine.wait_end(SHUTDOWN_WAIT);
+                    }
+                    live.machine.kill();
+                    drop(live);
                 }
-                live.machine.kill();
-                drop(live);
-            })
-            .await
-            .map_err(join_err),
-            None => Ok(()),
-        };
+            });
+        })
+        .await
+        .map_err(join_err);
+        let net = lock(&self.inner.net).take();
         // The VM is gone: its link to the enforcer goes too.
         if let Some(mut n) = net {
             n.detach().await;
@@ -499,7 +503,7 @@ impl Sandbox for MicrovmSandbox {
 
 impl Drop for MicrovmSandbox {
     fn drop(&mut self) {
-        drop(self.inner.teardown("dropped"));
+        self.inner.teardown("dropped");
     }
 }
 

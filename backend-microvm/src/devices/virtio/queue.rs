@@ -2,6 +2,10 @@
 //! every index is range-checked, every address is checked against guest memory with
 //! overflow-checked arithmetic, chains are bounded by the queue size (no loops), and any
 //! violation is a [`QueueError`] (which marks the device broken), never a panic.
+//!
+//! (Kept over `virtio-queue` 0.18, measured: on a descriptor loop it yields a truncated chain
+//! (4 descriptors, no error), it passes out-of-RAM buffers unchecked and its state has no serde
+//! form for snapshots; its ~130 ns per pop + add_used against ~160 ns here is no reason.)
 
 use std::sync::atomic::{fence, Ordering};
 

@@ -282,7 +282,7 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
     let mut config = ServerConfig::default();
     // The key the server signs its snapshots with, kept so they verify after a restart.
     match state_dir(args.state_dir.as_deref()).map(|d| d.join("snapshot.key")) {
-        Ok(path) => match sandbox_server::signing::SnapshotKey::load_or_create(&path) {
+        Ok(path) => match agent_sandbox::server::signing::SnapshotKey::load_or_create(&path) {
             Ok(k) => config = config.snapshot_key(k),
             Err(e) => {
                 eprintln!(
@@ -340,7 +340,7 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
         config = config.keep_on_exit(f.clone());
     }
     if !args.local {
-        sandbox_image::ImageStore::credentials_only_for_in_this_process(
+        agent_sandbox::image::ImageStore::credentials_only_for_in_this_process(
             args.registry_credentials.clone(),
         );
     }

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use sandbox_core::{SnapshotDraft, SnapshotManifest};
 use sha2::{Digest, Sha256};
 
-use crate::error::ApiError;
+use crate::error::BadRequest;
 
 /// Largest manifest accepted (it holds a spec and a list of names).
 const MAX_MANIFEST: u64 = 1 << 20;
@@ -36,18 +36,16 @@ pub fn write_snapshot_tar(
     tar.into_inner()
 }
 
-fn bad(reason: impl std::fmt::Display) -> ApiError {
-    ApiError::new(
-        axum::http::StatusCode::BAD_REQUEST,
-        "bad_request",
-        format!("the snapshot upload is not a tar of manifest.json and artifacts/NAME: {reason}"),
-    )
+fn bad(reason: impl std::fmt::Display) -> BadRequest {
+    BadRequest(format!(
+        "the snapshot upload is not a tar of manifest.json and artifacts/NAME: {reason}"
+    ))
 }
 
 /// Reads a snapshot tar into a draft: the manifest first, then exactly the artifacts it
 /// lists, each of its size and SHA-256. Anything else (another path, a link, a duplicate, a
 /// missing or altered artifact) is refused.
-pub fn read_snapshot_tar(body: &[u8]) -> Result<SnapshotDraft, ApiError> {
+pub fn read_snapshot_tar(body: &[u8]) -> Result<SnapshotDraft, BadRequest> {
     let mut archive = tar::Archive::new(body);
     let entries = archive.entries().map_err(bad)?;
     let mut manifest: Option<SnapshotManifest> = None;
@@ -159,15 +157,15 @@ mod tests {
 
         let altered = BTreeMap::from([("fs.tar".to_string(), Bytes::from_static(b"filez"))]);
         let e = read_snapshot_tar(&write_snapshot_tar(&m, &altered).unwrap()).unwrap_err();
-        assert!(e.message.contains("SHA-256"), "{}", e.message);
+        assert!(e.0.contains("SHA-256"), "{}", e.0);
         let e = read_snapshot_tar(&write_snapshot_tar(&m, &BTreeMap::new()).unwrap()).unwrap_err();
-        assert!(e.message.contains("missing"), "{}", e.message);
+        assert!(e.0.contains("missing"), "{}", e.0);
         let extra = BTreeMap::from([
             ("fs.tar".to_string(), Bytes::from_static(b"files")),
             ("other".to_string(), Bytes::from_static(b"x")),
         ]);
         let e = read_snapshot_tar(&write_snapshot_tar(&m, &extra).unwrap()).unwrap_err();
-        assert!(e.message.contains("not in the manifest"), "{}", e.message);
+        assert!(e.0.contains("not in the manifest"), "{}", e.0);
         assert!(read_snapshot_tar(b"not a tar at all").is_err());
     }
 }

@@ -120,8 +120,8 @@ pub(crate) async fn run(args: ShellArgs) -> ExitCode {
         }
     } else {
         match args.tier {
-            TierArg::Auto => Runtime::builder_with_defaults(),
-            TierArg::Tier(t) => Runtime::builder_with_tiers(&[t]),
+            TierArg::Auto => Runtime::builder().with_default_tiers(),
+            TierArg::Tier(t) => Runtime::builder().with_tiers(&[t]),
         }
         .build()
     };

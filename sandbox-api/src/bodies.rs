@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use sandbox_core::{Command, ExecRequest, SandboxSpec, Tier};
 use serde::{Deserialize, Serialize};
 
-use crate::error::ApiError;
+use crate::error::BadRequest;
 
 /// `POST /v1/sandboxes`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -27,7 +27,7 @@ pub struct CreateSandbox {
 
 /// `POST /v1/run`: one command in a fresh sandbox, destroyed after it (see
 /// [`RunReply`]). The server takes a ready sandbox from its warm pools when it has one for
-/// this spec and tier ([`ServerConfig::warm`](crate::ServerConfig::warm)).
+/// this spec and tier (`sandbox_server::ServerConfig::warm`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RunBody {
@@ -158,13 +158,13 @@ pub struct ExecBody {
 
 impl ExecBody {
     /// The library's request.
-    pub fn into_request(self) -> Result<ExecRequest, ApiError> {
+    pub fn into_request(self) -> Result<ExecRequest, BadRequest> {
         let mut req = match (self.argv, self.code) {
             (Some(a), None) => ExecRequest::argv(a),
             (None, Some(c)) => ExecRequest::code(c),
             _ => {
-                return Err(ApiError::bad_request(
-                    "give exactly one of `argv` (a program and its arguments) and `code`",
+                return Err(BadRequest(
+                    "give exactly one of `argv` (a program and its arguments) and `code`".into(),
                 ))
             }
         };
@@ -281,7 +281,7 @@ pub struct TierInfo {
 pub struct TierList {
     /// Every tier the server knows.
     pub tiers: Vec<TierInfo>,
-    /// Which build of the server this is ([`ServerConfig::build`](crate::ServerConfig::build)),
+    /// Which build of the server this is (`sandbox_server::ServerConfig::build`),
     /// when it says: a client that must behave exactly as itself in-process (the CLI's
     /// `run` through a local daemon) uses only a server of its own build.
     #[serde(default, skip_serializing_if = "Option::is_none")]

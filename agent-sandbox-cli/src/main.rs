@@ -462,8 +462,8 @@ fn cli_runtime() -> Runtime {
 fn run_runtime(tier: TierArg, secrets: agent_sandbox::MapSecretSource) -> Runtime {
     agent_sandbox::one_shot_process();
     let b = match tier {
-        TierArg::Auto => Runtime::builder_with_defaults(),
-        TierArg::Tier(t) => Runtime::builder_with_tiers(&[t]),
+        TierArg::Auto => Runtime::builder().with_default_tiers(),
+        TierArg::Tier(t) => Runtime::builder().with_tiers(&[t]),
     };
     b.secret_source(std::sync::Arc::new(secrets)).build()
 }
@@ -670,7 +670,9 @@ async fn install_python_wasm() -> ExitCode {
     {
         let p = progress();
         let r = tokio::task::spawn_blocking(move || {
-            agent_sandbox::wasm::WasmBackend::new().install_python(p.as_ref())
+            agent_sandbox::wasm::WasmBackend::builder()
+                .build()?
+                .install_python(p.as_ref())
         })
         .await;
         match r {

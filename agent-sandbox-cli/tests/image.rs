@@ -54,7 +54,10 @@ async fn the_image_python_runs_in_every_linux_tier() {
     };
     let cache = tempfile::tempdir().unwrap();
     let store = ImageStore::builder(cache.path()).build().unwrap();
-    let rt = Runtime::builder_with_image_store(store.clone()).build();
+    let rt = Runtime::builder()
+        .with_default_tiers()
+        .image_store(store.clone())
+        .build();
     let spec = python_spec(&format!("oci:{}:python3", layout.display()));
     let mut ran = 0;
     for status in rt.probe().await {
@@ -357,7 +360,10 @@ async fn snapshots_of_image_sandboxes_restore_on_every_linux_tier() {
     };
     let cache = tempfile::tempdir().unwrap();
     let store = ImageStore::builder(cache.path()).build().unwrap();
-    let rt = Runtime::builder_with_image_store(store).build();
+    let rt = Runtime::builder()
+        .with_default_tiers()
+        .image_store(store)
+        .build();
     let spec = SandboxSpec::builder(Language::Shell)
         .image(format!("oci:{}:python3", layout.display()))
         .wall_time(Duration::from_secs(60))
