@@ -192,8 +192,16 @@ async fn rootfs_upper_layer_is_capped_by_disk_bytes() {
 
 #[tokio::test]
 async fn a_missing_rootfs_is_an_invalid_spec() {
-    let r = SandboxSpec::builder(Language::Shell)
+    // The spec alone is valid (it may be created on another host); creating it here checks
+    // the directory.
+    let spec = SandboxSpec::builder(Language::Shell)
         .rootfs("/nonexistent/rootfs")
-        .build();
-    assert!(r.is_err());
+        .build()
+        .unwrap();
+    let r = backend().create(&spec, ResolvedSecrets::none()).await;
+    match r {
+        Err(sandbox_core::Error::InvalidSpec { field, .. }) => assert_eq!(field, "rootfs"),
+        Err(e) => panic!("expected InvalidSpec(rootfs), got {e}"),
+        Ok(_) => panic!("a sandbox was created on a missing rootfs"),
+    }
 }
