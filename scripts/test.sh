@@ -42,7 +42,7 @@ dedupe() {
       done | awk '{ if (seen[$2]++) print $1 }' | xargs -r rm -f)
     done
     [ -d "$d/deps" ] || continue
-    (cd "$d/deps" && ls -t | { grep -E '^lib(sandbox_|backend_|agent_sandbox|container_init|microvm_guest)' || true; } \
+    (cd "$d/deps" && ls -t | { grep -E '^lib(sandbox_|backend_|agent_sandbox|container_init|microvm_guest|gvisor_)' || true; } \
       | awk '{ n = $0; sub(/-[0-9a-f]+\.[a-z]+$/, "", n); e = $0; sub(/.*\./, "", e); if (seen[n "." e]++ >= 2) print }' \
       | xargs -r rm -f)
   done
@@ -51,7 +51,8 @@ if [ -d "$CARGO_TARGET_DIR" ]; then
   step "drop stale copies in $CARGO_TARGET_DIR"
   dedupe
   if [ "$(du -sm "$CARGO_TARGET_DIR" 2>/dev/null | cut -f1)" -gt 30000 ]; then
-    rm -rf "$CARGO_TARGET_DIR/debug/incremental"
+    # Another build writing there at the same time (a developer's) is not an error.
+    rm -rf "$CARGO_TARGET_DIR/debug/incremental" 2>/dev/null || true
     prune 2880
   fi
   if [ "$(df -Pm "$CARGO_TARGET_DIR" | awk 'NR == 2 { print $4 }')" -lt 10000 ]; then
