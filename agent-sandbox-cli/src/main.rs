@@ -710,11 +710,9 @@ async fn install_microvm_guest(
             Some(k) if k.extension().is_some_and(|e| e == "deb") => KernelSource::DebFile(k),
             Some(image) => KernelSource::Kernel { image, modules },
         };
-        let opts = InstallOptions {
-            dir: dir.unwrap_or_else(install::default_cache_dir),
-            kernel: source,
-            ..InstallOptions::debian()
-        };
+        let opts = InstallOptions::debian()
+            .dir(dir.unwrap_or_else(install::default_cache_dir))
+            .kernel(source);
         match &opts.kernel {
             KernelSource::Debian => eprintln!(
                 "agent-sandbox: fetching Debian's {} with `apt-get download` (about 70 MB)...",
@@ -731,6 +729,7 @@ async fn install_microvm_guest(
                     .map(|m| format!(" with modules from {}", m.display()))
                     .unwrap_or_default()
             ),
+            other => eprintln!("agent-sandbox: using the kernel from {other:?}"),
         }
         eprintln!(
             "agent-sandbox: extracting vmlinux and building the initramfs (agent, busybox, virtio modules) in {}",

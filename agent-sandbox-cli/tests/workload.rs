@@ -34,17 +34,15 @@ async fn tiny_workload_on_every_available_tier() {
         return;
     }
     let out = tempfile::tempdir().unwrap();
-    let cfg = Config {
-        sessions: vec![2],
-        turns: 3,
-        think_ms: 0.0,
-        seed: 7,
-        out: out.path().to_path_buf(),
-        density: true,
-        density_cap: 3,
-        density_seconds: 60,
-        ..Config::quick()
-    };
+    let mut cfg = Config::quick();
+    cfg.sessions = vec![2];
+    cfg.turns = 3;
+    cfg.think_ms = 0.0;
+    cfg.seed = 7;
+    cfg.out = out.path().to_path_buf();
+    cfg.density = true;
+    cfg.density_cap = 3;
+    cfg.density_seconds = 60;
     let report = sandbox_bench::run_workload(&targets, cfg, &|l| println!("{l}")).await;
     report.write(out.path()).unwrap();
 

@@ -712,6 +712,7 @@ impl RunOptions {
 
 /// What [`Runtime::run_once`] returns.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct RunOutput {
     /// The tier that ran the command.
     pub tier: Tier,

@@ -215,7 +215,6 @@ pub(crate) const MNT_DETACH: c_int = 2;
 pub(crate) const TIOCSCTTY: c_ulong = 0x540E;
 pub(crate) const SIGCHLD: c_int = 17;
 pub(crate) const SIGKILL: c_int = 9;
-pub(crate) const SIGSTOP: c_int = 19;
 pub(crate) const SIGTERM: c_int = 15;
 pub(crate) const SIGUSR1: c_int = 10;
 pub(crate) const PR_SET_CHILD_SUBREAPER: c_int = 36;
@@ -242,68 +241,13 @@ pub(crate) const SIOCGIFFLAGS: u64 = 0x8913;
 pub(crate) const SIOCSIFFLAGS: u64 = 0x8914;
 pub(crate) const IFF_UP: i16 = 1;
 
-/// `struct sigaction` as the kernel's `rt_sigaction` takes it (x86-64 and arm64).
-#[repr(C)]
-pub(crate) struct KernelSigaction {
-    pub(crate) handler: usize,
-    pub(crate) flags: u64,
-    pub(crate) restorer: usize,
-    pub(crate) mask: u64,
-}
-
-#[cfg(target_arch = "x86_64")]
-pub(crate) const NR_RT_SIGACTION: i64 = 13;
-#[cfg(target_arch = "aarch64")]
-pub(crate) const NR_RT_SIGACTION: i64 = 134;
-#[cfg(target_arch = "x86_64")]
-pub(crate) const NR_RT_SIGPROCMASK: i64 = 14;
-#[cfg(target_arch = "aarch64")]
-pub(crate) const NR_RT_SIGPROCMASK: i64 = 135;
-/// `SIG_SETMASK` of `rt_sigprocmask`.
+/// `SIG_SETMASK` of `sigprocmask`.
 pub(crate) const SIG_SETMASK: c_int = 2;
 
-/// Puts every signal's disposition back to its default (`SIG_DFL`) and empties the calling
-/// thread's signal mask, whatever the process that started us had: a shell starts its
-/// background jobs with `SIGINT` and `SIGQUIT` ignored, `nohup` ignores `SIGHUP`, and
-/// `execve` keeps both ignored dispositions and the mask, so without this every command of
-/// the sandbox would inherit them (a `trap ... INT` that cannot be set, a `Ctrl-C` that does
-/// nothing). Signals 1 to 64 but `SIGKILL` and `SIGSTOP` (which cannot be changed), with the
-/// raw system calls: glibc's `sigaction` refuses 32 and 33, its own. Async-signal-safe.
-pub(crate) fn reset_signals() {
-    let dfl = KernelSigaction {
-        handler: 0, // SIG_DFL
-        flags: 0,
-        restorer: 0,
-        mask: 0,
-    };
-    let none: *mut KernelSigaction = std::ptr::null_mut();
-    for sig in 1..=64i64 {
-        if sig == i64::from(SIGKILL) || sig == i64::from(SIGSTOP) {
-            continue;
-        }
-        // SAFETY: rt_sigaction with a valid action and a NULL old action, 8-byte sigset.
-        unsafe {
-            syscall(
-                NR_RT_SIGACTION,
-                sig,
-                &dfl as *const KernelSigaction,
-                none,
-                8u64,
-            )
-        };
-    }
-    let empty: u64 = 0;
-    // SAFETY: rt_sigprocmask with a valid, empty 8-byte set and no old set.
-    unsafe {
-        syscall(
-            NR_RT_SIGPROCMASK,
-            i64::from(SIG_SETMASK),
-            &empty as *const u64,
-            std::ptr::null_mut::<u64>(),
-            8u64,
-        )
-    };
-}
+/// Every signal back at its default and an empty mask, whatever the process that started us
+/// had (a shell's background job ignores `SIGINT` and `SIGQUIT`, `nohup` `SIGHUP`, and
+/// `execve` keeps both): called first thing by the zygote, so no command inherits them.
+pub(crate) use sandbox_agent_proto::signals::reset_signals;
 
 /// The calling thread's `errno`.
 pub(crate) fn errno() -> i32 {

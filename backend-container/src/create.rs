@@ -339,7 +339,7 @@ impl ContainerBackend {
                 u32::try_from(self.slot.fetch_add(1, Ordering::Relaxed) % 4096).unwrap_or(0);
             Some(
                 crate::slots::lease(self.cfg.uid_base, fallback)
-                    .map_err(|e| Error::backend(TIER, e.to_string()))?,
+                    .map_err(|e| Error::backend_caused(TIER, "leasing a host uid range", e))?,
             )
         };
         let mut ids = match &lease {
@@ -622,7 +622,11 @@ impl ContainerBackend {
             done = match lo.await {
                 Ok(Ok(())) => Ok(()),
                 Ok(Err(e)) => Err(Error::io("bring up the sandbox's loopback interface", e)),
-                Err(_) => Err(Error::backend(TIER, "the loopback thread vanished")),
+                Err(e) => Err(Error::backend_caused(
+                    TIER,
+                    "the loopback thread vanished",
+                    e,
+                )),
             };
         }
         for rid in ids_used {

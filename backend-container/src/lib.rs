@@ -92,6 +92,7 @@ pub enum RootfsMode {
 
 /// Configuration of a [`ContainerBackend`]; build one with [`ContainerBackend::builder`].
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ContainerConfig {
     /// Where a small record of each live sandbox (init pid, cgroup directories, its owner's
     /// and init's start times) is kept, so [`ContainerBackend::cleanup_stale`] (and building
@@ -755,7 +756,7 @@ impl Backend for ContainerBackend {
             out
         })
         .await
-        .map_err(|e| Error::backend(TIER, format!("cleanup task failed: {e}")))
+        .map_err(|e| Error::backend_caused(TIER, "the cleanup task", e))
     }
 }
 

@@ -321,7 +321,9 @@ impl Inner {
     /// The workspace as seen by the init, as a directory fd.
     pub(crate) fn workspace_fd(&self) -> Result<OwnedFd> {
         let p = format!("/proc/{}/root/workspace", self.pid);
-        let c = std::ffi::CString::new(p.clone()).map_err(|_| Error::backend(TIER, "bad path"))?;
+        let c = std::ffi::CString::new(p.clone())
+            .map_err(|e| Error::backend_caused(TIER, "the workspace's /proc path", e))?;
+
         // SAFETY: open(2) with a NUL-terminated path.
         let fd = unsafe {
             libc::open(
@@ -975,7 +977,8 @@ impl Sandbox for ContainerSandbox {
         }
         tokio::task::spawn_blocking(move || inner.terminate("destroyed"))
             .await
-            .map_err(|e| Error::backend(TIER, format!("destroy task failed: {e}")))?;
+            .map_err(|e| Error::backend_caused(TIER, "the destroy task", e))?;
+
         Ok(())
     }
 }

@@ -74,6 +74,7 @@ pub const NS_FLAGS: u32 = (libc::CLONE_NEWUSER
 
 /// A syscall refused outright, with the errno returned and why.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct Denied {
     /// Syscall number.
     pub nr: i64,
@@ -481,18 +482,6 @@ mod tests {
         }
     }
 
-    /// xorshift64*: reproducible from the seed printed on failure.
-    struct Rng(u64);
-
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-        }
-    }
-
     #[test]
     #[allow(clippy::unnecessary_cast)] // the libc types differ between targets
     fn random_calls_decide_as_the_rules_say() {
@@ -500,7 +489,7 @@ mod tests {
             .ok()
             .and_then(|s| s.parse().ok())
             .unwrap_or(0x5ecc_0e95);
-        let mut rng = Rng(seed | 1);
+        let mut rng = fastrand::Rng::with_seed(seed);
         let mut listed: Vec<u32> = denied()
             .iter()
             .chain(arch_denied())
@@ -534,23 +523,23 @@ mod tests {
         ];
         for round in 0..20_000u32 {
             let arch = if round % 50 == 0 {
-                rng.next() as u32
+                rng.u32(..)
             } else {
                 AUDIT_ARCH
             };
-            let nr = match rng.next() % 8 {
-                0 => rng.next() as u32,
-                1 => (rng.next() % 512) as u32,
-                2 => 0x4000_0000 | (rng.next() % 512) as u32,
-                _ => listed[(rng.next() % listed.len() as u64) as usize],
+            let nr = match rng.u32(..8) {
+                0 => rng.u32(..),
+                1 => rng.u32(..512),
+                2 => 0x4000_0000 | rng.u32(..512),
+                _ => listed[rng.usize(..listed.len())],
             };
             let mut args = [0u64; 6];
             for a in &mut args {
-                *a = match rng.next() % 4 {
+                *a = match rng.u32(..4) {
                     0 => 0,
-                    1 => rng.next(),
-                    2 => bits[(rng.next() % bits.len() as u64) as usize],
-                    _ => bits[(rng.next() % bits.len() as u64) as usize] << 32,
+                    1 => rng.u64(..),
+                    2 => bits[rng.usize(..bits.len())],
+                    _ => bits[rng.usize(..bits.len())] << 32,
                 };
             }
             for (guard, p) in &programs {

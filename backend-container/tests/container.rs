@@ -807,11 +807,11 @@ impl sandbox_core::EgressEnforcer for RecordingEnforcer {
             .lock()
             .unwrap()
             .push(format!("prepare {sandbox_id}"));
-        Ok(sandbox_core::EgressPlan {
-            sandbox_id: sandbox_id.into(),
-            env: vec![("HTTP_PROXY".into(), "http://10.200.0.1:3128".into())],
-            resolv_conf: "nameserver 10.200.0.1\n".into(),
-        })
+        Ok(sandbox_core::EgressPlan::new(
+            sandbox_id,
+            vec![("HTTP_PROXY".into(), "http://10.200.0.1:3128".into())],
+            "nameserver 10.200.0.1\n",
+        ))
     }
 
     async fn attach(

@@ -17,61 +17,10 @@ use std::net::{Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpStream};
 mod keep;
 
 /// Every signal's disposition back to its default and an empty signal mask, for a command's
-/// child between `fork` and `execve` (which keeps ignored dispositions and the mask): not
-/// this program's ignored `SIGPIPE` (the Rust runtime's), nor the caught `SIGINT` and
-/// `SIGQUIT` of `relay session`, nor anything else the keeper inherited. Signals 1 to 64
-/// but `SIGKILL` and `SIGSTOP` (which cannot be changed), with the raw system calls (glibc's
-/// `sigaction` refuses 32 and 33, its own). Async-signal-safe: system calls only; the
-/// errors are ignored (a signal number the kernel refuses has nothing to reset).
-pub(crate) fn reset_signals() {
-    extern "C" {
-        fn syscall(n: i64, ...) -> i64;
-    }
-    /// `struct sigaction` as the kernel's `rt_sigaction` takes it (x86-64 and arm64).
-    #[repr(C)]
-    struct KernelSigaction {
-        handler: usize,
-        flags: u64,
-        restorer: usize,
-        mask: u64,
-    }
-    #[cfg(target_arch = "x86_64")]
-    const NR: (i64, i64) = (13, 14);
-    #[cfg(target_arch = "aarch64")]
-    const NR: (i64, i64) = (134, 135);
-    let dfl = KernelSigaction {
-        handler: 0, // SIG_DFL
-        flags: 0,
-        restorer: 0,
-        mask: 0,
-    };
-    for sig in 1..=64i64 {
-        if sig == 9 || sig == 19 {
-            continue; // SIGKILL, SIGSTOP
-        }
-        // SAFETY: rt_sigaction with a valid action, no old action, an 8-byte sigset.
-        unsafe {
-            syscall(
-                NR.0,
-                sig,
-                &dfl as *const KernelSigaction,
-                std::ptr::null_mut::<KernelSigaction>(),
-                8i64,
-            )
-        };
-    }
-    let empty: u64 = 0;
-    // SAFETY: rt_sigprocmask(SIG_SETMASK) with a valid, empty 8-byte set and no old set.
-    unsafe {
-        syscall(
-            NR.1,
-            2i64,
-            &empty as *const u64,
-            std::ptr::null_mut::<u64>(),
-            8i64,
-        )
-    };
-}
+/// child between `fork` and `execve`: not this program's ignored `SIGPIPE` (the Rust
+/// runtime's), nor the caught `SIGINT` and `SIGQUIT` of `relay session`, nor anything else
+/// the keeper inherited.
+pub(crate) use sandbox_agent_proto::signals::reset_signals;
 
 /// Copies this program's stdin to `up` on a thread of its own (then `input_done(up)`), and
 /// `down` to its stdout, unbuffered, until `down` ends; returns the stdin thread.

@@ -194,11 +194,19 @@ pub fn host_pids_limit(spec: &SandboxSpec) -> i64 {
 
 /// Who the workload runs as.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
 pub struct Identity {
     /// uid inside the sandbox.
     pub uid: u32,
     /// gid inside the sandbox.
     pub gid: u32,
+}
+
+impl Identity {
+    /// Run as `uid`:`gid` inside the sandbox.
+    pub const fn new(uid: u32, gid: u32) -> Self {
+        Identity { uid, gid }
+    }
 }
 
 fn ctx(op: &str, p: &Path) -> impl FnOnce(std::io::Error) -> Error {
@@ -207,7 +215,7 @@ fn ctx(op: &str, p: &Path) -> impl FnOnce(std::io::Error) -> Error {
 }
 
 fn oci(e: oci_spec::OciSpecError) -> Error {
-    Error::backend(Tier::Gvisor, format!("building the OCI spec: {e}"))
+    Error::backend_caused(Tier::Gvisor, "building the OCI spec", e)
 }
 
 /// Puts the certificate bundle `text` of a sandbox with proxy-held secrets into `root` (the
@@ -584,7 +592,7 @@ pub fn config(
 /// Writes the spec as `config.json`.
 pub fn save(spec: &Spec, bundle: &Path) -> Result<()> {
     spec.save(bundle.join("config.json"))
-        .map_err(|e| Error::backend(Tier::Gvisor, format!("writing config.json: {e}")))
+        .map_err(|e| Error::backend_caused(Tier::Gvisor, "writing config.json", e))
 }
 
 #[cfg(test)]

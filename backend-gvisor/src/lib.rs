@@ -381,6 +381,6 @@ impl Backend for GvisorBackend {
         let me = self.clone();
         tokio::task::spawn_blocking(move || GvisorBackend::cleanup_stale_report(&me))
             .await
-            .map_err(|e| Error::backend(TIER, format!("cleanup task failed: {e}")))?
+            .map_err(|e| Error::backend_caused(TIER, "the cleanup task", e))?
     }
 }

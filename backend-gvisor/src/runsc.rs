@@ -15,6 +15,7 @@ pub const MIN_RELEASE: u32 = 20220101;
 /// The platform gVisor uses to intercept the sandbox's syscalls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum Platform {
     /// Seccomp-trap based (newer runsc builds): the fastest without hardware virtualization.
     Systrap,
@@ -37,6 +38,7 @@ impl Platform {
 
 /// What we learned about the installed runsc.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RunscInfo {
     /// The binary.
     pub path: PathBuf,
@@ -275,6 +277,7 @@ pub fn parse_release(version: &str) -> Option<u32> {
 
 /// A runsc invocation bound to one state root and platform.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct Runsc {
     /// The binary.
     pub bin: PathBuf,

@@ -38,23 +38,17 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use common::{set_go, skip_reason, t, tiny_guest, wait_serial};
 
 fn cfg(mem_mib: u64, irqchip: bool) -> VmConfig {
-    VmConfig {
-        mem_size: mem_mib << 20,
-        irqchip,
-        deadline: Some(Duration::from_secs(60)),
-        ..VmConfig::default()
-    }
+    VmConfig::default()
+        .mem_size(mem_mib << 20)
+        .irqchip(irqchip)
+        .deadline(Some(Duration::from_secs(60)))
 }
 
 /// Creates, loads and starts a tiny guest running `test`.
 fn start(c: VmConfig, test: u64) -> Vm {
     let mut vm = Vm::new(c).unwrap();
     let entry = vm.load_elf(tiny_guest()).unwrap();
-    vm.start(Entry {
-        arg: test,
-        ..Entry::user(entry)
-    })
-    .unwrap();
+    vm.start(Entry::user(entry).with_arg(test)).unwrap();
     vm
 }
 

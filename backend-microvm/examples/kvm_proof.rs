@@ -93,11 +93,7 @@ async fn main() {
     tokio::task::spawn_blocking(move || {
         if install::load(&d, Verify::Sizes).is_err() {
             eprintln!("kvm-proof: installing the guest in {}", d.display());
-            install::install(&InstallOptions {
-                dir: d,
-                ..InstallOptions::debian()
-            })
-            .unwrap();
+            install::install(&InstallOptions::debian().dir(d)).unwrap();
         }
     })
     .await

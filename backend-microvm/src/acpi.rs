@@ -70,6 +70,7 @@ impl VirtioMmioDesc {
 
 /// Errors while building or writing ACPI tables.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum AcpiError {
     /// The configuration cannot be described.
     #[error("invalid ACPI configuration: {0}")]
@@ -94,6 +95,7 @@ pub enum AcpiError {
 
 /// The tables, ready to be written at their guest addresses.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct AcpiTables {
     /// Where the RSDP goes.
     pub rsdp_addr: GuestAddress,

@@ -39,6 +39,7 @@ const QUEUE_FRAMES: usize = 256;
 
 /// Errors of the agent channel.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum AgentError {
     /// The channel ended (the guest stopped, shut down, or the VM is gone).
     #[error("the guest agent channel is closed: {0}")]
@@ -84,6 +85,7 @@ pub enum AgentError {
 
 /// One event of a running exec.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum ExecEvent {
     /// A chunk of standard output.
     Stdout(Vec<u8>),
@@ -95,6 +97,7 @@ pub enum ExecEvent {
 
 /// The collected result of [`AgentClient::exec`].
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct ExecOutput {
     /// How the command ended.
     pub exit: ExitInfo,

@@ -46,10 +46,11 @@ const PAGE: u64 = 4096;
 
 /// Errors of the Linux boot set-up.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum BootError {
     /// The kernel could not be loaded (not a valid x86-64 ELF, or it does not fit).
     #[error("loading the kernel: {0}")]
-    Kernel(String),
+    Kernel(#[source] KernelError),
     /// The command line is too long or contains a NUL byte.
     #[error("kernel command line: {0}")]
     Cmdline(String),
@@ -61,8 +62,34 @@ pub enum BootError {
     Acpi(#[from] AcpiError),
 }
 
+/// Why the kernel could not be loaded: [`BootError::Kernel`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum KernelError {
+    /// The kernel file could not be read (its first bytes, or a seek back).
+    #[error("reading the kernel: {0}")]
+    Read(#[source] std::io::Error),
+    /// It starts like an ELF vmlinux but could not be loaded as one (truncated, not
+    /// x86-64, a segment outside guest memory...).
+    #[error("{0}")]
+    Elf(#[source] linux_loader::loader::Error),
+    /// It is neither an ELF vmlinux nor a bzImage (or a bzImage that does not fit).
+    #[error("neither an ELF vmlinux nor a bzImage: {0}")]
+    NotAKernel(#[source] linux_loader::loader::Error),
+    /// A bzImage whose setup header is missing.
+    #[error("bzImage without a setup header")]
+    NoSetupHeader,
+    /// A bzImage without a 64-bit entry point (`xloadflags`).
+    #[error("this bzImage has no 64-bit entry point (xloadflags)")]
+    No64BitEntry,
+    /// The entry point computed from the load address overflows.
+    #[error("entry point overflows")]
+    EntryOverflow,
+}
+
 /// What the VMM needs to start the kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LinuxBoot {
     /// The 64-bit entry point (`startup_64`): the boot vCPU's `rip`.
     pub entry: GuestAddress,
@@ -184,29 +211,28 @@ where
     kernel
         .read_exact(&mut magic)
         .and_then(|_| kernel.seek(std::io::SeekFrom::Start(0)))
-        .map_err(|e| BootError::Kernel(format!("reading the kernel: {e}")))?;
+        .map_err(|e| BootError::Kernel(KernelError::Read(e)))?;
     let himem = Some(GuestAddress(layout::HIMEM_START));
     let (entry, kernel_end, image_hdr) = if magic == *b"\x7fELF" {
-        let loaded =
-            Elf::load(mem, None, kernel, himem).map_err(|e| BootError::Kernel(e.to_string()))?;
+        let loaded = Elf::load(mem, None, kernel, himem)
+            .map_err(|e| BootError::Kernel(KernelError::Elf(e)))?;
         (loaded.kernel_load, loaded.kernel_end, None)
     } else {
         let loaded = BzImage::load(mem, None, kernel, himem)
-            .map_err(|e| BootError::Kernel(format!("neither an ELF vmlinux nor a bzImage: {e}")))?;
+            .map_err(|e| BootError::Kernel(KernelError::NotAKernel(e)))?;
         let hdr = loaded
             .setup_header
-            .ok_or_else(|| BootError::Kernel("bzImage without a setup header".into()))?;
+            .ok_or(BootError::Kernel(KernelError::NoSetupHeader))?;
         if hdr.xloadflags & XLF_KERNEL_64 == 0 {
-            return Err(BootError::Kernel(
-                "this bzImage has no 64-bit entry point (xloadflags)".into(),
-            ));
+            return Err(BootError::Kernel(KernelError::No64BitEntry));
         }
         let entry = loaded
             .kernel_load
             .0
             .checked_add(STARTUP_64_OFFSET)
             .map(GuestAddress)
-            .ok_or_else(|| BootError::Kernel("entry point overflows".into()))?;
+            .ok_or(BootError::Kernel(KernelError::EntryOverflow))?;
+
         let end = loaded.kernel_end.max(
             loaded
                 .kernel_load
@@ -452,11 +478,11 @@ mod tests {
         // Without a 64-bit entry point it is refused, as is something that is neither format.
         assert!(matches!(
             load_linux(&mem, &mut Cursor::new(bzimage(&payload, 0)), &cfg),
-            Err(BootError::Kernel(_))
+            Err(BootError::Kernel(KernelError::No64BitEntry))
         ));
         assert!(matches!(
             load_linux(&mem, &mut Cursor::new(vec![7u8; 4096]), &cfg),
-            Err(BootError::Kernel(_))
+            Err(BootError::Kernel(KernelError::NotAKernel(_)))
         ));
     }
 
@@ -498,15 +524,30 @@ mod tests {
         };
         // Garbage kernel, truncated kernel.
         let r = load_linux(&mem, &mut Cursor::new(vec![0u8; 4096]), &cfg("", b""));
-        assert!(matches!(r, Err(BootError::Kernel(_))), "{r:?}");
+        assert!(
+            matches!(r, Err(BootError::Kernel(KernelError::NotAKernel(_)))),
+            "{r:?}"
+        );
         let r = load_linux(
             &mem,
             &mut Cursor::new(good[..good.len() - 1].to_vec()),
             &cfg("", b""),
         );
-        assert!(matches!(r, Err(BootError::Kernel(_))), "{r:?}");
+        assert!(
+            matches!(r, Err(BootError::Kernel(KernelError::Elf(_)))),
+            "{r:?}"
+        );
         let r = load_linux(&mem, &mut Cursor::new(good[..100].to_vec()), &cfg("", b""));
-        assert!(matches!(r, Err(BootError::Kernel(_))), "{r:?}");
+        assert!(
+            matches!(r, Err(BootError::Kernel(KernelError::Elf(_)))),
+            "{r:?}"
+        );
+        // Too short to hold even the magic: the read fails, with the I/O error kept.
+        let r = load_linux(&mem, &mut Cursor::new(vec![0x7fu8, b'E']), &cfg("", b""));
+        assert!(
+            matches!(r, Err(BootError::Kernel(KernelError::Read(_)))),
+            "{r:?}"
+        );
         // A kernel segment outside guest memory.
         let mut far = good.clone();
         far[64 + 24..64 + 32].copy_from_slice(&(1u64 << 40).to_le_bytes());

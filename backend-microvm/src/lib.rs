@@ -99,6 +99,7 @@ pub const MIN_GUEST_MEMORY: u64 = 32 << 20;
 
 /// Where the guest kernel and initramfs come from.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum GuestSource {
     /// A cache prepared by `agent-sandbox install microvm-guest` ([`guest::install`]).
     Installed {
@@ -603,6 +604,6 @@ impl Backend for MicrovmBackend {
     async fn cleanup_stale(&self) -> Result<usize> {
         tokio::task::spawn_blocking(|| stale::sweep(&std::env::temp_dir()).removed)
             .await
-            .map_err(|e| Error::backend(TIER, format!("cleanup task failed: {e}")))
+            .map_err(|e| Error::backend_caused(TIER, "the cleanup task", e))
     }
 }

@@ -42,6 +42,7 @@ const BRIDGE: &str = "as-br0";
 
 /// The guest's IPv4 settings, as the enforcer's link gave them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct GuestAddress {
     /// The guest's address (the sandbox end of the enforcer's link).
     pub addr: Ipv4Addr,
@@ -118,7 +119,7 @@ impl GuestNetwork {
             .map_err(|e| Error::io("hold the sandbox's network namespace", e))?;
         let (tap, address) = tokio::task::spawn_blocking(move || in_netns(&ns, plumb))
             .await
-            .map_err(|e| Error::backend(TIER, format!("network set-up task failed: {e}")))?
+            .map_err(|e| Error::backend_caused(TIER, "the network set-up task", e))?
             .map_err(|e| Error::io("enter the sandbox's network namespace", e))??;
         Ok((netns, tap, address))
     }

@@ -25,6 +25,7 @@ const PROBE_DEADLINE: Duration = Duration::from_millis(250);
 
 /// What the probe found.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct KvmProbe {
     /// `/dev/kvm` can be opened and VMs created: tiny (user-mode) guests work.
     pub present: bool,

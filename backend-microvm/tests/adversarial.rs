@@ -47,11 +47,7 @@ fn spinning_guest_is_killed_at_the_deadline() {
 fn spinning_guest_can_be_killed_by_the_host() {
     skip_without_kvm!();
     let (mut vm, entry) = vm_with_guest(cfg());
-    vm.start(Entry {
-        arg: t::SPIN,
-        ..Entry::user(entry)
-    })
-    .unwrap();
+    vm.start(Entry::user(entry).with_arg(t::SPIN)).unwrap();
     assert_eq!(vm.wait_timeout(Duration::from_millis(20)), None);
     vm.kill();
     assert_eq!(vm.wait(), VmExit::Killed);
@@ -144,11 +140,7 @@ fn stopping_and_continuing_the_process_leaves_vms_running() {
             c.virtio_console = paused;
             let (mut vm, entry) = vm_with_guest(c);
             let console = vm.take_console();
-            vm.start(Entry {
-                arg: t::WAIT_GO,
-                ..Entry::user(entry)
-            })
-            .unwrap();
+            vm.start(Entry::user(entry).with_arg(t::WAIT_GO)).unwrap();
             assert!(wait_serial(&vm, "W"));
             if paused {
                 vm.pause().unwrap();

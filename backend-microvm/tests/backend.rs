@@ -489,11 +489,7 @@ fn guest_dir() -> &'static PathBuf {
             .unwrap_or_else(|| std::env::temp_dir().join("agent-sandbox-linux-guest-test"));
         if let Err(e) = install::load(&dir, Verify::Sizes) {
             eprintln!("preparing guest artifacts in {} ({e})", dir.display());
-            install::install(&InstallOptions {
-                dir: dir.clone(),
-                ..InstallOptions::debian()
-            })
-            .unwrap();
+            install::install(&InstallOptions::debian().dir(dir.clone())).unwrap();
         }
         dir
     })

@@ -260,6 +260,7 @@ fn commands_start_with_every_signal_at_its_default() {
                     assert_eq!(x.code, Some(0), "{x:?}");
                     break;
                 }
+                other => panic!("unexpected event {other:?}"),
             }
         }
         clean(&format!("a background process, terminal {tty:?}"), &out);
@@ -286,6 +287,7 @@ fn commands_start_with_every_signal_at_its_default() {
         match h.next_event().unwrap() {
             ExecEvent::Stdout(d) | ExecEvent::Stderr(d) => out.extend_from_slice(&d),
             ExecEvent::Exit(x) => break x,
+            other => panic!("unexpected event {other:?}"),
         }
     };
     assert_eq!(
@@ -920,6 +922,7 @@ fn a_small_window_streams_either_stream_to_the_end() {
                 assert_eq!(x.code, Some(0), "{x:?}");
                 break;
             }
+            other => panic!("unexpected event {other:?}"),
         };
         let cost = u32::try_from(n).unwrap().max(proto::FRAME_COST);
         c.grant(h.id(), cost).unwrap();

@@ -36,12 +36,9 @@ fn fixture() -> &'static Fixture {
                 install::download_debian_kernel(&dl).unwrap()
             }
         };
-        let opts = InstallOptions {
-            dir: dir.join("cache"),
-            kernel: KernelSource::DebFile(deb.clone()),
-            busybox: None,
-            no_busybox: false,
-        };
+        let opts = InstallOptions::debian()
+            .dir(dir.join("cache"))
+            .kernel(KernelSource::DebFile(deb.clone()));
         let artifacts = install::install(&opts).unwrap();
         Fixture { deb, artifacts }
     })

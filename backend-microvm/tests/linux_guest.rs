@@ -47,24 +47,18 @@ fn artifacts() -> &'static GuestArtifacts {
             Ok(a) => a,
             Err(e) => {
                 eprintln!("preparing guest artifacts in {} ({e})", dir.display());
-                install::install(&InstallOptions {
-                    dir,
-                    ..InstallOptions::debian()
-                })
-                .unwrap()
+                install::install(&InstallOptions::debian().dir(dir)).unwrap()
             }
         }
     })
 }
 
 fn config() -> VmConfig {
-    VmConfig {
-        mem_size: MEM,
-        vcpus: 1,
-        virtio_console: true,
-        deadline: Some(Duration::from_secs(300)),
-        ..VmConfig::default()
-    }
+    VmConfig::default()
+        .mem_size(MEM)
+        .vcpus(1)
+        .virtio_console(true)
+        .deadline(Some(Duration::from_secs(300)))
 }
 
 struct Guest {

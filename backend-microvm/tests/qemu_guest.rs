@@ -171,6 +171,7 @@ fn debian_kernel_boots_our_initramfs_and_the_agent_serves() {
             ExecEvent::Stdout(b) => seen.push_str(&String::from_utf8_lossy(&b)),
             ExecEvent::Stderr(_) => {}
             ExecEvent::Exit(e) => break e,
+            other => panic!("unexpected event {other:?}"),
         }
     };
     assert_eq!(seen, "first\n");
@@ -203,6 +204,7 @@ fn debian_kernel_boots_our_initramfs_and_the_agent_serves() {
                     c.grant(id, 1 << 16).unwrap();
                 }
                 ExecEvent::Exit(e) => panic!("exited {e:?} waiting for {needle:?}: {screen}"),
+                other => panic!("unexpected event {other:?}"),
             }
         }
         screen
@@ -296,6 +298,7 @@ fn debian_kernel_boots_our_initramfs_and_the_agent_serves() {
                 assert_eq!(e.code, Some(0), "{e:?}");
                 break;
             }
+            other => panic!("unexpected event {other:?}"),
         }
     }
     assert!(

@@ -32,11 +32,8 @@ fn fifty_create_destroy_cycles_leak_no_fds_or_threads() {
         c.virtio_console = i % 2 == 0;
         let (mut vm, entry) = vm_with_guest(c);
         let _console = vm.take_console();
-        vm.start(Entry {
-            arg: if i % 3 == 0 { t::SPIN } else { t::HELLO },
-            ..Entry::user(entry)
-        })
-        .unwrap();
+        vm.start(Entry::user(entry).with_arg(if i % 3 == 0 { t::SPIN } else { t::HELLO }))
+            .unwrap();
         if i % 3 == 0 {
             vm.kill();
         }

@@ -81,11 +81,8 @@ fn console_request_and_answer_over_virtio() {
     let mut host = vm.take_console().unwrap();
     host.set_read_timeout(Some(std::time::Duration::from_secs(30)))
         .unwrap();
-    vm.start(backend_microvm::vmm::Entry {
-        arg: t::CONSOLE_ECHO,
-        ..backend_microvm::vmm::Entry::user(entry)
-    })
-    .unwrap();
+    vm.start(backend_microvm::vmm::Entry::user(entry).with_arg(t::CONSOLE_ECHO))
+        .unwrap();
     let mut got = Vec::new();
     let want = b"ping from the guest";
     while got.len() < want.len() {
@@ -132,11 +129,8 @@ fn snapshot_mid_computation_restores_into_a_new_vm() {
     let reference = compute_reference();
     let dir = tempfile::tempdir().unwrap();
     let (mut vm, entry) = vm_with_guest(cfg());
-    vm.start(backend_microvm::vmm::Entry {
-        arg: t::COMPUTE_WAIT_HALFWAY,
-        ..backend_microvm::vmm::Entry::user(entry)
-    })
-    .unwrap();
+    vm.start(backend_microvm::vmm::Entry::user(entry).with_arg(t::COMPUTE_WAIT_HALFWAY))
+        .unwrap();
     assert!(wait_serial(&vm, "H"));
     let t0 = std::time::Instant::now();
     let info = vm.snapshot(dir.path()).unwrap();
@@ -185,11 +179,8 @@ fn snapshot_of_a_virtio_vm_restores_and_serves_the_console() {
     c.virtio_console = true;
     let (mut vm, entry) = vm_with_guest(c.clone());
     let mut host = vm.take_console().unwrap();
-    vm.start(backend_microvm::vmm::Entry {
-        arg: t::CONSOLE_ECHO,
-        ..backend_microvm::vmm::Entry::user(entry)
-    })
-    .unwrap();
+    vm.start(backend_microvm::vmm::Entry::user(entry).with_arg(t::CONSOLE_ECHO))
+        .unwrap();
     // Wait for the guest's request, then snapshot while it polls for the answer.
     let mut got = Vec::new();
     while got.len() < 19 {
@@ -280,10 +271,7 @@ fn blk_file(data: &[u8]) -> tempfile::NamedTempFile {
 fn blk_cfg(path: &std::path::Path) -> backend_microvm::vmm::VmConfig {
     let mut c = cfg();
     c.virtio_console = true;
-    c.block = Some(backend_microvm::vmm::BlockConfig {
-        path: path.to_path_buf(),
-        id: "tiny-disk".into(),
-    });
+    c.block = Some(backend_microvm::vmm::BlockConfig::new(path, "tiny-disk"));
     c
 }
 
@@ -362,11 +350,8 @@ fn snapshot_with_a_block_device_restores_and_keeps_reading() {
     let image = blk_image();
     let f = blk_file(&image);
     let (mut vm, entry) = vm_with_guest(blk_cfg(f.path()));
-    vm.start(backend_microvm::vmm::Entry {
-        arg: t::BLK_READ_WAIT,
-        ..backend_microvm::vmm::Entry::user(entry)
-    })
-    .unwrap();
+    vm.start(backend_microvm::vmm::Entry::user(entry).with_arg(t::BLK_READ_WAIT))
+        .unwrap();
     assert!(wait_serial(&vm, "WAIT\n"), "{}", serial_string(&vm));
     let dir = tempfile::tempdir().unwrap();
     vm.snapshot(dir.path()).unwrap();
@@ -409,7 +394,7 @@ fn snapshot_with_a_block_device_restores_and_keeps_reading() {
 #[test]
 fn a_pool_of_irqchip_vms_serves_restores_and_new_vms() {
     skip_without_kvm!();
-    use backend_microvm::vmm::{Entry, Vm, VmConfig, VmPool, VmmError};
+    use backend_microvm::vmm::{Entry, Vm, VmPool, VmmError};
     let reference = compute_reference();
     let c = cfg();
     assert!(c.irqchip, "the pool is for the default (irqchip) VMs");
@@ -421,11 +406,8 @@ fn a_pool_of_irqchip_vms_serves_restores_and_new_vms() {
     // result as the original, from each.
     let dir = tempfile::tempdir().unwrap();
     let (mut vm, entry) = vm_with_guest(cfg());
-    vm.start(Entry {
-        arg: t::COMPUTE_WAIT_HALFWAY,
-        ..Entry::user(entry)
-    })
-    .unwrap();
+    vm.start(Entry::user(entry).with_arg(t::COMPUTE_WAIT_HALFWAY))
+        .unwrap();
     assert!(wait_serial(&vm, "H"));
     vm.snapshot(dir.path()).unwrap();
     drop(vm);
@@ -444,30 +426,14 @@ fn a_pool_of_irqchip_vms_serves_restores_and_new_vms() {
     let mut vm = Vm::new_pooled(cfg(), &pool).unwrap();
     assert_eq!(pool.ready(), 1);
     let entry = vm.load_elf(tiny_guest()).unwrap();
-    vm.start(Entry {
-        arg: t::HELLO,
-        ..Entry::user(entry)
-    })
-    .unwrap();
+    vm.start(Entry::user(entry).with_arg(t::HELLO)).unwrap();
     assert_eq!(vm.wait(), VmExit::GuestExit { code: 42 });
     assert_eq!(serial_string(&vm), "hello from the guest\n");
 
     // Another size or irqchip choice is not taken from the pool (made as usual instead).
-    let other = VmConfig {
-        mem_size: 32 << 20,
-        ..cfg()
-    };
+    let other = cfg().mem_size(32 << 20);
     drop(Vm::new_pooled(other, &pool).unwrap());
-    drop(
-        Vm::new_pooled(
-            VmConfig {
-                irqchip: false,
-                ..cfg()
-            },
-            &pool,
-        )
-        .unwrap(),
-    );
+    drop(Vm::new_pooled(cfg().irqchip(false), &pool).unwrap());
     assert_eq!(pool.ready(), 1);
 
     // A memory file of the wrong size: a clear error, and the next restore still works.
@@ -510,21 +476,14 @@ fn pss_kib() -> u64 {
 #[test]
 fn copies_restored_from_one_snapshot_share_the_memory_they_read() {
     skip_without_kvm!();
-    use backend_microvm::vmm::{Entry, Vm, VmConfig, VmPool};
+    use backend_microvm::vmm::{Entry, Vm, VmPool};
     const COPIES: usize = 8;
     const FILLED_MIB: u64 = 16;
-    let c = VmConfig {
-        mem_size: 64 << 20,
-        irqchip: false,
-        ..cfg()
-    };
+    let c = cfg().mem_size(64 << 20).irqchip(false);
     let dir = tempfile::tempdir().unwrap();
     let (mut vm, entry) = vm_with_guest(c.clone());
-    vm.start(Entry {
-        arg: t::FILL_WAIT_READ,
-        ..Entry::user(entry)
-    })
-    .unwrap();
+    vm.start(Entry::user(entry).with_arg(t::FILL_WAIT_READ))
+        .unwrap();
     assert!(wait_serial(&vm, "F"), "{}", serial_string(&vm));
     vm.snapshot(dir.path()).unwrap();
     drop(vm);

@@ -32,16 +32,9 @@ macro_rules! skip_without_kvm {
 /// A VM with a network device whose host side is `fd`, running tiny-guest test `test`.
 fn start(fd: OwnedFd, test: u64) -> Vm {
     let mut c = cfg();
-    c.net = Some(NetConfig {
-        mac: MAC,
-        fd: Arc::new(fd),
-    });
+    c.net = Some(NetConfig::new(MAC, Arc::new(fd)));
     let (mut vm, entry) = vm_with_guest(c);
-    vm.start(Entry {
-        arg: test,
-        ..Entry::user(entry)
-    })
-    .unwrap();
+    vm.start(Entry::user(entry).with_arg(test)).unwrap();
     vm
 }
 
@@ -386,10 +379,7 @@ fn a_snapshot_restores_onto_a_new_host_side_and_needs_one() {
         let mut c = cfg();
         if let Some(mac) = other {
             let (_h, d) = UnixDatagram::pair().unwrap();
-            c.net = Some(NetConfig {
-                mac,
-                fd: Arc::new(d.into()),
-            });
+            c.net = Some(NetConfig::new(mac, Arc::new(d.into())));
         }
         let e = Vm::restore(dir.path(), c).unwrap_err();
         assert!(
@@ -403,10 +393,7 @@ fn a_snapshot_restores_onto_a_new_host_side_and_needs_one() {
         .set_read_timeout(Some(Duration::from_secs(30)))
         .unwrap();
     let mut c = cfg();
-    c.net = Some(NetConfig {
-        mac: MAC,
-        fd: Arc::new(dev2.into()),
-    });
+    c.net = Some(NetConfig::new(MAC, Arc::new(dev2.into())));
     let restored = Vm::restore(dir.path(), c).unwrap();
     set_go(&restored);
     let mut buf = [0u8; 2048];

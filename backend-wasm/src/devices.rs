@@ -103,7 +103,8 @@ impl Devices {
 /// (`random` reads as `urandom`). Named like the sandbox folders, with this process's id, so
 /// that the sweep of the next process removes it once this one is gone.
 pub(crate) fn host_dir() -> Result<&'static Path> {
-    static DIR: OnceLock<std::result::Result<std::path::PathBuf, String>> = OnceLock::new();
+    static DIR: OnceLock<std::result::Result<std::path::PathBuf, std::sync::Arc<std::io::Error>>> =
+        OnceLock::new();
     let dir = DIR.get_or_init(|| {
         let make = || -> std::io::Result<std::path::PathBuf> {
             let d = tempfile::Builder::new()
@@ -119,13 +120,14 @@ pub(crate) fn host_dir() -> Result<&'static Path> {
             }
             Ok(d)
         };
-        make().map_err(|e| e.to_string())
+        make().map_err(std::sync::Arc::new)
     });
     match dir {
         Ok(d) => Ok(d.as_path()),
-        Err(e) => Err(Error::backend(
+        Err(e) => Err(Error::backend_caused(
             TIER,
-            format!("making the folder of the guests' /dev files: {e}"),
+            "making the folder of the guests' /dev files",
+            std::sync::Arc::clone(e),
         )),
     }
 }

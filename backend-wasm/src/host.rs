@@ -457,7 +457,9 @@ pub(crate) fn new_store(setup: StoreSetup) -> Result<Store<Host>> {
     });
     store.set_epoch_deadline(1);
     if setup.flavor == Flavor::Fuel {
-        store.set_fuel(u64::MAX).map_err(wt_err)?;
+        store
+            .set_fuel(u64::MAX)
+            .map_err(|e| wt_err("setting the store's fuel", e))?;
     }
     Ok(store)
 }
@@ -476,7 +478,7 @@ pub(crate) fn arm(store: &mut Store<Host>, limits: CallLimits) -> Result<TickerG
     if flavor == Flavor::Fuel {
         store
             .set_fuel(limits.fuel.unwrap_or(u64::MAX))
-            .map_err(wt_err)?;
+            .map_err(|e| wt_err("setting the call's fuel", e))?;
     }
     Ok(guard)
 }
@@ -511,8 +513,9 @@ fn preopen_error(host: &std::path::Path, e: &wasmtime::Error) -> sandbox_core::E
     sandbox_core::Error::io_path("preopen", host, std::io::Error::other(format!("{e:#}")))
 }
 
-pub(crate) fn wt_err(e: wasmtime::Error) -> sandbox_core::Error {
-    sandbox_core::Error::backend(sandbox_core::Tier::Wasm, format!("{e:#}"))
+/// A wasmtime failure while `doing` something, kept as the cause.
+pub(crate) fn wt_err(doing: &str, e: wasmtime::Error) -> sandbox_core::Error {
+    sandbox_core::Error::backend_caused(sandbox_core::Tier::Wasm, doing, e)
 }
 
 // ---------------------------------------------------------------------------------------

@@ -84,7 +84,7 @@ pub(crate) struct JsOutcome {
 }
 
 fn js_err(e: rquickjs::Error) -> Error {
-    Error::backend(TIER, format!("QuickJS: {e}"))
+    Error::backend_caused(TIER, "QuickJS", e)
 }
 
 /// Formats one console argument: strings as they are, others as JSON, else `String(v)`.

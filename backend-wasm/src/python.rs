@@ -105,11 +105,12 @@ pub(crate) fn runtime(src: &PythonSource, flavor: Flavor) -> Result<Arc<PythonRu
     // user's private cache, and its SHA-256 was just checked against the sidecar written at
     // compile time; wasmtime checks the header for version and settings compatibility.
     let module = unsafe { Module::deserialize_file(engine, &cwasm) }
-        .map_err(|e| Error::backend(TIER, format!("loading {}: {e:#}", cwasm.display())))?;
+        .map_err(|e| Error::backend_caused(TIER, format!("loading {}", cwasm.display()), e))?;
     let linker = host::linker(flavor)?;
     let pre = linker
         .instantiate_pre(&module)
-        .map_err(|e| Error::backend(TIER, format!("linking python: {e:#}")))?;
+        .map_err(|e| Error::backend_caused(TIER, "linking python", e))?;
+
     let rt = Arc::new(PythonRuntime {
         pre,
         zip_dir: dir.join("lib"),
@@ -243,7 +244,7 @@ impl Session {
                     "limits.memory_bytes",
                     format!("Python needs at least {} MiB", MIN_MEMORY >> 20),
                 ),
-                _ => Error::backend(TIER, format!("instantiating python: {e:#}")),
+                _ => Error::backend_caused(TIER, "instantiating python", e),
             }
         })?;
         let get =

@@ -284,20 +284,14 @@ impl Inner {
                 // like any other guest call.
                 let queued = Instant::now();
                 let ticket = sb.cfg.admission.admit().await?;
-                extra.push(PhaseTiming {
-                    phase: Phase::Queue,
-                    micros: micros(queued.elapsed()),
-                });
+                extra.push(PhaseTiming::new(Phase::Queue, micros(queued.elapsed())));
                 let started = Instant::now();
                 let (s, loaded) = sb.start_python(ticket).await?;
-                extra.push(PhaseTiming {
-                    phase: Phase::Dependencies,
-                    micros: micros(loaded - started),
-                });
-                extra.push(PhaseTiming {
-                    phase: Phase::Runtime,
-                    micros: micros(loaded.elapsed()),
-                });
+                extra.push(PhaseTiming::new(
+                    Phase::Dependencies,
+                    micros(loaded - started),
+                ));
+                extra.push(PhaseTiming::new(Phase::Runtime, micros(loaded.elapsed())));
                 LangState::Python(Some(s))
             }
             Language::Javascript => {
@@ -459,7 +453,7 @@ impl Inner {
             let (p, max) = (program.clone(), self.spec.limits.disk_bytes);
             let read = tokio::task::spawn_blocking(move || beneath::read_file(ws.as_fd(), &p, max))
                 .await
-                .map_err(|e| Error::backend(TIER, format!("reading the module failed: {e}")))?;
+                .map_err(|e| Error::backend_caused(TIER, "reading the module", e))?;
             match read {
                 Ok(b) => Ok(b),
                 Err(Error::NotFound { .. }) => {
@@ -828,7 +822,7 @@ impl Inner {
         let (data, path) = (data.to_vec(), path.to_string());
         tokio::task::spawn_blocking(move || beneath::write_file(ws.as_fd(), &path, &data, None))
             .await
-            .map_err(|e| Error::backend(TIER, format!("the file API's task failed: {e}")))?
+            .map_err(|e| Error::backend_caused(TIER, "the file API's task", e))?
     }
 
     async fn read_file(&self, path: &str) -> Result<Vec<u8>> {
@@ -839,7 +833,7 @@ impl Inner {
         let path = path.to_string();
         tokio::task::spawn_blocking(move || beneath::read_file(ws.as_fd(), &path, max))
             .await
-            .map_err(|e| Error::backend(TIER, format!("the file API's task failed: {e}")))?
+            .map_err(|e| Error::backend_caused(TIER, "the file API's task", e))?
     }
 
     async fn list(&self, path: &str) -> Result<Vec<DirEntry>> {

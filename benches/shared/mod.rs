@@ -69,10 +69,7 @@ pub fn oci_bundle(dir: &Path, name: &str, argv: &[&str], cgroup: &str) -> PathBu
     use backend_gvisor::bundle::{self, Identity};
     let b = dir.join(name);
     std::fs::create_dir_all(&b).unwrap();
-    let who = Identity {
-        uid: 1000,
-        gid: 1000,
-    };
+    let who = Identity::new(1000, 1000);
     bundle::write_rootfs(&b, who).unwrap();
     let ws = dir.join(format!("{name}-ws"));
     std::fs::create_dir_all(&ws).unwrap();

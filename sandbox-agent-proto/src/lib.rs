@@ -16,6 +16,8 @@
 //! - [`pty`]: a new pseudo-terminal (`posix_openpt`, `grantpt`, `unlockpt`, the slave
 //!   through `TIOCGPTPEER` or its name) and its window size.
 //! - [`path`]: the `PATH` search of `execvp`.
+//! - [`signals`]: every signal back at its default and an empty mask before a command's
+//!   `execve` (the host's launchers use it too, through `sandbox_core::process`).
 //!
 //! Each agent keeps its own transport (a `SOCK_SEQPACKET` socket, a virtio console, a
 //! process's pipes or a Unix socket) and its own message types on top of these.
@@ -28,6 +30,7 @@ pub mod codec;
 pub mod frame;
 pub mod path;
 pub mod pty;
+pub mod signals;
 
 pub use codec::{Dec, DecodeError, Enc};
 pub use frame::{read_frame, write_frame, Header, ReadError, HEADER_LEN};
@@ -51,7 +54,30 @@ pub const SOURCE_HASH: u64 = fnv1a(include_bytes!("lib.rs"))
     ^ fnv1a(include_bytes!("codec.rs"))
     ^ fnv1a(include_bytes!("frame.rs"))
     ^ fnv1a(include_bytes!("path.rs"))
-    ^ fnv1a(include_bytes!("pty.rs"));
+    ^ fnv1a(include_bytes!("pty.rs"))
+    ^ fnv1a(include_bytes!("signals.rs"));
+
+/// FNV-1a of every `.rs` file directly in `dir`, XORed, and their names (sorted): for each
+/// agent's test that its `SOURCE_HASH` lists every source file (a module left out of the
+/// list would let a stale embedded agent pass the host's check).
+pub fn hash_sources_in(dir: &std::path::Path) -> std::io::Result<(u64, Vec<String>)> {
+    let mut hash = 0;
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|x| x == "rs") {
+            hash ^= fnv1a(&std::fs::read(&path)?);
+            names.push(
+                path.file_name()
+                    .unwrap_or_default()
+                    .to_string_lossy()
+                    .into_owned(),
+            );
+        }
+    }
+    names.sort();
+    Ok((hash, names))
+}
 
 #[cfg(test)]
 mod tests {
@@ -70,16 +96,7 @@ mod tests {
     #[test]
     fn the_source_hash_covers_every_source() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-        let mut hash = 0;
-        let mut names = Vec::new();
-        for e in std::fs::read_dir(dir).unwrap() {
-            let path = e.unwrap().path();
-            if path.extension().is_some_and(|x| x == "rs") {
-                hash ^= fnv1a(&std::fs::read(&path).unwrap());
-                names.push(path.file_name().unwrap().to_string_lossy().into_owned());
-            }
-        }
-        names.sort();
+        let (hash, names) = hash_sources_in(&dir).unwrap();
         assert_eq!(hash, SOURCE_HASH, "sources: {names:?}");
     }
 }

@@ -7,22 +7,14 @@
 use sandbox_agent_proto::frame::skip_bytes;
 use sandbox_agent_proto::{read_frame, write_frame, Dec, DecodeError, Enc, ReadError};
 
-/// xorshift64: a fixed seed, the same sequence every run.
-struct Rng(u64);
+// Each test seeds its generator with a fixed seed: the same sequence every run.
+use fastrand::Rng;
 
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
+/// `n` random bytes.
+fn bytes(rng: &mut Rng, n: usize) -> Vec<u8> {
+    let mut b = vec![0; n];
+    rng.fill(&mut b);
+    b
 }
 
 /// One value of each kind the codec has.
@@ -40,26 +32,26 @@ enum Value {
 }
 
 fn random_string(rng: &mut Rng) -> String {
-    let n = rng.below(12) as usize;
+    let n = rng.usize(..12);
     (0..n)
-        .map(|_| ['a', 'ñ', '/', ' ', '\0', '€'][rng.below(6) as usize])
+        .map(|_| ['a', 'ñ', '/', ' ', '\0', '€'][rng.usize(..6)])
         .collect()
 }
 
 fn random_value(rng: &mut Rng) -> Value {
-    match rng.below(9) {
-        0 => Value::U8(rng.next() as u8),
-        1 => Value::Bool(rng.below(2) == 1),
-        2 => Value::U16(rng.next() as u16),
-        3 => Value::U32(rng.next() as u32),
-        4 => Value::I32(rng.next() as i32),
-        5 => Value::U64(rng.next()),
+    match rng.u32(..9) {
+        0 => Value::U8(rng.u8(..)),
+        1 => Value::Bool(rng.bool()),
+        2 => Value::U16(rng.u16(..)),
+        3 => Value::U32(rng.u32(..)),
+        4 => Value::I32(rng.i32(..)),
+        5 => Value::U64(rng.u64(..)),
         6 => {
-            let n = rng.below(40) as usize;
-            Value::Bytes(rng.bytes(n))
+            let n = rng.usize(..40);
+            Value::Bytes(bytes(rng, n))
         }
         7 => Value::Str(random_string(rng)),
-        _ => Value::Strs((0..rng.below(4)).map(|_| random_string(rng)).collect()),
+        _ => Value::Strs((0..rng.usize(..4)).map(|_| random_string(rng)).collect()),
     }
 }
 
@@ -94,9 +86,9 @@ fn decode(d: &mut Dec<'_>, like: &Value) -> Result<Value, DecodeError> {
 
 #[test]
 fn random_messages_round_trip_and_every_prefix_fails_cleanly() {
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+    let mut rng = Rng::with_seed(0x9e37_79b9_7f4a_7c15);
     for _ in 0..500 {
-        let values: Vec<Value> = (0..rng.below(8) + 1)
+        let values: Vec<Value> = (0..rng.usize(..8) + 1)
             .map(|_| random_value(&mut rng))
             .collect();
         let mut e = Enc::new();
@@ -120,10 +112,10 @@ fn random_messages_round_trip_and_every_prefix_fails_cleanly() {
 
 #[test]
 fn random_bytes_never_panic_or_over_read() {
-    let mut rng = Rng(0x1234_5678_9abc_def0);
+    let mut rng = Rng::with_seed(0x1234_5678_9abc_def0);
     let shapes: Vec<Value> = (0..64).map(|_| random_value(&mut rng)).collect();
     for len in 0..300usize {
-        let buf = rng.bytes(len);
+        let buf = bytes(&mut rng, len);
         for start in 0..shapes.len() {
             let mut d = Dec::new(&buf);
             for like in shapes[start..].iter().take(6) {
@@ -141,15 +133,15 @@ fn random_bytes_never_panic_or_over_read() {
 
 #[test]
 fn random_frames_read_back_and_bad_streams_fail_cleanly() {
-    let mut rng = Rng(0xdead_beef_cafe_f00d);
+    let mut rng = Rng::with_seed(0xdead_beef_cafe_f00d);
     const MAX: usize = 4096;
     let mut stream = Vec::new();
     let mut frames = Vec::new();
     for _ in 0..300 {
-        let kind = rng.next() as u8;
-        let id = rng.next() as u32;
-        let n = rng.below(600) as usize;
-        let payload = rng.bytes(n);
+        let kind = rng.u8(..);
+        let id = rng.u32(..);
+        let n = rng.usize(..600);
+        let payload = bytes(&mut rng, n);
         write_frame(&mut stream, kind, id, &payload).unwrap();
         frames.push((kind, id, payload));
     }
@@ -162,7 +154,7 @@ fn random_frames_read_back_and_bad_streams_fail_cleanly() {
     // Cut anywhere: the frames before the cut read back, then a clean end (at a boundary)
     // or `Truncated`, never a panic.
     for _ in 0..200 {
-        let cut = rng.below(stream.len() as u64) as usize;
+        let cut = rng.usize(..stream.len());
         let mut r = &stream[..cut];
         loop {
             match read_frame(&mut r, MAX) {
@@ -175,8 +167,8 @@ fn random_frames_read_back_and_bad_streams_fail_cleanly() {
     // Random streams: whatever the headers say, nothing larger than the bound is
     // allocated; a frame refused as too large is skipped and reading goes on.
     for _ in 0..200 {
-        let n = rng.below(2000) as usize;
-        let junk = rng.bytes(n);
+        let n = rng.usize(..2000);
+        let junk = bytes(&mut rng, n);
         let mut r = &junk[..];
         for _ in 0..64 {
             match read_frame(&mut r, 256) {

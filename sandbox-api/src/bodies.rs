@@ -11,6 +11,7 @@ use crate::error::BadRequest;
 /// `POST /v1/sandboxes`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct CreateSandbox {
     /// The sandbox's spec, as the library takes it (`SandboxSpec`'s JSON form).
     pub spec: SandboxSpec,
@@ -30,6 +31,7 @@ pub struct CreateSandbox {
 /// this spec and tier (`sandbox_server::ServerConfig::warm`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct RunBody {
     /// The sandbox's spec.
     pub spec: SandboxSpec,
@@ -47,6 +49,7 @@ pub struct RunBody {
 
 /// The answer of `POST /v1/run`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct RunReply {
     /// The tier it ran on.
     pub tier: Tier,
@@ -60,6 +63,7 @@ pub struct RunReply {
 /// A sandbox's lifetime on the server.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct LifetimeSpec {
     /// Seconds after its creation at which it is destroyed, in use or not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -82,6 +86,7 @@ impl LifetimeSpec {
 /// What an idle timeout does.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum IdleAction {
     /// Pause it (tiers with pause/resume); the next request that uses it resumes it.
     Pause,
@@ -93,6 +98,7 @@ pub enum IdleAction {
 /// Whether a sandbox runs or is paused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum SandboxState {
     /// Running (or idle, waiting for requests).
     Running,
@@ -102,6 +108,7 @@ pub enum SandboxState {
 
 /// A sandbox as the API shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct SandboxInfo {
     /// Its id (the path segment of every call on it).
     pub id: String,
@@ -123,6 +130,7 @@ pub struct SandboxInfo {
 
 /// `GET /v1/sandboxes`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct SandboxList {
     /// The sandboxes, oldest first.
     pub sandboxes: Vec<SandboxInfo>,
@@ -131,6 +139,7 @@ pub struct SandboxList {
 /// `POST /v1/sandboxes/{id}/exec` (and `/exec/stream`): exactly one of `argv` and `code`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct ExecBody {
     /// A program and its arguments.
     #[serde(default)]
@@ -204,6 +213,7 @@ impl ExecBody {
 
 /// `GET /v1/sandboxes/{id}/list`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct Listing {
     /// The directory's entries.
     pub entries: Vec<sandbox_core::DirEntry>,
@@ -212,6 +222,7 @@ pub struct Listing {
 /// `POST /v1/snapshots/{id}/restore`.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct RestoreBody {
     /// Labels of the new sandbox.
     #[serde(default)]
@@ -224,6 +235,7 @@ pub struct RestoreBody {
 /// `POST /v1/snapshots/{id}/fork`: `count` sandboxes from one snapshot.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct ForkBody {
     /// How many (1 to 64).
     pub count: usize,
@@ -240,6 +252,7 @@ pub const MAX_FORK: usize = 64;
 
 /// A snapshot as the API shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct SnapshotInfo {
     /// Its id (the SHA-256 of its manifest).
     pub id: sandbox_core::SnapshotId,
@@ -253,6 +266,7 @@ pub struct SnapshotInfo {
 
 /// `GET /v1/snapshots`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct SnapshotList {
     /// The snapshots in the server's store.
     pub snapshots: Vec<SnapshotInfo>,
@@ -260,6 +274,7 @@ pub struct SnapshotList {
 
 /// `GET /v1/sandboxes/{id}/network/events`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct NetworkEvents {
     /// The egress decisions so far, oldest first.
     pub events: Vec<sandbox_core::NetworkEvent>,
@@ -268,6 +283,7 @@ pub struct NetworkEvents {
 /// One tier as `GET /v1/tiers` shows it: the probe's status and, for a tier the server has,
 /// its capabilities.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct TierInfo {
     /// Whether the server's host can run it, with the reason and the fix when not.
     pub status: sandbox_core::TierStatus,
@@ -278,6 +294,7 @@ pub struct TierInfo {
 
 /// `GET /v1/tiers`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct TierList {
     /// Every tier the server knows.
     pub tiers: Vec<TierInfo>,
@@ -291,6 +308,7 @@ pub struct TierList {
 /// `POST /v1/sandboxes/{id}/processes`: the new process (its output:
 /// `GET .../processes/{pid}/output`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct ProcessRef {
     /// Its id in the sandbox.
     pub id: sandbox_core::ProcessId,
@@ -298,6 +316,7 @@ pub struct ProcessRef {
 
 /// `GET /v1/sandboxes/{id}/processes`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct ProcessList {
     /// The sandbox's processes, running and exited.
     pub processes: Vec<sandbox_core::ProcessInfo>,
@@ -306,6 +325,7 @@ pub struct ProcessList {
 /// `POST /v1/sandboxes/{id}/processes/{pid}/signal`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct SignalBody {
     /// `INT`, `SIGTERM`, `kill`, `9`...: one of HUP, INT, QUIT, KILL, USR1, USR2, TERM.
     pub signal: String,
@@ -314,6 +334,7 @@ pub struct SignalBody {
 /// `POST /v1/sandboxes/{id}/processes/{pid}/resize`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct ResizeBody {
     /// Rows (at least 1).
     pub rows: u16,
@@ -324,6 +345,7 @@ pub struct ResizeBody {
 /// `POST /v1/sandboxes/{id}/processes/{pid}/wait` (the body is optional).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct WaitBody {
     /// How long to wait, in milliseconds (absent: until it exits, within the server's
     /// request timeout). On timeout: `504 timeout`, and the process keeps running.
@@ -334,6 +356,7 @@ pub struct WaitBody {
 /// `POST /v1/sandboxes/{id}/ports`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[non_exhaustive]
 pub struct PublishBody {
     /// The TCP port inside the sandbox.
     pub sandbox_port: u16,
@@ -345,7 +368,211 @@ pub struct PublishBody {
 
 /// `GET /v1/sandboxes/{id}/ports`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct PortList {
     /// The published ports (addresses on the server's host).
     pub ports: Vec<sandbox_core::PublishedPort>,
+}
+
+// Constructors: the bodies are `#[non_exhaustive]` (answers gain fields; requests may gain
+// optional ones), so code outside this crate builds them here and sets optional fields after.
+
+impl CreateSandbox {
+    /// A sandbox made from `spec` on the best tier the server can run, with no labels and
+    /// no lifetime bounds (set the public fields to change those).
+    pub fn new(spec: SandboxSpec) -> Self {
+        CreateSandbox {
+            spec,
+            tier: None,
+            labels: BTreeMap::new(),
+            lifetime: LifetimeSpec::default(),
+        }
+    }
+}
+
+impl RunBody {
+    /// Run `command` once in a sandbox made from `spec` on the best tier the server can run.
+    pub fn new(spec: SandboxSpec, command: ExecBody) -> Self {
+        RunBody {
+            spec,
+            tier: None,
+            command,
+            build: None,
+        }
+    }
+}
+
+impl RunReply {
+    /// The answer to a one-shot run on `tier`.
+    pub fn new(
+        tier: Tier,
+        result: sandbox_core::ExecResult,
+        network: Vec<sandbox_core::NetworkEvent>,
+    ) -> Self {
+        RunReply {
+            tier,
+            result,
+            network,
+        }
+    }
+}
+
+impl LifetimeSpec {
+    /// The same lifetime, with a time to live of `ttl_s` seconds.
+    pub fn with_ttl_s(mut self, ttl_s: u64) -> Self {
+        self.ttl_s = Some(ttl_s);
+        self
+    }
+
+    /// The same lifetime, with an idle timeout of `idle_timeout_s` seconds after which
+    /// `on_idle` happens.
+    pub fn with_idle_timeout_s(mut self, idle_timeout_s: u64, on_idle: IdleAction) -> Self {
+        self.idle_timeout_s = Some(idle_timeout_s);
+        self.on_idle = on_idle;
+        self
+    }
+}
+
+impl SandboxInfo {
+    /// A running sandbox `id` on `tier` created at `created_at` (RFC 3339), with no labels,
+    /// no lifetime bounds and not restored from a snapshot (set the public fields to change
+    /// those).
+    pub fn new(id: impl Into<String>, tier: Tier, created_at: impl Into<String>) -> Self {
+        SandboxInfo {
+            id: id.into(),
+            tier,
+            labels: BTreeMap::new(),
+            created_at: created_at.into(),
+            state: SandboxState::Running,
+            lifetime: LifetimeSpec::default(),
+            from_snapshot: None,
+        }
+    }
+}
+
+impl SandboxList {
+    /// A list of sandboxes.
+    pub fn new(sandboxes: Vec<SandboxInfo>) -> Self {
+        SandboxList { sandboxes }
+    }
+}
+
+impl Listing {
+    /// A directory listing.
+    pub fn new(entries: Vec<sandbox_core::DirEntry>) -> Self {
+        Listing { entries }
+    }
+}
+
+impl ForkBody {
+    /// `count` forks, without labels or lifetime bounds.
+    pub fn new(count: usize) -> Self {
+        ForkBody {
+            count,
+            labels: BTreeMap::new(),
+            lifetime: LifetimeSpec::default(),
+        }
+    }
+}
+
+impl SnapshotInfo {
+    /// Snapshot `id` of `bytes` bytes that `tier` took at `created_at` (RFC 3339).
+    pub fn new(
+        id: sandbox_core::SnapshotId,
+        tier: Tier,
+        created_at: impl Into<String>,
+        bytes: u64,
+    ) -> Self {
+        SnapshotInfo {
+            id,
+            tier,
+            created_at: created_at.into(),
+            bytes,
+        }
+    }
+}
+
+impl SnapshotList {
+    /// A list of snapshots.
+    pub fn new(snapshots: Vec<SnapshotInfo>) -> Self {
+        SnapshotList { snapshots }
+    }
+}
+
+impl NetworkEvents {
+    /// A sandbox's network events.
+    pub fn new(events: Vec<sandbox_core::NetworkEvent>) -> Self {
+        NetworkEvents { events }
+    }
+}
+
+impl TierInfo {
+    /// A tier's probe result and, when it is available, its capabilities.
+    pub fn new(
+        status: sandbox_core::TierStatus,
+        capabilities: Option<sandbox_core::Capabilities>,
+    ) -> Self {
+        TierInfo {
+            status,
+            capabilities,
+        }
+    }
+}
+
+impl TierList {
+    /// The tiers, from a server whose build is `build`.
+    pub fn new(tiers: Vec<TierInfo>, build: Option<String>) -> Self {
+        TierList { tiers, build }
+    }
+}
+
+impl ProcessRef {
+    /// A started background process.
+    pub fn new(id: sandbox_core::ProcessId) -> Self {
+        ProcessRef { id }
+    }
+}
+
+impl ProcessList {
+    /// A sandbox's background processes.
+    pub fn new(processes: Vec<sandbox_core::ProcessInfo>) -> Self {
+        ProcessList { processes }
+    }
+}
+
+impl SignalBody {
+    /// Send `signal` (a name such as `TERM` or `KILL`).
+    pub fn new(signal: impl Into<String>) -> Self {
+        SignalBody {
+            signal: signal.into(),
+        }
+    }
+}
+
+impl ResizeBody {
+    /// Resize a terminal to `rows` × `cols`.
+    pub fn new(rows: u16, cols: u16) -> Self {
+        ResizeBody { rows, cols }
+    }
+}
+
+impl WaitBody {
+    /// Wait at most `timeout_ms` milliseconds (`None`: the server's default).
+    pub fn new(timeout_ms: Option<u64>) -> Self {
+        WaitBody { timeout_ms }
+    }
+}
+
+impl PublishBody {
+    /// Publish `sandbox_port` on `host` (`None`: a loopback port the server picks).
+    pub fn new(sandbox_port: u16, host: Option<std::net::SocketAddr>) -> Self {
+        PublishBody { sandbox_port, host }
+    }
+}
+
+impl PortList {
+    /// A sandbox's published ports.
+    pub fn new(ports: Vec<sandbox_core::PublishedPort>) -> Self {
+        PortList { ports }
+    }
 }

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 /// The JSON body of every error answer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct ErrorBody {
     /// What went wrong.
     pub error: ErrorDetail,
@@ -14,6 +15,7 @@ pub struct ErrorBody {
 
 /// The error itself.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct ErrorDetail {
     /// A stable, snake_case name: `unauthorized`, `bad_request`, `invalid_spec`,
     /// `not_found`, `path_escape`, `unsupported`, `unavailable`, `sandbox_gone`,
@@ -21,6 +23,18 @@ pub struct ErrorDetail {
     pub kind: String,
     /// What happened and what to do, for a person.
     pub message: String,
+}
+
+impl ErrorBody {
+    /// The body of an error of `kind` (`invalid_spec`, `not_found`...) saying `message`.
+    pub fn new(kind: impl Into<String>, message: impl Into<String>) -> Self {
+        ErrorBody {
+            error: ErrorDetail {
+                kind: kind.into(),
+                message: message.into(),
+            },
+        }
+    }
 }
 
 /// A request body that parsed but asks for something malformed (HTTP 400, kind

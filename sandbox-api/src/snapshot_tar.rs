@@ -126,22 +126,19 @@ mod tests {
     use sandbox_core::{Language, SandboxSpec, Tier};
 
     fn manifest(data: &[u8]) -> SnapshotManifest {
-        SnapshotManifest {
-            format_version: 1,
-            tier: Tier::Container,
-            engine: "test".into(),
-            kinds: vec![],
-            spec: SandboxSpec::new(Language::Shell),
-            created: time::OffsetDateTime::UNIX_EPOCH,
-            artifacts: BTreeMap::from([(
+        let mut m = SnapshotManifest::new(
+            Tier::Container,
+            "test",
+            vec![],
+            SandboxSpec::new(Language::Shell),
+            time::OffsetDateTime::UNIX_EPOCH,
+            BTreeMap::from([(
                 "fs.tar".to_string(),
-                ArtifactEntry {
-                    sha256: hex::encode(Sha256::digest(data)),
-                    size: data.len() as u64,
-                },
+                ArtifactEntry::new(hex::encode(Sha256::digest(data)), data.len() as u64),
             )]),
-            metadata: BTreeMap::from([("k".to_string(), "v".to_string())]),
-        }
+        );
+        m.metadata = BTreeMap::from([("k".to_string(), "v".to_string())]);
+        m
     }
 
     #[test]

@@ -43,8 +43,8 @@ pub use reference::{Engine, ProcessTarget, WasiPythonTarget};
 pub use report::{Machine, Report};
 pub use run::{Config, Density, ErrorRecord, ScaleResult, TargetReport};
 pub use target::{
-    workload_spec, DynTarget, Plan, SandboxTarget, Session, Target, TargetKind, Unavailable,
-    TURN_GUARD, TURN_WALL,
+    workload_spec, DynTarget, Plan, SandboxTarget, Session, Target, TargetError, TargetKind,
+    Unavailable, TURN_GUARD, TURN_WALL,
 };
 
 /// What can go wrong writing a report.

@@ -235,6 +235,7 @@ pub fn loadavg() -> String {
 
 /// Latency percentiles, milliseconds.
 #[derive(Debug, Clone, Default, Serialize)]
+#[non_exhaustive]
 pub struct Percentiles {
     /// Samples.
     pub count: u64,

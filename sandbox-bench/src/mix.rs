@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 /// One kind of turn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum TurnKind {
     /// First turn only: import the heaviest data module present (pandas, else numpy, else a
     /// set of standard-library modules).
@@ -86,6 +87,7 @@ impl TurnKind {
 /// The Python data library a target has, best first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum DataLib {
     /// pandas (with numpy).
     Pandas,
@@ -123,6 +125,7 @@ pub const PROBE_LIBS: &str = "import importlib.util as u\nprint('libs', *[m for 
 
 /// What a target's userland offers the mix, found by its plan.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct Userland {
     /// The Python data library.
     pub data_lib: DataLib,
@@ -132,6 +135,7 @@ pub struct Userland {
 
 /// One concrete step a target runs for a turn.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Op {
     /// Python source, run in the session's interpreter (or `python3 -c`).
     Python(String),
@@ -150,6 +154,7 @@ pub enum Op {
 
 /// A turn ready to run: its kind, the step, and the text its output must contain.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct Turn {
     /// The kind.
     pub kind: TurnKind,
@@ -259,6 +264,7 @@ pub fn turn(kind: TurnKind, index: u32, userland: Userland) -> Turn {
 /// A session's schedule: its kinds in order and the think time before each (milliseconds;
 /// the first entry is the session's start offset).
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct Schedule {
     /// The kinds, the first always [`TurnKind::Deps`].
     pub kinds: Vec<TurnKind>,

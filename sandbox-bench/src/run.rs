@@ -12,10 +12,11 @@ use tokio::task::JoinSet;
 
 use crate::metrics::{self, Latency, Percentiles};
 use crate::mix::{self, TurnKind};
-use crate::target::{DynTarget, Plan, Session, TargetKind, TURN_GUARD};
+use crate::target::{DynTarget, Plan, Session, TargetError, TargetKind, TURN_GUARD};
 
 /// What to run.
 #[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
 pub struct Config {
     /// Concurrent sessions, one run per value (default 1, 10, 50, 200).
     pub sessions: Vec<usize>,
@@ -81,6 +82,7 @@ impl Config {
 
 /// One target at one concurrency.
 #[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
 pub struct ScaleResult {
     /// Concurrent sessions asked for.
     pub sessions: usize,
@@ -124,6 +126,7 @@ pub struct ScaleResult {
 
 /// One failure, reported as it happened.
 #[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
 pub struct ErrorRecord {
     /// The target.
     pub target: String,
@@ -139,6 +142,7 @@ pub struct ErrorRecord {
 
 /// The density test of one target.
 #[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
 pub struct Density {
     /// Live idle sandboxes held at the end.
     pub held: usize,
@@ -161,6 +165,7 @@ pub struct Density {
 
 /// Everything measured for one target.
 #[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
 pub struct TargetReport {
     /// Its name.
     pub name: String,
@@ -212,7 +217,7 @@ async fn run_scale(
             let _permit = sem.acquire_owned().await;
             let start = Instant::now();
             let r = tokio::time::timeout(TURN_GUARD, t.open(&p)).await;
-            let r = r.unwrap_or_else(|_| Err("open timed out".into()));
+            let r = r.unwrap_or_else(|_| Err(TargetError::TimedOut("open")));
             (i, r, start.elapsed())
         });
     }
@@ -224,7 +229,7 @@ async fn run_scale(
                 open_lat.record(d);
                 sessions.push((i, Arc::new(s), d));
             }
-            Ok((i, Err(e), _)) => err(i, "open", e),
+            Ok((i, Err(e), _)) => err(i, "open", e.to_string()),
             Err(e) => err(usize::MAX, "open", format!("task: {e}")),
         }
     }
@@ -297,14 +302,14 @@ async fn run_scale(
             let _permit = sem.acquire_owned().await;
             let r = match Arc::try_unwrap(s) {
                 Ok(s) => s.close().await,
-                Err(_) => Err("session still shared at close".into()),
+                Err(_) => Err(TargetError::Failed("session still shared at close".into())),
             };
             (i, r)
         });
     }
     while let Some(j) = closes.join_next().await {
         if let Ok((i, Err(e))) = j {
-            err(i, "close", e);
+            err(i, "close", e.to_string());
         }
     }
 
@@ -394,7 +399,7 @@ async fn drive(
         let r = tokio::time::timeout(TURN_GUARD, s.run(&t.op)).await;
         let d = start.elapsed();
         o.turns.push((*kind, d));
-        let r = r.unwrap_or_else(|_| Err("turn timed out".into()));
+        let r = r.unwrap_or_else(|_| Err(TargetError::TimedOut("turn")));
         match r {
             Ok(out) if out.contains(&t.expect) => {
                 if *kind == TurnKind::Deps {
@@ -409,7 +414,7 @@ async fn drive(
                 *kind,
                 format!("output lacks `{}`: {}", t.expect, crate::target::tail(&out)),
             )),
-            Err(e) => o.errors.push((*kind, e)),
+            Err(e) => o.errors.push((*kind, e.to_string())),
         }
     }
     o

@@ -15,6 +15,7 @@ use crate::mix::{DataLib, Op, TurnKind, Userland, PROBE_LIBS};
 /// Ours (a tier through `sandbox_core`) or a reference engine run side by side.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum TargetKind {
     /// One of agent-sandbox's tiers.
     Ours,
@@ -24,6 +25,7 @@ pub enum TargetKind {
 
 /// What a target can run, found once before the benchmark.
 #[derive(Debug, Clone, Serialize)]
+#[non_exhaustive]
 pub struct Plan {
     /// `Err(reason)` when the target cannot run at all here.
     pub available: Result<(), String>,
@@ -59,6 +61,72 @@ impl Plan {
     }
 }
 
+/// Why a target could not open a session, or a session could not run a step or close.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TargetError {
+    /// The target cannot run in this binary or on this host: the reason.
+    #[error("{0}")]
+    Unavailable(String),
+    /// A call through `sandbox_core` (create, exec, a file, destroy) failed.
+    #[error("{doing}: {source}")]
+    Sandbox {
+        /// The call (`create`, `exec`, `write_file`...).
+        doing: &'static str,
+        /// Its error.
+        #[source]
+        source: sandbox_core::Error,
+    },
+    /// A host operation of a reference engine failed (a spawn, a pipe, its scratch files).
+    #[error("{doing}: {source}")]
+    Io {
+        /// What was being done.
+        doing: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A reference engine's file or reply is not the JSON expected.
+    #[error("{doing}: {source}")]
+    Json {
+        /// What was being read.
+        doing: String,
+        /// The parse error.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The step ran but did not succeed (a non-zero exit, a limit, output that differs):
+    /// what it said.
+    #[error("{0}")]
+    Failed(String),
+    /// The harness gave up waiting ([`TURN_GUARD`]) for the step (`open`, `turn`...).
+    #[error("{0} timed out")]
+    TimedOut(&'static str),
+}
+
+impl TargetError {
+    /// [`TargetError::Io`] while `doing` something.
+    pub fn io(doing: impl Into<String>, source: std::io::Error) -> Self {
+        TargetError::Io {
+            doing: doing.into(),
+            source,
+        }
+    }
+
+    /// [`TargetError::Json`] while reading `doing`.
+    pub fn json(doing: impl Into<String>, source: serde_json::Error) -> Self {
+        TargetError::Json {
+            doing: doing.into(),
+            source,
+        }
+    }
+
+    /// [`TargetError::Sandbox`] for the call `doing`.
+    pub fn sandbox(doing: &'static str, source: sandbox_core::Error) -> Self {
+        TargetError::Sandbox { doing, source }
+    }
+}
+
 /// Something the harness benchmarks.
 #[async_trait]
 pub trait Target: Send + Sync {
@@ -71,19 +139,19 @@ pub trait Target: Send + Sync {
     /// Finds what the target can run (may open and close a session).
     async fn plan(&self) -> Plan;
     /// Opens a session for the workload (everything its turns need, created once).
-    async fn open(&self, plan: &Plan) -> Result<Box<dyn Session>, String>;
+    async fn open(&self, plan: &Plan) -> Result<Box<dyn Session>, TargetError>;
     /// Opens the smallest live unit for the density test (`Ok(None)`: nothing lives between
     /// turns, so density does not apply).
-    async fn open_idle(&self) -> Result<Option<Box<dyn Session>>, String>;
+    async fn open_idle(&self) -> Result<Option<Box<dyn Session>>, TargetError>;
 }
 
 /// A live session: state is kept across its turns.
 #[async_trait]
 pub trait Session: Send + Sync {
     /// Runs one step; `Ok(stdout)` when it succeeded (exit status 0), else why not.
-    async fn run(&self, op: &Op) -> Result<String, String>;
+    async fn run(&self, op: &Op) -> Result<String, TargetError>;
     /// Ends the session and frees what it holds.
-    async fn close(self: Box<Self>) -> Result<(), String>;
+    async fn close(self: Box<Self>) -> Result<(), TargetError>;
 }
 
 /// Wall limit of one turn (and of the spec) in the workload: generous, since 200 sessions
@@ -152,11 +220,11 @@ impl SandboxTarget {
         }
     }
 
-    async fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn Sandbox>, String> {
+    async fn create(&self, spec: &SandboxSpec) -> Result<Box<dyn Sandbox>, TargetError> {
         self.backend
             .create(spec, ResolvedSecrets::none())
             .await
-            .map_err(|e| format!("create: {e}"))
+            .map_err(|e| TargetError::sandbox("create", e))
     }
 
     fn js_via(&self, plan: &Plan) -> Option<JsVia> {
@@ -175,22 +243,22 @@ impl SandboxTarget {
     }
 }
 
-async fn exec_ok(sb: &dyn Sandbox, req: ExecRequest) -> Result<String, String> {
+async fn exec_ok(sb: &dyn Sandbox, req: ExecRequest) -> Result<String, TargetError> {
     let r = sb
         .exec(req.timeout(TURN_WALL))
         .await
-        .map_err(|e| format!("exec: {e}"))?;
+        .map_err(|e| TargetError::sandbox("exec", e))?;
     if r.success() {
         Ok(r.stdout_str())
     } else {
-        Err(format!(
+        Err(TargetError::Failed(format!(
             "exit {:?}{}: {}",
             r.exit_code,
             r.limit
                 .map(|l| format!(" (limit {})", l.name()))
                 .unwrap_or_default(),
             tail(&format!("{}{}", r.stdout_str(), r.stderr_str()))
-        ))
+        )))
     }
 }
 
@@ -234,7 +302,7 @@ impl Target for SandboxTarget {
         }
         let sb = match self.create(&self.spec).await {
             Ok(s) => s,
-            Err(e) => return Plan::unavailable(e),
+            Err(e) => return Plan::unavailable(e.to_string()),
         };
         let libs = exec_ok(sb.as_ref(), ExecRequest::code(PROBE_LIBS)).await;
         let shell = caps.supports_language(Language::Shell) && caps.argv;
@@ -249,7 +317,7 @@ impl Target for SandboxTarget {
             )
             .await
         } else {
-            Err(String::new())
+            Err(TargetError::Failed(String::new()))
         };
         let _ = sb.destroy().await;
         let libs = match libs {
@@ -333,7 +401,7 @@ impl Target for SandboxTarget {
         plan
     }
 
-    async fn open(&self, plan: &Plan) -> Result<Box<dyn Session>, String> {
+    async fn open(&self, plan: &Plan) -> Result<Box<dyn Session>, TargetError> {
         let main = self.create(&self.spec).await?;
         let via = self.js_via(plan);
         let js = if via == Some(JsVia::Sandbox) {
@@ -354,7 +422,7 @@ impl Target for SandboxTarget {
         }))
     }
 
-    async fn open_idle(&self) -> Result<Option<Box<dyn Session>>, String> {
+    async fn open_idle(&self) -> Result<Option<Box<dyn Session>>, TargetError> {
         let main = self.create(&self.spec).await?;
         Ok(Some(Box::new(SandboxSession {
             main,
@@ -373,7 +441,7 @@ struct SandboxSession {
 
 #[async_trait]
 impl Session for SandboxSession {
-    async fn run(&self, op: &Op) -> Result<String, String> {
+    async fn run(&self, op: &Op) -> Result<String, TargetError> {
         match op {
             Op::Python(code) => exec_ok(self.main.as_ref(), ExecRequest::code(code.clone())).await,
             Op::Js(code) => match (&self.js, self.node) {
@@ -381,7 +449,9 @@ impl Session for SandboxSession {
                 (None, true) => {
                     exec_ok(self.main.as_ref(), ExecRequest::argv(["node", "-e", code])).await
                 }
-                (None, false) => Err("this session has no JavaScript engine".into()),
+                (None, false) => Err(TargetError::Failed(
+                    "this session has no JavaScript engine".into(),
+                )),
             },
             Op::Shell(script) => {
                 exec_ok(self.main.as_ref(), ExecRequest::argv(["sh", "-c", script])).await
@@ -390,33 +460,35 @@ impl Session for SandboxSession {
                 self.main
                     .write_file(path, data)
                     .await
-                    .map_err(|e| format!("write_file: {e}"))?;
+                    .map_err(|e| TargetError::sandbox("write_file", e))?;
                 let back = self
                     .main
                     .read_file(path)
                     .await
-                    .map_err(|e| format!("read_file: {e}"))?;
+                    .map_err(|e| TargetError::sandbox("read_file", e))?;
                 if &back == data {
                     Ok("file-ok".into())
                 } else {
-                    Err(format!(
+                    Err(TargetError::Failed(format!(
                         "read back {} bytes that differ from the {} written",
                         back.len(),
                         data.len()
-                    ))
+                    )))
                 }
             }
         }
     }
 
-    async fn close(self: Box<Self>) -> Result<(), String> {
+    async fn close(self: Box<Self>) -> Result<(), TargetError> {
         let a = self
             .main
             .destroy()
             .await
-            .map_err(|e| format!("destroy: {e}"));
+            .map_err(|e| TargetError::sandbox("destroy", e));
         if let Some(js) = &self.js {
-            js.destroy().await.map_err(|e| format!("destroy js: {e}"))?;
+            js.destroy()
+                .await
+                .map_err(|e| TargetError::sandbox("destroy js", e))?;
         }
         a
     }
@@ -466,11 +538,11 @@ impl Target for Unavailable {
         Plan::unavailable(self.reason.clone())
     }
 
-    async fn open(&self, _plan: &Plan) -> Result<Box<dyn Session>, String> {
-        Err(self.reason.clone())
+    async fn open(&self, _plan: &Plan) -> Result<Box<dyn Session>, TargetError> {
+        Err(TargetError::Unavailable(self.reason.clone()))
     }
 
-    async fn open_idle(&self) -> Result<Option<Box<dyn Session>>, String> {
-        Err(self.reason.clone())
+    async fn open_idle(&self) -> Result<Option<Box<dyn Session>>, TargetError> {
+        Err(TargetError::Unavailable(self.reason.clone()))
     }
 }

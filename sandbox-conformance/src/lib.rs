@@ -121,6 +121,7 @@ impl Need {
 
 /// One case of the contract.
 #[derive(Clone, Copy)]
+#[non_exhaustive]
 pub struct Case {
     /// A stable id (`group.name`), the row of the table.
     pub id: &'static str,
@@ -143,6 +144,7 @@ impl std::fmt::Debug for Case {
 
 /// The result of one case on one tier.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Outcome {
     /// The tier behaves as the contract says.
     Pass,
@@ -154,6 +156,7 @@ pub enum Outcome {
 
 /// The language the cases write code in for a tier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Dialect {
     /// POSIX shell (`/bin/sh -c`): tiers with a Linux userland.
     Shell,
@@ -188,6 +191,7 @@ pub const SECRET_NAME: &str = "conformance_token";
 pub const SECRET_VALUE: &str = "s3cr3t-conformance-6f1d";
 
 /// What a check works with: the backend under test, its capabilities and dialect.
+#[non_exhaustive]
 pub struct Ctx<'a> {
     /// The backend under test.
     pub backend: &'a dyn Backend,
@@ -244,6 +248,7 @@ impl Ctx<'_> {
 
 /// A case a tier is known to fail: shown as such in the table; the test fails if it passes.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct KnownFailure {
     /// The tier.
     pub tier: Tier,

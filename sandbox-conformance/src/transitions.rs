@@ -12,20 +12,20 @@
 //! lands may end as `SandboxGone` or as killed (the tier's choice). Every operation is bounded
 //! by [`Plan::op_timeout`]: one that outlives it fails the check (a hang, not a slow run).
 
-// Why not a crate: a seeded sequence of a few hundred choices needs six lines of splitmix64.
-
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
+use fastrand::Rng;
 use sandbox_core::{Backend, Error, ExecRequest, Sandbox};
 
 use crate::{Ctx, Dialect};
 
 /// How much to run: a few dozen sequences of a few rounds of a handful of concurrent ops.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct Plan {
     /// The seed of the whole run (the failure message names it).
     pub seed: u64,
@@ -51,8 +51,41 @@ impl Default for Plan {
     }
 }
 
+impl Plan {
+    /// Sets [`Plan::seed`].
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = seed;
+        self
+    }
+
+    /// Sets [`Plan::sequences`].
+    pub fn sequences(mut self, sequences: usize) -> Self {
+        self.sequences = sequences;
+        self
+    }
+
+    /// Sets [`Plan::rounds`].
+    pub fn rounds(mut self, rounds: usize) -> Self {
+        self.rounds = rounds;
+        self
+    }
+
+    /// Sets [`Plan::ops`].
+    pub fn ops(mut self, ops: usize) -> Self {
+        self.ops = ops;
+        self
+    }
+
+    /// Sets [`Plan::op_timeout`].
+    pub fn op_timeout(mut self, op_timeout: Duration) -> Self {
+        self.op_timeout = op_timeout;
+        self
+    }
+}
+
 /// What a run did: the calls checked, by kind.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Ran {
     /// Rounds checked.
     pub rounds: usize,
@@ -64,24 +97,6 @@ pub struct Ran {
     pub execs: usize,
     /// Destroys issued in rounds.
     pub destroys: usize,
-}
-
-/// splitmix64: a seeded, reproducible stream of choices.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// In `0..n` (`n` > 0).
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
 }
 
 /// One operation of a round.
@@ -153,7 +168,7 @@ pub async fn check(backend: &dyn Backend, plan: &Plan) -> Result<Ran, String> {
         caps,
         dialect,
     };
-    let mut rng = Rng(plan.seed);
+    let mut rng = Rng::with_seed(plan.seed);
     for seq in 0..plan.sequences {
         let sb: Arc<dyn Sandbox> = Arc::from(ctx.create(ctx.spec()).await?);
         let r = sequence(&ctx, &sb, plan, &mut rng, &mut ran).await;
@@ -219,9 +234,9 @@ async fn sequence(
     let pausable = ctx.caps.pause_resume;
     let mut state = Model::Live;
     for round in 0..plan.rounds {
-        let n = 2 + rng.below(plan.ops.max(2) - 1);
+        let n = 2 + rng.usize(..plan.ops.max(2) - 1);
         let ops: Vec<Op> = (0..n)
-            .map(|_| match rng.below(10) {
+            .map(|_| match rng.usize(..10) {
                 0 => Op::Destroy,
                 1..=3 if pausable => Op::Pause,
                 4..=6 if pausable => Op::Resume,
@@ -384,12 +399,12 @@ mod tests {
     #[test]
     fn the_choices_are_seeded() {
         let a: Vec<u64> = {
-            let mut r = Rng(7);
-            (0..8).map(|_| r.next()).collect()
+            let mut r = Rng::with_seed(7);
+            (0..8).map(|_| r.u64(..)).collect()
         };
-        let mut r = Rng(7);
-        assert!(a.iter().all(|v| *v == r.next()));
+        let mut r = Rng::with_seed(7);
+        assert!(a.iter().all(|v| *v == r.u64(..)));
         assert!(a.windows(2).any(|w| w[0] != w[1]));
-        assert!((0..100).all(|_| r.below(3) < 3));
+        assert!((0..100).all(|_| r.usize(..3) < 3));
     }
 }

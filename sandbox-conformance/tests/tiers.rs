@@ -77,6 +77,7 @@ async fn check_tier(backend: &dyn Backend) {
                 "{id}: listed as a known failure ({}) but did not fail: remove it from KNOWN_FAILURES",
                 k.why
             )),
+            (other, None) => problems.push(format!("{id}: unexpected outcome {other:?}")),
         }
     }
     let col = table::column(tier, &results);

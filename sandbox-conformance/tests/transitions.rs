@@ -18,10 +18,7 @@ async fn check_tier(backend: &dyn Backend, seed: u64) {
         eprintln!("SKIP: {tier}: {}", status.reason);
         return;
     }
-    let plan = Plan {
-        seed,
-        ..Plan::default()
-    };
+    let plan = Plan::default().seed(seed);
     let ran = match transitions::check(backend, &plan).await {
         Ok(ran) => ran,
         Err(e) => panic!("{tier}: {e}"),

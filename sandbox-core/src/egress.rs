@@ -30,6 +30,7 @@ use crate::tier::Tier;
 
 /// What a sandbox needs from its enforcer before it starts.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct EgressPlan {
     /// The sandbox id the plan was made for.
     pub sandbox_id: String,
@@ -38,6 +39,22 @@ pub struct EgressPlan {
     pub env: Vec<(String, String)>,
     /// The sandbox's `/etc/resolv.conf`.
     pub resolv_conf: String,
+}
+
+impl EgressPlan {
+    /// The plan made for `sandbox_id`: `env` added to every command, `resolv_conf` as its
+    /// `/etc/resolv.conf`.
+    pub fn new(
+        sandbox_id: impl Into<String>,
+        env: Vec<(String, String)>,
+        resolv_conf: impl Into<String>,
+    ) -> Self {
+        EgressPlan {
+            sandbox_id: sandbox_id.into(),
+            env,
+            resolv_conf: resolv_conf.into(),
+        }
+    }
 }
 
 /// What an enforcer set up for a sandbox's proxy-held secrets

@@ -150,8 +150,10 @@ pub enum Error {
 /// A boxed error that can cross threads: the cause kept by [`Error::Backend`].
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
+/// The cause's text after the message. The alternate form, so that a cause that carries its
+/// own chain (an `anyhow`/`wasmtime` error) prints all of it; the same text for the others.
 fn cause_suffix(source: Option<&(dyn std::error::Error + Send + Sync + 'static)>) -> String {
-    source.map(|s| format!(": {s}")).unwrap_or_default()
+    source.map(|s| format!(": {s:#}")).unwrap_or_default()
 }
 
 impl Error {

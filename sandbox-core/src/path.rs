@@ -115,6 +115,7 @@ impl WorkspacePath {
 /// The kind of a directory entry.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
+#[non_exhaustive]
 pub enum EntryKind {
     /// Regular file.
     File,

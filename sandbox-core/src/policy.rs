@@ -57,6 +57,7 @@ pub enum NetworkPolicy {
 
 /// The outcome of [`NetworkPolicy::decide`].
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct Decision {
     /// Whether the connection may proceed.
     pub allowed: bool,
@@ -67,6 +68,7 @@ pub struct Decision {
 /// Why a connection was allowed or refused.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", content = "detail", rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum DecisionRule {
     /// Link-local (incl. the cloud metadata endpoint): refused in every mode.
     LinkLocal,
@@ -478,6 +480,7 @@ fn normalize_host(h: &str) -> String {
 ///
 /// `*.example.com` matches `a.example.com` and `a.b.example.com` but not `example.com`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum HostPattern {
     /// Exactly this name (lower-case, no trailing dot).
     Exact(String),
@@ -546,6 +549,7 @@ impl fmt::Display for HostPattern {
 
 /// A host pattern with an optional port: `api.example.com`, `*.example.com:443`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct HostRule {
     /// The name or wildcard.
     pub pattern: HostPattern,
@@ -670,6 +674,7 @@ impl fmt::Display for Cidr {
 
 /// A deny rule in allow-internet mode.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum DenyRule {
     /// A host name or wildcard.
     Host(HostPattern),

@@ -108,6 +108,7 @@ impl PoolConfig {
 
 /// Counters and checkout latency of a pool.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct PoolStats {
     /// Checkouts served from ready sandboxes.
     pub hits: u64,

@@ -8,6 +8,7 @@ use crate::tier::Tier;
 
 /// Whether one tier can run on this host.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct TierStatus {
     /// The tier.
     pub tier: Tier,

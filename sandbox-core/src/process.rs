@@ -621,50 +621,11 @@ pub fn command_line(cmd: &crate::Command) -> String {
 
 /// Puts every signal's disposition back to its default (`SIG_DFL`) and empties the calling
 /// thread's signal mask, in a child between `fork` and `execve` (which keeps ignored
-/// dispositions and the mask). Signals 1 to 64 but `SIGKILL` and `SIGSTOP` (which cannot be
-/// changed), with the raw system calls: glibc's `sigaction` refuses 32 and 33, its own.
-/// Async-signal-safe: system calls only.
+/// dispositions and the mask). Signals 1 to 64 but `SIGKILL` and `SIGSTOP`, with the raw
+/// system calls (glibc's `sigaction` refuses 32 and 33, its own). Async-signal-safe: system
+/// calls only. The same code the in-sandbox agents run (`sandbox-agent-proto`).
 pub fn reset_signals() {
-    /// `struct sigaction` as the kernel's `rt_sigaction` takes it (x86-64 and arm64).
-    #[repr(C)]
-    struct KernelSigaction {
-        handler: usize,
-        flags: u64,
-        restorer: usize,
-        mask: u64,
-    }
-    let dfl = KernelSigaction {
-        handler: libc::SIG_DFL,
-        flags: 0,
-        restorer: 0,
-        mask: 0,
-    };
-    for sig in 1..=64 {
-        if sig == libc::SIGKILL || sig == libc::SIGSTOP {
-            continue;
-        }
-        // SAFETY: rt_sigaction with a valid action, no old action, an 8-byte sigset.
-        unsafe {
-            libc::syscall(
-                libc::SYS_rt_sigaction,
-                libc::c_long::from(sig),
-                &dfl as *const KernelSigaction,
-                std::ptr::null_mut::<KernelSigaction>(),
-                8 as libc::size_t,
-            )
-        };
-    }
-    let empty: u64 = 0;
-    // SAFETY: rt_sigprocmask with a valid, empty 8-byte set and no old set.
-    unsafe {
-        libc::syscall(
-            libc::SYS_rt_sigprocmask,
-            libc::c_long::from(libc::SIG_SETMASK),
-            &empty as *const u64,
-            std::ptr::null_mut::<u64>(),
-            8 as libc::size_t,
-        )
-    };
+    sandbox_agent_proto::signals::reset_signals();
 }
 
 #[cfg(test)]

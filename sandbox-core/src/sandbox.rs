@@ -84,6 +84,7 @@ pub trait Backend: Send + Sync + 'static {
 
 /// What [`Backend::cleanup_stale_report`] removed.
 #[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[non_exhaustive]
 pub struct StaleCleanup {
     /// How many leftovers were removed (what one is depends on the tier, as for
     /// [`Backend::cleanup_stale`]).

@@ -81,6 +81,7 @@ pub enum SecretExposure {
 /// masking of responses can catch. Written as a comma-separated list (`header,query,body`),
 /// and in JSON as a list of those words.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct SecretPlaces {
     /// Header values, Basic credentials included.
     pub headers: bool,
@@ -189,6 +190,7 @@ impl<'de> Deserialize<'de> for SecretPlaces {
 
 /// A secret named by the spec. Only the name is stored: the value is resolved at create time.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct SecretBinding {
     /// The name looked up in the [`SecretSource`].
     pub name: String,
@@ -350,6 +352,7 @@ impl ResolvedSecrets {
 
 /// A secret the egress proxy holds for a sandbox ([`ResolvedSecrets::proxied`]).
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub struct ProxiedSecret<'a> {
     /// Its name.
     pub name: &'a str,

@@ -22,6 +22,7 @@ use crate::tier::{Language, Tier};
 /// Who wrote the code, and who else shares the host.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum Trust {
     /// Internal agents, trusted prompts: isolation against accidents.
     Trusted,
@@ -32,6 +33,7 @@ pub enum Trust {
 /// What the code mostly does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum IoProfile {
     /// Computation on data in memory.
     Compute,
@@ -42,6 +44,7 @@ pub enum IoProfile {
 /// Whether the code needs a kernel of its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum KernelNeed {
     /// Any kernel will do.
     None,
@@ -106,6 +109,7 @@ impl Question {
 
 /// A ranked tier and why it is there.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct Ranked {
     /// The tier.
     pub tier: Tier,
@@ -115,6 +119,7 @@ pub struct Ranked {
 
 /// The selector's answer.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct Selection {
     /// Ideal ranking, best first.
     pub ranking: Vec<Ranked>,

@@ -137,6 +137,7 @@ impl From<SnapshotId> for String {
 
 /// One stored artifact.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct ArtifactEntry {
     /// SHA-256 of the bytes, hex.
     pub sha256: String,
@@ -146,6 +147,7 @@ pub struct ArtifactEntry {
 
 /// What a snapshot is and holds.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct SnapshotManifest {
     /// Manifest format version ([`FORMAT_VERSION`]).
     pub format_version: u32,
@@ -167,7 +169,40 @@ pub struct SnapshotManifest {
     pub metadata: BTreeMap<String, String>,
 }
 
+impl ArtifactEntry {
+    /// An artifact of `size` bytes whose SHA-256 is `sha256` (hex).
+    pub fn new(sha256: impl Into<String>, size: u64) -> Self {
+        ArtifactEntry {
+            sha256: sha256.into(),
+            size,
+        }
+    }
+}
+
 impl SnapshotManifest {
+    /// A manifest in the current [`FORMAT_VERSION`] of a snapshot `tier` took with `engine`
+    /// at `created`, capturing `kinds` of a sandbox made from `spec`; no metadata
+    /// (set [`SnapshotManifest::metadata`] to add some).
+    pub fn new(
+        tier: Tier,
+        engine: impl Into<String>,
+        kinds: Vec<SnapshotKind>,
+        spec: SandboxSpec,
+        created: OffsetDateTime,
+        artifacts: BTreeMap<String, ArtifactEntry>,
+    ) -> Self {
+        SnapshotManifest {
+            format_version: FORMAT_VERSION,
+            tier,
+            engine: engine.into(),
+            kinds,
+            spec,
+            created,
+            artifacts,
+            metadata: BTreeMap::new(),
+        }
+    }
+
     /// Sum of artifact sizes.
     pub fn total_bytes(&self) -> u64 {
         self.artifacts.values().map(|a| a.size).sum()
@@ -176,6 +211,7 @@ impl SnapshotManifest {
 
 /// A snapshot being written: backends fill it, the store commits it.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct SnapshotDraft {
     /// The tier writing it.
     pub tier: Tier,

@@ -197,6 +197,7 @@ pub struct TmpfsCap {
 
 /// Caps of a sandbox's memory-backed mounts; see [`Limits::tmpfs_caps`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct TmpfsCaps {
     /// Each scratch mount (`/tmp`, `/dev/shm`).
     pub scratch: TmpfsCap,

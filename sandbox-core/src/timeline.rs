@@ -55,6 +55,7 @@ impl fmt::Display for Phase {
 
 /// How long one phase took.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct PhaseTiming {
     /// The phase.
     pub phase: Phase,
@@ -62,8 +63,16 @@ pub struct PhaseTiming {
     pub micros: u64,
 }
 
+impl PhaseTiming {
+    /// `phase` took `micros` microseconds.
+    pub fn new(phase: Phase, micros: u64) -> Self {
+        PhaseTiming { phase, micros }
+    }
+}
+
 /// The phases recorded so far, in order.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct Timeline {
     /// Recorded phases.
     pub phases: Vec<PhaseTiming>,

@@ -86,10 +86,7 @@ struct Setup {
 async fn setup() -> Setup {
     let (port, upstream_ca) = server().await;
     let proxy = EgressProxy::builder()
-        .config(ProxyConfig {
-            upstream_roots: vec![upstream_ca.clone()],
-            ..ProxyConfig::default()
-        })
+        .config(ProxyConfig::default().upstream_roots(vec![upstream_ca.clone()]))
         .resolver(Arc::new(
             StaticResolver::new().with("api.test", &["127.0.0.1".parse().unwrap()]),
         ))

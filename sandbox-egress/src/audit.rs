@@ -12,6 +12,7 @@ use serde::{Deserialize, Serialize};
 /// How the sandbox asked for the destination.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum Via {
     /// An HTTP/1.1 forward-proxy request (absolute URI), decided by its host.
     Http,
@@ -44,6 +45,7 @@ impl Via {
 /// Why a connection was allowed or refused.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "kind", content = "detail", rename_all = "kebab-case")]
+#[non_exhaustive]
 pub enum AuditRule {
     /// `NetworkPolicy::decide` (or the name pre-check that mirrors it) decided.
     Policy(DecisionRule),
@@ -93,6 +95,7 @@ impl fmt::Display for AuditRule {
 
 /// One decision of the egress proxy.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct AuditEntry {
     /// When it was decided.
     pub time: SystemTime,

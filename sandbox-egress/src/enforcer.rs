@@ -379,9 +379,10 @@ impl VethEnforcer {
             }
         };
         handle.spawn(fut).await.map_err(|e| {
-            Error::backend(
+            Error::backend_caused(
                 sandbox_core::Tier::Container,
-                format!("egress enforcer task failed: {e}"),
+                "running the egress enforcer's task",
+                e,
             )
         })?
     }
@@ -451,14 +452,14 @@ impl EgressEnforcer for VethEnforcer {
         let no = "localhost,127.0.0.1,::1".to_string();
         env.push(("NO_PROXY".into(), no.clone()));
         env.push(("no_proxy".into(), no));
-        Ok(EgressPlan {
-            sandbox_id: sandbox_id.to_string(),
+        Ok(EgressPlan::new(
+            sandbox_id,
             env,
-            resolv_conf: format!(
+            format!(
                 "# agent-sandbox: names are resolved by the egress proxy (only allowed names answer)\nnameserver {}\noptions timeout:2 attempts:2\n",
                 veth.host_ip
             ),
-        })
+        ))
     }
 
     async fn attach(&self, plan: &EgressPlan, netns_pid: i32) -> Result<()> {

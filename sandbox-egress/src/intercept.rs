@@ -36,6 +36,7 @@ const MAX_LEAVES: usize = 1024;
 
 /// Why interception cannot be set up.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum InterceptError {
     /// Making a key or a certificate failed.
     #[error("making the interception certificate for {what}: {detail}")]

@@ -29,6 +29,7 @@ use crate::proxy::OriginalDst;
 
 /// A network namespace to run commands in.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Netns {
     /// The caller's own namespace.
     Current,

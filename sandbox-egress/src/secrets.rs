@@ -61,6 +61,7 @@ pub const MAX_VALUE_LEN: usize = 64 * 1024;
 
 /// Why a secret cannot be held by the proxy.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum SecretError {
     /// The value is too short to mask reliably.
     #[error("secret `{name}`: its value is {len} bytes; a proxy-held secret needs at least {MIN_VALUE_LEN}")]
@@ -241,6 +242,7 @@ impl fmt::Display for Place {
 
 /// One replacement, for the audit log: which secret, where. Never the value.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Substitution {
     /// The secret's name.
     pub secret: String,
@@ -254,6 +256,7 @@ pub struct Substitution {
     "the placeholder of secret `{secret}` in the {place}, sent to {host}:{port}, which it is \
      not bound to"
 )]
+#[non_exhaustive]
 pub struct LeakAttempt {
     /// The secret's name.
     pub secret: String,
@@ -267,6 +270,7 @@ pub struct LeakAttempt {
 
 /// A request head rewritten for one destination.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Rewritten {
     /// The head, with every placeholder bound to the destination replaced by its value.
     pub head: Vec<u8>,

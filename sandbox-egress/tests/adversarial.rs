@@ -47,10 +47,7 @@ async fn dns_rebinding_between_lookup_and_connect_is_refused_without_dialing() {
         .register_with(
             "sb",
             policy(&["rebind.test"]),
-            ListenOptions {
-                dns_port: Some(0),
-                ..Default::default()
-            },
+            ListenOptions::default().dns_port(Some(0)),
         )
         .await
         .unwrap();
@@ -180,10 +177,7 @@ async fn ech_client_hellos_are_refused() {
 
 #[tokio::test]
 async fn oversized_and_garbage_heads_are_refused() {
-    let h = Harness::with_config(ProxyConfig {
-        max_head_bytes: 4096,
-        ..Default::default()
-    });
+    let h = Harness::with_config(ProxyConfig::default().max_head_bytes(4096));
     let reg = h
         .proxy
         .register("sb", policy(&["allowed.test"]))
@@ -198,15 +192,9 @@ async fn oversized_and_garbage_heads_are_refused() {
     let resp = read_all(&mut s).await;
     assert!(resp.starts_with("HTTP/1.1 431"), "{resp}");
 
-    let mut x: u64 = 0x1234_5678_9abc_def1;
+    let mut rng = fastrand::Rng::with_seed(0x1234_5678_9abc_def1);
     for _ in 0..100 {
-        let mut junk = Vec::new();
-        for _ in 0..64 {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            junk.push(x as u8);
-        }
+        let mut junk: Vec<u8> = (0..64).map(|_| rng.u8(..)).collect();
         junk.extend_from_slice(b"\r\n\r\n");
         let mut s = TcpStream::connect(reg.proxy_addr).await.unwrap();
         let _ = s.write_all(&junk).await;
@@ -218,10 +206,7 @@ async fn oversized_and_garbage_heads_are_refused() {
 
 #[tokio::test]
 async fn connection_cap_per_sandbox() {
-    let h = Harness::with_config(ProxyConfig {
-        max_connections_per_sandbox: 2,
-        ..Default::default()
-    });
+    let h = Harness::with_config(ProxyConfig::default().max_connections_per_sandbox(2));
     let port = http_server().await;
     let reg = h
         .proxy
@@ -260,10 +245,7 @@ async fn connection_cap_per_sandbox() {
 
 #[tokio::test]
 async fn audit_ring_is_bounded_and_keeps_denials() {
-    let h = Harness::with_config(ProxyConfig {
-        audit_capacity: 4,
-        ..Default::default()
-    });
+    let h = Harness::with_config(ProxyConfig::default().audit_capacity(4));
     let reg = h
         .proxy
         .register("sb", policy(&["allowed.test"]))
@@ -288,23 +270,17 @@ async fn dns_garbage_and_floods() {
         .register_with(
             "sb",
             policy(&["allowed.test"]),
-            ListenOptions {
-                dns_port: Some(0),
-                ..Default::default()
-            },
+            ListenOptions::default().dns_port(Some(0)),
         )
         .await
         .unwrap();
     let dns = reg.dns_addr.unwrap();
     let sock = UdpSocket::bind("127.0.0.1:0").await.unwrap();
-    let mut x: u64 = 0xdead_beef_cafe_f00d;
+    let mut rng = fastrand::Rng::with_seed(0xdead_beef_cafe_f00d);
     for _ in 0..300 {
         let mut q = build_query(3, "allowed.test", TYPE_A);
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let i = (x as usize) % q.len();
-        q[i] ^= (x >> 24) as u8 | 1;
+        let i = rng.usize(..q.len());
+        q[i] ^= rng.u8(..) | 1;
         q[2] &= 0x7f; // keep it a query so we get an answer to wait for... or not
         sock.send_to(&q, dns).await.unwrap();
     }
@@ -362,11 +338,9 @@ async fn many_sandboxes_register_and_unregister_cleanly() {
     let h = Harness::new();
     let mut regs = Vec::new();
     for i in 0..200 {
-        let opts = ListenOptions {
-            transparent_port: Some(0),
-            dns_port: Some(0),
-            ..Default::default()
-        };
+        let opts = ListenOptions::default()
+            .transparent_port(Some(0))
+            .dns_port(Some(0));
         regs.push(
             h.proxy
                 .register_with(&format!("sb{i}"), policy(&["allowed.test"]), opts)

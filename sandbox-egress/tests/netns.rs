@@ -107,11 +107,11 @@ async fn veth_and_nftables_send_everything_to_the_proxy() {
     // The proxy's sockets live in the host-side namespace, on the veth's host address.
     let (sockets, other_tcp, other_udp) = in_netns(&hns, || {
         (
-            Sockets {
-                proxy: std::net::TcpListener::bind("10.201.7.1:3128").unwrap(),
-                transparent: Some(std::net::TcpListener::bind("10.201.7.1:3129").unwrap()),
-                dns: Some(std::net::UdpSocket::bind("10.201.7.1:5353").unwrap()),
-            },
+            Sockets::new(
+                std::net::TcpListener::bind("10.201.7.1:3128").unwrap(),
+                Some(std::net::TcpListener::bind("10.201.7.1:3129").unwrap()),
+                Some(std::net::UdpSocket::bind("10.201.7.1:5353").unwrap()),
+            ),
             // services of the "host" the sandbox must not reach directly
             std::net::TcpListener::bind("10.201.7.1:2223").unwrap(),
             std::net::UdpSocket::bind("10.201.7.1:9999").unwrap(),
@@ -268,10 +268,12 @@ async fn many_veth_sandboxes_leave_nothing_behind() {
             .await
             .unwrap();
         let ip = cfg.host_ip;
-        let sockets = in_netns(&hns, move || Sockets {
-            proxy: std::net::TcpListener::bind((ip, 3128)).unwrap(),
-            transparent: Some(std::net::TcpListener::bind((ip, 3129)).unwrap()),
-            dns: None,
+        let sockets = in_netns(&hns, move || {
+            Sockets::new(
+                std::net::TcpListener::bind((ip, 3128)).unwrap(),
+                Some(std::net::TcpListener::bind((ip, 3129)).unwrap()),
+                None,
+            )
         });
         proxy
             .register_with_sockets(&format!("sb{i}"), policy(&["allowed.test"]), sockets)

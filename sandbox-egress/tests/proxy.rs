@@ -313,10 +313,7 @@ async fn transparent_listener_http_host_and_refusals() {
         .register_with(
             "sb",
             policy(&["allowed.test"]),
-            ListenOptions {
-                transparent_port: Some(0),
-                ..Default::default()
-            },
+            ListenOptions::default().transparent_port(Some(0)),
         )
         .await
         .unwrap();
@@ -444,10 +441,7 @@ async fn dns_responder_answers_only_allowed_names_with_allowed_addresses() {
         .register_with(
             "sb",
             policy(&["allowed.test", "meta.test", "mixed.test", "v6.test"]),
-            ListenOptions {
-                dns_port: Some(0),
-                ..Default::default()
-            },
+            ListenOptions::default().dns_port(Some(0)),
         )
         .await
         .unwrap();

@@ -52,10 +52,7 @@ async fn setup_in(upstream_ca: &TestCa, places: SecretPlaces) -> Setup {
         .with("api.test", &[ip("127.0.0.1")])
         .with("other.test", &[ip("127.0.0.1")])
         .with("bad.test", &[ip("127.0.0.1")]);
-    let cfg = ProxyConfig {
-        upstream_roots: vec![upstream_ca.der()],
-        ..ProxyConfig::default()
-    };
+    let cfg = ProxyConfig::default().upstream_roots(vec![upstream_ca.der()]);
     let h = Harness::with_config_and_resolver(cfg, resolver);
     let reg = h
         .proxy
@@ -424,12 +421,10 @@ async fn hostile_requests_are_refused_and_hold_nothing() {
 
     // Slow clients (half a head, then nothing) are cut off by the head timeout and free
     // their connection slots: with 4 slots, 4 stalled clients, then a real request works.
-    let slow = ProxyConfig {
-        upstream_roots: vec![ca.der()],
-        head_timeout: std::time::Duration::from_millis(300),
-        max_connections_per_sandbox: 4,
-        ..ProxyConfig::default()
-    };
+    let slow = ProxyConfig::default()
+        .upstream_roots(vec![ca.der()])
+        .head_timeout(std::time::Duration::from_millis(300))
+        .max_connections_per_sandbox(4);
     s.h = Harness::with_config_and_resolver(
         slow,
         StaticResolver::new().with("api.test", &[ip("127.0.0.1")]),

@@ -12,11 +12,22 @@ use serde::Deserialize;
 
 /// A user name and password (or token) for one registry.
 #[derive(Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Credentials {
     /// User name.
     pub username: String,
     /// Password or access token.
     pub password: String,
+}
+
+impl Credentials {
+    /// `username`'s credentials: its password or access token.
+    pub fn new(username: impl Into<String>, password: impl Into<String>) -> Self {
+        Credentials {
+            username: username.into(),
+            password: password.into(),
+        }
+    }
 }
 
 impl std::fmt::Debug for Credentials {

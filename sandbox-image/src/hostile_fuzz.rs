@@ -14,26 +14,10 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
+use fastrand::Rng;
+
 use crate::fsimage::Merger;
 use crate::unpack::{unpack, Compression, LayerSpec};
-
-/// xorshift64*: reproducible from the seed printed on failure.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        usize::try_from(self.next() % n as u64).unwrap()
-    }
-    fn pick<'a, T>(&mut self, xs: &'a [T]) -> &'a T {
-        &xs[self.below(xs.len())]
-    }
-}
 
 /// What the canary tree looks like: every entry's kind, mode, owner, times, size, contents
 /// (or link target).
@@ -91,24 +75,24 @@ fn name(rng: &mut Rng) -> Vec<u8> {
         b".wh.a",
         b".wh..wh..opq",
     ];
-    let mut out = match rng.below(8) {
+    let mut out = match rng.usize(..8) {
         0 => b"/".to_vec(),
         1 => b"./".to_vec(),
         _ => Vec::new(),
     };
-    for i in 0..=rng.below(3) {
+    for i in 0..=rng.usize(..3) {
         if i > 0 {
             out.push(b'/');
         }
         // Mostly plain names: `..` and whiteouts refuse or reshape the layer.
-        let part = if rng.below(30) > 0 {
-            PARTS[rng.below(4)]
+        let part = if rng.usize(..30) > 0 {
+            PARTS[rng.usize(..4)]
         } else {
-            rng.pick(PARTS)
+            *rng.choice(PARTS).unwrap()
         };
         out.extend_from_slice(part);
     }
-    if rng.below(6) == 0 {
+    if rng.usize(..6) == 0 {
         out.push(b'/');
     }
     out
@@ -120,26 +104,28 @@ fn layer(rng: &mut Rng, canary: &Path, n: usize) -> Vec<u8> {
     let canary_b = canary.as_os_str().as_bytes();
     let mut out = Vec::new();
     for _ in 0..n {
-        let kind = *rng.pick(&[
-            T::Directory,
-            T::Directory,
-            T::Regular,
-            T::Regular,
-            T::Symlink,
-            T::Symlink,
-            T::Link,
-            T::Fifo,
-            T::Char,
-            T::Block,
-        ]);
+        let kind = rng
+            .choice([
+                T::Directory,
+                T::Directory,
+                T::Regular,
+                T::Regular,
+                T::Symlink,
+                T::Symlink,
+                T::Link,
+                T::Fifo,
+                T::Char,
+                T::Block,
+            ])
+            .unwrap();
         let path = name(rng);
         // Symlinks lead into the canary tree half the time; hard links mostly stay inside.
         let outside = if kind == T::Link {
-            rng.below(8) == 0
+            rng.usize(..8) == 0
         } else {
-            rng.below(2) == 0
+            rng.bool()
         };
-        let link: Vec<u8> = match (outside, rng.below(4)) {
+        let link: Vec<u8> = match (outside, rng.usize(..4)) {
             (true, 0) => canary_b.to_vec(),
             (true, 1) => [canary_b, b"/file"].concat(),
             (true, 2) => [canary_b, b"/dir"].concat(),
@@ -158,9 +144,9 @@ fn layer(rng: &mut Rng, canary: &Path, n: usize) -> Vec<u8> {
             }
         }
         h.set_entry_type(kind);
-        h.set_mode(*rng.pick(&modes));
-        h.set_uid(*rng.pick(&[0, 1000, 65534]));
-        h.set_gid(*rng.pick(&[0, 1000, 65534]));
+        h.set_mode(rng.choice(modes).unwrap());
+        h.set_uid(rng.choice([0, 1000, 65534]).unwrap());
+        h.set_gid(rng.choice([0, 1000, 65534]).unwrap());
         h.set_size(data.len() as u64);
         h.set_mtime(1_600_000_000);
         h.set_cksum();
@@ -179,7 +165,7 @@ fn random_hostile_layers_never_touch_anything_outside_their_directory() {
         .and_then(|s| s.parse().ok())
         .unwrap_or(0x5eed_1a7e_u64);
     let rounds = 200;
-    let mut rng = Rng(seed | 1);
+    let mut rng = Rng::with_seed(seed);
     let t = tempfile::tempdir().unwrap();
     let canary = t.path().join("canary");
     fs::create_dir_all(canary.join("dir/a")).unwrap();
@@ -201,7 +187,7 @@ fn random_hostile_layers_never_touch_anything_outside_their_directory() {
         fs::create_dir(&work).unwrap();
         let mut layers = Vec::new();
         for i in 0..3 {
-            let n = 3 + rng.below(10);
+            let n = 3 + rng.usize(..10);
             let tar = layer(&mut rng, &canary, n);
             let blob = work.join(format!("blob{i}"));
             fs::write(&blob, &tar).unwrap();

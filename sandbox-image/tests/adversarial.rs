@@ -252,13 +252,7 @@ async fn basic_auth_with_api_or_docker_config_credentials() {
 
     let wrong = ImageStore::builder(tmp.path().join("c2"))
         .docker_config(&no_docker)
-        .credentials(
-            reg.addr.clone(),
-            Credentials {
-                username: "alice".into(),
-                password: "nope".into(),
-            },
-        )
+        .credentials(reg.addr.clone(), Credentials::new("alice", "nope"))
         .build()
         .unwrap();
     let e = wrong.pull(&reference).await.unwrap_err();
@@ -267,13 +261,7 @@ async fn basic_auth_with_api_or_docker_config_credentials() {
 
     let right = ImageStore::builder(tmp.path().join("c3"))
         .docker_config(&no_docker)
-        .credentials(
-            reg.addr.clone(),
-            Credentials {
-                username: "alice".into(),
-                password: "s3cret".into(),
-            },
-        )
+        .credentials(reg.addr.clone(), Credentials::new("alice", "s3cret"))
         .build()
         .unwrap();
     assert!(right.pull(&reference).await.is_ok());

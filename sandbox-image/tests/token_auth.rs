@@ -187,13 +187,7 @@ async fn anonymous_and_credentialed_bearer_tokens() {
     // With credentials the token server knows.
     let alice = ImageStore::builder(tmp.path().join("c2"))
         .docker_config(&no_docker)
-        .credentials(
-            reg.addr.clone(),
-            Credentials {
-                username: "alice".into(),
-                password: "s3cret".into(),
-            },
-        )
+        .credentials(reg.addr.clone(), Credentials::new("alice", "s3cret"))
         .build()
         .unwrap();
     assert!(alice.pull(&r("private/app")).await.is_ok());

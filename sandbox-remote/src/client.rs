@@ -73,7 +73,7 @@ impl Client {
         let resp = req
             .send()
             .await
-            .map_err(|e| Failure::transport(&self.shown, &e))?;
+            .map_err(|e| Failure::transport(&self.shown, e))?;
         self.check(resp).await
     }
 
@@ -92,6 +92,7 @@ impl Client {
             message: detail["message"]
                 .as_str()
                 .map_or_else(|| format!("HTTP {status}"), str::to_string),
+            cause: None,
         })
     }
 
@@ -112,8 +113,8 @@ impl Client {
         let bytes = resp
             .bytes()
             .await
-            .map_err(|e| Failure::transport(&self.shown, &e))?;
-        serde_json::from_slice(&bytes).map_err(|e| Failure::protocol(&self.shown, e.to_string()))
+            .map_err(|e| Failure::transport(&self.shown, e))?;
+        serde_json::from_slice(&bytes).map_err(|e| Failure::undecodable(&self.shown, e))
     }
 }
 

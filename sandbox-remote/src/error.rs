@@ -72,21 +72,28 @@ pub enum RemoteError {
 
 /// A failed call: the server's error answer (status, kind, message) or a transport failure
 /// (status 0).
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) struct Failure {
     pub(crate) server: String,
     pub(crate) status: u16,
     pub(crate) kind: String,
     pub(crate) message: String,
+    /// The client-side error behind a transport or protocol failure, kept as the source of
+    /// the library error made from it.
+    pub(crate) cause: Option<sandbox_core::error::BoxError>,
 }
 
+/// The hint a transport failure gives.
+const STILL_RUNNING: &str = "(is `agent-sandbox serve` still running there?)";
+
 impl Failure {
-    pub(crate) fn transport(server: &str, e: &reqwest::Error) -> Self {
+    pub(crate) fn transport(server: &str, e: reqwest::Error) -> Self {
         Failure {
             server: server.to_string(),
             status: 0,
             kind: "unreachable".into(),
-            message: format!("{e} (is `agent-sandbox serve` still running there?)"),
+            message: format!("{e} {STILL_RUNNING}"),
+            cause: Some(Box::new(e)),
         }
     }
 
@@ -96,7 +103,15 @@ impl Failure {
             status: 0,
             kind: "protocol".into(),
             message: reason.into(),
+            cause: None,
         }
+    }
+
+    /// [`Failure::protocol`] for an answer that `e` could not decode.
+    pub(crate) fn undecodable(server: &str, e: serde_json::Error) -> Self {
+        let mut f = Failure::protocol(server, e.to_string());
+        f.cause = Some(Box::new(e));
+        f
     }
 
     pub(crate) fn into_remote(self) -> RemoteError {
@@ -176,17 +191,32 @@ impl Failure {
                 what: format!("the request to the server at {} ({m})", self.server),
                 after: Duration::ZERO,
             },
-            _ => Error::backend(
-                tier,
-                if self.status == 0 {
-                    format!("the server at {}: {m}", self.server)
-                } else {
-                    format!(
-                        "the server at {} answered {} {}: {m}",
-                        self.server, self.status, self.kind
+            _ => match self.cause {
+                // The message repeats the cause's text: the cause says it once.
+                Some(cause) if self.status == 0 => {
+                    let hint = if self.kind == "unreachable" {
+                        format!(" {STILL_RUNNING}")
+                    } else {
+                        String::new()
+                    };
+                    Error::backend_caused(
+                        tier,
+                        format!("the server at {}{hint}", self.server),
+                        cause,
                     )
-                },
-            ),
+                }
+                _ => Error::backend(
+                    tier,
+                    if self.status == 0 {
+                        format!("the server at {}: {m}", self.server)
+                    } else {
+                        format!(
+                            "the server at {} answered {} {}: {m}",
+                            self.server, self.status, self.kind
+                        )
+                    },
+                ),
+            },
         }
     }
 }
@@ -207,6 +237,7 @@ mod tests {
             status,
             kind: kind.into(),
             message: message.into(),
+            cause: None,
         }
     }
 

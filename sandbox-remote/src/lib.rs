@@ -268,12 +268,9 @@ impl RemoteServer {
     ) -> Result<sandbox_api::RunReply> {
         // Errors before the server chose a tier name the one asked for (else the likeliest).
         let shown = tier.unwrap_or(Tier::Container);
-        let body = sandbox_api::RunBody {
-            spec: spec.clone(),
-            tier,
-            command: sandbox::exec_body(shown, req)?,
-            build: build.map(str::to_string),
-        };
+        let mut body = sandbox_api::RunBody::new(spec.clone(), sandbox::exec_body(shown, req)?);
+        body.tier = tier;
+        body.build = build.map(str::to_string);
         let c = &self.shared.client;
         let req = c.request(Method::POST, "/v1/run").json(&body);
         c.json(req).await.map_err(|f| match f.kind.as_str() {
@@ -367,10 +364,8 @@ impl RemoteBackend {
     pub async fn restore_on_server(&self, id: &SnapshotId) -> Result<Box<dyn Sandbox>> {
         let t = TimelineRecorder::start();
         let c = &self.shared.client;
-        let body = RestoreBody {
-            labels: self.shared.labels.clone(),
-            ..RestoreBody::default()
-        };
+        let mut body = RestoreBody::default();
+        body.labels = self.shared.labels.clone();
         let req = c
             .request(Method::POST, &format!("/v1/snapshots/{id}/restore"))
             .json(&body);
@@ -445,12 +440,9 @@ impl Backend for RemoteBackend {
         }
         let t = TimelineRecorder::start();
         let c = &self.shared.client;
-        let body = CreateSandbox {
-            spec: spec.clone(),
-            tier: Some(self.tier),
-            labels: self.shared.labels.clone(),
-            lifetime: Default::default(),
-        };
+        let mut body = CreateSandbox::new(spec.clone());
+        body.tier = Some(self.tier);
+        body.labels = self.shared.labels.clone();
         let req = c.request(Method::POST, "/v1/sandboxes").json(&body);
         let info: SandboxInfo = c
             .json(req)

@@ -210,10 +210,7 @@ impl Sandbox for RemoteSandbox {
         let req = self
             .client
             .request(Method::POST, &self.path("/ports"))
-            .json(&PublishBody {
-                sandbox_port,
-                host: Some(host),
-            });
+            .json(&PublishBody::new(sandbox_port, Some(host)));
         let p: PublishedPort = self.client.json(req).await.map_err(|f| self.err(f, None))?;
         Ok(p.host)
     }
@@ -260,7 +257,8 @@ impl Sandbox for RemoteSandbox {
         let bytes = resp
             .bytes()
             .await
-            .map_err(|e| self.err(Failure::transport(&self.client.shown, &e), Some(path)))?;
+            .map_err(|e| self.err(Failure::transport(&self.client.shown, e), Some(path)))?;
+
         Ok(bytes.to_vec())
     }
 
@@ -395,7 +393,9 @@ async fn pump(
                     status: 200,
                     kind: v["error"]["kind"].as_str().unwrap_or("internal").into(),
                     message: v["error"]["message"].as_str().unwrap_or(&data).into(),
+                    cause: None,
                 };
+
                 Err(f.into_core(tier, Some(&id), None))
             }
             // Comments (keep-alives) and events of later versions.
@@ -471,17 +471,12 @@ impl ProcessControl for RemoteProcess {
     }
 
     async fn signal(&self, signal: Signal) -> Result<()> {
-        let body = SignalBody {
-            signal: signal.name().to_string(),
-        };
+        let body = SignalBody::new(signal.name());
         self.post_json("/signal", &body).await
     }
 
     async fn resize(&self, tty: Tty) -> Result<()> {
-        let body = ResizeBody {
-            rows: tty.rows,
-            cols: tty.cols,
-        };
+        let body = ResizeBody::new(tty.rows, tty.cols);
         self.post_json("/resize", &body).await
     }
 }

@@ -46,7 +46,7 @@ pub(crate) async fn snapshot_into(
         let data = resp
             .bytes()
             .await
-            .map_err(|e| err(Failure::transport(&client.shown, &e)))?;
+            .map_err(|e| err(Failure::transport(&client.shown, e)))?;
         if data.len() as u64 != want.size || hex::encode(Sha256::digest(&data)) != want.sha256 {
             return Err(err(Failure::protocol(
                 &client.shown,

@@ -293,6 +293,11 @@ async fn bad_addresses_tokens_and_dead_servers_are_said() {
         matches!(e, Error::Backend { .. }) && e.to_string().contains(&address),
         "{e}"
     );
+    // The transport's error is kept as the cause.
+    assert!(
+        std::error::Error::source(&e).is_some_and(|c| c.is::<reqwest::Error>()),
+        "{e:?}"
+    );
     let e = RemoteServer::connect(RemoteConfig::new(&address).unwrap())
         .await
         .unwrap_err();

@@ -30,6 +30,7 @@ impl std::fmt::Debug for Token {
 
 /// Why a token could not be had.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum TokenError {
     /// The file could not be read.
     #[error("read the token file {path}: {source}")]
@@ -117,6 +118,26 @@ impl Token {
     }
 }
 
+/// Why a list of clients was refused by [`Clients::new`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientsError {
+    /// Two clients have this name.
+    #[error("two clients are named `{0}`")]
+    SameName(String),
+    /// Two clients (these names) have the same token.
+    #[error("clients `{first}` and `{second}` have the same token")]
+    SameToken {
+        /// The client listed first.
+        first: String,
+        /// The client listed later.
+        second: String,
+    },
+    /// The list is empty.
+    #[error("no client")]
+    Empty,
+}
+
 /// The clients a TCP server accepts, each a name and a token.
 #[derive(Clone, Debug)]
 pub struct Clients(Vec<(String, Token)>);
@@ -129,19 +150,22 @@ impl Clients {
 
     /// Several clients. Names and tokens must each be unique (a name is what separates their
     /// sandboxes; two clients with one token could not be told apart).
-    pub fn new(list: Vec<(String, Token)>) -> Result<Clients, String> {
+    pub fn new(list: Vec<(String, Token)>) -> Result<Clients, ClientsError> {
         for (i, (n, t)) in list.iter().enumerate() {
             for (m, u) in &list[..i] {
                 if m == n {
-                    return Err(format!("two clients are named `{n}`"));
+                    return Err(ClientsError::SameName(n.clone()));
                 }
                 if u.matches(t.reveal().as_bytes()) {
-                    return Err(format!("clients `{m}` and `{n}` have the same token"));
+                    return Err(ClientsError::SameToken {
+                        first: m.clone(),
+                        second: n.clone(),
+                    });
                 }
             }
         }
         if list.is_empty() {
-            return Err("no client".into());
+            return Err(ClientsError::Empty);
         }
         Ok(Clients(list))
     }

@@ -68,12 +68,7 @@ impl From<sandbox_core::SnapshotError> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = ErrorBody {
-            error: ErrorDetail {
-                kind: self.kind.to_string(),
-                message: self.message,
-            },
-        };
+        let body = ErrorBody::new(self.kind, self.message);
         (self.status, Json(body)).into_response()
     }
 }

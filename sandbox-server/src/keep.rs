@@ -90,12 +90,11 @@ pub(crate) async fn restore_kept(shared: &Shared, file: &Path) -> (usize, Vec<St
         match shared.provider.restore(store.as_ref(), &k.snapshot).await {
             Ok(sb) => {
                 let life = crate::lifetime::Lifetime::new(k.info.lifetime);
+                let mut info = k.info;
+                info.state = crate::api::SandboxState::Running;
                 let entry = Entry {
                     sandbox: Arc::from(sb),
-                    info: SandboxInfo {
-                        state: crate::api::SandboxState::Running,
-                        ..k.info
-                    },
+                    info,
                     life,
                     owner: auth::Caller(k.owner.into()),
                     procs: Default::default(),

@@ -56,7 +56,8 @@ use sandbox_core::{
     Capabilities, Sandbox, SandboxSpec, SnapshotId, SnapshotStore, Tier, TierStatus,
 };
 
-pub use auth::{Clients, Token};
+pub use auth::{Clients, ClientsError, Token};
+
 pub use error::ApiError;
 
 /// Where sandboxes come from: creates one for a spec, on a tier or the selector's choice,
@@ -409,10 +410,9 @@ struct Entry {
 impl Entry {
     /// Its info, with its state now.
     fn info(&self) -> api::SandboxInfo {
-        api::SandboxInfo {
-            state: self.life.state(),
-            ..self.info.clone()
-        }
+        let mut info = self.info.clone();
+        info.state = self.life.state();
+        info
     }
 }
 
@@ -636,7 +636,7 @@ impl Server {
                 mcp::SandboxMcp::new(Arc::clone(&self.shared.provider))
                     .with_snapshot_store(self.shared.config.snapshot_store_for(name))
                     .with_spec_check(Arc::new(move |spec| {
-                        routes::check_spec(&config, spec, true).map_err(|e| e.message)
+                        routes::check_spec(&config, spec, true)
                     }))
             })
             .clone()

@@ -28,6 +28,7 @@ const MAX_SESSIONS: usize = 64;
 
 /// `run_code`'s arguments.
 #[derive(Debug, serde::Deserialize, schemars::JsonSchema)]
+#[non_exhaustive]
 pub struct RunCode {
     /// python, javascript, shell, node or c.
     pub language: String,
@@ -44,6 +45,7 @@ pub struct RunCode {
 
 /// `create_sandbox`'s arguments.
 #[derive(Debug, serde::Deserialize, schemars::JsonSchema)]
+#[non_exhaustive]
 pub struct CreateSandbox {
     /// The language its code strings are in: python, javascript, shell, node or c.
     pub language: String,
@@ -54,6 +56,7 @@ pub struct CreateSandbox {
 
 /// `exec`'s arguments.
 #[derive(Debug, serde::Deserialize, schemars::JsonSchema)]
+#[non_exhaustive]
 pub struct Exec {
     /// The session (sandbox) id.
     pub session: String,
@@ -66,6 +69,7 @@ pub struct Exec {
 
 /// `write_file`'s arguments.
 #[derive(Debug, serde::Deserialize, schemars::JsonSchema)]
+#[non_exhaustive]
 pub struct WriteFile {
     /// The session (sandbox) id.
     pub session: String,
@@ -77,6 +81,7 @@ pub struct WriteFile {
 
 /// Arguments naming a path in a session.
 #[derive(Debug, serde::Deserialize, schemars::JsonSchema)]
+#[non_exhaustive]
 pub struct SessionPath {
     /// The session (sandbox) id.
     pub session: String,
@@ -87,6 +92,7 @@ pub struct SessionPath {
 
 /// Arguments naming a session.
 #[derive(Debug, serde::Deserialize, schemars::JsonSchema)]
+#[non_exhaustive]
 pub struct Session {
     /// The session (sandbox) id.
     pub session: String,
@@ -94,13 +100,14 @@ pub struct Session {
 
 /// `restore`'s arguments.
 #[derive(Debug, serde::Deserialize, schemars::JsonSchema)]
+#[non_exhaustive]
 pub struct Restore {
     /// A snapshot id from an earlier `snapshot` answer.
     pub snapshot: String,
 }
 
-/// A check of a spec that may refuse it, saying why.
-pub type SpecCheck = Arc<dyn Fn(&SandboxSpec) -> Result<(), String> + Send + Sync>;
+/// A check of a spec that may refuse it, saying why (the answer the HTTP API gives).
+pub type SpecCheck = Arc<dyn Fn(&SandboxSpec) -> Result<(), crate::ApiError> + Send + Sync>;
 
 /// The MCP service. Cheap to clone (clones share the sessions).
 #[derive(Clone)]
@@ -423,7 +430,7 @@ impl SandboxMcp {
                 Err(e) => return tool_error(e.to_string()),
             };
             if let Err(why) = check(&spec) {
-                return tool_error(why);
+                return tool_error(why.message);
             }
         }
         let sb: Arc<dyn Sandbox> = match self.provider.restore(store.as_ref(), &id).await {

@@ -125,7 +125,7 @@ pub(crate) async fn spawn(
             output: Arc::new(tokio::sync::Mutex::new(p)),
         },
     );
-    Ok((StatusCode::CREATED, Json(ProcessRef { id: pid })))
+    Ok((StatusCode::CREATED, Json(ProcessRef::new(pid))))
 }
 
 pub(crate) async fn list(
@@ -134,9 +134,7 @@ pub(crate) async fn list(
     Path(id): Path<String>,
 ) -> Result<Json<ProcessList>, ApiError> {
     let e = s.enter(&id, &caller).await?;
-    Ok(Json(ProcessList {
-        processes: e.sandbox.processes().await?,
-    }))
+    Ok(Json(ProcessList::new(e.sandbox.processes().await?)))
 }
 
 /// A chunk of output: `{"text": ...}` when it is UTF-8, else `{"b64": ...}` (a terminal's
@@ -152,12 +150,7 @@ fn bytes_event(name: &str, b: &[u8]) -> Event {
 }
 
 fn error_event(e: ApiError) -> Event {
-    let body = crate::error::ErrorBody {
-        error: crate::error::ErrorDetail {
-            kind: e.kind.to_string(),
-            message: e.message,
-        },
-    };
+    let body = crate::error::ErrorBody::new(e.kind, e.message);
     json_event("error", &body)
 }
 
@@ -310,9 +303,7 @@ pub(crate) async fn ports(
     Path(id): Path<String>,
 ) -> Result<Json<PortList>, ApiError> {
     let e = s.enter(&id, &caller).await?;
-    Ok(Json(PortList {
-        ports: e.sandbox.published().await?,
-    }))
+    Ok(Json(PortList::new(e.sandbox.published().await?)))
 }
 
 pub(crate) async fn unpublish(

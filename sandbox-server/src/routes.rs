@@ -198,15 +198,12 @@ async fn tiers(State(s): State<Arc<Shared>>) -> Json<TierList> {
         .probe()
         .await
         .into_iter()
-        .map(|status| TierInfo {
-            capabilities: s.provider.capabilities(status.tier),
-            status,
+        .map(|status| {
+            let capabilities = s.provider.capabilities(status.tier);
+            TierInfo::new(status, capabilities)
         })
         .collect();
-    let list = TierList {
-        tiers,
-        build: s.config.build.clone(),
-    };
+    let list = TierList::new(tiers, s.config.build.clone());
     *s.tiers.lock().unwrap_or_else(|p| p.into_inner()) =
         Some((std::time::Instant::now(), list.clone()));
     Json(list)
@@ -395,15 +392,10 @@ async fn admit(
             "pausing an idle sandbox (this tier has no pause/resume: use `\"on_idle\": \"destroy\"`)",
         )));
     }
-    let info = SandboxInfo {
-        id: sandbox.id().to_string(),
-        tier,
-        labels,
-        created_at: now_rfc3339(),
-        state: crate::api::SandboxState::Running,
-        lifetime,
-        from_snapshot,
-    };
+    let mut info = SandboxInfo::new(sandbox.id(), tier, now_rfc3339());
+    info.labels = labels;
+    info.lifetime = lifetime;
+    info.from_snapshot = from_snapshot;
     let admitted = {
         let mut all = s.lock();
         let room = all.len() < s.config.max_sandboxes;
@@ -470,7 +462,7 @@ async fn list(
         .map(|e| e.info())
         .collect();
     sandboxes.sort_by(|a, b| a.created_at.cmp(&b.created_at).then(a.id.cmp(&b.id)));
-    Ok(Json(SandboxList { sandboxes }))
+    Ok(Json(SandboxList::new(sandboxes)))
 }
 
 async fn get_one(
@@ -551,12 +543,7 @@ async fn exec_stream(
             Ok(_) => (Event::default().comment("event"), true),
             Err(e) => {
                 let ApiError { kind, message, .. } = ApiError::from(e);
-                let body = crate::error::ErrorBody {
-                    error: crate::error::ErrorDetail {
-                        kind: kind.to_string(),
-                        message,
-                    },
-                };
+                let body = crate::error::ErrorBody::new(kind, message);
                 (json_event("error", &body), false)
             }
         };
@@ -620,9 +607,7 @@ async fn list_dir(
 ) -> Result<Json<Listing>, ApiError> {
     let e = s.enter(&id, &caller).await?;
     let path = if q.path.is_empty() { "." } else { &q.path };
-    Ok(Json(Listing {
-        entries: e.sandbox.list(path).await?,
-    }))
+    Ok(Json(Listing::new(e.sandbox.list(path).await?)))
 }
 
 /// The server's snapshot store, or `501` naming how to give it one.
@@ -648,15 +633,14 @@ fn parse_snapshot_id(sid: &str) -> Result<SnapshotId, ApiError> {
 }
 
 fn snapshot_info(id: SnapshotId, m: &SnapshotManifest) -> SnapshotInfo {
-    SnapshotInfo {
+    SnapshotInfo::new(
         id,
-        tier: m.tier,
-        created_at: m
-            .created
+        m.tier,
+        m.created
             .format(&time::format_description::well_known::Rfc3339)
             .unwrap_or_default(),
-        bytes: m.total_bytes(),
-    }
+        m.total_bytes(),
+    )
 }
 
 async fn snapshot(
@@ -684,7 +668,7 @@ async fn list_snapshots(
         }
     }
     snapshots.sort_by(|a, b| a.created_at.cmp(&b.created_at).then(a.id.cmp(&b.id)));
-    Ok(Json(SnapshotList { snapshots }))
+    Ok(Json(SnapshotList::new(snapshots)))
 }
 
 async fn get_snapshot(
@@ -730,7 +714,9 @@ async fn restore(
     Path(sid): Path<String>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<(StatusCode, Json<SandboxInfo>), ApiError> {
-    let RestoreBody { labels, lifetime } = optional_json(body)?;
+    let RestoreBody {
+        labels, lifetime, ..
+    } = optional_json(body)?;
     check_lifetime(&lifetime)?;
     let (store, id) = restorable(&s, &caller, &sid).await?;
     room(&s, 1)?;
@@ -793,7 +779,7 @@ async fn fork(
             }
         }
     }
-    Ok((StatusCode::CREATED, Json(SandboxList { sandboxes: infos })))
+    Ok((StatusCode::CREATED, Json(SandboxList::new(infos))))
 }
 
 async fn pause(
@@ -832,9 +818,7 @@ async fn network_events(
     Path(id): Path<String>,
 ) -> Result<Json<NetworkEvents>, ApiError> {
     let e = s.enter(&id, &caller).await?;
-    Ok(Json(NetworkEvents {
-        events: e.sandbox.network_events().await?,
-    }))
+    Ok(Json(NetworkEvents::new(e.sandbox.network_events().await?)))
 }
 
 async fn snapshot_manifest(

@@ -66,9 +66,5 @@ pub(crate) async fn run(
     s.destroy_later(sandbox.id().to_string(), sandbox, None);
     let mut result = result?;
     result.timeline = created.then_first_command(&result.timeline);
-    Ok(Json(RunReply {
-        tier,
-        result,
-        network,
-    }))
+    Ok(Json(RunReply::new(tier, result, network)))
 }

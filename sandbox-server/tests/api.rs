@@ -510,11 +510,19 @@ async fn ttl_and_idle_timeouts_destroy_and_use_is_never_idle() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_see_only_their_own_sandboxes_and_snapshots() {
-    use sandbox_server::Clients;
+    use sandbox_server::{Clients, ClientsError};
     let (a, b) = (Token::generate(), Token::generate());
     let clients = Clients::new(vec![("a".into(), a.clone()), ("b".into(), b.clone())]).unwrap();
-    assert!(Clients::new(vec![("a".into(), a.clone()), ("a".into(), b.clone())]).is_err());
-    assert!(Clients::new(vec![("a".into(), a.clone()), ("c".into(), a.clone())]).is_err());
+    assert!(matches!(
+        Clients::new(vec![("a".into(), a.clone()), ("a".into(), b.clone())]),
+        Err(ClientsError::SameName(n)) if n == "a"
+    ));
+    assert!(matches!(
+        Clients::new(vec![("a".into(), a.clone()), ("c".into(), a.clone())]),
+        Err(ClientsError::SameToken { .. })
+    ));
+    assert!(matches!(Clients::new(Vec::new()), Err(ClientsError::Empty)));
+
     let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let config = ServerConfig::default()
         .client_snapshot_store(

@@ -61,10 +61,7 @@ pub fn enforcer(upstream_ca: CertificateDer<'static>, names: &[&str]) -> VethEnf
         r = r.with(n, &["127.0.0.1".parse().unwrap()]);
     }
     VethEnforcer::builder()
-        .config(ProxyConfig {
-            upstream_roots: vec![upstream_ca],
-            ..ProxyConfig::default()
-        })
+        .config(ProxyConfig::default().upstream_roots(vec![upstream_ca]))
         .resolver(Arc::new(r))
         .dialer(Arc::new(GuardDialer))
         .build()

@@ -78,6 +78,7 @@ pub(crate) enum CgroupError {
 
 /// Which cgroup layout the host has.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum CgroupVersion {
     /// Legacy hierarchies, one per controller.
     V1,

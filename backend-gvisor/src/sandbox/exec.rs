@@ -94,7 +94,7 @@ impl Inner {
                 .height(u64::from(tty.rows))
                 .width(u64::from(tty.cols))
                 .build()
-                .map_err(|e| Error::backend(TIER, e.to_string()))?;
+                .map_err(|e| Error::backend_caused(TIER, "building the terminal's size", e))?;
             process.set_terminal(Some(true));
             process.set_console_size(Some(size));
             pty = Some(
@@ -106,7 +106,8 @@ impl Inner {
         let pidfile = self.dir.join(format!("{tag}-{n}.pid"));
         write_private(
             &pfile,
-            &serde_json::to_vec(&process).map_err(|e| Error::backend(TIER, e.to_string()))?,
+            &serde_json::to_vec(&process)
+                .map_err(|e| Error::backend_caused(TIER, "encoding the process spec", e))?,
         )?;
         let mut cmd = self.runsc.async_command();
         cmd.arg("exec")
@@ -411,7 +412,7 @@ impl Inner {
             )
         })
         .await
-        .map_err(|e| Error::backend(TIER, format!("exec task failed: {e}")))
+        .map_err(|e| Error::backend_caused(TIER, "the exec task", e))
     }
 
     /// Runs a command through the sandbox's control socket ([`crate::urpc`]): what

@@ -194,7 +194,7 @@ impl GvisorSandbox {
         let b = backend.clone();
         let r = tokio::task::spawn_blocking(move || b.resolve())
             .await
-            .map_err(|e| Error::backend(TIER, format!("probe task failed: {e}")))??;
+            .map_err(|e| Error::backend_caused(TIER, "the probe task", e))??;
         // What crashed processes left in this state directory, and a watchdog for what
         // this one might leave (once per process).
         stale::guard_state_dir(&r.state_dir, &r.info.path);
@@ -362,7 +362,7 @@ impl GvisorSandbox {
         let b = backend.clone();
         let r = tokio::task::spawn_blocking(move || b.resolve())
             .await
-            .map_err(|e| Error::backend(TIER, format!("probe task failed: {e}")))??;
+            .map_err(|e| Error::backend_caused(TIER, "the probe task", e))??;
         if m.engine != r.info.version {
             return Err(SnapshotError::Incompatible {
                 id: id.clone(),
@@ -1067,7 +1067,7 @@ impl Sandbox for GvisorSandbox {
         }
         tokio::task::spawn_blocking(move || inner.teardown("destroyed"))
             .await
-            .map_err(|e| Error::backend(TIER, format!("teardown task failed: {e}")))
+            .map_err(|e| Error::backend_caused(TIER, "the teardown task", e))
     }
 
     async fn set_network_policy(&self, policy: NetworkPolicy) -> Result<()> {

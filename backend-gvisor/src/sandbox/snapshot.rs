@@ -135,7 +135,7 @@ impl Inner {
         .meta(
             META_PROCESSES,
             serde_json::to_string(&recorded)
-                .map_err(|e| Error::backend(TIER, format!("recording the processes: {e}")))?,
+                .map_err(|e| Error::backend_caused(TIER, "recording the processes", e))?,
         );
         if let Some(ws) = ws {
             draft = draft.artifact("workspace.tar", ws?);

@@ -150,16 +150,6 @@ const O_CLOEXEC: c_int = 0o2000000;
 const F_SETFD: c_int = 2;
 const FD_CLOEXEC: c_int = 1;
 const SIGKILL: c_int = 9;
-const SIGSTOP: c_int = 19;
-#[cfg(target_arch = "x86_64")]
-const NR_RT_SIGACTION: i64 = 13;
-#[cfg(target_arch = "aarch64")]
-const NR_RT_SIGACTION: i64 = 134;
-#[cfg(target_arch = "x86_64")]
-const NR_RT_SIGPROCMASK: i64 = 14;
-#[cfg(target_arch = "aarch64")]
-const NR_RT_SIGPROCMASK: i64 = 135;
-const SIG_SETMASK: i64 = 2;
 const ECHILD: i32 = 10;
 const EINTR: i32 = 4;
 const EEXIST: i32 = 17;
@@ -181,57 +171,10 @@ fn log(msg: &str) {
     let _ = writeln!(io::stderr(), "agent: {msg}");
 }
 
-/// `struct sigaction` as the kernel's `rt_sigaction` takes it (x86-64 and arm64).
-#[repr(C)]
-struct KernelSigaction {
-    handler: usize,
-    flags: u64,
-    restorer: usize,
-    mask: u64,
-}
-
-/// Puts every signal's disposition back to its default (`SIG_DFL`) and empties the calling
-/// thread's signal mask: what a command's child does before `execve`, which keeps ignored
-/// dispositions and the mask. The agent itself ignores `SIGPIPE` (the Rust runtime's) and,
-/// started as an ordinary process (test mode), inherits whatever its parent ignored or
-/// blocked (a shell's background job ignores `SIGINT` and `SIGQUIT`). Signals 1 to 64 but
-/// `SIGKILL` and `SIGSTOP` (which cannot be changed), with the raw system calls (glibc's
-/// `sigaction` refuses 32 and 33, its own). Async-signal-safe: system calls only.
-fn reset_signals() {
-    let dfl = KernelSigaction {
-        handler: 0, // SIG_DFL
-        flags: 0,
-        restorer: 0,
-        mask: 0,
-    };
-    let none: *mut KernelSigaction = std::ptr::null_mut();
-    for sig in 1..=64i64 {
-        if sig == i64::from(SIGKILL) || sig == i64::from(SIGSTOP) {
-            continue;
-        }
-        // SAFETY: rt_sigaction with a valid action, no old action, an 8-byte sigset.
-        unsafe {
-            syscall(
-                NR_RT_SIGACTION,
-                sig,
-                &dfl as *const KernelSigaction,
-                none,
-                8u64,
-            )
-        };
-    }
-    let empty: u64 = 0;
-    // SAFETY: rt_sigprocmask with a valid, empty 8-byte set and no old set.
-    unsafe {
-        syscall(
-            NR_RT_SIGPROCMASK,
-            SIG_SETMASK,
-            &empty as *const u64,
-            std::ptr::null_mut::<u64>(),
-            8u64,
-        )
-    };
-}
+/// Every signal back at its default and an empty mask: what a command's child does before
+/// `execve`, which keeps ignored dispositions and the mask (the agent itself ignores
+/// `SIGPIPE`, the Rust runtime's, and in test mode inherits whatever its parent had).
+use sandbox_agent_proto::signals::reset_signals;
 
 fn errno() -> i32 {
     io::Error::last_os_error().raw_os_error().unwrap_or(0)
@@ -920,102 +863,17 @@ mod tests {
         assert_eq!(resolve_cwd(ws, "/tmp"), Path::new("/tmp"));
     }
 
-    /// The first signal whose disposition is not `SIG_DFL` (or 65 + the mask's lowest
-    /// blocked signal), 0 if none: system calls only (run in a forked child).
-    fn first_non_default() -> i32 {
-        let mut old = KernelSigaction {
-            handler: 0,
-            flags: 0,
-            restorer: 0,
-            mask: 0,
-        };
-        for sig in 1..=64i64 {
-            // SAFETY: rt_sigaction that only reads the disposition into `old`.
-            let r = unsafe {
-                syscall(
-                    NR_RT_SIGACTION,
-                    sig,
-                    std::ptr::null::<KernelSigaction>(),
-                    &mut old as *mut KernelSigaction,
-                    8u64,
-                )
-            };
-            if r != 0 || old.handler != 0 {
-                return sig as i32;
-            }
-        }
-        let mut mask: u64 = 0;
-        // SAFETY: rt_sigprocmask that only reads the mask (no new set).
-        unsafe {
-            syscall(
-                NR_RT_SIGPROCMASK,
-                SIG_SETMASK,
-                std::ptr::null::<u64>(),
-                &mut mask as *mut u64,
-                8u64,
-            )
-        };
-        if mask != 0 {
-            return 65 + mask.trailing_zeros() as i32;
-        }
-        0
-    }
-
-    /// A command's child starts with every signal at its default and none blocked, whatever
-    /// the agent had (see `reset_signals`, which `exec`'s child calls before `execve`):
-    /// ignored signals (a background job's `SIGINT` and `SIGQUIT`, `nohup`'s `SIGHUP`,
-    /// glibc's own 32 and 33, real-time ones) and a blocked mask are undone.
+    /// Every source of the agent is part of [`SOURCE_HASH`], with `sandbox-agent-proto`'s (a
+    /// module missing from its list would let a stale initramfs pass the host's check).
+    /// Here, not in `proto.rs`, which the host's crate compiles too (from its own directory).
     #[test]
-    fn a_commands_child_starts_with_every_signal_at_its_default() {
-        // In a child: the test process's own dispositions are not ours to change.
-        // SAFETY: the child makes system calls only, then `_exit`s.
-        let pid = unsafe { fork() };
-        if pid == 0 {
-            let ign = KernelSigaction {
-                handler: 1, // SIG_IGN
-                flags: 0,
-                restorer: 0,
-                mask: 0,
-            };
-            let blocked: u64 = [2u32, 10, 15, 34].iter().map(|s| 1u64 << (s - 1)).sum();
-            // SAFETY: rt_sigaction / rt_sigprocmask with valid pointers to locals.
-            unsafe {
-                for sig in [1i64, 2, 3, 13, 15, 32, 33, 34, 64] {
-                    syscall(
-                        NR_RT_SIGACTION,
-                        sig,
-                        &ign as *const KernelSigaction,
-                        std::ptr::null_mut::<KernelSigaction>(),
-                        8u64,
-                    );
-                }
-                syscall(
-                    NR_RT_SIGPROCMASK,
-                    SIG_SETMASK,
-                    &blocked as *const u64,
-                    std::ptr::null_mut::<u64>(),
-                    8u64,
-                );
-            }
-            // The hostile state took (else this test would prove nothing).
-            let before = first_non_default();
-            reset_signals();
-            let after = first_non_default();
-            // SAFETY: ends the child without running the parent's exit handlers.
-            unsafe { _exit(if before != 1 { 100 } else { after }) };
-        }
-        assert!(pid > 0);
-        let mut status = 0;
-        // SAFETY: waits for our own child with a valid status pointer.
-        assert_eq!(unsafe { waitpid(pid, &mut status, 0) }, pid);
-        let code = (status >> 8) & 0xff;
-        assert_eq!(status & 0x7f, 0, "the child died of a signal: {status:#x}");
-        assert_ne!(code, 100, "the child's signals were never changed");
+    fn the_source_hash_covers_every_agent_source() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let (hash, names) = sandbox_agent_proto::hash_sources_in(&dir).unwrap();
         assert_eq!(
-            code,
-            0,
-            "still not at its default: signal {code} (over 64: blocked signal {})",
-            code - 64
+            hash ^ sandbox_agent_proto::SOURCE_HASH,
+            SOURCE_HASH,
+            "agent sources: {names:?}"
         );
     }
 

@@ -923,17 +923,10 @@ mod tests {
             Request::decode(K_WRITE, &[0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0]),
             Err(Malformed)
         );
-        // Pseudo-random bytes for every kind.
-        let mut x: u64 = 0x1234_5678_9abc_def0;
+        // Pseudo-random bytes (a fixed seed) for every kind.
+        let mut rng = fastrand::Rng::with_seed(0x1234_5678_9abc_def0);
         for len in 0..200usize {
-            let buf: Vec<u8> = (0..len)
-                .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    x as u8
-                })
-                .collect();
+            let buf: Vec<u8> = (0..len).map(|_| rng.u8(..)).collect();
             for kind in 0..=255u8 {
                 let _ = Request::decode(kind, &buf);
                 let _ = Response::decode(kind, &buf);

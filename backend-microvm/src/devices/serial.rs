@@ -103,6 +103,7 @@ impl Trigger for IrqTrigger {
 
 /// The serial registers, as saved in a snapshot.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SerialSnapshot {
     /// Divisor latch low.
     pub baud_divisor_low: u8,

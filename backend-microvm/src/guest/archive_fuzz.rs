@@ -6,33 +6,26 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use fastrand::Rng;
+
 use super::{read_cpio, CpioEntry, CpioWriter};
 use crate::guest::install::ar_members;
 
-/// xorshift64*: reproducible from the seed printed on failure.
-struct Rng(u64);
+/// The generator, seeded from `ARCHIVE_FUZZ_SEED` or a fixed seed, and the seed (printed on
+/// failure).
+fn seeded() -> (Rng, u64) {
+    let seed = std::env::var("ARCHIVE_FUZZ_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0xa4c1_7e5e_ed00_0001_u64);
+    (Rng::with_seed(seed), seed)
+}
 
-impl Rng {
-    fn new() -> (Self, u64) {
-        let seed = std::env::var("ARCHIVE_FUZZ_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0xa4c1_7e5e_ed00_0001_u64);
-        (Rng(seed | 1), seed)
-    }
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn bytes(&mut self, max: usize) -> Vec<u8> {
-        let n = self.below(max + 1);
-        (0..n).map(|_| self.next() as u8).collect()
-    }
+/// Up to `max` random bytes.
+fn bytes(rng: &mut Rng, max: usize) -> Vec<u8> {
+    let mut b = vec![0; rng.usize(..=max)];
+    rng.fill(&mut b);
+    b
 }
 
 /// A random archive path: components that are plain, empty, `.`, `..`, the trailer's name,
@@ -49,9 +42,9 @@ fn path(rng: &mut Rng) -> String {
         "TRAILER!!!",
         "n\0ul",
     ];
-    let n = rng.below(4) + 1;
-    let mut p: Vec<&str> = (0..n).map(|_| PARTS[rng.below(PARTS.len())]).collect();
-    if rng.below(4) == 0 {
+    let n = rng.usize(..4) + 1;
+    let mut p: Vec<&str> = (0..n).map(|_| PARTS[rng.usize(..PARTS.len())]).collect();
+    if rng.usize(..4) == 0 {
         p.insert(0, "");
     }
     p.join("/")
@@ -80,16 +73,16 @@ type Expected = (String, u32, Vec<u8>, (u32, u32));
 
 #[test]
 fn random_cpio_archives_read_back_as_written() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = seeded();
     for round in 0..2_000 {
         let mut w = CpioWriter::new();
         // What each accepted call should leave, by name.
         let mut want: Vec<Expected> = Vec::new();
-        for _ in 0..rng.below(8) {
+        for _ in 0..rng.usize(..8) {
             let p = path(&mut rng);
-            let perm = rng.next() as u32;
-            let data = rng.bytes(40);
-            let (r, mode, body, rdev) = match rng.below(4) {
+            let perm = rng.u32(..);
+            let data = bytes(&mut rng, 40);
+            let (r, mode, body, rdev) = match rng.usize(..4) {
                 0 => (w.dir(&p, perm), 0o040000, Vec::new(), (0, 0)),
                 1 => (w.file(&p, perm, &data), 0o100000, data, (0, 0)),
                 2 => {
@@ -98,7 +91,7 @@ fn random_cpio_archives_read_back_as_written() {
                     (r, 0o120000, target.into_bytes(), (0, 0))
                 }
                 _ => {
-                    let (ma, mi) = (rng.next() as u32, rng.next() as u32);
+                    let (ma, mi) = (rng.u32(..), rng.u32(..));
                     (w.char_dev(&p, perm, ma, mi), 0o020000, Vec::new(), (ma, mi))
                 }
             };
@@ -129,20 +122,20 @@ fn random_cpio_archives_read_back_as_written() {
         }
         // Every prefix short of the trailer's name (the 3 bytes after it are padding) is
         // refused: the trailer comes last. Mutations never panic.
-        let cut = rng.below(archive.len() - 3);
+        let cut = rng.usize(..archive.len() - 3);
         assert!(
             read_cpio(&archive[..cut]).is_err(),
             "seed {seed} round {round}: cut {cut}"
         );
         let mut bad = archive.clone();
-        for _ in 0..rng.below(4) + 1 {
-            let i = rng.below(bad.len());
-            bad[i] = match rng.below(3) {
-                0 => b"0123456789abcdefx"[rng.below(17)],
-                _ => rng.next() as u8,
+        for _ in 0..rng.usize(..4) + 1 {
+            let i = rng.usize(..bad.len());
+            bad[i] = match rng.usize(..3) {
+                0 => b"0123456789abcdefx"[rng.usize(..17)],
+                _ => rng.u8(..),
             };
         }
-        bad.truncate(rng.below(bad.len() + 1));
+        bad.truncate(rng.usize(..=bad.len()));
         if let Ok(entries) = read_cpio(&bad) {
             let total: usize = entries.iter().map(|e| e.data.len()).sum();
             assert!(total <= bad.len(), "seed {seed} round {round}");
@@ -152,14 +145,14 @@ fn random_cpio_archives_read_back_as_written() {
 
 #[test]
 fn random_bytes_never_panic_the_cpio_reader() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = seeded();
     for round in 0..5_000 {
-        let mut b = rng.bytes(400);
-        if b.len() >= 110 && rng.below(2) == 0 {
+        let mut b = bytes(&mut rng, 400);
+        if b.len() >= 110 && rng.bool() {
             // A header of hex digits (random sizes) so the reader gets past the magic.
             b[..6].copy_from_slice(b"070701");
             for x in &mut b[6..110] {
-                *x = b"0123456789abcdef"[rng.below(16)];
+                *x = b"0123456789abcdef"[rng.usize(..16)];
             }
         }
         if let Ok(entries) = read_cpio(&b) {
@@ -192,15 +185,15 @@ fn ar(members: &[(String, Vec<u8>)]) -> Vec<u8> {
 
 #[test]
 fn random_ar_archives_read_back_and_broken_ones_never_panic() {
-    let (mut rng, seed) = Rng::new();
+    let (mut rng, seed) = seeded();
     for round in 0..3_000 {
-        let members: Vec<(String, Vec<u8>)> = (0..rng.below(5))
+        let members: Vec<(String, Vec<u8>)> = (0..rng.usize(..5))
             .map(|_| {
-                let n = rng.below(15) + 1;
+                let n = rng.usize(..15) + 1;
                 let name: String = (0..n)
-                    .map(|_| char::from(b"abz09._-"[rng.below(8)]))
+                    .map(|_| char::from(b"abz09._-"[rng.usize(..8)]))
                     .collect();
-                (name, rng.bytes(30))
+                (name, bytes(&mut rng, 30))
             })
             .collect();
         let a = ar(&members);
@@ -208,7 +201,7 @@ fn random_ar_archives_read_back_and_broken_ones_never_panic() {
         let got: Vec<(String, Vec<u8>)> = got.into_iter().map(|(n, d)| (n, d.to_vec())).collect();
         assert_eq!(got, members, "seed {seed} round {round}");
         // A truncated archive reads as a prefix of its members, or is refused.
-        let cut = rng.below(a.len() + 1);
+        let cut = rng.usize(..=a.len());
         if let Ok(part) = ar_members(&a[..cut]) {
             assert!(part.len() <= members.len(), "seed {seed} round {round}");
             for ((n, d), (wn, wd)) in part.iter().zip(&members) {
@@ -221,18 +214,18 @@ fn random_ar_archives_read_back_and_broken_ones_never_panic() {
         }
         // Mutated and random inputs never panic; what parses lies inside the input.
         let mut bad = a.clone();
-        for _ in 0..rng.below(4) + 1 {
-            let i = rng.below(bad.len());
-            bad[i] = match rng.below(3) {
-                0 => b" 0123456789+-`\n"[rng.below(15)],
-                _ => rng.next() as u8,
+        for _ in 0..rng.usize(..4) + 1 {
+            let i = rng.usize(..bad.len());
+            bad[i] = match rng.usize(..3) {
+                0 => b" 0123456789+-`\n"[rng.usize(..15)],
+                _ => rng.u8(..),
             };
         }
-        bad.truncate(rng.below(bad.len() + 1));
+        bad.truncate(rng.usize(..=bad.len()));
         for input in [
             bad,
-            rng.bytes(200),
-            [&b"!<arch>\n"[..], &rng.bytes(200)].concat(),
+            bytes(&mut rng, 200),
+            [&b"!<arch>\n"[..], &bytes(&mut rng, 200)].concat(),
         ] {
             if let Ok(m) = ar_members(&input) {
                 let total: usize = m.iter().map(|(_, d)| d.len()).sum();

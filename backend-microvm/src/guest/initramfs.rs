@@ -267,6 +267,7 @@ impl CpioWriter {
 
 /// One entry read back from a cpio archive.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct CpioEntry {
     /// Path (as stored: no leading `/`).
     pub name: String,
@@ -345,6 +346,7 @@ pub fn read_cpio(data: &[u8]) -> Result<Vec<CpioEntry>, GuestError> {
 
 /// What a kernel module says about itself in its `.modinfo` section.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ModInfo {
     /// Module name (`name=`).
     pub name: String,
@@ -421,6 +423,7 @@ pub fn module_info(ko: &[u8]) -> Result<ModInfo, GuestError> {
 
 /// A kernel module to put in the initramfs.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct KernelModule {
     /// Module name (`virtio_mmio`).
     pub name: String,
@@ -481,6 +484,7 @@ pub fn modules_dep(modules: &[KernelModule]) -> Result<String, GuestError> {
 
 /// Everything that goes into the guest's initramfs.
 #[derive(Debug, Clone, Default)]
+#[non_exhaustive]
 pub struct InitramfsContents<'a> {
     /// The guest agent, stored as `/init` (normally [`super::AGENT_BINARY`]).
     pub agent: &'a [u8],

@@ -60,6 +60,7 @@ pub fn default_cache_dir() -> PathBuf {
 
 /// Where the kernel comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum KernelSource {
     /// Debian's `linux-image-amd64` (downloaded with `apt-get download`).
     Debian,
@@ -78,6 +79,7 @@ pub enum KernelSource {
 
 /// What to install and where.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct InstallOptions {
     /// The cache directory (see [`default_cache_dir`]).
     pub dir: PathBuf,
@@ -100,10 +102,35 @@ impl InstallOptions {
             no_busybox: false,
         }
     }
+
+    /// Sets [`InstallOptions::dir`].
+    pub fn dir(mut self, dir: PathBuf) -> Self {
+        self.dir = dir;
+        self
+    }
+
+    /// Sets [`InstallOptions::kernel`].
+    pub fn kernel(mut self, kernel: KernelSource) -> Self {
+        self.kernel = kernel;
+        self
+    }
+
+    /// Sets [`InstallOptions::busybox`].
+    pub fn busybox(mut self, busybox: Option<PathBuf>) -> Self {
+        self.busybox = busybox;
+        self
+    }
+
+    /// Sets [`InstallOptions::no_busybox`].
+    pub fn no_busybox(mut self, no_busybox: bool) -> Self {
+        self.no_busybox = no_busybox;
+        self
+    }
 }
 
 /// One recorded file of the cache.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct FileRecord {
     /// File name relative to the cache directory.
     pub file: String,
@@ -115,6 +142,7 @@ pub struct FileRecord {
 
 /// A cached kernel module.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct ModuleRecord {
     /// Module name.
     pub name: String,
@@ -136,6 +164,7 @@ pub struct ModuleRecord {
 
 /// The cache's `manifest.json`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct Manifest {
     /// Format version.
     pub format: u32,
@@ -159,6 +188,7 @@ pub struct Manifest {
 
 /// Paths of ready-to-boot guest artifacts.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct GuestArtifacts {
     /// The cache directory.
     pub dir: PathBuf,
@@ -172,6 +202,7 @@ pub struct GuestArtifacts {
 
 /// How much [`load`] checks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Verify {
     /// Existence and sizes only (fast; for every VM start).
     Sizes,
@@ -465,6 +496,7 @@ pub fn deb_depends(deb: &[u8], path: &Path) -> Result<Vec<String>, GuestError> {
 
 /// What [`scan_kernel_deb`] found.
 #[derive(Debug, Default)]
+#[non_exhaustive]
 pub struct KernelPackage {
     /// Kernel release (`6.1.0-48-amd64`).
     pub version: String,

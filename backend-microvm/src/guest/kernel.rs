@@ -21,6 +21,7 @@ const XZ_MAGIC: &[u8; 6] = b"\xfd7zXZ\x00";
 
 /// What a kernel image file is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum KernelFormat {
     /// An uncompressed x86-64 ELF `vmlinux`.
     Elf,
@@ -33,6 +34,7 @@ pub enum KernelFormat {
 
 /// Facts about a validated `vmlinux`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ElfInfo {
     /// The ELF entry point.
     pub entry: u64,

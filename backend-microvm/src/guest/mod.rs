@@ -12,6 +12,7 @@ pub const AGENT_BINARY: &[u8] = include_bytes!(env!("MICROVM_GUEST_AGENT"));
 
 /// Errors while preparing guest artifacts (kernel, initramfs, cache).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum GuestError {
     /// A file operation failed.
     #[error("{what} {path}: {source}")]

@@ -141,8 +141,25 @@ fn serial_tail(vm: &Vm) -> String {
     String::from_utf8_lossy(out.get(start..).unwrap_or_default()).into_owned()
 }
 
-/// A boot or restore failure: the VM is killed, the error carries the console's tail.
-pub(super) fn boot_failure(vm: &Vm, what: &str, why: &str) -> Error {
+/// What stopped a guest that did not come up, then the tail of its serial console: the
+/// cause that [`boot_failure`] gives its [`Error::Backend`].
+#[derive(Debug, thiserror::Error)]
+#[error("{cause}\n--- guest serial console (last lines) ---\n{tail}")]
+pub(crate) struct ConsoleTail {
+    /// What went wrong (an [`AgentError`], or the guest's own words).
+    #[source]
+    cause: sandbox_core::error::BoxError,
+    /// The last lines the guest wrote to its serial console.
+    tail: String,
+}
+
+/// A boot or restore failure while `what` was being done: the VM is killed, the error keeps
+/// `cause` as its source, with the console's tail.
+pub(super) fn boot_failure(
+    vm: &Vm,
+    what: &str,
+    cause: impl Into<sandbox_core::error::BoxError>,
+) -> Error {
     vm.kill();
     let tail = serial_tail(vm);
     let tail = if tail.trim().is_empty() {
@@ -150,10 +167,8 @@ pub(super) fn boot_failure(vm: &Vm, what: &str, why: &str) -> Error {
     } else {
         tail
     };
-    Error::backend(
-        TIER,
-        format!("{what}: {why}\n--- guest serial console (last lines) ---\n{tail}"),
-    )
+    let cause = cause.into();
+    Error::backend_caused(TIER, what, ConsoleTail { cause, tail })
 }
 
 /// Waits for the agent's `Ready` while watching the VM (a guest that dies during boot is
@@ -237,7 +252,7 @@ fn build_vm(
             ),
             fix: format!("{} (to prepare it again)", crate::INSTALL_FIX),
         },
-        other => Error::backend(TIER, format!("loading the guest: {other}")),
+        other => Error::backend_caused(TIER, "loading the guest", other),
     })?;
     t.mark(Phase::Filesystem);
     vm.start(Entry::kernel(b.entry.0))?;
@@ -257,8 +272,8 @@ fn boot_guest(
     let console = vm
         .take_console()
         .ok_or_else(|| Error::backend(TIER, "the VM has no virtio console"))?;
-    let agent = AgentClient::new(console)
-        .map_err(|e| boot_failure(&vm, "starting the agent client", &e.to_string()))?;
+    let agent =
+        AgentClient::new(console).map_err(|e| boot_failure(&vm, "starting the agent client", e))?;
     match wait_agent(&vm, &agent, boot_timeout) {
         Ok(()) => Ok((vm, agent, t)),
         Err(e @ AgentError::VersionMismatch { .. }) => {
@@ -274,10 +289,12 @@ fn boot_guest(
                 fix: format!("{} (rebuilds the initramfs)", crate::INSTALL_FIX),
             })
         }
-        Err(AgentError::GuestSetup(m)) => {
-            Err(boot_failure(&vm, "starting the guest from the image", &m))
-        }
-        Err(e) => Err(boot_failure(&vm, "booting the guest", &e.to_string())),
+        Err(AgentError::GuestSetup(m)) => Err(boot_failure(
+            &vm,
+            "starting the guest from the image",
+            AgentError::GuestSetup(m),
+        )),
+        Err(e) => Err(boot_failure(&vm, "booting the guest", e)),
     }
 }
 
@@ -334,12 +351,12 @@ pub(super) fn settle_network(
     if let Some(s) = settings {
         agent
             .network(s, PING_TIMEOUT)
-            .map_err(|e| boot_failure(vm, "moving the guest to its network", &e.to_string()))?;
+            .map_err(|e| boot_failure(vm, "moving the guest to its network", e))?;
     }
     if let Some(pem) = ca_pem {
         agent
             .trust(pem, PING_TIMEOUT)
-            .map_err(|e| boot_failure(vm, "trusting the egress proxy's CA", &e.to_string()))?;
+            .map_err(|e| boot_failure(vm, "trusting the egress proxy's CA", e))?;
     }
     Ok(())
 }
@@ -395,7 +412,7 @@ fn start_vm(
     // Its own name, and host entropy from the start (a fresh guest has little).
     agent
         .refresh(name, PING_TIMEOUT)
-        .map_err(|e| boot_failure(&vm, "giving the guest its identity", &e.to_string()))?;
+        .map_err(|e| boot_failure(&vm, "giving the guest its identity", e))?;
     Ok((vm, agent, t))
 }
 
@@ -662,11 +679,18 @@ mod tests {
             TimelineRecorder::start(),
         );
         match r {
-            Err(Error::Backend { message, .. }) => {
-                assert!(message.contains("booting the guest"), "{message}");
-                assert!(message.contains("serial console"), "{message}");
-                assert!(message.contains("hi"), "{message}");
+            Err(e @ Error::Backend { .. }) => {
+                let text = e.to_string();
+                assert!(text.contains("booting the guest"), "{text}");
+                assert!(text.contains("serial console"), "{text}");
+                assert!(text.contains("hi"), "{text}");
+                let cause = std::error::Error::source(&e);
+                assert!(
+                    cause.is_some_and(|c| c.downcast_ref::<ConsoleTail>().is_some()),
+                    "{e:?}"
+                );
             }
+
             Err(e) => panic!("{e}"),
             Ok(_) => panic!("an agent answered"),
         }

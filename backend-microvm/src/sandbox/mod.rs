@@ -169,7 +169,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 fn join_err(e: tokio::task::JoinError) -> Error {
-    Error::backend(TIER, format!("a blocking task failed: {e}"))
+    Error::backend_caused(TIER, "a blocking task", e)
 }
 
 /// How an agent error reads for the caller, for an operation on `path` (if any).
@@ -200,7 +200,7 @@ fn map_agent_error(e: AgentError, path: Option<&str>) -> Error {
             reason: e.to_string(),
             fix: format!("{} (rebuilds the initramfs)", crate::INSTALL_FIX),
         },
-        other => Error::backend(TIER, other.to_string()),
+        other => Error::backend_caused(TIER, "talking to the guest agent", other),
     }
 }
 

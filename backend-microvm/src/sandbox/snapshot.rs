@@ -224,15 +224,15 @@ impl MicrovmSandbox {
                 // The snapshot's processes: followed before the held output is released.
                 let mut adopted = Vec::new();
                 for (target, command, tty) in &processes {
-                    let h = agent.adopt(*target).map_err(|e| {
-                        boot_failure(&vm, "adopting the restored processes", &e.to_string())
-                    })?;
+                    let h = agent
+                        .adopt(*target)
+                        .map_err(|e| boot_failure(&vm, "adopting the restored processes", e))?;
                     adopted.push((h, command.clone(), *tty));
                 }
                 if !processes.is_empty() {
-                    agent.release(PING_TIMEOUT).map_err(|e| {
-                        boot_failure(&vm, "the restored guest's agent", &e.to_string())
-                    })?;
+                    agent
+                        .release(PING_TIMEOUT)
+                        .map_err(|e| boot_failure(&vm, "the restored guest's agent", e))?;
                 }
                 warm::wake(&vm, &agent, &name)?;
                 // Its device reaches the copy's own link now: `eth0` moves to it (the old
@@ -361,7 +361,7 @@ impl Inner {
         .meta(
             META_PROCESSES,
             serde_json::to_string(&background)
-                .map_err(|e| Error::backend(TIER, format!("recording the processes: {e}")))?,
+                .map_err(|e| Error::backend_caused(TIER, "recording the processes", e))?,
         )
         .meta("sandbox_id", self.id.clone());
         if let Some(v) = &self.kernel_version {

@@ -312,8 +312,8 @@ pub(crate) fn restored_agent(vm: &mut Vm, frozen: &Frozen) -> Result<AgentClient
     let console = vm
         .take_console()
         .ok_or_else(|| Error::backend(TIER, "the restored VM has no virtio console"))?;
-    let agent = AgentClient::new(console)
-        .map_err(|e| boot_failure(vm, "starting the agent client", &e.to_string()))?;
+    let agent =
+        AgentClient::new(console).map_err(|e| boot_failure(vm, "starting the agent client", e))?;
     agent.skip_ids_below(frozen.next_id());
     Ok(agent)
 }
@@ -324,10 +324,10 @@ pub(crate) fn restored_agent(vm: &mut Vm, frozen: &Frozen) -> Result<AgentClient
 pub(crate) fn wake(vm: &Vm, agent: &AgentClient, name: &str) -> Result<()> {
     agent
         .ping(PING_TIMEOUT)
-        .map_err(|e| boot_failure(vm, "the restored guest's agent", &e.to_string()))?;
+        .map_err(|e| boot_failure(vm, "the restored guest's agent", e))?;
     agent
         .refresh(name, PING_TIMEOUT)
-        .map_err(|e| boot_failure(vm, "giving the restored guest its identity", &e.to_string()))
+        .map_err(|e| boot_failure(vm, "giving the restored guest its identity", e))
 }
 
 #[cfg(test)]

@@ -20,6 +20,7 @@ use crate::vmm::error::{Result, VmmError};
 
 /// How a vCPU starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum CpuMode {
     /// CPL 3 with IOPL 3: tiny guests.
     User,

@@ -31,6 +31,7 @@ pub const MAX_MEM_SIZE: u64 = 64 << 30;
 
 /// How guest memory is backed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Backing {
     /// A fresh anonymous memfd, mapped shared.
     Memfd,

@@ -82,6 +82,7 @@ impl std::fmt::Display for VmExit {
 
 /// Everything KVM holds for one vCPU, for a snapshot.
 #[derive(Debug, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct VcpuState {
     /// vCPU index.
     pub id: u8,

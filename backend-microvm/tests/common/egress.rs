@@ -48,10 +48,7 @@ pub(crate) fn enforcer() -> VethEnforcer {
 /// [`enforcer`] whose proxy trusts `upstream_ca` for the TLS it intercepts (proxy-held
 /// secrets) on its way to the upstream servers.
 pub(crate) fn enforcer_trusting(upstream_ca: &sandbox_egress::testing::TestCa) -> VethEnforcer {
-    enforcer_with(ProxyConfig {
-        upstream_roots: vec![upstream_ca.der()],
-        ..ProxyConfig::default()
-    })
+    enforcer_with(ProxyConfig::default().upstream_roots(vec![upstream_ca.der()]))
 }
 
 fn enforcer_with(config: ProxyConfig) -> VethEnforcer {

@@ -84,11 +84,9 @@ pub fn tiny_guest() -> &'static [u8] {
 /// A config for tiny guests: 16 MiB, one vCPU, a generous deadline so a broken test
 /// cannot hang CI.
 pub fn cfg() -> VmConfig {
-    VmConfig {
-        mem_size: 16 << 20,
-        deadline: Some(Duration::from_secs(60)),
-        ..VmConfig::default()
-    }
+    VmConfig::default()
+        .mem_size(16 << 20)
+        .deadline(Some(Duration::from_secs(60)))
 }
 
 /// Creates a VM with the tiny guest loaded, not started. Returns it and the entry.
@@ -101,11 +99,7 @@ pub fn vm_with_guest(cfg: VmConfig) -> (Vm, u64) {
 /// Runs test `test` to its end.
 pub fn run(cfg: VmConfig, test: u64) -> (Vm, VmExit) {
     let (mut vm, entry) = vm_with_guest(cfg);
-    vm.start(Entry {
-        arg: test,
-        ..Entry::user(entry)
-    })
-    .unwrap();
+    vm.start(Entry::user(entry).with_arg(test)).unwrap();
     let e = vm.wait();
     (vm, e)
 }
@@ -113,11 +107,7 @@ pub fn run(cfg: VmConfig, test: u64) -> (Vm, VmExit) {
 /// A VM running the tiny guest's `WAIT_GO` test, which has said it is waiting (`W`).
 pub fn waiting_vm(cfg: VmConfig) -> Vm {
     let (mut vm, entry) = vm_with_guest(cfg);
-    vm.start(Entry {
-        arg: t::WAIT_GO,
-        ..Entry::user(entry)
-    })
-    .unwrap();
+    vm.start(Entry::user(entry).with_arg(t::WAIT_GO)).unwrap();
     assert!(wait_serial(&vm, "W"));
     vm
 }

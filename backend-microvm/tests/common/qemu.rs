@@ -53,12 +53,11 @@ pub(crate) fn guest_files(dir: &Path) -> (PathBuf, PathBuf) {
             install::download_debian_kernel(&dl).unwrap()
         }
     };
-    let a = install::install(&InstallOptions {
-        dir: dir.join("cache"),
-        kernel: KernelSource::DebFile(deb),
-        busybox: None,
-        no_busybox: false,
-    })
+    let a = install::install(
+        &InstallOptions::debian()
+            .dir(dir.join("cache"))
+            .kernel(KernelSource::DebFile(deb)),
+    )
     .unwrap();
     (a.vmlinux, a.initramfs)
 }

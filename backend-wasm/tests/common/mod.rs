@@ -28,7 +28,7 @@ pub fn python_backend() -> Result<WasmBackend, String> {
                 b.python_status().problem
             ));
         }
-        let opts = InstallOptions { source: WheelSource::File(LOCAL_WHEEL.into()), ..Default::default() };
+        let opts = InstallOptions::default().source(WheelSource::File(LOCAL_WHEEL.into()));
         backend_wasm::install_python(&opts, &|e: &backend_wasm::InstallEvent| eprintln!("install: {e}"))
             .map(|_| ())
             .map_err(|e| format!("install from {LOCAL_WHEEL} failed: {e}"))

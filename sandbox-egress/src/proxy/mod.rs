@@ -34,6 +34,7 @@ use dns_responder::dns_loop;
 
 /// Tunables of an [`EgressProxy`]. The defaults suit a host serving a few hundred sandboxes.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ProxyConfig {
     /// Address the per-sandbox listeners bind to unless [`ListenOptions::ip`] says otherwise.
     pub listen_ip: IpAddr,
@@ -84,8 +85,86 @@ impl Default for ProxyConfig {
     }
 }
 
+impl ProxyConfig {
+    /// Sets [`ProxyConfig::listen_ip`].
+    pub fn listen_ip(mut self, listen_ip: IpAddr) -> Self {
+        self.listen_ip = listen_ip;
+        self
+    }
+
+    /// Sets [`ProxyConfig::max_head_bytes`].
+    pub fn max_head_bytes(mut self, max_head_bytes: usize) -> Self {
+        self.max_head_bytes = max_head_bytes;
+        self
+    }
+
+    /// Sets [`ProxyConfig::head_timeout`].
+    pub fn head_timeout(mut self, head_timeout: Duration) -> Self {
+        self.head_timeout = head_timeout;
+        self
+    }
+
+    /// Sets [`ProxyConfig::sniff_timeout`].
+    pub fn sniff_timeout(mut self, sniff_timeout: Duration) -> Self {
+        self.sniff_timeout = sniff_timeout;
+        self
+    }
+
+    /// Sets [`ProxyConfig::resolve_timeout`].
+    pub fn resolve_timeout(mut self, resolve_timeout: Duration) -> Self {
+        self.resolve_timeout = resolve_timeout;
+        self
+    }
+
+    /// Sets [`ProxyConfig::connect_timeout`].
+    pub fn connect_timeout(mut self, connect_timeout: Duration) -> Self {
+        self.connect_timeout = connect_timeout;
+        self
+    }
+
+    /// Sets [`ProxyConfig::audit_capacity`].
+    pub fn audit_capacity(mut self, audit_capacity: usize) -> Self {
+        self.audit_capacity = audit_capacity;
+        self
+    }
+
+    /// Sets [`ProxyConfig::max_connections_per_sandbox`].
+    pub fn max_connections_per_sandbox(mut self, max_connections_per_sandbox: usize) -> Self {
+        self.max_connections_per_sandbox = max_connections_per_sandbox;
+        self
+    }
+
+    /// Sets [`ProxyConfig::refuse_ech`].
+    pub fn refuse_ech(mut self, refuse_ech: bool) -> Self {
+        self.refuse_ech = refuse_ech;
+        self
+    }
+
+    /// Sets [`ProxyConfig::dns_ttl`].
+    pub fn dns_ttl(mut self, dns_ttl: u32) -> Self {
+        self.dns_ttl = dns_ttl;
+        self
+    }
+
+    /// Sets [`ProxyConfig::max_substituted_body`].
+    pub fn max_substituted_body(mut self, max_substituted_body: usize) -> Self {
+        self.max_substituted_body = max_substituted_body;
+        self
+    }
+
+    /// Sets [`ProxyConfig::upstream_roots`].
+    pub fn upstream_roots(
+        mut self,
+        upstream_roots: Vec<rustls::pki_types::CertificateDer<'static>>,
+    ) -> Self {
+        self.upstream_roots = upstream_roots;
+        self
+    }
+}
+
 /// Where a sandbox's listeners go. Port 0 picks a free port.
 #[derive(Debug, Clone, Default)]
+#[non_exhaustive]
 pub struct ListenOptions {
     /// Address to bind (default: [`ProxyConfig::listen_ip`]), e.g. the host end of the
     /// sandbox's veth pair.
@@ -98,8 +177,35 @@ pub struct ListenOptions {
     pub dns_port: Option<u16>,
 }
 
+impl ListenOptions {
+    /// Sets [`ListenOptions::ip`].
+    pub fn ip(mut self, ip: Option<IpAddr>) -> Self {
+        self.ip = ip;
+        self
+    }
+
+    /// Sets [`ListenOptions::proxy_port`].
+    pub fn proxy_port(mut self, proxy_port: u16) -> Self {
+        self.proxy_port = proxy_port;
+        self
+    }
+
+    /// Sets [`ListenOptions::transparent_port`].
+    pub fn transparent_port(mut self, transparent_port: Option<u16>) -> Self {
+        self.transparent_port = transparent_port;
+        self
+    }
+
+    /// Sets [`ListenOptions::dns_port`].
+    pub fn dns_port(mut self, dns_port: Option<u16>) -> Self {
+        self.dns_port = dns_port;
+        self
+    }
+}
+
 /// What [`EgressProxy::register`] set up for a sandbox.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Registration {
     /// The sandbox id.
     pub sandbox_id: String,
@@ -255,6 +361,7 @@ impl SandboxState {
 
 /// Sockets bound by the caller, for [`EgressProxy::register_with_sockets`].
 #[derive(Debug)]
+#[non_exhaustive]
 pub struct Sockets {
     /// The explicit HTTP/CONNECT proxy listener.
     pub proxy: std::net::TcpListener,
@@ -264,8 +371,25 @@ pub struct Sockets {
     pub dns: Option<std::net::UdpSocket>,
 }
 
+impl Sockets {
+    /// The caller's `proxy` listener, with a `transparent` listener and a `dns` socket if
+    /// wanted.
+    pub fn new(
+        proxy: std::net::TcpListener,
+        transparent: Option<std::net::TcpListener>,
+        dns: Option<std::net::UdpSocket>,
+    ) -> Self {
+        Sockets {
+            proxy,
+            transparent,
+            dns,
+        }
+    }
+}
+
 /// How a connection handed to [`EgressProxy::serve_stream`] speaks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum StreamMode {
     /// An explicit HTTP proxy client (absolute-URI requests or `CONNECT`).
     Explicit,

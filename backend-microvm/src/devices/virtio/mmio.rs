@@ -66,6 +66,7 @@ pub trait VirtioDevice: Send {
 
 /// Transport registers and queues, as saved in a snapshot.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct TransportState {
     /// Device status register.
     pub status: u32,

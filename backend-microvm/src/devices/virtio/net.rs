@@ -55,6 +55,7 @@ const TXQ: usize = 1;
 
 /// Frame counters of one device, shared with whoever holds [`Net::counters`].
 #[derive(Debug, Default)]
+#[non_exhaustive]
 pub struct NetCounters {
     /// Frames delivered into the guest.
     pub rx_frames: AtomicU64,

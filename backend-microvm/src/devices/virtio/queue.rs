@@ -28,6 +28,7 @@ pub struct QueueError {
 
 /// A queue's configuration and progress (also its snapshot form).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Queue {
     /// The queue's index in its device.
     pub index: u16,
@@ -51,6 +52,7 @@ pub struct Queue {
 
 /// One buffer of a descriptor chain, already checked to lie inside guest memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Buffer {
     /// Guest address.
     pub addr: GuestAddress,
@@ -62,6 +64,7 @@ pub struct Buffer {
 
 /// A descriptor chain popped from the available ring.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Chain {
     /// The head descriptor index (what goes back in the used ring).
     pub head: u16,

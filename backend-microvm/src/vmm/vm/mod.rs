@@ -59,6 +59,7 @@ pub const USER_STACK_SIZE: u64 = 64 * 1024;
 
 /// How to build a VM.
 #[derive(Clone)]
+#[non_exhaustive]
 pub struct VmConfig {
     /// Guest RAM in bytes (multiple of 4 KiB, at least 2 MiB).
     pub mem_size: u64,
@@ -125,6 +126,7 @@ impl Default for VmConfig {
 
 /// A read-only virtio-blk device (see [`crate::devices::virtio::blk`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct BlockConfig {
     /// The backing file (or block device), opened read-only when the VM is built; its size
     /// in whole 512-byte sectors is the disk's capacity.
@@ -132,6 +134,78 @@ pub struct BlockConfig {
     /// The device id the guest reads with `GET_ID` (at most 20 bytes; Linux shows it as
     /// `/sys/block/vdX/serial`).
     pub id: String,
+}
+
+impl BlockConfig {
+    /// A disk backed by `path`, whose device id is `id`.
+    pub fn new(path: impl Into<PathBuf>, id: impl Into<String>) -> Self {
+        BlockConfig {
+            path: path.into(),
+            id: id.into(),
+        }
+    }
+}
+
+impl VmConfig {
+    /// Sets [`VmConfig::mem_size`].
+    pub fn mem_size(mut self, mem_size: u64) -> Self {
+        self.mem_size = mem_size;
+        self
+    }
+
+    /// Sets [`VmConfig::vcpus`].
+    pub fn vcpus(mut self, vcpus: u8) -> Self {
+        self.vcpus = vcpus;
+        self
+    }
+
+    /// Sets [`VmConfig::serial_cap`].
+    pub fn serial_cap(mut self, serial_cap: usize) -> Self {
+        self.serial_cap = serial_cap;
+        self
+    }
+
+    /// Sets [`VmConfig::serial_callback`].
+    pub fn serial_callback(mut self, serial_callback: Option<OutputCallback>) -> Self {
+        self.serial_callback = serial_callback;
+        self
+    }
+
+    /// Sets [`VmConfig::virtio_console`].
+    pub fn virtio_console(mut self, virtio_console: bool) -> Self {
+        self.virtio_console = virtio_console;
+        self
+    }
+
+    /// Sets [`VmConfig::block`].
+    pub fn block(mut self, block: Option<BlockConfig>) -> Self {
+        self.block = block;
+        self
+    }
+
+    /// Sets [`VmConfig::net`].
+    pub fn net(mut self, net: Option<NetConfig>) -> Self {
+        self.net = net;
+        self
+    }
+
+    /// Sets [`VmConfig::deadline`].
+    pub fn deadline(mut self, deadline: Option<Duration>) -> Self {
+        self.deadline = deadline;
+        self
+    }
+
+    /// Sets [`VmConfig::seccomp`].
+    pub fn seccomp(mut self, seccomp: bool) -> Self {
+        self.seccomp = seccomp;
+        self
+    }
+
+    /// Sets [`VmConfig::irqchip`].
+    pub fn irqchip(mut self, irqchip: bool) -> Self {
+        self.irqchip = irqchip;
+        self
+    }
 }
 
 impl VmConfig {
@@ -153,6 +227,7 @@ impl VmConfig {
 
 /// A virtio-net device (see [`crate::devices::virtio::net`]).
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct NetConfig {
     /// The guest's MAC address (a locally administered unicast one, e.g. `02:…`).
     pub mac: [u8; 6],
@@ -162,8 +237,16 @@ pub struct NetConfig {
     pub fd: std::sync::Arc<std::os::fd::OwnedFd>,
 }
 
+impl NetConfig {
+    /// A network card of address `mac` whose frames go through `fd`.
+    pub fn new(mac: [u8; 6], fd: std::sync::Arc<std::os::fd::OwnedFd>) -> Self {
+        NetConfig { mac, fd }
+    }
+}
+
 /// Where and how the vCPUs start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Entry {
     /// CPL 3 tiny guest or CPL 0 Linux.
     pub mode: CpuMode,
@@ -175,6 +258,12 @@ pub struct Entry {
 }
 
 impl Entry {
+    /// The same entry with [`Entry::arg`] set to `arg`.
+    pub fn with_arg(mut self, arg: u64) -> Self {
+        self.arg = arg;
+        self
+    }
+
     /// A user-mode (CPL 3) entry.
     pub fn user(rip: u64) -> Self {
         Entry {
@@ -196,6 +285,7 @@ impl Entry {
 
 /// A virtio-mmio device as the guest must be told about it (ACPI `_CRS`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub struct VirtioMmioInfo {
     /// MMIO window base.
     pub base: u64,
@@ -209,6 +299,7 @@ pub struct VirtioMmioInfo {
 
 /// What a snapshot wrote.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SnapshotInfo {
     /// The state file.
     pub state_file: PathBuf,
