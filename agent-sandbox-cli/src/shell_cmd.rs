@@ -12,22 +12,23 @@ use std::sync::Mutex;
 
 use agent_sandbox::{ExecEvent, ExecRequest, Language, Runtime, SandboxSpec, TierChoice};
 
-use crate::{TierArg, EXIT_SANDBOX_FAILED, EXIT_USAGE};
+use crate::args::TierArg;
+use crate::{EXIT_SANDBOX_FAILED, EXIT_USAGE};
 
 /// `agent-sandbox shell`.
 #[derive(clap::Args, Debug)]
 pub(crate) struct ShellArgs {
     /// The tier (container, gvisor, ...) or `auto`: the selector's choice for a shell.
-    #[arg(long, value_name = "TIER", value_parser = crate::parse_tier, default_value = "auto")]
+    #[arg(long, value_name = "TIER", value_parser = crate::args::parse_tier, default_value = "auto")]
     tier: TierArg,
     /// Start from this OCI image (as `run --image`).
     #[arg(long, value_name = "REF", value_parser = crate::image_cmd::parse_reference)]
     image: Option<agent_sandbox::ImageRef>,
     /// Publish sandbox port SPORT on the host while the shell runs (as `run -p`). Repeatable.
-    #[arg(long = "publish", short = 'p', value_name = "[[ADDR:]HPORT:]SPORT", value_parser = crate::parse_publish)]
+    #[arg(long = "publish", short = 'p', value_name = "[[ADDR:]HPORT:]SPORT", value_parser = crate::args::parse_publish)]
     publish: Vec<(u16, std::net::SocketAddr)>,
     /// Set an environment variable inside. Repeatable.
-    #[arg(long = "env", value_name = "K=V", value_parser = crate::parse_env)]
+    #[arg(long = "env", value_name = "K=V", value_parser = crate::args::parse_env)]
     env: Vec<(String, String)>,
     /// Memory limit, MiB.
     #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(4..))]

@@ -7,6 +7,10 @@
 //! Bind sources are reached through `/oldroot`: the init first pivots into a scratch tmpfs
 //! (keeping the host root at `/oldroot`), so no host path is hidden by our own mounts
 //! (bubblewrap does the same).
+//!
+//! This file has the plan itself (the skeleton, the sandbox's mounts, the finish, the seal);
+//! `host` the host's part of a host-tools root and its fingerprint, `etc` the generated
+//! `/etc` files, `template` the root-filesystem templates.
 
 use std::path::{Path, PathBuf};
 
@@ -14,6 +18,19 @@ use sandbox_core::{Error, Result, SandboxSpec, TmpfsCap, TmpfsCaps, Workspace};
 
 use crate::landlock;
 use crate::proto::Op;
+
+mod etc;
+mod host;
+mod template;
+#[cfg(test)]
+mod tests;
+#[cfg(test)]
+mod wire_tests;
+
+pub(crate) use etc::etc_files;
+use etc::{write_etc, CA_BUNDLE_NAME};
+pub(crate) use host::{host_fingerprint, host_ops};
+pub(crate) use template::{template_fits, template_ops, template_plan};
 
 const MS_NOSUID: u64 = libc::MS_NOSUID;
 const MS_NODEV: u64 = libc::MS_NODEV;
@@ -34,33 +51,6 @@ const OLD: &str = "/oldroot";
 const RESERVED: &[&str] = &[
     "usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc", "proc", "dev", "sys",
     "oldroot", "newroot",
-];
-
-/// Host `/etc` entries made visible read-only (when present).
-const ETC_FROM_HOST: &[&str] = &[
-    "ld.so.cache",
-    "ld.so.conf",
-    "ld.so.conf.d",
-    "ssl",
-    "ca-certificates",
-    "ca-certificates.conf",
-    "alternatives",
-    "localtime",
-    "timezone",
-    "protocols",
-    "services",
-    "mime.types",
-    "host.conf",
-    "gai.conf",
-    "os-release",
-    "debian_version",
-    "bash.bashrc",
-    "profile",
-    "inputrc",
-    "magic",
-    "python3",
-    "python3.11",
-    "perl",
 ];
 
 /// Caps of the sandbox's writable tmpfs mounts: [`Limits::tmpfs_caps`] with two scratch
@@ -182,183 +172,6 @@ impl Roots<'_> {
     /// Host path `p` as the plan reaches it.
     fn old(&self, p: &Path) -> String {
         format!("{}{}", self.old, p.display())
-    }
-}
-
-fn bind_ro(ops: &mut Vec<Op>, r: Roots<'_>, src: &Path, dst: &str, dir: bool) {
-    if dir {
-        ops.push(Op::Mkdir {
-            path: r.at(dst),
-            mode: 0o755,
-        });
-    } else {
-        ops.push(Op::Touch { path: r.at(dst) });
-    }
-    ops.push(Op::Bind {
-        src: r.old(src),
-        dst: r.at(dst),
-    });
-    ops.push(Op::SetAttr {
-        path: r.at(dst),
-        set: ATTR_RDONLY | ATTR_NOSUID | ATTR_NODEV,
-        clear: 0,
-        recursive: true,
-    });
-}
-
-/// Adds a host path (directory, file or symlink) at the same place, read-only. Small regular
-/// files (≤ 4 KiB) are copied into the (read-only) root instead: cheaper than a bind, and
-/// the setup message stays small.
-fn host_entry(ops: &mut Vec<Op>, r: Roots<'_>, host: &str) {
-    let p = Path::new(host);
-    let Ok(md) = p.symlink_metadata() else { return };
-    if md.is_file() && md.len() <= 4 << 10 {
-        if let Ok(data) = std::fs::read(p) {
-            use std::os::unix::fs::PermissionsExt;
-            let mode = md.permissions().mode() & 0o755;
-            ops.push(Op::WriteFile {
-                path: r.at(host),
-                mode,
-                data,
-            });
-            return;
-        }
-    }
-    if md.file_type().is_symlink() {
-        if let Ok(t) = std::fs::read_link(p) {
-            ops.push(Op::Symlink {
-                target: t.to_string_lossy().into_owned(),
-                path: r.at(host),
-            });
-        }
-    } else if md.is_dir() {
-        bind_ro(ops, r, p, host, true);
-    } else if md.is_file() {
-        bind_ro(ops, r, p, host, false);
-    }
-}
-
-/// The file under `/etc` holding [`Plan::ca_bundle`]
-/// ([`CA_BUNDLE_PATH`](sandbox_core::egress::CA_BUNDLE_PATH)).
-pub(crate) const CA_BUNDLE_NAME: &str = "agent-sandbox-ca.crt";
-
-/// The generated `/etc` files of a host-tools root (name, content): they depend only on the
-/// command user, the hostname and `resolv.conf`, which makes them a template's key.
-pub(crate) fn etc_files(
-    user: u32,
-    hostname: &str,
-    resolv_conf: &str,
-) -> Vec<(&'static str, String)> {
-    let u = user;
-    let passwd = if u == 0 {
-        "root:x:0:0:sandbox:/workspace:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-            .to_string()
-    } else {
-        format!(
-            "root:x:0:0:root:/root:/bin/sh\nsandbox:x:{u}:{u}:sandbox:/workspace:/bin/sh\n\
-             nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-        )
-    };
-    let group = if u == 0 {
-        "root:x:0:\nnogroup:x:65534:\n".to_string()
-    } else {
-        format!("root:x:0:\nsandbox:x:{u}:\nnogroup:x:65534:\n")
-    };
-    let h = hostname;
-    vec![
-        ("passwd", passwd),
-        ("group", group),
-        ("hostname", format!("{h}\n")),
-        (
-            "hosts",
-            format!(
-                "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{h}\n"
-            ),
-        ),
-        ("resolv.conf", resolv_conf.to_string()),
-        (
-            "nsswitch.conf",
-            "passwd: files\ngroup: files\nshadow: files\nhosts: files dns\nnetworks: files\n\
-             protocols: files\nservices: files\nethers: files\nrpc: files\n"
-                .to_string(),
-        ),
-        (
-            "gitconfig",
-            "[user]\n\tname = sandbox\n\temail = sandbox@localhost\n[safe]\n\tdirectory = *\n\
-             [init]\n\tdefaultBranch = main\n"
-                .to_string(),
-        ),
-    ]
-}
-
-/// The host-dependent, spec-independent part of the classic plan: `/usr` and the
-/// `bin`/`lib*` links, `/etc` with the listed host entries (generated files are added per
-/// sandbox).
-pub(crate) fn host_ops() -> Vec<Op> {
-    host_ops_at(CLASSIC)
-}
-
-fn host_ops_at(r: Roots<'_>) -> Vec<Op> {
-    let mut ops = Vec::new();
-    bind_ro(&mut ops, r, Path::new("/usr"), "/usr", true);
-    for d in ["/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"] {
-        host_entry(&mut ops, r, d);
-    }
-    ops.push(Op::Mkdir {
-        path: r.at("/etc"),
-        mode: 0o755,
-    });
-    for name in ETC_FROM_HOST {
-        host_entry(&mut ops, r, &format!("/etc/{name}"));
-    }
-    ops
-}
-
-/// A fingerprint of the host entries a template takes a snapshot of (the small `/etc` files
-/// it copies, the single files it binds, the merged-`/usr` links): device, inode, size, mode
-/// and mtime of each. A template built under another fingerprint is not used (a new one is
-/// built): e.g. `ldconfig` replaces `/etc/ld.so.cache` by a rename, and a bind keeps the old
-/// file. Directories (`/usr`, `/etc/ssl`...) are bound live anyway.
-pub(crate) fn host_fingerprint() -> u64 {
-    let links = ["/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"].map(String::from);
-    fingerprint(
-        links
-            .into_iter()
-            .chain(ETC_FROM_HOST.iter().map(|n| format!("/etc/{n}"))),
-    )
-}
-
-/// [`host_fingerprint`] of any paths.
-fn fingerprint(paths: impl Iterator<Item = String>) -> u64 {
-    use std::hash::{Hash, Hasher};
-    use std::os::unix::fs::MetadataExt;
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    for p in paths {
-        p.hash(&mut h);
-        match std::fs::symlink_metadata(&p) {
-            Ok(m) => (
-                m.dev(),
-                m.ino(),
-                m.size(),
-                m.mode(),
-                m.mtime(),
-                m.mtime_nsec(),
-            )
-                .hash(&mut h),
-            Err(_) => 0u8.hash(&mut h),
-        }
-    }
-    h.finish()
-}
-
-/// The generated `/etc` files, written.
-fn write_etc(ops: &mut Vec<Op>, r: Roots<'_>, files: Vec<(&'static str, String)>) {
-    for (name, content) in files {
-        ops.push(Op::WriteFile {
-            path: r.at(&format!("/etc/{name}")),
-            mode: 0o644,
-            data: content.into_bytes(),
-        });
     }
 }
 
@@ -605,42 +418,6 @@ pub(crate) fn overlay_data(n: usize) -> String {
 /// generated `/etc` files).
 const ROOT_TMPFS: &str = "mode=0755,size=4m,nr_inodes=4096";
 
-/// Whether a sandbox of this spec can start from a root-filesystem template: a host-tools
-/// root with no spec mounts (their mount points would have to be made in the shared,
-/// read-only root). Template-mode inits live in the zygote's own mount namespace, a copy of
-/// the host's that may lag behind it, so a host-directory workspace must reach them as a
-/// detached mount the library made from its current view ([`template_plan`] expects it as
-/// the setup message's first fd).
-pub(crate) fn template_fits(spec: &SandboxSpec) -> bool {
-    !crate::own_root(spec) && spec.mounts.is_empty()
-}
-
-/// A root-filesystem template at `root` (built once by the zygote, as root, in its own mount
-/// namespace, where the host's root is `/`): a read-only tmpfs holding everything of the
-/// host-tools root that is the same for every sandbox with these `/etc` files — `/usr` and
-/// the `bin`/`lib*` links, `/etc`, `/dev` with its nodes, and the mount points. A sandbox
-/// clones it with one recursive bind ([`template_plan`]) instead of ~100 operations.
-pub(crate) fn template_ops(root: &str, etc: Vec<(&'static str, String)>) -> Vec<Op> {
-    let r = Roots { new: root, old: "" };
-    let mut ops = vec![
-        Op::Mkdir {
-            path: root.into(),
-            mode: 0o755,
-        },
-        tmpfs(root, MS_NOSUID | MS_NODEV, ROOT_TMPFS),
-    ];
-    ops.extend(host_ops_at(r));
-    write_etc(&mut ops, r, etc);
-    skeleton(&mut ops, r, true);
-    ops.push(Op::SetAttr {
-        path: root.into(),
-        set: ATTR_RDONLY,
-        clear: 0,
-        recursive: false,
-    });
-    ops
-}
-
 /// How every setup starts: children get their own clocks (`CLONE_NEWTIME`; absent on old
 /// kernels), and no mount event crosses between the sandbox and the host any more.
 fn first_ops() -> Vec<Op> {
@@ -657,25 +434,6 @@ fn first_ops() -> Vec<Op> {
             data: String::new(),
         },
     ]
-}
-
-/// The setup of a sandbox whose root is the template at `root` (see [`template_fits`]): its
-/// own clone of the template (the template's mounts arrive locked, so they stay read-only),
-/// its own mounts on it, then the usual finish. The host's root stays `/` until the pivot.
-pub(crate) fn template_plan(p: &Plan<'_>, root: &str) -> Result<Setup> {
-    check_mounts(p.spec)?;
-    let r = Roots { new: root, old: "" };
-    let mut ops = first_ops();
-    ops.push(Op::Bind {
-        src: root.into(),
-        dst: root.into(),
-    });
-    sandbox_mounts(&mut ops, r, p, true, false)?;
-    finish(&mut ops, p, root, &[]);
-    Ok(Setup {
-        prep: Vec::new(),
-        main: ops,
-    })
 }
 
 /// The whole setup, in order.
@@ -910,267 +668,4 @@ pub(crate) fn writable_paths(spec: &SandboxSpec) -> Vec<(String, bool)> {
         }
     }
     v
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use sandbox_core::Language;
-
-    fn plan_for(spec: &SandboxSpec) -> Result<Vec<Op>> {
-        plan(&Plan {
-            spec,
-            landlock: Some(3),
-            host: &host_ops(),
-            user: 1000,
-            hostname: "sandbox",
-            resolv_conf: "",
-            ca_bundle: None,
-            caps: tmpfs_caps(spec),
-            loopback: true,
-            layers: &[],
-            workspace_fd: false,
-        })
-        .map(Setup::all)
-    }
-
-    #[test]
-    fn plan_ends_with_pivot_and_has_no_host_etc_secrets() {
-        let spec = SandboxSpec::new(Language::Shell);
-        let ops = plan_for(&spec).unwrap();
-        assert!(ops.iter().any(|o| matches!(o, Op::Pivot { .. })));
-        for o in &ops {
-            if let Op::Bind { src, .. } = o {
-                assert!(
-                    !src.contains("shadow") && !src.contains("/root") && !src.contains("/home"),
-                    "{src}"
-                );
-            }
-        }
-    }
-
-    #[test]
-    fn rootfs_plan_mounts_an_overlay_with_relative_layers() {
-        let dir = tempfile::tempdir().unwrap();
-        std::fs::create_dir_all(dir.path().join("etc")).unwrap();
-        std::fs::create_dir_all(dir.path().join("proc")).unwrap();
-        std::os::unix::fs::symlink("usr/bin", dir.path().join("bin")).unwrap();
-        let spec = SandboxSpec::builder(Language::Shell)
-            .rootfs(dir.path())
-            .build()
-            .unwrap();
-        // Two layers, as an image has them (the directory twice will do).
-        let layers = vec![
-            dir.path().canonicalize().unwrap(),
-            dir.path().canonicalize().unwrap(),
-        ];
-        let setup = plan(&Plan {
-            spec: &spec,
-            landlock: Some(3),
-            host: &[],
-            user: 0,
-            hostname: "sandbox",
-            resolv_conf: "",
-            ca_bundle: None,
-            caps: tmpfs_caps(&spec),
-            loopback: true,
-            layers: &layers,
-            workspace_fd: false,
-        })
-        .unwrap();
-        // The preparation ends with the layers in place; the overlay comes first after it.
-        assert!(matches!(setup.prep.last(), Some(Op::Lower { .. })));
-        assert!(setup
-            .prep
-            .iter()
-            .any(|o| matches!(o, Op::KeepDir { fd, .. } if *fd == crate::proto::UPPER_FD)));
-        match setup.main.first() {
-            Some(Op::Mount {
-                fstype, data, dst, ..
-            }) => {
-                assert_eq!((fstype.as_str(), dst.as_str()), ("overlay", NEW));
-                // The topmost layer first, as overlayfs wants them.
-                assert_eq!(
-                    data,
-                    "lowerdir=lower/1:lower/0,upperdir=ovl/upper,workdir=ovl/work,userxattr"
-                );
-                assert!(!data.contains("=/"), "{data}");
-            }
-            other => panic!("{other:?}"),
-        }
-        let host = dir.path().canonicalize().unwrap();
-        let host = host.to_string_lossy();
-        for o in &setup.main {
-            assert!(!format!("{o:?}").contains(&*host), "{o:?}");
-            // The root stays writable (the upper layer takes the writes).
-            assert!(
-                !matches!(o, Op::SetAttr { path, .. } if path == NEW),
-                "{o:?}"
-            );
-        }
-        let Some(Op::Landlock { rules, .. }) = setup.main.last() else {
-            panic!("no landlock")
-        };
-        let paths: Vec<&str> = rules.iter().map(|(p, _)| p.as_str()).collect();
-        assert!(
-            paths.contains(&"/etc") && paths.contains(&"/workspace"),
-            "{paths:?}"
-        );
-        assert!(
-            !paths.contains(&"/proc") && !paths.contains(&"/bin"),
-            "{paths:?}"
-        );
-    }
-
-    #[test]
-    fn template_holds_the_shared_root_and_the_plan_only_the_sandbox_s_own_mounts() {
-        let root = "/run/t/0";
-        let ops = template_ops(root, etc_files(1000, "box", "nameserver 1.2.3.4\n"));
-        assert!(
-            matches!(&ops[1], Op::Mount { fstype, dst, .. } if fstype == "tmpfs" && dst == root)
-        );
-        // Ends read-only; sources are host paths as the zygote sees them (no /oldroot).
-        assert!(
-            matches!(ops.last(), Some(Op::SetAttr { path, set, .. }) if path == root && *set == ATTR_RDONLY)
-        );
-        for o in &ops {
-            match o {
-                Op::Bind { src, dst } => {
-                    assert!(!src.starts_with(OLD) && dst.starts_with(root), "{o:?}");
-                    assert!(!src.contains("shadow") && !src.contains("/root"), "{src}");
-                }
-                Op::WriteFile { path, .. } | Op::Mkdir { path, .. } | Op::Touch { path } => {
-                    assert!(path.starts_with(root), "{o:?}")
-                }
-                _ => {}
-            }
-        }
-        let file = |name: &str| {
-            ops.iter().find_map(|o| match o {
-                Op::WriteFile { path, data, .. } if path == &format!("{root}/etc/{name}") => {
-                    Some(String::from_utf8_lossy(data).into_owned())
-                }
-                _ => None,
-            })
-        };
-        assert_eq!(file("hostname").as_deref(), Some("box\n"));
-        assert!(file("passwd").unwrap().contains("sandbox:x:1000:1000"));
-
-        let spec = SandboxSpec::new(Language::Shell);
-        assert!(template_fits(&spec));
-        let p = Plan {
-            spec: &spec,
-            landlock: Some(3),
-            host: &[],
-            user: 1000,
-            hostname: "box",
-            resolv_conf: "",
-            ca_bundle: None,
-            caps: tmpfs_caps(&spec),
-            loopback: true,
-            layers: &[],
-            workspace_fd: false,
-        };
-        let setup = template_plan(&p, root).unwrap();
-        assert!(setup.prep.is_empty());
-        let ops = setup.main;
-        assert!(ops
-            .iter()
-            .any(|o| matches!(o, Op::Bind { src, dst } if src == root && dst == root)));
-        assert!(ops
-            .iter()
-            .any(|o| matches!(o, Op::Pivot { newroot } if newroot == root)));
-        // Nothing is created in the shared root: only mounts on its mount points.
-        assert!(!ops.iter().any(|o| matches!(
-            o,
-            Op::WriteFile { .. } | Op::Mkdir { .. } | Op::Touch { .. } | Op::Symlink { .. }
-        )));
-        // Specs with mounts (mount points to make) or a rootfs directory keep the classic plan.
-        let with_mount = SandboxSpec::builder(Language::Shell)
-            .mount_ro("/usr/share", "/data/share")
-            .build()
-            .unwrap();
-        assert!(!template_fits(&with_mount));
-        let with_dir = SandboxSpec::builder(Language::Shell)
-            .workspace_dir("/tmp", false)
-            .build()
-            .unwrap();
-        // A host-directory workspace fits, as a detached mount (the setup's first fd).
-        assert!(template_fits(&with_dir));
-        let p = Plan {
-            spec: &with_dir,
-            ..p
-        };
-        let ops = template_plan(&p, root).unwrap().main;
-        assert!(ops
-            .iter()
-            .any(|o| matches!(o, Op::Lower { dst, .. } if dst == &format!("{root}/workspace"))));
-        assert!(!ops
-            .iter()
-            .any(|o| matches!(o, Op::Bind { src, .. } if src == "/tmp")));
-    }
-
-    #[test]
-    fn the_fingerprint_sees_a_file_replaced_by_a_rename() {
-        let dir = tempfile::tempdir().unwrap();
-        let f = dir.path().join("ld.so.cache");
-        std::fs::write(&f, "old").unwrap();
-        let paths = || [f.to_string_lossy().into_owned(), "/nonexistent/x".into()].into_iter();
-        let before = fingerprint(paths());
-        assert_eq!(fingerprint(paths()), before);
-        // What ldconfig does: a new file renamed over the old one (same size, maybe same
-        // mtime second): the inode differs.
-        let tmp = dir.path().join("ld.so.cache~");
-        std::fs::write(&tmp, "new").unwrap();
-        std::fs::rename(&tmp, &f).unwrap();
-        assert_ne!(fingerprint(paths()), before);
-        // The host's, unchanged from one call to the next.
-        assert_eq!(host_fingerprint(), host_fingerprint());
-    }
-
-    #[test]
-    fn reserved_mount_targets_are_refused() {
-        let spec = SandboxSpec::builder(Language::Shell)
-            .mount_ro("/usr", "/usr/x")
-            .build()
-            .unwrap();
-        assert!(matches!(plan_for(&spec), Err(Error::InvalidSpec { .. })));
-        let spec = SandboxSpec::builder(Language::Shell)
-            .mount_ro("/usr/share", "/data/share")
-            .build()
-            .unwrap();
-        assert!(plan_for(&spec).is_ok());
-    }
-}
-
-#[cfg(test)]
-mod wire_tests {
-    use super::*;
-    use crate::proto::{Dec, DecodeInit, Enc, EncodeInit};
-    use sandbox_core::Language;
-
-    #[test]
-    fn plan_round_trips_through_the_wire_format() {
-        let spec = SandboxSpec::new(Language::Shell);
-        let bpf = crate::seccomp::program_bytes();
-        let mut ops = plan(&Plan {
-            spec: &spec,
-            landlock: Some(3),
-            host: &host_ops(),
-            user: 1000,
-            hostname: "sandbox",
-            resolv_conf: "",
-            ca_bundle: None,
-            caps: tmpfs_caps(&spec),
-            loopback: true,
-            layers: &[],
-            workspace_fd: false,
-        })
-        .unwrap()
-        .all();
-        ops.extend(seal_ops(Some(&bpf)));
-        let mut e = Enc::default();
-        e.ops(&ops);
-        assert_eq!(Dec::new(&e.0).ops().unwrap(), ops);
-    }
 }

@@ -30,7 +30,7 @@ use crate::api::{
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::lifetime::InUse;
-use crate::routes::{bytes_rejection, json_event, optional_json, JsonBody};
+use crate::routes::body::{bytes_rejection, json_event, optional_json, JsonBody};
 use crate::Shared;
 
 /// Most processes a sandbox's table holds (running, or ended but not yet seen ending).
@@ -275,7 +275,7 @@ pub(crate) async fn publish(
         .host
         .unwrap_or(SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0));
     if !host.ip().is_loopback() && !s.config.allow_host_access {
-        return Err(crate::routes::forbidden(
+        return Err(crate::access::forbidden(
             "publishing a port on an address other than loopback",
         ));
     }

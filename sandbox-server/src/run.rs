@@ -15,7 +15,7 @@ use sandbox_core::{Phase, Sandbox, TimelineRecorder};
 
 use crate::api::{RunBody, RunReply};
 use crate::error::ApiError;
-use crate::routes::JsonBody;
+use crate::routes::body::JsonBody;
 use crate::Shared;
 
 /// Counts a run in `Shared::running` while it lives.
@@ -40,7 +40,7 @@ pub(crate) async fn run(
             ));
         }
     }
-    crate::routes::check_spec(&s.config, &body.spec, false)?;
+    crate::access::check_spec(&s.config, &body.spec, false)?;
     if body.command.tty.is_some() {
         return Err(ApiError::bad_request(
             "`tty` is for spawned processes (`POST /v1/sandboxes/{id}/processes`), not a run",
@@ -49,7 +49,7 @@ pub(crate) async fn run(
     let req = body.command.into_request()?;
     s.running.fetch_add(1, Ordering::SeqCst);
     let _running = Running(&s);
-    crate::routes::room(&s, 0)?;
+    crate::routes::admit::room(&s, 0)?;
     let mut handing_out = TimelineRecorder::start();
     let (sandbox, from_pool) = s.create_pooled(&body.spec, body.tier).await?;
     handing_out.mark(Phase::Allocation);
