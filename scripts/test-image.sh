@@ -8,6 +8,11 @@
 set -euo pipefail
 dir="${AGENT_SANDBOX_TEST_IMAGES:-/var/tmp/agent-sandbox-images}"
 out="$dir/trixie-numpy"
+# Another user (root) built it: read theirs; else a user other than root builds their own.
+if [ -z "${AGENT_SANDBOX_TEST_IMAGES:-}" ] && [ ! -f "$out/index.json" ] && [ "$(id -u)" -ne 0 ]; then
+  dir="$dir-$(id -un)"
+  out="$dir/trixie-numpy"
+fi
 if [ ! -f "$out/index.json" ]; then
   mkdir -p "$dir"
   tar="$dir/trixie-numpy.tar"

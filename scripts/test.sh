@@ -4,8 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# A build cache outside the clone keeps CI incremental; override freely.
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/tmp/agent-sandbox-target}"
+# A build cache outside the clone keeps CI incremental; override freely. A user other than
+# root gets their own (root's is not theirs to write), as for the venv and the test image.
+user_suffix=""
+[ "$(id -u)" -eq 0 ] || user_suffix="-$(id -un)"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/tmp/agent-sandbox-target$user_suffix}"
 export CARGO_TERM_COLOR="${CARGO_TERM_COLOR:-never}"
 
 step() { printf '\n==> %s\n' "$*"; }
@@ -104,6 +107,10 @@ step "Python clients the server tests drive (a venv, cached in /var/tmp/agent-sa
 # openapi-spec-validator checks the document `agent-sandbox serve` publishes; `mcp`, the
 # official MCP Python SDK, drives `agent-sandbox mcp`.
 py_env=/var/tmp/agent-sandbox-pyenv
+if ! "$py_env/bin/python" -c 'import openapi_spec_validator, mcp' 2>/dev/null \
+  && [ -n "$user_suffix" ]; then
+  py_env="$py_env$user_suffix"
+fi
 if ! "$py_env/bin/python" -c 'import openapi_spec_validator, mcp' 2>/dev/null; then
   rm -rf "$py_env"
   /usr/bin/python3 -m venv "$py_env"

@@ -104,10 +104,6 @@ fn spec(workspace: &Path) -> SandboxSpec {
 
 /// Why this tier cannot run here, if it cannot (the probe's word).
 async fn skip_reason(b: &dyn Backend) -> Option<String> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return Some("the egress enforcer needs root".into());
-    }
     let s = b.probe().await;
     (!s.available).then(|| format!("{} tier unavailable: {} ({:?})", s.tier, s.reason, s.fix))
 }
@@ -497,7 +493,9 @@ fn uuid_like() -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn container_clients_use_a_token_they_never_hold() {
     let s = servers().await;
-    let e = common::enforcer(s.upstream_ca.clone(), &["allowed.test", "other.test"]);
+    let Some(e) = common::enforcer(s.upstream_ca.clone(), &["allowed.test", "other.test"]) else {
+        return;
+    };
     let b: DynBackend = Arc::new(
         backend_container::ContainerBackend::builder()
             .egress(Arc::new(e.clone()))
@@ -514,7 +512,9 @@ async fn container_clients_use_a_token_they_never_hold() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gvisor_clients_use_a_token_they_never_hold() {
     let s = servers().await;
-    let e = common::enforcer(s.upstream_ca.clone(), &["allowed.test", "other.test"]);
+    let Some(e) = common::enforcer(s.upstream_ca.clone(), &["allowed.test", "other.test"]) else {
+        return;
+    };
     let b: DynBackend = Arc::new(
         backend_gvisor::GvisorBackend::builder()
             .egress(Arc::new(e.clone()))
@@ -535,7 +535,9 @@ async fn gvisor_clients_use_a_token_they_never_hold() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn basic_credentials_to_another_host_are_refused() {
     let s = servers().await;
-    let e = common::enforcer(s.upstream_ca.clone(), &["allowed.test", "other.test"]);
+    let Some(e) = common::enforcer(s.upstream_ca.clone(), &["allowed.test", "other.test"]) else {
+        return;
+    };
     let b: DynBackend = Arc::new(
         backend_container::ContainerBackend::builder()
             .egress(Arc::new(e.clone()))

@@ -379,7 +379,29 @@ mod tests {
     fn a_sweeper_never_sees_a_new_owner_file_unlocked() {
         let state = tempfile::tempdir().unwrap();
         let done = std::sync::atomic::AtomicBool::new(false);
+        // Every owner holds a file open: stay well inside this process's limit (a user's
+        // default soft limit is 1,024 where root's may be far higher).
+        let mut limit = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: `getrlimit` writes the limit into the struct it is given.
+        let got = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
+        assert_eq!(got, 0, "getrlimit");
+        let owners_at_once = usize::try_from(limit.rlim_cur)
+            .unwrap_or(usize::MAX)
+            .saturating_sub(256)
+            .clamp(100, 2000);
+        /// Stops the sweeper however the claiming loop ends, so a failed claim fails the test
+        /// instead of leaving it waiting for the sweeper forever.
+        struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for StopOnDrop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
         std::thread::scope(|s| {
+            let stop = StopOnDrop(&done);
             let sweeper = s.spawn(|| {
                 let mut taken = 0;
                 while !done.load(std::sync::atomic::Ordering::SeqCst) {
@@ -391,12 +413,12 @@ mod tests {
             });
             // Every owner stays alive until the sweeper stops.
             let mut owners = Vec::new();
-            for i in 0..2000 {
+            for i in 0..owners_at_once {
                 let d = state.path().join(format!("as-{i}"));
                 std::fs::create_dir(&d).unwrap();
                 owners.push(Owner::claim(&d).unwrap());
             }
-            done.store(true, std::sync::atomic::Ordering::SeqCst);
+            drop(stop);
             assert_eq!(
                 sweeper.join().unwrap(),
                 0,

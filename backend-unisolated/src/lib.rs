@@ -293,10 +293,14 @@ impl Shared {
             .process_group(0)
             .kill_on_drop(true);
         let as_root = nix::unistd::geteuid().is_root();
-        // SAFETY: the closure runs between fork and exec and only calls `unshare(2)`, which is
-        // async-signal-safe; it touches no allocator or lock.
+        // SAFETY: the closure runs between fork and exec and only makes system calls
+        // (`rt_sigaction`, `rt_sigprocmask`, `unshare`), which are async-signal-safe; it
+        // touches no allocator or lock.
         unsafe {
             cmd.pre_exec(move || {
+                // Default dispositions and an empty mask, whatever the caller had (a
+                // background job ignores SIGINT and SIGQUIT), as every tier does.
+                sandbox_core::process::reset_signals();
                 let mut flags = nix::sched::CloneFlags::CLONE_NEWNET;
                 if !as_root {
                     flags |= nix::sched::CloneFlags::CLONE_NEWUSER;

@@ -342,3 +342,32 @@ async fn streamed_output_is_redacted_too() {
         .unwrap();
     assert_eq!(r.stdout_str(), "a=[REDACTED:TOKEN]\n");
 }
+
+/// A command starts with every signal at its default, though this test process ignores
+/// `SIGINT` and `SIGQUIT` as a background job does (`execve` keeps ignored dispositions).
+#[tokio::test]
+async fn commands_start_with_default_signal_dispositions() {
+    for sig in [
+        nix::sys::signal::Signal::SIGINT,
+        nix::sys::signal::Signal::SIGQUIT,
+    ] {
+        // SAFETY: `SIG_IGN` is no handler; no code of this process runs on these signals.
+        unsafe { nix::sys::signal::signal(sig, nix::sys::signal::SigHandler::SigIgn) }.unwrap();
+    }
+    let sb = backend()
+        .create(
+            &SandboxSpec::builder(Language::Shell).build().unwrap(),
+            ResolvedSecrets::none(),
+        )
+        .await
+        .unwrap();
+    let r = sb
+        .exec(ExecRequest::argv(["grep", "^SigIgn:", "/proc/self/status"]))
+        .await
+        .unwrap();
+    assert!(r.success(), "{r:?}");
+    let mask = r.stdout_str();
+    let mask = u64::from_str_radix(mask.trim_start_matches("SigIgn:").trim(), 16).unwrap();
+    assert_eq!(mask, 0, "ignored signals passed on: {mask:#x}");
+    sb.destroy().await.unwrap();
+}

@@ -45,6 +45,19 @@ pub(crate) fn enforcer() -> VethEnforcer {
     enforcer_with(ProxyConfig::default())
 }
 
+/// [`enforcer`], or `None` (after printing why) where it cannot run here: a test skips on
+/// the enforcer's own word (it needs root for network namespaces).
+pub(crate) fn try_enforcer() -> Option<VethEnforcer> {
+    match build(ProxyConfig::default()) {
+        Ok(e) => Some(e),
+        Err(e @ sandbox_core::Error::Unavailable { .. }) => {
+            eprintln!("SKIP: {e}");
+            None
+        }
+        Err(e) => panic!("egress enforcer: {e}"),
+    }
+}
+
 /// [`enforcer`] whose proxy trusts `upstream_ca` for the TLS it intercepts (proxy-held
 /// secrets) on its way to the upstream servers.
 pub(crate) fn enforcer_trusting(upstream_ca: &sandbox_egress::testing::TestCa) -> VethEnforcer {
@@ -52,6 +65,10 @@ pub(crate) fn enforcer_trusting(upstream_ca: &sandbox_egress::testing::TestCa) -
 }
 
 fn enforcer_with(config: ProxyConfig) -> VethEnforcer {
+    build(config).unwrap()
+}
+
+fn build(config: ProxyConfig) -> sandbox_core::Result<VethEnforcer> {
     let ip = |s: &str| s.parse::<IpAddr>().unwrap();
     let resolver = StaticResolver::new()
         .with("allowed.test", &[ip("127.0.0.1")])
@@ -62,5 +79,4 @@ fn enforcer_with(config: ProxyConfig) -> VethEnforcer {
         .resolver(Arc::new(resolver))
         .dialer(Arc::new(LoopbackOnly))
         .build()
-        .unwrap()
 }
