@@ -123,12 +123,38 @@ cargo test --workspace --locked -- --test-threads="${TEST_THREADS:-2}"
 
 step "examples (all but network_allowlist, which reaches PyPI through the egress proxy)"
 cargo build --locked -q -p agent-sandbox --all-features --examples
-for ex in quickstart dev_agent dev_server remote_agent warm_pool untrusted_code js_transform data_science; do
+# Each example runs where the tier it is written for is available; elsewhere (a user without
+# root, say) it is skipped on the probe's word.
+probe_json="$(cargo run --locked -q -p agent-sandbox-cli -- probe --json)"
+unavailable() { # tier...: the probe's reason when none of them is available, else nothing
+  /usr/bin/python3 -c '
+import json, sys
+tiers = {t["tier"]: t for t in json.loads(sys.argv[1])["tiers"]}
+wanted = sys.argv[2:]
+if not any(tiers.get(w, {}).get("available") for w in wanted):
+    print("; ".join(w + ": " + tiers.get(w, {}).get("reason", "not built") for w in wanted))
+' "$probe_json" "$@"
+}
+example() { # name tier... -- args
+  local ex="$1"; shift
+  local tiers=()
+  while [ "$#" -gt 0 ] && [ "$1" != "--" ]; do tiers+=("$1"); shift; done
+  [ "$#" -gt 0 ] && shift
   echo "--- example $ex"
-  cargo run --locked -q -p agent-sandbox --all-features --example "$ex"
-done
-echo "--- example image_python (the Debian image built above; Docker Hub is not reachable here)"
-cargo run --locked -q -p agent-sandbox --all-features --example image_python -- "oci:$test_image:python3"
+  local why
+  why="$(unavailable "${tiers[@]}")"
+  if [ -n "$why" ]; then
+    echo "SKIP: $why"
+    return
+  fi
+  cargo run --locked -q -p agent-sandbox --all-features --example "$ex" -- "$@"
+}
+example quickstart wasm container gvisor microvm
+for ex in dev_agent dev_server remote_agent warm_pool; do example "$ex" container; done
+example untrusted_code gvisor
+for ex in js_transform data_science; do example "$ex" wasm; done
+# The Debian image built above (Docker Hub is not reachable here).
+example image_python container gvisor -- "oci:$test_image:python3"
 
 step "README quick start in a fresh crate (debug profile, empty cache: downloads and compiles Python)"
 scripts/quickstart.sh
