@@ -31,6 +31,7 @@ prune() { # minutes
 # died with SIGBUS). Keep the newest test binary of each name and the newest two rlib/rmeta of
 # each workspace crate (two: a crate can be built with two feature sets in one build), and no
 # incremental sessions once the cache passes 30 GB. Cargo rebuilds anything it still needs.
+# A copy that is not this user's to remove (a cache shared with root) stays.
 dedupe() {
   for profile in debug release; do
     d="$CARGO_TARGET_DIR/$profile"
@@ -42,12 +43,12 @@ dedupe() {
       (cd "$d/$sub" && for f in $(ls -t | { grep -v '\.' || true; }); do
         root=$({ head -n 1 "$f.d" 2>/dev/null || true; } | awk '{ print $2 }' | awk -F/ '{ print $(NF-2) "/" $(NF-1) "/" $NF }')
         printf '%s %s\n' "$f" "${f%-*}:$root"
-      done | awk '{ if (seen[$2]++) print $1 }' | xargs -r rm -f)
+      done | awk '{ if (seen[$2]++) print $1 }' | xargs -r rm -f 2>/dev/null) || true
     done
     [ -d "$d/deps" ] || continue
     (cd "$d/deps" && ls -t | { grep -E '^lib(sandbox_|backend_|agent_sandbox|container_init|microvm_guest|gvisor_)' || true; } \
       | awk '{ n = $0; sub(/-[0-9a-f]+\.[a-z]+$/, "", n); e = $0; sub(/.*\./, "", e); if (seen[n "." e]++ >= 2) print }' \
-      | xargs -r rm -f)
+      | xargs -r rm -f 2>/dev/null) || true
   done
 }
 if [ -d "$CARGO_TARGET_DIR" ]; then
