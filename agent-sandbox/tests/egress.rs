@@ -60,18 +60,11 @@ fn enforcer() -> Option<(VethEnforcer, Arc<GuardDialer>)> {
         .with("other.test", &[ip("127.0.0.1")])
         .with("meta.test", &[ip("169.254.169.254")])
         .with("private.test", &[ip("10.201.0.5")]);
-    match VethEnforcer::builder()
+    let built = VethEnforcer::builder()
         .resolver(Arc::new(resolver))
         .dialer(dialer.clone())
-        .build()
-    {
-        Ok(e) => Some((e, dialer)),
-        Err(e @ sandbox_core::Error::Unavailable { .. }) => {
-            eprintln!("SKIP: {e}");
-            None
-        }
-        Err(e) => panic!("egress enforcer: {e}"),
-    }
+        .build();
+    Some((sandbox_egress::testing::enforcer_or_skip(built)?, dialer))
 }
 
 /// Why this host cannot run the suite for `tier`, if it cannot.

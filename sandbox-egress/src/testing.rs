@@ -23,6 +23,23 @@ fn other(e: impl std::fmt::Display) -> io::Error {
     io::Error::other(e.to_string())
 }
 
+/// The enforcer a test built, or `None` (after printing `SKIP:` and its reason) where it
+/// cannot run on this host: the test skips on the enforcer's own word (it needs root for
+/// network namespaces). Any other error is a failed test.
+#[cfg(target_os = "linux")]
+pub fn enforcer_or_skip(
+    built: sandbox_core::Result<crate::VethEnforcer>,
+) -> Option<crate::VethEnforcer> {
+    match built {
+        Ok(e) => Some(e),
+        Err(e @ sandbox_core::Error::Unavailable { .. }) => {
+            eprintln!("SKIP: {e}");
+            None
+        }
+        Err(e) => panic!("egress enforcer: {e}"),
+    }
+}
+
 /// A self-signed CA that signs leaves for test servers.
 pub struct TestCa {
     issuer: rcgen::CertifiedIssuer<'static, rcgen::KeyPair>,

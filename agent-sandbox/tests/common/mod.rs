@@ -61,19 +61,13 @@ pub fn enforcer(upstream_ca: CertificateDer<'static>, names: &[&str]) -> Option<
     for n in names {
         r = r.with(n, &["127.0.0.1".parse().unwrap()]);
     }
-    match VethEnforcer::builder()
-        .config(ProxyConfig::default().upstream_roots(vec![upstream_ca]))
-        .resolver(Arc::new(r))
-        .dialer(Arc::new(GuardDialer))
-        .build()
-    {
-        Ok(e) => Some(e),
-        Err(e @ sandbox_core::Error::Unavailable { .. }) => {
-            eprintln!("SKIP: {e}");
-            None
-        }
-        Err(e) => panic!("egress enforcer: {e}"),
-    }
+    sandbox_egress::testing::enforcer_or_skip(
+        VethEnforcer::builder()
+            .config(ProxyConfig::default().upstream_roots(vec![upstream_ca]))
+            .resolver(Arc::new(r))
+            .dialer(Arc::new(GuardDialer))
+            .build(),
+    )
 }
 
 /// One HTTP/1.1 request as a server received it.

@@ -48,14 +48,7 @@ pub(crate) fn enforcer() -> VethEnforcer {
 /// [`enforcer`], or `None` (after printing why) where it cannot run here: a test skips on
 /// the enforcer's own word (it needs root for network namespaces).
 pub(crate) fn try_enforcer() -> Option<VethEnforcer> {
-    match build(ProxyConfig::default()) {
-        Ok(e) => Some(e),
-        Err(e @ sandbox_core::Error::Unavailable { .. }) => {
-            eprintln!("SKIP: {e}");
-            None
-        }
-        Err(e) => panic!("egress enforcer: {e}"),
-    }
+    sandbox_egress::testing::enforcer_or_skip(build(ProxyConfig::default()))
 }
 
 /// [`enforcer`] whose proxy trusts `upstream_ca` for the TLS it intercepts (proxy-held
