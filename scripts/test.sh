@@ -106,16 +106,18 @@ test_image="$(scripts/test-image.sh)"
 
 step "Python clients the server tests drive (a venv, cached in /var/tmp/agent-sandbox-pyenv)"
 # openapi-spec-validator checks the document `agent-sandbox serve` publishes; `mcp`, the
-# official MCP Python SDK, drives `agent-sandbox mcp`.
+# official MCP Python SDK, drives `agent-sandbox mcp`; `e2b`, the official E2B Python SDK
+# (pinned: the E2B-compatible API is checked against this version's calls), drives its E2B API.
 py_env=/var/tmp/agent-sandbox-pyenv
-if ! "$py_env/bin/python" -c 'import openapi_spec_validator, mcp' 2>/dev/null \
-  && [ -n "$user_suffix" ]; then
+py_check='import openapi_spec_validator, mcp, e2b, importlib.metadata as m
+assert m.version("e2b") == "2.45.1", m.version("e2b")'
+if ! "$py_env/bin/python" -c "$py_check" 2>/dev/null && [ -n "$user_suffix" ]; then
   py_env="$py_env$user_suffix"
 fi
-if ! "$py_env/bin/python" -c 'import openapi_spec_validator, mcp' 2>/dev/null; then
+if ! "$py_env/bin/python" -c "$py_check" 2>/dev/null; then
   rm -rf "$py_env"
   /usr/bin/python3 -m venv "$py_env"
-  "$py_env/bin/pip" install -q 'openapi-spec-validator==0.9.*' 'mcp==2.3.*'
+  "$py_env/bin/pip" install -q 'openapi-spec-validator==0.9.*' 'mcp==2.3.*' 'e2b==2.45.1'
 fi
 export AGENT_SANDBOX_TEST_PYTHON="$py_env/bin/python"
 

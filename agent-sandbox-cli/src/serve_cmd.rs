@@ -88,6 +88,17 @@ pub(crate) struct ServeArgs {
     /// --keep` with the same state directory restores them under the same ids.
     #[arg(long)]
     keep: bool,
+    /// An E2B template (E2B's SDKs: `Sandbox.create("NAME")`): NAME=IMAGE[,tier=T]
+    /// [,memory=MIB][,cpus=N], IMAGE `-` for the tier's own userland. Repeat for several.
+    /// `base`, the SDKs' default, is built in (the tier's own userland) unless named here.
+    /// See docs/e2b.md.
+    #[arg(long, value_name = "NAME=IMAGE[,...]")]
+    template: Vec<agent_sandbox::server::e2b::Template>,
+    /// The domain E2B clients reach sandboxes under by host name (`PORT-ID.DOMAIN`, their
+    /// `E2B_DOMAIN`), when names under it resolve to this server. Without it, clients
+    /// address sandboxes by header (`E2B_SANDBOX_URL`).
+    #[arg(long, value_name = "DOMAIN")]
+    e2b_domain: Option<String>,
 }
 
 /// `agent-sandbox mcp`.
@@ -338,6 +349,12 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
     };
     if let Some(f) = &keep_file {
         config = config.keep_on_exit(f.clone());
+    }
+    for t in &args.template {
+        config = config.template(t.clone());
+    }
+    if let Some(d) = &args.e2b_domain {
+        config = config.e2b_domain(d.clone());
     }
     if !args.local {
         agent_sandbox::image::ImageStore::credentials_only_for_in_this_process(

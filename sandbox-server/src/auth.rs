@@ -254,12 +254,25 @@ pub async fn gate(State(gate): State<Gate>, mut req: Request, next: Next) -> Res
     let name = match &gate.clients {
         None => String::new(),
         Some(clients) => {
+            // E2B's SDKs send the token as their API key: `X-API-Key: e2b_<token>`.
+            let e2b_key = req.headers().get("x-api-key").map(|v| {
+                let k = v.as_bytes();
+                k.strip_prefix(b"e2b_").unwrap_or(k)
+            });
             let presented = req
                 .headers()
                 .get(header::AUTHORIZATION)
-                .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
+                .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+                .or(e2b_key);
             match presented.map(|p| clients.find(p)) {
                 Some(Some(n)) => n.to_string(),
+                Some(None) if e2b_key.is_some() => {
+                    return crate::e2b::api_error(
+                        StatusCode::UNAUTHORIZED,
+                        "the API key is not one of this server's (E2B_API_KEY is `e2b_` and \
+                         the server's token)",
+                    )
+                }
                 Some(None) => {
                     return ApiError::new(
                         StatusCode::UNAUTHORIZED,

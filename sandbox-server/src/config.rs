@@ -65,6 +65,13 @@ pub struct ServerConfig {
     /// Which build this server is, reported by `GET /v1/tiers` (e.g. the CLI's version and
     /// its executable's identity). Default `None`.
     pub build: Option<String>,
+    /// The templates E2B clients create sandboxes from (see [`crate::e2b`]); `base` is built
+    /// in unless one is named so. Default: `base` alone.
+    pub templates: Vec<crate::e2b::Template>,
+    /// The domain under which E2B clients reach sandboxes by host name (`PORT-ID.DOMAIN`,
+    /// their `E2B_DOMAIN`), when names under it resolve to this server. `None` (the
+    /// default): clients address sandboxes by header (`E2B_SANDBOX_URL`).
+    pub e2b_domain: Option<String>,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -87,6 +94,8 @@ impl std::fmt::Debug for ServerConfig {
             .field("warm", &self.warm)
             .field("warm_idle", &self.warm_idle)
             .field("build", &self.build)
+            .field("templates", &self.templates)
+            .field("e2b_domain", &self.e2b_domain)
             .finish()
     }
 }
@@ -108,6 +117,8 @@ impl Default for ServerConfig {
             warm: 0,
             warm_idle: Duration::from_secs(300),
             build: None,
+            templates: Vec::new(),
+            e2b_domain: None,
         }
     }
 }
@@ -192,6 +203,18 @@ impl ServerConfig {
     /// Sets [`build`](Self::build).
     pub fn build(mut self, build: impl Into<String>) -> Self {
         self.build = Some(build.into());
+        self
+    }
+
+    /// Adds an E2B template ([`templates`](Self::templates)).
+    pub fn template(mut self, t: crate::e2b::Template) -> Self {
+        self.templates.push(t);
+        self
+    }
+
+    /// Sets [`e2b_domain`](Self::e2b_domain).
+    pub fn e2b_domain(mut self, domain: impl Into<String>) -> Self {
+        self.e2b_domain = Some(domain.into());
         self
     }
 

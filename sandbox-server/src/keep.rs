@@ -98,6 +98,7 @@ pub(crate) async fn restore_kept(shared: &Shared, file: &Path) -> (usize, Vec<St
                     life,
                     owner: auth::Caller(k.owner.into()),
                     procs: Default::default(),
+                    e2b: Default::default(),
                 };
                 shared.lock().insert(entry.info.id.clone(), Arc::new(entry));
                 let _ = store.delete(&k.snapshot).await;

@@ -37,6 +37,7 @@ pub use sandbox_api as api;
 mod access;
 pub mod auth;
 mod config;
+pub mod e2b;
 pub mod error;
 mod keep;
 mod lifetime;
@@ -72,6 +73,8 @@ struct Entry {
     owner: auth::Caller,
     /// Its processes spawned through the API.
     procs: processes::Table,
+    /// What E2B's API knows of it (set at an E2B create, or when E2B's API first sees it).
+    e2b: e2b::Slot,
 }
 
 impl Entry {

@@ -15,7 +15,12 @@ use crate::{Entry, Shared};
 /// A sandbox's lifetime and the state the reaper and the requests share.
 pub(crate) struct Lifetime {
     spec: LifetimeSpec,
-    created: Instant,
+    /// When the sandbox is destroyed, in use or not: its TTL from its creation, moved by a
+    /// client that sets a new timeout ([`set_deadline`](Self::set_deadline)).
+    deadline: Mutex<Option<Instant>>,
+    /// Pause at the deadline instead of destroying (E2B's `autoPause`); the sandbox then
+    /// waits, paused, for a client to resume it.
+    pause_at_deadline: AtomicBool,
     /// Requests using the sandbox now.
     active: AtomicUsize,
     /// When the last request using it ended (or when it was created).
@@ -33,8 +38,9 @@ impl Lifetime {
     pub(crate) fn new(spec: LifetimeSpec) -> Self {
         let now = Instant::now();
         Lifetime {
+            deadline: Mutex::new(spec.ttl_s.map(|t| now + secs(t))),
+            pause_at_deadline: AtomicBool::new(false),
             spec,
-            created: now,
             active: AtomicUsize::new(0),
             last_used: Mutex::new(now),
             paused: tokio::sync::Mutex::new(Paused::No),
@@ -72,9 +78,23 @@ impl Lifetime {
     }
 
     fn expired(&self, now: Instant) -> bool {
-        self.spec
-            .ttl_s
-            .is_some_and(|t| now.saturating_duration_since(self.created) >= secs(t))
+        self.deadline().is_some_and(|d| now >= d)
+    }
+
+    /// When the sandbox will be destroyed (`None`: not for its age).
+    pub(crate) fn deadline(&self) -> Option<Instant> {
+        *self.deadline.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Destroys the sandbox at `at` instead (E2B's "set timeout": counted from now);
+    /// `None`: not for its age.
+    pub(crate) fn set_deadline(&self, at: Option<Instant>) {
+        *self.deadline.lock().unwrap_or_else(|p| p.into_inner()) = at;
+    }
+
+    /// Pauses the sandbox at its deadline instead of destroying it.
+    pub(crate) fn pause_at_deadline(&self, pause: bool) {
+        self.pause_at_deadline.store(pause, Ordering::SeqCst);
     }
 
     /// The idle action due now, if any (never while a request uses the sandbox).
@@ -193,6 +213,32 @@ pub(crate) async fn reap(shared: Arc<Shared>) {
 async fn reap_one(shared: &Shared, e: Arc<Entry>) {
     let now = Instant::now();
     let life = &e.life;
+    if life.expired(now) && life.pause_at_deadline.load(Ordering::SeqCst) {
+        let mut paused = life.paused.lock().await;
+        if life.active.load(Ordering::SeqCst) > 0 {
+            // In use: paused at the first moment it is not.
+            return;
+        }
+        let done = *paused != Paused::No
+            || {
+                match e.sandbox.pause().await {
+                    Ok(()) => true,
+                    Err(err) => {
+                        tracing::warn!(sandbox = %e.info.id, error = %err, "pause at its timeout failed: destroyed instead");
+                        false
+                    }
+                }
+            };
+        if done {
+            life.set(&mut paused, Paused::Client);
+            life.set_deadline(None);
+            tracing::info!(sandbox = %e.info.id, "paused: its timeout ran out");
+            return;
+        }
+        life.reaped.store(true, Ordering::SeqCst);
+        remove_and_destroy(shared, &e, "its timeout ran out and it could not be paused");
+        return;
+    }
     if life.expired(now) {
         let _paused = life.paused.lock().await;
         life.reaped.store(true, Ordering::SeqCst);

@@ -60,7 +60,18 @@ pub fn serve_in(dir: tempfile::TempDir) -> (Serve, String) {
 
 /// The server with `dir` as its state directory, extra arguments and environment.
 pub fn serve_with(dir: tempfile::TempDir, args: &[&str], env: &[(&str, &str)]) -> (Serve, String) {
-    let token = "t".repeat(40);
+    serve_with_token(dir, &"t".repeat(40), args, env)
+}
+
+/// [`serve_with`], the bearer token `token` (in `dir`'s token file): for clients that
+/// constrain its form, as the E2B SDK wants lowercase hex.
+pub fn serve_with_token(
+    dir: tempfile::TempDir,
+    token: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (Serve, String) {
+    let token = token.to_string();
     let file = dir.path().join("token");
     std::fs::write(&file, &token).unwrap();
     std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();

@@ -41,7 +41,7 @@ fn now_rfc3339() -> String {
 /// Puts a new sandbox in the table, or destroys it: when its tier cannot honour the
 /// lifetime (pausing without pause), or when creates that raced past [`room`] filled the
 /// server meanwhile.
-pub(super) async fn admit(
+pub(crate) async fn admit(
     s: &Shared,
     caller: &Caller,
     sandbox: Box<dyn Sandbox>,
@@ -81,6 +81,7 @@ pub(super) async fn admit(
                     life: Lifetime::new(lifetime),
                     owner: caller.clone(),
                     procs: Default::default(),
+                    e2b: Default::default(),
                 }),
             );
         }

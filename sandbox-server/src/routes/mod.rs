@@ -1,4 +1,4 @@
-//! The HTTP routes: the v1 table, the layers every route family shares (body limit, request
+//! The HTTP routes: the v1 table, E2B's API beside it ([`crate::e2b`]), the layers every route family shares (body limit, request
 //! timeout, the client gate, a JSON 404 for a path without an endpoint) and the v1 handlers
 //! about the server itself (its OpenAPI document, its tiers). The handlers of each family are
 //! in a module of their own (see [`crate::openapi`] for the document clients read); a new
@@ -26,7 +26,9 @@ use crate::{processes, Shared};
 pub(crate) fn router(shared: Arc<Shared>, gate_state: Gate) -> Router {
     let limit = shared.config.body_limit;
     let timeout = shared.config.request_timeout;
-    v1().fallback(no_route)
+    let envd = crate::e2b::envd_routes(limit);
+    v1().merge(crate::e2b::control_routes())
+        .fallback(no_route)
         .layer(DefaultBodyLimit::max(limit))
         .layer(middleware::from_fn(
             move |req: Request, next: Next| async move {
@@ -42,6 +44,11 @@ pub(crate) fn router(shared: Arc<Shared>, gate_state: Gate) -> Router {
             },
         ))
         .layer(middleware::from_fn_with_state(gate_state, gate))
+        // Requests addressed to a sandbox (E2B's envd) are checked against its own token.
+        .layer(middleware::from_fn_with_state(
+            (Arc::clone(&shared), envd),
+            crate::e2b::dispatch,
+        ))
         .with_state(shared)
 }
 

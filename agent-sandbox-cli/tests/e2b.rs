@@ -1,0 +1,99 @@
+//! `agent-sandbox serve`'s E2B-compatible API driven by the official E2B Python SDK (`e2b`
+//! from PyPI, the version `scripts/test.sh` pins), pointed at the server the way E2B's users
+//! point it at a self-hosted E2B: `E2B_API_URL` and `E2B_SANDBOX_URL` the server's URL,
+//! `E2B_API_KEY` `e2b_` and its bearer token. Through the SDK's public sync API only,
+//! `tests/e2b/scenario.py` proves on the container tier that a sandbox created with metadata and
+//! environment variables runs commands (its environment, a command's own environment and
+//! working directory, stdout and stderr apart, a failure's exit code); that files go in and
+//! out (text, bytes, a multi-file upload, listing, entry info, directories, renaming,
+//! removing, a missing file), the same files the commands see; that a background command is
+//! listed, killed, fed stdin, and outlives a disconnected stream to be reconnected to; that a
+//! PTY has the size asked for and is resized; that sandboxes are listed and filtered by
+//! metadata, have their timeout set, are paused and resumed by connecting with their files
+//! kept, are killed and then not found; and that another API key is refused.
+//! `scripts/test.sh` installs the SDK in a venv and sets `AGENT_SANDBOX_TEST_PYTHON`; without
+//! it, or without the container tier, the test says so and skips.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod served;
+
+use std::ffi::OsString;
+use std::process::Command;
+use std::time::Duration;
+
+/// The server's bearer token: the SDK accepts only API keys of the form `e2b_` + lowercase hex.
+const TOKEN: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+/// How long the whole scenario may take before `timeout` stops it (exit status 124).
+const SCENARIO_LIMIT_S: &str = "300";
+
+/// The Python to run the scenario with: `AGENT_SANDBOX_TEST_PYTHON`, if it has the SDK.
+fn python() -> Option<OsString> {
+    let Some(python) = std::env::var_os("AGENT_SANDBOX_TEST_PYTHON") else {
+        eprintln!(
+            "SKIP: AGENT_SANDBOX_TEST_PYTHON is not set (scripts/test.sh sets it to a venv with \
+             the `e2b` SDK)"
+        );
+        return None;
+    };
+    let probe = Command::new(&python)
+        .args(["-c", "import e2b"])
+        .output()
+        .unwrap();
+    if !probe.status.success() {
+        eprintln!(
+            "SKIP: {} cannot import the `e2b` SDK (scripts/test.sh installs it): {}",
+            python.to_string_lossy(),
+            String::from_utf8_lossy(&probe.stderr).trim()
+        );
+        return None;
+    }
+    Some(python)
+}
+
+#[test]
+fn the_official_e2b_sdk_drives_container_sandboxes() {
+    let Some(python) = python() else { return };
+    if let Some(why) = served::container_available() {
+        eprintln!("SKIP: the container tier is not available here: {why}");
+        return;
+    }
+    let (mut s, _) = served::serve_with_token(tempfile::tempdir().unwrap(), TOKEN, &[], &[]);
+    let url = s.base.trim_end_matches('/').to_string();
+    let scenario = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b/scenario.py");
+    // A clean environment: no E2B_DOMAIN or E2B_DEBUG of the caller's to redirect the SDK, no
+    // proxy between it and the loopback server.
+    let out = Command::new("timeout")
+        .args(["--kill-after=10", SCENARIO_LIMIT_S])
+        .arg(python)
+        .arg(scenario)
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .env("E2B_API_URL", &url)
+        .env("E2B_SANDBOX_URL", &url)
+        .env("E2B_API_KEY", format!("e2b_{TOKEN}"))
+        .output()
+        .unwrap();
+
+    // SIGTERM: the server destroys what a failed scenario left behind (30 s at most; past
+    // that, the drop kills it).
+    // SAFETY: kill(2) of our own child.
+    unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
+    for _ in 0..300 {
+        if s.child.try_wait().unwrap().is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.trim_end().ends_with("all ok"),
+        "scenario.py: {} (124: it ran past {SCENARIO_LIMIT_S} s)\n--- stdout ---\n{stdout}\
+         --- stderr ---\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -1,0 +1,351 @@
+"""Drives `agent-sandbox serve`'s E2B-compatible API with the official E2B Python SDK (`e2b`
+from PyPI, the version scripts/test.sh pins), through its public sync API only, as an E2B user
+would: `python scenario.py [STEP...]` with E2B_API_URL and E2B_SANDBOX_URL set to the server's
+base URL and E2B_API_KEY to "e2b_" + its bearer token.
+
+Every step runs by default, in the order of STEPS; naming some runs only those (in that same
+order), to narrow a failure. Each passed step prints `ok: STEP`, the whole run `all ok`; a
+failed check is an AssertionError saying what was expected and what came.
+
+Nothing here assumes E2B's /home/user: the sandbox's home, where commands start and relative
+paths resolve, is whatever `pwd` says (the working directory, /workspace on our tiers)."""
+import os
+import posixpath
+import sys
+from datetime import datetime, timezone
+
+from e2b import (
+    AuthenticationException,
+    CommandExitException,
+    FileNotFoundException,
+    FileType,
+    PtySize,
+    Sandbox,
+    SandboxNotFoundException,
+    SandboxQuery,
+    SandboxState,
+)
+
+METADATA = {"suite": "e2b"}
+
+
+class Run:
+    """The sandbox the steps share, made on first use and killed at the end (by the lifecycle
+    step, or else by `close`)."""
+
+    def __init__(self):
+        self._sandbox = None
+        self._home = None
+        self.killed = False
+
+    @property
+    def sandbox(self):
+        if self._sandbox is None:
+            sb = Sandbox.create(timeout=120, metadata=METADATA, envs={"GREETING": "hi"})
+            assert sb.sandbox_id, f"created a sandbox without an id: {sb!r}"
+            self._sandbox = sb
+            print(f"ok: create ({sb.sandbox_id})", flush=True)
+        return self._sandbox
+
+    @property
+    def home(self):
+        """The sandbox's home: where commands start and relative paths resolve."""
+        if self._home is None:
+            pwd = self.sandbox.commands.run("pwd").stdout.strip()
+            assert pwd.startswith("/"), f"pwd printed {pwd!r}, not an absolute path"
+            self._home = pwd
+        return self._home
+
+    def close(self):
+        if self._sandbox is not None and not self.killed:
+            try:
+                self._sandbox.kill()
+            except Exception as e:  # the run's own failure, if any, is what matters
+                print(f"(could not kill {self._sandbox.sandbox_id}: {e!r})", file=sys.stderr)
+
+
+def expect(exc_type, what, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` must raise `exc_type`; returns the exception."""
+    try:
+        got = fn(*args, **kwargs)
+    except exc_type as e:
+        return e
+    except Exception as e:
+        raise AssertionError(f"{what}: expected {exc_type.__name__}, got {e!r}") from e
+    raise AssertionError(f"{what}: expected {exc_type.__name__}, got a result: {got!r}")
+
+
+def ids(paginator):
+    """The ids of every sandbox a `Sandbox.list()` paginator yields, all pages."""
+    return [info.sandbox_id for info in listed(paginator)]
+
+
+def listed(paginator):
+    items = []
+    while paginator.has_next:
+        items.extend(paginator.next_items())
+    return items
+
+
+def step_commands(run):
+    """Foreground commands: the sandbox's environment variables, its home, a command's own
+    environment and working directory, stdout and stderr apart, a non-zero exit."""
+    sb = run.sandbox
+    r = sb.commands.run("echo $GREETING; pwd")
+    assert r.exit_code == 0, f"exit code {r.exit_code}: {r!r}"
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2, f"expected two lines (GREETING, pwd), got {r.stdout!r}"
+    assert lines[0] == "hi", f"the sandbox's envs= did not reach the command: {r.stdout!r}"
+    assert lines[1] == run.home, f"pwd said {lines[1]!r}, then {run.home!r}"
+
+    r = sb.commands.run('echo "$FOO"; pwd', envs={"FOO": "bar"}, cwd="/tmp")
+    assert r.stdout == "bar\n/tmp\n", f"envs=/cwd= of the command: {r.stdout!r}"
+
+    out, err = [], []
+    r = sb.commands.run(
+        "echo out; echo err >&2", on_stdout=out.append, on_stderr=err.append
+    )
+    assert (r.stdout, r.stderr) == ("out\n", "err\n"), f"stdout/stderr: {r!r}"
+    assert ("".join(out), "".join(err)) == ("out\n", "err\n"), f"callbacks: {out!r} {err!r}"
+
+    e = expect(
+        CommandExitException, "exit 3", sb.commands.run, "echo oops >&2; exit 3"
+    )
+    assert e.exit_code == 3, f"exit code {e.exit_code}, not 3: {e!r}"
+    assert e.stderr == "oops\n", f"stderr of the failed command: {e.stderr!r}"
+
+
+def step_files(run):
+    """The filesystem: text and bytes in and out, a multi-file upload, listing, existence,
+    entry info, directories, renaming, removing, a missing file; and the same files seen by
+    commands, relative paths resolving to the same home."""
+    files, home = run.sandbox.files, run.home
+
+    w = files.write("hello.txt", "hello e2b\n")
+    assert w.name == "hello.txt", f"write returned {w!r}"
+    assert w.path == posixpath.join(home, "hello.txt"), f"write returned {w!r} (home {home})"
+    assert files.read("hello.txt") == "hello e2b\n"
+
+    blob = bytes(range(256))
+    files.write("blob.bin", blob)
+    got = files.read("blob.bin", format="bytes")
+    assert bytes(got) == blob, f"bytes came back as {bytes(got)!r}"
+
+    # Two files in one upload, one of them into a directory that did not exist.
+    written = files.write_files(
+        [
+            {"path": "multi/one.txt", "data": "one"},
+            {"path": "multi/two.bin", "data": b"\x00two"},
+        ]
+    )
+    assert sorted(w.name for w in written) == ["one.txt", "two.bin"], f"{written!r}"
+    assert files.read("multi/one.txt") == "one"
+    assert bytes(files.read("multi/two.bin", format="bytes")) == b"\x00two"
+
+    top = {e.name: e for e in files.list(".")}
+    for name in ("hello.txt", "blob.bin", "multi"):
+        assert name in top, f"{name} not listed in {sorted(top)}"
+    assert top["hello.txt"].type == FileType.FILE, f"{top['hello.txt']!r}"
+    assert top["multi"].type == FileType.DIR, f"{top['multi']!r}"
+    inner = sorted(e.name for e in files.list("multi"))
+    assert inner == ["one.txt", "two.bin"], f"multi/ lists {inner}"
+
+    assert files.exists("hello.txt") is True
+    assert files.exists("multi") is True
+    assert files.exists("nope.txt") is False
+
+    info = files.get_info("blob.bin")
+    assert info.type == FileType.FILE, f"{info!r}"
+    assert info.size == 256, f"size {info.size}, not 256: {info!r}"
+    assert info.name == "blob.bin", f"{info!r}"
+    assert info.path == posixpath.join(home, "blob.bin"), f"{info!r} (home {home})"
+
+    assert files.make_dir("d/e") is True, "make_dir of a new directory"
+    assert files.make_dir("d/e") is False, "make_dir of an existing directory"
+    assert files.get_info("d/e").type == FileType.DIR
+
+    moved = files.rename("hello.txt", "d/e/moved.txt")
+    assert moved.name == "moved.txt", f"rename returned {moved!r}"
+    assert moved.path == posixpath.join(home, "d/e/moved.txt"), f"{moved!r}"
+    assert files.exists("hello.txt") is False, "the old name is still there"
+    assert files.read("d/e/moved.txt") == "hello e2b\n"
+
+    # Commands see what the files API wrote, and the other way round.
+    r = run.sandbox.commands.run("cat d/e/moved.txt multi/one.txt")
+    assert r.stdout == "hello e2b\none", f"cat saw {r.stdout!r}"
+    run.sandbox.commands.run("echo made > made.txt; echo abs > /tmp/abs.txt")
+    assert files.read("made.txt") == "made\n"
+    assert files.read("/tmp/abs.txt") == "abs\n", "an absolute path"
+
+    files.remove("blob.bin")
+    assert files.exists("blob.bin") is False, "a removed file"
+    files.remove("d")  # a directory with what is in it
+    assert files.exists("d") is False, "a removed directory"
+
+    expect(FileNotFoundException, "reading a missing file", files.read, "missing.txt")
+
+
+def step_background(run):
+    """A background command: listed while it runs, killed, its end an error, then gone."""
+    cmds = run.sandbox.commands
+    h = cmds.run("sleep 30", background=True)
+    assert isinstance(h.pid, int) and h.pid > 0, f"pid {h.pid!r}"
+    mine = [p for p in cmds.list() if p.pid == h.pid]
+    assert mine, f"pid {h.pid} not in commands.list()"
+    assert any("sleep 30" in a for a in [mine[0].cmd, *mine[0].args]), f"{mine[0]!r}"
+
+    assert cmds.kill(h.pid) is True, "kill of a running command"
+    e = expect(CommandExitException, "wait for a killed command", h.wait)
+    assert e.exit_code != 0, f"{e!r}"
+    assert h.pid not in [p.pid for p in cmds.list()], "a killed command is still listed"
+    assert cmds.kill(h.pid) is False, "kill of a command that is gone"
+
+
+def step_stdin(run):
+    """A command's stdin: written to, then closed (EOF), the command's output its input."""
+    cmds = run.sandbox.commands
+    h = cmds.run("cat", background=True, stdin=True)
+    cmds.send_stdin(h.pid, "hello\n")
+    cmds.close_stdin(h.pid)
+    r = h.wait()
+    assert r.stdout == "hello\n", f"cat echoed {r.stdout!r}"
+
+
+def step_connect(run):
+    """A background command outlives its stream: disconnected, it keeps running, and a new
+    stream to it sees the rest of its output and its end."""
+    cmds = run.sandbox.commands
+    h = cmds.run("for i in 1 2 3; do echo $i; sleep 1; done", background=True)
+    pid = h.pid
+    h.disconnect()
+    assert pid in [p.pid for p in cmds.list()], "a disconnected command stopped running"
+    h2 = cmds.connect(pid)
+    assert h2.pid == pid, f"connected to {h2.pid}, not {pid}"
+    r = h2.wait()
+    assert r.exit_code == 0, f"{r!r}"
+    lines = r.stdout.splitlines()
+    assert lines and set(lines) <= {"1", "2", "3"} and lines[-1] == "3", f"{r.stdout!r}"
+
+
+def step_pty(run):
+    """A PTY: an interactive shell whose terminal has the size asked for, resized, exiting."""
+    sb = run.sandbox
+    h = sb.pty.create(PtySize(rows=24, cols=80), timeout=30)
+    seen = bytearray()
+    resized_at = None
+    sb.pty.send_stdin(h.pid, b"stty size\n")
+    try:
+        for _, _, chunk in h:
+            if chunk:
+                seen += chunk
+            if resized_at is None and b"24 80" in seen:
+                sb.pty.resize(h.pid, PtySize(rows=30, cols=100))
+                resized_at = len(seen)
+                sb.pty.send_stdin(h.pid, b"stty size; exit\n")
+    except Exception as e:
+        raise AssertionError(f"the PTY's stream ended with {e!r}; it printed {bytes(seen)!r}")
+    assert resized_at is not None, f"no '24 80' from stty size: {bytes(seen)!r}"
+    assert b"30 100" in seen[resized_at:], f"no '30 100' after resize: {bytes(seen)!r}"
+    r = h.wait()
+    assert r.exit_code == 0, f"the PTY's shell exited with {r!r}"
+
+
+def step_lifecycle(run):
+    """The sandbox as an API object: listed (with metadata, filtered by it), its timeout set,
+    its info, running; connected to; paused and resumed by connecting, its files kept; killed,
+    and then not found."""
+    sb = run.sandbox
+    sid = sb.sandbox_id
+
+    found = [i for i in listed(Sandbox.list()) if i.sandbox_id == sid]
+    assert found, f"{sid} not in Sandbox.list()"
+    assert found[0].metadata.get("suite") == "e2b", f"listed with {found[0].metadata!r}"
+    assert found[0].state == SandboxState.RUNNING, f"listed as {found[0].state!r}"
+    assert sid in ids(Sandbox.list(query=SandboxQuery(metadata=METADATA))), "metadata filter"
+    other = ids(Sandbox.list(query=SandboxQuery(metadata={"suite": "other"})))
+    assert sid not in other, "listed under metadata it does not have"
+
+    sb.set_timeout(60)
+    info = sb.get_info()
+    assert info.sandbox_id == sid, f"{info!r}"
+    assert info.state == SandboxState.RUNNING, f"{info!r}"
+    assert info.metadata.get("suite") == "e2b", f"{info!r}"
+    assert info.end_at.tzinfo is not None, f"endAt without a time zone: {info.end_at!r}"
+    left = (info.end_at - datetime.now(timezone.utc)).total_seconds()
+    assert 0 < left <= 65, f"{left:.0f} s left after set_timeout(60): {info!r}"
+    assert sb.is_running() is True
+
+    # Connecting to a running sandbox, as from elsewhere: the same one.
+    same = Sandbox.connect(sid)
+    assert same.sandbox_id == sid
+    assert same.commands.run("echo $GREETING").stdout == "hi\n"
+
+    sb.files.write("kept.txt", "kept")
+    assert sb.pause() is True, "pause of a running sandbox"
+    assert Sandbox.get_info(sid).state == SandboxState.PAUSED
+    assert sb.pause() is False, "pause of a paused sandbox"
+    resumed = Sandbox.connect(sid)
+    assert resumed.sandbox_id == sid
+    assert resumed.get_info().state == SandboxState.RUNNING, "connect did not resume it"
+    r = resumed.commands.run("cat kept.txt")
+    assert r.stdout == "kept", f"after resume: {r.stdout!r}"
+
+    assert resumed.kill() is True, "kill of a sandbox"
+    run.killed = True
+    expect(SandboxNotFoundException, "get_info of a killed sandbox", Sandbox.get_info, sid)
+    expect(SandboxNotFoundException, "connect to a killed sandbox", Sandbox.connect, sid)
+    assert Sandbox.kill(sid) is False, "kill of a killed sandbox"
+    assert sid not in ids(Sandbox.list()), "a killed sandbox is still listed"
+
+
+def step_auth(run):
+    """Another key (well-formed, not the server's) is refused."""
+    key = os.environ["E2B_API_KEY"]
+    assert key.startswith("e2b_"), "E2B_API_KEY must be e2b_ + the server's hex token"
+    hexdigits = "0123456789abcdef"
+    wrong = "e2b_" + "".join(hexdigits[(hexdigits.index(c) + 1) % 16] for c in key[4:])
+    try:
+        made = Sandbox.create(timeout=30, api_key=wrong)
+    except AuthenticationException:
+        pass
+    else:
+        Sandbox.kill(made.sandbox_id)
+        raise AssertionError("a sandbox was created with a wrong API key")
+    expect(
+        AuthenticationException,
+        "listing with a wrong API key",
+        lambda: Sandbox.list(api_key=wrong).next_items(),
+    )
+
+
+STEPS = {
+    "commands": step_commands,
+    "files": step_files,
+    "background": step_background,
+    "stdin": step_stdin,
+    "connect": step_connect,
+    "pty": step_pty,
+    "lifecycle": step_lifecycle,  # kills the shared sandbox: last of those that use it
+    "auth": step_auth,
+}
+
+
+def main(argv):
+    unknown = [a for a in argv if a not in STEPS]
+    if unknown:
+        sys.exit(f"unknown step(s) {unknown}; the steps: {' '.join(STEPS)}")
+    for var in ("E2B_API_URL", "E2B_SANDBOX_URL", "E2B_API_KEY"):
+        assert os.environ.get(var), f"{var} is not set"
+    chosen = [name for name in STEPS if not argv or name in argv]
+    run = Run()
+    try:
+        for name in chosen:
+            STEPS[name](run)
+            print(f"ok: {name}", flush=True)
+    finally:
+        run.close()
+    print("all ok", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

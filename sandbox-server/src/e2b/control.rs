@@ -1,0 +1,786 @@
+//! E2B's control plane (`spec/openapi.yml` of e2b-dev/E2B): sandboxes created from
+//! templates, listed, inspected, timed out, paused, resumed on connect, killed; what one
+//! self-hosted server does not have (teams, billing, API keys, nodes, volumes, secrets,
+//! template builds) answers 501 saying so. Behind the same gate as API v1: the SDKs' key
+//! (`X-API-Key: e2b_<token>`) is a client's token, and a client sees only its sandboxes.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{any, get, post, put};
+use axum::{Json, Router};
+use sandbox_core::policy::{Cidr, DenyRule, HostRule};
+use sandbox_core::NetworkPolicy;
+use serde::Deserialize;
+use time::OffsetDateTime;
+
+use super::{
+    failure as api_error, meta, rfc3339, set_meta, Failure, Meta, Templates, ENVD_VERSION,
+};
+use crate::api::{LifetimeSpec, SandboxState};
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::{lifetime, Entry, Shared};
+
+/// Longest timeout a sandbox may have, as E2B's (a day).
+const MAX_TIMEOUT_S: u64 = 24 * 3600;
+
+/// The control plane's routes.
+pub(crate) fn routes() -> Router<Arc<Shared>> {
+    Router::new()
+        .route("/sandboxes", post(create).get(list_v1))
+        .route("/v2/sandboxes", get(list_v2))
+        .route("/sandboxes/{id}", get(detail).delete(kill))
+        .route("/sandboxes/{id}/timeout", post(set_timeout))
+        .route("/sandboxes/{id}/refreshes", post(refresh))
+        .route("/sandboxes/{id}/pause", post(pause))
+        .route("/sandboxes/{id}/resume", post(resume))
+        .route("/sandboxes/{id}/connect", post(connect))
+        .route("/sandboxes/{id}/network", put(network))
+        .route("/sandboxes/{id}/metrics", get(not_yet_metrics))
+        .route("/sandboxes/metrics", get(not_yet_metrics))
+        .route("/sandboxes/{id}/logs", get(no_logs))
+        .route("/v2/sandboxes/{id}/logs", get(no_logs))
+        .route("/sandboxes/{id}/snapshots", post(not_yet_snapshots))
+        .route("/sandboxes/{id}/fork", post(not_yet_snapshots))
+        .route("/snapshots", any(not_yet_snapshots))
+        .route("/templates", get(templates).post(no_builds))
+        .route("/templates/{*rest}", any(no_builds))
+        .route("/v2/templates", any(no_builds))
+        .route("/v2/templates/{*rest}", any(no_builds))
+        .route("/v3/templates", any(no_builds))
+        .route("/teams", any(not_here))
+        .route("/teams/{*rest}", any(not_here))
+        .route("/nodes", any(not_here))
+        .route("/nodes/{*rest}", any(not_here))
+        .route("/admin/{*rest}", any(not_here))
+        .route("/access-tokens", any(not_here))
+        .route("/access-tokens/{*rest}", any(not_here))
+        .route("/api-keys", any(not_here))
+        .route("/api-keys/{*rest}", any(not_here))
+        .route("/volumes", any(not_here))
+        .route("/volumes/{*rest}", any(not_here))
+        .route("/secrets", any(not_here))
+        .route("/secrets/{*rest}", any(not_here))
+        .route("/health", get(|| async { StatusCode::OK }))
+}
+
+/// An answer of the control plane: its errors in E2B's shape.
+type Answer<T> = Result<T, Failure>;
+
+fn e2b(e: ApiError) -> Failure {
+    api_error(e.status, e.message)
+}
+
+fn not_found(id: &str) -> Failure {
+    api_error(StatusCode::NOT_FOUND, format!("sandbox {id} not found"))
+}
+
+fn bad(message: impl Into<String>) -> Failure {
+    api_error(StatusCode::BAD_REQUEST, message)
+}
+
+fn unsupported(what: &str) -> Failure {
+    api_error(
+        StatusCode::NOT_IMPLEMENTED,
+        format!("{what} is not supported by this agent-sandbox server (see docs/e2b.md)"),
+    )
+}
+
+/// A JSON body, which E2B's clients may leave out; bad JSON is a 400 in E2B's shape.
+fn body<T: Default + serde::de::DeserializeOwned>(b: Result<Bytes, BytesRejection>) -> Answer<T> {
+    crate::routes::body::optional_json(b).map_err(e2b)
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct NewSandbox {
+    #[serde(rename = "templateID")]
+    template_id: String,
+    timeout: Option<u64>,
+    #[serde(default)]
+    auto_pause: bool,
+    auto_pause_memory: Option<bool>,
+    auto_resume: Option<AutoResume>,
+    secure: Option<bool>,
+    #[serde(rename = "allow_internet_access")]
+    allow_internet_access: Option<bool>,
+    network: Option<Network>,
+    #[serde(default)]
+    metadata: BTreeMap<String, String>,
+    #[serde(default)]
+    env_vars: BTreeMap<String, String>,
+    mcp: Option<serde_json::Value>,
+    iam: Option<serde_json::Value>,
+    #[serde(default)]
+    volume_mounts: Vec<serde_json::Value>,
+}
+
+#[derive(Deserialize, Default, Clone)]
+struct AutoResume {
+    #[serde(default)]
+    enabled: serde_json::Value,
+}
+
+#[derive(Deserialize, Default, Clone, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Network {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    allow_public_traffic: Option<bool>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    allow_out: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    deny_out: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    egress_proxy: Option<serde_json::Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    mask_request_host: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    rules: Option<serde_json::Value>,
+}
+
+/// E2B's egress settings as our policy: the internet (E2B's default) minus `denyOut`; with
+/// the internet off or all of it denied (`0.0.0.0/0`), only `allowOut`. Link-local and, on
+/// a server, its loopback and private networks stay refused whatever they say.
+fn policy(allow_internet: Option<bool>, net: &Network) -> Answer<NetworkPolicy> {
+    if net.egress_proxy.is_some() {
+        return Err(unsupported("`network.egressProxy`"));
+    }
+    if net.mask_request_host.is_some() {
+        return Err(unsupported("`network.maskRequestHost`"));
+    }
+    if net.rules.as_ref().is_some_and(|r| !r.is_null()) {
+        return Err(unsupported("`network.rules` (request transforms)"));
+    }
+    let invalid = |e: sandbox_core::Error| bad(e.to_string());
+    let all = |d: &String| d == "0.0.0.0/0" || d == "::/0";
+    let internet = allow_internet.unwrap_or(true) && !net.deny_out.iter().any(all);
+    if internet {
+        if !net.allow_out.is_empty() && !net.deny_out.is_empty() {
+            return Err(unsupported(
+                "`allowOut` beside a `denyOut` that is not all of `0.0.0.0/0` (exceptions \
+                 inside denied ranges)",
+            ));
+        }
+        let deny = net
+            .deny_out
+            .iter()
+            .map(|d| d.parse::<DenyRule>())
+            .collect::<Result<_, _>>()
+            .map_err(invalid)?;
+        return Ok(NetworkPolicy::AllowInternet {
+            deny,
+            private: Vec::new(),
+        });
+    }
+    if net.allow_out.is_empty() {
+        return Ok(NetworkPolicy::DenyAll);
+    }
+    let (mut hosts, mut cidrs) = (Vec::new(), Vec::new());
+    for a in &net.allow_out {
+        match a.parse::<Cidr>() {
+            Ok(c) => cidrs.push(c),
+            Err(_) => hosts.push(a.parse::<HostRule>().map_err(invalid)?),
+        }
+    }
+    Ok(NetworkPolicy::Allow {
+        hosts,
+        cidrs,
+        ports: Vec::new(),
+    })
+}
+
+fn timeout_of(t: Option<u64>, default: u64) -> Answer<u64> {
+    let t = t.unwrap_or(default);
+    if t == 0 || t > MAX_TIMEOUT_S {
+        return Err(bad(format!(
+            "timeout {t} s: give 1 to {MAX_TIMEOUT_S} seconds"
+        )));
+    }
+    Ok(t)
+}
+
+async fn create(
+    State(s): State<Arc<Shared>>,
+    caller: Caller,
+    b: Result<Bytes, BytesRejection>,
+) -> Answer<(StatusCode, Json<serde_json::Value>)> {
+    let req: NewSandbox = body(b)?;
+    if req.mcp.as_ref().is_some_and(|m| !m.is_null()) {
+        return Err(unsupported("`mcp` (E2B's MCP gateway)"));
+    }
+    if req.iam.as_ref().is_some_and(|m| !m.is_null()) {
+        return Err(unsupported("`iam`"));
+    }
+    if !req.volume_mounts.is_empty() {
+        return Err(unsupported("`volumeMounts` (E2B volumes)"));
+    }
+    if req.auto_pause && req.auto_pause_memory == Some(false) {
+        return Err(unsupported("`autoPauseMemory: false`"));
+    }
+    let auto_resume = req
+        .auto_resume
+        .as_ref()
+        .is_some_and(|a| a.enabled == serde_json::Value::Bool(true));
+    let timeout = timeout_of(req.timeout, 15)?;
+    let templates = Templates::new(s.config.templates.clone());
+    let Some(template) = templates.find(&req.template_id).cloned() else {
+        return Err(api_error(
+            StatusCode::NOT_FOUND,
+            format!(
+                "template `{}` is not one of this server's: {} (the operator adds templates \
+                 with `agent-sandbox serve --template NAME=IMAGE`)",
+                req.template_id,
+                templates.names().join(", ")
+            ),
+        ));
+    };
+    let net = req.network.clone().unwrap_or_default();
+    let policy = policy(req.allow_internet_access, &net)?;
+    crate::access::check_network(&s.config, &policy).map_err(e2b)?;
+    let spec = template
+        .spec(&req.env_vars, policy)
+        .map_err(|e| e2b(e.into()))?;
+    crate::routes::admit::room(&s, 1).map_err(e2b)?;
+    let (sandbox, _) = s
+        .create_pooled(&spec, template.tier)
+        .await
+        .map_err(|e| e2b(e.into()))?;
+    let mut lifetime = LifetimeSpec::default();
+    lifetime.ttl_s = Some(timeout);
+    let info = crate::routes::admit::admit(&s, &caller, sandbox, req.metadata, lifetime, None)
+        .await
+        .map_err(e2b)?;
+    let entry = s.get(&info.id, &caller).map_err(e2b)?;
+    let mut m = Meta::new(template.name.clone(), entry.sandbox.spec());
+    m.allow_internet = req.allow_internet_access;
+    m.auto_pause = req.auto_pause;
+    m.auto_resume = auto_resume;
+    *m.network.lock().unwrap_or_else(|p| p.into_inner()) =
+        serde_json::to_value(&net).unwrap_or_default();
+    if let Some(mib) = template.memory_mib {
+        m.memory_mib = mib;
+    }
+    let m = set_meta(&entry, m);
+    entry.life.pause_at_deadline(m.auto_pause);
+    let _ = req.secure;
+    Ok((StatusCode::CREATED, Json(sandbox_json(&s, &entry, &m))))
+}
+
+/// E2B's `Sandbox`: what a client needs to reach one.
+fn sandbox_json(s: &Shared, e: &Entry, m: &Meta) -> serde_json::Value {
+    serde_json::json!({
+        "templateID": m.template,
+        "sandboxID": e.info.id,
+        "alias": m.template,
+        "clientID": "agent-sandbox",
+        "envdVersion": ENVD_VERSION,
+        "envdAccessToken": m.access_token.reveal(),
+        "trafficAccessToken": null,
+        "domain": s.config.e2b_domain,
+    })
+}
+
+/// When the sandbox ends, as a time of day (a day from now when nothing ends it).
+fn end_at(e: &Entry) -> OffsetDateTime {
+    let now = OffsetDateTime::now_utc();
+    let left = e
+        .life
+        .deadline()
+        .map_or(Duration::from_secs(MAX_TIMEOUT_S), |d| {
+            d.saturating_duration_since(Instant::now())
+        });
+    now + left
+}
+
+fn state_name(e: &Entry) -> &'static str {
+    match e.life.state() {
+        SandboxState::Paused => "paused",
+        _ => "running",
+    }
+}
+
+/// E2B's `ListedSandbox`.
+fn listed_json(e: &Entry, m: &Meta) -> serde_json::Value {
+    serde_json::json!({
+        "templateID": m.template,
+        "alias": m.template,
+        "sandboxID": e.info.id,
+        "clientID": "agent-sandbox",
+        "startedAt": e.info.created_at,
+        "endAt": rfc3339(end_at(e)),
+        "cpuCount": m.cpus,
+        "memoryMB": m.memory_mib,
+        "diskSizeMB": m.disk_mib,
+        "metadata": e.info.labels,
+        "state": state_name(e),
+        "envdVersion": ENVD_VERSION,
+    })
+}
+
+/// E2B's `SandboxDetail`.
+fn detail_json(s: &Shared, e: &Entry, m: &Meta) -> serde_json::Value {
+    let mut v = listed_json(e, m);
+    let extra = serde_json::json!({
+        "envdAccessToken": m.access_token.reveal(),
+        "allowInternetAccess": m.allow_internet,
+        "domain": s.config.e2b_domain,
+        "network": m.network.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+        "lifecycle": {
+            "autoResume": m.auto_resume,
+            "onTimeout": if m.auto_pause { "pause" } else { "kill" },
+        },
+    });
+    if let (Some(v), serde_json::Value::Object(extra)) = (v.as_object_mut(), extra) {
+        v.extend(extra);
+    }
+    v
+}
+
+/// E2B's metadata filter: `k=v&k2=v2`, URL-encoded as one query value.
+fn metadata_filter(q: Option<&str>) -> Answer<Vec<(String, String)>> {
+    let Some(q) = q else { return Ok(Vec::new()) };
+    let mut want = Vec::new();
+    for pair in q.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair
+            .split_once('=')
+            .ok_or_else(|| bad(format!("metadata filter `{pair}` is not key=value")))?;
+        want.push((decode(k)?, decode(v)?));
+    }
+    Ok(want)
+}
+
+fn decode(s: &str) -> Answer<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' => {
+                let hex = bytes
+                    .get(i + 1..i + 3)
+                    .and_then(|h| std::str::from_utf8(h).ok())
+                    .and_then(|h| u8::from_str_radix(h, 16).ok())
+                    .ok_or_else(|| bad(format!("`{s}` has a bad %-escape")))?;
+                out.push(hex);
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).map_err(|_| bad(format!("`{s}` is not UTF-8")))
+}
+
+/// The caller's sandboxes that match, newest first unless `asc`.
+fn listing(
+    s: &Shared,
+    caller: &Caller,
+    want: &[(String, String)],
+    states: &[String],
+    asc: bool,
+) -> Vec<(Arc<Entry>, Arc<Meta>)> {
+    let mut all: Vec<Arc<Entry>> = s
+        .lock()
+        .values()
+        .filter(|e| &e.owner == caller)
+        .filter(|e| {
+            want.iter()
+                .all(|(k, v)| e.info.labels.get(k).is_some_and(|x| x == v))
+        })
+        .filter(|e| states.is_empty() || states.iter().any(|st| st == state_name(e)))
+        .cloned()
+        .collect();
+    all.sort_by(|a, b| {
+        let o = a
+            .info
+            .created_at
+            .cmp(&b.info.created_at)
+            .then(a.info.id.cmp(&b.info.id));
+        if asc {
+            o
+        } else {
+            o.reverse()
+        }
+    });
+    all.into_iter()
+        .map(|e| {
+            let m = meta(&e);
+            (e, m)
+        })
+        .collect()
+}
+
+async fn list_v1(
+    State(s): State<Arc<Shared>>,
+    caller: Caller,
+    Query(q): Query<BTreeMap<String, String>>,
+) -> Answer<Json<Vec<serde_json::Value>>> {
+    let want = metadata_filter(q.get("metadata").map(String::as_str))?;
+    let running = ["running".to_string()];
+    Ok(Json(
+        listing(&s, &caller, &want, &running, false)
+            .iter()
+            .map(|(e, m)| listed_json(e, m))
+            .collect(),
+    ))
+}
+
+/// Most sandboxes one page of `GET /v2/sandboxes` holds.
+const MAX_PAGE: usize = 100;
+
+async fn list_v2(
+    State(s): State<Arc<Shared>>,
+    caller: Caller,
+    Query(q): Query<Vec<(String, String)>>,
+) -> Answer<Response> {
+    let (mut metadata, mut states, mut asc, mut limit, mut next, mut template) =
+        (None, Vec::new(), false, MAX_PAGE, None, None);
+    for (k, v) in q {
+        match k.as_str() {
+            "metadata" => metadata = Some(v),
+            "state" => states.extend(v.split(',').map(str::to_string)),
+            "order" => {
+                asc = match v.as_str() {
+                    "asc" => true,
+                    "desc" => false,
+                    o => return Err(bad(format!("order `{o}`: asc or desc"))),
+                }
+            }
+            "limit" => {
+                limit = v
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|l| (1..=MAX_PAGE).contains(l))
+                    .ok_or_else(|| bad(format!("limit `{v}`: 1 to {MAX_PAGE}")))?
+            }
+            "nextToken" => next = Some(v),
+            "template" => template = Some(v),
+            "startedAfter" => {}
+            other => return Err(bad(format!("unknown query parameter `{other}`"))),
+        }
+    }
+    for st in &states {
+        if st != "running" && st != "paused" {
+            return Err(bad(format!("state `{st}`: running or paused")));
+        }
+    }
+    let want = metadata_filter(metadata.as_deref())?;
+    let mut all = listing(&s, &caller, &want, &states, asc);
+    if let Some(t) = &template {
+        all.retain(|(_, m)| &m.template == t);
+    }
+    // The token is the last id of the page before; what follows it in this order.
+    let start = match &next {
+        Some(t) => all
+            .iter()
+            .position(|(e, _)| &e.info.id == t)
+            .map(|i| i + 1)
+            .ok_or_else(|| {
+                bad("`nextToken` is not one this server gave (or that sandbox ended)")
+            })?,
+        None => 0,
+    };
+    let page: Vec<_> = all.iter().skip(start).take(limit).collect();
+    let more = start + page.len() < all.len();
+    let body: Vec<_> = page.iter().map(|(e, m)| listed_json(e, m)).collect();
+    let mut headers = HeaderMap::new();
+    if more {
+        if let Some(last) = page.last() {
+            if let Ok(v) = HeaderValue::from_str(&last.0.info.id) {
+                headers.insert("x-next-token", v);
+            }
+        }
+    }
+    Ok((headers, Json(body)).into_response())
+}
+
+fn entry(s: &Shared, caller: &Caller, id: &str) -> Answer<Arc<Entry>> {
+    s.get(id, caller).map_err(|_| not_found(id))
+}
+
+async fn detail(
+    State(s): State<Arc<Shared>>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Answer<Json<serde_json::Value>> {
+    let e = entry(&s, &caller, &id)?;
+    let m = meta(&e);
+    Ok(Json(detail_json(&s, &e, &m)))
+}
+
+async fn kill(
+    State(s): State<Arc<Shared>>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Answer<StatusCode> {
+    let e = s.take(&id, &caller).ok_or_else(|| not_found(&id))?;
+    e.sandbox.destroy().await.map_err(|e| e2b(e.into()))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize, Default)]
+struct Timeout {
+    timeout: Option<u64>,
+}
+
+async fn set_timeout(
+    State(s): State<Arc<Shared>>,
+    caller: Caller,
+    Path(id): Path<String>,
+    b: Result<Bytes, BytesRejection>,
+) -> Answer<StatusCode> {
+    let t: Timeout = body(b)?;
+    let t = timeout_of(t.timeout, 15)?;
+    let e = entry(&s, &caller, &id)?;
+    e.life
+        .set_deadline(Some(Instant::now() + Duration::from_secs(t)));
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize, Default)]
+struct Refresh {
+    duration: Option<u64>,
+}
+
+async fn refresh(
+    State(s): State<Arc<Shared>>,
+    caller: Caller,
+    Path(id): Path<String>,
+    b: Result<Bytes, BytesRejection>,
+) -> Answer<StatusCode> {
+    let r: Refresh = body(b)?;
+    let t = timeout_of(r.duration, 60)?;
+    let e = entry(&s, &caller, &id)?;
+    extend(&e, t);
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Moves the deadline to `t` seconds from now unless it is later already.
+fn extend(e: &Entry, t: u64) {
+    let at = Instant::now() + Duration::from_secs(t);
+    if e.life.deadline().is_some_and(|d| d < at) {
+        e.life.set_deadline(Some(at));
+    }
+}
+
+async fn pause(
+    State(s): State<Arc<Shared>>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Answer<StatusCode> {
+    let e = entry(&s, &caller, &id)?;
+    if e.life.state() == SandboxState::Paused {
+        return Err(api_error(
+            StatusCode::CONFLICT,
+            format!("sandbox {id} is already paused"),
+        ));
+    }
+    lifetime::pause(e).await.map_err(e2b)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct Resume {
+    timeout: Option<u64>,
+    #[serde(default)]
+    auto_pause: bool,
+}
+
+async fn resume(
+    State(s): State<Arc<Shared>>,
+    caller: Caller,
+    Path(id): Path<String>,
+    b: Result<Bytes, BytesRejection>,
+) -> Answer<(StatusCode, Json<serde_json::Value>)> {
+    let r: Resume = body(b)?;
+    let t = timeout_of(r.timeout, 15)?;
+    let e = entry(&s, &caller, &id)?;
+    if e.life.state() != SandboxState::Paused {
+        return Err(api_error(
+            StatusCode::CONFLICT,
+            format!("sandbox {id} is not paused"),
+        ));
+    }
+    lifetime::resume(Arc::clone(&e)).await.map_err(e2b)?;
+    e.life
+        .set_deadline(Some(Instant::now() + Duration::from_secs(t)));
+    e.life.pause_at_deadline(r.auto_pause);
+    let m = meta(&e);
+    Ok((StatusCode::CREATED, Json(sandbox_json(&s, &e, &m))))
+}
+
+async fn connect(
+    State(s): State<Arc<Shared>>,
+    caller: Caller,
+    Path(id): Path<String>,
+    b: Result<Bytes, BytesRejection>,
+) -> Answer<(StatusCode, Json<serde_json::Value>)> {
+    let t: Timeout = body(b)?;
+    let t = timeout_of(t.timeout, 15)?;
+    let e = entry(&s, &caller, &id)?;
+    let was_paused = e.life.state() == SandboxState::Paused;
+    if was_paused {
+        lifetime::resume(Arc::clone(&e)).await.map_err(e2b)?;
+        e.life
+            .set_deadline(Some(Instant::now() + Duration::from_secs(t)));
+    } else {
+        extend(&e, t);
+    }
+    let m = meta(&e);
+    let status = if was_paused {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, Json(sandbox_json(&s, &e, &m))))
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct NetworkUpdate {
+    #[serde(flatten)]
+    network: Network,
+    #[serde(rename = "allow_internet_access")]
+    allow_internet_access: Option<bool>,
+}
+
+async fn network(
+    State(s): State<Arc<Shared>>,
+    caller: Caller,
+    Path(id): Path<String>,
+    b: Result<Bytes, BytesRejection>,
+) -> Answer<StatusCode> {
+    let u: NetworkUpdate = body(b)?;
+    let e = entry(&s, &caller, &id)?;
+    let m = meta(&e);
+    let policy = policy(u.allow_internet_access.or(m.allow_internet), &u.network)?;
+    crate::access::check_network(&s.config, &policy).map_err(e2b)?;
+    let used = crate::lifetime::InUse::enter(Arc::clone(&e))
+        .await
+        .map_err(e2b)?;
+    used.sandbox
+        .set_network_policy(policy)
+        .await
+        .map_err(|e| e2b(e.into()))?;
+    *m.network.lock().unwrap_or_else(|p| p.into_inner()) =
+        serde_json::to_value(&u.network).unwrap_or_default();
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn templates(State(s): State<Arc<Shared>>) -> Json<Vec<serde_json::Value>> {
+    let t = Templates::new(s.config.templates.clone());
+    Json(
+        t.all()
+            .iter()
+            .map(|t| {
+                serde_json::json!({
+                    "templateID": t.name,
+                    "aliases": [t.name],
+                    "names": [t.name],
+                    "public": false,
+                    "cpuCount": t.cpus.unwrap_or(1),
+                    "memoryMB": t.memory_mib.unwrap_or(512),
+                    "envdVersion": ENVD_VERSION,
+                    "buildStatus": "ready",
+                })
+            })
+            .collect(),
+    )
+}
+
+async fn not_yet_metrics() -> Failure {
+    unsupported("sandbox metrics")
+}
+
+async fn no_logs() -> Failure {
+    unsupported("sandbox logs (envd's own log; this server logs to its stderr)")
+}
+
+async fn not_yet_snapshots() -> Failure {
+    unsupported("E2B snapshots and fork (use API v1's /v1/sandboxes/{id}/snapshot and /v1/snapshots/{sid}/fork)")
+}
+
+async fn no_builds() -> Failure {
+    unsupported("building templates (the operator names templates: `serve --template NAME=IMAGE`)")
+}
+
+async fn not_here(uri: axum::http::Uri) -> Failure {
+    api_error(
+        StatusCode::NOT_IMPLEMENTED,
+        format!(
+            "{} belongs to E2B's cloud (teams, API keys, nodes, volumes, secrets): one \
+             self-hosted agent-sandbox server has none (see docs/e2b.md)",
+            uri.path()
+        ),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn net(allow: &[&str], deny: &[&str]) -> Network {
+        Network {
+            allow_out: allow.iter().map(|s| s.to_string()).collect(),
+            deny_out: deny.iter().map(|s| s.to_string()).collect(),
+            ..Network::default()
+        }
+    }
+
+    #[test]
+    fn e2b_egress_maps_onto_our_policies() {
+        assert!(matches!(
+            policy(Some(false), &net(&[], &[])).unwrap(),
+            NetworkPolicy::DenyAll
+        ));
+        assert!(matches!(
+            policy(None, &net(&[], &["1.1.1.1"])).unwrap(),
+            NetworkPolicy::AllowInternet { deny, .. } if deny.len() == 1
+        ));
+        match policy(
+            Some(true),
+            &net(&["example.com", "8.8.8.8"], &["0.0.0.0/0"]),
+        )
+        .unwrap()
+        {
+            NetworkPolicy::Allow { hosts, cidrs, .. } => {
+                assert_eq!(hosts.len(), 1);
+                assert_eq!(cidrs[0].to_string(), "8.8.8.8/32");
+            }
+            p => panic!("{p:?}"),
+        }
+        assert!(policy(None, &net(&["a.com"], &["1.0.0.0/8"])).is_err());
+        assert!(policy(Some(false), &net(&["not a host!"], &[])).is_err());
+        let mut proxied = net(&[], &[]);
+        proxied.egress_proxy = Some(serde_json::json!({}));
+        assert_eq!(
+            policy(None, &proxied).unwrap_err().status,
+            StatusCode::NOT_IMPLEMENTED
+        );
+    }
+
+    #[test]
+    fn metadata_filters_are_decoded() {
+        assert_eq!(
+            metadata_filter(Some("a=b%20c&d=e+f")).unwrap(),
+            [("a".into(), "b c".into()), ("d".into(), "e f".into())]
+        );
+        assert!(metadata_filter(Some("a")).is_err());
+        assert!(metadata_filter(Some("a=%zz")).is_err());
+        assert!(metadata_filter(Some("a=%c3")).is_err());
+    }
+}

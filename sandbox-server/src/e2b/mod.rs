@@ -1,0 +1,372 @@
+//! E2B's API on `agent-sandbox serve`, so programs written against E2B's SDKs (Python,
+//! JavaScript, and the agent frameworks built on them) run on our tiers unchanged: point
+//! `E2B_API_URL` and `E2B_SANDBOX_URL` at the server and set `E2B_API_KEY` to `e2b_` and
+//! the server's token. `docs/e2b.md` is the user's guide and the compatibility table.
+//!
+//! - **Control plane** ([`control`]): E2B's `spec/openapi.yml` (create, list, get, kill,
+//!   timeouts, pause, connect, network...) on the same sandboxes, clients and tokens as API
+//!   v1 (`X-API-Key: e2b_<token>`): a sandbox made through one is seen by the other.
+//! - **envd** ([`process`], [`fs`], [`files`]): the in-sandbox API the SDKs talk to once a
+//!   sandbox exists (Connect-RPC with JSON, [`connect`]), answered by the server from our
+//!   `Sandbox` trait. Its requests carry the sandbox's id (the `E2b-Sandbox-Id` header, or a
+//!   `PORT-ID.DOMAIN` host name) and its envd access token (`X-Access-Token`), which every
+//!   sandbox gets, whatever `secure` says.
+//! - **Templates** ([`templates`]): names the operator maps to images and tiers; `base` is
+//!   built in.
+
+mod connect;
+mod control;
+mod files;
+mod fs;
+mod process;
+mod templates;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, OnceLock};
+
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+
+pub use templates::{Template, TemplateError};
+
+pub(crate) use control::routes as control_routes;
+pub(crate) use templates::Templates;
+
+use crate::{Entry, Shared};
+
+/// The port envd listens on in an E2B sandbox; the SDKs address it in `E2b-Sandbox-Port`.
+pub const ENVD_PORT: u16 = 49983;
+
+/// The envd version this server reports. The SDKs gate features on it: from 0.5.7 they
+/// upload one file per request as `application/octet-stream`; features of later versions
+/// that this server does not have (file metadata, 0.6.2; watch events with entries, 0.6.3)
+/// are then refused by the SDK itself with a clear message instead of silently dropped.
+pub const ENVD_VERSION: &str = "0.5.7";
+
+/// What E2B's API says about a sandbox beyond our own info: its template, its envd access
+/// token, its metadata and environment, and the processes started through envd.
+pub(crate) struct Meta {
+    pub(crate) template: String,
+    pub(crate) access_token: crate::Token,
+    pub(crate) env_vars: BTreeMap<String, String>,
+    /// The directory relative paths and commands start from: the sandbox's working
+    /// directory (`/workspace` on our tiers).
+    pub(crate) home: String,
+    pub(crate) allow_internet: Option<bool>,
+    pub(crate) network: std::sync::Mutex<serde_json::Value>,
+    pub(crate) auto_pause: bool,
+    /// Whether envd's requests resume it when it is paused (E2B's `autoResume`).
+    pub(crate) auto_resume: bool,
+    pub(crate) cpus: u32,
+    pub(crate) memory_mib: u64,
+    pub(crate) disk_mib: u64,
+    pub(crate) procs: process::Procs,
+}
+
+impl Meta {
+    fn new(template: String, spec: &sandbox_core::SandboxSpec) -> Self {
+        Meta {
+            template,
+            access_token: crate::Token::generate(),
+            env_vars: spec.env.clone(),
+            home: sandbox_core::WORKSPACE_MOUNT.to_string(),
+            allow_internet: None,
+            network: std::sync::Mutex::new(serde_json::Value::Null),
+            auto_pause: false,
+            auto_resume: false,
+            cpus: spec.limits.cpu_millis.div_ceil(1000).max(1),
+            memory_mib: spec.limits.memory_bytes >> 20,
+            disk_mib: spec.limits.disk_bytes >> 20,
+            procs: process::Procs::default(),
+        }
+    }
+}
+
+/// The E2B side of `entry`: what its E2B create recorded, or (a sandbox made through API
+/// v1) one made now, with a fresh access token.
+pub(crate) fn meta(entry: &Entry) -> Arc<Meta> {
+    Arc::clone(
+        entry
+            .e2b
+            .get_or_init(|| Arc::new(Meta::new("v1".into(), entry.sandbox.spec()))),
+    )
+}
+
+/// Sets `entry`'s E2B side (at its E2B create); a no-op if it has one.
+fn set_meta(entry: &Entry, meta: Meta) -> Arc<Meta> {
+    let _ = entry.e2b.set(Arc::new(meta));
+    self::meta(entry)
+}
+
+/// The E2B state every entry carries (empty until E2B's API first touches it).
+pub(crate) type Slot = OnceLock<Arc<Meta>>;
+
+/// The sandbox and port a request addresses: the SDKs' `E2b-Sandbox-Id` and
+/// `E2b-Sandbox-Port` headers (with `E2B_SANDBOX_URL`), or a `PORT-ID.DOMAIN` host name
+/// (with `E2B_DOMAIN`, when the operator gave the server that domain). `None`: a request
+/// for the server's own APIs.
+fn target(h: &HeaderMap, domain: Option<&str>) -> Option<Result<(String, u16), connect::RpcError>> {
+    if let Some(id) = h.get("e2b-sandbox-id") {
+        let port = match h.get("e2b-sandbox-port") {
+            None => ENVD_PORT,
+            Some(p) => match p.to_str().ok().and_then(|p| p.parse::<u16>().ok()) {
+                Some(p) => p,
+                None => return Some(Err(bad_target("`E2b-Sandbox-Port` is not a port number"))),
+            },
+        };
+        return Some(match id.to_str() {
+            Ok(id) if !id.is_empty() => Ok((id.to_string(), port)),
+            _ => Err(bad_target("`E2b-Sandbox-Id` is not a sandbox id")),
+        });
+    }
+    let domain = domain?;
+    let host = h.get(header::HOST)?.to_str().ok()?;
+    let host = host.rsplit_once(':').map_or(host, |(h, p)| {
+        if p.bytes().all(|b| b.is_ascii_digit()) {
+            h
+        } else {
+            host
+        }
+    });
+    let sub = host.strip_suffix(domain)?.strip_suffix('.')?;
+    let (port, id) = sub.split_once('-')?;
+    let port = port.parse::<u16>().ok()?;
+    (!id.is_empty() && !id.contains('.')).then(|| Ok((id.to_string(), port)))
+}
+
+fn bad_target(why: &str) -> connect::RpcError {
+    connect::RpcError::invalid(why)
+}
+
+/// A request envd's routes serve: the sandbox it addressed (its access token checked).
+#[derive(Clone)]
+pub(crate) struct Envd {
+    pub(crate) entry: Arc<Entry>,
+    pub(crate) meta: Arc<Meta>,
+}
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Envd {
+    type Rejection = Response;
+
+    async fn from_request_parts(
+        parts: &mut axum::http::request::Parts,
+        _: &S,
+    ) -> Result<Self, Response> {
+        parts.extensions.get::<Envd>().cloned().ok_or_else(|| {
+            connect::RpcError::new(connect::Code::Internal, "no sandbox for this request")
+                .into_response()
+        })
+    }
+}
+
+/// Middleware over the whole server: a request addressed to a sandbox (see [`target`]) goes
+/// to envd's routes, with its access token checked, or (another port) is refused for now;
+/// any other request goes on to the server's own APIs.
+pub(crate) async fn dispatch(
+    State((s, envd)): State<(Arc<Shared>, Router)>,
+    mut req: Request,
+    next: Next,
+) -> Response {
+    use tower::ServiceExt;
+    let Some(t) = target(req.headers(), s.config.e2b_domain.as_deref()) else {
+        return next.run(req).await;
+    };
+    let (id, port) = match t {
+        Ok(t) => t,
+        Err(e) => return e.into_response(),
+    };
+    let entry = s.lock().get(&id).cloned();
+    let Some(entry) = entry else {
+        return connect::RpcError::new(
+            connect::Code::NotFound,
+            format!("sandbox {id} not found (it was killed, timed out, or never existed)"),
+        )
+        .into_response();
+    };
+    let meta = meta(&entry);
+    let presented = req
+        .headers()
+        .get("x-access-token")
+        .map(|v| v.as_bytes().to_vec());
+    match presented {
+        Some(p) if meta.access_token.matches(&p) => {}
+        Some(_) => {
+            return connect::RpcError::new(
+                connect::Code::Unauthenticated,
+                "the access token is not this sandbox's",
+            )
+            .into_response()
+        }
+        None => {
+            return connect::RpcError::new(
+                connect::Code::Unauthenticated,
+                "send the sandbox's envd access token in `X-Access-Token` (E2B's create and \
+                 connect answers carry it as `envdAccessToken`)",
+            )
+            .into_response()
+        }
+    }
+    if port != ENVD_PORT {
+        return connect::RpcError::new(
+            connect::Code::Unimplemented,
+            format!(
+                "port {port} of sandbox {id}: forwarding to ports other than envd's \
+                 ({ENVD_PORT}) is not served yet (publish the port through API v1: POST \
+                 /v1/sandboxes/{id}/ports)"
+            ),
+        )
+        .into_response();
+    }
+    // A sandbox a client paused stays paused (`failed_precondition`) unless it resumes on
+    // traffic (E2B's `autoResume`); one its idle timeout paused resumes. The guard keeps it
+    // from idling while the answer's head is made.
+    if meta.auto_resume && entry.life.state() == crate::api::SandboxState::Paused {
+        if let Err(e) = crate::lifetime::resume(Arc::clone(&entry)).await {
+            return connect::RpcError::from(e).into_response();
+        }
+    }
+    let in_use = match crate::lifetime::InUse::enter(Arc::clone(&entry)).await {
+        Ok(g) => g,
+        Err(e) => return connect::RpcError::from(e).into_response(),
+    };
+    req.extensions_mut().insert(Envd { entry, meta });
+    let r = match envd.oneshot(req).await {
+        Ok(r) => r,
+        Err(never) => match never {},
+    };
+    drop(in_use);
+    r
+}
+
+/// envd's routes (reached through [`dispatch`] only); bodies up to `limit` bytes.
+pub(crate) fn envd_routes(limit: usize) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/envs", get(envs))
+        .route("/files", get(files::read).post(files::write))
+        .route("/process.Process/{method}", post(process::call))
+        .route("/filesystem.Filesystem/{method}", post(fs::call))
+        .fallback(|uri: axum::http::Uri| async move {
+            connect::RpcError::new(
+                connect::Code::NotFound,
+                format!("envd has no endpoint {uri} here"),
+            )
+            .into_response()
+        })
+        .layer(axum::extract::DefaultBodyLimit::max(limit))
+}
+
+async fn health(e: Envd) -> StatusCode {
+    match e.entry.sandbox.health_check().await {
+        Ok(()) => StatusCode::NO_CONTENT,
+        Err(_) => StatusCode::SERVICE_UNAVAILABLE,
+    }
+}
+
+async fn envs(e: Envd) -> axum::Json<BTreeMap<String, String>> {
+    axum::Json(e.meta.env_vars.clone())
+}
+
+/// A time as E2B's API writes it (RFC 3339, UTC).
+pub(crate) fn rfc3339(t: time::OffsetDateTime) -> String {
+    t.format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
+}
+
+/// An error as E2B's control plane answers: its status and `{"code", "message"}`.
+#[derive(Debug)]
+pub(crate) struct Failure {
+    pub(crate) status: StatusCode,
+    pub(crate) message: String,
+}
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        let body = serde_json::json!({ "code": self.status.as_u16(), "message": self.message });
+        (self.status, axum::Json(body)).into_response()
+    }
+}
+
+/// A [`Failure`], answered.
+pub(crate) fn api_error(status: StatusCode, message: impl Into<String>) -> Response {
+    failure(status, message).into_response()
+}
+
+/// A [`Failure`].
+pub(crate) fn failure(status: StatusCode, message: impl Into<String>) -> Failure {
+    Failure {
+        status,
+        message: message.into(),
+    }
+}
+
+/// A path as envd takes it (absolute, `~/...`, or relative to the home), made absolute and
+/// lexically clean. No host path is ever formed from it: file operations run inside the
+/// sandbox, as its user ([`fs`]).
+pub(crate) fn resolve(home: &str, path: &str) -> Result<String, connect::RpcError> {
+    if path.contains('\0') {
+        return Err(connect::RpcError::invalid("a path with a NUL byte"));
+    }
+    let joined = if let Some(rest) = path.strip_prefix("~/") {
+        format!("{home}/{rest}")
+    } else if path == "~" || path.is_empty() {
+        home.to_string()
+    } else if path.starts_with('/') {
+        path.to_string()
+    } else {
+        format!("{home}/{path}")
+    };
+    let mut parts: Vec<&str> = Vec::new();
+    for p in joined.split('/') {
+        match p {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            p => parts.push(p),
+        }
+    }
+    Ok(format!("/{}", parts.join("/")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_resolve_against_the_home_and_stay_absolute() {
+        let h = "/workspace";
+        assert_eq!(resolve(h, "a/b.txt").unwrap(), "/workspace/a/b.txt");
+        assert_eq!(resolve(h, "~/x").unwrap(), "/workspace/x");
+        assert_eq!(resolve(h, "").unwrap(), "/workspace");
+        assert_eq!(resolve(h, "/tmp/./y/../z").unwrap(), "/tmp/z");
+        assert_eq!(resolve(h, "../../../etc").unwrap(), "/etc");
+        assert_eq!(resolve(h, "/").unwrap(), "/");
+        assert!(resolve(h, "a\0b").is_err());
+    }
+
+    #[test]
+    fn requests_name_their_sandbox_by_header_or_host() {
+        let mut h = HeaderMap::new();
+        assert!(target(&h, Some("sb.test")).is_none());
+        h.insert(header::HOST, "8000-abc.sb.test:3000".parse().unwrap());
+        assert_eq!(
+            target(&h, Some("sb.test")).unwrap().ok().unwrap(),
+            ("abc".to_string(), 8000)
+        );
+        assert!(target(&h, None).is_none());
+        h.insert(header::HOST, "8000-abc.other.test".parse().unwrap());
+        assert!(target(&h, Some("sb.test")).is_none());
+        h.insert("e2b-sandbox-id", "xyz".parse().unwrap());
+        assert_eq!(
+            target(&h, None).unwrap().ok().unwrap(),
+            ("xyz".to_string(), ENVD_PORT)
+        );
+        h.insert("e2b-sandbox-port", "nope".parse().unwrap());
+        assert!(target(&h, None).unwrap().is_err());
+    }
+}
