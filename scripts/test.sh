@@ -121,6 +121,29 @@ if ! "$py_env/bin/python" -c "$py_check" 2>/dev/null; then
 fi
 export AGENT_SANDBOX_TEST_PYTHON="$py_env/bin/python"
 
+step "JavaScript clients the server tests drive (npm, cached in /var/tmp/agent-sandbox-npm)"
+# `e2b`, the official E2B JavaScript SDK (pinned, as the Python one is), drives the E2B API
+# under the system's Node (20.18.1 or later: the SDK's engines). Node is not a Debian package
+# here (bookworm's is too old for the SDK); without node and npm, agent-sandbox-cli's e2b_js
+# test says so and skips.
+e2b_js=2.51.0
+npm_prefix=/var/tmp/agent-sandbox-npm
+e2b_js_installed() { # prefix: the version of e2b installed there
+  node -p 'require(process.argv[1]).version' "$1/node_modules/e2b/package.json" 2>/dev/null || true
+}
+if command -v node >/dev/null && command -v npm >/dev/null; then
+  if [ "$(e2b_js_installed "$npm_prefix")" != "$e2b_js" ] && [ -n "$user_suffix" ]; then
+    npm_prefix="$npm_prefix$user_suffix"
+  fi
+  if [ "$(e2b_js_installed "$npm_prefix")" != "$e2b_js" ]; then
+    mkdir -p "$npm_prefix"
+    npm install --no-audit --no-fund --save-exact --prefix "$npm_prefix" "e2b@$e2b_js"
+  fi
+  export AGENT_SANDBOX_TEST_NODE_MODULES="$npm_prefix/node_modules"
+else
+  echo "no node or npm on PATH: the E2B JavaScript SDK's test will skip"
+fi
+
 step "cargo test"
 cargo test --workspace --locked -- --test-threads="${TEST_THREADS:-2}"
 

@@ -17,7 +17,7 @@ pub(crate) struct Lifetime {
     spec: LifetimeSpec,
     /// When the sandbox is destroyed, in use or not: its TTL from its creation, moved by a
     /// client that sets a new timeout ([`set_deadline`](Self::set_deadline)).
-    deadline: Mutex<Option<Instant>>,
+    deadline: Mutex<Option<(Instant, std::time::SystemTime)>>,
     /// Pause at the deadline instead of destroying (E2B's `autoPause`); the sandbox then
     /// waits, paused, for a client to resume it.
     pause_at_deadline: AtomicBool,
@@ -38,7 +38,10 @@ impl Lifetime {
     pub(crate) fn new(spec: LifetimeSpec) -> Self {
         let now = Instant::now();
         Lifetime {
-            deadline: Mutex::new(spec.ttl_s.map(|t| now + secs(t))),
+            deadline: Mutex::new(
+                spec.ttl_s
+                    .map(|t| (now + secs(t), std::time::SystemTime::now() + secs(t))),
+            ),
             pause_at_deadline: AtomicBool::new(false),
             spec,
             active: AtomicUsize::new(0),
@@ -83,13 +86,31 @@ impl Lifetime {
 
     /// When the sandbox will be destroyed (`None`: not for its age).
     pub(crate) fn deadline(&self) -> Option<Instant> {
-        *self.deadline.lock().unwrap_or_else(|p| p.into_inner())
+        self.deadline
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .map(|(at, _)| at)
+    }
+
+    /// The same, as a time of day (fixed when it was set, so it reads the same each time).
+    pub(crate) fn deadline_at(&self) -> Option<std::time::SystemTime> {
+        self.deadline
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .map(|(_, at)| at)
     }
 
     /// Destroys the sandbox at `at` instead (E2B's "set timeout": counted from now);
     /// `None`: not for its age.
     pub(crate) fn set_deadline(&self, at: Option<Instant>) {
-        *self.deadline.lock().unwrap_or_else(|p| p.into_inner()) = at;
+        let wall = at.map(|at| {
+            let now = Instant::now();
+            (
+                at,
+                std::time::SystemTime::now() + at.saturating_duration_since(now),
+            )
+        });
+        *self.deadline.lock().unwrap_or_else(|p| p.into_inner()) = wall;
     }
 
     /// Pauses the sandbox at its deadline instead of destroying it.

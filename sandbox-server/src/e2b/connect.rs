@@ -319,12 +319,21 @@ pub(crate) fn stream_error(e: RpcError) -> Response {
     (stream_head(), end).into_response()
 }
 
+/// What a streaming answer sends next.
+pub(crate) enum Item {
+    /// A message.
+    Msg(serde_json::Value),
+    /// No end: the connection is cut, as when the machine behind a stream goes away (E2B's
+    /// SDKs then ask whether the sandbox still runs, and say it was killed if not).
+    Abort,
+}
+
 /// A streaming answer: each message of `messages` as it comes, then the end of the stream
 /// (with the error that ended it, if one did). `keepalive`: a message sent whenever the
-/// stream has been quiet this long (`ka_message`), so idle proxies and clients keep it open.
+/// stream has been quiet this long, so idle proxies and clients keep it open.
 pub(crate) fn stream<S>(messages: S, keepalive: Option<(Duration, serde_json::Value)>) -> Response
 where
-    S: Stream<Item = Result<serde_json::Value, RpcError>> + Send + 'static,
+    S: Stream<Item = Item> + Send + 'static,
 {
     let messages = Box::pin(messages);
     let body = futures::stream::unfold(Some((messages, keepalive)), |state| async move {
@@ -332,22 +341,18 @@ where
         let next = match &keepalive {
             Some((every, ka)) => match tokio::time::timeout(*every, messages.next()).await {
                 Ok(n) => n,
-                Err(_) => Some(Ok(ka.clone())),
+                Err(_) => Some(Item::Msg(ka.clone())),
             },
             None => messages.next().await,
         };
         let (frame, more) = match next {
-            Some(Ok(m)) => (envelope(0, &m), true),
-            Some(Err(e)) => (
-                envelope(0x02, &serde_json::json!({ "error": e.json() })),
-                false,
-            ),
+            Some(Item::Msg(m)) => (envelope(0, &m), true),
+            Some(Item::Abort) => {
+                return Some((Err(std::io::Error::other("the sandbox went away")), None))
+            }
             None => (envelope(0x02, &serde_json::json!({})), false),
         };
-        Some((
-            Ok::<_, std::convert::Infallible>(frame),
-            more.then_some((messages, keepalive)),
-        ))
+        Some((Ok(frame), more.then_some((messages, keepalive))))
     });
     (stream_head(), Body::from_stream(body)).into_response()
 }

@@ -35,13 +35,14 @@ const MAX_TIMEOUT_S: u64 = 24 * 3600;
 pub(crate) fn routes() -> Router<Arc<Shared>> {
     Router::new()
         .route("/sandboxes", post(create).get(list_v1))
-        .route("/v2/sandboxes", get(list_v2))
+        .route("/v2/sandboxes", get(list_v2).post(create_v2))
         .route("/sandboxes/{id}", get(detail).delete(kill))
         .route("/sandboxes/{id}/timeout", post(set_timeout))
         .route("/sandboxes/{id}/refreshes", post(refresh))
         .route("/sandboxes/{id}/pause", post(pause))
         .route("/sandboxes/{id}/resume", post(resume))
         .route("/sandboxes/{id}/connect", post(connect))
+        .route("/v2/sandboxes/{id}/connect", post(connect_v2))
         .route("/sandboxes/{id}/network", put(network))
         .route("/sandboxes/{id}/metrics", get(not_yet_metrics))
         .route("/sandboxes/metrics", get(not_yet_metrics))
@@ -206,10 +207,29 @@ fn timeout_of(t: Option<u64>, default: u64) -> Answer<u64> {
     Ok(t)
 }
 
+/// `POST /sandboxes`: a sandbox of 15 s unless the body says otherwise.
 async fn create(
+    s: State<Arc<Shared>>,
+    caller: Caller,
+    b: Result<Bytes, BytesRejection>,
+) -> Answer<(StatusCode, Json<serde_json::Value>)> {
+    create_with(s, caller, b, 15).await
+}
+
+/// `POST /v2/sandboxes`: the same body (`secure` aside), 300 s unless it says otherwise.
+async fn create_v2(
+    s: State<Arc<Shared>>,
+    caller: Caller,
+    b: Result<Bytes, BytesRejection>,
+) -> Answer<(StatusCode, Json<serde_json::Value>)> {
+    create_with(s, caller, b, 300).await
+}
+
+async fn create_with(
     State(s): State<Arc<Shared>>,
     caller: Caller,
     b: Result<Bytes, BytesRejection>,
+    default_timeout: u64,
 ) -> Answer<(StatusCode, Json<serde_json::Value>)> {
     let req: NewSandbox = body(b)?;
     if req.mcp.as_ref().is_some_and(|m| !m.is_null()) {
@@ -228,7 +248,7 @@ async fn create(
         .auto_resume
         .as_ref()
         .is_some_and(|a| a.enabled == serde_json::Value::Bool(true));
-    let timeout = timeout_of(req.timeout, 15)?;
+    let timeout = timeout_of(req.timeout, default_timeout)?;
     let templates = Templates::new(s.config.templates.clone());
     let Some(template) = templates.find(&req.template_id).cloned() else {
         return Err(api_error(
@@ -267,6 +287,9 @@ async fn create(
     if let Some(mib) = template.memory_mib {
         m.memory_mib = mib;
     }
+    if net.allow_public_traffic == Some(false) {
+        m.traffic_token = Some(crate::Token::generate());
+    }
     let m = set_meta(&entry, m);
     entry.life.pause_at_deadline(m.auto_pause);
     let _ = req.secure;
@@ -282,21 +305,17 @@ fn sandbox_json(s: &Shared, e: &Entry, m: &Meta) -> serde_json::Value {
         "clientID": "agent-sandbox",
         "envdVersion": ENVD_VERSION,
         "envdAccessToken": m.access_token.reveal(),
-        "trafficAccessToken": null,
+        "trafficAccessToken": m.traffic_token.as_ref().map(|t| t.reveal()),
         "domain": s.config.e2b_domain,
     })
 }
 
 /// When the sandbox ends, as a time of day (a day from now when nothing ends it).
 fn end_at(e: &Entry) -> OffsetDateTime {
-    let now = OffsetDateTime::now_utc();
-    let left = e
-        .life
-        .deadline()
-        .map_or(Duration::from_secs(MAX_TIMEOUT_S), |d| {
-            d.saturating_duration_since(Instant::now())
-        });
-    now + left
+    match e.life.deadline_at() {
+        Some(at) => OffsetDateTime::from(at),
+        None => OffsetDateTime::now_utc() + Duration::from_secs(MAX_TIMEOUT_S),
+    }
 }
 
 fn state_name(e: &Entry) -> &'static str {
@@ -448,6 +467,7 @@ async fn list_v2(
 ) -> Answer<Response> {
     let (mut metadata, mut states, mut asc, mut limit, mut next, mut template) =
         (None, Vec::new(), false, MAX_PAGE, None, None);
+    let mut started_after: Option<OffsetDateTime> = None;
     for (k, v) in q {
         match k.as_str() {
             "metadata" => metadata = Some(v),
@@ -468,7 +488,11 @@ async fn list_v2(
             }
             "nextToken" => next = Some(v),
             "template" => template = Some(v),
-            "startedAfter" => {}
+            "startedAfter" => {
+                let t = OffsetDateTime::parse(&v, &time::format_description::well_known::Rfc3339)
+                    .map_err(|_| bad(format!("startedAfter `{v}` is not an RFC 3339 time")))?;
+                started_after = Some(t);
+            }
             other => return Err(bad(format!("unknown query parameter `{other}`"))),
         }
     }
@@ -481,6 +505,15 @@ async fn list_v2(
     let mut all = listing(&s, &caller, &want, &states, asc);
     if let Some(t) = &template {
         all.retain(|(_, m)| &m.template == t);
+    }
+    if let Some(after) = started_after {
+        all.retain(|(e, _)| {
+            OffsetDateTime::parse(
+                &e.info.created_at,
+                &time::format_description::well_known::Rfc3339,
+            )
+            .is_ok_and(|c| c >= after)
+        });
     }
     // The token is the last id of the page before; what follows it in this order.
     let start = match &next {
@@ -623,14 +656,36 @@ async fn resume(
     Ok((StatusCode::CREATED, Json(sandbox_json(&s, &e, &m))))
 }
 
+/// `POST /sandboxes/{id}/connect`: resumes a paused sandbox for the timeout given (15 s
+/// unless said), or extends a running one's to at least that.
 async fn connect(
+    s: State<Arc<Shared>>,
+    caller: Caller,
+    id: Path<String>,
+    b: Result<Bytes, BytesRejection>,
+) -> Answer<(StatusCode, Json<serde_json::Value>)> {
+    connect_with(s, caller, id, b, 15).await
+}
+
+/// `POST /v2/sandboxes/{id}/connect`: the same, 300 s unless said.
+async fn connect_v2(
+    s: State<Arc<Shared>>,
+    caller: Caller,
+    id: Path<String>,
+    b: Result<Bytes, BytesRejection>,
+) -> Answer<(StatusCode, Json<serde_json::Value>)> {
+    connect_with(s, caller, id, b, 300).await
+}
+
+async fn connect_with(
     State(s): State<Arc<Shared>>,
     caller: Caller,
     Path(id): Path<String>,
     b: Result<Bytes, BytesRejection>,
+    default_timeout: u64,
 ) -> Answer<(StatusCode, Json<serde_json::Value>)> {
     let t: Timeout = body(b)?;
-    let t = timeout_of(t.timeout, 15)?;
+    let t = timeout_of(t.timeout, default_timeout)?;
     let e = entry(&s, &caller, &id)?;
     let was_paused = e.life.state() == SandboxState::Paused;
     if was_paused {

@@ -44,12 +44,53 @@ fn path_of(e: &Envd, q: &HashMap<String, String>) -> Result<String, RpcError> {
     super::resolve(&e.meta.home, p)
 }
 
-/// `GET /files?path=...`.
-pub(crate) async fn read(e: Envd, Query(q): Query<HashMap<String, String>>) -> Response {
-    match read_file(&e, &q).await {
-        Ok(data) => ([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response(),
-        Err(err) => http(err),
+/// `GET /files?path=...`; gzipped when the client accepts it.
+pub(crate) async fn read(
+    e: Envd,
+    headers: axum::http::HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> Response {
+    let data = match read_file(&e, &q).await {
+        Ok(d) => d,
+        Err(err) => return http(err),
+    };
+    let gzip = headers
+        .get(header::ACCEPT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.split(',').any(|c| c.trim().starts_with("gzip")));
+    if gzip {
+        use std::io::Write;
+        let mut z = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        if let Ok(zipped) = z.write_all(&data).and_then(|()| z.finish()) {
+            return (
+                [
+                    (header::CONTENT_TYPE, "application/octet-stream"),
+                    (header::CONTENT_ENCODING, "gzip"),
+                ],
+                zipped,
+            )
+                .into_response();
+        }
     }
+    ([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response()
+}
+
+/// A gzipped upload, unpacked to at most `limit` bytes (what it says it unpacks to is not
+/// trusted: the output is counted as it comes).
+fn gunzip(data: &[u8], limit: usize) -> Result<Bytes, RpcError> {
+    use std::io::Read;
+    let mut out = Vec::new();
+    flate2::read::GzDecoder::new(data)
+        .take(limit as u64 + 1)
+        .read_to_end(&mut out)
+        .map_err(|e| RpcError::invalid(format!("the gzipped upload does not unpack: {e}")))?;
+    if out.len() > limit {
+        return Err(RpcError::new(
+            Code::ResourceExhausted,
+            format!("the upload unpacks to more than the server's body limit of {limit} bytes"),
+        ));
+    }
+    Ok(Bytes::from(out))
 }
 
 async fn read_file(e: &Envd, q: &HashMap<String, String>) -> Result<Vec<u8>, RpcError> {
@@ -87,11 +128,18 @@ async fn write_files(
     q: &HashMap<String, String>,
     req: Request,
 ) -> Result<Vec<serde_json::Value>, RpcError> {
-    if req.headers().get(header::CONTENT_ENCODING).is_some() {
-        return Err(RpcError::invalid(
-            "compressed uploads (`Content-Encoding`) are not accepted: send the file as it is",
-        ));
-    }
+    let limit = e.body_limit;
+    let gzip = match req.headers().get(header::CONTENT_ENCODING) {
+        None => false,
+        Some(v) if v.as_bytes().eq_ignore_ascii_case(b"gzip") => true,
+        Some(v) if v.as_bytes().eq_ignore_ascii_case(b"identity") => false,
+        Some(v) => {
+            return Err(RpcError::invalid(format!(
+                "`Content-Encoding: {}`: only gzip is accepted",
+                String::from_utf8_lossy(v.as_bytes())
+            )))
+        }
+    };
     let ct = req
         .headers()
         .get(header::CONTENT_TYPE)
@@ -100,6 +148,11 @@ async fn write_files(
         .to_ascii_lowercase();
     let mut written = Vec::new();
     if ct.starts_with("multipart/form-data") {
+        if gzip {
+            return Err(RpcError::invalid(
+                "a gzipped multipart body: gzip one file at a time (`application/octet-stream`)",
+            ));
+        }
         let mut parts = Multipart::from_request(req, &())
             .await
             .map_err(|err| RpcError::invalid(format!("the multipart body: {}", err.body_text())))?;
@@ -133,6 +186,7 @@ async fn write_files(
                 RpcError::invalid(err.body_text())
             }
         })?;
+        let data = if gzip { gunzip(&data, limit)? } else { data };
         written.push(write_one(e, &path, data).await?);
     }
     Ok(written)
@@ -164,6 +218,22 @@ async fn write_one(e: &Envd, path: &str, data: Bytes) -> Result<serde_json::Valu
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gzipped_uploads_unpack_within_the_limit_only() {
+        use std::io::Write;
+        let mut z = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        z.write_all(&vec![0u8; 1 << 20]).unwrap();
+        let bomb = z.finish().unwrap();
+        assert!(bomb.len() < 4096);
+        assert_eq!(gunzip(&bomb, 1 << 20).unwrap().len(), 1 << 20);
+        let e = gunzip(&bomb, 1000).unwrap_err();
+        assert_eq!(e.code, Code::ResourceExhausted);
+        assert_eq!(
+            gunzip(b"not gzip", 1000).unwrap_err().code,
+            Code::InvalidArgument
+        );
+    }
 
     #[test]
     fn workspace_paths_are_recognised() {

@@ -18,6 +18,7 @@ mod connect;
 mod control;
 mod files;
 mod fs;
+mod ports;
 mod process;
 mod templates;
 
@@ -65,6 +66,11 @@ pub(crate) struct Meta {
     pub(crate) memory_mib: u64,
     pub(crate) disk_mib: u64,
     pub(crate) procs: process::Procs,
+    /// Its ports published for [`ports`] so far: the sandbox's port, where on this host.
+    pub(crate) ports: tokio::sync::Mutex<std::collections::HashMap<u16, std::net::SocketAddr>>,
+    /// The token its other ports require (`network.allowPublicTraffic: false`), sent as
+    /// `e2b-traffic-access-token`; `None`: they are open to whoever knows the sandbox's id.
+    pub(crate) traffic_token: Option<crate::Token>,
 }
 
 impl Meta {
@@ -82,6 +88,8 @@ impl Meta {
             memory_mib: spec.limits.memory_bytes >> 20,
             disk_mib: spec.limits.disk_bytes >> 20,
             procs: process::Procs::default(),
+            ports: Default::default(),
+            traffic_token: None,
         }
     }
 }
@@ -147,6 +155,8 @@ fn bad_target(why: &str) -> connect::RpcError {
 pub(crate) struct Envd {
     pub(crate) entry: Arc<Entry>,
     pub(crate) meta: Arc<Meta>,
+    /// The server's body limit (what an upload may unpack to).
+    pub(crate) body_limit: usize,
 }
 
 impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Envd {
@@ -164,8 +174,8 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Envd {
 }
 
 /// Middleware over the whole server: a request addressed to a sandbox (see [`target`]) goes
-/// to envd's routes, with its access token checked, or (another port) is refused for now;
-/// any other request goes on to the server's own APIs.
+/// to envd's routes, with its access token checked, or (another port) to that port of the
+/// sandbox ([`ports`]); any other request goes on to the server's own APIs.
 pub(crate) async fn dispatch(
     State((s, envd)): State<(Arc<Shared>, Router)>,
     mut req: Request,
@@ -179,67 +189,88 @@ pub(crate) async fn dispatch(
         Ok(t) => t,
         Err(e) => return e.into_response(),
     };
+    // As E2B's edge answers: a sandbox that is not running (gone, or paused and not resumed
+    // by traffic) is a 502, which the SDKs read as "not running".
     let entry = s.lock().get(&id).cloned();
     let Some(entry) = entry else {
-        return connect::RpcError::new(
-            connect::Code::NotFound,
-            format!("sandbox {id} not found (it was killed, timed out, or never existed)"),
-        )
-        .into_response();
+        return api_error(
+            StatusCode::BAD_GATEWAY,
+            format!("sandbox {id} is not running: it was killed, timed out, or never existed"),
+        );
     };
     let meta = meta(&entry);
-    let presented = req
-        .headers()
-        .get("x-access-token")
-        .map(|v| v.as_bytes().to_vec());
-    match presented {
-        Some(p) if meta.access_token.matches(&p) => {}
-        Some(_) => {
-            return connect::RpcError::new(
-                connect::Code::Unauthenticated,
-                "the access token is not this sandbox's",
-            )
-            .into_response()
-        }
-        None => {
-            return connect::RpcError::new(
-                connect::Code::Unauthenticated,
-                "send the sandbox's envd access token in `X-Access-Token` (E2B's create and \
-                 connect answers carry it as `envdAccessToken`)",
-            )
-            .into_response()
-        }
-    }
-    if port != ENVD_PORT {
-        return connect::RpcError::new(
-            connect::Code::Unimplemented,
-            format!(
-                "port {port} of sandbox {id}: forwarding to ports other than envd's \
-                 ({ENVD_PORT}) is not served yet (publish the port through API v1: POST \
-                 /v1/sandboxes/{id}/ports)"
-            ),
+    // The envd port takes the sandbox's access token; its other ports are open to whoever
+    // knows its id (E2B's default), or take its traffic token.
+    let denied = if port == ENVD_PORT {
+        check_token(
+            &req,
+            "x-access-token",
+            Some(&meta.access_token),
+            "send the sandbox's envd access token in `X-Access-Token` (E2B's create and \
+             connect answers carry it as `envdAccessToken`)",
         )
-        .into_response();
+    } else {
+        check_token(
+            &req,
+            "e2b-traffic-access-token",
+            meta.traffic_token.as_ref(),
+            "this sandbox was created with `allowPublicTraffic: false`: send its \
+             `trafficAccessToken` in `e2b-traffic-access-token`",
+        )
+    };
+    if let Some(why) = denied {
+        return why;
     }
-    // A sandbox a client paused stays paused (`failed_precondition`) unless it resumes on
-    // traffic (E2B's `autoResume`); one its idle timeout paused resumes. The guard keeps it
-    // from idling while the answer's head is made.
-    if meta.auto_resume && entry.life.state() == crate::api::SandboxState::Paused {
+    // A paused sandbox answers nothing unless it resumes on traffic (E2B's `autoResume`).
+    if entry.life.state() == crate::api::SandboxState::Paused {
+        if !meta.auto_resume {
+            return api_error(
+                StatusCode::BAD_GATEWAY,
+                format!("sandbox {id} is paused: connect to it to resume it"),
+            );
+        }
         if let Err(e) = crate::lifetime::resume(Arc::clone(&entry)).await {
             return connect::RpcError::from(e).into_response();
         }
     }
+    // Marks it in use (not idle) while the answer's head is made.
     let in_use = match crate::lifetime::InUse::enter(Arc::clone(&entry)).await {
         Ok(g) => g,
         Err(e) => return connect::RpcError::from(e).into_response(),
     };
-    req.extensions_mut().insert(Envd { entry, meta });
+    if port != ENVD_PORT {
+        let r = ports::forward(entry, meta, port, req).await;
+        drop(in_use);
+        return r;
+    }
+    req.extensions_mut().insert(Envd {
+        entry,
+        meta,
+        body_limit: s.config.body_limit,
+    });
     let r = match envd.oneshot(req).await {
         Ok(r) => r,
         Err(never) => match never {},
     };
     drop(in_use);
     r
+}
+
+/// `None` when `req` carries `token` in `header` (or no token is wanted), else the 401.
+fn check_token(
+    req: &Request,
+    header: &str,
+    token: Option<&crate::Token>,
+    hint: &str,
+) -> Option<Response> {
+    let token = token?;
+    let presented = req.headers().get(header).map(|v| v.as_bytes());
+    let why = match presented {
+        Some(p) if token.matches(p) => return None,
+        Some(_) => format!("the `{header}` is not this sandbox's"),
+        None => hint.to_string(),
+    };
+    Some(connect::RpcError::new(connect::Code::Unauthenticated, why).into_response())
 }
 
 /// envd's routes (reached through [`dispatch`] only); bodies up to `limit` bytes.

@@ -20,7 +20,7 @@ use sandbox_core::{ExecEvent, ExecRequest, ExecResult, Process, ProcessHandle, S
 use serde::Deserialize;
 use tokio::sync::mpsc;
 
-use super::connect::{self, Code, RpcError, StreamRequest, Unary};
+use super::connect::{self, Code, Item, RpcError, StreamRequest, Unary};
 use super::Envd;
 
 /// Most processes one sandbox runs through envd at once.
@@ -69,19 +69,24 @@ impl Procs {
 
 /// One running process.
 struct Proc {
+    /// Its pid in the sandbox (what envd's clients see).
     pid: u32,
+    /// The library's handle.
+    id: sandbox_core::ProcessId,
+    /// Whether `pid` is the sandbox's own (else the library's handle stands for it).
+    own_pid: bool,
     tag: Option<String>,
     /// Its `ProcessConfig`, as the client gave it (for `List`).
     config: serde_json::Value,
     handle: ProcessHandle,
     pty: bool,
     /// The streams following it, and whether it has ended (then no stream may join).
-    follow: Mutex<(Vec<mpsc::Sender<serde_json::Value>>, bool)>,
+    follow: Mutex<(Vec<mpsc::Sender<Item>>, bool)>,
 }
 
 impl Proc {
     /// A new stream following this process from now on; `None` once it has ended.
-    fn follow(&self) -> Option<mpsc::Receiver<serde_json::Value>> {
+    fn follow(&self) -> Option<mpsc::Receiver<Item>> {
         let mut f = self.follow.lock().unwrap_or_else(|p| p.into_inner());
         if f.1 {
             return None;
@@ -229,29 +234,34 @@ async fn start(e: Envd, r: StreamRequest<StartRequest>) -> Response {
     match spawn(&e, r.msg).await {
         Ok((pid, rx)) => {
             let first = futures::stream::once(async move {
-                Ok(serde_json::json!({ "event": { "start": { "pid": pid } } }))
+                Item::Msg(serde_json::json!({ "event": { "start": { "pid": pid } } }))
             });
-            let rest = tokio_stream(rx);
-            connect::stream(first.chain(rest), ka)
+            connect::stream(first.chain(follow_stream(rx)), ka)
         }
         Err(err) => connect::stream_error(err),
     }
 }
 
 /// The messages of a following stream, as a stream.
-fn tokio_stream(
-    rx: mpsc::Receiver<serde_json::Value>,
-) -> impl futures::Stream<Item = Result<serde_json::Value, RpcError>> + Send + 'static {
+fn follow_stream(rx: mpsc::Receiver<Item>) -> impl futures::Stream<Item = Item> + Send + 'static {
     futures::stream::unfold(rx, |mut rx| async move {
         let m = rx.recv().await?;
-        Some((Ok(m), rx))
+        Some((m, rx))
     })
 }
 
-async fn spawn(
-    e: &Envd,
-    r: StartRequest,
-) -> Result<(u32, mpsc::Receiver<serde_json::Value>), RpcError> {
+/// How a command is started: through `sh`, which prints its own pid (the command's, after
+/// `exec`) first, so envd's pids are the sandbox's own (`kill -0 PID` in it works) rather
+/// than the library's handles.
+const PID_WRAPPER: &str = r#"printf '\000E2B-PID %s\n' "$$" >&2; exec "$@""#;
+
+/// The marker [`PID_WRAPPER`] prints before anything else.
+const PID_MARK: &[u8] = b"\0E2B-PID ";
+
+/// The longest a command's first output may take to show its pid.
+const PID_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+async fn spawn(e: &Envd, r: StartRequest) -> Result<(u32, mpsc::Receiver<Item>), RpcError> {
     let config_json = r.process.unwrap_or_default();
     let config: Config = serde_json::from_value(config_json.clone())
         .map_err(|err| RpcError::invalid(format!("`process` is not a ProcessConfig: {err}")))?;
@@ -265,7 +275,11 @@ async fn spawn(
         ));
     }
     let cwd = super::resolve(&e.meta.home, config.cwd.as_deref().unwrap_or(""))?;
-    let mut argv = vec![config.cmd.clone()];
+    let mut argv: Vec<String> = ["/bin/sh", "-c", PID_WRAPPER, "envd"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    argv.push(config.cmd.clone());
     argv.extend(config.args.iter().cloned());
     let mut req = ExecRequest::argv(argv).cwd(cwd);
     for (k, v) in &config.envs {
@@ -281,19 +295,30 @@ async fn spawn(
         };
         req = req.tty(rows, cols);
     }
-    let p = e.entry.sandbox.spawn(req).await?;
-    let pid = u32::try_from(p.id()).map_err(|_| {
-        RpcError::new(
-            Code::Internal,
-            "a process id over 2^32 (envd's pids are 32-bit)",
-        )
-    })?;
+    let mut p = e.entry.sandbox.spawn(req).await?;
     if pty.is_none() && !r.stdin.unwrap_or(false) {
         // Without stdin the command reads end-of-file, as under envd.
         let _ = p.close_stdin().await;
     }
+    let out = if pty.is_some() { "pty" } else { "stdout" };
+    let (pid, early) = tokio::time::timeout(PID_WAIT, own_pid(&mut p, pty.is_some()))
+        .await
+        .unwrap_or_default();
+    let own_pid = pid.is_some();
+    let pid = match pid {
+        Some(pid) => pid,
+        // It ended (or said nothing) before its pid: the library's handle stands for it.
+        None => u32::try_from(p.id()).map_err(|_| {
+            RpcError::new(
+                Code::Internal,
+                "a process id over 2^32 (envd's pids are 32-bit)",
+            )
+        })?,
+    };
     let proc = Arc::new(Proc {
         pid,
+        id: p.id(),
+        own_pid,
         tag: r.tag,
         config: config_json,
         handle: p.handle(),
@@ -304,48 +329,125 @@ async fn spawn(
         .follow()
         .ok_or_else(|| RpcError::new(Code::Internal, "a process ended before it was started"))?;
     e.meta.procs.lock().insert(pid, Arc::clone(&proc));
-    tokio::spawn(pump(Arc::clone(&e.meta), proc, p));
+    let early: Vec<serde_json::Value> = early.into_iter().map(|ev| event_json(ev, out)).collect();
+    tokio::spawn(pump(
+        Arc::clone(&e.entry),
+        Arc::clone(&e.meta),
+        proc,
+        p,
+        early,
+    ));
     Ok((pid, rx))
 }
 
-/// Reads `p` to its end, handing each event to the streams following it.
-async fn pump(meta: Arc<super::Meta>, proc: Arc<Proc>, mut p: Process) {
-    let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
-    let out = if proc.pty { "pty" } else { "stdout" };
-    let end = loop {
-        let msg = match p.next().await {
-            Some(Ok(ExecEvent::Stdout(b))) => {
-                serde_json::json!({ "event": { "data": { out: b64(&b) } } })
-            }
-            Some(Ok(ExecEvent::Stderr(b))) => {
-                serde_json::json!({ "event": { "data": { "stderr": b64(&b) } } })
-            }
-            Some(Ok(ExecEvent::Exit(r))) => break end_event(Some(&r), None),
-            Some(Ok(_)) => continue,
-            Some(Err(err)) => break end_event(None, Some(err.to_string())),
-            None => break end_event(p.exit(), None),
+/// Reads `p`'s first events until [`PID_WRAPPER`]'s line: the pid, and the events read on
+/// the way (the marker taken out). `None` if it ended or spoke otherwise first.
+async fn own_pid(p: &mut Process, pty: bool) -> (Option<u32>, Vec<ExecEvent>) {
+    let mut seen: Vec<ExecEvent> = Vec::new();
+    let mut line: Vec<u8> = Vec::new();
+    loop {
+        let ev = match p.next().await {
+            Some(Ok(ev)) => ev,
+            _ => return (None, seen),
         };
-        send(&proc, msg, false).await;
-    };
-    send(&proc, end, true).await;
+        let chunk = match (&ev, pty) {
+            (ExecEvent::Stderr(b), false) | (ExecEvent::Stdout(b), true) => b.clone(),
+            (ExecEvent::Exit(_), _) => {
+                seen.push(ev);
+                return (None, seen);
+            }
+            _ => {
+                seen.push(ev);
+                continue;
+            }
+        };
+        line.extend_from_slice(&chunk);
+        if !line.starts_with(&PID_MARK[..line.len().min(PID_MARK.len())]) {
+            seen.push(ev);
+            return (None, seen);
+        }
+        let Some(nl) = line.iter().position(|b| *b == b'\n') else {
+            if line.len() > 64 {
+                return (None, seen);
+            }
+            continue;
+        };
+        let digits = String::from_utf8_lossy(&line[PID_MARK.len().min(nl)..nl])
+            .trim()
+            .to_string();
+        let rest = line[nl + 1..].to_vec();
+        if !rest.is_empty() {
+            seen.push(if pty {
+                ExecEvent::Stdout(rest.into())
+            } else {
+                ExecEvent::Stderr(rest.into())
+            });
+        }
+        return (digits.parse().ok(), seen);
+    }
+}
+
+fn event_json(ev: ExecEvent, out: &str) -> serde_json::Value {
+    let b64 = |b: &[u8]| base64::engine::general_purpose::STANDARD.encode(b);
+    match ev {
+        ExecEvent::Stdout(b) => serde_json::json!({ "event": { "data": { out: b64(&b) } } }),
+        ExecEvent::Stderr(b) => serde_json::json!({ "event": { "data": { "stderr": b64(&b) } } }),
+        ExecEvent::Exit(r) => end_event(Some(&r), None),
+        _ => serde_json::json!({ "event": { "keepalive": {} } }),
+    }
+}
+
+/// Reads `p` to its end, handing each event to the streams following it; `early`: events
+/// read before the pump started. If the sandbox went away under it, the streams are cut
+/// rather than ended, as E2B's are when a sandbox dies.
+async fn pump(
+    entry: Arc<crate::Entry>,
+    meta: Arc<super::Meta>,
+    proc: Arc<Proc>,
+    mut p: Process,
+    early: Vec<serde_json::Value>,
+) {
+    let out = if proc.pty { "pty" } else { "stdout" };
+    let mut ended = false;
+    for m in early {
+        ended |= m["event"].get("end").is_some();
+        send(&proc, Item::Msg(m), ended).await;
+    }
+    while !ended {
+        let end = match p.next().await {
+            Some(Ok(ExecEvent::Exit(r))) => end_event(Some(&r), None),
+            Some(Ok(ev @ (ExecEvent::Stdout(_) | ExecEvent::Stderr(_)))) => {
+                send(&proc, Item::Msg(event_json(ev, out)), false).await;
+                continue;
+            }
+            Some(Ok(_)) => continue,
+            Some(Err(err)) => end_event(None, Some(err.to_string())),
+            None => end_event(p.exit(), None),
+        };
+        let gone = entry.sandbox.health_check().await.is_err();
+        send(&proc, if gone { Item::Abort } else { Item::Msg(end) }, true).await;
+        ended = true;
+    }
     meta.procs.lock().remove(&proc.pid);
 }
 
-/// Sends `msg` to every stream following `proc`, dropping those that went away; `last`:
+/// Sends `item` to every stream following `proc`, dropping those that went away; `last`:
 /// no stream may join after it.
-async fn send(proc: &Proc, msg: serde_json::Value, last: bool) {
+async fn send(proc: &Proc, item: Item, last: bool) {
     let subs = {
         let mut f = proc.follow.lock().unwrap_or_else(|p| p.into_inner());
         f.1 |= last;
         f.0.clone()
     };
-    let mut gone = Vec::new();
-    for (i, s) in subs.iter().enumerate() {
-        if s.send(msg.clone()).await.is_err() {
-            gone.push(i);
-        }
+    let mut gone = false;
+    for s in &subs {
+        let copy = match &item {
+            Item::Msg(m) => Item::Msg(m.clone()),
+            Item::Abort => Item::Abort,
+        };
+        gone |= s.send(copy).await.is_err();
     }
-    if !gone.is_empty() {
+    if gone {
         let mut f = proc.follow.lock().unwrap_or_else(|p| p.into_inner());
         f.0.retain(|s| !s.is_closed());
     }
@@ -397,9 +499,9 @@ async fn follow(e: Envd, r: StreamRequest<Selected>) -> Response {
     };
     let pid = proc.pid;
     let first = futures::stream::once(async move {
-        Ok(serde_json::json!({ "event": { "start": { "pid": pid } } }))
+        Item::Msg(serde_json::json!({ "event": { "start": { "pid": pid } } }))
     });
-    connect::stream(first.chain(tokio_stream(rx)), ka)
+    connect::stream(first.chain(follow_stream(rx)), ka)
 }
 
 fn list(e: &Envd) -> serde_json::Value {
@@ -452,10 +554,23 @@ async fn send_signal(e: &Envd, r: SendSignal) -> Result<serde_json::Value, RpcEr
         }
     };
     let p = e.meta.procs.find(&sel)?;
-    e.entry
-        .sandbox
-        .signal(sandbox_core::ProcessId::from(p.pid), sig)
-        .await?;
+    e.entry.sandbox.signal(p.id, sig).await?;
+    if p.own_pid {
+        // The library signals the process group it started; a shell on a terminal puts
+        // itself in a group of its own (job control), so it is also signalled by its pid,
+        // as envd does (it may have ended already: that is not an error).
+        let n = sig.number().to_string();
+        let pid = p.pid.to_string();
+        let req = ExecRequest::argv([
+            "/bin/sh",
+            "-c",
+            "kill -\"$1\" \"$2\" 2>/dev/null; true",
+            "kill",
+            &n,
+            &pid,
+        ]);
+        let _ = e.entry.sandbox.exec(req).await;
+    }
     Ok(serde_json::json!({}))
 }
 
@@ -550,7 +665,10 @@ async fn stream_input(e: &Envd, req: Request) -> Response {
     }
     .await;
     match result {
-        Ok(()) => connect::stream(futures::stream::empty(), None),
+        Ok(()) => connect::stream(
+            futures::stream::once(async { Item::Msg(serde_json::json!({})) }),
+            None,
+        ),
         Err(err) => connect::stream_error(err),
     }
 }

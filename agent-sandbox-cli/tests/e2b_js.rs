@@ -1,0 +1,114 @@
+//! `agent-sandbox serve`'s E2B-compatible API driven by the official E2B JavaScript SDK (`e2b`
+//! from npm, the version `scripts/test.sh` pins) under Node, pointed at the server the way
+//! E2B's users point it at a self-hosted E2B: `E2B_API_URL` and `E2B_SANDBOX_URL` the server's
+//! URL, `E2B_API_KEY` `e2b_` and its bearer token. Through the SDK's public API only,
+//! `tests/e2b/scenario.mjs` proves on the container tier what `tests/e2b/scenario.py` proves
+//! with the Python SDK (see `tests/e2b.rs`): commands (their environment and working directory,
+//! stdout and stderr apart, a failure's exit code), files in and out, background commands
+//! listed, killed, fed stdin and reconnected to, a PTY sized and resized, sandboxes listed and
+//! filtered by metadata, their timeout set, paused and resumed, killed, and another API key
+//! refused. The two SDKs are separate code: they send their own requests and read the answers
+//! their own way (the JavaScript one creates and connects through E2B's v2 endpoints,
+//! `POST /v2/sandboxes` and `POST /v2/sandboxes/{id}/connect`, and tells a missing sandbox by
+//! the error body's `code`).
+//! `scripts/test.sh` installs the SDK into a node_modules directory outside the clone and sets
+//! `AGENT_SANDBOX_TEST_NODE_MODULES`; without it, without `node`, or without the container
+//! tier, the test says so and skips.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod served;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+/// The server's bearer token: the SDK's API keys are `e2b_` + lowercase hex.
+const TOKEN: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+/// How long the whole scenario may take before `timeout` stops it (exit status 124).
+const SCENARIO_LIMIT_S: &str = "300";
+
+/// A time zone far from UTC (and not a whole number of hours off it) for Node: an `endAt`
+/// without a zone would be read as local time there and be hours off.
+const TZ: &str = "Asia/Kathmandu";
+
+/// `AGENT_SANDBOX_TEST_NODE_MODULES`, if it has the SDK, and `node` from `PATH`.
+fn sdk_and_node() -> Option<(PathBuf, PathBuf)> {
+    let Some(modules) = std::env::var_os("AGENT_SANDBOX_TEST_NODE_MODULES") else {
+        eprintln!(
+            "SKIP: AGENT_SANDBOX_TEST_NODE_MODULES is not set (scripts/test.sh sets it to a \
+             node_modules with the `e2b` SDK)"
+        );
+        return None;
+    };
+    let modules = PathBuf::from(modules);
+    let package = modules.join("e2b/package.json");
+    if !package.is_file() {
+        eprintln!(
+            "SKIP: {} has no `e2b` SDK (no {}; scripts/test.sh installs it)",
+            modules.display(),
+            package.display()
+        );
+        return None;
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let Some(node) = std::env::split_paths(&path)
+        .map(|dir| dir.join("node"))
+        .find(|node| node.is_file())
+    else {
+        eprintln!("SKIP: no `node` on PATH (the E2B JavaScript SDK runs under Node)");
+        return None;
+    };
+    Some((modules, node))
+}
+
+#[test]
+fn the_official_e2b_javascript_sdk_drives_container_sandboxes() {
+    let Some((modules, node)) = sdk_and_node() else {
+        return;
+    };
+    if let Some(why) = served::container_available() {
+        eprintln!("SKIP: the container tier is not available here: {why}");
+        return;
+    }
+    let (mut s, _) = served::serve_with_token(tempfile::tempdir().unwrap(), TOKEN, &[], &[]);
+    let url = s.base.trim_end_matches('/').to_string();
+    let scenario = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b/scenario.mjs");
+    // A clean environment: no E2B_DOMAIN or E2B_DEBUG of the caller's to redirect the SDK, no
+    // proxy between it and the loopback server, no NODE_OPTIONS.
+    let out = Command::new("timeout")
+        .args(["--kill-after=10", SCENARIO_LIMIT_S])
+        .arg(&node)
+        .arg(scenario)
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("TZ", TZ)
+        .env("AGENT_SANDBOX_TEST_NODE_MODULES", &modules)
+        .env("E2B_API_URL", &url)
+        .env("E2B_SANDBOX_URL", &url)
+        .env("E2B_API_KEY", format!("e2b_{TOKEN}"))
+        .output()
+        .unwrap();
+
+    // SIGTERM: the server destroys what a failed scenario left behind (30 s at most; past
+    // that, the drop kills it).
+    // SAFETY: kill(2) of our own child.
+    unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
+    for _ in 0..300 {
+        if s.child.try_wait().unwrap().is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.trim_end().ends_with("all ok"),
+        "scenario.mjs ({}): {} (124: it ran past {SCENARIO_LIMIT_S} s)\n--- stdout ---\n\
+         {stdout}--- stderr ---\n{}",
+        node.display(),
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
