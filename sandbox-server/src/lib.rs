@@ -106,6 +106,9 @@ struct Shared {
     /// Requests in flight, and when the last one ended ([`Server::idle_for`]).
     in_flight: std::sync::atomic::AtomicUsize,
     last_request: Mutex<std::time::Instant>,
+    /// Cancelled when [`Server::serve`] begins to stop: long streams (E2B's envd streams)
+    /// end, so the graceful shutdown is not held open by them.
+    stopping: Mutex<tokio_util::sync::CancellationToken>,
 }
 
 /// Counts a request in flight while it lives (until its answer's head is made).
@@ -138,6 +141,14 @@ impl Drop for InFlight {
 pub const TIERS_FRESH: Duration = Duration::from_secs(1);
 
 impl Shared {
+    /// The token cancelled when the server begins to stop.
+    fn stopping(&self) -> tokio_util::sync::CancellationToken {
+        self.stopping
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Entry>>> {
         self.sandboxes.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -94,6 +94,7 @@ impl Server {
                 tiers: Mutex::new(None),
                 in_flight: std::sync::atomic::AtomicUsize::new(0),
                 last_request: Mutex::new(std::time::Instant::now()),
+                stopping: Mutex::new(tokio_util::sync::CancellationToken::new()),
             }),
             mcp: Arc::new(Mutex::new(HashMap::new())),
         }
@@ -161,11 +162,16 @@ impl Server {
     ) -> std::io::Result<()> {
         let reaper = tokio::spawn(lifetime::reap(Arc::clone(&self.shared)));
         let stop = tokio_util::sync::CancellationToken::new();
+        *self
+            .shared
+            .stopping
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = stop.clone();
         let stopping = stop.clone();
         let shutdown = async move {
             shutdown.await;
-            // Ends the MCP endpoint's open event streams, which would hold the graceful
-            // shutdown open.
+            // Ends the MCP endpoint's open event streams and E2B's envd streams, which would
+            // hold the graceful shutdown open.
             stopping.cancel();
         };
         let (clients, served) = match listener {

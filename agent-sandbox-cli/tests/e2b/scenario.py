@@ -12,6 +12,7 @@ paths resolve, is whatever `pwd` says (the working directory, /workspace on our 
 import os
 import posixpath
 import sys
+import time
 from datetime import datetime, timezone
 
 from e2b import (
@@ -318,6 +319,32 @@ def step_auth(run):
     )
 
 
+def step_ports(run):
+    """A server the sandbox runs, reached the way the SDK reaches envd: the sandbox URL with
+    `E2b-Sandbox-Id` and `E2b-Sandbox-Port` naming its port (`get_host`'s port, routed by
+    header); a port nothing listens on is a 502 that says so."""
+    import httpx  # a dependency of the SDK
+
+    sb = run.sandbox
+    cmds = sb.commands
+    run.sandbox.files.write("site/index.html", "served from the sandbox\n")
+    h = cmds.run("python3 -m http.server 8000 --bind 127.0.0.1", background=True, cwd="site")
+    url = os.environ["E2B_SANDBOX_URL"].rstrip("/") + "/index.html"
+    to = {"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "8000"}
+    deadline = time.monotonic() + 30
+    while True:
+        r = httpx.get(url, headers=to, timeout=10)
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert r.status_code == 200, f"port 8000: {r.status_code} {r.text!r}"
+    assert r.text == "served from the sandbox\n", f"port 8000 answered {r.text!r}"
+    r = httpx.get(url, headers={**to, "E2b-Sandbox-Port": "8001"}, timeout=10)
+    assert r.status_code == 502, f"port 8001 (nothing there): {r.status_code} {r.text!r}"
+    assert "8001" in r.json()["message"], f"the 502 does not say which port: {r.text!r}"
+    assert cmds.kill(h.pid) is True
+
+
 STEPS = {
     "commands": step_commands,
     "files": step_files,
@@ -325,6 +352,7 @@ STEPS = {
     "stdin": step_stdin,
     "connect": step_connect,
     "pty": step_pty,
+    "ports": step_ports,
     "lifecycle": step_lifecycle,  # kills the shared sandbox: last of those that use it
     "auth": step_auth,
 }

@@ -331,19 +331,31 @@ pub(crate) enum Item {
 /// A streaming answer: each message of `messages` as it comes, then the end of the stream
 /// (with the error that ended it, if one did). `keepalive`: a message sent whenever the
 /// stream has been quiet this long, so idle proxies and clients keep it open.
-pub(crate) fn stream<S>(messages: S, keepalive: Option<(Duration, serde_json::Value)>) -> Response
+///
+/// When `stop` is cancelled (the server stops), the stream is cut.
+pub(crate) fn stream<S>(
+    messages: S,
+    keepalive: Option<(Duration, serde_json::Value)>,
+    stop: tokio_util::sync::CancellationToken,
+) -> Response
 where
     S: Stream<Item = Item> + Send + 'static,
 {
     let messages = Box::pin(messages);
-    let body = futures::stream::unfold(Some((messages, keepalive)), |state| async move {
-        let (mut messages, keepalive) = state?;
-        let next = match &keepalive {
-            Some((every, ka)) => match tokio::time::timeout(*every, messages.next()).await {
-                Ok(n) => n,
-                Err(_) => Some(Item::Msg(ka.clone())),
-            },
-            None => messages.next().await,
+    let body = futures::stream::unfold(Some((messages, keepalive, stop)), |state| async move {
+        let (mut messages, keepalive, stop) = state?;
+        let next = async {
+            match &keepalive {
+                Some((every, ka)) => match tokio::time::timeout(*every, messages.next()).await {
+                    Ok(n) => n,
+                    Err(_) => Some(Item::Msg(ka.clone())),
+                },
+                None => messages.next().await,
+            }
+        };
+        let next = tokio::select! {
+            n = next => n,
+            () = stop.cancelled() => Some(Item::Abort),
         };
         let (frame, more) = match next {
             Some(Item::Msg(m)) => (envelope(0, &m), true),
@@ -352,7 +364,7 @@ where
             }
             None => (envelope(0x02, &serde_json::json!({})), false),
         };
-        Some((Ok(frame), more.then_some((messages, keepalive))))
+        Some((Ok(frame), more.then_some((messages, keepalive, stop))))
     });
     (stream_head(), Body::from_stream(body)).into_response()
 }

@@ -73,6 +73,19 @@ pub(crate) async fn helper(
     let stderr = String::from_utf8_lossy(&r.stderr);
     let stderr = stderr.trim();
     match r.exit_code {
+        _ if r.limit == Some(sandbox_core::LimitKind::Output) => Err(RpcError::new(
+            Code::ResourceExhausted,
+            format!(
+                "{path}: the answer is over the sandbox's output limit (`limits.output_bytes`)"
+            ),
+        )),
+        _ if r.limit.is_some() => Err(RpcError::new(
+            Code::DeadlineExceeded,
+            format!(
+                "{op} {path} was stopped by the sandbox's {} limit",
+                r.limit.map_or("", |l| l.name())
+            ),
+        )),
         Some(0) if r.truncated => Err(RpcError::new(
             Code::ResourceExhausted,
             format!(

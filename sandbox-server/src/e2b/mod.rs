@@ -97,11 +97,13 @@ impl Meta {
 /// The E2B side of `entry`: what its E2B create recorded, or (a sandbox made through API
 /// v1) one made now, with a fresh access token.
 pub(crate) fn meta(entry: &Entry) -> Arc<Meta> {
-    Arc::clone(
-        entry
-            .e2b
-            .get_or_init(|| Arc::new(Meta::new("v1".into(), entry.sandbox.spec()))),
-    )
+    Arc::clone(entry.e2b.get_or_init(|| {
+        let mut m = Meta::new("v1".into(), entry.sandbox.spec());
+        // Made through API v1, whose clients never opted into E2B's open ports: its
+        // ports take a traffic token, which E2B's connect answer carries.
+        m.traffic_token = Some(crate::Token::generate());
+        Arc::new(m)
+    }))
 }
 
 /// Sets `entry`'s E2B side (at its E2B create); a no-op if it has one.
@@ -157,6 +159,8 @@ pub(crate) struct Envd {
     pub(crate) meta: Arc<Meta>,
     /// The server's body limit (what an upload may unpack to).
     pub(crate) body_limit: usize,
+    /// Cancelled when the server stops: its streams end then.
+    pub(crate) stop: tokio_util::sync::CancellationToken,
 }
 
 impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Envd {
@@ -247,6 +251,7 @@ pub(crate) async fn dispatch(
         entry,
         meta,
         body_limit: s.config.body_limit,
+        stop: s.stopping(),
     });
     let r = match envd.oneshot(req).await {
         Ok(r) => r,
@@ -273,8 +278,9 @@ fn check_token(
     Some(connect::RpcError::new(connect::Code::Unauthenticated, why).into_response())
 }
 
-/// envd's routes (reached through [`dispatch`] only); bodies up to `limit` bytes.
-pub(crate) fn envd_routes(limit: usize) -> Router {
+/// envd's routes (reached through [`dispatch`] only); bodies up to `limit` bytes, each
+/// answer's head within `timeout` (a stream then flows on).
+pub(crate) fn envd_routes(limit: usize, timeout: std::time::Duration) -> Router {
     Router::new()
         .route("/health", get(health))
         .route("/envs", get(envs))
@@ -289,6 +295,18 @@ pub(crate) fn envd_routes(limit: usize) -> Router {
             .into_response()
         })
         .layer(axum::extract::DefaultBodyLimit::max(limit))
+        .layer(axum::middleware::from_fn(
+            move |req: Request, next: Next| async move {
+                match tokio::time::timeout(timeout, next.run(req)).await {
+                    Ok(r) => r,
+                    Err(_) => connect::RpcError::new(
+                        connect::Code::DeadlineExceeded,
+                        format!("the request took longer than the server's limit of {timeout:?}"),
+                    )
+                    .into_response(),
+                }
+            },
+        ))
 }
 
 async fn health(e: Envd) -> StatusCode {

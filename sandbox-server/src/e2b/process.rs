@@ -29,11 +29,39 @@ const MAX_PROCS: usize = 256;
 /// Messages a following stream may lag behind the process before the pump waits for it.
 const FOLLOW_BUFFER: usize = 64;
 
-/// A sandbox's processes started through envd, by pid, while they run.
+/// A sandbox's processes started through envd, by pid, while they run, and how many are
+/// being started now (counted against [`MAX_PROCS`] with them).
 #[derive(Default)]
-pub(crate) struct Procs(Mutex<HashMap<u32, Arc<Proc>>>);
+pub(crate) struct Procs(
+    Mutex<HashMap<u32, Arc<Proc>>>,
+    Arc<std::sync::atomic::AtomicUsize>,
+);
+
+/// A place among a sandbox's [`MAX_PROCS`], held while a process starts.
+struct Reserved(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for Reserved {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
 
 impl Procs {
+    /// Holds a place for a process about to start, or refuses when all are taken.
+    fn reserve(&self) -> Result<Reserved, RpcError> {
+        use std::sync::atomic::Ordering;
+        let all = self.lock();
+        if all.len() + self.1.load(Ordering::SeqCst) >= MAX_PROCS {
+            return Err(RpcError::new(
+                Code::ResourceExhausted,
+                format!("this sandbox runs {MAX_PROCS} processes started through envd already"),
+            ));
+        }
+        self.1.fetch_add(1, Ordering::SeqCst);
+        drop(all);
+        Ok(Reserved(Arc::clone(&self.1)))
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u32, Arc<Proc>>> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -236,7 +264,7 @@ async fn start(e: Envd, r: StreamRequest<StartRequest>) -> Response {
             let first = futures::stream::once(async move {
                 Item::Msg(serde_json::json!({ "event": { "start": { "pid": pid } } }))
             });
-            connect::stream(first.chain(follow_stream(rx)), ka)
+            connect::stream(first.chain(follow_stream(rx)), ka, e.stop.clone())
         }
         Err(err) => connect::stream_error(err),
     }
@@ -268,12 +296,7 @@ async fn spawn(e: &Envd, r: StartRequest) -> Result<(u32, mpsc::Receiver<Item>),
     if config.cmd.is_empty() {
         return Err(RpcError::invalid("`process.cmd` is empty"));
     }
-    if e.meta.procs.lock().len() >= MAX_PROCS {
-        return Err(RpcError::new(
-            Code::ResourceExhausted,
-            format!("this sandbox runs {MAX_PROCS} processes started through envd already"),
-        ));
-    }
+    let _slot = e.meta.procs.reserve()?;
     let cwd = super::resolve(&e.meta.home, config.cwd.as_deref().unwrap_or(""))?;
     let mut argv: Vec<String> = ["/bin/sh", "-c", PID_WRAPPER, "envd"]
         .iter()
@@ -501,7 +524,7 @@ async fn follow(e: Envd, r: StreamRequest<Selected>) -> Response {
     let first = futures::stream::once(async move {
         Item::Msg(serde_json::json!({ "event": { "start": { "pid": pid } } }))
     });
-    connect::stream(first.chain(follow_stream(rx)), ka)
+    connect::stream(first.chain(follow_stream(rx)), ka, e.stop.clone())
 }
 
 fn list(e: &Envd) -> serde_json::Value {
@@ -668,6 +691,7 @@ async fn stream_input(e: &Envd, req: Request) -> Response {
         Ok(()) => connect::stream(
             futures::stream::once(async { Item::Msg(serde_json::json!({})) }),
             None,
+            e.stop.clone(),
         ),
         Err(err) => connect::stream_error(err),
     }
