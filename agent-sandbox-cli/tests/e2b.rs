@@ -8,7 +8,10 @@
 //! out (text, bytes, a multi-file upload, listing, entry info, directories, renaming,
 //! removing, a missing file), the same files the commands see; that a background command is
 //! listed, killed, fed stdin, and outlives a disconnected stream to be reconnected to; that a
-//! PTY has the size asked for and is resized; that sandboxes are listed and filtered by
+//! PTY has the size asked for and is resized; that a server the sandbox runs is reached on
+//! its port through the sandbox URL (and a port nothing listens on is a 502); that a
+//! snapshot restores as a template and forks twice, each copy on its own; that sandboxes are
+//! listed and filtered by
 //! metadata, have their timeout set, are paused and resumed by connecting with their files
 //! kept, are killed and then not found; and that another API key is refused.
 //! `scripts/test.sh` installs the SDK in a venv and sets `AGENT_SANDBOX_TEST_PYTHON`; without

@@ -109,6 +109,8 @@ struct Shared {
     /// Cancelled when [`Server::serve`] begins to stop: long streams (E2B's envd streams)
     /// end, so the graceful shutdown is not held open by them.
     stopping: Mutex<tokio_util::sync::CancellationToken>,
+    /// The snapshots taken through E2B's API, with their names.
+    e2b_snapshots: e2b::Snaps,
 }
 
 /// Counts a request in flight while it lives (until its answer's head is made).

@@ -95,6 +95,7 @@ impl Server {
                 in_flight: std::sync::atomic::AtomicUsize::new(0),
                 last_request: Mutex::new(std::time::Instant::now()),
                 stopping: Mutex::new(tokio_util::sync::CancellationToken::new()),
+                e2b_snapshots: Default::default(),
             }),
             mcp: Arc::new(Mutex::new(HashMap::new())),
         }

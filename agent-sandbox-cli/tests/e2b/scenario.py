@@ -345,6 +345,36 @@ def step_ports(run):
     assert cmds.kill(h.pid) is True
 
 
+def step_snapshots(run):
+    """A snapshot restored as a template, then forked twice: each sandbox starts with the
+    files of the moment it was taken and goes its own way. (A sandbox of its own, with the
+    internet off: a tier may refuse to checkpoint one with a network path out.)"""
+    sb = Sandbox.create(timeout=120, allow_internet_access=False, metadata=METADATA)
+    made = []
+    try:
+        sb.files.write("state.txt", "before")
+        snap = sb.create_snapshot()
+        assert snap.snapshot_id, f"snapshot without an id: {snap!r}"
+        listed = [s.snapshot_id for s in Sandbox.list_snapshots().next_items()]
+        assert snap.snapshot_id in listed, f"{snap.snapshot_id} not in {listed}"
+        sb.files.write("state.txt", "after")
+        restored = Sandbox.create(snap.snapshot_id, timeout=60)
+        made.append(restored)
+        assert restored.files.read("state.txt") == "before", "the restored sandbox's file"
+        forks = sb.fork(count=2)
+        made.extend(forks)
+        assert len(forks) == 2, f"fork(count=2) made {forks!r}"
+        assert len({f.sandbox_id for f in forks} | {sb.sandbox_id}) == 3, "fork ids"
+        forks[0].files.write("state.txt", "changed in fork 0")
+        assert forks[1].files.read("state.txt") == "after", "a fork saw another's write"
+        assert sb.files.read("state.txt") == "after", "the original saw a fork's write"
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is True
+        assert Sandbox.delete_snapshot(snap.snapshot_id) is False, "deleted twice"
+    finally:
+        for s in made + [sb]:
+            s.kill()
+
+
 STEPS = {
     "commands": step_commands,
     "files": step_files,
@@ -353,6 +383,7 @@ STEPS = {
     "connect": step_connect,
     "pty": step_pty,
     "ports": step_ports,
+    "snapshots": step_snapshots,
     "lifecycle": step_lifecycle,  # kills the shared sandbox: last of those that use it
     "auth": step_auth,
 }

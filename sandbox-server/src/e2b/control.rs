@@ -48,11 +48,15 @@ pub(crate) fn routes() -> Router<Arc<Shared>> {
         .route("/sandboxes/metrics", get(not_yet_metrics))
         .route("/sandboxes/{id}/logs", get(no_logs))
         .route("/v2/sandboxes/{id}/logs", get(no_logs))
-        .route("/sandboxes/{id}/snapshots", post(not_yet_snapshots))
-        .route("/sandboxes/{id}/fork", post(not_yet_snapshots))
-        .route("/snapshots", any(not_yet_snapshots))
+        .route("/sandboxes/{id}/snapshots", post(super::snapshots::create))
+        .route("/sandboxes/{id}/fork", post(super::snapshots::fork))
+        .route("/snapshots", get(super::snapshots::list))
         .route("/templates", get(templates).post(no_builds))
-        .route("/templates/{*rest}", any(no_builds))
+        .route(
+            "/templates/{id}",
+            axum::routing::delete(super::snapshots::delete).fallback(no_builds),
+        )
+        .route("/templates/{id}/{*rest}", any(no_builds))
         .route("/v2/templates", any(no_builds))
         .route("/v2/templates/{*rest}", any(no_builds))
         .route("/v3/templates", any(no_builds))
@@ -73,13 +77,13 @@ pub(crate) fn routes() -> Router<Arc<Shared>> {
 }
 
 /// An answer of the control plane: its errors in E2B's shape.
-type Answer<T> = Result<T, Failure>;
+pub(super) type Answer<T> = Result<T, Failure>;
 
-fn e2b(e: ApiError) -> Failure {
+pub(super) fn e2b(e: ApiError) -> Failure {
     api_error(e.status, e.message)
 }
 
-fn not_found(id: &str) -> Failure {
+pub(super) fn not_found(id: &str) -> Failure {
     api_error(StatusCode::NOT_FOUND, format!("sandbox {id} not found"))
 }
 
@@ -95,7 +99,9 @@ fn unsupported(what: &str) -> Failure {
 }
 
 /// A JSON body, which E2B's clients may leave out; bad JSON is a 400 in E2B's shape.
-fn body<T: Default + serde::de::DeserializeOwned>(b: Result<Bytes, BytesRejection>) -> Answer<T> {
+pub(super) fn body<T: Default + serde::de::DeserializeOwned>(
+    b: Result<Bytes, BytesRejection>,
+) -> Answer<T> {
     crate::routes::body::optional_json(b).map_err(e2b)
 }
 
@@ -197,7 +203,7 @@ fn policy(allow_internet: Option<bool>, net: &Network) -> Answer<NetworkPolicy> 
     })
 }
 
-fn timeout_of(t: Option<u64>, default: u64) -> Answer<u64> {
+pub(super) fn timeout_of(t: Option<u64>, default: u64) -> Answer<u64> {
     let t = t.unwrap_or(default);
     if t == 0 || t > MAX_TIMEOUT_S {
         return Err(bad(format!(
@@ -249,6 +255,12 @@ async fn create_with(
         .as_ref()
         .is_some_and(|a| a.enabled == serde_json::Value::Bool(true));
     let timeout = timeout_of(req.timeout, default_timeout)?;
+    if let Some(snap) = s.e2b_snapshots.find(&caller, &req.template_id) {
+        let (entry, m) =
+            super::snapshots::restore(&s, &caller, &snap, timeout, req.metadata).await?;
+        entry.life.pause_at_deadline(req.auto_pause);
+        return Ok((StatusCode::CREATED, Json(sandbox_json(&s, &entry, &m))));
+    }
     let templates = Templates::new(s.config.templates.clone());
     let Some(template) = templates.find(&req.template_id).cloned() else {
         return Err(api_error(
@@ -297,7 +309,7 @@ async fn create_with(
 }
 
 /// E2B's `Sandbox`: what a client needs to reach one.
-fn sandbox_json(s: &Shared, e: &Entry, m: &Meta) -> serde_json::Value {
+pub(super) fn sandbox_json(s: &Shared, e: &Entry, m: &Meta) -> serde_json::Value {
     serde_json::json!({
         "templateID": m.template,
         "sandboxID": e.info.id,
@@ -763,10 +775,6 @@ async fn not_yet_metrics() -> Failure {
 
 async fn no_logs() -> Failure {
     unsupported("sandbox logs (envd's own log; this server logs to its stderr)")
-}
-
-async fn not_yet_snapshots() -> Failure {
-    unsupported("E2B snapshots and fork (use API v1's /v1/sandboxes/{id}/snapshot and /v1/snapshots/{sid}/fork)")
 }
 
 async fn no_builds() -> Failure {

@@ -20,6 +20,7 @@ mod files;
 mod fs;
 mod ports;
 mod process;
+mod snapshots;
 mod templates;
 
 use std::collections::BTreeMap;
@@ -35,6 +36,7 @@ use axum::Router;
 pub use templates::{Template, TemplateError};
 
 pub(crate) use control::routes as control_routes;
+pub(crate) use snapshots::Snaps;
 pub(crate) use templates::Templates;
 
 use crate::{Entry, Shared};
