@@ -28,6 +28,9 @@ use std::time::Duration;
 /// The server's bearer token: the SDK accepts only API keys of the form `e2b_` + lowercase hex.
 const TOKEN: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
 
+/// The domain sandboxes' host names are under (`serve --e2b-domain`, the SDK's E2B_DOMAIN).
+const DOMAIN: &str = "sandboxes.test";
+
 /// How long the whole scenario may take before `timeout` stops it (exit status 124).
 const SCENARIO_LIMIT_S: &str = "300";
 
@@ -62,23 +65,37 @@ fn the_official_e2b_sdk_drives_container_sandboxes() {
         eprintln!("SKIP: the container tier is not available here: {why}");
         return;
     }
-    let (mut s, _) = served::serve_with_token(tempfile::tempdir().unwrap(), TOKEN, &[], &[]);
+    let (mut s, _) = served::serve_with_token(
+        tempfile::tempdir().unwrap(),
+        TOKEN,
+        &["--e2b-domain", DOMAIN],
+        &[],
+    );
     let url = s.base.trim_end_matches('/').to_string();
     let scenario = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b/scenario.py");
     // A clean environment: no E2B_DOMAIN or E2B_DEBUG of the caller's to redirect the SDK, no
     // proxy between it and the loopback server.
-    let out = Command::new("timeout")
-        .args(["--kill-after=10", SCENARIO_LIMIT_S])
-        .arg(python)
-        .arg(scenario)
-        .env_clear()
-        .env("PATH", "/usr/bin:/bin")
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .env("E2B_API_URL", &url)
-        .env("E2B_SANDBOX_URL", &url)
-        .env("E2B_API_KEY", format!("e2b_{TOKEN}"))
-        .output()
-        .unwrap();
+    let sdk = |script: &str| {
+        Command::new("timeout")
+            .args(["--kill-after=10", SCENARIO_LIMIT_S])
+            .arg(&python)
+            .arg(script)
+            .env_clear()
+            .env("PATH", "/usr/bin:/bin")
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .env("E2B_API_URL", &url)
+            .env("E2B_SANDBOX_URL", &url)
+            .env("E2B_API_KEY", format!("e2b_{TOKEN}"))
+            .env("E2B_DOMAIN", DOMAIN)
+            .output()
+            .unwrap()
+    };
+    let out = sdk(scenario);
+    // The example users copy: E2B's own quick start, unchanged.
+    let example = sdk(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/e2b_quickstart.py"
+    ));
 
     // SIGTERM: the server destroys what a failed scenario left behind (30 s at most; past
     // that, the drop kills it).
@@ -98,5 +115,12 @@ fn the_official_e2b_sdk_drives_container_sandboxes() {
          --- stderr ---\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&example.stdout),
+        "Hello from E2B!\n\n",
+        "examples/e2b_quickstart.py: {}\n{}",
+        example.status,
+        String::from_utf8_lossy(&example.stderr)
     );
 }

@@ -542,3 +542,32 @@ fn concurrent_clients_load_the_server_without_errors_or_leftovers() {
         .collect();
     assert!(left.is_empty(), "{left:?}");
 }
+
+#[test]
+fn http2_without_tls_is_served_beside_http1() {
+    // E2B's SDKs and gRPC-style clients speak HTTP/2 with prior knowledge to a plain-HTTP
+    // server; the same listener answers both.
+    let s = serve();
+    for (flag, version) in [("--http1.1", "1.1"), ("--http2-prior-knowledge", "2")] {
+        let out = Command::new("curl")
+            .args([
+                "-sS",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_version} %{http_code}",
+                flag,
+            ])
+            .arg("-H")
+            .arg(format!("Authorization: Bearer {}", s.token))
+            .arg(format!("{}/v1/tiers", s.base))
+            .output()
+            .unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            format!("{version} 200"),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}

@@ -339,6 +339,14 @@ def step_ports(run):
         time.sleep(0.2)
     assert r.status_code == 200, f"port 8000: {r.status_code} {r.text!r}"
     assert r.text == "served from the sandbox\n", f"port 8000 answered {r.text!r}"
+    # By host name, as `get_host` names it (`PORT-ID.DOMAIN`), when the server was told the
+    # domain (`serve --e2b-domain`, the SDK's E2B_DOMAIN) and a name under it reaches it:
+    # here the request goes to the server's address with that host name.
+    if os.environ.get("E2B_DOMAIN"):
+        host = sb.get_host(8000)
+        assert host == f"8000-{sb.sandbox_id}.{os.environ['E2B_DOMAIN']}", host
+        r = httpx.get(url, headers={"Host": host}, timeout=10)
+        assert r.text == "served from the sandbox\n", f"by host name: {r.status_code} {r.text!r}"
     r = httpx.get(url, headers={**to, "E2b-Sandbox-Port": "8001"}, timeout=10)
     assert r.status_code == 502, f"port 8001 (nothing there): {r.status_code} {r.text!r}"
     assert "8001" in r.json()["message"], f"the 502 does not say which port: {r.text!r}"

@@ -18,6 +18,7 @@ mod connect;
 mod control;
 mod files;
 mod fs;
+mod list;
 mod ports;
 mod process;
 mod snapshots;
