@@ -2,7 +2,8 @@
 //! from PyPI, the version `scripts/test.sh` pins), pointed at the server the way E2B's users
 //! point it at a self-hosted E2B: `E2B_API_URL` and `E2B_SANDBOX_URL` the server's URL,
 //! `E2B_API_KEY` `e2b_` and its bearer token. Through the SDK's public sync API only,
-//! `tests/e2b/scenario.py` proves on the container tier that a sandbox created with metadata and
+//! `tests/e2b/scenario.py` proves on the container and gVisor tiers (each where the host
+//! has it; the `base` template pinned to it) that a sandbox created with metadata and
 //! environment variables runs commands (its environment, a command's own environment and
 //! working directory, stdout and stderr apart, a failure's exit code); that files go in and
 //! out (text, bytes, a multi-file upload, listing, entry info, directories, renaming,
@@ -60,15 +61,26 @@ fn python() -> Option<OsString> {
 
 #[test]
 fn the_official_e2b_sdk_drives_container_sandboxes() {
+    scenario_on("container");
+}
+
+#[test]
+fn the_official_e2b_sdk_drives_gvisor_sandboxes() {
+    scenario_on("gvisor");
+}
+
+/// The scenario (and the quick start example) with the `base` template on `tier`.
+fn scenario_on(tier: &str) {
     let Some(python) = python() else { return };
-    if let Some(why) = served::container_available() {
-        eprintln!("SKIP: the container tier is not available here: {why}");
+    if let Some(why) = served::unavailable(tier) {
+        eprintln!("SKIP: the {tier} tier is not available here: {why}");
         return;
     }
+    let base = format!("base=-,tier={tier}");
     let (mut s, _) = served::serve_with_token(
         tempfile::tempdir().unwrap(),
         TOKEN,
-        &["--e2b-domain", DOMAIN],
+        &["--e2b-domain", DOMAIN, "--template", &base],
         &[],
     );
     let url = s.base.trim_end_matches('/').to_string();
@@ -111,7 +123,7 @@ fn the_official_e2b_sdk_drives_container_sandboxes() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success() && stdout.trim_end().ends_with("all ok"),
-        "scenario.py: {} (124: it ran past {SCENARIO_LIMIT_S} s)\n--- stdout ---\n{stdout}\
+        "scenario.py on {tier}: {} (124: it ran past {SCENARIO_LIMIT_S} s)\n--- stdout ---\n{stdout}\
          --- stderr ---\n{}",
         out.status,
         String::from_utf8_lossy(&out.stderr)

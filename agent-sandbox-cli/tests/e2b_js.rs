@@ -72,7 +72,13 @@ fn the_official_e2b_javascript_sdk_drives_container_sandboxes() {
         eprintln!("SKIP: the container tier is not available here: {why}");
         return;
     }
-    let (mut s, _) = served::serve_with_token(tempfile::tempdir().unwrap(), TOKEN, &[], &[]);
+    // The `base` template on the container tier (the selector's pick may be another).
+    let (mut s, _) = served::serve_with_token(
+        tempfile::tempdir().unwrap(),
+        TOKEN,
+        &["--template", "base=-,tier=container"],
+        &[],
+    );
     let url = s.base.trim_end_matches('/').to_string();
     let scenario = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b/scenario.mjs");
     // A clean environment: no E2B_DOMAIN or E2B_DEBUG of the caller's to redirect the SDK, no
