@@ -69,18 +69,44 @@ fn the_official_e2b_sdk_drives_gvisor_sandboxes() {
     scenario_on("gvisor");
 }
 
+/// An image's template with E2B's own home, `/home/user`, as programs written for E2B name
+/// it: the Debian image `scripts/test-image.sh` builds.
+#[test]
+fn the_official_e2b_sdk_drives_an_image_template_with_e2bs_home() {
+    let dir = std::env::var_os("AGENT_SANDBOX_TEST_IMAGES")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from("/var/tmp/agent-sandbox-images"))
+        .join("trixie-numpy");
+    if !dir.join("index.json").is_file() {
+        eprintln!(
+            "SKIP: no test image in {} (scripts/test-image.sh builds it)",
+            dir.display()
+        );
+        return;
+    }
+    scenario_with(
+        "container",
+        &format!("base=oci:{},tier=container,home=/home/user", dir.display()),
+    );
+}
+
 /// The scenario (and the quick start example) with the `base` template on `tier`.
 fn scenario_on(tier: &str) {
+    scenario_with(tier, &format!("base=-,tier={tier}"));
+}
+
+/// The scenario (and the quick start example) with `base` the template `base` says, on
+/// `tier`.
+fn scenario_with(tier: &str, base: &str) {
     let Some(python) = python() else { return };
     if let Some(why) = served::unavailable(tier) {
         eprintln!("SKIP: the {tier} tier is not available here: {why}");
         return;
     }
-    let base = format!("base=-,tier={tier}");
     let (mut s, _) = served::serve_with_token(
         tempfile::tempdir().unwrap(),
         TOKEN,
-        &["--e2b-domain", DOMAIN, "--template", &base],
+        &["--e2b-domain", DOMAIN, "--template", base],
         &[],
     );
     let url = s.base.trim_end_matches('/').to_string();
@@ -99,6 +125,10 @@ fn scenario_on(tier: &str) {
             .env("E2B_SANDBOX_URL", &url)
             .env("E2B_API_KEY", format!("e2b_{TOKEN}"))
             .env("E2B_DOMAIN", DOMAIN)
+            .env(
+                "E2B_EXPECT_HOME",
+                base.split_once(",home=").map_or("", |(_, h)| h),
+            )
             .output()
             .unwrap()
     };

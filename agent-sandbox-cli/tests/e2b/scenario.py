@@ -98,6 +98,12 @@ def step_commands(run):
     assert len(lines) == 2, f"expected two lines (GREETING, pwd), got {r.stdout!r}"
     assert lines[0] == "hi", f"the sandbox's envs= did not reach the command: {r.stdout!r}"
     assert lines[1] == run.home, f"pwd said {lines[1]!r}, then {run.home!r}"
+    if os.environ.get("E2B_EXPECT_HOME"):
+        # A template with E2B's own home: where programs written for E2B put their files.
+        assert run.home == os.environ["E2B_EXPECT_HOME"], f"home {run.home!r}"
+        w = sb.files.write(f"{run.home}/e2b-home.txt", "here")
+        assert w.path == f"{run.home}/e2b-home.txt", f"{w!r}"
+        assert sb.commands.run("cat ~/e2b-home.txt").stdout == "here"
 
     r = sb.commands.run('echo "$FOO"; pwd', envs={"FOO": "bar"}, cwd="/tmp")
     assert r.stdout == "bar\n/tmp\n", f"envs=/cwd= of the command: {r.stdout!r}"

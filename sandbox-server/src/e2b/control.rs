@@ -299,10 +299,35 @@ async fn create_with(
     if net.allow_public_traffic == Some(false) {
         m.traffic_token = Some(crate::Token::generate());
     }
+    if let Some(home) = &template.home {
+        if let Err(why) = make_home(&entry, home).await {
+            if let Some(e) = s.take(&entry.info.id, &caller) {
+                let _ = e.sandbox.destroy().await;
+            }
+            return Err(api_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!(
+                    "template `{}`: its home {home} cannot be made in the sandbox: {why}",
+                    template.name
+                ),
+            ));
+        }
+        m.home = home.clone();
+    }
     let m = set_meta(&entry, m);
     entry.life.pause_at_deadline(m.auto_pause);
     let _ = req.secure;
     Ok((StatusCode::CREATED, Json(sandbox_json(&s, &entry, &m))))
+}
+
+/// Makes `home` in the sandbox, as its user.
+async fn make_home(e: &Entry, home: &str) -> Result<(), String> {
+    let req = sandbox_core::ExecRequest::argv(["mkdir", "-p", "--", home]);
+    match e.sandbox.exec(req).await {
+        Ok(r) if r.exit_code == Some(0) => Ok(()),
+        Ok(r) => Err(String::from_utf8_lossy(&r.stderr).trim().to_string()),
+        Err(err) => Err(err.to_string()),
+    }
 }
 
 /// E2B's `Sandbox`: what a client needs to reach one.

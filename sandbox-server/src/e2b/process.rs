@@ -305,6 +305,10 @@ async fn spawn(e: &Envd, r: StartRequest) -> Result<(u32, mpsc::Receiver<Item>),
     argv.push(config.cmd.clone());
     argv.extend(config.args.iter().cloned());
     let mut req = ExecRequest::argv(argv).cwd(cwd);
+    if e.meta.home != sandbox_core::WORKSPACE_MOUNT {
+        // A template's own home is the commands' `HOME` too, as E2B's user's is.
+        req = req.env("HOME", e.meta.home.clone());
+    }
     for (k, v) in &config.envs {
         req = req.env(k, v);
     }

@@ -29,6 +29,8 @@ pub(crate) struct Snap {
     owner: Caller,
     sandbox: String,
     name: Option<String>,
+    /// Its sandbox's home (a template's `home`), which its restored sandboxes keep.
+    home: Option<String>,
 }
 
 impl Snap {
@@ -74,6 +76,7 @@ impl Snaps {
                     owner: caller.clone(),
                     sandbox: String::new(),
                     name: None,
+                    home: None,
                 })
             })
     }
@@ -135,6 +138,7 @@ pub(crate) async fn create(
         owner: caller.clone(),
         sandbox: id,
         name: r.name,
+        home: Some(super::meta(&e).home.clone()),
     };
     {
         let mut all = s.e2b_snapshots.lock();
@@ -206,7 +210,17 @@ pub(crate) async fn restore(
         .manifest(&snap.sid)
         .await
         .map_err(|err| e2b(err.into()))?;
-    crate::access::check_spec(&s.config, &m.spec, true).map_err(e2b)?;
+    // A sandbox of an operator's template may start from an image on the server's host
+    // (`oci:`): its snapshot may too. Any other host access is the client's, and refused.
+    let mut spec = m.spec.clone();
+    if s.config
+        .templates
+        .iter()
+        .any(|t| t.image.is_some() && t.image == spec.image)
+    {
+        spec.image = None;
+    }
+    crate::access::check_spec(&s.config, &spec, true).map_err(e2b)?;
     crate::routes::admit::room(s, 1).map_err(e2b)?;
     let sandbox = s
         .provider
@@ -226,7 +240,11 @@ pub(crate) async fn restore(
     .await
     .map_err(e2b)?;
     let entry = s.get(&info.id, caller).map_err(e2b)?;
-    let meta = set_meta(&entry, Meta::new(snap.e2b_id(), entry.sandbox.spec()));
+    let mut meta = Meta::new(snap.e2b_id(), entry.sandbox.spec());
+    if let Some(home) = &snap.home {
+        meta.home = home.clone();
+    }
+    let meta = set_meta(&entry, meta);
     Ok((entry, meta))
 }
 
@@ -264,6 +282,7 @@ pub(crate) async fn fork(
         owner: caller.clone(),
         sandbox: id,
         name: None,
+        home: Some(super::meta(&e).home.clone()),
     };
     let metadata = e.info.labels.clone();
     let mut out = Vec::new();

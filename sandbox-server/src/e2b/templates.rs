@@ -22,11 +22,16 @@ pub struct Template {
     pub memory_mib: Option<u64>,
     /// CPUs of each sandbox (`None`: one).
     pub cpus: Option<u32>,
+    /// The home of E2B's commands and relative paths, made at create if missing (E2B's is
+    /// `/home/user`, which programs written for it often name); `None`: the sandbox's
+    /// working directory (`/workspace`). It must be a place the sandbox's user can create
+    /// (an image's `/home`, not the tiers' read-only host-tools root).
+    pub home: Option<String>,
 }
 
 /// Why a template could not be read from its text.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("template `{text}`: {why} (the form: NAME=IMAGE[,tier=T][,memory=MIB][,cpus=N], IMAGE `-` for the tier's own userland)")]
+#[error("template `{text}`: {why} (the form: NAME=IMAGE[,tier=T][,memory=MIB][,cpus=N][,home=DIR], IMAGE `-` for the tier's own userland)")]
 pub struct TemplateError {
     text: String,
     why: String,
@@ -41,6 +46,7 @@ impl Template {
             tier: None,
             memory_mib: None,
             cpus: None,
+            home: None,
         }
     }
 
@@ -127,6 +133,12 @@ impl FromStr for Template {
                             .ok_or_else(|| err(format!("cpus `{v}` is not 1 to 64")))?,
                     )
                 }
+                "home" => {
+                    if !v.starts_with('/') || v.contains('\0') || v.split('/').any(|p| p == "..") {
+                        return Err(err(format!("home `{v}` is not an absolute path")));
+                    }
+                    t.home = Some(v.trim_end_matches('/').to_string());
+                }
                 _ => return Err(err(format!("unknown key `{k}`"))),
             }
         }
@@ -179,6 +191,8 @@ mod tests {
         assert!(t.image.is_some());
         let host: Template = "base=-".parse().unwrap();
         assert_eq!(host.image, None);
+        let home: Template = "h=-,home=/home/user/".parse().unwrap();
+        assert_eq!(home.home.as_deref(), Some("/home/user"));
         for bad in [
             "noequals",
             "=img",
