@@ -165,6 +165,8 @@ pub(crate) struct StreamRequest<T> {
     /// How often the client asked for keep-alive messages (`Keepalive-Ping-Interval`,
     /// seconds), if it did.
     pub keepalive: Option<Duration>,
+    /// How long the client gives the call (`Connect-Timeout-Ms`), if it said.
+    pub deadline: Option<Duration>,
 }
 
 impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for StreamRequest<T> {
@@ -186,6 +188,12 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for StreamRequest<T> {
             .and_then(|v| v.trim().parse::<u64>().ok())
             .filter(|s| *s > 0)
             .map(Duration::from_secs);
+        let deadline = req
+            .headers()
+            .get("connect-timeout-ms")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .map(Duration::from_millis);
         let stream_error = |e: RpcError| stream_error(e);
         let body = read_body(req, state).await.map_err(stream_error)?;
         let mut frames = Frames::new(&body);
@@ -212,7 +220,11 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for StreamRequest<T> {
                 "a server-streaming call takes exactly one request message",
             )));
         }
-        Ok(StreamRequest { msg, keepalive })
+        Ok(StreamRequest {
+            msg,
+            keepalive,
+            deadline,
+        })
     }
 }
 
@@ -332,18 +344,22 @@ pub(crate) enum Item {
 /// (with the error that ended it, if one did). `keepalive`: a message sent whenever the
 /// stream has been quiet this long, so idle proxies and clients keep it open.
 ///
-/// When `stop` is cancelled (the server stops), the stream is cut.
+/// When `stop` is cancelled (the server stops), the stream is cut; past `deadline` (the
+/// client's `Connect-Timeout-Ms`) it ends with `deadline_exceeded`.
 pub(crate) fn stream<S>(
     messages: S,
     keepalive: Option<(Duration, serde_json::Value)>,
     stop: tokio_util::sync::CancellationToken,
+    deadline: Option<Duration>,
 ) -> Response
 where
     S: Stream<Item = Item> + Send + 'static,
 {
     let messages = Box::pin(messages);
-    let body = futures::stream::unfold(Some((messages, keepalive, stop)), |state| async move {
-        let (mut messages, keepalive, stop) = state?;
+    let until = deadline.map(|d| tokio::time::Instant::now() + d);
+    let state = (messages, keepalive, stop, until);
+    let body = futures::stream::unfold(Some(state), |state| async move {
+        let (mut messages, keepalive, stop, until) = state?;
         let next = async {
             match &keepalive {
                 Some((every, ka)) => match tokio::time::timeout(*every, messages.next()).await {
@@ -353,9 +369,20 @@ where
                 None => messages.next().await,
             }
         };
+        let late = async {
+            match until {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
         let next = tokio::select! {
             n = next => n,
             () = stop.cancelled() => Some(Item::Abort),
+            () = late => {
+                let e = RpcError::new(Code::DeadlineExceeded, "the call ran past its deadline (`Connect-Timeout-Ms`)");
+                let end = envelope(0x02, &serde_json::json!({ "error": e.json() }));
+                return Some((Ok(end), None));
+            }
         };
         let (frame, more) = match next {
             Some(Item::Msg(m)) => (envelope(0, &m), true),
@@ -364,7 +391,10 @@ where
             }
             None => (envelope(0x02, &serde_json::json!({})), false),
         };
-        Some((Ok(frame), more.then_some((messages, keepalive, stop))))
+        Some((
+            Ok(frame),
+            more.then_some((messages, keepalive, stop, until)),
+        ))
     });
     (stream_head(), Body::from_stream(body)).into_response()
 }
@@ -411,6 +441,22 @@ mod tests {
     fn an_envelope_states_its_length_big_endian() {
         let e = envelope(2, &serde_json::json!({}));
         assert_eq!(&e[..], &[2, 0, 0, 0, 2, b'{', b'}']);
+    }
+
+    #[tokio::test]
+    async fn a_stream_ends_at_its_deadline_and_is_cut_when_the_server_stops() {
+        let quiet = || futures::stream::pending::<Item>();
+        let stop = tokio_util::sync::CancellationToken::new();
+        let r = stream(quiet(), None, stop.clone(), Some(Duration::from_millis(20)));
+        let body = axum::body::to_bytes(r.into_body(), 1 << 20).await.unwrap();
+        let end = Frames::new(&body).next().unwrap().unwrap();
+        assert_eq!(end.flags, 2);
+        let v: serde_json::Value = serde_json::from_slice(end.data).unwrap();
+        assert_eq!(v["error"]["code"], "deadline_exceeded");
+
+        let r = stream(quiet(), None, stop.clone(), None);
+        stop.cancel();
+        assert!(axum::body::to_bytes(r.into_body(), 1 << 20).await.is_err());
     }
 
     #[test]

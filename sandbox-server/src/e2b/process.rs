@@ -264,7 +264,12 @@ async fn start(e: Envd, r: StreamRequest<StartRequest>) -> Response {
             let first = futures::stream::once(async move {
                 Item::Msg(serde_json::json!({ "event": { "start": { "pid": pid } } }))
             });
-            connect::stream(first.chain(follow_stream(rx)), ka, e.stop.clone())
+            connect::stream(
+                first.chain(follow_stream(rx)),
+                ka,
+                e.stop.clone(),
+                r.deadline,
+            )
         }
         Err(err) => connect::stream_error(err),
     }
@@ -528,7 +533,12 @@ async fn follow(e: Envd, r: StreamRequest<Selected>) -> Response {
     let first = futures::stream::once(async move {
         Item::Msg(serde_json::json!({ "event": { "start": { "pid": pid } } }))
     });
-    connect::stream(first.chain(follow_stream(rx)), ka, e.stop.clone())
+    connect::stream(
+        first.chain(follow_stream(rx)),
+        ka,
+        e.stop.clone(),
+        r.deadline,
+    )
 }
 
 fn list(e: &Envd) -> serde_json::Value {
@@ -696,6 +706,7 @@ async fn stream_input(e: &Envd, req: Request) -> Response {
             futures::stream::once(async { Item::Msg(serde_json::json!({})) }),
             None,
             e.stop.clone(),
+            None,
         ),
         Err(err) => connect::stream_error(err),
     }
