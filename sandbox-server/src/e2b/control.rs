@@ -399,7 +399,11 @@ async fn set_timeout(
     b: Result<Bytes, BytesRejection>,
 ) -> Answer<StatusCode> {
     let t: Timeout = body(b)?;
-    let t = timeout_of(t.timeout, 15)?;
+    // 0: the timeout is now (what a timeout does, kill or pause, happens at once).
+    let t = match t.timeout {
+        Some(0) => 0,
+        t => timeout_of(t, 15)?,
+    };
     let e = entry(&s, &caller, &id)?;
     e.life
         .set_deadline(Some(Instant::now() + Duration::from_secs(t)));
