@@ -24,7 +24,6 @@ mod served;
 
 use std::ffi::OsString;
 use std::process::Command;
-use std::time::Duration;
 
 /// The server's bearer token: the SDK accepts only API keys of the form `e2b_` + lowercase hex.
 const TOKEN: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
@@ -139,16 +138,8 @@ fn scenario_with(tier: &str, base: &str) {
         "/../examples/e2b_quickstart.py"
     ));
 
-    // SIGTERM: the server destroys what a failed scenario left behind (30 s at most; past
-    // that, the drop kills it).
-    // SAFETY: kill(2) of our own child.
-    unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
-    for _ in 0..300 {
-        if s.child.try_wait().unwrap().is_some() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    // The server destroys what a failed scenario left behind.
+    s.terminate();
 
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(

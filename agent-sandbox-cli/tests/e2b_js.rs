@@ -21,7 +21,6 @@ mod served;
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::Duration;
 
 /// The server's bearer token: the SDK's API keys are `e2b_` + lowercase hex.
 const TOKEN: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
@@ -97,16 +96,8 @@ fn the_official_e2b_javascript_sdk_drives_container_sandboxes() {
         .output()
         .unwrap();
 
-    // SIGTERM: the server destroys what a failed scenario left behind (30 s at most; past
-    // that, the drop kills it).
-    // SAFETY: kill(2) of our own child.
-    unsafe { libc::kill(s.child.id() as i32, libc::SIGTERM) };
-    for _ in 0..300 {
-        if s.child.try_wait().unwrap().is_some() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    // The server destroys what a failed scenario left behind.
+    s.terminate();
 
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(

@@ -41,6 +41,21 @@ pub struct Serve {
     pub dir: tempfile::TempDir,
 }
 
+impl Serve {
+    /// SIGTERM, then waits for it to exit (30 s at most; past that, the drop kills it): the
+    /// server destroys every sandbox it holds on the way out.
+    pub fn terminate(&mut self) {
+        // SAFETY: kill(2) of our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        for _ in 0..300 {
+            if self.child.try_wait().unwrap().is_some() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+}
+
 impl Drop for Serve {
     fn drop(&mut self) {
         let _ = self.child.kill();

@@ -260,19 +260,28 @@ fn keepalive(r: &StreamRequest<impl Sized>) -> Option<(std::time::Duration, serd
 async fn start(e: Envd, r: StreamRequest<StartRequest>) -> Response {
     let ka = keepalive(&r);
     match spawn(&e, r.msg).await {
-        Ok((pid, rx)) => {
-            let first = futures::stream::once(async move {
-                Item::Msg(serde_json::json!({ "event": { "start": { "pid": pid } } }))
-            });
-            connect::stream(
-                first.chain(follow_stream(rx)),
-                ka,
-                e.stop.clone(),
-                r.deadline,
-            )
-        }
+        Ok((pid, rx)) => answer(&e, pid, rx, ka, r.deadline),
         Err(err) => connect::stream_error(err),
     }
+}
+
+/// A stream following process `pid`: its `start` event, then what `rx` brings.
+fn answer(
+    e: &Envd,
+    pid: u32,
+    rx: mpsc::Receiver<Item>,
+    keepalive: Option<(std::time::Duration, serde_json::Value)>,
+    deadline: Option<std::time::Duration>,
+) -> Response {
+    let first = futures::stream::once(async move {
+        Item::Msg(serde_json::json!({ "event": { "start": { "pid": pid } } }))
+    });
+    connect::stream(
+        first.chain(follow_stream(rx)),
+        keepalive,
+        e.stop.clone(),
+        deadline,
+    )
 }
 
 /// The messages of a following stream, as a stream.
@@ -529,16 +538,7 @@ async fn follow(e: Envd, r: StreamRequest<Selected>) -> Response {
             format!("process with pid {} has ended", proc.pid),
         ));
     };
-    let pid = proc.pid;
-    let first = futures::stream::once(async move {
-        Item::Msg(serde_json::json!({ "event": { "start": { "pid": pid } } }))
-    });
-    connect::stream(
-        first.chain(follow_stream(rx)),
-        ka,
-        e.stop.clone(),
-        r.deadline,
-    )
+    answer(&e, proc.pid, rx, ka, r.deadline)
 }
 
 fn list(e: &Envd) -> serde_json::Value {
