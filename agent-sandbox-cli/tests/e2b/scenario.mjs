@@ -404,6 +404,58 @@ async function stepAuth() {
   )
 }
 
+/** A server the sandbox runs, reached through the sandbox URL with `E2b-Sandbox-Id` and
+ * `E2b-Sandbox-Port` naming its port; a port nothing listens on is a 502 saying so. */
+async function stepPorts(run) {
+  const sb = await run.sandbox()
+  await sb.files.write('site/index.html', 'served from the sandbox\n')
+  const h = await sb.commands.run('python3 -m http.server 8000 --bind 127.0.0.1', {
+    background: true,
+    cwd: 'site',
+  })
+  const url = process.env.E2B_SANDBOX_URL.replace(/\/$/, '') + '/index.html'
+  const to = { 'E2b-Sandbox-Id': sb.sandboxId, 'E2b-Sandbox-Port': '8000' }
+  let r
+  const end = Date.now() + 30_000
+  for (;;) {
+    r = await fetch(url, { headers: to })
+    if (r.status === 200 || Date.now() > end) break
+    await new Promise((resolve) => setTimeout(resolve, 200))
+  }
+  assert.equal(r.status, 200, `port 8000: ${r.status}`)
+  assert.equal(await r.text(), 'served from the sandbox\n')
+  r = await fetch(url, { headers: { ...to, 'E2b-Sandbox-Port': '8001' } })
+  assert.equal(r.status, 502, 'port 8001 (nothing there)')
+  assert.match((await r.json()).message, /8001/)
+  assert.equal(await sb.commands.kill(h.pid), true)
+}
+
+/** A snapshot restored as a template, then forked twice, each copy on its own (a sandbox of
+ * its own, the internet off: a tier may refuse to checkpoint one with a network path out). */
+async function stepSnapshots() {
+  const sb = await Sandbox.create({ timeoutMs: 120_000, allowInternetAccess: false, metadata: METADATA })
+  const made = []
+  try {
+    await sb.files.write('state.txt', 'before')
+    const snap = await sb.createSnapshot()
+    assert.ok(snap.snapshotId, `snapshot without an id: ${inspect(snap)}`)
+    await sb.files.write('state.txt', 'after')
+    const restored = await Sandbox.create(snap.snapshotId, { timeoutMs: 60_000 })
+    made.push(restored)
+    assert.equal(await restored.files.read('state.txt'), 'before')
+    const forks = await sb.fork({ count: 2 })
+    for (const f of forks) assert.ok(!(f instanceof Error), `a fork failed: ${inspect(f)}`)
+    made.push(...forks)
+    await forks[0].files.write('state.txt', 'changed in fork 0')
+    assert.equal(await forks[1].files.read('state.txt'), 'after', 'a fork saw another\'s write')
+    assert.equal(await sb.files.read('state.txt'), 'after', 'the original saw a fork\'s write')
+    assert.equal(await Sandbox.deleteSnapshot(snap.snapshotId), true)
+    assert.equal(await Sandbox.deleteSnapshot(snap.snapshotId), false, 'deleted twice')
+  } finally {
+    for (const s of [...made, sb]) await s.kill()
+  }
+}
+
 const STEPS = {
   commands: stepCommands,
   files: stepFiles,
@@ -411,6 +463,8 @@ const STEPS = {
   stdin: stepStdin,
   connect: stepConnect,
   pty: stepPty,
+  ports: stepPorts,
+  snapshots: stepSnapshots,
   lifecycle: stepLifecycle, // kills the shared sandbox: last of those that use it
   auth: stepAuth,
 }
