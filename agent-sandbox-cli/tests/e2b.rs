@@ -124,6 +124,11 @@ fn scenario_with(tier: &str, base: &str) {
             .env("E2B_SANDBOX_URL", &url)
             .env("E2B_API_KEY", format!("e2b_{TOKEN}"))
             .env("E2B_DOMAIN", DOMAIN)
+            // The container tier counts CPU and memory (its cgroup); gVisor does not yet.
+            .env(
+                "E2B_EXPECT_METRICS",
+                if tier == "container" { "1" } else { "0" },
+            )
             .env(
                 "E2B_EXPECT_HOME",
                 base.split_once(",home=").map_or("", |(_, h)| h),

@@ -669,6 +669,8 @@ impl Backend for ContainerBackend {
         c.processes = true;
         c.publish = true;
         c.tty = true;
+        // CPU time and memory from the sandbox's cgroup (the memory controller is needed).
+        c.usage = cgroups && !self.host.v2_without_limits();
         c
     }
 

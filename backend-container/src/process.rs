@@ -294,6 +294,7 @@ impl Inner {
             Arc::clone(&never),
         );
         // A terminal's output (stdout and stderr merged) is stdout.
+        let has_tty = tty_r.is_some();
         let tty_pump = async {
             match tty_r {
                 Some(fd) => pump(fd, 0, u64::MAX, sink(tx), true, stop_rx, never).await,
@@ -380,8 +381,9 @@ impl Inner {
         if !err_done {
             err_pump.await;
         }
-        if !tty_done {
-            // Drains what the terminal holds (bounded), or stays pending without one.
+        if has_tty && !tty_done {
+            // Drains what the terminal holds (bounded). Without a terminal there is nothing
+            // to drain (its pump stays pending): no wait.
             let _ = tokio::time::timeout(Duration::from_secs(1), tty_pump).await;
         }
         let (exit_code, signal) = status.map_or((None, None), wait_status_code);

@@ -393,6 +393,27 @@ impl Sandbox for ContainerSandbox {
         }
     }
 
+    async fn usage(&self) -> Result<sandbox_core::Usage> {
+        self.inner.alive()?;
+        let cg = self.inner.cgroup.as_ref().ok_or_else(|| {
+            Error::unsupported(
+                TIER,
+                "resource usage (no cgroup for this sandbox on this host)",
+            )
+        })?;
+        let (cpu, mem) = (cg.cpu_time_us(), cg.memory_bytes());
+        match (cpu, mem) {
+            (Some(cpu), Some(mem)) => Ok(sandbox_core::Usage::new(
+                std::time::Duration::from_micros(cpu),
+                mem,
+            )),
+            _ => Err(Error::unsupported(
+                TIER,
+                "resource usage (its cgroup has no CPU or memory accounting here)",
+            )),
+        }
+    }
+
     async fn set_network_policy(&self, policy: NetworkPolicy) -> Result<()> {
         self.inner.alive()?;
         sandbox_core::egress::update_policy(

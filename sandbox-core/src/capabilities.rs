@@ -78,12 +78,15 @@ pub struct Capabilities {
     /// Terminals: a [`spawn`](crate::Sandbox::spawn) with
     /// [`ExecRequest::tty`](crate::ExecRequest::tty), resizable.
     pub tty: bool,
+    /// Resource use from the tier's own accounting: [`Sandbox::usage`](crate::Sandbox::usage).
+    #[serde(default)]
+    pub usage: bool,
 }
 
 impl Capabilities {
     /// A tier that supports nothing: no language, no argv, no snapshot, no network mode, no
     /// pause/resume, no streaming, no persistent state, no images, no limit enforced, no
-    /// background processes, no published ports; the boundary is
+    /// background processes, no published ports, no usage; the boundary is
     /// the tier's own ([`Tier::boundary`]). Backends set what they do on top of it.
     pub fn new(tier: Tier) -> Self {
         Capabilities {
@@ -103,6 +106,7 @@ impl Capabilities {
             processes: false,
             publish: false,
             tty: false,
+            usage: false,
         }
     }
 

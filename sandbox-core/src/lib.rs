@@ -36,6 +36,7 @@ pub mod snapshot;
 pub mod spec;
 pub mod tier;
 pub mod timeline;
+pub mod usage;
 
 /// For backend authors: the machinery every tier shares, in one place. An agent developer
 /// reaches sandboxes through the trait and spec types at this crate's root (and through
@@ -97,3 +98,4 @@ pub use snapshot::{
 pub use spec::{Limits, Mount, SandboxSpec, SpecBuilder, TmpfsCap, TmpfsCaps, Workspace};
 pub use tier::{IsolationBoundary, Language, Tier};
 pub use timeline::{Phase, PhaseTiming, Timeline, TimelineRecorder};
+pub use usage::Usage;

@@ -251,6 +251,16 @@ pub trait Sandbox: Send + Sync {
         Ok(Vec::new())
     }
 
+    /// What the sandbox uses now (CPU time so far, memory held), from the tier's own
+    /// accounting.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] on tiers without `usage` in their capabilities,
+    /// [`Error::SandboxGone`] once it ended.
+    async fn usage(&self) -> Result<crate::Usage> {
+        Err(Error::unsupported(self.tier(), "resource usage"))
+    }
+
     /// A cheap liveness check used by warm pools before handing a sandbox out.
     async fn health_check(&self) -> Result<()>;
 

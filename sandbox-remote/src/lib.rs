@@ -315,6 +315,9 @@ impl RemoteServer {
 fn carried(mut caps: Capabilities) -> Capabilities {
     // Secrets are resolved where the sandbox runs; a client's are not sent.
     caps.proxy_secrets = false;
+    // API v1 has no usage endpoint yet: what the server's tier can count, the client
+    // cannot ask for.
+    caps.usage = false;
     caps
 }
 

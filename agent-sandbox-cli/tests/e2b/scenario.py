@@ -389,6 +389,33 @@ def step_snapshots(run):
             s.kill()
 
 
+def step_metrics(run):
+    """Metrics from the tier's own accounting, where it has them (E2B_EXPECT_METRICS=1):
+    CPU, memory against the limit, disk of the home's file system; elsewhere a clear 501."""
+    from e2b import SandboxException
+
+    sb = run.sandbox
+    if os.environ.get("E2B_EXPECT_METRICS") != "1":
+        try:
+            sb.get_metrics()
+        except SandboxException as e:
+            assert "501" in str(e) and "usage" in str(e), f"not a clear 501: {e}"
+            return
+        raise AssertionError("metrics came from a tier said to have none")
+    sb.files.write("metrics.bin", b"m" * 200_000)
+    sb.commands.run("i=0; while [ $i -lt 50000 ]; do i=$((i+1)); done")
+    ms = sb.get_metrics()
+    assert ms, "no metrics"
+    m = ms[-1]
+    assert m.cpu_count >= 1, f"{m!r}"
+    assert 0 <= m.cpu_used_pct <= 100, f"{m!r}"
+    assert 0 < m.mem_used <= m.mem_total, f"{m!r}"
+    assert 0 < m.disk_used <= m.disk_total, f"{m!r}"
+    # A second sample: both are kept, in order.
+    later = sb.get_metrics()
+    assert len(later) >= 2 and later[-1].timestamp >= later[-2].timestamp, f"{later!r}"
+
+
 STEPS = {
     "commands": step_commands,
     "files": step_files,
@@ -397,6 +424,7 @@ STEPS = {
     "connect": step_connect,
     "pty": step_pty,
     "ports": step_ports,
+    "metrics": step_metrics,
     "snapshots": step_snapshots,
     "lifecycle": step_lifecycle,  # kills the shared sandbox: last of those that use it
     "auth": step_auth,

@@ -69,6 +69,44 @@ impl SandboxCgroup {
         }
     }
 
+    /// Memory charged to the sandbox now, bytes (v1 `memory.usage_in_bytes`, v2
+    /// `memory.current`); `None` without a memory controller.
+    pub fn memory_bytes(&self) -> Option<u64> {
+        let f = match self.version {
+            CgroupVersion::V1 => self.dir("memory")?.join("memory.usage_in_bytes"),
+            CgroupVersion::V2 => self.dir("unified")?.join("memory.current"),
+        };
+        fs::read_to_string(f).ok()?.trim().parse().ok()
+    }
+
+    /// CPU time the sandbox's processes have used, microseconds: v2's `cpu.stat`
+    /// `usage_usec`; on v1 (where this backend does not join `cpuacct`), the sum over the
+    /// processes in it now of their own and their reaped children's times
+    /// (`/proc/PID/stat` fields 14 to 17): every process ever in it is counted once, by
+    /// itself while it runs and by its reaper after (the sandbox's init reaps orphans).
+    pub fn cpu_time_us(&self) -> Option<u64> {
+        match self.version {
+            CgroupVersion::V2 => {
+                let stat = fs::read_to_string(self.dir("unified")?.join("cpu.stat")).ok()?;
+                stat.lines()
+                    .find_map(|l| l.strip_prefix("usage_usec "))
+                    .and_then(|v| v.trim().parse().ok())
+            }
+            CgroupVersion::V1 => {
+                let procs = fs::read_to_string(self.dir("memory")?.join("cgroup.procs")).ok()?;
+                // SAFETY: sysconf(3) with a valid name has no preconditions.
+                let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+                let hz = u64::try_from(hz).ok().filter(|h| *h > 0)?;
+                let ticks: u64 = procs
+                    .split_whitespace()
+                    .filter_map(|pid| fs::read_to_string(format!("/proc/{pid}/stat")).ok())
+                    .map(|stat| proc_ticks(&stat))
+                    .sum();
+                Some(ticks.saturating_mul(1_000_000) / hz)
+            }
+        }
+    }
+
     /// Whether pause/resume works (v1 freezer or v2 `cgroup.freeze`).
     pub fn can_freeze(&self) -> bool {
         match self.version {
@@ -129,6 +167,21 @@ impl SandboxCgroup {
     }
 }
 
+/// `utime + stime + cutime + cstime` of a `/proc/PID/stat` line, in clock ticks (0 if it
+/// cannot be read). The command name (field 2) may hold spaces and parentheses: the fields
+/// are counted from its last `)`.
+fn proc_ticks(stat: &str) -> u64 {
+    let Some((_, rest)) = stat.rsplit_once(')') else {
+        return 0;
+    };
+    // `rest` starts at field 3 (state): fields 14..=17 are its 12th to 15th.
+    rest.split_whitespace()
+        .skip(11)
+        .take(4)
+        .filter_map(|f| f.parse::<u64>().ok())
+        .sum()
+}
+
 /// Removes `dir`, killing what is still in it, until `deadline`; `Err` names it if it
 /// stayed.
 fn rmdir_patiently(dir: &Path, deadline: Instant) -> Result<(), PathBuf> {
@@ -167,6 +220,15 @@ fn read_key_at(f: &fs::File, key: &str) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn proc_stat_times_are_read_after_the_command_name() {
+        // pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt
+        // utime stime cutime cstime ...
+        let stat = "42 (a (b) c) S 1 42 42 0 -1 4194560 10 0 0 0 7 3 20 5 20 0 1 0 100";
+        assert_eq!(proc_ticks(stat), 35);
+        assert_eq!(proc_ticks("garbage"), 0);
+    }
 
     #[test]
     fn read_key_parses_flat_keyed_files() {

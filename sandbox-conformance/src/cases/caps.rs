@@ -418,6 +418,44 @@ pub(super) async fn publish(cx: &Ctx<'_>) -> Checked {
     cx.finish(sb, r).await
 }
 
+pub(super) async fn usage(cx: &Ctx<'_>) -> Checked {
+    let sb = cx.create(cx.spec()).await?;
+    let r = async {
+        if !cx.caps.usage {
+            return unsupported("usage", sb.usage().await);
+        }
+        let before = sb.usage().await.map_err(|e| format!("usage: {e}"))?;
+        // Some CPU work and some memory held while it is counted.
+        let busy = cx.code(
+            "i=0; while [ $i -lt 20000 ]; do i=$((i+1)); done",
+            "sum(range(2_000_000))",
+        );
+        let r = sb
+            .exec(ExecRequest::code(busy))
+            .await
+            .map_err(|e| format!("exec: {e}"))?;
+        if r.exit_code != Some(0) {
+            return Err(format!("the busy loop failed: {r:?}"));
+        }
+        let after = sb.usage().await.map_err(|e| format!("usage: {e}"))?;
+        if after.cpu_time() <= before.cpu_time() {
+            return Err(format!(
+                "CPU time did not grow over a busy loop: {before:?} then {after:?}"
+            ));
+        }
+        if after.memory_bytes == 0 {
+            return Err(format!("no memory counted for a live sandbox: {after:?}"));
+        }
+        sb.destroy().await.map_err(|e| format!("destroy: {e}"))?;
+        match sb.usage().await {
+            Err(Error::SandboxGone { .. }) => Ok(()),
+            other => Err(format!("usage after destroy: {other:?}, not SandboxGone")),
+        }
+    }
+    .await;
+    cx.finish(sb, r).await
+}
+
 /// The next output chunk of `p`, as text (an exit or an error is a failure).
 async fn next_chunk(p: &mut sandbox_core::Process, what: &str) -> Result<String, String> {
     match tokio::time::timeout(Duration::from_secs(60), p.next()).await {

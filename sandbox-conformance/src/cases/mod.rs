@@ -252,6 +252,12 @@ static CASES: &[Case] = &[
         caps::publish
     ),
     case!(
+        "caps.usage",
+        "resource usage is claimed and counts, or is Unsupported",
+        [Code],
+        caps::usage
+    ),
+    case!(
         "caps.pause-resume",
         "pause/resume is claimed and works, or is Unsupported",
         [],

@@ -41,8 +41,8 @@ pub(crate) fn routes() -> Router<Arc<Shared>> {
         .route("/sandboxes/{id}/connect", post(connect))
         .route("/v2/sandboxes/{id}/connect", post(connect_v2))
         .route("/sandboxes/{id}/network", put(network))
-        .route("/sandboxes/{id}/metrics", get(not_yet_metrics))
-        .route("/sandboxes/metrics", get(not_yet_metrics))
+        .route("/sandboxes/{id}/metrics", get(super::metrics::one))
+        .route("/sandboxes/metrics", get(super::metrics::batch))
         .route("/sandboxes/{id}/logs", get(no_logs))
         .route("/v2/sandboxes/{id}/logs", get(no_logs))
         .route("/sandboxes/{id}/snapshots", post(super::snapshots::create))
@@ -582,10 +582,6 @@ async fn templates(State(s): State<Arc<Shared>>) -> Json<Vec<serde_json::Value>>
             })
             .collect(),
     )
-}
-
-async fn not_yet_metrics() -> Failure {
-    unsupported("sandbox metrics")
 }
 
 async fn no_logs() -> Failure {

@@ -19,6 +19,7 @@ mod control;
 mod files;
 mod fs;
 mod list;
+mod metrics;
 mod ports;
 mod process;
 mod snapshots;
@@ -74,6 +75,8 @@ pub(crate) struct Meta {
     /// The token its other ports require (`network.allowPublicTraffic: false`), sent as
     /// `e2b-traffic-access-token`; `None`: they are open to whoever knows the sandbox's id.
     pub(crate) traffic_token: Option<crate::Token>,
+    /// Its last metrics samples ([`metrics`]).
+    pub(crate) samples: metrics::Samples,
 }
 
 impl Meta {
@@ -93,6 +96,7 @@ impl Meta {
             procs: process::Procs::default(),
             ports: Default::default(),
             traffic_token: None,
+            samples: Default::default(),
         }
     }
 }
