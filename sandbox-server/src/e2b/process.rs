@@ -465,7 +465,12 @@ async fn pump(
             Some(Err(err)) => end_event(None, Some(err.to_string())),
             None => end_event(p.exit(), None),
         };
-        let gone = entry.sandbox.health_check().await.is_err();
+        // A process that exited on its own says nothing of its sandbox; one killed or
+        // broken off may have gone with it: then the health check tells (a round trip to
+        // the tier, ~25 ms on gVisor, so only then).
+        let exited =
+            end["event"]["end"]["exited"] == true && end["event"]["end"].get("error").is_none();
+        let gone = !exited && entry.sandbox.health_check().await.is_err();
         send(&proc, if gone { Item::Abort } else { Item::Msg(end) }, true).await;
         ended = true;
     }
