@@ -3,15 +3,15 @@
 //! `E2B_API_URL` and `E2B_SANDBOX_URL` at the server and set `E2B_API_KEY` to `e2b_` and
 //! the server's token. `docs/e2b.md` is the user's guide and the compatibility table.
 //!
-//! - **Control plane** ([`control`]): E2B's `spec/openapi.yml` (create, list, get, kill,
+//! - **Control plane** (`control.rs`): E2B's `spec/openapi.yml` (create, list, get, kill,
 //!   timeouts, pause, connect, network...) on the same sandboxes, clients and tokens as API
 //!   v1 (`X-API-Key: e2b_<token>`): a sandbox made through one is seen by the other.
-//! - **envd** ([`process`], [`fs`], [`files`]): the in-sandbox API the SDKs talk to once a
-//!   sandbox exists (Connect-RPC with JSON, [`connect`]), answered by the server from our
+//! - **envd** (`process.rs`, `fs.rs`, `files.rs`): the in-sandbox API the SDKs talk to once a
+//!   sandbox exists (Connect-RPC with JSON, `connect.rs`), answered by the server from our
 //!   `Sandbox` trait. Its requests carry the sandbox's id (the `E2b-Sandbox-Id` header, or a
 //!   `PORT-ID.DOMAIN` host name) and its envd access token (`X-Access-Token`), which every
 //!   sandbox gets, whatever `secure` says.
-//! - **Templates** ([`templates`]): names the operator maps to images and tiers; `base` is
+//! - **Templates** (`templates.rs`): names the operator maps to images and tiers; `base` is
 //!   built in.
 
 mod connect;
