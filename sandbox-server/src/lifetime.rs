@@ -38,10 +38,14 @@ impl Lifetime {
     pub(crate) fn new(spec: LifetimeSpec) -> Self {
         let now = Instant::now();
         Lifetime {
-            deadline: Mutex::new(
-                spec.ttl_s
-                    .map(|t| (now + secs(t), std::time::SystemTime::now() + secs(t))),
-            ),
+            // (A TTL is at most ten years: `check_lifetime`. One past what a clock holds is
+            // no deadline rather than a panic.)
+            deadline: Mutex::new(spec.ttl_s.and_then(|t| {
+                Some((
+                    now.checked_add(secs(t))?,
+                    std::time::SystemTime::now().checked_add(secs(t))?,
+                ))
+            })),
             pause_at_deadline: AtomicBool::new(false),
             spec,
             active: AtomicUsize::new(0),

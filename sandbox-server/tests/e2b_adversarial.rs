@@ -1744,3 +1744,51 @@ async fn concurrent_starts_keep_the_process_limit() {
     s.assert_serves(None).await;
     s.stop().await;
 }
+
+/// A client opening `Connect` stream after stream on one process (each would hold messages
+/// for it): no more than 8 follow it at once (its `Start` counts); the next is refused with
+/// `resource_exhausted`, and one that goes away makes room again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn followers_of_one_process_are_capped() {
+    let s = serve_spawning(ServerConfig::default()).await;
+    let sb = s.create(&s.a).await;
+    let mut st = s.start(&sb, "while :; do echo x; sleep 0.05; done").await;
+    let pid = match st.next().await {
+        Next::Envelope(0, v) => v["event"]["start"]["pid"].as_u64().unwrap(),
+        other => panic!("{other:?}"),
+    };
+    let follow = envd_request(
+        &sb.id,
+        Some(&sb.token),
+        &[("Content-Type", "application/connect+json")],
+        "POST",
+        "/process.Process/Connect",
+        &envelope(0, json!({"process": {"pid": pid}}).to_string().as_bytes()),
+    );
+    let mut held = Vec::new();
+    for _ in 0..7 {
+        let mut f = h1::Stream::open(s.addr, &follow).await;
+        assert!(matches!(f.next().await, Next::Envelope(0, _)));
+        held.push(f);
+    }
+    let mut refused = h1::Stream::open(s.addr, &follow).await;
+    match refused.next().await {
+        Next::Envelope(2, v) => assert_eq!(v["error"]["code"], "resource_exhausted", "{v}"),
+        other => panic!("the 9th follower: {other:?}"),
+    }
+    // One goes away: a new one is taken (the closed one is noticed when the next comes).
+    drop(held.pop());
+    let again = tokio::time::timeout(DEADLINE, async {
+        loop {
+            let mut f = h1::Stream::open(s.addr, &follow).await;
+            if let Next::Envelope(0, _) = f.next().await {
+                return f;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(again.is_ok(), "no room after a follower went away");
+    s.assert_serves(Some(&sb)).await;
+    s.stop().await;
+}

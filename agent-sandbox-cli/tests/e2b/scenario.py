@@ -363,7 +363,13 @@ def step_snapshots(run):
     """A snapshot restored as a template, then forked twice: each sandbox starts with the
     files of the moment it was taken and goes its own way. (A sandbox of its own, with the
     internet off: a tier may refuse to checkpoint one with a network path out.)"""
-    sb = Sandbox.create(timeout=120, allow_internet_access=False, metadata=METADATA)
+    sb = Sandbox.create(
+        timeout=120,
+        allow_internet_access=False,
+        metadata=METADATA,
+        network={"allow_public_traffic": False},
+    )
+    assert sb.traffic_access_token, "a private sandbox without a traffic token"
     made = []
     try:
         sb.files.write("state.txt", "before")
@@ -378,6 +384,9 @@ def step_snapshots(run):
         forks = sb.fork(count=2)
         made.extend(forks)
         assert len(forks) == 2, f"fork(count=2) made {forks!r}"
+        # Forks are as private as their source; a create from the snapshot is as asked.
+        assert all(f.traffic_access_token for f in forks), "a fork of a private sandbox is public"
+        assert restored.traffic_access_token is None, "a public create got a traffic token"
         assert len({f.sandbox_id for f in forks} | {sb.sandbox_id}) == 3, "fork ids"
         forks[0].files.write("state.txt", "changed in fork 0")
         assert forks[1].files.read("state.txt") == "after", "a fork saw another's write"

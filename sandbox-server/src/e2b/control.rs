@@ -19,7 +19,7 @@ use sandbox_core::NetworkPolicy;
 use serde::Deserialize;
 
 use super::list::listed_json;
-use super::{failure as api_error, meta, set_meta, Failure, Meta, Templates, ENVD_VERSION};
+use super::{failure as api_error, meta, Failure, Meta, Templates, ENVD_VERSION};
 use crate::api::{LifetimeSpec, SandboxState};
 use crate::auth::Caller;
 use crate::error::ApiError;
@@ -253,9 +253,18 @@ async fn create_with(
         .is_some_and(|a| a.enabled == serde_json::Value::Bool(true));
     let timeout = timeout_of(req.timeout, default_timeout)?;
     if let Some(snap) = s.e2b_snapshots.find(&caller, &req.template_id) {
-        let (entry, m) =
-            super::snapshots::restore(&s, &caller, &snap, timeout, req.metadata).await?;
-        entry.life.pause_at_deadline(req.auto_pause);
+        let net = req.network.clone().unwrap_or_default();
+        let asked = policy(req.allow_internet_access, &net)?;
+        crate::access::check_network(&s.config, &asked).map_err(e2b)?;
+        let opts = super::snapshots::Restore {
+            timeout,
+            metadata: req.metadata,
+            network: Some(asked),
+            public_ports: net.allow_public_traffic != Some(false),
+            auto_pause: req.auto_pause,
+            auto_resume,
+        };
+        let (entry, m) = super::snapshots::restore(&s, &caller, &snap, opts).await?;
         return Ok((StatusCode::CREATED, Json(sandbox_json(&s, &entry, &m))));
     }
     let templates = Templates::new(s.config.templates.clone());
@@ -283,14 +292,11 @@ async fn create_with(
         .map_err(|e| e2b(e.into()))?;
     let mut lifetime = LifetimeSpec::default();
     lifetime.ttl_s = Some(timeout);
-    let info = crate::routes::admit::admit(&s, &caller, sandbox, req.metadata, lifetime, None)
-        .await
-        .map_err(e2b)?;
-    let entry = s.get(&info.id, &caller).map_err(e2b)?;
-    let mut m = Meta::new(template.name.clone(), entry.sandbox.spec());
+    let mut m = Meta::new(template.name.clone(), sandbox.spec());
     m.allow_internet = req.allow_internet_access;
     m.auto_pause = req.auto_pause;
     m.auto_resume = auto_resume;
+    m.timeout_s = timeout;
     *m.network.lock().unwrap_or_else(|p| p.into_inner()) =
         serde_json::to_value(&net).unwrap_or_default();
     if let Some(mib) = template.memory_mib {
@@ -300,10 +306,8 @@ async fn create_with(
         m.traffic_token = Some(crate::Token::generate());
     }
     if let Some(home) = &template.home {
-        if let Err(why) = make_home(&entry, home).await {
-            if let Some(e) = s.take(&entry.info.id, &caller) {
-                let _ = e.sandbox.destroy().await;
-            }
+        if let Err(why) = make_home(sandbox.as_ref(), home).await {
+            let _ = sandbox.destroy().await;
             return Err(api_error(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 format!(
@@ -314,16 +318,29 @@ async fn create_with(
         }
         m.home = home.clone();
     }
-    let m = set_meta(&entry, m);
+    // The E2B side is the entry's from its first moment: no request can see it without.
+    let info = crate::routes::admit::admit_with(
+        &s,
+        &caller,
+        sandbox,
+        req.metadata,
+        lifetime,
+        None,
+        Some(m),
+    )
+    .await
+    .map_err(e2b)?;
+    let entry = s.get(&info.id, &caller).map_err(e2b)?;
+    let m = meta(&entry);
     entry.life.pause_at_deadline(m.auto_pause);
     let _ = req.secure;
     Ok((StatusCode::CREATED, Json(sandbox_json(&s, &entry, &m))))
 }
 
 /// Makes `home` in the sandbox, as its user.
-async fn make_home(e: &Entry, home: &str) -> Result<(), String> {
+async fn make_home(sb: &dyn sandbox_core::Sandbox, home: &str) -> Result<(), String> {
     let req = sandbox_core::ExecRequest::argv(["mkdir", "-p", "--", home]);
-    match e.sandbox.exec(req).await {
+    match sb.exec(req).await {
         Ok(r) if r.exit_code == Some(0) => Ok(()),
         Ok(r) => Err(String::from_utf8_lossy(&r.stderr).trim().to_string()),
         Err(err) => Err(err.to_string()),

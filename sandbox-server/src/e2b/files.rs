@@ -59,9 +59,16 @@ pub(crate) async fn read(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.split(',').any(|c| c.trim().starts_with("gzip")));
     if gzip {
-        use std::io::Write;
-        let mut z = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
-        if let Ok(zipped) = z.write_all(&data).and_then(|()| z.finish()) {
+        // Compressing is CPU work: off the async workers, which serve everyone.
+        let zipped = tokio::task::spawn_blocking(move || {
+            use std::io::Write;
+            let mut z = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+            z.write_all(&data)
+                .and_then(|()| z.finish())
+                .map_err(|_| data)
+        })
+        .await;
+        if let Ok(Ok(zipped)) = zipped {
             return (
                 [
                     (header::CONTENT_TYPE, "application/octet-stream"),
@@ -71,6 +78,10 @@ pub(crate) async fn read(
             )
                 .into_response();
         }
+        return http(RpcError::new(
+            Code::Internal,
+            "the file could not be gzipped",
+        ));
     }
     ([(header::CONTENT_TYPE, "application/octet-stream")], data).into_response()
 }
@@ -81,7 +92,7 @@ fn gunzip(data: &[u8], limit: usize) -> Result<Bytes, RpcError> {
     use std::io::Read;
     let mut out = Vec::new();
     flate2::read::GzDecoder::new(data)
-        .take(limit as u64 + 1)
+        .take((limit as u64).saturating_add(1))
         .read_to_end(&mut out)
         .map_err(|e| RpcError::invalid(format!("the gzipped upload does not unpack: {e}")))?;
     if out.len() > limit {
@@ -186,7 +197,13 @@ async fn write_files(
                 RpcError::invalid(err.body_text())
             }
         })?;
-        let data = if gzip { gunzip(&data, limit)? } else { data };
+        let data = if gzip {
+            tokio::task::spawn_blocking(move || gunzip(&data, limit))
+                .await
+                .map_err(|e| RpcError::new(Code::Internal, format!("unpacking: {e}")))??
+        } else {
+            data
+        };
         written.push(write_one(e, &path, data).await?);
     }
     Ok(written)

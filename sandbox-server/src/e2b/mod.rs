@@ -66,6 +66,8 @@ pub(crate) struct Meta {
     pub(crate) auto_pause: bool,
     /// Whether envd's requests resume it when it is paused (E2B's `autoResume`).
     pub(crate) auto_resume: bool,
+    /// Its timeout, seconds: what a resume on traffic gives it again.
+    pub(crate) timeout_s: u64,
     pub(crate) cpus: u32,
     pub(crate) memory_mib: u64,
     pub(crate) disk_mib: u64,
@@ -90,6 +92,7 @@ impl Meta {
             network: std::sync::Mutex::new(serde_json::Value::Null),
             auto_pause: false,
             auto_resume: false,
+            timeout_s: 300,
             cpus: spec.limits.cpu_millis.div_ceil(1000).max(1),
             memory_mib: spec.limits.memory_bytes >> 20,
             disk_mib: spec.limits.disk_bytes >> 20,
@@ -111,12 +114,6 @@ pub(crate) fn meta(entry: &Entry) -> Arc<Meta> {
         m.traffic_token = Some(crate::Token::generate());
         Arc::new(m)
     }))
-}
-
-/// Sets `entry`'s E2B side (at its E2B create); a no-op if it has one.
-fn set_meta(entry: &Entry, meta: Meta) -> Arc<Meta> {
-    let _ = entry.e2b.set(Arc::new(meta));
-    self::meta(entry)
 }
 
 /// The E2B state every entry carries (empty until E2B's API first touches it).
@@ -243,6 +240,10 @@ pub(crate) async fn dispatch(
         if let Err(e) = crate::lifetime::resume(Arc::clone(&entry)).await {
             return connect::RpcError::from(e).into_response();
         }
+        // Resumed with its timeout again, as E2B's auto-resume does.
+        entry.life.set_deadline(Some(
+            std::time::Instant::now() + std::time::Duration::from_secs(meta.timeout_s),
+        ));
     }
     // Marks it in use (not idle) while the answer's head is made.
     let in_use = match crate::lifetime::InUse::enter(Arc::clone(&entry)).await {

@@ -17,19 +17,33 @@ use hyper_util::rt::TokioIo;
 use super::{api_error, Meta};
 use crate::Entry;
 
-/// The headers that address the sandbox; never sent into it.
-const ROUTING: [&str; 4] = [
+/// The headers that address the sandbox or carry this server's secrets; never sent into it.
+const ROUTING: [&str; 5] = [
     "e2b-sandbox-id",
     "e2b-sandbox-port",
     "x-access-token",
     "e2b-traffic-access-token",
+    "x-api-key",
 ];
+
+/// Most ports of one sandbox published for forwarding (each is a listener on this host:
+/// a client naming port after port must not exhaust the server's descriptors).
+const MAX_PORTS: usize = 32;
 
 /// Where `port` of the sandbox is published on this host, publishing it on first use.
 async fn published(entry: &Entry, meta: &Meta, port: u16) -> Result<SocketAddr, Response> {
     let mut ports = meta.ports.lock().await;
     if let Some(a) = ports.get(&port) {
         return Ok(*a);
+    }
+    if ports.len() >= MAX_PORTS {
+        return Err(api_error(
+            StatusCode::TOO_MANY_REQUESTS,
+            format!(
+                "sandbox {} has {MAX_PORTS} ports forwarded already, its limit",
+                entry.info.id
+            ),
+        ));
     }
     let at = entry
         .sandbox

@@ -29,6 +29,9 @@ const MAX_PROCS: usize = 256;
 /// Messages a following stream may lag behind the process before the pump waits for it.
 const FOLLOW_BUFFER: usize = 64;
 
+/// Most streams following one process at once (its `Start` and `Connect`s).
+const MAX_FOLLOWERS: usize = 8;
+
 /// A sandbox's processes started through envd, by pid, while they run, and how many are
 /// being started now (counted against [`MAX_PROCS`] with them).
 #[derive(Default)]
@@ -113,15 +116,26 @@ struct Proc {
 }
 
 impl Proc {
-    /// A new stream following this process from now on; `None` once it has ended.
-    fn follow(&self) -> Option<mpsc::Receiver<Item>> {
+    /// A new stream following this process from now on: `Ok(None)` once it has ended, an
+    /// error when it has [`MAX_FOLLOWERS`] already.
+    fn follow(&self) -> Result<Option<mpsc::Receiver<Item>>, RpcError> {
         let mut f = self.follow.lock().unwrap_or_else(|p| p.into_inner());
         if f.1 {
-            return None;
+            return Ok(None);
+        }
+        f.0.retain(|s| !s.is_closed());
+        if f.0.len() >= MAX_FOLLOWERS {
+            return Err(RpcError::new(
+                Code::ResourceExhausted,
+                format!(
+                    "process {} has {MAX_FOLLOWERS} streams following it already",
+                    self.pid
+                ),
+            ));
         }
         let (tx, rx) = mpsc::channel(FOLLOW_BUFFER);
         f.0.push(tx);
-        Some(rx)
+        Ok(Some(rx))
     }
 }
 
@@ -367,7 +381,7 @@ async fn spawn(e: &Envd, r: StartRequest) -> Result<(u32, mpsc::Receiver<Item>),
         follow: Mutex::new((Vec::new(), false)),
     });
     let rx = proc
-        .follow()
+        .follow()?
         .ok_or_else(|| RpcError::new(Code::Internal, "a process ended before it was started"))?;
     e.meta.procs.lock().insert(pid, Arc::clone(&proc));
     let early: Vec<serde_json::Value> = early.into_iter().map(|ev| event_json(ev, out)).collect();
@@ -537,7 +551,11 @@ async fn follow(e: Envd, r: StreamRequest<Selected>) -> Response {
         Ok(p) => p,
         Err(err) => return connect::stream_error(err),
     };
-    let Some(rx) = proc.follow() else {
+    let followed = match proc.follow() {
+        Ok(f) => f,
+        Err(err) => return connect::stream_error(err),
+    };
+    let Some(rx) = followed else {
         return connect::stream_error(RpcError::new(
             Code::NotFound,
             format!("process with pid {} has ended", proc.pid),

@@ -17,7 +17,7 @@ use sandbox_core::{SnapshotId, SnapshotStore};
 use serde::Deserialize;
 
 use super::control::{body, e2b, not_found, sandbox_json, timeout_of, Answer};
-use super::{failure, set_meta, Meta};
+use super::{failure, Meta};
 use crate::api::LifetimeSpec;
 use crate::auth::Caller;
 use crate::{Entry, Shared};
@@ -197,13 +197,28 @@ pub(crate) async fn delete(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// A new sandbox restored from `snap`, admitted for `timeout` seconds.
+/// How a sandbox restored from a snapshot starts (a create naming a snapshot, or a fork).
+pub(crate) struct Restore {
+    /// Seconds until its timeout.
+    pub(crate) timeout: u64,
+    /// Its metadata (its v1 labels).
+    pub(crate) metadata: BTreeMap<String, String>,
+    /// The egress policy asked for, if one was: applied unless the snapshot's is deny-all
+    /// (then it stays so: a restored sandbox never gets more network than its snapshot had,
+    /// nor more than asked).
+    pub(crate) network: Option<sandbox_core::NetworkPolicy>,
+    /// Whether its other ports are open to whoever knows its id (else a traffic token).
+    pub(crate) public_ports: bool,
+    pub(crate) auto_pause: bool,
+    pub(crate) auto_resume: bool,
+}
+
+/// A new sandbox restored from `snap`, admitted as `opts` say.
 pub(crate) async fn restore(
     s: &Shared,
     caller: &Caller,
     snap: &Snap,
-    timeout: u64,
-    metadata: BTreeMap<String, String>,
+    opts: Restore,
 ) -> Answer<(Arc<Entry>, Arc<Meta>)> {
     let store = store(s, caller)?;
     let m = store
@@ -227,24 +242,40 @@ pub(crate) async fn restore(
         .restore(store.as_ref(), &snap.sid)
         .await
         .map_err(|err| e2b(err.into()))?;
+    if let Some(policy) = opts.network {
+        if spec.network.allows_any_network() && policy != spec.network {
+            if let Err(err) = sandbox.set_network_policy(policy).await {
+                let _ = sandbox.destroy().await;
+                return Err(e2b(err.into()));
+            }
+        }
+    }
+    let mut meta = Meta::new(snap.e2b_id(), sandbox.spec());
+    if let Some(home) = &snap.home {
+        meta.home = home.clone();
+    }
+    meta.timeout_s = opts.timeout;
+    meta.auto_pause = opts.auto_pause;
+    meta.auto_resume = opts.auto_resume;
+    if !opts.public_ports {
+        meta.traffic_token = Some(crate::Token::generate());
+    }
     let mut lifetime = LifetimeSpec::default();
-    lifetime.ttl_s = Some(timeout);
-    let info = crate::routes::admit::admit(
+    lifetime.ttl_s = Some(opts.timeout);
+    let info = crate::routes::admit::admit_with(
         s,
         caller,
         sandbox,
-        metadata,
+        opts.metadata,
         lifetime,
         Some(snap.sid.clone()),
+        Some(meta),
     )
     .await
     .map_err(e2b)?;
     let entry = s.get(&info.id, caller).map_err(e2b)?;
-    let mut meta = Meta::new(snap.e2b_id(), entry.sandbox.spec());
-    if let Some(home) = &snap.home {
-        meta.home = home.clone();
-    }
-    let meta = set_meta(&entry, meta);
+    entry.life.pause_at_deadline(opts.auto_pause);
+    let meta = super::meta(&entry);
     Ok((entry, meta))
 }
 
@@ -285,19 +316,27 @@ pub(crate) async fn fork(
         home: Some(super::meta(&e).home.clone()),
     };
     let metadata = e.info.labels.clone();
+    // Forks are as private as their source: its traffic token's need, its lifecycle.
+    let source = super::meta(&e);
     let mut out = Vec::new();
     for _ in 0..count {
-        out.push(
-            match restore(&s, &caller, &snap, timeout, metadata.clone()).await {
-                Ok((entry, m)) => {
-                    let v = sandbox_json(&s, &entry, &m);
-                    serde_json::json!({ "sandbox": v })
-                }
-                Err(f) => {
-                    serde_json::json!({ "error": { "code": f.status.as_u16(), "message": f.message } })
-                }
-            },
-        );
+        let opts = Restore {
+            timeout,
+            metadata: metadata.clone(),
+            network: None,
+            public_ports: source.traffic_token.is_none(),
+            auto_pause: source.auto_pause,
+            auto_resume: source.auto_resume,
+        };
+        out.push(match restore(&s, &caller, &snap, opts).await {
+            Ok((entry, m)) => {
+                let v = sandbox_json(&s, &entry, &m);
+                serde_json::json!({ "sandbox": v })
+            }
+            Err(f) => {
+                serde_json::json!({ "error": { "code": f.status.as_u16(), "message": f.message } })
+            }
+        });
     }
     // The forks have what they need of it (the tiers copy a snapshot's files at restore).
     if let Ok(store) = store(&s, &caller) {

@@ -19,6 +19,12 @@ pub(super) fn check_lifetime(l: &LifetimeSpec) -> Result<(), ApiError> {
             "`ttl_s` and `idle_timeout_s` are whole seconds, at least 1 (omit them for none)",
         ));
     }
+    const MAX_S: u64 = 10 * 365 * 24 * 3600;
+    if l.ttl_s.is_some_and(|t| t > MAX_S) || l.idle_timeout_s.is_some_and(|t| t > MAX_S) {
+        return Err(ApiError::bad_request(format!(
+            "`ttl_s` and `idle_timeout_s` are at most {MAX_S} seconds (ten years; omit them for none)"
+        )));
+    }
     Ok(())
 }
 
@@ -48,6 +54,20 @@ pub(crate) async fn admit(
     labels: std::collections::BTreeMap<String, String>,
     lifetime: LifetimeSpec,
     from_snapshot: Option<SnapshotId>,
+) -> Result<SandboxInfo, ApiError> {
+    admit_with(s, caller, sandbox, labels, lifetime, from_snapshot, None).await
+}
+
+/// [`admit`], with the E2B side the entry starts with (E2B's creates: set before any other
+/// request can see the entry).
+pub(crate) async fn admit_with(
+    s: &Shared,
+    caller: &Caller,
+    sandbox: Box<dyn Sandbox>,
+    labels: std::collections::BTreeMap<String, String>,
+    lifetime: LifetimeSpec,
+    from_snapshot: Option<SnapshotId>,
+    e2b: Option<crate::e2b::Meta>,
 ) -> Result<SandboxInfo, ApiError> {
     let sandbox: Arc<dyn Sandbox> = Arc::from(sandbox);
     let tier = sandbox.tier();
@@ -81,7 +101,9 @@ pub(crate) async fn admit(
                     life: Lifetime::new(lifetime),
                     owner: caller.clone(),
                     procs: Default::default(),
-                    e2b: Default::default(),
+                    e2b: e2b
+                        .map(|m| std::sync::OnceLock::from(Arc::new(m)))
+                        .unwrap_or_default(),
                 }),
             );
         }
@@ -101,4 +123,25 @@ fn full(max: usize) -> ApiError {
         "resource_exhausted",
         format!("this server holds its limit of {max} sandboxes; destroy one first"),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lifetimes_are_whole_seconds_up_to_ten_years() {
+        let mut l = LifetimeSpec::default();
+        assert!(check_lifetime(&l).is_ok());
+        l.ttl_s = Some(0);
+        assert!(check_lifetime(&l).is_err());
+        l.ttl_s = Some(10 * 365 * 24 * 3600);
+        assert!(check_lifetime(&l).is_ok());
+        // Past that a deadline would overflow what a clock holds (it once panicked).
+        l.ttl_s = Some(u64::MAX);
+        assert!(check_lifetime(&l).is_err());
+        l.ttl_s = None;
+        l.idle_timeout_s = Some(1 << 63);
+        assert!(check_lifetime(&l).is_err());
+    }
 }
