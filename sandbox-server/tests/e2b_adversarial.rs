@@ -345,6 +345,26 @@ fn envd_request(
     h1::request(method, path, &h, body)
 }
 
+/// A `Connect` request following process `pid` of `sb`, with its token.
+fn follow_request(sb: &Sb, pid: u64) -> Vec<u8> {
+    envd_request(
+        &sb.id,
+        Some(&sb.token),
+        &[("Content-Type", "application/connect+json")],
+        "POST",
+        "/process.Process/Connect",
+        &envelope(0, json!({"process": {"pid": pid}}).to_string().as_bytes()),
+    )
+}
+
+/// The pid in a `Start` stream's first message (its `start` event).
+async fn started_pid(st: &mut h1::Stream) -> u64 {
+    match st.next().await {
+        Next::Envelope(0, v) => v["event"]["start"]["pid"].as_u64().unwrap(),
+        other => panic!("no start event: {other:?}"),
+    }
+}
+
 /// Whether host process `pid` runs (not gone, not a zombie). The unisolated backend's
 /// processes are the host's, so envd's pids are host pids here.
 fn host_process_runs(pid: u64) -> bool {
@@ -1133,10 +1153,7 @@ async fn a_disconnect_mid_stream_leaves_the_process_running_until_killed() {
     let s = serve_spawning(ServerConfig::default()).await;
     let sb = s.create(&s.a).await;
     let mut st = s.start(&sb, "while :; do echo x; sleep 0.05; done").await;
-    let pid = match st.next().await {
-        Next::Envelope(0, v) => v["event"]["start"]["pid"].as_u64().unwrap(),
-        other => panic!("{other:?}"),
-    };
+    let pid = started_pid(&mut st).await;
     match st.next().await {
         Next::Envelope(0, v) => assert_eq!(v["event"]["data"]["stdout"], "eAo=", "{v}"),
         other => panic!("{other:?}"),
@@ -1145,14 +1162,7 @@ async fn a_disconnect_mid_stream_leaves_the_process_running_until_killed() {
 
     // Running after the disconnect: listed, and a new follower gets fresh output.
     assert_eq!(s.pids(&sb).await, [pid]);
-    let follow = envd_request(
-        &sb.id,
-        Some(&sb.token),
-        &[("Content-Type", "application/connect+json")],
-        "POST",
-        "/process.Process/Connect",
-        &envelope(0, json!({"process": {"pid": pid}}).to_string().as_bytes()),
-    );
+    let follow = follow_request(&sb, pid);
     let mut f = h1::Stream::open(s.addr, &follow).await;
     assert_eq!(f.status, 200);
     match f.next().await {
@@ -1469,18 +1479,8 @@ async fn killing_a_sandbox_ends_its_open_streams() {
     let sb = s.create(&s.a).await;
     let other = s.create(&s.a).await;
     let mut st = s.start(&sb, "while :; do echo x; sleep 0.05; done").await;
-    let pid = match st.next().await {
-        Next::Envelope(0, v) => v["event"]["start"]["pid"].as_u64().unwrap(),
-        other => panic!("{other:?}"),
-    };
-    let follow = envd_request(
-        &sb.id,
-        Some(&sb.token),
-        &[("Content-Type", "application/connect+json")],
-        "POST",
-        "/process.Process/Connect",
-        &envelope(0, json!({"process": {"pid": pid}}).to_string().as_bytes()),
-    );
+    let pid = started_pid(&mut st).await;
+    let follow = follow_request(&sb, pid);
     let mut f = h1::Stream::open(s.addr, &follow).await;
     assert!(matches!(f.next().await, Next::Envelope(0, _)));
 
@@ -1753,18 +1753,8 @@ async fn followers_of_one_process_are_capped() {
     let s = serve_spawning(ServerConfig::default()).await;
     let sb = s.create(&s.a).await;
     let mut st = s.start(&sb, "while :; do echo x; sleep 0.05; done").await;
-    let pid = match st.next().await {
-        Next::Envelope(0, v) => v["event"]["start"]["pid"].as_u64().unwrap(),
-        other => panic!("{other:?}"),
-    };
-    let follow = envd_request(
-        &sb.id,
-        Some(&sb.token),
-        &[("Content-Type", "application/connect+json")],
-        "POST",
-        "/process.Process/Connect",
-        &envelope(0, json!({"process": {"pid": pid}}).to_string().as_bytes()),
-    );
+    let pid = started_pid(&mut st).await;
+    let follow = follow_request(&sb, pid);
     let mut held = Vec::new();
     for _ in 0..7 {
         let mut f = h1::Stream::open(s.addr, &follow).await;

@@ -380,7 +380,8 @@ fn detail_json(s: &Shared, e: &Entry, m: &Meta) -> serde_json::Value {
     v
 }
 
-fn entry(s: &Shared, caller: &Caller, id: &str) -> Answer<Arc<Entry>> {
+/// The caller's sandbox `id`, or E2B's 404 (another client's is not found either).
+pub(super) fn entry(s: &Shared, caller: &Caller, id: &str) -> Answer<Arc<Entry>> {
     s.get(id, caller).map_err(|_| not_found(id))
 }
 

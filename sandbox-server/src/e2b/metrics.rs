@@ -14,7 +14,7 @@ use axum::http::StatusCode;
 use axum::Json;
 use time::OffsetDateTime;
 
-use super::control::{e2b, not_found, Answer};
+use super::control::{e2b, entry, Answer};
 use super::{failure, meta, rfc3339, Meta};
 use crate::auth::Caller;
 use crate::{Entry, Shared};
@@ -148,7 +148,7 @@ pub(crate) async fn one(
     Query(q): Query<BTreeMap<String, String>>,
 ) -> Answer<Json<Vec<serde_json::Value>>> {
     let (start, end) = (unix_param(&q, "start")?, unix_param(&q, "end")?);
-    let e = s.get(&id, &caller).map_err(|_| not_found(&id))?;
+    let e = entry(&s, &caller, &id)?;
     let m = meta(&e);
     sample(&e, &m).await?;
     let all = m

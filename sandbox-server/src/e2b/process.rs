@@ -158,6 +158,19 @@ struct Size {
     rows: u32,
 }
 
+impl Size {
+    /// Its rows and columns, each 1 to 65535.
+    fn cells(self) -> Result<(u16, u16), RpcError> {
+        let dim = |n: u32| u16::try_from(n).ok().filter(|n| *n > 0);
+        match (dim(self.rows), dim(self.cols)) {
+            (Some(rows), Some(cols)) => Ok((rows, cols)),
+            _ => Err(RpcError::invalid(
+                "a terminal's rows and cols are 1 to 65535",
+            )),
+        }
+    }
+}
+
 #[derive(Deserialize, Default, Clone, Copy)]
 struct Pty {
     size: Option<Size>,
@@ -342,12 +355,7 @@ async fn spawn(e: &Envd, r: StartRequest) -> Result<(u32, mpsc::Receiver<Item>),
     }
     let pty = r.pty.map(|p| p.size.unwrap_or(Size { cols: 80, rows: 24 }));
     if let Some(size) = pty {
-        let dim = |n: u32| u16::try_from(n).ok().filter(|n| *n > 0);
-        let (Some(rows), Some(cols)) = (dim(size.rows), dim(size.cols)) else {
-            return Err(RpcError::invalid(
-                "a terminal's rows and cols are 1 to 65535",
-            ));
-        };
+        let (rows, cols) = size.cells()?;
         req = req.tty(rows, cols);
     }
     let mut p = e.entry.sandbox.spawn(req).await?;
@@ -640,12 +648,7 @@ async fn update(e: &Envd, r: Update) -> Result<serde_json::Value, RpcError> {
         .ok_or_else(|| RpcError::invalid("no process selector (`process`)"))?;
     let p = e.meta.procs.find(&sel)?;
     if let Some(size) = r.pty.and_then(|p| p.size) {
-        let dim = |n: u32| u16::try_from(n).ok().filter(|n| *n > 0);
-        let (Some(rows), Some(cols)) = (dim(size.rows), dim(size.cols)) else {
-            return Err(RpcError::invalid(
-                "a terminal's rows and cols are 1 to 65535",
-            ));
-        };
+        let (rows, cols) = size.cells()?;
         p.handle.resize(rows, cols).await?;
     }
     Ok(serde_json::json!({}))

@@ -16,7 +16,7 @@ use axum::Json;
 use sandbox_core::{SnapshotId, SnapshotStore};
 use serde::Deserialize;
 
-use super::control::{body, e2b, not_found, sandbox_json, timeout_of, Answer};
+use super::control::{body, e2b, entry, sandbox_json, timeout_of, Answer};
 use super::{failure, Meta};
 use crate::api::LifetimeSpec;
 use crate::auth::Caller;
@@ -131,7 +131,7 @@ pub(crate) async fn create(
             ));
         }
     }
-    let e = s.get(&id, &caller).map_err(|_| not_found(&id))?;
+    let e = entry(&s, &caller, &id)?;
     let sid = take(&s, &caller, &e).await?;
     let snap = Snap {
         sid,
@@ -305,7 +305,7 @@ pub(crate) async fn fork(
         ));
     }
     let timeout = timeout_of(r.timeout, 15)?;
-    let e = s.get(&id, &caller).map_err(|_| not_found(&id))?;
+    let e = entry(&s, &caller, &id)?;
     crate::routes::admit::room(&s, count).map_err(e2b)?;
     let sid = take(&s, &caller, &e).await?;
     let snap = Snap {
