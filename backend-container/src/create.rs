@@ -603,6 +603,7 @@ impl ContainerBackend {
             .as_ref()
             .map(|d| d.join(cgroup_name(&id)));
         let inner = Arc::new(Inner {
+            watches: Default::default(),
             id: id.clone(),
             spec: spec.clone(),
             env,

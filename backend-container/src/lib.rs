@@ -671,6 +671,8 @@ impl Backend for ContainerBackend {
         c.tty = true;
         // CPU time and memory from the sandbox's cgroup (the memory controller is needed).
         c.usage = cgroups && !self.host.v2_without_limits();
+        // From the host, with inotify on the workspace (`sandbox_core::watch`).
+        c.watch = true;
         c
     }
 

@@ -69,6 +69,8 @@ pub(crate) struct Inner {
     pub procs: sandbox_core::ProcessTable,
     /// Published ports (closed on terminate).
     pub ports: Ports,
+    /// File watches (ended on terminate).
+    pub watches: sandbox_core::watch::Watches,
 }
 
 impl std::fmt::Debug for Inner {
@@ -121,6 +123,7 @@ impl Inner {
 
     fn teardown(&self) {
         self.ports.clear();
+        self.watches.close_all();
         // A frozen sandbox must be thawed or its processes cannot die.
         if let Some(c) = &self.cgroup {
             if c.can_freeze() {
@@ -412,6 +415,13 @@ impl Sandbox for ContainerSandbox {
                 "resource usage (its cgroup has no CPU or memory accounting here)",
             )),
         }
+    }
+
+    async fn watch(&self, path: &str, recursive: bool) -> Result<sandbox_core::Watch> {
+        self.inner.alive()?;
+        // From the host, beneath the workspace's handle (see `sandbox_core::watch`).
+        let ws = self.inner.workspace_fd()?;
+        self.inner.watches.watch(ws, path, recursive)
     }
 
     async fn set_network_policy(&self, policy: NetworkPolicy) -> Result<()> {

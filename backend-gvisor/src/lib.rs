@@ -307,6 +307,8 @@ impl Backend for GvisorBackend {
         c.processes = true;
         c.tty = true;
         c.publish = true;
+        // The workspace is a host folder: watched from the host (`sandbox_core::watch`).
+        c.watch = true;
         c.images = true;
         // An image brings its own interpreters; the same languages run from it.
         c.image_languages = c.languages.clone();

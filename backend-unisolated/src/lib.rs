@@ -64,6 +64,8 @@ impl Backend for UnisolatedBackend {
         c.network = vec![sandbox_core::NetworkMode::DenyAll];
         c.streaming = true;
         c.persistent_state = true;
+        // The workspace is a host folder: watched from the host (`sandbox_core::watch`).
+        c.watch = true;
         // Host processes: only what the driver itself stops.
         c.limits = vec![LimitKind::WallTime, LimitKind::Output, LimitKind::Lifetime];
         c
@@ -139,6 +141,8 @@ struct Shared {
     born: Instant,
     life: Lifecycle,
     running: Mutex<HashSet<i32>>,
+    /// File watches (ended by `destroy`).
+    watches: sandbox_core::watch::Watches,
 }
 
 impl std::fmt::Debug for UnisolatedSandbox {
@@ -197,6 +201,7 @@ impl UnisolatedSandbox {
             born: Instant::now(),
             life: Lifecycle::new(id.clone()),
             running: Mutex::new(HashSet::new()),
+            watches: Default::default(),
         });
         Ok(UnisolatedSandbox {
             shared,
@@ -502,11 +507,18 @@ impl Sandbox for UnisolatedSandbox {
         }
     }
 
+    async fn watch(&self, path: &str, recursive: bool) -> Result<sandbox_core::Watch> {
+        self.shared.alive()?;
+        let ws = sandbox_core::beneath::open_dir(&self.shared.root)?;
+        self.shared.watches.watch(ws, path, recursive)
+    }
+
     async fn destroy(&self) -> Result<()> {
         // Idempotent: the first destroy (also one after the lifetime ran out) frees it, a
         // later one finds it released.
         let _held = self.shared.life.hold().await;
         self.shared.life.release("destroyed", || {
+            self.shared.watches.close_all();
             self.shared.kill_all();
             // Empty the workspace now; the directory itself goes when the sandbox is dropped.
             if let Ok(rd) = std::fs::read_dir(self.dir.path()) {

@@ -306,6 +306,8 @@ impl Backend for WasmBackend {
         c.network = vec![NetworkMode::DenyAll];
         c.streaming = true;
         c.persistent_state = true;
+        // The workspace is a host folder: watched from the host (`sandbox_core::watch`).
+        c.watch = true;
         // No processes (so no pids limit) and no scheduler quota: guests run on the
         // caller's threads, bounded by their deadlines and fuel instead.
         c.limits = vec![

@@ -81,12 +81,15 @@ pub struct Capabilities {
     /// Resource use from the tier's own accounting: [`Sandbox::usage`](crate::Sandbox::usage).
     #[serde(default)]
     pub usage: bool,
+    /// Watching a workspace directory for changes: [`Sandbox::watch`](crate::Sandbox::watch).
+    #[serde(default)]
+    pub watch: bool,
 }
 
 impl Capabilities {
     /// A tier that supports nothing: no language, no argv, no snapshot, no network mode, no
     /// pause/resume, no streaming, no persistent state, no images, no limit enforced, no
-    /// background processes, no published ports, no usage; the boundary is
+    /// background processes, no published ports, no usage, no watch; the boundary is
     /// the tier's own ([`Tier::boundary`]). Backends set what they do on top of it.
     pub fn new(tier: Tier) -> Self {
         Capabilities {
@@ -107,6 +110,7 @@ impl Capabilities {
             publish: false,
             tty: false,
             usage: false,
+            watch: false,
         }
     }
 

@@ -37,6 +37,7 @@ pub mod spec;
 pub mod tier;
 pub mod timeline;
 pub mod usage;
+pub mod watch;
 
 /// For backend authors: the machinery every tier shares, in one place. An agent developer
 /// reaches sandboxes through the trait and spec types at this crate's root (and through
@@ -99,3 +100,4 @@ pub use spec::{Limits, Mount, SandboxSpec, SpecBuilder, TmpfsCap, TmpfsCaps, Wor
 pub use tier::{IsolationBoundary, Language, Tier};
 pub use timeline::{Phase, PhaseTiming, Timeline, TimelineRecorder};
 pub use usage::Usage;
+pub use watch::{FsEvent, FsEventKind, Watch};

@@ -261,6 +261,19 @@ pub trait Sandbox: Send + Sync {
         Err(Error::unsupported(self.tier(), "resource usage"))
     }
 
+    /// Watches workspace directory `path` (as [`list`](Self::list) takes it) for changes:
+    /// entries created, written, removed, renamed, their mode changed; with `recursive`, in
+    /// every directory beneath it too (directories made later included; symlinks are not
+    /// followed). The watch ends when the directory goes or the sandbox ends.
+    ///
+    /// # Errors
+    /// [`Error::Unsupported`] on tiers without `watch` in their capabilities;
+    /// [`Error::PathEscape`], [`Error::NotFound`] as [`list`](Self::list).
+    async fn watch(&self, path: &str, recursive: bool) -> Result<crate::Watch> {
+        let _ = (path, recursive);
+        Err(Error::unsupported(self.tier(), "watching files"))
+    }
+
     /// A cheap liveness check used by warm pools before handing a sandbox out.
     async fn health_check(&self) -> Result<()>;
 

@@ -318,6 +318,8 @@ fn carried(mut caps: Capabilities) -> Capabilities {
     // API v1 has no usage endpoint yet: what the server's tier can count, the client
     // cannot ask for.
     caps.usage = false;
+    // Nor a watch endpoint: a watch runs where the sandbox's workspace is.
+    caps.watch = false;
     caps
 }
 

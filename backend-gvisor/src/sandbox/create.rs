@@ -169,6 +169,7 @@ impl GvisorSandbox {
             }
         };
         let inner = Arc::new(Inner {
+            watches: Default::default(),
             id: id.clone(),
             spec: spec.clone(),
             runsc: Runsc {

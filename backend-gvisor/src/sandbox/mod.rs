@@ -46,6 +46,8 @@ pub struct GvisorSandbox {
 }
 
 struct Inner {
+    /// File watches (ended at teardown).
+    watches: sandbox_core::watch::Watches,
     id: String,
     spec: SandboxSpec,
     runsc: Runsc,
@@ -292,6 +294,14 @@ impl Sandbox for GvisorSandbox {
 
     async fn snapshot(&self, store: &dyn SnapshotStore) -> Result<SnapshotId> {
         self.inner.snapshot(store).await
+    }
+
+    async fn watch(&self, path: &str, recursive: bool) -> Result<sandbox_core::Watch> {
+        self.inner.alive()?;
+        // The workspace is a host folder the Gofer writes through: watched from the host,
+        // beneath its handle (see `sandbox_core::watch`).
+        let ws = beneath::open_dir(&self.inner.workspace)?;
+        self.inner.watches.watch(ws, path, recursive)
     }
 
     async fn pause(&self) -> Result<()> {

@@ -36,6 +36,7 @@ impl Inner {
     pub(super) fn teardown(&self, reason: &str) {
         self.life.release(reason, || {
             self.ports.clear();
+            self.watches.close_all();
             self.cleanup();
         });
     }

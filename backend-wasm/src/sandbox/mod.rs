@@ -105,6 +105,8 @@ struct Inner {
     /// until then).
     life: Lifecycle,
     state: tokio::sync::Mutex<LangState>,
+    /// File watches (ended by `destroy`).
+    watches: sandbox_core::watch::Watches,
 }
 
 impl std::fmt::Debug for WasmSandbox {
@@ -250,6 +252,7 @@ impl Inner {
         });
         t.mark(Phase::Filesystem);
         let mut sb = Inner {
+            watches: Default::default(),
             id: id.clone(),
             spec: spec.clone(),
             timeline: Timeline::default(),
@@ -419,6 +422,14 @@ impl Sandbox for WasmSandbox {
         // Deny-all only: nothing is ever asked. Gone answers as every other call.
         self.inner.life.check_not_gone()?;
         Ok(Vec::new())
+    }
+
+    async fn watch(&self, path: &str, recursive: bool) -> Result<sandbox_core::Watch> {
+        self.inner.alive()?;
+        // The workspace is a host folder the guest reaches through WASI: watched from the
+        // host, beneath its handle (see `sandbox_core::watch`).
+        let ws = self.inner.workspace_fd()?;
+        self.inner.watches.watch(ws, path, recursive)
     }
 
     async fn destroy(&self) -> Result<()> {

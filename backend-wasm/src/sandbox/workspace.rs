@@ -113,6 +113,7 @@ impl Inner {
     pub(super) async fn destroy(&self) -> Result<()> {
         let _held = self.life.hold().await;
         self.life.release("destroyed", || {
+            self.watches.close_all();
             if let Ok(mut g) = self.state.try_lock() {
                 engine::drop_later(std::mem::replace(&mut *g, LangState::Wasm));
             }

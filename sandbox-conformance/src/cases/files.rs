@@ -16,6 +16,113 @@ fn names(entries: &[sandbox_core::DirEntry]) -> Vec<String> {
     entries.iter().map(|e| e.name.clone()).collect()
 }
 
+/// Waits (up to 60 s) until `w` has reported every `(kind, path)` of `want`.
+async fn await_events(
+    w: &mut sandbox_core::Watch,
+    want: &[(sandbox_core::FsEventKind, &str)],
+) -> Checked {
+    let mut seen = Vec::new();
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !want.iter().all(|(k, p)| {
+        seen.iter()
+            .any(|e: &sandbox_core::FsEvent| e.kind == *k && e.path == *p)
+    }) {
+        match tokio::time::timeout_at(deadline, w.next()).await {
+            Ok(Some(Ok(ev))) => seen.push(ev),
+            Ok(other) => return Err(format!("watch: {other:?} after {seen:?}, wanted {want:?}")),
+            Err(_) => return Err(format!("watch: only {seen:?} within 60 s, wanted {want:?}")),
+        }
+    }
+    Ok(())
+}
+
+pub(super) async fn watch(cx: &Ctx<'_>) -> Checked {
+    use sandbox_core::FsEventKind::{Create, Remove, Write};
+    let sb = cx.create(cx.spec()).await?;
+    let r = async {
+        if !cx.caps.watch {
+            return expect_unsupported("watch", sb.watch("", false).await);
+        }
+        sb.write_file("w/sub/keep", b"")
+            .await
+            .map_err(|e| format!("write_file: {e}"))?;
+        let mut flat = sb
+            .watch("w", false)
+            .await
+            .map_err(|e| format!("watch w: {e}"))?;
+        let mut deep = sb
+            .watch("/workspace/w", true)
+            .await
+            .map_err(|e| format!("watch /workspace/w, recursive: {e}"))?;
+        // Changed by code inside, as agents do.
+        let code = cx.code(
+            "echo hi > /workspace/w/new.txt && echo there > /workspace/w/sub/deep.txt \
+             && rm /workspace/w/new.txt",
+            "import os\nopen('/workspace/w/new.txt', 'w').write('hi')\n\
+             open('/workspace/w/sub/deep.txt', 'w').write('there')\n\
+             os.remove('/workspace/w/new.txt')",
+        );
+        let r = sb
+            .exec(ExecRequest::code(code))
+            .await
+            .map_err(|e| format!("exec: {e}"))?;
+        if r.exit_code != Some(0) {
+            return Err(format!("the writes failed: {r:?}"));
+        }
+        await_events(
+            &mut flat,
+            &[(Create, "new.txt"), (Write, "new.txt"), (Remove, "new.txt")],
+        )
+        .await?;
+        await_events(&mut deep, &[(Create, "new.txt"), (Create, "sub/deep.txt")]).await?;
+        if let Some(e) = flat
+            .try_events()
+            .map_err(|e| format!("try_events: {e}"))?
+            .iter()
+            .find(|e| e.path.contains('/'))
+        {
+            return Err(format!("a watch that is not recursive reported {e:?}"));
+        }
+        for p in ["../x", "/etc", "w/missing"] {
+            match sb.watch(p, false).await {
+                Err(Error::PathEscape { .. } | Error::NotFound { .. }) => {}
+                other => {
+                    return Err(format!(
+                        "watch {p}: {:?}, not PathEscape/NotFound",
+                        other.map(|_| ())
+                    ))
+                }
+            }
+        }
+        sb.destroy().await.map_err(|e| format!("destroy: {e}"))?;
+        match tokio::time::timeout(std::time::Duration::from_secs(60), async {
+            while let Some(Ok(_)) = flat.next().await {}
+        })
+        .await
+        {
+            Ok(()) => {}
+            Err(_) => return Err("the watch did not end within 60 s of destroy".into()),
+        }
+        match sb.watch("w", false).await {
+            Err(Error::SandboxGone { .. }) => Ok(()),
+            other => Err(format!(
+                "watch after destroy: {:?}, not SandboxGone",
+                other.map(|_| ())
+            )),
+        }
+    }
+    .await;
+    cx.finish(sb, r).await
+}
+
+fn expect_unsupported<T>(what: &str, r: Result<T, Error>) -> Checked {
+    match r {
+        Err(Error::Unsupported { .. }) => Ok(()),
+        Err(e) => Err(format!("{what}: {} ({e}), not Unsupported", variant(&e))),
+        Ok(_) => Err(format!("{what} succeeded though not claimed")),
+    }
+}
+
 pub(super) async fn api_roundtrip(cx: &Ctx<'_>) -> Checked {
     let sb = cx.create(cx.spec()).await?;
     let r = async {

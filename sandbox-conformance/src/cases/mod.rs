@@ -126,6 +126,12 @@ static CASES: &[Case] = &[
         files::not_found
     ),
     case!(
+        "files.watch",
+        "a watch sees what code inside changes, refuses escapes, ends with the sandbox; or is Unsupported",
+        [Code],
+        files::watch
+    ),
+    case!(
         "path.dotdot",
         "`..` leaving the workspace is PathEscape in every file call",
         [],

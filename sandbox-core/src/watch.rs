@@ -1,0 +1,811 @@
+//! Watching a workspace directory for changes ([`Sandbox::watch`](crate::Sandbox::watch)),
+//! from the host, for tiers whose workspace is a host directory (container, gVisor, wasm).
+//!
+//! One inotify instance serves every watch of the process ([`Watches::watch`]): inotify
+//! instances are few (`fs.inotify.max_user_instances`, 128 by default, counted per host user
+//! across *all* of its processes), so one per watch would let a client starve the host's
+//! other services. A thread reads it and hands each event to the watches of its directory.
+//!
+//! What code in the sandbox controls is the tree being watched, so every directory is
+//! reached as [`beneath`] reaches files: opened beneath the workspace's handle
+//! with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)` (a name swapped for a symlink is
+//! skipped, never followed to the host), then watched through that descriptor
+//! (`/proc/self/fd/N`), never by a path the host resolves. What it can make is bounded:
+//! [`MAX_DIRS`] directories per watch (a recursive watch of a tree with more reports
+//! [`Error::ResourceExhausted`] once and watches the ones it has), [`MAX_QUEUED`] events
+//! waiting per watch (more are dropped, and the next read reports the loss), [`MAX_WATCHES`]
+//! watches per process.
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::OsStr;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+
+use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, InotifyEvent, WatchDescriptor};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+
+use crate::beneath;
+use crate::error::{Error, Result};
+use crate::path::WorkspacePath;
+
+/// Most directories one watch holds (a recursive watch of a bigger tree watches this many).
+pub const MAX_DIRS: usize = 4096;
+/// Most events waiting to be read per watch; more are dropped and the loss reported.
+pub const MAX_QUEUED: usize = 4096;
+/// Most watches open at once in one process (each sandbox's [`Watches`] together).
+pub const MAX_WATCHES: usize = 1024;
+
+/// What happened to an entry of a watched directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FsEventKind {
+    /// Created, or moved in from elsewhere.
+    Create,
+    /// Its content changed.
+    Write,
+    /// Removed.
+    Remove,
+    /// Moved away (renamed: a [`Create`](Self::Create) names where to, when it stays in the
+    /// watched tree).
+    Rename,
+    /// Its mode, owner or times changed.
+    Chmod,
+}
+
+/// One change in a watched directory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsEvent {
+    /// What happened.
+    pub kind: FsEventKind,
+    /// The entry, relative to the watched directory (`sub/file.txt` in a recursive watch);
+    /// empty for the watched directory itself (removed or moved away: the watch then ends).
+    pub path: String,
+    /// Whether the entry is a directory.
+    pub is_dir: bool,
+}
+
+/// The watches of one sandbox: [`watch`](Self::watch) adds one, [`close_all`](Self::close_all)
+/// (at the sandbox's end) ends them all.
+#[derive(Debug, Default)]
+pub struct Watches {
+    ids: Mutex<Vec<u64>>,
+}
+
+impl Watches {
+    /// Watches `path` (a workspace path, as the file API takes: `sub/dir` or
+    /// `/workspace/sub/dir`) beneath the workspace handle `ws`, and its subdirectories too
+    /// when `recursive`.
+    ///
+    /// # Errors
+    /// [`Error::PathEscape`] for a path that leaves the workspace (through `..` or a symlink),
+    /// [`Error::NotFound`] for a missing one, [`Error::InvalidSpec`] for one that is not a
+    /// directory, [`Error::ResourceExhausted`] past [`MAX_WATCHES`].
+    pub fn watch(&self, ws: OwnedFd, path: &str, recursive: bool) -> Result<Watch> {
+        let wp = WorkspacePath::parse(path)?;
+        let shown = wp.in_sandbox();
+        let root = wp.relative();
+        let hub = hub()?;
+        let sub = Arc::new(Sub {
+            queue: Mutex::new(Queue::default()),
+            notify: Notify::new(),
+        });
+        let id = {
+            let mut st = hub.lock();
+            if st.watches.len() >= MAX_WATCHES {
+                return Err(Error::ResourceExhausted {
+                    what: format!("file watches ({MAX_WATCHES} open in this process)"),
+                });
+            }
+            let dir = open_dir_beneath(ws.as_fd(), &root).map_err(|e| {
+                if e.raw_os_error() == Some(libc::ENOTDIR) {
+                    Error::invalid("path", format!("{shown} is not a directory"))
+                } else {
+                    beneath::map_err(e, &shown, "watch")
+                }
+            })?;
+            st.next_id += 1;
+            let id = st.next_id;
+            st.watches.insert(
+                id,
+                Entry {
+                    ws,
+                    root,
+                    recursive,
+                    sub: Arc::downgrade(&sub),
+                    dirs: HashMap::new(),
+                    full: false,
+                },
+            );
+            if let Err(e) = st.add_dir(&hub.fd, id, PathBuf::new(), dir) {
+                st.remove(&hub.fd, id);
+                return Err(beneath::map_err(e, &shown, "watch"));
+            }
+            if recursive {
+                st.add_tree(&hub.fd, id, Path::new(""), None);
+            }
+            id
+        };
+        if let Ok(mut ids) = self.ids.lock() {
+            ids.retain(|i| hub.lock().watches.contains_key(i));
+            ids.push(id);
+        }
+        Ok(Watch {
+            id,
+            hub,
+            sub,
+            ended: false,
+        })
+    }
+
+    /// Ends every watch made here: their readers see the end once they have read what
+    /// came before.
+    pub fn close_all(&self) {
+        let ids = match self.ids.lock() {
+            Ok(mut ids) => std::mem::take(&mut *ids),
+            Err(_) => return,
+        };
+        if let Ok(hub) = hub() {
+            let mut st = hub.lock();
+            for id in ids {
+                st.remove(&hub.fd, id);
+            }
+        }
+    }
+}
+
+impl Drop for Watches {
+    fn drop(&mut self) {
+        self.close_all();
+    }
+}
+
+/// An open watch: its events, in order. Dropping it stops watching.
+#[derive(Debug)]
+pub struct Watch {
+    id: u64,
+    hub: Arc<Hub>,
+    sub: Arc<Sub>,
+    ended: bool,
+}
+
+impl Watch {
+    /// The next event, waiting for one; `None` once the watch ended (its directory was
+    /// removed or moved away, or the sandbox ended) and everything before was read.
+    ///
+    /// # Errors
+    /// [`Error::ResourceExhausted`] (once, then the events go on) when events were lost:
+    /// more than [`MAX_QUEUED`] waited unread, the kernel's queue overflowed, or a
+    /// recursive watch reached [`MAX_DIRS`] directories.
+    pub async fn next(&mut self) -> Option<Result<FsEvent>> {
+        let sub = Arc::clone(&self.sub);
+        loop {
+            let notified = sub.notify.notified();
+            if let Some(item) = self.take_one() {
+                return Some(item);
+            }
+            if self.ended {
+                return None;
+            }
+            notified.await;
+        }
+    }
+
+    /// Every event up to now without waiting, including those of changes made just before
+    /// this call (the kernel's queue is read first).
+    ///
+    /// # Errors
+    /// As [`next`](Self::next); the events read before the loss was noticed are dropped
+    /// with it only if none came before it.
+    pub fn try_events(&mut self) -> Result<Vec<FsEvent>> {
+        self.hub.pump();
+        let mut out = Vec::new();
+        while let Some(item) = self.take_one() {
+            match item {
+                Ok(ev) => out.push(ev),
+                Err(e) if out.is_empty() => return Err(e),
+                Err(_) => {
+                    // Reported on the next call, after these.
+                    if let Ok(mut q) = self.sub.queue.lock() {
+                        q.lost = true;
+                    }
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether the watch ended (nothing more will come after what is queued).
+    pub fn is_ended(&self) -> bool {
+        self.sub.queue.lock().map(|q| q.ended).unwrap_or(true)
+    }
+
+    fn take_one(&mut self) -> Option<Result<FsEvent>> {
+        let mut q = match self.sub.queue.lock() {
+            Ok(q) => q,
+            Err(_) => {
+                self.ended = true;
+                return None;
+            }
+        };
+        if q.lost {
+            q.lost = false;
+            return Some(Err(Error::ResourceExhausted {
+                what: format!(
+                    "file watch events: some were lost (more than {MAX_QUEUED} unread, the \
+                     kernel's queue overflowed, or more than {MAX_DIRS} directories)"
+                ),
+            }));
+        }
+        if let Some(ev) = q.events.pop_front() {
+            return Some(Ok(ev));
+        }
+        if q.ended {
+            self.ended = true;
+        }
+        None
+    }
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        let mut st = self.hub.lock();
+        st.remove(&self.hub.fd, self.id);
+    }
+}
+
+/// What a watch's reader and the hub share.
+#[derive(Debug)]
+struct Sub {
+    queue: Mutex<Queue>,
+    notify: Notify,
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    events: VecDeque<FsEvent>,
+    lost: bool,
+    ended: bool,
+}
+
+impl Sub {
+    fn push(&self, ev: FsEvent) {
+        if let Ok(mut q) = self.queue.lock() {
+            if q.events.len() >= MAX_QUEUED {
+                q.lost = true;
+            } else {
+                q.events.push_back(ev);
+            }
+        }
+        self.notify.notify_one();
+    }
+
+    fn flag(&self, lost: bool, ended: bool) {
+        if let Ok(mut q) = self.queue.lock() {
+            q.lost |= lost;
+            q.ended |= ended;
+        }
+        self.notify.notify_one();
+    }
+}
+
+/// One watch as the hub keeps it.
+#[derive(Debug)]
+struct Entry {
+    /// The workspace's handle: every directory is opened beneath it.
+    ws: OwnedFd,
+    /// The watched directory, relative to the workspace.
+    root: PathBuf,
+    recursive: bool,
+    sub: Weak<Sub>,
+    /// The directories it watches (relative to `root`) and their descriptors.
+    dirs: HashMap<PathBuf, WatchDescriptor>,
+    /// [`MAX_DIRS`] reached (reported once).
+    full: bool,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    next_id: u64,
+    watches: HashMap<u64, Entry>,
+    /// Who watches each descriptor, and as which directory (relative to its root). The
+    /// same directory watched twice is one descriptor (inotify's rule).
+    wds: HashMap<WatchDescriptor, Vec<(u64, PathBuf)>>,
+}
+
+/// The process's inotify instance and who listens to it.
+#[derive(Debug)]
+struct Hub {
+    fd: Inotify,
+    state: Mutex<State>,
+}
+
+const MASK: AddWatchFlags = AddWatchFlags::from_bits_truncate(
+    libc::IN_CREATE
+        | libc::IN_MODIFY
+        | libc::IN_DELETE
+        | libc::IN_MOVED_FROM
+        | libc::IN_MOVED_TO
+        | libc::IN_ATTRIB
+        | libc::IN_DELETE_SELF
+        | libc::IN_MOVE_SELF
+        | libc::IN_ONLYDIR
+        | libc::IN_EXCL_UNLINK,
+);
+
+fn hub() -> Result<Arc<Hub>> {
+    static HUB: OnceLock<std::result::Result<Arc<Hub>, String>> = OnceLock::new();
+    HUB.get_or_init(|| {
+        let fd = Inotify::init(InitFlags::IN_NONBLOCK | InitFlags::IN_CLOEXEC)
+            .map_err(|e| format!("inotify_init1: {e}"))?;
+        let hub = Arc::new(Hub {
+            fd,
+            state: Mutex::new(State::default()),
+        });
+        let reader = Arc::clone(&hub);
+        std::thread::Builder::new()
+            .name("sandbox-watch".into())
+            .spawn(move || reader.run())
+            .map_err(|e| format!("start the watch thread: {e}"))?;
+        Ok(hub)
+    })
+    .clone()
+    .map_err(|e| Error::io("watch files", std::io::Error::other(e)))
+}
+
+impl Hub {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The reader thread: wait for the instance to be readable, then hand out what it has.
+    fn run(&self) {
+        loop {
+            let mut pfd = libc::pollfd {
+                fd: self.fd.as_fd().as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one valid pollfd, no timeout.
+            let n = unsafe { libc::poll(&mut pfd, 1, -1) };
+            if n < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+                tracing::warn!(
+                    "file watches stopped: poll: {}",
+                    std::io::Error::last_os_error()
+                );
+                return;
+            }
+            self.pump();
+        }
+    }
+
+    /// Reads every event the kernel has queued and hands each to its watches.
+    fn pump(&self) {
+        let mut st = self.lock();
+        loop {
+            match self.fd.read_events() {
+                Ok(events) if !events.is_empty() => {
+                    for ev in events {
+                        st.dispatch(&self.fd, ev);
+                    }
+                }
+                _ => return,
+            }
+        }
+    }
+}
+
+impl State {
+    /// Watches directory `dir` (an open handle) as `rel` of watch `id`.
+    fn add_dir(
+        &mut self,
+        fd: &Inotify,
+        id: u64,
+        rel: PathBuf,
+        dir: OwnedFd,
+    ) -> std::io::Result<()> {
+        let Some(w) = self.watches.get_mut(&id) else {
+            return Ok(());
+        };
+        if w.dirs.contains_key(&rel) {
+            return Ok(());
+        }
+        if w.dirs.len() >= MAX_DIRS {
+            if !w.full {
+                w.full = true;
+                if let Some(s) = w.sub.upgrade() {
+                    s.flag(true, false);
+                }
+            }
+            return Ok(());
+        }
+        // The directory is reached through its handle (a magic link of our own process),
+        // never by a path: what the sandbox swaps in after the open changes nothing.
+        let proc_path = format!("/proc/self/fd/{}", dir.as_raw_fd());
+        let wd = fd.add_watch(proc_path.as_str(), MASK)?;
+        drop(dir);
+        w.dirs.insert(rel.clone(), wd);
+        let subs = self.wds.entry(wd).or_default();
+        if !subs.iter().any(|(i, r)| *i == id && *r == rel) {
+            subs.push((id, rel));
+        }
+        Ok(())
+    }
+
+    /// Watches every directory beneath `rel` (relative to watch `id`'s root), breadth first,
+    /// one name at a time, not following symlinks. With `report`, every entry found is
+    /// reported as created: a directory that appears in a recursive watch may have been
+    /// filled before its own watch was in place (`mkdir d && touch d/f`), and those entries
+    /// would otherwise never be seen (one made in between is reported twice).
+    fn add_tree(&mut self, fd: &Inotify, id: u64, rel: &Path, report: Option<&Sub>) {
+        let mut todo = VecDeque::from([rel.to_path_buf()]);
+        while let Some(dir_rel) = todo.pop_front() {
+            let Some(w) = self.watches.get(&id) else {
+                return;
+            };
+            if w.full {
+                return;
+            }
+            let Ok(dir) = open_dir_beneath(w.ws.as_fd(), &w.root.join(&dir_rel)) else {
+                continue;
+            };
+            let Ok(names) = beneath::names(dir.as_fd()) else {
+                continue;
+            };
+            for n in names {
+                let Ok(st) = beneath::lstat_at(dir.as_fd(), &n) else {
+                    continue;
+                };
+                let is_dir = st.st_mode & libc::S_IFMT == libc::S_IFDIR;
+                let child_rel = dir_rel.join(OsStr::from_bytes(n.to_bytes()));
+                if let Some(sub) = report {
+                    sub.push(FsEvent {
+                        kind: FsEventKind::Create,
+                        path: child_rel.to_string_lossy().into_owned(),
+                        is_dir,
+                    });
+                }
+                if !is_dir {
+                    continue;
+                }
+                let Some(w) = self.watches.get(&id) else {
+                    return;
+                };
+                let Ok(child) = open_dir_beneath(w.ws.as_fd(), &w.root.join(&child_rel)) else {
+                    continue;
+                };
+                if self.add_dir(fd, id, child_rel.clone(), child).is_ok() {
+                    todo.push_back(child_rel);
+                }
+            }
+        }
+    }
+
+    /// Stops watching `rel` and everything beneath it for watch `id`.
+    fn drop_tree(&mut self, fd: &Inotify, id: u64, rel: &Path) {
+        let Some(w) = self.watches.get_mut(&id) else {
+            return;
+        };
+        let gone: Vec<(PathBuf, WatchDescriptor)> = w
+            .dirs
+            .iter()
+            .filter(|(p, _)| p.starts_with(rel))
+            .map(|(p, wd)| (p.clone(), *wd))
+            .collect();
+        for (p, _) in &gone {
+            w.dirs.remove(p);
+        }
+        for (p, wd) in gone {
+            self.unsubscribe(fd, wd, id, &p);
+        }
+    }
+
+    fn unsubscribe(&mut self, fd: &Inotify, wd: WatchDescriptor, id: u64, rel: &Path) {
+        if let Some(subs) = self.wds.get_mut(&wd) {
+            subs.retain(|(i, r)| !(*i == id && r == rel));
+            if subs.is_empty() {
+                self.wds.remove(&wd);
+                // Fails harmlessly when the directory is gone already (IN_IGNORED came).
+                let _ = fd.rm_watch(wd);
+            }
+        }
+    }
+
+    /// Ends watch `id`: its descriptors go, its reader sees the end.
+    fn remove(&mut self, fd: &Inotify, id: u64) {
+        if let Some(w) = self.watches.remove(&id) {
+            for (p, wd) in w.dirs {
+                self.unsubscribe(fd, wd, id, &p);
+            }
+            if let Some(s) = w.sub.upgrade() {
+                s.flag(false, true);
+            }
+        }
+    }
+
+    fn dispatch(&mut self, fd: &Inotify, ev: InotifyEvent) {
+        let m = ev.mask.bits();
+        if m & libc::IN_Q_OVERFLOW != 0 {
+            for w in self.watches.values() {
+                if let Some(s) = w.sub.upgrade() {
+                    s.flag(true, false);
+                }
+            }
+            return;
+        }
+        let Some(subs) = self.wds.get(&ev.wd).cloned() else {
+            return;
+        };
+        if m & libc::IN_IGNORED != 0 {
+            // The directory is gone (or unwatched): forget the descriptor.
+            for (id, rel) in subs {
+                if let Some(w) = self.watches.get_mut(&id) {
+                    w.dirs.remove(&rel);
+                }
+            }
+            self.wds.remove(&ev.wd);
+            return;
+        }
+        let is_dir = m & libc::IN_ISDIR != 0;
+        for (id, rel) in subs {
+            let Some(w) = self.watches.get(&id) else {
+                continue;
+            };
+            let Some(sub) = w.sub.upgrade() else {
+                continue;
+            };
+            if m & (libc::IN_DELETE_SELF | libc::IN_MOVE_SELF) != 0 {
+                // The parent reported the entry already; only the root's own end matters.
+                if rel.as_os_str().is_empty() {
+                    let kind = if m & libc::IN_DELETE_SELF != 0 {
+                        FsEventKind::Remove
+                    } else {
+                        FsEventKind::Rename
+                    };
+                    sub.push(FsEvent {
+                        kind,
+                        path: String::new(),
+                        is_dir: true,
+                    });
+                    self.remove(fd, id);
+                }
+                continue;
+            }
+            let Some(name) = ev.name.as_deref() else {
+                continue;
+            };
+            let entry = rel.join(name);
+            let kind = if m & (libc::IN_CREATE | libc::IN_MOVED_TO) != 0 {
+                FsEventKind::Create
+            } else if m & libc::IN_MODIFY != 0 {
+                FsEventKind::Write
+            } else if m & libc::IN_DELETE != 0 {
+                FsEventKind::Remove
+            } else if m & libc::IN_MOVED_FROM != 0 {
+                FsEventKind::Rename
+            } else if m & libc::IN_ATTRIB != 0 {
+                FsEventKind::Chmod
+            } else {
+                continue;
+            };
+            sub.push(FsEvent {
+                kind,
+                path: entry.to_string_lossy().into_owned(),
+                is_dir,
+            });
+            let recursive = w.recursive;
+            if is_dir && recursive {
+                match kind {
+                    FsEventKind::Create => {
+                        if let Some(w) = self.watches.get(&id) {
+                            if let Ok(d) = open_dir_beneath(w.ws.as_fd(), &w.root.join(&entry)) {
+                                if self.add_dir(fd, id, entry.clone(), d).is_ok() {
+                                    self.add_tree(fd, id, &entry, Some(&sub));
+                                }
+                            }
+                        }
+                    }
+                    FsEventKind::Remove | FsEventKind::Rename => self.drop_tree(fd, id, &entry),
+                    _ => {}
+                }
+            }
+        }
+    }
+}
+
+/// Opens directory `rel` beneath `ws` for watching: `openat2` with `RESOLVE_BENEATH` and
+/// `RESOLVE_NO_SYMLINKS` (no symlink followed anywhere on the way, even one that stays
+/// inside: a recursive watch never wanders through links).
+fn open_dir_beneath(ws: BorrowedFd<'_>, rel: &Path) -> std::io::Result<OwnedFd> {
+    let rel = if rel.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        rel
+    };
+    let c = std::ffi::CString::new(rel.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: open_how is a plain struct; zeroed is a valid value.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = (libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) as u64;
+    how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+    loop {
+        // SAFETY: openat2 with a valid NUL-terminated path and a struct of the stated size.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_openat2,
+                ws.as_raw_fd(),
+                c.as_ptr(),
+                &how as *const libc::open_how,
+                std::mem::size_of::<libc::open_how>(),
+            )
+        };
+        if fd >= 0 {
+            // SAFETY: a new fd, ours alone.
+            return Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) });
+        }
+        let e = std::io::Error::last_os_error();
+        if !matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EINTR)) {
+            return Err(e);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn ws() -> (tempfile::TempDir, Watches) {
+        (tempfile::tempdir().unwrap(), Watches::default())
+    }
+
+    fn open(d: &tempfile::TempDir) -> OwnedFd {
+        beneath::open_dir(d.path()).unwrap()
+    }
+
+    fn kinds(evs: &[FsEvent]) -> Vec<(FsEventKind, &str)> {
+        evs.iter().map(|e| (e.kind, e.path.as_str())).collect()
+    }
+
+    #[test]
+    fn events_of_a_directory_in_order() {
+        let (d, w) = ws();
+        std::fs::create_dir(d.path().join("a")).unwrap();
+        let mut watch = w.watch(open(&d), "/workspace/a", false).unwrap();
+        std::fs::write(d.path().join("a/f"), b"x").unwrap();
+        std::fs::rename(d.path().join("a/f"), d.path().join("a/g")).unwrap();
+        std::fs::set_permissions(
+            d.path().join("a/g"),
+            std::os::unix::fs::PermissionsExt::from_mode(0o600),
+        )
+        .unwrap();
+        std::fs::remove_file(d.path().join("a/g")).unwrap();
+        let evs = watch.try_events().unwrap();
+        assert_eq!(
+            kinds(&evs),
+            vec![
+                (FsEventKind::Create, "f"),
+                (FsEventKind::Write, "f"),
+                (FsEventKind::Rename, "f"),
+                (FsEventKind::Create, "g"),
+                (FsEventKind::Chmod, "g"),
+                (FsEventKind::Remove, "g"),
+            ]
+        );
+        assert!(watch.try_events().unwrap().is_empty());
+    }
+
+    #[test]
+    fn recursive_watches_follow_new_directories_but_not_symlinks() {
+        let (d, w) = ws();
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join("r/old")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), d.path().join("r/link")).unwrap();
+        let mut watch = w.watch(open(&d), "r", true).unwrap();
+        std::fs::write(d.path().join("r/old/a"), b"1").unwrap();
+        std::fs::create_dir(d.path().join("r/new")).unwrap();
+        // The watch of `new` is in place once its CREATE was read.
+        let first = watch.try_events().unwrap();
+        assert!(first.contains(&FsEvent {
+            kind: FsEventKind::Create,
+            path: "new".into(),
+            is_dir: true
+        }));
+        std::fs::write(d.path().join("r/new/b"), b"2").unwrap();
+        std::fs::write(outside.path().join("c"), b"3").unwrap();
+        let evs = watch.try_events().unwrap();
+        let all: Vec<_> = first.iter().chain(&evs).cloned().collect();
+        assert!(kinds(&all).contains(&(FsEventKind::Create, "old/a")));
+        assert!(kinds(&all).contains(&(FsEventKind::Create, "new/b")));
+        assert!(
+            !all.iter().any(|e| e.path.contains('c')),
+            "a symlink's target was watched: {all:?}"
+        );
+    }
+
+    #[test]
+    fn a_directory_filled_before_its_watch_is_reported() {
+        let (d, w) = ws();
+        let mut watch = w.watch(open(&d), "", true).unwrap();
+        // Made and filled at once, before the hub can watch `fast`: its entries come from
+        // the scan that follows the new directory's watch.
+        std::fs::create_dir_all(d.path().join("fast/deeper")).unwrap();
+        std::fs::write(d.path().join("fast/deeper/f"), b"x").unwrap();
+        let mut all = watch.try_events().unwrap();
+        // The scan happens when `fast`'s CREATE is handled; once read, everything is in.
+        all.extend(watch.try_events().unwrap());
+        for want in ["fast", "fast/deeper", "fast/deeper/f"] {
+            assert!(
+                all.iter()
+                    .any(|e| e.kind == FsEventKind::Create && e.path == want),
+                "{want} not reported: {all:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn escapes_and_missing_paths_are_refused() {
+        let (d, w) = ws();
+        std::os::unix::fs::symlink("/etc", d.path().join("etc")).unwrap();
+        std::fs::write(d.path().join("file"), b"").unwrap();
+        for (p, want) in [("../x", "escape"), ("/etc", "escape"), ("etc", "escape")] {
+            let e = w.watch(open(&d), p, false).unwrap_err();
+            assert!(matches!(e, Error::PathEscape { .. }), "{p} ({want}): {e}");
+        }
+        assert!(matches!(
+            w.watch(open(&d), "missing", false).unwrap_err(),
+            Error::NotFound { .. }
+        ));
+        assert!(matches!(
+            w.watch(open(&d), "file", false).unwrap_err(),
+            Error::InvalidSpec { .. }
+        ));
+    }
+
+    #[tokio::test]
+    async fn removing_the_directory_ends_the_watch_and_close_all_ends_the_rest() {
+        let (d, w) = ws();
+        std::fs::create_dir(d.path().join("gone")).unwrap();
+        std::fs::create_dir(d.path().join("stays")).unwrap();
+        let mut a = w.watch(open(&d), "gone", false).unwrap();
+        let mut b = w.watch(open(&d), "stays", true).unwrap();
+        std::fs::remove_dir(d.path().join("gone")).unwrap();
+        let ev = tokio::time::timeout(Duration::from_secs(30), a.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert_eq!((ev.kind, ev.path.as_str()), (FsEventKind::Remove, ""));
+        assert!(a.next().await.is_none());
+        w.close_all();
+        assert!(tokio::time::timeout(Duration::from_secs(30), b.next())
+            .await
+            .unwrap()
+            .is_none());
+        assert!(b.is_ended());
+    }
+
+    #[test]
+    fn a_flood_of_events_is_bounded_and_reported() {
+        let (d, w) = ws();
+        let mut watch = w.watch(open(&d), "", false).unwrap();
+        // Distinct names: the kernel merges an event identical to the last one queued.
+        for i in 0..(MAX_QUEUED + 10) {
+            std::fs::write(d.path().join(format!("f{i}")), b"x").unwrap();
+        }
+        let mut total = 0;
+        let mut lost = false;
+        for _ in 0..4 {
+            match watch.try_events() {
+                Ok(evs) => total += evs.len(),
+                Err(Error::ResourceExhausted { .. }) => lost = true,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert!(lost, "the loss was not reported");
+        assert!(total <= MAX_QUEUED, "{total} events queued");
+    }
+}
