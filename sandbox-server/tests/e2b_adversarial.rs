@@ -402,6 +402,14 @@ where
 #[path = "e2b_adversarial/spawning.rs"]
 mod spawning;
 
+// Directory watching (`WatchDir` and the polled watchers).
+#[path = "e2b_adversarial/watch.rs"]
+mod watch;
+
+// Signed file URLs (`download_url`, `upload_url`).
+#[path = "e2b_adversarial/signed.rs"]
+mod signed;
+
 // =======================================================================================
 // 1. The control plane.
 

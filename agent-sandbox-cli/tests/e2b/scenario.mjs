@@ -22,6 +22,7 @@ const {
   AuthenticationError,
   CommandExitError,
   FileNotFoundError,
+  FilesystemEventType,
   FileType,
   Sandbox,
   SandboxNotFoundError,
@@ -236,6 +237,45 @@ async function stepFiles(run) {
   assert.equal(await files.exists('d'), false, 'a removed directory')
 
   await expectError(FileNotFoundError, 'reading a missing file', () => files.read('missing.txt'))
+}
+
+/** A directory of the workspace watched through the SDK's stream (`watchDir`, recursive):
+ * a file written through the file API and one made by a command in a subdirectory made
+ * after the watch began; a missing directory is FileNotFound. */
+async function stepWatch(run) {
+  const sb = await run.sandbox()
+  const d = '/workspace/watched-js' // the workspace, whatever the template's home
+  await sb.files.makeDir(d)
+  const seen = []
+  let wake = () => {}
+  const handle = await sb.files.watchDir(
+    d,
+    (ev) => {
+      seen.push(`${ev.type} ${ev.name}`)
+      wake()
+    },
+    { recursive: true },
+  )
+  /** Waits (at most 30 s) until every one of `want` was seen. */
+  const until = async (want) => {
+    const deadline = Date.now() + 30_000
+    while (!want.every((w) => seen.includes(w))) {
+      assert.ok(Date.now() < deadline, `within 30 s: ${inspect(want)} not all in ${inspect(seen)}`)
+      await new Promise((r) => {
+        wake = r
+        setTimeout(r, 500)
+      })
+    }
+  }
+  await sb.files.write(`${d}/a.txt`, 'one')
+  await until([`${FilesystemEventType.CREATE} a.txt`, `${FilesystemEventType.WRITE} a.txt`])
+  const r = await sb.commands.run(`mkdir ${d}/sub && echo two > ${d}/sub/b.txt`)
+  assert.equal(r.exitCode, 0)
+  await until([`${FilesystemEventType.CREATE} sub`, `${FilesystemEventType.CREATE} sub/b.txt`])
+  await handle.stop()
+  await expectError(FileNotFoundError, 'watching a missing directory', () =>
+    sb.files.watchDir(`${d}/nope`, () => {}),
+  )
 }
 
 /** A background command: listed while it runs, killed, its end an error, then gone. */
@@ -459,6 +499,7 @@ async function stepSnapshots() {
 const STEPS = {
   commands: stepCommands,
   files: stepFiles,
+  watch: stepWatch,
   background: stepBackground,
   stdin: stepStdin,
   connect: stepConnect,

@@ -13,15 +13,19 @@ import os
 import posixpath
 import sys
 import time
+import urllib.error
+import urllib.request
 from datetime import datetime, timezone
 
 from e2b import (
     AuthenticationException,
     CommandExitException,
     FileNotFoundException,
+    FilesystemEventType,
     FileType,
     PtySize,
     Sandbox,
+    SandboxException,
     SandboxNotFoundException,
     SandboxQuery,
     SandboxState,
@@ -133,6 +137,17 @@ def step_files(run):
     assert w.path == posixpath.join(home, "hello.txt"), f"write returned {w!r} (home {home})"
     assert files.read("hello.txt") == "hello e2b\n"
 
+    # A signed download URL: fetched with no token at all, as a browser would; expired, 401.
+    url = run.sandbox.download_url("hello.txt", use_signature_expiration=120)
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        assert resp.read() == b"hello e2b\n", f"the signed URL {url}"
+    expired = run.sandbox.download_url("hello.txt", use_signature_expiration=-120)
+    try:
+        urllib.request.urlopen(expired, timeout=30)
+        raise AssertionError(f"an expired signed URL was served: {expired}")
+    except urllib.error.HTTPError as e:
+        assert e.code == 401, f"an expired signed URL: {e.code}"
+
     blob = bytes(range(256))
     files.write("blob.bin", blob)
     got = files.read("blob.bin", format="bytes")
@@ -190,6 +205,44 @@ def step_files(run):
     assert files.exists("d") is False, "a removed directory"
 
     expect(FileNotFoundException, "reading a missing file", files.read, "missing.txt")
+
+
+def step_watch(run):
+    """A directory of the workspace watched: the SDK's polled watcher sees a file created and
+    written through the file API and removed by a command, a recursive one sees a file in a
+    subdirectory; a missing directory is FileNotFound, a file is refused."""
+    sb = run.sandbox
+    files = sb.files
+    d = "/workspace/watched"  # the workspace, whatever the template's home
+    files.make_dir(f"{d}/sub")
+
+    def seen(handle):
+        return {(e.type, e.name) for e in handle.get_new_events()}
+
+    h = files.watch_dir(d)
+    files.write(f"{d}/a.txt", "one")
+    got = seen(h)
+    for want in [(FilesystemEventType.CREATE, "a.txt"), (FilesystemEventType.WRITE, "a.txt")]:
+        assert want in got, f"{want} not among {got}"
+    r = sb.commands.run(f"mv {d}/a.txt {d}/b.txt && rm {d}/b.txt")  # by code inside
+    assert r.exit_code == 0, f"{r!r}"
+    got = seen(h)
+    for want in [
+        (FilesystemEventType.RENAME, "a.txt"),
+        (FilesystemEventType.CREATE, "b.txt"),
+        (FilesystemEventType.REMOVE, "b.txt"),
+    ]:
+        assert want in got, f"{want} not among {got}"
+    h.stop()
+
+    deep = files.watch_dir(d, recursive=True)
+    files.write(f"{d}/sub/c.txt", "two")
+    got = seen(deep)
+    assert (FilesystemEventType.CREATE, "sub/c.txt") in got, f"recursive: {got}"
+    deep.stop()
+
+    expect(FileNotFoundException, "watching a missing directory", files.watch_dir, f"{d}/nope")
+    expect(SandboxException, "watching a file", files.watch_dir, f"{d}/sub/c.txt")
 
 
 def step_background(run):
@@ -428,6 +481,7 @@ def step_metrics(run):
 STEPS = {
     "commands": step_commands,
     "files": step_files,
+    "watch": step_watch,
     "background": step_background,
     "stdin": step_stdin,
     "connect": step_connect,

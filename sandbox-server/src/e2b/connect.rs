@@ -338,6 +338,8 @@ pub(crate) enum Item {
     /// No end: the connection is cut, as when the machine behind a stream goes away (E2B's
     /// SDKs then ask whether the sandbox still runs, and say it was killed if not).
     Abort,
+    /// The end of the stream, with this error.
+    Fail(RpcError),
 }
 
 /// A streaming answer: each message of `messages` as it comes, then the end of the stream
@@ -389,6 +391,10 @@ where
             Some(Item::Abort) => {
                 return Some((Err(std::io::Error::other("the sandbox went away")), None))
             }
+            Some(Item::Fail(e)) => (
+                envelope(0x02, &serde_json::json!({ "error": e.json() })),
+                false,
+            ),
             None => (envelope(0x02, &serde_json::json!({})), false),
         };
         Some((

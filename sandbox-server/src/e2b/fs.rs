@@ -1,5 +1,5 @@
 //! envd's `filesystem.Filesystem` service: stat, list (to a depth), make a directory,
-//! move, remove; watching is not served yet (`unimplemented`, saying so).
+//! move, remove; watching (`watch.rs`).
 //!
 //! E2B's file API names any path of the sandbox's file system (`/tmp/x`, `~/y`, relative
 //! to the home), with owners, modes and times. Each operation runs *inside* the sandbox as a
@@ -13,7 +13,8 @@ use axum::response::{IntoResponse, Response};
 use sandbox_core::ExecRequest;
 use serde::Deserialize;
 
-use super::connect::{self, Code, RpcError, Unary};
+use super::connect::{self, Code, RpcError, StreamRequest, Unary};
+use super::watch::{self, WatchReq, WatcherReq};
 use super::Envd;
 
 /// The file operations, in the sandbox. Exit codes: 3 no such path, 4 a directory where a
@@ -213,11 +214,23 @@ pub(crate) async fn call(e: Envd, Path(method): Path<String>, req: Request) -> R
             Ok(Unary(m)) => move_call(&e, m).await,
             Err(err) => Err(err),
         },
-        "WatchDir" | "CreateWatcher" | "GetWatcherEvents" | "RemoveWatcher" => Err(RpcError::new(
-            Code::Unimplemented,
-            "watching directories is not served by this agent-sandbox server yet \
-                 (see docs/e2b.md)",
-        )),
+        "WatchDir" => {
+            return match StreamRequest::<WatchReq>::from_request(req, &()).await {
+                Ok(r) => watch::watch_dir(e, r).await,
+                Err(resp) => resp,
+            }
+        }
+        "CreateWatcher" => match Unary::<WatchReq>::from_request(req, &()).await {
+            Ok(Unary(w)) => watch::create(&e, w).await,
+            Err(err) => Err(err),
+        },
+        "GetWatcherEvents" | "RemoveWatcher" => {
+            match Unary::<WatcherReq>::from_request(req, &()).await {
+                Ok(Unary(w)) if method == "RemoveWatcher" => watch::remove(&e, w),
+                Ok(Unary(w)) => watch::events(&e, w),
+                Err(err) => Err(err),
+            }
+        }
         other => Err(RpcError::new(
             Code::Unimplemented,
             format!("filesystem.Filesystem/{other} is not a method of envd's filesystem service"),

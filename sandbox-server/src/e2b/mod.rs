@@ -22,8 +22,10 @@ mod list;
 mod metrics;
 mod ports;
 mod process;
+mod signed;
 mod snapshots;
 mod templates;
+mod watch;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
@@ -79,6 +81,8 @@ pub(crate) struct Meta {
     pub(crate) traffic_token: Option<crate::Token>,
     /// Its last metrics samples ([`metrics`]).
     pub(crate) samples: metrics::Samples,
+    /// Its directory watches ([`watch`]).
+    pub(crate) watchers: watch::Watchers,
 }
 
 impl Meta {
@@ -100,6 +104,7 @@ impl Meta {
             ports: Default::default(),
             traffic_token: None,
             samples: Default::default(),
+            watchers: Default::default(),
         }
     }
 }
@@ -190,26 +195,51 @@ pub(crate) async fn dispatch(
     next: Next,
 ) -> Response {
     use tower::ServiceExt;
-    let Some(t) = target(req.headers(), s.config.e2b_domain.as_deref()) else {
-        return next.run(req).await;
-    };
-    let (id, port) = match t {
-        Ok(t) => t,
-        Err(e) => return e.into_response(),
-    };
-    // As E2B's edge answers: a sandbox that is not running (gone, or paused and not resumed
-    // by traffic) is a 502, which the SDKs read as "not running".
-    let entry = s.lock().get(&id).cloned();
-    let Some(entry) = entry else {
-        return api_error(
-            StatusCode::BAD_GATEWAY,
-            format!("sandbox {id} is not running: it was killed, timed out, or never existed"),
-        );
+    let signed = signed::Signed::of(&req);
+    let (entry, id, port) = match target(req.headers(), s.config.e2b_domain.as_deref()) {
+        Some(Ok((id, port))) => {
+            // As E2B's edge answers: a sandbox that is not running (gone, or paused and not
+            // resumed by traffic) is a 502, which the SDKs read as "not running".
+            let entry = s.lock().get(&id).cloned();
+            let Some(entry) = entry else {
+                return api_error(
+                    StatusCode::BAD_GATEWAY,
+                    format!(
+                        "sandbox {id} is not running: it was killed, timed out, or never existed"
+                    ),
+                );
+            };
+            (entry, id, port)
+        }
+        Some(Err(e)) => return e.into_response(),
+        // A signed file URL made under `E2B_SANDBOX_URL` names no sandbox: its signature
+        // does (see `signed`).
+        None => match &signed {
+            Some(sig) => match signed::find(&s, sig) {
+                Some(entry) => {
+                    let id = entry.info.id.clone();
+                    (entry, id, ENVD_PORT)
+                }
+                None => return signed::invalid(),
+            },
+            None => return next.run(req).await,
+        },
     };
     let meta = meta(&entry);
-    // The envd port takes the sandbox's access token; its other ports are open to whoever
-    // knows its id (E2B's default), or take its traffic token.
-    let denied = if port == ENVD_PORT {
+    // The envd port takes the sandbox's access token (or, on `/files`, a URL it signed); its
+    // other ports are open to whoever knows its id (E2B's default), or take its traffic token.
+    let denied = if port == ENVD_PORT && !req.headers().contains_key("x-access-token") {
+        match &signed {
+            Some(sig) => sig.check(&meta.access_token),
+            None => check_token(
+                &req,
+                "x-access-token",
+                Some(&meta.access_token),
+                "send the sandbox's envd access token in `X-Access-Token` (E2B's create and \
+                 connect answers carry it as `envdAccessToken`), or sign the file URL with it",
+            ),
+        }
+    } else if port == ENVD_PORT {
         check_token(
             &req,
             "x-access-token",

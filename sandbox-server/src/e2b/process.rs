@@ -512,6 +512,7 @@ async fn send(proc: &Proc, item: Item, last: bool) {
         let copy = match &item {
             Item::Msg(m) => Item::Msg(m.clone()),
             Item::Abort => Item::Abort,
+            Item::Fail(e) => Item::Fail(e.clone()),
         };
         gone |= s.send(copy).await.is_err();
     }

@@ -207,6 +207,10 @@ impl Sandbox for WithSpawn {
         self.inner.network_events().await
     }
 
+    async fn watch(&self, path: &str, recursive: bool) -> Result<sandbox_core::Watch> {
+        self.inner.watch(path, recursive).await
+    }
+
     async fn health_check(&self) -> Result<()> {
         self.inner.health_check().await
     }

@@ -1,0 +1,243 @@
+//! envd's directory watching over [`Sandbox::watch`](sandbox_core::Sandbox::watch):
+//! `WatchDir` (a stream of events) and the polled watchers the Python SDK uses
+//! (`CreateWatcher`, `GetWatcherEvents`, `RemoveWatcher`).
+//!
+//! Paths are the workspace's (`/workspace` and beneath, or relative to a home inside it):
+//! the tiers watch their workspace from the host, and nothing else of a sandbox's file
+//! system; a path elsewhere is `invalid_argument`, saying so. A sandbox holds at most
+//! [`MAX_WATCHERS`] watches (streams and polled ones together); each is bounded by the
+//! core's limits (`sandbox_core::watch`), and lost events are reported, never hidden.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use axum::response::Response;
+use futures::StreamExt;
+use sandbox_core::{Error, FsEvent, FsEventKind, Watch};
+use serde::Deserialize;
+
+use super::connect::{self, Code, Item, RpcError, StreamRequest};
+use super::Envd;
+
+/// Most watches one sandbox holds at once through E2B's API.
+pub(crate) const MAX_WATCHERS: usize = 32;
+
+/// One sandbox's watches: the polled ones by id, and how many streams are open.
+#[derive(Default)]
+pub(crate) struct Watchers {
+    polled: Mutex<HashMap<String, Arc<Mutex<Watch>>>>,
+    streams: Arc<AtomicUsize>,
+}
+
+impl Watchers {
+    fn count(&self) -> usize {
+        self.polled.lock().map(|p| p.len()).unwrap_or(0) + self.streams.load(Ordering::SeqCst)
+    }
+
+    fn full() -> RpcError {
+        RpcError::new(
+            Code::ResourceExhausted,
+            format!(
+                "this sandbox has {MAX_WATCHERS} watches open already (stop one with \
+                 `RemoveWatcher` or by closing its stream)"
+            ),
+        )
+    }
+}
+
+/// `WatchDirRequest` and `CreateWatcherRequest`.
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct WatchReq {
+    #[serde(default)]
+    path: String,
+    #[serde(default)]
+    recursive: bool,
+    #[serde(default)]
+    include_entry: bool,
+}
+
+/// `GetWatcherEventsRequest` and `RemoveWatcherRequest`.
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct WatcherReq {
+    #[serde(default)]
+    watcher_id: String,
+}
+
+/// The workspace path of envd path `path`, or why it cannot be watched.
+fn workspace_path(e: &Envd, path: &str) -> Result<String, RpcError> {
+    let abs = super::resolve(&e.meta.home, path)?;
+    let ws = sandbox_core::WORKSPACE_MOUNT;
+    let inside = abs == ws || abs.starts_with(&format!("{ws}/"));
+    if !inside {
+        return Err(RpcError::invalid(format!(
+            "path '{abs}' cannot be watched: this server watches the sandbox's workspace \
+             ({ws} and beneath) only"
+        )));
+    }
+    Ok(abs)
+}
+
+/// Starts a watch of `req`'s directory.
+async fn open(e: &Envd, req: &WatchReq) -> Result<Watch, RpcError> {
+    if req.include_entry {
+        // The SDKs ask for entries from envd 0.6.3 only; this server reports 0.5.7.
+        return Err(RpcError::new(
+            Code::Unimplemented,
+            "watch events with entries (`include_entry`) are not served by this server",
+        ));
+    }
+    let path = workspace_path(e, &req.path)?;
+    e.entry
+        .sandbox
+        .watch(&path, req.recursive)
+        .await
+        .map_err(|err| match err {
+            Error::NotFound { .. } => RpcError::new(
+                Code::NotFound,
+                format!("path '{}' does not exist", req.path),
+            ),
+            Error::InvalidSpec { .. } => {
+                RpcError::invalid(format!("path '{}' is not a directory", req.path))
+            }
+            Error::PathEscape { .. } => RpcError::invalid(format!(
+                "path '{}' leads out of the workspace (through `..` or a symlink)",
+                req.path
+            )),
+            other => RpcError::from(other),
+        })
+}
+
+/// envd's JSON for one event.
+fn event_json(ev: &FsEvent) -> serde_json::Value {
+    let kind = match ev.kind {
+        FsEventKind::Create => "EVENT_TYPE_CREATE",
+        FsEventKind::Write => "EVENT_TYPE_WRITE",
+        FsEventKind::Remove => "EVENT_TYPE_REMOVE",
+        FsEventKind::Rename => "EVENT_TYPE_RENAME",
+        FsEventKind::Chmod => "EVENT_TYPE_CHMOD",
+    };
+    serde_json::json!({ "name": ev.path, "type": kind })
+}
+
+fn lost(err: Error) -> RpcError {
+    RpcError::new(Code::ResourceExhausted, err.to_string())
+}
+
+/// `WatchDir`: a start event (`WatchDirResponse`'s `oneof event` is its top level in JSON:
+/// `{"start": {}}`, `{"filesystem": ...}`, `{"keepalive": {}}`), then each event as it comes, until the directory goes, the
+/// sandbox ends or the client leaves.
+pub(crate) async fn watch_dir(e: Envd, r: StreamRequest<WatchReq>) -> Response {
+    let w = &e.meta.watchers;
+    if w.count() >= MAX_WATCHERS {
+        return connect::stream_error(Watchers::full());
+    }
+    let watch = match open(&e, &r.msg).await {
+        Ok(watch) => watch,
+        Err(err) => return connect::stream_error(err),
+    };
+    // Counted while the stream lives (the guard goes with the stream).
+    let guard = StreamGuard::new(&w.streams);
+    let start = futures::stream::once(async { Item::Msg(serde_json::json!({ "start": {} })) });
+    let events = futures::stream::unfold(Some((watch, guard)), |state| async move {
+        let (mut watch, guard) = state?;
+        loop {
+            match watch.next().await {
+                // The watched directory itself went: the end, as envd's does.
+                Some(Ok(ev)) if ev.path.is_empty() => continue,
+                Some(Ok(ev)) => {
+                    let msg = serde_json::json!({ "filesystem": event_json(&ev) });
+                    return Some((Item::Msg(msg), Some((watch, guard))));
+                }
+                Some(Err(err)) => return Some((Item::Fail(lost(err)), None)),
+                None => return None,
+            }
+        }
+    });
+    let ka = r
+        .keepalive
+        .map(|every| (every, serde_json::json!({ "keepalive": {} })));
+    connect::stream(start.chain(events), ka, e.stop.clone(), r.deadline)
+}
+
+/// Decrements the open-stream count when dropped.
+struct StreamGuard(Arc<AtomicUsize>);
+
+impl StreamGuard {
+    fn new(n: &Arc<AtomicUsize>) -> Self {
+        n.fetch_add(1, Ordering::SeqCst);
+        StreamGuard(Arc::clone(n))
+    }
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// `CreateWatcher`: a polled watch; its id.
+pub(crate) async fn create(e: &Envd, req: WatchReq) -> Result<serde_json::Value, RpcError> {
+    if e.meta.watchers.count() >= MAX_WATCHERS {
+        return Err(Watchers::full());
+    }
+    let watch = open(e, &req).await?;
+    let id = uuid::Uuid::new_v4().to_string();
+    let mut polled = e
+        .meta
+        .watchers
+        .polled
+        .lock()
+        .map_err(|_| RpcError::new(Code::Internal, "the watcher table is poisoned"))?;
+    if polled.len() + e.meta.watchers.streams.load(Ordering::SeqCst) >= MAX_WATCHERS {
+        return Err(Watchers::full());
+    }
+    polled.insert(id.clone(), Arc::new(Mutex::new(watch)));
+    Ok(serde_json::json!({ "watcherId": id }))
+}
+
+fn find(e: &Envd, id: &str) -> Result<Arc<Mutex<Watch>>, RpcError> {
+    e.meta
+        .watchers
+        .polled
+        .lock()
+        .ok()
+        .and_then(|p| p.get(id).cloned())
+        .ok_or_else(|| RpcError::new(Code::NotFound, format!("watcher '{id}' not found")))
+}
+
+/// `GetWatcherEvents`: everything since the last call (changes made before this call
+/// included).
+pub(crate) fn events(e: &Envd, req: WatcherReq) -> Result<serde_json::Value, RpcError> {
+    let w = find(e, &req.watcher_id)?;
+    let mut watch = w
+        .lock()
+        .map_err(|_| RpcError::new(Code::Internal, "the watcher is poisoned"))?;
+    let evs = watch.try_events().map_err(lost)?;
+    let evs: Vec<_> = evs
+        .iter()
+        .filter(|ev| !ev.path.is_empty())
+        .map(event_json)
+        .collect();
+    Ok(serde_json::json!({ "events": evs }))
+}
+
+/// `RemoveWatcher`.
+pub(crate) fn remove(e: &Envd, req: WatcherReq) -> Result<serde_json::Value, RpcError> {
+    let gone = e
+        .meta
+        .watchers
+        .polled
+        .lock()
+        .ok()
+        .and_then(|mut p| p.remove(&req.watcher_id));
+    match gone {
+        Some(_) => Ok(serde_json::json!({})),
+        None => Err(RpcError::new(
+            Code::NotFound,
+            format!("watcher '{}' not found", req.watcher_id),
+        )),
+    }
+}
