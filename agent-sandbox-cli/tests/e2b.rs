@@ -7,7 +7,9 @@
 //! environment variables runs commands (its environment, a command's own environment and
 //! working directory, stdout and stderr apart, a failure's exit code); that files go in and
 //! out (text, bytes, a multi-file upload, listing, entry info, directories, renaming,
-//! removing, a missing file), the same files the commands see; that a background command is
+//! removing, a missing file, a signed download URL fetched with no token), the same files the
+//! commands see; that a workspace directory is watched (polled, recursive); that an allow
+//! list refuses a denied host and the sandbox's log says so; that a background command is
 //! listed, killed, fed stdin, and outlives a disconnected stream to be reconnected to; that a
 //! PTY has the size asked for and is resized; that a server the sandbox runs is reached on
 //! its port through the sandbox URL (and a port nothing listens on is a 502); that a
@@ -109,6 +111,16 @@ fn scenario_with(tier: &str, base: &str) {
         &[],
     );
     let url = s.base.trim_end_matches('/').to_string();
+    // Metrics where the server says the tier counts usage (its probe's word, not the tier's
+    // name): the container tier from its cgroup, gVisor from its sandbox process's.
+    let (code, tiers) = served::curl(&s, "GET", "/v1/tiers", None);
+    assert_eq!(code, 200, "{tiers}");
+    let usage = tiers["tiers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|t| t["capabilities"]["tier"] == tier)
+        .is_some_and(|t| t["capabilities"]["usage"] == true);
     let scenario = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b/scenario.py");
     // A clean environment: no E2B_DOMAIN or E2B_DEBUG of the caller's to redirect the SDK, no
     // proxy between it and the loopback server.
@@ -124,11 +136,7 @@ fn scenario_with(tier: &str, base: &str) {
             .env("E2B_SANDBOX_URL", &url)
             .env("E2B_API_KEY", format!("e2b_{TOKEN}"))
             .env("E2B_DOMAIN", DOMAIN)
-            // The container tier counts CPU and memory (its cgroup); gVisor does not yet.
-            .env(
-                "E2B_EXPECT_METRICS",
-                if tier == "container" { "1" } else { "0" },
-            )
+            .env("E2B_EXPECT_METRICS", if usage { "1" } else { "0" })
             .env(
                 "E2B_EXPECT_HOME",
                 base.split_once(",home=").map_or("", |(_, h)| h),

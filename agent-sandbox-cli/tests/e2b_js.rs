@@ -5,7 +5,9 @@
 //! `tests/e2b/scenario.mjs` proves on the container tier what `tests/e2b/scenario.py` proves
 //! with the Python SDK (see `tests/e2b.rs`): commands (their environment and working directory,
 //! stdout and stderr apart, a failure's exit code), files in and out, background commands
-//! listed, killed, fed stdin and reconnected to, a PTY sized and resized, a sandbox's port
+//! listed, killed, fed stdin and reconnected to, a PTY sized and resized, a workspace
+//! directory watched through the SDK's stream, an allow list refusing a denied host (and the
+//! sandbox's log saying so), a sandbox's port
 //! reached through the sandbox URL, a snapshot restored and forked twice, sandboxes listed and
 //! filtered by metadata, their timeout set, paused and resumed, killed, and another API key
 //! refused. The two SDKs are separate code: they send their own requests and read the answers

@@ -302,6 +302,10 @@ impl Backend for GvisorBackend {
         // Proxy-held secrets need the egress proxy (see "Secrets" in the crate docs).
         c.proxy_secrets = self.config.egress.is_some();
         c.pause_resume = true;
+        // CPU time and memory from the sandbox process's cgroup (`sandbox/usage.rs`), where
+        // the host has cgroup accounting (v1 `cpuacct` and `memory`, or v2).
+        c.usage = std::path::Path::new("/sys/fs/cgroup/cpuacct/cpuacct.usage").exists()
+            || std::path::Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
         c.streaming = true;
         c.persistent_state = true;
         c.processes = true;

@@ -340,6 +340,15 @@ pub(crate) fn lstat_at(dir: BorrowedFd<'_>, name: &CStr) -> std::io::Result<libc
 
 /// The names in directory `dir` (without `.` and `..`), unsorted.
 pub(crate) fn names(dir: BorrowedFd<'_>) -> std::io::Result<Vec<CString>> {
+    names_bounded(dir, usize::MAX).map(|(n, _)| n)
+}
+
+/// The first `max` entry names of directory `dir` (not `.` and `..`), and whether there were
+/// more.
+pub(crate) fn names_bounded(
+    dir: BorrowedFd<'_>,
+    max: usize,
+) -> std::io::Result<(Vec<CString>, bool)> {
     // A fresh open description of the same directory: its own offset, closed by closedir.
     let dup = open_beneath(dir, Path::new("."), libc::O_RDONLY | libc::O_DIRECTORY, 0)?;
     // SAFETY: fdopendir takes ownership of the fd on success.
@@ -350,6 +359,7 @@ pub(crate) fn names(dir: BorrowedFd<'_>) -> std::io::Result<Vec<CString>> {
     // The DIR stream owns the fd now.
     std::mem::forget(dup);
     let mut out = Vec::new();
+    let mut more = false;
     let result = loop {
         // SAFETY: errno is thread-local; clearing it tells end-of-stream from an error.
         unsafe { *libc::__errno_location() = 0 };
@@ -368,11 +378,15 @@ pub(crate) fn names(dir: BorrowedFd<'_>) -> std::io::Result<Vec<CString>> {
         if n.to_bytes() == b"." || n.to_bytes() == b".." {
             continue;
         }
+        if out.len() >= max {
+            more = true;
+            break Ok(());
+        }
         out.push(n.to_owned());
     };
     // SAFETY: closes the stream (and its fd) once.
     unsafe { libc::closedir(d) };
-    result.map(|()| out)
+    result.map(|()| (out, more))
 }
 
 /// Lists the workspace directory `path` beneath `ws` (symlinks listed as links, not

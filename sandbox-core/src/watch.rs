@@ -10,11 +10,14 @@
 //! reached as [`beneath`] reaches files: opened beneath the workspace's handle
 //! with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)` (a name swapped for a symlink is
 //! skipped, never followed to the host), then watched through that descriptor
-//! (`/proc/self/fd/N`), never by a path the host resolves. What it can make is bounded:
-//! [`MAX_DIRS`] directories per watch (a recursive watch of a tree with more reports
-//! [`Error::ResourceExhausted`] once and watches the ones it has), [`MAX_QUEUED`] events
-//! waiting per watch (more are dropped, and the next read reports the loss), [`MAX_WATCHES`]
-//! watches per process.
+//! (`/proc/self/fd/N`), never by a path the host resolves; a descriptor the kernel reuses for
+//! another directory (after its first one went) is told apart by the directory's device and
+//! inode. What it can make the host hold is bounded: [`MAX_DIRS`] directories and
+//! [`MAX_DIR_BYTES`] of their names per watch, [`MAX_KERNEL_WATCHES`] directories watched in
+//! the process, [`MAX_SCAN`] entries read per new directory tree (past any of these a
+//! recursive watch reports [`Error::ResourceExhausted`] once and keeps what it has),
+//! [`MAX_QUEUED`] events and [`MAX_QUEUED_BYTES`] of their names waiting per watch (more are
+//! dropped, and the next read reports the loss), [`MAX_WATCHES`] watches per process.
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::OsStr;
@@ -33,8 +36,17 @@ use crate::path::WorkspacePath;
 
 /// Most directories one watch holds (a recursive watch of a bigger tree watches this many).
 pub const MAX_DIRS: usize = 4096;
+/// Most bytes of directory names (relative paths) one watch holds.
+pub const MAX_DIR_BYTES: usize = 512 * 1024;
+/// Most directories watched in one process, every watch together (inotify watches count
+/// against the host user's `fs.inotify.max_user_watches`, shared with its other programs).
+pub const MAX_KERNEL_WATCHES: usize = 65536;
+/// Most entries read when a recursive watch takes in a new directory tree.
+pub const MAX_SCAN: usize = 16384;
 /// Most events waiting to be read per watch; more are dropped and the loss reported.
 pub const MAX_QUEUED: usize = 4096;
+/// Most bytes of entry names waiting to be read per watch.
+pub const MAX_QUEUED_BYTES: usize = 512 * 1024;
 /// Most watches open at once in one process (each sandbox's [`Watches`] together).
 pub const MAX_WATCHES: usize = 1024;
 
@@ -71,7 +83,9 @@ pub struct FsEvent {
 /// (at the sandbox's end) ends them all.
 #[derive(Debug, Default)]
 pub struct Watches {
-    ids: Mutex<Vec<u64>>,
+    /// The watches made here, and whether [`close_all`](Self::close_all) ran (then a new
+    /// watch starts ended).
+    ids: Mutex<(Vec<u64>, bool)>,
 }
 
 impl Watches {
@@ -92,6 +106,18 @@ impl Watches {
             queue: Mutex::new(Queue::default()),
             notify: Notify::new(),
         });
+        // Held while the watch is registered: a `close_all` either runs before (the watch
+        // starts ended) or after (it ends the watch with the others).
+        let mut ids = self.ids.lock().unwrap_or_else(|p| p.into_inner());
+        if ids.1 {
+            sub.flag(false, true);
+            return Ok(Watch {
+                id: 0,
+                hub,
+                sub,
+                ended: true,
+            });
+        }
         let id = {
             let mut st = hub.lock();
             if st.watches.len() >= MAX_WATCHES {
@@ -116,22 +142,27 @@ impl Watches {
                     recursive,
                     sub: Arc::downgrade(&sub),
                     dirs: HashMap::new(),
+                    dir_bytes: 0,
                     full: false,
                 },
             );
             if let Err(e) = st.add_dir(&hub.fd, id, PathBuf::new(), dir) {
                 st.remove(&hub.fd, id);
-                return Err(beneath::map_err(e, &shown, "watch"));
+                return Err(match e.raw_os_error() {
+                    Some(libc::ENOSPC) => Error::ResourceExhausted {
+                        what: "inotify watches (`fs.inotify.max_user_watches`)".into(),
+                    },
+                    _ => beneath::map_err(e, &shown, "watch"),
+                });
             }
             if recursive {
                 st.add_tree(&hub.fd, id, Path::new(""), None);
             }
+            ids.0.retain(|i| st.watches.contains_key(i));
             id
         };
-        if let Ok(mut ids) = self.ids.lock() {
-            ids.retain(|i| hub.lock().watches.contains_key(i));
-            ids.push(id);
-        }
+        ids.0.push(id);
+        drop(ids);
         Ok(Watch {
             id,
             hub,
@@ -143,9 +174,10 @@ impl Watches {
     /// Ends every watch made here: their readers see the end once they have read what
     /// came before.
     pub fn close_all(&self) {
-        let ids = match self.ids.lock() {
-            Ok(mut ids) => std::mem::take(&mut *ids),
-            Err(_) => return,
+        let ids = {
+            let mut ids = self.ids.lock().unwrap_or_else(|p| p.into_inner());
+            ids.1 = true;
+            std::mem::take(&mut ids.0)
         };
         if let Ok(hub) = hub() {
             let mut st = hub.lock();
@@ -241,6 +273,7 @@ impl Watch {
             }));
         }
         if let Some(ev) = q.events.pop_front() {
+            q.bytes -= ev.path.len();
             return Some(Ok(ev));
         }
         if q.ended {
@@ -267,6 +300,8 @@ struct Sub {
 #[derive(Debug, Default)]
 struct Queue {
     events: VecDeque<FsEvent>,
+    /// Bytes of the queued events' names.
+    bytes: usize,
     lost: bool,
     ended: bool,
 }
@@ -274,9 +309,10 @@ struct Queue {
 impl Sub {
     fn push(&self, ev: FsEvent) {
         if let Ok(mut q) = self.queue.lock() {
-            if q.events.len() >= MAX_QUEUED {
+            if q.events.len() >= MAX_QUEUED || q.bytes + ev.path.len() > MAX_QUEUED_BYTES {
                 q.lost = true;
             } else {
+                q.bytes += ev.path.len();
                 q.events.push_back(ev);
             }
         }
@@ -303,8 +339,23 @@ struct Entry {
     sub: Weak<Sub>,
     /// The directories it watches (relative to `root`) and their descriptors.
     dirs: HashMap<PathBuf, WatchDescriptor>,
+    /// Bytes of `dirs`' names.
+    dir_bytes: usize,
     /// [`MAX_DIRS`] reached (reported once).
     full: bool,
+}
+
+impl Entry {
+    /// Records (once) that this watch could not take in everything: its reader sees lost
+    /// events.
+    fn mark_full(&mut self) {
+        if !self.full {
+            self.full = true;
+            if let Some(s) = self.sub.upgrade() {
+                s.flag(true, false);
+            }
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -314,6 +365,9 @@ struct State {
     /// Who watches each descriptor, and as which directory (relative to its root). The
     /// same directory watched twice is one descriptor (inotify's rule).
     wds: HashMap<WatchDescriptor, Vec<(u64, PathBuf)>>,
+    /// The directory (device, inode) each descriptor was given for: the kernel may give a
+    /// freed descriptor to another directory, and its old watchers must not see that one.
+    inodes: HashMap<WatchDescriptor, (u64, u64)>,
 }
 
 /// The process's inotify instance and who listens to it.
@@ -407,27 +461,53 @@ impl State {
         rel: PathBuf,
         dir: OwnedFd,
     ) -> std::io::Result<()> {
+        let kernel_watches = self.wds.len();
         let Some(w) = self.watches.get_mut(&id) else {
             return Ok(());
         };
         if w.dirs.contains_key(&rel) {
             return Ok(());
         }
-        if w.dirs.len() >= MAX_DIRS {
-            if !w.full {
-                w.full = true;
-                if let Some(s) = w.sub.upgrade() {
-                    s.flag(true, false);
-                }
-            }
+        let bytes = rel.as_os_str().len();
+        if w.dirs.len() >= MAX_DIRS
+            || w.dir_bytes + bytes > MAX_DIR_BYTES
+            || kernel_watches >= MAX_KERNEL_WATCHES
+        {
+            w.mark_full();
             return Ok(());
         }
+        // SAFETY: fstat on an open descriptor into a zeroed struct it fills.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above: a valid fd and a valid out pointer.
+        if unsafe { libc::fstat(dir.as_raw_fd(), &mut st) } < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let inode = (st.st_dev, st.st_ino);
         // The directory is reached through its handle (a magic link of our own process),
         // never by a path: what the sandbox swaps in after the open changes nothing.
         let proc_path = format!("/proc/self/fd/{}", dir.as_raw_fd());
         let wd = fd.add_watch(proc_path.as_str(), MASK)?;
         drop(dir);
+        if self.inodes.get(&wd).is_some_and(|i| *i != inode) {
+            // A descriptor the kernel gave again, to another directory, before the first
+            // one's end reached us (a lost `IN_IGNORED`): its old watchers lose it.
+            for (old, old_rel) in self.wds.remove(&wd).unwrap_or_default() {
+                if let Some(ow) = self.watches.get_mut(&old) {
+                    if ow.dirs.remove(&old_rel).is_some() {
+                        ow.dir_bytes -= old_rel.as_os_str().len();
+                    }
+                    if let Some(s) = ow.sub.upgrade() {
+                        s.flag(true, false);
+                    }
+                }
+            }
+        }
+        self.inodes.insert(wd, inode);
+        let Some(w) = self.watches.get_mut(&id) else {
+            return Ok(());
+        };
         w.dirs.insert(rel.clone(), wd);
+        w.dir_bytes += bytes;
         let subs = self.wds.entry(wd).or_default();
         if !subs.iter().any(|(i, r)| *i == id && *r == rel) {
             subs.push((id, rel));
@@ -442,6 +522,8 @@ impl State {
     /// would otherwise never be seen (one made in between is reported twice).
     fn add_tree(&mut self, fd: &Inotify, id: u64, rel: &Path, report: Option<&Sub>) {
         let mut todo = VecDeque::from([rel.to_path_buf()]);
+        // Entries read so far: a tree the sandbox made huge costs at most this much.
+        let mut budget = MAX_SCAN;
         while let Some(dir_rel) = todo.pop_front() {
             let Some(w) = self.watches.get(&id) else {
                 return;
@@ -452,9 +534,15 @@ impl State {
             let Ok(dir) = open_dir_beneath(w.ws.as_fd(), &w.root.join(&dir_rel)) else {
                 continue;
             };
-            let Ok(names) = beneath::names(dir.as_fd()) else {
+            let Ok((names, more)) = beneath::names_bounded(dir.as_fd(), budget) else {
                 continue;
             };
+            budget -= names.len();
+            if more || budget == 0 {
+                if let Some(w) = self.watches.get_mut(&id) {
+                    w.mark_full();
+                }
+            }
             for n in names {
                 let Ok(st) = beneath::lstat_at(dir.as_fd(), &n) else {
                     continue;
@@ -471,14 +559,32 @@ impl State {
                 if !is_dir {
                     continue;
                 }
-                let Some(w) = self.watches.get(&id) else {
-                    return;
-                };
-                let Ok(child) = open_dir_beneath(w.ws.as_fd(), &w.root.join(&child_rel)) else {
-                    continue;
-                };
-                if self.add_dir(fd, id, child_rel.clone(), child).is_ok() {
-                    todo.push_back(child_rel);
+                self.add_child(fd, id, child_rel, &mut todo);
+            }
+        }
+    }
+
+    /// Opens and watches `child_rel` of watch `id`, queueing it in `todo` for its own
+    /// entries; a failure is reported as lost events.
+    fn add_child(
+        &mut self,
+        fd: &Inotify,
+        id: u64,
+        child_rel: PathBuf,
+        todo: &mut VecDeque<PathBuf>,
+    ) {
+        let Some(w) = self.watches.get(&id) else {
+            return;
+        };
+        let Ok(child) = open_dir_beneath(w.ws.as_fd(), &w.root.join(&child_rel)) else {
+            // Gone again, or swapped for a link: nothing to watch there.
+            return;
+        };
+        match self.add_dir(fd, id, child_rel.clone(), child) {
+            Ok(()) => todo.push_back(child_rel),
+            Err(_) => {
+                if let Some(w) = self.watches.get_mut(&id) {
+                    w.mark_full();
                 }
             }
         }
@@ -496,7 +602,9 @@ impl State {
             .map(|(p, wd)| (p.clone(), *wd))
             .collect();
         for (p, _) in &gone {
-            w.dirs.remove(p);
+            if w.dirs.remove(p).is_some() {
+                w.dir_bytes -= p.as_os_str().len();
+            }
         }
         for (p, wd) in gone {
             self.unsubscribe(fd, wd, id, &p);
@@ -508,6 +616,7 @@ impl State {
             subs.retain(|(i, r)| !(*i == id && r == rel));
             if subs.is_empty() {
                 self.wds.remove(&wd);
+                self.inodes.remove(&wd);
                 // Fails harmlessly when the directory is gone already (IN_IGNORED came).
                 let _ = fd.rm_watch(wd);
             }
@@ -543,10 +652,13 @@ impl State {
             // The directory is gone (or unwatched): forget the descriptor.
             for (id, rel) in subs {
                 if let Some(w) = self.watches.get_mut(&id) {
-                    w.dirs.remove(&rel);
+                    if w.dirs.remove(&rel).is_some() {
+                        w.dir_bytes -= rel.as_os_str().len();
+                    }
                 }
             }
             self.wds.remove(&ev.wd);
+            self.inodes.remove(&ev.wd);
             return;
         }
         let is_dir = m & libc::IN_ISDIR != 0;
@@ -600,12 +712,10 @@ impl State {
             if is_dir && recursive {
                 match kind {
                     FsEventKind::Create => {
-                        if let Some(w) = self.watches.get(&id) {
-                            if let Ok(d) = open_dir_beneath(w.ws.as_fd(), &w.root.join(&entry)) {
-                                if self.add_dir(fd, id, entry.clone(), d).is_ok() {
-                                    self.add_tree(fd, id, &entry, Some(&sub));
-                                }
-                            }
+                        let mut added = VecDeque::new();
+                        self.add_child(fd, id, entry.clone(), &mut added);
+                        if !added.is_empty() {
+                            self.add_tree(fd, id, &entry, Some(&sub));
                         }
                     }
                     FsEventKind::Remove | FsEventKind::Rename => self.drop_tree(fd, id, &entry),

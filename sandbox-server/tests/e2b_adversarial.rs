@@ -410,6 +410,10 @@ mod watch;
 #[path = "e2b_adversarial/signed.rs"]
 mod signed;
 
+// Sandbox logs.
+#[path = "e2b_adversarial/logs.rs"]
+mod logs;
+
 // =======================================================================================
 // 1. The control plane.
 

@@ -444,6 +444,32 @@ async function stepAuth() {
   )
 }
 
+/** An allow list with a denied host: the refused name is never looked up outside, and the
+ * refusal is in the sandbox's log (E2B's logs endpoint, read with the API key). */
+async function stepNetwork() {
+  const sb = await Sandbox.create({
+    timeoutMs: 120_000,
+    metadata: METADATA,
+    network: { allowOut: ['allowed.example'], denyOut: ['0.0.0.0/0'] },
+  })
+  try {
+    const r = await sb.commands.run('getent hosts denied.example || echo refused')
+    assert.ok(r.stdout.trim().endsWith('refused'), `denied.example was resolved: ${inspect(r)}`)
+    const res = await fetch(
+      `${process.env.E2B_API_URL}/v2/sandboxes/${sb.sandboxId}/logs?level=warn`,
+      { headers: { 'X-API-Key': process.env.E2B_API_KEY } },
+    )
+    assert.equal(res.status, 200)
+    const { logs } = await res.json()
+    assert.ok(
+      logs.some((l) => l.message === 'egress refused' && l.fields.host === 'denied.example'),
+      `no refusal of denied.example in the log: ${inspect(logs)}`,
+    )
+  } finally {
+    await sb.kill()
+  }
+}
+
 /** A server the sandbox runs, reached through the sandbox URL with `E2b-Sandbox-Id` and
  * `E2b-Sandbox-Port` naming its port; a port nothing listens on is a 502 saying so. */
 async function stepPorts(run) {
@@ -505,6 +531,7 @@ const STEPS = {
   connect: stepConnect,
   pty: stepPty,
   ports: stepPorts,
+  network: stepNetwork,
   snapshots: stepSnapshots,
   lifecycle: stepLifecycle, // kills the shared sandbox: last of those that use it
   auth: stepAuth,

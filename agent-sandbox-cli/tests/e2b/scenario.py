@@ -10,6 +10,7 @@ failed check is an AssertionError saying what was expected and what came.
 Nothing here assumes E2B's /home/user: the sandbox's home, where commands start and relative
 paths resolve, is whatever `pwd` says (the working directory, /workspace on our tiers)."""
 import os
+import json
 import posixpath
 import sys
 import time
@@ -243,6 +244,45 @@ def step_watch(run):
 
     expect(FileNotFoundException, "watching a missing directory", files.watch_dir, f"{d}/nope")
     expect(SandboxException, "watching a file", files.watch_dir, f"{d}/sub/c.txt")
+
+
+def step_network(run):
+    """An allow list with a denied host: the sandbox may ask for one name and is refused
+    another (nothing leaves this machine: the refused name is never looked up outside); the
+    refusal is in the sandbox's log beside its commands (E2B's logs endpoint, which the SDK
+    does not wrap: read over HTTP with the API key, as E2B's CLI reads it)."""
+    sb = Sandbox.create(
+        timeout=120,
+        metadata=METADATA,
+        network={"allow_out": ["allowed.example"], "deny_out": ["0.0.0.0/0"]},
+    )
+    try:
+        r = sb.commands.run("getent hosts denied.example || echo refused")
+        assert r.stdout.strip().endswith("refused"), f"denied.example was resolved: {r!r}"
+
+        def logs(query):
+            req = urllib.request.Request(
+                f"{os.environ['E2B_API_URL']}/v2/sandboxes/{sb.sandbox_id}/logs?{query}",
+                headers={"X-API-Key": os.environ["E2B_API_KEY"]},
+            )
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return json.load(resp)["logs"]
+
+        warned = logs("level=warn")
+        refused = [
+            entry
+            for entry in warned
+            if entry["message"] == "egress refused"
+            and entry["fields"].get("host") == "denied.example"
+        ]
+        assert refused, f"no refusal of denied.example in the log: {warned}"
+        assert all(e["level"] in ("warn", "error") for e in warned), f"level=warn: {warned}"
+        everything = [e["message"] for e in logs("direction=forward")]
+        for want in ["sandbox created", "process started", "process ended", "egress refused"]:
+            assert want in everything, f"{want!r} not in the log: {everything}"
+        assert everything[0] == "sandbox created", f"not oldest first: {everything}"
+    finally:
+        sb.kill()
 
 
 def step_background(run):
@@ -488,6 +528,7 @@ STEPS = {
     "pty": step_pty,
     "ports": step_ports,
     "metrics": step_metrics,
+    "network": step_network,
     "snapshots": step_snapshots,
     "lifecycle": step_lifecycle,  # kills the shared sandbox: last of those that use it
     "auth": step_auth,

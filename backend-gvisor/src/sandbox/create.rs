@@ -198,6 +198,7 @@ impl GvisorSandbox {
             pids: Mutex::new(Vec::new()),
             cgroup: Mutex::new((None, None)),
             cgroup_paths: Mutex::new(Vec::new()),
+            usage_cgroup: Mutex::new(None),
             life: Lifecycle::new(id.clone()),
             born: Instant::now(),
             seq: AtomicU64::new(0),

@@ -13,6 +13,7 @@ mod ports;
 mod process;
 mod snapshot;
 mod teardown;
+mod usage;
 
 use std::collections::BTreeMap;
 use std::os::fd::AsFd;
@@ -80,6 +81,9 @@ struct Inner {
     /// The sandbox process's cgroup paths in every hierarchy (`/proc/PID/cgroup`), read
     /// while it runs: its teardown removes those named after the sandbox itself.
     cgroup_paths: Mutex<Vec<String>>,
+    /// Where the sandbox process's CPU time and memory are counted (its cgroup), for
+    /// [`Sandbox::usage`]: read once its container runs.
+    usage_cgroup: Mutex<Option<usage::UsageCgroup>>,
     /// Live, paused, gone with the reason (destroyed, lifetime, killed by a limit...),
     /// releasing or released: a sandbox can be gone (it died on its own) before its teardown
     /// (container deleted, state removed) begins. Pause, resume, destroy and a snapshot's
@@ -302,6 +306,22 @@ impl Sandbox for GvisorSandbox {
         // beneath its handle (see `sandbox_core::watch`).
         let ws = beneath::open_dir(&self.inner.workspace)?;
         self.inner.watches.watch(ws, path, recursive)
+    }
+
+    async fn usage(&self) -> Result<sandbox_core::Usage> {
+        self.inner.alive()?;
+        let cg = lock(&self.inner.usage_cgroup).clone().ok_or_else(|| {
+            Error::unsupported(
+                TIER,
+                "resource usage (the sandbox's cgroup was not found on this host)",
+            )
+        })?;
+        cg.read().ok_or_else(|| {
+            Error::unsupported(
+                TIER,
+                "resource usage (its cgroup has no CPU or memory accounting here)",
+            )
+        })
     }
 
     async fn pause(&self) -> Result<()> {

@@ -26,6 +26,8 @@ impl Inner {
         *lock(&self.cgroup) = cg;
         if let Some(pid) = boot {
             *lock(&self.cgroup_paths) = cgroup_paths(pid);
+            *lock(&self.usage_cgroup) =
+                super::usage::UsageCgroup::of(pid, &stale::cgroup_name(&self.id));
         }
         boot
     }

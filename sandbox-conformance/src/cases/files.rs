@@ -54,13 +54,14 @@ pub(super) async fn watch(cx: &Ctx<'_>) -> Checked {
             .watch("/workspace/w", true)
             .await
             .map_err(|e| format!("watch /workspace/w, recursive: {e}"))?;
-        // Changed by code inside, as agents do.
+        // Changed by code inside, as agents do (relative paths: the working directory is
+        // the workspace in every tier, the unisolated one included).
         let code = cx.code(
-            "echo hi > /workspace/w/new.txt && echo there > /workspace/w/sub/deep.txt \
-             && rm /workspace/w/new.txt",
-            "import os\nopen('/workspace/w/new.txt', 'w').write('hi')\n\
-             open('/workspace/w/sub/deep.txt', 'w').write('there')\n\
-             os.remove('/workspace/w/new.txt')",
+            "echo hi > w/new.txt && echo there > w/sub/deep.txt \
+             && rm w/new.txt",
+            "import os\nopen('w/new.txt', 'w').write('hi')\n\
+             open('w/sub/deep.txt', 'w').write('there')\n\
+             os.remove('w/new.txt')",
         );
         let r = sb
             .exec(ExecRequest::code(code))

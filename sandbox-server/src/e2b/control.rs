@@ -19,6 +19,7 @@ use sandbox_core::NetworkPolicy;
 use serde::Deserialize;
 
 use super::list::listed_json;
+use super::logs::Level;
 use super::{failure as api_error, meta, Failure, Meta, Templates, ENVD_VERSION};
 use crate::api::{LifetimeSpec, SandboxState};
 use crate::auth::Caller;
@@ -43,8 +44,8 @@ pub(crate) fn routes() -> Router<Arc<Shared>> {
         .route("/sandboxes/{id}/network", put(network))
         .route("/sandboxes/{id}/metrics", get(super::metrics::one))
         .route("/sandboxes/metrics", get(super::metrics::batch))
-        .route("/sandboxes/{id}/logs", get(no_logs))
-        .route("/v2/sandboxes/{id}/logs", get(no_logs))
+        .route("/sandboxes/{id}/logs", get(super::logs::v1))
+        .route("/v2/sandboxes/{id}/logs", get(super::logs::v2))
         .route("/sandboxes/{id}/snapshots", post(super::snapshots::create))
         .route("/sandboxes/{id}/fork", post(super::snapshots::fork))
         .route("/snapshots", get(super::snapshots::list))
@@ -333,6 +334,15 @@ async fn create_with(
     let entry = s.get(&info.id, &caller).map_err(e2b)?;
     let m = meta(&entry);
     entry.life.pause_at_deadline(m.auto_pause);
+    m.log.push(
+        Level::Info,
+        "sandbox created",
+        &[
+            ("template", m.template.clone()),
+            ("tier", entry.sandbox.tier().to_string()),
+            ("timeoutSeconds", timeout.to_string()),
+        ],
+    );
     let _ = req.secure;
     Ok((StatusCode::CREATED, Json(sandbox_json(&s, &entry, &m))))
 }
@@ -425,6 +435,9 @@ async fn set_timeout(
     let e = entry(&s, &caller, &id)?;
     e.life
         .set_deadline(Some(Instant::now() + Duration::from_secs(t)));
+    meta(&e)
+        .log
+        .push(Level::Info, "timeout set", &[("seconds", t.to_string())]);
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -466,7 +479,9 @@ async fn pause(
             format!("sandbox {id} is already paused"),
         ));
     }
+    let m = meta(&e);
     lifetime::pause(e).await.map_err(e2b)?;
+    m.log.push(Level::Info, "sandbox paused", &[]);
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -498,6 +513,11 @@ async fn resume(
         .set_deadline(Some(Instant::now() + Duration::from_secs(t)));
     e.life.pause_at_deadline(r.auto_pause);
     let m = meta(&e);
+    m.log.push(
+        Level::Info,
+        "sandbox resumed",
+        &[("timeoutSeconds", t.to_string())],
+    );
     Ok((StatusCode::CREATED, Json(sandbox_json(&s, &e, &m))))
 }
 
@@ -541,6 +561,13 @@ async fn connect_with(
         extend(&e, t);
     }
     let m = meta(&e);
+    if was_paused {
+        m.log.push(
+            Level::Info,
+            "sandbox resumed on connect",
+            &[("timeoutSeconds", t.to_string())],
+        );
+    }
     let status = if was_paused {
         StatusCode::CREATED
     } else {
@@ -576,8 +603,13 @@ async fn network(
         .set_network_policy(policy)
         .await
         .map_err(|e| e2b(e.into()))?;
-    *m.network.lock().unwrap_or_else(|p| p.into_inner()) =
-        serde_json::to_value(&u.network).unwrap_or_default();
+    let net = serde_json::to_value(&u.network).unwrap_or_default();
+    m.log.push(
+        Level::Info,
+        "network updated",
+        &[("network", net.to_string())],
+    );
+    *m.network.lock().unwrap_or_else(|p| p.into_inner()) = net;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -600,10 +632,6 @@ async fn templates(State(s): State<Arc<Shared>>) -> Json<Vec<serde_json::Value>>
             })
             .collect(),
     )
-}
-
-async fn no_logs() -> Failure {
-    unsupported("sandbox logs (envd's own log; this server logs to its stderr)")
 }
 
 async fn no_builds() -> Failure {

@@ -1,6 +1,6 @@
 //! envd's `/files`: a file's content down (`GET`), and up (`POST`: one file as
 //! `application/octet-stream`, or several in one `multipart/form-data` body, each part's
-//! file name its path). Paths in the workspace go through the library's file API (whole
+//! file name its path unless a `path` parameter names it). Paths in the workspace go through the library's file API (whole
 //! files, up to the sandbox's disk limit); others through the in-sandbox helper of [`fs`]
 //! (reads up to the sandbox's output limit).
 
@@ -172,11 +172,16 @@ async fn write_files(
             .await
             .map_err(|err| multipart_error(&err))?
         {
-            let name = match part.file_name() {
-                Some(n) if !n.is_empty() => n.to_string(),
-                _ => q.get("path").cloned().ok_or_else(|| {
-                    RpcError::invalid("a part without a file name, and no `path` query parameter")
-                })?,
+            // As envd: the `path` parameter, when given, is where every part goes (a URL
+            // signed for one path writes that path only); else each part's file name.
+            let name = match (q.get("path"), part.file_name()) {
+                (Some(p), _) => p.clone(),
+                (None, Some(n)) if !n.is_empty() => n.to_string(),
+                (None, _) => {
+                    return Err(RpcError::invalid(
+                        "a part without a file name, and no `path` query parameter",
+                    ))
+                }
             };
             let data = part.bytes().await.map_err(|err| multipart_error(&err))?;
             let path = super::resolve(&e.meta.home, &name)?;

@@ -19,6 +19,7 @@ mod control;
 mod files;
 mod fs;
 mod list;
+mod logs;
 mod metrics;
 mod ports;
 mod process;
@@ -83,6 +84,8 @@ pub(crate) struct Meta {
     pub(crate) samples: metrics::Samples,
     /// Its directory watches ([`watch`]).
     pub(crate) watchers: watch::Watchers,
+    /// What happened to it ([`logs`]).
+    pub(crate) log: logs::Log,
 }
 
 impl Meta {
@@ -105,6 +108,7 @@ impl Meta {
             traffic_token: None,
             samples: Default::default(),
             watchers: Default::default(),
+            log: Default::default(),
         }
     }
 }
@@ -214,16 +218,21 @@ pub(crate) async fn dispatch(
         Some(Err(e)) => return e.into_response(),
         // A signed file URL made under `E2B_SANDBOX_URL` names no sandbox: its signature
         // does (see `signed`).
-        None => match &signed {
-            Some(sig) => match signed::find(&s, sig) {
-                Some(entry) => {
-                    let id = entry.info.id.clone();
-                    (entry, id, ENVD_PORT)
-                }
-                None => return signed::invalid(),
-            },
-            None => return next.run(req).await,
-        },
+        None => {
+            let Some(sig) = signed.clone() else {
+                return next.run(req).await;
+            };
+            let shared = Arc::clone(&s);
+            let found = tokio::task::spawn_blocking(move || signed::find(&shared, &sig))
+                .await
+                .ok()
+                .flatten();
+            let Some(entry) = found else {
+                return signed::invalid();
+            };
+            let id = entry.info.id.clone();
+            (entry, id, ENVD_PORT)
+        }
     };
     let meta = meta(&entry);
     // The envd port takes the sandbox's access token (or, on `/files`, a URL it signed); its

@@ -21,6 +21,7 @@ use serde::Deserialize;
 use tokio::sync::mpsc;
 
 use super::connect::{self, Code, Item, RpcError, StreamRequest, Unary};
+use super::logs::Level;
 use super::Envd;
 
 /// Most processes one sandbox runs through envd at once.
@@ -392,6 +393,20 @@ async fn spawn(e: &Envd, r: StartRequest) -> Result<(u32, mpsc::Receiver<Item>),
         .follow()?
         .ok_or_else(|| RpcError::new(Code::Internal, "a process ended before it was started"))?;
     e.meta.procs.lock().insert(pid, Arc::clone(&proc));
+    let mut cmdline = config.cmd.clone();
+    for a in &config.args {
+        cmdline.push(' ');
+        cmdline.push_str(a);
+    }
+    e.meta.log.push(
+        Level::Info,
+        if pty.is_some() {
+            "terminal started"
+        } else {
+            "process started"
+        },
+        &[("pid", pid.to_string()), ("cmd", cmdline)],
+    );
     let early: Vec<serde_json::Value> = early.into_iter().map(|ev| event_json(ev, out)).collect();
     tokio::spawn(pump(
         Arc::clone(&e.entry),
@@ -472,7 +487,11 @@ async fn pump(
 ) {
     let out = if proc.pty { "pty" } else { "stdout" };
     let mut ended = false;
+    let mut status = String::from("cut off: its sandbox went away");
     for m in early {
+        if let Some(s) = m["event"]["end"]["status"].as_str() {
+            status = s.to_string();
+        }
         ended |= m["event"].get("end").is_some();
         send(&proc, Item::Msg(m), ended).await;
     }
@@ -493,10 +512,20 @@ async fn pump(
         let exited =
             end["event"]["end"]["exited"] == true && end["event"]["end"].get("error").is_none();
         let gone = !exited && entry.sandbox.health_check().await.is_err();
+        if !gone {
+            if let Some(s) = end["event"]["end"]["status"].as_str() {
+                status = s.to_string();
+            }
+        }
         send(&proc, if gone { Item::Abort } else { Item::Msg(end) }, true).await;
         ended = true;
     }
     meta.procs.lock().remove(&proc.pid);
+    meta.log.push(
+        Level::Info,
+        "process ended",
+        &[("pid", proc.pid.to_string()), ("status", status)],
+    );
 }
 
 /// Sends `item` to every stream following `proc`, dropping those that went away; `last`:

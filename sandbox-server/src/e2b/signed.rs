@@ -6,8 +6,9 @@
 //!
 //! The SDKs build the URL on the sandbox's own host (`49983-ID.DOMAIN`, which `--e2b-domain`
 //! routes); under `E2B_SANDBOX_URL` it names no sandbox, so the server finds the one whose
-//! token made the signature ([`find`]): one SHA-256 per E2B sandbox of the server, compared
-//! in constant time, nothing learned from a miss.
+//! token made the signature ([`find`]): one SHA-256 per E2B sandbox of the server (off the
+//! async workers), compared in constant time, nothing learned from a miss. A URL signed for
+//! no path is never valid (an upload's parts would name their own files).
 
 use std::sync::Arc;
 
@@ -20,6 +21,7 @@ use sha2::{Digest, Sha256};
 use crate::{Entry, Shared, Token};
 
 /// The signed-URL parameters of a `/files` request.
+#[derive(Clone)]
 pub(crate) struct Signed {
     path: String,
     user: String,
@@ -89,7 +91,8 @@ impl Signed {
     /// `None` when `token` made this signature and it has not expired, else the 401 (E2B's
     /// wording: `invalid signature`, `signature is already expired`).
     pub(crate) fn check(&self, token: &Token) -> Option<Response> {
-        if !self.made_with(token) {
+        // A URL signed for no path would let an upload name any file in its parts.
+        if self.path.is_empty() || !self.made_with(token) {
             return Some(invalid());
         }
         let now = time::OffsetDateTime::now_utc().unix_timestamp();

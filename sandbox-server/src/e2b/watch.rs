@@ -23,16 +23,35 @@ use super::Envd;
 /// Most watches one sandbox holds at once through E2B's API.
 pub(crate) const MAX_WATCHERS: usize = 32;
 
-/// One sandbox's watches: the polled ones by id, and how many streams are open.
+/// One sandbox's watches: the polled ones by id, and how many it holds (polled and streams).
 #[derive(Default)]
 pub(crate) struct Watchers {
-    polled: Mutex<HashMap<String, Arc<Mutex<Watch>>>>,
-    streams: Arc<AtomicUsize>,
+    polled: Mutex<HashMap<String, Polled>>,
+    used: Arc<AtomicUsize>,
+}
+
+/// A polled watcher: its watch, and the place it holds.
+type Polled = (Arc<Mutex<Watch>>, Slot);
+
+/// One of a sandbox's [`MAX_WATCHERS`] places, taken before its watch is made (so racing
+/// requests cannot pass the count together) and given back when dropped.
+pub(crate) struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl Watchers {
-    fn count(&self) -> usize {
-        self.polled.lock().map(|p| p.len()).unwrap_or(0) + self.streams.load(Ordering::SeqCst)
+    /// A place for one more watch, or the error saying there is none.
+    fn reserve(&self) -> Result<Slot, RpcError> {
+        self.used
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < MAX_WATCHERS).then_some(n + 1)
+            })
+            .map(|_| Slot(Arc::clone(&self.used)))
+            .map_err(|_| Self::full())
     }
 
     fn full() -> RpcError {
@@ -130,16 +149,15 @@ fn lost(err: Error) -> RpcError {
 /// `{"start": {}}`, `{"filesystem": ...}`, `{"keepalive": {}}`), then each event as it comes, until the directory goes, the
 /// sandbox ends or the client leaves.
 pub(crate) async fn watch_dir(e: Envd, r: StreamRequest<WatchReq>) -> Response {
-    let w = &e.meta.watchers;
-    if w.count() >= MAX_WATCHERS {
-        return connect::stream_error(Watchers::full());
-    }
+    // Held while the stream lives (it goes with the stream).
+    let guard = match e.meta.watchers.reserve() {
+        Ok(slot) => slot,
+        Err(err) => return connect::stream_error(err),
+    };
     let watch = match open(&e, &r.msg).await {
         Ok(watch) => watch,
         Err(err) => return connect::stream_error(err),
     };
-    // Counted while the stream lives (the guard goes with the stream).
-    let guard = StreamGuard::new(&w.streams);
     let start = futures::stream::once(async { Item::Msg(serde_json::json!({ "start": {} })) });
     let events = futures::stream::unfold(Some((watch, guard)), |state| async move {
         let (mut watch, guard) = state?;
@@ -162,39 +180,17 @@ pub(crate) async fn watch_dir(e: Envd, r: StreamRequest<WatchReq>) -> Response {
     connect::stream(start.chain(events), ka, e.stop.clone(), r.deadline)
 }
 
-/// Decrements the open-stream count when dropped.
-struct StreamGuard(Arc<AtomicUsize>);
-
-impl StreamGuard {
-    fn new(n: &Arc<AtomicUsize>) -> Self {
-        n.fetch_add(1, Ordering::SeqCst);
-        StreamGuard(Arc::clone(n))
-    }
-}
-
-impl Drop for StreamGuard {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
 /// `CreateWatcher`: a polled watch; its id.
 pub(crate) async fn create(e: &Envd, req: WatchReq) -> Result<serde_json::Value, RpcError> {
-    if e.meta.watchers.count() >= MAX_WATCHERS {
-        return Err(Watchers::full());
-    }
+    let slot = e.meta.watchers.reserve()?;
     let watch = open(e, &req).await?;
     let id = uuid::Uuid::new_v4().to_string();
-    let mut polled = e
-        .meta
+    e.meta
         .watchers
         .polled
         .lock()
-        .map_err(|_| RpcError::new(Code::Internal, "the watcher table is poisoned"))?;
-    if polled.len() + e.meta.watchers.streams.load(Ordering::SeqCst) >= MAX_WATCHERS {
-        return Err(Watchers::full());
-    }
-    polled.insert(id.clone(), Arc::new(Mutex::new(watch)));
+        .map_err(|_| RpcError::new(Code::Internal, "the watcher table is poisoned"))?
+        .insert(id.clone(), (Arc::new(Mutex::new(watch)), slot));
     Ok(serde_json::json!({ "watcherId": id }))
 }
 
@@ -204,7 +200,7 @@ fn find(e: &Envd, id: &str) -> Result<Arc<Mutex<Watch>>, RpcError> {
         .polled
         .lock()
         .ok()
-        .and_then(|p| p.get(id).cloned())
+        .and_then(|p| p.get(id).map(|(w, _)| Arc::clone(w)))
         .ok_or_else(|| RpcError::new(Code::NotFound, format!("watcher '{id}' not found")))
 }
 

@@ -110,6 +110,57 @@ async fn signed_file_urls_open_exactly_what_they_sign() {
             assert_eq!(r.json(), json!({"code": 401, "message": why}), "{what}");
         }
     }
+    // An upload URL signed for one path writes that path only, whatever its parts are
+    // named (envd's rule: `path` wins); one signed for no path is refused.
+    let boundary = "XyZzY";
+    let multipart = |name: &str| {
+        format!(
+            "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{name}\"\r\n\
+             Content-Type: application/octet-stream\r\n\r\nuploaded\r\n--{boundary}--\r\n"
+        )
+    };
+    let post = |target: &str, body: &str| {
+        format!(
+            "POST {target} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
+             Content-Type: multipart/form-data; boundary={boundary}\r\n\
+             Content-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .into_bytes()
+    };
+    let signed_in = sign("/workspace/in.txt", "write", "", &sb.token, None);
+    let r = s
+        .send(&post(
+            &format!("/files?path=/workspace/in.txt&signature={signed_in}"),
+            &multipart("/workspace/evil.txt"),
+        ))
+        .await;
+    assert_eq!(r.status, 200, "a signed upload: {}", r.text());
+    let read = |p: &str| {
+        envd_request(
+            &sb.id,
+            Some(&sb.token),
+            &[],
+            "GET",
+            &format!("/files?path={p}"),
+            b"",
+        )
+    };
+    let r = s.send(&read("/workspace/in.txt")).await;
+    assert_eq!((r.status, r.text()), (200, "uploaded".to_string()));
+    let r = s.send(&read("/workspace/evil.txt")).await;
+    assert_eq!(r.status, 404, "a part's own name was written: {}", r.text());
+    let no_path = sign("", "write", "", &sb.token, None);
+    let r = s
+        .send(&post(
+            &format!("/files?signature={no_path}"),
+            &multipart("/workspace/evil.txt"),
+        ))
+        .await;
+    assert_eq!(r.status, 401, "a URL signed for no path: {}", r.text());
+    let r = s.send(&read("/workspace/evil.txt")).await;
+    assert_eq!(r.status, 404, "{}", r.text());
+
     // Client b's own sandbox is opened by a URL its token signed, and only that one.
     let r = s
         .send(&bare(

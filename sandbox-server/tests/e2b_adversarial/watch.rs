@@ -19,7 +19,7 @@ async fn fs(s: &E2b, sb: &Sb, method: &str, msg: &Value) -> Resp {
 }
 
 /// Runs `script` (bash, in the sandbox's workspace) to its end; it must succeed.
-async fn run(s: &E2b, sb: &Sb, script: &str) {
+pub(super) async fn run(s: &E2b, sb: &Sb, script: &str) {
     let mut st = s.start(sb, script).await;
     loop {
         match st.next().await {
@@ -170,6 +170,84 @@ async fn watchers_are_capped_and_floods_bounded() {
     let s = serve_spawning(ServerConfig::default()).await;
     let sb = s.create(&s.a).await;
     run(&s, &sb, "mkdir -p d").await;
+    // Twice the cap at once, polled and streams mixed: exactly the cap succeed (each place
+    // is taken before its watch is made, so racing requests cannot pass the count together).
+    let mut racing = tokio::task::JoinSet::new();
+    for i in 0..2 * CAP {
+        let (addr, sb) = (s.addr, sb.clone());
+        racing.spawn(async move {
+            if i % 2 == 0 {
+                let raw = envd_request(
+                    &sb.id,
+                    Some(&sb.token),
+                    &[("Content-Type", "application/json")],
+                    "POST",
+                    "/filesystem.Filesystem/CreateWatcher",
+                    json!({ "path": "d" }).to_string().as_bytes(),
+                );
+                let r = h1::exchange(addr, &raw).await.unwrap();
+                if r.status == 200 {
+                    (
+                        Some(r.json()["watcherId"].as_str().unwrap().to_string()),
+                        None,
+                    )
+                } else {
+                    assert_rpc_error(&r, 429, "resource_exhausted", "a racing watcher");
+                    (None, None)
+                }
+            } else {
+                let mut st = h1::Stream::open(addr, &watch_dir_request(&sb, "d")).await;
+                match st.next().await {
+                    Next::Envelope(0, v) if v["start"].is_object() => (None, Some(st)),
+                    Next::Envelope(2, v) => {
+                        assert_eq!(v["error"]["code"], "resource_exhausted", "{v}");
+                        (None, None)
+                    }
+                    other => panic!("a racing stream: {other:?}"),
+                }
+            }
+        });
+    }
+    let (mut polled, mut open) = (Vec::new(), Vec::new());
+    while let Some(r) = racing.join_next().await {
+        let (id, st) = r.unwrap();
+        polled.extend(id);
+        open.extend(st);
+    }
+    assert_eq!(
+        polled.len() + open.len(),
+        CAP,
+        "{} polled and {} streams got places",
+        polled.len(),
+        open.len()
+    );
+    for id in polled {
+        let r = fs(&s, &sb, "RemoveWatcher", &json!({ "watcherId": id })).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    // The streams' clients leave; their places come back at their next event.
+    drop(open);
+    eventually("the racing streams' places are freed", || {
+        let (s, sb) = (&s, &sb);
+        async move {
+            run(s, sb, "touch d/race").await;
+            let mut got = Vec::new();
+            for _ in 0..CAP {
+                let r = fs(s, sb, "CreateWatcher", &json!({ "path": "d" })).await;
+                if r.status != 200 {
+                    break;
+                }
+                got.push(r.json()["watcherId"].as_str().unwrap().to_string());
+            }
+            let all = got.len() == CAP;
+            for id in got {
+                fs(s, sb, "RemoveWatcher", &json!({ "watcherId": id })).await;
+            }
+            all
+        }
+    })
+    .await;
+
     let mut ids = Vec::new();
     for _ in 0..CAP {
         ids.push(watcher(&s, &sb, "d", false).await);
