@@ -421,7 +421,7 @@ impl Sandbox for ContainerSandbox {
         self.inner.alive()?;
         // From the host, beneath the workspace's handle (see `sandbox_core::watch`).
         let ws = self.inner.workspace_fd()?;
-        self.inner.watches.watch(ws, path, recursive)
+        self.inner.watches.watch_blocking(ws, path, recursive).await
     }
 
     async fn set_network_policy(&self, policy: NetworkPolicy) -> Result<()> {

@@ -510,7 +510,10 @@ impl Sandbox for UnisolatedSandbox {
     async fn watch(&self, path: &str, recursive: bool) -> Result<sandbox_core::Watch> {
         self.shared.alive()?;
         let ws = sandbox_core::beneath::open_dir(&self.shared.root)?;
-        self.shared.watches.watch(ws, path, recursive)
+        self.shared
+            .watches
+            .watch_blocking(ws, path, recursive)
+            .await
     }
 
     async fn destroy(&self) -> Result<()> {

@@ -135,6 +135,18 @@ pub fn open_beneath(
     flags: i32,
     mode: u32,
 ) -> std::io::Result<OwnedFd> {
+    open_resolving(dir, rel, flags, mode, 0)
+}
+
+/// [`open_beneath`] with `extra` resolve flags besides `RESOLVE_BENEATH |
+/// RESOLVE_NO_MAGICLINKS` (e.g. `RESOLVE_NO_SYMLINKS`: no symlink at all on the way).
+pub(crate) fn open_resolving(
+    dir: BorrowedFd<'_>,
+    rel: &Path,
+    flags: i32,
+    mode: u32,
+    extra: u64,
+) -> std::io::Result<OwnedFd> {
     let rel = if rel.as_os_str().is_empty() {
         Path::new(".")
     } else {
@@ -150,7 +162,7 @@ pub fn open_beneath(
     } else {
         0
     };
-    how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_MAGICLINKS;
+    how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_MAGICLINKS | extra;
     loop {
         // SAFETY: openat2 with a valid path and a struct of the stated size.
         let fd = unsafe {

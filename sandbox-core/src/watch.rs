@@ -21,10 +21,11 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::OsStr;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::Instant;
 
 use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify, InotifyEvent, WatchDescriptor};
 use serde::{Deserialize, Serialize};
@@ -41,8 +42,12 @@ pub const MAX_DIR_BYTES: usize = 512 * 1024;
 /// Most directories watched in one process, every watch together (inotify watches count
 /// against the host user's `fs.inotify.max_user_watches`, shared with its other programs).
 pub const MAX_KERNEL_WATCHES: usize = 65536;
-/// Most entries read when a recursive watch takes in a new directory tree.
+/// Most entries a recursive watch reads per second when it takes in new directory trees
+/// (a sandbox that moves a big tree in and out again cannot make the host read it over and
+/// over).
 pub const MAX_SCAN: usize = 16384;
+/// Most watches one sandbox ([`Watches`]) holds at once.
+pub const MAX_WATCHES_PER_SANDBOX: usize = 64;
 /// Most events waiting to be read per watch; more are dropped and the loss reported.
 pub const MAX_QUEUED: usize = 4096;
 /// Most bytes of entry names waiting to be read per watch.
@@ -81,11 +86,12 @@ pub struct FsEvent {
 
 /// The watches of one sandbox: [`watch`](Self::watch) adds one, [`close_all`](Self::close_all)
 /// (at the sandbox's end) ends them all.
-#[derive(Debug, Default)]
+/// Clones share the list; the last one dropped ends its watches.
+#[derive(Debug, Default, Clone)]
 pub struct Watches {
     /// The watches made here, and whether [`close_all`](Self::close_all) ran (then a new
     /// watch starts ended).
-    ids: Mutex<(Vec<u64>, bool)>,
+    ids: Arc<Mutex<(Vec<u64>, bool)>>,
 }
 
 impl Watches {
@@ -109,6 +115,12 @@ impl Watches {
         // Held while the watch is registered: a `close_all` either runs before (the watch
         // starts ended) or after (it ends the watch with the others).
         let mut ids = self.ids.lock().unwrap_or_else(|p| p.into_inner());
+        ids.0.retain(|i| hub.lock().watches.contains_key(i));
+        if ids.0.len() >= MAX_WATCHES_PER_SANDBOX {
+            return Err(Error::ResourceExhausted {
+                what: format!("file watches ({MAX_WATCHES_PER_SANDBOX} open in this sandbox)"),
+            });
+        }
         if ids.1 {
             sub.flag(false, true);
             return Ok(Watch {
@@ -143,22 +155,32 @@ impl Watches {
                     sub: Arc::downgrade(&sub),
                     dirs: HashMap::new(),
                     dir_bytes: 0,
-                    full: false,
+                    scan_left: MAX_SCAN,
+                    scan_at: Instant::now(),
                 },
             );
-            if let Err(e) = st.add_dir(&hub.fd, id, PathBuf::new(), dir) {
+            let added = st.add_dir(&hub.fd, id, PathBuf::new(), dir);
+            let watched = st
+                .watches
+                .get(&id)
+                .is_some_and(|w| w.dirs.contains_key(Path::new("")));
+            if added.is_err() || !watched {
                 st.remove(&hub.fd, id);
-                return Err(match e.raw_os_error() {
-                    Some(libc::ENOSPC) => Error::ResourceExhausted {
-                        what: "inotify watches (`fs.inotify.max_user_watches`)".into(),
+                return Err(match added {
+                    Err(e) if e.raw_os_error() != Some(libc::ENOSPC) => {
+                        beneath::map_err(e, &shown, "watch")
+                    }
+                    _ => Error::ResourceExhausted {
+                        what: format!(
+                            "inotify watches ({MAX_KERNEL_WATCHES} directories watched in this \
+                             process, or the host's `fs.inotify.max_user_watches`)"
+                        ),
                     },
-                    _ => beneath::map_err(e, &shown, "watch"),
                 });
             }
             if recursive {
                 st.add_tree(&hub.fd, id, Path::new(""), None);
             }
-            ids.0.retain(|i| st.watches.contains_key(i));
             id
         };
         ids.0.push(id);
@@ -169,6 +191,18 @@ impl Watches {
             sub,
             ended: false,
         })
+    }
+
+    /// [`watch`](Self::watch) on a blocking thread (it reads directories and takes the
+    /// process's watch lock): what a backend's async `Sandbox::watch` calls.
+    ///
+    /// # Errors
+    /// As [`watch`](Self::watch).
+    pub async fn watch_blocking(&self, ws: OwnedFd, path: &str, recursive: bool) -> Result<Watch> {
+        let (me, path) = (self.clone(), path.to_string());
+        tokio::task::spawn_blocking(move || me.watch(ws, &path, recursive))
+            .await
+            .map_err(|e| Error::io("start a file watch", std::io::Error::other(e)))?
     }
 
     /// Ends every watch made here: their readers see the end once they have read what
@@ -190,7 +224,9 @@ impl Watches {
 
 impl Drop for Watches {
     fn drop(&mut self) {
-        self.close_all();
+        if Arc::strong_count(&self.ids) == 1 {
+            self.close_all();
+        }
     }
 }
 
@@ -341,20 +377,34 @@ struct Entry {
     dirs: HashMap<PathBuf, WatchDescriptor>,
     /// Bytes of `dirs`' names.
     dir_bytes: usize,
-    /// [`MAX_DIRS`] reached (reported once).
-    full: bool,
+    /// Entries it may still read this second ([`MAX_SCAN`] a second), and when it was last
+    /// refilled.
+    scan_left: usize,
+    scan_at: Instant,
 }
 
 impl Entry {
-    /// Records (once) that this watch could not take in everything: its reader sees lost
-    /// events.
-    fn mark_full(&mut self) {
-        if !self.full {
-            self.full = true;
-            if let Some(s) = self.sub.upgrade() {
-                s.flag(true, false);
-            }
+    /// Records that this watch could not take in everything: its reader sees lost events.
+    fn mark_full(&self) {
+        if let Some(s) = self.sub.upgrade() {
+            s.flag(true, false);
         }
+    }
+
+    /// Whether it holds all the directories it may.
+    fn at_capacity(&self) -> bool {
+        self.dirs.len() >= MAX_DIRS || self.dir_bytes >= MAX_DIR_BYTES
+    }
+
+    /// The entries it may read now (refilled at [`MAX_SCAN`] a second).
+    fn scan_budget(&mut self) -> usize {
+        let now = Instant::now();
+        let refill = (now.duration_since(self.scan_at).as_secs_f64() * MAX_SCAN as f64) as usize;
+        if refill > 0 {
+            self.scan_left = (self.scan_left + refill).min(MAX_SCAN);
+            self.scan_at = now;
+        }
+        self.scan_left
     }
 }
 
@@ -522,13 +572,15 @@ impl State {
     /// would otherwise never be seen (one made in between is reported twice).
     fn add_tree(&mut self, fd: &Inotify, id: u64, rel: &Path, report: Option<&Sub>) {
         let mut todo = VecDeque::from([rel.to_path_buf()]);
-        // Entries read so far: a tree the sandbox made huge costs at most this much.
-        let mut budget = MAX_SCAN;
         while let Some(dir_rel) = todo.pop_front() {
-            let Some(w) = self.watches.get(&id) else {
+            let Some(w) = self.watches.get_mut(&id) else {
                 return;
             };
-            if w.full {
+            // A tree the sandbox made huge (or moves in and out again) costs at most the
+            // watch's scan budget.
+            let budget = w.scan_budget();
+            if w.at_capacity() || budget == 0 {
+                w.mark_full();
                 return;
             }
             let Ok(dir) = open_dir_beneath(w.ws.as_fd(), &w.root.join(&dir_rel)) else {
@@ -537,11 +589,9 @@ impl State {
             let Ok((names, more)) = beneath::names_bounded(dir.as_fd(), budget) else {
                 continue;
             };
-            budget -= names.len();
-            if more || budget == 0 {
-                if let Some(w) = self.watches.get_mut(&id) {
-                    w.mark_full();
-                }
+            w.scan_left -= names.len();
+            if more {
+                w.mark_full();
             }
             for n in names {
                 let Ok(st) = beneath::lstat_at(dir.as_fd(), &n) else {
@@ -730,37 +780,13 @@ impl State {
 /// `RESOLVE_NO_SYMLINKS` (no symlink followed anywhere on the way, even one that stays
 /// inside: a recursive watch never wanders through links).
 fn open_dir_beneath(ws: BorrowedFd<'_>, rel: &Path) -> std::io::Result<OwnedFd> {
-    let rel = if rel.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        rel
-    };
-    let c = std::ffi::CString::new(rel.as_os_str().as_bytes())
-        .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: open_how is a plain struct; zeroed is a valid value.
-    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
-    how.flags = (libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) as u64;
-    how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
-    loop {
-        // SAFETY: openat2 with a valid NUL-terminated path and a struct of the stated size.
-        let fd = unsafe {
-            libc::syscall(
-                libc::SYS_openat2,
-                ws.as_raw_fd(),
-                c.as_ptr(),
-                &how as *const libc::open_how,
-                std::mem::size_of::<libc::open_how>(),
-            )
-        };
-        if fd >= 0 {
-            // SAFETY: a new fd, ours alone.
-            return Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) });
-        }
-        let e = std::io::Error::last_os_error();
-        if !matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::EINTR)) {
-            return Err(e);
-        }
-    }
+    beneath::open_resolving(
+        ws,
+        rel,
+        libc::O_PATH | libc::O_DIRECTORY,
+        0,
+        libc::RESOLVE_NO_SYMLINKS,
+    )
 }
 
 #[cfg(test)]
@@ -854,6 +880,38 @@ mod tests {
                 "{want} not reported: {all:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_sandbox_holds_its_share_of_watches_and_a_big_tree_moved_in_is_reported_in_part() {
+        let (d, w) = ws();
+        let held: Vec<_> = (0..MAX_WATCHES_PER_SANDBOX)
+            .map(|_| w.watch(open(&d), "", false).unwrap())
+            .collect();
+        assert!(matches!(
+            w.watch(open(&d), "", false).unwrap_err(),
+            Error::ResourceExhausted { .. }
+        ));
+        drop(held);
+        // A tree bigger than a second's scan, moved into a recursive watch at once.
+        std::fs::create_dir_all(d.path().join("in")).unwrap();
+        std::fs::create_dir_all(d.path().join("out/big")).unwrap();
+        for i in 0..(MAX_SCAN + 10) {
+            std::fs::write(d.path().join(format!("out/big/f{i}")), b"").unwrap();
+        }
+        let mut deep = w.watch(open(&d), "in", true).unwrap();
+        std::fs::rename(d.path().join("out/big"), d.path().join("in/big")).unwrap();
+        let mut seen = 0;
+        let mut lost = false;
+        for _ in 0..4 {
+            match deep.try_events() {
+                Ok(evs) => seen += evs.len(),
+                Err(Error::ResourceExhausted { .. }) => lost = true,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert!(lost, "a partial scan was not reported ({seen} events)");
+        assert!(seen <= MAX_SCAN + 1, "{seen} events from one scan");
     }
 
     #[test]

@@ -260,14 +260,20 @@ impl E2b {
             .await
     }
 
-    /// A unary Connect call on `sb`.
+    /// A unary Connect call of envd's process service on `sb`.
     async fn unary(&self, sb: &Sb, method: &str, msg: &Value) -> Resp {
+        self.rpc(sb, &format!("process.Process/{method}"), msg)
+            .await
+    }
+
+    /// A unary Connect call `service_method` (`filesystem.Filesystem/Stat`...) on `sb`.
+    async fn rpc(&self, sb: &Sb, service_method: &str, msg: &Value) -> Resp {
         self.envd(
             &sb.id,
             Some(&sb.token),
             &[("Content-Type", "application/json")],
             "POST",
-            &format!("/process.Process/{method}"),
+            &format!("/{service_method}"),
             msg.to_string().as_bytes(),
         )
         .await

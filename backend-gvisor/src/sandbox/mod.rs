@@ -305,7 +305,7 @@ impl Sandbox for GvisorSandbox {
         // The workspace is a host folder the Gofer writes through: watched from the host,
         // beneath its handle (see `sandbox_core::watch`).
         let ws = beneath::open_dir(&self.inner.workspace)?;
-        self.inner.watches.watch(ws, path, recursive)
+        self.inner.watches.watch_blocking(ws, path, recursive).await
     }
 
     async fn usage(&self) -> Result<sandbox_core::Usage> {
@@ -316,12 +316,17 @@ impl Sandbox for GvisorSandbox {
                 "resource usage (the sandbox's cgroup was not found on this host)",
             )
         })?;
-        cg.read().ok_or_else(|| {
-            Error::unsupported(
-                TIER,
-                "resource usage (its cgroup has no CPU or memory accounting here)",
-            )
-        })
+        match cg.read() {
+            Some(u) => Ok(u),
+            None => {
+                // Its cgroup went with it (ended meanwhile), or never counted.
+                self.inner.alive()?;
+                Err(Error::unsupported(
+                    TIER,
+                    "resource usage (its cgroup has no CPU or memory accounting here)",
+                ))
+            }
+        }
     }
 
     async fn pause(&self) -> Result<()> {

@@ -429,7 +429,7 @@ impl Sandbox for WasmSandbox {
         // The workspace is a host folder the guest reaches through WASI: watched from the
         // host, beneath its handle (see `sandbox_core::watch`).
         let ws = self.inner.workspace_fd()?;
-        self.inner.watches.watch(ws, path, recursive)
+        self.inner.watches.watch_blocking(ws, path, recursive).await
     }
 
     async fn destroy(&self) -> Result<()> {

@@ -227,7 +227,7 @@ pub(crate) async fn call(e: Envd, Path(method): Path<String>, req: Request) -> R
         "GetWatcherEvents" | "RemoveWatcher" => {
             match Unary::<WatcherReq>::from_request(req, &()).await {
                 Ok(Unary(w)) if method == "RemoveWatcher" => watch::remove(&e, w),
-                Ok(Unary(w)) => watch::events(&e, w),
+                Ok(Unary(w)) => watch::events(&e, w).await,
                 Err(err) => Err(err),
             }
         }

@@ -3,7 +3,9 @@
 //! paused, resumed, its timeout and network changed), the commands envd started and how they
 //! ended, and every egress decision its policy made (a connection allowed, or refused with the
 //! rule that refused it: [`Sandbox::network_events`](sandbox_core::Sandbox::network_events)).
-//! The last [`KEPT`] lines are kept per sandbox; nothing a command prints is logged.
+//! The last [`KEPT`] lines are kept per sandbox, each message and field cut at [`MAX_TEXT`]
+//! bytes; nothing a command prints is logged (its command line is: the owner's own input,
+//! seen only by the owner).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -20,6 +22,22 @@ use crate::Shared;
 
 /// Lines kept per sandbox (E2B's largest page).
 pub(crate) const KEPT: usize = 1000;
+
+/// Longest message or field value kept, in bytes (a command line can be megabytes long: the
+/// log keeps its start, marked cut).
+pub(crate) const MAX_TEXT: usize = 1024;
+
+/// `s` cut to at most [`MAX_TEXT`] bytes (at a character boundary), `…` marking a cut.
+fn clip(s: &str) -> String {
+    if s.len() <= MAX_TEXT {
+        return s.to_string();
+    }
+    let mut end = MAX_TEXT - '…'.len_utf8();
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &s[..end])
+}
 
 /// How much a line matters (E2B's `LogLevel`, in order).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -89,10 +107,10 @@ impl Log {
         let line = Line {
             at: OffsetDateTime::now_utc(),
             level,
-            message: message.to_string(),
+            message: clip(message),
             fields: fields
                 .iter()
-                .map(|(k, v)| ((*k).to_string(), v.clone()))
+                .map(|(k, v)| ((*k).to_string(), clip(v)))
                 .collect(),
         };
         let mut all = self.0.lock().unwrap_or_else(|p| p.into_inner());
@@ -120,7 +138,7 @@ async fn gather(e: &crate::Entry) -> Vec<Line> {
         for ev in events {
             let mut fields = BTreeMap::new();
             let mut put = |k: &str, v: String| {
-                fields.insert(k.to_string(), v);
+                fields.insert(k.to_string(), clip(&v));
             };
             put("via", ev.via.clone());
             if let Some(h) = &ev.host {
@@ -272,5 +290,13 @@ mod tests {
         assert_eq!(lines[KEPT - 1].text(), format!("line n={}", KEPT + 4));
         assert!(Level::Warn > Level::Info && Level::parse("error") == Some(Level::Error));
         assert_eq!(Level::parse("loud"), None);
+        // A long command line is kept cut, at a character boundary.
+        log.push(
+            Level::Info,
+            "process started",
+            &[("cmd", "é".repeat(10_000))],
+        );
+        let cmd = &log.lines()[KEPT - 1].fields["cmd"];
+        assert!(cmd.len() <= MAX_TEXT && cmd.ends_with('…'), "{}", cmd.len());
     }
 }

@@ -206,12 +206,17 @@ fn find(e: &Envd, id: &str) -> Result<Arc<Mutex<Watch>>, RpcError> {
 
 /// `GetWatcherEvents`: everything since the last call (changes made before this call
 /// included).
-pub(crate) fn events(e: &Envd, req: WatcherReq) -> Result<serde_json::Value, RpcError> {
+pub(crate) async fn events(e: &Envd, req: WatcherReq) -> Result<serde_json::Value, RpcError> {
     let w = find(e, &req.watcher_id)?;
-    let mut watch = w
-        .lock()
-        .map_err(|_| RpcError::new(Code::Internal, "the watcher is poisoned"))?;
-    let evs = watch.try_events().map_err(lost)?;
+    // Reading the kernel's queue takes the process's watch lock: off the async workers.
+    let evs = tokio::task::spawn_blocking(move || {
+        w.lock()
+            .map_err(|_| RpcError::new(Code::Internal, "the watcher is poisoned"))?
+            .try_events()
+            .map_err(lost)
+    })
+    .await
+    .map_err(|err| RpcError::new(Code::Internal, format!("the watch task: {err}")))??;
     let evs: Vec<_> = evs
         .iter()
         .filter(|ev| !ev.path.is_empty())

@@ -7,15 +7,8 @@ use super::*;
 
 /// A unary call of envd's filesystem service on `sb`.
 async fn fs(s: &E2b, sb: &Sb, method: &str, msg: &Value) -> Resp {
-    s.envd(
-        &sb.id,
-        Some(&sb.token),
-        &[("Content-Type", "application/json")],
-        "POST",
-        &format!("/filesystem.Filesystem/{method}"),
-        msg.to_string().as_bytes(),
-    )
-    .await
+    s.rpc(sb, &format!("filesystem.Filesystem/{method}"), msg)
+        .await
 }
 
 /// Runs `script` (bash, in the sandbox's workspace) to its end; it must succeed.
