@@ -245,6 +245,19 @@ impl E2b {
         }
     }
 
+    /// Kills `sb` through the control plane with `key` (it must be answered 204).
+    async fn kill(&self, key: &Token, sb: &Sb) {
+        let r = self
+            .api(
+                Some(key.reveal()),
+                "DELETE",
+                &format!("/sandboxes/{}", sb.id),
+                None,
+            )
+            .await;
+        assert_eq!(r.status, 204, "kill {}: {}", sb.id, r.text());
+    }
+
     /// An envd request: `E2b-Sandbox-Id: id`, `X-Access-Token: token` if given, `extra`.
     #[allow(clippy::too_many_arguments)]
     async fn envd(
@@ -825,15 +838,7 @@ async fn envd_needs_the_sandboxs_own_token() {
     assert_eq!(r.status, 200, "{}", r.text());
 
     // A killed sandbox's token opens nothing.
-    let r = s
-        .api(
-            Some(s.b.reveal()),
-            "DELETE",
-            &format!("/sandboxes/{}", b.id),
-            None,
-        )
-        .await;
-    assert_eq!(r.status, 204, "{}", r.text());
+    s.kill(&s.b, &b).await;
     let r = s.send(&list(&b.id, Some(&b.token), &[])).await;
     assert_e2b_error(&r, 502, "a killed sandbox");
 
@@ -1502,15 +1507,7 @@ async fn killing_a_sandbox_ends_its_open_streams() {
     let mut f = h1::Stream::open(s.addr, &follow).await;
     assert!(matches!(f.next().await, Next::Envelope(0, _)));
 
-    let r = s
-        .api(
-            Some(s.a.reveal()),
-            "DELETE",
-            &format!("/sandboxes/{}", sb.id),
-            None,
-        )
-        .await;
-    assert_eq!(r.status, 204, "{}", r.text());
+    s.kill(&s.a, &sb).await;
     for (what, stream) in [("Start", &mut st), ("Connect", &mut f)] {
         // Data already on its way, then the end.
         let end = loop {
@@ -1682,15 +1679,7 @@ async fn killing_a_sandbox_under_a_stalled_stream_is_answered() {
     assert!(matches!(st.next().await, Next::Envelope(0, _)));
     // The client stops reading; `yes` fills every buffer between it and the process.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let r = s
-        .api(
-            Some(s.a.reveal()),
-            "DELETE",
-            &format!("/sandboxes/{}", sb.id),
-            None,
-        )
-        .await;
-    assert_eq!(r.status, 204, "{}", r.text());
+    s.kill(&s.a, &sb).await;
     // Reading again: what was buffered, then the end.
     let mut n = 0u64;
     loop {
@@ -1735,15 +1724,7 @@ async fn concurrent_starts_keep_the_process_limit() {
     }
     let pids = s.pids(&sb).await;
     let listed = pids.len();
-    let r = s
-        .api(
-            Some(s.a.reveal()),
-            "DELETE",
-            &format!("/sandboxes/{}", sb.id),
-            None,
-        )
-        .await;
-    assert_eq!(r.status, 204, "{}", r.text());
+    s.kill(&s.a, &sb).await;
     for mut st in streams {
         while let Next::Envelope(0, _) = st.next().await {}
     }

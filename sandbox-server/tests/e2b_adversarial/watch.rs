@@ -306,15 +306,7 @@ async fn watchers_are_capped_and_floods_bounded() {
     assert_eq!(r.status, 200, "{}", r.text());
     let mut st = h1::Stream::open(s.addr, &watch_dir_request(&sb, "d")).await;
     assert!(matches!(st.next().await, Next::Envelope(0, _)));
-    let r = s
-        .api(
-            Some(s.a.reveal()),
-            "DELETE",
-            &format!("/sandboxes/{}", sb.id),
-            None,
-        )
-        .await;
-    assert_eq!(r.status, 204, "{}", r.text());
+    s.kill(&s.a, &sb).await;
     loop {
         match st.next().await {
             Next::Envelope(0, _) => continue,
