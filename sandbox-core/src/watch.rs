@@ -123,12 +123,7 @@ impl Watches {
         }
         if ids.1 {
             sub.flag(false, true);
-            return Ok(Watch {
-                id: 0,
-                hub,
-                sub,
-                ended: true,
-            });
+            return Ok(Watch { id: 0, hub, sub });
         }
         let id = {
             let mut st = hub.lock();
@@ -185,12 +180,7 @@ impl Watches {
         };
         ids.0.push(id);
         drop(ids);
-        Ok(Watch {
-            id,
-            hub,
-            sub,
-            ended: false,
-        })
+        Ok(Watch { id, hub, sub })
     }
 
     /// [`watch`](Self::watch) on a blocking thread (it reads directories and takes the
@@ -236,7 +226,13 @@ pub struct Watch {
     id: u64,
     hub: Arc<Hub>,
     sub: Arc<Sub>,
-    ended: bool,
+}
+
+/// What [`Watch::take_one`] found.
+enum Taken {
+    Item(Result<FsEvent>),
+    Empty,
+    Ended,
 }
 
 impl Watch {
@@ -251,13 +247,11 @@ impl Watch {
         let sub = Arc::clone(&self.sub);
         loop {
             let notified = sub.notify.notified();
-            if let Some(item) = self.take_one() {
-                return Some(item);
+            match self.take_one() {
+                Taken::Item(item) => return Some(item),
+                Taken::Ended => return None,
+                Taken::Empty => notified.await,
             }
-            if self.ended {
-                return None;
-            }
-            notified.await;
         }
     }
 
@@ -270,7 +264,7 @@ impl Watch {
     pub fn try_events(&mut self) -> Result<Vec<FsEvent>> {
         self.hub.pump();
         let mut out = Vec::new();
-        while let Some(item) = self.take_one() {
+        while let Taken::Item(item) = self.take_one() {
             match item {
                 Ok(ev) => out.push(ev),
                 Err(e) if out.is_empty() => return Err(e),
@@ -291,17 +285,14 @@ impl Watch {
         self.sub.queue.lock().map(|q| q.ended).unwrap_or(true)
     }
 
-    fn take_one(&mut self) -> Option<Result<FsEvent>> {
-        let mut q = match self.sub.queue.lock() {
-            Ok(q) => q,
-            Err(_) => {
-                self.ended = true;
-                return None;
-            }
+    /// The next queued item, or whether the watch is merely empty or ended.
+    fn take_one(&self) -> Taken {
+        let Ok(mut q) = self.sub.queue.lock() else {
+            return Taken::Ended;
         };
         if q.lost {
             q.lost = false;
-            return Some(Err(Error::ResourceExhausted {
+            return Taken::Item(Err(Error::ResourceExhausted {
                 what: format!(
                     "file watch events: some were lost (more than {MAX_QUEUED} unread, the \
                      kernel's queue overflowed, or more than {MAX_DIRS} directories)"
@@ -310,12 +301,13 @@ impl Watch {
         }
         if let Some(ev) = q.events.pop_front() {
             q.bytes -= ev.path.len();
-            return Some(Ok(ev));
+            return Taken::Item(Ok(ev));
         }
         if q.ended {
-            self.ended = true;
+            Taken::Ended
+        } else {
+            Taken::Empty
         }
-        None
     }
 }
 
@@ -802,6 +794,19 @@ mod tests {
         beneath::open_dir(d.path()).unwrap()
     }
 
+    /// Reads `w` four times: how many events came, and whether a loss was reported.
+    fn drain(w: &mut Watch) -> (usize, bool) {
+        let (mut seen, mut lost) = (0, false);
+        for _ in 0..4 {
+            match w.try_events() {
+                Ok(evs) => seen += evs.len(),
+                Err(Error::ResourceExhausted { .. }) => lost = true,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        (seen, lost)
+    }
+
     fn kinds(evs: &[FsEvent]) -> Vec<(FsEventKind, &str)> {
         evs.iter().map(|e| (e.kind, e.path.as_str())).collect()
     }
@@ -901,15 +906,7 @@ mod tests {
         }
         let mut deep = w.watch(open(&d), "in", true).unwrap();
         std::fs::rename(d.path().join("out/big"), d.path().join("in/big")).unwrap();
-        let mut seen = 0;
-        let mut lost = false;
-        for _ in 0..4 {
-            match deep.try_events() {
-                Ok(evs) => seen += evs.len(),
-                Err(Error::ResourceExhausted { .. }) => lost = true,
-                Err(e) => panic!("{e}"),
-            }
-        }
+        let (seen, lost) = drain(&mut deep);
         assert!(lost, "a partial scan was not reported ({seen} events)");
         assert!(seen <= MAX_SCAN + 1, "{seen} events from one scan");
     }
@@ -964,15 +961,7 @@ mod tests {
         for i in 0..(MAX_QUEUED + 10) {
             std::fs::write(d.path().join(format!("f{i}")), b"x").unwrap();
         }
-        let mut total = 0;
-        let mut lost = false;
-        for _ in 0..4 {
-            match watch.try_events() {
-                Ok(evs) => total += evs.len(),
-                Err(Error::ResourceExhausted { .. }) => lost = true,
-                Err(e) => panic!("{e}"),
-            }
-        }
+        let (total, lost) = drain(&mut watch);
         assert!(lost, "the loss was not reported");
         assert!(total <= MAX_QUEUED, "{total} events queued");
     }
