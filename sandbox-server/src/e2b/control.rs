@@ -320,17 +320,10 @@ async fn create_with(
         m.home = home.clone();
     }
     // The E2B side is the entry's from its first moment: no request can see it without.
-    let info = crate::routes::admit::admit_with(
-        &s,
-        &caller,
-        sandbox,
-        req.metadata,
-        lifetime,
-        None,
-        Some(m),
-    )
-    .await
-    .map_err(e2b)?;
+    let info =
+        crate::routes::admit::admit(&s, &caller, sandbox, req.metadata, lifetime, None, Some(m))
+            .await
+            .map_err(e2b)?;
     let entry = s.get(&info.id, &caller).map_err(e2b)?;
     let m = meta(&entry);
     entry.life.pause_at_deadline(m.auto_pause);

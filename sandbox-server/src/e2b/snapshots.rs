@@ -262,7 +262,7 @@ pub(crate) async fn restore(
     }
     let mut lifetime = LifetimeSpec::default();
     lifetime.ttl_s = Some(opts.timeout);
-    let info = crate::routes::admit::admit_with(
+    let info = crate::routes::admit::admit(
         s,
         caller,
         sandbox,

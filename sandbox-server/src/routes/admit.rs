@@ -46,21 +46,9 @@ fn now_rfc3339() -> String {
 
 /// Puts a new sandbox in the table, or destroys it: when its tier cannot honour the
 /// lifetime (pausing without pause), or when creates that raced past [`room`] filled the
-/// server meanwhile.
+/// server meanwhile. `e2b`: the E2B side the entry starts with (E2B's creates: set before
+/// any other request can see the entry; API v1's pass `None`).
 pub(crate) async fn admit(
-    s: &Shared,
-    caller: &Caller,
-    sandbox: Box<dyn Sandbox>,
-    labels: std::collections::BTreeMap<String, String>,
-    lifetime: LifetimeSpec,
-    from_snapshot: Option<SnapshotId>,
-) -> Result<SandboxInfo, ApiError> {
-    admit_with(s, caller, sandbox, labels, lifetime, from_snapshot, None).await
-}
-
-/// [`admit`], with the E2B side the entry starts with (E2B's creates: set before any other
-/// request can see the entry).
-pub(crate) async fn admit_with(
     s: &Shared,
     caller: &Caller,
     sandbox: Box<dyn Sandbox>,

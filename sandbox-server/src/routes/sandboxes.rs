@@ -32,7 +32,7 @@ pub(super) async fn create(
     check_lifetime(&body.lifetime)?;
     room(&s, 1)?;
     let (sandbox, _) = s.create_pooled(&body.spec, body.tier).await?;
-    let info = admit(&s, &caller, sandbox, body.labels, body.lifetime, None).await?;
+    let info = admit(&s, &caller, sandbox, body.labels, body.lifetime, None, None).await?;
     Ok((StatusCode::CREATED, Json(info)))
 }
 

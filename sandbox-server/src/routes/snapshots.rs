@@ -132,7 +132,7 @@ pub(super) async fn restore(
     let (store, id) = restorable(&s, &caller, &sid).await?;
     room(&s, 1)?;
     let sandbox = s.provider.restore(store.as_ref(), &id).await?;
-    let info = admit(&s, &caller, sandbox, labels, lifetime, Some(id)).await?;
+    let info = admit(&s, &caller, sandbox, labels, lifetime, Some(id), None).await?;
     Ok((StatusCode::CREATED, Json(info)))
 }
 
@@ -173,6 +173,7 @@ pub(super) async fn fork(
             body.labels.clone(),
             body.lifetime,
             Some(id.clone()),
+            None,
         )
         .await
         {
