@@ -139,7 +139,7 @@ fn scenario_with(tier: &str, base: &str) {
             .env("E2B_EXPECT_METRICS", if usage { "1" } else { "0" })
             .env(
                 "E2B_EXPECT_HOME",
-                base.split_once(",home=").map_or("", |(_, h)| h),
+                base.split_once(",home=").map_or("/home/user", |(_, h)| h),
             )
             .output()
             .unwrap()

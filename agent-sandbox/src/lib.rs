@@ -545,6 +545,13 @@ impl Runtime {
                  gVisor and microVM tiers start from images)",
             ));
         }
+        if spec.workspace_alias.is_some() && !caps.workspace_alias {
+            return Err(Error::unsupported(
+                backend.tier(),
+                "a workspace alias (capabilities().workspace_alias is false; the container, \
+                 gVisor and wasm tiers show the workspace at a second path)",
+            ));
+        }
         if spec.holds_proxied_secrets() && !caps.proxy_secrets {
             return Err(Error::unsupported(
                 backend.tier(),

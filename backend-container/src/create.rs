@@ -316,7 +316,12 @@ impl ContainerBackend {
             && rootfs::template_fits(spec)
             && (ws_tree.is_some() || matches!(spec.workspace, Workspace::Empty));
         let template = if fits {
-            spawn::template_root(rootfs::etc_files(user, &self.cfg.hostname, &resolv))
+            spawn::template_root(rootfs::etc_files(
+                user,
+                spec.user_name_and_home(),
+                &self.cfg.hostname,
+                &resolv,
+            ))
         } else {
             None
         };

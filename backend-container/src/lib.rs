@@ -673,6 +673,7 @@ impl Backend for ContainerBackend {
         c.usage = cgroups && !self.host.v2_without_limits();
         // From the host, with inotify on the workspace (`sandbox_core::watch`).
         c.watch = true;
+        c.workspace_alias = true;
         c
     }
 

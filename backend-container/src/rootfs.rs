@@ -231,6 +231,8 @@ fn skeleton(ops: &mut Vec<Op>, r: Roots<'_>, var: bool) {
     if var {
         ops.push(dir("/var", 0o755));
         ops.push(link("/tmp", "/var/tmp"));
+        // The mount point of a workspace alias's tmpfs (see `alias_mounts`).
+        ops.push(dir("/home", 0o755));
     }
     ops.push(dir("/workspace", 0o755));
 }
@@ -318,7 +320,60 @@ fn sandbox_mounts(
             ))
         }
     }
+    alias_mounts(ops, r, p);
     Ok(())
+}
+
+/// The workspace at its alias too (`/home/NAME`, see [`SandboxSpec::workspace_alias`]): a
+/// bind of the workspace mount, with its attributes. A host-tools root is read-only (and
+/// shared, as a template), so its `/home` becomes a small tmpfs holding the mount point,
+/// made read-only when the layout freezes ([`freeze_home`]); an own root's overlay is
+/// writable and gets the mount point made in it (beneath the root: an image's links are
+/// not followed out of it).
+fn alias_mounts(ops: &mut Vec<Op>, r: Roots<'_>, p: &Plan<'_>) {
+    let Some(alias) = &p.spec.workspace_alias else {
+        return;
+    };
+    if !crate::own_root(p.spec) {
+        ops.push(tmpfs(
+            r.at("/home"),
+            MS_NOSUID | MS_NODEV | MS_NOEXEC,
+            "mode=0755,size=16k,nr_inodes=16",
+        ));
+    }
+    ops.push(Op::Mkdir {
+        path: r.at(alias),
+        mode: 0o755,
+    });
+    ops.push(Op::Bind {
+        src: r.at("/workspace"),
+        dst: r.at(alias),
+    });
+    let ro = match p.spec.workspace {
+        Workspace::HostDir {
+            read_only: true, ..
+        } => ATTR_RDONLY,
+        _ => 0,
+    };
+    ops.push(Op::SetAttr {
+        path: r.at(alias),
+        set: ro | ATTR_NOSUID | ATTR_NODEV,
+        clear: 0,
+        recursive: true,
+    });
+}
+
+/// Makes a host-tools root's `/home` tmpfs (see [`alias_mounts`]) read-only, once every
+/// mount point in it is made.
+fn freeze_home(ops: &mut Vec<Op>, r: Roots<'_>, spec: &SandboxSpec) {
+    if spec.workspace_alias.is_some() && !crate::own_root(spec) {
+        ops.push(Op::SetAttr {
+            path: r.at("/home"),
+            set: ATTR_RDONLY,
+            clear: 0,
+            recursive: false,
+        });
+    }
 }
 
 /// The last steps of every plan: the hostname, loopback up, `pivot_root` into `newroot`,
@@ -527,10 +582,15 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
             path: r.at("/etc"),
             mode: 0o755,
         });
-        let mut own: Vec<_> = etc_files(p.user, p.hostname, p.resolv_conf)
-            .into_iter()
-            .filter(|(name, _)| matches!(*name, "hostname" | "hosts" | "resolv.conf"))
-            .collect();
+        let mut own: Vec<_> = etc_files(
+            p.user,
+            p.spec.user_name_and_home(),
+            p.hostname,
+            p.resolv_conf,
+        )
+        .into_iter()
+        .filter(|(name, _)| matches!(*name, "hostname" | "hosts" | "resolv.conf"))
+        .collect();
         own.extend(p.ca_bundle.map(|b| (CA_BUNDLE_NAME, b.to_owned())));
         write_etc(&mut ops, r, own);
         if let Some(bundle) = p.ca_bundle {
@@ -551,7 +611,12 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
         // /usr, the merged-/usr links and the host's /etc files: the same for every sandbox
         // of this host, computed once per backend.
         ops.extend_from_slice(p.host);
-        let mut files = etc_files(p.user, p.hostname, p.resolv_conf);
+        let mut files = etc_files(
+            p.user,
+            p.spec.user_name_and_home(),
+            p.hostname,
+            p.resolv_conf,
+        );
         files.extend(p.ca_bundle.map(|b| (CA_BUNDLE_NAME, b.to_owned())));
         write_etc(&mut ops, r, files);
         // The host's system bundle (bound read-only with `/etc/ssl`) is covered by ours, for
@@ -610,6 +675,7 @@ pub(crate) fn plan(p: &Plan<'_>) -> Result<Setup> {
 
     // Freeze the layout: the root tmpfs itself becomes read-only (its submounts keep theirs).
     // A rootfs directory's overlay stays writable: writes land in its upper layer.
+    freeze_home(&mut ops, r, spec);
     if layers.is_empty() {
         ops.push(Op::SetAttr {
             path: NEW.into(),
@@ -658,6 +724,7 @@ pub(crate) fn writable_paths(spec: &SandboxSpec) -> Vec<(String, bool)> {
     );
     if !ws_ro {
         v.push(("/workspace".to_string(), true));
+        v.extend(spec.workspace_alias.iter().map(|a| (a.clone(), true)));
     }
     for m in &spec.mounts {
         if !m.read_only {

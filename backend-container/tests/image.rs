@@ -363,9 +363,10 @@ async fn code_in_a_language_the_image_lacks_is_a_clear_error() {
 }
 
 /// A hostile image whose files the setup writes (`/etc/hostname`, `/etc/hosts`,
-/// `/etc/resolv.conf`) and a directory it mounts on (`/tmp`) are symbolic links to the
-/// host's paths (through the old root's mount point and directly): the sandbox still gets
-/// its own files and a working `/tmp`, and nothing is created or changed on the host.
+/// `/etc/resolv.conf`) and directories it mounts on (`/tmp`, the workspace alias
+/// `/home/user`) are symbolic links to the host's paths (through the old root's mount point
+/// and directly): the sandbox still gets its own files, a working `/tmp` and its workspace
+/// at the alias, and nothing is created or changed on the host.
 #[tokio::test]
 async fn an_image_of_symbolic_links_cannot_lead_the_setup_out_of_its_root() {
     if let Some(why) = common::rootfs_skip_reason().await {
@@ -395,6 +396,7 @@ async fn an_image_of_symbolic_links_cannot_lead_the_setup_out_of_its_root() {
     link("etc/hosts", &format!("{h}/victim"));
     link("etc/resolv.conf", &format!("/oldroot{h}/created"));
     link("tmp", &format!("/oldroot{h}"));
+    link("home/user", &format!("/oldroot{h}"));
     // The config's working directory.
     let mut hd = tar::Header::new_gnu();
     hd.set_entry_type(tar::EntryType::Directory);
@@ -415,6 +417,7 @@ async fn an_image_of_symbolic_links_cannot_lead_the_setup_out_of_its_root() {
         .unwrap();
     let spec = SandboxSpec::builder(Language::Shell)
         .image(format!("oci:{}:evil", tmp.path().join("layout").display()))
+        .workspace_alias("/home/user")
         .wall_time(Duration::from_secs(20))
         .build()
         .unwrap();
@@ -426,6 +429,8 @@ async fn an_image_of_symbolic_links_cannot_lead_the_setup_out_of_its_root() {
                 .await
                 .contains("inside"));
             sh_ok(sb.as_ref(), "echo x > /tmp/written-inside").await;
+            sh_ok(sb.as_ref(), "echo alias > /home/user/written-inside").await;
+            assert_eq!(sb.read_file("written-inside").await.unwrap(), b"alias\n");
             sb.destroy().await.unwrap();
         }
         Err(e) => panic!("the image's links are replaced, not followed: {e}"),

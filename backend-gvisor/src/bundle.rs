@@ -280,7 +280,8 @@ pub(crate) fn write_ca_bundle(root: &Path, text: &str) -> std::io::Result<()> {
 }
 
 /// Writes `rootfs/` (mount points, links, generated `/etc` files) under `bundle`.
-pub fn write_rootfs(bundle: &Path, who: Identity) -> Result<PathBuf> {
+/// `user`: the sandbox user's name and home ([`SandboxSpec::user_name_and_home`]).
+pub fn write_rootfs(bundle: &Path, who: Identity, user: (&str, &str)) -> Result<PathBuf> {
     let rootfs = bundle.join("rootfs");
     for d in ["usr", "etc", "tmp", "workspace", "proc", "dev", "sys"] {
         fs::create_dir_all(rootfs.join(d)).map_err(ctx("create", &rootfs))?;
@@ -292,10 +293,12 @@ pub fn write_rootfs(bundle: &Path, who: Identity) -> Result<PathBuf> {
     }
     let etc = rootfs.join("etc");
     let (uid, gid) = (who.uid, who.gid);
+    let (name, home) = user;
     let passwd = format!(
-        "root:x:0:0:root:/root:/bin/sh\nsandbox:x:{uid}:{gid}:sandbox:/workspace:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+        "root:x:0:0:root:/root:/bin/sh\n{name}:x:{uid}:{gid}:{name}:{home}:/bin/sh\n\
+         nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
     );
-    let group = format!("root:x:0:\nsandbox:x:{gid}:\nnogroup:x:65534:\n");
+    let group = format!("root:x:0:\n{name}:x:{gid}:\nnogroup:x:65534:\n");
     let files: [(&str, &str); 6] = [
         ("passwd", &passwd),
         ("group", &group),
@@ -517,6 +520,9 @@ pub fn config(
         mounts.push(m);
     }
     mounts.push(bind("/workspace", workspace, workspace_read_only)?);
+    if let Some(alias) = &spec.workspace_alias {
+        mounts.push(bind(alias, workspace, workspace_read_only)?);
+    }
     for (dst, src) in files {
         mounts.push(bind(dst, src, true)?);
     }
@@ -639,6 +645,7 @@ mod tests {
                 uid: 1000,
                 gid: 1000,
             },
+            ("sandbox", "/workspace"),
         )
         .unwrap();
         let preload = fs::read_to_string(root.join("etc/ld.so.preload"));

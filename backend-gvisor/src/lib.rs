@@ -313,6 +313,7 @@ impl Backend for GvisorBackend {
         c.publish = true;
         // The workspace is a host folder: watched from the host (`sandbox_core::watch`).
         c.watch = true;
+        c.workspace_alias = true;
         c.images = true;
         // An image brings its own interpreters; the same languages run from it.
         c.image_languages = c.languages.clone();

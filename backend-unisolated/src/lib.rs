@@ -90,6 +90,12 @@ impl Backend for UnisolatedBackend {
                 format!("the {} language", spec.language),
             ));
         }
+        if spec.workspace_alias.is_some() {
+            return Err(Error::unsupported(
+                TIER,
+                "a workspace alias (commands run in the host's own file system)",
+            ));
+        }
         if !caps.supports_network(&spec.network) {
             return Err(Error::unsupported(
                 TIER,

@@ -308,6 +308,7 @@ impl Backend for WasmBackend {
         c.persistent_state = true;
         // The workspace is a host folder: watched from the host (`sandbox_core::watch`).
         c.watch = true;
+        c.workspace_alias = true;
         // No processes (so no pids limit) and no scheduler quota: guests run on the
         // caller's threads, bounded by their deadlines and fuel instead.
         c.limits = vec![

@@ -70,10 +70,10 @@ pub fn oci_bundle(dir: &Path, name: &str, argv: &[&str], cgroup: &str) -> PathBu
     let b = dir.join(name);
     std::fs::create_dir_all(&b).unwrap();
     let who = Identity::new(1000, 1000);
-    bundle::write_rootfs(&b, who).unwrap();
+    let spec = SandboxSpec::new(agent_sandbox::Language::Shell);
+    bundle::write_rootfs(&b, who, spec.user_name_and_home()).unwrap();
     let ws = dir.join(format!("{name}-ws"));
     std::fs::create_dir_all(&ws).unwrap();
-    let spec = SandboxSpec::new(agent_sandbox::Language::Shell);
     let mut cfg = bundle::config(&spec, who, &ws, false, None, cgroup, &[]).unwrap();
     let mut p = cfg.process().clone().unwrap();
     p.set_args(Some(argv.iter().map(|s| s.to_string()).collect()));

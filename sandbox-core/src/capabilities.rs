@@ -84,12 +84,16 @@ pub struct Capabilities {
     /// Watching a workspace directory for changes: [`Sandbox::watch`](crate::Sandbox::watch).
     #[serde(default)]
     pub watch: bool,
+    /// The workspace shown at a second path too:
+    /// [`SandboxSpec::workspace_alias`](crate::SandboxSpec::workspace_alias).
+    #[serde(default)]
+    pub workspace_alias: bool,
 }
 
 impl Capabilities {
     /// A tier that supports nothing: no language, no argv, no snapshot, no network mode, no
     /// pause/resume, no streaming, no persistent state, no images, no limit enforced, no
-    /// background processes, no published ports, no usage, no watch; the boundary is
+    /// background processes, no published ports, no usage, no watch, no workspace alias; the boundary is
     /// the tier's own ([`Tier::boundary`]). Backends set what they do on top of it.
     pub fn new(tier: Tier) -> Self {
         Capabilities {
@@ -111,6 +115,7 @@ impl Capabilities {
             tty: false,
             usage: false,
             watch: false,
+            workspace_alias: false,
         }
     }
 
@@ -136,8 +141,8 @@ impl Capabilities {
     }
 
     /// Why choosing a tier automatically passes this one over for `spec` before trying to
-    /// create it (it cannot start the spec's image, or hold its proxy-held secrets), or
-    /// `None`. The facade's `Runtime::create` asks it, and so does the CLI choosing among a
+    /// create it (it cannot start the spec's image, hold its proxy-held secrets, or show its
+    /// workspace alias), or `None`. The facade's `Runtime::create` asks it, and so does the CLI choosing among a
     /// daemon's tiers, so both pass over the same tiers.
     pub fn passes_over(&self, spec: &crate::SandboxSpec) -> Option<&'static str> {
         if spec.image.is_some() && !self.images {
@@ -146,6 +151,9 @@ impl Capabilities {
         }
         if spec.holds_proxied_secrets() && !self.proxy_secrets {
             return Some("this tier cannot hold proxy secrets");
+        }
+        if spec.workspace_alias.is_some() && !self.workspace_alias {
+            return Some("this tier cannot show the workspace at a second path");
         }
         None
     }

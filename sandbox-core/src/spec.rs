@@ -50,6 +50,13 @@ pub struct SandboxSpec {
     /// The sandbox's working directory, seen inside as `/workspace`.
     #[serde(default)]
     pub workspace: Workspace,
+    /// A second path at which the workspace is visible inside: `/home/NAME` (one directory
+    /// under `/home`), for programs that expect their files in a home directory (E2B's
+    /// `/home/user`). The same directory, not a copy: the file API, snapshots and watches
+    /// still name it `/workspace`. Tiers that cannot show it refuse the spec with
+    /// `Unsupported` ([`Capabilities::workspace_alias`](crate::Capabilities::workspace_alias)).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace_alias: Option<String>,
     /// Extra host paths made visible inside. Read-only unless `read_only` is `false`.
     #[serde(default)]
     pub mounts: Vec<Mount>,
@@ -151,6 +158,7 @@ impl SandboxSpec {
             rootfs: None,
             image: None,
             workspace: Workspace::Empty,
+            workspace_alias: None,
             mounts: Vec::new(),
             env: BTreeMap::new(),
             pass_env: Vec::new(),
@@ -167,6 +175,24 @@ impl SandboxSpec {
         self.secrets
             .iter()
             .any(|s| matches!(s.exposure, crate::SecretExposure::Proxy { .. }))
+    }
+
+    /// The sandbox user's name and home on a tier's own userland (the generated
+    /// `/etc/passwd` of the host-tools view): `sandbox` at `/workspace`, or, with a
+    /// [`workspace_alias`](Self::workspace_alias) `/home/NAME`, NAME at the alias (unless
+    /// NAME is no portable user name or one the file has already: `root`, `nobody`).
+    /// An image's own `/etc/passwd` is its own.
+    pub fn user_name_and_home(&self) -> (&str, &str) {
+        let named = self.workspace_alias.as_deref().and_then(|a| {
+            let name = a.strip_prefix("/home/")?;
+            let portable = name.len() <= 32
+                && name.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"_-".contains(&b));
+            (portable && !matches!(name, "root" | "nobody" | "nogroup")).then_some((name, a))
+        });
+        named.unwrap_or(("sandbox", crate::WORKSPACE_MOUNT))
     }
 
     /// The environment every command starts with: the spec's `env`, then the named host

@@ -9,8 +9,8 @@
 // order), to narrow a failure. Each passed step prints `ok: STEP`, the whole run `all ok`; a
 // failed check is an AssertionError saying what was expected and what came.
 //
-// Nothing here assumes E2B's /home/user: the sandbox's home, where commands start and relative
-// paths resolve, is whatever `pwd` says (the working directory, /workspace on our tiers).
+// The sandbox's home, where commands start and relative paths resolve, is whatever `pwd`
+// says: E2B's /home/user on our server unless the operator names another.
 import assert from 'node:assert/strict'
 import { readFileSync } from 'node:fs'
 import { join, posix } from 'node:path'
@@ -239,12 +239,12 @@ async function stepFiles(run) {
   await expectError(FileNotFoundError, 'reading a missing file', () => files.read('missing.txt'))
 }
 
-/** A directory of the workspace watched through the SDK's stream (`watchDir`, recursive):
+/** A directory of the home watched through the SDK's stream (`watchDir`, recursive):
  * a file written through the file API and one made by a command in a subdirectory made
  * after the watch began; a missing directory is FileNotFound. */
 async function stepWatch(run) {
   const sb = await run.sandbox()
-  const d = '/workspace/watched-js' // the workspace, whatever the template's home
+  const d = `${await run.home()}/watched-js` // the home: the workspace, or its alias
   await sb.files.makeDir(d)
   const seen = []
   let wake = () => {}

@@ -7,8 +7,9 @@ Every step runs by default, in the order of STEPS; naming some runs only those (
 order), to narrow a failure. Each passed step prints `ok: STEP`, the whole run `all ok`; a
 failed check is an AssertionError saying what was expected and what came.
 
-Nothing here assumes E2B's /home/user: the sandbox's home, where commands start and relative
-paths resolve, is whatever `pwd` says (the working directory, /workspace on our tiers)."""
+The sandbox's home, where commands start and relative paths resolve, is whatever `pwd` says;
+E2B_EXPECT_HOME, when set, is what it must be (E2B's /home/user, every template's unless the
+operator names another)."""
 import os
 import json
 import posixpath
@@ -209,12 +210,12 @@ def step_files(run):
 
 
 def step_watch(run):
-    """A directory of the workspace watched: the SDK's polled watcher sees a file created and
+    """A directory of the home watched: the SDK's polled watcher sees a file created and
     written through the file API and removed by a command, a recursive one sees a file in a
     subdirectory; a missing directory is FileNotFound, a file is refused."""
     sb = run.sandbox
     files = sb.files
-    d = "/workspace/watched"  # the workspace, whatever the template's home
+    d = f"{run.home}/watched"  # the home: the workspace, or its alias
     files.make_dir(f"{d}/sub")
 
     def seen(handle):
@@ -418,10 +419,82 @@ def step_auth(run):
     )
 
 
+# A WebSocket server's handshake, then an echo of whatever comes: what the forwarding must
+# carry is the upgrade and the bytes after it, in both directions.
+UPGRADE_ECHO = r"""
+import base64, hashlib, socket, threading
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 8002))
+s.listen(128)
+def serve(c):
+    head = b""
+    while b"\r\n\r\n" not in head:
+        more = c.recv(4096)
+        if not more:
+            return
+        head += more
+    key = [l.split(b":", 1)[1].strip() for l in head.split(b"\r\n")
+           if l.lower().startswith(b"sec-websocket-key:")][0]
+    accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+    c.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+              b"Connection: Upgrade\r\nSec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+    while True:
+        b = c.recv(4096)
+        if not b:
+            return
+        c.sendall(b)
+def handle(c):
+    try:
+        serve(c)
+    except OSError:
+        pass  # a client gone mid-way
+    c.close()
+while True:
+    c, _ = s.accept()
+    threading.Thread(target=handle, args=(c,), daemon=True).start()
+"""
+
+
+def upgrade_round_trip(base, headers, payload):
+    """A WebSocket handshake through the server to the sandbox's port, then `payload` sent
+    and read back: (the status line, the bytes echoed)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(base)
+    c = socket.create_connection((u.hostname, u.port), timeout=10)
+    req = ["GET /ws HTTP/1.1", f"Host: {u.netloc}", "Connection: Upgrade",
+           "Upgrade: websocket", "Sec-WebSocket-Version: 13",
+           "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ=="]
+    req += [f"{k}: {v}" for k, v in headers.items()]
+    c.sendall(("\r\n".join(req) + "\r\n\r\n").encode())
+    head = b""
+    while b"\r\n\r\n" not in head:
+        more = c.recv(4096)
+        if not more:
+            break
+        head += more
+    status = head.split(b"\r\n", 1)[0].decode()
+    if " 101 " not in status + " ":
+        c.close()
+        return status, b""
+    body = head.split(b"\r\n\r\n", 1)[1]
+    c.sendall(payload)
+    while len(body) < len(payload):
+        more = c.recv(4096)
+        if not more:
+            break
+        body += more
+    c.close()
+    return status, body
+
+
 def step_ports(run):
     """A server the sandbox runs, reached the way the SDK reaches envd: the sandbox URL with
     `E2b-Sandbox-Id` and `E2b-Sandbox-Port` naming its port (`get_host`'s port, routed by
-    header); a port nothing listens on is a 502 that says so."""
+    header); a port nothing listens on is a 502 that says so; a WebSocket's upgrade goes
+    through, and the bytes after it both ways."""
     import httpx  # a dependency of the SDK
 
     sb = run.sandbox
@@ -450,6 +523,65 @@ def step_ports(run):
     assert r.status_code == 502, f"port 8001 (nothing there): {r.status_code} {r.text!r}"
     assert "8001" in r.json()["message"], f"the 502 does not say which port: {r.text!r}"
     assert cmds.kill(h.pid) is True
+
+    run.sandbox.files.write("upgrade_echo.py", UPGRADE_ECHO)
+    ws = cmds.run("python3 upgrade_echo.py", background=True)
+    base = os.environ["E2B_SANDBOX_URL"].rstrip("/")
+    to = {"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "8002"}
+    payload = bytes(range(256)) * 64  # 16 KiB: more than one read each way
+    deadline = time.monotonic() + 30
+    while True:
+        status, echoed = upgrade_round_trip(base, to, payload)
+        if " 101 " in status + " " or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert " 101 " in status + " ", f"the upgrade through port 8002: {status!r}"
+    assert echoed == payload, f"{len(echoed)} bytes came back of {len(payload)}"
+    tunnels_are_bounded(base, to)
+    assert cmds.kill(ws.pid) is True
+
+
+def tunnels_are_bounded(base, to):
+    """A client holding 64 upgraded connections open gets a 429 for the next, and its
+    places back once it lets them go."""
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(base)
+    head = (f"GET /ws HTTP/1.1\r\nHost: {u.netloc}\r\nConnection: Upgrade\r\n"
+            "Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+            "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+            + "".join(f"{k}: {v}\r\n" for k, v in to.items()) + "\r\n").encode()
+    held = []
+    try:
+        for _ in range(64):
+            c = socket.create_connection((u.hostname, u.port), timeout=10)
+            c.sendall(head)
+            held.append(c)
+        for c in held:  # each one's 101: its place is taken
+            got = b""
+            while b"\r\n\r\n" not in got:
+                more = c.recv(4096)
+                assert more, f"an upgrade closed before its answer: {got!r}"
+                got += more
+            assert got.startswith(b"HTTP/1.1 101"), f"an upgrade: {got[:40]!r}"
+        deadline = time.monotonic() + 30
+        while True:
+            status, _ = upgrade_round_trip(base, to, b"x")
+            if " 429 " in status + " " or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert " 429 " in status + " ", f"a 65th upgrade: {status!r}"
+    finally:
+        for c in held:
+            c.close()
+    deadline = time.monotonic() + 30
+    while True:
+        status, echoed = upgrade_round_trip(base, to, b"again")
+        if echoed == b"again" or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert echoed == b"again", f"after the 64 closed: {status!r} {echoed!r}"
 
 
 def step_snapshots(run):

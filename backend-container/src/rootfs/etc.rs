@@ -12,23 +12,26 @@ pub(crate) const CA_BUNDLE_NAME: &str = "agent-sandbox-ca.crt";
 /// command user, the hostname and `resolv.conf`, which makes them a template's key.
 pub(crate) fn etc_files(
     user: u32,
+    (name, home): (&str, &str),
     hostname: &str,
     resolv_conf: &str,
 ) -> Vec<(&'static str, String)> {
     let u = user;
     let passwd = if u == 0 {
-        "root:x:0:0:sandbox:/workspace:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-            .to_string()
+        format!(
+            "root:x:0:0:sandbox:{home}:/bin/sh\n\
+             nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+        )
     } else {
         format!(
-            "root:x:0:0:root:/root:/bin/sh\nsandbox:x:{u}:{u}:sandbox:/workspace:/bin/sh\n\
+            "root:x:0:0:root:/root:/bin/sh\n{name}:x:{u}:{u}:{name}:{home}:/bin/sh\n\
              nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
         )
     };
     let group = if u == 0 {
         "root:x:0:\nnogroup:x:65534:\n".to_string()
     } else {
-        format!("root:x:0:\nsandbox:x:{u}:\nnogroup:x:65534:\n")
+        format!("root:x:0:\n{name}:x:{u}:\nnogroup:x:65534:\n")
     };
     let h = hostname;
     vec![

@@ -5,8 +5,8 @@ use sandbox_core::{Result, SandboxSpec};
 
 use super::host::host_ops_at;
 use super::{
-    check_mounts, finish, first_ops, sandbox_mounts, skeleton, tmpfs, write_etc, Plan, Roots,
-    Setup, ATTR_RDONLY, MS_NODEV, MS_NOSUID, ROOT_TMPFS,
+    check_mounts, finish, first_ops, freeze_home, sandbox_mounts, skeleton, tmpfs, write_etc, Plan,
+    Roots, Setup, ATTR_RDONLY, MS_NODEV, MS_NOSUID, ROOT_TMPFS,
 };
 use crate::proto::Op;
 
@@ -58,6 +58,7 @@ pub(crate) fn template_plan(p: &Plan<'_>, root: &str) -> Result<Setup> {
         dst: root.into(),
     });
     sandbox_mounts(&mut ops, r, p, true, false)?;
+    freeze_home(&mut ops, r, p.spec);
     finish(&mut ops, p, root, &[]);
     Ok(Setup {
         prep: Vec::new(),

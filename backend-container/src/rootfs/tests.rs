@@ -112,7 +112,15 @@ fn rootfs_plan_mounts_an_overlay_with_relative_layers() {
 #[test]
 fn template_holds_the_shared_root_and_the_plan_only_the_sandbox_s_own_mounts() {
     let root = "/run/t/0";
-    let ops = template_ops(root, etc_files(1000, "box", "nameserver 1.2.3.4\n"));
+    let ops = template_ops(
+        root,
+        etc_files(
+            1000,
+            ("sandbox", "/workspace"),
+            "box",
+            "nameserver 1.2.3.4\n",
+        ),
+    );
     assert!(matches!(&ops[1], Op::Mount { fstype, dst, .. } if fstype == "tmpfs" && dst == root));
     // Ends read-only; sources are host paths as the zygote sees them (no /oldroot).
     assert!(

@@ -313,7 +313,16 @@ impl Inner {
         let who = self.who;
         if self.lower.is_empty() {
             // With the published-port relay in it.
-            bundle::write_rootfs(&self.bundle, who)?;
+            bundle::write_rootfs(&self.bundle, who, self.spec.user_name_and_home())?;
+            if let Some(alias) = &self.spec.workspace_alias {
+                // The alias's mount point in our read-only root (an own root's is made by
+                // runsc in its in-memory overlay).
+                let point = self
+                    .bundle
+                    .join("rootfs")
+                    .join(alias.trim_start_matches('/'));
+                std::fs::create_dir_all(&point).map_err(io("create", &point))?;
+            }
             self.relay.store(true, Ordering::SeqCst);
         }
         let cgroup = stale::cgroup_name(&self.id);

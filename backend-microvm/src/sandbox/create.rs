@@ -33,6 +33,12 @@ pub(crate) fn check_spec(spec: &SandboxSpec) -> Result<()> {
              memory; copy files in with write_file)",
         ));
     }
+    if spec.workspace_alias.is_some() {
+        return Err(Error::unsupported(
+            TIER,
+            "a workspace alias (the guest agent mounts the workspace at /workspace only)",
+        ));
+    }
     if !spec.mounts.is_empty() {
         return Err(Error::unsupported(
             TIER,

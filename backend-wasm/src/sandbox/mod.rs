@@ -329,6 +329,13 @@ impl Inner {
             WORKSPACE_MOUNT,
             self.workspace_writable,
         )];
+        if let Some(alias) = &self.spec.workspace_alias {
+            g.push(python::grant(
+                self.workspace()?,
+                alias,
+                self.workspace_writable,
+            ));
+        }
         g.extend(self.mounts.iter().cloned());
         Ok(g)
     }

@@ -218,6 +218,57 @@ pub(super) async fn inside(cx: &Ctx<'_>) -> Checked {
     cx.finish(sb, r).await
 }
 
+pub(super) async fn alias(cx: &Ctx<'_>) -> Checked {
+    let spec = cx
+        .spec()
+        .workspace_alias("/home/agent")
+        .build()
+        .map_err(|e| format!("spec refused: {e}"))?;
+    if !cx.caps.workspace_alias {
+        let source = MapSecretSource::new();
+        let secrets = ResolvedSecrets::resolve(&spec.secrets, &source)
+            .map_err(|e| format!("secrets: {e}"))?;
+        return expect_unsupported("a workspace alias", cx.backend.create(&spec, secrets).await);
+    }
+    let sb = cx.create_spec(&spec).await?;
+    let r = async {
+        sb.write_file("from-api.txt", b"api-data")
+            .await
+            .map_err(|e| format!("write_file: {e}"))?;
+        // Absolute paths: the alias, not the working directory.
+        let code = cx.code(
+            "cat /home/agent/from-api.txt && mkdir -p /home/agent/d \
+             && printf alias-data > /home/agent/d/made-inside.txt",
+            "import os, sys\n_ = sys.stdout.write(open('/home/agent/from-api.txt').read())\n\
+             os.makedirs('/home/agent/d', exist_ok=True)\n\
+             _ = open('/home/agent/d/made-inside.txt', 'w').write('alias-data')",
+        );
+        let r = run(sb.as_ref(), "files at the alias", ExecRequest::code(code)).await?;
+        expect(
+            r.success() && r.stdout_str() == "api-data",
+            "the API's file read at the alias",
+            &r,
+        )?;
+        let back = sb
+            .read_file("/workspace/d/made-inside.txt")
+            .await
+            .map_err(|e| format!("read_file of a file made at the alias: {e}"))?;
+        if back != b"alias-data" {
+            return Err(format!("read {:?}", String::from_utf8_lossy(&back)));
+        }
+        // The file API itself stays the workspace's: the alias is not one of its paths.
+        match sb.read_file("/home/agent/from-api.txt").await {
+            Err(Error::PathEscape { .. }) => Ok(()),
+            other => Err(format!(
+                "read_file of the alias's path: {:?}, not PathEscape",
+                other.map(|_| ())
+            )),
+        }
+    }
+    .await;
+    cx.finish(sb, r).await
+}
+
 pub(super) async fn not_found(cx: &Ctx<'_>) -> Checked {
     let sb = cx.create(cx.spec()).await?;
     let r = match sb.read_file("conformance-missing.txt").await {

@@ -120,6 +120,12 @@ static CASES: &[Case] = &[
         files::inside
     ),
     case!(
+        "files.alias",
+        "the workspace at a second path (`workspace_alias`) is the same directory; or is Unsupported",
+        [Code],
+        files::alias
+    ),
+    case!(
         "files.not-found",
         "reading a missing file is NotFound",
         [],

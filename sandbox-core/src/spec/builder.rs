@@ -77,6 +77,19 @@ impl SpecBuilder {
         self
     }
 
+    /// Shows the workspace at `/home/NAME` too (see [`SandboxSpec::workspace_alias`]).
+    /// Default: `/workspace` only.
+    ///
+    /// # Errors
+    /// [`build`](Self::build) fails with [`Error::InvalidSpec`] (`workspace_alias`) when
+    /// `path` is not one directory under `/home`; creating the sandbox fails with
+    /// [`Error::Unsupported`] on a tier without
+    /// [`Capabilities::workspace_alias`](crate::Capabilities::workspace_alias).
+    pub fn workspace_alias(mut self, path: impl Into<String>) -> Self {
+        self.spec.workspace_alias = Some(path.into());
+        self
+    }
+
     /// Uses a root filesystem directory instead of the host-tools view. Default: none.
     ///
     /// # Errors

@@ -223,6 +223,38 @@ fn bad_specs_name_the_field() {
         ),
         (
             SandboxSpec::builder(Language::C)
+                .workspace_alias("/home/user/x")
+                .spec,
+            "workspace_alias",
+        ),
+        (
+            SandboxSpec::builder(Language::C)
+                .workspace_alias("/home/..")
+                .spec,
+            "workspace_alias",
+        ),
+        (
+            SandboxSpec::builder(Language::C)
+                .workspace_alias("/etc")
+                .spec,
+            "workspace_alias",
+        ),
+        (
+            SandboxSpec::builder(Language::C)
+                .workspace_alias("/home/user")
+                .mount_ro("/", "/home")
+                .spec,
+            "mounts",
+        ),
+        (
+            SandboxSpec::builder(Language::C)
+                .workspace_alias("/home/user")
+                .mount_ro("/", "/home/user/data/")
+                .spec,
+            "mounts",
+        ),
+        (
+            SandboxSpec::builder(Language::C)
                 .secret_env("K", "bad var")
                 .spec,
             "secrets",
@@ -319,4 +351,35 @@ fn serde_round_trip_and_unknown_fields_refused() {
     let minimal: SandboxSpec = serde_json::from_str(r#"{"language":"python"}"#).unwrap();
     assert_eq!(minimal, SandboxSpec::new(Language::Python));
     assert!(serde_json::from_str::<SandboxSpec>(r#"{"language":"python","netwrk":{}}"#).is_err());
+}
+
+#[test]
+fn a_workspace_alias_is_one_directory_under_home() {
+    for ok in ["/home/user", "/home/a.b_c-1"] {
+        let spec = SandboxSpec::builder(Language::Shell)
+            .workspace_alias(ok)
+            .mount_ro("/", "/home/other")
+            .spec;
+        spec.validate().unwrap();
+    }
+    let long = format!("/home/{}", "a".repeat(65));
+    let spec = SandboxSpec::builder(Language::Shell)
+        .workspace_alias(long)
+        .spec;
+    assert!(spec.validate().is_err());
+}
+
+#[test]
+fn the_user_is_named_after_the_workspace_alias() {
+    let named = |alias: Option<&str>| {
+        let mut s = SandboxSpec::new(Language::Shell);
+        s.workspace_alias = alias.map(str::to_string);
+        let (n, h) = s.user_name_and_home();
+        (n.to_string(), h.to_string())
+    };
+    let pair = |n: &str, h: &str| (n.to_string(), h.to_string());
+    assert_eq!(named(None), pair("sandbox", "/workspace"));
+    assert_eq!(named(Some("/home/user")), pair("user", "/home/user"));
+    assert_eq!(named(Some("/home/root")), pair("sandbox", "/workspace"));
+    assert_eq!(named(Some("/home/My.Name")), pair("sandbox", "/workspace"));
 }

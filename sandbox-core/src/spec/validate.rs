@@ -96,6 +96,18 @@ impl SandboxSpec {
                 ));
             }
         }
+        if let Some(alias) = &self.workspace_alias {
+            check_alias(alias)?;
+            if let Some(m) = self.mounts.iter().find(|m| overlaps(&m.target, alias)) {
+                return Err(Error::invalid(
+                    "mounts",
+                    format!(
+                        "target `{}` overlaps the workspace alias `{alias}`",
+                        m.target
+                    ),
+                ));
+            }
+        }
         for m in &self.mounts {
             if !m.target.starts_with('/') || m.target.split('/').any(|c| c == "..") {
                 return Err(Error::invalid(
@@ -165,4 +177,32 @@ impl SandboxSpec {
         }
         Ok(())
     }
+}
+
+/// A workspace alias is `/home/NAME`: one directory under `/home`, NAME made of ASCII
+/// letters, digits, `.`, `_` and `-` (not `.` or `..`), at most 64 bytes.
+fn check_alias(alias: &str) -> Result<()> {
+    let name = alias.strip_prefix("/home/").unwrap_or("");
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name != "."
+        && name != ".."
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::invalid(
+            "workspace_alias",
+            format!("`{alias}` is not /home/NAME (NAME: letters, digits, `.`, `_`, `-`)"),
+        ))
+    }
+}
+
+/// Whether mount target `target` and the alias are the same path or one holds the other.
+fn overlaps(target: &str, alias: &str) -> bool {
+    let t = target.trim_end_matches('/');
+    let t = if t.is_empty() { "/" } else { t };
+    t == alias || alias.starts_with(&format!("{t}/")) || t.starts_with(&format!("{alias}/"))
 }

@@ -283,14 +283,29 @@ async fn create_with(
     let net = req.network.clone().unwrap_or_default();
     let policy = policy(req.allow_internet_access, &net)?;
     crate::access::check_network(&s.config, &policy).map_err(e2b)?;
+    // The home is the workspace's alias where the tier can show one: a template's tier is
+    // asked; a tier the selector picks is tried with it, and without it if it says
+    // `Unsupported` (a provider whose tiers cannot, as a test's may).
+    let alias = template.tier.is_none_or(|t| {
+        s.provider
+            .capabilities(t)
+            .is_some_and(|c| c.workspace_alias)
+    });
     let spec = template
-        .spec(&req.env_vars, policy)
+        .spec(&req.env_vars, policy.clone(), alias)
         .map_err(|e| e2b(e.into()))?;
     crate::routes::admit::room(&s, 1).map_err(e2b)?;
-    let (sandbox, _) = s
-        .create_pooled(&spec, template.tier)
-        .await
-        .map_err(|e| e2b(e.into()))?;
+    let sandbox = match s.create_pooled(&spec, template.tier).await {
+        Err(sandbox_core::Error::Unsupported { .. }) if spec.workspace_alias.is_some() => {
+            let plain = template
+                .spec(&req.env_vars, policy, false)
+                .map_err(|e| e2b(e.into()))?;
+            s.create_pooled(&plain, template.tier).await
+        }
+        other => other,
+    }
+    .map_err(|e| e2b(e.into()))?
+    .0;
     let mut lifetime = LifetimeSpec::default();
     lifetime.ttl_s = Some(timeout);
     let mut m = Meta::new(template.name.clone(), sandbox.spec());
@@ -306,19 +321,28 @@ async fn create_with(
     if net.allow_public_traffic == Some(false) {
         m.traffic_token = Some(crate::Token::generate());
     }
-    if let Some(home) = &template.home {
-        if let Err(why) = make_home(sandbox.as_ref(), home).await {
-            let _ = sandbox.destroy().await;
-            return Err(api_error(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!(
-                    "template `{}`: its home {home} cannot be made in the sandbox: {why}",
-                    template.name
-                ),
-            ));
+    // The home: the workspace's alias, or the workspace itself, or (a home the operator
+    // named that the tier could not alias) a directory made in the sandbox.
+    let home = match (&template.home, &sandbox.spec().workspace_alias) {
+        (_, Some(alias)) => alias.clone(),
+        (None, None) => sandbox_core::WORKSPACE_MOUNT.to_string(),
+        (Some(home), None) => {
+            if home != sandbox_core::WORKSPACE_MOUNT {
+                if let Err(why) = make_home(sandbox.as_ref(), home).await {
+                    let _ = sandbox.destroy().await;
+                    return Err(api_error(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        format!(
+                            "template `{}`: its home {home} cannot be made in the sandbox: {why}",
+                            template.name
+                        ),
+                    ));
+                }
+            }
+            home.clone()
         }
-        m.home = home.clone();
-    }
+    };
+    m.home = home;
     // The E2B side is the entry's from its first moment: no request can see it without.
     let info =
         crate::routes::admit::admit(&s, &caller, sandbox, req.metadata, lifetime, None, Some(m))

@@ -61,9 +61,12 @@ pub(crate) struct Meta {
     pub(crate) template: String,
     pub(crate) access_token: crate::Token,
     pub(crate) env_vars: BTreeMap<String, String>,
-    /// The directory relative paths and commands start from: the sandbox's working
-    /// directory (`/workspace` on our tiers).
+    /// The directory relative paths and commands start from: the template's home
+    /// (`/home/user`, E2B's, unless the operator said otherwise; see [`templates`]).
     pub(crate) home: String,
+    /// The sandbox's workspace alias, when it has one (the home, where the tier shows the
+    /// workspace there): paths beneath it are the workspace's.
+    pub(crate) alias: Option<String>,
     pub(crate) allow_internet: Option<bool>,
     pub(crate) network: std::sync::Mutex<serde_json::Value>,
     pub(crate) auto_pause: bool,
@@ -75,6 +78,8 @@ pub(crate) struct Meta {
     pub(crate) memory_mib: u64,
     pub(crate) disk_mib: u64,
     pub(crate) procs: process::Procs,
+    /// Places for its upgraded connections (WebSockets) through [`ports`].
+    pub(crate) tunnels: Arc<tokio::sync::Semaphore>,
     /// Its ports published for [`ports`] so far: the sandbox's port, where on this host.
     pub(crate) ports: tokio::sync::Mutex<std::collections::HashMap<u16, std::net::SocketAddr>>,
     /// The token its other ports require (`network.allowPublicTraffic: false`), sent as
@@ -94,7 +99,11 @@ impl Meta {
             template,
             access_token: crate::Token::generate(),
             env_vars: spec.env.clone(),
-            home: sandbox_core::WORKSPACE_MOUNT.to_string(),
+            home: spec
+                .workspace_alias
+                .clone()
+                .unwrap_or_else(|| sandbox_core::WORKSPACE_MOUNT.to_string()),
+            alias: spec.workspace_alias.clone(),
             allow_internet: None,
             network: std::sync::Mutex::new(serde_json::Value::Null),
             auto_pause: false,
@@ -104,6 +113,7 @@ impl Meta {
             memory_mib: spec.limits.memory_bytes >> 20,
             disk_mib: spec.limits.disk_bytes >> 20,
             procs: process::Procs::default(),
+            tunnels: Arc::new(tokio::sync::Semaphore::new(ports::MAX_TUNNELS)),
             ports: Default::default(),
             traffic_token: None,
             samples: Default::default(),
@@ -429,9 +439,41 @@ pub(crate) fn resolve(home: &str, path: &str) -> Result<String, connect::RpcErro
     Ok(format!("/{}", parts.join("/")))
 }
 
+impl Meta {
+    /// The workspace-relative form of `abs` (a path [`resolve`] made), `""` for the
+    /// workspace itself, when it lies in the workspace: beneath `/workspace` or beneath the
+    /// sandbox's alias of it.
+    pub(crate) fn in_workspace<'a>(&self, abs: &'a str) -> Option<&'a str> {
+        let beneath = |root: &str| {
+            abs.strip_prefix(root)
+                .filter(|r| r.is_empty() || r.starts_with('/'))
+                .map(|r| r.trim_start_matches('/'))
+        };
+        beneath(sandbox_core::WORKSPACE_MOUNT).or_else(|| self.alias.as_deref().and_then(beneath))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_workspace_is_found_by_its_mount_and_its_alias() {
+        let spec = sandbox_core::SandboxSpec::builder(sandbox_core::Language::Shell)
+            .workspace_alias("/home/user")
+            .build()
+            .unwrap();
+        let m = Meta::new("t".into(), &spec);
+        assert_eq!(m.in_workspace("/workspace/a/b"), Some("a/b"));
+        assert_eq!(m.in_workspace("/workspace"), Some(""));
+        assert_eq!(m.in_workspace("/home/user/x"), Some("x"));
+        assert_eq!(m.in_workspace("/home/user"), Some(""));
+        assert_eq!(m.in_workspace("/home/username/x"), None);
+        assert_eq!(m.in_workspace("/workspaces/a"), None);
+        assert_eq!(m.in_workspace("/tmp/a"), None);
+        let plain = Meta::new("t".into(), &sandbox_core::SandboxSpec::new(spec.language));
+        assert_eq!(plain.in_workspace("/home/user/x"), None);
+    }
 
     #[test]
     fn paths_resolve_against_the_home_and_stay_absolute() {

@@ -4,6 +4,11 @@
 //! and each request is sent through it with `hyper`'s HTTP/1.1 client; the answer streams
 //! back. Nothing listening there is a 502 that says so. The headers that routed the request
 //! (the sandbox id and port, its access tokens) are not passed in.
+//!
+//! An HTTP/1.1 upgrade (a WebSocket's handshake, `Connection: upgrade`) goes through too:
+//! when the sandbox's server answers `101 Switching Protocols`, the client's connection and
+//! the sandbox's are joined byte for byte until either side closes; at most
+//! [`MAX_TUNNELS`] such connections per sandbox at once (each holds two sockets).
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
@@ -29,6 +34,21 @@ const ROUTING: [&str; 5] = [
 /// Most ports of one sandbox published for forwarding (each is a listener on this host:
 /// a client naming port after port must not exhaust the server's descriptors).
 const MAX_PORTS: usize = 32;
+
+/// Most upgraded connections (WebSockets) of one sandbox open at once.
+pub(crate) const MAX_TUNNELS: usize = 64;
+
+/// Whether `req` asks to switch protocols (`Connection: upgrade` and an `Upgrade` header).
+fn wants_upgrade(req: &Request) -> bool {
+    let h = req.headers();
+    h.contains_key(axum::http::header::UPGRADE)
+        && h.get_all(axum::http::header::CONNECTION).iter().any(|v| {
+            v.to_str().is_ok_and(|v| {
+                v.split(',')
+                    .any(|t| t.trim().eq_ignore_ascii_case("upgrade"))
+            })
+        })
+}
 
 /// Where `port` of the sandbox is published on this host, publishing it on first use.
 async fn published(entry: &Entry, meta: &Meta, port: u16) -> Result<SocketAddr, Response> {
@@ -67,9 +87,23 @@ pub(crate) async fn forward(
     entry: Arc<Entry>,
     meta: Arc<Meta>,
     port: u16,
-    req: Request,
+    mut req: Request,
 ) -> Response {
     let id = entry.info.id.clone();
+    // An upgrade holds its place among the sandbox's tunnels from now until it closes.
+    let tunnel = if wants_upgrade(&req) {
+        match Arc::clone(&meta.tunnels).try_acquire_owned() {
+            Ok(permit) => Some((permit, hyper::upgrade::on(&mut req))),
+            Err(_) => {
+                return api_error(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    format!("sandbox {id} has {MAX_TUNNELS} upgraded connections open, its limit"),
+                )
+            }
+        }
+    } else {
+        None
+    };
     let at = match published(&entry, &meta, port).await {
         Ok(a) => a,
         Err(r) => return r,
@@ -89,7 +123,7 @@ pub(crate) async fn forward(
         Err(e) => return unreachable(e.to_string()),
     };
     tokio::spawn(async move {
-        if let Err(e) = conn.await {
+        if let Err(e) = conn.with_upgrades().await {
             tracing::debug!(error = %e, "a forwarded connection ended");
         }
     });
@@ -101,8 +135,26 @@ pub(crate) async fn forward(
     if let Some(pq) = parts.uri.path_and_query().cloned() {
         parts.uri = pq.as_str().parse().unwrap_or_default();
     }
-    match send.send_request(Request::from_parts(parts, body)).await {
-        Ok(resp) => resp.map(Body::new).into_response(),
-        Err(e) => unreachable(e.to_string()),
+    let mut resp = match send.send_request(Request::from_parts(parts, body)).await {
+        Ok(resp) => resp,
+        Err(e) => return unreachable(e.to_string()),
+    };
+    if let (Some((permit, client)), StatusCode::SWITCHING_PROTOCOLS) = (tunnel, resp.status()) {
+        let upstream = hyper::upgrade::on(&mut resp);
+        tokio::spawn(async move {
+            let _permit = permit;
+            let (client, upstream) = match tokio::join!(client, upstream) {
+                (Ok(c), Ok(u)) => (c, u),
+                (Err(e), _) | (_, Err(e)) => {
+                    tracing::debug!(error = %e, "an upgrade did not complete");
+                    return;
+                }
+            };
+            let (mut c, mut u) = (TokioIo::new(client), TokioIo::new(upstream));
+            if let Err(e) = tokio::io::copy_bidirectional(&mut c, &mut u).await {
+                tracing::debug!(error = %e, "an upgraded connection ended");
+            }
+        });
     }
+    resp.map(Body::new).into_response()
 }

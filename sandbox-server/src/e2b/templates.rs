@@ -22,16 +22,23 @@ pub struct Template {
     pub memory_mib: Option<u64>,
     /// CPUs of each sandbox (`None`: one).
     pub cpus: Option<u32>,
-    /// The home of E2B's commands and relative paths, made at create if missing (E2B's is
-    /// `/home/user`, which programs written for it often name); `None`: the sandbox's
-    /// working directory (`/workspace`). It must be a place the sandbox's user can create
-    /// (an image's `/home`, not the tiers' read-only host-tools root).
+    /// The home of E2B's commands and relative paths, as the operator named it; `None`:
+    /// `/home/user` (E2B's) on tiers that can show the workspace there, else `/workspace` (see
+    /// [`home`](Self::home)). A home `/home/NAME` is the workspace itself, shown there
+    /// ([`SandboxSpec::workspace_alias`]) on tiers that can; `/workspace` is the workspace
+    /// alone; any other directory the operator names (or `/home/NAME` on a tier without
+    /// aliases) is made at create, as the sandbox's user, where its root lets it (an
+    /// image's, not a read-only host-tools root).
     pub home: Option<String>,
 }
 
+/// E2B's home directory, which programs written for it name: every template's unless the
+/// operator says otherwise.
+pub const E2B_HOME: &str = "/home/user";
+
 /// Why a template could not be read from its text.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("template `{text}`: {why} (the form: NAME=IMAGE[,tier=T][,memory=MIB][,cpus=N][,home=DIR], IMAGE `-` for the tier's own userland)")]
+#[error("template `{text}`: {why} (the form: NAME=IMAGE[,tier=T][,memory=MIB][,cpus=N][,home=DIR], IMAGE `-` for the tier's own userland, DIR `/home/user` unless given)")]
 pub struct TemplateError {
     text: String,
     why: String,
@@ -59,14 +66,20 @@ impl Template {
     /// policy. Commands run as E2B's do (`/bin/bash -l -c`), so the language is the shell;
     /// a sandbox lives as long as its timeout says (the library's own lifetime limit is set
     /// to E2B's longest, a day).
+    /// `alias`: whether the tier shows the workspace at a second path (then a home
+    /// `/home/NAME` is the workspace's alias).
     pub(crate) fn spec(
         &self,
         env: &std::collections::BTreeMap<String, String>,
         network: NetworkPolicy,
+        alias: bool,
     ) -> sandbox_core::Result<SandboxSpec> {
         let mut b = SandboxSpec::builder(Language::Shell)
             .lifetime(Duration::from_secs(24 * 3600))
             .network(network);
+        if alias && self.home_is_alias() {
+            b = b.workspace_alias(self.home());
+        }
         if let Some(image) = &self.image {
             b = b.image(image.to_string());
         }
@@ -80,6 +93,18 @@ impl Template {
             b = b.env(k, v);
         }
         b.build()
+    }
+
+    /// The home its sandboxes should have: the operator's, or E2B's.
+    pub fn home(&self) -> &str {
+        self.home.as_deref().unwrap_or(E2B_HOME)
+    }
+
+    /// Whether the home has the form of a workspace alias (`/home/NAME`).
+    fn home_is_alias(&self) -> bool {
+        let mut probe = SandboxSpec::new(Language::Shell);
+        probe.workspace_alias = Some(self.home().to_string());
+        probe.validate().is_ok()
     }
 }
 
@@ -137,7 +162,8 @@ impl FromStr for Template {
                     if !v.starts_with('/') || v.contains('\0') || v.split('/').any(|p| p == "..") {
                         return Err(err(format!("home `{v}` is not an absolute path")));
                     }
-                    t.home = Some(v.trim_end_matches('/').to_string());
+                    let v = v.trim_end_matches('/');
+                    t.home = Some(if v.is_empty() { "/" } else { v }.to_string());
                 }
                 _ => return Err(err(format!("unknown key `{k}`"))),
             }
@@ -191,8 +217,10 @@ mod tests {
         assert!(t.image.is_some());
         let host: Template = "base=-".parse().unwrap();
         assert_eq!(host.image, None);
-        let home: Template = "h=-,home=/home/user/".parse().unwrap();
-        assert_eq!(home.home.as_deref(), Some("/home/user"));
+        let home: Template = "h=-,home=/home/agent/".parse().unwrap();
+        assert_eq!(home.home(), "/home/agent");
+        let plain: Template = "h=-".parse().unwrap();
+        assert_eq!((plain.home.as_deref(), plain.home()), (None, E2B_HOME));
         for bad in [
             "noequals",
             "=img",

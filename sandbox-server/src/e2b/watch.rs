@@ -89,14 +89,21 @@ pub(crate) struct WatcherReq {
 fn workspace_path(e: &Envd, path: &str) -> Result<String, RpcError> {
     let abs = super::resolve(&e.meta.home, path)?;
     let ws = sandbox_core::WORKSPACE_MOUNT;
-    let inside = abs == ws || abs.starts_with(&format!("{ws}/"));
-    if !inside {
-        return Err(RpcError::invalid(format!(
-            "path '{abs}' cannot be watched: this server watches the sandbox's workspace \
-             ({ws} and beneath) only"
-        )));
+    match e.meta.in_workspace(&abs) {
+        Some(rel) => Ok(format!("{ws}/{rel}")),
+        None => {
+            let alias = e
+                .meta
+                .alias
+                .as_deref()
+                .map(|a| format!(", or {a}, the same directory,"))
+                .unwrap_or_default();
+            Err(RpcError::invalid(format!(
+                "path '{abs}' cannot be watched: this server watches the sandbox's workspace \
+                 ({ws}{alias} and beneath) only"
+            )))
+        }
     }
-    Ok(abs)
 }
 
 /// Starts a watch of `req`'s directory.
