@@ -137,6 +137,7 @@ fn scenario_with(tier: &str, base: &str) {
             .env("E2B_API_KEY", format!("e2b_{TOKEN}"))
             .env("E2B_DOMAIN", DOMAIN)
             .env("E2B_EXPECT_METRICS", if usage { "1" } else { "0" })
+            .env("E2B_SERVER_PID", s.child.id().to_string())
             .env(
                 "E2B_EXPECT_HOME",
                 base.split_once(",home=").map_or("/home/user", |(_, h)| h),

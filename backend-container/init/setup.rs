@@ -406,10 +406,22 @@ fn unlink_symlink(name: &str) -> io::Result<()> {
     }
 }
 
+/// Whether `rel` of the new root is a directory inside it that a plain lookup from the scratch
+/// root (as `mount(2)` makes) reaches too: not so when a chain of links leaves it further on
+/// (`a -> b`, `b -> /oldroot/tmp`).
+fn same_either_way(rel: &str) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(inside) = open_in_root(rel).and_then(|fd| File::from(fd).metadata()) else {
+        return false;
+    };
+    std::fs::metadata(format!("{NEW_ROOT}/{rel}"))
+        .is_ok_and(|plain| (plain.dev(), plain.ino()) == (inside.dev(), inside.ino()))
+}
+
 /// `mkdir -p`. In the new root each component is made in its parent as resolved inside the
 /// new root, and a component that is an image's symbolic link stays one only if it is
-/// relative, has no `..` and leads to a directory inside: such a link means the same from
-/// the scratch root, where mounts onto the path resolve it (merged-`/usr` links such as
+/// relative, has no `..` and leads to the same directory inside the root and from the scratch
+/// root, where mounts onto the path resolve it (merged-`/usr` links such as
 /// `lib -> usr/lib` stay). Any other link (absolute, climbing, dangling, or out of the root:
 /// `tmp -> /oldroot/tmp`) is replaced by a directory, so neither a write nor a mount of the
 /// setup follows it.
@@ -454,7 +466,7 @@ fn mkdir_all(path: &str, mode: u32) -> io::Result<()> {
                         && !target
                             .components()
                             .any(|c| matches!(c, std::path::Component::ParentDir));
-                    if plain && open_in_root(&prefix).is_ok() {
+                    if plain && same_either_way(&prefix) {
                         return Ok(());
                     }
                     std::fs::remove_file(name)?;

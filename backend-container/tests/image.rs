@@ -396,14 +396,25 @@ async fn an_image_of_symbolic_links_cannot_lead_the_setup_out_of_its_root() {
     link("etc/hosts", &format!("{h}/victim"));
     link("etc/resolv.conf", &format!("/oldroot{h}/created"));
     link("tmp", &format!("/oldroot{h}"));
-    link("home/user", &format!("/oldroot{h}"));
-    // The config's working directory.
-    let mut hd = tar::Header::new_gnu();
-    hd.set_entry_type(tar::EntryType::Directory);
-    hd.set_mode(0o755);
-    hd.set_size(0);
-    b.append_data(&mut hd, "home/app", std::io::empty())
-        .unwrap();
+    // A chain: the first link leads to a directory of the image, the second out of it from
+    // the setup's own root (where `/oldroot` is the host's), which mounts would follow.
+    link("home/user", "u");
+    link("home/u", &format!("/oldroot{h}"));
+    // The config's working directory, and the directory the chain's end names inside the
+    // image.
+    let mut dirs = vec!["home/app".to_string(), "oldroot".to_string()];
+    let mut at = String::from("oldroot");
+    for part in h.trim_start_matches('/').split('/') {
+        at = format!("{at}/{part}");
+        dirs.push(at.clone());
+    }
+    for d in dirs {
+        let mut hd = tar::Header::new_gnu();
+        hd.set_entry_type(tar::EntryType::Directory);
+        hd.set_mode(0o755);
+        hd.set_size(0);
+        b.append_data(&mut hd, &d, std::io::empty()).unwrap();
+    }
     let upper = b.into_inner().unwrap();
     let tmp = tempfile::tempdir().unwrap();
     write_layout_with(&tmp.path().join("layout"), &[("evil", None)], upper);

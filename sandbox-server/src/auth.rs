@@ -246,6 +246,33 @@ impl Gate {
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.budgets.keys().map(String::as_str)
     }
+
+    /// A place among client `name`'s requests in flight, held until the permit drops; the
+    /// 429 (or, for a name that is not a client's, the 401) when there is none. The API's
+    /// requests take one here, and so do the requests addressed to a client's sandbox
+    /// (E2B's envd and its ports), which carry the sandbox's token instead of the client's.
+    pub(crate) fn admit(&self, name: &str) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
+        let Some(budget) = self.budgets.get(name) else {
+            return Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "unknown client",
+            ));
+        };
+        std::sync::Arc::clone(budget)
+            .try_acquire_owned()
+            .map_err(|_| {
+                ApiError::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "too_many_requests",
+                    format!(
+                        "this client has {} requests in flight, its limit (`serve \
+                         --max-requests-per-client`): wait for one to end",
+                        self.max
+                    ),
+                )
+            })
+    }
 }
 
 /// Middleware: answers 401 unless the request carries a client's bearer token, 429 when that
@@ -290,21 +317,9 @@ pub async fn gate(State(gate): State<Gate>, mut req: Request, next: Next) -> Res
             }
         }
     };
-    let Some(budget) = gate.budgets.get(&name) else {
-        return ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "unknown client")
-            .into_response();
-    };
-    let Ok(_permit) = std::sync::Arc::clone(budget).try_acquire_owned() else {
-        return ApiError::new(
-            StatusCode::TOO_MANY_REQUESTS,
-            "too_many_requests",
-            format!(
-                "this client has {} requests in flight, its limit (`serve \
-                 --max-requests-per-client`): wait for one to end",
-                gate.max
-            ),
-        )
-        .into_response();
+    let _permit = match gate.admit(&name) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
     };
     req.extensions_mut().insert(Caller(name.into()));
     next.run(req).await

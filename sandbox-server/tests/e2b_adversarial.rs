@@ -436,6 +436,62 @@ mod logs;
 // =======================================================================================
 // 1. The control plane.
 
+/// A sandbox's envd requests count among its owner's requests in flight, as the API's do
+/// (they carry the sandbox's token, not the client's): with a budget of one, envd's
+/// `/health` while the owner's exec runs is a 429, and is answered once the exec ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envd_requests_count_among_their_owners_requests_in_flight() {
+    let mut config = ServerConfig::default();
+    config.max_requests_per_client = 1;
+    let s = serve(config).await;
+    let sb = s.create(&s.a).await;
+    let path = format!("/v1/sandboxes/{}/exec", sb.id);
+    let exec = async {
+        // Again if the probe below held the one place at that moment.
+        loop {
+            let r = s
+                .api(
+                    Some(s.a.reveal()),
+                    "POST",
+                    &path,
+                    Some(r#"{"code": "sleep 3"}"#),
+                )
+                .await;
+            if r.status != 429 {
+                return r;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    };
+    let probe = async {
+        // Until the exec holds the client's one place (then for as long as it does).
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let r = s
+                .envd(&sb.id, Some(&sb.token), &[], "GET", "/health", b"")
+                .await;
+            if r.status == 429 || tokio::time::Instant::now() > deadline {
+                return r;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let (done, busy) = tokio::join!(exec, probe);
+    assert_eq!(done.status, 200, "the exec: {}", done.text());
+    assert_eq!(busy.status, 429, "envd beside the exec: {}", busy.text());
+    assert!(
+        busy.text().contains("requests in flight"),
+        "{}",
+        busy.text()
+    );
+    let r = s
+        .envd(&sb.id, Some(&sb.token), &[], "GET", "/health", b"")
+        .await;
+    assert_ne!(r.status, 429, "envd after the exec: {}", r.text());
+    s.kill(&s.a, &sb).await;
+    s.stop().await;
+}
+
 /// No key, a wrong key, and a sandbox's envd token presented as a key: 401, in E2B's shape
 /// for a wrong `X-API-Key`, naming no sandbox; nothing is created; the server goes on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1701,7 +1757,11 @@ async fn killing_a_sandbox_under_a_stalled_stream_is_answered() {
 async fn concurrent_starts_keep_the_process_limit() {
     const TRIES: usize = 300;
     const LIMIT: usize = 256;
-    let s = Arc::new(serve_spawning(ServerConfig::default()).await);
+    // Every start at once: the client's budget of requests in flight (which envd's count
+    // in) above them, so the process limit is what meets the race.
+    let mut config = ServerConfig::default();
+    config.max_requests_per_client = 2 * TRIES;
+    let s = Arc::new(serve_spawning(config).await);
     let sb = s.create(&s.a).await;
     let mut tasks = Vec::new();
     for _ in 0..TRIES {

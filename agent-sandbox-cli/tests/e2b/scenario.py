@@ -539,6 +539,64 @@ def step_ports(run):
     assert echoed == payload, f"{len(echoed)} bytes came back of {len(payload)}"
     tunnels_are_bounded(base, to)
     assert cmds.kill(ws.pid) is True
+    tunnels_end_with_their_sandbox(base)
+
+
+def tunnels_end_with_their_sandbox(base):
+    """An upgraded connection to a sandbox that is then killed is let go by the server (its
+    socket closed, not left half open for a client that never closes), as E2B_SERVER_PID's
+    open descriptors show."""
+    import socket
+    from urllib.parse import urlsplit
+
+    sb = Sandbox.create(timeout=120, metadata=METADATA, allow_internet_access=False)
+    try:
+        sb.files.write("upgrade_echo.py", UPGRADE_ECHO)
+        sb.commands.run("python3 upgrade_echo.py", background=True)
+        to = {"E2b-Sandbox-Id": sb.sandbox_id, "E2b-Sandbox-Port": "8002"}
+        u = urlsplit(base)
+        deadline = time.monotonic() + 30
+        while True:
+            c = socket.create_connection((u.hostname, u.port), timeout=10)
+            c.sendall((f"GET /ws HTTP/1.1\r\nHost: {u.netloc}\r\nConnection: Upgrade\r\n"
+                       "Upgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                       + "".join(f"{k}: {v}\r\n" for k, v in to.items()) + "\r\n").encode())
+            head = c.recv(4096)
+            if head.startswith(b"HTTP/1.1 101") or time.monotonic() > deadline:
+                break
+            c.close()
+            time.sleep(0.2)
+        assert head.startswith(b"HTTP/1.1 101"), f"the upgrade: {head[:60]!r}"
+    finally:
+        sb.kill()
+    # The client stays silent; the server must close its side by itself.
+    port = c.getsockname()[1]
+    deadline = time.monotonic() + 30
+    while server_holds(port) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    held = server_holds(port)
+    c.close()
+    assert not held, "the server still holds the upgraded connection of a killed sandbox"
+
+
+def server_holds(client_port):
+    """Whether the server (E2B_SERVER_PID) has a socket open to `client_port` on this host."""
+    pid = os.environ["E2B_SERVER_PID"]
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if int(cols[2].rsplit(":", 1)[1], 16) == client_port and cols[9] != "0":
+                    inodes.add(f"socket:[{cols[9]}]")
+    fds = f"/proc/{pid}/fd"
+    for fd in os.listdir(fds):
+        try:
+            if os.readlink(f"{fds}/{fd}") in inodes:
+                return True
+        except OSError:
+            pass  # closed meanwhile
+    return False
 
 
 def tunnels_are_bounded(base, to):

@@ -292,17 +292,7 @@ pub(crate) fn template_root(key: TemplateKey) -> Option<String> {
             p
         }
     };
-    let idx = match f
-        .templates
-        .iter()
-        .position(|(k, p)| *k == key && *p == print)
-    {
-        Some(i) => i,
-        None => {
-            f.templates.push((key, print));
-            f.templates.len() - 1
-        }
-    };
+    let idx = slot(&mut f.templates, key, print)?;
     for attempt in 0..2 {
         if f.zygote.is_none() {
             f.zygote = Some(Zygote::start(img).ok()?);
@@ -334,6 +324,25 @@ pub(crate) fn template_root(key: TemplateKey) -> Option<String> {
         }
     }
     None
+}
+
+/// Most templates a zygote holds (each is a tmpfs root and its mounts, never taken down):
+/// the generated `/etc` files vary with what callers choose (a workspace alias names the
+/// sandbox's user), so a caller naming name after name must not grow them without end.
+/// Sandboxes of a key beyond these are set up without a template.
+const MAX_TEMPLATES: usize = 8;
+
+/// The index of the template for `key` on a host of fingerprint `print`, added to
+/// `templates` if there is room; `None` when there is none.
+fn slot(templates: &mut Vec<(TemplateKey, u64)>, key: TemplateKey, print: u64) -> Option<usize> {
+    if let Some(i) = templates.iter().position(|(k, p)| *k == key && *p == print) {
+        return Some(i);
+    }
+    if templates.len() >= MAX_TEMPLATES {
+        return None;
+    }
+    templates.push((key, print));
+    Some(templates.len() - 1)
 }
 
 /// Whether [`prefork`] asks for spares (see [`crate::spare_inits`]).
@@ -470,4 +479,24 @@ pub(super) fn hold_userns() -> Result<(libc::pid_t, OwnedFd), SpawnError> {
         }
     }
     Err(SpawnError::ZygoteFailedTwice(last))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn templates_are_found_again_and_capped() {
+        let key = |n: usize| vec![("passwd", format!("user{n}"))];
+        let mut t = Vec::new();
+        for n in 0..MAX_TEMPLATES {
+            assert_eq!(slot(&mut t, key(n), 7), Some(n));
+        }
+        // The same key again: its own; a host whose files changed: none left.
+        assert_eq!(slot(&mut t, key(3), 7), Some(3));
+        assert_eq!(slot(&mut t, key(3), 8), None);
+        // A caller naming one more: set up without a template, nothing added.
+        assert_eq!(slot(&mut t, key(MAX_TEMPLATES), 7), None);
+        assert_eq!(t.len(), MAX_TEMPLATES);
+    }
 }

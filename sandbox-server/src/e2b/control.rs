@@ -284,8 +284,9 @@ async fn create_with(
     let policy = policy(req.allow_internet_access, &net)?;
     crate::access::check_network(&s.config, &policy).map_err(e2b)?;
     // The home is the workspace's alias where the tier can show one: a template's tier is
-    // asked; a tier the selector picks is tried with it, and without it if it says
-    // `Unsupported` (a provider whose tiers cannot, as a test's may).
+    // asked; the selector's choice is tried with it, and without it when that fails as
+    // `Unsupported` (a provider whose tiers cannot, as a test's may) or `Unavailable` (the
+    // selector passed over every available tier for it: a host with the microVM tier only).
     let alias = template.tier.is_none_or(|t| {
         s.provider
             .capabilities(t)
@@ -296,7 +297,9 @@ async fn create_with(
         .map_err(|e| e2b(e.into()))?;
     crate::routes::admit::room(&s, 1).map_err(e2b)?;
     let sandbox = match s.create_pooled(&spec, template.tier).await {
-        Err(sandbox_core::Error::Unsupported { .. }) if spec.workspace_alias.is_some() => {
+        Err(sandbox_core::Error::Unsupported { .. } | sandbox_core::Error::Unavailable { .. })
+            if spec.workspace_alias.is_some() && template.tier.is_none() =>
+        {
             let plain = template
                 .spec(&req.env_vars, policy, false)
                 .map_err(|e| e2b(e.into()))?;

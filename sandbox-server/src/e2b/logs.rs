@@ -16,7 +16,7 @@ use axum::Json;
 use time::OffsetDateTime;
 
 use super::control::{entry, Answer};
-use super::{failure, meta, rfc3339};
+use super::{failure, meta, rfc3339, whole_param};
 use crate::auth::Caller;
 use crate::Shared;
 
@@ -170,25 +170,6 @@ async fn gather(e: &crate::Entry) -> Vec<Line> {
     all
 }
 
-fn int_param(q: &BTreeMap<String, String>, k: &str, max: Option<i64>) -> Answer<Option<i64>> {
-    q.get(k)
-        .map(|v| {
-            v.parse::<i64>()
-                .ok()
-                .filter(|n| *n >= 0 && max.is_none_or(|m| *n <= m))
-                .ok_or_else(|| {
-                    failure(
-                        StatusCode::BAD_REQUEST,
-                        match max {
-                            Some(m) => format!("`{k}` is a whole number from 0 to {m}, not `{v}`"),
-                            None => format!("`{k}` is a whole number from 0, not `{v}`"),
-                        },
-                    )
-                })
-        })
-        .transpose()
-}
-
 /// `GET /sandboxes/{id}/logs[?start=MS][&limit=N]`: lines from `start` on (milliseconds),
 /// oldest first, as text (`logs`) and structured (`logEntries`).
 pub(crate) async fn v1(
@@ -197,8 +178,9 @@ pub(crate) async fn v1(
     Path(id): Path<String>,
     Query(q): Query<BTreeMap<String, String>>,
 ) -> Answer<Json<serde_json::Value>> {
-    let start = int_param(&q, "start", None)?.unwrap_or(0);
-    let limit = int_param(&q, "limit", None)?.unwrap_or(KEPT as i64);
+    let count = "a whole number from 0";
+    let start = whole_param(&q, "start", i64::MAX, count)?.unwrap_or(0);
+    let limit = whole_param(&q, "limit", i64::MAX, count)?.unwrap_or(KEPT as i64);
     let e = entry(&s, &caller, &id)?;
     let lines: Vec<Line> = gather(&e)
         .await
@@ -225,8 +207,9 @@ pub(crate) async fn v2(
     Path(id): Path<String>,
     Query(q): Query<BTreeMap<String, String>>,
 ) -> Answer<Json<serde_json::Value>> {
-    let cursor = int_param(&q, "cursor", None)?;
-    let limit = int_param(&q, "limit", Some(KEPT as i64))?.unwrap_or(KEPT as i64);
+    let cursor = whole_param(&q, "cursor", i64::MAX, "a whole number from 0")?;
+    let most = format!("a whole number from 0 to {KEPT}");
+    let limit = whole_param(&q, "limit", KEPT as i64, &most)?.unwrap_or(KEPT as i64);
     let backward = match q.get("direction").map(String::as_str) {
         None | Some("forward") => false,
         Some("backward") => true,

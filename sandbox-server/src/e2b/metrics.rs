@@ -15,7 +15,7 @@ use axum::Json;
 use time::OffsetDateTime;
 
 use super::control::{e2b, entry, Answer};
-use super::{failure, meta, rfc3339, Meta};
+use super::{failure, meta, rfc3339, whole_param, Meta};
 use crate::auth::Caller;
 use crate::{Entry, Shared};
 
@@ -127,19 +127,6 @@ fn json(s: &Sample, e: &Entry, m: &Meta) -> serde_json::Value {
     })
 }
 
-fn unix_param(q: &BTreeMap<String, String>, k: &str) -> Answer<Option<i64>> {
-    q.get(k)
-        .map(|v| {
-            v.parse::<i64>().ok().filter(|t| *t >= 0).ok_or_else(|| {
-                failure(
-                    StatusCode::BAD_REQUEST,
-                    format!("`{k}` is a Unix time in seconds, not `{v}`"),
-                )
-            })
-        })
-        .transpose()
-}
-
 /// `GET /sandboxes/{id}/metrics[?start=UNIX][&end=UNIX]`.
 pub(crate) async fn one(
     State(s): State<Arc<Shared>>,
@@ -147,7 +134,9 @@ pub(crate) async fn one(
     Path(id): Path<String>,
     Query(q): Query<BTreeMap<String, String>>,
 ) -> Answer<Json<Vec<serde_json::Value>>> {
-    let (start, end) = (unix_param(&q, "start")?, unix_param(&q, "end")?);
+    let unix = "a Unix time in seconds";
+    let start = whole_param(&q, "start", i64::MAX, unix)?;
+    let end = whole_param(&q, "end", i64::MAX, unix)?;
     let e = entry(&s, &caller, &id)?;
     let m = meta(&e);
     sample(&e, &m).await?;

@@ -204,7 +204,7 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Envd {
 /// to envd's routes, with its access token checked, or (another port) to that port of the
 /// sandbox ([`ports`]); any other request goes on to the server's own APIs.
 pub(crate) async fn dispatch(
-    State((s, envd)): State<(Arc<Shared>, Router)>,
+    State((s, envd, gate)): State<(Arc<Shared>, Router, crate::auth::Gate)>,
     mut req: Request,
     next: Next,
 ) -> Response {
@@ -278,6 +278,11 @@ pub(crate) async fn dispatch(
     if let Some(why) = denied {
         return why;
     }
+    // One of its owner's requests in flight until the answer's head is made.
+    let _permit = match gate.admit(&entry.owner.0) {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
     // A paused sandbox answers nothing unless it resumes on traffic (E2B's `autoResume`).
     if entry.life.state() == crate::api::SandboxState::Paused {
         if !meta.auto_resume {
@@ -300,7 +305,7 @@ pub(crate) async fn dispatch(
         Err(e) => return connect::RpcError::from(e).into_response(),
     };
     if port != ENVD_PORT {
-        let r = ports::forward(entry, meta, port, req).await;
+        let r = ports::forward(&s, entry, meta, port, req).await;
         drop(in_use);
         return r;
     }
@@ -408,6 +413,29 @@ pub(crate) fn failure(status: StatusCode, message: impl Into<String>) -> Failure
         status,
         message: message.into(),
     }
+}
+
+/// Query parameter `k`, when given, as a whole number from 0 to `max`; else the 400 that
+/// says it is to be `what` (e.g. "a Unix time in seconds").
+pub(crate) fn whole_param(
+    q: &BTreeMap<String, String>,
+    k: &str,
+    max: i64,
+    what: &str,
+) -> Result<Option<i64>, Failure> {
+    q.get(k)
+        .map(|v| {
+            v.parse::<i64>()
+                .ok()
+                .filter(|n| (0..=max).contains(n))
+                .ok_or_else(|| {
+                    failure(
+                        StatusCode::BAD_REQUEST,
+                        format!("`{k}` is {what}, not `{v}`"),
+                    )
+                })
+        })
+        .transpose()
 }
 
 /// A path as envd takes it (absolute, `~/...`, or relative to the home), made absolute and

@@ -7,8 +7,9 @@
 //!
 //! An HTTP/1.1 upgrade (a WebSocket's handshake, `Connection: upgrade`) goes through too:
 //! when the sandbox's server answers `101 Switching Protocols`, the client's connection and
-//! the sandbox's are joined byte for byte until either side closes; at most
-//! [`MAX_TUNNELS`] such connections per sandbox at once (each holds two sockets).
+//! the sandbox's are joined byte for byte until either side closes, the sandbox is gone or
+//! the server stops; at most [`MAX_TUNNELS`] such connections per sandbox at once (each
+//! holds two sockets).
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
@@ -20,7 +21,10 @@ use axum::response::{IntoResponse, Response};
 use hyper_util::rt::TokioIo;
 
 use super::{api_error, Meta};
-use crate::Entry;
+use crate::{Entry, Shared};
+
+/// How often an upgraded connection looks whether its sandbox is still there.
+const GONE_CHECK: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The headers that address the sandbox or carry this server's secrets; never sent into it.
 const ROUTING: [&str; 5] = [
@@ -84,6 +88,7 @@ async fn published(entry: &Entry, meta: &Meta, port: u16) -> Result<SocketAddr, 
 
 /// Sends `req` to `port` of the sandbox and answers what its server answers.
 pub(crate) async fn forward(
+    shared: &Arc<Shared>,
     entry: Arc<Entry>,
     meta: Arc<Meta>,
     port: u16,
@@ -141,20 +146,44 @@ pub(crate) async fn forward(
     };
     if let (Some((permit, client)), StatusCode::SWITCHING_PROTOCOLS) = (tunnel, resp.status()) {
         let upstream = hyper::upgrade::on(&mut resp);
+        let stop = shared.stopping();
+        let gone = gone(Arc::downgrade(shared), Arc::downgrade(&entry));
         tokio::spawn(async move {
             let _permit = permit;
-            let (client, upstream) = match tokio::join!(client, upstream) {
-                (Ok(c), Ok(u)) => (c, u),
-                (Err(e), _) | (_, Err(e)) => {
-                    tracing::debug!(error = %e, "an upgrade did not complete");
-                    return;
+            let tunnel = async {
+                let (client, upstream) = match tokio::join!(client, upstream) {
+                    (Ok(c), Ok(u)) => (c, u),
+                    (Err(e), _) | (_, Err(e)) => {
+                        tracing::debug!(error = %e, "an upgrade did not complete");
+                        return;
+                    }
+                };
+                let (mut c, mut u) = (TokioIo::new(client), TokioIo::new(upstream));
+                if let Err(e) = tokio::io::copy_bidirectional(&mut c, &mut u).await {
+                    tracing::debug!(error = %e, "an upgraded connection ended");
                 }
             };
-            let (mut c, mut u) = (TokioIo::new(client), TokioIo::new(upstream));
-            if let Err(e) = tokio::io::copy_bidirectional(&mut c, &mut u).await {
-                tracing::debug!(error = %e, "an upgraded connection ended");
+            // Dropping the sockets closes both sides.
+            tokio::select! {
+                () = tunnel => {}
+                () = stop.cancelled() => {}
+                () = gone => {}
             }
         });
     }
     resp.map(Body::new).into_response()
+}
+
+/// Ends once `entry` is no longer its server's sandbox (killed, timed out, the server gone).
+async fn gone(shared: std::sync::Weak<Shared>, entry: std::sync::Weak<Entry>) {
+    loop {
+        tokio::time::sleep(GONE_CHECK).await;
+        let (Some(s), Some(e)) = (shared.upgrade(), entry.upgrade()) else {
+            return;
+        };
+        let here = s.lock().get(&e.info.id).is_some_and(|x| Arc::ptr_eq(x, &e));
+        if !here {
+            return;
+        }
+    }
 }

@@ -43,10 +43,11 @@ pub(crate) fn router(shared: Arc<Shared>, gate_state: Gate) -> Router {
                 }
             },
         ))
-        .layer(middleware::from_fn_with_state(gate_state, gate))
-        // Requests addressed to a sandbox (E2B's envd) are checked against its own token.
+        .layer(middleware::from_fn_with_state(gate_state.clone(), gate))
+        // Requests addressed to a sandbox (E2B's envd) are checked against its own token,
+        // and count among its owner's requests in flight.
         .layer(middleware::from_fn_with_state(
-            (Arc::clone(&shared), envd),
+            (Arc::clone(&shared), envd, gate_state),
             crate::e2b::dispatch,
         ))
         .with_state(shared)

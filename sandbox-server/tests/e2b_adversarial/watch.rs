@@ -160,7 +160,11 @@ async fn watches_stay_in_the_workspace_and_in_their_sandbox() {
 async fn watchers_are_capped_and_floods_bounded() {
     const CAP: usize = 32;
     const MAX_QUEUED: usize = 4096;
-    let s = serve_spawning(ServerConfig::default()).await;
+    // The client's budget of requests in flight (envd's count in) well above the race, so
+    // the watchers' cap is what meets it.
+    let mut config = ServerConfig::default();
+    config.max_requests_per_client = 4 * CAP;
+    let s = serve_spawning(config).await;
     let sb = s.create(&s.a).await;
     run(&s, &sb, "mkdir -p d").await;
     // Twice the cap at once, polled and streams mixed: exactly the cap succeed (each place
