@@ -456,6 +456,16 @@ while True:
 """
 
 
+def upgrade_request(netloc, headers):
+    """A WebSocket handshake's request to the server at `netloc`, with `headers` (the ones
+    that route it to a sandbox's port)."""
+    lines = ["GET /ws HTTP/1.1", f"Host: {netloc}", "Connection: Upgrade",
+             "Upgrade: websocket", "Sec-WebSocket-Version: 13",
+             "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ=="]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
 def upgrade_round_trip(base, headers, payload):
     """A WebSocket handshake through the server to the sandbox's port, then `payload` sent
     and read back: (the status line, the bytes echoed)."""
@@ -464,11 +474,7 @@ def upgrade_round_trip(base, headers, payload):
 
     u = urlsplit(base)
     c = socket.create_connection((u.hostname, u.port), timeout=10)
-    req = ["GET /ws HTTP/1.1", f"Host: {u.netloc}", "Connection: Upgrade",
-           "Upgrade: websocket", "Sec-WebSocket-Version: 13",
-           "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ=="]
-    req += [f"{k}: {v}" for k, v in headers.items()]
-    c.sendall(("\r\n".join(req) + "\r\n\r\n").encode())
+    c.sendall(upgrade_request(u.netloc, headers))
     head = b""
     while b"\r\n\r\n" not in head:
         more = c.recv(4096)
@@ -558,9 +564,7 @@ def tunnels_end_with_their_sandbox(base):
         deadline = time.monotonic() + 30
         while True:
             c = socket.create_connection((u.hostname, u.port), timeout=10)
-            c.sendall((f"GET /ws HTTP/1.1\r\nHost: {u.netloc}\r\nConnection: Upgrade\r\n"
-                       "Upgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-                       + "".join(f"{k}: {v}\r\n" for k, v in to.items()) + "\r\n").encode())
+            c.sendall(upgrade_request(u.netloc, to))
             head = c.recv(4096)
             if head.startswith(b"HTTP/1.1 101") or time.monotonic() > deadline:
                 break
@@ -606,10 +610,7 @@ def tunnels_are_bounded(base, to):
     from urllib.parse import urlsplit
 
     u = urlsplit(base)
-    head = (f"GET /ws HTTP/1.1\r\nHost: {u.netloc}\r\nConnection: Upgrade\r\n"
-            "Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
-            "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
-            + "".join(f"{k}: {v}\r\n" for k, v in to.items()) + "\r\n").encode()
+    head = upgrade_request(u.netloc, to)
     held = []
     try:
         for _ in range(64):
