@@ -93,8 +93,9 @@ pub struct Capabilities {
 impl Capabilities {
     /// A tier that supports nothing: no language, no argv, no snapshot, no network mode, no
     /// pause/resume, no streaming, no persistent state, no images, no limit enforced, no
-    /// background processes, no published ports, no usage, no watch, no workspace alias; the boundary is
-    /// the tier's own ([`Tier::boundary`]). Backends set what they do on top of it.
+    /// background processes, no published ports, no usage, no watch, no workspace alias; the
+    /// boundary is the tier's own ([`Tier::boundary`]). Backends set what they do on top of
+    /// it.
     pub fn new(tier: Tier) -> Self {
         Capabilities {
             tier,
@@ -142,8 +143,8 @@ impl Capabilities {
 
     /// Why choosing a tier automatically passes this one over for `spec` before trying to
     /// create it (it cannot start the spec's image, hold its proxy-held secrets, or show its
-    /// workspace alias), or `None`. The facade's `Runtime::create` asks it, and so does the CLI choosing among a
-    /// daemon's tiers, so both pass over the same tiers.
+    /// workspace alias), or `None`. The facade's `Runtime::create` asks it, and so does the
+    /// CLI choosing among a daemon's tiers, so both pass over the same tiers.
     pub fn passes_over(&self, spec: &crate::SandboxSpec) -> Option<&'static str> {
         if spec.image.is_some() && !self.images {
             // An image needs a Linux userland.

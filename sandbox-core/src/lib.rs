@@ -59,6 +59,7 @@ pub mod backend_kit {
         flood_threshold, pump_output, stream_output, FloodReader, OutputBuffer, StreamSink,
     };
     pub use crate::lifecycle::{Held, Lifecycle, Step, Transition, LIFETIME_REACHED};
+    pub use crate::path::paths_overlap;
     pub use crate::process::{ProcessControl, ProcessHandle, ProcessTable};
     pub use crate::publish::Dialer;
     pub use crate::secrets::{ProxiedSecret, StreamRedactor};

@@ -150,6 +150,13 @@ impl DirEntry {
     }
 }
 
+/// Whether absolute paths `a` and `b` (a trailing `/` ignored) name the same place or one
+/// lies beneath the other: a mount at one would cover or be covered by the other.
+pub fn paths_overlap(a: &str, b: &str) -> bool {
+    let (a, b) = (a.trim_end_matches('/'), b.trim_end_matches('/'));
+    a == b || a.starts_with(&format!("{b}/")) || b.starts_with(&format!("{a}/"))
+}
+
 /// Lists a host directory that backs (part of) a workspace, without following symlinks;
 /// `shown` is the caller's path, used in errors. Entries are sorted by name.
 pub fn list_host_dir(dir: &Path, shown: &str) -> Result<Vec<DirEntry>> {
@@ -190,6 +197,16 @@ pub fn list_host_dir(dir: &Path, shown: &str) -> Result<Vec<DirEntry>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn paths_overlap_when_one_holds_the_other() {
+        assert!(paths_overlap("/home/user", "/home/user/"));
+        assert!(paths_overlap("/home", "/home/user"));
+        assert!(paths_overlap("/home/user/data", "/home/user"));
+        assert!(paths_overlap("/", "/tmp"));
+        assert!(!paths_overlap("/home/username", "/home/user"));
+        assert!(!paths_overlap("/tmp", "/home/user"));
+    }
 
     #[test]
     fn normalizes_and_refuses_escapes() {

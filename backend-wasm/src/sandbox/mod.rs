@@ -168,11 +168,10 @@ fn check_spec(spec: &SandboxSpec) -> Result<()> {
                 "mounting a single file (mount a directory)",
             ));
         }
-        let t = m.target.trim_end_matches('/');
         let reserved = ["/usr/local/lib", "/tmp", WORKSPACE_MOUNT];
         if reserved
             .iter()
-            .any(|r| t == *r || t.starts_with(&format!("{r}/")) || r.starts_with(&format!("{t}/")))
+            .any(|r| sandbox_core::backend_kit::paths_overlap(&m.target, r))
         {
             return Err(Error::invalid(
                 "mounts",

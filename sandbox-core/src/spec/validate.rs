@@ -98,7 +98,11 @@ impl SandboxSpec {
         }
         if let Some(alias) = &self.workspace_alias {
             check_alias(alias)?;
-            if let Some(m) = self.mounts.iter().find(|m| overlaps(&m.target, alias)) {
+            if let Some(m) = self
+                .mounts
+                .iter()
+                .find(|m| crate::path::paths_overlap(&m.target, alias))
+            {
                 return Err(Error::invalid(
                     "mounts",
                     format!(
@@ -198,11 +202,4 @@ fn check_alias(alias: &str) -> Result<()> {
             format!("`{alias}` is not /home/NAME (NAME: letters, digits, `.`, `_`, `-`)"),
         ))
     }
-}
-
-/// Whether mount target `target` and the alias are the same path or one holds the other.
-fn overlaps(target: &str, alias: &str) -> bool {
-    let t = target.trim_end_matches('/');
-    let t = if t.is_empty() { "/" } else { t };
-    t == alias || alias.starts_with(&format!("{t}/")) || t.starts_with(&format!("{alias}/"))
 }

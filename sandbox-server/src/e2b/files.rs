@@ -32,7 +32,7 @@ fn http(e: RpcError) -> Response {
 
 /// The workspace-relative form of `path`, when it is a file's place in the workspace.
 fn in_workspace<'a>(e: &Envd, path: &'a str) -> Option<&'a str> {
-    e.meta.in_workspace(path).filter(|r| !r.is_empty())
+    e.in_workspace(path).filter(|r| !r.is_empty())
 }
 
 fn path_of(e: &Envd, q: &HashMap<String, String>) -> Result<String, RpcError> {

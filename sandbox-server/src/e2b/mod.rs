@@ -64,9 +64,6 @@ pub(crate) struct Meta {
     /// The directory relative paths and commands start from: the template's home
     /// (`/home/user`, E2B's, unless the operator said otherwise; see [`templates`]).
     pub(crate) home: String,
-    /// The sandbox's workspace alias, when it has one (the home, where the tier shows the
-    /// workspace there): paths beneath it are the workspace's.
-    pub(crate) alias: Option<String>,
     pub(crate) allow_internet: Option<bool>,
     pub(crate) network: std::sync::Mutex<serde_json::Value>,
     pub(crate) auto_pause: bool,
@@ -103,7 +100,6 @@ impl Meta {
                 .workspace_alias
                 .clone()
                 .unwrap_or_else(|| sandbox_core::WORKSPACE_MOUNT.to_string()),
-            alias: spec.workspace_alias.clone(),
             allow_internet: None,
             network: std::sync::Mutex::new(serde_json::Value::Null),
             auto_pause: false,
@@ -467,18 +463,23 @@ pub(crate) fn resolve(home: &str, path: &str) -> Result<String, connect::RpcErro
     Ok(format!("/{}", parts.join("/")))
 }
 
-impl Meta {
-    /// The workspace-relative form of `abs` (a path [`resolve`] made), `""` for the
-    /// workspace itself, when it lies in the workspace: beneath `/workspace` or beneath the
-    /// sandbox's alias of it.
+impl Envd {
+    /// The workspace-relative form of `abs` in this sandbox (see [`in_workspace`]).
     pub(crate) fn in_workspace<'a>(&self, abs: &'a str) -> Option<&'a str> {
-        let beneath = |root: &str| {
-            abs.strip_prefix(root)
-                .filter(|r| r.is_empty() || r.starts_with('/'))
-                .map(|r| r.trim_start_matches('/'))
-        };
-        beneath(sandbox_core::WORKSPACE_MOUNT).or_else(|| self.alias.as_deref().and_then(beneath))
+        in_workspace(self.entry.sandbox.spec().workspace_alias.as_deref(), abs)
     }
+}
+
+/// The workspace-relative form of `abs` (a path [`resolve`] made), `""` for the workspace
+/// itself, when it lies in the workspace: beneath `/workspace` or beneath `alias`, the
+/// sandbox's alias of it.
+fn in_workspace<'a>(alias: Option<&str>, abs: &'a str) -> Option<&'a str> {
+    let beneath = |root: &str| {
+        abs.strip_prefix(root)
+            .filter(|r| r.is_empty() || r.starts_with('/'))
+            .map(|r| r.trim_start_matches('/'))
+    };
+    beneath(sandbox_core::WORKSPACE_MOUNT).or_else(|| alias.and_then(beneath))
 }
 
 #[cfg(test)]
@@ -487,20 +488,15 @@ mod tests {
 
     #[test]
     fn the_workspace_is_found_by_its_mount_and_its_alias() {
-        let spec = sandbox_core::SandboxSpec::builder(sandbox_core::Language::Shell)
-            .workspace_alias("/home/user")
-            .build()
-            .unwrap();
-        let m = Meta::new("t".into(), &spec);
-        assert_eq!(m.in_workspace("/workspace/a/b"), Some("a/b"));
-        assert_eq!(m.in_workspace("/workspace"), Some(""));
-        assert_eq!(m.in_workspace("/home/user/x"), Some("x"));
-        assert_eq!(m.in_workspace("/home/user"), Some(""));
-        assert_eq!(m.in_workspace("/home/username/x"), None);
-        assert_eq!(m.in_workspace("/workspaces/a"), None);
-        assert_eq!(m.in_workspace("/tmp/a"), None);
-        let plain = Meta::new("t".into(), &sandbox_core::SandboxSpec::new(spec.language));
-        assert_eq!(plain.in_workspace("/home/user/x"), None);
+        let m = |abs| in_workspace(Some("/home/user"), abs);
+        assert_eq!(m("/workspace/a/b"), Some("a/b"));
+        assert_eq!(m("/workspace"), Some(""));
+        assert_eq!(m("/home/user/x"), Some("x"));
+        assert_eq!(m("/home/user"), Some(""));
+        assert_eq!(m("/home/username/x"), None);
+        assert_eq!(m("/workspaces/a"), None);
+        assert_eq!(m("/tmp/a"), None);
+        assert_eq!(in_workspace(None, "/home/user/x"), None);
     }
 
     #[test]

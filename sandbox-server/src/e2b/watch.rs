@@ -89,13 +89,15 @@ pub(crate) struct WatcherReq {
 fn workspace_path(e: &Envd, path: &str) -> Result<String, RpcError> {
     let abs = super::resolve(&e.meta.home, path)?;
     let ws = sandbox_core::WORKSPACE_MOUNT;
-    match e.meta.in_workspace(&abs) {
+    match e.in_workspace(&abs) {
         Some(rel) => Ok(format!("{ws}/{rel}")),
         None => {
             let alias = e
-                .meta
-                .alias
-                .as_deref()
+                .entry
+                .sandbox
+                .spec()
+                .workspace_alias
+                .as_ref()
                 .map(|a| format!(", or {a}, the same directory,"))
                 .unwrap_or_default();
             Err(RpcError::invalid(format!(
