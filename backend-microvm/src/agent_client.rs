@@ -25,10 +25,12 @@ pub mod proto;
 
 mod exec;
 mod files;
+mod watch;
 
 pub use exec::ExecHandle;
 pub use proto::{Entry, EntryKind, ErrorKind, ExecRequest, ExitInfo, SOURCE_HASH};
 use proto::{ReadError, Request, Response};
+pub use watch::{FsEvent, FsKind, WatchHandle, WATCH_WINDOW};
 
 /// How long [`AgentClient::exec`] waits past the request's own timeout for the agent to report
 /// the exit before it gives up (the agent kills the command at its timeout; this only covers a
@@ -292,9 +294,11 @@ fn getrandom(buf: &mut [u8]) -> io::Result<()> {
 
 /// A request in flight: receives its response frames.
 struct Call {
+    // First: dropped before `client`, whose last clone joins the reader thread, which may be
+    // waiting to hand this very queue a frame.
+    rx: Receiver<Response>,
     client: AgentClient,
     id: u32,
-    rx: Receiver<Response>,
 }
 
 impl Call {

@@ -558,6 +558,8 @@ impl Backend for MicrovmBackend {
         c.processes = true;
         c.tty = true;
         c.publish = true;
+        // inotify in the guest, relayed by the agent.
+        c.watch = true;
         // The guest's RAM is the memory limit; the agent enforces wall time and output, the
         // VMM the lifetime. CPU time, pids, open files and disk (`disk_bytes`) are bounded by
         // the VM as a whole (its vCPUs and RAM), not per command: not listed.

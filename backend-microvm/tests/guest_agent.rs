@@ -4,6 +4,8 @@
 //! `backend_microvm::agent_client`. Also: a hostile "agent" against the client.
 
 mod common;
+#[path = "guest_agent/watch.rs"]
+mod watch;
 
 use std::io::{Read, Write};
 use std::os::fd::AsRawFd;

@@ -23,7 +23,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use backend_microvm::agent_client::proto::{EntryKind, ExecRequest};
-use backend_microvm::agent_client::{AgentError, ExecEvent};
+use backend_microvm::agent_client::{AgentError, ExecEvent, FsKind};
 use qemu::*;
 
 #[test]
@@ -123,6 +123,20 @@ fn debian_kernel_boots_our_initramfs_and_the_agent_serves() {
             "{bad}"
         );
     }
+
+    // A watch of the guest's workspace (inotify of the guest's kernel, on its tmpfs): a
+    // directory made and filled by a command is reported with what it holds.
+    let mut w = c.start_watch("", true).unwrap();
+    let (code, _, err) = exec(&c, &["sh", "-c", "mkdir -p w/in && echo x > w/in/f"], &[]);
+    assert_eq!(code, Some(0), "{err}");
+    let mut seen = Vec::new();
+    while !seen.iter().any(|(_, p): &(FsKind, String)| p == "w/in/f") {
+        let ev = w.next_event(CALL).unwrap().expect("the watch ended");
+        seen.push((ev.kind, ev.path));
+    }
+    assert_eq!(seen[0], (FsKind::Create, "w".to_string()), "{seen:?}");
+    w.stop().unwrap();
+    assert_eq!(w.next_event(CALL).unwrap(), None);
 
     // The tmpfs mounts live in the guest's RAM: together they hold at most 5/8 of what the
     // kernel and initramfs left (~200 of 256 MiB), so filling the workspace is ENOSPC and the

@@ -101,4 +101,4 @@ pub use spec::{Limits, Mount, SandboxSpec, SpecBuilder, TmpfsCap, TmpfsCaps, Wor
 pub use tier::{IsolationBoundary, Language, Tier};
 pub use timeline::{Phase, PhaseTiming, Timeline, TimelineRecorder};
 pub use usage::Usage;
-pub use watch::{FsEvent, FsEventKind, Watch};
+pub use watch::{FsEvent, FsEventKind, Watch, WatchFeed};

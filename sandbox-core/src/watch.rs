@@ -89,9 +89,30 @@ pub struct FsEvent {
 /// Clones share the list; the last one dropped ends its watches.
 #[derive(Debug, Default, Clone)]
 pub struct Watches {
-    /// The watches made here, and whether [`close_all`](Self::close_all) ran (then a new
-    /// watch starts ended).
-    ids: Arc<Mutex<(Vec<u64>, bool)>>,
+    reg: Arc<Mutex<Registry>>,
+}
+
+/// What [`Watches`] keeps.
+#[derive(Debug, Default)]
+struct Registry {
+    /// The host watches made here (the hub's ids).
+    ids: Vec<u64>,
+    /// The fed ones ([`Watches::fed`]), while their readers hold them.
+    fed: Vec<Weak<Sub>>,
+    /// Whether [`close_all`](Watches::close_all) ran (then a new watch starts ended).
+    closed: bool,
+}
+
+impl Registry {
+    /// The watches still open, after forgetting those that ended.
+    fn open(&mut self, hub: Option<&Hub>) -> usize {
+        if let Some(hub) = hub {
+            let st = hub.lock();
+            self.ids.retain(|i| st.watches.contains_key(i));
+        }
+        self.fed.retain(|w| w.strong_count() > 0);
+        self.ids.len() + self.fed.len()
+    }
 }
 
 impl Watches {
@@ -108,22 +129,19 @@ impl Watches {
         let shown = wp.in_sandbox();
         let root = wp.relative();
         let hub = hub()?;
-        let sub = Arc::new(Sub {
-            queue: Mutex::new(Queue::default()),
-            notify: Notify::new(),
-        });
+        let sub = Arc::new(Sub::default());
         // Held while the watch is registered: a `close_all` either runs before (the watch
         // starts ended) or after (it ends the watch with the others).
-        let mut ids = self.ids.lock().unwrap_or_else(|p| p.into_inner());
-        ids.0.retain(|i| hub.lock().watches.contains_key(i));
-        if ids.0.len() >= MAX_WATCHES_PER_SANDBOX {
-            return Err(Error::ResourceExhausted {
-                what: format!("file watches ({MAX_WATCHES_PER_SANDBOX} open in this sandbox)"),
-            });
+        let mut reg = self.reg.lock().unwrap_or_else(|p| p.into_inner());
+        if reg.open(Some(&hub)) >= MAX_WATCHES_PER_SANDBOX {
+            return Err(per_sandbox());
         }
-        if ids.1 {
+        if reg.closed {
             sub.flag(false, true);
-            return Ok(Watch { id: 0, hub, sub });
+            return Ok(Watch {
+                source: Source::Hub { id: 0, hub },
+                sub,
+            });
         }
         let id = {
             let mut st = hub.lock();
@@ -178,9 +196,12 @@ impl Watches {
             }
             id
         };
-        ids.0.push(id);
-        drop(ids);
-        Ok(Watch { id, hub, sub })
+        reg.ids.push(id);
+        drop(reg);
+        Ok(Watch {
+            source: Source::Hub { id, hub },
+            sub,
+        })
     }
 
     /// [`watch`](Self::watch) on a blocking thread (it reads directories and takes the
@@ -198,11 +219,17 @@ impl Watches {
     /// Ends every watch made here: their readers see the end once they have read what
     /// came before.
     pub fn close_all(&self) {
-        let ids = {
-            let mut ids = self.ids.lock().unwrap_or_else(|p| p.into_inner());
-            ids.1 = true;
-            std::mem::take(&mut ids.0)
+        let (ids, fed) = {
+            let mut reg = self.reg.lock().unwrap_or_else(|p| p.into_inner());
+            reg.closed = true;
+            (std::mem::take(&mut reg.ids), std::mem::take(&mut reg.fed))
         };
+        for sub in fed.iter().filter_map(Weak::upgrade) {
+            sub.flag(false, true);
+            // Its feeder ends by itself now (its pushes fail): nothing to stop, nothing of
+            // the sandbox's to keep.
+            drop(sub.on_drop.lock().ok().and_then(|mut h| h.take()));
+        }
         if let Ok(hub) = hub() {
             let mut st = hub.lock();
             for id in ids {
@@ -214,7 +241,7 @@ impl Watches {
 
 impl Drop for Watches {
     fn drop(&mut self) {
-        if Arc::strong_count(&self.ids) == 1 {
+        if Arc::strong_count(&self.reg) == 1 {
             self.close_all();
         }
     }
@@ -223,9 +250,124 @@ impl Drop for Watches {
 /// An open watch: its events, in order. Dropping it stops watching.
 #[derive(Debug)]
 pub struct Watch {
-    id: u64,
-    hub: Arc<Hub>,
+    source: Source,
     sub: Arc<Sub>,
+}
+
+/// Where a watch's events come from.
+#[derive(Debug)]
+enum Source {
+    /// The process's inotify instance ([`Watches::watch`]).
+    Hub { id: u64, hub: Arc<Hub> },
+    /// A [`WatchFeed`] (a guest agent's watch, relayed by its tier).
+    Fed,
+}
+
+/// Watches fed from elsewhere open in this process (each holds its feeder: a thread or a
+/// task of its tier); at most [`MAX_WATCHES`].
+static FED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The sending side of a [`Watch`] whose events come from elsewhere: a tier that cannot
+/// watch its workspace from the host (the microVM tier: its guest agent watches) relays them
+/// here. The same bounds as host watches apply to what waits unread ([`MAX_QUEUED`],
+/// [`MAX_QUEUED_BYTES`]: more are dropped and the loss reported). Dropping the feed ends the
+/// watch (its reader sees the end after what came before).
+#[derive(Debug)]
+pub struct WatchFeed {
+    sub: Weak<Sub>,
+}
+
+impl Watches {
+    /// A watch of this sandbox fed by the returned [`WatchFeed`] (its events come from
+    /// elsewhere: a guest agent's watch), counted among the sandbox's watches and ended by
+    /// [`close_all`](Self::close_all) as the others are.
+    ///
+    /// # Errors
+    /// [`Error::ResourceExhausted`] past [`MAX_WATCHES_PER_SANDBOX`] in this sandbox or
+    /// [`MAX_WATCHES`] fed ones in this process.
+    pub fn fed(&self) -> Result<(Watch, WatchFeed)> {
+        use std::sync::atomic::Ordering;
+        let mut reg = self.reg.lock().unwrap_or_else(|p| p.into_inner());
+        if reg.open(None) >= MAX_WATCHES_PER_SANDBOX {
+            return Err(per_sandbox());
+        }
+        FED.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+            (n < MAX_WATCHES).then_some(n + 1)
+        })
+        .map_err(|_| Error::ResourceExhausted {
+            what: format!("file watches ({MAX_WATCHES} relayed ones open in this process)"),
+        })?;
+        let sub = Arc::new(Sub::default());
+        if reg.closed {
+            sub.flag(false, true);
+        }
+        reg.fed.push(Arc::downgrade(&sub));
+        let feed = WatchFeed {
+            sub: Arc::downgrade(&sub),
+        };
+        Ok((
+            Watch {
+                source: Source::Fed,
+                sub,
+            },
+            feed,
+        ))
+    }
+}
+
+fn per_sandbox() -> Error {
+    Error::ResourceExhausted {
+        what: format!("file watches ({MAX_WATCHES_PER_SANDBOX} open in this sandbox)"),
+    }
+}
+
+impl WatchFeed {
+    /// Queues `ev` for the reader; `false` once the [`Watch`] was dropped or ended (by
+    /// [`Watches::close_all`]): stop feeding.
+    pub fn push(&self, ev: FsEvent) -> bool {
+        self.sub.upgrade().is_some_and(|s| s.push(ev))
+    }
+
+    /// Runs `stop` when the reader drops the [`Watch`] (at once if it did already): a
+    /// feeder waiting on its source learns it without polling.
+    pub fn on_reader_gone(&self, stop: impl FnOnce() + Send + 'static) {
+        match self.sub.upgrade() {
+            Some(s) => {
+                if let Ok(mut h) = s.on_drop.lock() {
+                    *h = Some(Box::new(stop));
+                }
+            }
+            None => stop(),
+        }
+    }
+
+    /// Tells the reader that events were lost (it sees [`Error::ResourceExhausted`] once);
+    /// `false` once the [`Watch`] was dropped.
+    pub fn lost(&self) -> bool {
+        match self.sub.upgrade() {
+            Some(s) => {
+                s.flag(true, false);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Whether the [`Watch`] is still held by a reader and not ended.
+    pub fn is_open(&self) -> bool {
+        self.sub
+            .upgrade()
+            .is_some_and(|s| s.queue.lock().is_ok_and(|q| !q.ended))
+    }
+}
+
+impl Drop for WatchFeed {
+    fn drop(&mut self) {
+        if let Some(s) = self.sub.upgrade() {
+            s.flag(false, true);
+        }
+        FED.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 /// What [`Watch::take_one`] found.
@@ -256,13 +398,16 @@ impl Watch {
     }
 
     /// Every event up to now without waiting, including those of changes made just before
-    /// this call (the kernel's queue is read first).
+    /// this call (the kernel's queue is read first). A fed watch ([`Watches::fed`]) has what
+    /// reached the host so far: a change made just before may still be on its way.
     ///
     /// # Errors
     /// As [`next`](Self::next); the events read before the loss was noticed are dropped
     /// with it only if none came before it.
     pub fn try_events(&mut self) -> Result<Vec<FsEvent>> {
-        self.hub.pump();
+        if let Source::Hub { hub, .. } = &self.source {
+            hub.pump();
+        }
         let mut out = Vec::new();
         while let Taken::Item(item) = self.take_one() {
             match item {
@@ -313,16 +458,36 @@ impl Watch {
 
 impl Drop for Watch {
     fn drop(&mut self) {
-        let mut st = self.hub.lock();
-        st.remove(&self.hub.fd, self.id);
+        match &self.source {
+            Source::Hub { id, hub } => {
+                let mut st = hub.lock();
+                st.remove(&hub.fd, *id);
+            }
+            Source::Fed => {
+                let hook = self.sub.on_drop.lock().ok().and_then(|mut h| h.take());
+                if let Some(stop) = hook {
+                    stop();
+                }
+            }
+        }
     }
 }
 
-/// What a watch's reader and the hub share.
-#[derive(Debug)]
+/// What a watch's reader and the hub (or its feed) share.
+#[derive(Default)]
 struct Sub {
     queue: Mutex<Queue>,
     notify: Notify,
+    /// A fed watch's feeder's stop ([`WatchFeed::on_reader_gone`]).
+    on_drop: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl std::fmt::Debug for Sub {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sub")
+            .field("queue", &self.queue)
+            .finish_non_exhaustive()
+    }
 }
 
 #[derive(Debug, Default)]
@@ -335,8 +500,12 @@ struct Queue {
 }
 
 impl Sub {
-    fn push(&self, ev: FsEvent) {
+    /// Queues `ev` (or records its loss); `false` once the watch ended.
+    fn push(&self, ev: FsEvent) -> bool {
         if let Ok(mut q) = self.queue.lock() {
+            if q.ended {
+                return false;
+            }
             if q.events.len() >= MAX_QUEUED || q.bytes + ev.path.len() > MAX_QUEUED_BYTES {
                 q.lost = true;
             } else {
@@ -345,6 +514,7 @@ impl Sub {
             }
         }
         self.notify.notify_one();
+        true
     }
 
     fn flag(&self, lost: bool, ended: bool) {
@@ -809,6 +979,68 @@ mod tests {
 
     fn kinds(evs: &[FsEvent]) -> Vec<(FsEventKind, &str)> {
         evs.iter().map(|e| (e.kind, e.path.as_str())).collect()
+    }
+
+    #[tokio::test]
+    async fn a_fed_watch_passes_on_what_it_is_fed_and_ends_with_its_feed() {
+        let sandbox = Watches::default();
+        let (mut w, feed) = sandbox.fed().unwrap();
+        let ev = |p: &str| FsEvent {
+            kind: FsEventKind::Create,
+            path: p.into(),
+            is_dir: false,
+        };
+        assert!(feed.push(ev("a")));
+        assert!(feed.lost());
+        assert!(feed.push(ev("b")));
+        // The loss is said once, first, then what was kept comes.
+        assert!(matches!(
+            w.next().await,
+            Some(Err(Error::ResourceExhausted { .. }))
+        ));
+        assert_eq!(w.next().await.unwrap().unwrap(), ev("a"));
+        assert_eq!(w.try_events().unwrap(), vec![ev("b")]);
+        // What waits unread is bounded as for host watches.
+        for i in 0..MAX_QUEUED + 10 {
+            assert!(feed.push(ev(&i.to_string())));
+        }
+        assert!(w.try_events().is_err());
+        assert_eq!(w.try_events().unwrap().len(), MAX_QUEUED);
+        assert!(!w.is_ended());
+        drop(feed);
+        assert!(w.is_ended());
+        assert!(w.next().await.is_none());
+        drop(w);
+        // A reader that went away tells its feeder to stop, at once through its hook.
+        let (w, feed) = sandbox.fed().unwrap();
+        assert!(feed.is_open());
+        let (tx, rx) = std::sync::mpsc::channel();
+        feed.on_reader_gone(move || tx.send(()).unwrap());
+        assert!(rx.try_recv().is_err());
+        drop(w);
+        rx.try_recv().unwrap();
+        assert!(!feed.is_open());
+        assert!(!feed.push(ev("late")));
+        assert!(!feed.lost());
+        // Fed watches count among the sandbox's, and end with it.
+        let held: Vec<_> = (0..MAX_WATCHES_PER_SANDBOX)
+            .map(|_| sandbox.fed().unwrap())
+            .collect();
+        assert!(matches!(
+            sandbox.fed(),
+            Err(Error::ResourceExhausted { .. })
+        ));
+        sandbox.close_all();
+        for (w, feed) in &held {
+            assert!(w.is_ended());
+            assert!(!feed.push(ev("after")));
+        }
+        drop(held);
+        let (w, _feed) = sandbox.fed().unwrap();
+        assert!(
+            w.is_ended(),
+            "a watch made after the sandbox's end starts ended"
+        );
     }
 
     #[test]

@@ -63,6 +63,7 @@
 //! - `interactive`: background processes (input, signals, terminals, output windows) and
 //!   connections to the guest's loopback (published ports).
 //! - `files`: write, read and list, confined to the workspace.
+//! - `watch`: file watches (inotify in the guest), their events within a window.
 //! - `proto`: the wire format, shared with the host.
 //! - `tests`: the unit tests (of this file's modules).
 
@@ -76,6 +77,7 @@ mod proto;
 mod root;
 mod setup;
 mod trust;
+mod watch;
 
 use exec::*;
 use files::*;
@@ -381,6 +383,8 @@ struct State {
     spawned: interactive::Table,
     /// Connections to the guest's loopback (`Connect`), for `Kill`.
     conns: interactive::Conns,
+    /// File watches (`Watch`): request id -> their window and stop, for `Grant` and `Kill`.
+    watches: watch::Table,
 }
 
 /// Where a signal for request `target` goes.
@@ -431,6 +435,7 @@ fn serve(
         starting: Arc::new(Mutex::new(HashMap::new())),
         spawned: Arc::new(Mutex::new(HashMap::new())),
         conns: Arc::new(Mutex::new(HashMap::new())),
+        watches: Arc::new(Mutex::new(HashMap::new())),
     });
     let procs = st.procs.clone();
     thread::spawn(move || reaper(&procs));
@@ -565,8 +570,15 @@ fn serve(
             Request::Grant { target, bytes } => {
                 if let Some(p) = spawned_of(&st, target) {
                     p.window.give(u64::from(bytes));
+                } else if let Some(w) = lock(&st.watches).get(&target) {
+                    w.give(u64::from(bytes));
                 }
             }
+            Request::Watch {
+                path,
+                recursive,
+                window,
+            } => watch::start(&st, id, &path, recursive, window),
             Request::WriteFile {
                 path,
                 mode,
@@ -601,22 +613,38 @@ fn serve(
                 Target::None if interactive::abort_connection(&st.conns, target) => {
                     st.chan.send(id, &Response::Ok);
                 }
+                // Its place is free at once (its thread ends within moments).
+                Target::None
+                    if lock(&st.watches)
+                        .remove(&target)
+                        .map(|w| w.stop())
+                        .is_some() =>
+                {
+                    st.chan.send(id, &Response::Ok);
+                }
                 Target::None => st.chan.error(id, ErrorKind::NotFound, "no such exec"),
             },
             Request::Refresh {
                 hostname,
                 entropy,
                 unix_nanos,
-            } => system_change(
-                &st,
-                id,
-                pid1,
-                "refresh sets the hostname, RNG and clock",
-                || {
-                    identity::refresh(&hostname, &entropy, unix_nanos)
-                        .map_err(|m| (ErrorKind::Io, m))
-                },
-            ),
+            } => {
+                // A guest restored from a snapshot: its watches were the snapshot's host's,
+                // whose requests the new host does not know; they end here.
+                for (_, w) in lock(&st.watches).drain() {
+                    w.stop();
+                }
+                system_change(
+                    &st,
+                    id,
+                    pid1,
+                    "refresh sets the hostname, RNG and clock",
+                    || {
+                        identity::refresh(&hostname, &entropy, unix_nanos)
+                            .map_err(|m| (ErrorKind::Io, m))
+                    },
+                )
+            }
             Request::Network { net } => system_change(
                 &st,
                 id,
@@ -648,6 +676,9 @@ fn serve(
                 st.chan.release();
                 for p in lock(&st.spawned).values() {
                     p.window.close();
+                }
+                for w in lock(&st.watches).values() {
+                    w.stop();
                 }
                 let groups: Vec<i32> = lock(&st.running).values().copied().collect();
                 for pg in groups {

@@ -43,6 +43,7 @@ pub const SOURCE_HASH: u64 = sandbox_agent_proto::SOURCE_HASH
     ^ fnv1a(include_bytes!("setup.rs"))
     ^ fnv1a(include_bytes!("identity.rs"))
     ^ fnv1a(include_bytes!("trust.rs"))
+    ^ fnv1a(include_bytes!("watch.rs"))
     // `main.rs`'s unit tests: not in the binary, but every source beside `main.rs` counts
     // (the test that checks the list reads the directory).
     ^ fnv1a(include_bytes!("tests.rs"));
@@ -81,6 +82,7 @@ const K_HOLD: u8 = 16;
 const K_RELEASE: u8 = 17;
 const K_TRUST: u8 = 18;
 const K_NETWORK: u8 = 19;
+const K_WATCH: u8 = 20;
 // Response kinds (guest -> host).
 const K_STDOUT: u8 = 64;
 const K_STDERR: u8 = 65;
@@ -91,6 +93,7 @@ const K_OK: u8 = 69;
 const K_ERROR: u8 = 70;
 const K_PONG: u8 = 71;
 const K_READY: u8 = 72;
+const K_FS_EVENT: u8 = 73;
 
 /// One command to run in the guest.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -265,6 +268,69 @@ pub enum Request {
         /// `<addr>/<prefix>,<gateway>`.
         net: String,
     },
+    /// Watches a workspace directory (and, `recursive`, every directory beneath it, also
+    /// those made later; a directory that appears is reported with what it already holds):
+    /// answered by `Ok` once watching, the tree beneath taken in (or one `Error`: `NotFound`,
+    /// `PathEscape` also for a symbolic link on the way, `Invalid` for a file, `TooLarge`
+    /// past [`MAX_WATCHES`] in the guest), then `FsEvent`s within the
+    /// window, as a `Spawn`'s output (each costs [`event_cost`]; `Grant` gives more). Events beyond the window wait in the guest's
+    /// kernel; when its queue overflows (or past [`MAX_WATCH_DIRS`] directories or
+    /// [`MAX_WATCH_DIR_BYTES`] of their names) a `Lost`
+    /// event says so. One `Exit` ends it: after the `Remove` or `Rename` of the directory
+    /// itself (path empty), or once `Kill` (of this request's id) stopped it. `Refresh` (a
+    /// guest restored from a snapshot) stops every watch: they were the snapshot's host's.
+    Watch {
+        /// The directory, relative to the workspace or absolute under `/workspace`.
+        path: String,
+        /// Also the directories beneath it.
+        recursive: bool,
+        /// Bytes of events the agent may send before the first `Grant`.
+        window: u32,
+    },
+}
+
+/// Most watches open at once in the guest (the host side's per-sandbox limit).
+pub const MAX_WATCHES: usize = 64;
+/// Most directories one watch holds.
+pub const MAX_WATCH_DIRS: usize = 4096;
+/// Most bytes of directory names (relative paths) one watch holds.
+pub const MAX_WATCH_DIR_BYTES: usize = 512 * 1024;
+
+/// What one `FsEvent` costs of its watch's window: its path's length, at least
+/// [`FRAME_COST`] and at most a quarter of the smallest window a host grants in halves (so
+/// one event never waits for more window than the host gives back).
+pub fn event_cost(path_len: usize) -> u32 {
+    let most = 16 * 1024;
+    u32::try_from(path_len.clamp(FRAME_COST as usize, most)).unwrap_or(FRAME_COST)
+}
+
+/// What happened, in a `FsEvent`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FsKind {
+    /// Created, or moved in.
+    Create,
+    /// Content changed.
+    Write,
+    /// Removed.
+    Remove,
+    /// Moved away.
+    Rename,
+    /// Mode, owner or times changed.
+    Chmod,
+    /// Events were lost (the guest kernel's queue overflowed, or the watch holds all the
+    /// directories it may); `path` is empty.
+    Lost,
+}
+
+/// One change in a watched directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FsEvent {
+    /// What happened.
+    pub kind: FsKind,
+    /// The entry, relative to the watched directory; empty for the directory itself.
+    pub path: String,
+    /// Whether the entry is a directory.
+    pub is_dir: bool,
 }
 
 /// Where a guest with proxy-held secrets finds the certificates it trusts, relative to its
@@ -367,6 +433,8 @@ pub enum Response {
         /// The agent's [`SOURCE_HASH`].
         source_hash: u64,
     },
+    /// A change seen by a `Watch`.
+    FsEvent(FsEvent),
 }
 
 /// A malformed payload (the reason is dropped: the peer is told only that it was).
@@ -496,6 +564,16 @@ impl Request {
                 e = Enc::frame(K_NETWORK, id);
                 e.str(net);
             }
+            Request::Watch {
+                path,
+                recursive,
+                window,
+            } => {
+                e = Enc::frame(K_WATCH, id);
+                e.str(path);
+                e.bool(*recursive);
+                e.u32(*window);
+            }
             Request::Shutdown => e = Enc::frame(K_SHUTDOWN, id),
             Request::Kill { target } => {
                 e = Enc::frame(K_KILL, id);
@@ -564,6 +642,11 @@ impl Request {
                 ca_pem: d.bytes()?.to_vec(),
             },
             K_NETWORK => Request::Network { net: d.str()? },
+            K_WATCH => Request::Watch {
+                path: d.str()?,
+                recursive: d.bool()?,
+                window: d.u32()?,
+            },
             K_SHUTDOWN => Request::Shutdown,
             K_KILL => Request::Kill { target: d.u32()? },
             _ => return Err(Malformed),
@@ -579,6 +662,17 @@ fn kind_code(k: EntryKind) -> u8 {
         EntryKind::Dir => 1,
         EntryKind::Symlink => 2,
         EntryKind::Other => 3,
+    }
+}
+
+fn fs_code(k: FsKind) -> u8 {
+    match k {
+        FsKind::Create => 0,
+        FsKind::Write => 1,
+        FsKind::Remove => 2,
+        FsKind::Rename => 3,
+        FsKind::Chmod => 4,
+        FsKind::Lost => 5,
     }
 }
 
@@ -651,6 +745,12 @@ impl Response {
                 e = Enc::frame(K_READY, id);
                 e.u64(*source_hash);
             }
+            Response::FsEvent(ev) => {
+                e = Enc::frame(K_FS_EVENT, id);
+                e.u8(fs_code(ev.kind));
+                e.bool(ev.is_dir);
+                e.str(&ev.path);
+            }
         }
         e.finish_frame()
     }
@@ -711,6 +811,19 @@ impl Response {
             K_READY => Response::Ready {
                 source_hash: d.u64()?,
             },
+            K_FS_EVENT => Response::FsEvent(FsEvent {
+                kind: match d.u8()? {
+                    0 => FsKind::Create,
+                    1 => FsKind::Write,
+                    2 => FsKind::Remove,
+                    3 => FsKind::Rename,
+                    4 => FsKind::Chmod,
+                    5 => FsKind::Lost,
+                    _ => return Err(Malformed),
+                },
+                is_dir: d.bool()?,
+                path: d.str()?,
+            }),
             _ => return Err(Malformed),
         };
         d.end()?;

@@ -570,6 +570,7 @@ impl MicrovmSandbox {
                 ports: sandbox_core::Ports::new(),
                 connections: Default::default(),
                 background: Default::default(),
+                watches: Default::default(),
                 redactor: secrets.redactor(),
                 spec,
                 mem_size,

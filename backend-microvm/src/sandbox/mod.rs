@@ -16,6 +16,7 @@ mod ports;
 mod process;
 mod snapshot;
 pub(crate) mod warm;
+mod watch;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -152,6 +153,8 @@ struct Inner {
     /// Running background processes by spawn request id: command line, terminal (what a
     /// snapshot records, for the restored copy to adopt them).
     background: Mutex<BTreeMap<u32, (String, bool)>>,
+    /// File watches (relayed from the guest), counted and ended with the sandbox.
+    watches: sandbox_core::watch::Watches,
 }
 
 impl std::fmt::Debug for MicrovmSandbox {
@@ -218,6 +221,7 @@ impl Inner {
     fn teardown(&self, reason: &str) {
         self.life.release(reason, || {
             self.ports.clear();
+            self.watches.close_all();
             let live = lock(&self.live).take();
             if let Some(l) = &live {
                 l.machine.kill();
@@ -432,6 +436,10 @@ impl Sandbox for MicrovmSandbox {
             .into_iter()
             .map(|e| DirEntry::new(e.name, entry_kind(e.kind), e.size))
             .collect())
+    }
+
+    async fn watch(&self, path: &str, recursive: bool) -> Result<sandbox_core::Watch> {
+        self.inner.watch(path, recursive).await
     }
 
     async fn snapshot(&self, store: &dyn SnapshotStore) -> Result<SnapshotId> {

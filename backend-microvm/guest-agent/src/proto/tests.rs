@@ -88,6 +88,11 @@ fn requests() -> Vec<Request> {
         Request::Network {
             net: "10.200.0.6/30,10.200.0.5".into(),
         },
+        Request::Watch {
+            path: "/workspace/src".into(),
+            recursive: true,
+            window: 1 << 16,
+        },
     ]
 }
 
@@ -139,6 +144,16 @@ fn responses() -> Vec<Response> {
         Response::Ready {
             source_hash: SOURCE_HASH,
         },
+        Response::FsEvent(FsEvent {
+            kind: FsKind::Rename,
+            path: "sub/f.txt".into(),
+            is_dir: false,
+        }),
+        Response::FsEvent(FsEvent {
+            kind: FsKind::Lost,
+            path: String::new(),
+            is_dir: true,
+        }),
     ]
 }
 
@@ -199,6 +214,10 @@ fn garbage_never_panics_or_overallocates() {
     assert_eq!(Response::decode(K_EXEC, &[]), Err(Malformed));
     assert_eq!(Response::decode(K_EXIT, &[0xff; 9]), Err(Malformed));
     assert_eq!(Response::decode(K_ERROR, &[9, 0, 0, 0, 0]), Err(Malformed));
+    assert_eq!(
+        Response::decode(K_FS_EVENT, &[6, 0, 0, 0, 0, 0]),
+        Err(Malformed)
+    );
     assert_eq!(
         Request::decode(K_LIST, &[2, 0, 0, 0, 0xc3, 0x28]),
         Err(Malformed)
