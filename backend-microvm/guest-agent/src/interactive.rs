@@ -37,13 +37,21 @@ const POLLIN: i16 = 1;
 
 /// Waits until `f` has something to read (or its end, or an error to report).
 fn wait_readable(f: &File) {
+    wait_readable_for(f, -1);
+}
+
+/// Waits until `f` has something to read, at most `ms` milliseconds (-1: no limit; an
+/// interrupted wait is over early, which its callers' loops allow).
+pub(crate) fn wait_readable_for(f: &File, ms: c_int) {
     let mut p = PollFd {
         fd: f.as_raw_fd(),
         events: POLLIN,
         revents: 0,
     };
-    // SAFETY: one valid pollfd for the duration of the call. EINTR: poll again.
-    while unsafe { poll(&mut p, 1, -1) } < 0
+    // SAFETY: one valid pollfd for the duration of the call. EINTR without a limit: poll
+    // again.
+    while unsafe { poll(&mut p, 1, ms) } < 0
+        && ms < 0
         && io::Error::last_os_error().kind() == io::ErrorKind::Interrupted
     {}
 }

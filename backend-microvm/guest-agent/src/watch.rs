@@ -25,15 +25,6 @@ extern "C" {
     fn inotify_init1(flags: c_int) -> c_int;
     fn inotify_add_watch(fd: c_int, path: *const c_char, mask: u32) -> c_int;
     fn inotify_rm_watch(fd: c_int, wd: c_int) -> c_int;
-    fn poll(fds: *mut PollFd, n: u64, timeout: c_int) -> c_int;
-}
-
-/// `struct pollfd`.
-#[repr(C)]
-struct PollFd {
-    fd: c_int,
-    events: i16,
-    revents: i16,
 }
 
 const IN_NONBLOCK: c_int = 0o4000;
@@ -180,13 +171,7 @@ impl Inotify {
 
     /// Waits up to [`STOP_CHECK_MS`] for events.
     fn wait(&self) {
-        let mut p = PollFd {
-            fd: self.0.as_raw_fd(),
-            events: 1, // POLLIN
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd for the duration of the call.
-        unsafe { poll(&mut p, 1, STOP_CHECK_MS) };
+        crate::interactive::wait_readable_for(&self.0, STOP_CHECK_MS);
     }
 }
 
