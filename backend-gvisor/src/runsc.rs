@@ -12,6 +12,17 @@ use sandbox_core::{Error, Result, Tier};
 /// `pause`/`resume` and `--network=none`), as a `YYYYMMDD` release date.
 pub const MIN_RELEASE: u32 = 20220101;
 
+/// The first runsc release this backend is not validated with: under Debian 13's
+/// 0.0~20240729 three of its adversarial tests fail (a fork bomb is not held by the sandbox's
+/// process limit, a sandbox whose processes were killed is still reported healthy, the
+/// processes of a dead owner's sandbox outlive it). [`RunscInfo::check_version`] refuses
+/// such a build unless [`UNVALIDATED_ENV`] is `1`.
+pub const UNVALIDATED_RELEASE: u32 = 20230101;
+
+/// Set to `1` by an operator who accepts a runsc from [`UNVALIDATED_RELEASE`] on as it is
+/// (for one, to measure its systrap platform: docs/benchmarks.md).
+pub const UNVALIDATED_ENV: &str = "AGENT_SANDBOX_RUNSC_UNVALIDATED";
+
 /// The platform gVisor uses to intercept the sandbox's syscalls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -123,8 +134,15 @@ impl RunscInfo {
         })
     }
 
-    /// Refuses builds older than [`MIN_RELEASE`].
+    /// Refuses builds older than [`MIN_RELEASE`], and builds from [`UNVALIDATED_RELEASE`] on
+    /// unless the operator set [`UNVALIDATED_ENV`] (see [`RunscInfo::check_version_with`]).
     pub fn check_version(&self) -> Result<()> {
+        self.check_version_with(std::env::var_os(UNVALIDATED_ENV).is_some_and(|v| v == "1"))
+    }
+
+    /// [`check_version`](Self::check_version) with the operator's answer given:
+    /// `allow_unvalidated` lets a release from [`UNVALIDATED_RELEASE`] on through.
+    pub fn check_version_with(&self, allow_unvalidated: bool) -> Result<()> {
         match self.release {
             Some(r) if r < MIN_RELEASE => Err(unavailable(
                 format!(
@@ -132,6 +150,18 @@ impl RunscInfo {
                     self.version
                 ),
                 "install a newer runsc (apt-get install runsc from a current Debian)",
+            )),
+            Some(r) if r >= UNVALIDATED_RELEASE && !allow_unvalidated => Err(unavailable(
+                format!(
+                    "{} is newer than the releases this backend is validated with (before \
+                     {UNVALIDATED_RELEASE}): under it a sandbox's process limit does not hold \
+                     and a sandbox killed behind the backend's back is not noticed",
+                    self.version
+                ),
+                format!(
+                    "install Debian 12's runsc (0.0~20221219), or set {UNVALIDATED_ENV}=1 to \
+                     run this one anyway, without those guarantees (docs/gvisor.md)"
+                ),
             )),
             _ => Ok(()),
         }
@@ -288,6 +318,9 @@ pub struct Runsc {
     /// Wrap the root mount in an in-memory overlay (`--overlay2=root:memory`): used for a
     /// caller's rootfs directory, which must never be written.
     pub overlay_root: bool,
+    /// The release date (`YYYYMMDD`) of `bin`, when its version carries one: what a
+    /// sandbox's bundle may ask of it ([`caches_tool_mounts`](Runsc::caches_tool_mounts)).
+    pub release: Option<u32>,
     /// With `Some`, `--network=host` inside this network namespace (made for the sandbox and
     /// connected to the egress enforcer) instead of `--network=none`. Every runsc call of
     /// the sandbox runs in it: runsc reaches a running sandbox through an abstract Unix
@@ -295,7 +328,20 @@ pub struct Runsc {
     pub netns: Option<Arc<std::fs::File>>,
 }
 
+/// The first runsc release whose default root overlay (`--overlay2=root:self`) also covers
+/// bind mounts hinted as one container's: such a hint on a read-only host directory then fails
+/// (runsc writes its overlay's file store into the mount's source). Releases from here on
+/// read files directly (directfs), where the hint's cache matters less.
+pub const SELF_OVERLAY_RELEASE: u32 = 20230101;
+
 impl Runsc {
+    /// Whether the host-tools mounts (`/usr`, the `/etc` files) are hinted as this sandbox's
+    /// alone, so the Sentry caches them ([`bundle::config`](crate::bundle::config)): runsc
+    /// releases before [`SELF_OVERLAY_RELEASE`] (Debian 12's 20221219, for one).
+    pub fn caches_tool_mounts(&self) -> bool {
+        self.release.is_some_and(|r| r < SELF_OVERLAY_RELEASE)
+    }
+
     /// A command with the global flags every call needs. The network flag is always explicit
     /// (rootless `do` silently switches to host networking without one; the `sandbox` mode
     /// fails on current kernels): `none`, or `host` for a sandbox attached to the egress
@@ -482,6 +528,37 @@ mod tests {
         );
         assert_eq!(parse_release("runsc version 123456789"), None);
         assert_eq!(parse_release("runsc version"), None);
+    }
+
+    #[test]
+    fn releases_outside_the_validated_range_are_refused_with_the_way_out() {
+        let info = |version: &str| RunscInfo {
+            path: PathBuf::from("/usr/bin/runsc"),
+            version: version.to_string(),
+            release: parse_release(version),
+            platforms: vec![Platform::Ptrace],
+        };
+        // Debian 12's: the one validated.
+        assert!(info("runsc version 0.0~20221219.0")
+            .check_version_with(false)
+            .is_ok());
+        // Too old, whatever the operator says.
+        let old = info("runsc version 0.0~20211129.0");
+        assert!(old.check_version_with(true).is_err());
+        // Debian 13's: refused, naming why and the opt-in; taken when the operator opts in.
+        let new = info("runsc version 0.0~20240729.0");
+        match new.check_version_with(false) {
+            Err(Error::Unavailable { reason, fix, .. }) => {
+                assert!(reason.contains("process limit"), "{reason}");
+                assert!(fix.contains(UNVALIDATED_ENV), "{fix}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(new.check_version_with(true).is_ok());
+        // No date in the version: not refused (nothing to judge it by).
+        assert!(info("runsc version google-123")
+            .check_version_with(false)
+            .is_ok());
     }
 
     /// A fake runsc: a script answering `--version` and `help platforms`, counting its runs.

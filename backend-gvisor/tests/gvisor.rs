@@ -619,9 +619,14 @@ async fn a_rootfs_directory_is_used_and_never_written() {
     // This rootfs has no `dev/shm`: the sandbox still gets the capped scratch mount there
     // (through an overlay view of the directory), so a flood of files ends in ENOSPC.
     let r = sb
-        .exec(ExecRequest::code(
-            "i=0; while [ $i -lt 100000 ] && touch /dev/shm/f$i; do i=$((i+1)); done; echo $i",
-        ))
+        .exec(
+            ExecRequest::code(
+                "i=0; while [ $i -lt 100000 ] && touch /dev/shm/f$i; do i=$((i+1)); done; echo $i",
+            )
+            // Thousands of `touch` processes under ptrace: ~25 s alone, more on a busy
+            // machine; the point is where it stops, not how fast.
+            .timeout(Duration::from_secs(240)),
+        )
         .await
         .unwrap();
     let made: u32 = r

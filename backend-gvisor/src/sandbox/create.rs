@@ -177,6 +177,7 @@ impl GvisorSandbox {
                 root: runsc_root,
                 platform: r.platform,
                 overlay_root: !lower.is_empty(),
+                release: r.info.release,
                 netns,
             },
             engine: r.info.version.clone(),
@@ -405,6 +406,7 @@ impl Inner {
             Some(&self.scratch),
             &cgroup,
             &files,
+            self.runsc.caches_tool_mounts(),
         )?;
         bundle::save(&cfg, &self.bundle)?;
         let image_dir = self.dir.join("restore-image");
