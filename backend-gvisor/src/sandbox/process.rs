@@ -125,12 +125,17 @@ impl Inner {
         Ok(r)
     }
 
-    /// Records background process `id` as ended with the sandbox; the error its handle gets.
+    /// Records background process `id` as ended with the sandbox; the error its handle gets,
+    /// with why the sandbox ended when it says (a failed resume after a snapshot, a limit).
     pub(super) fn process_gone(&self, id: ProcessId) -> Error {
         self.procs.exited(id, None);
+        let reason = match self.life.gone_reason() {
+            Some(why) => format!("the sandbox ended while the process ran: {why}"),
+            None => "the sandbox ended while the process ran".to_string(),
+        };
         Error::SandboxGone {
             id: self.id.clone(),
-            reason: "the sandbox ended while the process ran".into(),
+            reason,
         }
     }
 
