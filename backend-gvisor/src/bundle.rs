@@ -464,9 +464,9 @@ pub fn seccomp() -> Result<LinuxSeccomp> {
 /// `files`: host files bound read-only over the root's (destination, source), after the
 /// root's own mounts (so `/etc/resolv.conf`, or `/etc/ssl/certs/ca-certificates.crt` inside
 /// the host's bound `/etc/ssl`); each destination must exist in the root. `cache_tools`:
-/// hint the host-tools mounts as this sandbox's alone ([`Runsc::caches_tool_mounts`]).
+/// hint the host-tools mounts as this sandbox's alone ([`RunscInfo::caches_tool_mounts`]).
 ///
-/// [`Runsc::caches_tool_mounts`]: crate::runsc::Runsc::caches_tool_mounts
+/// [`RunscInfo::caches_tool_mounts`]: crate::runsc::RunscInfo::caches_tool_mounts
 #[allow(clippy::too_many_arguments)]
 pub fn config(
     spec: &SandboxSpec,
@@ -615,7 +615,7 @@ pub fn config(
 /// (`share=container`). runsc then gives them the exclusive file access its root mount has:
 /// the Sentry caches their names, attributes and pages instead of asking the gofer again on
 /// every lookup. Measured with runsc 20221219 (ptrace), host tools: `python3 -c pass` from
-/// 210 to 98 ms, 20,000 `stat` calls from 4.8 to 2.3 s (docs/benchmarks.md). The mounts are
+/// 130 to 107 ms, 20,000 `stat` calls from 3.8 to 2.7 s (docs/gvisor.md). The mounts are
 /// read-only and the host's tools change only under a package manager, which a sandbox
 /// started before sees as it was. The workspace and the caller's mounts stay shared: the
 /// host writes into the workspace while the sandbox runs (`write_file`, uploads).

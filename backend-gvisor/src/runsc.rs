@@ -16,7 +16,9 @@ pub const MIN_RELEASE: u32 = 20220101;
 /// 0.0~20240729 three of its adversarial tests fail (a fork bomb is not held by the sandbox's
 /// process limit, a sandbox whose processes were killed is still reported healthy, the
 /// processes of a dead owner's sandbox outlive it). [`RunscInfo::check_version`] refuses
-/// such a build unless [`UNVALIDATED_ENV`] is `1`.
+/// such a build unless [`UNVALIDATED_ENV`] is `1`. Such releases also overlay bind mounts
+/// hinted as one container's (`--overlay2=root:self`), which fails on a read-only host
+/// directory: they get no mount hints ([`RunscInfo::caches_tool_mounts`]).
 pub const UNVALIDATED_RELEASE: u32 = 20230101;
 
 /// Set to `1` by an operator who accepts a runsc from [`UNVALIDATED_RELEASE`] on as it is
@@ -165,6 +167,13 @@ impl RunscInfo {
             )),
             _ => Ok(()),
         }
+    }
+
+    /// Whether the host-tools mounts (`/usr`, the `/etc` files) are hinted as a sandbox's
+    /// alone, so the Sentry caches them ([`bundle::config`](crate::bundle::config)): for the
+    /// validated releases, before [`UNVALIDATED_RELEASE`] (Debian 12's 20221219, for one).
+    pub fn caches_tool_mounts(&self) -> bool {
+        self.release.is_some_and(|r| r < UNVALIDATED_RELEASE)
     }
 
     /// The default platform: systrap where this build has it, else ptrace. KVM is never chosen
@@ -318,9 +327,9 @@ pub struct Runsc {
     /// Wrap the root mount in an in-memory overlay (`--overlay2=root:memory`): used for a
     /// caller's rootfs directory, which must never be written.
     pub overlay_root: bool,
-    /// The release date (`YYYYMMDD`) of `bin`, when its version carries one: what a
-    /// sandbox's bundle may ask of it ([`caches_tool_mounts`](Runsc::caches_tool_mounts)).
-    pub release: Option<u32>,
+    /// Whether the sandbox's bundle hints its host-tools mounts as its own
+    /// ([`RunscInfo::caches_tool_mounts`] of `bin`).
+    pub cache_tools: bool,
     /// With `Some`, `--network=host` inside this network namespace (made for the sandbox and
     /// connected to the egress enforcer) instead of `--network=none`. Every runsc call of
     /// the sandbox runs in it: runsc reaches a running sandbox through an abstract Unix
@@ -328,20 +337,7 @@ pub struct Runsc {
     pub netns: Option<Arc<std::fs::File>>,
 }
 
-/// The first runsc release whose default root overlay (`--overlay2=root:self`) also covers
-/// bind mounts hinted as one container's: such a hint on a read-only host directory then fails
-/// (runsc writes its overlay's file store into the mount's source). Releases from here on
-/// read files directly (directfs), where the hint's cache matters less.
-pub const SELF_OVERLAY_RELEASE: u32 = 20230101;
-
 impl Runsc {
-    /// Whether the host-tools mounts (`/usr`, the `/etc` files) are hinted as this sandbox's
-    /// alone, so the Sentry caches them ([`bundle::config`](crate::bundle::config)): runsc
-    /// releases before [`SELF_OVERLAY_RELEASE`] (Debian 12's 20221219, for one).
-    pub fn caches_tool_mounts(&self) -> bool {
-        self.release.is_some_and(|r| r < SELF_OVERLAY_RELEASE)
-    }
-
     /// A command with the global flags every call needs. The network flag is always explicit
     /// (rootless `do` silently switches to host networking without one; the `sandbox` mode
     /// fails on current kernels): `none`, or `host` for a sandbox attached to the egress
@@ -555,6 +551,10 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(new.check_version_with(true).is_ok());
+        // Only the validated release gets the mount hints.
+        assert!(info("runsc version 0.0~20221219.0").caches_tool_mounts());
+        assert!(!new.caches_tool_mounts());
+        assert!(!info("runsc version google-123").caches_tool_mounts());
         // No date in the version: not refused (nothing to judge it by).
         assert!(info("runsc version google-123")
             .check_version_with(false)

@@ -75,10 +75,8 @@ pub fn oci_bundle(dir: &Path, name: &str, argv: &[&str], cgroup: &str) -> PathBu
     let ws = dir.join(format!("{name}-ws"));
     std::fs::create_dir_all(&ws).unwrap();
     // The tier's mount hints where the installed runsc takes them (crun ignores them).
-    let cache_tools = backend_gvisor::runsc::RunscInfo::discover(None)
-        .ok()
-        .and_then(|i| i.release)
-        .is_some_and(|r| r < backend_gvisor::runsc::SELF_OVERLAY_RELEASE);
+    let cache_tools =
+        backend_gvisor::runsc::RunscInfo::discover(None).is_ok_and(|i| i.caches_tool_mounts());
     let mut cfg = bundle::config(&spec, who, &ws, false, None, cgroup, &[], cache_tools).unwrap();
     let mut p = cfg.process().clone().unwrap();
     p.set_args(Some(argv.iter().map(|s| s.to_string()).collect()));

@@ -177,7 +177,7 @@ impl GvisorSandbox {
                 root: runsc_root,
                 platform: r.platform,
                 overlay_root: !lower.is_empty(),
-                release: r.info.release,
+                cache_tools: r.info.caches_tool_mounts(),
                 netns,
             },
             engine: r.info.version.clone(),
@@ -406,7 +406,7 @@ impl Inner {
             Some(&self.scratch),
             &cgroup,
             &files,
-            self.runsc.caches_tool_mounts(),
+            self.runsc.cache_tools,
         )?;
         bundle::save(&cfg, &self.bundle)?;
         let image_dir = self.dir.join("restore-image");
