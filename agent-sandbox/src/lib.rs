@@ -194,8 +194,10 @@ fn unavailable(s: TierStatus) -> Error {
 /// Declares that this process creates one sandbox, runs it and exits (as the CLI's `run`
 /// does): the built-in backends skip work that only pays off for a later sandbox (the
 /// container tier's spare init, cloned ahead of the next create, and its root-filesystem
-/// templates). Process-wide; nothing else changes, and the sandbox is torn down as fully as
-/// ever.
+/// templates), and the container tier's teardown finishes after the process has exited
+/// (its zygote waits for the killed sandbox to end, then removes its cgroups and records).
+/// Process-wide; isolation and limits are unchanged, and nothing is left behind once the
+/// zygote is done.
 pub fn one_shot_process() {
     #[cfg(feature = "container")]
     backend_container::one_shot_process();

@@ -54,6 +54,11 @@ pub const PACKET_MAX: usize = INLINE_MAX + 64;
 /// Set in `kind` when the payload travels in a memfd (the last fd).
 pub const FLAG_BIG: u32 = 0x8000_0000;
 
+/// Largest request the zygote reads (its requests are a letter and a few bytes; an `R`
+/// request, a one-shot teardown handed over, carries paths). The library sends nothing
+/// larger.
+pub const ZYGOTE_REQUEST_MAX: usize = 4096;
+
 // library -> init
 /// Build the root filesystem and lock the init down: payload = [`Op`] list.
 pub const MSG_SETUP: u32 = 1;

@@ -30,6 +30,9 @@ use crate::sys::*;
 ///
 /// A `U` request (with one socket) clones a process that only holds a new user namespace
 /// for an idmapped host-directory workspace (see [`hold_userns`]); the reply is its pid.
+///
+/// An `R` request (a one-shot process's teardown, see [`reap_detached`]) has no reply: the
+/// zygote finishes a killed sandbox's teardown while the library process exits.
 pub(crate) fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
     // SAFETY: prctl/close_range on our own process.
     unsafe {
@@ -87,7 +90,7 @@ pub(crate) fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
         in_tmpl = tmpl;
         true
     };
-    let mut buf = [0u8; 16];
+    let mut buf = [0u8; ZYGOTE_REQUEST_MAX];
     loop {
         let (n, fds) = match recv_on(0, &mut buf) {
             Ok(Some(m)) => m,
@@ -125,6 +128,10 @@ pub(crate) fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
             );
             continue;
         }
+        if n >= 1 && buf[0] == b'R' {
+            reap_detached(&buf[1..n], fds);
+            continue;
+        }
         if n == 1 && buf[0] == b'U' {
             // A bare user namespace for an idmapped mount (see `hold_userns`).
             for fd in fds {
@@ -148,6 +155,73 @@ pub(crate) fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
                 }
             };
             raw_write(0, &zygote_reply(r));
+        }
+    }
+}
+
+/// How long a detached teardown waits for the sandbox's init to end, and then for its
+/// cgroup directories to drain.
+const REAP_PATIENCE_MS: i32 = 10_000;
+const RMDIR_PATIENCE_MS: u64 = 2_000;
+
+/// The rest of a one-shot process's sandbox teardown (`R`: payload = cgroup directories,
+/// then files, each a `strs` list; fds = a pidfd of the sandbox's init, which the library
+/// has killed, then whatever must stay open until the end, e.g. the lease on its uid
+/// range). Waits (bounded) for the init to end (with pid 1 of its pid namespace the kernel
+/// has ended every process of the sandbox), removes the cgroup directories (leaves first,
+/// retrying while they drain), then the files, then closes the fds. Nothing here is
+/// sandbox input: the library sends it, about a sandbox it made.
+fn reap_detached(payload: &[u8], fds: Vec<OwnedFd>) {
+    let mut d = Dec::new(payload);
+    let (dirs, files) = (d.strs().unwrap_or_default(), d.strs().unwrap_or_default());
+    if let Some(pidfd) = fds.first() {
+        // The killed init ends in milliseconds; one that does not (a kernel stuck on its
+        // memory) is waited for only so long.
+        let deadline = monotonic_ns() + REAP_PATIENCE_MS as u64 * 1_000_000;
+        loop {
+            let left = deadline.saturating_sub(monotonic_ns()) / 1_000_000;
+            let mut p = PollFd {
+                fd: pidfd.as_raw_fd(),
+                events: POLLIN,
+                revents: 0,
+            };
+            // SAFETY: poll of one valid pollfd.
+            let r = unsafe { poll(&mut p, 1, left.min(i32::MAX as u64) as i32) };
+            let interrupted = r < 0 && errno() == 4 /* EINTR */;
+            if r > 0 || (r < 0 && !interrupted) || left == 0 {
+                break;
+            }
+        }
+    }
+    let until = std::time::Instant::now() + std::time::Duration::from_millis(RMDIR_PATIENCE_MS);
+    for dir in &dirs {
+        remove_cgroup(std::path::Path::new(dir), until);
+    }
+    for f in &files {
+        let _ = std::fs::remove_file(f);
+    }
+    drop(fds);
+}
+
+/// Removes cgroup directory `dir` and any below it (leaves first), retrying each while its
+/// last tasks drain (`EBUSY`) until `until`.
+fn remove_cgroup(dir: &std::path::Path, until: std::time::Instant) {
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                remove_cgroup(&e.path(), until);
+            }
+        }
+    }
+    loop {
+        match std::fs::remove_dir(dir) {
+            Err(e)
+                if e.raw_os_error() == Some(16 /* EBUSY */)
+                    && std::time::Instant::now() < until =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            _ => return,
         }
     }
 }
@@ -238,6 +312,39 @@ fn hold_userns(hold: OwnedFd) -> i64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_detached_teardown_waits_for_the_end_then_removes_leaves_first() {
+        let t = crate::test_util::TempDir::new("reap");
+        std::fs::create_dir_all(t.join("cg/sub/leaf")).unwrap();
+        std::fs::create_dir_all(t.join("cg2")).unwrap();
+        std::fs::write(t.join("state"), b"x").unwrap();
+        std::fs::write(t.join("kept"), b"x").unwrap();
+        // Stands in for the killed init: it ends on its own a moment later.
+        let mut child = std::process::Command::new("sleep")
+            .arg("0.2")
+            .spawn()
+            .unwrap();
+        // SAFETY: pidfd_open(2) of our own unreaped child.
+        let raw = unsafe {
+            syscall(434 /* pidfd_open */, child.id() as u64, 0u64)
+        };
+        assert!(raw >= 0, "pidfd_open: {}", io::Error::last_os_error());
+        // SAFETY: a new descriptor we own.
+        let pidfd = unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw as i32) };
+        let mut e = Enc::default();
+        e.strs(&[t.at("cg"), t.at("cg2"), t.at("missing")]);
+        e.strs(&[t.at("state")]);
+        reap_detached(&e.0, vec![pidfd]);
+        // It returned only once the process had ended (its exit status is there to take).
+        assert!(
+            child.try_wait().unwrap().is_some(),
+            "returned before the end"
+        );
+        assert!(!t.join("cg").exists() && !t.join("cg2").exists());
+        assert!(!t.join("state").exists());
+        assert!(t.join("kept").exists());
+    }
 
     #[test]
     fn zygote_replies_are_a_value_or_an_errno() {

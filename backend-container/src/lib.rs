@@ -283,9 +283,14 @@ pub fn spare_inits(on: bool) {
 /// nothing is prepared for a later sandbox. No spare init is cloned (as with
 /// `spare_inits(false)`) and no root-filesystem template is built: the sandbox's init builds
 /// its root itself (the classic setup, as for specs with their own mounts), which for a single
-/// sandbox costs less than building a template and then cloning it. Process-wide and for
-/// the rest of the process; isolation, limits and teardown are unchanged. Call it before the
-/// first create.
+/// sandbox costs less than building a template and then cloning it. A sandbox's teardown
+/// (one without an egress link) kills its processes and then leaves the rest to the
+/// process's zygote, which waits for the sandbox's end, removes its cgroups and state
+/// record and releases its uid range while this process exits (a `destroy` returns once
+/// everything is killed, not once it is gone). Process-wide and for the rest of the
+/// process; isolation and limits are unchanged. Call it before the first create, in a
+/// process that exits after its sandbox: it reaps none of its sandboxes' inits (whoever
+/// reaps the process's orphans does).
 pub fn one_shot_process() {
     spawn::set_one_shot();
 }

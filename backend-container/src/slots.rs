@@ -32,12 +32,29 @@ pub(crate) struct SlotLease {
     slot: u32,
     /// The locked file: `None` for a slot taken without a lease (no usable directory).
     _lock: Option<File>,
+    /// Set once another process holds the lock too (see [`SlotLease::handed_off`]): dropping
+    /// this then only closes our descriptor.
+    handed: std::sync::atomic::AtomicBool,
 }
 
 impl SlotLease {
     /// The slot: the sandbox's range starts at `uid_base + slot * 65536`.
     pub(crate) fn slot(&self) -> u32 {
         self.slot
+    }
+
+    /// The locked file's descriptor, to pass to a process that keeps the lease after this
+    /// one (a one-shot process's zygote, finishing its sandbox's teardown).
+    pub(crate) fn lock_fd(&self) -> Option<std::os::fd::RawFd> {
+        self._lock.as_ref().map(AsRawFd::as_raw_fd)
+    }
+
+    /// Records that another process holds a copy of [`SlotLease::lock_fd`]: the lock is
+    /// then released when the last copy closes, never unlocked explicitly from here (an
+    /// unlock would release it for every copy).
+    pub(crate) fn handed_off(&self) {
+        self.handed
+            .store(true, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -46,6 +63,9 @@ impl Drop for SlotLease {
         // Unlocked explicitly rather than by the close alone: a child this multi-threaded
         // process is forking at that moment (between its clone and its exec) holds a copy
         // of the descriptor, and with it the lock, until it execs.
+        if self.handed.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
         if let Some(f) = &self._lock {
             // SAFETY: flock on a descriptor we own; no pointers.
             unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_UN) };
@@ -90,6 +110,7 @@ pub(crate) fn lease(uid_base: u32, fallback: u32) -> Result<SlotLease, SlotError
             Ok(SlotLease {
                 slot: fallback % SLOTS,
                 _lock: None,
+                handed: Default::default(),
             })
         }
     }
@@ -116,6 +137,7 @@ pub(crate) fn lease_in(dir: &Path, uid_base: u32, start: u32) -> Result<SlotLeas
             return Ok(SlotLease {
                 slot,
                 _lock: Some(f),
+                handed: Default::default(),
             });
         }
     }

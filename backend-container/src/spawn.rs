@@ -22,7 +22,9 @@ mod zygote;
 use idmap::idmapped_tree;
 pub(crate) use idmap::{detached_tree, workspace_tree, WorkspaceIds};
 use zygote::fork_init;
-pub(crate) use zygote::{one_shot, prefork, set_one_shot, set_spares, template_root};
+pub(crate) use zygote::{
+    hand_off_teardown, one_shot, prefork, set_one_shot, set_spares, template_root,
+};
 
 /// Why a sandbox's init could not be started ([`start_init`], [`spawn_init`]).
 #[derive(Debug, thiserror::Error)]

@@ -230,6 +230,11 @@ impl Watches {
             // the sandbox's to keep.
             drop(sub.on_drop.lock().ok().and_then(|mut h| h.take()));
         }
+        // No watch of the hub's: nothing to remove, and no hub (an inotify instance and
+        // its thread) to start for it.
+        if ids.is_empty() {
+            return;
+        }
         if let Ok(hub) = hub() {
             let mut st = hub.lock();
             for id in ids {

@@ -369,6 +369,62 @@ pub(crate) fn set_one_shot() {
     set_spares(false);
 }
 
+/// Hands the rest of a sandbox's teardown to the zygote (a one-shot process, see
+/// [`crate::one_shot_process`]): kills init `pid` (our child, not yet reaped: its pid is
+/// still its own) and sends the zygote a pidfd of it, the cgroup directories and files to
+/// remove once it has ended, and `keep` (e.g. the uid-range lease), which the zygote
+/// closes last. The zygote does that work while this process exits (it reads its socket's
+/// end only after the request). Returns `false`, with nothing sent and nothing killed,
+/// when it cannot (no zygote, no pidfds, a request too large): the caller then tears down
+/// itself.
+pub(crate) fn hand_off_teardown(
+    pid: libc::pid_t,
+    dirs: &[String],
+    files: &[String],
+    keep: &[RawFd],
+) -> bool {
+    let mut msg = proto::Enc::default();
+    msg.0.push(b'R');
+    msg.strs(dirs);
+    msg.strs(files);
+    if msg.0.len() > proto::ZYGOTE_REQUEST_MAX || keep.len() > 3 {
+        return false;
+    }
+    let Ok(mut f) = FORKS.lock() else {
+        return false;
+    };
+    let Some(z) = f.zygote.as_mut() else {
+        return false;
+    };
+    if z.settle().is_err() {
+        return false;
+    }
+    // SAFETY: pidfd_open(2) of our own unreaped child; no pointers.
+    let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    let Ok(raw) = RawFd::try_from(raw) else {
+        return false;
+    };
+    if raw < 0 {
+        return false;
+    }
+    // SAFETY: pidfd_open returned a new descriptor that we own.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(raw) };
+    // SAFETY: kill(2) of our own unreaped child.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let mut fds = vec![pidfd.as_raw_fd()];
+    fds.extend_from_slice(keep);
+    let cmsg = [nix::sys::socket::ControlMessage::ScmRights(&fds)];
+    let iov = [io::IoSlice::new(&msg.0)];
+    nix::sys::socket::sendmsg::<()>(
+        z.sock.as_raw_fd(),
+        &iov,
+        &cmsg,
+        nix::sys::socket::MsgFlags::MSG_NOSIGNAL,
+        None,
+    )
+    .is_ok()
+}
+
 /// Has the zygote clone the next init ahead of time (see [`Zygote::spare`]) unless one is
 /// there or coming. Called when a command has finished and when a sandbox is torn down,
 /// moments that usually precede idleness (an agent thinking) rather than a create: asking at
