@@ -157,6 +157,41 @@ impl Source for Registry {
     }
 
     async fn fetch(&self, layer: &LayerDesc, dest: &Path, max_bytes: u64) -> Result<()> {
+        let out = tokio::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(dest)
+            .await
+            .map_err(|e| ImageError::io("create", dest, e))?;
+        self.download(layer, max_bytes, Sink::File(out, dest)).await
+    }
+
+    fn streams(&self) -> bool {
+        true
+    }
+
+    async fn stream(
+        &self,
+        layer: &LayerDesc,
+        max_bytes: u64,
+        tx: tokio::sync::mpsc::Sender<bytes::Bytes>,
+    ) -> Result<()> {
+        self.download(layer, max_bytes, Sink::Channel(tx)).await
+    }
+}
+
+/// Where a blob's bytes go as they arrive.
+enum Sink<'a> {
+    /// A new file.
+    File(tokio::fs::File, &'a Path),
+    /// A reader on another thread (the store's unpack), chunk by chunk.
+    Channel(tokio::sync::mpsc::Sender<bytes::Bytes>),
+}
+
+impl Registry {
+    /// Downloads the blob of `layer` into `sink`, refusing more than its stated size (or
+    /// `max_bytes`), and checks its digest; the `Ok` comes only after that check.
+    async fn download(&self, layer: &LayerDesc, max_bytes: u64, mut sink: Sink<'_>) -> Result<()> {
         let desc = OciDescriptor {
             media_type: layer.media_type.clone(),
             digest: layer.digest.clone(),
@@ -169,12 +204,6 @@ impl Source for Registry {
             .await
             .map_err(|e| self.map(e))?;
         let limit = layer.size.unwrap_or(max_bytes).min(max_bytes);
-        let mut out = tokio::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(dest)
-            .await
-            .map_err(|e| ImageError::io("create", dest, e))?;
         let mut hasher = Sha256::new();
         let mut n = 0u64;
         while let Some(chunk) = s.next().await {
@@ -198,13 +227,25 @@ impl Source for Registry {
                 });
             }
             hasher.update(&chunk);
-            out.write_all(&chunk)
-                .await
-                .map_err(|e| ImageError::io("write", dest, e))?;
+            match &mut sink {
+                Sink::File(out, dest) => out
+                    .write_all(&chunk)
+                    .await
+                    .map_err(|e| ImageError::io("write", *dest, e))?,
+                Sink::Channel(tx) => tx.send(chunk).await.map_err(|_| {
+                    ImageError::io(
+                        source::HAND_OVER,
+                        Path::new(&layer.digest),
+                        std::io::Error::other("its unpack stopped"),
+                    )
+                })?,
+            }
         }
-        out.flush()
-            .await
-            .map_err(|e| ImageError::io("write", dest, e))?;
+        if let Sink::File(out, dest) = &mut sink {
+            out.flush()
+                .await
+                .map_err(|e| ImageError::io("write", *dest, e))?;
+        }
         let actual = format!("sha256:{}", hex::encode(hasher.finalize()));
         if actual != layer.digest {
             return Err(ImageError::DigestMismatch {

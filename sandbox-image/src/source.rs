@@ -34,6 +34,10 @@ pub(crate) struct Resolved {
     pub layers: Vec<LayerDesc>,
 }
 
+/// The action of the error a [`Source::stream`] returns when its receiver went away (the
+/// unpack stopped, with an error of its own).
+pub(crate) const HAND_OVER: &str = "hand over a chunk of";
+
 /// A place images come from.
 #[async_trait]
 pub(crate) trait Source: Send + Sync {
@@ -47,6 +51,28 @@ pub(crate) trait Source: Send + Sync {
     /// Writes the blob of `layer` to `dest` (a new file in the store's `tmp/`), verified
     /// against `layer.digest`, refusing more than `max_bytes`.
     async fn fetch(&self, layer: &LayerDesc, dest: &Path, max_bytes: u64) -> Result<()>;
+
+    /// Whether [`Source::stream`] works: the store then unpacks a layer while it arrives
+    /// (a download), rather than after (a local copy costs little).
+    fn streams(&self) -> bool {
+        false
+    }
+
+    /// Sends the blob of `layer` into `tx` as it arrives, refusing more than `max_bytes`; the
+    /// `Ok` comes only once the whole blob matched `layer.digest` (what was sent before is
+    /// unverified until then).
+    async fn stream(
+        &self,
+        layer: &LayerDesc,
+        _max_bytes: u64,
+        _tx: tokio::sync::mpsc::Sender<bytes::Bytes>,
+    ) -> Result<()> {
+        Err(ImageError::io(
+            "stream",
+            Path::new(&layer.digest),
+            std::io::Error::from(std::io::ErrorKind::Unsupported),
+        ))
+    }
 }
 
 /// A descriptor, as in manifests and indexes.

@@ -182,7 +182,24 @@ pub(crate) fn unpack(
     budget: u64,
 ) -> Result<Unpacked> {
     let file = fs::File::open(blob).map_err(|e| ImageError::io("open the layer blob", blob, e))?;
-    let mut compressed = HashingReader::new(io::BufReader::with_capacity(1 << 20, file));
+    unpack_from(
+        io::BufReader::with_capacity(1 << 20, file),
+        blob,
+        layer,
+        dest,
+        budget,
+    )
+}
+
+/// [`unpack`] of a blob read from `input` (`blob` names it in errors), e.g. as it is
+/// downloaded. Reads `input` to its end, also past the end of the archive.
+pub(crate) fn unpack_from(
+    input: impl Read + Send,
+    blob: &Path,
+    layer: &LayerSpec<'_>,
+    dest: &Path,
+    budget: u64,
+) -> Result<Unpacked> {
     let mut u = Unpacker {
         dest,
         layer: layer.diff_id,
@@ -191,44 +208,17 @@ pub(crate) fn unpack(
         dirs: BTreeMap::new(),
         root: nix::unistd::geteuid().is_root(),
     };
-    let diff_id = {
-        let decoder: Box<dyn Read + '_> = match layer.compression {
-            Compression::None => Box::new(&mut compressed),
-            Compression::Gzip => Box::new(flate2::read::MultiGzDecoder::new(&mut compressed)),
-            Compression::Zstd => Box::new(
-                zstd::stream::read::Decoder::new(&mut compressed)
-                    .map_err(|e| ImageError::io("start zstd decoding of", blob, e))?,
-            ),
-        };
-        let mut tar_stream = HashingReader::new(decoder);
-        {
-            let mut archive = tar::Archive::new(&mut tar_stream);
-            // Raw entries: extension headers (GNU long names and links, PAX records) come to us
-            // as entries of their own, so their bodies are read with a bound (tar-rs would read
-            // a 16 GiB long name into memory before we saw it).
-            let entries = archive.entries().map_err(|e| u.read_error(e))?.raw(true);
-            let mut ext = Extensions::default();
-            for entry in entries {
-                let mut entry = entry.map_err(|e| u.read_error(e))?;
-                if u.extension(&mut entry, &mut ext)? {
-                    continue;
-                }
-                u.apply(entry, &std::mem::take(&mut ext))?;
-            }
-            if !ext.is_empty() {
-                return Err(u.read_error(io::Error::new(
-                    io::ErrorKind::InvalidData,
-                    "an extension header describes no entry (the layer ends after it)",
-                )));
-            }
+    let (diff_id, blob_digest) = match layer.compression {
+        Compression::None => {
+            let mut compressed = HashingReader::new(input);
+            let diff_id = u.untar(&mut compressed)?;
+            compressed
+                .drain()
+                .map_err(|e| ImageError::io("read the layer blob", blob, e))?;
+            (diff_id, compressed.finish())
         }
-        tar_stream.drain().map_err(|e| u.read_error(e))?;
-        tar_stream.finish()
+        c => inflate_beside(input, c, blob, |tar| u.untar(tar))?,
     };
-    compressed
-        .drain()
-        .map_err(|e| ImageError::io("read the layer blob", blob, e))?;
-    let blob_digest = compressed.finish();
     if let Some(expected) = layer.blob_digest {
         if blob_digest != expected {
             return Err(ImageError::DigestMismatch {
@@ -247,6 +237,146 @@ pub(crate) fn unpack(
     }
     u.finish_dirs()?;
     Ok(u.stats)
+}
+
+/// Decompressed bytes in flight from the decompression thread to the archive's reader: at
+/// most this many chunks of [`INFLATED_CHUNK`] bytes.
+const INFLATED_CHUNKS: usize = 4;
+const INFLATED_CHUNK: usize = 256 << 10;
+
+/// How the decompression thread ended, other than with the blob's digest.
+enum Inflate {
+    /// The decoder could not start (e.g. not zstd at all).
+    Start(io::Error),
+    /// Reading the blob past the end of its compressed stream failed.
+    Read(io::Error),
+    /// A decoding error, already handed to the reader in the stream.
+    Sent,
+    /// The reader stopped reading (it failed, with an error of its own).
+    Stopped,
+}
+
+/// Runs `untar` over the decompressed blob while a thread of its own decompresses it (the
+/// two halves of an unpack take about as long each: decompression against the diff-id's
+/// hash and the files), and returns `untar`'s result with the blob's digest.
+fn inflate_beside(
+    input: impl Read + Send,
+    compression: Compression,
+    blob: &Path,
+    untar: impl FnOnce(&mut dyn Read) -> Result<String>,
+) -> Result<(String, String)> {
+    std::thread::scope(|s| {
+        let (tx, rx) = std::sync::mpsc::sync_channel(INFLATED_CHUNKS);
+        let worker = std::thread::Builder::new()
+            .name("layer-inflate".into())
+            .spawn_scoped(s, move || inflate(input, compression, tx))
+            .map_err(|e| ImageError::io("start decompressing", blob, e))?;
+        let mut reader = Inflated {
+            rx,
+            chunk: Vec::new(),
+            pos: 0,
+        };
+        let untarred = untar(&mut reader);
+        // A thread still sending now stops.
+        drop(reader);
+        let inflated = worker.join().map_err(|_| {
+            ImageError::io(
+                "decompress",
+                blob,
+                io::Error::other("the decompression thread panicked"),
+            )
+        })?;
+        match (inflated, untarred) {
+            (Err(Inflate::Start(e)), _) => Err(ImageError::io("start decoding", blob, e)),
+            (_, Err(e)) => Err(e),
+            (Ok(digest), Ok(diff_id)) => Ok((diff_id, digest)),
+            (Err(Inflate::Read(e)), Ok(_)) => Err(ImageError::io("read the layer blob", blob, e)),
+            (Err(Inflate::Sent | Inflate::Stopped), Ok(_)) => Err(ImageError::io(
+                "decompress",
+                blob,
+                io::Error::other("the decompression ended before its reader"),
+            )),
+        }
+    })
+}
+
+/// The decompression thread: decodes `input` into chunks for the reader, then reads
+/// `input` to its end; returns the digest of all of it.
+fn inflate(
+    input: impl Read,
+    compression: Compression,
+    tx: std::sync::mpsc::SyncSender<io::Result<Vec<u8>>>,
+) -> std::result::Result<String, Inflate> {
+    let mut compressed = HashingReader::new(input);
+    {
+        let mut decoder: Box<dyn Read + '_> = match compression {
+            Compression::None => Box::new(&mut compressed),
+            Compression::Gzip => Box::new(flate2::read::MultiGzDecoder::new(&mut compressed)),
+            Compression::Zstd => {
+                Box::new(zstd::stream::read::Decoder::new(&mut compressed).map_err(Inflate::Start)?)
+            }
+        };
+        loop {
+            let mut buf = vec![0u8; INFLATED_CHUNK];
+            let n = match fill(&mut decoder, &mut buf) {
+                Ok(n) => n,
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                    return Err(Inflate::Sent);
+                }
+            };
+            if n == 0 {
+                break;
+            }
+            buf.truncate(n);
+            if tx.send(Ok(buf)).is_err() {
+                return Err(Inflate::Stopped);
+            }
+        }
+    }
+    drop(tx);
+    compressed.drain().map_err(Inflate::Read)?;
+    Ok(compressed.finish())
+}
+
+/// Reads into `buf` until it is full or `r` ends; the bytes read.
+fn fill(r: &mut dyn Read, buf: &mut [u8]) -> io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match r.read(&mut buf[n..]) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(n)
+}
+
+/// The reader's end of the decompression thread's chunks; their end is the stream's end.
+struct Inflated {
+    rx: std::sync::mpsc::Receiver<io::Result<Vec<u8>>>,
+    chunk: Vec<u8>,
+    pos: usize,
+}
+
+impl Read for Inflated {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        while self.pos == self.chunk.len() {
+            match self.rx.recv() {
+                Ok(Ok(c)) => {
+                    self.chunk = c;
+                    self.pos = 0;
+                }
+                Ok(Err(e)) => return Err(e),
+                Err(_) => return Ok(0),
+            }
+        }
+        let n = buf.len().min(self.chunk.len() - self.pos);
+        buf[..n].copy_from_slice(&self.chunk[self.pos..self.pos + n]);
+        self.pos += n;
+        Ok(n)
+    }
 }
 
 /// A new file at `path` (mode 0600 until the entry's mode is set): never an existing one,
@@ -301,6 +431,36 @@ impl Unpacker<'_> {
 
     fn io(&self, action: &'static str, path: &Path, e: io::Error) -> ImageError {
         ImageError::io(action, path, e)
+    }
+
+    /// Applies every entry of the tar stream `input` (to its end, past the archive's end
+    /// too); returns the digest of the whole stream (the layer's diff-id, checked by the
+    /// caller).
+    fn untar(&mut self, input: &mut dyn Read) -> Result<String> {
+        let mut tar_stream = HashingReader::new(input);
+        {
+            let mut archive = tar::Archive::new(&mut tar_stream);
+            // Raw entries: extension headers (GNU long names and links, PAX records) come to us
+            // as entries of their own, so their bodies are read with a bound (tar-rs would read
+            // a 16 GiB long name into memory before we saw it).
+            let entries = archive.entries().map_err(|e| self.read_error(e))?.raw(true);
+            let mut ext = Extensions::default();
+            for entry in entries {
+                let mut entry = entry.map_err(|e| self.read_error(e))?;
+                if self.extension(&mut entry, &mut ext)? {
+                    continue;
+                }
+                self.apply(entry, &std::mem::take(&mut ext))?;
+            }
+            if !ext.is_empty() {
+                return Err(self.read_error(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "an extension header describes no entry (the layer ends after it)",
+                )));
+            }
+        }
+        tar_stream.drain().map_err(|e| self.read_error(e))?;
+        Ok(tar_stream.finish())
     }
 
     /// `raw` as a relative path of plain components; `..` anywhere refuses the layer.

@@ -198,8 +198,10 @@ impl ImageStore {
         })
     }
 
-    /// Makes `layers/<diff-id>` if missing: the blob (downloaded once, under its lock), then
-    /// the unpack into `tmp/`, renamed into place when complete and verified.
+    /// Makes `layers/<diff-id>` if missing: the blob (downloaded once, under its lock) and
+    /// the unpack into `tmp/`, renamed into place when complete and verified. A blob that
+    /// streams from its source is unpacked while it arrives (see [`Incoming`]); one already
+    /// in the cache, or copied from a local source, afterwards.
     async fn ensure_layer(&self, source: &dyn Source, l: &LayerDesc) -> Result<()> {
         let hex = hex_of(&l.diff_id)?.to_owned();
         let dir = self.p(format!("layers/{hex}"));
@@ -213,74 +215,42 @@ impl ImageStore {
         let bhex = hex_of(&l.digest)?.to_owned();
         let blob = self.p(format!("blobs/sha256/{bhex}"));
         let cap = self.inner.cfg.max_bytes;
-        if !blob.is_file() {
-            let _blob_lock = self.lock(format!("blob-{bhex}"), true).await?;
-            if !blob.is_file() {
+        let compression = Compression::from_media_type(&l.media_type)?;
+        let tmp = self.p(format!("tmp/layer-{}", uuid::Uuid::new_v4().simple()));
+        let full = |room: u64| {
+            move |e| match e {
+                ImageError::CacheFull { needed, .. } => ImageError::CacheFull {
+                    needed,
+                    cap,
+                    used: cap - room,
+                },
+                e => e,
+            }
+        };
+        let _blob_lock;
+        let stats = if blob.is_file() {
+            self.unpack_cached(l, &blob, &tmp, compression).await?
+        } else {
+            _blob_lock = self.lock(format!("blob-{bhex}"), true).await?;
+            if blob.is_file() {
+                self.unpack_cached(l, &blob, &tmp, compression).await?
+            } else if source.streams() {
                 let room = cap.saturating_sub(self.usage()?);
-                let tmp = self.p(format!("tmp/blob-{}", uuid::Uuid::new_v4().simple()));
-                let fetched = source.fetch(l, &tmp, room).await;
-                if let Err(e) = fetched {
-                    let _ = fs::remove_file(&tmp);
-                    return Err(match e {
-                        ImageError::CacheFull { needed, .. } => ImageError::CacheFull {
-                            needed,
-                            cap,
-                            used: cap - room,
-                        },
-                        e => e,
-                    });
+                self.fetch_and_unpack(source, l, &blob, &tmp, compression, room)
+                    .await
+                    .map_err(full(room))?
+            } else {
+                let room = cap.saturating_sub(self.usage()?);
+                let part = self.p(format!("tmp/blob-{}", uuid::Uuid::new_v4().simple()));
+                if let Err(e) = source.fetch(l, &part, room).await {
+                    let _ = fs::remove_file(&part);
+                    return Err(full(room)(e));
                 }
-                fs::rename(&tmp, &blob).map_err(|e| {
-                    let _ = fs::remove_file(&tmp);
+                fs::rename(&part, &blob).map_err(|e| {
+                    let _ = fs::remove_file(&part);
                     ImageError::io("store the blob", &blob, e)
                 })?;
-            }
-        }
-        let room = cap.saturating_sub(self.usage()?);
-        let tmp = self.p(format!("tmp/layer-{}", uuid::Uuid::new_v4().simple()));
-        fs::create_dir(&tmp).map_err(|e| ImageError::io("create", &tmp, e))?;
-        let spec_owned = (
-            l.digest.clone(),
-            l.diff_id.clone(),
-            Compression::from_media_type(&l.media_type)?,
-        );
-        let (blob2, tmp2) = (blob.clone(), tmp.clone());
-        let unpacked = tokio::task::spawn_blocking(move || {
-            let (digest, diff_id, compression) = spec_owned;
-            let spec = LayerSpec {
-                blob_digest: Some(&digest),
-                diff_id: &diff_id,
-                compression,
-            };
-            let r = unpack::unpack(&blob2, &spec, &tmp2, room);
-            if r.is_ok() {
-                // Durable before it is named: a crash never leaves a half layer in place.
-                if let Ok(d) = fs::File::open(&tmp2) {
-                    let _ = nix::unistd::syncfs(&d);
-                }
-            }
-            r
-        })
-        .await
-        .map_err(|e| ImageError::io("unpack a layer into", &tmp, io::Error::other(e)))?;
-        let stats = match unpacked {
-            Ok(s) => s,
-            Err(e) => {
-                let _ = fs::remove_dir_all(&tmp);
-                return Err(match e {
-                    ImageError::CacheFull { needed, .. } => ImageError::CacheFull {
-                        needed,
-                        cap,
-                        used: cap - room,
-                    },
-                    // A blob that fails its digest check is dropped: the next pull fetches
-                    // it again.
-                    e @ ImageError::DigestMismatch { .. } => {
-                        let _ = fs::remove_file(&blob);
-                        e
-                    }
-                    e => e,
-                });
+                self.unpack_cached(l, &blob, &tmp, compression).await?
             }
         };
         let size_path = self.p(format!("layers/{hex}.size"));
@@ -292,5 +262,181 @@ impl ImageStore {
         })?;
         tracing::debug!(layer = %l.diff_id, bytes = stats.bytes, entries = stats.entries, "layer unpacked");
         Ok(())
+    }
+
+    /// Unpacks the cached `blob` of `l` into a new `tmp` (verifying both digests), durable
+    /// once it returns; a blob that fails its digest check is dropped (the next pull fetches
+    /// it again).
+    async fn unpack_cached(
+        &self,
+        l: &LayerDesc,
+        blob: &Path,
+        tmp: &Path,
+        compression: Compression,
+    ) -> Result<unpack::Unpacked> {
+        let cap = self.inner.cfg.max_bytes;
+        let room = cap.saturating_sub(self.usage()?);
+        fs::create_dir(tmp).map_err(|e| ImageError::io("create", tmp, e))?;
+        let (digest, diff_id) = (l.digest.clone(), l.diff_id.clone());
+        let (blob2, tmp2) = (blob.to_path_buf(), tmp.to_path_buf());
+        let unpacked = tokio::task::spawn_blocking(move || {
+            let spec = LayerSpec {
+                blob_digest: Some(&digest),
+                diff_id: &diff_id,
+                compression,
+            };
+            let r = unpack::unpack(&blob2, &spec, &tmp2, room);
+            if r.is_ok() {
+                durable(&tmp2);
+            }
+            r
+        })
+        .await
+        .map_err(|e| ImageError::io("unpack a layer into", tmp, io::Error::other(e)))?;
+        unpacked.map_err(|e| {
+            let _ = fs::remove_dir_all(tmp);
+            match e {
+                ImageError::CacheFull { needed, .. } => ImageError::CacheFull {
+                    needed,
+                    cap,
+                    used: cap - room,
+                },
+                e @ ImageError::DigestMismatch { .. } => {
+                    let _ = fs::remove_file(blob);
+                    e
+                }
+                e => e,
+            }
+        })
+    }
+
+    /// Downloads the blob of `l` and unpacks it at once into a new `tmp`: the download (an
+    /// async task: the network, the blob's digest) hands each chunk to the unpack (a blocking
+    /// thread: decompression, the diff-id, the files), which also writes it to a new blob
+    /// file. Both must succeed, the download's digest check included, before the blob is
+    /// named; the caller names the layer. `room`: what the cache can still take, blob and
+    /// layer together. On failure nothing of it is left.
+    async fn fetch_and_unpack(
+        &self,
+        source: &dyn Source,
+        l: &LayerDesc,
+        blob: &Path,
+        tmp: &Path,
+        compression: Compression,
+        room: u64,
+    ) -> Result<unpack::Unpacked> {
+        let part = self.p(format!("tmp/blob-{}", uuid::Uuid::new_v4().simple()));
+        let file = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&part)
+            .map_err(|e| ImageError::io("create", &part, e))?;
+        if let Err(e) = fs::create_dir(tmp) {
+            let _ = fs::remove_file(&part);
+            return Err(ImageError::io("create", tmp, e));
+        }
+        // Bounded: a download faster than the unpack waits for it (at most this many chunks,
+        // each as the connection delivered it, are in flight).
+        let (tx, rx) = tokio::sync::mpsc::channel(INCOMING_CHUNKS);
+        // The layer gets what the blob leaves (the blob is at most its stated size).
+        let layer_room = room.saturating_sub(l.size.unwrap_or(0));
+        let diff_id = l.diff_id.clone();
+        let tmp2 = tmp.to_path_buf();
+        // Why the blob's file could not be written (the unpack only sees its input fail).
+        let failed = Arc::new(Mutex::new(None));
+        let failed2 = failed.clone();
+        let unpacking = tokio::task::spawn_blocking(move || {
+            // The download checks the blob's digest (over the very bytes handed over here).
+            let spec = LayerSpec {
+                blob_digest: None,
+                diff_id: &diff_id,
+                compression,
+            };
+            let input = Incoming {
+                rx,
+                chunk: bytes::Bytes::new(),
+                file,
+                failed: failed2,
+            };
+            let r = unpack::unpack_from(input, &tmp2, &spec, &tmp2, layer_room);
+            if r.is_ok() {
+                // The blob file too (same filesystem).
+                durable(&tmp2);
+            }
+            r
+        });
+        let fetched = source.stream(l, room, tx).await;
+        let unpacked = unpacking
+            .await
+            .map_err(|e| ImageError::io("unpack a layer into", tmp, io::Error::other(e)));
+        // The download's error comes first (a short or altered blob also fails its unpack),
+        // except when it only says that the unpack stopped: then the unpack's says why.
+        let unwritten = failed.lock().ok().and_then(|mut f| f.take());
+        let r = match (unwritten, fetched, unpacked) {
+            (Some(e), _, _) => Err(ImageError::io("write", &part, e)),
+            (None, Ok(()), Ok(Ok(stats))) => fs::rename(&part, blob)
+                .map(|()| stats)
+                .map_err(|e| ImageError::io("store the blob", blob, e)),
+            (None, Err(e), Ok(Err(u)) | Err(u)) if handed_over_error(&e) => Err(u),
+            (None, Err(e), _) => Err(e),
+            (None, Ok(()), Ok(Err(u)) | Err(u)) => Err(u),
+        };
+        if r.is_err() {
+            let _ = fs::remove_file(&part);
+            let _ = fs::remove_dir_all(tmp);
+        }
+        r
+    }
+}
+
+/// Whether `e` is a download's "its unpack stopped" (see [`crate::registry`]).
+fn handed_over_error(e: &ImageError) -> bool {
+    matches!(e, ImageError::Io { action, .. } if *action == crate::source::HAND_OVER)
+}
+
+/// Chunks a download may have in flight towards its unpack.
+const INCOMING_CHUNKS: usize = 64;
+
+/// Makes what was written under `dir` durable before it is named (a crash never leaves a
+/// half layer in place): its whole filesystem, in one call.
+fn durable(dir: &Path) {
+    if let Ok(d) = fs::File::open(dir) {
+        let _ = nix::unistd::syncfs(&d);
+    }
+}
+
+/// A blob as it arrives, read by the unpack: each chunk is written to the blob's file, then
+/// handed to the reader. The end of the channel is the end of the blob (whether the download
+/// completed and matched its digest is the download's answer, awaited separately). A failed
+/// write fails the read and is kept in `failed`, the error to report.
+struct Incoming {
+    rx: tokio::sync::mpsc::Receiver<bytes::Bytes>,
+    chunk: bytes::Bytes,
+    file: fs::File,
+    failed: Arc<Mutex<Option<io::Error>>>,
+}
+
+impl io::Read for Incoming {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        use io::Write as _;
+        while self.chunk.is_empty() {
+            match self.rx.blocking_recv() {
+                Some(c) => {
+                    if let Err(e) = self.file.write_all(&c) {
+                        let kind = e.kind();
+                        if let Ok(mut f) = self.failed.lock() {
+                            f.get_or_insert(e);
+                        }
+                        return Err(io::Error::new(kind, "the blob's file could not be written"));
+                    }
+                    self.chunk = c;
+                }
+                None => return Ok(0),
+            }
+        }
+        let n = buf.len().min(self.chunk.len());
+        buf[..n].copy_from_slice(&self.chunk[..n]);
+        bytes::Buf::advance(&mut self.chunk, n);
+        Ok(n)
     }
 }
