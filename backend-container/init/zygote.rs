@@ -200,6 +200,28 @@ fn reap_detached(payload: &[u8], fds: Vec<OwnedFd>) {
     for f in &files {
         let _ = std::fs::remove_file(f);
     }
+    // An init still not gone (a kernel stuck on its memory) keeps what `fds` hold (its uid
+    // range's lease: no other sandbox gets those uids while one of its processes lives)
+    // until it is; its cgroups are then tried once more.
+    if let Some(pidfd) = fds.first() {
+        let mut p = PollFd {
+            fd: pidfd.as_raw_fd(),
+            events: POLLIN,
+            revents: 0,
+        };
+        // SAFETY: poll of one valid pollfd, no timeout.
+        if unsafe { poll(&mut p, 1, 0) } == 0 {
+            // SAFETY: poll of one valid pollfd; retried while interrupted.
+            while unsafe { poll(&mut p, 1, -1) } < 0 && errno() == 4
+            /* EINTR */
+            {}
+            let until =
+                std::time::Instant::now() + std::time::Duration::from_millis(RMDIR_PATIENCE_MS);
+            for dir in &dirs {
+                remove_cgroup(std::path::Path::new(dir), until);
+            }
+        }
+    }
     drop(fds);
 }
 

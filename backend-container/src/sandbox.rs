@@ -168,17 +168,24 @@ impl Inner {
         if !crate::spawn::one_shot() || self.egress.is_some() {
             return false;
         }
-        let dirs: Vec<String> = self
+        // The zygote takes paths as UTF-8 (ours are; any other stays with us).
+        let Some(dirs) = self
             .cgroup
             .iter()
             .flat_map(SandboxCgroup::dirs)
-            .map(|d| d.to_string_lossy().into_owned())
-            .collect();
-        let files: Vec<String> = self
+            .map(|d| d.to_str().map(str::to_owned))
+            .collect::<Option<Vec<String>>>()
+        else {
+            return false;
+        };
+        let Some(files) = self
             .state_file
             .iter()
-            .map(|f| f.to_string_lossy().into_owned())
-            .collect();
+            .map(|f| f.to_str().map(str::to_owned))
+            .collect::<Option<Vec<String>>>()
+        else {
+            return false;
+        };
         let keep: Vec<_> = self
             ._lease
             .as_ref()

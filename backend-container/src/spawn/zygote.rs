@@ -89,6 +89,10 @@ impl Zygote {
         if let Some(base) = template_base() {
             cmd.arg(base);
         }
+        // A process group of its own: a signal to the caller's group (a terminal's ^C, a
+        // harness killing the group after the process exited) does not cut short a teardown
+        // handed to it (see `hand_off_teardown`); it ends when our socket does.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         let child = cmd
             .env_clear()
             .stdin(std::process::Stdio::from(theirs))
@@ -374,9 +378,9 @@ pub(crate) fn set_one_shot() {
 /// still its own) and sends the zygote a pidfd of it, the cgroup directories and files to
 /// remove once it has ended, and `keep` (e.g. the uid-range lease), which the zygote
 /// closes last. The zygote does that work while this process exits (it reads its socket's
-/// end only after the request). Returns `false`, with nothing sent and nothing killed,
-/// when it cannot (no zygote, no pidfds, a request too large): the caller then tears down
-/// itself.
+/// end only after the request). Returns `false` when it cannot (no zygote, no pidfds, a
+/// request too large, the zygote gone): nothing was sent (the init may have been killed),
+/// and the caller tears down itself.
 pub(crate) fn hand_off_teardown(
     pid: libc::pid_t,
     dirs: &[String],

@@ -234,11 +234,15 @@ impl ImageStore {
             _blob_lock = self.lock(format!("blob-{bhex}"), true).await?;
             if blob.is_file() {
                 self.unpack_cached(l, &blob, &tmp, compression).await?
-            } else if source.streams() {
+            } else if source.streams() && l.size.is_some() {
+                // (A stated size bounds the blob, so the layer's budget can be what it
+                // leaves; without one the blob lands first and the layer gets the rest.)
                 let room = cap.saturating_sub(self.usage()?);
+                // The layer's share is what the blob leaves: a full cache counts the blob.
+                let blob_size = l.size.unwrap_or(0).min(room);
                 self.fetch_and_unpack(source, l, &blob, &tmp, compression, room)
                     .await
-                    .map_err(full(room))?
+                    .map_err(full(room - blob_size))?
             } else {
                 let room = cap.saturating_sub(self.usage()?);
                 let part = self.p(format!("tmp/blob-{}", uuid::Uuid::new_v4().simple()));
@@ -294,7 +298,7 @@ impl ImageStore {
         .await
         .map_err(|e| ImageError::io("unpack a layer into", tmp, io::Error::other(e)))?;
         unpacked.map_err(|e| {
-            let _ = fs::remove_dir_all(tmp);
+            let _ = remove_tree(tmp);
             match e {
                 ImageError::CacheFull { needed, .. } => ImageError::CacheFull {
                     needed,
@@ -341,7 +345,7 @@ impl ImageStore {
         // The layer gets what the blob leaves (the blob is at most its stated size).
         let layer_room = room.saturating_sub(l.size.unwrap_or(0));
         let diff_id = l.diff_id.clone();
-        let tmp2 = tmp.to_path_buf();
+        let (part2, tmp2) = (part.clone(), tmp.to_path_buf());
         // Why the blob's file could not be written (the unpack only sees its input fail).
         let failed = Arc::new(Mutex::new(None));
         let failed2 = failed.clone();
@@ -358,12 +362,7 @@ impl ImageStore {
                 file,
                 failed: failed2,
             };
-            let r = unpack::unpack_from(input, &tmp2, &spec, &tmp2, layer_room);
-            if r.is_ok() {
-                // The blob file too (same filesystem).
-                durable(&tmp2);
-            }
-            r
+            unpack::unpack_from(input, &part2, &spec, &tmp2, layer_room)
         });
         let fetched = source.stream(l, room, tx).await;
         let unpacked = unpacking
@@ -374,16 +373,23 @@ impl ImageStore {
         let unwritten = failed.lock().ok().and_then(|mut f| f.take());
         let r = match (unwritten, fetched, unpacked) {
             (Some(e), _, _) => Err(ImageError::io("write", &part, e)),
-            (None, Ok(()), Ok(Ok(stats))) => fs::rename(&part, blob)
-                .map(|()| stats)
-                .map_err(|e| ImageError::io("store the blob", blob, e)),
+            (None, Ok(()), Ok(Ok(stats))) => {
+                // Durable before anything is named (the blob's file is on the same
+                // filesystem).
+                let dir = tmp.to_path_buf();
+                let _ = tokio::task::spawn_blocking(move || durable(&dir)).await;
+                fs::rename(&part, blob)
+                    .map(|()| stats)
+                    .map_err(|e| ImageError::io("store the blob", blob, e))
+            }
             (None, Err(e), Ok(Err(u)) | Err(u)) if handed_over_error(&e) => Err(u),
             (None, Err(e), _) => Err(e),
             (None, Ok(()), Ok(Err(u)) | Err(u)) => Err(u),
         };
         if r.is_err() {
             let _ = fs::remove_file(&part);
-            let _ = fs::remove_dir_all(tmp);
+            // A layer unpacked in full has its directories' own modes (read-only ones too).
+            let _ = remove_tree(tmp);
         }
         r
     }
