@@ -161,7 +161,7 @@ pub(crate) fn zygote(templates: Option<&std::ffi::CStr>) -> ! {
 
 /// How long a detached teardown waits for the sandbox's init to end, and then for its
 /// cgroup directories to drain.
-const REAP_PATIENCE_MS: i32 = 10_000;
+const REAP_PATIENCE_MS: u64 = 10_000;
 const RMDIR_PATIENCE_MS: u64 = 2_000;
 
 /// The rest of a one-shot process's sandbox teardown (`R`: payload = cgroup directories,
@@ -174,55 +174,55 @@ const RMDIR_PATIENCE_MS: u64 = 2_000;
 fn reap_detached(payload: &[u8], fds: Vec<OwnedFd>) {
     let mut d = Dec::new(payload);
     let (dirs, files) = (d.strs().unwrap_or_default(), d.strs().unwrap_or_default());
-    if let Some(pidfd) = fds.first() {
-        // The killed init ends in milliseconds; one that does not (a kernel stuck on its
-        // memory) is waited for only so long.
-        let deadline = monotonic_ns() + REAP_PATIENCE_MS as u64 * 1_000_000;
-        loop {
-            let left = deadline.saturating_sub(monotonic_ns()) / 1_000_000;
-            let mut p = PollFd {
-                fd: pidfd.as_raw_fd(),
-                events: POLLIN,
-                revents: 0,
-            };
-            // SAFETY: poll of one valid pollfd.
-            let r = unsafe { poll(&mut p, 1, left.min(i32::MAX as u64) as i32) };
-            let interrupted = r < 0 && errno() == 4 /* EINTR */;
-            if r > 0 || (r < 0 && !interrupted) || left == 0 {
-                break;
-            }
+    let pidfd = fds.first();
+    let remove_cgroups = || {
+        let until = std::time::Instant::now() + std::time::Duration::from_millis(RMDIR_PATIENCE_MS);
+        for dir in &dirs {
+            remove_cgroup(std::path::Path::new(dir), until);
         }
-    }
-    let until = std::time::Instant::now() + std::time::Duration::from_millis(RMDIR_PATIENCE_MS);
-    for dir in &dirs {
-        remove_cgroup(std::path::Path::new(dir), until);
-    }
+    };
+    // The killed init ends in milliseconds; one that does not (a kernel stuck on its
+    // memory) is waited for only so long.
+    let ended = pidfd.is_none_or(|p| wait_for_end(p, Some(REAP_PATIENCE_MS)));
+    remove_cgroups();
     for f in &files {
         let _ = std::fs::remove_file(f);
     }
-    // An init still not gone (a kernel stuck on its memory) keeps what `fds` hold (its uid
-    // range's lease: no other sandbox gets those uids while one of its processes lives)
-    // until it is; its cgroups are then tried once more.
-    if let Some(pidfd) = fds.first() {
+    // An init still not gone keeps what `fds` hold (its uid range's lease: no other sandbox
+    // gets those uids while one of its processes lives) until it is; its cgroups are then
+    // tried once more.
+    if let (false, Some(p)) = (ended, pidfd) {
+        wait_for_end(p, None);
+        remove_cgroups();
+    }
+    drop(fds);
+}
+
+/// Waits until the process of `pidfd` has ended, for at most `patience_ms` (`None`: as
+/// long as it takes); whether it has.
+fn wait_for_end(pidfd: &OwnedFd, patience_ms: Option<u64>) -> bool {
+    let deadline = patience_ms.map(|ms| monotonic_ns().saturating_add(ms * 1_000_000));
+    loop {
+        let timeout = match deadline {
+            Some(d) => (d.saturating_sub(monotonic_ns()) / 1_000_000).min(i32::MAX as u64) as i32,
+            None => -1,
+        };
         let mut p = PollFd {
             fd: pidfd.as_raw_fd(),
             events: POLLIN,
             revents: 0,
         };
-        // SAFETY: poll of one valid pollfd, no timeout.
-        if unsafe { poll(&mut p, 1, 0) } == 0 {
-            // SAFETY: poll of one valid pollfd; retried while interrupted.
-            while unsafe { poll(&mut p, 1, -1) } < 0 && errno() == 4
-            /* EINTR */
-            {}
-            let until =
-                std::time::Instant::now() + std::time::Duration::from_millis(RMDIR_PATIENCE_MS);
-            for dir in &dirs {
-                remove_cgroup(std::path::Path::new(dir), until);
-            }
+        // SAFETY: poll of one valid pollfd.
+        let r = unsafe { poll(&mut p, 1, timeout) };
+        match r {
+            r if r > 0 => return true,
+            r if r < 0 && errno() == 4 /* EINTR */ => {}
+            // Another error (none is expected of a valid pidfd): not known to have ended.
+            r if r < 0 => return false,
+            _ if timeout == 0 => return false,
+            _ => {}
         }
     }
-    drop(fds);
 }
 
 /// Removes cgroup directory `dir` and any below it (leaves first), retrying each while its

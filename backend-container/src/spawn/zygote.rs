@@ -210,16 +210,7 @@ impl Zygote {
     /// retry); `Err((false, _))`: anything else.
     fn ask(&mut self, msg: &[u8], fds: &[RawFd]) -> Result<u32, (bool, io::Error)> {
         self.settle().map_err(|e| (false, e))?;
-        let cmsg = [nix::sys::socket::ControlMessage::ScmRights(fds)];
-        let iov = [io::IoSlice::new(msg)];
-        nix::sys::socket::sendmsg::<()>(
-            self.sock.as_raw_fd(),
-            &iov,
-            &cmsg,
-            nix::sys::socket::MsgFlags::MSG_NOSIGNAL,
-            None,
-        )
-        .map_err(|e| {
+        self.send(msg, fds).map_err(|e| {
             let gone = matches!(e, nix::Error::EPIPE | nix::Error::ECONNRESET);
             (gone, io::Error::from(e))
         })?;
@@ -250,6 +241,19 @@ impl Zygote {
             0 => Err((false, io::Error::from_raw_os_error(errno))),
             v => Ok(v),
         }
+    }
+
+    /// Sends one request, `msg` with `fds` (after [`Zygote::settle`]).
+    fn send(&self, msg: &[u8], fds: &[RawFd]) -> nix::Result<usize> {
+        let cmsg = [nix::sys::socket::ControlMessage::ScmRights(fds)];
+        let iov = [io::IoSlice::new(msg)];
+        nix::sys::socket::sendmsg::<()>(
+            self.sock.as_raw_fd(),
+            &iov,
+            &cmsg,
+            nix::sys::socket::MsgFlags::MSG_NOSIGNAL,
+            None,
+        )
     }
 
     /// Sends `ctl` and reads back the new init's pid. Errors as [`Zygote::ask`]: on
@@ -417,16 +421,7 @@ pub(crate) fn hand_off_teardown(
     unsafe { libc::kill(pid, libc::SIGKILL) };
     let mut fds = vec![pidfd.as_raw_fd()];
     fds.extend_from_slice(keep);
-    let cmsg = [nix::sys::socket::ControlMessage::ScmRights(&fds)];
-    let iov = [io::IoSlice::new(&msg.0)];
-    nix::sys::socket::sendmsg::<()>(
-        z.sock.as_raw_fd(),
-        &iov,
-        &cmsg,
-        nix::sys::socket::MsgFlags::MSG_NOSIGNAL,
-        None,
-    )
-    .is_ok()
+    z.send(&msg.0, &fds).is_ok()
 }
 
 /// Has the zygote clone the next init ahead of time (see [`Zygote::spare`]) unless one is

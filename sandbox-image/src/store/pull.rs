@@ -217,16 +217,6 @@ impl ImageStore {
         let cap = self.inner.cfg.max_bytes;
         let compression = Compression::from_media_type(&l.media_type)?;
         let tmp = self.p(format!("tmp/layer-{}", uuid::Uuid::new_v4().simple()));
-        let full = |room: u64| {
-            move |e| match e {
-                ImageError::CacheFull { needed, .. } => ImageError::CacheFull {
-                    needed,
-                    cap,
-                    used: cap - room,
-                },
-                e => e,
-            }
-        };
         let _blob_lock;
         let stats = if blob.is_file() {
             self.unpack_cached(l, &blob, &tmp, compression).await?
@@ -234,21 +224,18 @@ impl ImageStore {
             _blob_lock = self.lock(format!("blob-{bhex}"), true).await?;
             if blob.is_file() {
                 self.unpack_cached(l, &blob, &tmp, compression).await?
-            } else if source.streams() && l.size.is_some() {
+            } else if let (true, Some(size)) = (source.streams(), l.size) {
                 // (A stated size bounds the blob, so the layer's budget can be what it
                 // leaves; without one the blob lands first and the layer gets the rest.)
                 let room = cap.saturating_sub(self.usage()?);
-                // The layer's share is what the blob leaves: a full cache counts the blob.
-                let blob_size = l.size.unwrap_or(0).min(room);
-                self.fetch_and_unpack(source, l, &blob, &tmp, compression, room)
-                    .await
-                    .map_err(full(room - blob_size))?
+                self.fetch_and_unpack(source, l, size, &blob, &tmp, compression, room)
+                    .await?
             } else {
                 let room = cap.saturating_sub(self.usage()?);
                 let part = self.p(format!("tmp/blob-{}", uuid::Uuid::new_v4().simple()));
                 if let Err(e) = source.fetch(l, &part, room).await {
                     let _ = fs::remove_file(&part);
-                    return Err(full(room)(e));
+                    return Err(cache_full(cap, room)(e));
                 }
                 fs::rename(&part, &blob).map_err(|e| {
                     let _ = fs::remove_file(&part);
@@ -300,16 +287,11 @@ impl ImageStore {
         unpacked.map_err(|e| {
             let _ = remove_tree(tmp);
             match e {
-                ImageError::CacheFull { needed, .. } => ImageError::CacheFull {
-                    needed,
-                    cap,
-                    used: cap - room,
-                },
                 e @ ImageError::DigestMismatch { .. } => {
                     let _ = fs::remove_file(blob);
                     e
                 }
-                e => e,
+                e => cache_full(cap, room)(e),
             }
         })
     }
@@ -318,12 +300,14 @@ impl ImageStore {
     /// async task: the network, the blob's digest) hands each chunk to the unpack (a blocking
     /// thread: decompression, the diff-id, the files), which also writes it to a new blob
     /// file. Both must succeed, the download's digest check included, before the blob is
-    /// named; the caller names the layer. `room`: what the cache can still take, blob and
-    /// layer together. On failure nothing of it is left.
+    /// named; the caller names the layer. `size`: the blob's stated size; `room`: what the
+    /// cache can still take, blob and layer together. On failure nothing of it is left.
+    #[allow(clippy::too_many_arguments)]
     async fn fetch_and_unpack(
         &self,
         source: &dyn Source,
         l: &LayerDesc,
+        size: u64,
         blob: &Path,
         tmp: &Path,
         compression: Compression,
@@ -343,7 +327,8 @@ impl ImageStore {
         // each as the connection delivered it, are in flight).
         let (tx, rx) = tokio::sync::mpsc::channel(INCOMING_CHUNKS);
         // The layer gets what the blob leaves (the blob is at most its stated size).
-        let layer_room = room.saturating_sub(l.size.unwrap_or(0));
+        let layer_room = room.saturating_sub(size);
+        let cap = self.inner.cfg.max_bytes;
         let diff_id = l.diff_id.clone();
         let (part2, tmp2) = (part.clone(), tmp.to_path_buf());
         // Why the blob's file could not be written (the unpack only sees its input fail).
@@ -364,10 +349,16 @@ impl ImageStore {
             };
             unpack::unpack_from(input, &part2, &spec, &tmp2, layer_room)
         });
-        let fetched = source.stream(l, room, tx).await;
+        // Each `CacheFull` against the whole cache: the download had `room`, the layer what
+        // the blob leaves of it.
+        let fetched = source
+            .stream(l, room, tx)
+            .await
+            .map_err(cache_full(cap, room));
         let unpacked = unpacking
             .await
-            .map_err(|e| ImageError::io("unpack a layer into", tmp, io::Error::other(e)));
+            .map_err(|e| ImageError::io("unpack a layer into", tmp, io::Error::other(e)))
+            .map(|r| r.map_err(cache_full(cap, layer_room)));
         // The download's error comes first (a short or altered blob also fails its unpack),
         // except when it only says that the unpack stopped: then the unpack's says why.
         let unwritten = failed.lock().ok().and_then(|mut f| f.take());
@@ -392,6 +383,19 @@ impl ImageStore {
             let _ = remove_tree(tmp);
         }
         r
+    }
+}
+
+/// `CacheFull` (as the download or unpack reports it, with its own share) stated against
+/// the whole cache: `cap`, of which `room` was left to that work; other errors as they are.
+fn cache_full(cap: u64, room: u64) -> impl Fn(ImageError) -> ImageError {
+    move |e| match e {
+        ImageError::CacheFull { needed, .. } => ImageError::CacheFull {
+            needed,
+            cap,
+            used: cap - room,
+        },
+        e => e,
     }
 }
 
