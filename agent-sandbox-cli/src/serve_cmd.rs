@@ -370,6 +370,11 @@ pub(crate) async fn run(args: ServeArgs) -> ExitCode {
         .allow_private_networks(args.allow_private_networks || args.local)
         .warm(args.warm.unwrap_or(if args.local { 2 } else { 0 }))
         .build(crate::daemon::build_id());
+    // Each live sandbox holds descriptors here: a server's limit, not a shell's.
+    match agent_sandbox::core::host_limits::raise_open_files_limit() {
+        Ok(n) => tracing::debug!("open-files limit: {n}"),
+        Err(e) => eprintln!("agent-sandbox serve: cannot raise the open-files limit: {e}"),
+    }
     // Held until this function returns, after the socket is gone.
     let mut daemon_lock = None;
     let unix = if args.local {

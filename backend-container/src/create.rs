@@ -235,8 +235,10 @@ impl ContainerBackend {
         let lease = if rootless {
             None
         } else {
-            let fallback =
-                u32::try_from(self.slot.fetch_add(1, Ordering::Relaxed) % 4096).unwrap_or(0);
+            let fallback = u32::try_from(
+                self.slot.fetch_add(1, Ordering::Relaxed) % u64::from(crate::slots::SLOTS),
+            )
+            .unwrap_or(0);
             Some(
                 crate::slots::lease(self.cfg.uid_base, fallback)
                     .map_err(|e| Error::backend_caused(TIER, "leasing a host uid range", e))?,

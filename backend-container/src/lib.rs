@@ -77,6 +77,7 @@ mod spawn;
 pub use cgroup::CgroupVersion;
 pub use sandbox::ContainerSandbox;
 pub use sandbox_image::ImageStore;
+pub use slots::SLOTS;
 
 use crate::sandbox::{ENGINE, TIER};
 
@@ -104,7 +105,7 @@ pub struct ContainerConfig {
     /// The sandbox's host name.
     pub hostname: String,
     /// As root: the first host uid/gid of the ranges mapped into sandboxes (65536 per
-    /// sandbox, 4096 slots).
+    /// sandbox, [`SLOTS`] of them: the base must leave room for all).
     pub uid_base: u32,
     /// Refuse to create sandboxes when cgroups are not usable (default `true`). With `false`
     /// and no usable cgroup, memory, pids and CPU-quota limits are **not enforced** (rlimits
@@ -213,10 +214,11 @@ impl ContainerBackendBuilder {
         {
             return Err(Error::invalid("hostname", "1-64 letters, digits or '-'"));
         }
-        if c.uid_base == 0 || u64::from(c.uid_base) + 4096 * 65536 > u64::from(u32::MAX) {
+        if c.uid_base == 0 || u64::from(c.uid_base) + u64::from(SLOTS) * 65536 > u64::from(u32::MAX)
+        {
             return Err(Error::invalid(
                 "uid_base",
-                "must be positive and leave room for 4096 ranges of 65536",
+                format!("must be positive and leave room for {SLOTS} ranges of 65536"),
             ));
         }
         if let Some(d) = &c.state_dir {
@@ -806,5 +808,21 @@ mod state_record_tests {
         // A new record of this process knows both start times.
         let me = StateRecord::new(i32::try_from(std::process::id()).unwrap(), Vec::new());
         assert!(me.owner_start.is_some() && me.owner_start == me.init_start);
+    }
+
+    #[test]
+    fn a_uid_base_must_leave_room_for_every_slot() {
+        // Room for 4,096 ranges of 65,536 ids but not for all of SLOTS.
+        let base = u32::try_from(u64::from(u32::MAX) - 8192 * 65536).unwrap();
+        let e = ContainerBackend::builder()
+            .uid_base(base)
+            .build()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("uid_base") && e.contains(&SLOTS.to_string()),
+            "{e}"
+        );
+        assert!(ContainerBackend::builder().uid_base(0).build().is_err());
     }
 }

@@ -20,8 +20,10 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-/// Slots per uid base (65536 ids each; `uid_base` is checked to leave room for all).
-pub(crate) const SLOTS: u32 = 4096;
+/// Host uid ranges per uid base, so live sandboxes per host as root (65536 ids each; `uid_base` is checked to leave room for all): 2^30
+/// host ids from the default base 2^30, so every id stays below 2^31 (tools that keep ids in
+/// a signed 32-bit integer see no negative ones).
+pub const SLOTS: u32 = 16384;
 
 /// Where the lease files live (root-only).
 pub(crate) const DIR: &str = "/run/agent-sandbox-slots";

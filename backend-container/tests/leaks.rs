@@ -17,7 +17,7 @@ async fn create_destroy_cycles_leave_nothing_behind() {
         .build()
         .unwrap();
     let uid_lo = b.config().uid_base;
-    let uid_hi = uid_lo.saturating_add(4096 * 65536);
+    let uid_hi = uid_lo.saturating_add(backend_container::SLOTS * 65536);
     // Warm up (the init image memfd is created once per process and kept).
     let sb = b
         .create(&spec(Language::Shell), ResolvedSecrets::none())

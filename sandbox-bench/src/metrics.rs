@@ -165,37 +165,24 @@ pub fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
 }
 
-/// The soft `RLIMIT_NOFILE`, after raising it to the hard limit (what a server does).
+/// The soft `RLIMIT_NOFILE`, after raising it as `agent-sandbox serve` does (see
+/// [`sandbox_core::host_limits::raise_open_files_limit`]); 1024 when it cannot be read.
 pub fn raise_nofile() -> u64 {
-    let mut r = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit writes into the struct we own; setrlimit reads it.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) != 0 {
-            return 1024;
-        }
-        if r.rlim_cur < r.rlim_max {
-            let want = libc::rlimit {
-                rlim_cur: r.rlim_max,
-                rlim_max: r.rlim_max,
-            };
-            if libc::setrlimit(libc::RLIMIT_NOFILE, &want) == 0 {
-                r.rlim_cur = r.rlim_max;
-            }
-        }
-    }
-    r.rlim_cur
+    sandbox_core::host_limits::raise_open_files_limit().unwrap_or(1024)
 }
 
 /// The pids limit that applies to this process: its v1 `pids` cgroup's `pids.max` (if a
-/// number) and the kernel's `threads-max`, whichever is lower; with the current count.
+/// number), the kernel's `threads-max` and `pid_max`, whichever is lowest; with the current
+/// count.
 pub fn pids_headroom() -> (u64, u64) {
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/threads-max")
-        .ok()
-        .and_then(|s| s.trim().parse::<u64>().ok())
-        .unwrap_or(u64::MAX);
+    // Every thread takes an id below `pid_max` too (32,768 by default: often the lower).
+    let sysctl = |name: &str| {
+        std::fs::read_to_string(format!("/proc/sys/kernel/{name}"))
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .unwrap_or(u64::MAX)
+    };
+    let kernel = sysctl("threads-max").min(sysctl("pid_max"));
     let cg = std::fs::read_to_string("/proc/self/cgroup")
         .ok()
         .and_then(|t| {
@@ -211,7 +198,27 @@ pub fn pids_headroom() -> (u64, u64) {
                 cur.trim().parse::<u64>().ok()?,
             ))
         });
-    let threads = std::fs::read_to_string("/proc/loadavg")
+    let threads = host_threads();
+    match cg {
+        Some((max, cur)) if max < kernel => (max, cur),
+        _ => (kernel, threads),
+    }
+}
+
+/// Kernel memory the host holds for everything, KiB: slab (reclaimable or not), kernel
+/// stacks, page tables and per-CPU allocations, from `/proc/meminfo`. Its growth per
+/// sandbox is the kernel's share that PSS never shows (namespaces, mounts, cgroups,
+/// sockets, the stacks of every thread).
+pub fn kernel_kib() -> u64 {
+    ["Slab", "KernelStack", "PageTables", "Percpu"]
+        .iter()
+        .filter_map(|f| meminfo_kib(f))
+        .sum()
+}
+
+/// Threads on the host (every task the scheduler knows), from `/proc/loadavg`.
+pub fn host_threads() -> u64 {
+    std::fs::read_to_string("/proc/loadavg")
         .ok()
         .and_then(|s| {
             s.split_whitespace()
@@ -219,11 +226,7 @@ pub fn pids_headroom() -> (u64, u64) {
                 .split_once('/')
                 .and_then(|(_, t)| t.parse::<u64>().ok())
         })
-        .unwrap_or(0);
-    match cg {
-        Some((max, cur)) if max < kernel => (max, cur),
-        _ => (kernel, threads),
-    }
+        .unwrap_or(0)
 }
 
 /// The load averages, from `/proc/loadavg`.

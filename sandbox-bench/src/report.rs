@@ -272,19 +272,25 @@ impl Report {
         if self.targets.iter().all(|t| t.density.is_none()) {
             let _ = writeln!(s, "Not run (`--density`).");
         } else {
-            let _ = writeln!(s, "| target | held | limit | PSS MiB/sandbox | host MiB/sandbox | create p50 / p95 ms | MemAvailable after, MiB | seconds | destroy errors |");
-            let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|");
+            let _ = writeln!(s, "| target | held | limit | next limit (projected) | PSS MiB/sandbox | host MiB/sandbox | kernel MiB/sandbox | threads/sandbox | fds/sandbox | create p50 / p95 ms | MemAvailable after, MiB | seconds | destroy errors |");
+            let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|---|---|");
             for t in &ran {
                 match &t.density {
                     Some(Ok(d)) => {
                         let _ = writeln!(
                             s,
-                            "| {} | {} | {} | {:.1} | {:.1} | {} / {} | {} | {:.0} | {} |",
+                            "| {} | {} | {} | {} | {:.1} | {:.1} | {:.2} | {:.1} | {:.1} | {} / {} | {} | {:.0} | {} |",
                             t.name,
                             d.held,
                             cell(&d.limit),
+                            d.projected
+                                .as_ref()
+                                .map_or("–".to_string(), |(at, what)| format!("~{at}: {what}")),
                             d.mib_per_sandbox,
                             d.host_mib_per_sandbox,
+                            d.kernel_mib_per_sandbox,
+                            d.threads_per_sandbox,
+                            d.fds_per_sandbox,
                             ms(d.open_ms.p50),
                             ms(d.open_ms.p95),
                             d.mem_available_mib,
@@ -293,7 +299,7 @@ impl Report {
                         );
                     }
                     Some(Err(e)) => {
-                        let _ = writeln!(s, "| {} | – | {} |||||||", t.name, cell(e));
+                        let _ = writeln!(s, "| {} | – | {} |||||||||||", t.name, cell(e));
                     }
                     None => {}
                 }

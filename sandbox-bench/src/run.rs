@@ -153,6 +153,17 @@ pub struct Density {
     /// Drop of the host's `MemAvailable` per live sandbox, MiB (kernel memory included;
     /// other tenants' activity too).
     pub host_mib_per_sandbox: f64,
+    /// Growth of the host's kernel memory per live sandbox, MiB (slab, kernel stacks, page
+    /// tables, per-CPU: see [`metrics::kernel_kib`]); part of `host_mib_per_sandbox`.
+    pub kernel_mib_per_sandbox: f64,
+    /// Host threads per live sandbox.
+    pub threads_per_sandbox: f64,
+    /// Open files of this process per live sandbox.
+    pub fds_per_sandbox: f64,
+    /// Where the measured resources would stop the test if the limit had not: the first of
+    /// memory (down to the reserve), open files and threads (or pids) to run out at the
+    /// per-sandbox rates above, as `(sandboxes, resource)`; `None` when nothing grew.
+    pub projected: Option<(usize, String)>,
     /// Create latency, ms.
     pub open_ms: Percentiles,
     /// `MemAvailable` at the end, MiB.
@@ -424,6 +435,10 @@ async fn drive(
 async fn density(target: &DynTarget, cfg: &Config, nofile: u64) -> Result<Density, String> {
     let base = metrics::settled_pss_kib(Duration::from_secs(15)).await;
     let avail0 = metrics::meminfo_kib("MemAvailable").unwrap_or(0);
+    let kernel0 = metrics::kernel_kib();
+    let threads0 = metrics::host_threads();
+    let fds0 = metrics::open_fds() as u64;
+    let (_, pids0) = metrics::pids_headroom();
     let start = Instant::now();
     let mut held: Vec<Box<dyn Session>> = Vec::new();
     let mut lat = Latency::new();
@@ -448,8 +463,11 @@ async fn density(target: &DynTarget, cfg: &Config, nofile: u64) -> Result<Densit
             break format!("open files: {fds} of RLIMIT_NOFILE {nofile}");
         }
         let (pmax, pcur) = metrics::pids_headroom();
-        if pcur + 64 > pmax {
-            break format!("pids: {pcur} of {pmax}");
+        // Room for the next create at the rate so far, with its transient tasks (a gVisor
+        // sandbox keeps ~85 host tasks and briefly needs more while runsc starts it).
+        let per = pcur.saturating_sub(pids0) / (held.len() as u64).max(1);
+        if pcur + (3 * per).max(64) > pmax {
+            break format!("pids: {pcur} tasks of {pmax} (pids.max, threads-max or pid_max)");
         }
         let t = Instant::now();
         match tokio::time::timeout(TURN_GUARD, target.open_idle()).await {
@@ -462,7 +480,19 @@ async fn density(target: &DynTarget, cfg: &Config, nofile: u64) -> Result<Densit
                     "not applicable: one process per turn, nothing lives between turns".into(),
                 )
             }
-            Ok(Err(e)) => break format!("error: {e}"),
+            Ok(Err(e)) => {
+                // A create that fails with the host's tasks nearly used up failed on them
+                // (runsc then only says its sandbox died).
+                let (pmax, pcur) = metrics::pids_headroom();
+                let per = pcur.saturating_sub(pids0) / (held.len() as u64).max(1);
+                if held.len() > 1 && pcur + 4 * per > pmax {
+                    break format!(
+                        "pids: {pcur} tasks of {pmax} (pids.max, threads-max or pid_max); the \
+                         next create failed: {e}"
+                    );
+                }
+                break format!("error: {e}");
+            }
             Err(_) => break "error: create timed out".into(),
         }
     };
@@ -473,11 +503,33 @@ async fn density(target: &DynTarget, cfg: &Config, nofile: u64) -> Result<Densit
     let n = held.len();
     let avail_kib = metrics::meminfo_kib("MemAvailable").unwrap_or(0);
     let avail = avail_kib / 1024;
-    let host_mib = if n == 0 {
-        0.0
-    } else {
-        avail0.saturating_sub(avail_kib) as f64 / 1024.0 / n as f64
-    };
+    let per = |grew: u64| if n == 0 { 0.0 } else { grew as f64 / n as f64 };
+    let host_mib = per(avail0.saturating_sub(avail_kib)) / 1024.0;
+    let kernel_mib = per(metrics::kernel_kib().saturating_sub(kernel0)) / 1024.0;
+    let (pmax, pcur) = metrics::pids_headroom();
+    let threads = per(metrics::host_threads().saturating_sub(threads0));
+    let fds_now = metrics::open_fds() as u64;
+    let fds = per(fds_now.saturating_sub(fds0));
+    let projected = project(
+        n,
+        &[
+            (
+                avail_kib.saturating_sub(reserve) as f64 / 1024.0,
+                host_mib,
+                "memory (MemAvailable down to the reserve)",
+            ),
+            (
+                nofile.saturating_sub(fds_now) as f64,
+                fds,
+                "open files (RLIMIT_NOFILE)",
+            ),
+            (
+                pmax.saturating_sub(pcur) as f64,
+                threads,
+                "threads (pids.max, threads-max or pid_max)",
+            ),
+        ],
+    );
     let sem = Arc::new(Semaphore::new(cfg.open_concurrency.max(1)));
     let mut closes = JoinSet::new();
     for s in held {
@@ -496,6 +548,10 @@ async fn density(target: &DynTarget, cfg: &Config, nofile: u64) -> Result<Densit
     Ok(Density {
         close_errors,
         host_mib_per_sandbox: host_mib,
+        kernel_mib_per_sandbox: kernel_mib,
+        threads_per_sandbox: threads,
+        fds_per_sandbox: fds,
+        projected,
         held: n,
         limit,
         mib_per_sandbox: if n == 0 {
@@ -507,6 +563,15 @@ async fn density(target: &DynTarget, cfg: &Config, nofile: u64) -> Result<Densit
         mem_available_mib: avail,
         seconds,
     })
+}
+
+/// The first resource to run out beyond `n` live sandboxes: each entry is (room left, use
+/// per sandbox, what); entries that did not grow are ignored.
+fn project(n: usize, rows: &[(f64, f64, &str)]) -> Option<(usize, String)> {
+    rows.iter()
+        .filter(|(_, per, _)| *per > 0.0)
+        .map(|(room, per, what)| (n + (room / per).floor() as usize, what.to_string()))
+        .min_by_key(|(at, _)| *at)
 }
 
 /// Runs the workload on every target, one after the other, and the density test when asked.
@@ -592,4 +657,25 @@ pub async fn run_all(
         out.push(rep);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::project;
+
+    #[test]
+    fn the_projection_names_the_first_resource_to_run_out() {
+        // 100 held; 1000 MiB left at 2 MiB each (600), 900 files at 3 each (400), threads
+        // did not grow.
+        let p = project(
+            100,
+            &[
+                (1000.0, 2.0, "memory"),
+                (900.0, 3.0, "files"),
+                (50.0, 0.0, "threads"),
+            ],
+        );
+        assert_eq!(p, Some((400, "files".to_string())));
+        assert_eq!(project(5, &[(10.0, 0.0, "memory")]), None);
+    }
 }

@@ -20,6 +20,7 @@ pub mod egress;
 pub mod error;
 pub mod exec;
 pub mod fsnap;
+pub mod host_limits;
 pub mod image;
 pub mod lifecycle;
 pub mod path;

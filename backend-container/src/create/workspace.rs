@@ -81,7 +81,7 @@ impl ContainerBackend {
         }
         let (lo, hi) = (
             u64::from(self.cfg.uid_base),
-            u64::from(self.cfg.uid_base) + 4096 * 65536,
+            u64::from(self.cfg.uid_base) + u64::from(crate::slots::SLOTS) * 65536,
         );
         let ours = |id: u32| (lo..hi).contains(&u64::from(id));
         let unprivileged = owner.0 != 0 && owner.1 != 0 && !ours(owner.0) && !ours(owner.1);
