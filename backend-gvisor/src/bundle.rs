@@ -463,11 +463,9 @@ pub fn seccomp() -> Result<LinuxSeccomp> {
 /// `/tmp` and `/dev/shm` (see [`tmpfs_caps`]); `None` for tmpfs mounts of the runtime's own.
 /// `files`: host files bound read-only over the root's (destination, source), after the
 /// root's own mounts (so `/etc/resolv.conf`, or `/etc/ssl/certs/ca-certificates.crt` inside
-/// the host's bound `/etc/ssl`); each destination must exist in the root. `cache_tools`:
-/// hint the host-tools mounts as this sandbox's alone ([`RunscInfo::caches_tool_mounts`]).
-///
-/// [`RunscInfo::caches_tool_mounts`]: crate::runsc::RunscInfo::caches_tool_mounts
-#[allow(clippy::too_many_arguments)]
+/// the host's bound `/etc/ssl`); each destination must exist in the root. Without a caller's
+/// rootfs the root is `rootfs/` with the host's tools bound into it before runsc starts
+/// ([`host_tools`]), not mounts of the spec.
 pub fn config(
     spec: &SandboxSpec,
     who: Identity,
@@ -476,7 +474,6 @@ pub fn config(
     scratch: Option<&Path>,
     cgroup: &str,
     files: &[(&str, &Path)],
-    cache_tools: bool,
 ) -> Result<Spec> {
     let mut mounts = vec![MountBuilder::default()
         .destination("/proc")
@@ -484,21 +481,6 @@ pub fn config(
         .source("proc")
         .build()
         .map_err(oci)?];
-    // The host-tools view binds the host's /usr and /etc files; a caller's rootfs brings its own.
-    // Each is hinted as this sandbox's alone (`tool_mount_hints`): gVisor then caches them.
-    let mut tools: Vec<PathBuf> = Vec::new();
-    if spec.rootfs.is_none() {
-        tools.push(PathBuf::from("/usr"));
-        for name in HOST_ETC {
-            let host = Path::new("/etc").join(name);
-            if host.exists() {
-                tools.push(host);
-            }
-        }
-        for src in &tools {
-            mounts.push(bind(&src.to_string_lossy(), src, true)?);
-        }
-    }
     // `/tmp` and `/dev/shm`: `scratch/tmp` and `scratch/shm` of a host tmpfs (see
     // `tmpfs_caps`), or, without one (runtimes on the host's kernel, whose tmpfs enforces
     // `nr_inodes`), tmpfs mounts with the same caps. A caller's rootfs without the mount
@@ -596,11 +578,6 @@ pub fn config(
     .map_err(oci)?;
     SpecBuilder::default()
         .version("1.0.2")
-        .annotations(if cache_tools {
-            tool_mount_hints(&tools)
-        } else {
-            Default::default()
-        })
         .root(root)
         .hostname("sandbox")
         .process(init)
@@ -610,25 +587,36 @@ pub fn config(
         .map_err(oci)
 }
 
-/// gVisor's mount hints (`dev.gvisor.spec.mount.NAME.{source,type,share}` annotations) that
-/// mark the host-tools mounts (`/usr`, the `/etc` files) as used by this sandbox alone
-/// (`share=container`). runsc then gives them the exclusive file access its root mount has:
-/// the Sentry caches their names, attributes and pages instead of asking the gofer again on
-/// every lookup. Measured with runsc 20221219 (ptrace), host tools: `python3 -c pass` from
-/// 130 to 107 ms, 20,000 `stat` calls from 3.8 to 2.7 s (docs/gvisor.md). The mounts are
-/// read-only and the host's tools change only under a package manager, which a sandbox
-/// started before sees as it was. The workspace and the caller's mounts stay shared: the
-/// host writes into the workspace while the sandbox runs (`write_file`, uploads).
-fn tool_mount_hints(sources: &[PathBuf]) -> std::collections::HashMap<String, String> {
-    let mut hints = std::collections::HashMap::new();
-    for (i, src) in sources.iter().enumerate() {
-        // A hint's name may not hold a dot (runsc splits the key on them).
-        let key = |field: &str| format!("dev.gvisor.spec.mount.tools{i}.{field}");
-        hints.insert(key("source"), src.to_string_lossy().into_owned());
-        hints.insert(key("type"), "bind".to_string());
-        hints.insert(key("share"), "container".to_string());
+/// The host-tools view: the host's `/usr` and the few `/etc` entries tools need, bound
+/// read-only at the same paths inside `rootfs/` (whose [`write_rootfs`] made their mount
+/// points) in a mount namespace of runsc's own ([`crate::runsc::in_tools_view`]), so the
+/// gofer serves them as part of the root: one gofer mount instead of one per entry. Each
+/// gofer mount costs the host ~4.4 threads (a gofer connection, the Sentry's client, idle Go
+/// threads) and ~0.14 MiB of kernel memory per sandbox; an idle host-tools sandbox kept 84
+/// host tasks with them as mounts of the spec, 48 as part of the root (docs/benchmarks.md,
+/// "Density ceilings"). The root is runsc's exclusive mount, so the Sentry caches the tools'
+/// names, attributes and pages as it caches the rest of the root, instead of asking the
+/// gofer on every lookup. The binds live only in that namespace: nothing is mounted on the
+/// host, and they go with the sandbox's last process.
+pub fn host_tools() -> Vec<PathBuf> {
+    let mut tools = vec![PathBuf::from("/usr")];
+    for name in HOST_ETC {
+        let host = Path::new("/etc").join(name);
+        if host.is_dir() || host.is_file() {
+            tools.push(host);
+        }
     }
-    hints
+    tools
+}
+
+/// The host-tools view as read-only bind mounts of a spec, for a runtime driven directly
+/// with this module's bundle (crun, or `runsc run`, as the benchmarks' references): the
+/// tier itself binds them before runsc starts ([`host_tools`]).
+pub fn host_tool_mounts() -> Result<Vec<Mount>> {
+    host_tools()
+        .iter()
+        .map(|src| bind(&src.to_string_lossy(), src, true))
+        .collect()
 }
 
 /// Writes the spec as `config.json`.
@@ -673,50 +661,32 @@ mod tests {
     }
 
     #[test]
-    fn only_the_host_tools_mounts_are_hinted_as_the_sandboxs_own() {
+    fn the_host_tools_are_no_mounts_of_the_spec_and_each_has_its_point() {
         let spec = SandboxSpec::new(sandbox_core::Language::Shell);
         let who = Identity::new(1000, 1000);
         let ws = tempfile::tempdir().unwrap();
-        let hinted = config(&spec, who, ws.path(), false, None, "cg", &[], true).unwrap();
-        let notes = hinted.annotations().clone().unwrap_or_default();
-        let sources: Vec<&String> = notes
-            .iter()
-            .filter(|(k, _)| k.ends_with(".source"))
-            .map(|(_, v)| v)
-            .collect();
-        assert!(sources.iter().any(|s| s.as_str() == "/usr"), "{notes:?}");
-        // Every hinted source is a read-only host-tools mount; the workspace is not hinted
-        // (the host writes into it while the sandbox runs).
-        for src in &sources {
+        let cfg = config(&spec, who, ws.path(), false, None, "cg", &[]).unwrap();
+        let mounts = cfg.mounts().as_ref().unwrap();
+        for m in mounts {
+            let dst = m.destination();
             assert!(
-                src.as_str() == "/usr" || src.starts_with("/etc/"),
-                "{src} hinted"
+                !dst.starts_with("/usr")
+                    && !HOST_ETC.iter().any(|e| *dst == Path::new("/etc").join(e)),
+                "{} is a mount of the spec",
+                dst.display()
             );
-            let m = hinted
-                .mounts()
-                .as_ref()
-                .unwrap()
-                .iter()
-                .find(|m| m.source().as_deref() == Some(Path::new(src.as_str())))
-                .unwrap();
-            assert!(m.options().as_ref().unwrap().contains(&"ro".to_string()));
         }
-        for (k, v) in &notes {
-            assert!(k.starts_with("dev.gvisor.spec.mount.tools"), "{k}");
-            // runsc splits the key on dots: the name must hold none.
-            assert_eq!(k.matches('.').count(), 5, "{k}");
-            if k.ends_with(".share") {
-                assert_eq!(v, "container");
-            }
+        assert!(cfg.annotations().as_ref().is_none_or(|a| a.is_empty()));
+        // Every tool the view binds has its mount point in the root, of its kind.
+        let bundle = tempfile::tempdir().unwrap();
+        let root = write_rootfs(bundle.path(), who, ("sandbox", "/workspace")).unwrap();
+        let tools = host_tools();
+        assert_eq!(tools[0], Path::new("/usr"));
+        for t in &tools {
+            let point = root.join(t.strip_prefix("/").unwrap());
+            assert_eq!(point.is_dir(), t.is_dir(), "{}", point.display());
+            assert!(point.exists(), "{}", point.display());
         }
-        assert_eq!(notes.len(), sources.len() * 3);
-        // A runsc that would overlay hinted mounts gets none; a caller's rootfs has no tools.
-        let plain = config(&spec, who, ws.path(), false, None, "cg", &[], false).unwrap();
-        assert!(plain.annotations().as_ref().is_none_or(|a| a.is_empty()));
-        let mut own = spec.clone();
-        own.rootfs = Some(ws.path().to_path_buf());
-        let rooted = config(&own, who, ws.path(), false, None, "cg", &[], true).unwrap();
-        assert!(rooted.annotations().as_ref().is_none_or(|a| a.is_empty()));
     }
 
     #[test]

@@ -16,9 +16,7 @@ pub const MIN_RELEASE: u32 = 20220101;
 /// 0.0~20240729 three of its adversarial tests fail (a fork bomb is not held by the sandbox's
 /// process limit, a sandbox whose processes were killed is still reported healthy, the
 /// processes of a dead owner's sandbox outlive it). [`RunscInfo::check_version`] refuses
-/// such a build unless [`UNVALIDATED_ENV`] is `1`. Such releases also overlay bind mounts
-/// hinted as one container's (`--overlay2=root:self`), which fails on a read-only host
-/// directory: they get no mount hints ([`RunscInfo::caches_tool_mounts`]).
+/// such a build unless [`UNVALIDATED_ENV`] is `1`.
 pub const UNVALIDATED_RELEASE: u32 = 20230101;
 
 /// Set to `1` by an operator who accepts a runsc from [`UNVALIDATED_RELEASE`] on as it is
@@ -167,13 +165,6 @@ impl RunscInfo {
             )),
             _ => Ok(()),
         }
-    }
-
-    /// Whether the host-tools mounts (`/usr`, the `/etc` files) are hinted as a sandbox's
-    /// alone, so the Sentry caches them ([`bundle::config`](crate::bundle::config)): for the
-    /// validated releases, before [`UNVALIDATED_RELEASE`] (Debian 12's 20221219, for one).
-    pub fn caches_tool_mounts(&self) -> bool {
-        self.release.is_some_and(|r| r < UNVALIDATED_RELEASE)
     }
 
     /// The default platform: systrap where this build has it, else ptrace. KVM is never chosen
@@ -327,9 +318,6 @@ pub struct Runsc {
     /// Wrap the root mount in an in-memory overlay (`--overlay2=root:memory`): used for a
     /// caller's rootfs directory, which must never be written.
     pub overlay_root: bool,
-    /// Whether the sandbox's bundle hints its host-tools mounts as its own
-    /// ([`RunscInfo::caches_tool_mounts`] of `bin`).
-    pub cache_tools: bool,
     /// With `Some`, `--network=host` inside this network namespace (made for the sandbox and
     /// connected to the egress enforcer) instead of `--network=none`. Every runsc call of
     /// the sandbox runs in it: runsc reaches a running sandbox through an abstract Unix
@@ -413,6 +401,77 @@ impl Runsc {
     pub fn async_command(&self) -> tokio::process::Command {
         tokio::process::Command::from(self.command())
     }
+}
+
+/// Makes `cmd` (the `runsc run` or `restore` of a host-tools sandbox) start in a mount
+/// namespace of its own, where each of `tools` (host paths: [`bundle::host_tools`]) is bound
+/// read-only, `nosuid` and `nodev` at the same path under `rootfs`. runsc's gofer and
+/// Sentry inherit that namespace, so the gofer serves the tools as part of the root; the
+/// host's mount table never sees the binds, and they end with the sandbox's last process.
+/// Host mounts propagate into the namespace (it is a slave of the host's), never out.
+///
+/// [`bundle::host_tools`]: crate::bundle::host_tools
+pub fn in_tools_view(
+    cmd: &mut tokio::process::Command,
+    rootfs: &Path,
+    tools: &[PathBuf],
+) -> Result<()> {
+    let cstr = |p: &Path| {
+        std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
+            .map_err(|e| Error::backend_caused(Tier::Gvisor, "a host-tools path", e))
+    };
+    let mut binds = Vec::with_capacity(tools.len());
+    for src in tools {
+        let inside = src.strip_prefix("/").unwrap_or(src);
+        // A source's own `noexec` is kept (the remount would clear it).
+        let noexec = nix::sys::statvfs::statvfs(src)
+            .is_ok_and(|v| v.flags().contains(nix::sys::statvfs::FsFlags::ST_NOEXEC));
+        let flags = libc::MS_BIND
+            | libc::MS_REMOUNT
+            | libc::MS_RDONLY
+            | libc::MS_NOSUID
+            | libc::MS_NODEV
+            | if noexec { libc::MS_NOEXEC } else { 0 };
+        binds.push((cstr(src)?, cstr(&rootfs.join(inside))?, flags));
+    }
+    // SAFETY: the closure runs in the forked child before exec and makes only the
+    // async-signal-safe `unshare` and `mount` system calls, on C strings made before the
+    // fork (nothing is allocated in the child).
+    unsafe {
+        cmd.pre_exec(move || {
+            let fail = || Err(std::io::Error::last_os_error());
+            if libc::unshare(libc::CLONE_NEWNS) != 0 {
+                return fail();
+            }
+            let none = std::ptr::null::<libc::c_char>();
+            if libc::mount(
+                none,
+                c"/".as_ptr(),
+                none,
+                libc::MS_REC | libc::MS_SLAVE,
+                std::ptr::null(),
+            ) != 0
+            {
+                return fail();
+            }
+            for (src, dst, flags) in &binds {
+                let (src, dst) = (src.as_ptr(), dst.as_ptr());
+                if libc::mount(
+                    src,
+                    dst,
+                    none,
+                    libc::MS_BIND | libc::MS_REC,
+                    std::ptr::null(),
+                ) != 0
+                    || libc::mount(none, dst, none, *flags, std::ptr::null()) != 0
+                {
+                    return fail();
+                }
+            }
+            Ok(())
+        });
+    }
+    Ok(())
 }
 
 /// Runs a runsc command to completion; a failure carries runsc's stderr.
@@ -551,10 +610,6 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert!(new.check_version_with(true).is_ok());
-        // Only the validated release gets the mount hints.
-        assert!(info("runsc version 0.0~20221219.0").caches_tool_mounts());
-        assert!(!new.caches_tool_mounts());
-        assert!(!info("runsc version google-123").caches_tool_mounts());
         // No date in the version: not refused (nothing to judge it by).
         assert!(info("runsc version google-123")
             .check_version_with(false)

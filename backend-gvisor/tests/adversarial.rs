@@ -426,6 +426,51 @@ async fn fork_bomb_is_contained() {
 }
 
 #[tokio::test]
+async fn the_host_tools_are_read_only_and_their_binds_never_reach_the_host() {
+    require_gvisor!();
+    let sb = common::sandbox(&SandboxSpec::new(Language::Shell)).await;
+    // The tools are there, through the root's one gofer mount...
+    let r = sb
+        .exec(ExecRequest::code(
+            "test -x /usr/bin/env && test -s /etc/ld.so.cache && test -d /etc/ssl && echo seen",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_str(), "seen\n", "{r:?}");
+    // ...and nothing written through them lands anywhere.
+    let before = std::fs::metadata("/etc/ld.so.cache")
+        .unwrap()
+        .modified()
+        .unwrap();
+    let r = sb
+        .exec(ExecRequest::code(
+            "for p in /usr/bin/planted /etc/ssl/planted /usr/planted; do \
+               (echo x > $p) 2>/dev/null && echo \"wrote $p\"; done; \
+             (echo x >> /etc/ld.so.cache) 2>/dev/null && echo 'appended ld.so.cache'; \
+             chmod 777 /usr/bin/env 2>/dev/null && echo 'chmod env'; echo done",
+        ))
+        .await
+        .unwrap();
+    assert_eq!(r.stdout_str(), "done\n", "{r:?}");
+    for p in ["/usr/bin/planted", "/etc/ssl/planted", "/usr/planted"] {
+        assert!(!std::path::Path::new(p).exists(), "{p} on the host");
+    }
+    assert_eq!(
+        std::fs::metadata("/etc/ld.so.cache")
+            .unwrap()
+            .modified()
+            .unwrap(),
+        before
+    );
+    // The binds live in runsc's mount namespace only: the host's mount table never holds
+    // one under the sandbox's state directory, while it runs or after.
+    assert_eq!(common::mounts_mentioning(&format!("{}/bundle", sb.id())), 0);
+    let id = sb.id().to_string();
+    sb.destroy().await.unwrap();
+    assert_eq!(common::mounts_mentioning(&id), 0);
+}
+
+#[tokio::test]
 async fn create_destroy_cycles_leave_nothing() {
     require_gvisor!();
     let state = std::env::temp_dir().join("agent-sandbox-gvisor");

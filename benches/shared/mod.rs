@@ -74,10 +74,11 @@ pub fn oci_bundle(dir: &Path, name: &str, argv: &[&str], cgroup: &str) -> PathBu
     bundle::write_rootfs(&b, who, spec.user_name_and_home()).unwrap();
     let ws = dir.join(format!("{name}-ws"));
     std::fs::create_dir_all(&ws).unwrap();
-    // The tier's mount hints where the installed runsc takes them (crun ignores them).
-    let cache_tools =
-        backend_gvisor::runsc::RunscInfo::discover(None).is_ok_and(|i| i.caches_tool_mounts());
-    let mut cfg = bundle::config(&spec, who, &ws, false, None, cgroup, &[], cache_tools).unwrap();
+    let mut cfg = bundle::config(&spec, who, &ws, false, None, cgroup, &[]).unwrap();
+    // The tools as mounts of the spec (the tier binds them into the root before runsc runs).
+    let mut mounts = bundle::host_tool_mounts().unwrap();
+    mounts.extend(cfg.mounts().clone().unwrap_or_default());
+    cfg.set_mounts(Some(mounts));
     let mut p = cfg.process().clone().unwrap();
     p.set_args(Some(argv.iter().map(|s| s.to_string()).collect()));
     cfg.set_process(Some(p));

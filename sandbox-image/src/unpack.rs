@@ -402,6 +402,30 @@ struct Unpacker<'a> {
     root: bool,
 }
 
+/// Which side of [`copy_apart`] failed.
+enum Copy {
+    Read(io::Error),
+    Write(io::Error),
+}
+
+/// Copies `r` to its end into `w`, keeping apart a failure to read from one to write (which
+/// `io::copy` returns alike); the bytes copied.
+fn copy_apart(r: &mut dyn Read, w: &mut fs::File) -> std::result::Result<u64, Copy> {
+    use io::Write as _;
+    let mut buf = [0u8; 32 << 10];
+    let mut n = 0u64;
+    loop {
+        let got = match r.read(&mut buf) {
+            Ok(0) => return Ok(n),
+            Ok(got) => got,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(Copy::Read(e)),
+        };
+        w.write_all(&buf[..got]).map_err(Copy::Write)?;
+        n += got as u64;
+    }
+}
+
 /// A relative path made of plain components.
 struct Rel(Vec<OsString>);
 
@@ -662,8 +686,13 @@ impl Unpacker<'_> {
                 self.charge(&raw, size)?;
                 self.clear(&path, false)?;
                 let mut f = create_new(&path).map_err(|e| self.io("create", &path, e))?;
-                let copied = io::copy(&mut (&mut entry).take(size), &mut f)
-                    .map_err(|e| self.read_error(e))?;
+                // A failure to read is the layer's; one to write is the disk's (a full cache
+                // disk says so, never "malformed").
+                let copied = match copy_apart(&mut (&mut entry).take(size), &mut f) {
+                    Ok(n) => n,
+                    Err(Copy::Read(e)) => return Err(self.read_error(e)),
+                    Err(Copy::Write(e)) => return Err(self.io("write", &path, e)),
+                };
                 if copied != size {
                     return Err(self.read_error(io::Error::new(
                         io::ErrorKind::UnexpectedEof,

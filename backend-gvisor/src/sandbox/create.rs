@@ -177,7 +177,6 @@ impl GvisorSandbox {
                 root: runsc_root,
                 platform: r.platform,
                 overlay_root: !lower.is_empty(),
-                cache_tools: r.info.caches_tool_mounts(),
                 netns,
             },
             engine: r.info.version.clone(),
@@ -406,7 +405,6 @@ impl Inner {
             Some(&self.scratch),
             &cgroup,
             &files,
-            self.runsc.cache_tools,
         )?;
         bundle::save(&cfg, &self.bundle)?;
         let image_dir = self.dir.join("restore-image");
@@ -421,7 +419,7 @@ impl Inner {
             fsnap::unpack_into(&r.image, &image_dir)?;
         }
         t.mark(Phase::Filesystem);
-        let mut cmd = self.runsc.async_command();
+        let mut cmd = self.starting_command()?;
         match &restore {
             None => cmd
                 .args(["run", "--detach", "--bundle"])

@@ -1,5 +1,6 @@
 //! The host mounts of a sandbox: the tmpfs workspace, the scratch tmpfs behind `/tmp` and
-//! `/dev/shm`, and the overlay view of a caller's or an image's root.
+//! `/dev/shm`, the overlay view of a caller's or an image's root, and the namespace in which
+//! runsc starts a host-tools root.
 
 use super::*;
 
@@ -19,6 +20,23 @@ fn mount_tmpfs(source: &str, target: &Path, cap: sandbox_core::TmpfsCap, opts: &
 }
 
 impl Inner {
+    /// A `runsc` command that starts this sandbox (`run`, or `restore` after a checkpoint or
+    /// from a snapshot): for the host-tools root (no caller's rootfs, no image layers), in a
+    /// mount namespace of its own where the host's tools are bound into the bundle's root
+    /// ([`crate::runsc::in_tools_view`]). Every start of the sandbox needs the same view: a
+    /// restore finds the files its processes had open where they were.
+    pub(super) fn starting_command(&self) -> Result<tokio::process::Command> {
+        let mut cmd = self.runsc.async_command();
+        if self.lower.is_empty() {
+            crate::runsc::in_tools_view(
+                &mut cmd,
+                &self.bundle.join("rootfs"),
+                &bundle::host_tools(),
+            )?;
+        }
+        Ok(cmd)
+    }
+
     /// For a caller's rootfs without a `tmp` or `dev/shm` directory, or with glibc's loader
     /// (whose programs need the `statx` shim, see [`bundle::STATX_SHIM_PATH`]): a host
     /// overlay of it (`view/root` of the state directory; upper and work directories beside

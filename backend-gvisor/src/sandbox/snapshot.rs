@@ -148,13 +148,17 @@ impl Inner {
     pub(super) async fn resume_from(self: &Arc<Self>, image: &Path) {
         let me = Arc::clone(self);
         let _ = tokio::task::spawn_blocking(move || me.delete_container_for_resume()).await;
-        let mut cmd = self.runsc.async_command();
-        cmd.args(["restore", "--detach", "--bundle"])
-            .arg(&self.bundle)
-            .arg("--image-path")
-            .arg(image)
-            .arg(&self.id);
-        let resumed = run_detached(cmd, &self.dir.join("runsc.log"), "restore").await;
+        let resumed = match self.starting_command() {
+            Ok(mut cmd) => {
+                cmd.args(["restore", "--detach", "--bundle"])
+                    .arg(&self.bundle)
+                    .arg("--image-path")
+                    .arg(image)
+                    .arg(&self.id);
+                run_detached(cmd, &self.dir.join("runsc.log"), "restore").await
+            }
+            Err(e) => Err(e),
+        };
         self.track_processes().await;
         let _ = std::fs::remove_dir_all(image);
         if let Err(e) = resumed {

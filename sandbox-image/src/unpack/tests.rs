@@ -351,3 +351,32 @@ fn a_directory_replaced_by_a_symlink_leaves_the_link_target_alone() {
         assert_eq!(mode(&dir), Some(0o700), "the host directory's mode changed");
     }
 }
+
+#[test]
+fn a_full_disk_while_copying_is_the_disks_error_not_the_layers() {
+    // `/dev/full` fails every write with ENOSPC, as a full cache disk does.
+    let mut full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let mut data: &[u8] = &[7u8; 100_000];
+    match copy_apart(&mut data, &mut full) {
+        Err(Copy::Write(e)) => assert_eq!(e.raw_os_error(), Some(libc::ENOSPC)),
+        Err(Copy::Read(e)) => panic!("a write failure taken for a read failure: {e}"),
+        Ok(n) => panic!("copied {n} bytes into /dev/full"),
+    }
+    // A stream that fails is the layer's.
+    struct Broken;
+    impl std::io::Read for Broken {
+        fn read(&mut self, _: &mut [u8]) -> std::io::Result<usize> {
+            Err(std::io::Error::other("cut"))
+        }
+    }
+    let mut sink = tempfile::tempfile().unwrap();
+    assert!(matches!(
+        copy_apart(&mut Broken, &mut sink),
+        Err(Copy::Read(_))
+    ));
+    let mut some: &[u8] = b"abc";
+    assert!(matches!(copy_apart(&mut some, &mut sink), Ok(3)));
+}
