@@ -105,7 +105,8 @@ pub struct ContainerConfig {
     /// The sandbox's host name.
     pub hostname: String,
     /// As root: the first host uid/gid of the ranges mapped into sandboxes (65536 per
-    /// sandbox, [`SLOTS`] of them: the base must leave room for all).
+    /// sandbox, [`SLOTS`] of them: the base must leave room for all, and another backend's
+    /// base must be 2^30 or more away, since leases are kept per base).
     pub uid_base: u32,
     /// Refuse to create sandboxes when cgroups are not usable (default `true`). With `false`
     /// and no usable cgroup, memory, pids and CPU-quota limits are **not enforced** (rlimits

@@ -20,9 +20,10 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-/// Host uid ranges per uid base, so live sandboxes per host as root (65536 ids each; `uid_base` is checked to leave room for all): 2^30
-/// host ids from the default base 2^30, so every id stays below 2^31 (tools that keep ids in
-/// a signed 32-bit integer see no negative ones).
+/// Host uid ranges per uid base, so live sandboxes per host as root (65536 ids each;
+/// `uid_base` is checked to leave room for all): 2^30 host ids from the default base 2^30, so
+/// every id stays below 2^31 (tools that keep ids in a signed 32-bit integer see no negative
+/// ones). Two backends with different bases must be 2^30 or more apart: leases are per base.
 pub const SLOTS: u32 = 16384;
 
 /// Where the lease files live (root-only).
@@ -81,7 +82,7 @@ pub(crate) enum SlotError {
     /// Every slot is leased.
     #[error(
         "every one of the {SLOTS} host uid ranges is in use by a live sandbox on this host \
-         (destroy some, or give another backend a different uid_base)"
+         (destroy some, or give another backend a uid_base 2^30 or more away)"
     )]
     Exhausted,
     /// A lease file could not be opened (e.g. no file descriptors left).

@@ -423,6 +423,13 @@ pub fn in_tools_view(
     let mut binds = Vec::with_capacity(tools.len());
     for src in tools {
         let inside = src.strip_prefix("/").unwrap_or(src);
+        // Only onto the points the root was written with: an entry the host gained (or
+        // turned from a file into a folder) since, say before a resume after a checkpoint,
+        // is left out rather than failing the start.
+        let point = rootfs.join(inside);
+        if !point.exists() || point.is_dir() != src.is_dir() {
+            continue;
+        }
         // A source's own `noexec` is kept (the remount would clear it).
         let noexec = nix::sys::statvfs::statvfs(src)
             .is_ok_and(|v| v.flags().contains(nix::sys::statvfs::FsFlags::ST_NOEXEC));
@@ -432,7 +439,7 @@ pub fn in_tools_view(
             | libc::MS_NOSUID
             | libc::MS_NODEV
             | if noexec { libc::MS_NOEXEC } else { 0 };
-        binds.push((cstr(src)?, cstr(&rootfs.join(inside))?, flags));
+        binds.push((cstr(src)?, cstr(&point)?, flags));
     }
     // SAFETY: the closure runs in the forked child before exec and makes only the
     // async-signal-safe `unshare` and `mount` system calls, on C strings made before the

@@ -366,7 +366,19 @@ mod tests {
         // Another open file description of the same file (like another process's) sees
         // the shared lock too.
         drop(owner);
-        let lock = abandoned(d.path()).expect("released: abandoned");
+        // Polled: a child another test of this binary forks at that moment holds a copy of
+        // the owner's descriptor, and its lock, until it execs.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let lock = loop {
+            if let Some(l) = abandoned(d.path()) {
+                break l;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "released, never abandoned"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        };
         // While one sweeper holds it, another does not get it.
         assert!(abandoned(d.path()).is_none());
         drop(lock);

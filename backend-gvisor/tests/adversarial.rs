@@ -218,20 +218,50 @@ async fn corrupt_or_garbage_checkpoints_are_refused_and_leave_nothing() {
         .unwrap();
     assert!(e.to_string().contains("corrupt"), "{e}");
     // A checksum-valid but garbage image: runsc refuses, and the half-made sandbox is removed.
-    let garbage = SnapshotDraft::new(
-        Tier::Gvisor,
-        m.engine.clone(),
-        vec![SnapshotKind::FullMemory],
-        m.spec.clone(),
-    )
-    .artifact(
-        "checkpoint.tar",
-        Bytes::from(sandbox_core::fsnap::pack_dir(tempfile::tempdir().unwrap().path()).unwrap()),
-    )
-    .artifact(
-        "workspace.tar",
-        Bytes::from(sandbox_core::fsnap::pack_dir(tempfile::tempdir().unwrap().path()).unwrap()),
+    let draft = || {
+        SnapshotDraft::new(
+            Tier::Gvisor,
+            m.engine.clone(),
+            vec![SnapshotKind::FullMemory],
+            m.spec.clone(),
+        )
+    };
+    // A host-tools snapshot that does not say its tools are part of its root (one taken
+    // while they were mounts of their own): refused before runsc sees it.
+    let old = store
+        .put(draft().artifact(
+            "checkpoint.tar",
+            Bytes::from(
+                sandbox_core::fsnap::pack_dir(tempfile::tempdir().unwrap().path()).unwrap(),
+            ),
+        ))
+        .await
+        .unwrap();
+    let e = isolated
+        .restore(&store, &old, ResolvedSecrets::none())
+        .await
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("host's tools"), "{e}");
+    assert!(std::fs::read_dir(state.path()).unwrap().next().is_none());
+    assert_eq!(
+        m.metadata.get("root").map(String::as_str),
+        Some("tools-in-root")
     );
+    let garbage = draft()
+        .meta("root", "tools-in-root")
+        .artifact(
+            "checkpoint.tar",
+            Bytes::from(
+                sandbox_core::fsnap::pack_dir(tempfile::tempdir().unwrap().path()).unwrap(),
+            ),
+        )
+        .artifact(
+            "workspace.tar",
+            Bytes::from(
+                sandbox_core::fsnap::pack_dir(tempfile::tempdir().unwrap().path()).unwrap(),
+            ),
+        );
     let gid = store.put(garbage).await.unwrap();
     let e = isolated
         .restore(&store, &gid, ResolvedSecrets::none())

@@ -182,7 +182,9 @@ pub fn pids_headroom() -> (u64, u64) {
             .and_then(|s| s.trim().parse::<u64>().ok())
             .unwrap_or(u64::MAX)
     };
-    let kernel = sysctl("threads-max").min(sysctl("pid_max"));
+    // Past the first wrap the kernel hands out ids from 300 on (`RESERVED_PIDS`): about 300
+    // fewer tasks fit than `pid_max` says.
+    let kernel = sysctl("threads-max").min(sysctl("pid_max").saturating_sub(300));
     let cg = std::fs::read_to_string("/proc/self/cgroup")
         .ok()
         .and_then(|t| {

@@ -12,9 +12,10 @@ use nix::sys::resource::{getrlimit, setrlimit, Resource};
 /// kernel's `fs.nr_open` allows it.
 const WANTED: u64 = 1 << 20;
 
-/// Raises this process's open-files limit as far as it may: the soft limit to the hard one,
-/// and, where the process may raise the hard limit (root, `CAP_SYS_RESOURCE`), both to
-/// 2^20 (or the kernel's `fs.nr_open`, if lower). Returns the soft limit in force after.
+/// Raises this process's open-files limit as far as it may, up to 2^20: the soft limit to
+/// the hard one (or 2^20 where the hard one is higher), and, where the process may raise the
+/// hard limit (root, `CAP_SYS_RESOURCE`), both to 2^20 (or the kernel's `fs.nr_open`, if
+/// lower). Never lowers it. Returns the soft limit in force after.
 ///
 /// Child processes inherit the limit; the tiers set each sandboxed command's own
 /// (`Limits::open_files`), so sandboxes do not.
@@ -28,11 +29,13 @@ pub fn raise_open_files_limit() -> std::io::Result<u64> {
     if hard < ceiling && setrlimit(Resource::RLIMIT_NOFILE, ceiling, ceiling).is_ok() {
         return Ok(ceiling);
     }
-    if soft < hard {
-        setrlimit(Resource::RLIMIT_NOFILE, hard, hard)?;
-        return Ok(hard);
+    // Never past 2^20 (a hard limit of "infinity" would hand children a table programs
+    // that close every possible descriptor walk through), never lowered.
+    let want = hard.min(WANTED).max(soft);
+    if soft < want {
+        setrlimit(Resource::RLIMIT_NOFILE, want, hard)?;
     }
-    Ok(soft)
+    Ok(want)
 }
 
 #[cfg(test)]
@@ -42,12 +45,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_soft_limit_ends_at_the_hard_one_or_above() {
+    fn the_soft_limit_ends_at_the_hard_one_up_to_2_to_the_20() {
         let (_, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
         let got = raise_open_files_limit().unwrap();
         let (soft, hard_after) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
         assert_eq!(got, soft);
-        assert_eq!(soft, hard_after, "the soft limit is raised to the hard one");
+        assert_eq!(
+            soft,
+            hard_after.min(WANTED).max(soft),
+            "the soft limit is raised to the hard one, up to 2^20"
+        );
         assert!(hard_after >= hard, "never lowered: {hard_after} < {hard}");
         // Idempotent.
         assert_eq!(raise_open_files_limit().unwrap(), soft);

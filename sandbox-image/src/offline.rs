@@ -281,7 +281,14 @@ impl DockerArchive {
                 .join(format!("archive-{}", uuid::Uuid::new_v4().simple()));
             let mut out = fs::File::create(&tmp).map_err(|e| ImageError::io("create", &tmp, e))?;
             let mut r = HashingReader::new(e);
-            io::copy(&mut r, &mut out).map_err(|e| self.bad_tar(e))?;
+            // The archive's failure is a bad archive; the disk's is the disk's.
+            if let Err(f) = crate::unpack::copy_apart(&mut r, &mut out) {
+                let _ = fs::remove_file(&tmp);
+                return Err(match f {
+                    crate::unpack::CopyFailure::Read(e) => self.bad_tar(e),
+                    crate::unpack::CopyFailure::Write(e) => ImageError::io("write", &tmp, e),
+                });
+            }
             let size = r.count();
             let d = r.finish();
             if let Ok(mut map) = self.extracted.0.lock() {

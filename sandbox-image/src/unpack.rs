@@ -403,14 +403,17 @@ struct Unpacker<'a> {
 }
 
 /// Which side of [`copy_apart`] failed.
-enum Copy {
+pub(crate) enum CopyFailure {
     Read(io::Error),
     Write(io::Error),
 }
 
 /// Copies `r` to its end into `w`, keeping apart a failure to read from one to write (which
 /// `io::copy` returns alike); the bytes copied.
-fn copy_apart(r: &mut dyn Read, w: &mut fs::File) -> std::result::Result<u64, Copy> {
+pub(crate) fn copy_apart(
+    r: &mut dyn Read,
+    w: &mut fs::File,
+) -> std::result::Result<u64, CopyFailure> {
     use io::Write as _;
     let mut buf = [0u8; 32 << 10];
     let mut n = 0u64;
@@ -419,9 +422,9 @@ fn copy_apart(r: &mut dyn Read, w: &mut fs::File) -> std::result::Result<u64, Co
             Ok(0) => return Ok(n),
             Ok(got) => got,
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(Copy::Read(e)),
+            Err(e) => return Err(CopyFailure::Read(e)),
         };
-        w.write_all(&buf[..got]).map_err(Copy::Write)?;
+        w.write_all(&buf[..got]).map_err(CopyFailure::Write)?;
         n += got as u64;
     }
 }
@@ -690,8 +693,8 @@ impl Unpacker<'_> {
                 // disk says so, never "malformed").
                 let copied = match copy_apart(&mut (&mut entry).take(size), &mut f) {
                     Ok(n) => n,
-                    Err(Copy::Read(e)) => return Err(self.read_error(e)),
-                    Err(Copy::Write(e)) => return Err(self.io("write", &path, e)),
+                    Err(CopyFailure::Read(e)) => return Err(self.read_error(e)),
+                    Err(CopyFailure::Write(e)) => return Err(self.io("write", &path, e)),
                 };
                 if copied != size {
                     return Err(self.read_error(io::Error::new(

@@ -252,6 +252,21 @@ impl GvisorSandbox {
             }
             .into());
         }
+        // A host-tools root taken while the tools were mounts of their own: runsc would not
+        // find the mounts its image records.
+        if m.spec.rootfs.is_none()
+            && m.spec.image.is_none()
+            && m.metadata.get(snapshot::META_ROOT).map(String::as_str)
+                != Some(snapshot::TOOLS_IN_ROOT)
+        {
+            return Err(SnapshotError::Incompatible {
+                id: id.clone(),
+                reason: "taken before the host's tools became part of a gVisor sandbox's root \
+                         (they were mounts of their own, which its checkpoint records)"
+                    .into(),
+            }
+            .into());
+        }
         let who = Identity {
             uid: meta_u32(&m.metadata, "uid").unwrap_or(SANDBOX_ID.uid),
             gid: meta_u32(&m.metadata, "gid").unwrap_or(SANDBOX_ID.gid),

@@ -7,6 +7,14 @@ use super::*;
 /// `[[keeper name, pid inside, command line, terminal], ...]`; a restored copy attaches to them.
 pub(super) const META_PROCESSES: &str = "processes";
 
+/// Metadata: what the root was (`tools-in-root` for the host-tools root with the tools bound
+/// into it; `own` for an image's or a caller's). A host-tools snapshot without it was taken
+/// while the tools were mounts of their own, which its checkpoint records: not restorable.
+pub(super) const META_ROOT: &str = "root";
+
+/// [`META_ROOT`] of a host-tools root whose tools are part of it.
+pub(super) const TOOLS_IN_ROOT: &str = "tools-in-root";
+
 impl Inner {
     /// Checkpoints the whole sandbox (every process's memory) plus the workspace into `store`.
     ///
@@ -132,6 +140,14 @@ impl Inner {
         .meta("gid", self.who.gid.to_string())
         .meta("platform", self.runsc.platform.name())
         .meta("sandbox_id", self.id.clone())
+        .meta(
+            META_ROOT,
+            if self.lower.is_empty() {
+                TOOLS_IN_ROOT
+            } else {
+                "own"
+            },
+        )
         .meta(
             META_PROCESSES,
             serde_json::to_string(&recorded)

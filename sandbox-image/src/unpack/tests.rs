@@ -361,8 +361,8 @@ fn a_full_disk_while_copying_is_the_disks_error_not_the_layers() {
         .unwrap();
     let mut data: &[u8] = &[7u8; 100_000];
     match copy_apart(&mut data, &mut full) {
-        Err(Copy::Write(e)) => assert_eq!(e.raw_os_error(), Some(libc::ENOSPC)),
-        Err(Copy::Read(e)) => panic!("a write failure taken for a read failure: {e}"),
+        Err(CopyFailure::Write(e)) => assert_eq!(e.raw_os_error(), Some(libc::ENOSPC)),
+        Err(CopyFailure::Read(e)) => panic!("a write failure taken for a read failure: {e}"),
         Ok(n) => panic!("copied {n} bytes into /dev/full"),
     }
     // A stream that fails is the layer's.
@@ -375,7 +375,7 @@ fn a_full_disk_while_copying_is_the_disks_error_not_the_layers() {
     let mut sink = tempfile::tempfile().unwrap();
     assert!(matches!(
         copy_apart(&mut Broken, &mut sink),
-        Err(Copy::Read(_))
+        Err(CopyFailure::Read(_))
     ));
     let mut some: &[u8] = b"abc";
     assert!(matches!(copy_apart(&mut some, &mut sink), Ok(3)));
