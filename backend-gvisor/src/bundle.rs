@@ -6,6 +6,7 @@ use std::fs;
 use std::os::unix::fs::{symlink, PermissionsExt};
 use std::path::{Path, PathBuf};
 
+use crate::runsc::Platform;
 use oci_spec::runtime::{
     Capabilities, LinuxBuilder, LinuxCapabilitiesBuilder, LinuxCpuBuilder, LinuxMemoryBuilder,
     LinuxNamespaceBuilder, LinuxNamespaceType, LinuxPidsBuilder, LinuxResourcesBuilder,
@@ -142,11 +143,15 @@ const USR_LINKS: &[&str] = &["bin", "lib", "lib32", "lib64", "libx32", "sbin"];
 /// across execs, and reaps the orphans re-parented to it (dash's `wait` collects any child).
 pub const INIT_SCRIPT: &str = "trap 'exit 0' TERM INT; while :; do sleep 3600 & wait; done";
 
-/// Host tasks an idle sandbox uses (sentry threads, gofer): measured ~37 on ptrace.
+/// Host tasks an idle sandbox uses (sentry threads, gofer): measured ~37 on ptrace, ~25 on
+/// systrap.
 pub const HOST_TASKS_BASE: i64 = 64;
-/// Host tasks per guest process on the ptrace platform (stub process and its threads):
-/// measured ~9.
+/// Host tasks per guest process on the ptrace platform (a stub process and its threads for
+/// each guest thread): measured ~9.
 pub const HOST_TASKS_PER_PROCESS: i64 = 10;
+/// Host tasks per guest process on the systrap platform (one stub process per address
+/// space, its threads shared): measured 2-3.4 (runsc 20240729).
+pub const HOST_TASKS_PER_PROCESS_SYSTRAP: i64 = 3;
 
 /// What an idle Sentry takes of the sandbox's memory limit (measured: 14 MiB).
 const SENTRY_BYTES: u64 = 16 << 20;
@@ -185,11 +190,16 @@ pub fn tmpfs_caps(spec: &SandboxSpec) -> TmpfsCaps {
 /// tmpfs behind it (see [`tmpfs_caps`]).
 pub(crate) const SCRATCH_MOUNTS: [(&str, &str); 2] = [("/tmp", "tmp"), ("/dev/shm", "shm")];
 
-/// The host pids-cgroup limit for a spec. gVisor's guest processes are not host processes,
-/// so the workload's `pids` limit is applied to the host tasks they cost. (`RLIMIT_NPROC` is not
-/// used: runsc also applies it to the sentry's own stub processes, which then panics.)
-pub fn host_pids_limit(spec: &SandboxSpec) -> i64 {
-    HOST_TASKS_BASE + HOST_TASKS_PER_PROCESS * i64::from(spec.limits.pids)
+/// The host pids-cgroup limit for a spec on `platform`. gVisor's guest processes are not host
+/// processes, so the workload's `pids` limit is applied to the host tasks they cost, which
+/// differ by platform. (`RLIMIT_NPROC` is not used: runsc also applies it to the sentry's own
+/// stub processes, which then panics.)
+pub fn host_pids_limit(spec: &SandboxSpec, platform: Platform) -> i64 {
+    let per = match platform {
+        Platform::Systrap => HOST_TASKS_PER_PROCESS_SYSTRAP,
+        _ => HOST_TASKS_PER_PROCESS,
+    };
+    HOST_TASKS_BASE + per * i64::from(spec.limits.pids)
 }
 
 /// Who the workload runs as.
@@ -459,15 +469,17 @@ pub fn seccomp() -> Result<LinuxSeccomp> {
         .map_err(oci)
 }
 
-/// The whole `config.json`. `scratch`: a host directory whose `tmp/` and `shm/` become
+/// The whole `config.json` for runsc's `platform`. `scratch`: a host directory whose `tmp/` and `shm/` become
 /// `/tmp` and `/dev/shm` (see [`tmpfs_caps`]); `None` for tmpfs mounts of the runtime's own.
 /// `files`: host files bound read-only over the root's (destination, source), after the
 /// root's own mounts (so `/etc/resolv.conf`, or `/etc/ssl/certs/ca-certificates.crt` inside
 /// the host's bound `/etc/ssl`); each destination must exist in the root. Without a caller's
 /// rootfs the root is `rootfs/` with the host's tools bound into it before runsc starts
 /// ([`host_tools`]), not mounts of the spec.
+#[allow(clippy::too_many_arguments)]
 pub fn config(
     spec: &SandboxSpec,
+    platform: Platform,
     who: Identity,
     workspace: &Path,
     workspace_read_only: bool,
@@ -542,7 +554,7 @@ pub fn config(
         )
         .pids(
             LinuxPidsBuilder::default()
-                .limit(host_pids_limit(spec))
+                .limit(host_pids_limit(spec, platform))
                 .build()
                 .map_err(oci)?,
         )
@@ -665,7 +677,17 @@ mod tests {
         let spec = SandboxSpec::new(sandbox_core::Language::Shell);
         let who = Identity::new(1000, 1000);
         let ws = tempfile::tempdir().unwrap();
-        let cfg = config(&spec, who, ws.path(), false, None, "cg", &[]).unwrap();
+        let cfg = config(
+            &spec,
+            Platform::Ptrace,
+            who,
+            ws.path(),
+            false,
+            None,
+            "cg",
+            &[],
+        )
+        .unwrap();
         let mounts = cfg.mounts().as_ref().unwrap();
         for m in mounts {
             let dst = m.destination();

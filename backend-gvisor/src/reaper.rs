@@ -142,6 +142,27 @@ fn matching(needle: &str, parent: Option<u32>) -> Vec<i32> {
     out
 }
 
+/// Whether any of `pids` (children of this process, as [`children_matching`] finds them)
+/// has ended: exited and not yet reaped (a zombie: we reap them only at the teardown, so the
+/// pid cannot have been reused), or no longer our child at all. Reaps nothing (`WNOWAIT`).
+///
+/// runsc's own `state` cannot tell: it asks with `kill(pid, 0)`, which a zombie answers, so
+/// a sandbox whose processes were killed, or whose Sentry died on its process limit, is
+/// "running" to runsc releases from 2023 on until its processes are reaped.
+pub fn any_ended(pids: &[i32]) -> bool {
+    use nix::sys::wait::{waitid, Id};
+    pids.iter().any(|&p| {
+        p <= 0
+            || !matches!(
+                waitid(
+                    Id::Pid(Pid::from_raw(p)),
+                    WaitPidFlag::WEXITED | WaitPidFlag::WNOHANG | WaitPidFlag::WNOWAIT,
+                ),
+                Ok(WaitStatus::StillAlive)
+            )
+    })
+}
+
 /// Reaps any of `pids` that have exited; returns those still running.
 pub fn reap(pids: &[i32]) -> Vec<i32> {
     pids.iter()
@@ -254,5 +275,26 @@ mod tests {
         assert!(ensure_subreaper());
         drop(adopt());
         assert!(is_subreaper(), "a window cleared a flag set for good");
+    }
+
+    #[test]
+    fn a_killed_child_has_ended_before_it_is_reaped_and_is_still_ours_to_reap() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .unwrap();
+        let pid = i32::try_from(child.id()).unwrap();
+        assert!(!any_ended(&[pid]), "a running child counted as ended");
+        child.kill().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !any_ended(&[pid]) {
+            assert!(Instant::now() < deadline, "a killed child never ended");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        // WNOWAIT: the zombie is still there for its owner.
+        assert!(child.try_wait().unwrap().is_some());
+        // Not our child (pid 1), or reaped already: ended.
+        assert!(any_ended(&[1]));
+        assert!(!any_ended(&[]));
     }
 }

@@ -12,11 +12,13 @@ use sandbox_core::{Error, Result, Tier};
 /// `pause`/`resume` and `--network=none`), as a `YYYYMMDD` release date.
 pub const MIN_RELEASE: u32 = 20220101;
 
-/// The first runsc release this backend is not validated with: under Debian 13's
-/// 0.0~20240729 three of its adversarial tests fail (a fork bomb is not held by the sandbox's
-/// process limit, a sandbox whose processes were killed is still reported healthy, the
-/// processes of a dead owner's sandbox outlive it). [`RunscInfo::check_version`] refuses
-/// such a build unless [`UNVALIDATED_ENV`] is `1`.
+/// The first runsc release this backend is not validated with. Under Debian 13's
+/// 0.0~20240729 its adversarial suite passes (a dead sandbox is known by its own process, not
+/// runsc's `state`; process limits cost systrap's host tasks; a dead owner's sandbox goes even
+/// where runsc's `delete` waits for a zombie), but a copy restored from a snapshot does not
+/// see host writes to files its processes looked up before the snapshot, nor keep its
+/// background processes, and a rootfs directory's `/dev/shm` is not capped.
+/// [`RunscInfo::check_version`] refuses such a build unless [`UNVALIDATED_ENV`] is `1`.
 pub const UNVALIDATED_RELEASE: u32 = 20230101;
 
 /// Set to `1` by an operator who accepts a runsc from [`UNVALIDATED_RELEASE`] on as it is
@@ -154,8 +156,9 @@ impl RunscInfo {
             Some(r) if r >= UNVALIDATED_RELEASE && !allow_unvalidated => Err(unavailable(
                 format!(
                     "{} is newer than the releases this backend is validated with (before \
-                     {UNVALIDATED_RELEASE}): under it a sandbox's process limit does not hold \
-                     and a sandbox killed behind the backend's back is not noticed",
+                     {UNVALIDATED_RELEASE}): under it a copy restored from a snapshot misses \
+                     host writes and background processes, and a rootfs directory's /dev/shm \
+                     is not capped",
                     self.version
                 ),
                 format!(
@@ -165,6 +168,13 @@ impl RunscInfo {
             )),
             _ => Ok(()),
         }
+    }
+
+    /// Whether `checkpoint --leave-running` works in this build: from 2023 on (validated with
+    /// 0.0~20240729); Debian 12's 20221219 hangs in it, so a snapshot there stops the
+    /// sandbox and brings it back from its image.
+    pub fn checkpoint_leaves_running(&self) -> bool {
+        self.release.is_some_and(|r| r >= UNVALIDATED_RELEASE)
     }
 
     /// The default platform: systrap where this build has it, else ptrace. KVM is never chosen
@@ -318,6 +328,10 @@ pub struct Runsc {
     /// Wrap the root mount in an in-memory overlay (`--overlay2=root:memory`): used for a
     /// caller's rootfs directory, which must never be written.
     pub overlay_root: bool,
+    /// Snapshots checkpoint with `--leave-running` (see
+    /// [`RunscInfo::checkpoint_leaves_running`]) instead of stopping the sandbox and
+    /// restoring it in place.
+    pub leave_running: bool,
     /// With `Some`, `--network=host` inside this network namespace (made for the sandbox and
     /// connected to the egress enforcer) instead of `--network=none`. Every runsc call of
     /// the sandbox runs in it: runsc reaches a running sandbox through an abstract Unix
@@ -611,12 +625,16 @@ mod tests {
         let new = info("runsc version 0.0~20240729.0");
         match new.check_version_with(false) {
             Err(Error::Unavailable { reason, fix, .. }) => {
-                assert!(reason.contains("process limit"), "{reason}");
+                assert!(reason.contains("restored from a snapshot"), "{reason}");
                 assert!(fix.contains(UNVALIDATED_ENV), "{fix}");
             }
             other => panic!("{other:?}"),
         }
         assert!(new.check_version_with(true).is_ok());
+        // Only from 2023 on does a checkpoint leave the sandbox running.
+        assert!(new.checkpoint_leaves_running());
+        assert!(!info("runsc version 0.0~20221219.0").checkpoint_leaves_running());
+        assert!(!info("runsc version google-123").checkpoint_leaves_running());
         // No date in the version: not refused (nothing to judge it by).
         assert!(info("runsc version google-123")
             .check_version_with(false)

@@ -25,7 +25,9 @@
 //! Sweeps happen at two moments. **Right after the owner dies**: the first `create` of each
 //! process (per state directory) starts a small watchdog, `/bin/sh` blocked reading a pipe
 //! whose only writer is this process; when the process ends, however it ends, the read
-//! returns and the watchdog tears down, with `flock` and `runsc delete --force`, every
+//! returns and the watchdog tears down, with `flock` and `runsc delete --force` (for at most
+//! ten seconds: from 2023 on, runsc waits with no end for a sandbox process that stays a
+//! zombie, as it does under a subreaper that never reaps it), every
 //! directory whose lock is free (trying held ones again for five seconds: the pipe may
 //! close before the dying process's lock descriptors do). It sits in a process group of its own and ignores the
 //! terminal's signals, so a Ctrl-C of the program does not take it along; it needs
@@ -284,7 +286,8 @@ for try in 1 2 3 4 5 6 7 8 9 10; do
     [ -f "$d/owner" ] || continue
     flock -xn "$d/owner" sh -c 'case $("$3" --root="$1/runsc" state "$2" 2>/dev/null) in
         *\"paused\"*) "$3" --root="$1/runsc" resume "$2" >/dev/null 2>&1 ;; esac
-      "$3" --root="$1/runsc" delete --force "$2" >/dev/null 2>&1
+      t=; command -v timeout >/dev/null 2>&1 && t="timeout -s KILL 10"
+      $t "$3" --root="$1/runsc" delete --force "$2" >/dev/null 2>&1
       find /sys/fs/cgroup -maxdepth 7 -type d -name "agent-sandbox-gvisor-$2" \
         -exec rmdir {} + 2>/dev/null
       for m in workspace scratch view/root; do umount -l "$1/$m" 2>/dev/null; done

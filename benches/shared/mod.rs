@@ -74,7 +74,10 @@ pub fn oci_bundle(dir: &Path, name: &str, argv: &[&str], cgroup: &str) -> PathBu
     bundle::write_rootfs(&b, who, spec.user_name_and_home()).unwrap();
     let ws = dir.join(format!("{name}-ws"));
     std::fs::create_dir_all(&ws).unwrap();
-    let mut cfg = bundle::config(&spec, who, &ws, false, None, cgroup, &[]).unwrap();
+    let platform = backend_gvisor::RunscInfo::discover(None)
+        .map(|i| i.default_platform())
+        .unwrap_or(backend_gvisor::Platform::Ptrace);
+    let mut cfg = bundle::config(&spec, platform, who, &ws, false, None, cgroup, &[]).unwrap();
     // The tools as mounts of the spec (the tier binds them into the root before runsc runs).
     let mut mounts = bundle::host_tool_mounts().unwrap();
     mounts.extend(cfg.mounts().clone().unwrap_or_default());

@@ -177,6 +177,7 @@ impl GvisorSandbox {
                 root: runsc_root,
                 platform: r.platform,
                 overlay_root: !lower.is_empty(),
+                leave_running: r.info.checkpoint_leaves_running(),
                 netns,
             },
             engine: r.info.version.clone(),
@@ -196,6 +197,7 @@ impl GvisorSandbox {
             image,
             redactor: secrets.redactor(),
             pids: Mutex::new(Vec::new()),
+            boot: Mutex::new(None),
             cgroup: Mutex::new((None, None)),
             cgroup_paths: Mutex::new(Vec::new()),
             usage_cgroup: Mutex::new(None),
@@ -414,6 +416,7 @@ impl Inner {
         };
         let cfg = bundle::config(
             &spec,
+            self.runsc.platform,
             who,
             &self.workspace,
             self.read_only(),

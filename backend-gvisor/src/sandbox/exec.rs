@@ -6,6 +6,10 @@ use std::os::fd::OwnedFd;
 
 use super::*;
 
+/// How long a sign that the Sentry is going (its control socket closed, runsc unable to wait
+/// for a command) waits for its process to end before the sandbox is judged alive.
+const SENTRY_EXIT_PATIENCE: Duration = Duration::from_secs(2);
+
 /// A process's input in [`Inner::runsc_exec_on`].
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Stdin {
@@ -314,14 +318,27 @@ impl Inner {
             // The host's OOM killer, or a pids limit that stops the sentry from creating its
             // stubs, ends the whole sandbox (it is one host process tree): report the limit,
             // and the sandbox as gone from now on.
+            // runsc could not wait for the command (128): the Sentry may be on its way out,
+            // its socket closed before the process ended. Asked once, with patience then.
+            let lost = exit_code == Some(128);
+            let ended = if lost || grew(before.1, after.1) {
+                let patience = if lost {
+                    SENTRY_EXIT_PATIENCE
+                } else {
+                    Duration::ZERO
+                };
+                self.ended_within(patience).await
+            } else {
+                false
+            };
             let hit = if grew(before.0, after.0) {
                 Some((LimitKind::Memory, "killed by its memory limit"))
-            } else if grew(before.1, after.1) && !self.container_running().await {
+            } else if grew(before.1, after.1) && ended {
                 Some((LimitKind::Pids, "ended by its process limit"))
             } else {
                 None
             };
-            if hit.is_none() && exit_code == Some(128) && !self.container_running().await {
+            if hit.is_none() && lost && ended {
                 // runsc could not wait for the process: the sandbox itself is gone.
                 self.life.end("the gVisor sandbox exited unexpectedly");
             }
@@ -479,7 +496,7 @@ impl Inner {
                 return Ok(Some(r));
             }
             Err(crate::urpc::CallError::Io(e)) => {
-                if !self.container_running().await {
+                if self.ended_within(SENTRY_EXIT_PATIENCE).await {
                     let reason = "the gVisor sandbox exited unexpectedly".to_string();
                     self.life.end(reason.clone());
                     return Err(Error::SandboxGone {
@@ -552,7 +569,32 @@ impl Inner {
         ))
     }
 
+    /// Whether the sandbox has ended, waiting up to `patience` for its sandbox process to end
+    /// (after a sign that it is going: runsc could not wait for a command, the control
+    /// socket broke), then asking [`container_running`](Self::container_running).
+    pub(super) async fn ended_within(&self, patience: Duration) -> bool {
+        let boot = *lock(&self.boot);
+        if let Some(pid) = boot {
+            let deadline = Instant::now() + patience;
+            while !reaper::any_ended(&[pid]) {
+                if Instant::now() >= deadline {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        !self.container_running().await
+    }
+
+    /// Whether the sandbox runs: its sandbox process has not ended, and runsc says so.
     pub(super) async fn container_running(&self) -> bool {
+        // Our own record first: a sandbox process that ended (a zombie of ours until the
+        // teardown reaps it) is a dead sandbox, whatever runsc's `state` says (from 2023 on it
+        // answers "running" for a zombie: `reaper::any_ended`).
+        let boot = *lock(&self.boot);
+        if boot.is_some_and(|pid| reaper::any_ended(&[pid])) {
+            return false;
+        }
         let mut cmd = self.runsc.async_command();
         cmd.args(["state", &self.id]).stdout(Stdio::piped());
         match cmd.output().await {

@@ -75,6 +75,8 @@ struct Inner {
     redactor: Redactor,
     /// runsc processes (sandbox, gofer) re-parented to us, to reap on delete.
     pids: Mutex<Vec<i32>>,
+    /// The sandbox (`boot`) process among them, once found: while it lives, the sandbox does.
+    boot: Mutex<Option<i32>>,
     /// The sandbox's cgroup paths (v1 memory and pids hierarchies), to read OOM kills and
     /// pids-limit hits from.
     cgroup: Mutex<(Option<String>, Option<String>)>,

@@ -18,6 +18,7 @@ pub(super) const TOOLS_IN_ROOT: &str = "tools-in-root";
 impl Inner {
     /// Checkpoints the whole sandbox (every process's memory) plus the workspace into `store`.
     ///
+    /// With a runsc whose `checkpoint --leave-running` works, the sandbox runs on. Else
     /// `runsc checkpoint` stops the container; it is brought back from the same image in the
     /// background (delete, then restore under the same id), holding the lifecycle lock so
     /// the next exec waits for it. The call returns once the snapshot is stored.
@@ -89,10 +90,11 @@ impl Inner {
         ));
         std::fs::create_dir_all(&image).map_err(io("create", &image))?;
         let mut cmd = self.runsc.async_command();
-        cmd.arg("checkpoint")
-            .arg("--image-path")
-            .arg(&image)
-            .arg(&self.id);
+        cmd.arg("checkpoint");
+        if self.runsc.leave_running {
+            cmd.arg("--leave-running");
+        }
+        cmd.arg("--image-path").arg(&image).arg(&self.id);
         if let Err(e) = run_checked_async(cmd, "checkpoint").await {
             // Nothing consistent to resume from: the sandbox is gone.
             let me = Arc::clone(self);
@@ -118,7 +120,11 @@ impl Inner {
             // Released once the sandbox is back: a destroy meanwhile waits for it.
             let _held = held;
             let _exclusive = guard;
-            me.resume_from(&resume_image).await;
+            if me.runsc.leave_running {
+                let _ = tokio::fs::remove_dir_all(&resume_image).await;
+            } else {
+                me.resume_from(&resume_image).await;
+            }
             // The kept processes went on inside: attach to them again.
             me.reattach_kept().await;
         });

@@ -23,6 +23,7 @@ impl Inner {
         };
         // Recorded whatever panicked before: the teardown needs them.
         *lock(&self.pids) = pids;
+        *lock(&self.boot) = boot;
         *lock(&self.cgroup) = cg;
         if let Some(pid) = boot {
             *lock(&self.cgroup_paths) = cgroup_paths(pid);
