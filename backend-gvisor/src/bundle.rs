@@ -21,7 +21,10 @@ use sandbox_core::{Error, Result, SandboxSpec, Tier, TmpfsCaps, Workspace};
 const HOST_ETC: &[&str] = &[
     "ld.so.cache",
     "nsswitch.conf",
-    "ssl",
+    // Not the whole of `/etc/ssl`: its `private/` holds host keys (root and `ssl-cert`), which
+    // commands running as uid 0 over a root-owned host workspace could read.
+    "ssl/certs",
+    "ssl/openssl.cnf",
     "ca-certificates",
     "ca-certificates.conf",
     "alternatives",
@@ -340,7 +343,11 @@ pub fn write_rootfs(bundle: &Path, who: Identity, user: (&str, &str)) -> Result<
         if host.is_dir() {
             fs::create_dir_all(etc.join(name)).map_err(ctx("create", &etc))?;
         } else if host.is_file() {
-            fs::write(etc.join(name), b"").map_err(ctx("create", &etc))?;
+            let at = etc.join(name);
+            if let Some(parent) = at.parent() {
+                fs::create_dir_all(parent).map_err(ctx("create", parent))?;
+            }
+            fs::write(at, b"").map_err(ctx("create", &etc))?;
         }
     }
     Ok(rootfs)
@@ -473,7 +480,7 @@ pub fn seccomp() -> Result<LinuxSeccomp> {
 /// `/tmp` and `/dev/shm` (see [`tmpfs_caps`]); `None` for tmpfs mounts of the runtime's own.
 /// `files`: host files bound read-only over the root's (destination, source), after the
 /// root's own mounts (so `/etc/resolv.conf`, or `/etc/ssl/certs/ca-certificates.crt` inside
-/// the host's bound `/etc/ssl`); each destination must exist in the root. Without a caller's
+/// the host's bound `/etc/ssl/certs`); each destination must exist in the root. Without a caller's
 /// rootfs the root is `rootfs/` with the host's tools bound into it before runsc starts
 /// ([`host_tools`]), not mounts of the spec.
 #[allow(clippy::too_many_arguments)]

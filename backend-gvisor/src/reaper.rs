@@ -143,8 +143,9 @@ fn matching(needle: &str, parent: Option<u32>) -> Vec<i32> {
 }
 
 /// Whether any of `pids` (children of this process, as [`children_matching`] finds them)
-/// has ended: exited and not yet reaped (a zombie: we reap them only at the teardown, so the
-/// pid cannot have been reused), or no longer our child at all. Reaps nothing (`WNOWAIT`).
+/// has ended: exited and not yet reaped (a zombie: only the teardown and a resume after a
+/// checkpoint reap them, and forget them as they do, so the pid cannot have been reused), or
+/// no longer our child at all. Reaps nothing (`WNOWAIT`).
 ///
 /// runsc's own `state` cannot tell: it asks with `kill(pid, 0)`, which a zombie answers, so
 /// a sandbox whose processes were killed, or whose Sentry died on its process limit, is

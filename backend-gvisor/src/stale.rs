@@ -27,7 +27,8 @@
 //! whose only writer is this process; when the process ends, however it ends, the read
 //! returns and the watchdog tears down, with `flock` and `runsc delete --force` (for at most
 //! ten seconds: from 2023 on, runsc waits with no end for a sandbox process that stays a
-//! zombie, as it does under a subreaper that never reaps it), every
+//! zombie, as it does under a subreaper that never reaps it; then any process still naming
+//! the sandbox's state root is killed, as [`sweep`] does), every
 //! directory whose lock is free (trying held ones again for five seconds: the pipe may
 //! close before the dying process's lock descriptors do). It sits in a process group of its own and ignores the
 //! terminal's signals, so a Ctrl-C of the program does not take it along; it needs
@@ -286,8 +287,12 @@ for try in 1 2 3 4 5 6 7 8 9 10; do
     [ -f "$d/owner" ] || continue
     flock -xn "$d/owner" sh -c 'case $("$3" --root="$1/runsc" state "$2" 2>/dev/null) in
         *\"paused\"*) "$3" --root="$1/runsc" resume "$2" >/dev/null 2>&1 ;; esac
-      t=; command -v timeout >/dev/null 2>&1 && t="timeout -s KILL 10"
+      t=; timeout -s KILL 1 true >/dev/null 2>&1 && t="timeout -s KILL 10"
       $t "$3" --root="$1/runsc" delete --force "$2" >/dev/null 2>&1
+      for p in /proc/[0-9]*; do
+        case $(tr "\0" " " <"$p/cmdline" 2>/dev/null) in
+          *"--root=$1/runsc "*) kill -9 "${p#/proc/}" 2>/dev/null ;; esac
+      done
       find /sys/fs/cgroup -maxdepth 7 -type d -name "agent-sandbox-gvisor-$2" \
         -exec rmdir {} + 2>/dev/null
       for m in workspace scratch view/root; do umount -l "$1/$m" 2>/dev/null; done

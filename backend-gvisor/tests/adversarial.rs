@@ -455,6 +455,34 @@ async fn fork_bomb_is_contained() {
         .success());
 }
 
+/// Commands over a root-owned host workspace run as uid 0 (the directory's owner): the
+/// host-tools view gives them the trust store, never `/etc/ssl/private` (host keys, readable
+/// by root and `ssl-cert`), which binding the whole of `/etc/ssl` exposed.
+#[tokio::test]
+async fn uid_0_inside_never_sees_the_hosts_private_keys() {
+    require_gvisor!();
+    let ws = tempfile::tempdir().unwrap();
+    let mut spec = SandboxSpec::new(Language::Shell);
+    spec.workspace = sandbox_core::Workspace::HostDir {
+        path: ws.path().to_path_buf(),
+        read_only: false,
+    };
+    let sb = common::sandbox(&spec).await;
+    let r = sb
+        .exec(ExecRequest::code(
+            "id -u; test -s /etc/ssl/certs/ca-certificates.crt && echo certs; \
+             ls -A /etc/ssl/private 2>/dev/null; cat /etc/ssl/private/* 2>/dev/null; echo end",
+        ))
+        .await
+        .unwrap();
+    let host_has_keys = std::fs::read_dir("/etc/ssl/private").is_ok_and(|mut d| d.next().is_some());
+    eprintln!("host /etc/ssl/private has entries: {host_has_keys}");
+    let certs = std::path::Path::new("/etc/ssl/certs/ca-certificates.crt").exists();
+    let expected = format!("0\n{}end\n", if certs { "certs\n" } else { "" });
+    assert_eq!(r.stdout_str(), expected, "{r:?}");
+    sb.destroy().await.unwrap();
+}
+
 #[tokio::test]
 async fn the_host_tools_are_read_only_and_their_binds_never_reach_the_host() {
     require_gvisor!();

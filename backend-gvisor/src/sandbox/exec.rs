@@ -297,14 +297,24 @@ impl Inner {
                 exit_code = Some(127);
             }
         }
-        Ok(self.conclude(exit_code, limit, before, out, err, t).await)
+        // runsc's own words when it lost the wait (the Sentry's socket closed), as opposed
+        // to a command's own exit status 128 (git's for every fatal error).
+        let lost = exit_code == Some(128)
+            && String::from_utf8_lossy(err.peek()).contains("containerManager.WaitPID");
+        Ok(self
+            .conclude(exit_code, lost, limit, before, out, err, t)
+            .await)
     }
 
     /// The result of an exec whose command has ended: a non-zero end is checked against the
-    /// sandbox's cgroup counters (`before`: taken when it started) and its liveness.
+    /// sandbox's cgroup counters (`before`: taken when it started) and its liveness. `lost`:
+    /// the wait for the command failed (not the command's own status), a sign the Sentry is
+    /// going: its end is waited for up to [`SENTRY_EXIT_PATIENCE`].
+    #[allow(clippy::too_many_arguments)]
     pub(super) async fn conclude(
         &self,
         mut exit_code: Option<i32>,
+        lost: bool,
         mut limit: Option<LimitKind>,
         before: (Option<u64>, Option<u64>),
         out: sandbox_core::OutputBuffer,
@@ -318,10 +328,9 @@ impl Inner {
             // The host's OOM killer, or a pids limit that stops the sentry from creating its
             // stubs, ends the whole sandbox (it is one host process tree): report the limit,
             // and the sandbox as gone from now on.
-            // runsc could not wait for the command (128): the Sentry may be on its way out,
-            // its socket closed before the process ended. Asked once, with patience then.
-            let lost = exit_code == Some(128);
-            let ended = if lost || grew(before.1, after.1) {
+            // 128 may be runsc's failure to wait; a lost wait means the Sentry may be on its
+            // way out, its socket closed before its process ended: patience then.
+            let ended = if lost || exit_code == Some(128) || grew(before.1, after.1) {
                 let patience = if lost {
                     SENTRY_EXIT_PATIENCE
                 } else {
@@ -338,7 +347,7 @@ impl Inner {
             } else {
                 None
             };
-            if hit.is_none() && lost && ended {
+            if hit.is_none() && exit_code == Some(128) && ended {
                 // runsc could not wait for the process: the sandbox itself is gone.
                 self.life.end("the gVisor sandbox exited unexpectedly");
             }
@@ -486,6 +495,7 @@ impl Inner {
                 let r = self
                     .conclude(
                         Some(code),
+                        false,
                         None,
                         before,
                         sandbox_core::OutputBuffer::new(cap),
@@ -558,13 +568,15 @@ impl Inner {
         let (out, err) = (join(out.await), join(err.await));
         t.mark(Phase::Command);
         // A raw wait status; 128 (like `runsc exec`) when the wait itself failed.
+        let lost = !matches!(status, Ok(Ok(_)));
         let exit_code = match status {
             Ok(Ok(ws)) if ws & 0x7f == 0 => (ws >> 8) & 0xff,
             Ok(Ok(ws)) => 128 + (ws & 0x7f),
             _ => 128,
         };
+        let t = std::mem::take(t);
         Ok(Some(
-            self.conclude(Some(exit_code), limit, before, out, err, std::mem::take(t))
+            self.conclude(Some(exit_code), lost, limit, before, out, err, t)
                 .await,
         ))
     }

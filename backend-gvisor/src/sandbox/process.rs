@@ -119,7 +119,7 @@ impl Inner {
         let empty = || sandbox_core::OutputBuffer::new(0);
         let t = TimelineRecorder::start();
         let r = self
-            .conclude(code, limit, before, empty(), empty(), t)
+            .conclude(code, false, limit, before, empty(), empty(), t)
             .await;
         self.procs.exited(id, r.exit_code);
         Ok(r)

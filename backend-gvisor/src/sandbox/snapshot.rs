@@ -18,7 +18,8 @@ pub(super) const TOOLS_IN_ROOT: &str = "tools-in-root";
 impl Inner {
     /// Checkpoints the whole sandbox (every process's memory) plus the workspace into `store`.
     ///
-    /// With a runsc whose `checkpoint --leave-running` works, the sandbox runs on. Else
+    /// With a runsc whose `checkpoint --leave-running` works, the sandbox is paused for the
+    /// checkpoint and the packing of its files (one moment for both), then resumed. Else
     /// `runsc checkpoint` stops the container; it is brought back from the same image in the
     /// background (delete, then restore under the same id), holding the lifecycle lock so
     /// the next exec waits for it. The call returns once the snapshot is stored.
@@ -89,6 +90,15 @@ impl Inner {
             self.seq.fetch_add(1, Ordering::SeqCst)
         ));
         std::fs::create_dir_all(&image).map_err(io("create", &image))?;
+        if self.runsc.leave_running {
+            // Frozen from the checkpoint until its files are packed, so memory and files
+            // are of one moment; resumed once they are.
+            if let Err(e) = self.runsc_call(&["pause"]).await {
+                self.reattach_kept().await;
+                let _ = std::fs::remove_dir_all(&image);
+                return Err(e);
+            }
+        }
         let mut cmd = self.runsc.async_command();
         cmd.arg("checkpoint");
         if self.runsc.leave_running {
@@ -96,6 +106,12 @@ impl Inner {
         }
         cmd.arg("--image-path").arg(&image).arg(&self.id);
         if let Err(e) = run_checked_async(cmd, "checkpoint").await {
+            let _ = std::fs::remove_dir_all(&image);
+            // Left running (paused): it goes on as it was, losing nothing.
+            if self.runsc.leave_running && self.runsc_call(&["resume"]).await.is_ok() {
+                self.reattach_kept().await;
+                return Err(e);
+            }
             // Nothing consistent to resume from: the sandbox is gone.
             let me = Arc::clone(self);
             drop(guard);
@@ -122,6 +138,11 @@ impl Inner {
             let _exclusive = guard;
             if me.runsc.leave_running {
                 let _ = tokio::fs::remove_dir_all(&resume_image).await;
+                if let Err(e) = me.runsc_call(&["resume"]).await {
+                    tracing::warn!(sandbox = %me.id, error = %e, "could not resume after a checkpoint");
+                    me.life
+                        .end(format!("could not resume after its snapshot: {e}"));
+                }
             } else {
                 me.resume_from(&resume_image).await;
             }
@@ -164,6 +185,13 @@ impl Inner {
         }
         draft = draft.artifact(SCRATCH_TAR, scratch?);
         Ok(store.put(draft).await?)
+    }
+
+    /// Runs `runsc ARGS.. <id>` (pause, resume) and checks it succeeded.
+    async fn runsc_call(&self, args: &[&str]) -> Result<()> {
+        let mut cmd = self.runsc.async_command();
+        cmd.args(args).arg(&self.id);
+        run_checked_async(cmd, args.first().copied().unwrap_or("runsc")).await
     }
 
     /// Brings a checkpointed (stopped) container back from its image under the same id.

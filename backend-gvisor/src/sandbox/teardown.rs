@@ -73,6 +73,8 @@ impl Inner {
         // `reaper::kill_children`); it still removes the cgroups and runsc's state. Bounded:
         // whatever is left is `delete`'s to kill, as before.
         let pids = reaper::kill_children(&pids, Duration::from_secs(2));
+        // Reaped: the pid is no longer ours to judge liveness by (a resume records anew).
+        *lock(&self.boot) = None;
         // With them gone, what `delete` would still do is remove the sandbox's cgroups and
         // runsc's state (under `self.dir`, removed with it): done here when every cgroup
         // directory named after the sandbox goes at once (~20 ms of a runsc start saved);
