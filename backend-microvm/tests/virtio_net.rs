@@ -62,6 +62,17 @@ fn flood(host: &UnixDatagram) -> usize {
     flooded
 }
 
+/// `sock.recv(buf)`, again when a signal interrupted it (a socket with a receive timeout
+/// answers `EINTR` whatever the handler's `SA_RESTART`).
+fn recv(sock: &UnixDatagram, buf: &mut [u8]) -> std::io::Result<usize> {
+    loop {
+        match sock.recv(buf) {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            r => return r,
+        }
+    }
+}
+
 /// Checks the guest's frame: broadcast, from its MAC, our EtherType, its payload.
 fn assert_guest_frame(f: &[u8]) {
     assert_eq!(&f[..6], &[0xff; 6], "destination: broadcast");
@@ -82,7 +93,7 @@ fn frames_travel_both_ways_over_a_socketpair() {
         .unwrap();
     let vm = start(dev.into(), t::NET_ECHO);
     let mut buf = [0u8; 2048];
-    let n = host.recv(&mut buf).expect("the guest's frame");
+    let n = recv(&host, &mut buf).expect("the guest's frame");
     assert_guest_frame(&buf[..n]);
     host.send(&host_frame(b"frame from the host")).unwrap();
     assert_eq!(vm.wait(), VmExit::GuestExit { code: 15 });
@@ -398,9 +409,7 @@ fn a_snapshot_restores_onto_a_new_host_side_and_needs_one() {
     set_go(&restored);
     let mut buf = [0u8; 2048];
     for _ in 0..2 {
-        let n = host2
-            .recv(&mut buf)
-            .expect("a frame from the restored guest");
+        let n = recv(&host2, &mut buf).expect("a frame from the restored guest");
         assert_guest_frame(&buf[..n]);
     }
     assert_eq!(restored.wait(), VmExit::GuestExit { code: 16 });

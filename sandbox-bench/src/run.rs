@@ -439,6 +439,15 @@ async fn density(target: &DynTarget, cfg: &Config, nofile: u64) -> Result<Densit
     let threads0 = metrics::host_threads();
     let fds0 = metrics::open_fds() as u64;
     let (_, pids0) = metrics::pids_headroom();
+    // The host's task limit and use now, and the tasks each held sandbox has cost so far.
+    let tasks = |held: usize| {
+        let (pmax, pcur) = metrics::pids_headroom();
+        (
+            pmax,
+            pcur,
+            pcur.saturating_sub(pids0) / (held as u64).max(1),
+        )
+    };
     let start = Instant::now();
     let mut held: Vec<Box<dyn Session>> = Vec::new();
     let mut lat = Latency::new();
@@ -462,10 +471,9 @@ async fn density(target: &DynTarget, cfg: &Config, nofile: u64) -> Result<Densit
         if fds + 64 > nofile {
             break format!("open files: {fds} of RLIMIT_NOFILE {nofile}");
         }
-        let (pmax, pcur) = metrics::pids_headroom();
         // Room for the next create at the rate so far, with its transient tasks (a gVisor
-        // sandbox keeps ~85 host tasks and briefly needs more while runsc starts it).
-        let per = pcur.saturating_sub(pids0) / (held.len() as u64).max(1);
+        // sandbox keeps ~49 host tasks and briefly needs more while runsc starts it).
+        let (pmax, pcur, per) = tasks(held.len());
         if pcur + (3 * per).max(64) > pmax {
             break format!("pids: {pcur} tasks of {pmax} (pids.max, threads-max or pid_max)");
         }
@@ -483,8 +491,7 @@ async fn density(target: &DynTarget, cfg: &Config, nofile: u64) -> Result<Densit
             Ok(Err(e)) => {
                 // A create that fails with the host's tasks nearly used up failed on them
                 // (runsc then only says its sandbox died).
-                let (pmax, pcur) = metrics::pids_headroom();
-                let per = pcur.saturating_sub(pids0) / (held.len() as u64).max(1);
+                let (pmax, pcur, per) = tasks(held.len());
                 if held.len() > 1 && pcur + 4 * per > pmax {
                     break format!(
                         "pids: {pcur} tasks of {pmax} (pids.max, threads-max or pid_max); the \
