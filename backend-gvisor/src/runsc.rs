@@ -17,7 +17,7 @@ pub const MIN_RELEASE: u32 = 20220101;
 /// runsc's `state`; process limits cost systrap's host tasks; a dead owner's sandbox goes even
 /// where runsc's `delete` waits for a zombie), but a copy restored from a snapshot does not
 /// see host writes to files its processes looked up before the snapshot, nor keep its
-/// background processes, and a rootfs directory's `/dev/shm` is not capped.
+/// background processes.
 /// [`RunscInfo::check_version`] refuses such a build unless [`UNVALIDATED_ENV`] is `1`.
 pub const UNVALIDATED_RELEASE: u32 = 20230101;
 
@@ -157,8 +157,7 @@ impl RunscInfo {
                 format!(
                     "{} is newer than the releases this backend is validated with (before \
                      {UNVALIDATED_RELEASE}): under it a copy restored from a snapshot misses \
-                     host writes and background processes, and a rootfs directory's /dev/shm \
-                     is not capped",
+                     host writes and background processes",
                     self.version
                 ),
                 format!(

@@ -27,8 +27,8 @@
 //! whose only writer is this process; when the process ends, however it ends, the read
 //! returns and the watchdog tears down, with `flock` and `runsc delete --force` (for at most
 //! ten seconds: from 2023 on, runsc waits with no end for a sandbox process that stays a
-//! zombie, as it does under a subreaper that never reaps it; then any process still naming
-//! the sandbox's state root is killed, as [`sweep`] does), every
+//! zombie, as it does under a subreaper that never reaps it; when it fails, any process still
+//! naming the sandbox's state root is killed, as [`sweep`] does), every
 //! directory whose lock is free (trying held ones again for five seconds: the pipe may
 //! close before the dying process's lock descriptors do). It sits in a process group of its own and ignores the
 //! terminal's signals, so a Ctrl-C of the program does not take it along; it needs
@@ -288,11 +288,11 @@ for try in 1 2 3 4 5 6 7 8 9 10; do
     flock -xn "$d/owner" sh -c 'case $("$3" --root="$1/runsc" state "$2" 2>/dev/null) in
         *\"paused\"*) "$3" --root="$1/runsc" resume "$2" >/dev/null 2>&1 ;; esac
       t=; timeout -s KILL 1 true >/dev/null 2>&1 && t="timeout -s KILL 10"
-      $t "$3" --root="$1/runsc" delete --force "$2" >/dev/null 2>&1
-      for p in /proc/[0-9]*; do
-        case $(tr "\0" " " <"$p/cmdline" 2>/dev/null) in
-          *"--root=$1/runsc "*) kill -9 "${p#/proc/}" 2>/dev/null ;; esac
-      done
+      $t "$3" --root="$1/runsc" delete --force "$2" >/dev/null 2>&1 ||
+        for p in /proc/[0-9]*; do
+          case $(tr "\0" " " <"$p/cmdline" 2>/dev/null) in
+            *"--root=$1/runsc "*) kill -9 "${p#/proc/}" 2>/dev/null ;; esac
+        done
       find /sys/fs/cgroup -maxdepth 7 -type d -name "agent-sandbox-gvisor-$2" \
         -exec rmdir {} + 2>/dev/null
       for m in workspace scratch view/root; do umount -l "$1/$m" 2>/dev/null; done
@@ -349,9 +349,12 @@ fn start_watchdog(state_dir: &Path, runsc: &Path) -> std::io::Result<std::os::fd
             std::os::fd::OwnedFd::from_raw_fd(fds[1]),
         )
     };
+    // As the sandboxes' own paths spell it (`a//b/` is `a/b`): the script matches it in
+    // runsc's command lines.
+    let state_dir: PathBuf = state_dir.components().collect();
     Command::new("/bin/sh")
         .args(["-c", WATCHDOG, WATCHDOG_TAG])
-        .arg(state_dir)
+        .arg(&state_dir)
         .arg(runsc)
         .stdin(Stdio::from(r))
         .stdout(Stdio::null())

@@ -490,6 +490,8 @@ async fn pause_and_resume() {
     require_gvisor!();
     let sb = common::sandbox(&SandboxSpec::new(Language::Shell)).await;
     sb.pause().await.unwrap();
+    // Paused is alive: health checks say so (they said "not running" before).
+    sb.health_check().await.unwrap();
     // A command cannot start in a paused sandbox: a clear error at once, and the sandbox
     // is not taken for dead.
     let t = std::time::Instant::now();
@@ -597,7 +599,13 @@ async fn a_rootfs_directory_is_used_and_never_written() {
         return;
     }
     let before = sandbox_core::fsnap::pack_dir(&root).unwrap();
-    let spec = rootfs_spec(&root);
+    // The flood below takes ~25 s under ptrace, more on a busy machine: the sandbox's own
+    // wall-time limit (30 s by default) must not cut it before the disk does.
+    let spec = SandboxSpec::builder(Language::Shell)
+        .rootfs(&root)
+        .wall_time(Duration::from_secs(240))
+        .build()
+        .unwrap();
     let sb = common::sandbox(&spec).await;
     let r = sb
         .exec(ExecRequest::code("cat /etc/os-release; [ -e /usr/bin/python3 ] && echo host-usr; echo changed > /srv/data; echo new > /srv/new; cat /srv/data /srv/new"))

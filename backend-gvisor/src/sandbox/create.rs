@@ -367,7 +367,7 @@ impl Inner {
         }
         // Proxy-held secrets: the certificates the sandbox trusts, at our path and over the
         // root's system bundle. The host-tools root binds one file of ours at both (its
-        // `/etc/ssl` is the host's, bound read-only); an image's or a caller's root gets
+        // `/etc/ssl/certs` is the host's, bound read-only); an image's or a caller's root gets
         // them written into its overlay view (never into a layer).
         let ca_file = self.dir.join("ca-bundle.crt");
         if let Some(text) = &self.ca_bundle {

@@ -299,8 +299,13 @@ impl Inner {
         }
         // runsc's own words when it lost the wait (the Sentry's socket closed), as opposed
         // to a command's own exit status 128 (git's for every fatal error).
-        let lost = exit_code == Some(128)
-            && String::from_utf8_lossy(err.peek()).contains("containerManager.WaitPID");
+        let lost = exit_code == Some(128) && {
+            let text = String::from_utf8_lossy(err.peek());
+            // Its message is last: cut off when the command's own stderr filled the buffer.
+            err.truncated()
+                || text.contains("containerManager.WaitPID")
+                || text.contains("waiting on PID")
+        };
         Ok(self
             .conclude(exit_code, lost, limit, before, out, err, t)
             .await)
@@ -598,7 +603,8 @@ impl Inner {
         !self.container_running().await
     }
 
-    /// Whether the sandbox runs: its sandbox process has not ended, and runsc says so.
+    /// Whether the sandbox lives: its sandbox process has not ended, and runsc says it runs
+    /// or is paused.
     pub(super) async fn container_running(&self) -> bool {
         // Our own record first: a sandbox process that ended (a zombie of ours until the
         // teardown reaps it) is a dead sandbox, whatever runsc's `state` says (from 2023 on it
@@ -611,7 +617,8 @@ impl Inner {
         cmd.args(["state", &self.id]).stdout(Stdio::piped());
         match cmd.output().await {
             Ok(out) => serde_json::from_slice::<serde_json::Value>(&out.stdout)
-                .map(|v| v["status"] == "running")
+                // Paused (by its user, or by a snapshot while it is taken) is alive too.
+                .map(|v| v["status"] == "running" || v["status"] == "paused")
                 .unwrap_or(false),
             Err(_) => false,
         }

@@ -90,14 +90,18 @@ impl Inner {
             self.seq.fetch_add(1, Ordering::SeqCst)
         ));
         std::fs::create_dir_all(&image).map_err(io("create", &image))?;
-        if self.runsc.leave_running {
-            // Frozen from the checkpoint until its files are packed, so memory and files
-            // are of one moment; resumed once they are.
+        // Frozen from the checkpoint until its files are packed, so memory and files are of
+        // one moment; resumed once they are (a sandbox its user paused stays as it is). Should
+        // this call be dropped or panic meanwhile, the guard resumes it.
+        let freeze = self.runsc.leave_running && !self.life.is_paused();
+        let mut frozen = None;
+        if freeze {
             if let Err(e) = self.runsc_call(&["pause"]).await {
                 self.reattach_kept().await;
                 let _ = std::fs::remove_dir_all(&image);
                 return Err(e);
             }
+            frozen = Some(Frozen::new(&self.runsc, &self.id));
         }
         let mut cmd = self.runsc.async_command();
         cmd.arg("checkpoint");
@@ -107,10 +111,17 @@ impl Inner {
         cmd.arg("--image-path").arg(&image).arg(&self.id);
         if let Err(e) = run_checked_async(cmd, "checkpoint").await {
             let _ = std::fs::remove_dir_all(&image);
-            // Left running (paused): it goes on as it was, losing nothing.
-            if self.runsc.leave_running && self.runsc_call(&["resume"]).await.is_ok() {
-                self.reattach_kept().await;
-                return Err(e);
+            // Left running (paused by us, or by its user): it goes on as it was, losing
+            // nothing.
+            if self.runsc.leave_running {
+                let resumed = match frozen.take() {
+                    Some(f) => f.disarm() && self.runsc_call(&["resume"]).await.is_ok(),
+                    None => true,
+                };
+                if resumed {
+                    self.reattach_kept().await;
+                    return Err(e);
+                }
             }
             // Nothing consistent to resume from: the sandbox is gone.
             let me = Arc::clone(self);
@@ -132,13 +143,19 @@ impl Inner {
         let scratch = fsnap::pack_dir_limited(&self.scratch, cap);
         let me = Arc::clone(self);
         let resume_image = image.clone();
+        let frozen = frozen.map(Frozen::disarm).unwrap_or(false);
         tokio::spawn(async move {
             // Released once the sandbox is back: a destroy meanwhile waits for it.
             let _held = held;
             let _exclusive = guard;
             if me.runsc.leave_running {
                 let _ = tokio::fs::remove_dir_all(&resume_image).await;
-                if let Err(e) = me.runsc_call(&["resume"]).await {
+                let resumed = if frozen {
+                    me.runsc_call(&["resume"]).await
+                } else {
+                    Ok(())
+                };
+                if let Err(e) = resumed {
                     tracing::warn!(sandbox = %me.id, error = %e, "could not resume after a checkpoint");
                     me.life
                         .end(format!("could not resume after its snapshot: {e}"));
@@ -220,6 +237,42 @@ impl Inner {
             // Destroyed while resuming: remove what the restore brought back.
             let me = Arc::clone(self);
             let _ = tokio::task::spawn_blocking(move || me.cleanup()).await;
+        }
+    }
+}
+
+/// A sandbox a snapshot paused: resumed (`runsc resume`, on a thread of its own) if the
+/// snapshot ends before handing it on, dropped or panicking between its pause and the
+/// resume it would do.
+struct Frozen {
+    resume: Option<std::process::Command>,
+}
+
+impl Frozen {
+    fn new(runsc: &crate::runsc::Runsc, id: &str) -> Self {
+        let mut cmd = runsc.command();
+        cmd.args(["resume", id])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        Frozen { resume: Some(cmd) }
+    }
+
+    /// The caller resumes it from here on; `true` (for chaining).
+    fn disarm(mut self) -> bool {
+        self.resume = None;
+        true
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        if let Some(mut cmd) = self.resume.take() {
+            let _ = std::thread::Builder::new()
+                .name("gvisor-snapshot-resume".into())
+                .spawn(move || {
+                    let _ = cmd.status();
+                });
         }
     }
 }
