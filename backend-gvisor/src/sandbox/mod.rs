@@ -337,9 +337,7 @@ impl Sandbox for GvisorSandbox {
         let Some(step) = self.inner.life.begin(Transition::Pause).await? else {
             return Ok(());
         };
-        let mut cmd = self.inner.runsc.async_command();
-        cmd.args(["pause", &self.inner.id]);
-        run_checked_async(cmd, "pause").await?;
+        self.inner.runsc_call(&["pause"]).await?;
         step.complete();
         Ok(())
     }
@@ -349,9 +347,7 @@ impl Sandbox for GvisorSandbox {
         let Some(step) = self.inner.life.begin(Transition::Resume).await? else {
             return Ok(());
         };
-        let mut cmd = self.inner.runsc.async_command();
-        cmd.args(["resume", &self.inner.id]);
-        run_checked_async(cmd, "resume").await?;
+        self.inner.runsc_call(&["resume"]).await?;
         step.complete();
         Ok(())
     }

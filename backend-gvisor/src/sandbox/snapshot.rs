@@ -115,7 +115,10 @@ impl Inner {
             // nothing.
             if self.runsc.leave_running {
                 let resumed = match frozen.take() {
-                    Some(f) => f.disarm() && self.runsc_call(&["resume"]).await.is_ok(),
+                    Some(f) => {
+                        f.disarm();
+                        self.runsc_call(&["resume"]).await.is_ok()
+                    }
                     None => true,
                 };
                 if resumed {
@@ -143,7 +146,7 @@ impl Inner {
         let scratch = fsnap::pack_dir_limited(&self.scratch, cap);
         let me = Arc::clone(self);
         let resume_image = image.clone();
-        let frozen = frozen.map(Frozen::disarm).unwrap_or(false);
+        let frozen = frozen.map(Frozen::disarm).is_some();
         tokio::spawn(async move {
             // Released once the sandbox is back: a destroy meanwhile waits for it.
             let _held = held;
@@ -205,7 +208,7 @@ impl Inner {
     }
 
     /// Runs `runsc ARGS.. <id>` (pause, resume) and checks it succeeded.
-    async fn runsc_call(&self, args: &[&str]) -> Result<()> {
+    pub(super) async fn runsc_call(&self, args: &[&str]) -> Result<()> {
         let mut cmd = self.runsc.async_command();
         cmd.args(args).arg(&self.id);
         run_checked_async(cmd, args.first().copied().unwrap_or("runsc")).await
@@ -258,10 +261,9 @@ impl Frozen {
         Frozen { resume: Some(cmd) }
     }
 
-    /// The caller resumes it from here on; `true` (for chaining).
-    fn disarm(mut self) -> bool {
+    /// The caller resumes it from here on.
+    fn disarm(mut self) {
         self.resume = None;
-        true
     }
 }
 
