@@ -405,6 +405,8 @@ async fn run_via(via: Via<'_>, args: RunArgs) -> ExitCode {
                     "limit": r.limit,
                     "truncated": r.truncated,
                     "value": r.value,
+                    "outputs": r.outputs,
+                    "error": r.error,
                     "timeline": r.timeline,
                 }));
             } else {

@@ -48,17 +48,17 @@ use std::time::Duration;
 // What an agent developer uses, at the root. What a backend author needs is in
 // `backend_kit`; every module of the core crate stays reachable through `core`.
 pub use sandbox_core::{
-    Backend, Capabilities, Cidr, Command, Connection, Decision, DecisionRule, DenyRule, DirEntry,
-    DynBackend, EntryKind, EnvSecretSource, Error, ExecEvent, ExecRequest, ExecResult, ExecStream,
-    HostPattern, HostRule, ImageRef, IoProfile, IsolationBoundary, KernelNeed, Language,
-    LifecycleState, LimitKind, Limits, MapSecretSource, Mount, NetworkEvent, NetworkMode,
-    NetworkPolicy, ObjectSnapshotStore, Phase, PhaseTiming, PoolConfig, PoolStats, Ports, Process,
-    ProcessId, ProcessInfo, ProcessState, PtyMaster, PublishedPort, Question, Ranked, Redactor,
-    ResolvedSecrets, Result, Sandbox, SandboxSpec, Secret, SecretBinding, SecretExposure,
-    SecretPlaces, SecretSource, Selection, Selector, ServerNetworks, Signal, SnapshotDraft,
-    SnapshotError, SnapshotId, SnapshotKind, SnapshotManifest, SnapshotStore, SpecBuilder,
-    StreamKind, Tier, TierStatus, Timeline, TmpfsCap, Trust, Tty, WarmPool, Workspace,
-    WorkspacePath, WORKSPACE_MOUNT,
+    Backend, Capabilities, CellError, Cidr, Command, Connection, Decision, DecisionRule, DenyRule,
+    DirEntry, DynBackend, EntryKind, EnvSecretSource, Error, ExecEvent, ExecRequest, ExecResult,
+    ExecStream, HostPattern, HostRule, ImageRef, IoProfile, IsolationBoundary, KernelNeed,
+    Language, LifecycleState, LimitKind, Limits, MapSecretSource, Mount, NetworkEvent, NetworkMode,
+    NetworkPolicy, ObjectSnapshotStore, Output, OutputKind, Phase, PhaseTiming, PoolConfig,
+    PoolStats, Ports, Process, ProcessId, ProcessInfo, ProcessState, PtyMaster, PublishedPort,
+    Question, Ranked, Redactor, ResolvedSecrets, Result, Sandbox, SandboxSpec, Secret,
+    SecretBinding, SecretExposure, SecretPlaces, SecretSource, Selection, Selector, ServerNetworks,
+    Signal, SnapshotDraft, SnapshotError, SnapshotId, SnapshotKind, SnapshotManifest,
+    SnapshotStore, SpecBuilder, StreamKind, Tier, TierStatus, Timeline, TmpfsCap, Trust, Tty,
+    WarmPool, Workspace, WorkspacePath, WORKSPACE_MOUNT,
 };
 
 /// For backend authors: the machinery every tier shares (output pumps, process tables, port

@@ -132,6 +132,12 @@ pub(crate) struct TurnResult {
     /// The session can take more turns.
     pub(crate) alive: bool,
     pub(crate) value: Option<String>,
+    /// The cell's rich outputs, in order.
+    pub(crate) outputs: Vec<sandbox_core::Output>,
+    /// The exception that ended the cell.
+    pub(crate) error: Option<sandbox_core::CellError>,
+    /// Some outputs were dropped for the output cap.
+    pub(crate) outputs_truncated: bool,
 }
 
 /// What a session is created with.
@@ -162,34 +168,13 @@ pub(crate) struct Session {
     _scratch: Arc<crate::scratch::Scratch>,
 }
 
-/// Installs a displayhook that also reports the echoed value (as JSON, or the JSON string
-/// of its repr) through the door, and moves to /workspace.
-const SETUP: &str = r#"def __agent_sandbox_setup():
-    import sys, json, _host, os
-    prev = sys.displayhook
-    def displayhook(value, _prev=prev, _json=json, _host=_host):
-        if value is not None:
-            try:
-                text = _json.dumps(value, allow_nan=False)
-            except Exception:
-                try:
-                    text = _json.dumps(repr(value))
-                except Exception:
-                    text = None
-            if text is not None and len(text) <= 1048576:
-                try:
-                    _host.call(b"\0agent-sandbox/value\0" + text.encode())
-                except Exception:
-                    pass
-        _prev(value)
-    sys.displayhook = displayhook
-    try:
-        os.chdir("/workspace")
-    except OSError:
-        pass
-__agent_sandbox_setup()
-del __agent_sandbox_setup
-"#;
+/// The session driver, the first turn of every interpreter: reports each cell's value and
+/// rich outputs through the door (see `host::cell`) and moves to /workspace.
+const SETUP: &str = include_str!("driver.py");
+
+/// The turn that displays and closes the figures a cell left open (run after a cell once
+/// the interpreter has imported `matplotlib.pyplot`).
+const FLUSH: &str = "__import__('_agent_sandbox').flush()";
 
 impl Session {
     /// Instantiates the interpreter and runs the setup turn. Blocking; run on a guest thread.
@@ -320,11 +305,16 @@ impl Session {
         };
         let r = self.call(code.as_bytes());
         drop(guard);
+        let cell = std::mem::take(&mut self.store.data_mut().cell);
+        let h = self.store.data_mut();
+        // The pyplot flag belongs to the interpreter, not the call.
+        h.cell.pyplot = cell.pyplot;
         let h = self.store.data();
         let memory_denied = h.limiter.memory_denied;
         let files_hit = h.open_files_hit;
         let disk_hit = h.disk.hit;
-        let value = h.value.clone();
+        let value = cell.value;
+        let (outputs, error, outputs_truncated) = (cell.outputs, cell.error, cell.truncated);
         let res = match r {
             Ok(v) if (0..=511).contains(&v) => {
                 let exit = v & 0xFF;
@@ -346,6 +336,9 @@ impl Session {
                     }),
                     alive: !quit,
                     value: if exit == 0 { value } else { None },
+                    outputs,
+                    error,
+                    outputs_truncated,
                 }
             }
             Ok(v) => broken(format!("the interpreter returned {v} (unusable)")),
@@ -356,6 +349,9 @@ impl Session {
                     note: Some("the process exited; the next call starts a new interpreter".into()),
                     alive: false,
                     value: None,
+                    outputs,
+                    error,
+                    outputs_truncated,
                 },
                 Stop::Limit(kind, what) => TurnResult {
                     exit_code: None,
@@ -363,12 +359,46 @@ impl Session {
                     note: Some(format!("{what}; {RESET}")),
                     alive: false,
                     value: None,
+                    outputs,
+                    error,
+                    outputs_truncated,
                 },
                 Stop::Crash(what) => broken(what),
             },
         };
         host::disarm(&mut self.store);
         res
+    }
+
+    /// Whether this interpreter imported `matplotlib.pyplot` (its figures are collected
+    /// after each cell).
+    pub(crate) fn draws(&self) -> bool {
+        self.store.data().cell.pyplot
+    }
+
+    /// After a cell `r` (whose output is already taken): displays and closes the figures it
+    /// left open, as outputs of that cell within what is left of `cap`. What the flush wrote
+    /// to stderr (a figure that could not be rendered) becomes part of the note.
+    pub(crate) fn flush_figures(&mut self, r: &mut TurnResult, limits: CallLimits, cap: u64) {
+        let used: u64 = r.outputs.iter().map(|o| o.size() as u64).sum();
+        let f = self.turn(FLUSH, &[], limits, cap.saturating_sub(used));
+        let (_, err) = self.take_output(cap);
+        let err = err.finish(&sandbox_core::Redactor::default());
+        r.outputs.extend(f.outputs);
+        r.outputs_truncated |= f.outputs_truncated;
+        let mut notes: Vec<String> = r.note.take().into_iter().collect();
+        if !err.is_empty() {
+            let text = String::from_utf8_lossy(&err[..err.len().min(4096)]).into_owned();
+            notes.push(format!("matplotlib: {}", text.trim_end()));
+        }
+        if !f.alive {
+            r.alive = false;
+            notes.extend(f.note);
+            if r.limit.is_none() {
+                r.limit = f.limit;
+            }
+        }
+        r.note = (!notes.is_empty()).then(|| notes.join("; "));
     }
 
     fn call(&mut self, code: &[u8]) -> wasmtime::Result<i32> {
@@ -403,6 +433,9 @@ fn broken(what: String) -> TurnResult {
         note: Some(format!("{what}; {RESET}")),
         alive: false,
         value: None,
+        outputs: Vec::new(),
+        error: None,
+        outputs_truncated: false,
     }
 }
 

@@ -14,8 +14,6 @@ use serde_json::{json, Map, Value};
 const MAX_ANSWER: usize = 16 << 20;
 /// Longest error message passed to the guest.
 const MAX_MESSAGE: usize = 4096;
-/// Prefix of the private frame a Python session uses to report its echoed value.
-pub(crate) const VALUE_FRAME: &[u8] = b"\0agent-sandbox/value\0";
 
 /// Why a tool call failed. `kind` is one of the protocol's error kinds (`tool_error`,
 /// `invalid_arguments`, `denied`, `unknown_tool`, `timeout`, `too_large`, ...); the guest
@@ -314,8 +312,6 @@ fn truncate(s: &mut String, max: usize) {
 pub(crate) enum DoorAnswer {
     /// No host tools: the door answers -1.
     NoHost,
-    /// The guest reported its echoed value (JSON text); acknowledge it.
-    Value(String),
     /// Bytes to hand back.
     Reply(Vec<u8>),
 }
@@ -327,12 +323,6 @@ fn error_frame(id: &Value, kind: &str, message: &str) -> Vec<u8> {
 
 /// Answers one `host.call` frame (tool protocol v1).
 pub(crate) fn answer_door(tools: Option<&ToolBox>, frame: &[u8]) -> DoorAnswer {
-    if let Some(rest) = frame.strip_prefix(VALUE_FRAME) {
-        return match serde_json::from_slice::<Value>(rest) {
-            Ok(_) => DoorAnswer::Value(String::from_utf8_lossy(rest).into_owned()),
-            Err(_) => DoorAnswer::Reply(b"{}".to_vec()),
-        };
-    }
     let Some(tb) = tools.filter(|t| !t.tools.is_empty()) else {
         return DoorAnswer::NoHost;
     };
@@ -422,7 +412,6 @@ mod tests {
         match answer_door(tb, req.as_bytes()) {
             DoorAnswer::Reply(r) => serde_json::from_slice(&r).unwrap(),
             DoorAnswer::NoHost => json!("no-host"),
-            DoorAnswer::Value(v) => json!({"value": v}),
         }
     }
 

@@ -298,6 +298,15 @@ pub struct ExecResult {
     /// (a JavaScript snippet's completion value, a Python session's last expression).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub value: Option<String>,
+    /// A code cell's rich outputs in order (its last expression's value and what it
+    /// displayed, as MIME bundles), for interpreters that report them; capped by the spec's
+    /// output limit (`truncated` says when some were dropped). See [`crate::cell`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub outputs: Vec<crate::cell::Output>,
+    /// The exception that ended a code cell, for interpreters that report one (its
+    /// traceback is on stderr as well).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<crate::cell::CellError>,
     /// Phases of this call.
     pub timeline: Timeline,
 }
@@ -313,6 +322,8 @@ impl ExecResult {
             limit: None,
             truncated: false,
             value: None,
+            outputs: Vec::new(),
+            error: None,
             timeline: Timeline::default(),
         }
     }
@@ -787,6 +798,8 @@ mod tests {
                 limit: None,
                 truncated: false,
                 value: None,
+                outputs: vec![],
+                error: None,
                 timeline: Timeline::default(),
             })))
             .await

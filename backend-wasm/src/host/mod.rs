@@ -3,7 +3,8 @@
 //! the `host.call` door. Also the linker (WASI preview 1 with a few shadowed functions).
 //!
 //! By concern: `pipes` (standard streams), `linker` (the linker and its file shadows),
-//! `poll` (sleeps), `door` (`host.call`) and `guest` (guest memory, wasmtime-wasi's calls).
+//! `poll` (sleeps), `door` (`host.call`), `cell` (a Python cell's rich outputs, reported
+//! through the door) and `guest` (guest memory, wasmtime-wasi's calls).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -18,6 +19,7 @@ use crate::engine::{self, Flavor, TickerGuard};
 use crate::stream::Taps;
 use crate::tools::ToolBox;
 
+pub(crate) mod cell;
 mod door;
 mod guest;
 mod linker;
@@ -171,8 +173,8 @@ pub struct Host {
     pub(crate) stderr: CappedPipe,
     pub(crate) stdin: SharedInput,
     tools: Option<Arc<ToolBox>>,
-    /// The JSON value the guest reported for this call (Python's echoed expression).
-    pub(crate) value: Option<String>,
+    /// What a Python cell reported for this call: its echoed value and rich outputs.
+    pub(crate) cell: cell::CellSink,
     open_files: u32,
     max_open_files: u32,
     pub(crate) open_files_hit: bool,
@@ -196,7 +198,7 @@ impl Host {
     /// Resets the per-call state.
     pub(crate) fn begin_call(&mut self, output_cap: u64) {
         self.ctl.hit = None;
-        self.value = None;
+        self.cell.begin(output_cap);
         self.limiter.memory_denied = false;
         self.open_files_hit = false;
         self.disk.hit = false;
@@ -262,7 +264,7 @@ pub(crate) fn new_store(setup: StoreSetup) -> Result<Store<Host>> {
         stdin,
         tools: setup.tools,
         devices,
-        value: None,
+        cell: cell::CellSink::default(),
         open_files: open,
         max_open_files: setup.open_files.max(open),
         open_files_hit: false,

@@ -30,6 +30,15 @@ struct Raw {
     err: OutputBuffer,
     note: Option<String>,
     value: Option<String>,
+    /// A Python cell's rich outputs, its exception, and whether outputs were dropped.
+    cell: Option<CellReport>,
+}
+
+/// What a Python cell reported besides its output.
+struct CellReport {
+    outputs: Vec<sandbox_core::Output>,
+    error: Option<sandbox_core::CellError>,
+    truncated: bool,
 }
 
 impl Inner {
@@ -63,8 +72,10 @@ impl Inner {
             err,
             note,
             value,
+            cell,
         } = raw;
-        let truncated = out.truncated() || err.truncated();
+        let truncated =
+            out.truncated() || err.truncated() || cell.as_ref().is_some_and(|c| c.truncated);
         let mut stderr = err.finish(&self.redactor);
         if let Some(n) = note {
             let line = format!("[agent-sandbox] {n}\n");
@@ -91,8 +102,47 @@ impl Inner {
         r.limit = limit;
         r.truncated = truncated;
         r.value = value;
+        if let Some(c) = cell {
+            r.outputs = c
+                .outputs
+                .into_iter()
+                .map(|o| self.redact_output(o))
+                .collect();
+            r.error = c.error.map(|e| {
+                sandbox_core::CellError::new(
+                    self.redact_text(e.name),
+                    self.redact_text(e.value),
+                    e.traceback
+                        .into_iter()
+                        .map(|l| self.redact_text(l))
+                        .collect(),
+                )
+            });
+        }
         r.timeline = t.finish();
         r
+    }
+
+    fn redact_text(&self, s: String) -> String {
+        if self.redactor.is_empty() {
+            s
+        } else {
+            String::from_utf8_lossy(&self.redactor.redact(s.as_bytes())).into_owned()
+        }
+    }
+
+    /// An output with secrets redacted from its text representations (base64 images are
+    /// left whole: a redaction inside one would only break the image).
+    fn redact_output(&self, mut o: sandbox_core::Output) -> sandbox_core::Output {
+        if self.redactor.is_empty() {
+            return o;
+        }
+        for (mime, v) in o.data.iter_mut() {
+            if !sandbox_core::cell::mime::is_binary(mime) {
+                *v = self.redact_text(std::mem::take(v));
+            }
+        }
+        o
     }
 
     async fn exec_module(
@@ -143,6 +193,7 @@ impl Inner {
                         err,
                         note: None,
                         value: None,
+                        cell: None,
                     },
                     t,
                     taps,
@@ -226,6 +277,7 @@ impl Inner {
                 err: o.stderr,
                 note: o.note,
                 value: None,
+                cell: None,
             },
             t,
             taps,
@@ -296,8 +348,11 @@ impl Inner {
                     return (Some(sess).filter(|_| fail.0.alive), fail.0, fail.1, fail.2);
                 }
             }
-            let r = sess.turn(&code, &stdin, limits, cap);
+            let mut r = sess.turn(&code, &stdin, limits, cap);
             let (o, e) = sess.take_output(cap);
+            if r.alive && sess.draws() {
+                sess.flush_figures(&mut r, limits, cap);
+            }
             let mut sess = untap(sess);
             if r.alive && !env.is_empty() {
                 let restore = python::env_restore(&env, &sess.base_env);
@@ -319,6 +374,11 @@ impl Inner {
                 err,
                 note: r.note,
                 value: r.value,
+                cell: Some(CellReport {
+                    outputs: r.outputs,
+                    error: r.error,
+                    truncated: r.outputs_truncated,
+                }),
             },
             t,
             taps,
@@ -373,6 +433,7 @@ impl Inner {
                 err: o.stderr,
                 note: o.note,
                 value: o.value,
+                cell: None,
             },
             t,
             taps,
