@@ -11,6 +11,7 @@ mod bench_cmd;
 mod daemon;
 mod image_cmd;
 mod install_cmd;
+mod outputs;
 mod run_cmd;
 mod serve_cmd;
 mod shell_cmd;

@@ -76,9 +76,12 @@ pub(crate) struct RunArgs {
     /// Inbound only: works under the default deny-all policy. Repeatable.
     #[arg(long = "publish", short = 'p', value_name = "[[ADDR:]HPORT:]SPORT", value_parser = parse_publish)]
     publish: Vec<(u16, std::net::SocketAddr)>,
-    /// Print one JSON object instead of the raw output.
+    /// Print one JSON object instead of the raw output (with a code cell's rich outputs).
     #[arg(long)]
     json: bool,
+    /// Write a code cell's images and HTML (charts, tables) into DIR as `output-N.EXT`.
+    #[arg(long, value_name = "DIR")]
+    outputs: Option<PathBuf>,
     /// Code to run, in the language given by --lang (default python).
     #[arg(short = 'c', value_name = "CODE", conflicts_with = "argv")]
     code: Option<String>,
@@ -411,6 +414,7 @@ async fn run_via(via: Via<'_>, args: RunArgs) -> ExitCode {
                 }));
             } else {
                 let _ = std::io::stdout().write_all(&r.stdout);
+                let _ = crate::outputs::print_text(&r.outputs, &mut std::io::stdout());
                 let _ = std::io::stderr().write_all(&r.stderr);
                 if let Some(l) = r.limit {
                     eprintln!("agent-sandbox: stopped by the {l} limit");
@@ -423,6 +427,16 @@ async fn run_via(via: Via<'_>, args: RunArgs) -> ExitCode {
                 }
                 for ev in network.iter().filter(|e| !e.allowed) {
                     eprintln!("agent-sandbox: network: {ev}");
+                }
+            }
+            if let Some(dir) = &args.outputs {
+                match crate::outputs::write_files(&r.outputs, dir) {
+                    Ok(files) => {
+                        for f in files {
+                            eprintln!("agent-sandbox: wrote {}", f.display());
+                        }
+                    }
+                    Err(e) => eprintln!("agent-sandbox: {e}"),
                 }
             }
             let code = r.exit_code.unwrap_or(if r.limit.is_some() {

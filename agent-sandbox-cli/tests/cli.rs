@@ -985,3 +985,55 @@ print('served')"#;
         "{at} still accepts after the run ended"
     );
 }
+
+/// A cell's chart and table: their text printed, the files written by `--outputs`, and every
+/// bundle in `--json`.
+#[test]
+fn run_writes_a_cells_chart_and_table() {
+    let v = json(&cli(&["probe", "--json"]));
+    let installed = v["tiers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .any(|t| t["tier"] == "wasm" && t["details"]["python_installed"] == "true");
+    if !installed {
+        eprintln!("SKIP: Python is not installed for the wasm tier here");
+        return;
+    }
+    let code = "import matplotlib.pyplot as plt\nimport pandas as pd\nplt.plot([1, 4, 9])\ndisplay(pd.DataFrame({'n': [1, 2]}))\n1 / 0";
+    let dir = tempfile::tempdir().unwrap();
+    let outs = dir.path().join("outs");
+    let out = cli(&[
+        "run",
+        "--tier",
+        "wasm",
+        "--outputs",
+        outs.to_str().unwrap(),
+        "-c",
+        code,
+    ]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(out.status.code(), Some(1), "{stdout}{stderr}");
+    assert!(
+        stdout.contains("   n\n0  1\n1  2\n<Figure size"),
+        "{stdout}"
+    );
+    assert!(stderr.contains("ZeroDivisionError"), "{stderr}");
+    let png = std::fs::read(outs.join("output-2.png")).unwrap();
+    assert!(png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 5_000);
+    let html = std::fs::read_to_string(outs.join("output-1.html")).unwrap();
+    assert!(html.contains("<table"), "{html}");
+
+    let v = json(&cli(&["run", "--tier", "wasm", "--json", "-c", code]));
+    let outputs = v["outputs"].as_array().unwrap();
+    assert_eq!(outputs.len(), 2, "{v}");
+    assert_eq!(outputs[0]["kind"], "display_data");
+    assert!(outputs[1]["data"]["image/png"]
+        .as_str()
+        .unwrap()
+        .starts_with("iVBORw0KGgo"));
+    assert_eq!(v["error"]["name"], "ZeroDivisionError", "{v}");
+}

@@ -127,6 +127,31 @@ fn check(out: std::process::Output) {
         "{}",
         text("second")
     );
+    // The chart: text first (naming the output), then the figure as a PNG image.
+    let chart = &seen["chart"];
+    assert_eq!(
+        (
+            chart["error"].as_bool(),
+            &chart["types"],
+            &chart["mimes"],
+            &chart["png"]
+        ),
+        (
+            Some(false),
+            &serde_json::json!(["text", "image"]),
+            &serde_json::json!(["image/png"]),
+            &serde_json::json!([true])
+        ),
+        "{chart}"
+    );
+    assert!(chart["bytes"][0].as_u64().unwrap() > 5_000, "{chart}");
+    assert!(
+        text("chart").contains("output 1: <Figure size")
+            && text("chart").contains("(an image follows)")
+            && text("chart").ends_with("drawn\n"),
+        "{}",
+        text("chart")
+    );
     assert!(!error("write"));
     assert_eq!(text("read"), "hello");
     assert!(text("list").contains("b.txt"), "{}", text("list"));

@@ -137,6 +137,20 @@ fn text(t: impl Into<String>) -> CallToolResult {
     CallToolResult::success(vec![ContentBlock::text(t.into())])
 }
 
+/// An exec's answer: the text of [`describe`], then each output's image (PNG or JPEG) as
+/// MCP image content, so that a client model sees the charts a cell drew.
+fn answer(session: Option<(&str, Tier)>, r: &ExecResult) -> CallToolResult {
+    let mut blocks = vec![ContentBlock::text(describe(session, r))];
+    for o in &r.outputs {
+        for mime in ["image/png", "image/jpeg"] {
+            if let Some(data) = o.get(mime) {
+                blocks.push(ContentBlock::image(data, mime));
+            }
+        }
+    }
+    CallToolResult::success(blocks)
+}
+
 /// An exec's result as an LLM reads it (`session`: the sandbox it ran in, named first).
 fn describe(session: Option<(&str, Tier)>, r: &ExecResult) -> String {
     let mut s = String::new();
@@ -159,6 +173,18 @@ fn describe(session: Option<(&str, Tier)>, r: &ExecResult) -> String {
     }
     if let Some(v) = &r.value {
         s.push_str(&format!("value: {v}\n"));
+    }
+    if let Some(e) = &r.error {
+        s.push_str(&format!("error: {}: {}\n", e.name, e.value));
+    }
+    for (i, o) in r.outputs.iter().enumerate() {
+        let images = o.data.keys().filter(|m| m.starts_with("image/")).count();
+        let text = o.text().unwrap_or("");
+        s.push_str(&format!("output {}: {text}", i + 1));
+        if images > 0 {
+            s.push_str(" (an image follows)");
+        }
+        s.push('\n');
     }
     s.push_str("--- stdout ---\n");
     s.push_str(&r.stdout_str());
@@ -306,7 +332,7 @@ impl SandboxMcp {
             .exec(request(ExecRequest::code(a.code), a.timeout_ms))
             .await
         {
-            Ok(r) => text(describe(Some((&id, sb.tier())), &r)),
+            Ok(r) => answer(Some((&id, sb.tier())), &r),
             Err(e) => tool_error(e.to_string()),
         }
     }
@@ -337,7 +363,7 @@ impl SandboxMcp {
             .exec(request(ExecRequest::argv(a.argv), a.timeout_ms))
             .await
         {
-            Ok(r) => text(describe(None, &r)),
+            Ok(r) => answer(None, &r),
             Err(e) => tool_error(e.to_string()),
         }
     }

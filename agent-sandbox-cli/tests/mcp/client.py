@@ -4,6 +4,7 @@ those arguments, e.g. `--server URL --token-file F`) or over
 streamable HTTP (`client.py http URL TOKEN`: `agent-sandbox serve`'s `/mcp` endpoint).
 Prints one JSON line of what it saw for the Rust test to check."""
 import asyncio
+import base64
 import contextlib
 import json
 import sys
@@ -49,6 +50,21 @@ async def main(argv):
             seen["first"] = first
             sid = session_of(first)
             seen["second"] = await call("run_code", {"language": "python", "code": "print(x)", "session": sid})
+            # A chart: the figure comes back as MCP image content the client model can see.
+            chart = await s.call_tool(
+                "run_code",
+                {"language": "python", "session": sid,
+                 "code": "import matplotlib.pyplot as plt\nplt.plot(range(100))\nprint('drawn')"},
+            )
+            images = [base64.b64decode(c.data) for c in chart.content if c.type == "image"]
+            seen["chart"] = {
+                "text": chart.content[0].text,
+                "error": bool(chart.is_error),
+                "types": [c.type for c in chart.content],
+                "mimes": [getattr(c, "mime_type", None) or getattr(c, "mimeType", None) for c in chart.content if c.type == "image"],
+                "png": [i[:8] == b"\x89PNG\r\n\x1a\n" for i in images],
+                "bytes": [len(i) for i in images],
+            }
             seen["write"] = await call("write_file", {"session": sid, "path": "a/b.txt", "content": "hello"})
             seen["read"] = await call("read_file", {"session": sid, "path": "a/b.txt"})
             seen["list"] = await call("list_files", {"session": sid, "path": "a"})
