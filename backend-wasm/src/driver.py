@@ -25,6 +25,7 @@ def __agent_sandbox_setup():
     )
     PLAIN = (int, float, complex, str, bool, bytes, list, tuple, dict, set, type(None))
     MAX_VALUE = 1 << 20
+    MAX_LINES, MAX_LINE = 200, 4096
 
     def b64(data):
         return b2a_base64(data, newline=False).decode("ascii")
@@ -104,7 +105,12 @@ def __agent_sandbox_setup():
             import traceback
 
             lines = "".join(traceback.format_exception(kind, value, tb)).splitlines()
-            send(ERROR, {"name": kind.__name__, "value": str(value), "traceback": lines})
+            # The full traceback is on stderr; the structured one is bounded.
+            lines = [line[:MAX_LINE] for line in lines[-MAX_LINES:]]
+            text = str(value)
+            if len(text) > MAX_LINE:
+                text = text[:MAX_LINE] + "..."
+            send(ERROR, {"name": kind.__name__, "value": text, "traceback": lines})
         except Exception:
             pass
         _prev(kind, value, tb)

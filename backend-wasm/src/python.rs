@@ -138,6 +138,8 @@ pub(crate) struct TurnResult {
     pub(crate) error: Option<sandbox_core::CellError>,
     /// Some outputs were dropped for the output cap.
     pub(crate) outputs_truncated: bool,
+    /// What the turn spent of its limits: wall time, CPU time and (with fuel) fuel.
+    pub(crate) spent: (std::time::Duration, std::time::Duration, u64),
 }
 
 /// What a session is created with.
@@ -303,7 +305,17 @@ impl Session {
             Ok(g) => g,
             Err(e) => return broken(format!("cannot arm limits: {e}")),
         };
+        let (wall0, cpu0) = (std::time::Instant::now(), crate::engine::thread_cpu_time());
         let r = self.call(code.as_bytes());
+        let fuel_spent = match (limits.fuel, self.store.get_fuel()) {
+            (Some(given), Ok(left)) => given.saturating_sub(left),
+            _ => 0,
+        };
+        let spent = (
+            wall0.elapsed(),
+            crate::engine::thread_cpu_time().saturating_sub(cpu0),
+            fuel_spent,
+        );
         drop(guard);
         let cell = std::mem::take(&mut self.store.data_mut().cell);
         let h = self.store.data_mut();
@@ -339,6 +351,7 @@ impl Session {
                     outputs,
                     error,
                     outputs_truncated,
+                    spent,
                 }
             }
             Ok(v) => broken(format!("the interpreter returned {v} (unusable)")),
@@ -352,6 +365,7 @@ impl Session {
                     outputs,
                     error,
                     outputs_truncated,
+                    spent,
                 },
                 Stop::Limit(kind, what) => TurnResult {
                     exit_code: None,
@@ -362,6 +376,7 @@ impl Session {
                     outputs,
                     error,
                     outputs_truncated,
+                    spent,
                 },
                 Stop::Crash(what) => broken(what),
             },
@@ -377,25 +392,46 @@ impl Session {
     }
 
     /// After a cell `r` (whose output is already taken): displays and closes the figures it
-    /// left open, as outputs of that cell within what is left of `cap`. What the flush wrote
-    /// to stderr (a figure that could not be rendered) becomes part of the note.
+    /// left open, as outputs of that cell, within what is left of the call's limits and of
+    /// `cap`. What the flush wrote to stderr (a figure that could not be rendered) becomes
+    /// part of the note. The flush runs guest code the cell could have replaced: only its
+    /// displays are kept, and a flush that fails stops the flushing until pyplot is imported
+    /// again in a new interpreter.
     pub(crate) fn flush_figures(&mut self, r: &mut TurnResult, limits: CallLimits, cap: u64) {
+        let (wall, cpu, fuel) = r.spent;
+        let left = CallLimits {
+            wall: limits.wall.saturating_sub(wall),
+            cpu: limits.cpu.saturating_sub(cpu),
+            fuel: limits.fuel.map(|f| f.saturating_sub(fuel)),
+        };
+        if left.wall.is_zero() || left.cpu.is_zero() || left.fuel == Some(0) {
+            return;
+        }
         let used: u64 = r.outputs.iter().map(|o| o.size() as u64).sum();
-        let f = self.turn(FLUSH, &[], limits, cap.saturating_sub(used));
+        let f = self.turn(FLUSH, &[], left, cap.saturating_sub(used));
         let (_, err) = self.take_output(cap);
         let err = err.finish(&sandbox_core::Redactor::default());
-        r.outputs.extend(f.outputs);
+        r.outputs.extend(
+            f.outputs
+                .into_iter()
+                .filter(|o| o.kind == sandbox_core::OutputKind::DisplayData),
+        );
         r.outputs_truncated |= f.outputs_truncated;
         let mut notes: Vec<String> = r.note.take().into_iter().collect();
         if !err.is_empty() {
             let text = String::from_utf8_lossy(&err[..err.len().min(4096)]).into_owned();
             notes.push(format!("matplotlib: {}", text.trim_end()));
         }
+        if f.exit_code != Some(0) || !f.alive {
+            self.store.data_mut().cell.pyplot = false;
+        }
         if !f.alive {
             r.alive = false;
             notes.extend(f.note);
-            if r.limit.is_none() {
-                r.limit = f.limit;
+            if f.limit.is_some() {
+                // Stopped by a limit, as the cell would have been.
+                r.exit_code = None;
+                r.limit = r.limit.or(f.limit);
             }
         }
         r.note = (!notes.is_empty()).then(|| notes.join("; "));
@@ -436,6 +472,7 @@ fn broken(what: String) -> TurnResult {
         outputs: Vec::new(),
         error: None,
         outputs_truncated: false,
+        spent: Default::default(),
     }
 }
 

@@ -592,3 +592,72 @@ async fn a_cwd_swapped_for_a_link_during_the_call_is_not_followed() {
     );
     assert!(ran + refused > 100, "{ran} ran, {refused} refused");
 }
+
+/// The cell-output frames and the figure flush, driven by a hostile cell: forged flushes,
+/// secrets in what they print, a flush that never ends, errors past the cap.
+#[tokio::test]
+async fn a_cell_that_turns_the_output_driver_against_the_host() {
+    let b = python_or_skip!();
+    let spec = SandboxSpec::builder(Language::Python)
+        .wall_time(Duration::from_secs(2))
+        .secret_env("TOKEN", "API_TOKEN")
+        .output_bytes(4096)
+        .build()
+        .unwrap();
+    let secrets = ResolvedSecrets::resolve(
+        &spec.secrets,
+        &sandbox_core::MapSecretSource::new().with("TOKEN", "s3cr3t-value"),
+    )
+    .unwrap();
+    let sb = b.create(&spec, secrets).await.unwrap();
+    let forge = "import _host, sys, os\n_host.call(b'\\0agent-sandbox/pyplot\\0')\n";
+
+    // A flush that prints the secret: redacted in the note as in stderr.
+    let r = attack_py(
+        sb.as_ref(),
+        &format!("{forge}sys.modules['_agent_sandbox'].flush = lambda: sys.stderr.write(os.environ['API_TOKEN'])"),
+    )
+    .await;
+    assert!(!r.stderr_str().contains("s3cr3t"), "{r:?}");
+    // A flush that returns a value: not a second result.
+    let r = attack_py(
+        sb.as_ref(),
+        &format!("{forge}sys.modules['_agent_sandbox'].flush = lambda: 'from flush'\n41"),
+    )
+    .await;
+    let texts: Vec<_> = r.outputs.iter().map(|o| o.text()).collect();
+    assert_eq!(texts, [Some("41")], "{r:?}");
+    // A flush that never ends: stopped by the call's own wall limit, as the cell would be.
+    let r = attack_py(
+        sb.as_ref(),
+        &format!("{forge}sys.modules['_agent_sandbox'].flush = lambda: [0 for _ in iter(int, 1)]"),
+    )
+    .await;
+    assert_eq!(
+        (r.exit_code, r.limit),
+        (Some(137), Some(LimitKind::WallTime)),
+        "{r:?}"
+    );
+    // A flush module deleted: one note, then the host stops flushing.
+    let r = attack_py(
+        sb.as_ref(),
+        &format!("{forge}del sys.modules['_agent_sandbox']"),
+    )
+    .await;
+    assert!(r.stderr_str().contains("ModuleNotFoundError"), "{r:?}");
+    let r = common::run(sb.as_ref(), "1").await;
+    assert!(r.stderr.is_empty(), "the flush stopped: {r:?}");
+    // An exception larger than the cap: the structured error is bounded by the cap.
+    let r = attack_py(sb.as_ref(), "raise ValueError('v' * 30000)").await;
+    let e_size = r.error.as_ref().map_or(0, |e| {
+        e.value.len() + e.traceback.iter().map(String::len).sum::<usize>()
+    });
+    assert!(e_size <= 4096, "{e_size}");
+    // A forged frame of a size the cell states (64 MiB): refused unread, the call goes on.
+    let r = attack_py(
+        sb.as_ref(),
+        "import _host\nr = _host.call(b'\\0agent-sandbox/display\\0' + bytes(64 << 20))\nprint(r)",
+    )
+    .await;
+    assert!(r.truncated && r.outputs.is_empty(), "{r:?}");
+}

@@ -71,7 +71,7 @@ print("between")
     let rich = &r.outputs[1];
     assert_eq!(rich.get("text/html"), Some("<b>rich</b>"));
     assert_eq!(rich.get("text/markdown"), Some("**rich**"));
-    assert_eq!(rich.get("application/json"), Some(r#"{"rich":true}"#));
+    assert_eq!(rich.get("application/json"), Some(r#"{"rich": true}"#));
 
     // An exception: structured, and still on stderr; the session goes on.
     let r = cell(sb.as_ref(), "def f():\n    return 1 / 0\nf()").await;

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 
 use sandbox_core::cell::{mime, CellError, Output, OutputKind};
 use serde::Deserialize;
+use serde_json::value::RawValue;
 
 /// Frame prefixes (a NUL first: never the start of a tool request, which is JSON).
 pub(crate) const RESULT: &[u8] = b"\0agent-sandbox/result\0";
@@ -22,6 +23,11 @@ const MAX_MIMES: usize = 16;
 pub(crate) const MAX_OUTPUTS: usize = 256;
 /// Traceback lines kept.
 const MAX_TRACEBACK: usize = 512;
+/// The largest error frame read, whatever the cap (the driver sends far less).
+const MAX_ERROR_FRAME: usize = 256 << 10;
+/// Frame bytes one call may have read beyond twice its cap (malformed and dropped frames
+/// count too, so a cell cannot make the host parse without end).
+const READ_SLACK: u64 = 64 << 10;
 
 /// What the door does with a frame that starts with one of our prefixes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,7 +62,10 @@ pub(crate) struct CellSink {
     pub(crate) value: Option<String>,
     /// Some output was dropped for the cap.
     pub(crate) truncated: bool,
+    /// Bytes of outputs and error kept.
     bytes: u64,
+    /// Frame bytes read from guest memory this call.
+    read: u64,
     cap: u64,
     /// `matplotlib.pyplot` was imported in this interpreter (kept across calls).
     pub(crate) pyplot: bool,
@@ -67,7 +76,9 @@ struct BundleFrame {
     /// The value as JSON text (Python's `json.dumps` of it, or of its `repr`).
     #[serde(default)]
     value: Option<String>,
-    data: BTreeMap<String, serde_json::Value>,
+    /// Kept as the frame's own text: parsed into a tree, a frame's numbers and arrays would
+    /// take many times their size in host memory.
+    data: BTreeMap<String, Box<RawValue>>,
 }
 
 #[derive(Deserialize)]
@@ -86,24 +97,36 @@ impl CellSink {
         self.value = None;
         self.truncated = false;
         self.bytes = 0;
+        self.read = 0;
         self.cap = cap;
     }
 
-    /// Whether a frame of `len` bytes may be read: one larger than what is left of the cap
-    /// is dropped unread (and the call marked truncated).
-    pub(crate) fn admits(&mut self, frame: Frame, len: usize) -> bool {
-        let fits = match frame {
-            Frame::Pyplot => true,
-            Frame::Error => len as u64 <= self.cap.max(64 << 10),
-            Frame::Result | Frame::Display => {
-                self.outputs.len() < MAX_OUTPUTS
-                    && (len as u64) <= self.cap.saturating_sub(self.bytes)
-            }
-        };
+    /// How many bytes of a frame of `len` to read: the whole frame when it fits what is
+    /// left of the cap (and of the call's read budget), else none (the call is marked
+    /// truncated). A pyplot frame's body is never read.
+    pub(crate) fn admits(&mut self, frame: Frame, len: usize) -> Option<usize> {
+        if frame == Frame::Pyplot {
+            return Some(0);
+        }
+        let len64 = len as u64;
+        let left = self.cap.saturating_sub(self.bytes);
+        let budget = self
+            .cap
+            .saturating_mul(2)
+            .saturating_add(READ_SLACK)
+            .saturating_sub(self.read);
+        let fits = len64 <= left
+            && len64 <= budget
+            && match frame {
+                Frame::Error => len <= MAX_ERROR_FRAME,
+                _ => self.outputs.len() < MAX_OUTPUTS,
+            };
         if !fits {
             self.truncated = true;
+            return None;
         }
-        fits
+        self.read = self.read.saturating_add(len64);
+        Some(len)
     }
 
     /// Takes one frame's body (the prefix removed). Malformed frames are ignored.
@@ -114,6 +137,19 @@ impl CellSink {
                 if let Ok(e) = serde_json::from_slice::<ErrorFrame>(body) {
                     let mut tb = e.traceback;
                     tb.truncate(MAX_TRACEBACK);
+                    let size =
+                        e.name.len() + e.value.len() + tb.iter().map(String::len).sum::<usize>();
+                    let old = self.error.as_ref().map_or(0, |o| {
+                        o.name.len()
+                            + o.value.len()
+                            + o.traceback.iter().map(String::len).sum::<usize>()
+                    });
+                    let bytes = self.bytes.saturating_sub(old as u64);
+                    if bytes.saturating_add(size as u64) > self.cap {
+                        self.truncated = true;
+                        return;
+                    }
+                    self.bytes = bytes + size as u64;
                     self.error = Some(CellError::new(e.name, e.value, tb));
                 }
             }
@@ -154,9 +190,10 @@ impl CellSink {
     }
 }
 
-/// A bundle's representations, checked: MIME-shaped keys, string values (JSON text for
-/// `application/json`), `text/plain` present; `None` when unusable.
-fn bundle(raw: BTreeMap<String, serde_json::Value>) -> Option<BTreeMap<String, String>> {
+/// A bundle's representations, checked: MIME-shaped keys, string values (base64 for the
+/// binary types; JSON text for `application/json`), `text/plain` present; `None` when
+/// unusable.
+fn bundle(raw: BTreeMap<String, Box<RawValue>>) -> Option<BTreeMap<String, String>> {
     if raw.len() > MAX_MIMES {
         return None;
     }
@@ -165,14 +202,23 @@ fn bundle(raw: BTreeMap<String, serde_json::Value>) -> Option<BTreeMap<String, S
         if !is_mime(&k) {
             continue;
         }
-        let text = match v {
-            serde_json::Value::String(s) if k != mime::APPLICATION_JSON => s,
-            other if k == mime::APPLICATION_JSON => other.to_string(),
-            _ => continue,
+        let text = if k == mime::APPLICATION_JSON {
+            v.get().to_string()
+        } else {
+            match serde_json::from_str::<String>(v.get()) {
+                Ok(s) if !mime::is_binary(&k) || is_base64(&s) => s,
+                _ => continue,
+            }
         };
         data.insert(k, text);
     }
     data.contains_key(mime::TEXT_PLAIN).then_some(data)
+}
+
+fn is_base64(s: &str) -> bool {
+    s.len().is_multiple_of(4)
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'/' || b == b'=')
 }
 
 fn is_mime(s: &str) -> bool {
@@ -256,6 +302,12 @@ mod tests {
             ["application/json", "text/plain"]
         );
         assert_eq!(d["application/json"], r#"{"a":1}"#);
+        s.take(
+            Frame::Display,
+            br#"{"data":{"text/plain":"p","image/png":"not base64!","image/jpeg":"/9j/"}}"#,
+        );
+        let d = &s.outputs[1].data;
+        assert_eq!(d.keys().collect::<Vec<_>>(), ["image/jpeg", "text/plain"]);
         s.take(Frame::Error, br#"{"name":1}"#);
         assert!(s.error.is_none());
     }
@@ -263,20 +315,44 @@ mod tests {
     #[test]
     fn the_cap_holds_and_says_so() {
         let mut s = sink(100);
-        assert!(!s.admits(Frame::Display, 101));
+        assert_eq!(s.admits(Frame::Display, 101), None);
         assert!(s.truncated);
+        assert_eq!(s.admits(Frame::Pyplot, 1 << 30), Some(0), "never read");
         let mut s = sink(100);
         let big = format!(r#"{{"data":{{"text/plain":"{}"}}}}"#, "x".repeat(60));
-        assert!(s.admits(Frame::Display, big.len()));
+        assert!(s.admits(Frame::Display, big.len()).is_some());
         s.take(Frame::Display, big.as_bytes());
         s.take(Frame::Display, big.as_bytes());
         assert_eq!(s.outputs.len(), 1);
         assert!(s.truncated);
         let mut s = sink(1 << 30);
         for _ in 0..MAX_OUTPUTS {
-            assert!(s.admits(Frame::Display, 10));
+            assert!(s.admits(Frame::Display, 10).is_some());
             s.take(Frame::Display, br#"{"data":{"text/plain":"x"}}"#);
         }
-        assert!(!s.admits(Frame::Display, 10));
+        assert_eq!(s.admits(Frame::Display, 10), None);
+        // Frames that keep nothing still spend the call's read budget.
+        let mut s = sink(1000);
+        let mut read = 0;
+        while s.admits(Frame::Display, 500).is_some() {
+            s.take(Frame::Display, b"not json");
+            read += 500;
+        }
+        let budget = 2000 + READ_SLACK as usize;
+        assert!(read <= budget && read + 500 > budget, "{read}");
+        // An error counts against the cap.
+        let mut s = sink(100);
+        let e = format!(
+            r#"{{"name":"E","value":"{}","traceback":[]}}"#,
+            "v".repeat(200)
+        );
+        assert!(s.admits(Frame::Error, e.len()).is_none());
+        let e = format!(
+            r#"{{"name":"E","value":"{}","traceback":[]}}"#,
+            "v".repeat(20)
+        );
+        assert!(s.admits(Frame::Error, e.len()).is_some());
+        s.take(Frame::Error, e.as_bytes());
+        assert_eq!(s.error.as_ref().map(|e| e.value.len()), Some(20));
     }
 }

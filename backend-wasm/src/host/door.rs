@@ -35,10 +35,15 @@ pub(super) fn door(
     // output cap before a byte of it is copied.
     let head = read_bytes(c, mem, req, (len as usize).min(cell::PREFIX_MAX));
     if let Some((frame, skip)) = head.as_deref().and_then(cell::Frame::of) {
-        if c.data_mut().cell.admits(frame, len as usize) {
-            if let Some(body) = read_bytes(c, mem, req + skip as u32, len as usize - skip) {
-                c.data_mut().cell.take(frame, &body);
+        let admitted = c.data_mut().cell.admits(frame, len as usize);
+        match (admitted, req.checked_add(skip as u32)) {
+            (Some(0), _) => c.data_mut().cell.take(frame, &[]),
+            (Some(n), Some(at)) => {
+                if let Some(body) = read_bytes(c, mem, at, n.saturating_sub(skip)) {
+                    c.data_mut().cell.take(frame, &body);
+                }
             }
+            _ => {}
         }
         // The driver stops rendering figures once the cap is reached.
         let reply: &[u8] = if c.data().cell.truncated {

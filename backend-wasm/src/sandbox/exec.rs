@@ -78,7 +78,8 @@ impl Inner {
             out.truncated() || err.truncated() || cell.as_ref().is_some_and(|c| c.truncated);
         let mut stderr = err.finish(&self.redactor);
         if let Some(n) = note {
-            let line = format!("[agent-sandbox] {n}\n");
+            // Notes can quote guest output (a failed figure flush): redacted like it.
+            let line = self.redact_text(format!("[agent-sandbox] {n}\n"));
             if let Some(t) = &taps {
                 t.err.note(line.as_bytes());
             }
@@ -350,10 +351,11 @@ impl Inner {
             }
             let mut r = sess.turn(&code, &stdin, limits, cap);
             let (o, e) = sess.take_output(cap);
+            // Untapped first: the flush's own stderr is reported once, in the note.
+            let mut sess = untap(sess);
             if r.alive && sess.draws() {
                 sess.flush_figures(&mut r, limits, cap);
             }
-            let mut sess = untap(sess);
             if r.alive && !env.is_empty() {
                 let restore = python::env_restore(&env, &sess.base_env);
                 let _ = sess.turn(&restore, &[], limits, cap);
