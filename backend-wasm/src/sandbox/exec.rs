@@ -434,8 +434,19 @@ impl Inner {
                 out: o.stdout,
                 err: o.stderr,
                 note: o.note,
+                cell: o.value.as_deref().map(|v| CellReport {
+                    // The completion value as a cell's result: its echo and its JSON.
+                    outputs: vec![sandbox_core::Output::new(
+                        sandbox_core::OutputKind::ExecuteResult,
+                        [
+                            ("text/plain", crate::js::echo(v).trim_end_matches('\n')),
+                            ("application/json", v),
+                        ],
+                    )],
+                    error: None,
+                    truncated: false,
+                }),
                 value: o.value,
-                cell: None,
             },
             t,
             taps,
