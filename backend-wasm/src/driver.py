@@ -14,6 +14,8 @@ def __agent_sandbox_setup():
     DISPLAY = b"\0agent-sandbox/display\0"
     ERROR = b"\0agent-sandbox/error\0"
     PYPLOT = b"\0agent-sandbox/pyplot\0"
+    FIGURE = b"\0agent-sandbox/figure\0"
+    WATCH = b"\0agent-sandbox/watch\0"
     REPRS = (
         ("text/html", "_repr_html_"),
         ("text/markdown", "_repr_markdown_"),
@@ -127,11 +129,35 @@ def __agent_sandbox_setup():
                     pass
             return None
 
+    def watch_figures():
+        """Once: tells the host whenever a figure is made, so that a cell that makes none
+        needs no flush (as Jupyter's inline backend tracks drawing)."""
+        helpers = sys.modules.get("matplotlib._pylab_helpers")
+        gcf = getattr(helpers, "Gcf", None)
+        if gcf is None or getattr(gcf, "_agent_sandbox_watch", False):
+            return
+        made = gcf._set_new_active_manager
+
+        def set_new_active_manager(cls, manager, _made=made):
+            try:
+                door(FIGURE)
+            except Exception:
+                pass
+            return _made(manager)
+
+        gcf._set_new_active_manager = classmethod(set_new_active_manager)
+        gcf._agent_sandbox_watch = True
+        door(WATCH)
+
     def flush():
-        """Displays and closes every open matplotlib figure (after each cell)."""
+        """Displays and closes every open matplotlib figure (after a cell that drew)."""
         plt = sys.modules.get("matplotlib.pyplot")
         if plt is None:
             return
+        try:
+            watch_figures()
+        except Exception:
+            pass
         room = True
         for num in plt.get_fignums():
             try:

@@ -140,6 +140,8 @@ pub(crate) struct TurnResult {
     pub(crate) outputs_truncated: bool,
     /// What the turn spent of its limits: wall time, CPU time and (with fuel) fuel.
     pub(crate) spent: (std::time::Duration, std::time::Duration, u64),
+    /// The turn made a matplotlib figure.
+    pub(crate) drew: bool,
 }
 
 /// What a session is created with.
@@ -319,8 +321,10 @@ impl Session {
         drop(guard);
         let cell = std::mem::take(&mut self.store.data_mut().cell);
         let h = self.store.data_mut();
-        // The pyplot flag belongs to the interpreter, not the call.
+        // These flags belong to the interpreter, not the call.
         h.cell.pyplot = cell.pyplot;
+        h.cell.watching = cell.watching;
+        let drew = cell.figure;
         let h = self.store.data();
         let memory_denied = h.limiter.memory_denied;
         let files_hit = h.open_files_hit;
@@ -352,6 +356,7 @@ impl Session {
                     error,
                     outputs_truncated,
                     spent,
+                    drew,
                 }
             }
             Ok(v) => broken(format!("the interpreter returned {v} (unusable)")),
@@ -366,6 +371,7 @@ impl Session {
                     error,
                     outputs_truncated,
                     spent,
+                    drew,
                 },
                 Stop::Limit(kind, what) => TurnResult {
                     exit_code: None,
@@ -377,6 +383,7 @@ impl Session {
                     error,
                     outputs_truncated,
                     spent,
+                    drew,
                 },
                 Stop::Crash(what) => broken(what),
             },
@@ -385,10 +392,12 @@ impl Session {
         res
     }
 
-    /// Whether this interpreter imported `matplotlib.pyplot` (its figures are collected
-    /// after each cell).
-    pub(crate) fn draws(&self) -> bool {
-        self.store.data().cell.pyplot
+    /// Whether cell `r` may have left figures to collect: this interpreter imported
+    /// `matplotlib.pyplot`, and the cell made a figure (or the driver does not watch
+    /// figures yet: the first flush puts the watch in place).
+    pub(crate) fn draws(&self, r: &TurnResult) -> bool {
+        let c = &self.store.data().cell;
+        c.pyplot && (r.drew || !c.watching)
     }
 
     /// After a cell `r` (whose output is already taken): displays and closes the figures it
@@ -473,6 +482,7 @@ fn broken(what: String) -> TurnResult {
         error: None,
         outputs_truncated: false,
         spent: Default::default(),
+        drew: false,
     }
 }
 

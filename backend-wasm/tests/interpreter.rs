@@ -144,6 +144,12 @@ async fn a_dataframe_is_html_and_a_figure_is_a_png() {
         1
     );
     assert!(r.stderr.is_empty(), "{r:?}");
+    // Only a cell that made a figure is followed by the flush.
+    let spy = "import sys\nsys.modules['_agent_sandbox'].flush = lambda: print('flushed', file=sys.stderr)";
+    assert!(cell(sb.as_ref(), spy).await.stderr.is_empty());
+    assert!(cell(sb.as_ref(), "1 + 1").await.stderr.is_empty());
+    let r = cell(sb.as_ref(), "f = plt.figure()").await;
+    assert!(r.stderr_str().contains("flushed"), "{r:?}");
 }
 
 #[tokio::test]

@@ -15,6 +15,8 @@ pub(crate) const RESULT: &[u8] = b"\0agent-sandbox/result\0";
 pub(crate) const DISPLAY: &[u8] = b"\0agent-sandbox/display\0";
 pub(crate) const ERROR: &[u8] = b"\0agent-sandbox/error\0";
 pub(crate) const PYPLOT: &[u8] = b"\0agent-sandbox/pyplot\0";
+pub(crate) const FIGURE: &[u8] = b"\0agent-sandbox/figure\0";
+pub(crate) const WATCH: &[u8] = b"\0agent-sandbox/watch\0";
 /// The longest prefix, which is all the door reads before it knows a frame's kind.
 pub(crate) const PREFIX_MAX: usize = 24;
 /// Representations one bundle may carry.
@@ -35,7 +37,12 @@ pub(crate) enum Frame {
     Result,
     Display,
     Error,
+    /// `matplotlib.pyplot` is being imported.
     Pyplot,
+    /// A figure was made (the driver's watch on matplotlib's figure managers).
+    Figure,
+    /// That watch is in place: cells that make no figure need no flush.
+    Watch,
 }
 
 impl Frame {
@@ -46,6 +53,8 @@ impl Frame {
             (DISPLAY, Frame::Display),
             (ERROR, Frame::Error),
             (PYPLOT, Frame::Pyplot),
+            (FIGURE, Frame::Figure),
+            (WATCH, Frame::Watch),
         ]
         .into_iter()
         .find(|(p, _)| head.starts_with(p))
@@ -69,6 +78,10 @@ pub(crate) struct CellSink {
     cap: u64,
     /// `matplotlib.pyplot` was imported in this interpreter (kept across calls).
     pub(crate) pyplot: bool,
+    /// The driver watches figures being made (kept across calls).
+    pub(crate) watching: bool,
+    /// A figure was made during this call.
+    pub(crate) figure: bool,
 }
 
 #[derive(Deserialize)]
@@ -98,6 +111,7 @@ impl CellSink {
         self.truncated = false;
         self.bytes = 0;
         self.read = 0;
+        self.figure = false;
         self.cap = cap;
     }
 
@@ -105,7 +119,7 @@ impl CellSink {
     /// left of the cap (and of the call's read budget), else none (the call is marked
     /// truncated). A pyplot frame's body is never read.
     pub(crate) fn admits(&mut self, frame: Frame, len: usize) -> Option<usize> {
-        if frame == Frame::Pyplot {
+        if matches!(frame, Frame::Pyplot | Frame::Figure | Frame::Watch) {
             return Some(0);
         }
         let len64 = len as u64;
@@ -133,6 +147,8 @@ impl CellSink {
     pub(crate) fn take(&mut self, frame: Frame, body: &[u8]) {
         match frame {
             Frame::Pyplot => self.pyplot = true,
+            Frame::Figure => self.figure = true,
+            Frame::Watch => self.watching = true,
             Frame::Error => {
                 if let Ok(e) = serde_json::from_slice::<ErrorFrame>(body) {
                     let mut tb = e.traceback;
@@ -251,7 +267,7 @@ mod tests {
             Some((Frame::Pyplot, 22))
         );
         assert_eq!(Frame::of(b"{\"v\":1}"), None);
-        assert!([RESULT, DISPLAY, ERROR, PYPLOT]
+        assert!([RESULT, DISPLAY, ERROR, PYPLOT, FIGURE, WATCH]
             .iter()
             .all(|p| p.len() <= PREFIX_MAX));
     }

@@ -353,7 +353,7 @@ impl Inner {
             let (o, e) = sess.take_output(cap);
             // Untapped first: the flush's own stderr is reported once, in the note.
             let mut sess = untap(sess);
-            if r.alive && sess.draws() {
+            if r.alive && sess.draws(&r) {
                 sess.flush_figures(&mut r, limits, cap);
             }
             if r.alive && !env.is_empty() {
