@@ -174,7 +174,13 @@ pub(crate) struct Session {
 
 /// The session driver, the first turn of every interpreter: reports each cell's value and
 /// rich outputs through the door (see `host::cell`) and moves to /workspace.
-const SETUP: &str = include_str!("driver.py");
+static SETUP: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "{}\n{}",
+        sandbox_core::interpreter::PYTHON_CELLS,
+        include_str!("driver.py")
+    )
+});
 
 /// The turn that displays and closes the figures a cell left open (run after a cell once
 /// the interpreter has imported `matplotlib.pyplot`).
@@ -261,7 +267,7 @@ impl Session {
             cpu: std::time::Duration::from_secs(30),
             fuel: None,
         };
-        let r = sess.turn(SETUP, &[], limits, s.output_cap);
+        let r = sess.turn(&SETUP, &[], limits, s.output_cap);
         if r.exit_code != Some(0) || !r.alive {
             let (_, err) = sess.take_output(s.output_cap);
             return Err(Error::backend(
@@ -329,8 +335,9 @@ impl Session {
         let memory_denied = h.limiter.memory_denied;
         let files_hit = h.open_files_hit;
         let disk_hit = h.disk.hit;
-        let value = cell.value;
-        let (outputs, error, outputs_truncated) = (cell.outputs, cell.error, cell.truncated);
+        let kept = cell.collector.finish();
+        let value = kept.value;
+        let (outputs, error, outputs_truncated) = (kept.outputs, kept.error, kept.truncated);
         let res = match r {
             Ok(v) if (0..=511).contains(&v) => {
                 let exit = v & 0xFF;

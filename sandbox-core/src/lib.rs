@@ -23,6 +23,7 @@ pub mod exec;
 pub mod fsnap;
 pub mod host_limits;
 pub mod image;
+pub mod interpreter;
 pub mod lifecycle;
 pub mod path;
 pub mod policy;

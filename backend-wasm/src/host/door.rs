@@ -46,7 +46,7 @@ pub(super) fn door(
             _ => {}
         }
         // The driver stops rendering figures once the cap is reached.
-        let reply: &[u8] = if c.data().cell.truncated {
+        let reply: &[u8] = if c.data().cell.truncated() {
             br#"{"full":true}"#
         } else {
             b"{}"

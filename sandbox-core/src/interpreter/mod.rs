@@ -1,0 +1,597 @@
+//! Interpreter contexts: a long-lived Python in a sandbox that runs cells one after another
+//! with state kept between them, each cell's rich outputs reported as on the wasm tier
+//! ([`crate::cell`]). Built on [`Sandbox::spawn`], so every tier with background processes
+//! has it (container, gVisor, microVM): one `python3` per context, no process per cell.
+//! Several contexts in one sandbox are independent (own globals, working directory,
+//! environment).
+//!
+//! ```no_run
+//! # async fn demo(sandbox: std::sync::Arc<dyn sandbox_core::Sandbox>) -> sandbox_core::Result<()> {
+//! use sandbox_core::interpreter::{CellOptions, ContextSpec, Interpreter};
+//!
+//! let mut py = Interpreter::start(sandbox, ContextSpec::python().cwd("/workspace")).await?;
+//! py.run("x = 20", &CellOptions::new()).await?;
+//! let r = py.run("x * 2 + 2", &CellOptions::new()).await?;
+//! assert_eq!(r.outputs[0].text(), Some("42"));
+//! # Ok(()) }
+//! ```
+//!
+//! The driver (`cells.py` and `driver.py` beside this file) reads its requests from its own
+//! stdin (the cells get `/dev/null`) and writes frames on the cell's stdout and stderr, each
+//! line starting with a mark chosen here; everything it sends is checked and capped by
+//! [`Collector`], because code in the cell can write anything there.
+
+mod scan;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::Deserialize;
+
+use crate::cell::{CellError, Collector, FrameKind, Output};
+use crate::exec::{ExecEvent, ExecRequest, ExecResult, LimitKind, OutputBuffer};
+use crate::process::{Process, ProcessHandle, Signal};
+use crate::secrets::Redactor;
+use crate::{Error, Language, Result, Sandbox};
+
+use scan::{Piece, Scanner};
+
+/// The cell code every tier's Python driver shares (the wasm tier's session driver too):
+/// bundles, `display`, results, errors and figures, sent through a `send(kind, frame)`
+/// the driver supplies.
+pub const PYTHON_CELLS: &str = include_str!("cells.py");
+
+/// The process tiers' driver loop (after [`PYTHON_CELLS`]).
+const PYTHON_DRIVER: &str = include_str!("driver.py");
+
+/// How long a fresh driver may take to say it is ready.
+const START_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// How long an interrupted cell has to end before its interpreter is killed.
+const GRACE: Duration = Duration::from_secs(3);
+
+/// Frame bytes one cell may have parsed beyond twice its cap (dropped and malformed frames
+/// count too).
+const READ_SLACK: u64 = 64 << 10;
+
+/// Frames this small are always parsed (the driver's `done`), whatever the budget says.
+const SMALL_FRAME: usize = 256;
+
+/// What a context runs: its language, working directory and environment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ContextSpec {
+    /// The language (only [`Language::Python`] has a driver today).
+    pub language: Language,
+    /// Working directory (the sandbox's default when `None`).
+    pub cwd: Option<String>,
+    /// Environment on top of the sandbox's.
+    pub env: BTreeMap<String, String>,
+}
+
+impl ContextSpec {
+    /// A Python context.
+    pub fn python() -> Self {
+        ContextSpec {
+            language: Language::Python,
+            cwd: None,
+            env: BTreeMap::new(),
+        }
+    }
+
+    /// Starts in `dir`.
+    pub fn cwd(mut self, dir: impl Into<String>) -> Self {
+        self.cwd = Some(dir.into());
+        self
+    }
+
+    /// Sets an environment variable for every cell.
+    pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.env.insert(key.into(), value.into());
+        self
+    }
+}
+
+/// Options for one cell.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CellOptions {
+    /// Environment for this cell only (restored afterwards, as E2B's `envs` on `run_code`).
+    pub env: BTreeMap<String, String>,
+    /// Wall time before the cell is interrupted; capped by the spec's `limits.wall_time_ms`.
+    pub timeout: Option<Duration>,
+}
+
+impl CellOptions {
+    /// No extra environment, the spec's wall time.
+    pub fn new() -> Self {
+        CellOptions::default()
+    }
+
+    /// Sets an environment variable for this cell.
+    pub fn env(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.env.insert(key.into(), value.into());
+        self
+    }
+
+    /// Interrupts the cell after `timeout`.
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        self
+    }
+}
+
+/// What a cell produces, as it happens (see [`Interpreter::run_streaming`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CellEvent {
+    /// A chunk of the cell's stdout.
+    Stdout(Bytes),
+    /// A chunk of its stderr.
+    Stderr(Bytes),
+    /// A rich output (the last expression's value, a `display`, a figure).
+    Output(Output),
+    /// The exception that ended the cell.
+    Error(CellError),
+}
+
+/// A running driver.
+struct Driver {
+    proc: Process,
+    handle: ProcessHandle,
+    out: Scanner,
+    err: Scanner,
+    version: String,
+}
+
+/// One interpreter context in a sandbox. Cells run one at a time (`&mut self`); to stop a
+/// running cell from elsewhere, give [`run_streaming`](Self::run_streaming) a `stop` future.
+pub struct Interpreter {
+    sandbox: Arc<dyn Sandbox>,
+    spec: ContextSpec,
+    driver: Option<Driver>,
+    count: u64,
+}
+
+impl std::fmt::Debug for Interpreter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Interpreter")
+            .field("sandbox", &self.sandbox.id())
+            .field("spec", &self.spec)
+            .field("running", &self.driver.is_some())
+            .field("count", &self.count)
+            .finish()
+    }
+}
+
+#[derive(Deserialize)]
+struct Tag {
+    t: String,
+    #[serde(default)]
+    n: Option<u64>,
+    #[serde(default)]
+    version: Option<String>,
+}
+
+/// One cell's progress: what it kept, what is yet to be handed over.
+struct Cell {
+    n: u64,
+    stdout: OutputBuffer,
+    stderr: OutputBuffer,
+    cells: Collector,
+    /// Frame bytes it may still parse.
+    budget: u64,
+    out_done: bool,
+    err_done: bool,
+    pending: Vec<CellEvent>,
+}
+
+impl Cell {
+    fn stdout_piece(&mut self, p: Piece) {
+        match p {
+            Piece::Text(t) => {
+                self.stdout.push(&t);
+                self.pending.push(CellEvent::Stdout(t));
+            }
+            Piece::Dropped => self.cells.mark_truncated(),
+            Piece::Frame(f) => self.frame(&f),
+        }
+    }
+
+    fn stderr_piece(&mut self, p: Piece) {
+        match p {
+            Piece::Text(t) => {
+                self.stderr.push(&t);
+                self.pending.push(CellEvent::Stderr(t));
+            }
+            // Only the driver's `done` travels on stderr.
+            Piece::Frame(f) => {
+                if let Ok(tag) = serde_json::from_slice::<Tag>(&f) {
+                    self.err_done |= tag.t == "done" && tag.n == Some(self.n);
+                }
+            }
+            Piece::Dropped => {}
+        }
+    }
+
+    fn frame(&mut self, f: &[u8]) {
+        if f.len() > SMALL_FRAME {
+            let len = f.len() as u64;
+            if len > self.budget {
+                self.cells.mark_truncated();
+                return;
+            }
+            self.budget -= len;
+        }
+        let Ok(tag) = serde_json::from_slice::<Tag>(f) else {
+            return;
+        };
+        let kind = match tag.t.as_str() {
+            "done" => {
+                self.out_done |= tag.n == Some(self.n);
+                return;
+            }
+            "result" => FrameKind::Result,
+            "display" => FrameKind::Display,
+            "error" => FrameKind::Error,
+            _ => return,
+        };
+        if !self.cells.room(kind, f.len()) {
+            return;
+        }
+        if !self.cells.take(kind, f) {
+            return;
+        }
+        let ev = if kind == FrameKind::Error {
+            self.cells.error().cloned().map(CellEvent::Error)
+        } else {
+            self.cells.outputs().last().cloned().map(CellEvent::Output)
+        };
+        self.pending.extend(ev);
+    }
+}
+
+impl Interpreter {
+    /// Starts a context in `sandbox`: its driver process, ready for cells.
+    ///
+    /// # Errors
+    /// [`Error::InvalidSpec`] for a language without a driver; [`Error::Unsupported`] on
+    /// tiers without background processes, or when the sandbox has no `python3`; what
+    /// starting the driver failed with otherwise.
+    pub async fn start(sandbox: Arc<dyn Sandbox>, spec: ContextSpec) -> Result<Self> {
+        if spec.language != Language::Python {
+            return Err(Error::invalid(
+                "language",
+                format!(
+                    "interpreter contexts run Python only for now, not {}",
+                    spec.language
+                ),
+            ));
+        }
+        let mut me = Interpreter {
+            sandbox,
+            spec,
+            driver: None,
+            count: 0,
+        };
+        me.driver = Some(me.spawn().await?);
+        Ok(me)
+    }
+
+    /// The context's spec.
+    pub fn spec(&self) -> &ContextSpec {
+        &self.spec
+    }
+
+    /// Cells run since the context (re)started.
+    pub fn execution_count(&self) -> u64 {
+        self.count
+    }
+
+    /// The interpreter's version (`3.11.2`), once it is running.
+    pub fn version(&self) -> Option<&str> {
+        self.driver.as_ref().map(|d| d.version.as_str())
+    }
+
+    /// Ends the interpreter and starts a fresh one: every variable is gone, the count starts
+    /// again.
+    ///
+    /// # Errors
+    /// As [`start`](Self::start).
+    pub async fn restart(&mut self) -> Result<()> {
+        self.stop().await;
+        self.count = 0;
+        self.driver = Some(self.spawn().await?);
+        Ok(())
+    }
+
+    /// Ends the interpreter (killing a cell still running).
+    pub async fn close(mut self) {
+        self.stop().await;
+    }
+
+    async fn stop(&mut self) {
+        if let Some(mut d) = self.driver.take() {
+            let _ = d.handle.signal(Signal::Kill).await;
+            let _ = tokio::time::timeout(GRACE, d.proc.wait(None)).await;
+        }
+    }
+
+    async fn spawn(&self) -> Result<Driver> {
+        let tier = self.sandbox.tier();
+        let mark = format!("\x1eagent-sandbox:{}:", uuid::Uuid::new_v4().simple());
+        let program = format!("{PYTHON_CELLS}\n{PYTHON_DRIVER}");
+        let mut req = ExecRequest::argv(["python3", "-u", "-c", program.as_str()]);
+        req.env = self.spec.env.clone();
+        let mut proc = self.sandbox.spawn(req).await?;
+        let handle = proc.handle();
+        let hello = serde_json::json!({ "mark": mark, "cwd": self.spec.cwd });
+        let mut line =
+            serde_json::to_vec(&hello).map_err(|e| Error::backend(tier, e.to_string()))?;
+        line.push(b'\n');
+        handle.write_stdin(line).await?;
+        let limit = 4096;
+        let mut out = Scanner::new(mark.as_bytes(), limit);
+        let mut err_text = Vec::new();
+        let mut pieces = Vec::new();
+        let ready = async {
+            loop {
+                match proc.next().await {
+                    Some(Ok(ExecEvent::Stdout(b))) => {
+                        out.push(&b, &mut pieces);
+                        for p in pieces.drain(..) {
+                            if let Piece::Frame(f) = p {
+                                if let Ok(tag) = serde_json::from_slice::<Tag>(&f) {
+                                    if tag.t == "ready" {
+                                        return Ok(tag.version.unwrap_or_default());
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    Some(Ok(ExecEvent::Stderr(b))) => {
+                        if err_text.len() < 8192 {
+                            err_text.extend_from_slice(&b);
+                        }
+                    }
+                    Some(Ok(ExecEvent::Exit(r))) => return Err(Ok(r.exit_code)),
+                    Some(Err(e)) => return Err(Err(e)),
+                    None => return Err(Ok(None)),
+                }
+            }
+        };
+        let version = match tokio::time::timeout(START_TIMEOUT, ready).await {
+            Ok(Ok(v)) => v,
+            Ok(Err(Err(e))) => return Err(e),
+            Ok(Err(Ok(code))) => {
+                let said = String::from_utf8_lossy(&err_text);
+                let said = said.trim();
+                if code == Some(127) {
+                    return Err(Error::unsupported(
+                        tier,
+                        format!(
+                            "Python interpreter contexts without `python3` in the sandbox ({said})"
+                        ),
+                    ));
+                }
+                return Err(Error::backend(
+                    tier,
+                    format!("the Python interpreter did not start (exit {code:?}): {said}"),
+                ));
+            }
+            Err(_) => {
+                let _ = handle.signal(Signal::Kill).await;
+                return Err(Error::Timeout {
+                    what: "the Python interpreter's start".into(),
+                    after: START_TIMEOUT,
+                });
+            }
+        };
+        Ok(Driver {
+            proc,
+            handle,
+            out: Scanner::new(mark.as_bytes(), limit),
+            err: Scanner::new(mark.as_bytes(), limit),
+            version,
+        })
+    }
+
+    /// Runs one cell to its end: its output, rich outputs and error in an [`ExecResult`]
+    /// (`exit_code` 0, or 1 when it raised; `limit` `WallTime` when it was interrupted for
+    /// its timeout).
+    ///
+    /// # Errors
+    /// When the interpreter cannot be (re)started or the sandbox fails under it.
+    pub async fn run(&mut self, code: &str, opts: &CellOptions) -> Result<ExecResult> {
+        self.run_streaming(code, opts, None).await
+    }
+
+    /// [`run`](Self::run), sending each event to `events` as it happens (waiting for room:
+    /// a slow reader slows the cell down, as a full pipe does). When the receiver is
+    /// dropped (a client went away) the cell is interrupted, as Ctrl-C does
+    /// (`KeyboardInterrupt`); a cell that has not ended a few seconds after an interrupt is
+    /// killed with its interpreter. An interpreter that died (killed, or a cell that called
+    /// `os._exit`) is started afresh by the next cell, its state gone: the cell it died in
+    /// says so in its `error`.
+    ///
+    /// # Errors
+    /// As [`run`](Self::run).
+    pub async fn run_streaming(
+        &mut self,
+        code: &str,
+        opts: &CellOptions,
+        events: Option<&tokio::sync::mpsc::Sender<CellEvent>>,
+    ) -> Result<ExecResult> {
+        if self.driver.is_none() {
+            self.count = 0;
+            self.driver = Some(self.spawn().await?);
+        }
+        let spec = self.sandbox.spec();
+        let cap = spec.limits.output_bytes;
+        let timeout = opts.timeout.unwrap_or_else(|| spec.limits.wall_time());
+        self.count += 1;
+        let n = self.count;
+        let request = serde_json::json!({ "n": n, "code": code, "env": opts.env, "cap": cap });
+        let mut line = serde_json::to_vec(&request)
+            .map_err(|e| Error::backend(self.sandbox.tier(), e.to_string()))?;
+        line.push(b'\n');
+        let Some(d) = self.driver.as_mut() else {
+            return Err(Error::backend(self.sandbox.tier(), "no interpreter"));
+        };
+        if let Err(e) = d.handle.write_stdin(line).await {
+            // The driver is gone: the next cell starts a fresh one.
+            self.driver = None;
+            return Err(e);
+        }
+        let mut cell = Cell {
+            n,
+            stdout: OutputBuffer::new(cap),
+            stderr: OutputBuffer::new(cap),
+            cells: Collector::new(cap),
+            budget: cap.saturating_mul(2).saturating_add(READ_SLACK),
+            out_done: false,
+            err_done: false,
+            pending: Vec::new(),
+        };
+        d.out.limit = usize::try_from(cap.saturating_add(4096)).unwrap_or(usize::MAX);
+        d.err.limit = SMALL_FRAME;
+        let mut exited: Option<ExecResult> = None;
+        let mut interrupted = false;
+        let mut timed_out = false;
+        let mut killed = false;
+        let mut listening = events.is_some();
+        let mut deadline = tokio::time::Instant::now() + timeout;
+        let mut pieces = Vec::new();
+        let closed = async {
+            match events {
+                Some(tx) => tx.closed().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(closed);
+        'cell: while !(cell.out_done && cell.err_done) && exited.is_none() {
+            // Why the cell is to stop now: the caller left, or its time is up.
+            let mut stop_now = None;
+            tokio::select! {
+                ev = d.proc.next() => match ev {
+                    Some(Ok(ExecEvent::Stdout(b))) => {
+                        d.out.push(&b, &mut pieces);
+                        for p in pieces.drain(..) {
+                            cell.stdout_piece(p);
+                        }
+                    }
+                    Some(Ok(ExecEvent::Stderr(b))) => {
+                        d.err.push(&b, &mut pieces);
+                        for p in pieces.drain(..) {
+                            cell.stderr_piece(p);
+                        }
+                    }
+                    Some(Ok(ExecEvent::Exit(r))) => exited = Some(r),
+                    Some(Err(e)) => {
+                        self.driver = None;
+                        return Err(e);
+                    }
+                    None => exited = Some(ExecResult::new(None, Vec::new(), Vec::new())),
+                },
+                () = &mut closed, if listening => {
+                    listening = false;
+                    stop_now = Some(false);
+                }
+                () = tokio::time::sleep_until(deadline) => stop_now = Some(true),
+            }
+            // Hand the events over, waiting for room (not past the deadline).
+            for ev in std::mem::take(&mut cell.pending) {
+                let Some(tx) = events.filter(|_| listening) else {
+                    continue;
+                };
+                match tokio::time::timeout_at(deadline, tx.send(ev)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => {
+                        listening = false;
+                        stop_now.get_or_insert(false);
+                    }
+                    Err(_) => {
+                        stop_now = Some(true);
+                        break;
+                    }
+                }
+            }
+            match stop_now {
+                None => {}
+                Some(_) if interrupted && tokio::time::Instant::now() >= deadline => {
+                    killed = true;
+                    break 'cell;
+                }
+                Some(_) if interrupted => {}
+                Some(for_time) => {
+                    interrupted = true;
+                    timed_out = for_time;
+                    let _ = d.handle.signal(Signal::Interrupt).await;
+                    deadline = tokio::time::Instant::now() + GRACE;
+                }
+            }
+        }
+        let Cell {
+            mut stdout,
+            mut stderr,
+            cells,
+            ..
+        } = cell;
+        let mut tail = Vec::new();
+        // What the scanners held back is the cell's (a mark that never came).
+        if let Some(t) = d.out.finish() {
+            stdout.push(&t);
+            tail.push(CellEvent::Stdout(t));
+        }
+        if let Some(t) = d.err.finish() {
+            stderr.push(&t);
+            tail.push(CellEvent::Stderr(t));
+        }
+        let mut kept = cells.finish();
+        let mut exit_code = Some(i32::from(kept.error.is_some()));
+        if killed {
+            self.stop().await;
+            let e = CellError::new(
+                "InterpreterKilled",
+                "the cell did not stop when interrupted: its interpreter was killed, and \
+                 the next cell starts a fresh one",
+                Vec::new(),
+            );
+            tail.push(CellEvent::Error(e.clone()));
+            kept.error = Some(e);
+            exit_code = None;
+        } else if let Some(r) = exited {
+            self.driver = None;
+            let e = CellError::new(
+                "InterpreterExited",
+                format!(
+                    "the interpreter exited (status {:?}): its state is gone, and the next \
+                     cell starts a fresh one",
+                    r.exit_code
+                ),
+                Vec::new(),
+            );
+            tail.push(CellEvent::Error(e.clone()));
+            kept.error = Some(e);
+            exit_code = r.exit_code;
+        }
+        if let Some(tx) = events.filter(|_| listening) {
+            for ev in tail {
+                if tx.send(ev).await.is_err() {
+                    break;
+                }
+            }
+        }
+        let mut r = ExecResult::from_output(exit_code, stdout, stderr, &Redactor::default());
+        r.truncated |= kept.truncated;
+        r.outputs = kept.outputs;
+        r.error = kept.error;
+        r.value = kept.value;
+        if timed_out {
+            r.limit = Some(LimitKind::WallTime);
+        }
+        Ok(r)
+    }
+}
