@@ -109,17 +109,20 @@ test_image="$(scripts/test-image.sh)"
 step "Python clients the server tests drive (a venv, cached in /var/tmp/agent-sandbox-pyenv)"
 # openapi-spec-validator checks the document `agent-sandbox serve` publishes; `mcp`, the
 # official MCP Python SDK, drives `agent-sandbox mcp`; `e2b`, the official E2B Python SDK
-# (pinned: the E2B-compatible API is checked against this version's calls), drives its E2B API.
+# (pinned: the E2B-compatible API is checked against this version's calls), drives its E2B API;
+# `e2b-code-interpreter`, E2B's code interpreter SDK on top of it, drives its port 49999.
 py_env=/var/tmp/agent-sandbox-pyenv
-py_check='import openapi_spec_validator, mcp, e2b, importlib.metadata as m
-assert m.version("e2b") == "2.45.1", m.version("e2b")'
+py_check='import openapi_spec_validator, mcp, e2b, e2b_code_interpreter, importlib.metadata as m
+assert m.version("e2b") == "2.45.1", m.version("e2b")
+assert m.version("e2b-code-interpreter") == "2.10.0", m.version("e2b-code-interpreter")'
 if ! "$py_env/bin/python" -c "$py_check" 2>/dev/null && [ -n "$user_suffix" ]; then
   py_env="$py_env$user_suffix"
 fi
 if ! "$py_env/bin/python" -c "$py_check" 2>/dev/null; then
   rm -rf "$py_env"
   /usr/bin/python3 -m venv "$py_env"
-  "$py_env/bin/pip" install -q 'openapi-spec-validator==0.9.*' 'mcp==2.3.*' 'e2b==2.45.1'
+  "$py_env/bin/pip" install -q 'openapi-spec-validator==0.9.*' 'mcp==2.3.*' 'e2b==2.45.1' \
+    'e2b-code-interpreter==2.10.0'
 fi
 export AGENT_SANDBOX_TEST_PYTHON="$py_env/bin/python"
 

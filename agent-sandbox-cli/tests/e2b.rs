@@ -171,3 +171,68 @@ fn scenario_with(tier: &str, base: &str) {
         String::from_utf8_lossy(&example.stderr)
     );
 }
+
+/// E2B's code interpreter on the server's sandboxes, driven by the official
+/// `e2b-code-interpreter` SDK (`tests/e2b/interpreter.py`): `Sandbox.create()` with its
+/// default template, `run_code` (values, displays, errors, callbacks, a shell line),
+/// contexts, per-call environment, a timeout that interrupts the cell, reconnecting, a
+/// killed sandbox, a sandbox without public traffic, and the tokens the port takes.
+#[test]
+fn the_official_code_interpreter_sdk_runs_cells_on_container_sandboxes() {
+    interpreter_on("container");
+}
+
+#[test]
+fn the_official_code_interpreter_sdk_runs_cells_on_gvisor_sandboxes() {
+    interpreter_on("gvisor");
+}
+
+fn interpreter_on(tier: &str) {
+    let Some(python) = python() else { return };
+    let probe = Command::new(&python)
+        .args(["-c", "import e2b_code_interpreter"])
+        .output()
+        .unwrap();
+    if !probe.status.success() {
+        eprintln!(
+            "SKIP: {} cannot import `e2b_code_interpreter` (scripts/test.sh installs it)",
+            python.to_string_lossy()
+        );
+        return;
+    }
+    if let Some(why) = served::unavailable(tier) {
+        eprintln!("SKIP: the {tier} tier is not available here: {why}");
+        return;
+    }
+    let (mut s, _) = served::serve_with_token(
+        tempfile::tempdir().unwrap(),
+        TOKEN,
+        &["--template", &format!("base=-,tier={tier}")],
+        &[],
+    );
+    let url = s.base.trim_end_matches('/').to_string();
+    let out = Command::new("timeout")
+        .args(["--kill-after=10", SCENARIO_LIMIT_S])
+        .arg(&python)
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/e2b/interpreter.py"
+        ))
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .env("E2B_API_URL", &url)
+        .env("E2B_SANDBOX_URL", &url)
+        .env("E2B_API_KEY", format!("e2b_{TOKEN}"))
+        .output()
+        .unwrap();
+    s.terminate();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.trim_end().ends_with("all ok"),
+        "interpreter.py on {tier}: {} (124: it ran past {SCENARIO_LIMIT_S} s)\n--- stdout \
+         ---\n{stdout}--- stderr ---\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -13,6 +13,9 @@ def __agent_sandbox_main():
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
+    # Whole lines reach the host as one chunk each (and everything at a cell's end).
+    sys.stdout.reconfigure(line_buffering=True)
+    sys.stderr.reconfigure(line_buffering=True)
     hello = json.loads(control.readline())
     MARK = hello["mark"].encode("ascii")
     state = {"left": 0}
@@ -48,11 +51,42 @@ def __agent_sandbox_main():
     signal.signal(signal.SIGINT, signal.default_int_handler)
     frame(1, {"t": "ready", "version": sys.version.split()[0]})
 
+    def system(command):
+        """A shell line (`!ls`, as in IPython): its output is the cell's."""
+        import subprocess
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        subprocess.run(command, shell=True)
+
+    module.system = system
+
+    def parse(code, name):
+        """The cell as Python; lines starting with `!` run in the shell, as IPython's do
+        (only in cells that are not Python without them)."""
+        try:
+            return ast.parse(code, name, "exec")
+        except SyntaxError as first:
+            lines, shell = [], False
+            for line in code.splitlines():
+                body = line.lstrip()
+                if body.startswith("!"):
+                    indent = line[: len(line) - len(body)]
+                    line = "%s__import__('_agent_sandbox').system(%r)" % (indent, body[1:])
+                    shell = True
+                lines.append(line)
+            if not shell:
+                raise
+            try:
+                return ast.parse("\n".join(lines), name, "exec")
+            except SyntaxError:
+                raise first from None
+
     def run(count, code):
         name = "<cell-%d>" % count
         linecache.cache[name] = (len(code), None, code.splitlines(True), name)
         try:
-            tree = ast.parse(code, name, "exec")
+            tree = parse(code, name)
             last = None
             if tree.body and isinstance(tree.body[-1], ast.Expr):
                 last = ast.Expression(tree.body.pop().value)

@@ -295,6 +295,21 @@ impl Interpreter {
         self.driver.as_ref().map(|d| d.version.as_str())
     }
 
+    /// The running interpreter's process: to kill it from elsewhere while a cell holds
+    /// `&mut self` (the cell then ends with an `InterpreterExited` error).
+    pub fn process(&self) -> Option<ProcessHandle> {
+        self.driver.as_ref().map(|d| d.handle.clone())
+    }
+
+    /// The count the next cell will have.
+    pub fn next_count(&self) -> u64 {
+        if self.driver.is_some() {
+            self.count + 1
+        } else {
+            1
+        }
+    }
+
     /// Ends the interpreter and starts a fresh one: every variable is gone, the count starts
     /// again.
     ///
@@ -323,7 +338,7 @@ impl Interpreter {
         let tier = self.sandbox.tier();
         let mark = format!("\x1eagent-sandbox:{}:", uuid::Uuid::new_v4().simple());
         let program = format!("{PYTHON_CELLS}\n{PYTHON_DRIVER}");
-        let mut req = ExecRequest::argv(["python3", "-u", "-c", program.as_str()]);
+        let mut req = ExecRequest::argv(["python3", "-c", program.as_str()]);
         req.env = self.spec.env.clone();
         let mut proc = self.sandbox.spawn(req).await?;
         let handle = proc.handle();

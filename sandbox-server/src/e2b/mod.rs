@@ -18,6 +18,7 @@ mod connect;
 mod control;
 mod files;
 mod fs;
+mod interp;
 mod list;
 mod logs;
 mod metrics;
@@ -38,6 +39,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 
+pub use interp::JUPYTER_PORT;
 pub use templates::{Template, TemplateError};
 
 pub(crate) use control::routes as control_routes;
@@ -88,6 +90,8 @@ pub(crate) struct Meta {
     pub(crate) watchers: watch::Watchers,
     /// What happened to it ([`logs`]).
     pub(crate) log: logs::Log,
+    /// Its code interpreter's contexts ([`interp`]).
+    pub(crate) contexts: interp::Contexts,
 }
 
 impl Meta {
@@ -115,6 +119,7 @@ impl Meta {
             samples: Default::default(),
             watchers: Default::default(),
             log: Default::default(),
+            contexts: Default::default(),
         }
     }
 }
@@ -200,7 +205,7 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for Envd {
 /// to envd's routes, with its access token checked, or (another port) to that port of the
 /// sandbox ([`ports`]); any other request goes on to the server's own APIs.
 pub(crate) async fn dispatch(
-    State((s, envd, gate)): State<(Arc<Shared>, Router, crate::auth::Gate)>,
+    State((s, routes, gate)): State<(Arc<Shared>, SandboxRoutes, crate::auth::Gate)>,
     mut req: Request,
     next: Next,
 ) -> Response {
@@ -243,6 +248,9 @@ pub(crate) async fn dispatch(
     let meta = meta(&entry);
     // The envd port takes the sandbox's access token (or, on `/files`, a URL it signed); its
     // other ports are open to whoever knows its id (E2B's default), or take its traffic token.
+    // `/execute` on the code interpreter's port runs code: it takes the envd token too.
+    let interpreter = port == interp::JUPYTER_PORT;
+    let runs_code = interpreter && req.uri().path() == "/execute";
     let denied = if port == ENVD_PORT && !req.headers().contains_key("x-access-token") {
         match &signed {
             Some(sig) => sig.check(&meta.access_token),
@@ -254,7 +262,7 @@ pub(crate) async fn dispatch(
                  connect answers carry it as `envdAccessToken`), or sign the file URL with it",
             ),
         }
-    } else if port == ENVD_PORT {
+    } else if port == ENVD_PORT || runs_code {
         check_token(
             &req,
             "x-access-token",
@@ -262,14 +270,12 @@ pub(crate) async fn dispatch(
             "send the sandbox's envd access token in `X-Access-Token` (E2B's create and \
              connect answers carry it as `envdAccessToken`)",
         )
+        .or_else(|| traffic(&req, &meta).filter(|_| runs_code))
+    } else if interpreter && req.headers().contains_key("x-access-token") {
+        check_token(&req, "x-access-token", Some(&meta.access_token), "")
+            .or_else(|| traffic(&req, &meta))
     } else {
-        check_token(
-            &req,
-            "e2b-traffic-access-token",
-            meta.traffic_token.as_ref(),
-            "this sandbox was created with `allowPublicTraffic: false`: send its \
-             `trafficAccessToken` in `e2b-traffic-access-token`",
-        )
+        traffic(&req, &meta)
     };
     if let Some(why) = denied {
         return why;
@@ -300,7 +306,7 @@ pub(crate) async fn dispatch(
         Ok(g) => g,
         Err(e) => return connect::RpcError::from(e).into_response(),
     };
-    if port != ENVD_PORT {
+    if port != ENVD_PORT && !interpreter {
         let r = ports::forward(&s, entry, meta, port, req).await;
         drop(in_use);
         return r;
@@ -311,12 +317,35 @@ pub(crate) async fn dispatch(
         body_limit: s.config.body_limit,
         stop: s.stopping(),
     });
-    let r = match envd.oneshot(req).await {
+    let router = if interpreter {
+        routes.interpreter
+    } else {
+        routes.envd
+    };
+    let r = match router.oneshot(req).await {
         Ok(r) => r,
         Err(never) => match never {},
     };
     drop(in_use);
     r
+}
+
+/// The check of a sandbox's ports other than envd's: its traffic token, when it has one.
+fn traffic(req: &Request, meta: &Meta) -> Option<Response> {
+    check_token(
+        req,
+        "e2b-traffic-access-token",
+        meta.traffic_token.as_ref(),
+        "this sandbox was created with `allowPublicTraffic: false`: send its \
+         `trafficAccessToken` in `e2b-traffic-access-token`",
+    )
+}
+
+/// What requests addressed to a sandbox reach: envd's routes, and its code interpreter's.
+#[derive(Clone)]
+pub(crate) struct SandboxRoutes {
+    envd: Router,
+    interpreter: Router,
 }
 
 /// `None` when `req` carries `token` in `header` (or no token is wanted), else the 401.
@@ -336,9 +365,28 @@ fn check_token(
     Some(connect::RpcError::new(connect::Code::Unauthenticated, why).into_response())
 }
 
-/// envd's routes (reached through [`dispatch`] only); bodies up to `limit` bytes, each
+/// The routes of requests addressed to a sandbox (reached through [`dispatch`] only):
+/// envd's, and the code interpreter's ([`interp`]); bodies up to `limit` bytes, each
 /// answer's head within `timeout` (a stream then flows on).
-pub(crate) fn envd_routes(limit: usize, timeout: std::time::Duration) -> Router {
+pub(crate) fn sandbox_routes(limit: usize, timeout: std::time::Duration) -> SandboxRoutes {
+    SandboxRoutes {
+        envd: envd_routes(limit, timeout),
+        interpreter: interp::routes(limit).layer(axum::middleware::from_fn(
+            move |req: Request, next: Next| async move {
+                match tokio::time::timeout(timeout, next.run(req)).await {
+                    Ok(r) => r,
+                    Err(_) => (
+                        StatusCode::GATEWAY_TIMEOUT,
+                        format!("the request took longer than the server's limit of {timeout:?}"),
+                    )
+                        .into_response(),
+                }
+            },
+        )),
+    }
+}
+
+fn envd_routes(limit: usize, timeout: std::time::Duration) -> Router {
     Router::new()
         .route("/health", get(health))
         .route("/envs", get(envs))

@@ -172,7 +172,11 @@ impl FromStr for Template {
     }
 }
 
-/// The templates a server offers: the operator's, and `base` unless they named one.
+/// The template `e2b-code-interpreter`'s SDKs create by default.
+pub const CODE_INTERPRETER: &str = "code-interpreter-v1";
+
+/// The templates a server offers: the operator's, `base` unless they named one, and
+/// [`CODE_INTERPRETER`] (the same as `base`) unless they named one.
 #[derive(Debug, Clone)]
 pub(crate) struct Templates(Vec<Template>);
 
@@ -180,6 +184,13 @@ impl Templates {
     pub(crate) fn new(mut list: Vec<Template>) -> Self {
         if !list.iter().any(|t| t.name == "base") {
             list.insert(0, Template::base());
+        }
+        if !list.iter().any(|t| t.name == CODE_INTERPRETER) {
+            if let Some(base) = list.iter().find(|t| t.name == "base") {
+                let mut ci = base.clone();
+                ci.name = CODE_INTERPRETER.into();
+                list.push(ci);
+            }
         }
         Templates(list)
     }
@@ -238,11 +249,21 @@ mod tests {
     #[test]
     fn base_is_built_in_unless_the_operator_names_one() {
         let t = Templates::new(vec!["py=-".parse().unwrap()]);
-        assert_eq!(t.names(), ["base", "py"]);
+        assert_eq!(t.names(), ["base", "py", CODE_INTERPRETER]);
         assert!(t.find("py:latest").is_some());
         assert!(t.find("nope").is_none());
         let own = Templates::new(vec!["base=-,tier=gvisor".parse().unwrap()]);
         assert_eq!(own.find("base").unwrap().tier, Some(Tier::Gvisor));
-        assert_eq!(own.all().len(), 1);
+        assert_eq!(own.all().len(), 2);
+        // The code interpreter's template is the operator's `base`, unless they name it.
+        assert_eq!(own.find(CODE_INTERPRETER).unwrap().tier, Some(Tier::Gvisor));
+        let named = Templates::new(vec![format!("{CODE_INTERPRETER}=-,tier=container")
+            .parse()
+            .unwrap()]);
+        assert_eq!(
+            named.find(CODE_INTERPRETER).unwrap().tier,
+            Some(Tier::Container)
+        );
+        assert_eq!(named.all().len(), 2);
     }
 }

@@ -26,7 +26,7 @@ use crate::{processes, Shared};
 pub(crate) fn router(shared: Arc<Shared>, gate_state: Gate) -> Router {
     let limit = shared.config.body_limit;
     let timeout = shared.config.request_timeout;
-    let envd = crate::e2b::envd_routes(limit, timeout);
+    let envd = crate::e2b::sandbox_routes(limit, timeout);
     v1().merge(crate::e2b::control_routes())
         .fallback(no_route)
         .layer(DefaultBodyLimit::max(limit))
