@@ -211,22 +211,37 @@ fn interpreter_on(tier: &str) {
         &[],
     );
     let url = s.base.trim_end_matches('/').to_string();
-    let out = Command::new("timeout")
-        .args(["--kill-after=10", SCENARIO_LIMIT_S])
-        .arg(&python)
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/e2b/interpreter.py"
-        ))
-        .env_clear()
-        .env("PATH", "/usr/bin:/bin")
-        .env("PYTHONDONTWRITEBYTECODE", "1")
-        .env("E2B_API_URL", &url)
-        .env("E2B_SANDBOX_URL", &url)
-        .env("E2B_API_KEY", format!("e2b_{TOKEN}"))
-        .output()
-        .unwrap();
+    let sdk = |script: &str| {
+        Command::new("timeout")
+            .args(["--kill-after=10", SCENARIO_LIMIT_S])
+            .arg(&python)
+            .arg(script)
+            .env_clear()
+            .env("PATH", "/usr/bin:/bin")
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .env("E2B_API_URL", &url)
+            .env("E2B_SANDBOX_URL", &url)
+            .env("E2B_API_KEY", format!("e2b_{TOKEN}"))
+            .output()
+            .unwrap()
+    };
+    let out = sdk(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/e2b/interpreter.py"
+    ));
+    // The example users copy.
+    let example = sdk(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../examples/e2b_interpreter_quickstart.py"
+    ));
     s.terminate();
+    assert_eq!(
+        String::from_utf8_lossy(&example.stdout),
+        "2\nNameError\n",
+        "examples/e2b_interpreter_quickstart.py: {}\n{}",
+        example.status,
+        String::from_utf8_lossy(&example.stderr)
+    );
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success() && stdout.trim_end().ends_with("all ok"),
