@@ -131,18 +131,25 @@ step "JavaScript clients the server tests drive (npm, cached in /var/tmp/agent-s
 # under the system's Node (20.18.1 or later: the SDK's engines). Node is not a Debian package
 # here (bookworm's is too old for the SDK); without node and npm, agent-sandbox-cli's e2b_js
 # test says so and skips.
+# `@e2b/code-interpreter` (pinned too) drives its code interpreter (port 49999).
 e2b_js=2.51.0
+e2b_ci_js=2.8.0
 npm_prefix=/var/tmp/agent-sandbox-npm
-e2b_js_installed() { # prefix: the version of e2b installed there
-  node -p 'require(process.argv[1]).version' "$1/node_modules/e2b/package.json" 2>/dev/null || true
+e2b_js_installed() { # prefix: the versions of e2b and @e2b/code-interpreter installed there
+  local v=""
+  for p in e2b @e2b/code-interpreter; do
+    v="$v$(node -p 'require(process.argv[1]).version' "$1/node_modules/$p/package.json" 2>/dev/null || true) "
+  done
+  echo "$v"
 }
 if command -v node >/dev/null && command -v npm >/dev/null; then
-  if [ "$(e2b_js_installed "$npm_prefix")" != "$e2b_js" ] && [ -n "$user_suffix" ]; then
+  if [ "$(e2b_js_installed "$npm_prefix")" != "$e2b_js $e2b_ci_js " ] && [ -n "$user_suffix" ]; then
     npm_prefix="$npm_prefix$user_suffix"
   fi
-  if [ "$(e2b_js_installed "$npm_prefix")" != "$e2b_js" ]; then
+  if [ "$(e2b_js_installed "$npm_prefix")" != "$e2b_js $e2b_ci_js " ]; then
     mkdir -p "$npm_prefix"
-    npm install --no-audit --no-fund --save-exact --prefix "$npm_prefix" "e2b@$e2b_js"
+    npm install --no-audit --no-fund --save-exact --prefix "$npm_prefix" "e2b@$e2b_js" \
+      "@e2b/code-interpreter@$e2b_ci_js"
   fi
   export AGENT_SANDBOX_TEST_NODE_MODULES="$npm_prefix/node_modules"
 else

@@ -112,3 +112,54 @@ fn the_official_e2b_javascript_sdk_drives_container_sandboxes() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// E2B's code interpreter on the server's container sandboxes, driven by the official
+/// `@e2b/code-interpreter` JavaScript SDK (`tests/e2b/interpreter.mjs`).
+#[test]
+fn the_official_code_interpreter_javascript_sdk_runs_cells() {
+    let Some((modules, node)) = sdk_and_node() else {
+        return;
+    };
+    if !modules.join("@e2b/code-interpreter/package.json").is_file() {
+        eprintln!(
+            "SKIP: {} has no `@e2b/code-interpreter` (scripts/test.sh installs it)",
+            modules.display()
+        );
+        return;
+    }
+    if let Some(why) = served::container_available() {
+        eprintln!("SKIP: the container tier is not available here: {why}");
+        return;
+    }
+    let (mut s, _) = served::serve_with_token(
+        tempfile::tempdir().unwrap(),
+        TOKEN,
+        &["--template", "base=-,tier=container"],
+        &[],
+    );
+    let url = s.base.trim_end_matches('/').to_string();
+    let out = Command::new("timeout")
+        .args(["--kill-after=10", SCENARIO_LIMIT_S])
+        .arg(&node)
+        .arg(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/tests/e2b/interpreter.mjs"
+        ))
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("AGENT_SANDBOX_TEST_NODE_MODULES", &modules)
+        .env("E2B_API_URL", &url)
+        .env("E2B_SANDBOX_URL", &url)
+        .env("E2B_API_KEY", format!("e2b_{TOKEN}"))
+        .output()
+        .unwrap();
+    s.terminate();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.trim_end().ends_with("all ok"),
+        "interpreter.mjs: {} (124: it ran past {SCENARIO_LIMIT_S} s)\n--- stdout ---\n\
+         {stdout}--- stderr ---\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
