@@ -12,11 +12,12 @@
 //! - `download 32 MiB`: the server sends 32 MiB and closes (throughput).
 //!
 //! Then `spawn + first output`: `Sandbox::spawn` of `echo ready` until its output arrives;
-//! and the keystroke round trip through a terminal: one byte written to a terminal whose
-//! `cat` (after `stty raw -echo`) writes it back, read back: ours (`ExecRequest::tty`,
-//! through the sandbox's pseudo-terminal and the library), against the same `sh -c 'stty
-//! raw -echo; exec cat'` on a pseudo-terminal of the host (no sandbox, `openpty` + a
-//! blocking read).
+//! the interpreter rows: a Python cell `x + 1` in an interpreter context against the same
+//! code as a plain `exec` (a fresh `python3 -c`), and a context's start; and the keystroke
+//! round trip through a terminal: one byte written to a terminal whose `cat` (after `stty
+//! raw -echo`) writes it back, read back: ours (`ExecRequest::tty`, through the sandbox's
+//! pseudo-terminal and the library), against the same `sh -c 'stty raw -echo; exec cat'`
+//! on a pseudo-terminal of the host (no sandbox, `openpty` + a blocking read).
 //!
 //! The container rows run twice: in-process, and through `agent-sandbox serve` (a server in
 //! this process, `RemoteBackend` over loopback TCP): published ports then listen on the
@@ -177,16 +178,19 @@ fn interactive(c: &mut Criterion) {
             );
             continue;
         }
-        let sb = rt
+        let sb: Arc<dyn Sandbox> = rt
             .block_on(backend.create(&SandboxSpec::new(Language::Shell), ResolvedSecrets::none()))
-            .unwrap();
+            .unwrap()
+            .into();
         tier_rows(c, &rt, name, sb.as_ref());
+        interpreter_rows(c, &rt, name, Arc::clone(&sb));
         rt.block_on(sb.destroy()).unwrap();
         if *name == "container" {
             // The same rows through `agent-sandbox serve` (in this process, loopback TCP):
             // what a remote agent pays on top of the sandbox's own.
-            let sb = rt.block_on(through_a_server(Tier::Container));
+            let sb: Arc<dyn Sandbox> = rt.block_on(through_a_server(Tier::Container)).into();
             tier_rows(c, &rt, "container via server", sb.as_ref());
+            interpreter_rows(c, &rt, "container via server", Arc::clone(&sb));
             rt.block_on(sb.destroy()).unwrap();
         }
     }
@@ -328,6 +332,54 @@ fn tier_rows(c: &mut Criterion, rt: &tokio::runtime::Runtime, name: &str, sb: &d
     g.finish();
     drop(cat);
     drop(server);
+}
+
+/// A Python cell `x + 1` in an interpreter context (`sandbox_core::interpreter`: one
+/// `python3` kept running, its value back as a rich output) against the same code as a
+/// plain `exec` (a fresh `python3 -c` each call: the tier's Python before contexts).
+fn interpreter_rows(
+    c: &mut Criterion,
+    rt: &tokio::runtime::Runtime,
+    name: &str,
+    sb: Arc<dyn Sandbox>,
+) {
+    use agent_sandbox::core::interpreter::{CellOptions, ContextSpec, Interpreter};
+    let mut g = c.benchmark_group("interpreter");
+    g.sample_size(30);
+    g.bench_function(
+        format!("{name}: exec python3 -c 'x = 1; print(x + 1)'"),
+        |b| {
+            b.iter(|| {
+                let r = rt
+                    .block_on(sb.exec(ExecRequest::argv(["python3", "-c", "x = 1; print(x + 1)"])))
+                    .unwrap();
+                assert_eq!(r.stdout_str(), "2\n");
+            })
+        },
+    );
+    let mut py = rt
+        .block_on(Interpreter::start(Arc::clone(&sb), ContextSpec::python()))
+        .unwrap();
+    rt.block_on(py.run("x = 1", &CellOptions::new())).unwrap();
+    g.bench_function(format!("{name}: interpreter cell x + 1"), |b| {
+        b.iter(|| {
+            let r = rt.block_on(py.run("x + 1", &CellOptions::new())).unwrap();
+            assert_eq!(r.value.as_deref(), Some("2"));
+        })
+    });
+    g.bench_function(
+        format!("{name}: interpreter start (python3 + driver ready)"),
+        |b| {
+            b.iter(|| {
+                let p = rt
+                    .block_on(Interpreter::start(Arc::clone(&sb), ContextSpec::python()))
+                    .unwrap();
+                rt.block_on(p.close());
+            })
+        },
+    );
+    g.finish();
+    rt.block_on(py.close());
 }
 
 /// `sh -c 'stty raw -echo; echo ready; exec cat'` on a new pseudo-terminal of the host

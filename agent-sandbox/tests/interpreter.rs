@@ -17,7 +17,15 @@ use agent_sandbox::{
 
 /// Python sandboxes on each available tier that runs background processes.
 async fn sandboxes() -> Vec<Arc<dyn Sandbox>> {
-    let rt = Runtime::new();
+    let spec = SandboxSpec::builder(Language::Python)
+        .output_bytes(256 << 10)
+        .build()
+        .unwrap();
+    sandboxes_of(&Runtime::new(), &spec).await
+}
+
+/// Sandboxes of `spec` from `rt` on each available tier that runs background processes.
+async fn sandboxes_of(rt: &Runtime, spec: &SandboxSpec) -> Vec<Arc<dyn Sandbox>> {
     let mut out = Vec::new();
     for status in rt.probe().await {
         let tier = status.tier;
@@ -33,11 +41,7 @@ async fn sandboxes() -> Vec<Arc<dyn Sandbox>> {
             eprintln!("SKIP {tier}: no background processes");
             continue;
         }
-        let spec = SandboxSpec::builder(Language::Python)
-            .output_bytes(256 << 10)
-            .build()
-            .unwrap();
-        let sb = rt.create(&spec, TierChoice::Tier(tier)).await.unwrap();
+        let sb = rt.create(spec, TierChoice::Tier(tier)).await.unwrap();
         let sb: Arc<dyn Sandbox> = Arc::from(sb);
         // The host's own python3 is what these sandboxes run.
         let probe = sb
@@ -310,6 +314,137 @@ print("still here")
         let r = py.run("6 * 7", &CellOptions::new()).await.unwrap();
         assert_eq!(r.value.as_deref(), Some("42"), "{tier}: {r:?}");
         assert!(!r.truncated, "{tier}");
+        py.close().await;
+        sb.destroy().await.unwrap();
+    }
+}
+
+/// A secret the sandbox holds (as an environment variable) is hidden in what its cells
+/// return, as in their output: in values, displayed bundles and errors, even where JSON
+/// escapes the secret's quotes and non-ASCII characters on the way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cells_values_and_errors_hide_the_sandboxes_secrets() {
+    const SECRET: &str = "p\u{e4}ss\"w0rd-123";
+    let rt = Runtime::builder()
+        .with_default_tiers()
+        .secret_source(Arc::new(
+            agent_sandbox::MapSecretSource::new().with("TOKEN", SECRET),
+        ))
+        .build();
+    let spec = SandboxSpec::builder(Language::Python)
+        .secret_env("TOKEN", "T")
+        .build()
+        .unwrap();
+    for sb in sandboxes_of(&rt, &spec).await {
+        let tier = sb.tier();
+        let mut py = Interpreter::start(Arc::clone(&sb), ContextSpec::python())
+            .await
+            .unwrap();
+        let (tx, mut rx) = tokio::sync::mpsc::channel(16);
+        let code = "import os\nt = os.environ['T']\nprint(t)\ndisplay({'k': [t]})\nt";
+        let r = py
+            .run_streaming(code, &CellOptions::new(), Some(&tx))
+            .await
+            .unwrap();
+        drop(tx);
+        let mut streamed = String::new();
+        while let Some(e) = rx.recv().await {
+            streamed.push_str(&format!("{e:?}"));
+        }
+        let all = format!("{r:?} {streamed}");
+        assert!(!all.contains("w0rd"), "{tier}: {all}");
+        assert_eq!(
+            r.value.as_deref(),
+            Some("\"[REDACTED:TOKEN]\""),
+            "{tier}: {r:?}"
+        );
+        assert_eq!(r.outputs[1].text(), Some("'[REDACTED:TOKEN]'"), "{tier}");
+        let r = py
+            .run("raise ValueError(t)", &CellOptions::new())
+            .await
+            .unwrap();
+        let e = r.error.as_ref().unwrap();
+        assert_eq!(e.value, "[REDACTED:TOKEN]", "{tier}: {e:?}");
+        assert!(!format!("{r:?}").contains("w0rd"), "{tier}: {r:?}");
+        py.close().await;
+        sb.destroy().await.unwrap();
+    }
+}
+
+/// An interpreter dropped without `close` (its owner gone, a start cancelled) does not
+/// leave its `python3` behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_interpreter_leaves_no_process() {
+    for sb in sandboxes().await {
+        let tier = sb.tier();
+        let py = Interpreter::start(Arc::clone(&sb), ContextSpec::python())
+            .await
+            .unwrap();
+        drop(py);
+        // A start cut short.
+        let cut = tokio::time::timeout(
+            Duration::from_millis(30),
+            Interpreter::start(Arc::clone(&sb), ContextSpec::python()),
+        )
+        .await;
+        drop(cut);
+        let mut left = Vec::new();
+        for _ in 0..100 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            left = sb
+                .processes()
+                .await
+                .unwrap()
+                .into_iter()
+                .filter(|p| p.state == agent_sandbox::ProcessState::Running)
+                .collect();
+            if left.is_empty() {
+                break;
+            }
+        }
+        assert!(left.is_empty(), "{tier}: still running: {left:?}");
+        sb.destroy().await.unwrap();
+    }
+}
+
+/// A cell that forges its own `done` and goes on, leaving the driver deaf to requests, can
+/// not hold the context: the next cell's request (larger than a pipe holds) gives up at its
+/// timeout, the interpreter is killed, and the one after runs in a fresh interpreter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cell_that_stops_the_driver_reading_does_not_wedge_the_context() {
+    const DEAF: &str = r#"
+import json, os, sys, time
+f = sys._getframe()
+while f is not None and "MARK" not in f.f_locals:
+    f = f.f_back
+M, n = f.f_locals["MARK"], f.f_locals["count"]
+for fd in (2, 1):
+    os.write(fd, M + json.dumps({"t": "done", "n": n}).encode() + b"\n")
+time.sleep(3600)
+"#;
+    for sb in sandboxes().await {
+        let tier = sb.tier();
+        let mut py = Interpreter::start(Arc::clone(&sb), ContextSpec::python())
+            .await
+            .unwrap();
+        let r = py.run(DEAF, &CellOptions::new()).await.unwrap();
+        assert_eq!(
+            r.exit_code,
+            Some(0),
+            "{tier}: the forged done ended it: {r:?}"
+        );
+        let big = format!("x = '{}'\nlen(x)", "a".repeat(256 << 10));
+        let r = py
+            .run(&big, &CellOptions::new().timeout(Duration::from_secs(2)))
+            .await
+            .unwrap();
+        assert_eq!(
+            r.error.as_ref().map(|e| e.name.as_str()),
+            Some("InterpreterKilled"),
+            "{tier}: {r:?}"
+        );
+        let r = py.run("1 + 2", &CellOptions::new()).await.unwrap();
+        assert_eq!(r.value.as_deref(), Some("3"), "{tier}: {r:?}");
         py.close().await;
         sb.destroy().await.unwrap();
     }

@@ -487,6 +487,10 @@ impl Sandbox for ContainerSandbox {
         }
     }
 
+    fn redactor(&self) -> sandbox_core::secrets::Redactor {
+        self.inner.redactor.clone()
+    }
+
     async fn health_check(&self) -> Result<()> {
         self.inner.alive()?;
         self.inner.ping().await

@@ -501,6 +501,10 @@ impl Sandbox for UnisolatedSandbox {
         Ok(Vec::new())
     }
 
+    fn redactor(&self) -> sandbox_core::secrets::Redactor {
+        self.shared.redactor.clone()
+    }
+
     async fn health_check(&self) -> Result<()> {
         self.shared.alive()?;
         if self.shared.root.is_dir() {

@@ -14,6 +14,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::secrets::Redactor;
+
 /// The MIME types the interpreters produce (any other `type/subtype` a cell's object
 /// offers through `_repr_mimebundle_` is kept as well).
 pub mod mime {
@@ -122,6 +124,79 @@ impl CellError {
     /// The bytes this error holds (what the output cap counts).
     pub fn size(&self) -> usize {
         self.name.len() + self.value.len() + self.traceback.iter().map(String::len).sum::<usize>()
+    }
+}
+
+/// Text with `redactor`'s secret values hidden.
+pub fn redact_text(redactor: &Redactor, s: String) -> String {
+    if redactor.is_empty() {
+        return s;
+    }
+    String::from_utf8_lossy(&redactor.redact(s.as_bytes())).into_owned()
+}
+
+/// JSON text with `redactor`'s secret values hidden: in the text as written, and in every
+/// string it holds once decoded (JSON escapes a secret's quotes, backslashes and non-ASCII
+/// characters, so the text alone may not show it).
+pub fn redact_json(redactor: &Redactor, s: String) -> String {
+    if redactor.is_empty() {
+        return s;
+    }
+    /// Redacts the strings of `v`; whether any changed.
+    fn walk(r: &Redactor, v: &mut serde_json::Value) -> bool {
+        match v {
+            serde_json::Value::String(t) => {
+                let red = redact_text(r, t.clone());
+                let changed = red != *t;
+                *t = red;
+                changed
+            }
+            serde_json::Value::Array(a) => a.iter_mut().fold(false, |c, v| walk(r, v) | c),
+            serde_json::Value::Object(m) => m.values_mut().fold(false, |c, v| walk(r, v) | c),
+            _ => false,
+        }
+    }
+    // Written anew only when a secret was in it (the text is kept as it was otherwise).
+    if let Ok(mut v) = serde_json::from_str::<serde_json::Value>(&s) {
+        if walk(redactor, &mut v) {
+            return redact_text(redactor, serde_json::to_string(&v).unwrap_or_default());
+        }
+    }
+    redact_text(redactor, s)
+}
+
+impl Output {
+    /// This output with `redactor`'s secrets hidden in its text representations (base64
+    /// images are left whole: a redaction inside one would only break the image).
+    pub fn redacted(mut self, redactor: &Redactor) -> Output {
+        if redactor.is_empty() {
+            return self;
+        }
+        for (k, v) in self.data.iter_mut() {
+            if k == mime::APPLICATION_JSON {
+                *v = redact_json(redactor, std::mem::take(v));
+            } else if !mime::is_binary(k) {
+                *v = redact_text(redactor, std::mem::take(v));
+            }
+        }
+        self
+    }
+}
+
+impl CellError {
+    /// This error with `redactor`'s secrets hidden.
+    pub fn redacted(self, redactor: &Redactor) -> CellError {
+        if redactor.is_empty() {
+            return self;
+        }
+        CellError::new(
+            redact_text(redactor, self.name),
+            redact_text(redactor, self.value),
+            self.traceback
+                .into_iter()
+                .map(|l| redact_text(redactor, l))
+                .collect(),
+        )
     }
 }
 
@@ -481,5 +556,40 @@ mod tests {
         take(&mut c, FrameKind::Error, e.as_bytes());
         assert_eq!(c.error().map(|e| e.value.len()), Some(20));
         assert_eq!(c.finish().error.map(|e| e.size()), Some(21));
+    }
+
+    #[test]
+    fn secrets_are_hidden_even_where_json_escapes_them() {
+        let r = Redactor::new([("T".to_string(), "p\u{e4}ss\"w0rd".to_string())]);
+        let o = Output::new(
+            OutputKind::ExecuteResult,
+            [
+                (mime::TEXT_PLAIN, "'p\u{e4}ss\"w0rd'"),
+                (mime::APPLICATION_JSON, r#"{"k":["p\u00e4ss\"w0rd"]}"#),
+                (mime::IMAGE_PNG, "cGFzcw=="),
+            ],
+        )
+        .redacted(&r);
+        assert_eq!(o.text(), Some("'[REDACTED:T]'"));
+        assert_eq!(
+            o.get(mime::APPLICATION_JSON),
+            Some(r#"{"k":["[REDACTED:T]"]}"#)
+        );
+        assert_eq!(o.get(mime::IMAGE_PNG), Some("cGFzcw=="));
+        assert_eq!(
+            redact_json(&r, r#""p\u00e4ss\"w0rd""#.into()),
+            r#""[REDACTED:T]""#
+        );
+        assert_eq!(
+            redact_json(&r, r#"["a", 1]"#.into()),
+            r#"["a", 1]"#,
+            "kept as written"
+        );
+        let e =
+            CellError::new("E", "p\u{e4}ss\"w0rd", vec!["x p\u{e4}ss\"w0rd".into()]).redacted(&r);
+        assert_eq!(
+            (e.value.as_str(), e.traceback[0].as_str()),
+            ("[REDACTED:T]", "x [REDACTED:T]")
+        );
     }
 }

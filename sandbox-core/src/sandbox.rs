@@ -274,6 +274,14 @@ pub trait Sandbox: Send + Sync {
         Err(Error::unsupported(self.tier(), "watching files"))
     }
 
+    /// What hides this sandbox's secret values in text it produces (its backend applies it
+    /// to every command's output; code built on the trait that decodes output, such as
+    /// [`crate::interpreter`], applies it to what it decoded). Empty by default: a backend
+    /// that resolves no secrets itself (e.g. one that forwards to a server) has none.
+    fn redactor(&self) -> crate::secrets::Redactor {
+        crate::secrets::Redactor::default()
+    }
+
     /// A cheap liveness check used by warm pools before handing a sandbox out.
     async fn health_check(&self) -> Result<()>;
 

@@ -9,11 +9,13 @@ a failed check is an AssertionError saying what was expected and what came.
 
 Environment: E2B_API_URL, E2B_SANDBOX_URL, E2B_API_KEY as for scenario.py; E2B_EXPECT_HOME
 the sandbox's home (/home/user unless the template names another)."""
+import http.client
 import json
 import os
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from e2b import (
@@ -192,11 +194,43 @@ def refusals(sbx):
     eq((status, body), (200, '"OK"'), "health")
 
 
+def queue(sbx):
+    """A context runs one cell at a time; at most 8 more wait, each holding its code: the
+    ninth is a 429. Waiting clients that leave give their places back, and a client that
+    leaves a running cell interrupts it."""
+    url = urllib.parse.urlparse(URL)
+
+    def execute(code):
+        c = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+        headers = {
+            "E2b-Sandbox-Id": sbx.sandbox_id,
+            "E2b-Sandbox-Port": "49999",
+            "X-Access-Token": sbx._envd_access_token,
+            "Content-Type": "application/json",
+        }
+        c.request("POST", "/execute", body=json.dumps({"code": code}), headers=headers)
+        return c, c.getresponse()
+
+    busy = execute("import time; time.sleep(120)")
+    eq(busy[1].status, 200, "the running cell's answer")
+    waiting = [execute("1") for _ in range(8)]
+    eq([r.status for _, r in waiting], [200] * 8, "eight waiting cells")
+    over = execute("1")
+    eq(over[1].status, 429, "a ninth waiting cell")
+    assert "wait" in over[1].read().decode(), "the 429 says why"
+    # A response keeps its connection's socket open: both are closed.
+    for c, r in [over, *waiting, busy]:
+        r.close()
+        c.close()
+    ex = sbx.run_code("'free'", timeout=60)
+    eq(ex.text, "free", "the context after its clients left")
+
+
 def main():
     sbx = Sandbox.create(timeout=120)
     sbx_env = Sandbox.create(timeout=120, envs={"FOO": "bar"})
     try:
-        for step in (basics, callbacks, contexts, interrupt, reconnect, refusals):
+        for step in (basics, callbacks, contexts, interrupt, reconnect, refusals, queue):
             step(sbx)
             print("ok:", step.__name__, flush=True)
         env_vars(sbx_env)

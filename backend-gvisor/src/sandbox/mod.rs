@@ -352,6 +352,10 @@ impl Sandbox for GvisorSandbox {
         Ok(())
     }
 
+    fn redactor(&self) -> sandbox_core::secrets::Redactor {
+        self.inner.redactor.clone()
+    }
+
     async fn health_check(&self) -> Result<()> {
         self.inner.alive()?;
         if self.inner.container_running().await {

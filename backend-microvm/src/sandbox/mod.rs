@@ -454,6 +454,10 @@ impl Sandbox for MicrovmSandbox {
         self.inner.pause_resume(false).await
     }
 
+    fn redactor(&self) -> sandbox_core::secrets::Redactor {
+        self.inner.redactor.clone()
+    }
+
     async fn health_check(&self) -> Result<()> {
         self.inner
             .call(None, |a| a.ping(PING_TIMEOUT).map(|_| ()))

@@ -79,20 +79,15 @@ impl Inner {
         let mut stderr = err.finish(&self.redactor);
         if let Some(n) = note {
             // Notes can quote guest output (a failed figure flush): redacted like it.
-            let line = self.redact_text(format!("[agent-sandbox] {n}\n"));
+            let line =
+                sandbox_core::cell::redact_text(&self.redactor, format!("[agent-sandbox] {n}\n"));
             if let Some(t) = &taps {
                 t.err.note(line.as_bytes());
             }
             stderr.extend_from_slice(line.as_bytes());
         }
         drop(taps);
-        let value = value.map(|v| {
-            if self.redactor.is_empty() {
-                v
-            } else {
-                String::from_utf8_lossy(&self.redactor.redact(v.as_bytes())).into_owned()
-            }
-        });
+        let value = value.map(|v| sandbox_core::cell::redact_json(&self.redactor, v));
         // A call the host stopped for a limit ends as a killed process does in every tier:
         // 137 (128 + SIGKILL), not without an exit code.
         let exit_code = match (exit_code, limit) {
@@ -107,43 +102,12 @@ impl Inner {
             r.outputs = c
                 .outputs
                 .into_iter()
-                .map(|o| self.redact_output(o))
+                .map(|o| o.redacted(&self.redactor))
                 .collect();
-            r.error = c.error.map(|e| {
-                sandbox_core::CellError::new(
-                    self.redact_text(e.name),
-                    self.redact_text(e.value),
-                    e.traceback
-                        .into_iter()
-                        .map(|l| self.redact_text(l))
-                        .collect(),
-                )
-            });
+            r.error = c.error.map(|e| e.redacted(&self.redactor));
         }
         r.timeline = t.finish();
         r
-    }
-
-    fn redact_text(&self, s: String) -> String {
-        if self.redactor.is_empty() {
-            s
-        } else {
-            String::from_utf8_lossy(&self.redactor.redact(s.as_bytes())).into_owned()
-        }
-    }
-
-    /// An output with secrets redacted from its text representations (base64 images are
-    /// left whole: a redaction inside one would only break the image).
-    fn redact_output(&self, mut o: sandbox_core::Output) -> sandbox_core::Output {
-        if self.redactor.is_empty() {
-            return o;
-        }
-        for (mime, v) in o.data.iter_mut() {
-            if !sandbox_core::cell::mime::is_binary(mime) {
-                *v = self.redact_text(std::mem::take(v));
-            }
-        }
-        o
     }
 
     async fn exec_module(

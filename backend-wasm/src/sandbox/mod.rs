@@ -420,6 +420,10 @@ impl Sandbox for WasmSandbox {
         self.inner.snapshot(store).await
     }
 
+    fn redactor(&self) -> sandbox_core::secrets::Redactor {
+        self.inner.redactor.clone()
+    }
+
     async fn health_check(&self) -> Result<()> {
         self.inner.health_check().await
     }

@@ -82,10 +82,13 @@ def __agent_sandbox_main():
             except SyntaxError:
                 raise first from None
 
-    def run(count, code):
+    def run(count, code, env, saved):
         name = "<cell-%d>" % count
         linecache.cache[name] = (len(code), None, code.splitlines(True), name)
         try:
+            for k, v in env.items():
+                saved.setdefault(k, os.environ.get(k))
+                os.environ[k] = v
             tree = parse(code, name)
             last = None
             if tree.body and isinstance(tree.body[-1], ast.Expr):
@@ -120,9 +123,7 @@ def __agent_sandbox_main():
             continue
         saved = {}
         try:
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)
-            run(count, code)
+            run(count, code, env, saved)
             cells.flush()
         except BaseException:
             pass
@@ -130,10 +131,13 @@ def __agent_sandbox_main():
             # An interrupt now would cut the frames short: it waits for the next read.
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+                try:
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+                except Exception:
+                    pass
             try:
                 sys.stdout.flush()
                 sys.stderr.flush()

@@ -56,6 +56,16 @@ const GRACE: Duration = Duration::from_secs(3);
 /// count too).
 const READ_SLACK: u64 = 64 << 10;
 
+/// How long a reader of a cell's events may take nothing before it counts as gone.
+const SEND_STALL: Duration = Duration::from_secs(60);
+
+/// `after` from now (far in the future when that overflows).
+fn later(after: Duration) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    now.checked_add(after)
+        .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365 * 30))
+}
+
 /// Frames this small are always parsed (the driver's `done`), whatever the budget says.
 const SMALL_FRAME: usize = 256;
 
@@ -100,7 +110,9 @@ impl ContextSpec {
 pub struct CellOptions {
     /// Environment for this cell only (restored afterwards, as E2B's `envs` on `run_code`).
     pub env: BTreeMap<String, String>,
-    /// Wall time before the cell is interrupted; capped by the spec's `limits.wall_time_ms`.
+    /// Wall time before the cell is interrupted (default: the spec's
+    /// `limits.wall_time_ms`; a context is a long-lived process, like a background one, so a
+    /// longer time given here is taken as it is).
     pub timeout: Option<Duration>,
 }
 
@@ -146,6 +158,66 @@ struct Driver {
     version: String,
 }
 
+/// A driver dropped while it runs (its interpreter dropped, a cell's future cancelled) is
+/// killed: dropping a [`Process`] alone leaves it running.
+impl Drop for Driver {
+    fn drop(&mut self) {
+        if self.proc.exit().is_none() {
+            kill_later(self.handle.clone());
+        }
+    }
+}
+
+/// Sends `SIGKILL` to `handle`'s process from a task (for `Drop`, which cannot wait).
+fn kill_later(handle: ProcessHandle) {
+    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        rt.spawn(async move {
+            let _ = handle.signal(Signal::Kill).await;
+        });
+    }
+}
+
+/// Kills a process it holds when dropped, unless [`disarm`](Self::disarm)ed: a driver
+/// whose start was cancelled or failed.
+struct KillOnDrop(Option<ProcessHandle>);
+
+impl KillOnDrop {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(h) = self.0.take() {
+            kill_later(h);
+        }
+    }
+}
+
+/// Kills a context's running interpreter from elsewhere, while a cell holds the context
+/// (`&mut Interpreter`): the cell then ends with an `InterpreterExited` error and the next
+/// one starts a fresh interpreter. It follows restarts: it always names the interpreter
+/// running now.
+#[derive(Debug, Clone, Default)]
+pub struct Killer(Arc<std::sync::Mutex<Option<ProcessHandle>>>);
+
+impl Killer {
+    /// Kills the interpreter running now, if one is.
+    pub async fn kill(&self) {
+        let h = self.0.lock().ok().and_then(|g| g.clone());
+        if let Some(h) = h {
+            let _ = h.signal(Signal::Kill).await;
+        }
+    }
+
+    fn set(&self, h: Option<ProcessHandle>) {
+        if let Ok(mut g) = self.0.lock() {
+            *g = h;
+        }
+    }
+}
+
 /// One interpreter context in a sandbox. Cells run one at a time (`&mut self`); to stop a
 /// running cell from elsewhere, give [`run_streaming`](Self::run_streaming) a `stop` future.
 pub struct Interpreter {
@@ -153,6 +225,7 @@ pub struct Interpreter {
     spec: ContextSpec,
     driver: Option<Driver>,
     count: u64,
+    killer: Killer,
 }
 
 impl std::fmt::Debug for Interpreter {
@@ -186,6 +259,8 @@ struct Cell {
     out_done: bool,
     err_done: bool,
     pending: Vec<CellEvent>,
+    /// The sandbox's: what the cell's decoded outputs are redacted with.
+    redactor: Redactor,
 }
 
 impl Cell {
@@ -244,10 +319,18 @@ impl Cell {
         if !self.cells.take(kind, f) {
             return;
         }
+        let r = &self.redactor;
         let ev = if kind == FrameKind::Error {
-            self.cells.error().cloned().map(CellEvent::Error)
+            self.cells
+                .error()
+                .cloned()
+                .map(|e| CellEvent::Error(e.redacted(r)))
         } else {
-            self.cells.outputs().last().cloned().map(CellEvent::Output)
+            self.cells
+                .outputs()
+                .last()
+                .cloned()
+                .map(|o| CellEvent::Output(o.redacted(r)))
         };
         self.pending.extend(ev);
     }
@@ -275,8 +358,9 @@ impl Interpreter {
             spec,
             driver: None,
             count: 0,
+            killer: Killer::default(),
         };
-        me.driver = Some(me.spawn().await?);
+        me.respawn().await?;
         Ok(me)
     }
 
@@ -295,10 +379,9 @@ impl Interpreter {
         self.driver.as_ref().map(|d| d.version.as_str())
     }
 
-    /// The running interpreter's process: to kill it from elsewhere while a cell holds
-    /// `&mut self` (the cell then ends with an `InterpreterExited` error).
-    pub fn process(&self) -> Option<ProcessHandle> {
-        self.driver.as_ref().map(|d| d.handle.clone())
+    /// What kills this context's interpreter from elsewhere (see [`Killer`]).
+    pub fn killer(&self) -> Killer {
+        self.killer.clone()
     }
 
     /// The count the next cell will have.
@@ -317,9 +400,7 @@ impl Interpreter {
     /// As [`start`](Self::start).
     pub async fn restart(&mut self) -> Result<()> {
         self.stop().await;
-        self.count = 0;
-        self.driver = Some(self.spawn().await?);
-        Ok(())
+        self.respawn().await
     }
 
     /// Ends the interpreter (killing a cell still running).
@@ -328,10 +409,20 @@ impl Interpreter {
     }
 
     async fn stop(&mut self) {
+        self.killer.set(None);
         if let Some(mut d) = self.driver.take() {
             let _ = d.handle.signal(Signal::Kill).await;
             let _ = tokio::time::timeout(GRACE, d.proc.wait(None)).await;
         }
+    }
+
+    /// A fresh driver, now the running one.
+    async fn respawn(&mut self) -> Result<()> {
+        self.count = 0;
+        let d = self.spawn().await?;
+        self.killer.set(Some(d.handle.clone()));
+        self.driver = Some(d);
+        Ok(())
     }
 
     async fn spawn(&self) -> Result<Driver> {
@@ -342,6 +433,7 @@ impl Interpreter {
         req.env = self.spec.env.clone();
         let mut proc = self.sandbox.spawn(req).await?;
         let handle = proc.handle();
+        let guard = KillOnDrop(Some(handle.clone()));
         let hello = serde_json::json!({ "mark": mark, "cwd": self.spec.cwd });
         let mut line =
             serde_json::to_vec(&hello).map_err(|e| Error::backend(tier, e.to_string()))?;
@@ -404,6 +496,7 @@ impl Interpreter {
                 });
             }
         };
+        guard.disarm();
         Ok(Driver {
             proc,
             handle,
@@ -440,9 +533,9 @@ impl Interpreter {
         events: Option<&tokio::sync::mpsc::Sender<CellEvent>>,
     ) -> Result<ExecResult> {
         if self.driver.is_none() {
-            self.count = 0;
-            self.driver = Some(self.spawn().await?);
+            self.respawn().await?;
         }
+        let redactor = self.sandbox.redactor();
         let spec = self.sandbox.spec();
         let cap = spec.limits.output_bytes;
         let timeout = opts.timeout.unwrap_or_else(|| spec.limits.wall_time());
@@ -455,11 +548,6 @@ impl Interpreter {
         let Some(d) = self.driver.as_mut() else {
             return Err(Error::backend(self.sandbox.tier(), "no interpreter"));
         };
-        if let Err(e) = d.handle.write_stdin(line).await {
-            // The driver is gone: the next cell starts a fresh one.
-            self.driver = None;
-            return Err(e);
-        }
         let mut cell = Cell {
             n,
             stdout: OutputBuffer::new(cap),
@@ -469,6 +557,7 @@ impl Interpreter {
             out_done: false,
             err_done: false,
             pending: Vec::new(),
+            redactor: redactor.clone(),
         };
         d.out.limit = usize::try_from(cap.saturating_add(4096)).unwrap_or(usize::MAX);
         d.err.limit = SMALL_FRAME;
@@ -477,7 +566,7 @@ impl Interpreter {
         let mut timed_out = false;
         let mut killed = false;
         let mut listening = events.is_some();
-        let mut deadline = tokio::time::Instant::now() + timeout;
+        let mut deadline = later(timeout);
         let mut pieces = Vec::new();
         let closed = async {
             match events {
@@ -486,7 +575,27 @@ impl Interpreter {
             }
         };
         tokio::pin!(closed);
-        'cell: while !(cell.out_done && cell.err_done) && exited.is_none() {
+        // The request, raced against the deadline and the caller: a driver that stopped
+        // reading (a cell that forged its `done` and went on) never blocks us.
+        tokio::select! {
+            r = d.handle.write_stdin(line) => {
+                if let Err(e) = r {
+                    // The driver is gone: the next cell starts a fresh one.
+                    self.driver = None;
+                    self.killer.set(None);
+                    return Err(e);
+                }
+            }
+            () = tokio::time::sleep_until(deadline) => {
+                (killed, timed_out) = (true, true);
+            }
+            () = &mut closed, if listening => {
+                listening = false;
+                killed = true;
+            }
+        }
+        let drained = |c: &Cell| c.out_done && c.err_done;
+        'cell: while !(killed || drained(&cell)) && exited.is_none() {
             // Why the cell is to stop now: the caller left, or its time is up.
             let mut stop_now = None;
             tokio::select! {
@@ -506,6 +615,7 @@ impl Interpreter {
                     Some(Ok(ExecEvent::Exit(r))) => exited = Some(r),
                     Some(Err(e)) => {
                         self.driver = None;
+                        self.killer.set(None);
                         return Err(e);
                     }
                     None => exited = Some(ExecResult::new(None, Vec::new(), Vec::new())),
@@ -521,11 +631,18 @@ impl Interpreter {
                 let Some(tx) = events.filter(|_| listening) else {
                     continue;
                 };
-                match tokio::time::timeout_at(deadline, tx.send(ev)).await {
+                let stall = later(SEND_STALL).min(deadline);
+                match tokio::time::timeout_at(stall, tx.send(ev)).await {
                     Ok(Ok(())) => {}
                     Ok(Err(_)) => {
                         listening = false;
                         stop_now.get_or_insert(false);
+                    }
+                    // A reader that takes nothing for a minute has left.
+                    Err(_) if stall < deadline => {
+                        listening = false;
+                        stop_now.get_or_insert(false);
+                        break;
                     }
                     Err(_) => {
                         stop_now = Some(true);
@@ -544,7 +661,7 @@ impl Interpreter {
                     interrupted = true;
                     timed_out = for_time;
                     let _ = d.handle.signal(Signal::Interrupt).await;
-                    deadline = tokio::time::Instant::now() + GRACE;
+                    deadline = later(GRACE);
                 }
             }
         }
@@ -565,13 +682,20 @@ impl Interpreter {
             tail.push(CellEvent::Stderr(t));
         }
         let mut kept = cells.finish();
+        kept.outputs = kept
+            .outputs
+            .into_iter()
+            .map(|o| o.redacted(&redactor))
+            .collect();
+        kept.error = kept.error.map(|e| e.redacted(&redactor));
+        kept.value = kept.value.map(|v| crate::cell::redact_json(&redactor, v));
         let mut exit_code = Some(i32::from(kept.error.is_some()));
         if killed {
             self.stop().await;
             let e = CellError::new(
                 "InterpreterKilled",
-                "the cell did not stop when interrupted: its interpreter was killed, and \
-                 the next cell starts a fresh one",
+                "the cell did not end when it was to stop (interrupted, or its request not \
+                 taken): its interpreter was killed, and the next cell starts a fresh one",
                 Vec::new(),
             );
             tail.push(CellEvent::Error(e.clone()));
@@ -579,6 +703,7 @@ impl Interpreter {
             exit_code = None;
         } else if let Some(r) = exited {
             self.driver = None;
+            self.killer.set(None);
             let e = CellError::new(
                 "InterpreterExited",
                 format!(

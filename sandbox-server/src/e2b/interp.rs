@@ -20,8 +20,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::Router;
 use sandbox_core::cell::{mime, OutputKind};
-use sandbox_core::interpreter::{CellEvent, CellOptions, ContextSpec, Interpreter};
-use sandbox_core::process::{ProcessHandle, Signal};
+use sandbox_core::interpreter::{CellEvent, CellOptions, ContextSpec, Interpreter, Killer};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -30,8 +29,16 @@ use super::Envd;
 /// The port E2B's code interpreter listens on; the SDKs address it in `E2b-Sandbox-Port`.
 pub const JUPYTER_PORT: u16 = 49999;
 
-/// Contexts one sandbox may have (each is a process in it, and state here).
+/// Contexts clients may create in one sandbox (each is a process in it, and state here);
+/// the default context of each language is made besides.
 const MAX_CONTEXTS: usize = 32;
+
+/// Cells that may wait for one context while another runs in it (each holds its code).
+const MAX_WAITING: usize = 8;
+
+/// The largest `/execute` or `/contexts` body taken (a cell's code), whatever the server's
+/// body limit.
+const CODE_LIMIT: usize = 16 << 20;
 
 /// How long a cell may run: as long as its sandbox lives (E2B's SDKs bound it on their
 /// side, then close the stream, which interrupts it).
@@ -55,8 +62,10 @@ pub(crate) struct Context {
     /// Made for a language's default (`language` in `/execute`), not by a client's create.
     default: bool,
     interpreter: tokio::sync::Mutex<Option<Interpreter>>,
-    /// The running interpreter's process, to kill it while a cell holds `interpreter`.
-    process: std::sync::Mutex<Option<ProcessHandle>>,
+    /// Kills the running interpreter while a cell holds `interpreter` (set at its start).
+    killer: std::sync::OnceLock<Killer>,
+    /// Places for cells waiting for `interpreter`.
+    waiting: Arc<tokio::sync::Semaphore>,
 }
 
 impl Context {
@@ -67,7 +76,8 @@ impl Context {
             cwd,
             default,
             interpreter: tokio::sync::Mutex::new(None),
-            process: std::sync::Mutex::new(None),
+            killer: std::sync::OnceLock::new(),
+            waiting: Arc::new(tokio::sync::Semaphore::new(MAX_WAITING)),
         })
     }
 
@@ -92,18 +102,15 @@ impl Context {
                 "no interpreter",
             ));
         };
-        self.set_process(i.process());
+        let _ = self.killer.set(i.killer());
         Ok(i)
     }
 
-    fn set_process(&self, p: Option<ProcessHandle>) {
-        if let Ok(mut slot) = self.process.lock() {
-            *slot = p;
+    /// Kills its running interpreter (a cell running in it ends).
+    async fn kill(&self) {
+        if let Some(k) = self.killer.get() {
+            k.kill().await;
         }
-    }
-
-    fn take_process(&self) -> Option<ProcessHandle> {
-        self.process.lock().ok().and_then(|mut p| p.take())
     }
 }
 
@@ -121,7 +128,7 @@ pub(crate) fn routes(limit: usize) -> Router {
                 format!("the code interpreter has no endpoint {uri}"),
             )
         })
-        .layer(axum::extract::DefaultBodyLimit::max(limit))
+        .layer(axum::extract::DefaultBodyLimit::max(limit.min(CODE_LIMIT)))
 }
 
 /// An error as E2B's interpreter answers: a status and a plain-text body.
@@ -181,6 +188,13 @@ async fn create(e: Envd, body: Bytes) -> Response {
     if let Some(r) = unsupported(&language) {
         return r;
     }
+    let full = |list: &[Arc<Context>]| list.iter().filter(|c| !c.default).count() >= MAX_CONTEXTS;
+    if full(&e.meta.contexts.0.lock().await) {
+        return text(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("this sandbox has {MAX_CONTEXTS} contexts, the most it may have: remove one"),
+        );
+    }
     let cwd = req.cwd.unwrap_or_else(|| e.meta.home.clone());
     let ctx = Context::new(language, cwd, false);
     {
@@ -190,7 +204,7 @@ async fn create(e: Envd, body: Bytes) -> Response {
         }
     }
     let mut list = e.meta.contexts.0.lock().await;
-    if list.len() >= MAX_CONTEXTS {
+    if full(&list) {
         drop(list);
         close(ctx);
         return text(
@@ -225,9 +239,7 @@ async fn remove(e: Envd, Path(id): Path<String>) -> Response {
 /// it until the kill ends that cell).
 fn close(ctx: Arc<Context>) {
     tokio::spawn(async move {
-        if let Some(p) = ctx.take_process() {
-            let _ = p.signal(Signal::Kill).await;
-        }
+        ctx.kill().await;
         if let Some(i) = ctx.interpreter.lock().await.take() {
             i.close().await;
         }
@@ -240,19 +252,14 @@ async fn restart(e: Envd, Path(id): Path<String>) -> Response {
     let Some(ctx) = find(&e, &id).await else {
         return text(StatusCode::NOT_FOUND, format!("Context {id} not found"));
     };
-    if let Some(p) = ctx.take_process() {
-        let _ = p.signal(Signal::Kill).await;
-    }
+    ctx.kill().await;
     let mut slot = ctx.interpreter.lock().await;
     let started = match slot.as_mut() {
         Some(i) => i.restart().await,
         None => ctx.ready(&e, &mut slot).await.map(|_| ()),
     };
     match started {
-        Ok(()) => {
-            ctx.set_process(slot.as_ref().and_then(Interpreter::process));
-            axum::Json(Value::Null).into_response()
-        }
+        Ok(()) => axum::Json(Value::Null).into_response(),
         Err(err) => {
             *slot = None;
             text(StatusCode::INTERNAL_SERVER_ERROR, err.to_string())
@@ -297,12 +304,6 @@ async fn execute(e: Envd, body: Bytes) -> Response {
             let mut list = e.meta.contexts.0.lock().await;
             match list.iter().find(|c| c.default && c.language == language) {
                 Some(c) => Arc::clone(c),
-                None if list.len() >= MAX_CONTEXTS => {
-                    return text(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        format!("this sandbox has {MAX_CONTEXTS} contexts, the most it may have"),
-                    )
-                }
                 None => {
                     let c = Context::new(language, e.meta.home.clone(), true);
                     list.push(Arc::clone(&c));
@@ -313,10 +314,26 @@ async fn execute(e: Envd, body: Bytes) -> Response {
     };
     let mut opts = CellOptions::new().timeout(CELL_LIMIT);
     opts.env = req.env_vars.unwrap_or_default();
+    // A place in the context's queue, or a 429: each waiting cell holds its code.
+    let Ok(place) = Arc::clone(&ctx.waiting).try_acquire_owned() else {
+        return text(
+            StatusCode::TOO_MANY_REQUESTS,
+            format!(
+                "{MAX_WAITING} cells already wait for context {}: wait for them to finish",
+                ctx.id
+            ),
+        );
+    };
     let (lines, rx) = tokio::sync::mpsc::channel::<Bytes>(IN_FLIGHT);
     let stop = e.stop.clone();
     tokio::spawn(async move {
-        let mut slot = ctx.interpreter.lock().await;
+        // Waits its turn, unless the client leaves or the server stops first.
+        let mut slot = tokio::select! {
+            slot = ctx.interpreter.lock() => slot,
+            () = lines.closed() => return,
+            () = stop.cancelled() => return,
+        };
+        drop(place);
         let interp = match ctx.ready(&e, &mut slot).await {
             Ok(i) => i,
             Err(err) => {
@@ -387,8 +404,6 @@ async fn execute(e: Envd, body: Bytes) -> Response {
             both = async { tokio::join!(run, forward) } => both,
             () = stop.cancelled() => return,
         };
-        let next = slot.as_ref().and_then(Interpreter::process);
-        ctx.set_process(next);
         // A sandbox killed under the cell: the stream breaks off, as E2B's does (the SDKs
         // then ask whether the sandbox runs, and say it was killed).
         let lost = match &r {
