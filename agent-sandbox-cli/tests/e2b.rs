@@ -38,6 +38,11 @@ const SCENARIO_LIMIT_S: &str = "300";
 
 /// The Python to run the scenario with: `AGENT_SANDBOX_TEST_PYTHON`, if it has the SDK.
 fn python() -> Option<OsString> {
+    python_with("e2b")
+}
+
+/// The Python to run a script with: `AGENT_SANDBOX_TEST_PYTHON`, if it can import `module`.
+fn python_with(module: &str) -> Option<OsString> {
     let Some(python) = std::env::var_os("AGENT_SANDBOX_TEST_PYTHON") else {
         eprintln!(
             "SKIP: AGENT_SANDBOX_TEST_PYTHON is not set (scripts/test.sh sets it to a venv with \
@@ -46,12 +51,12 @@ fn python() -> Option<OsString> {
         return None;
     };
     let probe = Command::new(&python)
-        .args(["-c", "import e2b"])
+        .args(["-c", &format!("import {module}")])
         .output()
         .unwrap();
     if !probe.status.success() {
         eprintln!(
-            "SKIP: {} cannot import the `e2b` SDK (scripts/test.sh installs it): {}",
+            "SKIP: {} cannot import `{module}` (scripts/test.sh installs it): {}",
             python.to_string_lossy(),
             String::from_utf8_lossy(&probe.stderr).trim()
         );
@@ -91,6 +96,23 @@ fn the_official_e2b_sdk_drives_an_image_template_with_e2bs_home() {
     );
 }
 
+/// `python script` under `timeout`, in a clean environment (no E2B_DOMAIN or E2B_DEBUG of
+/// the caller's to redirect the SDK, no proxy between it and the loopback server), with the
+/// SDK pointed at the server at `url`.
+fn sdk_command(python: &OsString, url: &str, script: &str) -> Command {
+    let mut c = Command::new("timeout");
+    c.args(["--kill-after=10", SCENARIO_LIMIT_S])
+        .arg(python)
+        .arg(script)
+        .env_clear()
+        .env("PATH", "/usr/bin:/bin")
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .env("E2B_API_URL", url)
+        .env("E2B_SANDBOX_URL", url)
+        .env("E2B_API_KEY", format!("e2b_{TOKEN}"));
+    c
+}
+
 /// The scenario (and the quick start example) with the `base` template on `tier`.
 fn scenario_on(tier: &str) {
     scenario_with(tier, &format!("base=-,tier={tier}"));
@@ -122,19 +144,8 @@ fn scenario_with(tier: &str, base: &str) {
         .find(|t| t["capabilities"]["tier"] == tier)
         .is_some_and(|t| t["capabilities"]["usage"] == true);
     let scenario = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b/scenario.py");
-    // A clean environment: no E2B_DOMAIN or E2B_DEBUG of the caller's to redirect the SDK, no
-    // proxy between it and the loopback server.
     let sdk = |script: &str| {
-        Command::new("timeout")
-            .args(["--kill-after=10", SCENARIO_LIMIT_S])
-            .arg(&python)
-            .arg(script)
-            .env_clear()
-            .env("PATH", "/usr/bin:/bin")
-            .env("PYTHONDONTWRITEBYTECODE", "1")
-            .env("E2B_API_URL", &url)
-            .env("E2B_SANDBOX_URL", &url)
-            .env("E2B_API_KEY", format!("e2b_{TOKEN}"))
+        sdk_command(&python, &url, script)
             .env("E2B_DOMAIN", DOMAIN)
             .env("E2B_EXPECT_METRICS", if usage { "1" } else { "0" })
             .env("E2B_SERVER_PID", s.child.id().to_string())
@@ -188,18 +199,9 @@ fn the_official_code_interpreter_sdk_runs_cells_on_gvisor_sandboxes() {
 }
 
 fn interpreter_on(tier: &str) {
-    let Some(python) = python() else { return };
-    let probe = Command::new(&python)
-        .args(["-c", "import e2b_code_interpreter"])
-        .output()
-        .unwrap();
-    if !probe.status.success() {
-        eprintln!(
-            "SKIP: {} cannot import `e2b_code_interpreter` (scripts/test.sh installs it)",
-            python.to_string_lossy()
-        );
+    let Some(python) = python_with("e2b_code_interpreter") else {
         return;
-    }
+    };
     if let Some(why) = served::unavailable(tier) {
         eprintln!("SKIP: the {tier} tier is not available here: {why}");
         return;
@@ -211,20 +213,7 @@ fn interpreter_on(tier: &str) {
         &[],
     );
     let url = s.base.trim_end_matches('/').to_string();
-    let sdk = |script: &str| {
-        Command::new("timeout")
-            .args(["--kill-after=10", SCENARIO_LIMIT_S])
-            .arg(&python)
-            .arg(script)
-            .env_clear()
-            .env("PATH", "/usr/bin:/bin")
-            .env("PYTHONDONTWRITEBYTECODE", "1")
-            .env("E2B_API_URL", &url)
-            .env("E2B_SANDBOX_URL", &url)
-            .env("E2B_API_KEY", format!("e2b_{TOKEN}"))
-            .output()
-            .unwrap()
-    };
+    let sdk = |script: &str| sdk_command(&python, &url, script).output().unwrap();
     let out = sdk(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/tests/e2b/interpreter.py"

@@ -65,37 +65,51 @@ fn sdk_and_node() -> Option<(PathBuf, PathBuf)> {
     Some((modules, node))
 }
 
-#[test]
-fn the_official_e2b_javascript_sdk_drives_container_sandboxes() {
-    let Some((modules, node)) = sdk_and_node() else {
-        return;
-    };
+/// A server whose `base` template is on the container tier (the selector's pick may be
+/// another), and its URL; `None` (said) where the tier is not available.
+fn serve_on_containers() -> Option<(served::Serve, String)> {
     if let Some(why) = served::container_available() {
         eprintln!("SKIP: the container tier is not available here: {why}");
-        return;
+        return None;
     }
-    // The `base` template on the container tier (the selector's pick may be another).
-    let (mut s, _) = served::serve_with_token(
+    let (s, _) = served::serve_with_token(
         tempfile::tempdir().unwrap(),
         TOKEN,
         &["--template", "base=-,tier=container"],
         &[],
     );
     let url = s.base.trim_end_matches('/').to_string();
-    let scenario = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b/scenario.mjs");
-    // A clean environment: no E2B_DOMAIN or E2B_DEBUG of the caller's to redirect the SDK, no
-    // proxy between it and the loopback server, no NODE_OPTIONS.
-    let out = Command::new("timeout")
-        .args(["--kill-after=10", SCENARIO_LIMIT_S])
-        .arg(&node)
-        .arg(scenario)
+    Some((s, url))
+}
+
+/// `node script` under `timeout`, in a clean environment (no E2B_DOMAIN or E2B_DEBUG of the
+/// caller's to redirect the SDK, no proxy between it and the loopback server, no
+/// NODE_OPTIONS), with the SDK in `modules` pointed at the server at `url`.
+fn node_command(node: &PathBuf, modules: &PathBuf, url: &str, script: &str) -> Command {
+    let mut c = Command::new("timeout");
+    c.args(["--kill-after=10", SCENARIO_LIMIT_S])
+        .arg(node)
+        .arg(script)
         .env_clear()
         .env("PATH", "/usr/bin:/bin")
+        .env("AGENT_SANDBOX_TEST_NODE_MODULES", modules)
+        .env("E2B_API_URL", url)
+        .env("E2B_SANDBOX_URL", url)
+        .env("E2B_API_KEY", format!("e2b_{TOKEN}"));
+    c
+}
+
+#[test]
+fn the_official_e2b_javascript_sdk_drives_container_sandboxes() {
+    let Some((modules, node)) = sdk_and_node() else {
+        return;
+    };
+    let Some((mut s, url)) = serve_on_containers() else {
+        return;
+    };
+    let scenario = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b/scenario.mjs");
+    let out = node_command(&node, &modules, &url, scenario)
         .env("TZ", TZ)
-        .env("AGENT_SANDBOX_TEST_NODE_MODULES", &modules)
-        .env("E2B_API_URL", &url)
-        .env("E2B_SANDBOX_URL", &url)
-        .env("E2B_API_KEY", format!("e2b_{TOKEN}"))
         .output()
         .unwrap();
 
@@ -127,32 +141,17 @@ fn the_official_code_interpreter_javascript_sdk_runs_cells() {
         );
         return;
     }
-    if let Some(why) = served::container_available() {
-        eprintln!("SKIP: the container tier is not available here: {why}");
+    let Some((mut s, url)) = serve_on_containers() else {
         return;
-    }
-    let (mut s, _) = served::serve_with_token(
-        tempfile::tempdir().unwrap(),
-        TOKEN,
-        &["--template", "base=-,tier=container"],
-        &[],
-    );
-    let url = s.base.trim_end_matches('/').to_string();
-    let out = Command::new("timeout")
-        .args(["--kill-after=10", SCENARIO_LIMIT_S])
-        .arg(&node)
-        .arg(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/tests/e2b/interpreter.mjs"
-        ))
-        .env_clear()
-        .env("PATH", "/usr/bin:/bin")
-        .env("AGENT_SANDBOX_TEST_NODE_MODULES", &modules)
-        .env("E2B_API_URL", &url)
-        .env("E2B_SANDBOX_URL", &url)
-        .env("E2B_API_KEY", format!("e2b_{TOKEN}"))
-        .output()
-        .unwrap();
+    };
+    let out = node_command(
+        &node,
+        &modules,
+        &url,
+        concat!(env!("CARGO_MANIFEST_DIR"), "/tests/e2b/interpreter.mjs"),
+    )
+    .output()
+    .unwrap();
     s.terminate();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(

@@ -261,18 +261,25 @@ async fn a_cell_is_interrupted_at_its_timeout_and_a_dead_interpreter_restarts() 
     }
 }
 
+/// What a hostile cell does first: finds the driver's frame mark (`M`) and the cell's count
+/// (`n`) in the driver's own frame, beneath the cell's.
+const FIND_MARK: &str = r#"
+import json, os, sys
+f = sys._getframe()
+while f is not None and "MARK" not in f.f_locals:
+    f = f.f_back
+M, n = f.f_locals["MARK"], f.f_locals["count"]
+"#;
+
 /// The attacker is the cell: it finds the driver's frame mark in the driver's own frame and
 /// forges frames on stdout: a `done` for another cell, a frame far over the output cap, a
 /// thousand displays, malformed JSON, an image that is not base64. The host keeps what
 /// fits, bounded, says it dropped the rest, and the interpreter runs the next cell.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cell_that_forges_the_drivers_frames_gets_only_what_fits() {
-    const FORGER: &str = r#"
-import json, os, sys
-f = sys._getframe()
-while f is not None and "MARK" not in f.f_locals:
-    f = f.f_back
-M = f.f_locals["MARK"]
+    let forger = format!(
+        "{FIND_MARK}{}",
+        r#"
 def fr(obj):
     os.write(1, M + json.dumps(obj).encode() + b"\n")
 fr({"t": "done", "n": 999})
@@ -282,13 +289,14 @@ for i in range(1000):
 os.write(1, M + b"not json\n")
 fr({"t": "display", "data": {"text/plain": "p", "image/png": "!!"}})
 print("still here")
-"#;
+"#
+    );
     for sb in sandboxes().await {
         let tier = sb.tier();
         let mut py = Interpreter::start(Arc::clone(&sb), ContextSpec::python())
             .await
             .unwrap();
-        let r = py.run(FORGER, &CellOptions::new()).await.unwrap();
+        let r = py.run(&forger, &CellOptions::new()).await.unwrap();
         assert_eq!(r.exit_code, Some(0), "{tier}: {:?}", r.stderr_str());
         assert!(
             r.stdout_str().ends_with("still here\n"),
@@ -412,22 +420,21 @@ async fn a_dropped_interpreter_leaves_no_process() {
 /// timeout, the interpreter is killed, and the one after runs in a fresh interpreter.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cell_that_stops_the_driver_reading_does_not_wedge_the_context() {
-    const DEAF: &str = r#"
-import json, os, sys, time
-f = sys._getframe()
-while f is not None and "MARK" not in f.f_locals:
-    f = f.f_back
-M, n = f.f_locals["MARK"], f.f_locals["count"]
+    let deaf = format!(
+        "{FIND_MARK}{}",
+        r#"
+import time
 for fd in (2, 1):
     os.write(fd, M + json.dumps({"t": "done", "n": n}).encode() + b"\n")
 time.sleep(3600)
-"#;
+"#
+    );
     for sb in sandboxes().await {
         let tier = sb.tier();
         let mut py = Interpreter::start(Arc::clone(&sb), ContextSpec::python())
             .await
             .unwrap();
-        let r = py.run(DEAF, &CellOptions::new()).await.unwrap();
+        let r = py.run(&deaf, &CellOptions::new()).await.unwrap();
         assert_eq!(
             r.exit_code,
             Some(0),
