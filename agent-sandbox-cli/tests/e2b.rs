@@ -96,6 +96,18 @@ fn the_official_e2b_sdk_drives_an_image_template_with_e2bs_home() {
     );
 }
 
+/// A server started with `args` (and the test's token), and its URL; `None` (said) where
+/// `tier` is not available.
+fn serve_on(tier: &str, args: &[&str]) -> Option<(served::Serve, String)> {
+    if let Some(why) = served::unavailable(tier) {
+        eprintln!("SKIP: the {tier} tier is not available here: {why}");
+        return None;
+    }
+    let (s, _) = served::serve_with_token(tempfile::tempdir().unwrap(), TOKEN, args, &[]);
+    let url = s.base.trim_end_matches('/').to_string();
+    Some((s, url))
+}
+
 /// `python script` under `timeout`, in a clean environment (no E2B_DOMAIN or E2B_DEBUG of
 /// the caller's to redirect the SDK, no proxy between it and the loopback server), with the
 /// SDK pointed at the server at `url`.
@@ -122,17 +134,9 @@ fn scenario_on(tier: &str) {
 /// `tier`.
 fn scenario_with(tier: &str, base: &str) {
     let Some(python) = python() else { return };
-    if let Some(why) = served::unavailable(tier) {
-        eprintln!("SKIP: the {tier} tier is not available here: {why}");
+    let Some((mut s, url)) = serve_on(tier, &["--e2b-domain", DOMAIN, "--template", base]) else {
         return;
-    }
-    let (mut s, _) = served::serve_with_token(
-        tempfile::tempdir().unwrap(),
-        TOKEN,
-        &["--e2b-domain", DOMAIN, "--template", base],
-        &[],
-    );
-    let url = s.base.trim_end_matches('/').to_string();
+    };
     // Metrics where the server says the tier counts usage (its probe's word, not the tier's
     // name): the container tier from its cgroup, gVisor from its sandbox process's.
     let (code, tiers) = served::curl(&s, "GET", "/v1/tiers", None);
@@ -166,14 +170,7 @@ fn scenario_with(tier: &str, base: &str) {
     // The server destroys what a failed scenario left behind.
     s.terminate();
 
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.trim_end().ends_with("all ok"),
-        "scenario.py on {tier}: {} (124: it ran past {SCENARIO_LIMIT_S} s)\n--- stdout ---\n{stdout}\
-         --- stderr ---\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    served::assert_all_ok(&format!("scenario.py on {tier}"), &out, SCENARIO_LIMIT_S);
     assert_eq!(
         String::from_utf8_lossy(&example.stdout),
         "Hello from E2B!\n\n",
@@ -202,17 +199,9 @@ fn interpreter_on(tier: &str) {
     let Some(python) = python_with("e2b_code_interpreter") else {
         return;
     };
-    if let Some(why) = served::unavailable(tier) {
-        eprintln!("SKIP: the {tier} tier is not available here: {why}");
+    let Some((mut s, url)) = serve_on(tier, &["--template", &format!("base=-,tier={tier}")]) else {
         return;
-    }
-    let (mut s, _) = served::serve_with_token(
-        tempfile::tempdir().unwrap(),
-        TOKEN,
-        &["--template", &format!("base=-,tier={tier}")],
-        &[],
-    );
-    let url = s.base.trim_end_matches('/').to_string();
+    };
     let sdk = |script: &str| sdk_command(&python, &url, script).output().unwrap();
     let out = sdk(concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -231,12 +220,5 @@ fn interpreter_on(tier: &str) {
         example.status,
         String::from_utf8_lossy(&example.stderr)
     );
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.trim_end().ends_with("all ok"),
-        "interpreter.py on {tier}: {} (124: it ran past {SCENARIO_LIMIT_S} s)\n--- stdout \
-         ---\n{stdout}--- stderr ---\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    served::assert_all_ok(&format!("interpreter.py on {tier}"), &out, SCENARIO_LIMIT_S);
 }

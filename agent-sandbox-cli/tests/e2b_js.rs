@@ -116,14 +116,10 @@ fn the_official_e2b_javascript_sdk_drives_container_sandboxes() {
     // The server destroys what a failed scenario left behind.
     s.terminate();
 
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.trim_end().ends_with("all ok"),
-        "scenario.mjs ({}): {} (124: it ran past {SCENARIO_LIMIT_S} s)\n--- stdout ---\n\
-         {stdout}--- stderr ---\n{}",
-        node.display(),
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
+    served::assert_all_ok(
+        &format!("scenario.mjs ({})", node.display()),
+        &out,
+        SCENARIO_LIMIT_S,
     );
 }
 
@@ -153,12 +149,5 @@ fn the_official_code_interpreter_javascript_sdk_runs_cells() {
     .output()
     .unwrap();
     s.terminate();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.trim_end().ends_with("all ok"),
-        "interpreter.mjs: {} (124: it ran past {SCENARIO_LIMIT_S} s)\n--- stdout ---\n\
-         {stdout}--- stderr ---\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
+    served::assert_all_ok("interpreter.mjs", &out, SCENARIO_LIMIT_S);
 }

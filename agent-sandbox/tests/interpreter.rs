@@ -57,6 +57,13 @@ async fn sandboxes_of(rt: &Runtime, spec: &SandboxSpec) -> Vec<Arc<dyn Sandbox>>
     out
 }
 
+/// A Python context in `sb`, started.
+async fn python(sb: &Arc<dyn Sandbox>) -> Interpreter {
+    Interpreter::start(Arc::clone(sb), ContextSpec::python())
+        .await
+        .unwrap()
+}
+
 fn text(r: &agent_sandbox::ExecResult) -> Vec<(OutputKind, String)> {
     r.outputs
         .iter()
@@ -183,9 +190,7 @@ async fn cells_keep_state_and_report_values_displays_and_errors() {
 async fn a_cell_is_interrupted_at_its_timeout_and_a_dead_interpreter_restarts() {
     for sb in sandboxes().await {
         let tier = sb.tier();
-        let mut py = Interpreter::start(Arc::clone(&sb), ContextSpec::python())
-            .await
-            .unwrap();
+        let mut py = python(&sb).await;
         let opts = CellOptions::new();
         py.run("kept = 7", &opts).await.unwrap();
         let r = py
@@ -293,9 +298,7 @@ print("still here")
     );
     for sb in sandboxes().await {
         let tier = sb.tier();
-        let mut py = Interpreter::start(Arc::clone(&sb), ContextSpec::python())
-            .await
-            .unwrap();
+        let mut py = python(&sb).await;
         let r = py.run(&forger, &CellOptions::new()).await.unwrap();
         assert_eq!(r.exit_code, Some(0), "{tier}: {:?}", r.stderr_str());
         assert!(
@@ -345,9 +348,7 @@ async fn a_cells_values_and_errors_hide_the_sandboxes_secrets() {
         .unwrap();
     for sb in sandboxes_of(&rt, &spec).await {
         let tier = sb.tier();
-        let mut py = Interpreter::start(Arc::clone(&sb), ContextSpec::python())
-            .await
-            .unwrap();
+        let mut py = python(&sb).await;
         let (tx, mut rx) = tokio::sync::mpsc::channel(16);
         let code = "import os\nt = os.environ['T']\nprint(t)\ndisplay({'k': [t]})\nt";
         let r = py
@@ -385,9 +386,7 @@ async fn a_cells_values_and_errors_hide_the_sandboxes_secrets() {
 async fn a_dropped_interpreter_leaves_no_process() {
     for sb in sandboxes().await {
         let tier = sb.tier();
-        let py = Interpreter::start(Arc::clone(&sb), ContextSpec::python())
-            .await
-            .unwrap();
+        let py = python(&sb).await;
         drop(py);
         // A start cut short.
         let cut = tokio::time::timeout(
@@ -431,9 +430,7 @@ time.sleep(3600)
     );
     for sb in sandboxes().await {
         let tier = sb.tier();
-        let mut py = Interpreter::start(Arc::clone(&sb), ContextSpec::python())
-            .await
-            .unwrap();
+        let mut py = python(&sb).await;
         let r = py.run(&deaf, &CellOptions::new()).await.unwrap();
         assert_eq!(
             r.exit_code,

@@ -331,28 +331,32 @@ async fn a_preflight_answers_from_the_connect_while_fresh() {
     // The server goes away: the reported status still answers within its window; the
     // probe, and a preflight past its window, ask and are told.
     drop(r);
-    let mut asked = zero.preflight().await;
-    for _ in 0..100 {
-        if !asked.available {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        asked = zero.preflight().await;
-    }
+    let asked = until_unavailable(|| zero.preflight()).await;
     assert!(!asked.available, "{asked:?}");
     assert!(long.preflight().await.available);
     // The probe asks: told once the server's last connections are gone too (a connection
     // the client kept alive can outlive the listener by a moment).
-    let mut probed = long.probe().await;
+    let probed = until_unavailable(|| long.probe()).await;
+    assert!(!probed.available, "{probed:?}");
+    assert!(long.preflight().await.available, "still within its window");
+}
+
+/// What `ask` answers once it says unavailable, asked every 50 ms (at most 100 times: then
+/// its last answer).
+async fn until_unavailable<F, Fut>(ask: F) -> sandbox_core::TierStatus
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = sandbox_core::TierStatus>,
+{
+    let mut status = ask().await;
     for _ in 0..100 {
-        if !probed.available {
+        if !status.available {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        probed = long.probe().await;
+        status = ask().await;
     }
-    assert!(!probed.available, "{probed:?}");
-    assert!(long.preflight().await.available, "still within its window");
+    status
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

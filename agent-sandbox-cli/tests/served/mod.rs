@@ -166,3 +166,16 @@ pub fn await_line<T>(
     std::thread::spawn(move || std::io::copy(&mut lines, &mut std::io::sink()));
     (t, seen)
 }
+
+/// Asserts that a client script (run under `timeout` for at most `limit_s` seconds) exited 0
+/// and printed `all ok` last; else fails with its exit status, stdout and stderr.
+pub fn assert_all_ok(what: &str, out: &std::process::Output, limit_s: &str) {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.trim_end().ends_with("all ok"),
+        "{what}: {} (124: it ran past {limit_s} s)\n--- stdout ---\n{stdout}--- stderr \
+         ---\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

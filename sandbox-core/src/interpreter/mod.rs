@@ -408,6 +408,12 @@ impl Interpreter {
         self.stop().await;
     }
 
+    /// Lets a driver that is gone (or failing) go: the next cell starts a fresh one.
+    fn forget(&mut self) {
+        self.killer.set(None);
+        self.driver = None;
+    }
+
     async fn stop(&mut self) {
         self.killer.set(None);
         if let Some(mut d) = self.driver.take() {
@@ -488,8 +494,8 @@ impl Interpreter {
                     format!("the Python interpreter did not start (exit {code:?}): {said}"),
                 ));
             }
+            // (The guard kills it.)
             Err(_) => {
-                let _ = handle.signal(Signal::Kill).await;
                 return Err(Error::Timeout {
                     what: "the Python interpreter's start".into(),
                     after: START_TIMEOUT,
@@ -500,7 +506,7 @@ impl Interpreter {
         Ok(Driver {
             proc,
             handle,
-            out: Scanner::new(mark.as_bytes(), limit),
+            out,
             err: Scanner::new(mark.as_bytes(), limit),
             version,
         })
@@ -581,8 +587,7 @@ impl Interpreter {
             r = d.handle.write_stdin(line) => {
                 if let Err(e) = r {
                     // The driver is gone: the next cell starts a fresh one.
-                    self.driver = None;
-                    self.killer.set(None);
+                    self.forget();
                     return Err(e);
                 }
             }
@@ -614,8 +619,7 @@ impl Interpreter {
                     }
                     Some(Ok(ExecEvent::Exit(r))) => exited = Some(r),
                     Some(Err(e)) => {
-                        self.driver = None;
-                        self.killer.set(None);
+                        self.forget();
                         return Err(e);
                     }
                     None => exited = Some(ExecResult::new(None, Vec::new(), Vec::new())),
@@ -702,8 +706,7 @@ impl Interpreter {
             kept.error = Some(e);
             exit_code = None;
         } else if let Some(r) = exited {
-            self.driver = None;
-            self.killer.set(None);
+            self.forget();
             let e = CellError::new(
                 "InterpreterExited",
                 format!(

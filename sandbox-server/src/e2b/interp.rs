@@ -338,8 +338,7 @@ async fn execute(e: Envd, body: Bytes) -> Response {
             Ok(i) => i,
             Err(err) => {
                 let _ = lines
-                    .send(line(&json!({"type": "error", "name": "ContextStartFailed",
-                        "value": err.to_string(), "traceback": ""})))
+                    .send(error_line("ContextStartFailed", &err.to_string(), ""))
                     .await;
                 let _ = lines.send(line(&json!({"type": "end_of_execution"}))).await;
                 return;
@@ -373,8 +372,9 @@ async fn execute(e: Envd, body: Bytes) -> Response {
                         CellEvent::Stdout(b) => stream_line("stdout", out.push(&b)),
                         CellEvent::Stderr(b) => stream_line("stderr", err.push(&b)),
                         CellEvent::Output(o) => Some(result_line(&o)),
-                        CellEvent::Error(x) => Some(line(&json!({"type": "error",
-                            "name": x.name, "value": x.value, "traceback": x.traceback.join("\n")}))),
+                        CellEvent::Error(x) => {
+                            Some(error_line(&x.name, &x.value, &x.traceback.join("\n")))
+                        }
                         _ => None,
                     };
                     if let Some(l) = l {
@@ -419,8 +419,7 @@ async fn execute(e: Envd, body: Bytes) -> Response {
         }
         if let Err(err) = r {
             let _ = lines
-                .send(line(&json!({"type": "error", "name": "ExecutionFailed",
-                    "value": err.to_string(), "traceback": ""})))
+                .send(error_line("ExecutionFailed", &err.to_string(), ""))
                 .await;
         }
         let _ = lines.send(line(&json!({"type": "end_of_execution"}))).await;
@@ -447,6 +446,11 @@ fn line(v: &Value) -> Bytes {
     let mut b = serde_json::to_vec(v).unwrap_or_default();
     b.push(b'\n');
     Bytes::from(b)
+}
+
+/// An `error` line: E2B's traceback is one string.
+fn error_line(name: &str, value: &str, traceback: &str) -> Bytes {
+    line(&json!({"type": "error", "name": name, "value": value, "traceback": traceback}))
 }
 
 fn stream_line(kind: &str, text: String) -> Option<Bytes> {
