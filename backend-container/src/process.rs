@@ -268,10 +268,7 @@ impl Inner {
             err_r,
             tty_r,
         } = pipes;
-        let (oom0, pids0) = self
-            .cgroup
-            .as_ref()
-            .map_or((0, 0), |c| (c.oom_kills(), c.pids_max_events()));
+        let counters = self.limit_counters();
         let (stop_tx, stop_rx) = watch::channel(false);
         let never = Arc::new(Notify::new());
         let sink = |tx| Some(PumpSink::new(tx, &self.redactor, u64::MAX));
@@ -387,7 +384,7 @@ impl Inner {
             let _ = tokio::time::timeout(Duration::from_secs(1), tty_pump).await;
         }
         let (exit_code, signal) = status.map_or((None, None), wait_status_code);
-        let limit = self.blame(exit_code, signal, (oom0, pids0), false, timed_out);
+        let limit = self.blame(exit_code, signal, &counters, false, timed_out);
         Ok(ExecResult::new(exit_code, Vec::new(), Vec::new()).with_limit(limit))
     }
 

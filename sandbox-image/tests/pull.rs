@@ -228,18 +228,28 @@ async fn rm_and_prune_free_what_no_image_needs_but_spare_images_in_use() {
     let layers = image.layers().to_vec();
     let used = store.usage().unwrap();
     assert!(used > 0);
+    // Every image of one record shares one lease: one descriptor however many sandboxes
+    // use it (a host's open-files limit is what stops density first).
+    let more: Vec<_> = (0..3)
+        .map(|_| store.get(&reference).unwrap().unwrap())
+        .collect();
+    assert_eq!(fds_under(&store.root().join("images")), 1);
 
     // A leftover of a pull killed halfway (a partial blob and a half-unpacked layer).
     std::fs::write(store.root().join("tmp/blob-deadbeef"), b"partial").unwrap();
     std::fs::create_dir_all(store.root().join("tmp/layer-deadbeef/usr")).unwrap();
 
-    // In use: rm drops the name, but the files stay while the Image lives.
+    // In use: rm drops the name, but the files stay while any Image of it lives.
+    drop(image);
     let report = store.remove(&reference.to_string()).unwrap();
     assert_eq!(report.layers, 0, "{report:?}");
     assert!(layers.iter().all(|l| l.is_dir()));
     let left = common::files_under(&store.root().join("tmp"));
     assert!(left.is_empty(), "prune clears tmp/: {left:?}");
-    drop(image);
+    assert_eq!(store.prune().unwrap().layers, 0);
+    assert!(layers.iter().all(|l| l.is_dir()));
+    drop(more);
+    assert_eq!(fds_under(&store.root().join("images")), 0);
     let report = store.prune().unwrap();
     assert_eq!(
         (report.images, report.layers, report.blobs),
@@ -292,4 +302,13 @@ async fn docker_schema_2_manifests_pull_like_oci_ones() {
         b"test-os 1\n"
     );
     assert_eq!(image.config().working_dir.as_deref(), Some("/work"));
+}
+
+/// This process's descriptors open on files under `dir`.
+fn fds_under(dir: &Path) -> usize {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .flatten()
+        .filter(|e| std::fs::read_link(e.path()).is_ok_and(|t| t.starts_with(dir)))
+        .count()
 }

@@ -14,9 +14,6 @@ pub(crate) struct SandboxCgroup {
     pub version: CgroupVersion,
     /// (controller or "unified", directory).
     pub(super) dirs: Vec<(String, PathBuf)>,
-    /// The OOM-kill and `pids.max` event files, kept open: every exec reads them, and a
-    /// `pread` on an open cgroup file is several times cheaper than opening it again.
-    pub(super) events: [Option<fs::File>; 2],
     /// Where [`SandboxCgroup::release`] may give the directories back (v1).
     pub(super) recycle: Option<&'static v1::Recycled>,
 }
@@ -43,16 +40,13 @@ impl SandboxCgroup {
         self.dirs.iter().map(|(_, d)| d.join(f)).collect()
     }
 
-    /// `oom_kill` events so far (memory exhaustion kills).
-    pub fn oom_kills(&self) -> u64 {
-        self.events[0]
-            .as_ref()
-            .map_or(0, |f| read_key_at(f, "oom_kill"))
-    }
-
-    /// Times a fork failed on `pids.max`.
-    pub fn pids_max_events(&self) -> u64 {
-        self.events[1].as_ref().map_or(0, |f| read_key_at(f, "max"))
+    /// The OOM-kill and `pids.max` counters as a command starts, with their files kept
+    /// open for that command only (see [`LimitCounters`]).
+    pub fn limit_counters(&self) -> LimitCounters {
+        let (oom, pids) = self.event_files();
+        let files = [oom, pids].map(|p| p.and_then(|p| fs::File::open(p).ok()));
+        let before = [read_key(&files[0], OOM_KEY), read_key(&files[1], PIDS_KEY)];
+        LimitCounters { files, before }
     }
 
     /// Paths of the OOM-kill and `pids.max` event files.
@@ -126,12 +120,6 @@ impl SandboxCgroup {
         }
     }
 
-    /// Opens the event files (see [`SandboxCgroup::oom_kills`]).
-    pub(super) fn open_events(&mut self) {
-        let (oom, pids) = self.event_files();
-        self.events = [oom, pids].map(|p| p.and_then(|p| fs::File::open(p).ok()));
-    }
-
     /// At destroy, once the sandbox's processes are gone: gives the directories back for
     /// the next sandbox (see [`v1::Recycled`]) when they are v1, empty (no process, no child
     /// cgroup), thawed, with at most [`v1::RECYCLE_MAX_CHARGE`] of memory still charged, and
@@ -165,6 +153,46 @@ impl SandboxCgroup {
         }
         left
     }
+}
+
+/// The key of OOM kills in `memory.oom_control` (v1) and `memory.events` (v2).
+const OOM_KEY: &str = "oom_kill";
+/// The key of forks refused on `pids.max` in `pids.events`.
+const PIDS_KEY: &str = "max";
+
+/// A sandbox's limit counters (OOM kills, forks refused on `pids.max`) as one command
+/// started, and their files held open until it ends, so its failure can be blamed on a
+/// limit it hit. Opened per command, not per sandbox: an idle sandbox holds no descriptor
+/// for them (a host's open-files limit is what stops density first), and the two opens
+/// (~13 µs each here beyond a `pread`) run while the command's supervisor spawns it.
+#[derive(Debug)]
+pub(crate) struct LimitCounters {
+    files: [Option<fs::File>; 2],
+    before: [u64; 2],
+}
+
+impl LimitCounters {
+    /// Counters that never report a hit (a sandbox without cgroups).
+    pub fn none() -> LimitCounters {
+        LimitCounters {
+            files: [None, None],
+            before: [0, 0],
+        }
+    }
+
+    /// Whether the sandbox had an OOM kill, and a fork refused on `pids.max`, since the
+    /// counters were taken.
+    pub fn hit(&self) -> (bool, bool) {
+        (
+            read_key(&self.files[0], OOM_KEY) > self.before[0],
+            read_key(&self.files[1], PIDS_KEY) > self.before[1],
+        )
+    }
+}
+
+/// [`read_key_at`] of an event file that may be missing (0 then).
+fn read_key(f: &Option<fs::File>, key: &str) -> u64 {
+    f.as_ref().map_or(0, |f| read_key_at(f, key))
 }
 
 /// `utime + stime + cutime + cstime` of a `/proc/PID/stat` line, in clock ticks (0 if it

@@ -37,7 +37,7 @@ mod v2;
 
 pub(crate) use delegation::{Delegation, DelegationError};
 pub(crate) use detect::Layout;
-pub(crate) use group::SandboxCgroup;
+pub(crate) use group::{LimitCounters, SandboxCgroup};
 
 /// Why sandboxes cannot have cgroups on this host ([`CgroupHost::usable`]).
 #[derive(Debug, thiserror::Error)]
@@ -148,7 +148,6 @@ impl CgroupHost {
         let mut cg = SandboxCgroup {
             version: CgroupVersion::V1,
             dirs: Vec::new(),
-            events: [None, None],
             recycle: None,
         };
         let r = match &self.layout {
@@ -169,7 +168,6 @@ impl CgroupHost {
             cg.remove(Duration::from_millis(200));
             return Err(e);
         }
-        cg.open_events();
         Ok(cg)
     }
 }

@@ -214,7 +214,6 @@ pub(super) fn keep(cg: &SandboxCgroup, pool: &Recycled, patience: Duration) -> V
             return SandboxCgroup {
                 version: cg.version,
                 dirs: set,
-                events: [None, None],
                 recycle: None,
             }
             .remove(patience);

@@ -136,7 +136,6 @@ mod tests {
         let cg = SandboxCgroup {
             version: CgroupVersion::V2,
             dirs: vec![("unified".into(), dir.clone())],
-            events: [None, None],
             recycle: None,
         };
         assert!(cg.can_freeze());

@@ -12,6 +12,7 @@ use sandbox_core::{
 use tokio::sync::{mpsc, watch, Notify};
 
 use super::{pipe, pump, set_nonblocking, Inner, PumpSink, TIER};
+use crate::cgroup::LimitCounters;
 use crate::ctl::{self, Reply};
 use crate::proto::{self, Dec, Enc, EncodeInit, ExecSpec};
 
@@ -238,10 +239,7 @@ impl Inner {
         drop((out_w, err_w));
         // The limit counters before the command can have touched them: read while the
         // supervisor wakes up and spawns it (~0.2 ms), not before the request goes out.
-        let (oom0, pids0) = self
-            .cgroup
-            .as_ref()
-            .map_or((0, 0), |c| (c.oom_kills(), c.pids_max_events()));
+        let counters = self.limit_counters();
         let stdin_task = stdin.map(|((r, w), data)| {
             drop(r);
             tokio::spawn(async move {
@@ -352,7 +350,7 @@ impl Inner {
         }
         t.mark(Phase::Command);
         let (exit_code, signal) = status.map_or((None, None), wait_status_code);
-        let limit = self.blame(exit_code, signal, (oom0, pids0), flooded, timed_out);
+        let limit = self.blame(exit_code, signal, &counters, flooded, timed_out);
         if matches!(limit, Some(LimitKind::Memory | LimitKind::Pids)) {
             // A runaway tree (fork bomb, leaking children) must not outlive the exec that
             // hit the limit: its leftovers are still grouped under the exec's supervisor.
@@ -375,22 +373,31 @@ impl Inner {
             .with_timeline(t.finish()))
     }
 
+    /// The sandbox's limit counters as a command starts (see [`LimitCounters`]): taken
+    /// while its supervisor wakes up and spawns it (~0.2 ms), not before the request goes
+    /// out.
+    pub(crate) fn limit_counters(&self) -> LimitCounters {
+        self.cgroup
+            .as_ref()
+            .map_or_else(LimitCounters::none, |c| c.limit_counters())
+    }
+
     /// The limit that stopped a command that ended with `exit_code`/`signal`, given the
-    /// cgroup counters when it started (`before`: OOM kills, pids-limit hits) and whether we
-    /// stopped it for its output or its time. Only a failure is blamed on a limit: a success
-    /// skips the counters.
+    /// cgroup counters taken when it started and whether we stopped it for its output or
+    /// its time. Only a failure is blamed on a limit: a success skips the counters.
     pub(crate) fn blame(
         &self,
         exit_code: Option<i32>,
         signal: Option<i32>,
-        before: (u64, u64),
+        counters: &LimitCounters,
         flooded: bool,
         timed_out: bool,
     ) -> Option<LimitKind> {
         let failed = exit_code != Some(0);
-        let (oom, pids) = match &self.cgroup {
-            Some(c) if failed => (c.oom_kills() > before.0, c.pids_max_events() > before.1),
-            _ => (false, false),
+        let (oom, pids) = if failed {
+            counters.hit()
+        } else {
+            (false, false)
         };
         if failed && oom {
             Some(LimitKind::Memory)

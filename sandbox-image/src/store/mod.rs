@@ -22,7 +22,7 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use nix::fcntl::{Flock, FlockArg};
@@ -152,6 +152,7 @@ impl StoreBuilder {
                 root: self.root,
                 cfg: self.cfg,
                 clients: Mutex::new(BTreeMap::new()),
+                leases: Mutex::new(BTreeMap::new()),
             }),
         })
     }
@@ -181,6 +182,10 @@ struct Inner {
     cfg: StoreConfig,
     /// `oci-client` clients by the registry they may reach over plain HTTP (`""`: HTTPS only).
     clients: Mutex<BTreeMap<String, Arc<oci_client::Client>>>,
+    /// The leases handed out and still held, by record path: every [`Image`] of one record
+    /// shares one descriptor, so a thousand sandboxes of one image cost one (a host's
+    /// open-files limit is what stops density first).
+    leases: Mutex<BTreeMap<PathBuf, Weak<Flock<fs::File>>>>,
 }
 
 impl std::fmt::Debug for Inner {
@@ -364,18 +369,48 @@ impl ImageStore {
             layers.push(dir);
         }
         let path = self.p(format!("images/{}.json", hex_of(&rec.digest)?));
-        let f = fs::File::open(&path).map_err(|e| ImageError::io("open", &path, e))?;
-        let lease = Flock::lock(f, FlockArg::LockSharedNonblock)
-            .or_else(|(f, _)| Flock::lock(f, FlockArg::LockShared))
-            .map_err(|(_, e)| ImageError::io("lock", &path, io::Error::from(e)))?;
         Ok(Some(Image {
             reference: reference.to_owned(),
             digest: rec.digest.clone(),
             config: rec.config.clone(),
             layers,
             bytes,
-            lease: Arc::new(lease),
+            lease: self.lease(&path)?,
         }))
+    }
+
+    /// A shared lock on the record at `path`: the one this process holds already when it is
+    /// still that record (a record written again since is locked anew), else a new one.
+    /// `rm` and `prune` lock a record exclusively before removing it, so while any lease
+    /// lives the record stays.
+    fn lease(&self, path: &Path) -> Result<Arc<Flock<fs::File>>> {
+        use std::os::unix::fs::MetadataExt;
+        let leases = || {
+            self.inner
+                .leases
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+        };
+        let held = leases().get(path).and_then(Weak::upgrade);
+        if let Some(l) = held {
+            let same =
+                |a: &fs::Metadata, b: &fs::Metadata| a.dev() == b.dev() && a.ino() == b.ino();
+            if let (Ok(ours), Ok(now)) = (l.metadata(), fs::metadata(path)) {
+                if same(&ours, &now) {
+                    return Ok(l);
+                }
+            }
+        }
+        // Locked without the map's lock held: a prune holding the record blocks only us.
+        let f = fs::File::open(path).map_err(|e| ImageError::io("open", path, e))?;
+        let lease = Flock::lock(f, FlockArg::LockSharedNonblock)
+            .or_else(|(f, _)| Flock::lock(f, FlockArg::LockShared))
+            .map_err(|(_, e)| ImageError::io("lock", path, io::Error::from(e)))?;
+        let lease = Arc::new(lease);
+        let mut map = leases();
+        map.retain(|_, w| w.strong_count() > 0);
+        map.insert(path.to_owned(), Arc::downgrade(&lease));
+        Ok(lease)
     }
 
     fn record(&self, digest: &str) -> Result<Option<Record>> {
