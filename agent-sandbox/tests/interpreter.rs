@@ -453,3 +453,116 @@ time.sleep(3600)
         sb.destroy().await.unwrap();
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bash_cells_keep_the_shell_and_report_status_and_environment() {
+    for sb in sandboxes().await {
+        let tier = sb.tier();
+        let mut sh = Interpreter::start(
+            Arc::clone(&sb),
+            ContextSpec::bash().cwd("/tmp").env("CTX", "ctx"),
+        )
+        .await
+        .unwrap();
+        assert!(
+            sh.version().is_some_and(|v| v.starts_with('5')),
+            "{tier}: {:?}",
+            sh.version()
+        );
+        let none = CellOptions::new();
+        // Variables, functions and the working directory carry over; the cells' stdin is
+        // not the driver's requests.
+        let r = sh
+            .run(
+                "x=41; f() { echo $(( $1 + 1 )); }; mkdir -p d && cd d",
+                &none,
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            (r.exit_code, r.error.as_ref()),
+            (Some(0), None),
+            "{tier}: {r:?}"
+        );
+        let r = sh
+            .run("f $x; pwd; echo $CTX; cat; echo read=$?", &none)
+            .await
+            .unwrap();
+        assert_eq!(r.stdout_str(), "42\n/tmp/d\nctx\nread=0\n", "{tier}: {r:?}");
+        // A failing last command: its status, and an `ExitStatus` error.
+        let r = sh
+            .run("echo out; echo err >&2; (exit 3)", &none)
+            .await
+            .unwrap();
+        assert_eq!(r.exit_code, Some(3), "{tier}: {r:?}");
+        assert_eq!(
+            (r.stdout_str(), r.stderr_str()),
+            ("out\n".into(), "err\n".into())
+        );
+        let e = r.error.unwrap();
+        assert_eq!((e.name.as_str(), e.value.as_str()), ("ExitStatus", "3"));
+        // Per-cell environment, set for the cell and put back after it, whatever its
+        // value holds; names that are not shell names are refused, not run.
+        let odd = "it's $HOME `id` \"q\" é\nline";
+        let r = sh
+            .run(
+                "printf '%s|%s|' \"$NEW\" \"$CTX\"",
+                &CellOptions::new().env("NEW", odd).env("CTX", "cell"),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.stdout_str(), format!("{odd}|cell|"), "{tier}");
+        let r = sh.run("echo ${NEW-unset} $CTX", &none).await.unwrap();
+        assert_eq!(r.stdout_str(), "unset ctx\n", "{tier}");
+        let bad = CellOptions::new().env("A;touch /tmp/pwned", "1");
+        assert!(sh.run("true", &bad).await.is_err(), "{tier}");
+        assert!(sh.run("echo \0", &none).await.is_err(), "{tier}");
+        // A cell's `break` and `continue`, or one that redirects or closes its streams or
+        // the driver's request descriptor number, still ends, in the same shell.
+        for cell in [
+            "echo a; break",
+            "echo a; continue",
+            "exec 3>/dev/null 2>&-; echo a",
+        ] {
+            let r = sh.run(cell, &none).await.unwrap();
+            assert_eq!(
+                (r.stdout_str(), r.exit_code),
+                ("a\n".into(), Some(0)),
+                "{tier}: {cell}"
+            );
+        }
+        let r = sh.run("f $x", &none).await.unwrap();
+        assert_eq!(r.stdout_str(), "42\n", "{tier}: the same shell");
+        // Bytes as written: a multi-byte cell is read by its length in bytes.
+        let r = sh.run("echo 'é€ ✓'", &none).await.unwrap();
+        assert_eq!(r.stdout_str(), "é€ ✓\n", "{tier}");
+        // `exit` ends the shell: said, and the next cell starts a fresh one.
+        let r = sh.run("exit 7", &none).await.unwrap();
+        assert_eq!(r.error.unwrap().name, "InterpreterExited", "{tier}");
+        let r = sh.run("echo ${x-gone}", &none).await.unwrap();
+        assert_eq!(r.stdout_str(), "gone\n", "{tier}: {r:?}");
+        // A cell that sends its stdout away for good still ends (the frames do not go there).
+        let r = sh
+            .run("exec >/dev/null; echo gone; false", &none)
+            .await
+            .unwrap();
+        assert_eq!(
+            (r.stdout_str(), r.exit_code),
+            (String::new(), Some(1)),
+            "{tier}: {r:?}"
+        );
+        // A cell that never ends is stopped at its timeout; the next cell gets a shell.
+        let r = sh
+            .run(
+                "sleep 600",
+                &CellOptions::new().timeout(Duration::from_millis(500)),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.limit, Some(LimitKind::WallTime), "{tier}: {r:?}");
+        let r = sh.run("echo again", &none).await.unwrap();
+        assert_eq!(r.stdout_str(), "again\n", "{tier}: {r:?}");
+        sh.close().await;
+        sb.destroy().await.unwrap();
+    }
+}

@@ -1,7 +1,7 @@
 """Drives `agent-sandbox serve`'s E2B code interpreter (port 49999) with the official
 `e2b-code-interpreter` Python SDK (the version scripts/test.sh pins), through its public sync
 API only, as its users do: `Sandbox.create()` (the default `code-interpreter-v1` template),
-`run_code` with callbacks, contexts, per-call environment, a timeout that interrupts the
+`run_code` with callbacks, contexts, bash cells, per-call environment, a timeout that interrupts the
 cell, reconnecting, a killed sandbox, a sandbox without public traffic, and what the server
 refuses. The checks follow the SDK's own test suite (e2b-dev/E2B,
 packages/code-interpreter-python/tests). Prints `ok: STEP` per step and `all ok` at the end;
@@ -118,7 +118,7 @@ def contexts(sbx):
         sbx.run_code("1", language="r")
         raise AssertionError("R ran")
     except SandboxException as e:
-        assert "Python only" in str(e), str(e)
+        assert "Python and bash" in str(e), str(e)
 
 
 def env_vars(sbx_env):
@@ -129,6 +129,29 @@ def env_vars(sbx_env):
     ex = sbx_env.run_code("os.getenv('ONLY')", envs={"ONLY": "1"})
     eq(ex.text, "1", "a new variable")
     eq(sbx_env.run_code("os.getenv('ONLY')").text, None, "gone after its cell")
+    # E2B's env_vars/test_bash.py: the sandbox's, a cell's, then the sandbox's again.
+    ex = sbx_env.run_code("echo $FOO", language="bash")
+    eq(ex.logs.stdout, ["bar\n"], "bash: the sandbox's env")
+    ex = sbx_env.run_code("echo $FOO", envs={"FOO": "baz"}, language="bash")
+    eq(ex.logs.stdout, ["baz\n"], "bash: a cell's env")
+    ex = sbx_env.run_code("echo ${FOO:-default} ${ONLY:-default}", language="bash")
+    eq(ex.logs.stdout, ["bar default\n"], "bash: put back after its cell")
+
+
+def bash(sbx):
+    """`language="bash"`: one shell per context, its state kept; a failing cell's status is
+    its error."""
+    ex = sbx.run_code("pwd; n=41; cd /tmp", language="bash")
+    eq(ex.logs.stdout, [HOME + "\n"], "bash starts in the home")
+    ex = sbx.run_code("echo $((n + 1)) $PWD", language="bash")
+    eq(ex.logs.stdout, ["42 /tmp\n"], "bash keeps its variables and directory")
+    ex = sbx.run_code("echo oops >&2; false", language="bash")
+    eq(ex.logs.stderr, ["oops\n"], "bash stderr")
+    eq((ex.error.name, ex.error.value), ("ExitStatus", "1"), "a failing bash cell")
+    ctx = sbx.create_code_context(language="bash")
+    eq(ctx.language, "bash", "a bash context")
+    ex = sbx.run_code("echo ${n:-unset}", context=ctx)
+    eq(ex.logs.stdout, ["unset\n"], "bash contexts are apart")
 
 
 def interrupt(sbx):
@@ -230,7 +253,7 @@ def main():
     sbx = Sandbox.create(timeout=120)
     sbx_env = Sandbox.create(timeout=120, envs={"FOO": "bar"})
     try:
-        for step in (basics, callbacks, contexts, interrupt, reconnect, refusals, queue):
+        for step in (basics, callbacks, contexts, bash, interrupt, reconnect, refusals, queue):
             step(sbx)
             print("ok:", step.__name__, flush=True)
         env_vars(sbx_env)

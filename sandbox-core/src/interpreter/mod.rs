@@ -1,9 +1,9 @@
-//! Interpreter contexts: a long-lived Python in a sandbox that runs cells one after another
-//! with state kept between them, each cell's rich outputs reported as on the wasm tier
-//! ([`crate::cell`]). Built on [`Sandbox::spawn`], so every tier with background processes
-//! has it (container, gVisor, microVM): one `python3` per context, no process per cell.
-//! Several contexts in one sandbox are independent (own globals, working directory,
-//! environment).
+//! Interpreter contexts: a long-lived Python or bash in a sandbox that runs cells one after
+//! another with state kept between them, each Python cell's rich outputs reported as on the
+//! wasm tier ([`crate::cell`]). Built on [`Sandbox::spawn`], so every tier with background
+//! processes has it (container, gVisor, microVM): one `python3` (or `bash`) per context, no
+//! process per cell. Several contexts in one sandbox are independent (own globals, working
+//! directory, environment).
 //!
 //! ```no_run
 //! # async fn demo(sandbox: std::sync::Arc<dyn sandbox_core::Sandbox>) -> sandbox_core::Result<()> {
@@ -16,10 +16,10 @@
 //! # Ok(()) }
 //! ```
 //!
-//! The driver (`cells.py` and `driver.py` beside this file) reads its requests from its own
-//! stdin (the cells get `/dev/null`) and writes frames on the cell's stdout and stderr, each
-//! line starting with a mark chosen here; everything it sends is checked and capped by
-//! [`Collector`], because code in the cell can write anything there.
+//! The driver (`cells.py` and `driver.py` beside this file; `driver.sh` for bash) reads its
+//! requests from its own stdin (the cells get `/dev/null`) and writes frames on the cell's
+//! stdout and stderr, each line starting with a mark chosen here; everything it sends is
+//! checked and capped by [`Collector`], because code in the cell can write anything there.
 
 mod scan;
 
@@ -45,6 +45,9 @@ pub const PYTHON_CELLS: &str = include_str!("cells.py");
 
 /// The process tiers' driver loop (after [`PYTHON_CELLS`]).
 const PYTHON_DRIVER: &str = include_str!("driver.py");
+
+/// The bash driver: cells `eval`ed in one long-lived shell.
+const BASH_DRIVER: &str = include_str!("driver.sh");
 
 /// How long a fresh driver may take to say it is ready.
 const START_TIMEOUT: Duration = Duration::from_secs(60);
@@ -73,7 +76,7 @@ const SMALL_FRAME: usize = 256;
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ContextSpec {
-    /// The language (only [`Language::Python`] has a driver today).
+    /// The language: [`Language::Python`] or [`Language::Shell`] (bash).
     pub language: Language,
     /// Working directory (the sandbox's default when `None`).
     pub cwd: Option<String>,
@@ -88,6 +91,24 @@ impl ContextSpec {
             language: Language::Python,
             cwd: None,
             env: BTreeMap::new(),
+        }
+    }
+
+    /// A bash context: cells run in one long-lived shell (variables, functions and the
+    /// working directory carry over); a cell's result is its output and exit status (a
+    /// status other than 0 is its `error`, named `ExitStatus`).
+    pub fn bash() -> Self {
+        ContextSpec {
+            language: Language::Shell,
+            ..ContextSpec::python()
+        }
+    }
+
+    /// The interpreter a context of this language runs.
+    fn program(&self) -> &'static str {
+        match self.language {
+            Language::Shell => "bash",
+            _ => "python3",
         }
     }
 
@@ -246,6 +267,9 @@ struct Tag {
     n: Option<u64>,
     #[serde(default)]
     version: Option<String>,
+    /// A bash cell's exit status (in its `done`).
+    #[serde(default)]
+    exit: Option<i32>,
 }
 
 /// One cell's progress: what it kept, what is yet to be handed over.
@@ -258,6 +282,8 @@ struct Cell {
     budget: u64,
     out_done: bool,
     err_done: bool,
+    /// The status its driver reported (bash).
+    exit: Option<i32>,
     pending: Vec<CellEvent>,
     /// The sandbox's: what the cell's decoded outputs are redacted with.
     redactor: Redactor,
@@ -305,7 +331,10 @@ impl Cell {
         };
         let kind = match tag.t.as_str() {
             "done" => {
-                self.out_done |= tag.n == Some(self.n);
+                if tag.n == Some(self.n) {
+                    self.out_done = true;
+                    self.exit = tag.exit;
+                }
                 return;
             }
             "result" => FrameKind::Result,
@@ -340,17 +369,29 @@ impl Interpreter {
     /// Starts a context in `sandbox`: its driver process, ready for cells.
     ///
     /// # Errors
-    /// [`Error::InvalidSpec`] for a language without a driver; [`Error::Unsupported`] on
-    /// tiers without background processes, or when the sandbox has no `python3`; what
-    /// starting the driver failed with otherwise.
+    /// [`Error::InvalidSpec`] for a language without a driver (or a bash context's working
+    /// directory with a line break or NUL byte); [`Error::Unsupported`] on tiers without background
+    /// processes, or when the sandbox has no `python3` (`bash`); what starting the driver
+    /// failed with otherwise.
     pub async fn start(sandbox: Arc<dyn Sandbox>, spec: ContextSpec) -> Result<Self> {
-        if spec.language != Language::Python {
+        if !matches!(spec.language, Language::Python | Language::Shell) {
             return Err(Error::invalid(
                 "language",
                 format!(
-                    "interpreter contexts run Python only for now, not {}",
+                    "interpreter contexts run Python and bash, not {}",
                     spec.language
                 ),
+            ));
+        }
+        if spec.language == Language::Shell
+            && spec
+                .cwd
+                .as_deref()
+                .is_some_and(|c| c.contains(['\n', '\r', '\0']))
+        {
+            return Err(Error::invalid(
+                "cwd",
+                "a line break or NUL byte in the working directory",
             ));
         }
         let mut me = Interpreter {
@@ -374,7 +415,7 @@ impl Interpreter {
         self.count
     }
 
-    /// The interpreter's version (`3.11.2`), once it is running.
+    /// The interpreter's version (`3.11.2`; bash's `5.2.15`), once it is running.
     pub fn version(&self) -> Option<&str> {
         self.driver.as_ref().map(|d| d.version.as_str())
     }
@@ -434,16 +475,26 @@ impl Interpreter {
     async fn spawn(&self) -> Result<Driver> {
         let tier = self.sandbox.tier();
         let mark = format!("\x1eagent-sandbox:{}:", uuid::Uuid::new_v4().simple());
-        let program = format!("{PYTHON_CELLS}\n{PYTHON_DRIVER}");
-        let mut req = ExecRequest::argv(["python3", "-c", program.as_str()]);
+        let bash = self.spec.language == Language::Shell;
+        let mut req = if bash {
+            ExecRequest::argv(["bash", "--noprofile", "--norc", "-c", BASH_DRIVER, "bash"])
+        } else {
+            let program = format!("{PYTHON_CELLS}\n{PYTHON_DRIVER}");
+            ExecRequest::argv(["python3", "-c", program.as_str()])
+        };
         req.env = self.spec.env.clone();
         let mut proc = self.sandbox.spawn(req).await?;
         let handle = proc.handle();
         let guard = KillOnDrop(Some(handle.clone()));
-        let hello = serde_json::json!({ "mark": mark, "cwd": self.spec.cwd });
-        let mut line =
-            serde_json::to_vec(&hello).map_err(|e| Error::backend(tier, e.to_string()))?;
-        line.push(b'\n');
+        let line = if bash {
+            format!("{mark}\n{}\n", self.spec.cwd.as_deref().unwrap_or("")).into_bytes()
+        } else {
+            let hello = serde_json::json!({ "mark": mark, "cwd": self.spec.cwd });
+            let mut line =
+                serde_json::to_vec(&hello).map_err(|e| Error::backend(tier, e.to_string()))?;
+            line.push(b'\n');
+            line
+        };
         handle.write_stdin(line).await?;
         let limit = 4096;
         let mut out = Scanner::new(mark.as_bytes(), limit);
@@ -481,23 +532,25 @@ impl Interpreter {
             Ok(Err(Ok(code))) => {
                 let said = String::from_utf8_lossy(&err_text);
                 let said = said.trim();
+                let program = self.spec.program();
                 if code == Some(127) {
                     return Err(Error::unsupported(
                         tier,
                         format!(
-                            "Python interpreter contexts without `python3` in the sandbox ({said})"
+                            "{} interpreter contexts without `{program}` in the sandbox ({said})",
+                            self.spec.language
                         ),
                     ));
                 }
                 return Err(Error::backend(
                     tier,
-                    format!("the Python interpreter did not start (exit {code:?}): {said}"),
+                    format!("`{program}` for the context did not start (exit {code:?}): {said}"),
                 ));
             }
             // (The guard kills it.)
             Err(_) => {
                 return Err(Error::Timeout {
-                    what: "the Python interpreter's start".into(),
+                    what: format!("the context's `{}` start", self.spec.program()),
                     after: START_TIMEOUT,
                 });
             }
@@ -513,11 +566,13 @@ impl Interpreter {
     }
 
     /// Runs one cell to its end: its output, rich outputs and error in an [`ExecResult`]
-    /// (`exit_code` 0, or 1 when it raised; `limit` `WallTime` when it was interrupted for
-    /// its timeout).
+    /// (`exit_code` 0, or 1 when it raised; a bash cell's own status; `limit` `WallTime`
+    /// when it was interrupted for its timeout).
     ///
     /// # Errors
-    /// When the interpreter cannot be (re)started or the sandbox fails under it.
+    /// [`Error::InvalidSpec`] for a bash cell with a NUL byte, or an environment variable
+    /// whose name is not a shell name (or one bash or the driver keeps: `UID`, `__asb_*`); when the interpreter cannot be (re)started or the
+    /// sandbox fails under it.
     pub async fn run(&mut self, code: &str, opts: &CellOptions) -> Result<ExecResult> {
         self.run_streaming(code, opts, None).await
     }
@@ -538,6 +593,15 @@ impl Interpreter {
         opts: &CellOptions,
         events: Option<&tokio::sync::mpsc::Sender<CellEvent>>,
     ) -> Result<ExecResult> {
+        let bash = self.spec.language == Language::Shell;
+        let bash_env = if bash {
+            if code.contains('\0') {
+                return Err(Error::invalid("code", "a bash cell cannot hold a NUL byte"));
+            }
+            Some(bash_env(&opts.env)?)
+        } else {
+            None
+        };
         if self.driver.is_none() {
             self.respawn().await?;
         }
@@ -547,10 +611,24 @@ impl Interpreter {
         let timeout = opts.timeout.unwrap_or_else(|| spec.limits.wall_time());
         self.count += 1;
         let n = self.count;
-        let request = serde_json::json!({ "n": n, "code": code, "env": opts.env, "cap": cap });
-        let mut line = serde_json::to_vec(&request)
-            .map_err(|e| Error::backend(self.sandbox.tier(), e.to_string()))?;
-        line.push(b'\n');
+        let line = match bash_env {
+            Some((pre, post)) => {
+                let mut line =
+                    format!("{n} {} {} {}\n", pre.len(), code.len(), post.len()).into_bytes();
+                for part in [pre.as_bytes(), code.as_bytes(), post.as_bytes()] {
+                    line.extend_from_slice(part);
+                }
+                line
+            }
+            None => {
+                let request =
+                    serde_json::json!({ "n": n, "code": code, "env": opts.env, "cap": cap });
+                let mut line = serde_json::to_vec(&request)
+                    .map_err(|e| Error::backend(self.sandbox.tier(), e.to_string()))?;
+                line.push(b'\n');
+                line
+            }
+        };
         let Some(d) = self.driver.as_mut() else {
             return Err(Error::backend(self.sandbox.tier(), "no interpreter"));
         };
@@ -562,6 +640,7 @@ impl Interpreter {
             budget: cap.saturating_mul(2).saturating_add(READ_SLACK),
             out_done: false,
             err_done: false,
+            exit: None,
             pending: Vec::new(),
             redactor: redactor.clone(),
         };
@@ -673,6 +752,7 @@ impl Interpreter {
             mut stdout,
             mut stderr,
             cells,
+            exit,
             ..
         } = cell;
         let mut tail = Vec::new();
@@ -693,7 +773,10 @@ impl Interpreter {
             .collect();
         kept.error = kept.error.map(|e| e.redacted(&redactor));
         kept.value = kept.value.map(|v| crate::cell::redact_json(&redactor, v));
-        let mut exit_code = Some(i32::from(kept.error.is_some()));
+        let mut exit_code = match exit {
+            Some(status) if bash => Some(status),
+            _ => Some(i32::from(kept.error.is_some())),
+        };
         if killed {
             self.stop().await;
             let e = CellError::new(
@@ -736,5 +819,96 @@ impl Interpreter {
             r.limit = Some(LimitKind::WallTime);
         }
         Ok(r)
+    }
+}
+
+/// Variables bash keeps read-only: a cell cannot be given them.
+const BASH_READONLY: [&str; 6] = [
+    "BASHOPTS",
+    "BASH_VERSINFO",
+    "EUID",
+    "PPID",
+    "SHELLOPTS",
+    "UID",
+];
+
+/// A bash cell's environment: the lines that set `env` (remembering what each name held)
+/// and the lines that put it back after the cell.
+fn bash_env(env: &BTreeMap<String, String>) -> Result<(String, String)> {
+    let mut pre = String::new();
+    let mut post = String::new();
+    for (i, (k, v)) in env.iter().enumerate() {
+        let name_ok = k
+            .chars()
+            .next()
+            .is_some_and(|c| c == '_' || c.is_ascii_alphabetic())
+            && k.chars().all(|c| c == '_' || c.is_ascii_alphanumeric());
+        if !name_ok || v.contains('\0') {
+            return Err(Error::invalid(
+                "env",
+                format!("`{k}`: not a shell name, or a NUL byte in its value"),
+            ));
+        }
+        if k.starts_with("__asb_") || BASH_READONLY.contains(&k.as_str()) {
+            return Err(Error::invalid(
+                "env",
+                format!("`{k}`: a name bash or the context's driver keeps for itself"),
+            ));
+        }
+        let quoted = format!("'{}'", v.replace('\'', "'\\''"));
+        pre.push_str(&format!(
+            "__asb_had{i}=${{{k}+x}}; __asb_was{i}=${{{k}-}}; export {k}={quoted}\n"
+        ));
+        post.push_str(&format!(
+            "if [ -n \"$__asb_had{i}\" ]; then export {k}=\"$__asb_was{i}\"; else unset {k}; fi; \
+             unset __asb_had{i} __asb_was{i}\n"
+        ));
+    }
+    Ok((pre, post))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The environment lines, run by the host's bash around a cell that prints what it
+    /// sees: every value arrives as given, and what was there before comes back.
+    #[test]
+    fn bash_env_quotes_values_and_puts_back_what_was_there() {
+        let odd = "it's $HOME `id` \"q\" \\ é\nline";
+        let env = BTreeMap::from([
+            ("KEPT".to_string(), odd.to_string()),
+            ("NEW".to_string(), String::new()),
+        ]);
+        let (pre, post) = bash_env(&env).unwrap();
+        let script = format!(
+            "KEPT=before; export KEPT\n{pre}printf '%s|%s|' \"$KEPT\" \"${{NEW-unset}}\"\n{post}\
+             printf '%s|%s' \"$KEPT\" \"${{NEW-unset}}\""
+        );
+        let out = std::process::Command::new("bash")
+            .args(["--noprofile", "--norc", "-c", &script])
+            .output()
+            .unwrap();
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            format!("{odd}||before|unset"),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for bad in [
+            "A;id",
+            "1A",
+            "",
+            "A-B",
+            "Ä",
+            "__asb_code",
+            "UID",
+            "SHELLOPTS",
+        ] {
+            let env = BTreeMap::from([(bad.to_string(), "v".to_string())]);
+            assert!(bash_env(&env).is_err(), "{bad:?} taken");
+        }
+        let env = BTreeMap::from([("A".to_string(), "a\0b".to_string())]);
+        assert!(bash_env(&env).is_err(), "a NUL taken");
     }
 }

@@ -1,8 +1,9 @@
 //! E2B's code interpreter on a sandbox's port 49999, as `e2b-code-interpreter`'s
 //! `Sandbox.run_code` and its contexts call it: `POST /execute` (the cell's output streamed
 //! as one JSON object a line), `/contexts` (create, list, remove, restart) and `/health`.
-//! Each context is a [`sandbox_core::interpreter::Interpreter`]: one `python3` in the
-//! sandbox, started on first use, its cells one at a time (others queue, as E2B's do).
+//! Each context is a [`sandbox_core::interpreter::Interpreter`]: one `python3` (or `bash`
+//! for `language="bash"`) in the sandbox, started on first use, its cells one at a time
+//! (others queue, as E2B's do).
 //! A client that goes away mid-cell interrupts it (`KeyboardInterrupt`), as E2B's does.
 //!
 //! `/execute` takes the sandbox's envd access token (`X-Access-Token`, which the SDKs send
@@ -92,7 +93,11 @@ impl Context {
         slot: &'a mut Option<Interpreter>,
     ) -> sandbox_core::Result<&'a mut Interpreter> {
         if slot.is_none() {
-            let spec = ContextSpec::python().cwd(self.cwd.clone());
+            let spec = match self.language.as_str() {
+                "bash" => ContextSpec::bash(),
+                _ => ContextSpec::python(),
+            }
+            .cwd(self.cwd.clone());
             let started = Interpreter::start(Arc::clone(&e.entry.sandbox), spec).await?;
             *slot = Some(started);
         }
@@ -151,16 +156,16 @@ fn normalize(language: &str) -> String {
     }
 }
 
-/// Only Python has a driver: other languages are refused by name (`None`: supported).
+/// Python and bash have drivers: other languages are refused by name (`None`: supported).
 fn unsupported(language: &str) -> Option<Response> {
-    if language == "python" {
+    if matches!(language, "python" | "bash") {
         return None;
     }
     Some(text(
         StatusCode::INTERNAL_SERVER_ERROR,
         format!(
-            "this server's code interpreter runs Python only: contexts in `{language}` are \
-             not supported (run other languages through commands)"
+            "this server's code interpreter runs Python and bash: contexts in `{language}` \
+             are not supported (run other languages through commands)"
         ),
     ))
 }
